@@ -1,0 +1,52 @@
+"""The ``knittrans`` console command: one subcommand per process kind, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("knittrans.demo.cli", "run the whole pipeline on this machine (rollout, stores, control plane, trainers)"),
+    "store": ("knittrans.flight.cli", "serve a node-local store over Arrow Flight"),
+    "control-plane": ("knittrans.api.cli", "serve the control plane (FastAPI + uvicorn, SQLite state)"),
+    "sim": ("knittrans.sim.cli", "simulate admission policies under rollout skew"),
+    "bench": ("knittrans.benchcli", "run a benchmark from benchmarks/ (transfer, control_plane, trainer, baselines)"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``knittrans`` command."""
+    parser = argparse.ArgumentParser(prog="knittrans", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only import the module of the chosen subcommand: heavy imports (torch, vllm) stay lazy.
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            modules[name] = importlib.import_module(module_name)
+            modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(modules[args.command].run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Unit descriptors: what a writer tells the control plane about a sealed storage unit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from knittrans.errors import InvalidRequest
+from knittrans.names import check_name
+
+__all__ = ["GroupRecord", "UnitDescriptor"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupRecord:
+    """One GRPO group inside a unit: its rows are ``[row_start, row_start + num_trajectories)``."""
+
+    group_id: str
+    """Group id, unique within the job."""
+    source: str
+    """Data source the prompt came from."""
+    row_start: int
+    """First row of the group in the unit."""
+    num_trajectories: int
+    """Rows (responses) in the group."""
+    trajectory_tokens: tuple[int, ...]
+    """Prompt + response tokens of each trajectory, in row order."""
+    version_start: int
+    """Smallest policy version at which any trajectory of the group started."""
+    version_end: int
+    """Largest policy version that produced a token of the group."""
+    version_weighted: float
+    """Token-weighted mean policy version of the group's response tokens."""
+    finished_at: float
+    """Unix time (seconds) at which the last trajectory of the group finished."""
+    media_hashes: tuple[str, ...] = ()
+    """Hex content hashes of the unique media the group uses."""
+
+    def __post_init__(self) -> None:
+        check_name(self.group_id, "group_id")
+        check_name(self.source, "source")
+        if self.num_trajectories <= 0 or len(self.trajectory_tokens) != self.num_trajectories:
+            raise InvalidRequest(
+                f"group {self.group_id!r}: num_trajectories={self.num_trajectories} but "
+                f"{len(self.trajectory_tokens)} token counts"
+            )
+        if self.row_start < 0:
+            raise InvalidRequest(f"group {self.group_id!r}: row_start {self.row_start} is negative")
+        if self.version_end < self.version_start:
+            raise InvalidRequest(f"group {self.group_id!r}: version_end < version_start")
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens of the group."""
+        return sum(self.trajectory_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitDescriptor:
+    """A sealed, immutable storage unit: where it lives and which groups it holds."""
+
+    unit_id: str
+    """Unit id, unique within the job."""
+    job: str
+    """Job the unit belongs to."""
+    node_id: str
+    """Store node that owns the unit."""
+    endpoint: str
+    """Flight location of that node, e.g. ``grpc://127.0.0.1:8815``."""
+    num_rows: int
+    """Trajectory rows in the unit."""
+    num_bytes: int
+    """Bytes of the sealed IPC file (trajectories and media)."""
+    schema_version: int
+    """Trajectory schema version the unit was written with."""
+    groups: tuple[GroupRecord, ...]
+    """Groups in row order; together they cover ``[0, num_rows)`` exactly."""
+
+    def __post_init__(self) -> None:
+        check_name(self.unit_id, "unit_id")
+        check_name(self.job, "job")
+        check_name(self.node_id, "node_id")
+        row = 0
+        for g in self.groups:
+            if g.row_start != row:
+                raise InvalidRequest(
+                    f"unit {self.unit_id!r}: group {g.group_id!r} starts at row {g.row_start}, expected {row}"
+                )
+            row += g.num_trajectories
+        if row != self.num_rows:
+            raise InvalidRequest(f"unit {self.unit_id!r}: groups cover {row} rows, unit has {self.num_rows}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UnitDescriptor:
+        """Inverse of :meth:`to_dict`; raises :class:`InvalidRequest` for bad fields."""
+        try:
+            groups = tuple(
+                GroupRecord(
+                    **{
+                        **g,
+                        "trajectory_tokens": tuple(g["trajectory_tokens"]),
+                        "media_hashes": tuple(g.get("media_hashes", ())),
+                    }
+                )
+                for g in d["groups"]
+            )
+            return cls(**{**d, "groups": groups})
+        except (KeyError, TypeError) as exc:
+            raise InvalidRequest(f"bad unit descriptor: {exc}") from None

@@ -1,0 +1,88 @@
+"""Exception tree for KnitTrans; protocol shells map it to Flight and HTTP errors.
+
+::
+
+    KnitTransError
+    ├── InvalidRequest (ValueError)      bad input from a client; 400 / FlightServerError(invalid argument)
+    │   ├── InvalidName                  unit id, job or node name that is not a safe identifier
+    │   ├── InvalidTicket                a Flight ticket that does not decode strictly
+    │   ├── SchemaMismatch               a batch or unit whose schema is not ours / wrong version
+    │   └── InvalidJobSpec               a job spec that cannot be run
+    ├── NotFound (LookupError)           unknown unit, job, node, media hash; 404 / FlightServerError(not found)
+    ├── Conflict                         a state change that contradicts the current state; 409
+    ├── PayloadTooLarge                  an upload above the configured limit; 413
+    ├── OverBudget                       the store's byte budget stayed full past the writer's timeout; 507
+    ├── Unauthenticated                  missing or wrong bearer token; 401 / FlightUnauthenticatedError
+    ├── DataLost                         rows that were planned live on a node declared lost; 410
+    └── Unavailable                      a peer (store node, control plane) cannot be reached; 503
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "DataLost",
+    "InvalidJobSpec",
+    "InvalidName",
+    "InvalidRequest",
+    "InvalidTicket",
+    "KnitTransError",
+    "NotFound",
+    "OverBudget",
+    "PayloadTooLarge",
+    "SchemaMismatch",
+    "Unauthenticated",
+    "Unavailable",
+]
+
+
+class KnitTransError(Exception):
+    """Base class of every error KnitTrans raises on purpose."""
+
+
+class InvalidRequest(KnitTransError, ValueError):
+    """A client sent something malformed; the message names what was wrong."""
+
+
+class InvalidName(InvalidRequest):
+    """A unit id, job or node name is not a safe identifier (e.g. path traversal)."""
+
+
+class InvalidTicket(InvalidRequest):
+    """A Flight ticket did not decode strictly."""
+
+
+class SchemaMismatch(InvalidRequest):
+    """A record batch or unit does not have the expected schema or schema version."""
+
+
+class InvalidJobSpec(InvalidRequest):
+    """A job spec cannot be run; the message says which field and why."""
+
+
+class NotFound(KnitTransError, LookupError):
+    """An unknown unit, job, node or media hash."""
+
+
+class Conflict(KnitTransError):
+    """A state change that contradicts the current state (e.g. resuming a drained job)."""
+
+
+class PayloadTooLarge(KnitTransError):
+    """An upload larger than the configured limit."""
+
+
+class OverBudget(KnitTransError):
+    """The store's byte budget stayed exhausted past the writer's timeout."""
+
+
+class Unauthenticated(KnitTransError):
+    """A missing or wrong bearer token."""
+
+
+class DataLost(KnitTransError):
+    """Rows that were planned live on a store node that was declared lost."""
+
+
+class Unavailable(KnitTransError):
+    """A peer (store node, control plane) cannot be reached right now."""

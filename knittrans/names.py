@@ -1,0 +1,26 @@
+"""Validation of identifiers (jobs, units, nodes, sources) that may end up in paths or URLs."""
+
+from __future__ import annotations
+
+import re
+
+from knittrans.errors import InvalidName, InvalidRequest
+
+__all__ = ["NAME_RE", "check_name"]
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""A safe identifier: letters, digits, ``.``, ``_``, ``-``; starts alphanumeric; at most 128 chars."""
+
+
+def check_name(value: object, what: str, *, error: type[InvalidRequest] = InvalidName) -> str:
+    """Return ``value`` if it is a safe identifier, else raise ``error`` naming ``what``.
+
+    Rejects path separators, ``..``, empty strings and anything outside :data:`NAME_RE`,
+    so a name can never escape the directory it is joined to.
+    """
+    if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
+        raise error(
+            f"{what} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'"
+        )
+    return value

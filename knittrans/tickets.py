@@ -1,0 +1,140 @@
+"""Versioned JSON Flight tickets: issued by the control plane, decoded strictly by one function."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from knittrans.errors import InvalidTicket
+from knittrans.names import check_name
+
+__all__ = ["MAX_TICKET_BYTES", "TICKET_VERSION", "Ticket", "UnitRead"]
+
+TICKET_VERSION = 1
+"""Version of the ticket envelope; a ticket with another version is refused."""
+
+MAX_TICKET_BYTES = 1 << 20
+"""Largest ticket accepted (1 MiB): enough for thousands of row ranges."""
+
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitRead:
+    """Rows of one unit: half-open ``[start, stop)`` ranges, sorted and non-overlapping."""
+
+    unit_id: str
+    """Storage unit id on the node the ticket is sent to."""
+    row_ranges: tuple[tuple[int, int], ...] = ()
+    """Row ranges to read; empty means every row of the unit."""
+
+    def __post_init__(self) -> None:
+        check_name(self.unit_id, "unit_id", error=InvalidTicket)
+        prev = -1
+        for r in self.row_ranges:
+            if len(r) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in r):
+                raise InvalidTicket(f"unit {self.unit_id!r}: row range {r!r} is not a pair of integers")
+            start, stop = r
+            if start < 0 or stop <= start:
+                raise InvalidTicket(f"unit {self.unit_id!r}: row range [{start}, {stop}) is empty or negative")
+            if start < prev:
+                raise InvalidTicket(f"unit {self.unit_id!r}: row ranges overlap or are unsorted at [{start}, {stop})")
+            prev = stop
+
+    @property
+    def num_rows(self) -> int | None:
+        """Rows selected, or None when the whole unit is meant."""
+        if not self.row_ranges:
+            return None
+        return sum(stop - start for start, stop in self.row_ranges)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ticket:
+    """What one ``DoGet`` serves: rows × columns of units of one node, or media by content hash."""
+
+    job: str
+    """Job the units belong to."""
+    kind: Literal["rows", "media"] = "rows"
+    """``rows``: trajectory rows; ``media``: rows of the media tables selected by hash."""
+    reads: tuple[UnitRead, ...] = ()
+    """Units and row ranges, streamed in this order (``rows``) or searched (``media``)."""
+    columns: tuple[str, ...] | None = None
+    """Trajectory columns to project; None means all (``rows`` only)."""
+    media_hashes: tuple[str, ...] = field(default=())
+    """Lower-case hex content hashes to serve, each once (``media`` only)."""
+
+    def __post_init__(self) -> None:
+        check_name(self.job, "job", error=InvalidTicket)
+        if self.kind not in ("rows", "media"):
+            raise InvalidTicket(f"ticket kind must be 'rows' or 'media', not {self.kind!r}")
+        if self.kind == "rows" and not self.reads:
+            raise InvalidTicket("a 'rows' ticket needs at least one read")
+        if self.kind == "media":
+            if not self.media_hashes:
+                raise InvalidTicket("a 'media' ticket needs at least one media hash")
+            for h in self.media_hashes:
+                if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+                    raise InvalidTicket(f"media hash {h!r} is not 64 lower-case hex characters")
+        if self.columns is not None:
+            if not self.columns or not all(isinstance(c, str) and c for c in self.columns):
+                raise InvalidTicket("columns must be a non-empty list of column names, or null for all")
+            if len(set(self.columns)) != len(self.columns):
+                raise InvalidTicket(f"columns contain duplicates: {list(self.columns)}")
+
+    def encode(self) -> bytes:
+        """Compact JSON bytes for ``pyarrow.flight.Ticket``."""
+        body: dict[str, Any] = {"v": TICKET_VERSION, "kind": self.kind, "job": self.job}
+        body["reads"] = [
+            {"unit": r.unit_id, "rows": [list(x) for x in r.row_ranges]} for r in self.reads
+        ]
+        if self.columns is not None:
+            body["columns"] = list(self.columns)
+        if self.media_hashes:
+            body["media"] = list(self.media_hashes)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Ticket:
+        """Decode ticket bytes strictly; raise :class:`InvalidTicket` naming what is wrong."""
+        if len(raw) > MAX_TICKET_BYTES:
+            raise InvalidTicket(f"ticket is {len(raw)} bytes, more than the {MAX_TICKET_BYTES} allowed")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidTicket(f"ticket is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidTicket("ticket must be a JSON object")
+        if body.get("v") != TICKET_VERSION:
+            raise InvalidTicket(f"ticket version {body.get('v')!r} is not supported (expected {TICKET_VERSION})")
+        unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media"}
+        if unknown:
+            raise InvalidTicket(f"ticket has unknown fields: {sorted(unknown)}")
+        job = body.get("job")
+        if not isinstance(job, str):
+            raise InvalidTicket("ticket field 'job' must be a string")
+        reads_raw = body.get("reads", [])
+        if not isinstance(reads_raw, list):
+            raise InvalidTicket("ticket field 'reads' must be a list")
+        reads = []
+        for i, r in enumerate(reads_raw):
+            if not isinstance(r, dict) or set(r) - {"unit", "rows"} or not isinstance(r.get("unit"), str):
+                raise InvalidTicket(f"reads[{i}] must be an object {{'unit': str, 'rows': [[start, stop], ...]}}")
+            rows = r.get("rows", [])
+            if not isinstance(rows, list) or not all(isinstance(x, list) for x in rows):
+                raise InvalidTicket(f"reads[{i}].rows must be a list of [start, stop] pairs")
+            reads.append(UnitRead(unit_id=r["unit"], row_ranges=tuple(tuple(x) for x in rows)))  # type: ignore[misc]
+        columns = body.get("columns")
+        if columns is not None and not isinstance(columns, list):
+            raise InvalidTicket("ticket field 'columns' must be a list of names")
+        media = body.get("media", [])
+        if not isinstance(media, list):
+            raise InvalidTicket("ticket field 'media' must be a list of hex hashes")
+        return cls(
+            job=job,
+            kind=body.get("kind", "rows"),
+            reads=tuple(reads),
+            columns=tuple(columns) if columns is not None else None,
+            media_hashes=tuple(media),
+        )
