@@ -1,0 +1,128 @@
+"""Child processes for the demo, benchmarks and tests: start, wait until ready, stop them all cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["ProcessGroup", "free_port", "knittrans_command", "wait_until"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def knittrans_command(*args: str) -> list[str]:
+    """``python -m knittrans.cli ARGS`` with this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "knittrans.cli", *args]
+
+
+def wait_until(check: Callable[[], bool], *, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    """Call ``check`` until it returns True; raise TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        try:
+            if check():
+                return
+        except Exception as exc:  # the thing may not be up yet; report the last error on timeout
+            last = exc
+        else:
+            last = None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s" + (f": {last}" if last else ""))
+        time.sleep(interval_s)
+
+
+class ProcessGroup:
+    """Children started in their own sessions, stopped together (SIGTERM, then SIGKILL) on exit.
+
+    Each child's stdout and stderr go to ``<log_dir>/<name>.log``.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        prefix: Sequence[str] = (),
+    ) -> subprocess.Popen[bytes]:
+        """Start ``prefix + argv`` as child ``name`` (``prefix`` e.g. ``ip netns exec NS``)."""
+        if name in self.children and self.children[name].poll() is None:
+            raise RuntimeError(f"child {name!r} is already running")
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(
+            [*prefix, *argv], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+            start_new_session=True,
+        )
+        log.close()
+        self.children[name] = proc
+        logger.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        """Last lines of a child's log, for error messages."""
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def check_alive(self, *names: str) -> None:
+        """Raise RuntimeError with the log tail if one of ``names`` (default: all) has exited non-zero."""
+        for name in names or tuple(self.children):
+            rc = self.children[name].poll()
+            if rc is not None and rc != 0:
+                raise RuntimeError(f"{name} exited with code {rc}:\n{self.log_tail(name)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to child ``name``'s whole process group and reap it."""
+        proc = self.children[name]
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def stop_all(self, *, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, wait up to ``grace_s``, then SIGKILL the rest."""
+        live = [p for p in self.children.values() if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()

@@ -1,0 +1,74 @@
+"""Ticket envelope: strict decoding, clear errors, exact round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from knittrans.errors import InvalidTicket
+from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
+
+names = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,15}", fullmatch=True)
+
+
+@st.composite
+def row_ranges(draw: st.DrawFn) -> tuple[tuple[int, int], ...]:
+    cuts = sorted(set(draw(st.lists(st.integers(0, 10_000), max_size=8))))
+    pairs = list(zip(cuts[::2], cuts[1::2], strict=False))
+    return tuple((a, b) for a, b in pairs if b > a)
+
+
+@given(
+    job=names,
+    units=st.lists(names, min_size=1, max_size=5),
+    ranges=row_ranges(),
+    columns=st.one_of(st.none(), st.lists(names, min_size=1, max_size=4, unique=True)),
+)
+def test_rows_ticket_round_trips(job: str, units: list[str], ranges: tuple[tuple[int, int], ...],
+                                 columns: list[str] | None) -> None:
+    """encode then decode gives back an equal ticket for any valid rows ticket."""
+    t = Ticket(job=job, reads=tuple(UnitRead(unit_id=u, row_ranges=ranges) for u in units),
+               columns=tuple(columns) if columns is not None else None)
+    assert Ticket.decode(t.encode()) == t
+
+
+def test_media_ticket_round_trips() -> None:
+    """a media ticket keeps its hashes and searched units."""
+    t = Ticket(job="j", kind="media", reads=(UnitRead(unit_id="u1"),), media_hashes=("ab" * 32,))
+    assert Ticket.decode(t.encode()) == t
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"v": 2, "job": "j", "reads": []}', "version 2"),
+        (b'{"v": 1, "job": "j", "reads": [], "extra": 1}', "unknown fields"),
+        (b'{"v": 1, "job": "../etc", "reads": [{"unit": "u"}]}', "job '../etc'"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "a/b"}]}', "unit_id 'a/b'"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[5, 2]]}]}', "[5, 2)"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[0, 4], [2, 6]]}]}', "overlap"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[0, "x"]]}]}', "not a pair of integers"),
+        (b'{"v": 1, "job": "j", "reads": []}', "at least one read"),
+        (b'{"v": 1, "kind": "media", "job": "j", "media": ["zz"]}', "64 lower-case hex"),
+        (b'{"v": 1, "kind": "other", "job": "j", "reads": [{"unit": "u"}]}', "kind"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": []}', "columns"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": ["a", "a"]}', "duplicates"),
+    ],
+)
+def test_bad_tickets_name_the_problem(raw: bytes, needle: str) -> None:
+    """every malformed ticket raises InvalidTicket whose message names what was wrong."""
+    with pytest.raises(InvalidTicket, match=None) as info:
+        Ticket.decode(raw)
+    assert needle in str(info.value)
+
+
+def test_oversized_ticket_is_refused() -> None:
+    """a ticket above MAX_TICKET_BYTES is refused before parsing."""
+    raw = json.dumps({"v": 1, "job": "j", "reads": [], "pad": "x" * MAX_TICKET_BYTES}).encode()
+    with pytest.raises(InvalidTicket, match="more than"):
+        Ticket.decode(raw)
