@@ -1,0 +1,381 @@
+"""Admission policies: when finished groups may form the next PPO mini-batch of a train step.
+
+Three policies share one interface (:class:`AdmissionPolicy`): ``select(state)`` returns the next
+mini-batch as an :class:`~knittrans.sched.types.AdmissionDecision`, or ``None`` to wait for more
+finished groups. Every policy is group-atomic, takes earliest-finished groups first (``finished_at``,
+then ``group_id``), skips groups past the staleness bound, and never breaks ``a[s] + x[s] <= q[s]``,
+so every train batch has exactly the per-source composition ``q``.
+
+Mini-batch ``k`` holds ``b_k`` groups (:func:`mini_batch_sizes`: sizes differ by at most one, larger
+first). ``train_batch`` and ``linear_target`` follow a fixed per-mini-batch composition plan
+(:func:`composition_plan`); ``constraint_preserving`` chooses the mix freely inside the feasibility
+conditions of DESIGN.md (:func:`remainder_feasible`).
+
+Why the ``O(|S|)`` remainder check is exact with uniform bounds (the same ``lo[s]``/``hi[s]`` in every
+mini-batch). Let ``r[s] = q[s] - a[s] - x[s]`` be what is left for the ``R' = R - 1`` later
+mini-batches, whose sizes ``b_{k+1..K-1}`` differ by at most one, larger first, and sum to ``sum(r)``.
+If ``R'·lo[s] <= r[s] <= R'·hi[s]`` for every source, a fill exists: give every later mini-batch
+``lo[s]`` of each source, write the ``r[s] - R'·lo[s]`` leftover slots source after source in one
+sequence and deal that sequence round-robin over the ``R'`` mini-batches. Dealing produces exactly the
+sizes ``b_j - sum(lo)`` (larger first, differing by at most one) and gives a mini-batch at most
+``ceil((r[s] - R'·lo[s]) / R') <= hi[s] - lo[s]`` extra groups of ``s``. The supply condition
+``r[s] <= F'[s] + P[s]`` with ``F'[s] = F[s] - x[s]`` reduces to ``q[s] - a[s] <= F[s] + P[s]``: it does
+not depend on ``x`` and is a quota deficit (:func:`quota_deficit`), on which ``constraint_preserving``
+waits instead of changing the mix.
+
+So, for the mini-batch being formed, the feasible counts are a box ``L[s] <= x[s] <= U[s]`` with
+``sum(x) = b_k`` (``L = max(lo, r0 - R'·hi)``, ``U = min(hi, r0 - R'·lo, available)``,
+``r0 = q - a``). Such count vectors are the bases of a generalized partition matroid, so the greedy
+pass in finish order that takes a group whenever the box can still be completed returns the
+earliest-finished feasible mini-batch (Gale-optimal: its i-th group finishes no later than the i-th
+group of any other feasible choice). Because every admitted mini-batch keeps ``R·lo <= r <= R·hi``,
+the greedy never paints itself into a corner: once the remaining supply has finished, the next
+mini-batch can always be formed (the dealt fill above is one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+from knittrans.sched.types import AdmissionDecision, FinishedGroup, SourceBounds, StepState
+
+__all__ = [
+    "POLICIES",
+    "AdmissionPolicy",
+    "ConstraintPreservingPolicy",
+    "LinearTargetPolicy",
+    "TrainBatchPolicy",
+    "composition_plan",
+    "expired",
+    "make_policy",
+    "mini_batch_sizes",
+    "quota_deficit",
+    "remainder_feasible",
+]
+
+logger = logging.getLogger(__name__)
+
+POLICIES: tuple[str, ...] = ("train_batch", "linear_target", "constraint_preserving")
+
+_NO_BOUNDS = SourceBounds()
+
+
+class AdmissionPolicy(Protocol):
+    """One admission policy; ``select`` forms the next mini-batch of the step or returns None (wait)."""
+
+    name: str
+
+    def select(self, state: StepState) -> AdmissionDecision | None:
+        """Return the next mini-batch of the step, or None when it cannot be formed yet.
+
+        Raises:
+            ValueError: the state is inconsistent (unknown source, ``a > q``, step already complete,
+                bounds that no supply can meet, admitted counts this policy's plan cannot reach).
+        """
+        ...
+
+
+def mini_batch_sizes(train_batch_size: int, mini_batches_per_step: int) -> list[int]:
+    """Groups per mini-batch: ``K`` sizes summing to ``G``, differing by at most one, larger first.
+
+    Raises:
+        ValueError: ``K < 1`` or ``K > G``.
+    """
+    g, k = train_batch_size, mini_batches_per_step
+    if k < 1 or k > g:
+        raise ValueError(f"mini_batches_per_step must be in 1..train_batch_size={g}, got {k}")
+    base, extra = divmod(g, k)
+    return [base + 1 if i < extra else base for i in range(k)]
+
+
+def composition_plan(quotas: Mapping[str, int], mini_batches_per_step: int) -> list[dict[str, int]]:
+    """Fixed per-mini-batch composition used by ``train_batch`` and ``linear_target``.
+
+    Mini-batch ``k`` gets ``floor(q[s]/K)`` or ``ceil(q[s]/K)`` groups of each source (so any uniform
+    bounds that can be met at all are met) and exactly ``b_k`` groups in total. The ``q[s] mod K``
+    extra groups of each source go, mini-batch by mini-batch, first to sources that must take one now
+    to finish their extras in time, then to the sources furthest behind their proportional share
+    ``(k+1)·q[s]/K`` (ties: more extras left, then name). Any choice that takes the forced sources keeps
+    the rest fillable (round-robin dealing), so the plan always exists; cumulative counts stay close to
+    the proportional targets ``(k+1)·q[s]/K`` and equal them when ``K`` divides ``q[s]``.
+    """
+    sources = sorted(quotas)
+    k_total = mini_batches_per_step
+    sizes = mini_batch_sizes(sum(quotas.values()), k_total)
+    base = {s: quotas[s] // k_total for s in sources}
+    left = {s: quotas[s] % k_total for s in sources}
+    given = dict.fromkeys(sources, 0)
+    plan: list[dict[str, int]] = []
+    base_total = sum(base.values())
+    for k, size in enumerate(sizes):
+        rows_left = k_total - k
+        extras = size - base_total
+        ranked = sorted(
+            (s for s in sources if left[s] > 0),
+            key=lambda s: (
+                left[s] < rows_left,
+                -((k + 1) * (quotas[s] % k_total) / k_total - given[s]),
+                -left[s],
+                s,
+            ),
+        )
+        chosen = set(ranked[:extras])
+        assert len(chosen) == extras, "composition plan ran out of sources"
+        row = {}
+        for s in sources:
+            extra = 1 if s in chosen else 0
+            row[s] = base[s] + extra
+            left[s] -= extra
+            given[s] += extra
+        plan.append(row)
+    assert all(v == 0 for v in left.values())
+    return plan
+
+
+def expired(state: StepState, group: FinishedGroup) -> bool:
+    """True when the group is past the staleness bound: ``current_version - version_start > η``."""
+    return state.max_staleness is not None and state.current_version - group.version_start > state.max_staleness
+
+
+def _bounds(state: StepState, source: str) -> SourceBounds:
+    return state.bounds.get(source, _NO_BOUNDS)
+
+
+def _usable(state: StepState) -> dict[str, list[FinishedGroup]]:
+    """Non-expired finished groups per quota source, earliest first; ValueError on unknown sources."""
+    usable: dict[str, list[FinishedGroup]] = {s: [] for s in state.quotas}
+    for group in state.finished:
+        bucket = usable.get(group.source)
+        if bucket is None:
+            raise ValueError(
+                f"finished group {group.group_id!r} has source {group.source!r}, "
+                f"which has no quota (sources: {sorted(state.quotas)})"
+            )
+        if not expired(state, group):
+            bucket.append(group)
+    for bucket in usable.values():
+        bucket.sort(key=_finish_key)
+    return usable
+
+
+def _finish_key(group: FinishedGroup) -> tuple[float, str]:
+    return (group.finished_at, group.group_id)
+
+
+def quota_deficit(state: StepState) -> dict[str, int]:
+    """Groups of each source's remaining quota that finished (non-expired) plus pending supply cannot deliver.
+
+    Sources without a deficit are omitted. A deficit is never hidden by changing the mix: it is for the
+    control plane to report (and for rollout to regenerate).
+    """
+    usable = _usable(state)
+    deficit = {}
+    for s, q in state.quotas.items():
+        missing = q - state.admitted.get(s, 0) - len(usable[s]) - state.pending.get(s, 0)
+        if missing > 0:
+            deficit[s] = missing
+    return deficit
+
+
+def _check_state(state: StepState) -> list[int]:
+    """Validate what no supply can fix; return the mini-batch sizes."""
+    g = state.train_batch_size
+    for s, q in state.quotas.items():
+        if q < 0:
+            raise ValueError(f"quota of source {s!r} is negative: {q}")
+    if g < 1:
+        raise ValueError("quotas must sum to at least one group")
+    sizes = mini_batch_sizes(g, state.mini_batches_per_step)
+    k = state.mini_batch_index
+    if not 0 <= k < len(sizes):
+        raise ValueError(f"mini_batch_index {k} outside 0..{len(sizes) - 1}: the step is complete")
+    unknown = sorted(set(state.admitted) - set(state.quotas))
+    if unknown:
+        raise ValueError(f"admitted counts for sources without a quota: {unknown}")
+    if sum(state.admitted.values()) != sum(sizes[:k]):
+        raise ValueError(
+            f"admitted {sum(state.admitted.values())} groups before mini-batch {k}, expected {sum(sizes[:k])}"
+        )
+    r_left = state.mini_batches_left
+    for s, q in state.quotas.items():
+        a = state.admitted.get(s, 0)
+        if a < 0 or a > q:
+            raise ValueError(f"admitted {a} groups of source {s!r}, quota is {q}")
+        b = _bounds(state, s)
+        if (q - a) < r_left * b.lo or (b.hi is not None and (q - a) > r_left * b.hi):
+            raise ValueError(
+                f"source {s!r}: {q - a} groups left for {r_left} mini-batches cannot meet bounds "
+                f"lo={b.lo}, hi={b.hi} per mini-batch"
+            )
+    return sizes
+
+
+def remainder_feasible(state: StepState, counts: Mapping[str, int]) -> bool:
+    """Whether the rest of the train batch can still be completed after admitting ``counts`` now.
+
+    Checks, for every quota source with ``r = q - a - x`` and ``R' = R - 1``: ``x >= 0``, the quota cap
+    ``r >= 0``, the bounds of the later mini-batches ``R'·lo <= r <= R'·hi``, the supply
+    ``r <= F'[s] + P[s]`` (``F'`` = non-expired finished groups not taken now), and that the later
+    mini-batch sizes are exactly what is left (``sum(r) == sum(b_{k+1..})``). With uniform bounds these
+    conditions are also sufficient (see the module docstring). ``O(|S|)`` plus one pass over ``finished``.
+
+    Raises:
+        ValueError: ``counts`` names a source without a quota.
+    """
+    unknown = sorted(set(counts) - set(state.quotas))
+    if unknown:
+        raise ValueError(f"counts for sources without a quota: {unknown}")
+    sizes = mini_batch_sizes(state.train_batch_size, state.mini_batches_per_step)
+    later = sum(sizes[state.mini_batch_index + 1 :])
+    r_after = state.mini_batches_left - 1
+    available = {s: 0 for s in state.quotas}
+    for group in state.finished:
+        if group.source in available and not expired(state, group):
+            available[group.source] += 1
+    total_left = 0
+    for s, q in state.quotas.items():
+        x = counts.get(s, 0)
+        rest = q - state.admitted.get(s, 0) - x
+        b = _bounds(state, s)
+        if x < 0 or rest < 0 or rest < r_after * b.lo:
+            return False
+        if b.hi is not None and rest > r_after * b.hi:
+            return False
+        if rest > available[s] - x + state.pending.get(s, 0):
+            return False
+        total_left += rest
+    return total_left == later
+
+
+def _decision(state: StepState, picked: list[FinishedGroup]) -> AdmissionDecision:
+    counts = dict.fromkeys(state.quotas, 0)
+    for group in picked:
+        counts[group.source] += 1
+    picked.sort(key=_finish_key)
+    return AdmissionDecision(groups=tuple(picked), counts=counts)
+
+
+def _plan_counts(state: StepState, name: str) -> dict[str, int]:
+    """This mini-batch's counts under the fixed plan, checked against what was admitted."""
+    plan = composition_plan(state.quotas, state.mini_batches_per_step)
+    k = state.mini_batch_index
+    counts = {}
+    for s in state.quotas:
+        before = sum(row[s] for row in plan[:k])
+        if state.admitted.get(s, 0) != before:
+            raise ValueError(
+                f"{name}: admitted {state.admitted.get(s, 0)} groups of source {s!r} before mini-batch {k}, "
+                f"its plan admits {before}; the step was not formed by this policy"
+            )
+        counts[s] = plan[k][s]
+    return counts
+
+
+class TrainBatchPolicy:
+    """``train_batch``: wait until the whole train batch has finished, then cut the planned mini-batches."""
+
+    name = "train_batch"
+
+    def select(self, state: StepState) -> AdmissionDecision | None:
+        """Mini-batch ``k`` of the plan once every source has ``q - a`` usable finished groups."""
+        _check_state(state)
+        counts = _plan_counts(state, self.name)
+        usable = _usable(state)
+        for s, q in state.quotas.items():
+            if len(usable[s]) < q - state.admitted.get(s, 0):
+                return None
+        return _decision(state, [g for s, n in counts.items() for g in usable[s][:n]])
+
+
+class LinearTargetPolicy:
+    """``linear_target``: mini-batch ``k`` once every source reaches its cumulative planned target."""
+
+    name = "linear_target"
+
+    def select(self, state: StepState) -> AdmissionDecision | None:
+        """Admit exactly the groups that bring every source to its target through mini-batch ``k``.
+
+        Targets are the cumulative counts of :func:`composition_plan`: the proportional
+        ``ceil((k+1)·q[s]/K)`` reconciled so mini-batch ``k`` has exactly ``b_k`` groups.
+        """
+        _check_state(state)
+        counts = _plan_counts(state, self.name)
+        usable = _usable(state)
+        if any(len(usable[s]) < n for s, n in counts.items()):
+            return None
+        return _decision(state, [g for s, n in counts.items() for g in usable[s][:n]])
+
+
+class ConstraintPreservingPolicy:
+    """``constraint_preserving``: the earliest-finished groups that keep the rest of the step feasible."""
+
+    name = "constraint_preserving"
+
+    def select(self, state: StepState) -> AdmissionDecision | None:
+        """Greedy earliest-first fill of the feasible count box (see the module docstring)."""
+        sizes = _check_state(state)
+        k = state.mini_batch_index
+        size = sizes[k]
+        usable = _usable(state)
+        for s, q in state.quotas.items():
+            if q - state.admitted.get(s, 0) > len(usable[s]) + state.pending.get(s, 0):
+                return None  # a quota deficit: wait (and let the control plane report it)
+        r_after = state.mini_batches_left - 1
+        low: dict[str, int] = {}
+        high: dict[str, int] = {}
+        for s, q in state.quotas.items():
+            rest = q - state.admitted.get(s, 0)
+            b = _bounds(state, s)
+            low[s] = b.lo if b.hi is None else max(b.lo, rest - r_after * b.hi)
+            high[s] = min(rest - r_after * b.lo, len(usable[s]))
+            if b.hi is not None:
+                high[s] = min(high[s], b.hi)
+            if low[s] > high[s]:
+                return None
+        need = sum(low.values())
+        if need > size or sum(high.values()) < size:
+            return None
+        taken = dict.fromkeys(state.quotas, 0)
+        picked: list[FinishedGroup] = []
+        candidates = [g for bucket in usable.values() for g in bucket]
+        candidates.sort(key=_finish_key)
+        slots = size
+        for group in candidates:
+            s = group.source
+            x = taken[s]
+            if x >= high[s]:
+                continue
+            if x < low[s]:
+                need -= 1
+            elif slots - 1 < need:
+                continue
+            taken[s] = x + 1
+            picked.append(group)
+            slots -= 1
+            if slots == 0:
+                break
+        assert slots == 0, "greedy fill left slots although the count box admits a mini-batch"
+        decision = _decision(state, picked)
+        assert remainder_feasible(state, decision.counts), "admitted a mini-batch that breaks the remainder"
+        return decision
+
+
+_POLICY_TYPES: dict[str, type[TrainBatchPolicy] | type[LinearTargetPolicy] | type[ConstraintPreservingPolicy]] = {
+    "train_batch": TrainBatchPolicy,
+    "linear_target": LinearTargetPolicy,
+    "constraint_preserving": ConstraintPreservingPolicy,
+}
+
+
+def make_policy(name: str) -> AdmissionPolicy:
+    """The admission policy called ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    policy_type = _POLICY_TYPES.get(name)
+    if policy_type is None:
+        raise ValueError(f"unknown admission policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    return policy_type()

@@ -1,0 +1,192 @@
+"""Rank assignment: exactly-once rows, exact reads, token balance bound, budgets, equal micro-batch counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knittrans.sched import FinishedGroup, NodeRead, RankPlan, assign_mini_batch, lpt_assign
+
+
+@st.composite
+def mini_batches(draw: st.DrawFn) -> list[FinishedGroup]:
+    """Random groups packed into units (1-3 groups each) spread over a few nodes."""
+    n_groups = draw(st.integers(0, 24))
+    groups = []
+    unit, row = 0, 0
+    for i in range(n_groups):
+        if i == 0 or draw(st.booleans()):
+            unit, row = unit + 1, draw(st.integers(0, 3))
+        sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+        groups.append(
+            FinishedGroup(
+                group_id=f"g{i}",
+                source="s",
+                trajectory_tokens=tuple(sizes),
+                finished_at=float(i),
+                unit_id=f"u{unit}",
+                node_id=f"n{unit % 3}",
+                row_start=row,
+            )
+        )
+        row += len(sizes) + draw(st.integers(0, 2))
+    return draw(st.permutations(groups))
+
+
+def _rows_of(reads: tuple[NodeRead, ...]) -> list[tuple[str, str, int]]:
+    return [(r.node_id, r.unit_id, row) for r in reads for a, b in r.row_ranges for row in range(a, b)]
+
+
+def _check_plans(groups: list[FinishedGroup], plans: list[RankPlan], world_size: int) -> None:
+    assert [p.rank for p in plans] == list(range(world_size))
+    expected = Counter((g.node_id, g.unit_id, g.row_start + i) for g in groups for i in range(g.num_trajectories))
+    got: Counter[tuple[str, str, int]] = Counter()
+    for plan in plans:
+        for index, mb in enumerate(plan.micro_batches):
+            assert mb.index == index
+            rows = _rows_of(mb.reads)
+            assert rows == [(t.node_id, t.unit_id, t.row) for t in mb.trajectories], "order differs from reads"
+            assert [(r.node_id, r.unit_id) for r in mb.reads] == sorted({(r.node_id, r.unit_id) for r in mb.reads})
+            for read in mb.reads:
+                ranges = read.row_ranges
+                assert all(a < b for a, b in ranges)
+                assert all(ranges[i][1] < ranges[i + 1][0] for i in range(len(ranges) - 1)), "unmerged or unsorted"
+            got.update(rows)
+    assert got == expected, "every trajectory exactly once"
+    tokens = {(g.node_id, g.unit_id, g.row_start + i): t for g in groups for i, t in enumerate(g.trajectory_tokens)}
+    for plan in plans:
+        for mb in plan.micro_batches:
+            assert all(tokens[(t.node_id, t.unit_id, t.row)] == t.num_tokens for t in mb.trajectories)
+    n_traj = sum(expected.values())
+    if n_traj >= world_size:
+        assert all(p.micro_batches for p in plans), "a rank got nothing"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mini_batches(),
+    st.integers(1, 9),
+    st.one_of(st.tuples(st.just("tokens"), st.integers(1, 900)), st.tuples(st.just("rows"), st.integers(1, 5))),
+    st.booleans(),
+)
+def test_assignment_invariants(
+    groups: list[FinishedGroup], world_size: int, budget: tuple[str, int], keep_groups: bool
+) -> None:
+    """Exactly-once rows, reads = trajectories, balance bound, budgets respected, equal micro-batch counts."""
+    kind, value = budget
+    kwargs = {"micro_batch_tokens": value} if kind == "tokens" else {"micro_batch_size": value}
+    plans = assign_mini_batch(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
+    _check_plans(groups, plans, world_size)
+    total = sum(g.num_tokens for g in groups)
+    biggest = max((t for g in groups for t in g.trajectory_tokens), default=0)
+    ideal = total / world_size
+    assert max(p.num_tokens for p in plans) <= max(ideal * 1.05, ideal + biggest) + 1e-9
+    for plan in plans:
+        for mb in plan.micro_batches:
+            if kind == "tokens":
+                assert mb.num_tokens <= value or len(mb.trajectories) == 1
+            else:
+                assert 1 <= len(mb.trajectories) <= value
+    counts = [len(p.micro_batches) for p in plans]
+    top = max(counts, default=0)
+    for plan, count in zip(plans, counts, strict=True):
+        n_rows = sum(len(mb.trajectories) for mb in plan.micro_batches)
+        assert count in (top, n_rows), "micro-batch counts not equalised where possible"
+
+
+def test_whole_groups_kept_when_balanced() -> None:
+    """Four equal groups over two ranks: each rank gets two whole groups, one read range per unit."""
+    groups = [
+        FinishedGroup(
+            group_id=f"g{i}",
+            source="s",
+            trajectory_tokens=(10, 10),
+            finished_at=i,
+            unit_id="u0",
+            node_id="n0",
+            row_start=2 * i,
+        )
+        for i in range(4)
+    ]
+    plans = assign_mini_batch(groups, 2, micro_batch_size=8)
+    for plan in plans:
+        assert plan.num_tokens == 40
+        ids = [t.group_id for mb in plan.micro_batches for t in mb.trajectories]
+        assert len(set(ids)) == 2 and all(ids.count(g) == 2 for g in set(ids))
+
+
+def test_groups_split_when_fewer_groups_than_ranks() -> None:
+    """One group of four over four ranks: every rank gets one row."""
+    group = FinishedGroup(
+        group_id="g", source="s", trajectory_tokens=(5, 6, 7, 8), finished_at=0, unit_id="u", node_id="n", row_start=3
+    )
+    plans = assign_mini_batch([group], 4, micro_batch_tokens=100)
+    assert sorted(t.row for p in plans for mb in p.micro_batches for t in mb.trajectories) == [3, 4, 5, 6]
+    assert all(len(p.micro_batches) == 1 for p in plans)
+
+
+def test_token_budget_and_oversized_trajectory() -> None:
+    """Next-fit by token budget in read order; a trajectory above the budget is its own micro-batch."""
+    group = FinishedGroup(
+        group_id="g",
+        source="s",
+        trajectory_tokens=(40, 40, 500, 30, 30, 30),
+        finished_at=0,
+        unit_id="u",
+        node_id="n",
+        row_start=0,
+    )
+    (plan,) = assign_mini_batch([group], 1, micro_batch_tokens=100)
+    assert [[t.row for t in mb.trajectories] for mb in plan.micro_batches] == [[0, 1], [2], [3, 4, 5]]
+    assert plan.micro_batches[0].reads == (NodeRead(node_id="n", unit_id="u", row_ranges=((0, 2),)),)
+
+
+def test_micro_batch_counts_equalised_by_splitting() -> None:
+    """Rank with one short group is split to match the rank that needs three micro-batches."""
+    long = FinishedGroup(
+        group_id="long",
+        source="s",
+        trajectory_tokens=(90, 90, 90),
+        finished_at=0,
+        unit_id="u1",
+        node_id="n",
+    )
+    short = FinishedGroup(
+        group_id="short",
+        source="s",
+        trajectory_tokens=(30, 30, 30, 30, 30, 30, 30, 30, 30),
+        finished_at=1,
+        unit_id="u2",
+        node_id="n",
+    )
+    plans = assign_mini_batch([long, short], 2, micro_batch_tokens=100)
+    assert [len(p.micro_batches) for p in plans] == [3, 3]
+    assert all(mb.num_tokens <= 100 for p in plans for mb in p.micro_batches)
+
+
+def test_lpt_hand_case() -> None:
+    """LPT on (7, 5, 4, 3, 1) over two bins: 7|5, then 4 onto 5, 3 onto 7, 1 onto 9 -> loads 10 and 10."""
+    owner, loads = lpt_assign([7, 5, 4, 3, 1], 2)
+    assert owner == [0, 1, 1, 0, 1] and loads == [10, 10]
+
+
+def test_bad_arguments() -> None:
+    """Both or neither budget, zero ranks, duplicate groups and overlapping rows are refused by name."""
+    g = FinishedGroup(group_id="g", source="s", trajectory_tokens=(1, 2), finished_at=0, unit_id="u", node_id="n")
+    with pytest.raises(ValueError, match="exactly one"):
+        assign_mini_batch([g], 1)
+    with pytest.raises(ValueError, match="exactly one"):
+        assign_mini_batch([g], 1, micro_batch_size=1, micro_batch_tokens=1)
+    with pytest.raises(ValueError, match="world_size"):
+        assign_mini_batch([g], 0, micro_batch_size=1)
+    with pytest.raises(ValueError, match="twice"):
+        assign_mini_batch([g, g], 1, micro_batch_size=1)
+    h = FinishedGroup(
+        group_id="h", source="s", trajectory_tokens=(1,), finished_at=0, unit_id="u", node_id="n", row_start=1
+    )
+    with pytest.raises(ValueError, match="overlaps"):
+        assign_mini_batch([g, h], 1, micro_batch_size=1)
+    assert assign_mini_batch([], 3, micro_batch_size=2) == [RankPlan(rank=r, micro_batches=()) for r in range(3)]

@@ -1,0 +1,112 @@
+"""Staleness accounting: readings, architectural staleness, nearest-rank summaries, per-step reports."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from knittrans.sched import (
+    READINGS,
+    ConsumedGroup,
+    FinishedGroup,
+    architectural_staleness,
+    staleness,
+    step_report,
+    summarize,
+    summarize_weighted,
+    version_of,
+)
+
+
+def _consumed(gid: str, source: str, n: int, v_train: int, k: int, vs: int, ve: int, vw: float) -> ConsumedGroup:
+    return ConsumedGroup(
+        group_id=gid,
+        source=source,
+        num_trajectories=n,
+        v_train=v_train,
+        mini_batch_index=k,
+        step=0,
+        version_start=vs,
+        version_end=ve,
+        version_weighted=vw,
+    )
+
+
+def test_readings_of_group_and_record() -> None:
+    """version_of reads start/end/weighted from a FinishedGroup or a dict row; unknown readings are refused."""
+    group = FinishedGroup(
+        group_id="g",
+        source="s",
+        trajectory_tokens=(1,),
+        finished_at=0,
+        version_start=3,
+        version_end=5,
+        version_weighted=4.25,
+    )
+    assert [version_of(group, r) for r in READINGS] == [3.0, 5.0, 4.25]
+    assert version_of({"version_start": 1, "version_end": 2, "version_weighted": 1.5}, "weighted") == 1.5
+    with pytest.raises(ValueError, match="start, end, weighted"):
+        version_of(group, "middle")
+    with pytest.raises(ValueError, match="version_end"):
+        version_of({"version_start": 1}, "end")
+
+
+def test_staleness_and_architectural() -> None:
+    """Mini-batch 2 trained at v=12 on data from v=10: staleness 2, architectural 0 (colocated gives 2)."""
+    assert staleness(12, 10) == 2.0
+    assert architectural_staleness(12, 10, 2) == 0.0
+    assert architectural_staleness(12, 11.5, 2) == -1.5
+    with pytest.raises(ValueError, match="mini_batch_index"):
+        architectural_staleness(1, 0, -1)
+
+
+def test_summarize_hand_case() -> None:
+    """Values -1, 0, 2, 3, 10 (nearest rank): mean 2.8, p50 2, p99 10, max 10, positive-part mean 3."""
+    stats = summarize([3, -1, 10, 0, 2])
+    assert stats.count == 5
+    assert stats.mean == pytest.approx(2.8)
+    assert (stats.p50, stats.p99, stats.max) == (2, 10, 10)
+    assert stats.pos_mean == pytest.approx(3.0)
+
+
+def test_summarize_empty_is_nan() -> None:
+    """No values: count 0 and NaN statistics; to_dict gives None for JSON."""
+    stats = summarize([])
+    assert stats.count == 0 and all(math.isnan(v) for v in (stats.mean, stats.p50, stats.p99, stats.max))
+    assert stats.to_dict() == {"count": 0, "mean": None, "p50": None, "p99": None, "max": None, "pos_mean": None}
+
+
+@given(st.lists(st.tuples(st.integers(-5, 20), st.integers(0, 6)), max_size=30))
+def test_weighted_equals_expanded(pairs: list[tuple[int, int]]) -> None:
+    """A weighted summary equals the plain summary of the values repeated by their weights."""
+    expanded = [float(v) for v, w in pairs for _ in range(w)]
+    a, b = summarize_weighted([(float(v), w) for v, w in pairs]), summarize(expanded)
+    assert a.count == b.count == len(expanded)
+    if expanded:
+        assert (a.p50, a.p99, a.max) == (b.p50, b.p99, b.max)
+        assert a.mean == pytest.approx(sum(expanded) / len(expanded))
+        ordered = sorted(expanded)
+        assert a.p50 == ordered[math.ceil(0.5 * len(ordered)) - 1]
+
+
+def test_step_report_weights_trajectories_and_splits_sources() -> None:
+    """A group of 4 counts four times; by_source splits; the reading picks the version field."""
+    consumed = [
+        _consumed("g1", "math", 4, v_train=10, k=0, vs=8, ve=10, vw=9.0),
+        _consumed("g2", "code", 1, v_train=11, k=1, vs=11, ve=11, vw=11.0),
+    ]
+    report = step_report(consumed, "start")
+    assert report["reading"] == "start"
+    assert report["staleness"].count == 5
+    assert report["staleness"].mean == pytest.approx((4 * 2 + 0) / 5)
+    assert report["architectural"].mean == pytest.approx((4 * 2 + (0 - 1)) / 5)
+    assert report["architectural"].pos_mean == pytest.approx(8 / 5)
+    assert sorted(report["by_source"]) == ["code", "math"]
+    assert report["by_source"]["code"]["architectural"].max == -1
+    assert step_report(consumed, "end")["staleness"].max == 0
+    assert step_report(consumed, "weighted")["by_source"]["math"]["staleness"].p50 == 1
+    with pytest.raises(ValueError, match="reading"):
+        step_report(consumed, "late")
