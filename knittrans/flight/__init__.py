@@ -1,1 +1,10 @@
-"""flight."""
+"""Arrow Flight shell over the node-local store: ``StoreServer``, ``StoreClient``, error mapping.
+
+API: ``StoreServer(StoreServerConfig(store=StoreConfig(root=...), host=, port=, token=))`` (listening
+once constructed; ``.endpoint``, ``.serve()``, ``.shutdown()``) and ``StoreClient(endpoint, token=)``.
+"""
+
+from knittrans.flight.client import StoreClient
+from knittrans.flight.server import StoreServer, StoreServerConfig
+
+__all__ = ["StoreClient", "StoreServer", "StoreServerConfig"]

@@ -1,0 +1,57 @@
+"""``knittrans store``: run one store node (Flight server over a directory) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from knittrans.flight.server import StoreServer, StoreServerConfig
+from knittrans.store import DEFAULT_ROOT, StoreConfig
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``knittrans store``."""
+    parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT, help=f"store directory (default {DEFAULT_ROOT})")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8815, help="TCP port, 0 for any free one (default 8815)")
+    parser.add_argument("--token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
+                        help="bearer token required on every call (default $KNITTRANS_STORE_TOKEN)")
+    parser.add_argument("--budget-bytes", type=int, default=None, help="byte budget of the store directory")
+    parser.add_argument("--spill-dir", type=Path, default=None, help="disk directory for units over budget")
+    parser.add_argument("--node-id", default="node-0", help="name of this store node (default node-0)")
+    parser.add_argument("--max-put-bytes", type=int, default=8 << 30, help="largest unit a DoPut may upload")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="write the endpoint to this file once listening (for launchers and tests)")
+
+
+def run(args: Any) -> int:
+    """Start the server, announce the endpoint, serve until a signal."""
+    config = StoreServerConfig(
+        store=StoreConfig(root=args.dir, budget_bytes=args.budget_bytes, spill_dir=args.spill_dir),
+        host=args.host, port=args.port, node_id=args.node_id, token=args.token or None,
+        max_put_bytes=args.max_put_bytes,
+    )
+    server = StoreServer(config)
+    logger.info("store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint,
+                server.store.recovered)
+    if args.ready_file is not None:
+        tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+        tmp.write_text(server.endpoint)
+        tmp.rename(args.ready_file)
+
+    def stop(signum: int, frame: object) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve()
+    return 0

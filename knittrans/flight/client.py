@@ -1,0 +1,142 @@
+"""``StoreClient``: a small typed client of one store node (used by the writer and the fetcher).
+
+API::
+
+    with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
+        c.get(ticket) -> pa.Table                      # one DoGet
+        c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
+        c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
+        c.seal(job, unit) / c.delete(job, unit) / c.stats() / c.health()
+        c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
+
+Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
+``Unavailable`` when the node cannot be reached).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from knittrans.errors import KnitTransError
+from knittrans.flight.auth import auth_headers
+from knittrans.flight.errors import from_flight_error
+from knittrans.tickets import Ticket
+
+__all__ = ["StoreClient"]
+
+T = TypeVar("T")
+
+
+class StoreClient:
+    """Client of one store node; thread-safe for concurrent calls (gRPC channel shared)."""
+
+    def __init__(self, endpoint: str, *, token: str | None = None, timeout_s: float | None = None,
+                 batch_bytes: int = 4 << 20) -> None:
+        self.endpoint = endpoint
+        self.batch_bytes = batch_bytes
+        self._client = flight.FlightClient(endpoint)
+        self._options = flight.FlightCallOptions(headers=auth_headers(token), timeout=timeout_s)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except KnitTransError:
+            raise
+        except (flight.FlightError, pa.ArrowException) as exc:
+            raise from_flight_error(exc, self.endpoint) from None
+
+    def get(self, ticket: Ticket) -> pa.Table:
+        """One ``DoGet``: the rows × columns (or media rows) the ticket names."""
+        raw = flight.Ticket(ticket.encode())
+        return self._call(lambda: self._client.do_get(raw, self._options).read_all())
+
+    def _action(self, kind: str, body: dict[str, Any] | None = None) -> Any:
+        def run() -> Any:
+            payload = json.dumps(body or {}).encode()
+            results = list(self._client.do_action(flight.Action(kind, payload), self._options))
+            return json.loads(results[0].body.to_pybytes()) if results else None
+
+        return self._call(run)
+
+    def put_part(self, job: str, unit_id: str, part: str, table: pa.Table) -> int:
+        """Upload one part (``traj`` or ``media``) of a pending unit; returns acknowledged batches."""
+        rows = max(1, table.num_rows * self.batch_bytes // max(1, table.nbytes))
+        batches = table.to_batches(max_chunksize=rows)
+        descriptor = flight.FlightDescriptor.for_path(job, unit_id, part)
+
+        def run() -> int:
+            writer, reader = self._client.do_put(descriptor, table.schema, self._options)
+            for batch in batches:
+                writer.write_batch(batch)
+            writer.done_writing()
+            acks = 0
+            while reader.read() is not None:
+                acks += 1
+            writer.close()
+            return acks
+
+        acked = self._call(run)
+        if acked != len(batches):
+            raise KnitTransError(f"store {self.endpoint} acknowledged {acked} of {len(batches)} batches")
+        return acked
+
+    def put_unit(self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None,
+                 *, seal: bool = True) -> dict[str, Any]:
+        """Upload a whole unit through ``DoPut`` and seal it; returns the sealed unit's info."""
+        self.put_part(job, unit_id, "traj", traj)
+        if media is not None and media.num_rows:
+            self.put_part(job, unit_id, "media", media)
+        return self.seal(job, unit_id) if seal else {}
+
+    def reserve(self, job: str, unit_id: str, nbytes: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """Reserve budget for a same-host write; returns ``{"dir": ..., "spilled": bool}``."""
+        body: dict[str, Any] = {"job": job, "unit": unit_id, "bytes": nbytes}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return dict(self._action("reserve", body))
+
+    def seal(self, job: str, unit_id: str) -> dict[str, Any]:
+        """Publish a pending unit; returns its info (rows, bytes, spilled)."""
+        return dict(self._action("seal", {"job": job, "unit": unit_id}))
+
+    def delete(self, job: str, unit_id: str) -> None:
+        """Delete a sealed unit or abort a pending one."""
+        self._action("delete", {"job": job, "unit": unit_id})
+
+    def stats(self) -> dict[str, Any]:
+        """The node's counts and bytes."""
+        return dict(self._action("stats"))
+
+    def health(self) -> dict[str, Any]:
+        """Liveness: ``{"ok": True, "node_id": ..., "endpoint": ...}``."""
+        return dict(self._action("health"))
+
+    def list_units(self, job: str | None = None) -> list[dict[str, Any]]:
+        """Sealed units (of one job or all): job, unit_id, num_rows, num_bytes."""
+        infos = self._call(lambda: list(self._client.list_flights((job or "").encode(), self._options)))
+        return [self._describe(i) for i in infos]
+
+    def unit_info(self, job: str, unit_id: str) -> dict[str, Any]:
+        """One sealed unit's job, unit_id, num_rows and num_bytes."""
+        d = flight.FlightDescriptor.for_path(job, unit_id)
+        return self._describe(self._call(lambda: self._client.get_flight_info(d, self._options)))
+
+    @staticmethod
+    def _describe(info: flight.FlightInfo) -> dict[str, Any]:
+        job, unit = (p.decode() for p in info.descriptor.path)
+        return {"job": job, "unit_id": unit, "num_rows": info.total_records, "num_bytes": info.total_bytes}
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._client.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,235 @@
+"""``StoreServer``: the Arrow Flight shell over a node's :class:`~knittrans.store.UnitStore`.
+
+Protocol (all payloads JSON unless noted):
+
+* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly. ``rows`` tickets
+  stream rows × columns of one or many units of this node, in read order, as record batches
+  sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
+* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (two puts
+  per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
+  limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
+  the put's metadata stream. The unit stays invisible until the ``seal`` action.
+* ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
+* Actions: ``seal`` / ``delete`` ``{"job", "unit"}``; ``reserve`` ``{"job", "unit", "bytes",
+  "timeout_s"}`` (same-host writers: reserves budget and returns the temporary ``dir`` to write
+  the IPC files into); ``stats``; ``health``.
+
+Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
+stops the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from knittrans.errors import InvalidRequest, KnitTransError, PayloadTooLarge
+from knittrans.flight.auth import BearerTokenFactory
+from knittrans.flight.errors import to_flight_error
+from knittrans.names import check_name
+from knittrans.schema import check_schema
+from knittrans.store import SealedUnit, StoreConfig, UnitStore
+from knittrans.tickets import Ticket, UnitRead
+
+__all__ = ["StoreServer", "StoreServerConfig"]
+
+logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreServerConfig:
+    """A store node's Flight server."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """Directory, budget and spill settings of the underlying store."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless told otherwise."""
+    port: int = 0
+    """TCP port; 0 picks a free one (see :attr:`StoreServer.port`)."""
+    node_id: str = "node-0"
+    """Name of this store node."""
+    token: str | None = None
+    """Bearer token every call must carry; None disables auth (loopback only)."""
+    max_put_bytes: int = 8 << 30
+    """Largest unit (trajectory + media bytes) a single writer may upload."""
+    batch_bytes: int = 4 << 20
+    """Target size of the record batches ``DoGet`` streams (zero-copy slices)."""
+
+    def __post_init__(self) -> None:
+        check_name(self.node_id, "node_id")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        if self.max_put_bytes <= 0 or self.batch_bytes <= 0:
+            raise ValueError("max_put_bytes and batch_bytes must be positive")
+        if self.token is not None and not self.token:
+            raise ValueError("token must be non-empty or None")
+
+
+def _mapped(fn: F) -> F:
+    """Turn KnitTrans errors into typed Flight errors; log (and report) unexpected ones."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KnitTransError as exc:
+            logger.info("%s refused: %s: %s", fn.__name__, type(exc).__name__, exc)
+            raise to_flight_error(exc) from None
+        except flight.FlightError:
+            raise
+        except Exception as exc:
+            logger.exception("%s failed", fn.__name__)
+            raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
+    try:
+        body = json.loads(action.body.to_pybytes() or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"action {action.type!r}: body is not JSON: {exc}") from None
+    if not isinstance(body, dict) or any(k not in body for k in keys):
+        raise InvalidRequest(f"action {action.type!r}: body must be a JSON object with keys {list(keys)}")
+    return body
+
+
+def _json(obj: object) -> list[bytes]:
+    return [json.dumps(obj).encode()]
+
+
+class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
+    """Arrow Flight server of one store node; listening as soon as it is constructed.
+
+    Use ``server.serve()`` to block (the CLI) or just keep the object alive (tests), and
+    ``server.shutdown()`` to stop. ``server.endpoint`` is the ``grpc://host:port`` to dial.
+    """
+
+    def __init__(self, config: StoreServerConfig, *, store: UnitStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else UnitStore(config.store)
+        middleware = {"auth": BearerTokenFactory(config.token)} if config.token else {}
+        super().__init__(f"grpc://{config.host}:{config.port}", middleware=middleware)
+        self.endpoint = f"grpc://{config.host}:{self.port}"
+        self._put_bytes: dict[tuple[str, str], int] = {}
+        logger.info("store node %s serving %s at %s", config.node_id, config.store.root, self.endpoint)
+
+    # --- reads -------------------------------------------------------------------------------
+    @_mapped
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        """Stream the rows × columns (or media rows) a strictly decoded ticket names."""
+        table = self.store.read(Ticket.decode(ticket.ticket))
+        if table.num_rows > 1 and table.nbytes > self.config.batch_bytes:
+            rows = max(1, table.num_rows * self.config.batch_bytes // table.nbytes)
+            table = pa.Table.from_batches(table.to_batches(max_chunksize=rows), schema=table.schema)
+        return flight.RecordBatchStream(table)
+
+    def _info(self, unit: SealedUnit) -> flight.FlightInfo:
+        ticket = Ticket(job=unit.job, reads=(UnitRead(unit_id=unit.unit_id),))
+        endpoint = flight.FlightEndpoint(ticket.encode(), [flight.Location(self.endpoint)])
+        descriptor = flight.FlightDescriptor.for_path(unit.job, unit.unit_id)
+        return flight.FlightInfo(unit.traj.schema, descriptor, [endpoint], unit.num_rows, unit.num_bytes)
+
+    @_mapped
+    def list_flights(self, context: Any, criteria: bytes) -> Iterator[flight.FlightInfo]:
+        """One FlightInfo per sealed unit; criteria is a job name or empty for all jobs."""
+        job = criteria.decode() if criteria else None
+        if job is not None:
+            check_name(job, "job")
+        units = self.store.units(job)
+        return iter([self._info(u) for u in units])
+
+    @_mapped
+    def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+        """FlightInfo of the unit named by descriptor path ``[job, unit]``."""
+        path = [p.decode() for p in (descriptor.path or [])]
+        if len(path) != 2:
+            raise InvalidRequest(f"descriptor path must be [job, unit], got {path}")
+        return self._info(self.store.get(path[0], path[1]))
+
+    # --- writes ------------------------------------------------------------------------------
+    @_mapped
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
+        """Receive one part of a pending unit, acknowledging every batch."""
+        path = [p.decode() for p in (descriptor.path or [])]
+        if len(path) != 3 or path[2] not in ("traj", "media"):
+            raise InvalidRequest(f"DoPut descriptor path must be [job, unit, 'traj'|'media'], got {path}")
+        job, unit_id, part = check_name(path[0], "job"), check_name(path[1], "unit_id"), path[2]
+        check_schema(reader.schema, "trajectories" if part == "traj" else "media")
+        try:
+            pending = self.store.pending(job, unit_id)
+        except KnitTransError:
+            pending = self.store.begin(job, unit_id)
+        key = (job, unit_id)
+        try:
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                batch = chunk.data
+                if batch is None:
+                    continue
+                total = self._put_bytes.get(key, 0) + batch.nbytes
+                self._put_bytes[key] = total
+                if total > self.config.max_put_bytes:
+                    raise PayloadTooLarge(
+                        f"unit {unit_id!r} upload reached {total} bytes, above the limit of "
+                        f"{self.config.max_put_bytes} bytes"
+                    )
+                pending.write(part, batch)  # type: ignore[arg-type]
+                writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
+        except BaseException:
+            self._put_bytes.pop(key, None)
+            self.store.abort(job, unit_id)
+            raise
+
+    # --- actions -----------------------------------------------------------------------------
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        """The actions this server understands."""
+        return [
+            ("seal", "publish a pending unit: {job, unit}"),
+            ("delete", "delete a sealed or pending unit: {job, unit}"),
+            ("reserve", "same-host writer: reserve budget, get a temporary dir: {job, unit, bytes, timeout_s}"),
+            ("stats", "counts and bytes of this node"),
+            ("health", "liveness and identity of this node"),
+        ]
+
+    @_mapped
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        """Dispatch ``seal``, ``delete``, ``reserve``, ``stats`` and ``health``."""
+        kind = action.type
+        if kind == "health":
+            return _json({"ok": True, "node_id": self.config.node_id, "endpoint": self.endpoint})
+        if kind == "stats":
+            return _json({"node_id": self.config.node_id, **self.store.stats()})
+        if kind in ("seal", "delete", "reserve"):
+            body = _body(action, "job", "unit")
+            job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
+            if kind == "seal":
+                self._put_bytes.pop((job, unit_id), None)
+                return _json(self.store.seal(job, unit_id).info())
+            if kind == "delete":
+                self._put_bytes.pop((job, unit_id), None)
+                self.store.delete(job, unit_id)
+                return _json({"deleted": unit_id})
+            nbytes, timeout = body.get("bytes"), body.get("timeout_s")
+            if not isinstance(nbytes, int) or nbytes < 0:
+                raise InvalidRequest("action 'reserve': 'bytes' must be a non-negative integer")
+            if nbytes > self.config.max_put_bytes:
+                raise PayloadTooLarge(f"unit {unit_id!r} needs {nbytes} bytes, above the limit of "
+                                      f"{self.config.max_put_bytes} bytes")
+            if timeout is not None and not isinstance(timeout, int | float):
+                raise InvalidRequest("action 'reserve': 'timeout_s' must be a number")
+            pending = self.store.begin(job, unit_id, reserve_bytes=nbytes, timeout=timeout)
+            return _json({"dir": str(pending.dir), "spilled": pending.spilled})
+        raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
+

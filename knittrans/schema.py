@@ -1,0 +1,394 @@
+"""Arrow schemas of trajectories and media, a vectorised builder, and a validator naming column and row.
+
+API summary::
+
+    SCHEMA_VERSION, TRAJECTORY_SCHEMA, MEDIA_SCHEMA, TRAJECTORY_COLUMNS
+    Media(kind=..., data=bytes | np.ndarray | torch.Tensor)      # .hash (32 bytes), .hex
+    TrajectoryGroup(group_id=, source=, prompt_ids=, response_ids=[...], response_logprobs=[...],
+                    rewards=[...], version_start=, version_end=, ...)
+    build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
+    build_media_table(media) -> pa.Table                          # one row per unique hash
+    validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
+    check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
+
+List columns are built from one ``np.concatenate`` of the per-row values plus an offsets array
+(a loop over rows, never over tokens). ``loss_mask`` has one byte per *response* token; a group
+without masks gets all ones. ``version_weighted`` (an addition to DESIGN's table) is the
+token-weighted policy version of each trajectory's response; it defaults to the mean of
+``version_start`` and ``version_end``. Media content hashes are SHA-256 over a small header
+(kind, dtype, shape) followed by the raw bytes, so equal bytes of a different shape differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from knittrans.errors import InvalidRequest, SchemaMismatch
+
+__all__ = [
+    "MEDIA_SCHEMA",
+    "SCHEMA_VERSION",
+    "SCHEMA_VERSION_KEY",
+    "TABLE_KIND_KEY",
+    "TRAJECTORY_COLUMNS",
+    "TRAJECTORY_SCHEMA",
+    "Media",
+    "TrajectoryGroup",
+    "UnitTables",
+    "build_media_table",
+    "build_unit_tables",
+    "check_schema",
+    "validate_media",
+    "validate_trajectories",
+]
+
+SCHEMA_VERSION = 1
+"""Version of both schemas; stored in the Arrow schema metadata and checked on every read/put."""
+SCHEMA_VERSION_KEY = b"knittrans.schema_version"
+"""Schema metadata key holding :data:`SCHEMA_VERSION`."""
+TABLE_KIND_KEY = b"knittrans.table"
+"""Schema metadata key: ``trajectories`` or ``media``."""
+
+_HASH = pa.binary(32)
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        pa.field("traj_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("source", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("version_start", pa.int32(), nullable=False),
+        pa.field("version_end", pa.int32(), nullable=False),
+        pa.field("version_weighted", pa.float32(), nullable=False),
+        pa.field("media", pa.list_(_HASH), nullable=False),
+        pa.field("finished_at", pa.timestamp("us"), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KIND_KEY: b"trajectories"},
+)
+"""One row per trajectory."""
+
+MEDIA_SCHEMA = pa.schema(
+    [
+        pa.field("media_hash", _HASH, nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("shape", pa.list_(pa.int32()), nullable=False),
+        pa.field("dtype", pa.string(), nullable=False),
+        pa.field("data", pa.large_binary(), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KIND_KEY: b"media"},
+)
+"""One row per unique media item of a unit."""
+
+TRAJECTORY_COLUMNS = tuple(TRAJECTORY_SCHEMA.names)
+"""Trajectory column names in schema order."""
+
+_SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
+
+
+def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "trajectories") -> None:
+    """Raise :class:`SchemaMismatch` unless ``schema`` is ours (types, order, version).
+
+    A projection (subset of columns in schema order) of the trajectory schema is accepted too
+    only when ``kind`` columns are all present; units and puts must carry every column.
+    """
+    expected = _SCHEMAS[kind]
+    meta = schema.metadata or {}
+    version = meta.get(SCHEMA_VERSION_KEY)
+    if version != str(SCHEMA_VERSION).encode():
+        got = version.decode(errors="replace") if version is not None else "none"
+        raise SchemaMismatch(f"{kind} schema version is {got}, expected {SCHEMA_VERSION}")
+    if meta.get(TABLE_KIND_KEY) != kind.encode():
+        raise SchemaMismatch(f"schema is tagged {meta.get(TABLE_KIND_KEY)!r}, expected {kind!r}")
+    if schema.names != expected.names:
+        missing = [n for n in expected.names if n not in schema.names]
+        extra = [n for n in schema.names if n not in expected.names]
+        raise SchemaMismatch(
+            f"{kind} columns differ: missing {missing}, unexpected {extra}, order {schema.names}"
+        )
+    for got_f, want_f in zip(schema, expected, strict=True):
+        if not got_f.type.equals(want_f.type):
+            raise SchemaMismatch(f"{kind} column {got_f.name!r} has type {got_f.type}, expected {want_f.type}")
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def validate_trajectories(table: pa.Table) -> None:
+    """Check schema and per-row invariants; the error names the offending column and row."""
+    check_schema(table.schema, "trajectories")
+    for name in table.column_names:
+        if table.column(name).null_count:
+            row = _first_bad(table.column(name).is_null().to_numpy(zero_copy_only=False))
+            raise InvalidRequest(f"column {name!r} is null at row {row}")
+    resp_len = pc.list_value_length(table.column("response_ids")).to_numpy()
+    for name in ("response_logprobs", "loss_mask"):
+        n = pc.list_value_length(table.column(name)).to_numpy()
+        if n.shape != resp_len.shape or (n != resp_len).any():
+            row = _first_bad(n != resp_len)
+            raise InvalidRequest(
+                f"column {name!r} has length {int(n[row])} != response_ids length {int(resp_len[row])} "
+                f"at row {row}"
+            )
+    vs = table.column("version_start").to_numpy()
+    ve = table.column("version_end").to_numpy()
+    if (ve < vs).any():
+        row = _first_bad(ve < vs)
+        raise InvalidRequest(f"column 'version_end' ({ve[row]}) < version_start ({vs[row]}) at row {row}")
+    vw = table.column("version_weighted").to_numpy()
+    bad = ~((vw >= vs - 1e-3) & (vw <= ve + 1e-3))
+    if bad.any():
+        row = _first_bad(bad)
+        raise InvalidRequest(
+            f"column 'version_weighted' ({vw[row]}) is outside [version_start, version_end] at row {row}"
+        )
+    ids = table.column("traj_id")
+    if pc.count_distinct(ids).as_py() != len(ids):
+        counts = pc.value_counts(ids)
+        dup = next(str(v["values"]) for v in counts.to_pylist() if v["counts"] > 1)
+        row = ids.to_pylist().index(dup)
+        raise InvalidRequest(f"column 'traj_id' value {dup!r} is duplicated (first at row {row})")
+
+
+def validate_media(table: pa.Table) -> None:
+    """Check the media schema and that every hash is unique; errors name the row."""
+    check_schema(table.schema, "media")
+    hashes = table.column("media_hash")
+    if pc.count_distinct(hashes).as_py() != len(hashes):
+        seen: set[bytes] = set()
+        for row, h in enumerate(hashes.to_pylist()):
+            if h in seen:
+                raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
+            seen.add(h)
+
+
+def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """numpy view of a list/array/tensor as a 1-D array of ``dtype`` (copies only to cast)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def _list_array(rows: Sequence[Any], dtype: np.dtype[Any], value_type: pa.DataType) -> pa.ListArray:
+    """ListArray from per-row sequences: one concatenate plus an offsets cumsum."""
+    parts = [_to_numpy(r, dtype) for r in rows]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
+    values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Media:
+    """One media item (image, audio, ...): raw bytes (e.g. encoded PNG) or a numpy/torch array."""
+
+    kind: str
+    """What it is, e.g. ``image`` or ``audio``."""
+    data: Any
+    """``bytes`` or a numpy array / torch tensor (stored C-contiguous with its dtype and shape)."""
+
+    @cached_property
+    def _parts(self) -> tuple[str, tuple[int, ...], bytes]:
+        if isinstance(self.data, bytes | bytearray | memoryview):
+            raw = bytes(self.data)
+            return "bytes", (len(raw),), raw
+        value = self.data
+        if hasattr(value, "detach"):  # torch.Tensor
+            t = value.detach().cpu().contiguous()
+            name = str(t.dtype).removeprefix("torch.")
+            if name == "bfloat16":
+                import torch
+
+                return name, tuple(t.shape), t.view(torch.int16).numpy().tobytes()
+            value = t.numpy()
+        arr = np.ascontiguousarray(value)
+        return str(arr.dtype), tuple(int(x) for x in arr.shape), arr.tobytes()
+
+    @property
+    def dtype(self) -> str:
+        """``bytes`` for raw bytes, else the numpy/torch dtype name."""
+        return self._parts[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Array shape, ``(len,)`` for raw bytes."""
+        return self._parts[1]
+
+    @property
+    def payload(self) -> bytes:
+        """Stored bytes."""
+        return self._parts[2]
+
+    @cached_property
+    def hash(self) -> bytes:
+        """SHA-256 over ``kind|dtype|shape`` and the payload (32 bytes)."""
+        h = hashlib.sha256(f"{self.kind}|{self.dtype}|{list(self.shape)}\n".encode())
+        h.update(self.payload)
+        return h.digest()
+
+    @property
+    def hex(self) -> str:
+        """Lower-case hex of :attr:`hash` (the form tickets and descriptors use)."""
+        return self.hash.hex()
+
+
+def build_media_table(media: Sequence[Media]) -> pa.Table:
+    """Media table with one row per unique hash, in first-seen order."""
+    unique: dict[bytes, Media] = {}
+    for m in media:
+        unique.setdefault(m.hash, m)
+    items = list(unique.values())
+    return pa.Table.from_arrays(
+        [
+            pa.array([m.hash for m in items], type=_HASH),
+            pa.array([m.kind for m in items], type=pa.string()),
+            _list_array([np.asarray(m.shape, dtype=np.int32) for m in items], np.dtype(np.int32), pa.int32()),
+            pa.array([m.dtype for m in items], type=pa.string()),
+            pa.array([m.payload for m in items], type=pa.large_binary()),
+        ],
+        schema=MEDIA_SCHEMA,
+    )
+
+
+def _per_row(value: Any, n: int, what: str, group_id: str) -> list[Any]:
+    """Broadcast a scalar to ``n`` rows or check a sequence has ``n`` entries."""
+    if value is None or np.isscalar(value):
+        return [value] * n
+    seq = list(value)
+    if len(seq) != n:
+        raise InvalidRequest(f"group {group_id!r}: {what} has {len(seq)} entries for {n} responses")
+    return seq
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectoryGroup:
+    """The ``n`` responses to one prompt (a GRPO group), as handed to :func:`build_unit_tables`."""
+
+    group_id: str
+    """Group id, unique within the job."""
+    source: str
+    """Data source of the prompt."""
+    prompt_ids: Any
+    """Prompt token ids (list, numpy array or torch tensor), shared by every response."""
+    response_ids: Sequence[Any]
+    """Token ids of each response."""
+    response_logprobs: Sequence[Any]
+    """Sampling log-probabilities, one per response token."""
+    rewards: Any
+    """One reward per response."""
+    version_start: Any
+    """Policy version at which each response started (int for all, or one per response)."""
+    version_end: Any
+    """Policy version of each response's last token (int or one per response)."""
+    version_weighted: Any = None
+    """Token-weighted version per response; None means the mean of start and end."""
+    loss_masks: Sequence[Any] | None = None
+    """Per-response masks over response tokens (1 = trained); None means all ones."""
+    media: Sequence[Media] = ()
+    """Media every response of the group uses (e.g. the prompt's image), in order."""
+    response_media: Sequence[Sequence[Media]] | None = None
+    """Extra media per response (e.g. tool outputs), appended after :attr:`media`."""
+    finished_at: Any = None
+    """Unix seconds each response finished (float or one per response); None means now."""
+    traj_ids: Sequence[str] | None = None
+    """Trajectory ids; None means ``<group_id>.<i>``."""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if n == 0:
+            raise InvalidRequest(f"group {self.group_id!r} has no responses")
+        if len(self.response_logprobs) != n:
+            raise InvalidRequest(
+                f"group {self.group_id!r}: {len(self.response_logprobs)} logprob lists for {n} responses"
+            )
+
+    @property
+    def num_responses(self) -> int:
+        """Responses (rows) in the group."""
+        return len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class UnitTables:
+    """The two tables of one storage unit."""
+
+    traj: pa.Table
+    """Trajectory rows, :data:`TRAJECTORY_SCHEMA`."""
+    media: pa.Table
+    """Unique media, :data:`MEDIA_SCHEMA` (possibly empty)."""
+
+
+def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = True) -> UnitTables:
+    """Build (and validate) the trajectory and media tables for whole groups, rows in group order."""
+    if not groups:
+        raise InvalidRequest("a unit needs at least one group")
+    now = time.time()
+    cols: dict[str, list[Any]] = {k: [] for k in TRAJECTORY_COLUMNS}
+    all_media: list[Media] = []
+    for g in groups:
+        n = g.num_responses
+        cols["traj_id"] += list(g.traj_ids) if g.traj_ids is not None else [f"{g.group_id}.{i}" for i in range(n)]
+        if len(cols["traj_id"]) != len(cols["group_id"]) + n:
+            raise InvalidRequest(f"group {g.group_id!r}: traj_ids has the wrong number of entries")
+        cols["group_id"] += [g.group_id] * n
+        cols["source"] += [g.source] * n
+        cols["prompt_ids"] += [g.prompt_ids] * n
+        cols["response_ids"] += list(g.response_ids)
+        cols["response_logprobs"] += list(g.response_logprobs)
+        if g.loss_masks is None:
+            cols["loss_mask"] += [np.ones(len(_to_numpy(r, np.dtype(np.int32))), np.uint8) for r in g.response_ids]
+        else:
+            cols["loss_mask"] += _per_row(g.loss_masks, n, "loss_masks", g.group_id)
+        cols["reward"] += _per_row(g.rewards, n, "rewards", g.group_id)
+        vs = _per_row(g.version_start, n, "version_start", g.group_id)
+        ve = _per_row(g.version_end, n, "version_end", g.group_id)
+        vw = _per_row(g.version_weighted, n, "version_weighted", g.group_id)
+        cols["version_start"] += vs
+        cols["version_end"] += ve
+        cols["version_weighted"] += [(a + b) / 2 if w is None else w for a, b, w in zip(vs, ve, vw, strict=True)]
+        per_resp = _per_row(g.response_media, n, "response_media", g.group_id) if g.response_media else [()] * n
+        for extra in per_resp:
+            row_media = [*g.media, *extra]
+            all_media += row_media
+            cols["media"].append([m.hash for m in row_media])
+        fin = _per_row(g.finished_at, n, "finished_at", g.group_id)
+        cols["finished_at"] += [now if f is None else f for f in fin]
+    arrays = [
+        pa.array(cols["traj_id"], type=pa.string()),
+        pa.array(cols["group_id"], type=pa.string()),
+        pa.array(cols["source"], type=pa.string()).dictionary_encode(),
+        _list_array(cols["prompt_ids"], np.dtype(np.int32), pa.int32()),
+        _list_array(cols["response_ids"], np.dtype(np.int32), pa.int32()),
+        _list_array(cols["response_logprobs"], np.dtype(np.float32), pa.float32()),
+        _list_array(cols["loss_mask"], np.dtype(np.uint8), pa.uint8()),
+        pa.array(np.asarray(cols["reward"], dtype=np.float32)),
+        pa.array(np.asarray(cols["version_start"], dtype=np.int32)),
+        pa.array(np.asarray(cols["version_end"], dtype=np.int32)),
+        pa.array(np.asarray(cols["version_weighted"], dtype=np.float32)),
+        pa.array(cols["media"], type=pa.list_(_HASH)),
+        pa.array((np.asarray(cols["finished_at"], dtype=np.float64) * 1e6).astype("datetime64[us]")),
+    ]
+    traj = pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    media = build_media_table(all_media)
+    if validate:
+        validate_trajectories(traj)
+        validate_media(media)
+    return UnitTables(traj=traj, media=media)

@@ -1,0 +1,65 @@
+"""Byte budget with backpressure: writers wait on a condition variable until space is freed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from knittrans.errors import OverBudget
+
+__all__ = ["ByteBudget"]
+
+
+class ByteBudget:
+    """Counts bytes held on the store's memory filesystem against an optional limit.
+
+    ``reserve`` blocks up to a timeout while the budget is full and raises :class:`OverBudget`
+    naming the limit, the bytes in use and the bytes needed; ``release`` wakes every waiter.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit <= 0:
+            raise ValueError(f"budget limit must be positive or None, not {limit}")
+        self.limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        """Bytes reserved or held right now."""
+        return self._used
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit now; never waits."""
+        with self._cond:
+            if self.limit is None or self._used + nbytes <= self.limit:
+                self._used += nbytes
+                return True
+            return False
+
+    def reserve(self, nbytes: int, timeout: float) -> None:
+        """Reserve ``nbytes``, waiting up to ``timeout`` seconds for space; else raise OverBudget."""
+        if self.limit is not None and nbytes > self.limit:
+            raise OverBudget(f"need {nbytes} bytes but the store budget is only {self.limit} bytes in total")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.limit is not None and self._used + nbytes > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OverBudget(
+                        f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
+                        f"{self._used} bytes in use, need {nbytes} more"
+                    )
+                self._cond.wait(left)
+            self._used += nbytes
+
+    def force(self, nbytes: int) -> None:
+        """Account bytes that already exist (recovered units), even above the limit."""
+        with self._cond:
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Give bytes back and wake waiting writers."""
+        with self._cond:
+            self._used = max(0, self._used - nbytes)
+            self._cond.notify_all()

@@ -1,0 +1,350 @@
+"""Node-local unit store: pending units in temporaries, atomic seal, budget, spill, delete, rescan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from knittrans.errors import Conflict, InvalidRequest, NotFound, SchemaMismatch
+from knittrans.names import check_name
+from knittrans.schema import MEDIA_SCHEMA, SCHEMA_VERSION, check_schema
+from knittrans.store.budget import ByteBudget
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
+from knittrans.tickets import Ticket
+
+__all__ = ["DEFAULT_ROOT", "PendingUnit", "StoreConfig", "UnitStore", "estimate_unit_bytes"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path("/dev/shm/knittrans")
+"""Default store directory; units live under ``<root>/<job>/<unit>/``."""
+
+_TMP, _DEL, _BAD = ".tmp-", ".del-", ".corrupt-"
+_IPC_SLACK = 4096
+
+
+def ipc_overhead(schema: pa.Schema) -> int:
+    """Bytes an IPC file adds around its record batches: schema twice (header, footer), dictionaries."""
+    return int(2 * schema.serialize().size + _IPC_SLACK)
+
+
+def estimate_unit_bytes(traj: pa.Table, media: pa.Table) -> int:
+    """Upper estimate of a unit's two IPC files, used to reserve budget before writing."""
+    batches = sum(int(ipc.get_record_batch_size(b)) for t in (traj, media) for b in t.to_batches())
+    return batches + sum(ipc_overhead(t.schema) for t in (traj, media))
+
+
+Part = Literal["traj", "media"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Where and how much a store node keeps."""
+
+    root: Path = DEFAULT_ROOT
+    """Store directory (tmpfs); jobs are subdirectories."""
+    budget_bytes: int | None = None
+    """Most bytes of units (sealed + being written) held in ``root``; None means unlimited."""
+    spill_dir: Path | None = None
+    """Disk directory that takes whole units when the budget is full; None means writers wait."""
+    wait_timeout_s: float = 30.0
+    """How long a writer waits for budget before OverBudget."""
+    pending_ttl_s: float = 600.0
+    """Pending (unsealed) units older than this are aborted when the next unit begins."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        if self.spill_dir is not None:
+            object.__setattr__(self, "spill_dir", Path(self.spill_dir))
+            if Path(self.spill_dir).resolve() == Path(self.root).resolve():
+                raise ValueError("spill_dir must differ from root")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive or None, not {self.budget_bytes}")
+        if self.wait_timeout_s < 0 or self.pending_ttl_s <= 0:
+            raise ValueError("wait_timeout_s must be >= 0 and pending_ttl_s > 0")
+
+
+class PendingUnit:
+    """A unit being written into a temporary directory; invisible to readers until sealed."""
+
+    def __init__(self, store: UnitStore, job: str, unit_id: str) -> None:
+        self.store, self.job, self.unit_id = store, job, unit_id
+        self.created = time.monotonic()
+        self.spilled = False
+        self.reserved = 0
+        self.prepaid = 0
+        self.dir: Path | None = None
+        self._writers: dict[str, tuple[pa.OSFile, ipc.RecordBatchFileWriter, pa.Schema]] = {}
+        self.rows = {"traj": 0, "media": 0}
+        self.lock = threading.Lock()
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> Path:
+        """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir.
+
+        Bytes reserved ahead (``begin(reserve_bytes=...)``) are consumed first by later writes.
+        """
+        if self.dir is not None and self.prepaid:
+            used = min(nbytes, self.prepaid)
+            self.prepaid -= used
+            nbytes -= used
+            if not nbytes:
+                return self.dir
+        wait = self.store.config.wait_timeout_s if timeout is None else timeout
+        budget, spill = self.store.budget, self.store.config.spill_dir
+        if self.dir is None:
+            if budget.try_reserve(nbytes):
+                self.reserved += nbytes
+            elif spill is not None:
+                self.spilled = True
+                logger.info("budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
+                            budget.used, budget.limit, self.job, self.unit_id, spill)
+            else:
+                budget.reserve(nbytes, wait)
+                self.reserved += nbytes
+            base = spill if self.spilled and spill is not None else self.store.config.root
+            self.dir = base / self.job / f"{_TMP}{self.unit_id}-{secrets.token_hex(4)}"
+            self.dir.mkdir(parents=True)
+        elif not self.spilled:
+            budget.reserve(nbytes, wait)
+            self.reserved += nbytes
+        return self.dir
+
+    def write(self, part: Part, batch: pa.RecordBatch, timeout: float | None = None) -> None:
+        """Append one record batch to ``traj`` or ``media`` (schema-checked, budget-reserved)."""
+        with self.lock:
+            if part not in ("traj", "media"):
+                raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
+            entry = self._writers.get(part)
+            if entry is None:
+                check_schema(batch.schema, "trajectories" if part == "traj" else "media")
+            elif not batch.schema.equals(entry[2]):
+                raise SchemaMismatch(f"unit {self.unit_id!r}: batch schema changed within part {part!r}")
+            extra = ipc_overhead(batch.schema) if entry is None else 0
+            path = self.reserve(ipc.get_record_batch_size(batch) + extra, timeout)
+            if entry is None:
+                sink = pa.OSFile(str(path / (TRAJ_FILE if part == "traj" else MEDIA_FILE)), "wb")
+                entry = (sink, ipc.new_file(sink, batch.schema), batch.schema)
+                self._writers[part] = entry
+            entry[1].write_batch(batch)
+            self.rows[part] += batch.num_rows
+
+    def close_files(self) -> None:
+        """Finish the IPC files (footers); idempotent."""
+        for sink, writer, _ in self._writers.values():
+            writer.close()
+            sink.close()
+        self._writers.clear()
+
+    def discard(self) -> None:
+        """Remove the temporary directory and give back the reservation."""
+        with contextlib.suppress(OSError, pa.ArrowException):
+            self.close_files()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.store.budget.release(self.reserved)
+        self.reserved = 0
+
+
+class UnitStore:
+    """Units of every job on one node. Thread-safe; never imports ``pyarrow.flight``.
+
+    API: ``begin(job, unit, reserve_bytes=None) -> PendingUnit``; ``seal(job, unit) -> SealedUnit``;
+    ``write_unit(job, unit, traj, media) -> SealedUnit`` (begin + write + seal); ``abort``;
+    ``delete``; ``get``; ``units(job)``; ``read(ticket) -> pa.Table``; ``stats()``.
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.budget = ByteBudget(config.budget_bytes)
+        self._lock = threading.Lock()
+        self._sealed: dict[tuple[str, str], SealedUnit] = {}
+        self._pending: dict[tuple[str, str], PendingUnit] = {}
+        self.recovered = 0
+        self.quarantined = 0
+        config.root.mkdir(parents=True, exist_ok=True)
+        if config.spill_dir is not None:
+            config.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._rescan()
+
+    def _rescan(self) -> None:
+        bases = [(self.config.root, False)]
+        if self.config.spill_dir is not None:
+            bases.append((self.config.spill_dir, True))
+        for base, spilled in bases:
+            for job_dir in sorted(p for p in base.iterdir() if p.is_dir()):
+                try:
+                    job = check_name(job_dir.name, "job")
+                except InvalidRequest:
+                    logger.warning("rescan: ignoring directory %s (not a job name)", job_dir)
+                    continue
+                for entry in sorted(job_dir.iterdir()):
+                    if entry.name.startswith((_TMP, _DEL)):
+                        logger.info("rescan: dropping unsealed temporary %s", entry)
+                        shutil.rmtree(entry, ignore_errors=True)
+                    elif not entry.name.startswith(_BAD):
+                        self._recover(job, entry, spilled)
+
+    def _recover(self, job: str, path: Path, spilled: bool) -> None:
+        try:
+            check_name(path.name, "unit_id")
+            unit = SealedUnit.open(job, path.name, path, spilled=spilled)
+        except (InvalidRequest, OSError) as exc:
+            bad = path.with_name(f"{_BAD}{path.name}-{secrets.token_hex(4)}")
+            logger.warning("rescan: quarantining %s as %s: %s", path, bad.name, exc)
+            path.rename(bad)
+            self.quarantined += 1
+            return
+        if not spilled:
+            self.budget.force(unit.num_bytes)
+        self._sealed[(job, unit.unit_id)] = unit
+        self.recovered += 1
+        logger.info("rescan: recovered unit %s/%s (%s rows, %s bytes)", job, unit.unit_id,
+                    unit.num_rows, unit.num_bytes)
+
+    def begin(self, job: str, unit_id: str, *, reserve_bytes: int | None = None,
+              timeout: float | None = None) -> PendingUnit:
+        """Start a unit; with ``reserve_bytes`` reserve budget now and create its directory."""
+        check_name(job, "job")
+        check_name(unit_id, "unit_id")
+        now = time.monotonic()
+        with self._lock:
+            for key, old in list(self._pending.items()):
+                if now - old.created > self.config.pending_ttl_s:
+                    logger.warning("aborting unit %s/%s: unsealed for %.0fs", *key, now - old.created)
+                    del self._pending[key]
+                    old.discard()
+            if (job, unit_id) in self._sealed or (job, unit_id) in self._pending:
+                raise Conflict(f"unit {unit_id!r} of job {job!r} already exists")
+            pending = PendingUnit(self, job, unit_id)
+            self._pending[(job, unit_id)] = pending
+        if reserve_bytes is not None:
+            try:
+                pending.reserve(reserve_bytes, timeout)
+                pending.prepaid = reserve_bytes
+            except BaseException:
+                self.abort(job, unit_id)
+                raise
+        return pending
+
+    def pending(self, job: str, unit_id: str) -> PendingUnit:
+        """The unsealed unit ``job/unit_id``; NotFound otherwise."""
+        with self._lock:
+            p = self._pending.get((job, unit_id))
+        if p is None:
+            raise NotFound(f"no unit {unit_id!r} of job {job!r} is being written")
+        return p
+
+    def abort(self, job: str, unit_id: str) -> None:
+        """Drop a pending unit and its temporary files."""
+        with self._lock:
+            p = self._pending.pop((job, unit_id), None)
+        if p is not None:
+            p.discard()
+
+    def seal(self, job: str, unit_id: str) -> SealedUnit:
+        """Validate the pending unit's files and publish them by an atomic directory rename."""
+        p = self.pending(job, unit_id)
+        with p.lock:
+            try:
+                p.close_files()
+                tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
+                if not (tmp / TRAJ_FILE).exists():
+                    raise InvalidRequest(f"unit {unit_id!r} has no trajectory rows; nothing to seal")
+                if not (tmp / MEDIA_FILE).exists():
+                    write_table(tmp / MEDIA_FILE, MEDIA_SCHEMA.empty_table())
+                unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
+                final = tmp.parent / unit_id
+                os.rename(tmp, final)
+            except BaseException:
+                self.abort(job, unit_id)
+                raise
+        unit.path = final
+        if not p.spilled:
+            self.budget.force(unit.num_bytes)
+            self.budget.release(p.reserved)
+        with self._lock:
+            self._pending.pop((job, unit_id), None)
+            self._sealed[(job, unit_id)] = unit
+        logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
+        return unit
+
+    def write_unit(self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None,
+                   *, timeout: float | None = None) -> SealedUnit:
+        """Write and seal a whole unit (reserving its full size first, so spill is decided once)."""
+        check_schema(traj.schema, "trajectories")
+        media = MEDIA_SCHEMA.empty_table() if media is None else media
+        check_schema(media.schema, "media")
+        p = self.begin(job, unit_id, reserve_bytes=estimate_unit_bytes(traj, media), timeout=timeout)
+        try:
+            for part, table in (("traj", traj), ("media", media)):
+                for batch in table.to_batches():
+                    p.write(part, batch)  # type: ignore[arg-type]
+        except BaseException:
+            self.abort(job, unit_id)
+            raise
+        return self.seal(job, unit_id)
+
+    def get(self, job: str, unit_id: str) -> SealedUnit:
+        """A sealed unit; NotFound (naming job and unit) otherwise."""
+        unit = self._sealed.get((job, unit_id))
+        if unit is None:
+            check_name(job, "job")
+            check_name(unit_id, "unit_id")
+            raise NotFound(f"unit {unit_id!r} of job {job!r} is not on this node")
+        return unit
+
+    def units(self, job: str | None = None) -> list[SealedUnit]:
+        """Sealed units, of one job or all."""
+        with self._lock:
+            return [u for (j, _), u in self._sealed.items() if job is None or j == job]
+
+    def delete(self, job: str, unit_id: str) -> None:
+        """Delete a sealed unit (rename out of sight, then remove) or abort a pending one."""
+        with self._lock:
+            unit = self._sealed.pop((job, unit_id), None)
+            pending = self._pending.pop((job, unit_id), None) if unit is None else None
+        if pending is not None:
+            pending.discard()
+            return
+        if unit is None:
+            self.get(job, unit_id)  # raises NotFound naming the unit
+            return
+        doomed = unit.path.with_name(f"{_DEL}{unit_id}-{secrets.token_hex(4)}")
+        os.rename(unit.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        if not unit.spilled:
+            self.budget.release(unit.num_bytes)
+
+    def read(self, ticket: Ticket) -> pa.Table:
+        """Rows × columns (``rows`` ticket) or media rows (``media`` ticket) as zero-copy slices."""
+        if ticket.kind == "media":
+            units = [self.get(ticket.job, r.unit_id) for r in ticket.reads] or self.units(ticket.job)
+            return read_media(units, ticket.media_hashes)
+        return read_rows(self.get, ticket.job, ticket.reads, ticket.columns)
+
+    def stats(self) -> dict[str, object]:
+        """Counts and bytes for the ``stats`` action."""
+        units = self.units()
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "units": len(units),
+            "rows": sum(u.num_rows for u in units),
+            "bytes_in_memory": sum(u.num_bytes for u in units if not u.spilled),
+            "bytes_spilled": sum(u.num_bytes for u in units if u.spilled),
+            "budget_bytes": self.budget.limit,
+            "budget_used": self.budget.used,
+            "pending": len(self._pending),
+            "recovered": self.recovered,
+            "quarantined": self.quarantined,
+        }

@@ -1,0 +1,65 @@
+"""Shared fixtures: a store directory on tmpfs, a running store server, synthetic groups."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from knittrans.flight import StoreServer, StoreServerConfig
+from knittrans.schema import Media, TrajectoryGroup
+from knittrans.store import StoreConfig
+
+
+@pytest.fixture
+def store_dir() -> Iterator[Path]:
+    """A fresh store directory, on /dev/shm when it exists (the real deployment filesystem)."""
+    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    path = Path(tempfile.mkdtemp(prefix="knittrans-test-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server(store_dir: Path) -> Iterator[Callable[..., StoreServer]]:
+    """Factory starting StoreServers on 127.0.0.1:0 (default root: ``store_dir``); all shut down after."""
+    servers: list[StoreServer] = []
+
+    def start(*, root: Path | None = None, token: str | None = None, **store_kw: Any) -> StoreServer:
+        server_kw = {k: store_kw.pop(k) for k in ("max_put_bytes", "batch_bytes", "node_id") if k in store_kw}
+        config = StoreServerConfig(store=StoreConfig(root=root or store_dir, **store_kw), token=token, **server_kw)
+        servers.append(StoreServer(config))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.shutdown()
+
+
+def make_groups(n_groups: int = 3, n_responses: int = 4, *, seed: int = 0, prefix: str = "g",
+                media: bool = True, max_len: int = 40) -> list[TrajectoryGroup]:
+    """Random GRPO groups with shared images per group and one per-response extra item."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for i in range(n_groups):
+        lens = rng.integers(0, max_len, n_responses)
+        image = Media(kind="image", data=rng.integers(0, 255, (3, 4, 4), dtype=np.uint8))
+        groups.append(TrajectoryGroup(
+            group_id=f"{prefix}{i}", source=["math", "code", "mm_qa"][i % 3],
+            prompt_ids=rng.integers(0, 50_000, int(rng.integers(1, max_len)), dtype=np.int32),
+            response_ids=[rng.integers(0, 50_000, n, dtype=np.int32) for n in lens],
+            response_logprobs=[-rng.random(n, dtype=np.float32) for n in lens],
+            loss_masks=[rng.integers(0, 2, n, dtype=np.uint8) for n in lens],
+            rewards=rng.random(n_responses).astype(np.float32),
+            version_start=int(i), version_end=[int(i) + int(k % 2) for k in range(n_responses)],
+            media=[image] if media else (),
+            response_media=[[Media(kind="audio", data=f"clip{k % 2}".encode())] for k in range(n_responses)]
+            if media else None,
+            finished_at=1_700_000_000.0 + i,
+        ))
+    return groups

@@ -1,0 +1,135 @@
+"""Store server over Arrow Flight: round trips, projections, many units per DoGet, typed errors, auth."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from conftest import make_groups
+
+from knittrans.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    SchemaMismatch,
+    Unauthenticated,
+)
+from knittrans.flight import StoreClient, StoreServer
+from knittrans.schema import TRAJECTORY_COLUMNS, UnitTables, build_unit_tables
+from knittrans.tickets import Ticket, UnitRead
+
+Start = Callable[..., StoreServer]
+
+
+def _unit(seed: int, n: int = 3) -> UnitTables:
+    return build_unit_tables(make_groups(n, 4, seed=seed, prefix=f"u{seed}g"))
+
+
+def _rows(job: str, *reads: tuple[str, tuple[tuple[int, int], ...]], columns: tuple[str, ...] | None = None) -> Ticket:
+    return Ticket(job=job, reads=tuple(UnitRead(unit_id=u, row_ranges=r) for u, r in reads), columns=columns)
+
+
+def test_put_then_get_round_trips_every_column(start_server: Start) -> None:
+    """A unit uploaded by DoPut comes back from DoGet bit-exact, media included."""
+    server = start_server()
+    t = _unit(0)
+    with StoreClient(server.endpoint) as c:
+        info = c.put_unit("job", "u0", t.traj, t.media)
+        assert info["num_rows"] == 12 and info["media_rows"] == t.media.num_rows
+        got = c.get(_rows("job", ("u0", ())))
+        assert got.equals(t.traj) and got.schema.equals(t.traj.schema, check_metadata=True)
+        hashes = tuple(h.hex() for h in t.media.column("media_hash").to_pylist())
+        assert c.get(Ticket(job="job", kind="media", media_hashes=hashes)).equals(t.media)
+        assert c.list_units("job") == [{"job": "job", "unit_id": "u0", "num_rows": 12, "num_bytes": info["num_bytes"]}]
+        assert c.unit_info("job", "u0")["num_rows"] == 12
+        assert c.health()["ok"] is True and c.stats()["units"] == 1
+
+
+def test_many_units_row_ranges_and_projection_in_one_doget(start_server: Start) -> None:
+    """One ticket over three units with row ranges and two columns returns exactly those cells in order."""
+    server = start_server(batch_bytes=1024)  # forces several streamed batches
+    units = {f"u{i}": _unit(i) for i in range(3)}
+    with StoreClient(server.endpoint) as c:
+        for uid, t in units.items():
+            c.put_unit("job", uid, t.traj, t.media)
+        cols = ("response_logprobs", "traj_id")
+        ticket = _rows("job", ("u2", ((0, 2), (5, 6))), ("u0", ((11, 12),)), ("u1", ()), columns=cols)
+        got = c.get(ticket)
+        want = pa.concat_tables([
+            units["u2"].traj.slice(0, 2), units["u2"].traj.slice(5, 1), units["u0"].traj.slice(11, 1), units["u1"].traj,
+        ]).select(list(cols))
+        assert got.column_names == list(cols) and got.equals(want)
+
+
+def test_bad_requests_get_clear_errors_and_server_keeps_serving(start_server: Start) -> None:
+    """Bad ticket bytes, unknown unit, wrong schema, bad ranges, unknown action: typed errors, then a good call."""
+    server = start_server()
+    t = _unit(0)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        raw = flight.connect(server.endpoint)
+        with pytest.raises(flight.FlightServerError, match="InvalidTicket: ticket is not JSON"):
+            raw.do_get(flight.Ticket(b"{not json")).read_all()
+        with pytest.raises(flight.FlightServerError, match="InvalidTicket: ticket version 9 is not supported"):
+            raw.do_get(flight.Ticket(b'{"v": 9, "job": "job", "reads": []}')).read_all()
+        with pytest.raises(flight.FlightServerError, match="InvalidTicket: ticket has unknown fields"):
+            raw.do_get(flight.Ticket(b'{"v":1,"job":"job","reads":[{"unit":"u0"}],"x":1}')).read_all()
+        with pytest.raises(flight.FlightServerError, match=r"InvalidTicket: unit_id '\.\./etc' is not a valid name"):
+            raw.do_get(flight.Ticket(b'{"v":1,"job":"job","reads":[{"unit":"../etc"}]}')).read_all()
+        with pytest.raises(NotFound, match="unit 'missing' of job 'job' is not on this node"):
+            c.get(_rows("job", ("missing", ())))
+        with pytest.raises(InvalidRequest, match="row range \\[0, 99\\) is out of range"):
+            c.get(_rows("job", ("u0", ((0, 99),))))
+        wrong = t.traj.drop_columns(["reward"])
+        with pytest.raises(SchemaMismatch, match="missing \\['reward'\\]"):
+            c.put_part("job", "w", "traj", wrong)
+        with pytest.raises(flight.FlightServerError, match="InvalidRequest: unknown action 'explode'"):
+            list(raw.do_action(flight.Action("explode", b"")))
+        with pytest.raises(NotFound):
+            c.seal("job", "never-written")
+        assert c.get(_rows("job", ("u0", ()))).equals(t.traj)  # still serving
+        assert c.stats()["pending"] == 0
+
+
+def test_oversized_put_is_refused_and_leaves_nothing(start_server: Start) -> None:
+    """An upload above max_put_bytes is PayloadTooLarge; the pending unit is discarded; small puts work."""
+    server = start_server(max_put_bytes=50_000)
+    big, small = _unit(1, n=40), _unit(2)
+    with StoreClient(server.endpoint, batch_bytes=8_000) as c:
+        with pytest.raises(PayloadTooLarge, match="above the limit of 50000 bytes"):
+            c.put_unit("job", "big", big.traj, big.media)
+        assert c.stats()["pending"] == 0 and c.list_units() == []
+        with pytest.raises(PayloadTooLarge):
+            c.reserve("job", "big2", 10**9)
+        c.put_unit("job", "small", small.traj, small.media)
+        assert c.get(_rows("job", ("small", ()))).equals(small.traj)
+
+
+def test_bearer_token_is_required(start_server: Start) -> None:
+    """Without or with a wrong token every call is Unauthenticated; the right token works afterwards."""
+    server = start_server(token="s3cret")
+    t = _unit(0)
+    with StoreClient(server.endpoint) as anon, pytest.raises(Unauthenticated, match="missing bearer token"):
+        anon.health()
+    with StoreClient(server.endpoint, token="guess") as wrong:
+        with pytest.raises(Unauthenticated, match="wrong bearer token"):
+            wrong.put_unit("job", "u", t.traj, t.media)
+        with pytest.raises(Unauthenticated):
+            wrong.get(_rows("job", ("u", ())))
+    with StoreClient(server.endpoint, token="s3cret") as ok:
+        ok.put_unit("job", "u", t.traj, t.media)
+        assert ok.get(_rows("job", ("u", ()), columns=TRAJECTORY_COLUMNS)).equals(t.traj)
+
+
+def test_delete_over_flight(start_server: Start) -> None:
+    """Deleting a unit makes later reads NotFound and frees its listing."""
+    server = start_server()
+    t = _unit(0)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u", t.traj, t.media)
+        c.delete("job", "u")
+        assert c.list_units() == []
+        with pytest.raises(NotFound):
+            c.get(_rows("job", ("u", ())))

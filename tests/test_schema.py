@@ -1,0 +1,135 @@
+"""Schema, builder and validator of trajectory and media tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import make_groups
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knittrans.errors import InvalidRequest, SchemaMismatch
+from knittrans.schema import (
+    MEDIA_SCHEMA,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    TRAJECTORY_SCHEMA,
+    Media,
+    TrajectoryGroup,
+    build_unit_tables,
+    check_schema,
+    validate_trajectories,
+)
+
+
+def test_every_column_holds_exactly_what_was_given() -> None:
+    """Every trajectory column equals the builder's inputs, row by row."""
+    groups = make_groups(3, 4)
+    traj = build_unit_tables(groups).traj
+    assert traj.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
+    rows = traj.to_pylist()
+    r = 0
+    for g in groups:
+        for k in range(g.num_responses):
+            row = rows[r]
+            assert row["traj_id"] == f"{g.group_id}.{k}" and row["group_id"] == g.group_id
+            assert row["source"] == g.source
+            assert row["prompt_ids"] == g.prompt_ids.tolist()
+            assert row["response_ids"] == g.response_ids[k].tolist()
+            assert row["response_logprobs"] == g.response_logprobs[k].tolist()
+            assert row["loss_mask"] == g.loss_masks[k].tolist()  # type: ignore[index]
+            assert row["reward"] == pytest.approx(float(g.rewards[k]), abs=0)
+            assert row["version_start"] == g.version_start and row["version_end"] == g.version_end[k]
+            assert row["version_weighted"] == (g.version_start + g.version_end[k]) / 2
+            assert row["media"] == [g.media[0].hash, g.response_media[k][0].hash]  # type: ignore[index]
+            assert row["finished_at"].timestamp() == pytest.approx(g.finished_at, abs=1e-6)
+            r += 1
+
+
+def test_media_are_stored_once_per_unique_hash() -> None:
+    """A group image used by four responses and two audio clips give three media rows per group."""
+    groups = make_groups(2, 4)
+    media = build_unit_tables(groups).media
+    assert media.schema.equals(MEDIA_SCHEMA, check_metadata=True)
+    assert media.num_rows == 2 + 2  # two images, two clips shared across both groups
+    img = groups[0].media[0]
+    row = media.to_pylist()[0]
+    assert row["media_hash"] == img.hash and row["kind"] == "image"
+    assert row["shape"] == [3, 4, 4] and row["dtype"] == "uint8"
+    assert row["data"] == np.ascontiguousarray(img.data).tobytes()
+
+
+def test_torch_and_list_inputs_build_the_same_table() -> None:
+    """Tensors, numpy arrays and Python lists are interchangeable inputs."""
+    kw = dict(group_id="g", source="math", rewards=[1.0, 0.5], version_start=2, version_end=3, finished_at=1.0)
+    a = TrajectoryGroup(prompt_ids=torch.tensor([1, 2]), response_ids=[torch.tensor([3, 4, 5]), torch.tensor([6])],
+                        response_logprobs=[torch.zeros(3), torch.full((1,), -0.5)], **kw)  # type: ignore[arg-type]
+    b = TrajectoryGroup(prompt_ids=[1, 2], response_ids=[[3, 4, 5], [6]], response_logprobs=[[0.0] * 3, [-0.5]],
+                        **kw)  # type: ignore[arg-type]
+    assert build_unit_tables([a]).traj.equals(build_unit_tables([b]).traj)
+
+
+def test_media_hash_depends_on_shape_dtype_and_bytes() -> None:
+    """Equal bytes with another shape or kind hash differently; equal content hashes equally."""
+    x = np.arange(6, dtype=np.uint8)
+    assert Media(kind="image", data=x).hash == Media(kind="image", data=x.copy()).hash
+    assert Media(kind="image", data=x).hash != Media(kind="image", data=x.reshape(2, 3)).hash
+    assert Media(kind="image", data=x).hash != Media(kind="audio", data=x).hash
+    assert Media(kind="image", data=torch.ones(2, dtype=torch.bfloat16)).dtype == "bfloat16"
+    assert len(Media(kind="raw", data=b"abc").hex) == 64
+
+
+def test_validation_names_column_and_row() -> None:
+    """A logprob list shorter than its response is reported with column name and row index."""
+    g = make_groups(1, 8, media=False)[0]
+    bad = list(g.response_logprobs)
+    bad[5] = np.zeros(len(g.response_ids[5]) + 1, np.float32)
+    with pytest.raises(InvalidRequest, match=r"'response_logprobs' has length \d+ != response_ids length \d+ at row 5"):
+        build_unit_tables([TrajectoryGroup(**{**g.__dict__, "response_logprobs": bad})])
+    with pytest.raises(InvalidRequest, match=r"'version_end'.*at row 0"):
+        build_unit_tables([TrajectoryGroup(**{**g.__dict__, "version_start": 5, "version_end": 4})])
+    with pytest.raises(InvalidRequest, match="'traj_id' value 'x' is duplicated"):
+        build_unit_tables([TrajectoryGroup(**{**g.__dict__, "traj_ids": ["x"] * 8})])
+    with pytest.raises(InvalidRequest, match="rewards has 2 entries for 8 responses"):
+        build_unit_tables([TrajectoryGroup(**{**g.__dict__, "rewards": [1.0, 2.0]})])
+
+
+def test_schema_check_names_version_and_column() -> None:
+    """A wrong schema version or a wrong column type is a SchemaMismatch saying which."""
+    old = TRAJECTORY_SCHEMA.with_metadata({**TRAJECTORY_SCHEMA.metadata, SCHEMA_VERSION_KEY: b"0"})
+    with pytest.raises(SchemaMismatch, match=f"version is 0, expected {SCHEMA_VERSION}"):
+        check_schema(old)
+    wrong = TRAJECTORY_SCHEMA.set(4, pa.field("response_ids", pa.list_(pa.int64())))
+    with pytest.raises(SchemaMismatch, match="'response_ids' has type list<item: int64>"):
+        check_schema(wrong)
+    with pytest.raises(SchemaMismatch, match="missing \\['reward'\\]"):
+        check_schema(TRAJECTORY_SCHEMA.remove(7))
+    with pytest.raises(SchemaMismatch, match="tagged"):
+        check_schema(MEDIA_SCHEMA, "trajectories")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=5), min_size=1, max_size=5), st.data())
+def test_builder_round_trips_random_shapes(lengths: list[list[int]], data: st.DataObject) -> None:
+    """For random group shapes the list offsets and values equal the inputs exactly."""
+    groups = []
+    for i, lens in enumerate(lengths):
+        resp = [np.arange(n, dtype=np.int32) + 7 * k for k, n in enumerate(lens)]
+        groups.append(TrajectoryGroup(
+            group_id=f"g{i}", source="s", prompt_ids=np.arange(i + 1), response_ids=resp,
+            response_logprobs=[np.full(n, -0.25, np.float32) for n in lens], rewards=[0.0] * len(lens),
+            version_start=0, version_end=0))
+    traj = build_unit_tables(groups).traj
+    flat = [r for g in groups for r in g.response_ids]
+    assert traj.column("response_ids").to_pylist() == [r.tolist() for r in flat]
+    offsets = traj.column("response_ids").chunk(0).offsets.to_numpy()
+    assert offsets.tolist() == np.concatenate([[0], np.cumsum([len(r) for r in flat])]).tolist()
+    # corrupt one row's logprobs: the validator must point at exactly that row
+    row = data.draw(st.integers(0, len(flat) - 1))
+    lp = traj.column("response_logprobs").to_pylist()
+    lp[row] = [*lp[row], 0.0]
+    broken = traj.set_column(5, "response_logprobs", pa.array(lp, type=pa.list_(pa.float32())))
+    with pytest.raises(InvalidRequest, match=f"'response_logprobs' .* at row {row}$"):
+        validate_trajectories(broken)

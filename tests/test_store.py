@@ -1,0 +1,160 @@
+"""Node-local unit store: zero-copy reads, budget backpressure, spill, delete, rescan."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import make_groups
+
+from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget
+from knittrans.schema import build_unit_tables
+from knittrans.store import LocalReader, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.tickets import Ticket, UnitRead
+
+
+def _tables(seed: int = 0, n: int = 3):  # type: ignore[no-untyped-def]
+    return build_unit_tables(make_groups(n, 4, seed=seed, prefix=f"s{seed}g"))
+
+
+def _buffer_span(table: pa.Table) -> tuple[int, int]:
+    bufs = [b for col in table.columns for ch in col.chunks for b in ch.buffers() if b is not None]
+    return min(b.address for b in bufs), max(b.address + b.size for b in bufs)
+
+
+def test_reads_are_zero_copy_slices_of_the_memory_map(store_dir: Path) -> None:
+    """Row ranges and projections point into the unit's mapped file and equal the source rows."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    t = _tables()
+    unit = store.write_unit("job", "u1", t.traj, t.media)
+    assert (store_dir / "job" / "u1" / "traj.arrow").exists()
+    lo, hi = _buffer_span(unit.traj)
+    got = store.read(Ticket(job="job", reads=(UnitRead(unit_id="u1", row_ranges=((2, 5), (7, 9))),),
+                            columns=("response_ids", "reward")))
+    assert got.column_names == ["response_ids", "reward"]
+    expected = pa.concat_tables([t.traj.slice(2, 3), t.traj.slice(7, 2)]).select(["response_ids", "reward"])
+    assert got.equals(expected)
+    g_lo, g_hi = _buffer_span(got)
+    assert lo <= g_lo and g_hi <= hi  # no copy: the result's buffers live in the mapped file
+    with pytest.raises(InvalidRequest, match="has 12 rows; row range \\[10, 20\\) is out of range"):
+        store.read(Ticket(job="job", reads=(UnitRead(unit_id="u1", row_ranges=((10, 20),)),)))
+    with pytest.raises(InvalidRequest, match="no columns \\['nope'\\]"):
+        store.read(Ticket(job="job", reads=(UnitRead(unit_id="u1"),), columns=("nope",)))
+
+
+def test_names_are_validated_and_duplicates_refused(store_dir: Path) -> None:
+    """Path-traversal ids are InvalidName; a second unit with the same id is a Conflict."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    t = _tables()
+    with pytest.raises(InvalidName):
+        store.write_unit("job", "../evil", t.traj, t.media)
+    with pytest.raises(InvalidName):
+        store.write_unit("../job", "u", t.traj, t.media)
+    store.write_unit("job", "u", t.traj, t.media)
+    with pytest.raises(Conflict, match="already exists"):
+        store.write_unit("job", "u", t.traj, t.media)
+    assert not any(p.name.startswith(".") for p in (store_dir / "job").iterdir())
+
+
+def test_waiting_writer_proceeds_when_space_is_freed(store_dir: Path) -> None:
+    """With a full budget a writer blocks; deleting a unit wakes it and its unit is sealed."""
+    t = _tables(n=20)
+    need = estimate_unit_bytes(t.traj, t.media)
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=int(need * 1.5), wait_timeout_s=20))
+    store.write_unit("job", "a", t.traj, t.media)
+    done = threading.Event()
+
+    def second() -> None:
+        store.write_unit("job", "b", t.traj, t.media)
+        done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.3)
+    assert not done.is_set() and store.stats()["units"] == 1  # backpressure: still waiting
+    store.delete("job", "a")
+    thread.join(10)
+    assert done.is_set() and [u.unit_id for u in store.units()] == ["b"]
+    assert store.budget.used == store.get("job", "b").num_bytes
+
+
+def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
+    """Without free space the writer gets OverBudget naming budget, use and need; nothing is left behind."""
+    t = _tables()
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=200_000, wait_timeout_s=0.2))
+    store.write_unit("job", "a", t.traj, t.media)
+    big = _tables(seed=1, n=200)
+    with pytest.raises(OverBudget, match="budget is only 200000 bytes"):
+        store.write_unit("job", "huge", big.traj, big.media)
+    mid = _tables(seed=2, n=30)
+    with pytest.raises(OverBudget, match=r"budget of 200000 bytes stayed full for 0\.2s.*need \d+ more"):
+        for i in range(10):
+            store.write_unit("job", f"m{i}", mid.traj, mid.media)
+    assert store.stats()["pending"] == 0
+    assert not [p for p in (store_dir / "job").iterdir() if p.name.startswith(".")]
+
+
+def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -> None:
+    """With a spill dir a unit that does not fit goes there, is readable and survives a rescan."""
+    t = _tables(n=20)
+    budget = int(estimate_unit_bytes(t.traj, t.media) * 1.5)
+    cfg = StoreConfig(root=store_dir, budget_bytes=budget, spill_dir=tmp_path / "spill", wait_timeout_s=0)
+    store = UnitStore(cfg)
+    store.write_unit("job", "a", t.traj, t.media)
+    spilled = store.write_unit("job", "b", t.traj, t.media)
+    assert spilled.spilled and spilled.path == tmp_path / "spill" / "job" / "b"
+    assert store.read(Ticket(job="job", reads=(UnitRead(unit_id="b"),))).equals(t.traj)
+    stats = store.stats()
+    assert stats["bytes_spilled"] == spilled.num_bytes and stats["budget_used"] <= budget
+    again = UnitStore(cfg)
+    assert {u.unit_id: u.spilled for u in again.units()} == {"a": False, "b": True}
+    assert LocalReader([store_dir, tmp_path / "spill"]).read(
+        Ticket(job="job", reads=(UnitRead(unit_id="b"),))).equals(t.traj)
+
+
+def test_delete_removes_unit_and_frees_budget(store_dir: Path) -> None:
+    """A deleted unit is gone from reads, disk and the budget; deleting it again is NotFound."""
+    t = _tables()
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
+    store.write_unit("job", "u", t.traj, t.media)
+    store.delete("job", "u")
+    assert store.budget.used == 0 and not (store_dir / "job" / "u").exists()
+    with pytest.raises(NotFound, match="unit 'u' of job 'job' is not on this node"):
+        store.read(Ticket(job="job", reads=(UnitRead(unit_id="u"),)))
+    with pytest.raises(NotFound):
+        store.delete("job", "u")
+
+
+def test_rescan_recovers_sealed_drops_temporaries_quarantines_corrupt(store_dir: Path) -> None:
+    """A new store on the same directory serves every sealed unit, drops .tmp dirs, skips broken units."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    tables = {f"u{i}": _tables(seed=i) for i in range(3)}
+    for uid, t in tables.items():
+        store.write_unit("job", uid, t.traj, t.media)
+    half = store.begin("job", "half")
+    half.write("traj", tables["u0"].traj.to_batches()[0])  # never sealed
+    (store_dir / "job" / "broken").mkdir()
+    (store_dir / "job" / "broken" / "traj.arrow").write_bytes(b"not arrow")
+    again = UnitStore(StoreConfig(root=store_dir))
+    assert sorted(u.unit_id for u in again.units()) == ["u0", "u1", "u2"]
+    for uid, t in tables.items():
+        assert again.read(Ticket(job="job", reads=(UnitRead(unit_id=uid),))).equals(t.traj)
+    names = sorted(p.name for p in (store_dir / "job").iterdir())
+    assert not any(n.startswith(".tmp-") for n in names)
+    assert any(n.startswith(".corrupt-broken-") for n in names) and "broken" not in names
+    assert again.stats()["recovered"] == 3 and again.stats()["quarantined"] == 1
+
+
+def test_media_by_hash_each_once(store_dir: Path) -> None:
+    """A media ticket returns each requested hash once, from whichever unit holds it."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    t = _tables()
+    store.write_unit("job", "u", t.traj, t.media)
+    hashes = [h.hex() for h in t.media.column("media_hash").to_pylist()]
+    got = store.read(Ticket(job="job", kind="media", media_hashes=(hashes[1], hashes[0], hashes[1])))
+    assert got.column("media_hash").to_pylist() == [bytes.fromhex(hashes[1]), bytes.fromhex(hashes[0])]
+    with pytest.raises(NotFound, match=r"media hash 0{64} is in none of the units"):
+        store.read(Ticket(job="job", kind="media", media_hashes=("0" * 64,)))

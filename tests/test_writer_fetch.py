@@ -1,0 +1,106 @@
+"""TrajectoryWriter (shared dir and DoPut) and the fetcher (parallel nodes, merged DoGets, local mmap)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import make_groups
+
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import Conflict, InvalidRequest, OverBudget
+from knittrans.flight import StoreServer
+from knittrans.rollout.writer import TrajectoryWriter
+from knittrans.schema import SCHEMA_VERSION, build_unit_tables
+from knittrans.store import estimate_unit_bytes
+from knittrans.tickets import Ticket, UnitRead
+from knittrans.trainer.fetch import Fetcher, FetchRead, _plan, fetch
+
+Start = Callable[..., StoreServer]
+
+
+def _read(server: StoreServer, unit: str, rows: tuple[tuple[int, int], ...] = (), columns=None) -> FetchRead:  # type: ignore[no-untyped-def]
+    return FetchRead(node_id=server.config.node_id, endpoint=server.endpoint,
+                     ticket=Ticket(job="job", reads=(UnitRead(unit_id=unit, row_ranges=rows),), columns=columns))
+
+
+def test_local_and_remote_writers_store_the_same_unit(start_server: Start, store_dir: Path) -> None:
+    """Shared-dir and DoPut writers seal identical rows and describe them identically."""
+    server = start_server()
+    groups = make_groups(3, 4)
+    local = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir)
+    remote = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint)
+    a, b = local.write_groups(groups, unit_id="a"), remote.write_groups(groups, unit_id="b")
+    assert isinstance(a, UnitDescriptor) and a.schema_version == SCHEMA_VERSION
+    assert UnitDescriptor.from_dict(a.to_dict()) == a
+    assert (store_dir / "job" / "a" / "traj.arrow").exists()
+    ta, tb = (fetch([_read(server, u)]) for u in ("a", "b"))
+    assert ta.drop_columns(["finished_at"]).equals(tb.drop_columns(["finished_at"]))
+    g0 = a.groups[0]
+    assert [g.group_id for g in a.groups] == ["g0", "g1", "g2"] and a.num_rows == 12
+    assert g0.trajectory_tokens == tuple(len(groups[0].prompt_ids) + len(r) for r in groups[0].response_ids)
+    assert (g0.version_start, g0.version_end) == (0, 1)
+    resp = [len(r) for r in groups[0].response_ids]
+    vw = [(0 + k % 2) / 2 for k in range(4)]
+    assert g0.version_weighted == pytest.approx(sum(v * n for v, n in zip(vw, resp, strict=True)) / sum(resp))
+    assert g0.media_hashes[0] == groups[0].media[0].hex and len(g0.media_hashes) == 3
+    assert a.num_bytes == server.store.get("job", "a").num_bytes
+    assert a.groups == tuple(g for g in b.groups)  # same content, same description
+
+
+def test_writer_refuses_a_store_dir_that_is_not_the_nodes(start_server: Start, tmp_path: Path) -> None:
+    """A writer whose store_dir differs from the node's directory gets Conflict, and nothing is left pending."""
+    server = start_server()
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=tmp_path)
+    with pytest.raises(Conflict, match="is the node on another host"):
+        writer.write_groups(make_groups(1))
+    assert server.store.stats()["pending"] == 0
+
+
+def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store_dir: Path) -> None:
+    """The reserve action applies the node's budget to same-host writers: OverBudget after the timeout."""
+    t = build_unit_tables(make_groups(20, 4))
+    server = start_server(budget_bytes=int(estimate_unit_bytes(t.traj, t.media) * 1.5))
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir,
+                              timeout_s=0.2)
+    writer.write_groups(make_groups(20, 4, prefix="a"))
+    with pytest.raises(OverBudget, match="stayed full"):
+        writer.write_groups(make_groups(20, 4, prefix="b"))
+
+
+def test_fetch_across_nodes_keeps_read_order_and_local_equals_flight(start_server: Start, tmp_path: Path) -> None:
+    """Reads interleaved over two nodes come back in read order; the mmap short-circuit gives the same table."""
+    dirs = [tmp_path / "n0", tmp_path / "n1"]
+    servers = [start_server(root=d, node_id=f"node-{i}") for i, d in enumerate(dirs)]
+    units = {}
+    for i, s in enumerate(servers):
+        w = TrajectoryWriter(job="job", node_id=s.config.node_id, endpoint=s.endpoint, store_dir=dirs[i])
+        for k in range(2):
+            units[(i, k)] = w.write_groups(make_groups(2, 4, seed=10 * i + k, prefix=f"n{i}u{k}g")).unit_id
+    reads = [
+        _read(servers[1], units[(1, 0)], ((1, 3),)),
+        _read(servers[0], units[(0, 1)], ((0, 2), (6, 8))),
+        _read(servers[1], units[(1, 1)], ((4, 5),)),
+        _read(servers[0], units[(0, 0)], ((7, 8),)),
+    ]
+    with Fetcher() as f:
+        remote = f.fetch(reads)
+    singles = [fetch([r]) for r in reads]
+    assert remote.num_rows == 2 + 4 + 1 + 1
+    assert remote.column("traj_id").to_pylist() == [x for t in singles for x in t.column("traj_id").to_pylist()]
+    local = fetch(reads, local_dirs={"node-0": dirs[0], "node-1": [dirs[1]]})
+    assert local.equals(remote)
+    whole = [_read(servers[0], units[(0, 0)]), _read(servers[0], units[(0, 1)], columns=("reward",))]
+    with pytest.raises(InvalidRequest, match="different columns"):
+        fetch(whole)
+
+
+def test_fetch_one_doget_per_node(start_server: Start) -> None:
+    """Reads of one node with explicit rows are merged into a single DoGet and split back exactly."""
+    server = start_server()
+    rs = [_read(server, "u1", ((0, 2),)), _read(server, "u2", ((3, 4),)), _read(server, "u1", ((5, 9),))]
+    calls = _plan(list(enumerate(rs)))
+    assert len(calls) == 1 and [m for _, m in calls[0][1]] == [2, 1, 4]
+    unknown = [_read(server, "u1"), _read(server, "u2", ((0, 1),))]
+    assert len(_plan(list(enumerate(unknown)))) == 2
