@@ -1,0 +1,382 @@
+"""Gradient-preserving multimodal encoding dedup: encode each unique media once per mini-batch.
+
+Usage (one data-parallel rank, one mini-batch of ``M`` micro-batches)::
+
+    dedup = DedupEncoder(vision_encoder, mode="keep_graph")
+    dedup.begin_mini_batch(cache.get(all_hashes))        # or lazily, see add_media
+    for i, micro in enumerate(micro_batches):
+        feats = dedup.features(micro.media_hashes)      # [n, *feature_shape]
+        loss = backbone(micro, feats) / global_tokens   # same normaliser as without dedup
+        loss.backward()                                 # accumulates into the feature leaf
+    dedup.finish()                                      # ONE encoder backward, summed gradient
+    all_reduce_gradients(vision_encoder.parameters())   # only under data parallelism, see below
+    optimizer.step(); optimizer.zero_grad()
+
+Why the gradients are exact: with duplication every use ``u`` of media ``m`` runs the encoder on
+its own copy and contributes ``J_m^T g_u`` to the encoder parameters. Here every use reads a row
+of one detached leaf, so after all micro-batches ``leaf.grad[m] = sum_u g_u`` and one backward
+gives ``J_m^T sum_u g_u`` — the same sum, by linearity. This needs an encoder whose output for a
+media does not depend on the other media it is batched with (no BatchNorm in train mode) and, in
+``recompute`` mode, one that computes the same function twice (dropout is replayed by restoring
+the RNG state; BatchNorm running statistics would be updated twice).
+
+Leaf dtype: features are handed out from a float32 leaf (float64 when the encoder returns
+float64), so gradients of many micro-batches accumulate in at least fp32 even for a bf16 encoder;
+cast to the backbone's dtype after ``features()``. The summed gradient is cast back to the
+encoder output's dtype for the single backward.
+
+Shapes: unique media are grouped by (shape, dtype) in first-seen order and each group is encoded
+in one call (or in chunks of ``encode_batch_size``); ``features()`` stacks rows, so every media a
+micro-batch asks for must yield the same feature shape (use ``feature_list()`` otherwise).
+
+Data parallelism (DDP/FSDP): the encoder backward happens in ``finish()``, after the last
+micro-batch's backbone backward, so DDP's hooks cannot reduce encoder gradients during the
+backbone's backward. Keep the encoder *outside* the DDP-wrapped backbone, run micro-batches
+``1..M-1`` under ``backbone.no_sync()`` and the last one synchronised (normal), then ``finish()``
+and :func:`all_reduce_gradients` over the encoder's parameters. Every rank calls both exactly
+once per mini-batch, whatever media it had (a rank without media contributes zeros), so the
+collectives always match. Alternatively keep encoder and backbone in one DDP module, run every
+micro-batch under ``no_sync()``, call ``finish()``, then ``all_reduce_gradients`` over the whole
+model. Do not wrap the encoder alone in DDP: ranks run different numbers of encoder forwards and
+a rank with no media never runs a backward, so DDP's reducer would hang or raise. See
+docs/dedup.md for FSDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from knittrans.errors import Conflict, InvalidRequest, NotFound
+
+__all__ = [
+    "DedupEncoder",
+    "DedupStateError",
+    "DedupStats",
+    "all_reduce_gradients",
+]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["keep_graph", "recompute"]
+
+
+class DedupStateError(Conflict, RuntimeError):
+    """A DedupEncoder method was called out of order (e.g. ``features()`` before a mini-batch began)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupStats:
+    """What one mini-batch of a :class:`DedupEncoder` did."""
+
+    uses: int
+    """Media rows handed to micro-batches (what a duplicated run would have encoded)."""
+    unique_media: int
+    """Distinct media encoded."""
+    encoder_calls: int
+    """Encoder forward calls during the mini-batch (not counting ``recompute`` re-runs)."""
+    recompute_calls: int
+    """Encoder forward calls re-run under grad in ``finish()`` (``recompute`` mode only)."""
+    backward_rows: int
+    """Media rows whose summed gradient went through the encoder backward in ``finish()``."""
+
+
+@dataclass(frozen=True)
+class _RngState:
+    """CPU RNG state and, for an accelerator input, that device's RNG state."""
+
+    cpu: torch.Tensor
+    device: torch.device
+    device_state: torch.Tensor | None
+
+
+@dataclass
+class _Chunk:
+    """One encoder call: its inputs (recompute), output (keep_graph) and the detached leaf."""
+
+    inputs: torch.Tensor | None
+    encoded: torch.Tensor | None
+    leaf: torch.Tensor
+    rng_state: _RngState | None
+
+
+class DedupEncoder:
+    """Wraps an encoder so each unique media is encoded once per mini-batch, with exact gradients.
+
+    Args:
+        encoder: module mapping a stacked batch ``[n, *media_shape]`` to ``[n, *feature_shape]``.
+            It receives the media tensors as decoded (e.g. uint8); convert inside the module.
+        mode: ``keep_graph`` keeps the encoder graph from the forward until ``finish()``;
+            ``recompute`` encodes under ``no_grad`` and re-runs the encoder under grad in
+            ``finish()`` (less memory, one more encoder forward per chunk with a gradient).
+        encode_batch_size: most media per encoder call; ``None`` encodes each (shape, dtype)
+            group of a ``begin_mini_batch``/``add_media`` call in one call.
+        device: where stacked inputs go before the encoder (``None``: leave them where they are).
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        *,
+        mode: Mode = "keep_graph",
+        encode_batch_size: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if mode not in ("keep_graph", "recompute"):
+            raise ValueError(f"mode must be 'keep_graph' or 'recompute', got {mode!r}")
+        if encode_batch_size is not None and encode_batch_size < 1:
+            raise ValueError(f"encode_batch_size must be >= 1 or None, got {encode_batch_size}")
+        self.encoder = encoder
+        self.mode: Mode = mode
+        self.encode_batch_size = encode_batch_size
+        self.device = torch.device(device) if device is not None else None
+        self._active = False
+        self._chunks: list[_Chunk] = []
+        self._index: dict[str, tuple[int, int]] = {}
+        self._uses = 0
+        self._encoder_calls = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def active(self) -> bool:
+        """True between ``begin_mini_batch()`` and ``finish()``/``drop()``."""
+        return self._active
+
+    @property
+    def cached_media(self) -> int:
+        """Unique media encoded and held for the current mini-batch (0 once dropped)."""
+        return len(self._index)
+
+    def begin_mini_batch(self, media: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Start a mini-batch, encoding ``media`` (hash -> decoded tensor) now if given.
+
+        Raises:
+            DedupStateError: the previous mini-batch was not finished or dropped.
+        """
+        if self._active:
+            raise DedupStateError("begin_mini_batch() called again before finish() or drop()")
+        self._active = True
+        self._uses = 0
+        self._encoder_calls = 0
+        if media:
+            self.add_media(media)
+
+    def add_media(self, media: Mapping[str, torch.Tensor]) -> None:
+        """Encode the media of ``media`` not encoded yet in this mini-batch (lazy, per micro-batch)."""
+        self._require_active("add_media")
+        new: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        for media_hash, tensor in media.items():
+            if not isinstance(media_hash, str) or not media_hash:
+                raise InvalidRequest(f"media hash must be a non-empty str, got {media_hash!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRequest(f"media {media_hash}: expected a torch.Tensor, got {type(tensor).__name__}")
+            if media_hash in self._index:
+                continue
+            new.setdefault((tuple(tensor.shape), tensor.dtype), []).append((media_hash, tensor))
+        for group in new.values():
+            step = self.encode_batch_size or len(group)
+            for start in range(0, len(group), step):
+                self._encode(group[start : start + step])
+
+    def features(self, hashes: Sequence[str], media: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Stacked features ``[len(hashes), *feature_shape]`` for one micro-batch, in ``hashes`` order.
+
+        Rows come from the detached leaf, so the micro-batch's backward accumulates into
+        ``leaf.grad``. ``media`` (optional) is passed to :meth:`add_media` first. An empty
+        ``hashes`` gives a ``[0, *feature_shape]`` tensor (``[0]`` before anything was encoded).
+
+        Raises:
+            DedupStateError: no mini-batch is active.
+            NotFound: a hash was never given to ``begin_mini_batch``/``add_media``.
+            InvalidRequest: the requested media have different feature shapes.
+        """
+        self._require_active("features")
+        if media:
+            self.add_media(media)
+        if len(hashes) == 0:
+            shapes = {tuple(c.leaf.shape[1:]) for c in self._chunks}
+            shape = shapes.pop() if len(shapes) == 1 else ()
+            if not self._chunks:
+                return torch.empty((0,), dtype=torch.float32, device=self.device)
+            first = self._chunks[0].leaf
+            return torch.empty((0, *shape), dtype=first.dtype, device=first.device)
+        places = [self._place(h) for h in hashes]
+        self._uses += len(hashes)
+        chunk_ids = {c for c, _ in places}
+        if len(chunk_ids) == 1:
+            leaf = self._chunks[places[0][0]].leaf
+            rows = torch.tensor([r for _, r in places], dtype=torch.long, device=leaf.device)
+            return leaf.index_select(0, rows)
+        parts = [self._chunks[c].leaf[r] for c, r in places]
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) != 1:
+            raise InvalidRequest(
+                f"media of one micro-batch have different feature shapes {sorted(shapes)}; use feature_list()"
+            )
+        return torch.stack(parts)
+
+    def feature_list(self, hashes: Sequence[str]) -> list[torch.Tensor]:
+        """Per-hash feature views (for media whose feature shapes differ)."""
+        self._require_active("feature_list")
+        places = [self._place(h) for h in hashes]
+        self._uses += len(hashes)
+        return [self._chunks[c].leaf[r] for c, r in places]
+
+    def finish(self) -> DedupStats:
+        """Run one encoder backward with the gradient summed over all micro-batches, then drop the cache.
+
+        Call after the last micro-batch's backward and before the optimizer step. Chunks whose
+        leaf received no gradient are skipped; with no gradient at all this is a no-op apart
+        from dropping the cache.
+
+        Raises:
+            DedupStateError: no mini-batch is active.
+        """
+        self._require_active("finish")
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        backward_rows = 0
+        recompute_calls = 0
+        try:
+            for chunk in self._chunks:
+                grad = chunk.leaf.grad
+                if grad is None:
+                    continue
+                if chunk.encoded is None:  # recompute mode
+                    assert chunk.inputs is not None
+                    with torch.enable_grad(), _rng_restored(chunk.rng_state):
+                        encoded = self.encoder(chunk.inputs)
+                    recompute_calls += 1
+                else:
+                    encoded = chunk.encoded
+                if not encoded.requires_grad:  # frozen encoder: nothing to propagate
+                    continue
+                outputs.append(encoded)
+                grads.append(grad.to(encoded.dtype))
+                backward_rows += int(grad.shape[0])
+            if outputs:
+                torch.autograd.backward(outputs, grad_tensors=grads)
+            stats = DedupStats(
+                uses=self._uses,
+                unique_media=len(self._index),
+                encoder_calls=self._encoder_calls,
+                recompute_calls=recompute_calls,
+                backward_rows=backward_rows,
+            )
+        finally:
+            self.drop()
+        logger.debug("dedup mini-batch done: %s", stats)
+        return stats
+
+    def drop(self) -> None:
+        """Forget the current mini-batch without a backward (e.g. on an exception); idempotent."""
+        self._chunks = []
+        self._index = {}
+        self._active = False
+
+    # ------------------------------------------------------------------ internals
+    def _require_active(self, what: str) -> None:
+        if not self._active:
+            raise DedupStateError(f"{what}() called outside a mini-batch; call begin_mini_batch() first")
+
+    def _place(self, media_hash: str) -> tuple[int, int]:
+        try:
+            return self._index[media_hash]
+        except KeyError:
+            raise NotFound(
+                f"media {media_hash!r} was not given to begin_mini_batch()/add_media() in this mini-batch"
+            ) from None
+
+    def _encode(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        inputs = torch.stack([t for _, t in items])
+        if self.device is not None:
+            inputs = inputs.to(self.device, non_blocking=True)
+        rng_state = None
+        if self.mode == "keep_graph":
+            with torch.enable_grad():
+                encoded = self.encoder(inputs)
+        else:
+            rng_state = _capture_rng(inputs.device)
+            with torch.no_grad():
+                encoded = self.encoder(inputs)
+        self._encoder_calls += 1
+        if not isinstance(encoded, torch.Tensor) or encoded.dim() < 1 or encoded.shape[0] != len(items):
+            got = tuple(encoded.shape) if isinstance(encoded, torch.Tensor) else type(encoded).__name__
+            raise InvalidRequest(f"encoder must return a tensor [{len(items)}, ...] for {len(items)} media, got {got}")
+        leaf_dtype = torch.float64 if encoded.dtype == torch.float64 else torch.float32
+        leaf = encoded.detach().to(leaf_dtype).requires_grad_(True)
+        chunk_id = len(self._chunks)
+        self._chunks.append(
+            _Chunk(
+                inputs=inputs if self.mode == "recompute" else None,
+                encoded=encoded if self.mode == "keep_graph" else None,
+                leaf=leaf,
+                rng_state=rng_state,
+            )
+        )
+        for row, (media_hash, _) in enumerate(items):
+            self._index[media_hash] = (chunk_id, row)
+
+
+def _capture_rng(device: torch.device) -> _RngState:
+    """RNG state before a no-grad forward, so ``finish()`` can replay the same dropout masks."""
+    device_state = None
+    if device.type == "cuda":
+        device_state = torch.cuda.get_rng_state(device)
+    return _RngState(cpu=torch.get_rng_state(), device=device, device_state=device_state)
+
+
+@contextmanager
+def _rng_restored(state: _RngState | None) -> Iterator[None]:
+    """Replay the RNG state of the no-grad forward without disturbing the caller's RNG."""
+    if state is None:
+        yield
+        return
+    cuda_devices = [state.device] if state.device_state is not None else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.set_rng_state(state.cpu)
+        if state.device_state is not None:
+            torch.cuda.set_rng_state(state.device_state, state.device)
+        yield
+
+
+def all_reduce_gradients(
+    params: Iterable[nn.Parameter],
+    *,
+    group: torch.distributed.ProcessGroup | None = None,
+    average: bool = True,
+) -> None:
+    """All-reduce ``.grad`` of ``params`` across ``group`` (mean like DDP, or sum), one flat buffer per dtype.
+
+    A parameter without a gradient takes part as zeros (and gets the reduced gradient), so every
+    rank issues the same collectives whether or not it used the parameter. Call it on every rank,
+    after :meth:`DedupEncoder.finish`, once per mini-batch.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise DedupStateError("all_reduce_gradients() needs an initialised torch.distributed process group")
+    world = dist.get_world_size(group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for bucket in buckets.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat.div_(world)
+        offset = 0
+        for p in bucket:
+            assert p.grad is not None
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n

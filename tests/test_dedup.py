@@ -1,0 +1,322 @@
+"""DedupEncoder: encoding each unique media once per mini-batch gives the duplicated run's gradients."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from knittrans.errors import InvalidRequest, NotFound
+from knittrans.trainer.dedup import DedupEncoder, DedupStateError
+
+DIM = 8
+VOCAB = 11
+
+
+class TinyEncoder(nn.Module):
+    """Conv patchifier + pooling to 4 tokens per image (any H, W), then a projection."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, DIM, kernel_size=2, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d((2, 2))
+        self.drop = nn.Dropout(dropout)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.proj.weight.dtype) / 255.0
+        x = self.pool(torch.tanh(self.conv(x))).flatten(2).transpose(1, 2)  # [n, 4, DIM]
+        return self.proj(self.drop(x))
+
+
+class TinyLM(nn.Module):
+    """One causal attention block over [image tokens; text tokens]; returns the summed next-token loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, image_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        prefix = image_tokens.shape[0]
+        x = torch.cat([image_tokens.to(self.head.weight.dtype), self.embed(tokens)])
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = x + F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+        h = h + self.mlp(h)
+        return F.cross_entropy(self.head(h[prefix:-1]), tokens[1:], reduction="sum")
+
+
+@dataclass(frozen=True)
+class Traj:
+    hashes: tuple[str, ...]
+    tokens: torch.Tensor
+
+
+def make_images(shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {h: torch.randint(0, 256, (3, *hw), generator=gen, dtype=torch.uint8) for h, hw in shapes.items()}
+
+
+def make_micro_batches(spec: Sequence[Sequence[tuple[str, ...]]]) -> list[list[Traj]]:
+    gen = torch.Generator().manual_seed(11)
+    return [
+        [Traj(hashes, torch.randint(0, VOCAB, (3 + i % 3,), generator=gen)) for i, hashes in enumerate(mb)]
+        for mb in spec
+    ]
+
+
+# A shared across micro-batches and twice inside mb0 (t0, t1, t2); B in mb0 and mb1; t4 and mb2 use no media.
+SPEC = [[("A",), ("A",), ("B", "A")], [("B",), (), ("C",)], [()]]
+
+
+def normaliser(micro_batches: list[list[Traj]]) -> float:
+    return float(sum(t.tokens.numel() - 1 for mb in micro_batches for t in mb))
+
+
+def models(dropout: float = 0.0) -> tuple[TinyEncoder, TinyLM]:
+    torch.manual_seed(0)
+    return TinyEncoder(dropout).double(), TinyLM().double()
+
+
+def micro_batch_loss(lm: TinyLM, feats: torch.Tensor, mb: list[Traj]) -> torch.Tensor:
+    loss = torch.zeros((), dtype=torch.float64)
+    offset = 0
+    for t in mb:
+        k = len(t.hashes)
+        loss = loss + lm(feats[offset : offset + k].reshape(-1, DIM), t.tokens)
+        offset += k
+    return loss
+
+
+def run_duplicated(enc: TinyEncoder, lm: TinyLM, images: Mapping[str, torch.Tensor], mbs: list[list[Traj]]) -> None:
+    """Baseline: every trajectory encodes its own copy of each image."""
+    norm = normaliser(mbs)
+    for mb in mbs:
+        parts = [enc(images[h].clone()[None]) for t in mb for h in t.hashes]
+        feats = torch.cat(parts) if parts else torch.empty((0, 4, DIM), dtype=torch.float64)
+        (micro_batch_loss(lm, feats, mb) / norm).backward()
+
+
+def run_dedup(
+    dedup: DedupEncoder,
+    lm: TinyLM,
+    images: Mapping[str, torch.Tensor],
+    mbs: list[list[Traj]],
+    *,
+    lazy: bool = False,
+) -> None:
+    norm = normaliser(mbs)
+    used = {h for mb in mbs for t in mb for h in t.hashes}
+    dedup.begin_mini_batch(None if lazy else {h: images[h] for h in sorted(used)})
+    for mb in mbs:
+        hashes = [h for t in mb for h in t.hashes]
+        feats = dedup.features(hashes, media={h: images[h] for h in hashes} if lazy else None)
+        (micro_batch_loss(lm, feats, mb) / norm).backward()
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in module.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        out[name] = p.grad.clone()
+    return out
+
+
+class RowCounter:
+    """Forward hook counting encoder calls and media rows encoded."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls = 0
+        self.rows = 0
+        module.register_forward_hook(self)
+
+    def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        self.calls += 1
+        self.rows += int(args[0].shape[0])
+
+
+def check_against_baseline(
+    shapes: Mapping[str, tuple[int, int]], spec: list[list[tuple[str, ...]]], mode: str, **kwargs: object
+) -> tuple[RowCounter, object]:
+    images = make_images(shapes)
+    mbs = make_micro_batches(spec)
+    enc, lm = models()
+    enc_d, lm_d = copy.deepcopy(enc), copy.deepcopy(lm)
+    run_duplicated(enc, lm, images, mbs)
+    counter = RowCounter(enc_d)
+    batch = kwargs.pop("encode_batch_size", None)
+    dedup = DedupEncoder(enc_d, mode=mode, encode_batch_size=batch)  # type: ignore[arg-type]
+    run_dedup(dedup, lm_d, images, mbs, **kwargs)  # type: ignore[arg-type]
+    stats = dedup.finish()
+    assert_close(grads(enc_d), grads(enc))
+    assert_close(grads(lm_d), grads(lm))
+    return counter, stats
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_grads_match_duplicated_baseline(mode: str) -> None:
+    """Media shared within and across micro-batches, accumulation, global normaliser: exact grads, 3 rows."""
+    counter, stats = check_against_baseline({"A": (6, 6), "B": (6, 6), "C": (6, 6)}, SPEC, mode)
+    assert counter.rows == 3 * (2 if mode == "recompute" else 1)  # A, B, C once each (dup encodes 6)
+    assert counter.calls == (1 if mode == "keep_graph" else 2)  # recompute re-runs once in finish()
+    assert stats.uses == 6 and stats.unique_media == 3 and stats.backward_rows == 3  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_different_shapes_are_bucketed(mode: str) -> None:
+    """Media of different shapes are encoded per shape bucket; a micro-batch mixing buckets stays exact."""
+    counter, stats = check_against_baseline({"A": (6, 6), "B": (8, 4), "C": (6, 6)}, SPEC, mode)
+    assert stats.encoder_calls == 2  # type: ignore[attr-defined]
+    assert counter.rows == 3 + (3 if mode == "recompute" else 0)
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_lazy_media_per_micro_batch(mode: str) -> None:
+    """Media handed in per micro-batch are encoded the first time only; gradients stay exact."""
+    counter, stats = check_against_baseline({"A": (6, 6), "B": (6, 6), "C": (6, 6)}, SPEC, mode, lazy=True)
+    assert stats.unique_media == 3 and stats.encoder_calls == 2  # type: ignore[attr-defined]  # mb0: A,B; mb1: C
+    assert counter.rows == 3 * (2 if mode == "recompute" else 1)
+
+
+def test_encode_batch_size_one_calls_encoder_once_per_unique_media() -> None:
+    """With encode_batch_size=1 the number of encoder calls equals the unique media of the mini-batch."""
+    counter, _ = check_against_baseline(
+        {"A": (6, 6), "B": (6, 6), "C": (6, 6)}, SPEC, "keep_graph", encode_batch_size=1
+    )
+    assert counter.calls == 3
+
+
+def test_two_mini_batches_in_a_row() -> None:
+    """The cache is per mini-batch: the second mini-batch re-encodes and its gradients are exact too."""
+    images = make_images({"A": (6, 6), "B": (6, 6), "C": (6, 6)})
+    mbs = make_micro_batches(SPEC)
+    enc, lm = models()
+    enc_d, lm_d = copy.deepcopy(enc), copy.deepcopy(lm)
+    counter = RowCounter(enc_d)
+    dedup = DedupEncoder(enc_d)
+    for _ in range(2):
+        run_duplicated(enc, lm, images, mbs)
+        run_dedup(dedup, lm_d, images, mbs)
+        dedup.finish()
+        assert_close(grads(enc_d), grads(enc))
+        assert_close(grads(lm_d), grads(lm))
+        for m in (enc, lm, enc_d, lm_d):
+            m.zero_grad(set_to_none=True)
+    assert counter.rows == 6
+
+
+def test_cache_and_graph_dropped_after_finish() -> None:
+    """finish() frees the encoded features and their graph; features() afterwards raises."""
+    images = make_images({"A": (6, 6)})
+    enc, lm = models()
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    enc.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    dedup = DedupEncoder(enc)
+    dedup.begin_mini_batch(images)
+    feats = dedup.features(["A", "A"])
+    lm(feats.reshape(-1, DIM), torch.tensor([1, 2, 3])).backward()
+    del feats
+    assert dedup.active and dedup.cached_media == 1
+    dedup.finish()
+    gc.collect()
+    assert not dedup.active and dedup.cached_media == 0
+    assert outputs and all(ref() is None for ref in outputs)
+    with pytest.raises(DedupStateError, match="begin_mini_batch"):
+        dedup.features(["A"])
+
+
+def test_usage_errors_are_clear() -> None:
+    """features() before begin, an unknown hash, a second begin and a bad encoder output raise named errors."""
+    enc, _ = models()
+    dedup = DedupEncoder(enc)
+    with pytest.raises(DedupStateError, match=r"features\(\) called outside a mini-batch"):
+        dedup.features(["A"])
+    with pytest.raises(DedupStateError):
+        dedup.finish()
+    dedup.begin_mini_batch(make_images({"A": (6, 6)}))
+    with pytest.raises(NotFound, match="'Z'"):
+        dedup.features(["A", "Z"])
+    with pytest.raises(DedupStateError, match="again"):
+        dedup.begin_mini_batch()
+    with pytest.raises(InvalidRequest, match=r"torch\.Tensor"):
+        dedup.add_media({"B": [1, 2, 3]})  # type: ignore[dict-item]
+    dedup.drop()
+    bad = DedupEncoder(nn.Flatten(0))
+    bad.begin_mini_batch()
+    with pytest.raises(InvalidRequest, match="encoder must return a tensor"):
+        bad.add_media({"A": torch.zeros(3, 2, 2), "B": torch.ones(3, 2, 2)})
+    with pytest.raises(ValueError, match="mode"):
+        DedupEncoder(enc, mode="lazy")  # type: ignore[arg-type]
+
+
+def test_finish_without_gradient_is_a_noop() -> None:
+    """A mini-batch whose features got no gradient runs no encoder backward and leaves grads unset."""
+    enc, _ = models()
+    dedup = DedupEncoder(enc, mode="recompute")
+    counter = RowCounter(enc)
+    dedup.begin_mini_batch(make_images({"A": (6, 6)}))
+    empty = dedup.features([])
+    assert empty.shape == (0, 4, DIM)
+    stats = dedup.finish()
+    assert stats.backward_rows == 0 and stats.recompute_calls == 0 and counter.calls == 1
+    assert all(p.grad is None for p in enc.parameters())
+    dedup.begin_mini_batch()
+    assert dedup.features([]).shape == (0,)
+    dedup.finish()
+
+
+def test_recompute_replays_dropout() -> None:
+    """recompute mode replays the no-grad forward's dropout masks, so it matches keep_graph exactly."""
+    images = make_images({"A": (6, 6), "B": (6, 6), "C": (6, 6)})
+    mbs = make_micro_batches(SPEC)
+    results = []
+    for mode in ("keep_graph", "recompute"):
+        enc, lm = models(dropout=0.5)
+        torch.manual_seed(123)
+        dedup = DedupEncoder(enc, mode=mode)  # type: ignore[arg-type]
+        run_dedup(dedup, lm, images, mbs)
+        dedup.finish()
+        after = torch.rand(4)  # replaying must not disturb the caller's RNG stream
+        results.append((grads(enc), grads(lm), after))
+    (enc_k, lm_k, after_k), (enc_r, lm_r, after_r) = results
+    assert_close(enc_r, enc_k)
+    assert_close(lm_r, lm_k)
+    assert_close(after_r, after_k)
+
+
+def test_bf16_encoder_gets_fp32_leaf() -> None:
+    """A bf16 encoder output is handed out as an fp32 leaf; its backward reaches the bf16 parameters."""
+    enc = TinyEncoder().to(torch.bfloat16)
+    dedup = DedupEncoder(enc)
+    dedup.begin_mini_batch(make_images({"A": (6, 6)}))
+    feats = dedup.features(["A", "A"])
+    assert feats.dtype == torch.float32
+    feats.sum().backward()
+    dedup.finish()
+    assert enc.proj.weight.grad is not None and enc.proj.weight.grad.dtype == torch.bfloat16
+    # d(sum of both uses)/d(proj.bias) = 2 uses x 4 tokens per image
+    assert_close(enc.proj.bias.grad, torch.full((DIM,), 8.0, dtype=torch.bfloat16))
+
+
+def test_frozen_encoder_backbone_still_exact() -> None:
+    """With a frozen encoder finish() skips the backward and the backbone gradient is unchanged."""
+    images = make_images({"A": (6, 6), "B": (6, 6), "C": (6, 6)})
+    mbs = make_micro_batches(SPEC)
+    enc, lm = models()
+    enc.requires_grad_(False)
+    enc_d, lm_d = copy.deepcopy(enc), copy.deepcopy(lm)
+    run_duplicated(enc, lm, images, mbs)
+    dedup = DedupEncoder(enc_d)
+    run_dedup(dedup, lm_d, images, mbs)
+    assert dedup.finish().backward_rows == 0
+    assert_close(grads(lm_d), grads(lm))
