@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-put-bytes", type=int, default=8 << 30, help="largest unit a DoPut may upload")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the endpoint to this file once listening (for launchers and tests)")
+    parser.add_argument("--advertise", default=None,
+                        help="grpc://HOST:PORT others should use (default: the bound address)")
+    parser.add_argument("--control-url", default=os.environ.get("KNITTRANS_CONTROL_URL"),
+                        help="control plane to register with and heartbeat to (default $KNITTRANS_CONTROL_URL)")
+    parser.add_argument("--control-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+                        help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)")
+    parser.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats (default 2)")
 
 
 def run(args: Any) -> int:
@@ -53,5 +60,34 @@ def run(args: Any) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    server.serve()
+    stopped = threading.Event()
+    if args.control_url:
+        endpoint = args.advertise or server.endpoint
+        threading.Thread(target=_announce, args=(args, endpoint, stopped), daemon=True,
+                         name="knittrans-heartbeat").start()
+    try:
+        server.serve()
+    finally:
+        stopped.set()
     return 0
+
+
+def _announce(args: Any, endpoint: str, stopped: threading.Event) -> None:
+    """Register the node with the control plane, then heartbeat until stopped (errors are logged, retried)."""
+    from knittrans.controlclient import ControlClient  # the store itself needs no HTTP client
+
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    registered = False
+    with ControlClient(args.control_url, token=args.control_token) as control:
+        while not stopped.is_set():
+            try:
+                if not registered:
+                    control.register_node(args.node_id, endpoint, host)
+                    registered = True
+                    logger.info("registered node %s (%s) with %s", args.node_id, endpoint, args.control_url)
+                else:
+                    control.heartbeat(args.node_id)
+            except Exception as exc:  # keep serving data even when the control plane is away
+                logger.warning("control plane %s: %s", args.control_url, exc)
+                registered = False
+            stopped.wait(args.heartbeat_s)

@@ -1,0 +1,142 @@
+"""``LocalCluster``: a control plane and store nodes as real processes on loopback, for the demo and tests."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from knittrans.controlclient import ControlClient
+from knittrans.procs import ProcessGroup, free_port, knittrans_command, wait_until
+
+__all__ = ["ClusterConfig", "LocalCluster", "StoreNode"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Shape of a local cluster."""
+
+    work_dir: Path
+    """Holds the SQLite file, the store directories and the process logs."""
+    num_stores: int = 2
+    """Store nodes (one per simulated rollout host)."""
+    host: str = "127.0.0.1"
+    """Address every process binds to."""
+    worker_token: str | None = None
+    """Control-plane worker token (also used as the stores' token)."""
+    admin_token: str | None = None
+    """Control-plane admin token."""
+    node_timeout_s: float = 30.0
+    """Heartbeat timeout after which the control plane declares a store node lost."""
+    store_budget_bytes: int | None = None
+    """Byte budget of each store (None: unbounded)."""
+    start_timeout_s: float = 60.0
+    """How long to wait for each process to come up."""
+
+    def __post_init__(self) -> None:
+        if self.num_stores < 1:
+            raise ValueError("num_stores must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreNode:
+    """One running store node."""
+
+    node_id: str
+    endpoint: str
+    store_dir: Path
+    name: str = field(default="")
+    """Child process name in the cluster's :class:`ProcessGroup`."""
+
+
+class LocalCluster:
+    """Start with ``with LocalCluster(config) as cluster:``; every process stops on exit."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.work_dir = Path(config.work_dir)
+        self.procs = ProcessGroup(self.work_dir / "logs")
+        self.control_url = ""
+        self.stores: list[StoreNode] = []
+        self._db = self.work_dir / "control.db"
+
+    def start_control_plane(self) -> None:
+        """Start (or restart on the same database) the control plane and wait for /v1/health."""
+        port = free_port(self.config.host)
+        argv = ["control-plane", "--db", str(self._db), "--host", self.config.host, "--port", str(port),
+                "--node-timeout-s", str(self.config.node_timeout_s)]
+        if self.config.worker_token:
+            argv += ["--worker-token", self.config.worker_token]
+        if self.config.admin_token:
+            argv += ["--admin-token", self.config.admin_token]
+        self.procs.start("control-plane", knittrans_command(*argv))
+        self.control_url = f"http://{self.config.host}:{port}"
+
+        def up() -> bool:
+            self.procs.check_alive("control-plane")
+            return httpx.get(f"{self.control_url}/v1/health", timeout=2).status_code == 200
+
+        wait_until(up, timeout_s=self.config.start_timeout_s, what="control plane")
+
+    def start_store(self, index: int) -> StoreNode:
+        """Start store node ``index`` (``node-<index>``); it registers itself with the control plane."""
+        node_id = f"node-{index}"
+        store_dir = self.work_dir / "stores" / node_id
+        store_dir.mkdir(parents=True, exist_ok=True)
+        ready = self.work_dir / f"{node_id}.ready"
+        ready.unlink(missing_ok=True)
+        argv = ["store", "--dir", str(store_dir), "--host", self.config.host, "--port", "0",
+                "--node-id", node_id, "--ready-file", str(ready), "--control-url", self.control_url,
+                "--heartbeat-s", str(max(0.2, min(2.0, self.config.node_timeout_s / 5)))]
+        if self.config.worker_token:
+            argv += ["--token", self.config.worker_token, "--control-token", self.config.worker_token]
+        if self.config.store_budget_bytes:
+            argv += ["--budget-bytes", str(self.config.store_budget_bytes)]
+        name = f"store-{index}"
+        self.procs.start(name, knittrans_command(*argv))
+
+        def listening() -> bool:
+            self.procs.check_alive(name)
+            return ready.exists()
+
+        wait_until(listening, timeout_s=self.config.start_timeout_s, what=f"store {node_id}")
+        node = StoreNode(node_id=node_id, endpoint=ready.read_text().strip(), store_dir=store_dir, name=name)
+        with self.control() as control:
+            wait_until(lambda: any(n["node_id"] == node_id for n in control.list_nodes()),
+                       timeout_s=self.config.start_timeout_s, what=f"registration of {node_id}")
+        return node
+
+    def start(self) -> LocalCluster:
+        """Start the control plane and every store node."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.start_control_plane()
+        self.stores = [self.start_store(i) for i in range(self.config.num_stores)]
+        logger.info("local cluster up: control plane %s, stores %s", self.control_url,
+                    ", ".join(s.endpoint for s in self.stores))
+        return self
+
+    def control(self, *, admin: bool = False) -> ControlClient:
+        """A client of the control plane with the worker (or admin) token."""
+        token = (self.config.admin_token or self.config.worker_token) if admin else self.config.worker_token
+        return ControlClient(self.control_url, token=token)
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL)."""
+        self.procs.stop_all()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,150 @@
+"""Sweeps over workloads, policies, K and W, aggregated over seeds, with the comparison table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from knittrans.sim.engine import RunTrace, simulate
+from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
+from knittrans.sim.workload import Workload
+
+__all__ = ["BASELINE", "COLOCATED", "ConfigResult", "format_table", "run_grid"]
+
+BASELINE = "train_batch"
+"""The policy reductions are measured against."""
+COLOCATED = "colocated"
+"""Row label of the colocated reference mode."""
+
+
+@dataclass
+class ConfigResult:
+    """All runs of one (workload, K, W) configuration: per policy, per seed; seed-0 traces kept for plots."""
+
+    workload: Workload
+    runs: dict[str, list[RunMetrics]] = field(default_factory=dict)
+    traces: dict[str, RunTrace] = field(default_factory=dict)
+
+    def mean(self, policy: str, getter: Callable[[RunMetrics], float]) -> float:
+        """Mean over seeds of one figure of one policy."""
+        return statistics.fmean(getter(m) for m in self.runs[policy])
+
+    def reduction(self, policy: str, getter: Callable[[RunMetrics], float]) -> float:
+        """Relative reduction ``1 - policy / baseline`` of a seed-averaged figure (NaN without a baseline)."""
+        if BASELINE not in self.runs or policy not in self.runs:
+            return math.nan
+        base = self.mean(BASELINE, getter)
+        if base == 0:
+            return math.nan
+        return 1.0 - self.mean(policy, getter) / base
+
+    def summary(self) -> dict[str, Any]:
+        """Seed-averaged figures and reductions per policy (JSON-ready)."""
+        out: dict[str, Any] = {
+            "workload": self.workload.name,
+            "mini_batches_per_step": self.workload.mini_batches_per_step,
+            "window": self.workload.window,
+            "sync_delay_s": self.workload.sync_delay_s,
+            "in_flight_updates": self.workload.in_flight_updates,
+            "policies": {},
+        }
+        for policy in self.runs:
+            row: dict[str, Any] = {"seeds": len(self.runs[policy])}
+            for r in READINGS:
+                for kind, stat in (("", "staleness"), ("arch_", "architectural")):
+                    for key in ("mean", "p50", "p99", "max", "pos_mean"):
+                        row[f"{r}_{kind}{key}"] = self.mean(policy, _stat_getter(r, stat, key))
+                row[f"{r}_arch_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "mean"))
+                row[f"{r}_arch_pos_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "pos_mean"))
+            for key in ("steps_per_hour", "trajectories_per_hour", "trainer_idle", "rollout_idle", "mean_wait_s",
+                        "mean_generation_s"):
+                row[key] = self.mean(policy, _run_getter(key))
+            row["quota_violations"] = sum(m.quota_violations for m in self.runs[policy])
+            out["policies"][policy] = row
+        return out
+
+
+def _stat_getter(reading: str, stat: str, key: str) -> Callable[[RunMetrics], float]:
+    def get(m: RunMetrics) -> float:
+        return float(getattr(getattr(m.readings[reading], stat), key))
+
+    return get
+
+
+def _run_getter(key: str) -> Callable[[RunMetrics], float]:
+    def get(m: RunMetrics) -> float:
+        return float(getattr(m, key))
+
+    return get
+
+
+def run_grid(
+    workloads: Sequence[Workload],
+    policies: Sequence[str],
+    *,
+    seeds: int,
+    steps: int | None,
+    mini_batches: Iterable[int | None] = (None,),
+    windows: Iterable[int | None] = (None,),
+    colocated: bool = False,
+    progress: Callable[[int, str], None] | None = None,
+) -> list[ConfigResult]:
+    """Run every policy (and optionally the colocated reference) for every configuration and seed.
+
+    ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
+    """
+    results: list[ConfigResult] = []
+    mbs, wins = list(mini_batches), list(windows)
+    for base in workloads:
+        for k in mbs:
+            for win in wins:
+                changes: dict[str, Any] = {}
+                if k is not None:
+                    changes["mini_batches_per_step"] = k
+                if win is not None:
+                    changes["window"] = win
+                workload = base.with_overrides(**changes) if changes else base
+                config = ConfigResult(workload=workload)
+                modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
+                for label, is_coloc in modes:
+                    policy = BASELINE if is_coloc else label
+                    for seed in range(seeds):
+                        tag = f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} {label} s{seed}"
+                        cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
+                        trace = simulate(workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
+                        metrics = compute_metrics(trace)
+                        config.runs.setdefault(label, []).append(metrics)
+                        if seed == 0:
+                            config.traces[label] = trace
+                results.append(config)
+    return results
+
+
+def _pct(x: float) -> str:
+    return "   -  " if math.isnan(x) else f"{100 * x:5.1f}%"
+
+
+def format_table(results: Sequence[ConfigResult]) -> str:
+    """Plain-text comparison table: architectural staleness per reading, reductions, tails, throughput."""
+    head = (
+        f"{'workload':<16} {'K':>3} {'W':>2} {'policy':<22} "
+        f"{'arch s/e/w':>17} {'red start':>9} {'red end':>8} {'red wtd':>8} {'pos red e':>9} "
+        f"{'p99 e':>6} {'max e':>6} {'tr idle':>7} {'ro idle':>7} {'steps/h':>8} {'viol':>4}"
+    )
+    lines = [head, "-" * len(head)]
+    for config in results:
+        s = config.summary()
+        for policy, row in s["policies"].items():
+            arch = "/".join(f"{row[f'{r}_arch_mean']:.2f}" for r in READINGS)
+            lines.append(
+                f"{s['workload']:<16} {s['mini_batches_per_step']:>3} {s['window']:>2} {policy:<22} {arch:>17} "
+                f"{_pct(row['start_arch_reduction']):>9} {_pct(row['end_arch_reduction']):>8} "
+                f"{_pct(row['weighted_arch_reduction']):>8} {_pct(row['end_arch_pos_reduction']):>9} "
+                f"{row['end_arch_p99']:6.1f} {row['end_arch_max']:6.1f} {100 * row['trainer_idle']:6.1f}% "
+                f"{100 * row['rollout_idle']:6.1f}% {row['steps_per_hour']:8.1f} {row['quota_violations']:>4}"
+            )
+        lines.append("")
+    return "\n".join(lines)

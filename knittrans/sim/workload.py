@@ -1,0 +1,219 @@
+"""Simulated workloads: per-source rollout profiles and cluster shape, loaded from validated YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from knittrans.errors import InvalidRequest
+
+__all__ = [
+    "SourceProfile",
+    "Workload",
+    "bundled_workloads",
+    "load_workload",
+    "workload_from_dict",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceProfile:
+    """How long a group of one source takes to generate and how many tokens its trajectories have."""
+
+    name: str
+    """Source name (e.g. ``math``)."""
+    quota: int
+    """``q[s]``: groups of this source in every train batch."""
+    duration_mean_s: float
+    """Mean wall-clock seconds to generate one whole group (lognormal body)."""
+    duration_cv: float = 0.0
+    """Coefficient of variation (std / mean) of the lognormal body; 0 makes durations deterministic."""
+    tail_prob: float = 0.0
+    """Probability that a group is a straggler drawn from the heavy tail."""
+    tail_scale: float = 1.0
+    """A straggler's duration is the body draw times ``tail_scale * Pareto(tail_alpha)`` (Pareto >= 1)."""
+    tail_alpha: float = 2.0
+    """Pareto shape of the tail (smaller is heavier; > 1 keeps the mean finite)."""
+    tokens_mean: float = 1024.0
+    """Mean tokens (prompt + response) per trajectory."""
+    tokens_cv: float = 0.0
+    """Coefficient of variation of tokens per trajectory (lognormal); 0 makes them constant."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("source name must not be empty")
+        if self.quota < 1:
+            raise ValueError(f"source {self.name!r}: quota must be >= 1, got {self.quota}")
+        if not (self.duration_mean_s > 0 and math.isfinite(self.duration_mean_s)):
+            raise ValueError(f"source {self.name!r}: duration_mean_s must be > 0, got {self.duration_mean_s}")
+        if self.duration_cv < 0 or self.tokens_cv < 0:
+            raise ValueError(f"source {self.name!r}: duration_cv and tokens_cv must be >= 0")
+        if not 0.0 <= self.tail_prob <= 1.0:
+            raise ValueError(f"source {self.name!r}: tail_prob must be in [0, 1], got {self.tail_prob}")
+        if self.tail_scale < 1.0:
+            raise ValueError(f"source {self.name!r}: tail_scale must be >= 1, got {self.tail_scale}")
+        if self.tail_alpha <= 1.0:
+            raise ValueError(f"source {self.name!r}: tail_alpha must be > 1, got {self.tail_alpha}")
+        if self.tokens_mean < 1:
+            raise ValueError(f"source {self.name!r}: tokens_mean must be >= 1, got {self.tokens_mean}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A whole simulated job: sources, train-batch shape, rollout cluster, trainer and weight sync."""
+
+    name: str
+    """Workload name shown in tables and plots."""
+    sources: tuple[SourceProfile, ...]
+    """Sources in a fixed order; their quotas sum to the train batch ``G``."""
+    group_size: int = 16
+    """Trajectories per group (GRPO ``n``)."""
+    mini_batches_per_step: int = 8
+    """``K``: mini-batches (optimizer steps) per train step; must divide ``G``."""
+    window: int = 1
+    """``W``: groups launched but not yet admitted stay <= ``W * G`` (same bound for every policy)."""
+    rollout_slots: int = 64
+    """Groups that can be generated at the same time."""
+    sync_delay_s: float = 0.0
+    """Seconds from the end of an optimizer step until rollout generates with the new weights."""
+    in_flight_updates: bool = False
+    """Partial rollout: running groups switch to new weights when they arrive (else keep start weights)."""
+    trainer_overhead_s: float = 1.0
+    """Fixed seconds per mini-batch (optimizer step, launch costs)."""
+    trainer_s_per_token: float = 1e-5
+    """Seconds per token on the busiest data-parallel rank."""
+    world_size: int = 8
+    """Data-parallel trainer ranks the mini-batch is split over (by ``knittrans.sched.assign``)."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one micro-batch (dynamic batch size) passed to the assignment."""
+    admit_ahead: int | None = None
+    """Mini-batches the control plane may admit before the trainer starts them (admitted, queued);
+    None means ``K`` (one train batch). The same for every policy: ``train_batch`` hands a whole batch over."""
+    max_staleness: int | None = None
+    """``η``: admission staleness bound passed to the policies; None for none."""
+    steps: int = 50
+    """Train steps to simulate unless the caller overrides it."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("workload name must not be empty")
+        if not self.sources:
+            raise ValueError(f"workload {self.name!r}: needs at least one source")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"workload {self.name!r}: duplicate source names {names}")
+        for field, value in (
+            ("group_size", self.group_size),
+            ("mini_batches_per_step", self.mini_batches_per_step),
+            ("window", self.window),
+            ("rollout_slots", self.rollout_slots),
+            ("world_size", self.world_size),
+            ("micro_batch_tokens", self.micro_batch_tokens),
+            ("steps", self.steps),
+        ):
+            if value < 1:
+                raise ValueError(f"workload {self.name!r}: {field} must be >= 1, got {value}")
+        if self.train_batch_groups % self.mini_batches_per_step:
+            raise ValueError(
+                f"workload {self.name!r}: mini_batches_per_step={self.mini_batches_per_step} must divide "
+                f"the train batch G={self.train_batch_groups} (sum of quotas)"
+            )
+        if self.sync_delay_s < 0 or self.trainer_overhead_s < 0 or self.trainer_s_per_token < 0:
+            raise ValueError(f"workload {self.name!r}: times must be >= 0")
+        if self.trainer_overhead_s == 0 and self.trainer_s_per_token == 0:
+            raise ValueError(f"workload {self.name!r}: training must take some time")
+        if self.admit_ahead is not None and self.admit_ahead < 1:
+            raise ValueError(f"workload {self.name!r}: admit_ahead must be >= 1 or null, got {self.admit_ahead}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
+
+    @property
+    def train_batch_groups(self) -> int:
+        """``G``: groups per train batch."""
+        return sum(s.quota for s in self.sources)
+
+    @property
+    def mini_batch_groups(self) -> int:
+        """``b``: groups per mini-batch."""
+        return self.train_batch_groups // self.mini_batches_per_step
+
+    @property
+    def queue_depth(self) -> int:
+        """Mini-batches that may wait admitted for the trainer (``admit_ahead`` or ``K``)."""
+        return self.mini_batches_per_step if self.admit_ahead is None else self.admit_ahead
+
+    @property
+    def quotas(self) -> dict[str, int]:
+        """``q[s]`` by source name."""
+        return {s.name: s.quota for s in self.sources}
+
+    def with_overrides(self, **changes: Any) -> Workload:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_SOURCE_FIELDS = {f.name for f in dataclasses.fields(SourceProfile)}
+_WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)} - {"sources"}
+
+
+def workload_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Workload:
+    """Build a workload from parsed YAML; raises InvalidRequest naming the bad field."""
+    if not isinstance(data, Mapping):
+        raise InvalidRequest(f"{origin}: a workload must be a mapping, got {type(data).__name__}")
+    unknown = set(data) - _WORKLOAD_FIELDS - {"sources"}
+    if unknown:
+        raise InvalidRequest(f"{origin}: unknown workload fields {sorted(unknown)}")
+    raw_sources = data.get("sources")
+    if not isinstance(raw_sources, list) or not raw_sources:
+        raise InvalidRequest(f"{origin}: 'sources' must be a non-empty list")
+    sources = []
+    for i, raw in enumerate(raw_sources):
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest(f"{origin}: sources[{i}] must be a mapping")
+        bad = set(raw) - _SOURCE_FIELDS
+        if bad:
+            raise InvalidRequest(f"{origin}: sources[{i}] has unknown fields {sorted(bad)}")
+        try:
+            sources.append(SourceProfile(**raw))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"{origin}: sources[{i}]: {exc}") from exc
+    fields = {k: v for k, v in data.items() if k != "sources"}
+    fields.setdefault("name", origin)
+    try:
+        return Workload(sources=tuple(sources), **fields)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{origin}: {exc}") from exc
+
+
+def bundled_workloads() -> list[str]:
+    """Names of the workloads shipped in ``knittrans/sim/workloads``."""
+    folder = resources.files("knittrans.sim") / "workloads"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_workload(name_or_path: str) -> Workload:
+    """Load a bundled workload by name, or any YAML file by path."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise InvalidRequest(f"workload file {name_or_path!r} does not exist")
+        text, origin = path.read_text(), str(path)
+    else:
+        if name_or_path not in bundled_workloads():
+            raise InvalidRequest(
+                f"unknown workload {name_or_path!r}; bundled: {', '.join(bundled_workloads())} (or a .yaml path)"
+            )
+        resource = resources.files("knittrans.sim") / "workloads" / f"{name_or_path}.yaml"
+        text, origin = resource.read_text(), name_or_path
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidRequest(f"{origin}: not valid YAML: {exc}") from exc
+    return workload_from_dict(data, origin=origin)

@@ -1,0 +1,182 @@
+"""Simulator properties: determinism, colocated reference, exact quotas, throughput, workloads, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from knittrans.cli import main
+from knittrans.errors import InvalidRequest
+from knittrans.sched.admission import POLICIES
+from knittrans.sim.engine import simulate
+from knittrans.sim.metrics import compute_metrics
+from knittrans.sim.workload import SourceProfile, Workload, bundled_workloads, load_workload
+
+
+def small(name: str, **changes: object) -> Workload:
+    """A bundled workload shrunk to run in a fraction of a second."""
+    w = load_workload(name)
+    base: dict[str, object] = {"steps": 8, "group_size": 4}
+    base.update(changes)
+    return w.with_overrides(**base)
+
+
+def test_bundled_workloads_load() -> None:
+    """The three bundled workloads ship as package data and validate."""
+    assert set(bundled_workloads()) >= {"balanced", "code_agent_skew", "multimodal"}
+    for name in bundled_workloads():
+        w = load_workload(name)
+        assert w.train_batch_groups % w.mini_batches_per_step == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_same_seed_same_run(policy: str) -> None:
+    """A seed fixes the run: two runs give identical consumed groups and times; another seed differs."""
+    w = small("code_agent_skew")
+    a, b, c = (simulate(w, policy, seed=s) for s in (3, 3, 4))
+    assert a.consumed == b.consumed
+    assert [m.admitted_at for m in a.mini_batches] == [m.admitted_at for m in b.mini_batches]
+    assert a.makespan_s == b.makespan_s
+    assert a.makespan_s != c.makespan_s
+
+
+@pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
+def test_colocated_has_zero_architectural_staleness(name: str) -> None:
+    """Colocated reference: staleness of mini-batch k is exactly k under every reading, so architectural is 0."""
+    m = compute_metrics(simulate(small(name, sync_delay_s=5.0), "constraint_preserving", seed=1, colocated=True))
+    for stats in m.readings.values():
+        assert stats.architectural.max == 0.0 and stats.architectural.mean == 0.0
+        assert stats.architectural.p50 == 0.0
+    assert m.quota_violations == 0
+
+
+@pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("window", [1, 2])
+def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
+    """Every train batch has exactly the quota composition and every mini-batch b groups, for every policy."""
+    w = small(name, window=window, mini_batches_per_step=16)
+    trace = simulate(w, policy, seed=0)
+    assert len(trace.step_counts) == w.steps
+    assert all(counts == w.quotas for counts in trace.step_counts)
+    assert all(sum(m.counts.values()) == w.mini_batch_groups for m in trace.mini_batches)
+    assert compute_metrics(trace).quota_violations == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    quotas=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    k=st.sampled_from([1, 2, 4]),
+    window=st.integers(1, 3),
+    slots=st.integers(1, 24),
+    cvs=st.lists(st.floats(0.0, 1.5), min_size=4, max_size=4),
+    policy=st.sampled_from(POLICIES),
+    seed=st.integers(0, 1000),
+)
+def test_quotas_exact_random_workloads(
+    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int
+) -> None:
+    """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas."""
+    q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
+    sources = tuple(
+        SourceProfile(name=f"s{i}", quota=qi, duration_mean_s=10.0 * (i + 1), duration_cv=cvs[i],
+                      tail_prob=0.1, tail_scale=2.0, tail_alpha=1.5, tokens_mean=200, tokens_cv=0.5)
+        for i, qi in enumerate(q)
+    )
+    w = Workload(name="random", sources=sources, group_size=2, mini_batches_per_step=k, window=window,
+                 rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True)
+    trace = simulate(w, policy, seed=seed)
+    assert all(counts == w.quotas for counts in trace.step_counts)
+    assert compute_metrics(trace).quota_violations == 0
+
+
+@pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
+@pytest.mark.parametrize("window", [1, 2])
+@pytest.mark.parametrize("k", [4, 16])
+def test_constraint_preserving_throughput_not_below_train_batch(name: str, window: int, k: int) -> None:
+    """At equal windows (and equal rollouts: common random numbers) CP trains at least as many steps per hour."""
+    w = small(name, window=window, mini_batches_per_step=k, steps=12)
+    for seed in (0, 1):
+        cp = compute_metrics(simulate(w, "constraint_preserving", seed=seed))
+        tb = compute_metrics(simulate(w, "train_batch", seed=seed))
+        assert cp.steps_per_hour >= tb.steps_per_hour
+
+
+def test_in_flight_updates_separate_the_readings() -> None:
+    """With partial rollout, start <= weighted <= end for every group and end is fresher on average."""
+    trace = simulate(small("code_agent_skew"), "constraint_preserving", seed=0)
+    assert all(c.version_start <= c.version_weighted <= c.version_end for c in trace.consumed)
+    m = compute_metrics(trace)
+    assert m.readings["end"].staleness.mean < m.readings["start"].staleness.mean
+
+
+def test_metrics_shape_and_idle_fractions() -> None:
+    """Per-step metrics cover every step with K admission times; idle fractions lie in [0, 1]."""
+    w = small("multimodal")
+    m = compute_metrics(simulate(w, "linear_target", seed=0))
+    assert len(m.per_step) == w.steps
+    assert all(len(s.admitted_at) == w.mini_batches_per_step for s in m.per_step)
+    assert all(s.admitted_at == sorted(s.admitted_at) for s in m.per_step)
+    assert 0.0 <= m.trainer_idle <= 1.0 and 0.0 <= m.rollout_idle <= 1.0
+    assert m.steps_per_hour == pytest.approx(w.steps / (m.makespan_s / 3600))
+    json.dumps(m.to_json())
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"window": 0}, "window"), ({"mini_batches_per_step": 7}, "mini_batches_per_step"),
+     ({"rollout_slots": 0}, "rollout_slots")],
+)
+def test_bad_workload_is_rejected(change: dict[str, int], field: str) -> None:
+    """A workload that cannot run raises ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        load_workload("balanced").with_overrides(**change)
+
+
+def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
+    """Unknown fields and bad source values in a YAML workload raise InvalidRequest with the location."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsources:\n  - {name: a, quota: 2, duration_mean_s: 1, colour: red}\n")
+    with pytest.raises(InvalidRequest, match=r"sources\[0\].*colour"):
+        load_workload(str(bad))
+    bad.write_text("name: x\nsources:\n  - {name: a, quota: 0, duration_mean_s: 1}\n")
+    with pytest.raises(InvalidRequest, match="quota"):
+        load_workload(str(bad))
+    with pytest.raises(InvalidRequest, match="unknown workload"):
+        load_workload("no_such_workload")
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`knittrans sim` runs a sweep, prints the table, writes JSON and the four PNG plots per configuration."""
+    wl = tmp_path / "tiny.yaml"
+    data = dataclasses.asdict(small("code_agent_skew", steps=4))
+    import yaml
+
+    wl.write_text(yaml.safe_dump(data))
+    out = tmp_path / "res.json"
+    plots = tmp_path / "plots"
+    rc = main(["sim", "--workload", str(wl), "--policy", "all", "--seeds", "2", "--mini-batches", "4,8",
+               "--window", "1", "--colocated", "--json", str(out), "--plots", str(plots)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "constraint_preserving" in captured.out and "colocated" in captured.out
+    assert "%" in captured.err  # the progress bar
+    payload = json.loads(out.read_text())
+    assert len(payload["configs"]) == 2
+    assert len(payload["runs"]) == 2 * 4 * 2
+    assert all(r["quota_violations"] == 0 for r in payload["runs"])
+    pngs = sorted(p.name for p in plots.glob("*.png"))
+    assert len(pngs) == 8 and all(p.startswith("code_agent_skew_K") for p in pngs)
+
+
+def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    """Unknown policy or workload exits 2 with a message naming it."""
+    assert main(["sim", "--policy", "fastest", "--no-progress"]) == 2
+    assert "fastest" in capsys.readouterr().err
+    assert main(["sim", "--workload", "nope", "--no-progress"]) == 2
+    assert "nope" in capsys.readouterr().err

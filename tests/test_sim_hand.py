@@ -1,0 +1,132 @@
+"""Hand-derived simulator runs: deterministic durations, every policy, every version reading."""
+
+from __future__ import annotations
+
+import pytest
+
+from knittrans.sched.staleness import READINGS, architectural_staleness, staleness, version_of
+from knittrans.sim.engine import RunTrace, simulate
+from knittrans.sim.workload import SourceProfile, Workload
+
+# The hand case. Sources a (every group takes 1 s) and b (3 s), quota 2 each: G = 4, K = 2, b = 2.
+# One trajectory of 100 tokens per group, 4 rollout slots, window W = 1 (<= 4 groups launched but not
+# admitted), the trainer queue holds K = 2 admitted mini-batches, training takes 1 s per mini-batch,
+# weights reach rollout with no delay, in-flight weight updates on. Launch order follows the quota
+# share (ties: workload order), so a, b, a, b, ... Version v is usable from the end of mini-batch v-1.
+# At equal times: a finished optimizer step is handled before finished groups, finished groups in
+# launch order. Versions of a group: (start, end, time-weighted mean over its run).
+
+
+def hand_workload(*, in_flight: bool = True) -> Workload:
+    """The 2-source case above."""
+    return Workload(
+        name="hand",
+        sources=(
+            SourceProfile(name="a", quota=2, duration_mean_s=1.0, tokens_mean=100),
+            SourceProfile(name="b", quota=2, duration_mean_s=3.0, tokens_mean=100),
+        ),
+        group_size=1, mini_batches_per_step=2, window=1, rollout_slots=4, sync_delay_s=0.0,
+        in_flight_updates=in_flight, trainer_overhead_s=1.0, trainer_s_per_token=0.0, world_size=1,
+        steps=2,
+    )
+
+
+# group -> (mini-batch number n, index k, version_start, version_end, version_weighted)
+# constraint_preserving:
+#  t=0 launch a-0 b-0 a-1 b-1 (v0). t=1 a-0, a-1 finish -> mb0 = {a-0, a-1} (n0, k0), trains 1..2;
+#  launch a-2 (ends 2), b-2 (ends 4). t=2 v1 usable; a-2 finishes: start 0, end 1 (v1 arrives at its
+#  end), weighted 0 (no time under v1). t=3 b-0, b-1 finish: v0 on [0,2), v1 on [2,3] -> (0, 1, 1/3);
+#  mb1 = {b-0, b-1} (n1, k1), trains 3..4; launch a-3 (3..4), b-3 (3..6) at v1.
+#  t=4 v2 usable; b-2 finishes: v0 [1,2), v1 [2,4) -> (0, 2, 2/3); mb2 = {a-2, b-2} (n2, k0) trains 4..5;
+#  a-3 finishes (1, 2, 1.0) but b has nothing finished -> wait. t=5 v3. t=6 b-3: v1 [3,4), v2 [4,5),
+#  v3 [5,6] -> (1, 3, 2.0); mb3 = {a-3, b-3} (n3, k1) trains 6..7. Makespan 7 s.
+CP = {
+    "a-0": (0, 0, 0, 0, 0.0), "a-1": (0, 0, 0, 0, 0.0),
+    "b-0": (1, 1, 0, 1, 1 / 3), "b-1": (1, 1, 0, 1, 1 / 3),
+    "a-2": (2, 0, 0, 1, 0.0), "b-2": (2, 0, 0, 2, 2 / 3),
+    "a-3": (3, 1, 1, 2, 1.0), "b-3": (3, 1, 1, 3, 2.0),
+}
+# train_batch: waits for all four groups (t=3), then admits both mini-batches of the plan {a:1, b:1}
+#  earliest first: mb0 = {a-0, b-0}, mb1 = {a-1, b-1}, all (0, 0, 0); they train 3..4 and 4..5.
+#  The window frees 4 launches at t=3 (all at v0): a-2, b-2, a-3, b-3. v1 from 4, v2 from 5.
+#  a-2, a-3 end at 4: (0, 1, 0.0). b-2, b-3 end at 6: v0 [3,4), v1 [4,5), v2 [5,6] -> (0, 2, 1.0).
+#  t=6: mb2 = {a-2, b-2} (n2), mb3 = {a-3, b-3} (n3); they train 6..7, 7..8. Makespan 8 s.
+TB = {
+    "a-0": (0, 0, 0, 0, 0.0), "b-0": (0, 0, 0, 0, 0.0),
+    "a-1": (1, 1, 0, 0, 0.0), "b-1": (1, 1, 0, 0, 0.0),
+    "a-2": (2, 0, 0, 1, 0.0), "b-2": (2, 0, 0, 2, 1.0),
+    "a-3": (3, 1, 0, 1, 0.0), "b-3": (3, 1, 0, 2, 1.0),
+}
+# linear_target: mini-batch k needs the plan's cumulative target {a: k+1, b: k+1}, so b gates it:
+#  t=3 b-0 -> mb0 = {a-0, b-0}; launch a-2, b-2; b-1 -> mb1 = {a-1, b-1}; launch a-3, b-3 (all v0).
+#  From there it is the train_batch run: the slow source decides every mini-batch. Makespan 8 s.
+LT = TB
+
+HAND = {"constraint_preserving": (CP, 7.0), "train_batch": (TB, 8.0), "linear_target": (LT, 8.0)}
+
+
+def _by_group(trace: RunTrace) -> dict[str, tuple[int, int, int, int, float]]:
+    return {
+        c.group_id: (c.v_train, c.mini_batch_index, c.version_start, c.version_end, c.version_weighted)
+        for c in trace.consumed
+    }
+
+
+@pytest.mark.parametrize("policy", sorted(HAND))
+def test_hand_case_versions_and_makespan(policy: str) -> None:
+    """Every consumed group's mini-batch, index and three versions, and the makespan, match the derivation."""
+    expected, makespan = HAND[policy]
+    trace = simulate(hand_workload(), policy, seed=0)
+    got = _by_group(trace)
+    assert set(got) == set(expected)
+    for gid, (n, k, v0, v1, vw) in expected.items():
+        assert got[gid][:4] == (n, k, v0, v1), gid
+        assert got[gid][4] == pytest.approx(vw), gid
+    assert trace.makespan_s == pytest.approx(makespan)
+
+
+@pytest.mark.parametrize("policy", sorted(HAND))
+@pytest.mark.parametrize("reading", READINGS)
+def test_hand_case_architectural_staleness(policy: str, reading: str) -> None:
+    """Architectural staleness per group under each reading equals n - v - k from the hand table."""
+    expected, _ = HAND[policy]
+    trace = simulate(hand_workload(), policy, seed=0)
+    index = {"start": 2, "end": 3, "weighted": 4}[reading]
+    for c in trace.consumed:
+        n, k = expected[c.group_id][0], expected[c.group_id][1]
+        v = expected[c.group_id][index]
+        assert staleness(c.v_train, version_of(c, reading)) == pytest.approx(n - v)
+        assert architectural_staleness(c.v_train, version_of(c, reading), c.mini_batch_index) == pytest.approx(
+            n - v - k
+        )
+
+
+def test_hand_case_step_one_means() -> None:
+    """Step 1 mean architectural staleness (end reading): CP (1 + 0 + 0 - 1)/4 = 0 vs TB (1 + 0 + 1 + 0)/4."""
+    means = {}
+    for policy in ("constraint_preserving", "train_batch"):
+        trace = simulate(hand_workload(), policy, seed=0)
+        step1 = [c for c in trace.consumed if c.step == 1]
+        means[policy] = sum(
+            architectural_staleness(c.v_train, c.version_end, c.mini_batch_index) for c in step1
+        ) / len(step1)
+    assert means == {"constraint_preserving": pytest.approx(0.0), "train_batch": pytest.approx(0.5)}
+
+
+def test_hand_case_without_in_flight_updates_keeps_start_version() -> None:
+    """Without partial rollout a group keeps its start weights: all three readings are the start version."""
+    trace = simulate(hand_workload(in_flight=False), "constraint_preserving", seed=0)
+    for c in trace.consumed:
+        assert c.version_end == c.version_start
+        assert c.version_weighted == c.version_start
+    assert {c.group_id: c.version_start for c in trace.consumed} == {g: v[2] for g, v in CP.items()}
+
+
+def test_hand_case_colocated() -> None:
+    """Colocated: batch 0 at v0 trains 3..5; batch 1 launched at 5 with v2 ends at 8, trains 8..10."""
+    trace = simulate(hand_workload(), "train_batch", seed=0, colocated=True)
+    assert trace.makespan_s == pytest.approx(10.0)
+    for c in trace.consumed:
+        assert c.version_start == c.version_end == 2 * c.step
+        assert c.v_train - c.version_end == c.mini_batch_index
+    assert [m.admitted_at for m in trace.mini_batches] == [3.0, 3.0, 8.0, 8.0]
