@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("knittrans.demo.cli", "run the whole pipeline on this machine (rollout, stores, control plane, trainers)"),
     "store": ("knittrans.flight.cli", "serve a node-local store over Arrow Flight"),
     "control-plane": ("knittrans.api.cli", "serve the control plane (FastAPI + uvicorn, SQLite state)"),
+    "rollout": ("knittrans.rollout.cli", "run a rollout worker: generate groups, write units, register them"),
+    "train": ("knittrans.trainer.cli", "run one trainer rank (GRPO on a tiny policy, DDP over gloo)"),
     "sim": ("knittrans.sim.cli", "simulate admission policies under rollout skew"),
     "bench": ("knittrans.benchcli", "run a benchmark from benchmarks/ (transfer, control_plane, trainer, baselines)"),
 }

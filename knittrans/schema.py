@@ -70,6 +70,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
         pa.field("reward", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
         pa.field("version_start", pa.int32(), nullable=False),
         pa.field("version_end", pa.int32(), nullable=False),
         pa.field("version_weighted", pa.float32(), nullable=False),
@@ -294,6 +295,8 @@ class TrajectoryGroup:
     """Sampling log-probabilities, one per response token."""
     rewards: Any
     """One reward per response."""
+    advantages: Any = None
+    """One advantage per response; None means GRPO's ``(r - mean) / (std + 1e-6)`` over the group."""
     version_start: Any
     """Policy version at which each response started (int for all, or one per response)."""
     version_end: Any
@@ -357,7 +360,12 @@ def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = Tru
             cols["loss_mask"] += [np.ones(len(_to_numpy(r, np.dtype(np.int32))), np.uint8) for r in g.response_ids]
         else:
             cols["loss_mask"] += _per_row(g.loss_masks, n, "loss_masks", g.group_id)
-        cols["reward"] += _per_row(g.rewards, n, "rewards", g.group_id)
+        rewards = np.asarray(_per_row(g.rewards, n, "rewards", g.group_id), dtype=np.float64)
+        cols["reward"] += list(rewards)
+        if g.advantages is None:  # GRPO: the group's rewards normalised by its own mean and std
+            cols["advantage"] += list((rewards - rewards.mean()) / (rewards.std() + 1e-6))
+        else:
+            cols["advantage"] += _per_row(g.advantages, n, "advantages", g.group_id)
         vs = _per_row(g.version_start, n, "version_start", g.group_id)
         ve = _per_row(g.version_end, n, "version_end", g.group_id)
         vw = _per_row(g.version_weighted, n, "version_weighted", g.group_id)
@@ -380,6 +388,7 @@ def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = Tru
         _list_array(cols["response_logprobs"], np.dtype(np.float32), pa.float32()),
         _list_array(cols["loss_mask"], np.dtype(np.uint8), pa.uint8()),
         pa.array(np.asarray(cols["reward"], dtype=np.float32)),
+        pa.array(np.asarray(cols["advantage"], dtype=np.float32)),
         pa.array(np.asarray(cols["version_start"], dtype=np.int32)),
         pa.array(np.asarray(cols["version_end"], dtype=np.int32)),
         pa.array(np.asarray(cols["version_weighted"], dtype=np.float32)),

@@ -38,7 +38,7 @@ from knittrans.errors import InvalidRequest
 __all__ = ["MicroBatch", "PackedSequence", "pad_sequences", "to_device", "to_micro_batch"]
 
 _LIST_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask")
-_SCALAR_COLUMNS = {"reward": "rewards", "version_start": "version_start", "version_end": "version_end",
+_SCALAR_COLUMNS = {"reward": "rewards", "advantage": "advantages", "version_start": "version_start", "version_end": "version_end",
                    "version_weighted": "version_weighted"}
 
 
@@ -74,6 +74,8 @@ class MicroBatch:
     """Flat uint8 mask over response tokens."""
     rewards: torch.Tensor | None = None
     """float32 ``[rows]``."""
+    advantages: torch.Tensor | None = None
+    """float32 ``[rows]`` advantages (GRPO group-normalised rewards unless the writer gave others)."""
     version_start: torch.Tensor | None = None
     """int32 ``[rows]`` policy version at each trajectory's start."""
     version_end: torch.Tensor | None = None

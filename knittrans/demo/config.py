@@ -1,0 +1,68 @@
+"""The demo's embedded defaults: a small two-source GRPO job that finishes in minutes on 2 cores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from knittrans.sched.admission import POLICIES
+
+__all__ = ["DemoConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything ``knittrans demo`` runs; every field has a default."""
+
+    out_dir: Path = Path("demo-results")
+    """Where JSON, plots and process logs go."""
+    policy: str = "constraint_preserving"
+    """Admission policy: train_batch, linear_target or constraint_preserving."""
+    engine: str = "hf"
+    """Rollout engine: hf (transformers) or vllm."""
+    steps: int = 3
+    """Train steps (each one train batch of ``sum(quotas)`` groups)."""
+    mini_batches_per_step: int = 4
+    """K: mini-batches (optimizer steps) per train step."""
+    quotas: dict[str, int] = field(default_factory=lambda: {"math": 4, "mm_qa": 4})
+    """Groups per train batch of each source."""
+    sources: dict[str, str] = field(default_factory=lambda: {
+        "math": "math:8-16:4-12",
+        "mm_qa": "mm_qa:8-16:24-48:image=4x128x128",
+    })
+    """Per-source rollout profile (``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]``): short text answers
+    versus long answers to prompts that carry an image shared by the group."""
+    group_size: int = 4
+    """Responses per prompt (GRPO group)."""
+    ranks: int = 2
+    """Trainer ranks (gloo DDP)."""
+    stores: int = 2
+    """Store nodes; rollout worker ``i`` writes to node ``i % stores``."""
+    micro_batch_size: int = 4
+    """Trajectories per micro-batch."""
+    window: int = 1
+    """Off-policy window in train batches (launched-but-unadmitted groups per source)."""
+    chunk_tokens: int | None = 8
+    """Partial rollout: generation picks up new weights every this many tokens."""
+    fetch_mode: str = "iter"
+    """Trainer fetch mode: iter (prefetch) or eager."""
+    lr: float = 1e-3
+    """Learning rate of the tiny policy."""
+    seed: int = 0
+    """Seed of the model, prompts and sampling."""
+    timeout_s: float = 900.0
+    """Give up (and stop every process) after this long."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"engine must be hf or vllm, not {self.engine!r}")
+        if set(self.quotas) != set(self.sources):
+            raise ValueError(
+                f"quotas {sorted(self.quotas)} and sources {sorted(self.sources)} must name the same sources"
+            )
+        if self.steps < 1 or self.ranks < 1 or self.stores < 1:
+            raise ValueError("steps, ranks and stores must be >= 1")
+        if self.fetch_mode not in ("iter", "eager"):
+            raise ValueError("fetch_mode must be iter or eager")

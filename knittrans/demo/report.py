@@ -1,0 +1,132 @@
+"""Demo results: per-step table from the control plane's status and the ranks' JSON lines, plus a PNG."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from knittrans.demo.config import DemoConfig
+
+__all__ = ["collect_results", "format_table", "plot_results"]
+
+
+def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(run_dir.glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+def _get(record: dict[str, Any], *names: str, default: float = 0.0) -> float:
+    for name in names:
+        if name in record and record[name] is not None:
+            return float(record[name])
+    return default
+
+
+def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
+    """Combine status and rank records into per-step rows and run totals."""
+    records = _rank_records(run_dir)
+    admissions = {a["global_index"]: a for a in status.get("admissions", status.get("recent_admissions", []))}
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_step[int(r["step"])].append(r)
+    staleness_by_step = status["staleness"]["by_step"]
+    steps = []
+    for step in sorted(by_step):
+        rs = by_step[step]
+        adm = [admissions[n] for n in sorted({int(r["global_index"]) for r in rs}) if n in admissions]
+        waits = [a["wait_s"] for a in adm if a.get("wait_s") is not None]
+        st = staleness_by_step.get(str(step), {})
+        steps.append({
+            "step": step,
+            "mini_batches": len({r["global_index"] for r in rs}),
+            "admission_wait_s": sum(waits) / len(waits) if waits else None,
+            "arch_staleness_end": st.get("end", {}).get("architectural", {}).get("mean"),
+            "arch_staleness_start": st.get("start", {}).get("architectural", {}).get("mean"),
+            "arch_staleness_weighted": st.get("weighted", {}).get("architectural", {}).get("mean"),
+            "exposed_transfer_s": sum(_get(r, "wait_s") for r in rs),
+            "fetch_s": sum(_get(r, "fetch_s") for r in rs),
+            "media_logical_bytes": int(sum(_get(r, "media_logical_bytes") for r in rs)),
+            "media_unique_bytes": int(sum(_get(r, "media_unique_bytes") for r in rs)),
+            "row_bytes": int(sum(_get(r, "bytes", "row_bytes") for r in rs)),
+            "encoder_calls": int(sum(_get(r, "encoder_calls") for r in rs)),
+            "media_uses": int(sum(_get(r, "media_uses") for r in rs)),
+            "step_time_s": max(_get(r, "ended_at") for r in rs) - min(_get(r, "started_at") for r in rs),
+        })
+    overall = status["staleness"]["overall"]
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "wall_s": wall_s,
+        "steps": steps,
+        "staleness": overall,
+        "quota_fill": status.get("quota_fill"),
+        "counts": status["counts"],
+        "rank_records": records,
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Per-step table as text."""
+    head = (f"{'step':>4} {'mb':>3} {'adm.wait s':>10} {'arch.stal(end)':>14} {'arch(start)':>11} "
+            f"{'exposed xfer ms':>15} {'fetch ms':>9} {'media MiB log/uniq':>19} {'enc calls/uses':>14} {'step s':>7}")
+    lines = [head, "-" * len(head)]
+    for s in results["steps"]:
+        media = f"{s['media_logical_bytes'] / 2**20:.1f}/{s['media_unique_bytes'] / 2**20:.1f}"
+        lines.append(
+            f"{s['step']:>4} {s['mini_batches']:>3} {_fmt(s['admission_wait_s'], '.2f'):>10} "
+            f"{_fmt(s['arch_staleness_end'], '.2f'):>14} {_fmt(s['arch_staleness_start'], '.2f'):>11} "
+            f"{s['exposed_transfer_s'] * 1e3:>15.1f} {s['fetch_s'] * 1e3:>9.1f} {media:>19} "
+            f"{str(s['encoder_calls']) + '/' + str(s['media_uses']):>14} {s['step_time_s']:>7.1f}"
+        )
+    arch = results["staleness"]
+    summary = ", ".join(
+        f"{reading}: {_fmt(arch[reading]['architectural']['mean'], '.3f')}" for reading in ("start", "end", "weighted")
+    )
+    lines.append(f"mean architectural staleness by reading: {summary}; wall {results['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any] | None = None) -> Path:
+    """Staleness, transfer and bytes per step in one PNG (``compare``: another run drawn beside it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {results["config"]["policy"]: results}
+    if compare is not None:
+        runs[compare["config"]["policy"]] = compare
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for policy, res in runs.items():
+        steps = [s["step"] for s in res["steps"]]
+        axes[0][0].plot(steps, [s["arch_staleness_end"] or 0 for s in res["steps"]], marker="o", label=policy)
+        axes[0][1].plot(steps, [s["admission_wait_s"] or 0 for s in res["steps"]], marker="o", label=policy)
+        axes[1][0].plot(steps, [s["exposed_transfer_s"] * 1e3 for s in res["steps"]], marker="o",
+                        label=f"{policy} exposed")
+        axes[1][0].plot(steps, [s["fetch_s"] * 1e3 for s in res["steps"]], linestyle="--", label=f"{policy} fetch")
+    main = results["steps"]
+    x = range(len(main))
+    axes[1][1].bar([i - 0.2 for i in x], [s["media_logical_bytes"] / 2**20 for s in main], 0.4, label="logical")
+    axes[1][1].bar([i + 0.2 for i in x], [s["media_unique_bytes"] / 2**20 for s in main], 0.4, label="moved (unique)")
+    axes[0][0].set_title("mean architectural staleness per step (end reading)")
+    axes[0][1].set_title("mean admission wait per mini-batch (s)")
+    axes[1][0].set_title("transfer per step (ms): exposed vs fetch time")
+    axes[1][1].set_title(f"media MiB per step ({results['config']['policy']})")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,116 @@
+"""``run_demo``: the whole pipeline as real processes on this machine, then a per-step report.
+
+Processes: the control plane (SQLite in the run directory), ``stores`` store nodes, one rollout
+worker per source (transformers or vLLM engine, writing to the node ``i % stores``), and
+``ranks`` trainer ranks (gloo DDP) that fetch their rows on demand and take GRPO steps. Every
+process is a child in its own session and is stopped on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.config import DemoConfig
+from knittrans.procs import free_port, knittrans_command
+
+__all__ = ["JOB", "run_demo"]
+
+logger = logging.getLogger(__name__)
+
+JOB = "demo"
+"""Name of the demo job."""
+
+
+def _job_spec(config: DemoConfig) -> dict[str, Any]:
+    return {
+        "name": JOB, "group_size": config.group_size, "quotas": dict(config.quotas),
+        "mini_batches_per_step": config.mini_batches_per_step, "policy": config.policy,
+        "world_size": config.ranks, "micro_batch_size": config.micro_batch_size, "total_steps": config.steps,
+    }
+
+
+def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> None:
+    for i, (source, profile) in enumerate(config.sources.items()):
+        node = cluster.stores[i % len(cluster.stores)]
+        argv = ["rollout", "--control-url", cluster.control_url, "--job", JOB, "--worker-id", f"w-{source}",
+                "--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir),
+                "--source", profile, "--model-dir", str(model_dir), "--weights-dir", str(run_dir / "weights"),
+                "--state-file", str(run_dir / f"rollout-{source}.json"), "--engine", config.engine,
+                "--group-size", str(config.group_size), "--window", str(config.window),
+                "--seed", str(config.seed + i)]
+        if config.chunk_tokens:
+            argv += ["--chunk-tokens", str(config.chunk_tokens)]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"} if config.engine == "vllm" else {
+            "OMP_NUM_THREADS": "1"}
+        cluster.procs.start(f"rollout-{source}", knittrans_command(*argv), env=env)
+
+
+def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> list[str]:
+    dist_url = f"tcp://127.0.0.1:{free_port()}"
+    names = []
+    for rank in range(config.ranks):
+        argv = ["train", "--control-url", cluster.control_url, "--job", JOB, "--rank", str(rank),
+                "--world-size", str(config.ranks), "--dist-url", dist_url, "--model-dir", str(model_dir),
+                "--weights-dir", str(run_dir / "weights"), "--fetch-mode", config.fetch_mode,
+                "--lr", str(config.lr), "--out", str(run_dir / f"rank-{rank}.jsonl")]
+        for node in cluster.stores:
+            argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]
+        name = f"rank-{rank}"
+        cluster.procs.start(name, knittrans_command(*argv), env={"OMP_NUM_THREADS": "1"})
+        names.append(name)
+    return names
+
+
+def _progress_line(status: dict[str, Any], total: int, started: float) -> str:
+    consumed = status["counts"]["consumed_mini_batches"]
+    arch = status["staleness"]["overall"]["end"]["architectural"]["mean"]
+    fill = " ".join(f"{s}={v['admitted']}/{v['quota']}" for s, v in status["quota_fill"].items())
+    arch_txt = "-" if arch is None else f"{arch:.2f}"
+    return (f"[{time.monotonic() - started:6.1f}s] mini-batches trained {consumed}/{total}  "
+            f"step {status['step']} fill {fill}  units {status['counts']['units']}  arch.staleness(end) {arch_txt}")
+
+
+def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the demo once; return (and write to ``<out_dir>/<policy>/results.json``) its results."""
+    from knittrans.demo.report import collect_results
+    from knittrans.rollout.models import build_tiny_qwen2
+
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    run_dir = Path(config.out_dir) / config.policy
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "weights").mkdir(parents=True)
+    model_dir = build_tiny_qwen2(run_dir / "model", seed=config.seed)
+    total = config.steps * config.mini_batches_per_step
+    started = time.monotonic()
+    cluster_config = ClusterConfig(work_dir=run_dir, num_stores=config.stores)
+    say(f"demo: policy={config.policy} engine={config.engine} steps={config.steps} K={config.mini_batches_per_step} "
+        f"ranks={config.ranks} stores={config.stores} sources={list(config.quotas)}; logs in {run_dir / 'logs'}")
+    with LocalCluster(cluster_config) as cluster:
+        control = cluster.control(admin=True)
+        control.create_job(_job_spec(config))
+        _start_rollout(cluster, config, run_dir, model_dir)
+        ranks = _start_trainers(cluster, config, run_dir, model_dir)
+        last = ""
+        while any(cluster.procs.children[r].poll() is None for r in ranks):
+            cluster.procs.check_alive()
+            if time.monotonic() - started > config.timeout_s:
+                raise TimeoutError(f"demo did not finish within {config.timeout_s:.0f} s; logs in {run_dir / 'logs'}")
+            line = _progress_line(control.status(JOB), total, started)
+            if line.split("]", 1)[1] != last:
+                say(line)
+                last = line.split("]", 1)[1]
+            time.sleep(1.0)
+        cluster.procs.check_alive(*ranks)
+        status = control.status(JOB)
+        wall = time.monotonic() - started
+    results = collect_results(config, run_dir, status, wall_s=wall)
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return results

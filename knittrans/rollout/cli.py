@@ -1,0 +1,69 @@
+"""``knittrans rollout``: one rollout worker process (engine + writer) until the job is finished."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``knittrans rollout``."""
+    parser.add_argument("--control-url", required=True, help="control plane base URL")
+    parser.add_argument("--job", required=True, help="job name")
+    parser.add_argument("--worker-id", required=True, help="unique worker name (prefixes group ids)")
+    parser.add_argument("--node-id", required=True, help="store node this worker writes to")
+    parser.add_argument("--store-endpoint", required=True, help="grpc://HOST:PORT of that store node")
+    parser.add_argument("--store-dir", default=None, help="the node's directory when on this host (direct writes)")
+    parser.add_argument("--source", action="append", required=True,
+                        help="NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]; repeat for several sources")
+    parser.add_argument("--model-dir", required=True, help="initial policy checkpoint directory")
+    parser.add_argument("--weights-dir", required=True, help="where the trainer publishes policy-v<N>.safetensors")
+    parser.add_argument("--state-file", required=True, help="worker state file (restarts resume from it)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine (default hf)")
+    parser.add_argument("--group-size", type=int, default=4, help="responses per prompt (job's group size)")
+    parser.add_argument("--groups-per-call", type=int, default=2, help="prompts per generate call / unit")
+    parser.add_argument("--window", type=int, default=1, help="off-policy window in train batches")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="partial rollout chunk (tokens)")
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--reward", default="parity", help="'parity' or package.module:function")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-groups", type=int, default=None, help="stop after this many groups")
+    parser.add_argument("--token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"), help="control-plane token")
+    parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"), help="store token")
+
+
+def run(args: Any) -> int:
+    """Build the worker and run it; SIGTERM ends it between units."""
+    from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile
+
+    config = RolloutWorkerConfig(
+        control_url=args.control_url, job=args.job, worker_id=args.worker_id, node_id=args.node_id,
+        store_endpoint=args.store_endpoint, store_dir=args.store_dir,
+        sources=tuple(SourceProfile.parse(s) for s in args.source), model_dir=args.model_dir,
+        weights_dir=args.weights_dir, state_file=args.state_file, engine=args.engine,
+        group_size=args.group_size, groups_per_call=args.groups_per_call, window=args.window,
+        temperature=args.temperature, chunk_tokens=args.chunk_tokens, vocab_size=args.vocab_size,
+        reward=args.reward, seed=args.seed, token=args.token, store_token=args.store_token,
+    )
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    worker = RolloutWorker(config)
+    try:
+        written = worker.run(max_groups=args.max_groups)
+        logger.info("%s: finished after %d groups", config.worker_id, written)
+    except KeyboardInterrupt:
+        logger.info("%s: stopped after %d groups", config.worker_id, worker.groups_written)
+    finally:
+        worker.close()
+    return 0

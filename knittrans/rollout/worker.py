@@ -1,0 +1,346 @@
+"""Rollout worker loop: draw prompts per source, report supply, generate, reward, write units, register.
+
+One worker owns a set of sources and one store node. It keeps at most ``window`` train batches
+of its sources launched-but-unadmitted (the off-policy window; the same bound for every
+admission policy), tags every trajectory with the policy version at its start and end and the
+token-weighted version, and picks up new policy weights when the trainer publishes a version:
+rank 0 writes ``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports
+version ``N`` to the control plane; the worker polls the version before every chunk of
+generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
+many tokens and new weights are picked up between chunks (partial rollout across an update).
+
+Restart safety: group ids are ``<worker_id>-<seq>`` with ``seq`` from a small state file written
+before the groups are announced; a restarted worker regenerates the groups it had announced but
+not registered, under the same ids (the control plane counts a started id once and refuses a
+second registration of a group, which the worker takes as "already registered").
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from knittrans.controlclient import ControlClient
+from knittrans.errors import Conflict, InvalidRequest
+from knittrans.names import check_name
+from knittrans.rollout.adapters.trajectory import to_trajectory_group
+from knittrans.rollout.engines import RolloutEngine, open_engine
+from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
+from knittrans.rollout.writer import TrajectoryWriter
+from knittrans.schema import Media, TrajectoryGroup
+
+__all__ = ["RewardFn", "RolloutWorker", "RolloutWorkerConfig", "SourceProfile", "load_reward", "parity_reward"]
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, np.ndarray, np.ndarray], float]
+"""``reward(source, prompt_ids, response_ids) -> float``."""
+
+
+def _stable_seed(*parts: object) -> int:
+    """A seed that is the same in every process (``hash()`` of strings is salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def parity_reward(source: str, prompt_ids: np.ndarray, response_ids: np.ndarray) -> float:
+    """Demo reward: the fraction of even token ids in the response (learnable, cheap, deterministic)."""
+    if response_ids.size == 0:
+        return 0.0
+    return float(np.mean(response_ids % 2 == 0))
+
+
+def load_reward(spec: str) -> RewardFn:
+    """``parity`` or ``package.module:function``."""
+    if spec == "parity":
+        return parity_reward
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise InvalidRequest(f"reward {spec!r}: use 'parity' or 'package.module:function'")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise InvalidRequest(f"reward {spec!r}: {name} is not a callable in {module}")
+    return fn  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceProfile:
+    """How prompts of one source look and how long its responses may get."""
+
+    name: str
+    """Source name (must have a quota in the job)."""
+    prompt_len: tuple[int, int] = (8, 16)
+    """Inclusive range of prompt lengths in tokens."""
+    max_new_tokens: tuple[int, int] = (8, 16)
+    """Inclusive range of the per-group response budget: the source's length profile."""
+    image_shape: tuple[int, ...] | None = None
+    """Shape of the uint8 image each group's prompt carries (shared by the group); None: text only."""
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "source")
+        for what, (lo, hi) in (("prompt_len", self.prompt_len), ("max_new_tokens", self.max_new_tokens)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{self.name}.{what}: need 1 <= lo <= hi, got ({lo}, {hi})")
+
+    @classmethod
+    def parse(cls, text: str) -> SourceProfile:
+        """``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]``, e.g. ``mm:8-16:32-64:image=4x256x256``."""
+        parts = text.split(":")
+        try:
+            name, prompt, resp = parts[0], parts[1], parts[2]
+            image = None
+            for extra in parts[3:]:
+                key, _, value = extra.partition("=")
+                if key != "image":
+                    raise ValueError(f"unknown option {key!r}")
+                image = tuple(int(x) for x in value.split("x"))
+            p = tuple(int(x) for x in prompt.split("-"))
+            r = tuple(int(x) for x in resp.split("-"))
+            return cls(name=name, prompt_len=(p[0], p[-1]), max_new_tokens=(r[0], r[-1]), image_shape=image)
+        except (IndexError, ValueError) as exc:
+            raise InvalidRequest(f"source {text!r}: expected NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW] ({exc})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutWorkerConfig:
+    """One rollout worker."""
+
+    control_url: str
+    """Control plane base URL."""
+    job: str
+    """Job name."""
+    worker_id: str
+    """Unique worker name; prefixes its group and unit ids."""
+    node_id: str
+    """Store node the worker writes to."""
+    store_endpoint: str
+    """Flight location of that node."""
+    store_dir: str | None
+    """The node's directory when it is on this host (direct writes); None uses DoPut."""
+    sources: tuple[SourceProfile, ...]
+    """Sources this worker generates."""
+    model_dir: str
+    """Initial policy (a transformers checkpoint directory)."""
+    weights_dir: str
+    """Where the trainer publishes ``policy-v<N>.safetensors``."""
+    state_file: str
+    """Worker state (next group sequence number, announced groups) for restarts."""
+    engine: str = "hf"
+    """``hf`` (transformers) or ``vllm``."""
+    group_size: int = 4
+    """Responses per prompt (must equal the job's group size)."""
+    groups_per_call: int = 2
+    """Prompts per generate call, written together as one unit."""
+    window: int = 1
+    """Off-policy window: launched-but-unadmitted groups per source <= window * quota."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    chunk_tokens: int | None = None
+    """Generate in chunks of this many tokens, picking up new weights between chunks."""
+    vocab_size: int = 256
+    """Prompt token ids are drawn from ``[0, vocab_size - 1)`` (the last id is EOS)."""
+    reward: str = "parity"
+    """Reward function: ``parity`` or ``package.module:function``."""
+    seed: int = 0
+    """Base seed of prompts and sampling."""
+    token: str | None = None
+    """Control-plane worker token."""
+    store_token: str | None = None
+    """Store token (DoPut path)."""
+    poll_s: float = 0.2
+    """Sleep between status checks while the window is full."""
+
+    def __post_init__(self) -> None:
+        check_name(self.worker_id, "worker_id")
+        if not self.sources:
+            raise ValueError("a rollout worker needs at least one source")
+        if self.group_size < 1 or self.groups_per_call < 1 or self.window < 1:
+            raise ValueError("group_size, groups_per_call and window must be >= 1")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+
+
+@dataclass
+class _State:
+    next_seq: int = 0
+    announced: dict[str, str] = field(default_factory=dict)
+    """group id -> source, announced as started but not yet registered."""
+
+
+class RolloutWorker:
+    """Runs :meth:`run` until the job is completed or drained."""
+
+    def __init__(self, config: RolloutWorkerConfig, *, engine: RolloutEngine | None = None) -> None:
+        self.config = config
+        self.control = ControlClient(config.control_url, token=config.token)
+        self.engine = engine or open_engine(config.engine, config.model_dir)  # type: ignore[arg-type]
+        self.writer = TrajectoryWriter(job=config.job, node_id=config.node_id, endpoint=config.store_endpoint,
+                                       store_dir=config.store_dir, token=config.store_token)
+        self.reward = load_reward(config.reward)
+        self.version = 0
+        self.groups_written = 0
+        self._sources = {s.name: s for s in config.sources}
+        self._state = self._load_state()
+
+    # ------------------------------------------------------------------ state file
+    def _load_state(self) -> _State:
+        path = Path(self.config.state_file)
+        if not path.exists():
+            return _State()
+        raw = json.loads(path.read_text())
+        return _State(next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]))
+
+    def _save_state(self) -> None:
+        path = Path(self.config.state_file)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"next_seq": self._state.next_seq, "announced": self._state.announced}))
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ weights
+    def maybe_update_weights(self) -> int:
+        """Load the newest published weights if the trainer reported a newer version; return the version."""
+        latest = self.control.get_version(self.config.job)
+        if latest > self.version:
+            path = Path(self.config.weights_dir) / f"policy-v{latest}.safetensors"
+            if path.exists():
+                self.engine.load_weights(path)
+                logger.info("%s: loaded policy version %d", self.config.worker_id, latest)
+                self.version = latest
+        return self.version
+
+    # ------------------------------------------------------------------ generation
+    def _prompt(self, group_id: str, profile: SourceProfile) -> PromptRequest:
+        rng = np.random.default_rng(_stable_seed(self.config.seed, group_id, "prompt"))
+        length = int(rng.integers(profile.prompt_len[0], profile.prompt_len[1] + 1))
+        ids = rng.integers(0, self.config.vocab_size - 1, size=length, dtype=np.int32)
+        media: tuple[Media, ...] = ()
+        if profile.image_shape is not None:
+            image = rng.integers(0, 256, size=profile.image_shape, dtype=np.uint8)
+            media = (Media(kind="image", data=image),)
+        return PromptRequest(prompt_ids=ids, media=media)
+
+    def _budget(self, group_id: str, profile: SourceProfile) -> int:
+        rng = np.random.default_rng(_stable_seed(self.config.seed, group_id, "len"))
+        return int(rng.integers(profile.max_new_tokens[0], profile.max_new_tokens[1] + 1))
+
+    def generate(self, source: str, group_ids: Sequence[str]) -> list[TrajectoryGroup]:
+        """Generate, reward and version-tag one group per id (chunked when ``chunk_tokens`` is set)."""
+        profile = self._sources[source]
+        n = self.config.group_size
+        out: list[TrajectoryGroup] = []
+        for gid in group_ids:
+            request = self._prompt(gid, profile)
+            budget = self._budget(gid, profile)
+            chunk = self.config.chunk_tokens or budget
+            seq_seed = _stable_seed(self.config.seed, gid, "sample") % 2**31
+            tokens: list[list[np.ndarray]] = [[] for _ in range(n)]
+            logps: list[list[np.ndarray]] = [[] for _ in range(n)]
+            versions: list[list[np.ndarray]] = [[] for _ in range(n)]
+            done = [False] * n
+            start = self.maybe_update_weights()
+            produced = 0
+            while produced < budget and not all(done):
+                step = min(chunk, budget - produced)
+                if produced == 0:
+                    group = self.engine.generate([request], n, step, self.config.temperature, seq_seed)[0]
+                    samples: list[GeneratedSample | None] = list(group.samples)
+                else:
+                    version = self.maybe_update_weights()
+                    samples = [None] * n
+                    live = [i for i in range(n) if not done[i]]
+                    prompts = [PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]))
+                               for i in live]
+                    groups = self.engine.generate(prompts, 1, step, self.config.temperature, seq_seed + produced)
+                    for i, g in zip(live, groups, strict=True):
+                        samples[i] = g.samples[0]
+                version = self.version
+                for i, s in enumerate(samples):
+                    if s is None:
+                        continue
+                    tokens[i].append(s.response_ids)
+                    logps[i].append(s.response_logprobs)
+                    versions[i].append(np.full(s.num_tokens, version, dtype=np.float64))
+                    done[i] = done[i] or s.finish_reason == "stop"
+                produced += step
+            final = GeneratedGroup(
+                prompt_ids=request.prompt_ids,
+                samples=tuple(
+                    GeneratedSample(response_ids=np.concatenate(tokens[i]), response_logprobs=np.concatenate(logps[i]),
+                                    finish_reason="stop" if done[i] else "length")
+                    for i in range(n)
+                ),
+                media=request.media,
+            )
+            per_token = [np.concatenate(versions[i]) for i in range(n)]
+            vw = [float(v.mean()) if v.size else float(start) for v in per_token]
+            ve = [int(v.max()) if v.size else start for v in per_token]
+            rewards = [self.reward(source, final.prompt_ids, s.response_ids) for s in final.samples]
+            out.append(to_trajectory_group(final, group_id=gid, source=source, rewards=rewards,
+                                           version_start=start, version_end=ve, version_weighted=vw))
+        return out
+
+    # ------------------------------------------------------------------ main loop
+    def _headroom(self, status: dict[str, Any]) -> dict[str, int]:
+        quotas = status.get("quotas", {})
+        finished = status["counts"]["finished"]
+        pending = status["counts"]["pending"]
+        room = {}
+        for s in self._sources:
+            q = int(quotas.get(s, 0))
+            launched = int(finished.get(s, 0)) + int(pending.get(s, 0))
+            room[s] = self.config.window * q - launched
+        return room
+
+    def _produce(self, source: str, group_ids: list[str]) -> None:
+        groups = self.generate(source, group_ids)
+        descriptor = self.writer.write_groups(groups, unit_id=f"u-{group_ids[0]}")
+        try:
+            self.control.register_units(self.config.job, [descriptor])
+        except Conflict as exc:  # registered before a crash: the first incarnation stands
+            logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
+        for gid in group_ids:
+            self._state.announced.pop(gid, None)
+        self._save_state()
+        self.groups_written += len(group_ids)
+
+    def run(self, *, max_groups: int | None = None) -> int:
+        """Generate until the job is completed or drained (or ``max_groups`` were written); return groups written."""
+        cfg = self.config
+        if self._state.announced:  # restarted: finish what was announced before the crash, same ids
+            by_source: dict[str, list[str]] = {}
+            for gid, source in sorted(self._state.announced.items()):
+                by_source.setdefault(source, []).append(gid)
+            for source, ids in by_source.items():
+                logger.info("%s: regenerating %d announced groups after a restart", cfg.worker_id, len(ids))
+                self._produce(source, ids)
+        while max_groups is None or self.groups_written < max_groups:
+            status = self.control.status(cfg.job)
+            if status["state"] in ("completed", "drained"):
+                break
+            room = self._headroom(status)
+            source = max(room, key=lambda s: room[s])
+            count = min(cfg.groups_per_call, room[source])
+            if status["state"] not in ("running", "draining") or count <= 0:
+                time.sleep(cfg.poll_s)
+                continue
+            ids = [f"{cfg.worker_id}-g{self._state.next_seq + i}" for i in range(count)]
+            self._state.next_seq += count
+            self._state.announced.update({gid: source for gid in ids})
+            self._save_state()
+            self.control.report_supply(cfg.job, group_ids={source: ids})
+            self._produce(source, ids)
+        return self.groups_written
+
+    def close(self) -> None:
+        """Release the engine and clients."""
+        self.engine.close()
+        self.control.close()
