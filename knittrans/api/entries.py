@@ -1,0 +1,65 @@
+"""Mutable records of one job's groups and mini-batches (what :class:`JobState` keeps in memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from knittrans.descriptors import GroupRecord
+from knittrans.sched.types import FinishedGroup
+
+__all__ = ["GroupEntry", "MiniBatch", "mb_key"]
+
+
+def mb_key(n: int) -> str:
+    """Store key of mini-batch ``n`` (zero-padded so keys sort numerically)."""
+    return f"{n:012d}"
+
+
+@dataclass
+class GroupEntry:
+    """A group the job knows of and where it is in its life (finished/planned/consumed/lost/expired)."""
+
+    record: GroupRecord
+    unit_id: str
+    node_id: str
+    status: str = "finished"
+    mini_batch: int | None = None
+    view: FinishedGroup = field(init=False, repr=False)
+    """The scheduling view of the group (what admission and assignment see)."""
+
+    def __post_init__(self) -> None:
+        r = self.record
+        self.view = FinishedGroup(
+            group_id=r.group_id, source=r.source, trajectory_tokens=r.trajectory_tokens,
+            finished_at=r.finished_at, version_start=r.version_start, version_end=r.version_end,
+            version_weighted=r.version_weighted, unit_id=self.unit_id, node_id=self.node_id, row_start=r.row_start,
+        )
+
+
+@dataclass
+class MiniBatch:
+    """One admitted mini-batch ``n`` (global index; trained at policy version ``n``)."""
+
+    n: int
+    step: int
+    k: int
+    attempt: int
+    group_ids: list[str]
+    counts: dict[str, int]
+    admitted_at: float
+    layout: list[Any]
+    """rank -> micro-batch -> ``[group_id, row]`` pairs (see :mod:`knittrans.api.plans`); empty once consumed."""
+    status: str = "planned"
+    acks: set[int] = field(default_factory=set)
+    rendered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Plans already rendered for ranks (not persisted; re-rendered identically after a restart)."""
+
+    def to_json(self) -> dict[str, Any]:
+        body = {
+            "n": self.n, "step": self.step, "k": self.k, "attempt": self.attempt, "group_ids": self.group_ids,
+            "counts": self.counts, "admitted_at": self.admitted_at, "status": self.status,
+        }
+        if self.status == "planned":
+            body["layout"] = self.layout
+        return body

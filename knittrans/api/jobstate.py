@@ -1,0 +1,475 @@
+"""Plain-Python state of one job: unit index, supply, admission, rank plans, acks, versions, staleness.
+
+No HTTP and no SQL here: every method that changes state records its writes in a :class:`Txn`
+that the service commits before answering. Methods validate first and mutate after, so a
+rejected request leaves the state untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from knittrans.api.entries import GroupEntry, MiniBatch, mb_key
+from knittrans.api.plans import layout_of, parse_plan_id, render_rank_plan, unit_json
+from knittrans.api.spec import JobSpec, check_quotas
+from knittrans.api.store import Txn
+from knittrans.descriptors import GroupRecord, UnitDescriptor
+from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
+from knittrans.sched.admission import expired, make_policy
+from knittrans.sched.assign import assign_mini_batch
+from knittrans.sched.staleness import ConsumedGroup
+from knittrans.sched.types import StepState
+
+__all__ = ["JOB_STATES", "JobState"]
+
+logger = logging.getLogger(__name__)
+
+JOB_STATES = ("running", "paused", "draining", "drained", "completed")
+"""Lifecycle: running <-> paused; running/paused -> draining -> drained; total_steps reached -> completed."""
+
+_HEX = frozenset("0123456789abcdef")
+
+
+class JobState:
+    """State and rules of one job; the service owns persistence and the node registry."""
+
+    def __init__(self, spec: JobSpec, *, endpoint: Callable[[str], str], node_alive: Callable[[str], bool],
+                 recent_admissions: int = 32, clock: Callable[[], float] = time.time) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.state = "running"
+        self.next_n = 0
+        self.attempts: dict[int, int] = {}
+        self.quota_changes: list[tuple[int, dict[str, int]]] = [(0, dict(spec.quotas))]
+        self.units: dict[str, UnitDescriptor] = {}
+        self.unit_batches = 0
+        self.groups: dict[str, GroupEntry] = {}
+        self.unadmitted: dict[str, GroupEntry] = {}
+        self.first_unconsumed = 0
+        self.minibatches: dict[int, MiniBatch] = {}
+        self.rank_versions: dict[int, int] = {}
+        self.started: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.finished_count: dict[str, int] = {}
+        self.started_ids: set[str] = set()
+        self.request_ids: set[str] = set()
+        self.consumed: list[ConsumedGroup] = []
+        self.to_regenerate: dict[str, dict[str, Any]] = {}
+        self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
+        self._endpoint = endpoint
+        self._node_alive = node_alive
+        self._clock = clock
+        self._policy = make_policy(spec.policy)
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def K(self) -> int:
+        return self.spec.mini_batches_per_step
+
+    def quotas_for_step(self, step: int) -> dict[str, int]:
+        """Quotas in force for train step ``step``."""
+        current = self.quota_changes[0][1]
+        for from_step, quotas in self.quota_changes:
+            if from_step <= step:
+                current = quotas
+        return current
+
+    def admitted_in_step(self, step: int) -> dict[str, int]:
+        """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches)."""
+        a = dict.fromkeys(self.quotas_for_step(step), 0)
+        for n in range(step * self.K, min(self.next_n, (step + 1) * self.K)):
+            mb = self.minibatches.get(n)
+            if mb is not None:
+                for s, c in mb.counts.items():
+                    a[s] = a.get(s, 0) + c
+        return a
+
+    def pending(self) -> dict[str, int]:
+        """``P[s]``: groups started and neither finished nor dropped."""
+        sources = set(self.started) | set(self.quotas_for_step(self.next_n // self.K))
+        return {
+            s: max(0, self.started.get(s, 0) - self.finished_count.get(s, 0) - self.dropped.get(s, 0))
+            for s in sorted(sources)
+        }
+
+    def pool(self) -> list[GroupEntry]:
+        """Finished, unadmitted groups on live nodes, earliest finished first (ties by group id)."""
+        live = [g for g in self.unadmitted.values() if self._node_alive(g.node_id)]
+        live.sort(key=lambda g: (g.record.finished_at, g.record.group_id))
+        return live
+
+    def step_state(self, n: int | None = None) -> StepState:
+        """What the policy sees when forming mini-batch ``n`` (default: the next one)."""
+        n = self.next_n if n is None else n
+        step, k = divmod(n, self.K)
+        quotas = self.quotas_for_step(step)
+        return StepState(
+            quotas=quotas, admitted=self.admitted_in_step(step),
+            finished=[g.view for g in self.pool() if g.record.source in quotas],
+            pending=self.pending(), mini_batch_index=k,
+            mini_batches_per_step=self.K, bounds=self.spec.bounds, current_version=n,
+            max_staleness=self.spec.max_staleness,
+        )
+
+    def rank_cursor(self, rank: int) -> int:
+        """Lowest mini-batch index ``rank`` has not acked."""
+        n = self.first_unconsumed
+        while True:
+            mb = self.minibatches.get(n)
+            if mb is None or (mb.status != "consumed" and rank not in mb.acks):
+                return n
+            n += 1
+
+    @property
+    def version(self) -> int:
+        """Latest policy version reported by any rank (0 before the first report)."""
+        return max(self.rank_versions.values(), default=0)
+
+    def done(self) -> bool:
+        """Whether the job will never plan another mini-batch."""
+        return self.state in ("drained", "completed")
+
+    # ------------------------------------------------------------------ persistence helpers
+    def _set(self, entry: GroupEntry, status: str, txn: Txn, mini_batch: int | None = None) -> None:
+        """Move a group to ``status``, keeping the unadmitted index and the store in step."""
+        entry.status, entry.mini_batch = status, mini_batch
+        gid = entry.record.group_id
+        if status == "finished":
+            self.unadmitted[gid] = entry
+        else:
+            self.unadmitted.pop(gid, None)
+        if status in ("lost", "expired"):  # planned/consumed follow from the mini-batch records
+            txn.put("group", self.name, gid, {"unit_id": entry.unit_id, "status": status})
+
+    def meta_json(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(), "state": self.state, "next_n": self.next_n,
+            "attempts": {str(n): a for n, a in self.attempts.items()},
+            "quota_changes": [[s, q] for s, q in self.quota_changes],
+        }
+
+    def _save_meta(self, txn: Txn) -> None:
+        txn.put("job", self.name, "meta", self.meta_json())
+
+    def _save_supply(self, txn: Txn, source: str) -> None:
+        txn.put("supply", self.name, source, {
+            "started": self.started.get(source, 0), "dropped": self.dropped.get(source, 0),
+            "finished": self.finished_count.get(source, 0),
+        })
+
+    # ------------------------------------------------------------------ lifecycle
+    def set_state(self, action: str, txn: Txn) -> None:
+        """Apply ``pause``, ``resume`` or ``drain``; raise :class:`Conflict` when not allowed now."""
+        allowed = {"pause": ("running",), "resume": ("paused",), "drain": ("running", "paused")}[action]
+        if self.state == {"pause": "paused", "resume": "running", "drain": "draining"}[action]:
+            return
+        if self.state not in allowed:
+            raise Conflict(f"job {self.name!r} is {self.state}; {action} needs it to be {' or '.join(allowed)}")
+        self.state = {"pause": "paused", "resume": "running", "drain": "draining"}[action]
+        self._save_meta(txn)
+
+    def update_quotas(self, quotas: Mapping[str, int], txn: Txn) -> int:
+        """Set quotas from the next train step on; returns that step."""
+        check_quotas(quotas, mini_batches_per_step=self.K, bounds=self.spec.bounds)
+        if self.done():
+            raise Conflict(f"job {self.name!r} is {self.state}; its quotas can no longer change")
+        from_step = -(-self.next_n // self.K)
+        self.quota_changes = [c for c in self.quota_changes if c[0] < from_step] + [(from_step, dict(quotas))]
+        self._save_meta(txn)
+        return from_step
+
+    # ------------------------------------------------------------------ units and supply
+    def check_units(self, units: Sequence[UnitDescriptor], node_state: Callable[[str], str | None]) -> None:
+        """Raise for any unit of the batch that cannot be registered; changes nothing."""
+        quotas = set().union(*(q for _, q in self.quota_changes))
+        seen_groups: dict[str, str] = {}
+        seen_units: set[str] = set()
+        for u in units:
+            if u.job != self.name:
+                raise InvalidRequest(f"unit {u.unit_id!r} says job {u.job!r} but was sent to job {self.name!r}")
+            if u.unit_id in seen_units:
+                raise InvalidRequest(f"unit {u.unit_id!r} appears twice in the batch")
+            seen_units.add(u.unit_id)
+            state = node_state(u.node_id)
+            if state is None:
+                raise NotFound(f"unit {u.unit_id!r}: node {u.node_id!r} is not registered; POST /v1/nodes first")
+            if state == "lost":
+                raise Conflict(f"unit {u.unit_id!r}: node {u.node_id!r} was declared lost; register it again first")
+            old = self.units.get(u.unit_id)
+            if old is not None:
+                if old != u:
+                    raise Conflict(f"unit {u.unit_id!r} is already registered with a different descriptor")
+                continue
+            for g in u.groups:
+                if g.source not in quotas:
+                    raise InvalidRequest(f"unit {u.unit_id!r}: group {g.group_id!r} has source {g.source!r} "
+                                         f"without a quota; known sources: {sorted(quotas)}")
+                if g.num_trajectories != self.spec.group_size:
+                    raise InvalidRequest(f"unit {u.unit_id!r}: group {g.group_id!r} has {g.num_trajectories} "
+                                         f"trajectories, the job's group_size is {self.spec.group_size}")
+                for h in g.media_hashes:
+                    if len(h) != 64 or not set(h) <= _HEX:
+                        raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
+                prior = self.groups.get(g.group_id)
+                if g.group_id in seen_groups or (prior is not None and prior.status not in ("lost", "expired")):
+                    where = seen_groups.get(g.group_id) or (prior.unit_id if prior else "?")
+                    raise Conflict(f"unit {u.unit_id!r}: group {g.group_id!r} is already registered in unit {where!r}")
+                seen_groups[g.group_id] = u.unit_id
+
+    def add_units(self, units: Sequence[UnitDescriptor], txn: Txn) -> int:
+        """Register already-checked units; returns how many were new."""
+        fresh = [u for u in units if u.unit_id not in self.units]
+        for u in fresh:
+            self.units[u.unit_id] = u
+            for g in u.groups:
+                if g.group_id in self.groups:  # replaces a lost or expired incarnation
+                    txn.delete("group", self.name, g.group_id)
+                entry = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)
+                self.groups[g.group_id] = entry
+                if self.to_regenerate.pop(g.group_id, None) is not None:
+                    txn.delete("lost", self.name, g.group_id)
+                self._set(entry, "finished", txn)
+                self.finished_count[g.source] = self.finished_count.get(g.source, 0) + 1
+        if fresh:
+            txn.put("units", self.name, f"{self.unit_batches:012d}", [unit_json(u) for u in fresh])
+            self.unit_batches += 1
+        for s in {g.source for u in units for g in u.groups}:
+            self._save_supply(txn, s)
+        return len(fresh)
+
+    def add_supply(self, txn: Txn, *, started: Mapping[str, int], group_ids: Mapping[str, Sequence[str]],
+                   dropped: Mapping[str, int], request_id: str | None, regenerates: Sequence[str] = ()) -> bool:
+        """Count groups started (and dropped) per source; returns False for a repeated ``request_id``.
+
+        ``regenerates`` names lost or expired groups whose replacements this report starts: they leave
+        the list of groups to regenerate.
+        """
+        for what, counts in (("started", started), ("dropped", dropped)):
+            for s, c in counts.items():
+                if c < 0:
+                    raise InvalidRequest(f"{what}.{s}: {c} must be >= 0")
+        unknown = [g for g in regenerates if g not in self.to_regenerate]
+        if unknown:
+            raise InvalidRequest(f"regenerates: {unknown[:5]} are not groups waiting to be regenerated")
+        if request_id is not None and request_id in self.request_ids:
+            return False
+        for gid in regenerates:
+            del self.to_regenerate[gid]
+            txn.delete("lost", self.name, gid)
+        touched = set(started) | set(dropped)
+        for s, c in started.items():
+            self.started[s] = self.started.get(s, 0) + c
+        for s, c in dropped.items():
+            self.dropped[s] = self.dropped.get(s, 0) + c
+        for s, ids in group_ids.items():
+            fresh = [i for i in dict.fromkeys(ids) if i not in self.started_ids]
+            self.started_ids.update(fresh)
+            for i in fresh:
+                txn.put("started", self.name, i, s)
+            self.started[s] = self.started.get(s, 0) + len(fresh)
+            touched.add(s)
+        for s in touched:
+            self._save_supply(txn, s)
+        if request_id is not None:
+            self.request_ids.add(request_id)
+            txn.put("request", self.name, request_id, 1)
+        return True
+
+    # ------------------------------------------------------------------ admission
+    def can_admit(self) -> bool:
+        """Whether the lifecycle lets the next mini-batch be admitted."""
+        if self.state not in ("running", "draining"):
+            return False
+        if self.state == "draining" and self.next_n % self.K == 0:
+            return False
+        total = self.spec.total_steps
+        return total is None or self.next_n < total * self.K
+
+    def admit(self, txn: Txn) -> list[int]:
+        """Admit every mini-batch the policy allows now; returns their global indices."""
+        admitted: list[int] = []
+        while self.can_admit():
+            state = self.step_state()
+            if self._expire(state, txn):
+                state = self.step_state()
+            t0 = time.perf_counter()
+            decision = self._policy.select(state)
+            if decision is None:
+                break
+            n = self.next_n
+            step, k = divmod(n, self.K)
+            plans = assign_mini_batch(
+                decision.groups, self.spec.world_size, micro_batch_tokens=self.spec.micro_batch_tokens,
+                micro_batch_size=self.spec.micro_batch_size,
+            )
+            attempt = self.attempts.get(n, -1) + 1
+            layout = layout_of(plans)
+            seen = [(gid, row) for rank in layout for micro in rank for gid, row in micro]
+            assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(
+                g.num_trajectories for g in decision.groups
+            ), f"mini-batch {n}: assignment lost or duplicated rows"  # every trajectory to one rank, once
+            mb = MiniBatch(n=n, step=step, k=k, attempt=attempt, group_ids=[g.group_id for g in decision.groups],
+                           counts={s: c for s, c in decision.counts.items() if c}, admitted_at=self._clock(),
+                           layout=layout)
+            for g in decision.groups:
+                entry = self.groups[g.group_id]
+                assert entry.status == "finished", f"group {g.group_id} admitted twice"
+                self._set(entry, "planned", txn, n)
+            self.minibatches[n] = mb
+            self.attempts[n] = attempt
+            self.next_n = n + 1
+            txn.put("mb", self.name, mb_key(n), mb.to_json())
+            if (k + 1) == self.K:
+                a, q = self.admitted_in_step(step), self.quotas_for_step(step)
+                assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"
+            self.admissions.append({"global_index": n, "step": step, "mini_batch_index": k, "at": mb.admitted_at,
+                                    "seconds": time.perf_counter() - t0, "groups": len(mb.group_ids)})
+            admitted.append(n)
+        self._settle(txn)
+        self._save_meta(txn)
+        return admitted
+
+    def _expire(self, state: StepState, txn: Txn) -> bool:
+        """Retire finished groups past the staleness bound; True when any was."""
+        old = [g for g in state.finished if expired(state, g)]
+        for g in old:
+            entry = self.groups[g.group_id]
+            self._set(entry, "expired", txn)
+            self._regenerate(txn, entry, "expired")
+        return bool(old)
+
+    def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
+        body = {"group_id": entry.record.group_id, "source": entry.record.source, "reason": reason,
+                "unit_id": entry.unit_id, "node_id": entry.node_id, "at": self._clock()}
+        self.to_regenerate[entry.record.group_id] = body
+        txn.put("lost", self.name, entry.record.group_id, body)
+
+    def _settle(self, txn: Txn) -> None:
+        """Move draining -> drained and running -> completed once nothing is left to train."""
+        idle = all(mb.status == "consumed" for mb in self.minibatches.values())
+        if self.state == "draining" and self.next_n % self.K == 0 and idle:
+            self.state = "drained"
+        total = self.spec.total_steps
+        if total is not None and self.next_n >= total * self.K and idle and self.state != "drained":
+            self.state = "completed"
+
+    # ------------------------------------------------------------------ plans and acks
+    def next_plan(self, rank: int) -> dict[str, Any] | None:
+        """The plan of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
+        self._check_rank(rank)
+        mb = self.minibatches.get(self.rank_cursor(rank))
+        if mb is None or mb.status != "planned":
+            return None
+        plan = mb.rendered.get(rank)
+        if plan is None:
+            plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
+                                    k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns)
+            mb.rendered[rank] = plan
+        return plan
+
+    def _where(self, group_id: str) -> tuple[GroupRecord, str, str]:
+        entry = self.groups[group_id]
+        return entry.record, entry.unit_id, entry.node_id
+
+    def forget_rendered(self) -> None:
+        """Drop rendered plans (a node's endpoint changed: tickets must carry the new one)."""
+        for mb in self.minibatches.values():
+            mb.rendered.clear()
+
+    def rank_done(self, rank: int) -> bool:
+        """Whether ``rank`` has acked everything and no further mini-batch will come."""
+        return self.done() and self.rank_cursor(rank) >= self.next_n
+
+    def ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
+        """Record that ``rank`` finished plan ``plan_id``; idempotent; consumes the mini-batch at W acks."""
+        self._check_rank(rank)
+        parsed = parse_plan_id(plan_id)
+        if parsed is None or parsed[2] != rank:
+            raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
+        n, attempt, _ = parsed
+        mb = self.minibatches.get(n)
+        if mb is None or mb.attempt != attempt:
+            if attempt <= self.attempts.get(n, -1):
+                raise DataLost(f"plan {plan_id!r} was withdrawn (rows on a lost node); ask for the next plan again")
+            raise NotFound(f"plan {plan_id!r} was never issued")
+        if mb.status == "consumed" or rank in mb.acks:
+            return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
+        cursor = self.rank_cursor(rank)
+        if n != cursor:
+            raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
+        mb.acks.add(rank)
+        txn.put("ack", self.name, f"{mb_key(n)}.{rank:06d}", {"attempt": attempt})
+        if len(mb.acks) == self.spec.world_size:
+            self._consume(mb, txn)
+        self._settle(txn)
+        self._save_meta(txn)
+        return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": False}
+
+    def _consume(self, mb: MiniBatch, txn: Txn) -> None:
+        records = []
+        for gid in mb.group_ids:
+            entry = self.groups[gid]
+            self._set(entry, "consumed", txn, mb.n)
+            r = entry.record
+            records.append(ConsumedGroup(
+                group_id=gid, source=r.source, num_trajectories=r.num_trajectories, v_train=mb.n,
+                mini_batch_index=mb.k, step=mb.step, version_start=r.version_start, version_end=r.version_end,
+                version_weighted=r.version_weighted))
+        self.consumed.extend(records)
+        mb.status, mb.layout, mb.rendered = "consumed", [], {}
+        while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
+            self.first_unconsumed += 1
+        txn.put("mb", self.name, mb_key(mb.n), mb.to_json())
+        txn.put("consumed", self.name, mb_key(mb.n), [asdict(r) for r in records])
+        for rank in range(self.spec.world_size):
+            txn.delete("ack", self.name, f"{mb_key(mb.n)}.{rank:06d}")
+
+    def report_version(self, rank: int, version: int, txn: Txn) -> int:
+        """Record ``rank``'s policy version after an optimizer step; versions never go back."""
+        self._check_rank(rank)
+        if version < 0:
+            raise InvalidRequest(f"version {version} must be >= 0")
+        old = self.rank_versions.get(rank, 0)
+        if version < old:
+            raise Conflict(f"rank {rank} already reported version {old}; versions never decrease")
+        self.rank_versions[rank] = version
+        txn.put("version", self.name, str(rank), version)
+        return self.version
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.spec.world_size:
+            raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")
+
+    # ------------------------------------------------------------------ node loss
+    def node_lost(self, node_id: str, txn: Txn) -> list[int]:
+        """Drop the node's unadmitted groups and re-plan untouched mini-batches with rows on it."""
+        hit = [g for g in self.groups.values() if g.node_id == node_id and g.status in ("finished", "planned")]
+        touched = sorted({g.mini_batch for g in hit if g.status == "planned" and g.mini_batch is not None})
+        withdrawn: list[int] = []
+        untouched = [n for n in touched if not self.minibatches[n].acks]
+        for n in touched:
+            if self.minibatches[n].acks:
+                logger.warning("job %s: mini-batch %d has rows on lost node %s but ranks already acked it; "
+                               "its data were fetched, it is kept", self.name, n, node_id)
+        if untouched:
+            first = untouched[0]
+            withdrawn = [n for n in sorted(self.minibatches) if n >= first]
+            for n in withdrawn:
+                mb = self.minibatches.pop(n)
+                assert not mb.acks, f"mini-batch {n} acked after an untouched earlier one"
+                txn.delete("mb", self.name, mb_key(n))
+                for gid in mb.group_ids:
+                    self._set(self.groups[gid], "finished", txn)
+            self.next_n = first
+            logger.warning("job %s: node %s lost, withdrew mini-batches %s for re-planning",
+                           self.name, node_id, withdrawn)
+        for g in [g for g in self.unadmitted.values() if g.node_id == node_id]:
+            self._set(g, "lost", txn)
+            self._regenerate(txn, g, f"node {node_id} lost")
+        self._save_meta(txn)
+        return withdrawn

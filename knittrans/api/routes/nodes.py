@@ -1,0 +1,40 @@
+"""Node routes: register, heartbeat, list, declare lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from knittrans.api.auth import AdminAuth, WorkerAuth
+from knittrans.api.models import ErrorOut, NodeLostIn, NodePublic, NodeRegister
+from knittrans.api.routes.deps import Service
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses={
+    401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}})
+
+
+@router.post("", response_model=NodePublic)
+async def register(body: NodeRegister, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Register a store node, or register it again (new endpoint, or back after being lost)."""
+    return svc.register_node(body.node_id, body.endpoint, body.host)
+
+
+@router.get("", response_model=list[NodePublic])
+async def list_nodes(svc: Service, _: WorkerAuth) -> list[dict[str, Any]]:
+    """Every node with its state (nodes past their heartbeat timeout are declared lost first)."""
+    return svc.list_nodes()
+
+
+@router.post("/{node}/heartbeat", response_model=NodePublic)
+async def heartbeat(node: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Keep a node alive; a lost node gets 409 and must register again."""
+    return svc.heartbeat(node)
+
+
+@router.post("/{node}/lost", response_model=NodePublic)
+async def lost(node: str, svc: Service, _: AdminAuth, body: NodeLostIn | None = None) -> dict[str, Any]:
+    """Declare a node lost: its unadmitted groups are dropped, untouched plans with its rows re-planned."""
+    return svc.declare_lost(node, (body or NodeLostIn()).reason)

@@ -1,0 +1,64 @@
+"""Rank routes: long-poll for the next plan, acks, policy versions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
+
+from knittrans.api.auth import WorkerAuth
+from knittrans.api.models import AckIn, AckOut, ErrorOut, RankPlanOut, VersionIn, VersionOut
+from knittrans.api.routes.deps import Board, Service, SettingsDep
+
+__all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
+
+DONE_HEADER = "X-KnitTrans-Done"
+"""Set to ``1`` on a 204 when no further plan will ever come for the rank (job drained or completed)."""
+STATE_HEADER = "X-KnitTrans-Job-State"
+"""Lifecycle state of the job, on every 204 of the long-poll."""
+
+router = APIRouter(prefix="/v1/jobs", tags=["ranks"], responses={
+    401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut}})
+
+
+@router.get("/{job}/ranks/{rank}/next", responses={
+    200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}})
+async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
+                    timeout_s: float = Query(30.0, ge=0)) -> Response:
+    """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
+    while True:
+        plan = svc.next_plan(job, rank)
+        if plan is not None:
+            return JSONResponse(plan)
+        state = svc.job(job).state
+        if svc.rank_done(job, rank):
+            return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return Response(status_code=204, headers={STATE_HEADER: state})
+        event = board.event(job)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining)
+
+
+@router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
+async def ack(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost."""
+    return svc.ack(job, rank, body.plan_id)
+
+
+@router.post("/{job}/versions", response_model=VersionOut)
+async def report_version(job: str, body: VersionIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """A rank's policy version after an optimizer step (never decreasing)."""
+    return svc.report_version(job, body.rank, body.version)
+
+
+@router.get("/{job}/version", response_model=VersionOut)
+async def get_version(job: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Latest policy version, for rollout workers."""
+    return svc.get_version(job)

@@ -1,0 +1,62 @@
+"""Unit routes: batch registration of sealed units and started-group supply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from knittrans.api.auth import WorkerAuth
+from knittrans.api.models import ErrorOut, SupplyIn, SupplyOut, UnitIn, UnitsIn, UnitsOut
+from knittrans.api.routes.deps import Service
+from knittrans.descriptors import GroupRecord, UnitDescriptor
+
+__all__ = ["router", "to_descriptor"]
+
+router = APIRouter(prefix="/v1/jobs", tags=["units"], responses={
+    400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}})
+
+
+def to_descriptor(u: UnitIn) -> UnitDescriptor:
+    """Plain descriptor of a unit body (raises InvalidRequest for bad names or row layout)."""
+    return UnitDescriptor(
+        unit_id=u.unit_id, job=u.job, node_id=u.node_id, endpoint=u.endpoint, num_rows=u.num_rows,
+        num_bytes=u.num_bytes, schema_version=u.schema_version,
+        groups=tuple(
+            GroupRecord(
+                group_id=g.group_id, source=g.source, row_start=g.row_start, num_trajectories=g.num_trajectories,
+                trajectory_tokens=tuple(g.trajectory_tokens), version_start=g.version_start,
+                version_end=g.version_end, version_weighted=g.version_weighted, finished_at=g.finished_at,
+                media_hashes=tuple(g.media_hashes),
+            )
+            for g in u.groups
+        ),
+    )
+
+
+@router.post(
+    "/{job}/units",
+    response_model=UnitsOut,
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/UnitsIn"}}}}},
+)
+async def register_units(job: str, request: Request, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
+
+    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser: this is the
+    hot path of every rollout writer.
+    """
+    try:
+        body = UnitsIn.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    return svc.register_units(job, [to_descriptor(u) for u in body.units])
+
+
+@router.post("/{job}/supply", response_model=SupplyOut)
+async def report_supply(job: str, body: SupplyIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """Groups started (counts or ids) and dropped per source: the pending supply ``P[s]``."""
+    return svc.report_supply(job, started=body.started, group_ids=body.group_ids, dropped=body.dropped,
+                             request_id=body.request_id, regenerates=body.regenerates)

@@ -1,0 +1,290 @@
+"""The control-plane service: node registry and jobs over one record store; what the routes call.
+
+Every public method is one state change (or a read): it validates, mutates the in-memory state,
+runs admission where state changed, and commits the writes to the store before returning. If an
+unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
+memory never runs ahead of what was committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from knittrans.api.jobstate import JobState
+from knittrans.api.restore import JOB_KINDS, restore_job
+from knittrans.api.spec import JobSpec
+from knittrans.api.status import job_status
+from knittrans.api.store import RecordStore, Txn
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
+from knittrans.names import check_name
+
+__all__ = ["ControlPlane", "Node"]
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass
+class Node:
+    """A store node: where its Flight server listens and whether it is alive."""
+
+    node_id: str
+    endpoint: str
+    host: str
+    registered_at: float
+    last_heartbeat: float
+    lost: bool = False
+    lost_reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "endpoint": self.endpoint, "host": self.host,
+                "registered_at": self.registered_at, "lost": self.lost, "lost_reason": self.lost_reason}
+
+    def public(self, now: float) -> dict[str, Any]:
+        return {**self.to_json(), "state": "lost" if self.lost else "alive",
+                "seconds_since_heartbeat": max(0.0, now - self.last_heartbeat)}
+
+
+class ControlPlane:
+    """Nodes and jobs of one control plane, persisted in a :class:`RecordStore`."""
+
+    def __init__(self, store: RecordStore, *, node_timeout_s: float = 30.0, recent_admissions: int = 32,
+                 clock: Callable[[], float] = time.time, on_plans: Callable[[str], None] | None = None) -> None:
+        """Load all state from ``store`` and run admission once for every job.
+
+        Args:
+            store: the record store (SQLite file) holding the state.
+            node_timeout_s: a node without heartbeat this long is declared lost by :meth:`sweep`.
+            recent_admissions: admission records kept per job for status.
+            clock: wall clock (seconds).
+            on_plans: called with a job name after a change that may wake a rank waiting for a plan.
+        """
+        self.store = store
+        self.node_timeout_s = node_timeout_s
+        self.recent_admissions = recent_admissions
+        self.clock = clock
+        self.on_plans = on_plans or (lambda job: None)
+        self.nodes: dict[str, Node] = {}
+        self.jobs: dict[str, JobState] = {}
+        self.units_registered = 0
+        self._load()
+        with self._change(None) as txn:
+            for job in self.jobs.values():
+                job.admit(txn)
+
+    # ------------------------------------------------------------------ plumbing
+    def _load(self) -> None:
+        now = self.clock()
+        self.nodes = {}
+        for _, node_id, body in self.store.load("node"):
+            # a restarted control plane gives every live node a fresh heartbeat grace period
+            self.nodes[node_id] = Node(**body, last_heartbeat=now)
+        per_job: dict[str, dict[str, list[tuple[str, Any]]]] = {}
+        for kind in JOB_KINDS:
+            for job, key, value in self.store.load(kind):
+                per_job.setdefault(job, {}).setdefault(kind, []).append((key, value))
+        self.jobs = {}
+        for name, records in per_job.items():
+            spec = JobSpec.from_dict(dict(records["job"])["meta"]["spec"])
+            state = self._new_job(spec)
+            restore_job(state, records)
+            self.jobs[name] = state
+        logger.info("loaded %d nodes and %d jobs from %s", len(self.nodes), len(self.jobs), self.store.path)
+
+    def _new_job(self, spec: JobSpec) -> JobState:
+        return JobState(spec, endpoint=lambda n: self.nodes[n].endpoint, node_alive=self._alive,
+                        recent_admissions=self.recent_admissions, clock=self.clock)
+
+    def _alive(self, node_id: str) -> bool:
+        node = self.nodes.get(node_id)
+        return node is not None and not node.lost
+
+    @contextmanager
+    def _change(self, job: str | None) -> Iterator[Txn]:
+        txn = Txn()
+        try:
+            yield txn
+            self.store.commit(txn)
+        except KnitTransError:
+            raise  # validation failures happen before any mutation
+        except BaseException:
+            logger.exception("state change failed; reloading state from %s", self.store.path)
+            self._load()
+            raise
+        finally:
+            if job is not None:
+                self.on_plans(job)
+
+    def job(self, name: str) -> JobState:
+        """The job called ``name``; :class:`NotFound` otherwise."""
+        found = self.jobs.get(name)
+        if found is None:
+            raise NotFound(f"job {name!r} does not exist; create it with POST /v1/jobs")
+        return found
+
+    # ------------------------------------------------------------------ nodes
+    def register_node(self, node_id: str, endpoint: str, host: str) -> dict[str, Any]:
+        """Register (or re-register, reviving a lost) store node; returns its public record."""
+        check_name(node_id, "node_id")
+        if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
+            raise InvalidRequest(f"endpoint {endpoint!r} must be a Flight location like grpc://host:port")
+        now = self.clock()
+        old = self.nodes.get(node_id)
+        node = Node(node_id=node_id, endpoint=endpoint, host=host,
+                    registered_at=old.registered_at if old else now, last_heartbeat=now)
+        with self._change(None) as txn:
+            self.nodes[node_id] = node
+            txn.put("node", "", node_id, node.to_json())
+        if old is not None and old.endpoint != endpoint:
+            for job in self.jobs.values():
+                job.forget_rendered()
+        return node.public(now)
+
+    def heartbeat(self, node_id: str) -> dict[str, Any]:
+        """Record a heartbeat of ``node_id``; a lost node must register again."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered; POST /v1/nodes first")
+        if node.lost:
+            raise Conflict(f"node {node_id!r} was declared lost ({node.lost_reason}); register it again")
+        node.last_heartbeat = self.clock()
+        return node.public(node.last_heartbeat)
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Every node, after declaring timed-out ones lost."""
+        self.sweep()
+        now = self.clock()
+        return [n.public(now) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
+
+    def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
+        """Mark ``node_id`` lost: drop its unadmitted groups, re-plan untouched mini-batches with its rows."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        withdrawn: dict[str, list[int]] = {}
+        if not node.lost:
+            with self._change(None) as txn:
+                node.lost, node.lost_reason = True, reason
+                txn.put("node", "", node_id, node.to_json())
+                for job in self.jobs.values():
+                    withdrawn[job.name] = job.node_lost(node_id, txn)
+                    job.admit(txn)
+            for name in self.jobs:
+                self.on_plans(name)
+            logger.warning("node %s lost (%s)", node_id, reason)
+        return {**node.public(self.clock()), "withdrawn": withdrawn}
+
+    def sweep(self) -> list[str]:
+        """Declare lost every node whose last heartbeat is older than ``node_timeout_s``."""
+        now = self.clock()
+        late = [n.node_id for n in self.nodes.values()
+                if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
+        for node_id in late:
+            self.declare_lost(node_id, f"no heartbeat for {self.node_timeout_s:g}s")
+        return late
+
+    # ------------------------------------------------------------------ jobs
+    def create_job(self, spec: JobSpec) -> tuple[dict[str, Any], bool]:
+        """Create a job; the same spec again is a no-op. Returns ``(job, created)``."""
+        old = self.jobs.get(spec.name)
+        if old is not None:
+            if old.spec.to_dict() != spec.to_dict():
+                raise Conflict(f"job {spec.name!r} already exists with a different spec")
+            return self.get_job(spec.name), False
+        with self._change(spec.name) as txn:
+            job = self._new_job(spec)
+            self.jobs[spec.name] = job
+            job.admit(txn)
+        return self.get_job(spec.name), True
+
+    def get_job(self, name: str) -> dict[str, Any]:
+        """Spec and lifecycle of a job."""
+        job = self.job(name)
+        step = job.next_n // job.K
+        return {"spec": job.spec.to_dict(), "state": job.state, "next_global_index": job.next_n,
+                "quotas": job.quotas_for_step(step), "quota_changes": [
+                    {"from_step": s, "quotas": q} for s, q in job.quota_changes], "version": job.version}
+
+    def update_quotas(self, name: str, quotas: Mapping[str, int]) -> dict[str, Any]:
+        """New quotas from the next train step on."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            from_step = job.update_quotas(quotas, txn)
+            job.admit(txn)
+        return {**self.get_job(name), "effective_from_step": from_step}
+
+    def set_state(self, name: str, action: str) -> dict[str, Any]:
+        """``pause``, ``resume`` or ``drain`` a job."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            job.set_state(action, txn)
+            job.admit(txn)
+        return self.get_job(name)
+
+    # ------------------------------------------------------------------ units, supply
+    def register_units(self, name: str, units: Sequence[UnitDescriptor]) -> dict[str, Any]:
+        """Register a batch of units atomically (all or none); runs admission."""
+        job = self.job(name)
+
+        def node_state(node_id: str) -> str | None:
+            node = self.nodes.get(node_id)
+            return None if node is None else ("lost" if node.lost else "alive")
+
+        job.check_units(units, node_state)
+        with self._change(name) as txn:
+            new = job.add_units(units, txn)
+            admitted = job.admit(txn)
+        self.units_registered += new
+        return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
+
+    def report_supply(self, name: str, *, started: Mapping[str, int], group_ids: Mapping[str, Sequence[str]],
+                      dropped: Mapping[str, int], request_id: str | None,
+                      regenerates: Sequence[str] = ()) -> dict[str, Any]:
+        """Count groups started or dropped per source; runs admission."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            applied = job.add_supply(txn, started=started, group_ids=group_ids, dropped=dropped,
+                                     request_id=request_id, regenerates=regenerates)
+            admitted = job.admit(txn)
+        return {"applied": applied, "pending": job.pending(), "admitted": admitted}
+
+    # ------------------------------------------------------------------ ranks
+    def next_plan(self, name: str, rank: int) -> dict[str, Any] | None:
+        """The rank's current plan, or None (not admitted yet, or the job is done: see :meth:`rank_done`)."""
+        return self.job(name).next_plan(rank)
+
+    def rank_done(self, name: str, rank: int) -> bool:
+        """Whether no further plan will come for ``rank``."""
+        return self.job(name).rank_done(rank)
+
+    def ack(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
+        """Ack a plan; at W acks the mini-batch is consumed and staleness recorded."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            result = job.ack(rank, plan_id, txn)
+            job.admit(txn)
+        return result
+
+    def report_version(self, name: str, rank: int, version: int) -> dict[str, Any]:
+        """Record a rank's policy version; runs admission."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            latest = job.report_version(rank, version, txn)
+            job.admit(txn)
+        return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
+
+    def get_version(self, name: str) -> dict[str, Any]:
+        """Latest policy version (what rollout workers should generate with)."""
+        job = self.job(name)
+        return {"version": job.version, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
+
+    def status(self, name: str) -> dict[str, Any]:
+        """Job status: step, quota fill, counts, deficits, groups to regenerate, staleness, admissions."""
+        self.sweep()
+        return job_status(self.job(name))

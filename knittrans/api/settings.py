@@ -1,0 +1,35 @@
+"""Settings of the control-plane service (pydantic-settings; read when constructed, never at import)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Control-plane settings; every field can also come from ``KNITTRANS_<FIELD>`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="KNITTRANS_", frozen=True, extra="forbid")
+
+    db_path: str = "knittrans-control.db"
+    """SQLite database file holding the whole state (WAL mode); a restart on the same file resumes."""
+    db_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    """SQLite ``synchronous`` pragma: NORMAL survives a killed process, FULL also a power loss."""
+    worker_token: SecretStr | None = None
+    """Bearer token for writers, trainer ranks and stores; None leaves worker endpoints open."""
+    admin_token: SecretStr | None = None
+    """Bearer token for job and node administration; None falls back to the worker token."""
+    node_timeout_s: float = Field(default=30.0, gt=0)
+    """A node without heartbeat for this long is declared lost."""
+    node_sweep_interval_s: float = Field(default=1.0, gt=0)
+    """How often the service looks for nodes past their heartbeat timeout."""
+    long_poll_max_s: float = Field(default=60.0, gt=0)
+    """Upper bound on the ``timeout_s`` of a plan long-poll."""
+    max_body_bytes: int = Field(default=64 << 20, gt=0)
+    """Largest request body accepted (413 above it)."""
+    recent_admissions: int = Field(default=32, ge=1)
+    """Admission records kept for status (time, duration, mini-batch)."""

@@ -1,0 +1,171 @@
+"""Job specs: the plain, validated description of one training job the control plane schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from knittrans.errors import InvalidJobSpec
+from knittrans.names import check_name
+from knittrans.sched.admission import POLICIES, mini_batch_sizes
+from knittrans.sched.types import SourceBounds
+
+__all__ = ["JobSpec", "check_quotas"]
+
+
+def check_quotas(
+    quotas: Mapping[str, int], *, mini_batches_per_step: int, bounds: Mapping[str, SourceBounds]
+) -> None:
+    """Raise :class:`InvalidJobSpec` naming the field when ``quotas`` cannot run with ``K`` and ``bounds``."""
+    if not quotas:
+        raise InvalidJobSpec("quotas: at least one source with a quota (groups per train batch) is needed")
+    for source, q in quotas.items():
+        check_name(source, "quotas: source", error=InvalidJobSpec)
+        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
+            raise InvalidJobSpec(f"quotas.{source}: {q!r} must be a non-negative integer (groups per train batch)")
+    total = sum(quotas.values())
+    k = mini_batches_per_step
+    if total < 1:
+        raise InvalidJobSpec("quotas: the train batch is empty; give at least one source a positive quota")
+    if k > total:
+        raise InvalidJobSpec(
+            f"mini_batches_per_step: K={k} is larger than the train batch G={total} groups "
+            "(sum of quotas); every mini-batch needs at least one group"
+        )
+    for source, b in bounds.items():
+        if source not in quotas:
+            raise InvalidJobSpec(f"bounds.{source}: source has no quota; known sources: {sorted(quotas)}")
+        q = quotas[source]
+        if k * b.lo > q:
+            raise InvalidJobSpec(
+                f"bounds.{source}.lo: {b.lo} groups in each of K={k} mini-batches needs {k * b.lo} > quota {q}"
+            )
+        if b.hi is not None and k * b.hi < q:
+            raise InvalidJobSpec(
+                f"bounds.{source}.hi: at most {b.hi} groups in each of K={k} mini-batches cannot reach quota {q}"
+            )
+    lo_sum = sum(b.lo for b in bounds.values())
+    hi_sum = 0
+    for s, q in quotas.items():
+        hi = bounds[s].hi if s in bounds else None
+        hi_sum += q if hi is None else min(q, hi)
+    for index, size in enumerate(mini_batch_sizes(total, k)):
+        if lo_sum > size:
+            raise InvalidJobSpec(
+                f"bounds: the lower bounds add up to {lo_sum} groups but mini-batch {index} has only {size}"
+            )
+        if hi_sum < size:
+            raise InvalidJobSpec(
+                f"bounds: the upper bounds add up to {hi_sum} groups but mini-batch {index} needs {size}"
+            )
+
+
+def _positive(value: Any, what: str, *, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidJobSpec(f"{what}: {value!r} must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One job: GRPO group size, per-source quotas, mini-batching, admission policy and trainer shape."""
+
+    name: str
+    """Job name (a safe identifier; appears in URLs, tickets and store paths)."""
+    group_size: int
+    """Trajectories per GRPO group; every registered group must have exactly this many."""
+    quotas: Mapping[str, int]
+    """``q[s]``: groups of each source per train batch; ``G = sum(q)``."""
+    mini_batches_per_step: int
+    """``K``: mini-batches (optimizer steps) per train step, ``1 <= K <= G``."""
+    policy: str
+    """Admission policy name (one of ``knittrans.sched.admission.POLICIES``)."""
+    world_size: int
+    """``W``: data-parallel trainer ranks sharing each mini-batch."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch (dynamic batch size); exclusive with ``micro_batch_size``."""
+    micro_batch_size: int | None = None
+    """Trajectories per micro-batch; exclusive with ``micro_batch_tokens`` (exactly one is given)."""
+    bounds: Mapping[str, SourceBounds] = field(default_factory=dict)
+    """Optional per-mini-batch per-source bounds ``lo <= x[s] <= hi``."""
+    max_staleness: int | None = None
+    """``η``: groups with ``v_train - version_start > η`` are never admitted; None for no bound."""
+    total_steps: int | None = None
+    """Train steps after which the job is complete; None to run until drained."""
+    columns: tuple[str, ...] | None = None
+    """Trajectory columns the ranks fetch; None for all."""
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "name", error=InvalidJobSpec)
+        _positive(self.group_size, "group_size")
+        _positive(self.mini_batches_per_step, "mini_batches_per_step")
+        _positive(self.world_size, "world_size")
+        if self.policy not in POLICIES:
+            raise InvalidJobSpec(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if (self.micro_batch_tokens is None) == (self.micro_batch_size is None):
+            raise InvalidJobSpec(
+                "micro_batch_tokens / micro_batch_size: give exactly one (a token budget or trajectories "
+                "per micro-batch)"
+            )
+        if self.micro_batch_tokens is not None:
+            _positive(self.micro_batch_tokens, "micro_batch_tokens")
+        if self.micro_batch_size is not None:
+            _positive(self.micro_batch_size, "micro_batch_size")
+        if self.max_staleness is not None:
+            _positive(self.max_staleness, "max_staleness", minimum=0)
+        if self.total_steps is not None:
+            _positive(self.total_steps, "total_steps")
+        if self.columns is not None and (
+            not self.columns or len(set(self.columns)) != len(self.columns) or not all(self.columns)
+        ):
+            raise InvalidJobSpec("columns: give a non-empty list of distinct column names, or null for all")
+        check_quotas(self.quotas, mini_batches_per_step=self.mini_batches_per_step, bounds=self.bounds)
+        smallest = min(mini_batch_sizes(self.train_batch_size, self.mini_batches_per_step))
+        if smallest * self.group_size < self.world_size:
+            raise InvalidJobSpec(
+                f"world_size: W={self.world_size} ranks but the smallest mini-batch has only "
+                f"{smallest * self.group_size} trajectories ({smallest} groups x group_size {self.group_size}); "
+                "lower W or K, or raise the quotas"
+            )
+
+    @property
+    def train_batch_size(self) -> int:
+        """``G``: groups per train batch under the spec's own quotas."""
+        return sum(self.quotas.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (inverse of :meth:`from_dict`)."""
+        return {
+            "name": self.name,
+            "group_size": self.group_size,
+            "quotas": dict(self.quotas),
+            "mini_batches_per_step": self.mini_batches_per_step,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "bounds": {s: {"lo": b.lo, "hi": b.hi} for s, b in self.bounds.items()},
+            "max_staleness": self.max_staleness,
+            "total_steps": self.total_steps,
+            "columns": list(self.columns) if self.columns is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
+        """Build from a plain dict; raises :class:`InvalidJobSpec` naming a bad field."""
+        body = dict(d)
+        bounds = {}
+        for source, b in (body.pop("bounds", None) or {}).items():
+            try:
+                bounds[source] = SourceBounds(lo=b.get("lo", 0), hi=b.get("hi"))
+            except ValueError as exc:
+                raise InvalidJobSpec(f"bounds.{source}: {exc}") from None
+        columns = body.pop("columns", None)
+        try:
+            return cls(
+                **body,
+                bounds=bounds,
+                columns=tuple(columns) if columns is not None else None,
+            )
+        except TypeError as exc:
+            raise InvalidJobSpec(f"job spec: {exc}") from None

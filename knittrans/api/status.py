@@ -1,0 +1,78 @@
+"""Job status: quota fill, group counts, deficits, groups to regenerate, staleness and admission times."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from knittrans.sched.admission import quota_deficit
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, step_report
+
+if TYPE_CHECKING:
+    from knittrans.api.jobstate import JobState
+
+__all__ = ["STATUS_STEPS", "job_status", "staleness_report"]
+
+STATUS_STEPS = 16
+"""Per-step staleness summaries in status cover this many most recent consumed steps."""
+
+
+def _stats(value: Any) -> Any:
+    if isinstance(value, StalenessStats):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _stats(v) for k, v in value.items()}
+    return value
+
+
+def staleness_report(consumed: Sequence[ConsumedGroup]) -> dict[str, Any]:
+    """``{reading: {staleness, architectural, by_source}}`` for every reading, JSON-ready."""
+    return {reading: _stats(step_report(consumed, reading)) for reading in READINGS}
+
+
+def job_status(job: JobState) -> dict[str, Any]:
+    """Everything an operator wants to see about a job, as plain JSON."""
+    step, k = divmod(job.next_n, job.K)
+    quotas = job.quotas_for_step(step)
+    admitted = job.admitted_in_step(step)
+    finished: dict[str, int] = {}
+    by_status: dict[str, int] = {}
+    for g in job.groups.values():
+        by_status[g.status] = by_status.get(g.status, 0) + 1
+    for g in job.pool():
+        finished[g.record.source] = finished.get(g.record.source, 0) + 1
+    in_flight = [mb for mb in job.minibatches.values() if mb.status == "planned"]
+    open_step = not job.done() and (job.can_admit() or job.state == "paused")
+    deficits = quota_deficit(job.step_state()) if open_step else {}
+    steps = sorted({c.step for c in job.consumed})[-STATUS_STEPS:]
+    return {
+        "job": job.name,
+        "state": job.state,
+        "step": step,
+        "mini_batch_index": k,
+        "next_global_index": job.next_n,
+        "version": job.version,
+        "quotas": dict(quotas),
+        "quota_fill": {
+            s: {"admitted": admitted.get(s, 0), "quota": q, "fill": (admitted.get(s, 0) / q) if q else 1.0}
+            for s, q in sorted(quotas.items())
+        },
+        "counts": {
+            "units": len(job.units),
+            "finished": finished,
+            "pending": job.pending(),
+            "admitted_in_step": admitted,
+            "groups_by_status": by_status,
+            "in_flight_mini_batches": len(in_flight),
+            "in_flight_groups": sum(len(mb.group_ids) for mb in in_flight),
+            "consumed_mini_batches": sum(1 for mb in job.minibatches.values() if mb.status == "consumed"),
+            "consumed_groups": by_status.get("consumed", 0),
+        },
+        "deficits": deficits,
+        "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
+        "staleness": {
+            "overall": staleness_report(job.consumed),
+            "by_step": {str(s): staleness_report([c for c in job.consumed if c.step == s]) for s in steps},
+        },
+        "recent_admissions": list(job.admissions),
+    }

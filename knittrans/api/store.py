@@ -1,0 +1,114 @@
+"""Persistence of control-plane state: a narrow record store over SQLite in WAL mode.
+
+Everything the service knows is a JSON record addressed by ``(kind, job, key)``. A state change is
+buffered in a :class:`Txn` and written in one SQLite transaction before the HTTP response goes
+out, so a restarted process on the same file sees exactly what clients were told. The interface
+(``transaction``/``put``/``delete``/``load``) is small enough to put PostgreSQL behind it later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["RecordStore", "Txn"]
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    kind TEXT NOT NULL,
+    job  TEXT NOT NULL,
+    key  TEXT NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (kind, job, key)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+STORE_FORMAT = "1"
+"""Version of the record layout; a database written with another version is refused."""
+
+
+class Txn:
+    """Buffered writes of one state change; applied atomically by :meth:`RecordStore.transaction`."""
+
+    def __init__(self) -> None:
+        self.puts: dict[tuple[str, str, str], Any] = {}
+        self.deletes: set[tuple[str, str, str]] = set()
+
+    def put(self, kind: str, job: str, key: str, value: Any) -> None:
+        """Insert or replace the record ``(kind, job, key)`` with the JSON-able ``value``."""
+        self.deletes.discard((kind, job, key))
+        self.puts[(kind, job, key)] = value
+
+    def delete(self, kind: str, job: str, key: str) -> None:
+        """Remove the record ``(kind, job, key)`` if present."""
+        self.puts.pop((kind, job, key), None)
+        self.deletes.add((kind, job, key))
+
+    def __len__(self) -> int:
+        return len(self.puts) + len(self.deletes)
+
+
+class RecordStore:
+    """SQLite (WAL) record store; one connection, serialised by a lock."""
+
+    def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
+        """Open (creating if needed) the database at ``path``."""
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._conn.executescript(_SCHEMA)
+        row = self._conn.execute("SELECT value FROM meta WHERE name='format'").fetchone()
+        if row is None:
+            self._conn.execute("INSERT INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
+        elif row[0] != STORE_FORMAT:
+            raise RuntimeError(f"{path}: state format {row[0]!r}, this version reads {STORE_FORMAT!r}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        """Yield a :class:`Txn`; its writes are committed together when the block exits cleanly."""
+        txn = Txn()
+        yield txn
+        self.commit(txn)
+
+    def commit(self, txn: Txn) -> None:
+        """Write ``txn`` in one SQLite transaction (nothing when it is empty)."""
+        if not len(txn):
+            return
+        puts = [(k, j, key, json.dumps(v, separators=(",", ":"))) for (k, j, key), v in txn.puts.items()]
+        with self._lock:
+            cur = self._conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                if txn.deletes:
+                    cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
+                if puts:
+                    cur.executemany("INSERT OR REPLACE INTO records(kind, job, key, body) VALUES (?,?,?,?)", puts)
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+
+    def load(self, kind: str) -> list[tuple[str, str, Any]]:
+        """Every ``(job, key, value)`` of ``kind``, ordered by job then key."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT job, key, body FROM records WHERE kind=? ORDER BY job, key", (kind,)
+            ).fetchall()
+        return [(job, key, json.loads(body)) for job, key, body in rows]
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._conn.close()

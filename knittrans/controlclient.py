@@ -1,0 +1,253 @@
+"""``ControlClient``: a small synchronous client of the control-plane REST API, with retries.
+
+Used by rollout writers (units, supply, version), store nodes (register, heartbeat), trainer ranks
+(next plan, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
+so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
+is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import (
+    Conflict,
+    DataLost,
+    InvalidJobSpec,
+    InvalidRequest,
+    KnitTransError,
+    NotFound,
+    OverBudget,
+    PayloadTooLarge,
+    Unauthenticated,
+    Unavailable,
+)
+
+__all__ = ["ControlClient", "JobFinished"]
+
+logger = logging.getLogger(__name__)
+
+_DONE_HEADER = "x-knittrans-done"
+
+
+class JobFinished(KnitTransError):
+    """No further plan will come for this rank: the job was drained or reached ``total_steps``."""
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+        kind, detail = str(body.get("error", "")), str(body.get("detail", response.text))
+    except ValueError:
+        kind, detail = "", response.text
+    status = response.status_code
+    if status in (400, 422):
+        raise (InvalidJobSpec if kind == "invalid_job_spec" else InvalidRequest)(detail)
+    error: type[KnitTransError] = {
+        401: Unauthenticated, 404: NotFound, 409: Conflict, 410: DataLost, 413: PayloadTooLarge,
+        503: Unavailable, 507: OverBudget,
+    }.get(status, KnitTransError)
+    raise error(f"{detail}" if error is not KnitTransError else f"HTTP {status}: {detail}")
+
+
+class ControlClient:
+    """Synchronous client of one control plane.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8700``.
+        token: bearer token (worker or admin), or None.
+        timeout_s: timeout of ordinary requests (long-polls add their own wait).
+        retries: attempts after the first on connection errors and 503.
+        backoff_s: first backoff; doubles per attempt (with jitter) up to ``max_backoff_s``.
+        max_backoff_s: largest single backoff.
+    """
+
+    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 10.0, retries: int = 10,
+                 backoff_s: float = 0.05, max_backoff_s: float = 2.0) -> None:
+        if retries < 0 or backoff_s < 0 or max_backoff_s < 0 or timeout_s <= 0:
+            raise ValueError("retries, backoff_s and max_backoff_s must be >= 0 and timeout_s > 0")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
+                 timeout_s: float | None = None) -> httpx.Response:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(method, path, json=json, params=params,
+                                              timeout=timeout_s or self.timeout_s)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code != 503:
+                    _raise_for(response)
+                    return response
+                problem = "503 " + response.text[:200]
+            if attempt == self.retries:
+                raise Unavailable(f"control plane {self.base_url}: {method} {path} failed after "
+                                  f"{self.retries + 1} attempts: {problem}")
+            logger.debug("%s %s: %s; retrying in %.2fs", method, path, problem, delay)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(self.max_backoff_s, max(delay, 0.01) * 2)
+        raise AssertionError("unreachable")
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    # ------------------------------------------------------------------ health
+    def health(self) -> dict[str, Any]:
+        """``GET /v1/health``."""
+        result: dict[str, Any] = self._json("GET", "/v1/health")
+        return result
+
+    def metrics(self) -> str:
+        """``GET /metrics`` (Prometheus text)."""
+        return self._request("GET", "/metrics").text
+
+    # ------------------------------------------------------------------ jobs (admin)
+    def create_job(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/jobs``; the identical spec again is a no-op."""
+        result: dict[str, Any] = self._json("POST", "/v1/jobs", json=dict(spec))
+        return result
+
+    def get_job(self, job: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}``."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}")
+        return result
+
+    def update_quotas(self, job: str, quotas: Mapping[str, int]) -> dict[str, Any]:
+        """``PUT /v1/jobs/{job}/quotas`` (effective from the next train step)."""
+        result: dict[str, Any] = self._json("PUT", f"/v1/jobs/{job}/quotas", json={"quotas": dict(quotas)})
+        return result
+
+    def pause(self, job: str) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/pause``."""
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/pause")
+        return result
+
+    def resume(self, job: str) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/resume``."""
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/resume")
+        return result
+
+    def drain(self, job: str) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/drain``."""
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/drain")
+        return result
+
+    def status(self, job: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}/status``."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/status")
+        return result
+
+    # ------------------------------------------------------------------ nodes
+    def register_node(self, node_id: str, endpoint: str, host: str = "") -> dict[str, Any]:
+        """``POST /v1/nodes``."""
+        body = {"node_id": node_id, "endpoint": endpoint, "host": host}
+        result: dict[str, Any] = self._json("POST", "/v1/nodes", json=body)
+        return result
+
+    def heartbeat(self, node_id: str) -> dict[str, Any]:
+        """``POST /v1/nodes/{node}/heartbeat`` (Conflict when the node was declared lost)."""
+        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/heartbeat")
+        return result
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """``GET /v1/nodes``."""
+        result: list[dict[str, Any]] = self._json("GET", "/v1/nodes")
+        return result
+
+    def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
+        """``POST /v1/nodes/{node}/lost`` (admin)."""
+        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/lost", json={"reason": reason})
+        return result
+
+    # ------------------------------------------------------------------ units and supply
+    def register_units(self, job: str, units: Sequence[UnitDescriptor | Mapping[str, Any]]) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/units`` with ``{"units": [...]}``; all or none; repeats are no-ops."""
+        body = {"units": [u.to_dict() if isinstance(u, UnitDescriptor) else dict(u) for u in units]}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/units", json=body)
+        return result
+
+    def report_supply(self, job: str, *, started: Mapping[str, int] | None = None,
+                      group_ids: Mapping[str, Sequence[str]] | None = None,
+                      dropped: Mapping[str, int] | None = None, regenerates: Sequence[str] = (),
+                      request_id: str | None = None) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/supply``; a fresh ``request_id`` makes retries count once.
+
+        ``regenerates``: lost/expired group ids (from status ``to_regenerate``) whose replacements start now.
+        """
+        body = {
+            "started": dict(started or {}), "group_ids": {s: list(v) for s, v in (group_ids or {}).items()},
+            "dropped": dict(dropped or {}), "regenerates": list(regenerates),
+            "request_id": request_id or uuid.uuid4().hex,
+        }
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/supply", json=body)
+        return result
+
+    # ------------------------------------------------------------------ ranks
+    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0) -> dict[str, Any] | None:
+        """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
+
+        Raises:
+            JobFinished: the job will plan nothing more for this rank.
+        """
+        response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params={"timeout_s": timeout_s},
+                                 timeout_s=timeout_s + self.timeout_s)
+        if response.status_code == 204:
+            if response.headers.get(_DONE_HEADER) == "1":
+                raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")
+            return None
+        result: dict[str, Any] = response.json()
+        return result
+
+    def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
+        """Yield the rank's plans until the job is finished; ack each before asking for the next."""
+        while True:
+            try:
+                plan = self.next_plan(job, rank, timeout_s)
+            except JobFinished:
+                return
+            if plan is not None:
+                yield plan
+
+    def ack(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/ranks/{rank}/ack`` (DataLost when the plan was withdrawn)."""
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": plan_id})
+        return result
+
+    def report_version(self, job: str, version: int, rank: int = 0) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/versions``."""
+        body = {"version": version, "rank": rank}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/versions", json=body)
+        return result
+
+    def get_version(self, job: str) -> int:
+        """``GET /v1/jobs/{job}/version``: the latest policy version."""
+        return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])

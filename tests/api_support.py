@@ -1,0 +1,137 @@
+"""Helpers shared by the control-plane tests: job specs, unit descriptors, rank drivers, a real server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENDPOINT = "grpc://127.0.0.1:{port}"
+
+
+def job_spec(**overrides: Any) -> dict[str, Any]:
+    """A valid two-source job spec, with fields replaced by ``overrides``."""
+    spec: dict[str, Any] = {
+        "name": "job1", "group_size": 2, "quotas": {"math": 4, "code": 2}, "mini_batches_per_step": 3,
+        "policy": "constraint_preserving", "world_size": 2, "micro_batch_size": 2,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def group(group_id: str, source: str, *, row_start: int = 0, size: int = 2, finished_at: float = 0.0,
+          version: int = 0, tokens: Sequence[int] | None = None, media: Sequence[str] = ()) -> dict[str, Any]:
+    """A group record body."""
+    toks = list(tokens) if tokens is not None else [10 + i for i in range(size)]
+    return {"group_id": group_id, "source": source, "row_start": row_start, "num_trajectories": size,
+            "trajectory_tokens": toks, "version_start": version, "version_end": version,
+            "version_weighted": float(version), "finished_at": finished_at, "media_hashes": list(media)}
+
+
+def unit(unit_id: str, groups: Sequence[dict[str, Any]], *, job: str = "job1", node: str = "n0",
+         port: int = 1) -> dict[str, Any]:
+    """A unit descriptor body whose groups are laid out one after another from row 0."""
+    row = 0
+    laid = []
+    for g in groups:
+        laid.append({**g, "row_start": row})
+        row += g["num_trajectories"]
+    return {"unit_id": unit_id, "job": job, "node_id": node, "endpoint": ENDPOINT.format(port=port),
+            "num_rows": row, "num_bytes": 100 * row, "schema_version": 1, "groups": laid}
+
+
+def single_group_units(sources: Sequence[str], *, job: str = "job1", node: str = "n0", size: int = 2,
+                       prefix: str = "g", start: int = 0) -> list[dict[str, Any]]:
+    """One unit per group, ``sources[i]`` for group ``i``, finishing in list order."""
+    return [
+        unit(f"u-{prefix}{i}", [group(f"{prefix}{i}", s, size=size, finished_at=1000.0 + i)], job=job, node=node)
+        for i, s in enumerate(sources, start=start)
+    ]
+
+
+def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -> list[dict[str, Any]]:
+    """Let every rank fetch (timeout 0) and ack plans until none is ready; returns the plans in delivery order."""
+    delivered: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        progress = False
+        for rank in range(world_size):
+            r = client.get(f"/v1/jobs/{job}/ranks/{rank}/next", params={"timeout_s": 0})
+            if r.status_code == 204:
+                continue
+            assert r.status_code == 200, r.text
+            plan = r.json()
+            delivered.append(plan)
+            a = client.post(f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": plan["plan_id"]})
+            assert a.status_code == 200, a.text
+            progress = True
+        if not progress:
+            return delivered
+    raise AssertionError("ranks never ran out of plans")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class ServerProcess:
+    """``knittrans control-plane`` in a subprocess on a free port (a real uvicorn server)."""
+
+    def __init__(self, db: Path, *extra: str) -> None:
+        self.db = db
+        self.extra = extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> ServerProcess:
+        cmd = [sys.executable, "-m", "knittrans.cli", "--log-level", "WARNING", "control-plane",
+               "--db", str(self.db), "--port", str(self.port), *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"control plane exited with {self.proc.returncode}: {err}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/v1/health", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("control plane did not become healthy")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextlib.contextmanager
+def server(db: Path, *extra: str) -> Iterator[ServerProcess]:
+    """A started :class:`ServerProcess`, stopped afterwards."""
+    proc = ServerProcess(db, *extra).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()

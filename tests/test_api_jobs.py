@@ -1,0 +1,183 @@
+"""Control-plane job endpoints on the real app (TestClient): specs, quotas, lifecycle, auth, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_support import drain_ranks, job_spec, single_group_units
+from fastapi.testclient import TestClient
+
+from knittrans.api import Settings, create_app
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+        yield c
+
+
+@pytest.fixture
+def node(client: TestClient) -> str:
+    assert client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+    return "n0"
+
+
+def test_create_and_get_job(client: TestClient) -> None:
+    """A valid spec creates the job (201) and GET returns its spec, state and quotas."""
+    r = client.post("/v1/jobs", json=job_spec())
+    assert r.status_code == 201, r.text
+    body = client.get("/v1/jobs/job1").json()
+    assert body["state"] == "running"
+    assert body["quotas"] == {"math": 4, "code": 2}
+    assert body["spec"]["mini_batches_per_step"] == 3
+
+
+def test_create_is_idempotent_for_the_same_spec_only(client: TestClient) -> None:
+    """The identical spec again answers 200; a different spec under the same name is a 409."""
+    assert client.post("/v1/jobs", json=job_spec()).status_code == 201
+    assert client.post("/v1/jobs", json=job_spec()).status_code == 200
+    r = client.post("/v1/jobs", json=job_spec(world_size=1))
+    assert r.status_code == 409
+    assert r.json()["error"] == "conflict"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "names"),
+    [
+        ({"mini_batches_per_step": 7}, 422, "mini_batches_per_step"),
+        ({"policy": "fastest"}, 422, "policy"),
+        ({"quotas": {}}, 422, "quotas"),
+        ({"quotas": {"math": -1, "code": 2}}, 422, "quotas.math"),
+        ({"quotas": {"math": 0}}, 422, "quotas"),
+        ({"bounds": {"math": {"lo": 2}}}, 422, "bounds.math.lo"),
+        ({"bounds": {"code": {"lo": 0, "hi": 0}}}, 422, "bounds.code.hi"),
+        ({"bounds": {"math": {"lo": 3, "hi": 1}}}, 422, "bounds.math"),
+        ({"bounds": {"poetry": {"lo": 0}}}, 422, "bounds.poetry"),
+        ({"world_size": 0}, 422, "world_size"),
+        ({"world_size": 5}, 422, "world_size"),
+        ({"micro_batch_tokens": 100}, 422, "micro_batch_tokens"),
+        ({"micro_batch_size": None}, 422, "micro_batch_size"),
+        ({"group_size": 0}, 422, "group_size"),
+        ({"name": "../etc"}, 422, "name"),
+        ({"max_staleness": -1}, 422, "max_staleness"),
+        ({"columns": []}, 422, "columns"),
+        ({"quotas": {"math": "many"}}, 422, "quotas.math"),
+        ({"surprise": 1}, 422, "surprise"),
+    ],
+)
+def test_invalid_specs_are_refused_naming_the_field(
+    client: TestClient, overrides: dict[str, Any], status: int, names: str
+) -> None:
+    """Each invalid spec gets a 4xx JSON error whose detail names the offending field."""
+    r = client.post("/v1/jobs", json=job_spec(**overrides))
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "detail"}
+    assert names in body["detail"], body
+    assert client.get("/v1/jobs/job1").status_code == 404
+
+
+def test_missing_field_is_named(client: TestClient) -> None:
+    """A spec without world_size is a 422 naming body.world_size."""
+    spec = job_spec()
+    del spec["world_size"]
+    r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 422 and "world_size" in r.json()["detail"]
+
+
+def test_unknown_job_and_route_are_404_json(client: TestClient) -> None:
+    """Unknown jobs and paths answer JSON errors with kind not_found."""
+    r = client.get("/v1/jobs/nope/status")
+    assert r.status_code == 404 and r.json()["error"] == "not_found" and "nope" in r.json()["detail"]
+    assert client.get("/v1/nothing").json()["error"] == "not_found"
+
+
+def test_quota_update_takes_effect_at_the_next_step(client: TestClient, node: str) -> None:
+    """New quotas apply from the next train step; the current step keeps its own composition."""
+    client.post("/v1/jobs", json=job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2))
+    client.post("/v1/jobs/job1/supply", json={"started": {"math": 6, "code": 6}})
+    r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"])})
+    assert r.json()["admitted"] == [0]
+    upd = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": 3, "code": 1}})
+    assert upd.status_code == 200, upd.text
+    assert upd.json()["effective_from_step"] == 1
+    assert upd.json()["quotas"] == {"math": 2, "code": 2}  # step 0 still runs on the old quotas
+    more = single_group_units(["math", "code", "math", "math", "math", "code"], start=2)
+    client.post("/v1/jobs/job1/units", json={"units": more})
+    plans = drain_ranks(client, "job1", 2)
+    by_step: dict[int, dict[str, int]] = {}
+    src = {f"g{i}": s for i, s in enumerate(["math", "code", "math", "code", "math", "math", "math", "code"])}
+    for p in plans:
+        for m in p["micro_batches"]:
+            for row in m["rows"]:
+                if row["row"] == 0:
+                    by_step.setdefault(p["step"], {}).setdefault(src[row["group_id"]], 0)
+                    by_step[p["step"]][src[row["group_id"]]] += 1
+    assert by_step == {0: {"math": 2, "code": 2}, 1: {"math": 3, "code": 1}}
+
+
+def test_quota_update_is_validated(client: TestClient) -> None:
+    """A quota update is checked like a spec: K > G and negative quotas are 422s naming the field."""
+    client.post("/v1/jobs", json=job_spec())
+    r = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": 1, "code": 1}})
+    assert r.status_code == 422 and "mini_batches_per_step" in r.json()["detail"]
+    r = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": -2, "code": 9}})
+    assert r.status_code == 422 and "quotas.math" in r.json()["detail"]
+
+
+def test_pause_blocks_admission_and_resume_restarts_it(client: TestClient, node: str) -> None:
+    """A paused job admits nothing; resuming admits what became possible meanwhile."""
+    client.post("/v1/jobs", json=job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1))
+    assert client.post("/v1/jobs/job1/pause").json()["state"] == "paused"
+    r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"])})
+    assert r.json()["admitted"] == []
+    assert client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
+    assert client.post("/v1/jobs/job1/resume").json()["next_global_index"] == 1
+    assert client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 200
+
+
+def test_drain_finishes_the_step_and_cannot_be_resumed(client: TestClient, node: str) -> None:
+    """Drain admits the rest of the current step, nothing after it; resume is then a 409."""
+    client.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1))
+    client.post("/v1/jobs/job1/supply", json={"started": {"math": 5}})
+    assert client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])}).json()["admitted"] == [0]
+    assert client.post("/v1/jobs/job1/drain").json()["state"] == "draining"
+    client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"] * 4, start=1)})
+    plans = drain_ranks(client, "job1", 1)
+    assert [p["global_index"] for p in plans] == [0, 1]
+    assert client.get("/v1/jobs/job1").json()["state"] == "drained"
+    r = client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 5})
+    assert r.status_code == 204 and r.headers["X-KnitTrans-Done"] == "1"
+    r = client.post("/v1/jobs/job1/resume")
+    assert r.status_code == 409 and "drained" in r.json()["detail"]
+
+
+def test_tokens_guard_worker_and_admin_endpoints(tmp_path: Path) -> None:
+    """With tokens set: health is open, workers need a token, admin calls need the admin token."""
+    settings = Settings(db_path=str(tmp_path / "a.db"), worker_token="wt", admin_token="at")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/v1/health").status_code == 200
+        r = c.post("/v1/jobs", json=job_spec())
+        assert r.status_code == 401 and r.json()["error"] == "unauthenticated"
+        assert c.post("/v1/jobs", json=job_spec(), headers={"Authorization": "Bearer wt"}).status_code == 401
+        assert c.post("/v1/jobs", json=job_spec(), headers={"Authorization": "Bearer at"}).status_code == 201
+        node = {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}
+        assert c.post("/v1/nodes", json=node).status_code == 401
+        assert c.post("/v1/nodes", json=node, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.post("/v1/nodes", json=node, headers={"Authorization": "Basic wt"}).status_code == 401
+        assert c.post("/v1/nodes", json=node, headers={"Authorization": "Bearer wt"}).status_code == 200
+        assert c.get("/v1/jobs/job1/status", headers={"Authorization": "Bearer at"}).status_code == 200
+        assert c.post("/v1/nodes/n0/lost", headers={"Authorization": "Bearer wt"}).status_code == 401
+
+
+def test_metrics_are_per_app_instance(tmp_path: Path) -> None:
+    """Two apps in one process keep separate Prometheus registries."""
+    with TestClient(create_app(Settings(db_path=str(tmp_path / "1.db")))) as a, TestClient(
+        create_app(Settings(db_path=str(tmp_path / "2.db")))
+    ) as b:
+        a.post("/v1/jobs", json=job_spec())
+        assert 'knittrans_quota_fill{job="job1",source="math"}' in a.get("/metrics").text
+        assert "job1" not in b.get("/metrics").text

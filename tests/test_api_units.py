@@ -1,0 +1,122 @@
+"""Control-plane node, unit and supply endpoints on the real app: registration rules and bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from api_support import group, job_spec, single_group_units, unit
+from fastapi.testclient import TestClient
+
+from knittrans.api import Settings, create_app
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(db_path=str(tmp_path / "cp.db"), max_body_bytes=200_000)
+    with TestClient(create_app(settings)) as c:
+        c.post("/v1/jobs", json=job_spec())
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "host": "h0"})
+        yield c
+
+
+def test_nodes_register_heartbeat_list(client: TestClient) -> None:
+    """Registered nodes are listed alive; heartbeats of unknown nodes are 404; bad endpoints 400."""
+    assert client.post("/v1/nodes/n0/heartbeat").json()["state"] == "alive"
+    assert client.post("/v1/nodes/zz/heartbeat").status_code == 404
+    r = client.post("/v1/nodes", json={"node_id": "n1", "endpoint": "http://x"})
+    assert r.status_code == 400 and "endpoint" in r.json()["detail"]
+    r = client.post("/v1/nodes", json={"node_id": "a/b", "endpoint": "grpc://127.0.0.1:2"})
+    assert r.status_code == 400 and "node_id" in r.json()["detail"]
+    assert [n["node_id"] for n in client.get("/v1/nodes").json()] == ["n0"]
+
+
+def test_lost_node_needs_reregistration(client: TestClient) -> None:
+    """A node declared lost answers 409 to heartbeats until it registers again."""
+    r = client.post("/v1/nodes/n0/lost", json={"reason": "host died"})
+    assert r.json()["state"] == "lost" and r.json()["lost_reason"] == "host died"
+    assert client.post("/v1/nodes/n0/heartbeat").status_code == 409
+    r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+    assert r.status_code == 409 and "lost" in r.json()["detail"]
+    client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+    assert client.post("/v1/nodes/n0/heartbeat").status_code == 200
+
+
+def test_node_without_heartbeat_times_out(tmp_path: Path) -> None:
+    """A node silent for longer than node_timeout_s is declared lost by the service."""
+    settings = Settings(db_path=str(tmp_path / "t.db"), node_timeout_s=0.05, node_sweep_interval_s=0.02)
+    with TestClient(create_app(settings)) as c:
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        import time
+
+        time.sleep(0.2)
+        node = c.get("/v1/nodes").json()[0]
+        assert node["state"] == "lost" and "heartbeat" in node["lost_reason"]
+
+
+def test_units_register_idempotently(client: TestClient) -> None:
+    """The same units again are no-ops; a changed descriptor under a known id is a 409."""
+    units = single_group_units(["math", "code"])
+    assert client.post("/v1/jobs/job1/units", json={"units": units}).json()["registered"] == 2
+    again = client.post("/v1/jobs/job1/units", json={"units": units}).json()
+    assert again["registered"] == 0 and again["duplicates"] == 2
+    changed = dict(units[0], num_bytes=1)
+    r = client.post("/v1/jobs/job1/units", json={"units": [changed]})
+    assert r.status_code == 409 and "u-g0" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "status", "needle"),
+    [
+        (unit("u1", [group("g1", "math")], node="ghost"), 404, "ghost"),
+        (unit("u1", [group("g1", "math")], job="other"), 400, "other"),
+        (unit("u1", [group("g1", "poetry")]), 400, "poetry"),
+        (unit("u1", [group("g1", "math", size=3)]), 400, "group_size"),
+        (unit("u1", [group("g1", "math", media=["xyz"])]), 400, "media hash"),
+        (unit("../u1", [group("g1", "math")]), 400, "unit_id"),
+        ({**unit("u1", [group("g1", "math")]), "num_rows": 7}, 400, "rows"),
+        ({**unit("u1", [group("g1", "math")]), "groups": "none"}, 422, "groups"),
+        (unit("u1", [group("g0", "math")]), 409, "g0"),
+    ],
+)
+def test_bad_units_are_refused_and_nothing_is_registered(
+    client: TestClient, bad: dict[str, object], status: int, needle: str
+) -> None:
+    """A batch with one bad unit is refused as a whole, with a 4xx naming the problem."""
+    client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+    good = unit("u-ok", [group("g-ok", "code")])
+    r = client.post("/v1/jobs/job1/units", json={"units": [good, bad]})
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"]
+    assert client.get("/v1/jobs/job1/status").json()["counts"]["units"] == 1
+
+
+def test_units_for_unknown_job_are_404(client: TestClient) -> None:
+    """Units sent to a job that does not exist get 404 naming the job."""
+    r = client.post("/v1/jobs/zzz/units", json={"units": single_group_units(["math"], job="zzz")})
+    assert r.status_code == 404 and "zzz" in r.json()["detail"]
+
+
+def test_supply_counts_once_per_request_id(client: TestClient) -> None:
+    """Started groups raise P[s]; a repeated request_id is ignored; ids count once; finishing lowers P."""
+    r = client.post("/v1/jobs/job1/supply", json={"started": {"math": 3}, "request_id": "r1"}).json()
+    assert r["applied"] and r["pending"]["math"] == 3
+    r = client.post("/v1/jobs/job1/supply", json={"started": {"math": 3}, "request_id": "r1"}).json()
+    assert not r["applied"] and r["pending"]["math"] == 3
+    r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"code": ["a", "b", "a"]}}).json()
+    assert r["pending"]["code"] == 2
+    r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"code": ["b", "c"]}, "dropped": {"math": 1}}).json()
+    assert r["pending"] == {"code": 3, "math": 2}
+    client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+    assert client.get("/v1/jobs/job1/status").json()["counts"]["pending"]["math"] == 1
+    r = client.post("/v1/jobs/job1/supply", json={"started": {"math": -1}})
+    assert r.status_code == 400 and "started.math" in r.json()["detail"]
+
+
+def test_body_too_large_is_413(client: TestClient) -> None:
+    """A request body above max_body_bytes is refused with 413 and the server keeps serving."""
+    units = single_group_units(["math"] * 2000)
+    r = client.post("/v1/jobs/job1/units", json={"units": units})
+    assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
+    assert client.get("/v1/health").status_code == 200
