@@ -327,8 +327,10 @@ class JobState:
             if (k + 1) == self.K:
                 a, q = self.admitted_in_step(step), self.quotas_for_step(step)
                 assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"
+            wait = sum(mb.admitted_at - g.finished_at for g in decision.groups) / len(decision.groups)
             self.admissions.append({"global_index": n, "step": step, "mini_batch_index": k, "at": mb.admitted_at,
-                                    "seconds": time.perf_counter() - t0, "groups": len(mb.group_ids)})
+                                    "seconds": time.perf_counter() - t0, "groups": len(mb.group_ids),
+                                    "wait_s": wait})
             admitted.append(n)
         self._settle(txn)
         self._save_meta(txn)
@@ -369,6 +371,8 @@ class JobState:
         if plan is None:
             plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
                                     k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns)
+            plan["mini_batch_trajectories"] = sum(len(micro) for share in mb.layout for micro in share)
+            plan["admitted_at"] = mb.admitted_at
             mb.rendered[rank] = plan
         return plan
 

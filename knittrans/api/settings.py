@@ -31,5 +31,5 @@ class Settings(BaseSettings):
     """Upper bound on the ``timeout_s`` of a plan long-poll."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
-    recent_admissions: int = Field(default=32, ge=1)
+    recent_admissions: int = Field(default=256, ge=1)
     """Admission records kept for status (time, duration, mini-batch)."""

@@ -8,8 +8,8 @@ API::
     table = fetch(reads, token=..., local_dirs=...)   # one-shot
 
 Reads of the same node are merged into one ``DoGet`` when they are ``rows`` tickets of one job
-with the same columns and explicit row ranges (so each read's row count is known and the
-result can be split back without copying); anything else gets a ``DoGet`` of its own on that
+with the same columns and explicit row ranges, or ``media`` tickets of one job with distinct
+hashes (so each read's row count is known and the result can be split back without copying); anything else gets a ``DoGet`` of its own on that
 node's worker. Nodes listed in ``local_dirs`` (value: the store dir, or a tuple of store dir
 and spill dir) are read through :class:`~knittrans.store.LocalReader` instead: memory-mapped,
 no copy, same result as the Flight path.
@@ -52,6 +52,8 @@ class FetchRead:
 
 
 def _count(ticket: Ticket) -> int | None:
+    if ticket.kind == "media":
+        return len(ticket.media_hashes)
     if ticket.kind != "rows":
         return None
     counts = [r.num_rows for r in ticket.reads]
@@ -65,9 +67,15 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
         t, n = read.ticket, _count(read.ticket)
         if calls and n is not None:
             prev, members = calls[-1]
-            if (prev.kind == "rows" and prev.job == t.job and prev.columns == t.columns
+            if (prev.kind == t.kind == "rows" and prev.job == t.job and prev.columns == t.columns
                     and all(m is not None for _, m in members)):
                 merged = Ticket(job=t.job, reads=prev.reads + t.reads, columns=t.columns)
+                calls[-1] = (merged, [*members, (index, n)])
+                continue
+            if (prev.kind == t.kind == "media" and prev.job == t.job
+                    and not set(prev.media_hashes) & set(t.media_hashes)):
+                units = prev.reads + tuple(r for r in t.reads if r not in prev.reads)
+                merged = Ticket(job=t.job, kind="media", reads=units, media_hashes=prev.media_hashes + t.media_hashes)
                 calls[-1] = (merged, [*members, (index, n)])
                 continue
         calls.append((t, [(index, n)]))
