@@ -11,8 +11,8 @@ Reads of the same node are merged into one ``DoGet`` when they are ``rows`` tick
 with the same columns and explicit row ranges, or ``media`` tickets of one job with distinct
 hashes (so each read's row count is known and the result can be split back without copying);
 anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in ``local_dirs``
-(value: the store dir, or a tuple of store dir and spill dir) are read through :class:`~knittrans.store.LocalReader` instead: memory-mapped,
-no copy, same result as the Flight path.
+(value: the store dir, or a tuple of store dir and spill dir) are read through
+:class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the Flight path.
 """
 
 from __future__ import annotations
