@@ -1,0 +1,103 @@
+"""transformers ``generate()`` output → :class:`GeneratedGroup` (EOS/pad stripping, sampled-token logprobs).
+
+``generate(..., num_return_sequences=n, return_dict_in_generate=True, output_scores=True)``
+returns ``sequences`` of shape ``(B*n, prompt_width + T)`` (prompt-major: rows
+``[i*n, (i+1)*n)`` belong to prompt ``i``; prompts left-padded to ``prompt_width``) and
+``scores``: ``T`` tensors ``(B*n, vocab)``. ``scores[t]`` are the *processed* logits the token
+of step ``t`` was sampled from (after the temperature warper and any other processors), so
+``log_softmax(scores[t])[token]`` is the logprob under the sampling policy. ``logits``
+(``output_logits=True``) are the raw ones (temperature 1).
+
+Once a row has sampled EOS, transformers keeps stepping it and writes ``pad_token_id``; the
+response is cut right after its first EOS (kept as the last token, ``finish_reason="stop"``).
+A row with no EOS in its ``T`` tokens ends with ``finish_reason="length"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+
+from knittrans.errors import InvalidRequest
+from knittrans.rollout.generated import FinishReason, GeneratedGroup, GeneratedSample, PromptRequest
+
+__all__ = ["groups_from_generate_output", "sampled_logprobs"]
+
+
+def sampled_logprobs(step_scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Logprob of ``tokens[:, t]`` under ``log_softmax(step_scores[t])`` for every step ``t``.
+
+    Args:
+        step_scores: ``T`` tensors of shape ``(rows, vocab)`` (processed scores or raw logits).
+        tokens: ``(rows, T)`` generated token ids.
+
+    Returns:
+        float32 tensor ``(rows, T)``; ``-inf`` where a processor masked the token (e.g. pad rows).
+    """
+    if tokens.dim() != 2 or tokens.shape[1] != len(step_scores):
+        raise InvalidRequest(f"tokens of shape {tuple(tokens.shape)} do not match {len(step_scores)} steps of scores")
+    out = torch.empty(tokens.shape, dtype=torch.float32)
+    for t, scores in enumerate(step_scores):
+        lp = torch.log_softmax(scores.detach().to(torch.float32), dim=-1)
+        out[:, t] = lp.gather(1, tokens[:, t : t + 1].to(lp.device).long()).squeeze(1).cpu()
+    return out
+
+
+def groups_from_generate_output(
+    prompts: Sequence[PromptRequest],
+    sequences: torch.Tensor,
+    step_scores: Sequence[torch.Tensor],
+    *,
+    n: int,
+    prompt_width: int,
+    eos_token_ids: Collection[int],
+    finished_at: float | None = None,
+) -> list[GeneratedGroup]:
+    """Split a batched ``generate()`` result into one :class:`GeneratedGroup` per prompt.
+
+    Args:
+        prompts: The prompts, in the order they were batched (media are carried over).
+        sequences: ``(len(prompts)*n, prompt_width + T)`` output ids.
+        step_scores: ``T`` score tensors the logprobs are taken from (see module docstring).
+        n: Samples per prompt (``num_return_sequences``).
+        prompt_width: Padded prompt length (columns before the first generated token).
+        eos_token_ids: Ids that end a response.
+        finished_at: Unix seconds stamped on the groups (default: now).
+
+    Returns:
+        Groups in prompt order, each with ``n`` samples in row order.
+    """
+    rows = len(prompts) * n
+    if n <= 0:
+        raise InvalidRequest(f"n must be positive, got {n}")
+    if sequences.dim() != 2 or sequences.shape[0] != rows:
+        raise InvalidRequest(f"sequences has shape {tuple(sequences.shape)}, expected ({rows}, ...)")
+    generated = sequences[:, prompt_width:]
+    if generated.shape[1] != len(step_scores):
+        raise InvalidRequest(f"{generated.shape[1]} generated columns but {len(step_scores)} score steps")
+    logprobs = sampled_logprobs(step_scores, generated).numpy()
+    gen = generated.cpu().numpy().astype(np.int32)
+    eos = np.asarray(sorted(eos_token_ids), dtype=np.int32)
+    is_eos = np.isin(gen, eos)
+    stamp = time.time() if finished_at is None else finished_at
+    groups: list[GeneratedGroup] = []
+    for i, prompt in enumerate(prompts):
+        samples: list[GeneratedSample] = []
+        for r in range(i * n, (i + 1) * n):
+            hits = np.flatnonzero(is_eos[r])
+            length = int(hits[0]) + 1 if hits.size else gen.shape[1]
+            reason: FinishReason = "stop" if hits.size else "length"
+            samples.append(
+                GeneratedSample(
+                    response_ids=gen[r, :length].copy(),
+                    response_logprobs=logprobs[r, :length].copy(),
+                    finish_reason=reason,
+                )
+            )
+        groups.append(
+            GeneratedGroup(prompt_ids=prompt.prompt_ids, samples=tuple(samples), media=prompt.media, finished_at=stamp)
+        )
+    return groups

@@ -1,0 +1,126 @@
+"""vLLM ``RequestOutput`` → :class:`GeneratedGroup`, and prompt → vLLM ``TokensPrompt`` dict.
+
+Works on the objects structurally (no ``import vllm``), so this module loads without vLLM.
+
+Per sample (``CompletionOutput``): ``token_ids`` are the response; when the sample ended on
+EOS, vLLM keeps the EOS id as the last token (``finish_reason == "stop"``), which is what
+:class:`GeneratedSample` expects. ``logprobs`` must have been requested with
+``SamplingParams(logprobs=0)``: one entry per position holding the sampled token (vLLM adds
+the sampled token to the top-k entries, so ``logprobs=0`` gives exactly that one). Which
+distribution the value comes from is set engine-wide by ``LLM(logprobs_mode=...)``:
+``processed_logprobs`` (after temperature/top-k/top-p, the sampling policy; what
+:class:`~knittrans.rollout.engines.VLLMEngine` uses) or vLLM's default ``raw_logprobs``
+(temperature 1). Both list-of-dicts and ``FlatLogprobs`` forms are read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from knittrans.errors import InvalidRequest
+from knittrans.rollout.generated import FinishReason, GeneratedGroup, GeneratedSample, PromptRequest
+
+__all__ = ["CompletionLike", "RequestOutputLike", "group_from_request_output", "vllm_prompt"]
+
+
+class CompletionLike(Protocol):
+    """The parts of ``vllm.CompletionOutput`` the adapter reads."""
+
+    token_ids: Sequence[int]
+    logprobs: Any
+    finish_reason: str | None
+
+
+class RequestOutputLike(Protocol):
+    """The parts of ``vllm.RequestOutput`` the adapter reads."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int] | None
+    outputs: Sequence[Any]
+    finished: bool
+
+
+def vllm_prompt(prompt: PromptRequest, *, pass_media: bool) -> dict[str, Any]:
+    """The ``TokensPrompt`` dict for ``LLM.generate``.
+
+    With ``pass_media`` the prompt's media become ``multi_modal_data`` keyed by kind
+    (``{"image": [array, ...]}``), which only a multimodal model accepts (vLLM raises
+    ``ValueError: Multi-modal processor not available for text-only models`` otherwise).
+    Without it media stay out of the engine and are only carried into the group.
+    """
+    out: dict[str, Any] = {"prompt_token_ids": prompt.prompt_ids.tolist()}
+    if pass_media and prompt.media:
+        mm: dict[str, list[Any]] = {}
+        for m in prompt.media:
+            mm.setdefault(m.kind, []).append(m.data)
+        out["multi_modal_data"] = {k: v[0] if len(v) == 1 else v for k, v in mm.items()}
+    return out
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: np.ndarray, where: str) -> np.ndarray:
+    """The sampled token's logprob at every position, from either vLLM logprobs layout."""
+    if logprobs is None:
+        raise InvalidRequest(f"{where}: no logprobs; request them with SamplingParams(logprobs=0)")
+    if len(logprobs) != token_ids.shape[0]:
+        raise InvalidRequest(f"{where}: {len(logprobs)} logprob positions for {token_ids.shape[0]} tokens")
+    flat_ids = getattr(logprobs, "token_ids", None)
+    starts = getattr(logprobs, "start_indices", None)
+    if flat_ids is not None and starts is not None:  # FlatLogprobs: entry at start_indices[i] first
+        ends = np.asarray(logprobs.end_indices, dtype=np.int64)
+        st = np.asarray(starts, dtype=np.int64)
+        ids = np.asarray(flat_ids, dtype=np.int64)
+        vals = np.asarray(logprobs.logprobs, dtype=np.float64)
+        out = np.empty(token_ids.shape[0], dtype=np.float32)
+        for i, tok in enumerate(token_ids):
+            hit = np.flatnonzero(ids[st[i] : ends[i]] == tok)
+            if hit.size == 0:
+                raise InvalidRequest(f"{where}: position {i} has no logprob for sampled token {tok}")
+            out[i] = vals[st[i] + hit[0]]
+        return out
+    out = np.empty(token_ids.shape[0], dtype=np.float32)
+    for i, (tok, pos) in enumerate(zip(token_ids.tolist(), logprobs, strict=True)):
+        if not isinstance(pos, Mapping) or tok not in pos:
+            raise InvalidRequest(f"{where}: position {i} has no logprob for sampled token {tok}")
+        out[i] = pos[tok].logprob
+    return out
+
+
+def group_from_request_output(
+    output: RequestOutputLike, prompt: PromptRequest, *, finished_at: float | None = None
+) -> GeneratedGroup:
+    """Convert one finished ``RequestOutput`` (``n`` samples of one prompt) into a group.
+
+    Args:
+        output: vLLM's result for the prompt.
+        prompt: The request it answers; its token ids must match and its media are carried over.
+        finished_at: Unix seconds stamped on the group (default: now).
+
+    Raises:
+        InvalidRequest: unfinished or aborted samples, missing logprobs, a prompt mismatch.
+    """
+    where = f"vLLM request {getattr(output, 'request_id', '?')}"
+    if not output.finished:
+        raise InvalidRequest(f"{where} is not finished")
+    if output.prompt_token_ids is not None and list(output.prompt_token_ids) != prompt.prompt_ids.tolist():
+        raise InvalidRequest(f"{where}: prompt token ids differ from the request's")
+    samples: list[GeneratedSample] = []
+    for i, comp in enumerate(output.outputs):
+        reason = comp.finish_reason
+        if reason not in ("stop", "length"):
+            raise InvalidRequest(f"{where} sample {i}: finish_reason {reason!r} (expected stop or length)")
+        ids = np.asarray(comp.token_ids, dtype=np.int32)
+        lp = _sampled_logprobs(comp.logprobs, ids, f"{where} sample {i}")
+        fr: FinishReason = "stop" if reason == "stop" else "length"
+        samples.append(GeneratedSample(response_ids=ids, response_logprobs=lp, finish_reason=fr))
+    if not samples:
+        raise InvalidRequest(f"{where} has no samples")
+    return GeneratedGroup(
+        prompt_ids=prompt.prompt_ids,
+        samples=tuple(samples),
+        media=prompt.media,
+        finished_at=time.time() if finished_at is None else finished_at,
+    )

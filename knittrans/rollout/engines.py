@@ -1,0 +1,302 @@
+"""Rollout engines: a thin ``RolloutEngine`` protocol over transformers and vLLM (CPU or GPU).
+
+Both engines take token-id prompts (or :class:`PromptRequest` with media), sample ``n``
+responses per prompt and return :class:`GeneratedGroup` objects whose logprobs are those of
+the *sampling* distribution, ``log_softmax(logits / temperature)`` (no top-k/top-p is
+applied by either engine). At ``temperature == 0`` decoding is greedy and the logprobs are
+those of the temperature-1 distribution. ``load_weights(path)`` takes a safetensors file in
+Hugging Face checkpoint naming (``model.layers.0...``, ``lm_head.weight``), the format
+``model.state_dict()`` of the transformers model has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from knittrans.errors import InvalidRequest
+from knittrans.rollout.adapters.hf import groups_from_generate_output
+from knittrans.rollout.adapters.vllm import group_from_request_output, vllm_prompt
+from knittrans.rollout.generated import GeneratedGroup, Prompt, PromptRequest, as_prompt_request
+
+__all__ = [
+    "HFEngine",
+    "HFEngineConfig",
+    "RolloutEngine",
+    "VLLMEngine",
+    "VLLMEngineConfig",
+    "check_sampling_args",
+    "open_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+LogprobsMode = Literal["processed", "raw"]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout worker needs from an inference engine."""
+
+    def generate(
+        self, prompts: Sequence[Prompt], n: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> list[GeneratedGroup]:
+        """Sample ``n`` responses for every prompt; one group per prompt, in prompt order."""
+        ...
+
+    def load_weights(self, path: str | Path) -> None:
+        """Replace the policy weights with those of a safetensors file (HF checkpoint names)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (processes, memory); idempotent."""
+        ...
+
+
+def check_sampling_args(n: int, max_new_tokens: int, temperature: float) -> None:
+    """Raise :class:`InvalidRequest` naming the bad sampling argument."""
+    if n <= 0:
+        raise InvalidRequest(f"n must be positive, got {n}")
+    if max_new_tokens <= 0:
+        raise InvalidRequest(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be finite and >= 0, got {temperature}")
+
+
+def _check_weights_file(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidRequest(f"weights file {str(p)!r} does not exist")
+    if p.suffix != ".safetensors":
+        raise InvalidRequest(f"weights file {str(p)!r} is not a .safetensors file")
+    return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFEngineConfig:
+    """Settings of :class:`HFEngine`."""
+
+    logprobs_mode: LogprobsMode = "processed"
+    """``processed``: logprobs of the sampling distribution (after temperature); ``raw``: at T=1."""
+    max_batch_rows: int = 64
+    """Most rows (prompts x n) per ``generate()`` call; prompts are chunked to fit."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Model dtype."""
+    device: str = "cpu"
+    """torch device of the model."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"HFEngineConfig.logprobs_mode must be processed or raw, got {self.logprobs_mode!r}")
+        if self.max_batch_rows <= 0:
+            raise ValueError(f"HFEngineConfig.max_batch_rows must be positive, got {self.max_batch_rows}")
+
+
+class HFEngine:
+    """transformers ``generate()`` with sampled-token logprobs; left-pads prompts into batches."""
+
+    def __init__(self, model_dir: str | Path, config: HFEngineConfig | None = None) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.config = config or HFEngineConfig()
+        self.model_dir = Path(model_dir)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
+        self.model: Any = model.to(self.config.device).eval()
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
+        if eos is None:
+            raise InvalidRequest(f"model in {str(self.model_dir)!r} defines no eos_token_id")
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+        # A clean generation config: nothing (top_k=50 default, repetition penalty, ...) but
+        # what generate() below sets may shape the sampling distribution.
+        self.model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+            eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id
+        )
+
+    def generate(
+        self, prompts: Sequence[Prompt], n: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> list[GeneratedGroup]:
+        """Sample ``n`` responses per prompt (see module docstring for the logprob semantics)."""
+        check_sampling_args(n, max_new_tokens, temperature)
+        requests = [as_prompt_request(p) for p in prompts]
+        per_call = max(1, self.config.max_batch_rows // n)
+        groups: list[GeneratedGroup] = []
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            torch.manual_seed(seed)
+            for start in range(0, len(requests), per_call):
+                groups += self._generate_chunk(requests[start : start + per_call], n, max_new_tokens, temperature)
+        return groups
+
+    def _generate_chunk(
+        self, requests: list[PromptRequest], n: int, max_new_tokens: int, temperature: float
+    ) -> list[GeneratedGroup]:
+        width = max(r.prompt_ids.shape[0] for r in requests)
+        ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            k = r.prompt_ids.shape[0]
+            ids[i, width - k :] = torch.from_numpy(r.prompt_ids.astype(np.int64))
+            mask[i, width - k :] = 1
+        sampling: dict[str, Any] = (
+            {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
+        raw = self.config.logprobs_mode == "raw"
+        # Rows are expanded here (prompt-major, like num_return_sequences) so greedy n > 1 works too.
+        out = self.model.generate(
+            input_ids=ids.repeat_interleave(n, dim=0).to(self.config.device),
+            attention_mask=mask.repeat_interleave(n, dim=0).to(self.config.device),
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            output_scores=not raw,
+            output_logits=raw,
+            eos_token_id=list(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            **sampling,
+        )
+        return groups_from_generate_output(
+            requests,
+            out.sequences.cpu(),
+            out.logits if raw else out.scores,
+            n=n,
+            prompt_width=width,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def load_weights(self, path: str | Path) -> None:
+        """``load_state_dict(strict=True)`` from a safetensors file; names what does not match."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(_check_weights_file(path)), device=self.config.device)
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise InvalidRequest(
+                f"weights file {str(path)!r} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state.items():
+            if tensor.shape != own[name].shape:
+                raise InvalidRequest(
+                    f"weights file {str(path)!r}: {name} has shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(own[name].shape)}"
+                )
+        self.model.load_state_dict(state, strict=True)
+        logger.info("HFEngine loaded %d tensors from %s", len(state), path)
+
+    def close(self) -> None:
+        """Nothing to release beyond the model (kept for the protocol)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMEngineConfig:
+    """Settings of :class:`VLLMEngine` (defaults fit a tiny model on vLLM's CPU backend)."""
+
+    logprobs_mode: LogprobsMode = "processed"
+    """``processed`` → ``LLM(logprobs_mode="processed_logprobs")``; ``raw`` → ``raw_logprobs``."""
+    dtype: str = "float32"
+    """Model dtype passed to ``LLM``."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation (start-up time dominates for tiny models)."""
+    kv_cache_gib: float = 1.0
+    """KV cache size (``kv_cache_memory_bytes``; same as ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
+    max_model_len: int | None = None
+    """Context length; None: the model config's ``max_position_embeddings``."""
+    pass_media: bool = False
+    """Send prompt media as ``multi_modal_data`` (needs a multimodal model); else only carry them."""
+    seed: int = 0
+    """Engine seed (per-request seeds come from ``generate(seed=...)``)."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"VLLMEngineConfig.logprobs_mode must be processed or raw, got {self.logprobs_mode!r}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"VLLMEngineConfig.kv_cache_gib must be positive, got {self.kv_cache_gib}")
+
+
+class VLLMEngine:
+    """vLLM ``LLM`` with token-id prompts and in-place weight reloads from a safetensors file.
+
+    Create it under ``if __name__ == "__main__":`` (vLLM spawns its engine and worker processes).
+    """
+
+    def __init__(self, model_dir: str | Path, config: VLLMEngineConfig | None = None) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError(
+                "VLLMEngine needs vLLM: run scripts/setup_vllm_env.sh (CPU) or pip install 'knittrans[vllm]'"
+            ) from exc
+        self.config = config or VLLMEngineConfig()
+        self.model_dir = Path(model_dir)
+        self._llm: Any = LLM(
+            model=str(self.model_dir),
+            skip_tokenizer_init=True,
+            dtype=self.config.dtype,
+            enforce_eager=self.config.enforce_eager,
+            kv_cache_memory_bytes=int(self.config.kv_cache_gib * 2**30),
+            max_model_len=self.config.max_model_len,
+            logprobs_mode=f"{self.config.logprobs_mode}_logprobs",
+            seed=self.config.seed,
+            worker_extension_cls="knittrans.rollout.vllm_worker.WeightFileLoader",
+        )
+
+    def generate(
+        self, prompts: Sequence[Prompt], n: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> list[GeneratedGroup]:
+        """One vLLM request per prompt, each with its own seed derived from ``seed``."""
+        from vllm import SamplingParams
+
+        check_sampling_args(n, max_new_tokens, temperature)
+        requests = [as_prompt_request(p) for p in prompts]
+        seeds = np.random.SeedSequence(seed).generate_state(len(requests), dtype=np.uint32)
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=max_new_tokens,
+                temperature=float(temperature),
+                top_k=0,
+                top_p=1.0,
+                logprobs=0,
+                seed=int(s) & 0x7FFFFFFF,
+                detokenize=False,
+            )
+            for s in seeds
+        ]
+        outputs = self._llm.generate(
+            [vllm_prompt(r, pass_media=self.config.pass_media) for r in requests], params, use_tqdm=False
+        )
+        return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
+
+    def load_weights(self, path: str | Path) -> None:
+        """Reload the weights in every worker from ``path`` and drop the (now stale) prefix cache."""
+        p = _check_weights_file(path).resolve()
+        counts = self._llm.collective_rpc("knittrans_load_weights_file", args=(str(p),))
+        # Cached KV blocks were computed with the old weights; reusing them would mix policies.
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
+        logger.info("VLLMEngine loaded %s tensors from %s", counts, p)
+
+    def close(self) -> None:
+        """Shut the engine-core and worker processes down."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def open_engine(kind: Literal["hf", "vllm"], model_dir: str | Path) -> RolloutEngine:
+    """Engine by name: ``hf`` (transformers) or ``vllm``."""
+    if kind == "hf":
+        return HFEngine(model_dir)
+    if kind == "vllm":
+        return VLLMEngine(model_dir)
+    raise InvalidRequest(f"unknown engine {kind!r}; expected 'hf' or 'vllm'")

