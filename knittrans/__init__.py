@@ -51,7 +51,40 @@ _EXPORTS: dict[str, str] = {
     "open_engine": "knittrans.rollout.engines",
 }
 
-__all__ = ["__version__", *sorted(_EXPORTS)]
+__all__ = [
+    "__version__",
+    "ControlClient",
+    "DedupEncoder",
+    "FetchRead",
+    "Fetcher",
+    "GroupRecord",
+    "MEDIA_SCHEMA",
+    "Media",
+    "MediaCache",
+    "MicroBatch",
+    "RolloutWorker",
+    "RolloutWorkerConfig",
+    "SCHEMA_VERSION",
+    "Settings",
+    "StoreClient",
+    "StoreConfig",
+    "StoreServer",
+    "StoreServerConfig",
+    "TRAJECTORY_SCHEMA",
+    "Ticket",
+    "TrainerClient",
+    "TrainerConfig",
+    "TrajectoryGroup",
+    "TrajectoryWriter",
+    "UnitDescriptor",
+    "UnitRead",
+    "UnitStore",
+    "assign_mini_batch",
+    "create_app",
+    "make_policy",
+    "open_engine",
+    "to_micro_batch",
+]
 
 if TYPE_CHECKING:
     from knittrans.api.app import create_app

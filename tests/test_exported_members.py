@@ -31,3 +31,8 @@ def test_import_is_light() -> None:
     code = "import sys, knittrans, knittrans.cli; print('torch' in sys.modules, 'pyarrow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False False"
+
+
+def test_all_matches_the_lazy_table() -> None:
+    """__all__ lists exactly the lazily exported names (plus __version__)."""
+    assert set(knittrans.__all__) == {"__version__", *knittrans._EXPORTS}
