@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
     try:
         return int(modules[args.command].run(args))
     except KeyboardInterrupt:

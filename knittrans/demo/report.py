@@ -57,7 +57,10 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
             "row_bytes": int(sum(_get(r, "bytes", "row_bytes") for r in rs)),
             "encoder_calls": int(sum(_get(r, "encoder_calls") for r in rs)),
             "media_uses": int(sum(_get(r, "media_uses") for r in rs)),
-            "step_time_s": max(_get(r, "ended_at") for r in rs) - min(_get(r, "started_at") for r in rs),
+            "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
+                max(_get(r, "step_time_s") for r in rs if r["global_index"] == n)
+                for n in {r["global_index"] for r in rs}
+            ),
         })
     overall = status["staleness"]["overall"]
     return {

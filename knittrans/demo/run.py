@@ -20,6 +20,7 @@ from typing import Any
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.demo.config import DemoConfig
 from knittrans.procs import free_port, knittrans_command
+from knittrans.rollout.worker import SourceProfile
 
 __all__ = ["JOB", "run_demo"]
 
@@ -55,12 +56,18 @@ def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mod
 
 def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> list[str]:
     dist_url = f"tcp://127.0.0.1:{free_port()}"
+    channels = 3
+    for profile in config.sources.values():
+        image = SourceProfile.parse(profile).image_shape
+        if image is not None:
+            channels = image[0]
     names = []
     for rank in range(config.ranks):
         argv = ["train", "--control-url", cluster.control_url, "--job", JOB, "--rank", str(rank),
                 "--world-size", str(config.ranks), "--dist-url", dist_url, "--model-dir", str(model_dir),
                 "--weights-dir", str(run_dir / "weights"), "--fetch-mode", config.fetch_mode,
-                "--lr", str(config.lr), "--out", str(run_dir / f"rank-{rank}.jsonl")]
+                "--lr", str(config.lr), "--image-channels", str(channels),
+                "--out", str(run_dir / f"rank-{rank}.jsonl")]
         for node in cluster.stores:
             argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]
         name = f"rank-{rank}"
