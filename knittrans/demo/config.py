@@ -46,6 +46,13 @@ class DemoConfig:
     """Partial rollout: generation picks up new weights every this many tokens."""
     fetch_mode: str = "iter"
     """Trainer fetch mode: iter (prefetch) or eager."""
+    hidden: int = 128
+    """Hidden size of the tiny Qwen2 policy (``heads * 64``); bigger makes training heavier relative to
+    rollout, which is what separates the admission policies (see docs/demo.md)."""
+    layers: int = 2
+    """Decoder layers of the policy."""
+    groups_per_call: int = 2
+    """Prompts per generate call of a rollout worker (one unit each call)."""
     lr: float = 1e-3
     """Learning rate of the tiny policy."""
     seed: int = 0
@@ -64,5 +71,7 @@ class DemoConfig:
             )
         if self.steps < 1 or self.ranks < 1 or self.stores < 1:
             raise ValueError("steps, ranks and stores must be >= 1")
+        if self.hidden % 64 or self.hidden < 64 or self.layers < 1:
+            raise ValueError("hidden must be a positive multiple of 64 (head_dim 64) and layers >= 1")
         if self.fetch_mode not in ("iter", "eager"):
             raise ValueError("fetch_mode must be iter or eager")

@@ -46,6 +46,7 @@ def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mod
                 "--source", profile, "--model-dir", str(model_dir), "--weights-dir", str(run_dir / "weights"),
                 "--state-file", str(run_dir / f"rollout-{source}.json"), "--engine", config.engine,
                 "--group-size", str(config.group_size), "--window", str(config.window),
+                "--groups-per-call", str(config.groups_per_call),
                 "--seed", str(config.seed + i)]
         if config.chunk_tokens:
             argv += ["--chunk-tokens", str(config.chunk_tokens)]
@@ -94,7 +95,8 @@ def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = Non
     run_dir = Path(config.out_dir) / config.policy
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "weights").mkdir(parents=True)
-    model_dir = build_tiny_qwen2(run_dir / "model", seed=config.seed)
+    model_dir = build_tiny_qwen2(run_dir / "model", hidden=config.hidden, layers=config.layers,
+                                 heads=config.hidden // 64, seed=config.seed)
     total = config.steps * config.mini_batches_per_step
     started = time.monotonic()
     cluster_config = ClusterConfig(work_dir=run_dir, num_stores=config.stores)
