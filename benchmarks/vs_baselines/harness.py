@@ -1,0 +1,162 @@
+"""Head-to-head benchmark: TransferQueue vs the Ray object store vs KnitTrans on the same workloads.
+
+    python -m benchmarks.vs_baselines.harness                 # full matrix, 3 repetitions
+    python -m benchmarks.vs_baselines.harness --smoke         # CI: reduced, < 2 minutes
+    python -m benchmarks.vs_baselines.harness --systems tq:kv,ray:group --kinds multimodal
+
+Each (system, workload) runs in its own driver subprocess (``driver.py``) whose whole process tree
+is memory-sampled from here.  Results: ``results.json``, ``results.md``, ``results.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.vs_baselines.aggregate import summarise
+from benchmarks.vs_baselines.procmem import TreeMemorySampler
+from benchmarks.vs_baselines.report import write_markdown, write_png
+
+__all__ = ["DEFAULT_SYSTEMS", "main", "run_one"]
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SYSTEMS = ("knittrans:default", "tq:kv", "tq:sampler", "ray:group", "ray:shard")
+SMOKE_SYSTEMS = ("knittrans:default", "tq:kv", "ray:group")
+SMOKE_SPEC = {"num_trajectories": 128, "micro_batches": 2}
+
+
+def available(system: str) -> bool:
+    """Whether the runner module of ``system`` and its dependencies are importable here."""
+    needs = {"tq": ["transfer_queue", "ray"], "ray": ["ray"], "knittrans": ["knittrans"]}[system]
+    if system == "knittrans" and not (Path(__file__).parent / "knittrans_runner.py").exists():
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in needs)
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a timed-out driver and every process it started (Ray services, actors, subprocesses)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec: dict[str, Any],
+            hidden: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
+    """Run one driver subprocess, sampling its process tree's memory; return its result plus memory."""
+    out = workdir / f"{system}_{variant}_{kind}.json"
+    cmd = [sys.executable, "-m", "benchmarks.vs_baselines.driver", "--system", system, "--variant", variant,
+           "--kind", kind, "--reps", str(reps), "--modes", modes, "--spec-json", json.dumps(spec),
+           "--compute-hidden", str(hidden), "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               TQ_LOGGING_LEVEL=os.environ.get("TQ_LOGGING_LEVEL", "ERROR"))
+    logger.info("running %s:%s on %s (%d reps, modes %s)", system, variant, kind, reps, modes)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    sampler = TreeMemorySampler(proc.pid).start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        rc = -9
+    finally:
+        sampler.stop()
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"{system}:{variant} on {kind} failed (exit {rc}) after {time.time() - t0:.0f} s")
+    result: dict[str, Any] = json.loads(out.read_text())
+    consume = [p for p in result["phases"] if p["name"].startswith(("put:", "consume:"))]
+    result["memory"] = {
+        "peak_by_role_whole_run": sampler.peak_per_role(),
+        "peak_by_role_data_phases": sampler.peak_per_role(consume[0]["start"], consume[-1]["end"]),
+        "peak_by_process": {str(pid): {"role": role, "peak_rss": rss}
+                            for pid, (role, rss) in sampler.peak_by_pid.items()},
+        "processes": len(sampler.peak_by_pid),
+    }
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=None, help=f"comma list of system:variant (default {DEFAULT_SYSTEMS})")
+    p.add_argument("--kinds", default="text,multimodal")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--modes", default="none,compute")
+    p.add_argument("--compute-hidden", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="reduced CI mode (< 2 min): fewer systems, rows, reps")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per driver subprocess")
+    p.add_argument("--from-json", default=None, help="re-summarise the raw results of an earlier results.json")
+    p.add_argument("--out", default=None,
+                   help="output folder (default benchmarks/vs_baselines/results, or results/smoke with --smoke)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s harness %(message)s")
+    spec: dict[str, Any] = dict(SMOKE_SPEC) if args.smoke else {}
+    reps = 1 if args.smoke else args.reps
+    kinds = ["multimodal"] if args.smoke and args.kinds == "text,multimodal" else args.kinds.split(",")
+    wanted = args.systems.split(",") if args.systems else list(SMOKE_SYSTEMS if args.smoke else DEFAULT_SYSTEMS)
+    chosen = []
+    for item in wanted:
+        system, _, variant = item.partition(":")
+        if available(system):
+            chosen.append((system, variant or "default"))
+        elif args.systems:
+            raise SystemExit(f"system {system!r} is not available here (install the 'bench' extra?)")
+        else:
+            logger.warning("skipping %s: runner or its packages not available", item)
+    default_out = REPO / "benchmarks" / "vs_baselines" / "results"
+    out_dir = Path(args.out) if args.out else (default_out / "smoke" if args.smoke else default_out)
+    if not chosen and not args.from_json:
+        raise SystemExit("no system to run: the baselines need the 'bench' extra "
+                         "(scripts/setup_bench_env.sh, or pip install -e '.[bench]')")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())["raw"]
+        chosen = []
+    with tempfile.TemporaryDirectory(prefix="vs_baselines_") as tmp:
+        for kind in kinds:
+            for system, variant in chosen:
+                results.append(run_one(system, variant, kind, reps=reps, modes=args.modes, spec=spec,
+                                       hidden=args.compute_hidden, timeout_s=args.timeout, workdir=Path(tmp)))
+                (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results}))
+    (out_dir / "raw_partial.json").unlink(missing_ok=True)
+    summary = summarise(results)
+    meta = {"argv": sys.argv[1:], "smoke": args.smoke, "reps": reps, "spec_overrides": spec,
+            "cpus": os.cpu_count(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}))
+    table = write_markdown(summary, meta, out_dir / "results.md")
+    write_png(summary, out_dir / "results.png")
+    print(table)
+    bad = [f"{s['system']}/{s['kind']}/{s['mode']}" for s in summary["rows"] if not s["correct"]]
+    if bad or not summary["cross_system_digests_agree"]:
+        logger.error("CORRECTNESS FAILURE: %s", bad or "cross-system micro-batch digests disagree")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Markdown table and PNG chart of a vs_baselines summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.vs_baselines.aggregate import METRICS
+
+__all__ = ["write_markdown", "write_png"]
+
+REFERENCE_ORDER = ("knittrans_default", "tq_kv", "tq_sampler", "ray_group", "ray_shard")
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _reference(rows: list[dict[str, Any]]) -> str:
+    present = {r["system"] for r in rows}
+    return next((s for s in REFERENCE_ORDER if s in present), rows[0]["system"])
+
+
+def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) -> str:
+    """Write (and return) one table per workload/mode with ratios to the reference system."""
+    rows = summary["rows"]
+    ref = _reference(rows)
+    lines = [f"# vs_baselines ({'smoke' if meta['smoke'] else 'full'}; {meta['reps']} rep(s); "
+             f"{meta['cpus']} CPUs; {meta['time']})", "",
+             f"Medians over repetitions. `×ref` = system's value / {ref}'s (same run).  "
+             f"Correctness: every row's digest equals the generator's; cross-system micro-batch digests "
+             f"agree: {summary['cross_system_digests_agree']} "
+             f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots).", ""]
+    cols = ["put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s", "startup_s",
+            "peak_total_mib", "storage_bytes_per_stored_byte"]
+    for kind in sorted({r["kind"] for r in rows}):
+        for mode in sorted({r["mode"] for r in rows if r["kind"] == kind}):
+            sel = [r for r in rows if (r["kind"], r["mode"]) == (kind, mode)]
+            base = next((r for r in sel if r["system"] == ref), None)
+            lines += [f"## {kind}, compute={'on' if mode == 'compute' else 'off'}", "",
+                      "| system | " + " | ".join(METRICS[c] for c in cols) + " | MiB received | correct |",
+                      "|---" * (len(cols) + 3) + "|"]
+            for r in sel:
+                cells = []
+                for c in cols:
+                    cell = _fmt(r.get(c))
+                    if base is not None and r is not base and r.get(c) and base.get(c):
+                        cell += f" ({r[c] / base[c]:.2g}×ref)"
+                    cells.append(cell)
+                ok = "yes" if r["correct"] else "**NO**"
+                lines.append(f"| {r['system']} | " + " | ".join(cells)
+                             + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |")
+            lines.append("")
+    lines += ["Peak RSS by role (MiB, whole run, summed over processes of the role):", ""]
+    for r in rows:
+        if r["mode"] == "none":
+            roles = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["peak_by_role_mib"].items()))
+            lines.append(f"* {r['system']} / {r['kind']}: {roles}")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def write_png(summary: dict[str, Any], path: Path) -> None:
+    """Grouped log-scale bars: fetch p50, exposed time, transfer+train and put, per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    kinds = sorted({r["kind"] for r in rows})
+    panels = [("fetch_p50_ms", "none"), ("exposed_mean_ms", "compute"), ("minibatch_s", "compute"), ("put_s", "none")]
+    fig, axes = plt.subplots(len(kinds), len(panels), figsize=(4 * len(panels), 3.2 * len(kinds)), squeeze=False)
+    for i, kind in enumerate(kinds):
+        for j, (metric, mode) in enumerate(panels):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["kind"] == kind and r["mode"] == mode]
+            ax.bar([r["system"] for r in sel], [max(r[metric], 1e-6) for r in sel], color="C0")
+            ax.set_yscale("log")
+            ax.set_title(f"{kind}: {METRICS[metric]}", fontsize=9)
+            ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
