@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch and constraint_preserving on the same workload and compare")
     parser.add_argument("--window", type=int, default=1, help="off-policy window in train batches (default 1)")
-    parser.add_argument("--hidden", type=int, default=128, help="policy hidden size, a multiple of 64")
-    parser.add_argument("--layers", type=int, default=2, help="policy decoder layers")
+    parser.add_argument("--hidden", type=int, default=512, help="policy hidden size, a multiple of 64")
+    parser.add_argument("--layers", type=int, default=4, help="policy decoder layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
 

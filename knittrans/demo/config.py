@@ -46,10 +46,10 @@ class DemoConfig:
     """Partial rollout: generation picks up new weights every this many tokens."""
     fetch_mode: str = "iter"
     """Trainer fetch mode: iter (prefetch) or eager."""
-    hidden: int = 128
+    hidden: int = 512
     """Hidden size of the tiny Qwen2 policy (``heads * 64``); bigger makes training heavier relative to
     rollout, which is what separates the admission policies (see docs/demo.md)."""
-    layers: int = 2
+    layers: int = 4
     """Decoder layers of the policy."""
     groups_per_call: int = 2
     """Prompts per generate call of a rollout worker (one unit each call)."""
