@@ -38,7 +38,7 @@ class DemoConfig:
     """Trainer ranks (gloo DDP)."""
     stores: int = 2
     """Store nodes; rollout worker ``i`` writes to node ``i % stores``."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     """Trajectories per micro-batch."""
     window: int = 1
     """Off-policy window in train batches (launched-but-unadmitted groups per source)."""

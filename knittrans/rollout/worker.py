@@ -9,10 +9,12 @@ version ``N`` to the control plane; the worker polls the version before every ch
 generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
 many tokens and new weights are picked up between chunks (partial rollout across an update).
 
-Restart safety: group ids are ``<worker_id>-<seq>`` with ``seq`` from a small state file written
-before the groups are announced; a restarted worker regenerates the groups it had announced but
-not registered, under the same ids (the control plane counts a started id once and refuses a
-second registration of a group, which the worker takes as "already registered").
+Restart safety: group ids are ``<worker_id>-g<seq>`` with ``seq`` from a small state file written
+before the groups are announced; the descriptor of a sealed unit is written there before it is
+registered. A restarted worker registers the sealed-but-unregistered units from their saved
+descriptors and regenerates the groups it had announced but not sealed, under the same ids (the
+control plane counts a started id once and refuses a second registration of a group, which the
+worker takes as "already registered").
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from knittrans.names import check_name
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
 from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
+from knittrans.rollout.regen import claimable, report_started
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup
 
@@ -174,6 +177,8 @@ class _State:
     next_seq: int = 0
     announced: dict[str, str] = field(default_factory=dict)
     """group id -> source, announced as started but not yet registered."""
+    sealed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """unit id -> descriptor of units sealed on the store but not yet registered."""
 
 
 class RolloutWorker:
@@ -197,12 +202,14 @@ class RolloutWorker:
         if not path.exists():
             return _State()
         raw = json.loads(path.read_text())
-        return _State(next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]))
+        return _State(next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]),
+                      sealed=dict(raw.get("sealed", {})))
 
     def _save_state(self) -> None:
         path = Path(self.config.state_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"next_seq": self._state.next_seq, "announced": self._state.announced}))
+        tmp.write_text(json.dumps({"next_seq": self._state.next_seq, "announced": self._state.announced,
+                                   "sealed": self._state.sealed}))
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ weights
@@ -301,20 +308,37 @@ class RolloutWorker:
         return room
 
     def _produce(self, source: str, group_ids: list[str]) -> None:
+        """Generate, seal, remember the descriptor, register: a crash at any point can be resumed."""
         groups = self.generate(source, group_ids)
-        descriptor = self.writer.write_groups(groups, unit_id=f"u-{group_ids[0]}")
+        unit_id = f"u-{group_ids[0]}"
+        try:
+            descriptor = self.writer.write_groups(groups, unit_id=unit_id)
+        except Conflict:  # sealed just before a crash, never recorded, so never registered: replace it
+            self.writer.client.delete(self.config.job, unit_id)
+            descriptor = self.writer.write_groups(groups, unit_id=unit_id)
+        self._state.sealed[unit_id] = descriptor.to_dict()
+        self._save_state()
+        self._register(unit_id)
+        self.groups_written += len(group_ids)
+
+    def _register(self, unit_id: str) -> None:
+        descriptor = self._state.sealed[unit_id]
         try:
             self.control.register_units(self.config.job, [descriptor])
-        except Conflict as exc:  # registered before a crash: the first incarnation stands
+        except Conflict as exc:  # a group of it is registered already: the first incarnation stands
             logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
-        for gid in group_ids:
-            self._state.announced.pop(gid, None)
+            self.writer.client.delete(self.config.job, unit_id)
+        for g in descriptor["groups"]:
+            self._state.announced.pop(g["group_id"], None)
+        del self._state.sealed[unit_id]
         self._save_state()
-        self.groups_written += len(group_ids)
 
     def run(self, *, max_groups: int | None = None) -> int:
         """Generate until the job is completed or drained (or ``max_groups`` were written); return groups written."""
         cfg = self.config
+        for unit_id in list(self._state.sealed):  # restarted: register what was sealed before the crash
+            logger.info("%s: registering unit %s sealed before a restart", cfg.worker_id, unit_id)
+            self._register(unit_id)
         if self._state.announced:  # restarted: finish what was announced before the crash, same ids
             by_source: dict[str, list[str]] = {}
             for gid, source in sorted(self._state.announced.items()):
@@ -336,7 +360,8 @@ class RolloutWorker:
             self._state.next_seq += count
             self._state.announced.update({gid: source for gid in ids})
             self._save_state()
-            self.control.report_supply(cfg.job, group_ids={source: ids})
+            # new ids replace lost ones (status "to_regenerate") when there are any: see rollout/regen.py
+            report_started(self.control, cfg.job, source, ids, claimable(status, source, count))
             self._produce(source, ids)
         return self.groups_written
 

@@ -16,6 +16,17 @@ In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (u
 re-raised in the training thread at the micro-batch it belongs to. Every micro-batch records
 ``wait_s`` (time the training loop blocked on data: the *exposed* transfer time), ``fetch_s`` and
 ``convert_s``; :attr:`TrainerClient.timings` keeps them all.
+
+``lookahead=True`` (``iter`` mode only) keeps the pipeline full *across* mini-batches: once the
+last micro-batch of mini-batch ``n`` is fetched, the prefetch thread acks ``n`` and starts
+fetching mini-batch ``n+1`` (the control plane hands a rank its next plan only after the ack).
+That hides the first micro-batch's transfer of every mini-batch but acks before the optimizer
+step: a rank that crashes between the early ack and its step loses that mini-batch. Off by
+default.
+
+Errors: a failed fetch is re-raised in the training thread with the plan, micro-batch and the
+store node(s) (id and endpoint) it involved; control-plane calls (``next``, ``ack``, versions)
+are retried with backoff for ``control_retry_s`` while the control plane is unreachable.
 """
 
 from __future__ import annotations
@@ -24,15 +35,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import pyarrow as pa
 import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
 from knittrans.tickets import Ticket
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -41,6 +53,8 @@ from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +85,8 @@ class TrainerConfig:
     """Store node id -> its store directory, for nodes on this host (memory-mapped reads)."""
     fetch_media: bool = True
     """Fetch and decode the media each micro-batch references (through a per-mini-batch cache)."""
+    lookahead: bool = False
+    """``iter`` only: ack a mini-batch once fully fetched and prefetch the next one (see module doc)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -79,6 +95,10 @@ class TrainerConfig:
             raise ValueError(f"fetch_mode must be 'eager' or 'iter', not {self.fetch_mode!r}")
         if self.prefetch_depth < 1:
             raise ValueError("prefetch_depth must be >= 1")
+        if self.lookahead and self.fetch_mode != "iter":
+            raise ValueError("lookahead needs fetch_mode='iter'")
+        if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
+            raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
 
 @dataclass(kw_only=True)
@@ -91,9 +111,9 @@ class MicroTiming:
     wait_s: float = 0.0
     """Time the training loop blocked waiting for this micro-batch (exposed transfer)."""
     fetch_s: float = 0.0
-    """Flight/mmap time for rows and media."""
+    """Flight/mmap time for rows and media (media through the cache, decoding included: zero-copy)."""
     convert_s: float = 0.0
-    """Arrow -> torch conversion and media decoding."""
+    """Arrow -> torch conversion of the rows."""
     bytes: int = 0
     """Bytes of the fetched trajectory rows."""
 
@@ -128,6 +148,13 @@ def _media_records(table: pa.Table) -> dict[str, MediaRecord]:
     return out
 
 
+class _NoLookahead:
+    """Marker: the prefetch thread did not look ahead (stopped early); ask the control plane."""
+
+
+_NO_LOOKAHEAD = _NoLookahead()
+
+
 class MiniBatch:
     """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
 
@@ -141,6 +168,11 @@ class MiniBatch:
         self.policy_version: int = plan["policy_version"]
         self.num_tokens: int = plan.get("num_tokens", 0)
         self.num_micro_batches = len(plan["micro_batches"])
+        self.received_at = time.time()
+        """Wall-clock time the plan reached this rank."""
+        admitted = plan.get("admitted_at")
+        self.admitted_at: float | None = float(admitted) if admitted is not None else None
+        """Wall-clock admission time, when the control plane puts it in the plan (else None)."""
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self.acked = False
@@ -150,11 +182,29 @@ class MiniBatch:
             for m in micro.get("media", ()):
                 self._media_of.setdefault(m["hash"], m)
         self._cache = MediaCache(self._fetch_media)
+        self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._ack_lock = threading.Lock()
+        self.next_mini_batch: Future[MiniBatch | _NoLookahead | None] | None = (
+            Future() if client.config.lookahead else None
+        )
+        """``lookahead`` only: resolves to the next mini-batch (None: job finished)."""
 
     @property
-    def mini_batch_trajectories(self) -> int:
-        """Trajectories of the whole mini-batch over all ranks (for a global loss normaliser)."""
-        return int(self.plan.get("mini_batch_trajectories", sum(len(m["rows"]) for m in self.plan["micro_batches"])))
+    def local_trajectories(self) -> int:
+        """Trajectories of this rank's share (known from the plan, before any fetch)."""
+        return sum(len(m["rows"]) for m in self.plan["micro_batches"])
+
+    @property
+    def mini_batch_trajectories(self) -> int | None:
+        """Trajectories of the whole mini-batch over all ranks, when the plan carries the count.
+
+        None when the control plane does not put ``mini_batch_trajectories`` in the plan; a trainer
+        then sums :attr:`local_trajectories` over ranks (one all-reduce) for a global normaliser.
+        """
+        value = self.plan.get("mini_batch_trajectories")
+        return int(value) if value is not None else None
 
     def _fetch_media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         reads = []
@@ -166,23 +216,42 @@ class MiniBatch:
                                    ticket=Ticket.decode(entry["ticket"].encode())))
         return _media_records(self._client.fetcher.fetch(reads))
 
+    def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
+        """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
+        nodes = {f["node_id"]: f["endpoint"] for f in [*micro["fetches"], *micro.get("media", ())]}
+        named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
+        message = (f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}")
+        try:
+            return type(exc)(message)
+        except TypeError:  # an exception type with another constructor
+            return KnitTransError(message)
+
     def _load(self, i: int) -> TrainMicroBatch:
         micro = self.plan["micro_batches"][i]
         timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro["rows"]))
         t0 = time.perf_counter()
-        if micro["fetches"]:
-            reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"],
-                               ticket=Ticket.decode(f["ticket"].encode())) for f in micro["fetches"]]
-            table = self._client.fetcher.fetch(reads)
-        else:
-            table = None
+        table = None
+        try:
+            if micro["fetches"]:
+                reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"],
+                                   ticket=Ticket.decode(f["ticket"].encode())) for f in micro["fetches"]]
+                table = self._client.fetcher.fetch(reads)
+        except KnitTransError as exc:
+            raise self._fetch_error(i, micro, exc) from exc
         t1 = time.perf_counter()
         batch = to_micro_batch(table) if table is not None else MicroBatch(num_rows=0)
+        t2 = time.perf_counter()
         media: dict[str, torch.Tensor] = {}
         if self._client.config.fetch_media and micro.get("media"):
-            media = self._cache.get([m["hash"] for m in micro["media"]])
-        t2 = time.perf_counter()
-        timing.fetch_s = t1 - t0
+            # One request per trajectory use (the rows' own references when the media column was
+            # fetched), so the cache's logical bytes are what per-trajectory copies would move.
+            refs = [h for row in batch.media_hex() for h in row] if batch.media_hashes is not None else []
+            try:
+                media = self._cache.get(refs or [m["hash"] for m in micro["media"]])
+            except KnitTransError as exc:
+                raise self._fetch_error(i, micro, exc) from exc
+        t3 = time.perf_counter()
+        timing.fetch_s = (t1 - t0) + (t3 - t2)
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
         return TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
@@ -201,37 +270,69 @@ class MiniBatch:
                     self.timings.append(m.timing)
                     yield m
             else:
-                yield from self._iter_prefetch()
+                yield from self._consume_prefetched()
         finally:
             self.media_stats = self._cache.clear()
 
-    def _iter_prefetch(self) -> Iterator[TrainMicroBatch]:
-        q: queue.Queue[TrainMicroBatch | BaseException | None] = queue.Queue(self._client.config.prefetch_depth)
-        stop = threading.Event()
+    def start_prefetch(self) -> None:
+        """Start the ``iter`` prefetch thread now (iterating starts it otherwise); idempotent."""
+        if self._worker is not None:
+            return
+        depth = self._client.config.prefetch_depth
+        q: queue.Queue[TrainMicroBatch | BaseException | None] = queue.Queue(depth)
+        self._queue = q
+
+        def put(item: TrainMicroBatch | BaseException | None) -> bool:
+            while not self._stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def produce() -> None:
             try:
                 for i in range(self.num_micro_batches):
-                    if stop.is_set():
+                    if self._stop.is_set() or not put(self._load(i)):
+                        self._resolve_lookahead(_NO_LOOKAHEAD)
                         return
-                    item: TrainMicroBatch | BaseException = self._load(i)
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
             except BaseException as exc:  # re-raised in the training thread
-                q.put(exc)
-            else:
-                q.put(None)
+                self._resolve_lookahead(_NO_LOOKAHEAD)
+                put(exc)
+                return
+            put(None)
+            if self.next_mini_batch is not None:
+                self._look_ahead()
 
-        worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
-        worker.start()
+        self._worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
+        self._worker.start()
+
+    def _resolve_lookahead(self, value: MiniBatch | _NoLookahead | None) -> None:
+        if self.next_mini_batch is not None and not self.next_mini_batch.done():
+            self.next_mini_batch.set_result(value)
+
+    def _look_ahead(self) -> None:
+        """Prefetch thread, ``lookahead`` mode: ack now, fetch the next plan, start its prefetch."""
+        assert self.next_mini_batch is not None
+        try:
+            self.ack()
+            plan = self._client.next_plan(stop=self._stop)
+            nxt = MiniBatch(self._client, plan) if plan is not None else None
+            if nxt is not None:
+                nxt.start_prefetch()
+            self._resolve_lookahead(nxt)
+        except BaseException as exc:
+            if not self.next_mini_batch.done():
+                self.next_mini_batch.set_exception(exc)
+
+    def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
+        self.start_prefetch()
+        assert self._queue is not None and self._worker is not None
         try:
             while True:
                 t0 = time.perf_counter()
-                item = q.get()
+                item = self._queue.get()
                 wait = time.perf_counter() - t0
                 if item is None:
                     return
@@ -241,14 +342,32 @@ class MiniBatch:
                 self.timings.append(item.timing)
                 yield item
         finally:
-            stop.set()
-            worker.join(timeout=30)
+            # In lookahead mode a fully consumed mini-batch's thread goes on to fetch the next one.
+            if self.next_mini_batch is None or not self._all_yielded():
+                self._stop.set()
+                self._worker.join(timeout=30)
+
+    def _all_yielded(self) -> bool:
+        return len(self.timings) == self.num_micro_batches
+
+    def stop(self) -> None:
+        """Stop a running prefetch (and lookahead) thread, e.g. when abandoning the mini-batch."""
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+        ahead = self.next_mini_batch
+        if ahead is not None and ahead.done() and ahead.exception() is None:
+            value = ahead.result()
+            if isinstance(value, MiniBatch):
+                value.stop()
 
     def ack(self) -> None:
         """Tell the control plane this rank finished the mini-batch (after its optimizer step)."""
-        if not self.acked:
-            self._client.control.ack(self._client.config.job, self._client.config.rank, self.plan_id)
-            self.acked = True
+        with self._ack_lock:
+            if not self.acked:
+                cfg = self._client.config
+                self._client.call_control(lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id))
+                self.acked = True
 
 
 class TrainerClient:
@@ -260,26 +379,37 @@ class TrainerClient:
         self.fetcher = Fetcher(token=config.store_token, local_dirs=dict(config.local_dirs))
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
+        self._current: MiniBatch | None = None
 
-    def _next_plan(self) -> dict[str, Any] | None:
-        """The next plan; None when the job is finished. Retries while the control plane is away."""
+    def call_control(self, call: Callable[[], T]) -> T:
+        """Run a control-plane call, retrying with backoff for ``control_retry_s`` while it is unreachable."""
         deadline = time.monotonic() + self.config.control_retry_s
         delay = 0.2
         while True:
             try:
-                plan = self.control.next_plan(self.config.job, self.config.rank, self.config.poll_timeout_s)
-            except JobFinished:
-                return None
+                return call()
             except Unavailable:
                 if time.monotonic() > deadline:
                     raise
-                logger.warning("control plane unavailable; retrying in %.1f s", delay)
+                logger.warning("control plane %s unavailable; retrying in %.1f s", self.config.control_url, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-                continue
+
+    def next_plan(self, *, stop: threading.Event | None = None) -> dict[str, Any] | None:
+        """The next plan (long-polls until one comes); None when the job is finished.
+
+        With ``stop`` (the lookahead thread), polls in 1 s slices and returns None once it is set.
+        """
+        cfg = self.config
+        timeout = cfg.poll_timeout_s if stop is None else min(cfg.poll_timeout_s, 1.0)
+        while stop is None or not stop.is_set():
+            try:
+                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, timeout))
+            except JobFinished:
+                return None
             if plan is not None:
                 return plan
-            deadline = time.monotonic() + self.config.control_retry_s
+        return None
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
@@ -287,29 +417,39 @@ class TrainerClient:
         A mini-batch that was fully iterated but not acked is acked before the next one is
         requested; one that was not fully iterated raises, since acking it would lose rows.
         """
+        nxt: MiniBatch | _NoLookahead | None = _NO_LOOKAHEAD
         while True:
-            plan = self._next_plan()
-            if plan is None:
+            if isinstance(nxt, _NoLookahead):
+                plan = self.next_plan()
+                mb = MiniBatch(self, plan) if plan is not None else None
+            else:
+                mb = nxt
+            if mb is None:
                 return
-            mb = MiniBatch(self, plan)
-            yield mb
-            self.timings.extend(mb.timings)
-            self.media_stats = self.media_stats + mb.media_stats
+            self._current = mb
+            try:
+                yield mb
+            finally:
+                self.timings.extend(mb.timings)
+                self.media_stats = self.media_stats + mb.media_stats
+            if not mb.acked and not mb.consumed:
+                raise InvalidRequest(f"mini-batch {mb.plan_id} was neither iterated nor acked")
+            nxt = mb.next_mini_batch.result() if mb.next_mini_batch is not None else _NO_LOOKAHEAD
             if not mb.acked:
-                if not mb.consumed:
-                    raise InvalidRequest(f"mini-batch {mb.plan_id} was neither iterated nor acked")
                 mb.ack()
 
     def report_version(self, version: int) -> None:
-        """Report the policy version after an optimizer step (rank 0 is enough)."""
-        self.control.report_version(self.config.job, version, self.config.rank)
+        """Report the policy version after an optimizer step (rank 0 is enough); retried like ``next``."""
+        self.call_control(lambda: self.control.report_version(self.config.job, version, self.config.rank))
 
     def timings_dicts(self) -> list[dict[str, Any]]:
         """Recorded per-micro-batch timings as plain dicts (for JSON export)."""
         return [asdict(t) for t in self.timings]
 
     def close(self) -> None:
-        """Close the fetcher and the control-plane client."""
+        """Stop prefetching, close the fetcher and the control-plane client."""
+        if self._current is not None:
+            self._current.stop()
         self.fetcher.close()
         self.control.close()
 

@@ -38,8 +38,8 @@ from knittrans.errors import InvalidRequest
 __all__ = ["MicroBatch", "PackedSequence", "pad_sequences", "to_device", "to_micro_batch"]
 
 _LIST_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask")
-_SCALAR_COLUMNS = {"reward": "rewards", "advantage": "advantages", "version_start": "version_start", "version_end": "version_end",
-                   "version_weighted": "version_weighted"}
+_SCALAR_COLUMNS = {"reward": "rewards", "advantage": "advantages", "version_start": "version_start",
+                   "version_end": "version_end", "version_weighted": "version_weighted"}
 
 
 @dataclass(frozen=True, kw_only=True)

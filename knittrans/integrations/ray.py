@@ -1,0 +1,289 @@
+"""Run KnitTrans on a Ray cluster: one store node per Ray node, the control plane as an actor.
+
+KnitTrans brings no launcher of its own. On a Ray cluster (verl, OpenRLHF, NeMo-RL, slime all use
+one) the processes become actors::
+
+    import ray
+    from knittrans.integrations.ray import start_cluster
+
+    ray.init()
+    kt = start_cluster(work_dir="/tmp/kt", worker_token="...", store_token="...")
+    kt.control_url                      # hand to trainer ranks (TrainerClient / ``knittrans train``)
+    kt.store_for(ray_node_id)           # StoreInfo of that node: rollout actors write there
+    kt.shutdown()
+
+Each actor runs the ordinary ``knittrans`` CLI as a child process (the same code path as
+docker-compose or bare metal) and reports the endpoint it listens on. Stores are pinned with
+``NodeAffinitySchedulingStrategy(node_id, soft=False)``: a store must live on the node whose
+tmpfs holds the units. Ray is an optional extra: ``pip install 'knittrans[ray]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane",
+           "start_stores"]
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "knittrans.integrations.ray needs Ray: pip install 'knittrans[ray]'"
+
+
+def _ray() -> Any:
+    """Import Ray lazily; a clear hint when it is missing."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return ray
+
+
+def node_affinity(node_id: str) -> Any:
+    """A hard node-affinity scheduling strategy for ``node_id`` (a Ray node id in hex)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+class _KnitTransProcess:
+    """Actor body: one ``knittrans`` child process on this actor's node, stopped with the actor."""
+
+    def __init__(self, argv: list[str], log_path: str, ready_file: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._ready = Path(ready_file) if ready_file else None
+        if self._ready is not None:
+            self._ready.unlink(missing_ok=True)
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", "knittrans.cli", *argv], stdout=log,
+                                          stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                          start_new_session=True)
+
+    def node(self) -> dict[str, str]:
+        """Ray node id and IP address this actor runs on."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def wait_ready(self, timeout_s: float = 60.0) -> str:
+        """Block until the child wrote its ready file; return its content (the endpoint)."""
+        deadline = time.monotonic() + timeout_s
+        while self._ready is not None and not self._ready.exists():
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"knittrans child exited with code {self._proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"knittrans child not ready after {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return self._ready.read_text().strip() if self._ready is not None else ""
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM the child, SIGKILL after 10 s; its exit code."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        return self._proc.returncode
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreInfo:
+    """One store node started on one Ray node."""
+
+    ray_node_id: str
+    """Ray node id (hex) the store is pinned to."""
+    node_id: str
+    """KnitTrans node id (``store-<first 8 hex of the Ray node id>``)."""
+    endpoint: str
+    """Flight location others dial."""
+    store_dir: str
+    """Store directory on that node (rollout actors on the same node may write into it directly)."""
+
+
+@dataclass
+class KnitTransCluster:
+    """Handle of a running control plane and its stores; :meth:`shutdown` stops them."""
+
+    control_url: str
+    """Base URL of the control plane (hand it to trainer and rollout actors)."""
+    stores: list[StoreInfo]
+    """One per Ray node."""
+    worker_token: str | None = None
+    """Control-plane worker token."""
+    store_token: str | None = None
+    """Store token."""
+    admin_token: str | None = None
+    """Control-plane admin token."""
+    actors: list[Any] = field(default_factory=list)
+    """Ray actor handles owned by this handle."""
+
+    def store_for(self, ray_node_id: str) -> StoreInfo:
+        """The store on ``ray_node_id`` (a rollout actor writes to the store of its own node)."""
+        for s in self.stores:
+            if s.ray_node_id == ray_node_id:
+                return s
+        raise KeyError(f"no KnitTrans store on Ray node {ray_node_id}; stores: {[s.ray_node_id for s in self.stores]}")
+
+    def rollout_args(self, ray_node_id: str) -> list[str]:
+        """``knittrans rollout`` flags pointing a worker on ``ray_node_id`` at its node's store."""
+        s = self.store_for(ray_node_id)
+        return ["--control-url", self.control_url, "--node-id", s.node_id, "--store-endpoint", s.endpoint,
+                "--store-dir", s.store_dir]
+
+    def trainer_args(self) -> list[str]:
+        """``knittrans train`` flags for a rank (tokens travel through the environment: :meth:`env`)."""
+        return ["--control-url", self.control_url]
+
+    def env(self) -> dict[str, str]:
+        """Token environment for ``knittrans`` processes started by actors."""
+        out = {}
+        if self.worker_token:
+            out["KNITTRANS_WORKER_TOKEN"] = self.worker_token
+        if self.store_token:
+            out["KNITTRANS_STORE_TOKEN"] = self.store_token
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every store and the control plane (actors killed after their child stopped)."""
+        ray = _ray()
+        for actor in reversed(self.actors):
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception as exc:  # the actor or its node may already be gone
+                logger.warning("stopping %s: %s", actor, exc)
+            ray.kill(actor)
+        self.actors.clear()
+
+
+def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def start_control_plane(work_dir: str | Path, *, worker_token: str | None = None, admin_token: str | None = None,
+                        node_timeout_s: float = 30.0, ray_node_id: str | None = None, detached: bool = False,
+                        name: str = "knittrans-control-plane", port: int = 8700) -> tuple[str, Any]:
+    """Start ``knittrans control-plane`` in an actor; returns ``(url, actor)``.
+
+    Args:
+        work_dir: directory on that node for the SQLite state and the log.
+        ray_node_id: pin it to this node (default: the driver's node).
+        detached: outlive the driver (a named, detached actor; stop it with ``ray.kill``).
+        port: TCP port on the node's IP address.
+    """
+    ray = _ray()
+    node = ray_node_id or ray.get_runtime_context().get_node_id()
+    ip = next(n["NodeManagerAddress"] for n in _alive_nodes(ray) if n["NodeID"] == node)
+    argv = ["control-plane", "--db", str(Path(work_dir) / "control.db"), "--host", ip, "--port", str(port),
+            "--node-timeout-s", str(node_timeout_s)]
+    if worker_token:
+        argv += ["--worker-token", worker_token]
+    if admin_token:
+        argv += ["--admin-token", admin_token]
+    options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": node_affinity(node), "name": name}
+    if detached:
+        options["lifetime"] = "detached"
+    actor = ray.remote(_KnitTransProcess).options(**options).remote(
+        argv, str(Path(work_dir) / "logs" / "control-plane.log"))
+    url = f"http://{ip}:{port}"
+    _wait_http(f"{url}/v1/health", actor, ray)
+    logger.info("control plane %s on Ray node %s", url, node[:8])
+    return url, actor
+
+
+def _wait_http(url: str, actor: Any, ray: Any, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if not ray.get(actor.alive.remote()):
+            raise RuntimeError(f"control plane actor exited; see its log ({url})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def start_stores(control_url: str, *, store_root: str | Path = "/dev/shm/knittrans", work_dir: str | Path,
+                 worker_token: str | None = None, store_token: str | None = None,
+                 ray_node_ids: Sequence[str] | None = None, heartbeat_s: float = 2.0,
+                 budget_bytes: int | None = None) -> tuple[list[StoreInfo], list[Any]]:
+    """One ``knittrans store`` per Ray node (all alive nodes by default), pinned there; returns infos and actors.
+
+    Each store binds its node's IP on a free port, registers with the control plane and heartbeats.
+    """
+    ray = _ray()
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes(ray)}
+    chosen = list(ray_node_ids) if ray_node_ids is not None else sorted(nodes)
+    actors, pending = [], []
+    for rid in chosen:
+        if rid not in nodes:
+            raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")
+        node_id = f"store-{rid[:8]}"
+        store_dir = str(Path(store_root) / node_id)
+        argv = ["store", "--dir", store_dir, "--host", nodes[rid], "--port", "0", "--node-id", node_id,
+                "--ready-file", str(Path(work_dir) / f"{node_id}.ready"), "--control-url", control_url,
+                "--heartbeat-s", str(heartbeat_s)]
+        if budget_bytes:
+            argv += ["--budget-bytes", str(budget_bytes)]
+        env = {k: v for k, v in (("KNITTRANS_STORE_TOKEN", store_token),
+                                  ("KNITTRANS_WORKER_TOKEN", worker_token)) if v}
+        actor = ray.remote(_KnitTransProcess).options(num_cpus=0, scheduling_strategy=node_affinity(rid)).remote(
+            argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), str(Path(work_dir) / f"{node_id}.ready"), env)
+        actors.append(actor)
+        pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
+    infos = [StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d)
+             for rid, nid, d, ref in pending]
+    for info, actor in zip(infos, actors, strict=True):
+        where = ray.get(actor.node.remote())["node_id"]
+        if where != info.ray_node_id:
+            raise RuntimeError(f"store {info.node_id} landed on {where}, not {info.ray_node_id}")
+    return infos, actors
+
+
+def start_cluster(work_dir: str | Path, *, worker_token: str | None = None, store_token: str | None = None,
+                  admin_token: str | None = None, store_root: str | Path = "/dev/shm/knittrans",
+                  node_timeout_s: float = 30.0, detached_control_plane: bool = False,
+                  control_port: int = 8700) -> KnitTransCluster:
+    """Control plane on the driver's node, then one store per alive Ray node; waits until all registered."""
+    ray = _ray()
+    url, cp = start_control_plane(work_dir, worker_token=worker_token, admin_token=admin_token,
+                                  node_timeout_s=node_timeout_s, detached=detached_control_plane, port=control_port)
+    cluster = KnitTransCluster(control_url=url, stores=[], worker_token=worker_token, store_token=store_token,
+                               admin_token=admin_token, actors=[cp])
+    try:
+        stores, actors = start_stores(url, store_root=store_root, work_dir=work_dir, worker_token=worker_token,
+                                      store_token=store_token, heartbeat_s=min(2.0, node_timeout_s / 5))
+        cluster.stores, cluster.actors = stores, [cp, *actors]
+        from knittrans.controlclient import ControlClient
+
+        with ControlClient(url, token=worker_token) as control:
+            deadline = time.monotonic() + 60
+            wanted = {s.node_id for s in stores}
+            while not wanted <= {n["node_id"] for n in control.list_nodes()}:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stores {sorted(wanted)} did not register with {url}")
+                time.sleep(0.1)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    logger.info("KnitTrans on Ray: control plane %s, %d stores (%d Ray nodes)", url, len(cluster.stores),
+                len(_alive_nodes(ray)))
+    return cluster

@@ -1,0 +1,78 @@
+"""``knittrans train``: one data-parallel trainer rank (GRPO on a tiny multimodal policy, DDP over gloo)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from knittrans.trainer.rank import RankConfig
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def _local_dir(value: str) -> tuple[str, str]:
+    node, sep, directory = value.partition("=")
+    if not sep or not node or not directory:
+        raise argparse.ArgumentTypeError(f"--local-dir wants NODE=DIR, got {value!r}")
+    return node, directory
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the subcommand."""
+    parser.add_argument("--control-url", required=True, help="control plane, e.g. http://127.0.0.1:8700")
+    parser.add_argument("--job", required=True, help="job name")
+    parser.add_argument("--rank", type=int, required=True, help="this rank, 0 <= rank < world size")
+    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument("--dist-url", default=None,
+                        help="tcp://HOST:PORT of the gloo process group (not needed for world size 1)")
+    parser.add_argument("--model-dir", type=Path, required=True, help="saved transformers causal LM (tiny Qwen2)")
+    parser.add_argument("--weights-dir", type=Path, default=None,
+                        help="rank 0 publishes policy-v{n}.safetensors here after every optimizer step")
+    parser.add_argument("--fetch-mode", choices=("eager", "iter"), default="iter",
+                        help="eager: whole share first; iter: next micro-batch fetched while one computes")
+    parser.add_argument("--lookahead", action="store_true",
+                        help="iter only: ack once fetched and prefetch the next mini-batch (hides its first fetch)")
+    parser.add_argument("--local-dir", type=_local_dir, action="append", default=[], metavar="NODE=DIR",
+                        help="store dir of a node on this host, read memory-mapped (repeatable)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    parser.add_argument("--image-channels", type=int, default=3, help="channels of the media images")
+    parser.add_argument("--no-dedup", action="store_true", help="encode every media reference (baseline)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON-lines file, one record per mini-batch")
+    parser.add_argument("--token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+                        help="control-plane worker token (default $KNITTRANS_WORKER_TOKEN)")
+    parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
+                        help="store nodes' token (default $KNITTRANS_STORE_TOKEN)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train until the job is finished; 0 on success."""
+    import torch
+
+    from knittrans.trainer.rank import RankConfig, run_rank
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = _config(args, RankConfig)
+    except ValueError as exc:
+        logger.error("knittrans train: %s", exc)
+        return 2
+    trained = run_rank(cfg)
+    logger.info("rank %d: job %s finished after %d mini-batches", args.rank, args.job, trained)
+    return 0
+
+
+def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
+    return config(
+        control_url=args.control_url, job=args.job, rank=args.rank, world_size=args.world_size,
+        dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, fetch_mode=args.fetch_mode,
+        lookahead=args.lookahead, local_dirs=dict(args.local_dir), lr=args.lr, image_channels=args.image_channels,
+        dedup=not args.no_dedup, out=args.out, token=args.token, store_token=args.store_token,
+    )

@@ -1,0 +1,262 @@
+"""Multi-host run in network namespaces: control plane, two rollout/store hosts, two trainer hosts.
+
+Real processes run inside their own namespace (``ip netns exec``), each bound to its own address on a
+private /24 behind a bridge in a switch namespace; ranks get no ``--local-dir`` so every row crosses
+the (virtual) network from the host that owns it. Phase 1 trains two steps and checks quotas,
+exactly-once delivery and staleness. Phase 2 cuts one store host's link while mini-batches with its
+rows are planned but not yet trained, and checks the control plane's reaction: node declared lost
+after its heartbeat timeout, its unadmitted groups listed for regeneration, planned mini-batches
+with its rows withdrawn and re-planned (never half-trained), the job completing on the survivor.
+
+Needs root (CI runs as root); it fails, never skips, without it. Timings are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from netns_support import Lab, Probe, lab
+
+from knittrans.procs import ProcessGroup, knittrans_command
+from knittrans.rollout.models import build_tiny_qwen2
+
+pytestmark = pytest.mark.netns
+
+JOB = "mh"
+W_TOKEN, A_TOKEN, S_TOKEN = "netns-worker", "netns-admin", "netns-store"
+QUOTAS = {"math": 2, "mm_qa": 2}
+K, STEPS, RANKS, GROUP = 2, 6, 2, 4
+SOURCES = ["math:8-16:4-10", "mm_qa:8-16:8-16:image=3x16x16"]
+NODE_TIMEOUT_S = 3.0
+HOSTS = ["cp", "h1", "h2", "t0", "t1"]
+ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def poll(what: str, check: Callable[[], Any], timeout_s: float, procs: ProcessGroup, interval_s: float = 0.1) -> Any:
+    """Call ``check`` until it returns something truthy; fail with ``what`` (and dead children) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    dead = {n: p.poll() for n, p in procs.children.items() if p.poll() not in (None, 0)}
+    tails = "\n".join(f"--- {n}\n{procs.log_tail(n, 15)}" for n in dead)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; exited children {dead}\n{tails}")
+
+
+@pytest.fixture
+def netlab() -> Iterator[Lab]:
+    """The namespaces; fails loudly (no skip) when not root."""
+    assert os.geteuid() == 0, "tests/test_netns.py needs root to create network namespaces (CI runs as root)"
+    assert shutil.which("ip"), "tests/test_netns.py needs `ip` from iproute2"
+    with lab(HOSTS) as the_lab:
+        yield the_lab
+
+
+def _records(work: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(work.glob("rank-*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _model_from_weights(model_dir: Path, weights: Path, target: Path) -> Path:
+    """A checkpoint dir with the initial config and the last published backbone weights (trainer restart)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, target / name)
+    shutil.copy(weights, target / "model.safetensors")
+    return target
+
+
+def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
+    """Quotas exact, exactly-once, staleness, remote fetch; a cut store host is lost, re-planned, regenerated."""
+    addr = netlab.hosts
+    control_url = f"http://{addr['cp']}:8700"
+    model_dir = build_tiny_qwen2(tmp_path / "model", seed=0)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    timings: dict[str, float] = {}
+    procs = ProcessGroup(tmp_path / "logs")
+    probe = Probe(netlab, "t0", token=W_TOKEN)
+    try:
+        def start(name: str, host: str, *argv: str) -> None:
+            procs.start(name, knittrans_command(*argv), env=ENV, prefix=netlab.exec_prefix(host))
+
+        start("control-plane", "cp", "control-plane", "--db", str(tmp_path / "control.db"), "--host", addr["cp"],
+              "--port", "8700", "--node-timeout-s", str(NODE_TIMEOUT_S), "--worker-token", W_TOKEN,
+              "--admin-token", A_TOKEN)
+        poll("control plane", lambda: _try(lambda: probe.call(control_url, "health")), 60, procs)
+        probe.call(control_url, "create_job", {
+            "name": JOB, "group_size": GROUP, "quotas": QUOTAS, "mini_batches_per_step": K,
+            "policy": "constraint_preserving", "world_size": RANKS, "micro_batch_size": 4, "total_steps": STEPS,
+        }, token=A_TOKEN)
+        nodes = {"node-0": "h1", "node-1": "h2"}
+        endpoints = {n: f"grpc://{addr[h]}:8815" for n, h in nodes.items()}
+        for node, host in nodes.items():
+            store_dir = tmp_path / "stores" / node
+            store_dir.mkdir(parents=True)
+            start(f"store-{node}", host, "store", "--dir", str(store_dir), "--host", addr[host], "--port", "8815",
+                  "--node-id", node, "--advertise", endpoints[node], "--control-url", control_url,
+                  "--heartbeat-s", "0.5", "--token", S_TOKEN, "--control-token", W_TOKEN)
+        poll("store registration", lambda: len(probe.call(control_url, "list_nodes")) == 2, 60, procs)
+        for i, (node, host) in enumerate(nodes.items()):
+            argv = ["rollout", "--control-url", control_url, "--job", JOB, "--worker-id", f"w{i}", "--node-id", node,
+                    "--store-endpoint", endpoints[node], "--store-dir", str(tmp_path / "stores" / node),
+                    "--model-dir", str(model_dir), "--weights-dir", str(weights),
+                    "--state-file", str(tmp_path / f"w{i}.json"), "--group-size", str(GROUP), "--window", "2",
+                    "--chunk-tokens", "8", "--seed", str(i), "--token", W_TOKEN, "--store-token", S_TOKEN]
+            for s in SOURCES:
+                argv += ["--source", s]
+            start(f"rollout-{node}", host, *argv)
+
+        def start_trainers(tag: str, model: Path, port: int) -> None:
+            for rank in range(RANKS):  # no --local-dir: every row is fetched over Flight from its owner
+                start(f"rank-{rank}-{tag}", f"t{rank}", "train", "--control-url", control_url, "--job", JOB,
+                      "--rank", str(rank), "--world-size", str(RANKS), "--dist-url", f"tcp://{addr['t0']}:{port}",
+                      "--model-dir", str(model), "--weights-dir", str(weights), "--fetch-mode", "iter",
+                      "--lr", "1e-3", "--out", str(tmp_path / f"rank-{rank}.jsonl"), "--token", W_TOKEN,
+                      "--store-token", S_TOKEN, "--threads", "1")
+
+        def status() -> dict[str, Any]:
+            result: dict[str, Any] = probe.call(control_url, "status", JOB)
+            return result
+
+        # ---------------------------------------------------------------- phase 1: two train steps
+        t0 = time.monotonic()
+        start_trainers("a", model_dir, 29500)
+        consumed_at: dict[int, float] = {}
+
+        def consumed(n: int) -> bool:
+            c = status()["counts"]["consumed_mini_batches"]
+            consumed_at.setdefault(c, time.monotonic())
+            return c >= n
+
+        poll("the first mini-batch", lambda: consumed(1), 120, procs)
+        timings["first_mini_batch_s"] = time.monotonic() - t0
+        poll("two train steps", lambda: consumed(2 * K), 120, procs)
+        first_seen = {n: min(t for c, t in consumed_at.items() if c >= n) for n in (K, 2 * K)}
+        timings["step_s"] = first_seen[2 * K] - first_seen[K]  # the second train step, polled at 10 Hz
+        plan_endpoints = set()
+        # every rank plan's fetch goes to a namespace address, never loopback or a local dir
+        for n in range(RANKS):
+            plan = probe.call(control_url, "next_plan", JOB, n, 0.1)
+            for micro in (plan or {}).get("micro_batches", []):
+                plan_endpoints |= {f["endpoint"] for f in micro["fetches"]}
+        assert plan_endpoints <= set(endpoints.values())
+
+        # stop the trainers while no mini-batch is in flight (every record written): a trainer restart
+        probe.call(control_url, "pause", JOB, token=A_TOKEN)
+        paused_at = status()
+        assert paused_at["next_global_index"] < STEPS * K, "phase 1 ran to the end; give the job more steps"
+
+        def idle() -> bool:
+            st = status()
+            done = st["counts"]["consumed_mini_batches"]
+            per_rank = [sum(1 for r in _records(tmp_path) if r["rank"] == k) for k in range(RANKS)]
+            return st["counts"]["in_flight_mini_batches"] == 0 and per_rank == [done] * RANKS
+
+        poll("trainers idle after pause", idle, 60, procs)
+        for rank in range(RANKS):
+            procs.kill(f"rank-{rank}-a")
+        phase1 = status()
+        _check_steps(phase1, range(phase1["counts"]["consumed_mini_batches"] // K))
+        assert phase1["staleness"]["overall"]["end"]["architectural"]["count"] > 0
+
+        # ---------------------------------------------------------------- phase 2: cut a store host
+        probe.call(control_url, "resume", JOB, token=A_TOKEN)
+        total = STEPS * K
+        poll("all remaining mini-batches planned", lambda: status()["next_global_index"] == total, 120, procs)
+        poll("finished groups waiting in the pool", lambda: sum(status()["counts"]["finished"].values()) >= 2,
+             60, procs)
+        before = status()
+        t_cut = time.monotonic()
+        netlab.cut("h2")
+
+        def lost() -> bool:
+            return any(n["node_id"] == "node-1" and n["state"] == "lost" for n in probe.call(control_url, "list_nodes"))
+
+        poll("node-1 declared lost", lost, 30, procs, interval_s=0.05)
+        timings["cut_to_lost_s"] = time.monotonic() - t_cut
+        after = status()
+        lost_groups = [r for r in after["to_regenerate"] if r["node_id"] == "node-1"]
+        assert lost_groups, f"no unadmitted group of node-1 reported: {after['to_regenerate']}"
+        assert all(r["reason"] == "node node-1 lost" for r in lost_groups)
+        assert after["counts"]["consumed_mini_batches"] == before["counts"]["consumed_mini_batches"]
+        log_path = tmp_path / "logs" / "control-plane.log"
+        pattern = re.compile(r"node node-1 lost, withdrew mini-batches \[([0-9, ]+)\]")
+        found = poll("withdrawal in the control-plane log", lambda: pattern.findall(log_path.read_text()), 10, procs)
+        withdrawn = [int(x) for x in found[0].split(",")]
+        first_withdrawn = withdrawn[0]
+        assert withdrawn == list(range(first_withdrawn, before["next_global_index"])), withdrawn
+        poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] == total, 120, procs)
+        timings["cut_to_replanned_s"] = time.monotonic() - t_cut
+        # the ranks still to train: a plan they get now must not read from the lost node
+        for rank in range(RANKS):
+            plan = probe.call(control_url, "next_plan", JOB, rank, 0.1)
+            assert plan is not None and plan["global_index"] <= first_withdrawn
+            assert {f["node_id"] for m in plan["micro_batches"] for f in m["fetches"]} <= {"node-0"}
+            if plan["global_index"] == first_withdrawn:
+                assert plan["plan_id"].startswith(f"n{first_withdrawn}.a1."), plan["plan_id"]
+
+        latest = max(weights.glob("policy-v*.safetensors"), key=lambda p: int(p.stem.split("-v")[1]))
+        start_trainers("b", _model_from_weights(model_dir, latest, tmp_path / "resume"), 29501)
+        final = poll("job completed", lambda: (s := status())["state"] == "completed" and s, 180, procs, 0.2)
+        timings["cut_to_completed_s"] = time.monotonic() - t_cut
+        for rank in range(RANKS):
+            procs.children[f"rank-{rank}-b"].wait(timeout=60)
+            procs.check_alive(f"rank-{rank}-b")
+
+        # ---------------------------------------------------------------- end-to-end invariants
+        assert final["counts"]["consumed_mini_batches"] == total
+        assert final["counts"]["consumed_groups"] == STEPS * sum(QUOTAS.values())
+        _check_steps(final, range(STEPS))
+        records = _records(tmp_path)
+        by_index: dict[int, list[dict[str, Any]]] = {}
+        for r in records:
+            by_index.setdefault(r["global_index"], []).append(r)
+        assert sorted(by_index) == list(range(total)), "every mini-batch trained, none twice"
+        for n, rs in by_index.items():  # exactly once per rank, and all of its rows: never half-trained
+            assert sorted(r["rank"] for r in rs) == list(range(RANKS)), f"mini-batch {n}: ranks {rs}"
+            assert sum(r["rows"] for r in rs) == rs[0]["global_trajectories"]
+            assert rs[0]["global_trajectories"] == GROUP * sum(QUOTAS.values()) // K
+            assert all(r["row_bytes"] > 0 or r["rows"] == 0 for r in rs), "rows came over Flight"
+        remaining = {r["group_id"] for r in final["to_regenerate"]}
+        assert remaining < {r["group_id"] for r in after["to_regenerate"]} or not remaining, (
+            "the surviving worker claimed lost groups when it regenerated")
+        assert final["staleness"]["overall"]["end"]["architectural"]["count"] == total * GROUP * 2
+        timings["total_s"] = time.monotonic() - t0
+        per_step: dict[int, float] = {}
+        for rs in by_index.values():  # a mini-batch takes as long as its slowest rank (DDP)
+            per_step[rs[0]["step"]] = per_step.get(rs[0]["step"], 0.0) + max(r["step_time_s"] for r in rs)
+        timings["train_step_s_mean"] = sum(per_step.values()) / len(per_step)
+        timings["exposed_fetch_s_per_mini_batch"] = sum(r["wait_s"] for r in records) / len(records)
+        print("\nnetns timings: " + ", ".join(f"{k}={v:.2f}" for k, v in timings.items()))
+        (tmp_path / "timings.json").write_text(json.dumps(timings))
+    finally:
+        probe.close()
+        procs.stop_all(grace_s=5)
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except RuntimeError:
+        return None
+
+
+def _check_steps(status: dict[str, Any], steps: range) -> None:
+    """Each completed train step consumed exactly ``QUOTAS`` groups per source."""
+    by_step = status["staleness"]["by_step"]
+    for step in steps:
+        counts = {s: v["staleness"]["count"] // GROUP for s, v in by_step[str(step)]["end"]["by_source"].items()}
+        assert counts == QUOTAS, f"step {step}: consumed {counts}, quotas {QUOTAS}"

@@ -1,0 +1,199 @@
+"""TrainerClient against real processes: control plane + store nodes (LocalCluster), real writer units."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.errors import Unavailable
+from knittrans.procs import knittrans_command, wait_until
+from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
+from tests.trainer_support import job_spec, mm_groups, write_and_register
+
+BIG_IMAGE = (4, 256, 256)  # 256 KiB per group
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Control plane + two store nodes shared by the tests that do not break them."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("tc"), num_stores=2)) as c:
+        yield c
+
+
+def _client(c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, **kw: Any) -> TrainerClient:
+    return TrainerClient(TrainerConfig(control_url=c.control_url, job=job, rank=rank, world_size=world,
+                                       fetch_mode=mode, poll_timeout_s=5, **kw))  # type: ignore[arg-type]
+
+
+def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
+    out = {k: v for k, v in vars(m.batch).items() if isinstance(v, torch.Tensor)}
+    out.update({f"media:{h}": t for h, t in m.media.items()})
+    return out
+
+
+def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
+    """The same plan iterated eagerly and with prefetching yields equal tensors, media and row entries."""
+    job = "same"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=1, micro_batch_size=3))
+    write_and_register(control, job, cluster.stores, mm_groups("s", 4, group_size=4), groups_per_unit=2)
+    plan = control.next_plan(job, 0, timeout_s=10)
+    assert plan is not None and len(plan["micro_batches"]) == 6  # 16 rows / 3, over two nodes
+    results = {}
+    for mode in ("eager", "iter"):
+        with _client(cluster, job, mode) as client:
+            results[mode] = [(_tensors(m), m.rows) for m in MiniBatch(client, plan)]
+    assert len(results["eager"]) == len(results["iter"]) == 6
+    for (te, re_), (ti, ri) in zip(results["eager"], results["iter"], strict=True):
+        assert re_ == ri and te.keys() == ti.keys()
+        torch.testing.assert_close(te, ti, rtol=0, atol=0)
+    assert sum(int(t["rewards"].numel()) for t, _ in results["iter"]) == 16
+
+
+def _compute(cost: int) -> None:
+    """A real, known amount of CPU work (matmuls), no sleeping."""
+    a = torch.randn(96, 96)
+    for _ in range(cost):
+        a = torch.tanh(a @ a)
+
+
+def _calibrate(target_s: float) -> int:
+    _compute(5)
+    t0 = time.perf_counter()
+    _compute(50)
+    per = (time.perf_counter() - t0) / 50
+    return max(1, int(target_s / per))
+
+
+def _train(client: TrainerClient, cost: int) -> list[MiniBatch]:
+    done = []
+    for mb in client.minibatches():
+        for _ in mb:
+            _compute(cost)
+        done.append(mb)
+    return done
+
+
+def test_iter_overlaps_fetch_with_compute(cluster: LocalCluster) -> None:
+    """Recorded wait_s: iter exposes far less than eager and less than its own fetch time; lookahead hides more."""
+    control = cluster.control()
+    for job, k in (("ovl-eager", 1), ("ovl-iter", 1), ("ovl-ahead", 2)):
+        control.create_job(job_spec(job, groups=8, group_size=8, k=k, world_size=1, micro_batch_size=8))
+        write_and_register(control, job, cluster.stores, mm_groups(job, 8, group_size=8, image_shape=BIG_IMAGE))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _client(cluster, "ovl-eager", "eager") as client:
+            eager = _train(client, 1)
+        fetch_per_micro = sum(t.fetch_s + t.convert_s for t in eager[0].timings) / len(eager[0].timings)
+        cost = _calibrate(max(0.01, 4 * fetch_per_micro))  # compute ~4x a micro-batch's transfer
+        with _client(cluster, "ovl-iter", "iter", prefetch_depth=2) as client:
+            it = _train(client, cost)
+        with _client(cluster, "ovl-ahead", "iter", lookahead=True) as client:
+            ahead = _train(client, cost)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(eager) == len(it) == 1 and len(ahead) == 2
+    assert all(len(mb.timings) == 8 for mb in [*eager, *it]) and all(len(mb.timings) == 4 for mb in ahead)
+    eager_wait = sum(t.wait_s for t in eager[0].timings)
+    eager_fetch = sum(t.fetch_s for t in eager[0].timings)
+    iter_wait = sum(t.wait_s for t in it[0].timings)
+    iter_fetch = sum(t.fetch_s for t in it[0].timings)
+    assert eager_wait >= eager_fetch  # eager waits for every fetch
+    assert iter_wait < 0.5 * eager_wait, (iter_wait, eager_wait)
+    assert iter_wait < 0.5 * iter_fetch, (iter_wait, iter_fetch)
+    # lookahead: the second mini-batch's first micro-batch was fetched during the first one's compute
+    second = ahead[1].timings
+    assert second[0].wait_s < 0.5 * second[0].fetch_s, (second[0].wait_s, second[0].fetch_s)
+
+
+def test_every_row_reaches_exactly_one_rank(cluster: LocalCluster) -> None:
+    """Two ranks (threads) consume a 3-mini-batch job: every written trajectory arrives once, at one rank."""
+    job = "once"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=6, group_size=4, k=3, world_size=2, micro_batch_size=3))
+    descs = write_and_register(control, job, cluster.stores, mm_groups("o", 6, group_size=4), groups_per_unit=3)
+    seen: dict[int, list[str]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with _client(cluster, job, "iter", rank=r, world=2) as client:
+                for mb in client.minibatches():
+                    for m in mb:
+                        assert m.batch.table is not None
+                        seen[r] += m.batch.table.column("traj_id").to_pylist()
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not errors, errors
+    expected = {f"{g.group_id}.{i}" for d in descs for g in d.groups for i in range(g.num_trajectories)}
+    assert seen[0] and seen[1]
+    assert len(seen[0]) + len(seen[1]) == len(expected) == 24
+    assert set(seen[0]) | set(seen[1]) == expected and not set(seen[0]) & set(seen[1])
+    assert control.status(job)["state"] == "completed"
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A cluster these failure tests may break."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=2)) as c:
+        yield c
+
+
+def test_store_node_killed_mid_mini_batch_names_the_node(own_cluster: LocalCluster) -> None:
+    """Micro-batches on the live node arrive; the first one on the killed node raises naming node and endpoint."""
+    c, job = own_cluster, "kill"
+    control = c.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, c.stores, mm_groups("k", 4, group_size=2))  # round-robin: 2 groups per node
+    dead = c.stores[1]
+    for mode in ("iter", "eager"):
+        got: list[int] = []
+        with _client(c, job, mode) as client:
+            mb = next(iter(client.minibatches()))
+            if mode == "iter":
+                c.procs.kill(dead.name)
+            with pytest.raises(Unavailable) as info:
+                for m in mb:
+                    got.append(m.index)
+        message = str(info.value)
+        assert dead.node_id in message and dead.endpoint in message and mb.plan_id in message, message
+        assert got == ([0, 1] if mode == "iter" else [])  # node-0's micro-batches come first in read order
+
+
+def test_control_plane_restart_mid_job(own_cluster: LocalCluster) -> None:
+    """The control plane is killed after the first mini-batch is fetched; ack and next retry until it is back."""
+    c, job = own_cluster, "restart"
+    control = c.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=2, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, c.stores, mm_groups("r", 4, group_size=2))
+    port = c.control_url.rsplit(":", 1)[1]
+    argv = knittrans_command("control-plane", "--db", str(c.work_dir / "control.db"), "--host", "127.0.0.1",
+                             "--port", port, "--node-timeout-s", "30")
+    rows, indices = 0, []
+    with _client(c, job, "iter") as client:
+        for n, mb in enumerate(client.minibatches()):
+            rows += sum(m.batch.num_rows for m in mb)
+            indices.append(mb.global_index)
+            if n == 0:
+                c.procs.kill("control-plane")
+                restart = threading.Timer(1.0, lambda: c.procs.start("control-plane", argv))
+                restart.start()
+            client.report_version(mb.policy_version + 1)
+    restart.join()
+    assert indices == [0, 1] and rows == 8
+    wait_until(lambda: control.status(job)["state"] == "completed", timeout_s=20, what="job completion")
+    assert control.get_version(job) == 2
