@@ -12,20 +12,20 @@ step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 step "core environment"
 bash scripts/setup.sh
 step "core test suite"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray -m "not vllm"
+.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration -m "not vllm"
 
 if [[ "${KNITTRANS_SKIP_VLLM:-0}" != 1 ]]; then
   step "vLLM environment"
   bash scripts/setup_vllm_env.sh
   step "vLLM test suite"
-  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests -m vllm --ignore=tests/ray
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests -m vllm --ignore=tests/ray_integration
 fi
 
 if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
   step "bench environment (ray, transferqueue)"
   bash scripts/setup_bench_env.sh
   step "Ray integration tests"
-  .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray
+  .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray_integration
   step "baselines benchmark smoke run"
   .venv-bench/bin/python benchmarks/vs_baselines/run.py --smoke
 fi
