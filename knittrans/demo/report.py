@@ -63,12 +63,17 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
             ),
         })
     overall = status["staleness"]["overall"]
+    trajectories_by_step = {  # trajectories of each source consumed per step, as the control plane counted them
+        step: {src: v["staleness"]["count"] for src, v in rep["end"]["by_source"].items()}
+        for step, rep in staleness_by_step.items()
+    }
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "wall_s": wall_s,
         "steps": steps,
         "staleness": overall,
         "quota_fill": status.get("quota_fill"),
+        "trajectories_by_step": trajectories_by_step,
         "counts": status["counts"],
         "rank_records": records,
     }
