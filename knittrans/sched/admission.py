@@ -35,6 +35,7 @@ mini-batch can always be formed (the dealt fill above is one).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Protocol
@@ -101,6 +102,14 @@ def composition_plan(quotas: Mapping[str, int], mini_batches_per_step: int) -> l
     the rest fillable (round-robin dealing), so the plan always exists; cumulative counts stay close to
     the proportional targets ``(k+1)·q[s]/K`` and equal them when ``K`` divides ``q[s]``.
     """
+    cached = _composition_plan(tuple(sorted(quotas.items())), mini_batches_per_step)
+    return [dict(row) for row in cached]
+
+
+@functools.lru_cache(maxsize=256)
+def _composition_plan(items: tuple[tuple[str, int], ...], mini_batches_per_step: int) -> list[dict[str, int]]:
+    """Cached body of :func:`composition_plan` (callers get copies; rows must not be shared)."""
+    quotas = dict(items)
     sources = sorted(quotas)
     k_total = mini_batches_per_step
     sizes = mini_batch_sizes(sum(quotas.values()), k_total)
@@ -156,7 +165,7 @@ def _usable(state: StepState) -> dict[str, list[FinishedGroup]]:
         if not expired(state, group):
             bucket.append(group)
     for bucket in usable.values():
-        bucket.sort(key=_finish_key)
+        bucket.sort(key=_finish_key)  # linear when already in finish order (timsort)
     return usable
 
 
