@@ -94,8 +94,10 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         counts = control.status(JOB)["counts"]
         registered = sum(counts["groups_by_status"].values())
         assert registered >= 6, counts
-        # whatever is announced but unregistered is exactly what the state file will resume
-        assert sum(counts["pending"].values()) == len(after["announced"]), (counts, after)
+        # every group counted as pending is one the state file will resume (the journal is written first,
+        # so it may also hold a group killed before its supply report went out)
+        for source, pending in counts["pending"].items():
+            assert pending <= sum(1 for s in after["announced"].values() if s == source), (counts, after)
         on_disk = _groups_on_disk(node.store_dir / JOB)
         assert len(on_disk) == len(set(on_disk)), "a group was stored twice"
         sealed_only = sum(len(d["groups"]) for d in after["sealed"].values())
