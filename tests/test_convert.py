@@ -95,3 +95,13 @@ def test_projection_without_list_columns() -> None:
     """A projection of scalar columns converts; absent columns are None."""
     mb = to_micro_batch(_traj().select(["reward", "version_start"]))
     assert mb.response_ids is None and mb.rewards is not None and mb.num_rows == 12
+
+
+def test_pack_of_a_sliced_table_matches_its_copy() -> None:
+    """pack() of rows sliced out of the middle of a table (non-zero offsets) equals pack() of a fresh copy."""
+    traj = _traj()
+    part = traj.slice(3, 4)
+    fresh = pa.Table.from_pylist(part.to_pylist(), schema=traj.schema)
+    a, b = to_micro_batch(part).pack(), to_micro_batch(fresh).pack()
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert torch.equal(a.response_index, b.response_index)

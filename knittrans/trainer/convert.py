@@ -102,6 +102,8 @@ class MicroBatch:
         if self.prompt_ids is None or self.response_ids is None:
             raise InvalidRequest("pack() needs both prompt_ids and response_ids columns")
         assert self.prompt_cu_seqlens is not None and self.response_cu_seqlens is not None
+        if self.prompt_ids.device.type == "cpu":
+            return _pack_cpu(self.prompt_ids, self.prompt_cu_seqlens, self.response_ids, self.response_cu_seqlens)
         p_cu, r_cu = self.prompt_cu_seqlens.long(), self.response_cu_seqlens.long()
         plen, rlen = p_cu.diff(), r_cu.diff()
         cu = torch.zeros(self.num_rows + 1, dtype=torch.long, device=p_cu.device)
@@ -113,6 +115,24 @@ class MicroBatch:
         out[p_pos] = self.prompt_ids
         out[r_pos] = self.response_ids
         return PackedSequence(input_ids=out, cu_seqlens=cu.int(), response_index=r_pos)
+
+
+def _pack_cpu(prompt: torch.Tensor, p_cu_t: torch.Tensor, response: torch.Tensor,
+              r_cu_t: torch.Tensor) -> PackedSequence:
+    """:meth:`MicroBatch.pack` on CPU with numpy: the same scatters, without torch's intra-op thread
+    pool, whose wake-ups cost milliseconds per call on a busy host (0.2 ms vs 19 ms measured here)."""
+    p_cu, r_cu = p_cu_t.numpy().astype(np.int64), r_cu_t.numpy().astype(np.int64)
+    plen, rlen = np.diff(p_cu), np.diff(r_cu)
+    cu = np.zeros(len(p_cu), dtype=np.int64)
+    np.cumsum(plen + rlen, out=cu[1:])
+    p_pos = np.arange(p_cu[-1] - p_cu[0]) + np.repeat(cu[:-1] - p_cu[:-1] + p_cu[0], plen)
+    r_pos = np.arange(r_cu[-1] - r_cu[0]) + np.repeat(cu[:-1] + plen - r_cu[:-1] + r_cu[0], rlen)
+    p_np, r_np = prompt.numpy(), response.numpy()
+    out = np.empty(len(p_pos) + len(r_pos), dtype=p_np.dtype)
+    out[p_pos] = p_np
+    out[r_pos] = r_np
+    return PackedSequence(input_ids=torch.from_numpy(out), cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+                          response_index=torch.from_numpy(r_pos))
 
 
 def _per_token(row_values: torch.Tensor, cu: torch.Tensor, n: int) -> torch.Tensor:
