@@ -212,13 +212,21 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0, *,
+                  after: str | None = None) -> dict[str, Any] | None:
         """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
 
+        ``after``: the rank's current, un-acked plan id; returns the plan of the mini-batch after it
+        (for prefetching across the ack), Conflict when ``after`` is not the current plan, DataLost
+        when it was withdrawn.
+
         Raises:
-            JobFinished: the job will plan nothing more for this rank.
+            JobFinished: the job will plan nothing more for this rank (after ``after``).
         """
-        response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params={"timeout_s": timeout_s},
+        params: dict[str, Any] = {"timeout_s": timeout_s}
+        if after is not None:
+            params["after"] = after
+        response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params,
                                  timeout_s=timeout_s + self.timeout_s)
         if response.status_code == 204:
             if response.headers.get(_DONE_HEADER) == "1":
@@ -236,6 +244,16 @@ class ControlClient:
                 return
             if plan is not None:
                 yield plan
+
+    def fetched(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/ranks/{rank}/fetched``: this rank holds its whole share (before its step).
+
+        Raises:
+            DataLost: the plan was withdrawn (a store node holding its rows was lost).
+        """
+        body = {"plan_id": plan_id}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/fetched", json=body)
+        return result
 
     def ack(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/ranks/{rank}/ack`` (DataLost when the plan was withdrawn)."""

@@ -52,6 +52,8 @@ class MiniBatch:
     """rank -> micro-batch -> ``[group_id, row]`` pairs (see :mod:`knittrans.api.plans`); empty once consumed."""
     status: str = "planned"
     acks: set[int] = field(default_factory=set)
+    fetched: set[int] = field(default_factory=set)
+    """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""
     rendered: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Plans already rendered for ranks (not persisted; re-rendered identically after a restart)."""
 

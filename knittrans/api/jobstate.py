@@ -367,6 +367,55 @@ class JobState:
         mb = self.minibatches.get(self.rank_cursor(rank))
         if mb is None or mb.status != "planned":
             return None
+        return self._render(mb, rank)
+
+    def plan_after(self, rank: int, plan_id: str) -> dict[str, Any] | None:
+        """The plan of the mini-batch after ``plan_id`` (the rank's current, un-acked plan), or None.
+
+        Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order.
+
+        Raises:
+            NotFound: ``plan_id`` is not a plan of this rank that was issued.
+            DataLost: ``plan_id`` was withdrawn (its rows were on a lost node).
+            Conflict: ``plan_id`` is not the rank's current plan (already acked, or an earlier one is open).
+        """
+        mb = self._current(rank, plan_id)
+        if rank in mb.acks or mb.status == "consumed":
+            raise Conflict(f"plan {plan_id!r} is already acked; ask for the next plan without 'after'")
+        nxt = self.minibatches.get(mb.n + 1)
+        if nxt is None or nxt.status != "planned":
+            return None
+        return self._render(nxt, rank)
+
+    def done_after(self, rank: int, plan_id: str) -> bool:
+        """Whether no mini-batch will ever follow ``plan_id`` (checked like :meth:`plan_after`)."""
+        mb = self._current(rank, plan_id)
+        if self.next_n > mb.n + 1:
+            return False
+        total = self.spec.total_steps
+        closed = self.state == "draining" and self.next_n % self.K == 0
+        return self.done() or closed or (total is not None and self.next_n >= total * self.K)
+
+    def _current(self, rank: int, plan_id: str) -> MiniBatch:
+        """The mini-batch of ``plan_id``, which must be ``rank``'s current one (or already acked by it)."""
+        self._check_rank(rank)
+        parsed = parse_plan_id(plan_id)
+        if parsed is None or parsed[2] != rank:
+            raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
+        n, attempt, _ = parsed
+        mb = self.minibatches.get(n)
+        if mb is None or mb.attempt != attempt:
+            if attempt <= self.attempts.get(n, -1):
+                raise DataLost(f"plan {plan_id!r} was withdrawn (rows on a lost node); ask for the next plan again")
+            raise NotFound(f"plan {plan_id!r} was never issued")
+        if mb.status == "consumed" or rank in mb.acks:
+            return mb
+        cursor = self.rank_cursor(rank)
+        if n != cursor:
+            raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
+        return mb
+
+    def _render(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
         plan = mb.rendered.get(rank)
         if plan is None:
             plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
@@ -389,23 +438,24 @@ class JobState:
         """Whether ``rank`` has acked everything and no further mini-batch will come."""
         return self.done() and self.rank_cursor(rank) >= self.next_n
 
+    def fetched(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
+        """Record that ``rank`` holds its whole share of ``plan_id`` (before its optimizer step); idempotent.
+
+        Once every rank reported it, the mini-batch no longer depends on any store node and survives
+        a node loss; until then a node loss withdraws it and this call raises :class:`DataLost`.
+        """
+        mb = self._current(rank, plan_id)
+        if mb.status == "planned" and rank not in mb.acks and rank not in mb.fetched:
+            mb.fetched.add(rank)
+            txn.put("fetched", self.name, f"{mb_key(mb.n)}.{rank:06d}", {"attempt": mb.attempt})
+        return {"plan_id": plan_id, "global_index": mb.n, "fetched_ranks": len(mb.fetched | mb.acks)}
+
     def ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
         """Record that ``rank`` finished plan ``plan_id``; idempotent; consumes the mini-batch at W acks."""
-        self._check_rank(rank)
-        parsed = parse_plan_id(plan_id)
-        if parsed is None or parsed[2] != rank:
-            raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
-        n, attempt, _ = parsed
-        mb = self.minibatches.get(n)
-        if mb is None or mb.attempt != attempt:
-            if attempt <= self.attempts.get(n, -1):
-                raise DataLost(f"plan {plan_id!r} was withdrawn (rows on a lost node); ask for the next plan again")
-            raise NotFound(f"plan {plan_id!r} was never issued")
+        mb = self._current(rank, plan_id)
+        n, attempt = mb.n, mb.attempt
         if mb.status == "consumed" or rank in mb.acks:
             return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
-        cursor = self.rank_cursor(rank)
-        if n != cursor:
-            raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
         mb.acks.add(rank)
         txn.put("ack", self.name, f"{mb_key(n)}.{rank:06d}", {"attempt": attempt})
         if len(mb.acks) == self.spec.world_size:
@@ -432,6 +482,7 @@ class JobState:
         txn.put("consumed", self.name, mb_key(mb.n), [asdict(r) for r in records])
         for rank in range(self.spec.world_size):
             txn.delete("ack", self.name, f"{mb_key(mb.n)}.{rank:06d}")
+            txn.delete("fetched", self.name, f"{mb_key(mb.n)}.{rank:06d}")
 
     def report_version(self, rank: int, version: int, txn: Txn) -> int:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
@@ -445,6 +496,10 @@ class JobState:
         txn.put("version", self.name, str(rank), version)
         return self.version
 
+    def _held(self, mb: MiniBatch) -> bool:
+        """Whether every rank holds its share of ``mb`` (some rank acked, or all reported it fetched)."""
+        return bool(mb.acks) or len(mb.fetched) == self.spec.world_size
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:
             raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")
@@ -455,11 +510,11 @@ class JobState:
         hit = [g for g in self.groups.values() if g.node_id == node_id and g.status in ("finished", "planned")]
         touched = sorted({g.mini_batch for g in hit if g.status == "planned" and g.mini_batch is not None})
         withdrawn: list[int] = []
-        untouched = [n for n in touched if not self.minibatches[n].acks]
-        for n in touched:
-            if self.minibatches[n].acks:
-                logger.warning("job %s: mini-batch %d has rows on lost node %s but ranks already acked it; "
-                               "its data were fetched, it is kept", self.name, n, node_id)
+        held = [n for n in touched if self._held(self.minibatches[n])]
+        untouched = [n for n in touched if n not in held]
+        for n in held:
+            logger.warning("job %s: mini-batch %d has rows on lost node %s but every rank already holds its share "
+                           "(fetched or acked); it is kept", self.name, n, node_id)
         if untouched:
             first = untouched[0]
             withdrawn = [n for n in sorted(self.minibatches) if n >= first]
@@ -467,6 +522,8 @@ class JobState:
                 mb = self.minibatches.pop(n)
                 assert not mb.acks, f"mini-batch {n} acked after an untouched earlier one"
                 txn.delete("mb", self.name, mb_key(n))
+                for rank in mb.fetched:
+                    txn.delete("fetched", self.name, f"{mb_key(n)}.{rank:06d}")
                 for gid in mb.group_ids:
                     self._set(self.groups[gid], "finished", txn)
             self.next_n = first

@@ -11,6 +11,7 @@ __all__ = [
     "AckOut",
     "BoundsIn",
     "ErrorOut",
+    "FetchedOut",
     "GroupIn",
     "JobCreate",
     "JobPublic",
@@ -233,6 +234,14 @@ class AckIn(_In):
     """The plan a rank has finished (after its optimizer step)."""
 
     plan_id: str
+
+
+class FetchedOut(BaseModel):
+    """A rank's share is fetched; ``fetched_ranks``: ranks that hold their share of the mini-batch so far."""
+
+    plan_id: str
+    global_index: int
+    fetched_ranks: int
 
 
 class AckOut(BaseModel):

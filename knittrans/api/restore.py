@@ -12,7 +12,8 @@ from knittrans.sched.staleness import ConsumedGroup
 
 __all__ = ["JOB_KINDS", "restore_job"]
 
-JOB_KINDS = ("job", "units", "group", "mb", "ack", "version", "supply", "started", "request", "consumed", "lost")
+JOB_KINDS = ("job", "units", "group", "mb", "ack", "fetched", "version", "supply", "started", "request", "consumed",
+             "lost")
 """Record kinds that belong to one job."""
 
 
@@ -52,6 +53,11 @@ def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]])
     for key, _ in records.get("ack", ()):
         n, rank = key.split(".")
         job.minibatches[int(n)].acks.add(int(rank))
+    for key, body in records.get("fetched", ()):
+        n, rank = key.split(".")
+        held = job.minibatches.get(int(n))
+        if held is not None and held.attempt == body["attempt"]:
+            held.fetched.add(int(rank))
     job.rank_versions = {int(r): v for r, v in records.get("version", ())}
     for s, body in records.get("supply", ()):
         job.started[s], job.dropped[s], job.finished_count[s] = body["started"], body["dropped"], body["finished"]

@@ -259,6 +259,20 @@ class ControlPlane:
         """The rank's current plan, or None (not admitted yet, or the job is done: see :meth:`rank_done`)."""
         return self.job(name).next_plan(rank)
 
+    def plan_after(self, name: str, rank: int, plan_id: str) -> dict[str, Any] | None:
+        """The rank's plan of the mini-batch after its current plan ``plan_id``, or None (not admitted yet)."""
+        return self.job(name).plan_after(rank, plan_id)
+
+    def done_after(self, name: str, rank: int, plan_id: str) -> bool:
+        """Whether no mini-batch will ever follow ``plan_id``."""
+        return self.job(name).done_after(rank, plan_id)
+
+    def fetched(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
+        """A rank holds its whole share of ``plan_id`` (DataLost when the plan was withdrawn)."""
+        job = self.job(name)
+        with self._change(None) as txn:
+            return job.fetched(rank, plan_id, txn)
+
     def rank_done(self, name: str, rank: int) -> bool:
         """Whether no further plan will come for ``rank``."""
         return self.job(name).rank_done(rank)

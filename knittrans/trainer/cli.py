@@ -36,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank 0 publishes policy-v{n}.safetensors here after every optimizer step")
     parser.add_argument("--fetch-mode", choices=("eager", "iter"), default="iter",
                         help="eager: whole share first; iter: next micro-batch fetched while one computes")
-    parser.add_argument("--lookahead", action="store_true",
-                        help="iter only: ack once fetched and prefetch the next mini-batch (hides its first fetch)")
+    parser.add_argument("--fetch-timeout-s", type=float, default=30.0,
+                        help="timeout of one Flight call to a store node (a dead host raises instead of blocking)")
+    parser.add_argument("--replan-wait-s", type=float, default=60.0,
+                        help="after a failed mini-batch, how long to wait for its re-plan before retrying it")
     parser.add_argument("--local-dir", type=_local_dir, action="append", default=[], metavar="NODE=DIR",
                         help="store dir of a node on this host, read memory-mapped (repeatable)")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
@@ -73,6 +75,7 @@ def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
     return config(
         control_url=args.control_url, job=args.job, rank=args.rank, world_size=args.world_size,
         dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, fetch_mode=args.fetch_mode,
-        lookahead=args.lookahead, local_dirs=dict(args.local_dir), lr=args.lr, image_channels=args.image_channels,
-        dedup=not args.no_dedup, out=args.out, token=args.token, store_token=args.store_token,
+        local_dirs=dict(args.local_dir), lr=args.lr, image_channels=args.image_channels,
+        dedup=not args.no_dedup, out=args.out, fetch_timeout_s=args.fetch_timeout_s,
+        replan_wait_s=args.replan_wait_s, token=args.token, store_token=args.store_token,
     )

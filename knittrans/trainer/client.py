@@ -17,12 +17,20 @@ re-raised in the training thread at the micro-batch it belongs to. Every micro-b
 ``wait_s`` (time the training loop blocked on data: the *exposed* transfer time), ``fetch_s`` and
 ``convert_s``; :attr:`TrainerClient.timings` keeps them all.
 
-``lookahead=True`` (``iter`` mode only) keeps the pipeline full *across* mini-batches: once the
-last micro-batch of mini-batch ``n`` is fetched, the prefetch thread acks ``n`` and starts
-fetching mini-batch ``n+1`` (the control plane hands a rank its next plan only after the ack).
-That hides the first micro-batch's transfer of every mini-batch but acks before the optimizer
-step: a rank that crashes between the early ack and its step loses that mini-batch. Off by
-default.
+Across mini-batches (``iter`` with ``prefetch_next``, the default): once the prefetch thread has
+fetched the last micro-batch of mini-batch ``n``, it long-polls the control plane for the plan
+*after* ``n`` (``next?after=<plan of n>``: handed out before ``n`` is acked, acks stay in order) and
+starts prefetching mini-batch ``n+1`` (its own queue, ``prefetch_depth`` deep) while the training
+loop finishes ``n``, steps and acks. So the first micro-batch of ``n+1`` is there when the loop
+asks for it, and exactly-once is untouched: ``n`` is acked only after the optimizer step.
+
+Failure (a store node dies under a plan): a fetch error is raised in the training thread; the
+loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
+step) tells the control plane this rank holds its whole share: False when the plan was withdrawn
+(its rows were on a lost node). A loop that gives a mini-batch up calls :meth:`MiniBatch.abandon`;
+:meth:`TrainerClient.minibatches` then waits (up to ``replan_wait_s``) for the plan of that global
+index to change — the control plane re-plans it with the next attempt once the node is declared
+lost — and yields the new plan. :mod:`knittrans.trainer.rank` runs this protocol across ranks.
 
 Errors: a failed fetch is re-raised in the training thread with the plan, micro-batch and the
 store node(s) (id and endpoint) it involved; control-plane calls (``next``, ``ack``, versions)
@@ -36,7 +44,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -44,7 +51,7 @@ import pyarrow as pa
 import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
+from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, Unavailable
 from knittrans.tickets import Ticket
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -85,8 +92,14 @@ class TrainerConfig:
     """Store node id -> its store directory, for nodes on this host (memory-mapped reads)."""
     fetch_media: bool = True
     """Fetch and decode the media each micro-batch references (through a per-mini-batch cache)."""
+    prefetch_next: bool = True
+    """``iter`` only: prefetch mini-batch ``n+1`` (plan via ``next?after=``) while ``n`` finishes."""
+    fetch_timeout_s: float | None = 30.0
+    """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
+    replan_wait_s: float = 60.0
+    """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
     lookahead: bool = False
-    """``iter`` only: ack a mini-batch once fully fetched and prefetch the next one (see module doc)."""
+    """Deprecated, no effect: the old ack-before-step lookahead is superseded by ``prefetch_next``."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -95,8 +108,13 @@ class TrainerConfig:
             raise ValueError(f"fetch_mode must be 'eager' or 'iter', not {self.fetch_mode!r}")
         if self.prefetch_depth < 1:
             raise ValueError("prefetch_depth must be >= 1")
-        if self.lookahead and self.fetch_mode != "iter":
-            raise ValueError("lookahead needs fetch_mode='iter'")
+        if self.fetch_timeout_s is not None and self.fetch_timeout_s <= 0:
+            raise ValueError("fetch_timeout_s must be > 0 (or None)")
+        if self.replan_wait_s < 0:
+            raise ValueError("replan_wait_s must be >= 0")
+        if self.lookahead:
+            logger.warning("TrainerConfig.lookahead is deprecated and has no effect; prefetch_next "
+                           "(on by default in iter mode) prefetches the next mini-batch without an early ack")
         if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
             raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
@@ -148,13 +166,6 @@ def _media_records(table: pa.Table) -> dict[str, MediaRecord]:
     return out
 
 
-class _NoLookahead:
-    """Marker: the prefetch thread did not look ahead (stopped early); ask the control plane."""
-
-
-_NO_LOOKAHEAD = _NoLookahead()
-
-
 class MiniBatch:
     """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
 
@@ -165,6 +176,9 @@ class MiniBatch:
         self.step: int = plan["step"]
         self.index: int = plan["mini_batch_index"]
         self.global_index: int = plan["global_index"]
+        parts = self.plan_id.split(".")
+        self.attempt: int = int(parts[1][1:]) if len(parts) == 3 and parts[1][1:].isdigit() else 0
+        """Re-plan attempt of this global index (``n{n}.a{attempt}.r{rank}``)."""
         self.policy_version: int = plan["policy_version"]
         self.num_tokens: int = plan.get("num_tokens", 0)
         self.num_micro_batches = len(plan["micro_batches"])
@@ -176,7 +190,12 @@ class MiniBatch:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self.acked = False
+        self.acked_at: float | None = None
+        """Wall-clock time of the ack (None until acked)."""
         self.consumed = False
+        self.complete = False
+        """Every micro-batch was handed to the training loop."""
+        self.abandoned = False
         self._media_of: dict[str, dict[str, Any]] = {}
         for micro in plan["micro_batches"]:
             for m in micro.get("media", ()):
@@ -186,10 +205,9 @@ class MiniBatch:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
-        self.next_mini_batch: Future[MiniBatch | _NoLookahead | None] | None = (
-            Future() if client.config.lookahead else None
-        )
-        """``lookahead`` only: resolves to the next mini-batch (None: job finished)."""
+        self._successor: MiniBatch | None = None
+        self._successor_lock = threading.Lock()
+        self._successor_stop = threading.Event()
 
     @property
     def local_trajectories(self) -> int:
@@ -271,6 +289,7 @@ class MiniBatch:
                     yield m
             else:
                 yield from self._consume_prefetched()
+            self.complete = True
         finally:
             self.media_stats = self._cache.clear()
 
@@ -295,36 +314,46 @@ class MiniBatch:
             try:
                 for i in range(self.num_micro_batches):
                     if self._stop.is_set() or not put(self._load(i)):
-                        self._resolve_lookahead(_NO_LOOKAHEAD)
                         return
             except BaseException as exc:  # re-raised in the training thread
-                self._resolve_lookahead(_NO_LOOKAHEAD)
                 put(exc)
                 return
-            put(None)
-            if self.next_mini_batch is not None:
-                self._look_ahead()
+            if put(None) and self._client.config.prefetch_next:
+                self._prefetch_successor()
 
         self._worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
         self._worker.start()
 
-    def _resolve_lookahead(self, value: MiniBatch | _NoLookahead | None) -> None:
-        if self.next_mini_batch is not None and not self.next_mini_batch.done():
-            self.next_mini_batch.set_result(value)
+    def _prefetch_successor(self) -> None:
+        """Prefetch thread, after the last micro-batch: long-poll the plan after this one and prefetch it."""
+        client, cfg = self._client, self._client.config
+        while not (self._successor_stop.is_set() or self._stop.is_set()):
+            try:
+                plan = client.control.next_plan(cfg.job, cfg.rank, min(cfg.poll_timeout_s, 2.0), after=self.plan_id)
+            except Conflict:  # the mini-batch before this one is not acked yet (or this one already is)
+                if self.acked:
+                    return
+                self._successor_stop.wait(0.1)
+                continue
+            except KnitTransError as exc:  # finished, withdrawn (DataLost), control plane down
+                logger.debug("rank %d: no prefetch after %s: %s", cfg.rank, self.plan_id, exc)
+                return
+            if plan is None:
+                continue
+            with self._successor_lock:
+                if self._successor_stop.is_set():
+                    return
+                successor = MiniBatch(client, plan)
+                successor.start_prefetch()
+                self._successor = successor
+            return
 
-    def _look_ahead(self) -> None:
-        """Prefetch thread, ``lookahead`` mode: ack now, fetch the next plan, start its prefetch."""
-        assert self.next_mini_batch is not None
-        try:
-            self.ack()
-            plan = self._client.next_plan(stop=self._stop)
-            nxt = MiniBatch(self._client, plan) if plan is not None else None
-            if nxt is not None:
-                nxt.start_prefetch()
-            self._resolve_lookahead(nxt)
-        except BaseException as exc:
-            if not self.next_mini_batch.done():
-                self.next_mini_batch.set_exception(exc)
+    def take_successor(self) -> MiniBatch | None:
+        """The already prefetching next mini-batch, if the prefetch thread got its plan in time; stops the poll."""
+        with self._successor_lock:
+            self._successor_stop.set()
+            successor, self._successor = self._successor, None
+        return successor
 
     def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
         self.start_prefetch()
@@ -342,24 +371,43 @@ class MiniBatch:
                 self.timings.append(item.timing)
                 yield item
         finally:
-            # In lookahead mode a fully consumed mini-batch's thread goes on to fetch the next one.
-            if self.next_mini_batch is None or not self._all_yielded():
+            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch.
+            if len(self.timings) != self.num_micro_batches:
                 self._stop.set()
                 self._worker.join(timeout=30)
 
-    def _all_yielded(self) -> bool:
-        return len(self.timings) == self.num_micro_batches
-
     def stop(self) -> None:
-        """Stop a running prefetch (and lookahead) thread, e.g. when abandoning the mini-batch."""
+        """Stop a running prefetch thread and any prefetched successor, e.g. when abandoning the mini-batch."""
         self._stop.set()
-        if self._worker is not None:
+        successor = self.take_successor()
+        if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=30)
-        ahead = self.next_mini_batch
-        if ahead is not None and ahead.done() and ahead.exception() is None:
-            value = ahead.result()
-            if isinstance(value, MiniBatch):
-                value.stop()
+        if successor is not None:
+            successor.stop()
+
+    def abandon(self) -> None:
+        """Give this mini-batch up without acking it (no optimizer step was taken on it).
+
+        :meth:`TrainerClient.minibatches` then asks the control plane for this global index again
+        (waiting for its re-plan); the prefetched successor, if any, is dropped.
+        """
+        self.abandoned = True
+        self.stop()
+        self._cache.clear()
+
+    def report_fetched(self) -> bool:
+        """Tell the control plane this rank holds its whole share (call before the optimizer step).
+
+        Returns False when the plan was withdrawn (a store node with its rows was lost): then no rank
+        may step on it. Once every rank reported it, a node loss no longer withdraws the mini-batch.
+        """
+        cfg = self._client.config
+        try:
+            self._client.call_control(lambda: self._client.control.fetched(cfg.job, cfg.rank, self.plan_id))
+        except DataLost as exc:
+            logger.warning("rank %d: plan %s was withdrawn: %s", cfg.rank, self.plan_id, exc)
+            return False
+        return True
 
     def ack(self) -> None:
         """Tell the control plane this rank finished the mini-batch (after its optimizer step)."""
@@ -367,7 +415,7 @@ class MiniBatch:
             if not self.acked:
                 cfg = self._client.config
                 self._client.call_control(lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id))
-                self.acked = True
+                self.acked, self.acked_at = True, time.time()
 
 
 class TrainerClient:
@@ -376,7 +424,8 @@ class TrainerClient:
     def __init__(self, config: TrainerConfig, *, control: ControlClient | None = None) -> None:
         self.config = config
         self.control = control or ControlClient(config.control_url, token=config.token)
-        self.fetcher = Fetcher(token=config.store_token, local_dirs=dict(config.local_dirs))
+        self.fetcher = Fetcher(token=config.store_token, local_dirs=dict(config.local_dirs),
+                               timeout_s=config.fetch_timeout_s)
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
@@ -395,48 +444,62 @@ class TrainerClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def next_plan(self, *, stop: threading.Event | None = None) -> dict[str, Any] | None:
-        """The next plan (long-polls until one comes); None when the job is finished.
-
-        With ``stop`` (the lookahead thread), polls in 1 s slices and returns None once it is set.
-        """
+    def next_plan(self) -> dict[str, Any] | None:
+        """The next plan (long-polls until one comes); None when the job is finished."""
         cfg = self.config
-        timeout = cfg.poll_timeout_s if stop is None else min(cfg.poll_timeout_s, 1.0)
-        while stop is None or not stop.is_set():
+        while True:
             try:
-                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, timeout))
+                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s))
             except JobFinished:
                 return None
             if plan is not None:
                 return plan
-        return None
+
+    def replan(self, failed: str) -> dict[str, Any] | None:
+        """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.replan_wait_s
+        while True:
+            try:
+                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, 1.0))
+            except JobFinished:
+                return None
+            if plan is not None and (plan["plan_id"] != failed or time.monotonic() > deadline):
+                return plan
+            if plan is not None:
+                time.sleep(0.2)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
 
         A mini-batch that was fully iterated but not acked is acked before the next one is
-        requested; one that was not fully iterated raises, since acking it would lose rows.
+        requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
+        one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        nxt: MiniBatch | _NoLookahead | None = _NO_LOOKAHEAD
-        while True:
-            if isinstance(nxt, _NoLookahead):
-                plan = self.next_plan()
-                mb = MiniBatch(self, plan) if plan is not None else None
-            else:
-                mb = nxt
-            if mb is None:
-                return
+        plan = self.next_plan()
+        mb = MiniBatch(self, plan) if plan is not None else None
+        while mb is not None:
             self._current = mb
             try:
                 yield mb
             finally:
                 self.timings.extend(mb.timings)
                 self.media_stats = self.media_stats + mb.media_stats
-            if not mb.acked and not mb.consumed:
-                raise InvalidRequest(f"mini-batch {mb.plan_id} was neither iterated nor acked")
-            nxt = mb.next_mini_batch.result() if mb.next_mini_batch is not None else _NO_LOOKAHEAD
-            if not mb.acked:
-                mb.ack()
+            if mb.abandoned and not mb.acked:
+                logger.warning("rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank,
+                               mb.plan_id)
+                plan = self.replan(mb.plan_id)
+                mb = MiniBatch(self, plan) if plan is not None else None
+                continue
+            if not mb.acked and not mb.complete:
+                mb.stop()
+                raise InvalidRequest(f"mini-batch {mb.plan_id} was neither fully iterated, abandoned nor acked")
+            mb.ack()
+            nxt = mb.take_successor()
+            if nxt is None:
+                plan = self.next_plan()
+                nxt = MiniBatch(self, plan) if plan is not None else None
+            mb = nxt
 
     def report_version(self, version: int) -> None:
         """Report the policy version after an optimizer step (rank 0 is enough); retried like ``next``."""

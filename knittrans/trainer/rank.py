@@ -2,26 +2,38 @@
 
 Per mini-batch (one optimizer step)::
 
-    N = sum over ranks of the plan's trajectories     # one all-reduce (the plan has no global count)
+    N = trajectories of the mini-batch over all ranks  # from the plan (else one all-reduce)
     dedup.begin_mini_batch()
-    for i, micro in enumerate(mini_batch):            # eager or iter (prefetch) fetch
-        with backbone.no_sync() unless i is the last: # DDP: one synchronised backward per mini-batch
-            loss = grpo_loss(...) / (N / W); loss.backward()
-    dedup.finish(); all_reduce_gradients(encoder)     # one encoder backward, encoder outside DDP
-    optimizer.step(); mini_batch.ack()
-    rank 0: policy-v{n+1}.safetensors (temp name + rename), report_version(n+1)
+    for micro in mini_batch:                           # eager or iter (prefetch) fetch
+        loss = grpo_loss(...) / (N / W); loss.backward()   # local gradients only
+    dedup.finish()
+    ok = every fetch succeeded and mini_batch.report_fetched()   # control plane: share held
+    ok = all_reduce(ok, MIN)                           # every rank decides the same
+    if ok:  all_reduce_gradients(backbone + encoder); optimizer.step(); mini_batch.ack()
+            rank 0: policy-v{n+1}.safetensors (temp name + rename), report_version(n+1)
+    else:   zero_grad; dedup.drop(); mini_batch.abandon()   # client waits for the re-plan, retries
 
-Normaliser: the plan JSON carries no global count, so the trajectories of the mini-batch are
-summed over ranks with one all-reduce before the first backward (known from the plan, before any
-fetch). Every rank divides its summed token loss by ``N / W``; DDP and
-:func:`~knittrans.trainer.dedup.all_reduce_gradients` average over ``W`` ranks, so the gradient is
-exactly that of ``sum(token losses) / N`` over the whole mini-batch, whatever the split.
+No optimizer step ever sees a partially fetched mini-batch: a store node that dies under a plan
+makes some rank's fetch fail (Flight calls time out after ``fetch_timeout_s``), or the control
+plane withdraws the plan after declaring the node lost (``report_fetched`` is then False). Either
+way the "mini-batch ok" all-reduce is 0 on every rank, all ranks drop their partial gradients and
+ask for the plan of that global index again, which the control plane re-issues with the next
+attempt (``n{n}.a{attempt}.r{rank}``) once the node is declared lost. A mini-batch every rank
+reported fetched survives a node loss (its rows are in the ranks' memory), so the ack after the
+step cannot be refused.
 
-A rank whose micro-batch has no rows (or whose share has no micro-batch at all) still runs a
-zero-loss forward/backward through the DDP module, so every rank issues the same collectives.
+Gradients are averaged with :func:`~knittrans.trainer.dedup.all_reduce_gradients` after the ok
+flag, not by a DDP wrapper: DDP reduces inside the last backward, before the ranks could agree not
+to step (and its per-forward buffer broadcasts would mismatch when one rank stops early). The
+result is DDP's: every rank divides its summed token loss by ``N / W`` and gradients are averaged
+over ``W`` ranks, so the gradient is exactly that of ``sum(token losses) / N`` over the whole
+mini-batch, whatever the split. Initial weights are broadcast from rank 0.
+
 Media: each row's features (sum over its media) are added at the row's first positions
 (:func:`knittrans.demo.policy.packed_response_logprobs`); ``dedup=False`` encodes every media
-reference separately (the duplicated baseline the benchmark compares against).
+reference separately (the duplicated baseline the benchmark compares against). Each JSON record
+carries the plan id and the trajectory ids trained (``traj_ids``), so exactly-once can be checked
+from the records.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from knittrans.demo.policy import TinyVisionEncoder, packed_response_logprobs
+from knittrans.errors import KnitTransError
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from knittrans.trainer.convert import pad_sequences
 from knittrans.trainer.dedup import DedupEncoder, all_reduce_gradients
@@ -71,8 +84,10 @@ class RankConfig:
     """Rank 0 writes ``policy-v{n}.safetensors`` here after each optimizer step (None: don't)."""
     fetch_mode: Literal["eager", "iter"] = "iter"
     """Micro-batch fetch mode of the client."""
-    lookahead: bool = False
-    """Prefetch the next mini-batch across the ack (``iter`` only; see TrainerClient)."""
+    fetch_timeout_s: float = 30.0
+    """Timeout of one Flight call to a store node (a dead host raises instead of blocking)."""
+    replan_wait_s: float = 60.0
+    """After a failed mini-batch: how long to wait for its re-plan before retrying the same plan."""
     local_dirs: dict[str, str] = field(default_factory=dict)
     """Store node id -> store dir on this host (memory-mapped reads)."""
     lr: float = 1e-4
@@ -101,6 +116,8 @@ class RankConfig:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         if self.world_size > 1 and not self.dist_url:
             raise ValueError("world_size > 1 needs dist_url (tcp://HOST:PORT) for the gloo process group")
+        if self.fetch_timeout_s <= 0 or self.replan_wait_s < 0:
+            raise ValueError("fetch_timeout_s must be > 0 and replan_wait_s >= 0")
         if self.lr <= 0 or self.image_channels < 1 or self.clip_eps <= 0:
             raise ValueError("lr and clip_eps must be > 0 and image_channels >= 1")
 
@@ -121,7 +138,7 @@ class Policy:
     encoder: nn.Module
     """Vision encoder (kept outside DDP)."""
     ddp: nn.Module | None = None
-    """The DDP wrapper of ``backbone`` under data parallelism."""
+    """A DDP wrapper of ``backbone`` to run forwards through (``knittrans train`` uses none; see module doc)."""
 
     def __post_init__(self) -> None:
         if not hasattr(self.encoder, _ROWS):
@@ -226,11 +243,24 @@ def _global_trajectories(mb: MiniBatch, world_size: int) -> int:
     return int(count.item())
 
 
-def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniBatch, *, world_size: int,
-                     dedup: bool = True, clip_eps: float = 0.2, pad_id: int = 0) -> dict[str, Any]:
-    """Forward/backward every micro-batch of ``mb``, reduce, step; returns the mini-batch's record.
+def _all_ok(ok: bool, world_size: int) -> bool:
+    """True only when ``ok`` on every rank (one all-reduce of a flag)."""
+    if world_size == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
-    Does not ack: the caller acks after this returns (the optimizer step is done).
+
+def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniBatch, *, world_size: int,
+                     dedup: bool = True, clip_eps: float = 0.2, pad_id: int = 0) -> dict[str, Any] | None:
+    """Forward/backward every micro-batch of ``mb``; if every rank holds its share, reduce and step.
+
+    Returns the mini-batch's record, or None when the mini-batch failed on some rank (a fetch
+    error, or the control plane withdrew the plan): then no rank stepped, gradients are zeroed,
+    and the caller abandons ``mb`` (:meth:`MiniBatch.abandon`) to get the re-plan. Does not ack:
+    the caller acks after this returns a record. Under ``world_size > 1`` every rank must call it
+    for the same global index (it runs the same collectives on every rank, failed or not).
     """
     t0 = time.perf_counter()
     total = _global_trajectories(mb, world_size)
@@ -240,7 +270,9 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
         encoder.begin_mini_batch()
     rows_before = policy.encoded_rows
     loss_sum = 0.0
-    count = 0
+    traj_ids: list[str] = []
+    failure: KnitTransError | None = None
+    stats = None
     last = mb.num_micro_batches - 1
     try:
         for i, micro in enumerate(mb):
@@ -252,25 +284,37 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
                                         pad_id=pad_id)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
-            count += 1
-        if count == 0 and policy.ddp is not None:  # no micro-batch at all: keep DDP in step
-            _zero_loss(policy).backward()  # type: ignore[no-untyped-call]
+            table = micro.batch.table
+            if table is not None and "traj_id" in table.column_names:
+                traj_ids += [str(t) for t in table.column("traj_id").to_pylist()]
         stats = encoder.finish() if encoder is not None else None
+    except KnitTransError as exc:  # a fetch failed: no step on this mini-batch, on any rank
+        failure = exc
+        logger.warning("plan %s failed on this rank: %s", mb.plan_id, exc)
     except BaseException:
         if encoder is not None:
             encoder.drop()
         raise
-    if policy.ddp is not None:
-        all_reduce_gradients(policy.encoder.parameters())
+    ok = _all_ok(failure is None and mb.report_fetched(), world_size)
+    if not ok:
+        if encoder is not None:
+            encoder.drop()
+        optimizer.zero_grad(set_to_none=True)
+        logger.warning("plan %s: some rank could not train it; gradients dropped, no step", mb.plan_id)
+        return None
+    if world_size > 1:
+        all_reduce_gradients(policy.parameters())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     timings = mb.timings
     media = mb.media_stats
     return {
         "step": mb.step, "k": mb.index, "global_index": mb.global_index, "policy_version": mb.policy_version,
+        "plan_id": mb.plan_id, "attempt": mb.attempt, "traj_ids": traj_ids,
         "micro_batches": len(timings), "rows": sum(t.rows for t in timings), "global_trajectories": total,
         "wait_s": sum(t.wait_s for t in timings), "fetch_s": sum(t.fetch_s for t in timings),
         "convert_s": sum(t.convert_s for t in timings), "row_bytes": sum(t.bytes for t in timings),
+        "first_wait_s": timings[0].wait_s if timings else 0.0,
         "media_logical_bytes": media.logical_bytes, "media_unique_bytes": media.unique_bytes,
         "media_requests": media.requests, "media_fetched": media.fetched,
         "encoder_calls": stats.encoder_calls if stats is not None else None,
@@ -298,13 +342,11 @@ def save_weights(backbone: nn.Module, weights_dir: Path, version: int) -> Path:
 def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
     from datetime import timedelta
 
-    from torch.nn.parallel import DistributedDataParallel
-
     dist.init_process_group("gloo", init_method=cfg.dist_url, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.dist_timeout_s))
-    for p in policy.encoder.parameters():  # same start on every rank (seeded anyway)
-        dist.broadcast(p.data, 0)
-    policy.ddp = DistributedDataParallel(policy.backbone)  # broadcasts rank 0's backbone
+    with torch.no_grad():  # same start on every rank: rank 0's weights and buffers
+        for t in [*policy.parameters(), *policy.backbone.buffers(), *policy.encoder.buffers()]:
+            dist.broadcast(t.data, 0)
 
 
 def run_rank(cfg: RankConfig) -> int:
@@ -317,8 +359,8 @@ def run_rank(cfg: RankConfig) -> int:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     client_cfg = TrainerConfig(
         control_url=cfg.control_url, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, token=cfg.token,
-        store_token=cfg.store_token, fetch_mode=cfg.fetch_mode, lookahead=cfg.lookahead,
-        local_dirs=dict(cfg.local_dirs), poll_timeout_s=cfg.poll_timeout_s,
+        store_token=cfg.store_token, fetch_mode=cfg.fetch_mode, local_dirs=dict(cfg.local_dirs),
+        poll_timeout_s=cfg.poll_timeout_s, fetch_timeout_s=cfg.fetch_timeout_s, replan_wait_s=cfg.replan_wait_s,
     )
     out = open(cfg.out, "a", encoding="utf-8") if cfg.out is not None else None  # noqa: SIM115 - closed below
     trained = 0
@@ -327,6 +369,9 @@ def run_rank(cfg: RankConfig) -> int:
             for mb in client.minibatches():
                 record = train_mini_batch(policy, optimizer, mb, world_size=cfg.world_size, dedup=cfg.dedup,
                                           clip_eps=cfg.clip_eps, pad_id=pad_id)
+                if record is None:  # no rank stepped: ask for this global index again (re-planned)
+                    mb.abandon()
+                    continue
                 mb.ack()
                 version = mb.policy_version + 1
                 if cfg.rank == 0:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse
 
 from knittrans.api.auth import WorkerAuth
-from knittrans.api.models import AckIn, AckOut, ErrorOut, RankPlanOut, VersionIn, VersionOut
+from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
 from knittrans.api.routes.deps import Board, Service, SettingsDep
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
@@ -27,16 +27,22 @@ router = APIRouter(prefix="/v1/jobs", tags=["ranks"], responses={
 @router.get("/{job}/ranks/{rank}/next", responses={
     200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}})
 async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
-                    timeout_s: float = Query(30.0, ge=0)) -> Response:
-    """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked."""
+                    timeout_s: float = Query(30.0, ge=0),
+                    after: str | None = Query(None, max_length=64)) -> Response:
+    """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
+
+    With ``after=<plan_id>`` (the rank's current, un-acked plan): the plan of the mini-batch after
+    it, so a rank can prefetch while it still trains ``plan_id``; acks stay in order. 409 when
+    ``plan_id`` is not the rank's current plan, 410 when it was (or gets) withdrawn.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
     while True:
-        plan = svc.next_plan(job, rank)
+        plan = svc.next_plan(job, rank) if after is None else svc.plan_after(job, rank, after)
         if plan is not None:
             return JSONResponse(plan)
         state = svc.job(job).state
-        if svc.rank_done(job, rank):
+        if svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after):
             return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
         remaining = deadline - loop.time()
         if remaining <= 0:
@@ -44,6 +50,16 @@ async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: S
         event = board.event(job)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)
+
+
+@router.post("/{job}/ranks/{rank}/fetched", response_model=FetchedOut)
+async def fetched(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+    """The rank holds its whole share of the plan (call before the optimizer step; idempotent).
+
+    Once all ranks reported it, a store-node loss no longer withdraws the mini-batch; 410 when it
+    was already withdrawn (then no rank may step on it: ask for the plan again).
+    """
+    return svc.fetched(job, rank, body.plan_id)
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
