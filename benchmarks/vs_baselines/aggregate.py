@@ -16,6 +16,7 @@ METRICS: dict[str, str] = {
     "put_s": "put (s)",
     "fetch_p50_ms": "fetch p50 (ms)",
     "fetch_p99_ms": "fetch p99 (ms)",
+    "load_p50_ms": "unhidden fetch p50 (ms)",
     "exposed_mean_ms": "exposed / micro-batch (ms)",
     "minibatch_s": "transfer+train / mini-batch (s)",
     "peak_total_mib": "peak RSS all processes (MiB)",
@@ -33,9 +34,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 @cache
+def generate_cached(spec_items: tuple[tuple[str, Any], ...]) -> Any:
+    """The generated workload of a spec (for its payload sizes)."""
+    return generate(WorkloadSpec(**dict(spec_items)))
+
+
+@cache
 def _reference(spec_items: tuple[tuple[str, Any], ...]) -> tuple[list[bytes], WorkloadSpec]:
-    spec = WorkloadSpec(**dict(spec_items))
-    return generate(spec).digests, spec
+    workload = generate_cached(spec_items)
+    return workload.digests, workload.spec
 
 
 def check_run(run: dict[str, Any], digests: list[bytes], spec: WorkloadSpec) -> dict[str, Any]:
@@ -54,6 +61,9 @@ def check_run(run: dict[str, Any], digests: list[bytes], spec: WorkloadSpec) -> 
 
 def _run_metrics(run: dict[str, Any]) -> dict[str, Any]:
     waits = [1e3 * mb["wait_s"] for r in run["ranks"] for mb in r["micro"]]
+    # Time to fetch + convert one micro-batch, never overlapped with anything: a prefetching client
+    # times it in its loader thread (``load_s``); without prefetch it is the wait itself.
+    loads = [1e3 * mb.get("load_s", mb["wait_s"]) for r in run["ranks"] for mb in r["micro"]]
     per_rank = {
         str(r["rank"]): {"p50_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.5),
                          "p99_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.99)}
@@ -64,6 +74,7 @@ def _run_metrics(run: dict[str, Any]) -> dict[str, Any]:
         "stored_bytes": run["put"].get("stored_bytes", 0.0),
         "fetch_p50_ms": _pct(waits, 0.5),
         "fetch_p99_ms": _pct(waits, 0.99),
+        "load_p50_ms": _pct(loads, 0.5),
         "exposed_mean_ms": statistics.fmean(waits),
         "minibatch_s": max(r["train_s"] for r in run["ranks"]),
         "consume_wall_s": run["consume_wall_s"],
@@ -76,6 +87,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions, correctness, cross-system digest agreement and pairwise ratios."""
     rows = []
     canon: dict[tuple[str, int, int], set[str]] = {}
+    row_sets: dict[tuple[str, int], set[str]] = {}
     for res in results:
         items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in res["spec"].items()))
         digests, spec = _reference(items)
@@ -87,7 +99,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             metrics = [_run_metrics(r) for r in runs]
             checks = [check_run(r, digests, spec) for r in runs]
             row: dict[str, Any] = {"system": res["system"], "kind": res["kind"], "mode": mode, "reps": len(runs)}
-            for key in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s",
+            for key in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s",
                         "consume_wall_s", "bytes_received", "stored_bytes"):
                 row[key] = statistics.median(m[key] for m in metrics)
             row["per_rank"] = {rank: {k: statistics.median(m["per_rank"][rank][k] for m in metrics)
@@ -102,7 +114,14 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             row["checks"] = checks
             row["correct"] = all(c["wrong_rows"] == 0 and c["exactly_once"] for c in checks)
             row["canonical_plan"] = all(c["canonical_plan"] for c in checks)
+            row["logical_bytes"] = float(generate_cached(items).payload_bytes(image_per_row=True))
+            row["storage_bytes_per_logical_byte"] = storage_peak / row["logical_bytes"] if storage_peak else None
             rows.append(row)
+            for run in runs:  # every system, whatever its plan: the same row must have the same digest
+                for r in run["ranks"]:
+                    for mb in r["micro"]:
+                        for idx, digest in mb["row_digests"].items():
+                            row_sets.setdefault((res["kind"], int(idx)), set()).add(digest)
             if row["canonical_plan"]:
                 for run in runs:
                     for r in run["ranks"]:
@@ -118,6 +137,49 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
                 if va and vb:
                     ratios.append({"kind": a["kind"], "mode": a["mode"], "metric": metric, "system": a["system"],
                                    "baseline": b["system"], "baseline_over_system": vb / va})
-    return {"rows": rows, "ratios": ratios,
+    return {"rows": rows, "ratios": ratios, "targets": check_targets(rows),
             "cross_system_digests_agree": all(len(v) == 1 for v in canon.values()),
-            "cross_system_microbatches_compared": len(canon)}
+            "cross_system_microbatches_compared": len(canon),
+            "cross_system_rows_agree": all(len(v) == 1 for v in row_sets.values()),
+            "cross_system_rows_compared": len(row_sets)}
+
+
+# (target, kind, mode, metric, required baseline/system ratio, baselines); the TransferQueue reference
+# is ``tq_kv`` (its faster variant here); "text" compares against every baseline on every speed metric.
+TARGETS: tuple[tuple[str, str, str, str, float, tuple[str, ...]], ...] = (
+    ("multimodal exposed transfer / micro-batch >= 100x lower than TQ", "multimodal", "compute",
+     "exposed_mean_ms", 100.0, ("tq_kv",)),
+    ("multimodal fetch latency (no compute) >= 20x lower than TQ", "multimodal", "none", "fetch_p50_ms", 20.0,
+     ("tq_kv",)),
+    ("multimodal fetch latency (no compute) >= 20x lower than TQ, unhidden", "multimodal", "none",
+     "load_p50_ms", 20.0, ("tq_kv",)),
+    ("multimodal transfer+train >= 5.8x lower than TQ", "multimodal", "compute", "minibatch_s", 5.8, ("tq_kv",)),
+    *((f"text no slower than any baseline: {m}", "text", mode, m, 1.0, ("tq_kv", "tq_sampler", "ray_group",
+                                                                       "ray_shard"))
+      for mode in ("none", "compute")
+      for m in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s", "startup_s")),
+    *((f"{kind} storage RSS per stored byte no higher than TQ", kind, "none", "storage_bytes_per_stored_byte",
+       1.0, ("tq_kv",)) for kind in ("text", "multimodal")),
+    *((f"{kind} storage RSS per logical byte no higher than TQ", kind, "none", "storage_bytes_per_logical_byte",
+       1.0, ("tq_kv",)) for kind in ("text", "multimodal")),
+)
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every issue target for every KnitTrans variant against the baselines present in the same run."""
+    out = []
+    by = {(r["system"], r["kind"], r["mode"]): r for r in rows}
+    systems = sorted({r["system"] for r in rows if r["system"].startswith("knittrans")})
+    for name, kind, mode, metric, need, baselines in TARGETS:
+        for system in systems:
+            mine = by.get((system, kind, mode))
+            for base in baselines:
+                theirs = by.get((base, kind, mode))
+                if mine is None or theirs is None or mine.get(metric) is None or theirs.get(metric) is None:
+                    continue
+                va, vb = float(mine[metric]), float(theirs[metric])
+                ratio = vb / va if va > 0 else float("inf")
+                out.append({"target": name, "kind": kind, "mode": mode, "metric": metric, "system": system,
+                            "baseline": base, "system_value": va, "baseline_value": vb, "ratio": ratio,
+                            "required": need, "met": ratio >= need})
+    return out

@@ -34,8 +34,9 @@ __all__ = ["DEFAULT_SYSTEMS", "main", "run_one"]
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SYSTEMS = ("knittrans:default", "tq:kv", "tq:sampler", "ray:group", "ray:shard")
-SMOKE_SYSTEMS = ("knittrans:default", "tq:kv", "ray:group")
+DEFAULT_SYSTEMS = ("knittrans:flight", "knittrans:flight_eager", "knittrans:mmap",
+                   "tq:kv", "tq:sampler", "ray:group", "ray:shard")
+SMOKE_SYSTEMS = ("knittrans:flight", "tq:kv", "ray:group")
 SMOKE_SPEC = {"num_trajectories": 128, "micro_batches": 2}
 
 
@@ -151,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     table = write_markdown(summary, meta, out_dir / "results.md")
     write_png(summary, out_dir / "results.png")
     print(table)
+    missed = [t for t in summary["targets"] if not t["met"]]
+    if missed:
+        logger.warning("%d of %d target checks missed (see results.md; targets are reported, not enforced)",
+                       len(missed), len(summary["targets"]))
     bad = [f"{s['system']}/{s['kind']}/{s['mode']}" for s in summary["rows"] if not s["correct"]]
-    if bad or not summary["cross_system_digests_agree"]:
-        logger.error("CORRECTNESS FAILURE: %s", bad or "cross-system micro-batch digests disagree")
+    if bad or not summary["cross_system_digests_agree"] or not summary["cross_system_rows_agree"]:
+        logger.error("CORRECTNESS FAILURE: %s", bad or "cross-system digests disagree")
         return 1
     return 0
 

@@ -9,7 +9,7 @@ from benchmarks.vs_baselines.aggregate import METRICS
 
 __all__ = ["write_markdown", "write_png"]
 
-REFERENCE_ORDER = ("knittrans_default", "tq_kv", "tq_sampler", "ray_group", "ray_shard")
+REFERENCE_ORDER = ("tq_kv", "tq_sampler", "ray_group", "ray_shard", "knittrans_flight")
 
 
 def _fmt(v: Any) -> str:
@@ -34,8 +34,10 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
              f"Medians over repetitions. `×ref` = system's value / {ref}'s (same run).  "
              f"Correctness: every row's digest equals the generator's; cross-system micro-batch digests "
              f"agree: {summary['cross_system_digests_agree']} "
-             f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots).", ""]
-    cols = ["put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s", "startup_s",
+             f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots of systems "
+             f"following the canonical plan); every row's digest agrees across all systems: "
+             f"{summary.get('cross_system_rows_agree')} ({summary.get('cross_system_rows_compared')} rows).", ""]
+    cols = ["put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s", "startup_s",
             "peak_total_mib", "storage_bytes_per_stored_byte"]
     for kind in sorted({r["kind"] for r in rows}):
         for mode in sorted({r["mode"] for r in rows if r["kind"] == kind}):
@@ -55,6 +57,15 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
                 lines.append(f"| {r['system']} | " + " | ".join(cells)
                              + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |")
             lines.append("")
+    targets = summary.get("targets", [])
+    if targets:
+        lines += ["## Targets (KnitTrans vs baseline, same run; ratio = baseline / KnitTrans)", "",
+                  "| target | system | vs | KnitTrans | baseline | ratio | needed | met |", "|---" * 8 + "|"]
+        for t in targets:
+            lines.append(f"| {t['target']} | {t['system']} | {t['baseline']} | {_fmt(t['system_value'])} | "
+                         f"{_fmt(t['baseline_value'])} | {t['ratio']:.3g} | {t['required']:g} | "
+                         f"{'yes' if t['met'] else '**no**'} |")
+        lines.append("")
     lines += ["Peak RSS by role (MiB, whole run, summed over processes of the role):", ""]
     for r in rows:
         if r["mode"] == "none":

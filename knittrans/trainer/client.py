@@ -98,8 +98,6 @@ class TrainerConfig:
     """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
     replan_wait_s: float = 60.0
     """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
-    lookahead: bool = False
-    """Deprecated, no effect: the old ack-before-step lookahead is superseded by ``prefetch_next``."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -112,9 +110,6 @@ class TrainerConfig:
             raise ValueError("fetch_timeout_s must be > 0 (or None)")
         if self.replan_wait_s < 0:
             raise ValueError("replan_wait_s must be >= 0")
-        if self.lookahead:
-            logger.warning("TrainerConfig.lookahead is deprecated and has no effect; prefetch_next "
-                           "(on by default in iter mode) prefetches the next mini-batch without an early ack")
         if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
             raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
