@@ -130,8 +130,11 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
     axes[0][1].set_title("mean admission wait per mini-batch (s)")
     axes[1][0].set_title("transfer per step (ms): exposed vs fetch time")
     axes[1][1].set_title(f"media MiB per step ({results['config']['policy']})")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes.flat:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
