@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 __all__ = ["add_arguments", "run"]
 
@@ -15,8 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", required=True, help="SQLite state file (created if missing; WAL mode)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one)")
-    parser.add_argument("--worker-token", default=None, help="bearer token for writers, ranks and stores")
-    parser.add_argument("--admin-token", default=None, help="bearer token for job and node administration")
+    parser.add_argument("--worker-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+                        help="bearer token for writers, ranks and stores (default $KNITTRANS_WORKER_TOKEN)")
+    parser.add_argument("--admin-token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
+                        help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)")
     parser.add_argument("--node-timeout-s", type=float, default=30.0, help="heartbeat timeout of store nodes")
     parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default="NORMAL",
                         help="SQLite synchronous pragma (FULL also survives power loss)")
