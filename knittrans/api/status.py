@@ -37,8 +37,11 @@ def job_status(job: JobState) -> dict[str, Any]:
     admitted = job.admitted_in_step(step)
     finished: dict[str, int] = {}
     by_status: dict[str, int] = {}
+    lost: list[dict[str, Any]] = []
     for g in job.groups.values():
         by_status[g.status] = by_status.get(g.status, 0) + 1
+        if g.status == "lost":
+            lost.append({"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id})
     for g in job.pool():
         finished[g.record.source] = finished.get(g.record.source, 0) + 1
     in_flight = [mb for mb in job.minibatches.values() if mb.status == "planned"]
@@ -69,6 +72,7 @@ def job_status(job: JobState) -> dict[str, Any]:
             "consumed_groups": by_status.get("consumed", 0),
         },
         "deficits": deficits,
+        "lost_groups": sorted(lost, key=lambda r: r["group_id"]),  # all of them, claimed for regeneration or not
         "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         "staleness": {
             "overall": staleness_report(job.consumed),
