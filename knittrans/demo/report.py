@@ -22,17 +22,10 @@ def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _get(record: dict[str, Any], *names: str, default: float = 0.0) -> float:
-    for name in names:
-        if name in record and record[name] is not None:
-            return float(record[name])
-    return default
-
-
 def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
     """Combine status and rank records into per-step rows and run totals."""
     records = _rank_records(run_dir)
-    admissions = {a["global_index"]: a for a in status.get("admissions", status.get("recent_admissions", []))}
+    admissions = {a["global_index"]: a for a in status["recent_admissions"]}
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by_step[int(r["step"])].append(r)
@@ -50,15 +43,15 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
             "arch_staleness_end": st.get("end", {}).get("architectural", {}).get("mean"),
             "arch_staleness_start": st.get("start", {}).get("architectural", {}).get("mean"),
             "arch_staleness_weighted": st.get("weighted", {}).get("architectural", {}).get("mean"),
-            "exposed_transfer_s": sum(_get(r, "wait_s") for r in rs),
-            "fetch_s": sum(_get(r, "fetch_s") for r in rs),
-            "media_logical_bytes": int(sum(_get(r, "media_logical_bytes") for r in rs)),
-            "media_unique_bytes": int(sum(_get(r, "media_unique_bytes") for r in rs)),
-            "row_bytes": int(sum(_get(r, "bytes", "row_bytes") for r in rs)),
-            "encoder_calls": int(sum(_get(r, "encoder_calls") for r in rs)),
-            "media_uses": int(sum(_get(r, "media_uses") for r in rs)),
+            "exposed_transfer_s": sum(r["wait_s"] for r in rs),
+            "fetch_s": sum(r["fetch_s"] for r in rs),
+            "media_logical_bytes": int(sum(r["media_logical_bytes"] for r in rs)),
+            "media_unique_bytes": int(sum(r["media_unique_bytes"] for r in rs)),
+            "row_bytes": int(sum(r["row_bytes"] for r in rs)),
+            "encoder_calls": int(sum(r["encoder_calls"] for r in rs)),
+            "media_uses": int(sum(r["media_uses"] for r in rs)),
             "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
-                max(_get(r, "step_time_s") for r in rs if r["global_index"] == n)
+                max(r["step_time_s"] for r in rs if r["global_index"] == n)
                 for n in {r["global_index"] for r in rs}
             ),
         })
