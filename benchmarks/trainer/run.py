@@ -14,9 +14,12 @@ without DDP; the normaliser is the rank's share (= 512/4, what the all-reduce gi
 mini-batch's plan is long-polled (``next?after=``) and its first micro-batches prefetched while
 the current one finishes, before the ack. ``iter-within`` turns the second part off
 (``prefetch_next=False``): the first micro-batch of every mini-batch is then fetched with
-nothing computing. The only transfer ``iter`` cannot hide is the very first micro-batch of a run.
+nothing computing. The only transfer ``iter`` cannot hide is the very first micro-batch of a run
+(nothing runs before it): every rank first trains ``--warmup`` mini-batches (default 1) that are
+left out of the medians for every variant alike, as a steady-state measurement does; the
+``*_incl_warmup`` figures keep them (the cold start).
 
-    python benchmarks/trainer/run.py [--repeats 3] [--mini-batches 3] [--quick] [--out DIR]
+    python benchmarks/trainer/run.py [--repeats 3] [--mini-batches 4] [--warmup 1] [--quick] [--out DIR]
 
 Writes ``trainer.json`` and ``trainer.png`` under ``--out`` and prints a table.
 """
@@ -153,8 +156,13 @@ def delete_job(cluster: LocalCluster, job: str, descs: Sequence[Any]) -> None:
 
 
 def run_variant(cluster: LocalCluster, job: str, v: Variant, base: Policy, *, world: int,
-                mini_batches: int) -> list[dict[str, Any]]:
-    """Every rank in turn trains all its mini-batches of ``job``; returns one record per rank and mini-batch."""
+                mini_batches: int, warmup: int = 0) -> list[dict[str, Any]]:
+    """Every rank in turn trains all its mini-batches of ``job``; returns one record per rank and mini-batch.
+
+    The first ``warmup`` of the ``warmup + mini_batches`` mini-batches of every rank are marked
+    ``"warmup": True`` (excluded from the medians, kept in the JSON).
+    """
+    total = warmup + mini_batches
     records = []
     for rank in range(world):
         policy = copy.deepcopy(base)
@@ -165,17 +173,17 @@ def run_variant(cluster: LocalCluster, job: str, v: Variant, base: Policy, *, wo
         # ``mini_batches`` instead of waiting for the end of the job.
         with TrainerClient(cfg) as client:
             if v.sample_level:
-                for _ in range(mini_batches):
+                for n in range(total):
                     plan = client.next_plan()
                     assert plan is not None
                     mb: MiniBatch = SampleMiniBatch(client, plan)
-                    records.append(_train(policy, opt, mb, v.dedup))
+                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup})
                     mb.ack()
             else:
                 for n, mb in enumerate(client.minibatches()):
-                    records.append(_train(policy, opt, mb, v.dedup))
+                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup})
                     mb.ack()
-                    if n + 1 == mini_batches:
+                    if n + 1 == total:
                         break
     return records
 
@@ -186,16 +194,20 @@ def _train(policy: Policy, opt: torch.optim.Optimizer, mb: MiniBatch, dedup: boo
     return record
 
 
-def summarise(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Per-run figures: exposed transfer per micro-batch, rank time per mini-batch, bytes, encoder rows."""
+def summarise(all_records: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-run figures: exposed transfer per micro-batch, rank time per mini-batch, bytes, encoder rows.
+
+    Measured mini-batches only (warm-up excluded), except ``*_incl_warmup`` figures.
+    """
+    records = [r for r in all_records if not r.get("warmup")]
     micro = sum(r["micro_batches"] for r in records)
+    micro_all = sum(r["micro_batches"] for r in all_records)
     mbs = len({r["global_index"] for r in records})
     firsts = [r["first_wait_s"] for r in records]
     return {
         "exposed_per_micro_ms": 1e3 * sum(r["wait_s"] for r in records) / micro,
+        "exposed_per_micro_incl_warmup_ms": 1e3 * sum(r["wait_s"] for r in all_records) / micro_all,
         "first_micro_exposed_ms": 1e3 * statistics.mean(firsts),
-        "exposed_after_fill_per_micro_ms": 1e3 * (sum(r["wait_s"] for r in records) - sum(
-            r["first_wait_s"] for r in records if r["global_index"] == 0)) / micro,
         "fetch_per_micro_ms": 1e3 * sum(r["fetch_s"] for r in records) / micro,
         "rank_time_per_mini_batch_s": statistics.mean(r["step_time_s"] for r in records),
         "media_bytes_per_mini_batch": sum(r["media_unique_bytes"] for r in records) / mbs,
@@ -265,7 +277,9 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--mini-batches", type=int, default=3, help="mini-batches per rank and run (>= 2)")
+    parser.add_argument("--mini-batches", type=int, default=4, help="measured mini-batches per rank and run")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unmeasured mini-batches per rank and run before them (0: measure the cold start)")
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke (~1 min): 64 trajectories, 2 ranks, 2 mini-batches, 1 repeat")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -274,13 +288,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = 8 if args.quick else 64
     repeats = 1 if args.quick else args.repeats
     mini_batches = 2 if args.quick else args.mini_batches
+    warmup = args.warmup
     image = (4, 256, 256)
     world = 2 if args.quick else 4
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     work = Path(tempfile.mkdtemp(prefix="knittrans-bench-trainer-", dir=shm))
     result: dict[str, Any] = {"workload": {
         "trajectories": groups * 8, "group_size": 8, "image_kib": 256, "ranks": world, "micro_batch": 16,
-        "mini_batches": mini_batches, "repeats": repeats, "torch_threads": torch.get_num_threads(),
+        "mini_batches": mini_batches, "warmup_mini_batches": warmup, "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
         "ranks_measured": "sequentially"}}
     try:
         with LocalCluster(ClusterConfig(work_dir=work, num_stores=2)) as cluster:
@@ -288,13 +304,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          head_dim=64)
             base = load_policy(model_dir, image_channels=image[0])
             runs: dict[str, list[dict[str, float]]] = {v.name: [] for v in VARIANTS}
+            raw: dict[str, list[list[dict[str, Any]]]] = {}
             for rep in range(repeats):
                 for v in VARIANTS:
                     job = f"r{rep}-{v.name.replace('/', '-').replace('+', '-')}"
-                    descs = write_job(cluster, job, mini_batches=mini_batches, groups=groups, group_size=8,
+                    descs = write_job(cluster, job, mini_batches=warmup + mini_batches, groups=groups, group_size=8,
                                       image=image, seed=rep, world=world)
                     t0 = time.perf_counter()
-                    summary = summarise(run_variant(cluster, job, v, base, world=world, mini_batches=mini_batches))
+                    records = run_variant(cluster, job, v, base, world=world, mini_batches=mini_batches,
+                                          warmup=warmup)
+                    raw.setdefault(v.name, []).append(records)
+                    summary = summarise(records)
                     delete_job(cluster, job, descs)
                     runs[v.name].append(summary)
                     print(f"  repeat {rep + 1}/{repeats} {v.name:28} exposed {summary['exposed_per_micro_ms']:7.2f} "
@@ -306,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["variants"] = [
-        {"name": name, "runs": rs, "median": {k: statistics.median(r[k] for r in rs) for k in rs[0]}}
+        {"name": name, "runs": rs, "median": {k: statistics.median(r[k] for r in rs) for k in rs[0]},
+         "records": [[{k: v for k, v in rec.items() if k != "traj_ids"} for rec in recs] for recs in raw[name]]}
         for name, rs in runs.items()
     ]
     med = {v["name"]: v["median"] for v in result["variants"]}
@@ -315,8 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "unit_vs_sample_exposed": exposed["unit/eager/dup"] / exposed["sample/eager/dup"],
         "iter_vs_eager_exposed": exposed["unit/iter/dup"] / exposed["unit/eager/dup"],
         "iter_within_vs_eager_exposed": exposed["unit/iter-within/dup"] / exposed["unit/eager/dup"],
-        "iter_vs_eager_exposed_after_fill": med["unit/iter/dup"]["exposed_after_fill_per_micro_ms"]
-        / med["unit/eager/dup"]["exposed_after_fill_per_micro_ms"],
+        "iter_vs_eager_exposed_incl_warmup": med["unit/iter/dup"]["exposed_per_micro_incl_warmup_ms"]
+        / med["unit/eager/dup"]["exposed_per_micro_incl_warmup_ms"],
         "dup_vs_dedup_media_bytes": med["sample/eager/dup"]["media_bytes_per_mini_batch"]
         / med["unit/iter/dedup"]["media_bytes_per_mini_batch"],
         "dup_vs_dedup_encoder_rows": med["unit/iter/dup"]["encoder_rows_per_mini_batch"]
@@ -335,11 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "trainer_quick" if args.quick else "trainer"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     _plot(result, args.out / f"{name}.png")
-    print(f"{'variant':28}{'exposed ms/micro':>18}{'1st micro ms':>14}{'fetch ms/micro':>16}{'s/mini-batch':>14}"
-          f"{'media MiB/mb':>14}{'enc rows/mb':>13}")
+    print(f"{'variant':28}{'exposed ms/micro':>18}{'incl warm-up':>14}{'1st micro ms':>14}{'fetch ms/micro':>16}"
+          f"{'s/mini-batch':>14}{'media MiB/mb':>14}{'enc rows/mb':>13}")
     for v in result["variants"]:
         m = v["median"]
-        print(f"{v['name']:28}{m['exposed_per_micro_ms']:>18.2f}{m['first_micro_exposed_ms']:>14.2f}"
+        print(f"{v['name']:28}{m['exposed_per_micro_ms']:>18.2f}{m['exposed_per_micro_incl_warmup_ms']:>14.2f}"
+              f"{m['first_micro_exposed_ms']:>14.2f}"
               f"{m['fetch_per_micro_ms']:>16.2f}"
               f"{m['rank_time_per_mini_batch_s']:>14.2f}{m['media_bytes_per_mini_batch'] / 2**20:>14.1f}"
               f"{m['encoder_rows_per_mini_batch']:>13.0f}")

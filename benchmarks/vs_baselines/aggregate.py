@@ -93,7 +93,8 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         digests, spec = _reference(items)
         family = res["system"].split("_")[0]
         mem = res["memory"]
-        storage_peak = sum(mem["peak_by_role_data_phases"].get(role, 0) for role in STORAGE_ROLES.get(family, ()))
+        window = mem.get("peak_by_role_one_copy", mem["peak_by_role_data_phases"])  # one stored copy at a time
+        storage_peak = sum(window.get(role, 0) for role in STORAGE_ROLES.get(family, ()))
         for mode in sorted({r["mode"] for r in res["runs"]}):
             runs = [r for r in res["runs"] if r["mode"] == mode]
             metrics = [_run_metrics(r) for r in runs]

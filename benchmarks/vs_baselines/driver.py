@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="none,compute", help="comma list of 'none' and/or 'compute'")
     p.add_argument("--spec-json", default="{}", help="WorkloadSpec overrides as JSON")
     p.add_argument("--compute-hidden", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded mini-batches per mode before the measured ones")
+    p.add_argument("--no-put-ahead", dest="put_ahead", action="store_false",
+                   help="compute mode: put each mini-batch only after the previous one was consumed")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -71,24 +74,39 @@ def main(argv: list[str] | None = None) -> int:
     result["startup_s"] = t1 - t0
     phase("startup", t0, t1)
     logger.info("%s %s: started in %.1f s", runner.name, args.kind, t1 - t0)
+    puts: dict[str, dict[str, float]] = {}
+
+    def do_put(tag: str) -> None:
+        a = time.time()
+        puts[tag] = runner.put(workload, tag)
+        phase(f"put:{tag}", a, time.time())
+
     try:
-        for rep in range(args.reps):
-            for mode in modes:
-                tag = f"r{rep}_{mode}"
-                a = time.time()
-                put = runner.put(workload, tag)
+        for mode in modes:
+            compute = mode == "compute"
+            # compute: the next mini-batch is put *before* the current one is consumed, as a rollout
+            # that runs ahead of training leaves it; a client that prefetches across mini-batches can
+            # fetch it while the current one trains (TransferQueue and Ray consumers fetch synchronously).
+            ahead = compute and args.put_ahead
+            tags = [f"warmup{w}_{mode}" for w in range(args.warmup)] + [f"r{rep}_{mode}" for rep in range(args.reps)]
+            for i, tag in enumerate(tags):
+                if tag not in puts:
+                    do_put(tag)
+                if ahead and i + 1 < len(tags):
+                    do_put(tags[i + 1])
                 b = time.time()
-                ranks = runner.consume(tag, compute=(mode == "compute"))
+                ranks = runner.consume(tag, compute=compute)
                 c = time.time()
                 runner.clear(tag)
-                phase(f"put:{tag}", a, b)
                 phase(f"consume:{tag}", b, c)
-                result["runs"].append({"rep": rep, "mode": mode, "put": put, "consume_wall_s": c - b,
-                                       "ranks": ranks})
+                put = puts.pop(tag)
                 waits = [mb["wait_s"] for r in ranks for mb in r["micro"]]
-                logger.info("%s %s rep %d %s: put %.3f s, consume %.3f s, median wait %.1f ms",
-                            runner.name, args.kind, rep, mode, put["put_s"], c - b,
-                            1e3 * sorted(waits)[len(waits) // 2])
+                logger.info("%s %s %s: put %.3f s, consume %.3f s, median wait %.1f ms", runner.name, args.kind,
+                            tag, put["put_s"], c - b, 1e3 * sorted(waits)[len(waits) // 2])
+                if tag.startswith("warmup"):
+                    continue
+                result["runs"].append({"rep": int(tag[1:].split("_")[0]), "mode": mode, "put": put,
+                                       "consume_wall_s": c - b, "ranks": ranks, "put_ahead": ahead})
     finally:
         t2 = time.time()
         runner.teardown()

@@ -62,12 +62,13 @@ def kill_tree(pid: int) -> None:
 
 
 def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec: dict[str, Any],
-            hidden: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
+            hidden: int, timeout_s: float, workdir: Path, warmup: int = 1, put_ahead: bool = True) -> dict[str, Any]:
     """Run one driver subprocess, sampling its process tree's memory; return its result plus memory."""
     out = workdir / f"{system}_{variant}_{kind}.json"
     cmd = [sys.executable, "-m", "benchmarks.vs_baselines.driver", "--system", system, "--variant", variant,
            "--kind", kind, "--reps", str(reps), "--modes", modes, "--spec-json", json.dumps(spec),
-           "--compute-hidden", str(hidden), "--out", str(out)]
+           "--compute-hidden", str(hidden), "--out", str(out), "--warmup", str(warmup),
+           *([] if put_ahead else ["--no-put-ahead"])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                TQ_LOGGING_LEVEL=os.environ.get("TQ_LOGGING_LEVEL", "ERROR"))
@@ -87,9 +88,13 @@ def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec
         raise RuntimeError(f"{system}:{variant} on {kind} failed (exit {rc}) after {time.time() - t0:.0f} s")
     result: dict[str, Any] = json.loads(out.read_text())
     consume = [p for p in result["phases"] if p["name"].startswith(("put:", "consume:"))]
+    # Mode "none" holds one stored copy at a time (compute mode puts the next one ahead): the window
+    # for memory per stored byte.
+    single = [p for p in consume if p["name"].endswith("_none")] or consume
     result["memory"] = {
         "peak_by_role_whole_run": sampler.peak_per_role(),
         "peak_by_role_data_phases": sampler.peak_per_role(consume[0]["start"], consume[-1]["end"]),
+        "peak_by_role_one_copy": sampler.peak_per_role(single[0]["start"], single[-1]["end"]),
         "peak_by_process": {str(pid): {"role": role, "peak_rss": rss}
                             for pid, (role, rss) in sampler.peak_by_pid.items()},
         "processes": len(sampler.peak_by_pid),
@@ -104,6 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="none,compute")
     p.add_argument("--compute-hidden", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded mini-batches per system and mode first")
+    p.add_argument("--no-put-ahead", dest="put_ahead", action="store_false",
+                   help="compute mode: put each mini-batch only after the previous one was consumed "
+                        "(default: the next one is put before the current one is consumed)")
     p.add_argument("--smoke", action="store_true", help="reduced CI mode (< 2 min): fewer systems, rows, reps")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per driver subprocess")
     p.add_argument("--from-json", default=None, help="re-summarise the raw results of an earlier results.json")
@@ -142,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             for system, variant in chosen:
                 results.append(run_one(system, variant, kind, reps=reps, modes=args.modes, spec=spec,
-                                       hidden=args.compute_hidden, timeout_s=args.timeout, workdir=Path(tmp)))
+                                       hidden=args.compute_hidden, timeout_s=args.timeout, workdir=Path(tmp),
+                                       warmup=args.warmup, put_ahead=args.put_ahead))
                 (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results}))
     (out_dir / "raw_partial.json").unlink(missing_ok=True)
     summary = summarise(results)
