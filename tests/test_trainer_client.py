@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
-from knittrans.errors import Unavailable
+from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from tests.trainer_support import job_spec, mm_groups, write_and_register
@@ -27,9 +27,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def _client(c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, **kw: Any) -> TrainerClient:
+def _client(c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, transform: Any = None,
+            **kw: Any) -> TrainerClient:
     return TrainerClient(TrainerConfig(control_url=c.control_url, job=job, rank=rank, world_size=world,
-                                       fetch_mode=mode, poll_timeout_s=5, **kw))  # type: ignore[arg-type]
+                                       fetch_mode=mode, poll_timeout_s=5, **kw),  # type: ignore[arg-type]
+                         transform=transform)
 
 
 def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
@@ -55,6 +57,41 @@ def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
         assert re_ == ri and te.keys() == ti.keys()
         torch.testing.assert_close(te, ti, rtol=0, atol=0)
     assert sum(int(t["rewards"].numel()) for t, _ in results["iter"]) == 16
+
+
+def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
+    """``transform`` runs in the prefetch thread (iter) and its errors reach the loop at their micro-batch."""
+    job = "transform"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=2, group_size=4, k=1, world_size=1, micro_batch_size=4))
+    write_and_register(control, job, cluster.stores, mm_groups("x", 2, group_size=4), groups_per_unit=1)
+    plan = control.next_plan(job, 0, timeout_s=10)
+    assert plan is not None and len(plan["micro_batches"]) == 2
+
+    def collate(m: TrainMicroBatch) -> tuple[str, int, torch.Tensor]:
+        return threading.current_thread().name, m.index, m.batch.rewards.sum()
+
+    main = threading.current_thread().name
+    for mode in ("eager", "iter"):
+        with _client(cluster, job, mode, transform=collate) as client:
+            got = list(MiniBatch(client, plan))
+        assert [m.prepared[1] for m in got] == [0, 1]
+        for m in got:
+            torch.testing.assert_close(m.prepared[2], m.batch.rewards.sum())
+            assert m.timing.transform_s > 0
+        threads = {m.prepared[0] for m in got}
+        assert (threads == {main}) if mode == "eager" else (main not in threads), (mode, threads)
+
+    def broken(m: TrainMicroBatch) -> None:
+        if m.index == 1:
+            raise InvalidRequest("collate cannot pad micro-batch 1")
+
+    with _client(cluster, job, "iter", transform=broken) as client:
+        seen = []
+        with pytest.raises(InvalidRequest, match="cannot pad micro-batch 1"):
+            for m in MiniBatch(client, plan):
+                seen.append(m.index)
+        assert seen == [0]
 
 
 def _compute(cost: int) -> None:

@@ -224,7 +224,7 @@ def _rank_batches(mbs: Iterator[Any], state: dict[str, Any]) -> Iterator[TrainBa
     mb = next(mbs)  # plan long-poll: part of the first micro-batch's wait
     state["mb"] = mb
     for micro in mb:
-        yield to_train_batch(micro)
+        yield micro.prepared  # to_train_batch, run by the client where it loaded the micro-batch
 
 
 def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
@@ -237,7 +237,9 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
     cfg = TrainerConfig(control_url=config["control_url"], job=config["job"], rank=rank,
                         world_size=int(config["world_size"]), fetch_mode=config["fetch_mode"],
                         local_dirs=config["local_dirs"])
-    with TrainerClient(cfg) as client:
+    # The conversion to the workload's TrainBatch is the client's transform (its collate function):
+    # it runs in the prefetch thread, off the training loop, as a DataLoader's collate_fn would.
+    with TrainerClient(cfg, transform=to_train_batch) as client:
         # Attach like the baselines' consumers do at start-up: open the control-plane connection and the
         # Flight channels to every store now, not inside the first measured fetch.
         client.control.health()
@@ -265,7 +267,7 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
                 result["train_s"] += ack_s
                 result["ack_s"] = ack_s
                 for rec, timing in zip(result["micro"], mb.timings, strict=True):
-                    rec["load_s"] = timing.fetch_s + timing.convert_s  # prefetch thread, unoverlapped
+                    rec["load_s"] = timing.fetch_s + timing.convert_s + timing.transform_s  # unoverlapped
                     rec["client_wait_s"] = timing.wait_s
                 result["media"] = {k: getattr(mb.media_stats, k) for k in
                                    ("requests", "hits", "fetched", "logical_bytes", "unique_bytes")}

@@ -14,8 +14,9 @@
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to
 ``prefetch_depth`` ahead) while the training thread computes ``i``; an error in that thread is
 re-raised in the training thread at the micro-batch it belongs to. Every micro-batch records
-``wait_s`` (time the training loop blocked on data: the *exposed* transfer time), ``fetch_s`` and
-``convert_s``; :attr:`TrainerClient.timings` keeps them all.
+``wait_s`` (time the training loop blocked on data: the *exposed* transfer time), ``fetch_s``,
+``convert_s`` and ``transform_s``; :attr:`TrainerClient.timings` keeps them all. An optional
+``transform`` (a collate function) runs where the micro-batch is loaded, off the training thread.
 
 Across mini-batches (``iter`` with ``prefetch_next``, the default): once the prefetch thread has
 fetched the last micro-batch of mini-batch ``n``, it long-polls the control plane for the plan
@@ -45,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 import pyarrow as pa
@@ -128,6 +129,8 @@ class MicroTiming:
     """Flight/mmap time for rows and media (media through the cache, decoding included: zero-copy)."""
     convert_s: float = 0.0
     """Arrow -> torch conversion of the rows."""
+    transform_s: float = 0.0
+    """The client's ``transform`` (if any), run where the micro-batch was loaded."""
     bytes: int = 0
     """Bytes of the fetched trajectory rows."""
 
@@ -144,6 +147,8 @@ class TrainMicroBatch:
     rows: list[dict[str, Any]]
     """The plan's row entries (group id, unit, node, row, tokens), in row order."""
     timing: MicroTiming
+    prepared: Any = None
+    """What the client's ``transform`` returned for this micro-batch (None without a transform)."""
 
 
 def _media_records(table: pa.Table) -> dict[str, MediaRecord]:
@@ -276,7 +281,8 @@ class MiniBatch:
         timing.fetch_s = (t1 - t0) + (t3 - t2)
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
-        return TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
+        loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
+        return self._client.prepare(loaded)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
         if self.consumed:
@@ -425,8 +431,14 @@ class MiniBatch:
 class TrainerClient:
     """One rank: long-polls plans, fetches rows and media on demand, acks, reports versions."""
 
-    def __init__(self, config: TrainerConfig, *, control: ControlClient | None = None) -> None:
+    def __init__(self, config: TrainerConfig, *, control: ControlClient | None = None,
+                 transform: Callable[[TrainMicroBatch], Any] | None = None) -> None:
         self.config = config
+        self.transform = transform
+        """``transform(micro) -> Any``, run right after a micro-batch is loaded — in the prefetch thread
+        in ``iter`` mode — with the result in :attr:`TrainMicroBatch.prepared`: a model-specific
+        collate (padding, image stacking, pinning) then happens off the training thread, like a
+        DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
         self.control = control or ControlClient(config.control_url, token=config.token)
         self.fetcher = Fetcher(token=config.store_token, local_dirs=dict(config.local_dirs),
                                timeout_s=config.fetch_timeout_s)
@@ -435,6 +447,15 @@ class TrainerClient:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
+
+    def prepare(self, micro: TrainMicroBatch) -> TrainMicroBatch:
+        """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
+        if self.transform is None:
+            return micro
+        t0 = time.perf_counter()
+        prepared = self.transform(micro)
+        micro.timing.transform_s = time.perf_counter() - t0
+        return replace(micro, prepared=prepared)
 
     def call_control(self, call: Callable[[], T]) -> T:
         """Run a control-plane call, retrying with backoff for ``control_retry_s`` while it is unreachable."""
