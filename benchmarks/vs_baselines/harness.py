@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="none,compute")
     p.add_argument("--compute-hidden", type=int, default=64)
+    p.add_argument("--spec-json", default=None,
+                   help='WorkloadSpec overrides as JSON, e.g. \'{"ranks": 1, "num_trajectories": 128}\'')
     p.add_argument("--warmup", type=int, default=1, help="unrecorded mini-batches per system and mode first")
     p.add_argument("--no-put-ahead", dest="put_ahead", action="store_false",
                    help="compute mode: put each mini-batch only after the previous one was consumed "
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s harness %(message)s")
     spec: dict[str, Any] = dict(SMOKE_SPEC) if args.smoke else {}
+    if args.spec_json:
+        spec.update(json.loads(args.spec_json))
     reps = 1 if args.smoke else args.reps
     kinds = ["multimodal"] if args.smoke and args.kinds == "text,multimodal" else args.kinds.split(",")
     wanted = args.systems.split(",") if args.systems else list(SMOKE_SYSTEMS if args.smoke else DEFAULT_SYSTEMS)
