@@ -131,7 +131,7 @@ def test_iter_overlaps_fetch_with_compute(cluster: LocalCluster) -> None:
         with _client(cluster, "ovl-eager", "eager") as client:
             eager = _train(client, 1)
         fetch_per_micro = sum(t.fetch_s + t.convert_s for t in eager[0].timings) / len(eager[0].timings)
-        cost = _calibrate(max(0.01, 4 * fetch_per_micro))  # compute ~4x a micro-batch's transfer
+        cost = _calibrate(max(0.03, 6 * fetch_per_micro))  # compute ~6x a micro-batch's transfer (>= 30 ms)
         with _client(cluster, "ovl-iter", "iter", prefetch_depth=2) as client:
             it = _train(client, cost)
         with _client(cluster, "ovl-ahead", "iter") as client:  # prefetch_next is the default

@@ -1,0 +1,347 @@
+"""One rank's share of an admitted mini-batch: its micro-batches, loaded on demand or prefetched.
+
+:class:`MiniBatch` is what :meth:`knittrans.trainer.client.TrainerClient.minibatches` yields:
+iterate it once for :class:`TrainMicroBatch` es (``eager``: the whole share first; ``iter``: a
+background thread loads micro-batch ``i+1``.. while ``i`` trains, then the next mini-batch's first
+ones), then ``report_fetched``, step, ``ack`` — or ``abandon`` it when a fetch failed.
+Each micro-batch's rows and the media it names are fetched at the same time; the media go
+through the mini-batch's :class:`~knittrans.trainer.media.MediaCache`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import torch
+
+from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError
+from knittrans.tickets import Ticket
+from knittrans.trainer.convert import MicroBatch, to_micro_batch
+from knittrans.trainer.fetch import FetchRead
+from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
+
+if TYPE_CHECKING:
+    from knittrans.trainer.client import TrainerClient
+
+__all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class MicroTiming:
+    """Where one micro-batch's time went, in seconds."""
+
+    global_index: int
+    micro_index: int
+    rows: int
+    wait_s: float = 0.0
+    """Time the training loop blocked waiting for this micro-batch (exposed transfer)."""
+    fetch_s: float = 0.0
+    """Flight/mmap time for rows and media (media through the cache, decoding included: zero-copy)."""
+    convert_s: float = 0.0
+    """Arrow -> torch conversion of the rows."""
+    transform_s: float = 0.0
+    """The client's ``transform`` (if any), run where the micro-batch was loaded."""
+    bytes: int = 0
+    """Bytes of the fetched trajectory rows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainMicroBatch:
+    """One micro-batch ready to train on."""
+
+    index: int
+    batch: MicroBatch
+    """Tensors of the rows (see :class:`~knittrans.trainer.convert.MicroBatch`); ``num_rows`` may be 0."""
+    media: dict[str, torch.Tensor]
+    """Decoded media the rows use, by hex hash (each unique hash once)."""
+    rows: list[dict[str, Any]]
+    """The plan's row entries (group id, unit, node, row, tokens), in row order."""
+    timing: MicroTiming
+    prepared: Any = None
+    """What the client's ``transform`` returned for this micro-batch (None without a transform)."""
+
+
+def _media_records(table: pa.Table) -> dict[str, MediaRecord]:
+    hashes = table.column("media_hash").to_pylist()
+    kinds = table.column("kind").to_pylist()
+    shapes = table.column("shape").to_pylist()
+    dtypes = table.column("dtype").to_pylist()
+    data = table.column("data").chunks
+    out: dict[str, MediaRecord] = {}
+    i = 0
+    for chunk in data:
+        for j in range(len(chunk)):
+            buf = chunk[j].as_buffer()
+            out[hashes[i].hex()] = MediaRecord(kinds[i], shapes[i], dtypes[i], buf)
+            i += 1
+    return out
+
+
+class MiniBatch:
+    """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
+
+    def __init__(self, client: TrainerClient, plan: dict[str, Any]) -> None:
+        self._client = client
+        self.plan = plan
+        self.plan_id: str = plan["plan_id"]
+        self.step: int = plan["step"]
+        self.index: int = plan["mini_batch_index"]
+        self.global_index: int = plan["global_index"]
+        parts = self.plan_id.split(".")
+        self.attempt: int = int(parts[1][1:]) if len(parts) == 3 and parts[1][1:].isdigit() else 0
+        """Re-plan attempt of this global index (``n{n}.a{attempt}.r{rank}``)."""
+        self.policy_version: int = plan["policy_version"]
+        self.num_tokens: int = plan.get("num_tokens", 0)
+        self.num_micro_batches = len(plan["micro_batches"])
+        self.received_at = time.time()
+        """Wall-clock time the plan reached this rank."""
+        admitted = plan.get("admitted_at")
+        self.admitted_at: float | None = float(admitted) if admitted is not None else None
+        """Wall-clock admission time, when the control plane puts it in the plan (else None)."""
+        self.timings: list[MicroTiming] = []
+        self.media_stats = MediaCacheStats()
+        self.acked = False
+        self.acked_at: float | None = None
+        """Wall-clock time of the ack (None until acked)."""
+        self.consumed = False
+        self.complete = False
+        """Every micro-batch was handed to the training loop."""
+        self.abandoned = False
+        self._media_of: dict[str, dict[str, Any]] = {}
+        for micro in plan["micro_batches"]:
+            for m in micro.get("media", ()):
+                self._media_of.setdefault(m["hash"], m)
+        self._cache = MediaCache(self._fetch_media)
+        self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._ack_lock = threading.Lock()
+        self._successor: MiniBatch | None = None
+        self._successor_lock = threading.Lock()
+        self._successor_stop = threading.Event()
+
+    @property
+    def local_trajectories(self) -> int:
+        """Trajectories of this rank's share (known from the plan, before any fetch)."""
+        return sum(len(m["rows"]) for m in self.plan["micro_batches"])
+
+    @property
+    def mini_batch_trajectories(self) -> int | None:
+        """Trajectories of the whole mini-batch over all ranks, when the plan carries the count.
+
+        None when the control plane does not put ``mini_batch_trajectories`` in the plan; a trainer
+        then sums :attr:`local_trajectories` over ranks (one all-reduce) for a global normaliser.
+        """
+        value = self.plan.get("mini_batch_trajectories")
+        return int(value) if value is not None else None
+
+    def _fetch_media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
+        reads = []
+        for h in hashes:
+            entry = self._media_of.get(h)
+            if entry is None:
+                raise InvalidRequest(f"media hash {h} is not in plan {self.plan_id}")
+            reads.append(FetchRead(node_id=entry["node_id"], endpoint=entry["endpoint"],
+                                   ticket=Ticket.decode(entry["ticket"].encode())))
+        return _media_records(self._client.fetcher.fetch(reads))
+
+    def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
+        """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
+        nodes = {f["node_id"]: f["endpoint"] for f in [*micro["fetches"], *micro.get("media", ())]}
+        named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
+        message = (f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}")
+        try:
+            return type(exc)(message)
+        except TypeError:  # an exception type with another constructor
+            return KnitTransError(message)
+
+    def _load(self, i: int) -> TrainMicroBatch:
+        micro = self.plan["micro_batches"][i]
+        timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro["rows"]))
+        t0 = time.perf_counter()
+        table = None
+        want_media = self._client.config.fetch_media and bool(micro.get("media"))
+        # The plan names the micro-batch's media, so they are fetched (another thread, another
+        # DoGet) while the rows are: one round trip per micro-batch instead of two.
+        ahead = (self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
+                 if want_media else None)
+        try:
+            if micro["fetches"]:
+                reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"],
+                                   ticket=Ticket.decode(f["ticket"].encode())) for f in micro["fetches"]]
+                table = self._client.fetcher.fetch(reads)
+        except KnitTransError as exc:
+            if ahead is not None and not ahead.cancel():
+                ahead.exception()  # let it finish before the error ends the mini-batch (cache cleared)
+            raise self._fetch_error(i, micro, exc) from exc
+        t1 = time.perf_counter()
+        batch = to_micro_batch(table) if table is not None else MicroBatch(num_rows=0)
+        t2 = time.perf_counter()
+        media: dict[str, torch.Tensor] = {}
+        if ahead is not None:
+            # One request per trajectory use (the rows' own references when the media column was
+            # fetched), so the cache's logical bytes are what per-trajectory copies would move.
+            refs = [h for row in batch.media_hex() for h in row] if batch.media_hashes is not None else []
+            try:
+                ahead.result()
+                media = self._cache.get(refs or [m["hash"] for m in micro["media"]])
+            except KnitTransError as exc:
+                raise self._fetch_error(i, micro, exc) from exc
+        t3 = time.perf_counter()
+        timing.fetch_s = (t1 - t0) + (t3 - t2)
+        timing.convert_s = t2 - t1
+        timing.bytes = table.nbytes if table is not None else 0
+        loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
+        return self._client.prepare(loaded)
+
+    def __iter__(self) -> Iterator[TrainMicroBatch]:
+        if self.consumed:
+            raise InvalidRequest(f"mini-batch {self.plan_id} was already iterated")
+        self.consumed = True
+        try:
+            if self._client.config.fetch_mode == "eager":
+                t0 = time.perf_counter()
+                loaded = [self._load(i) for i in range(self.num_micro_batches)]
+                wait = time.perf_counter() - t0
+                for j, m in enumerate(loaded):
+                    m.timing.wait_s = wait if j == 0 else 0.0
+                    self.timings.append(m.timing)
+                    yield m
+            else:
+                yield from self._consume_prefetched()
+            self.complete = True
+        finally:
+            self.media_stats = self._cache.clear()
+
+    def start_prefetch(self) -> None:
+        """Start the ``iter`` prefetch thread now (iterating starts it otherwise); idempotent."""
+        if self._worker is not None:
+            return
+        depth = self._client.config.prefetch_depth
+        q: queue.Queue[TrainMicroBatch | BaseException | None] = queue.Queue(depth)
+        self._queue = q
+
+        def put(item: TrainMicroBatch | BaseException | None) -> bool:
+            while not self._stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for i in range(self.num_micro_batches):
+                    if self._stop.is_set() or not put(self._load(i)):
+                        return
+            except BaseException as exc:  # re-raised in the training thread
+                put(exc)
+                return
+            if put(None) and self._client.config.prefetch_next:
+                self._prefetch_successor()
+
+        self._worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
+        self._worker.start()
+
+    def _prefetch_successor(self) -> None:
+        """Prefetch thread, after the last micro-batch: long-poll the plan after this one and prefetch it."""
+        client, cfg = self._client, self._client.config
+        while not (self._successor_stop.is_set() or self._stop.is_set()):
+            try:
+                plan = client.control.next_plan(cfg.job, cfg.rank, min(cfg.poll_timeout_s, 2.0), after=self.plan_id)
+            except Conflict:  # the mini-batch before this one is not acked yet (or this one already is)
+                if self.acked:
+                    return
+                self._successor_stop.wait(0.1)
+                continue
+            except KnitTransError as exc:  # finished, withdrawn (DataLost), control plane down
+                logger.debug("rank %d: no prefetch after %s: %s", cfg.rank, self.plan_id, exc)
+                return
+            if plan is None:
+                continue
+            with self._successor_lock:
+                if self._successor_stop.is_set():
+                    return
+                successor = MiniBatch(client, plan)
+                successor.start_prefetch()
+                self._successor = successor
+            return
+
+    def take_successor(self) -> MiniBatch | None:
+        """The already prefetching next mini-batch, if the prefetch thread got its plan in time; stops the poll."""
+        with self._successor_lock:
+            self._successor_stop.set()
+            successor, self._successor = self._successor, None
+        return successor
+
+    def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
+        self.start_prefetch()
+        assert self._queue is not None and self._worker is not None
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = self._queue.get()
+                wait = time.perf_counter() - t0
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                item.timing.wait_s = wait
+                self.timings.append(item.timing)
+                yield item
+        finally:
+            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch.
+            if len(self.timings) != self.num_micro_batches:
+                self._stop.set()
+                self._worker.join(timeout=30)
+
+    def stop(self) -> None:
+        """Stop a running prefetch thread and any prefetched successor, e.g. when abandoning the mini-batch."""
+        self._stop.set()
+        successor = self.take_successor()
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout=30)
+        if successor is not None:
+            successor.stop()
+
+    def abandon(self) -> None:
+        """Give this mini-batch up without acking it (no optimizer step was taken on it).
+
+        :meth:`TrainerClient.minibatches` then asks the control plane for this global index again
+        (waiting for its re-plan); the prefetched successor, if any, is dropped.
+        """
+        self.abandoned = True
+        self.stop()
+        self._cache.clear()
+
+    def report_fetched(self) -> bool:
+        """Tell the control plane this rank holds its whole share (call before the optimizer step).
+
+        Returns False when the plan was withdrawn (a store node with its rows was lost): then no rank
+        may step on it. Once every rank reported it, a node loss no longer withdraws the mini-batch.
+        """
+        cfg = self._client.config
+        try:
+            self._client.call_control(lambda: self._client.control.fetched(cfg.job, cfg.rank, self.plan_id))
+        except DataLost as exc:
+            logger.warning("rank %d: plan %s was withdrawn: %s", cfg.rank, self.plan_id, exc)
+            return False
+        return True
+
+    def ack(self) -> None:
+        """Tell the control plane this rank finished the mini-batch (after its optimizer step)."""
+        with self._ack_lock:
+            if not self.acked:
+                cfg = self._client.config
+                self._client.call_control(lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id))
+                self.acked, self.acked_at = True, time.time()
