@@ -40,14 +40,23 @@ def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_rank_plan(c: LocalCluster, job: str, *, groups: int, micro_batch_size: int,
+                   groups_per_unit: int) -> dict[str, Any]:
+    """A one-rank job of ``groups`` multimodal groups of 4, written and registered; its first plan."""
+    control = c.control()
+    control.create_job(job_spec(job, groups=groups, group_size=4, k=1, world_size=1,
+                                micro_batch_size=micro_batch_size))
+    write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=4), groups_per_unit=groups_per_unit)
+    plan = control.next_plan(job, 0, timeout_s=10)
+    assert plan is not None
+    return plan
+
+
 def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
     """The same plan iterated eagerly and with prefetching yields equal tensors, media and row entries."""
     job = "same"
-    control = cluster.control()
-    control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=1, micro_batch_size=3))
-    write_and_register(control, job, cluster.stores, mm_groups("s", 4, group_size=4), groups_per_unit=2)
-    plan = control.next_plan(job, 0, timeout_s=10)
-    assert plan is not None and len(plan["micro_batches"]) == 6  # 16 rows / 3, over two nodes
+    plan = _one_rank_plan(cluster, job, groups=4, micro_batch_size=3, groups_per_unit=2)
+    assert len(plan["micro_batches"]) == 6  # 16 rows / 3, over two nodes
     results = {}
     for mode in ("eager", "iter"):
         with _client(cluster, job, mode) as client:
@@ -62,11 +71,8 @@ def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
 def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
     """``transform`` runs in the prefetch thread (iter) and its errors reach the loop at their micro-batch."""
     job = "transform"
-    control = cluster.control()
-    control.create_job(job_spec(job, groups=2, group_size=4, k=1, world_size=1, micro_batch_size=4))
-    write_and_register(control, job, cluster.stores, mm_groups("x", 2, group_size=4), groups_per_unit=1)
-    plan = control.next_plan(job, 0, timeout_s=10)
-    assert plan is not None and len(plan["micro_batches"]) == 2
+    plan = _one_rank_plan(cluster, job, groups=2, micro_batch_size=4, groups_per_unit=1)
+    assert len(plan["micro_batches"]) == 2
 
     def collate(m: TrainMicroBatch) -> tuple[str, int, torch.Tensor]:
         return threading.current_thread().name, m.index, m.batch.rewards.sum()
