@@ -72,10 +72,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
+    from knittrans.trainer.client import TrainerConfig
+
+    client = TrainerConfig(
+        control_url=args.control_url, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
+        store_token=args.store_token, fetch_mode=args.fetch_mode, local_dirs=dict(args.local_dir),
+        fetch_timeout_s=args.fetch_timeout_s, replan_wait_s=args.replan_wait_s,
+    )
     return config(
-        control_url=args.control_url, job=args.job, rank=args.rank, world_size=args.world_size,
-        dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, fetch_mode=args.fetch_mode,
-        local_dirs=dict(args.local_dir), lr=args.lr, image_channels=args.image_channels,
-        dedup=not args.no_dedup, out=args.out, fetch_timeout_s=args.fetch_timeout_s,
-        replan_wait_s=args.replan_wait_s, token=args.token, store_token=args.store_token,
+        client=client, dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, lr=args.lr,
+        image_channels=args.image_channels, dedup=not args.no_dedup, out=args.out,
     )

@@ -43,9 +43,9 @@ import logging
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,30 +66,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RankConfig:
-    """Everything one ``knittrans train`` process needs."""
+    """Everything one ``knittrans train`` process needs: its client's settings plus the training ones."""
 
-    control_url: str
-    """Control-plane base URL."""
-    job: str
-    """Job name."""
-    rank: int
-    """This rank."""
-    world_size: int
-    """Data-parallel ranks."""
+    client: TrainerConfig
+    """Control plane, job, rank, world size, tokens, fetch mode and timeouts of the rank's client."""
     model_dir: Path
     """A saved transformers causal LM (e.g. from ``build_tiny_qwen2``)."""
     dist_url: str | None = None
     """``tcp://HOST:PORT`` for the gloo process group; None only with ``world_size == 1``."""
     weights_dir: Path | None = None
     """Rank 0 writes ``policy-v{n}.safetensors`` here after each optimizer step (None: don't)."""
-    fetch_mode: Literal["eager", "iter"] = "iter"
-    """Micro-batch fetch mode of the client."""
-    fetch_timeout_s: float = 30.0
-    """Timeout of one Flight call to a store node (a dead host raises instead of blocking)."""
-    replan_wait_s: float = 60.0
-    """After a failed mini-batch: how long to wait for its re-plan before retrying the same plan."""
-    local_dirs: dict[str, str] = field(default_factory=dict)
-    """Store node id -> store dir on this host (memory-mapped reads)."""
     lr: float = 1e-4
     """AdamW learning rate."""
     image_channels: int = 3
@@ -102,24 +88,26 @@ class RankConfig:
     """Seed of the vision encoder's initialisation (identical on every rank)."""
     out: Path | None = None
     """JSON-lines file, one record per mini-batch."""
-    token: str | None = None
-    """Control-plane worker token."""
-    store_token: str | None = None
-    """Store nodes' token."""
-    poll_timeout_s: float = 30.0
-    """Long-poll timeout of one ``next`` request."""
     dist_timeout_s: float = 300.0
     """Timeout of collectives (a peer rank that died surfaces after this)."""
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
-        if self.world_size > 1 and not self.dist_url:
+        if self.client.world_size > 1 and not self.dist_url:
             raise ValueError("world_size > 1 needs dist_url (tcp://HOST:PORT) for the gloo process group")
-        if self.fetch_timeout_s <= 0 or self.replan_wait_s < 0:
-            raise ValueError("fetch_timeout_s must be > 0 and replan_wait_s >= 0")
+        if self.client.fetch_timeout_s is None:
+            raise ValueError("a trainer rank needs a fetch_timeout_s (a dead store host must raise, not block)")
         if self.lr <= 0 or self.image_channels < 1 or self.clip_eps <= 0:
             raise ValueError("lr and clip_eps must be > 0 and image_channels >= 1")
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks."""
+        return self.client.world_size
 
 
 _ROWS = "knittrans_encoded_rows"
@@ -357,15 +345,10 @@ def run_rank(cfg: RankConfig) -> int:
     if distributed:
         _setup_dist(cfg, policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-    client_cfg = TrainerConfig(
-        control_url=cfg.control_url, job=cfg.job, rank=cfg.rank, world_size=cfg.world_size, token=cfg.token,
-        store_token=cfg.store_token, fetch_mode=cfg.fetch_mode, local_dirs=dict(cfg.local_dirs),
-        poll_timeout_s=cfg.poll_timeout_s, fetch_timeout_s=cfg.fetch_timeout_s, replan_wait_s=cfg.replan_wait_s,
-    )
     out = open(cfg.out, "a", encoding="utf-8") if cfg.out is not None else None  # noqa: SIM115 - closed below
     trained = 0
     try:
-        with TrainerClient(client_cfg) as client:
+        with TrainerClient(cfg.client) as client:
             for mb in client.minibatches():
                 record = train_mini_batch(policy, optimizer, mb, world_size=cfg.world_size, dedup=cfg.dedup,
                                           clip_eps=cfg.clip_eps, pad_id=pad_id)
@@ -378,7 +361,7 @@ def run_rank(cfg: RankConfig) -> int:
                     if cfg.weights_dir is not None:
                         save_weights(policy.backbone, cfg.weights_dir, version)
                     client.report_version(version)
-                record.update(rank=cfg.rank, fetch_mode=cfg.fetch_mode, published_version=version)
+                record.update(rank=cfg.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
                 trained += 1
                 logger.info("rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)", cfg.rank,
                             mb.global_index, record["loss"], record["wait_s"], record["step_time_s"])
