@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             # that runs ahead of training leaves it; a client that prefetches across mini-batches can
             # fetch it while the current one trains (TransferQueue and Ray consumers fetch synchronously).
             ahead = compute and args.put_ahead
-            tags = [f"warmup{w}_{mode}" for w in range(args.warmup)] + [f"r{rep}_{mode}" for rep in range(args.reps)]
-            for i, tag in enumerate(tags):
+            # (tag, repetition); warm-up mini-batches have no repetition and are not recorded
+            order: list[tuple[str, int | None]] = [(f"warmup{w}_{mode}", None) for w in range(args.warmup)]
+            order += [(f"r{rep}_{mode}", rep) for rep in range(args.reps)]
+            tags = [tag for tag, _ in order]
+            for i, (tag, rep) in enumerate(order):
                 if tag not in puts:
                     do_put(tag)
                 if ahead and i + 1 < len(tags):
@@ -103,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 waits = [mb["wait_s"] for r in ranks for mb in r["micro"]]
                 logger.info("%s %s %s: put %.3f s, consume %.3f s, median wait %.1f ms", runner.name, args.kind,
                             tag, put["put_s"], c - b, 1e3 * sorted(waits)[len(waits) // 2])
-                if tag.startswith("warmup"):
+                if rep is None:
                     continue
-                result["runs"].append({"rep": int(tag[1:].split("_")[0]), "mode": mode, "put": put,
+                result["runs"].append({"rep": rep, "mode": mode, "put": put,
                                        "consume_wall_s": c - b, "ranks": ranks, "put_ahead": ahead})
     finally:
         t2 = time.time()

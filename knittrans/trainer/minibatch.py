@@ -170,8 +170,8 @@ class MiniBatch:
         t0 = time.perf_counter()
         table = None
         want_media = self._client.config.fetch_media and bool(micro.get("media"))
-        # The plan names the micro-batch's media, so they are fetched (another thread, another
-        # DoGet) while the rows are: one round trip per micro-batch instead of two.
+        # The plan names the micro-batch's media, so their DoGet runs (in another thread) while the
+        # rows' DoGet does: the two round trips overlap instead of following each other.
         ahead = (self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
                  if want_media else None)
         try:
