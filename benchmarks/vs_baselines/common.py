@@ -51,7 +51,7 @@ class SystemRunner(Protocol):
         """Start the system's services and its consumer ranks; return when ready to accept a put."""
 
     def put(self, workload: Workload, tag: str) -> dict[str, float]:
-        """Store the whole mini-batch as a rollout producer would (per group); return timings in s."""
+        """Store the whole mini-batch as rollout producers would (``spec.put_batches()``); return timings in s."""
 
     def consume(self, tag: str, compute: bool) -> list[dict[str, Any]]:
         """Run all ranks concurrently through :func:`rank_loop`; return their results, rank order."""

@@ -1,7 +1,10 @@
 """System (c): KnitTrans — control plane + 2 store nodes (real processes) + 4 ``TrainerClient`` ranks.
 
 Variants (all: producer on the stores' host writes units through the shared directory, as a rollout
-worker next to its store node does; one job for the whole run, one train step per ``put``):
+worker next to its store node does, one unit per producer batch of ``spec.groups_per_put`` groups,
+batches alternating between the two nodes; one job for the whole run, one train step per ``put``;
+ranks read their share through share streams, one rows and one media ``DoGet`` per node, with
+``prefetch_depth`` = the share's micro-batches):
 
 * ``flight`` — ranks fetch rows and media with Arrow Flight ``DoGet`` over loopback, what a trainer
   on another host does; ``fetch_mode="iter"`` (micro-batch ``i+1`` prefetched while ``i`` trains).
@@ -174,7 +177,9 @@ class KnitTransRunner:
     def put(self, workload: Workload, tag: str) -> dict[str, float]:
         t0 = time.perf_counter()
         groups = build_groups(workload, tag)
-        descs = [self.writers[k % len(self.writers)].write_groups([g]) for k, g in enumerate(groups)]
+        # one unit per producer batch of groups, batches alternating between the two store nodes
+        descs = [self.writers[k % len(self.writers)].write_groups(groups[b.start:b.stop])
+                 for k, b in enumerate(self.spec.put_batches())]
         t1 = time.perf_counter()
         self.control.register_units(JOB, descs)
         t2 = time.perf_counter()
@@ -236,7 +241,7 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
     warm_up(spec, hidden)
     cfg = TrainerConfig(control_url=config["control_url"], job=config["job"], rank=rank,
                         world_size=int(config["world_size"]), fetch_mode=config["fetch_mode"],
-                        local_dirs=config["local_dirs"])
+                        local_dirs=config["local_dirs"], prefetch_depth=spec.micro_batches)
     # The conversion to the workload's TrainBatch is the client's transform (its collate function):
     # it runs in the prefetch thread, off the training loop, as a DataLoader's collate_fn would.
     with TrainerClient(cfg, transform=to_train_batch) as client:

@@ -35,10 +35,11 @@ TOKEN_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
 SCALAR_FIELDS = ("traj_index", "reward", "version_start", "version_end")
 
 
-def group_fields(workload: Workload, group: int) -> tuple[list[str], TensorDict]:
-    """Keys and TensorDict of one group, one row per trajectory (image repeated per row)."""
+def group_fields(workload: Workload, groups: int | range) -> tuple[list[str], TensorDict]:
+    """Keys and TensorDict of one group or a range of groups, one row per trajectory (image repeated per row)."""
     g = workload.spec.group_size
-    rows = list(range(group * g, (group + 1) * g))
+    groups = range(groups, groups + 1) if isinstance(groups, int) else groups
+    rows = list(range(groups.start * g, groups.stop * g))
     cols: dict[str, Any] = {
         "traj_index": torch.tensor(rows, dtype=torch.int64),
         "reward": torch.from_numpy(workload.reward[rows]),
@@ -49,8 +50,8 @@ def group_fields(workload: Workload, group: int) -> tuple[list[str], TensorDict]
                          ("response_logprobs", workload.response_logprobs)):
         cols[name] = torch.nested.nested_tensor([torch.from_numpy(arrays[i]) for i in rows], layout=torch.jagged)
     if workload.images is not None:
-        cols["image"] = torch.from_numpy(workload.images[group]).unsqueeze(0).expand(g, -1, -1).contiguous()
-    return [workload.traj_id(i) for i in rows], TensorDict(cols, batch_size=g)
+        cols["image"] = torch.from_numpy(workload.images[list(groups)]).repeat_interleave(g, dim=0)
+    return [workload.traj_id(i) for i in rows], TensorDict(cols, batch_size=len(rows))
 
 
 def _plain(column: torch.Tensor) -> list[torch.Tensor]:
@@ -141,8 +142,8 @@ class TQRunner:
 
     def put(self, workload: Workload, tag: str) -> dict[str, float]:
         t0 = time.perf_counter()
-        for k in range(workload.spec.num_groups):
-            keys, fields = group_fields(workload, k)
+        for groups in workload.spec.put_batches():  # one kv_batch_put per producer batch of groups
+            keys, fields = group_fields(workload, groups)
             self.tq.kv_batch_put(keys=keys, partition_id=tag, fields=fields)
         put_s = time.perf_counter() - t0
         return {"put_s": put_s, "stored_bytes": float(workload.payload_bytes(image_per_row=True))}

@@ -52,11 +52,15 @@ class WorkloadSpec:
     """Token ids are drawn from ``[0, vocab_size)``."""
     seed: int = 0
     """Seed of the generator; same spec + seed -> identical bytes."""
+    groups_per_put: int = 8
+    """Groups a rollout producer finishes and publishes together (one engine call's prompts): one
+    ``kv_batch_put`` for TransferQueue, one storage unit for KnitTrans; the Ray variants keep their
+    own granularity (an object per group, or per rank shard)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("text", "multimodal"):
             raise ValueError(f"kind must be 'text' or 'multimodal', got {self.kind!r}")
-        for name in ("num_trajectories", "group_size", "ranks", "micro_batches"):
+        for name in ("num_trajectories", "group_size", "ranks", "micro_batches", "groups_per_put"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_trajectories % self.group_size:
@@ -79,6 +83,11 @@ class WorkloadSpec:
     def num_groups(self) -> int:
         """Groups in the mini-batch."""
         return self.num_trajectories // self.group_size
+
+    def put_batches(self) -> list[range]:
+        """Group indices of each producer put, in order (the last one may be shorter)."""
+        n, k = self.num_groups, self.groups_per_put
+        return [range(i, min(i + k, n)) for i in range(0, n, k)]
 
     def plan(self, rank: int, micro_batch: int) -> range:
         """Canonical trajectory indices of ``(rank, micro_batch)``: contiguous, whole groups per rank."""

@@ -4,6 +4,7 @@ API::
 
     with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
         c.get(ticket) -> pa.Table                      # one DoGet
+        c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
         c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
         c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
         c.seal(job, unit) / c.delete(job, unit) / c.stats() / c.health()
@@ -16,7 +17,7 @@ Every failure is re-raised as the :mod:`knittrans.errors` type the server raised
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -54,6 +55,29 @@ class StoreClient:
         """One ``DoGet``: the rows × columns (or media rows) the ticket names."""
         raw = flight.Ticket(ticket.encode())
         return self._call(lambda: self._client.do_get(raw, self._options).read_all())
+
+    def stream(self, ticket: Ticket) -> Iterator[pa.RecordBatch]:
+        """One ``DoGet`` read batch by batch: the call is opened here, the data flows in the background.
+
+        Closing the iterator early (``close()`` or garbage collection) cancels the call.
+        """
+        raw = flight.Ticket(ticket.encode())
+        reader = self._call(lambda: self._client.do_get(raw, self._options))
+        return self._batches(reader)
+
+    def _batches(self, reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
+        done = False
+        try:
+            while True:
+                try:
+                    chunk = self._call(reader.read_chunk)
+                except StopIteration:
+                    done = True
+                    return
+                yield chunk.data
+        finally:
+            if not done:
+                reader.cancel()
 
     def _action(self, kind: str, body: dict[str, Any] | None = None) -> Any:
         def run() -> Any:

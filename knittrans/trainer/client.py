@@ -88,6 +88,10 @@ class TrainerConfig:
     """Store node id -> its store directory, for nodes on this host (memory-mapped reads)."""
     fetch_media: bool = True
     """Fetch and decode the media each micro-batch references (through a per-mini-batch cache)."""
+    stream: bool = True
+    """Read the share through one ``DoGet`` per store node and kind (rows, media), each micro-batch
+    taking its rows as they arrive (:class:`~knittrans.trainer.share.ShareStreams`); False: one
+    ``DoGet`` per micro-batch and kind."""
     prefetch_next: bool = True
     """``iter`` only: prefetch mini-batch ``n+1`` (plan via ``next?after=``) while ``n`` finishes."""
     fetch_timeout_s: float | None = 30.0

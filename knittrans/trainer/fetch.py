@@ -5,6 +5,7 @@ API::
     reads = [FetchRead(node_id="node-0", endpoint="grpc://...", ticket=Ticket(...)), ...]
     with Fetcher(token=None, local_dirs={"node-0": "/dev/shm/knittrans"}) as f:
         table = f.fetch(reads)                     # pa.Table, rows in the order of ``reads``
+        batches = f.stream("node-0", "grpc://...", ticket)  # one DoGet, batch by batch
     table = fetch(reads, token=..., local_dirs=...)   # one-shot
 
 Reads of the same node are merged into one ``DoGet`` when they are ``rows`` tickets of one job
@@ -18,7 +19,7 @@ anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -95,6 +96,11 @@ class Fetcher:
         self._clients: dict[str, StoreClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="knittrans-fetch")
 
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The fetcher's worker threads (nodes of one fetch run in parallel here)."""
+        return self._pool
+
     def _client(self, endpoint: str) -> StoreClient:
         client = self._clients.get(endpoint)
         if client is None:
@@ -118,6 +124,13 @@ class Fetcher:
             if offset != table.num_rows:
                 raise InvalidRequest(f"node {node_id} returned {table.num_rows} rows for {offset} requested")
         return out
+
+    def stream(self, node_id: str, endpoint: str, ticket: Ticket) -> Iterator[pa.RecordBatch]:
+        """What ``ticket`` names, as record batches: a streamed ``DoGet``, or the mmap read of a local node."""
+        local = self._local.get(node_id)
+        if local is not None:
+            return iter(local.read(ticket).to_batches())
+        return self._client(endpoint).stream(ticket)
 
     def fetch(self, reads: Sequence[FetchRead]) -> pa.Table:
         """Rows of every read, in the order of ``reads`` (one table; chunks are zero-copy slices)."""

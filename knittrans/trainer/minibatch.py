@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import torch
 
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError
@@ -26,6 +25,7 @@ from knittrans.tickets import Ticket
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.fetch import FetchRead
 from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
+from knittrans.trainer.share import ShareStreams, media_records
 
 if TYPE_CHECKING:
     from knittrans.trainer.client import TrainerClient
@@ -70,22 +70,6 @@ class TrainMicroBatch:
     """What the client's ``transform`` returned for this micro-batch (None without a transform)."""
 
 
-def _media_records(table: pa.Table) -> dict[str, MediaRecord]:
-    hashes = table.column("media_hash").to_pylist()
-    kinds = table.column("kind").to_pylist()
-    shapes = table.column("shape").to_pylist()
-    dtypes = table.column("dtype").to_pylist()
-    data = table.column("data").chunks
-    out: dict[str, MediaRecord] = {}
-    i = 0
-    for chunk in data:
-        for j in range(len(chunk)):
-            buf = chunk[j].as_buffer()
-            out[hashes[i].hex()] = MediaRecord(kinds[i], shapes[i], dtypes[i], buf)
-            i += 1
-    return out
-
-
 class MiniBatch:
     """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
 
@@ -120,7 +104,15 @@ class MiniBatch:
         for micro in plan["micro_batches"]:
             for m in micro.get("media", ()):
                 self._media_of.setdefault(m["hash"], m)
-        self._cache = MediaCache(self._fetch_media)
+        cfg = client.config
+        self._streams: ShareStreams | None = None
+        """One DoGet per node and kind for the whole share (None: one per micro-batch and kind)."""
+        if cfg.stream:
+            try:
+                self._streams = ShareStreams.from_plan(client.fetcher, plan, media=cfg.fetch_media)
+            except KnitTransError as exc:  # a bad ticket: the per-micro-batch path reports it where it is used
+                logger.debug("plan %s is fetched per micro-batch: %s", self.plan_id, exc)
+        self._cache = MediaCache(self._streams.media if self._streams is not None else self._fetch_media)
         self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -152,7 +144,7 @@ class MiniBatch:
                 raise InvalidRequest(f"media hash {h} is not in plan {self.plan_id}")
             reads.append(FetchRead(node_id=entry["node_id"], endpoint=entry["endpoint"],
                                    ticket=Ticket.decode(entry["ticket"].encode())))
-        return _media_records(self._client.fetcher.fetch(reads))
+        return media_records(self._client.fetcher.fetch(reads))
 
     def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
@@ -170,12 +162,15 @@ class MiniBatch:
         t0 = time.perf_counter()
         table = None
         want_media = self._client.config.fetch_media and bool(micro.get("media"))
-        # The plan names the micro-batch's media, so their DoGet runs (in another thread) while the
-        # rows' DoGet does: the two round trips overlap instead of following each other.
+        streams = self._streams
+        # Per micro-batch calls: the plan names the micro-batch's media, so their DoGet runs (in another
+        # thread) while the rows' DoGet does. Streams: both already flow, read one after the other.
         ahead = (self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
-                 if want_media else None)
+                 if want_media and streams is None else None)
         try:
-            if micro["fetches"]:
+            if streams is not None:
+                table = streams.rows(i)
+            elif micro["fetches"]:
                 reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"],
                                    ticket=Ticket.decode(f["ticket"].encode())) for f in micro["fetches"]]
                 table = self._client.fetcher.fetch(reads)
@@ -187,12 +182,13 @@ class MiniBatch:
         batch = to_micro_batch(table) if table is not None else MicroBatch(num_rows=0)
         t2 = time.perf_counter()
         media: dict[str, torch.Tensor] = {}
-        if ahead is not None:
+        if want_media:
             # One request per trajectory use (the rows' own references when the media column was
             # fetched), so the cache's logical bytes are what per-trajectory copies would move.
             refs = [h for row in batch.media_hex() for h in row] if batch.media_hashes is not None else []
             try:
-                ahead.result()
+                if ahead is not None:
+                    ahead.result()
                 media = self._cache.get(refs or [m["hash"] for m in micro["media"]])
             except KnitTransError as exc:
                 raise self._fetch_error(i, micro, exc) from exc
@@ -221,6 +217,11 @@ class MiniBatch:
             self.complete = True
         finally:
             self.media_stats = self._cache.clear()
+            self._close_streams()
+
+    def _close_streams(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
 
     def start_prefetch(self) -> None:
         """Start the ``iter`` prefetch thread now (iterating starts it otherwise); idempotent."""
@@ -264,7 +265,7 @@ class MiniBatch:
                     return
                 self._successor_stop.wait(0.1)
                 continue
-            except KnitTransError as exc:  # finished, withdrawn (DataLost), control plane down
+            except (KnitTransError, RuntimeError) as exc:  # finished, withdrawn (DataLost), down, client closed
                 logger.debug("rank %d: no prefetch after %s: %s", cfg.rank, self.plan_id, exc)
                 return
             if plan is None:
@@ -323,6 +324,7 @@ class MiniBatch:
         self.abandoned = True
         self.stop()
         self._cache.clear()
+        self._close_streams()
 
     def report_fetched(self) -> bool:
         """Tell the control plane this rank holds its whole share (call before the optimizer step).

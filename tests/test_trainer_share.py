@@ -1,0 +1,140 @@
+"""ShareStreams: a rank's share read through one DoGet per node and kind, against real store processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.errors import DataLost, InvalidRequest, NotFound
+from knittrans.tickets import Ticket
+from knittrans.trainer.client import TrainerClient, TrainerConfig
+from knittrans.trainer.fetch import Fetcher, FetchRead
+from knittrans.trainer.minibatch import MiniBatch
+from knittrans.trainer.share import ShareStreams, _MediaStream, _RowTaker, media_records
+from tests.trainer_support import job_spec, mm_groups, write_and_register
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Control plane + two store nodes."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("share"), num_stores=2)) as c:
+        yield c
+
+
+def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: int = 4) -> dict[str, Any]:
+    control = c.control()
+    control.create_job(job_spec(job, groups=groups, group_size=2, k=1, world_size=1, micro_batch_size=micro))
+    write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=2), groups_per_unit=unit)
+    with TrainerClient(TrainerConfig(control_url=c.control_url, job=job, rank=0, world_size=1)) as client:
+        plan = client.next_plan()
+    assert plan is not None
+    return plan
+
+
+def _per_micro(fetcher: Fetcher, micro: dict[str, Any]) -> pa.Table:
+    reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
+             for f in micro["fetches"]]
+    return fetcher.fetch(reads)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster, local: bool) -> None:
+    """Every micro-batch's rows and media equal the per-micro-batch DoGets', with at most 2 calls per node."""
+    plan = _plan(cluster, f"share-eq-{int(local)}")
+    dirs = {s.node_id: str(s.store_dir) for s in cluster.stores} if local else {}
+    with Fetcher(local_dirs=dirs) as fetcher, Fetcher() as reference:
+        streams = ShareStreams.from_plan(fetcher, plan)
+        assert streams is not None
+        nodes = {f["node_id"] for m in plan["micro_batches"] for f in [*m["fetches"], *m["media"]]}
+        assert len(nodes) == 2 and len(plan["micro_batches"]) == 3
+        for i, micro in enumerate(plan["micro_batches"]):
+            got = streams.rows(i)
+            assert got is not None and got.equals(_per_micro(reference, micro))
+            hashes = [m["hash"] for m in micro["media"]]
+            expected = {h: bytes(r.data) for h, r in media_records(reference.fetch([
+                FetchRead(node_id=m["node_id"], endpoint=m["endpoint"], ticket=Ticket.decode(m["ticket"].encode()))
+                for m in micro["media"]])).items()}
+            assert {h: bytes(r.data) for h, r in streams.media(hashes).items()} == expected
+        assert streams.calls == 2 * len(nodes)
+        streams.close()
+
+
+def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalCluster) -> None:
+    """A micro-batch out of order and a hash not in the plan are refused with a clear error."""
+    plan = _plan(cluster, "share-order")
+    with Fetcher() as fetcher:
+        streams = ShareStreams.from_plan(fetcher, plan)
+        assert streams is not None
+        with pytest.raises(InvalidRequest, match="out of order"):
+            streams.rows(1)
+        with pytest.raises(InvalidRequest, match="not in this share's plan"):
+            streams.media(["ab" * 32])
+        streams.close()
+
+
+def test_unstreamable_plan_falls_back() -> None:
+    """A rows ticket without explicit row ranges cannot be split per micro-batch: no streams for that plan."""
+    whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
+    plan = {"micro_batches": [{"fetches": [{"node_id": "n0", "endpoint": "grpc://127.0.0.1:1",
+                                            "ticket": whole.encode().decode()}], "media": []}]}
+    with Fetcher() as fetcher:
+        assert ShareStreams.from_plan(fetcher, plan) is None
+
+
+def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:
+    start = 0
+    for n in sizes:
+        yield pa.record_batch({"x": pa.array(range(start, start + n), type=pa.int64())})
+        start += n
+
+
+def test_row_taker_splits_batches_where_counts_end() -> None:
+    """Counts that cut through and across batches get exactly their rows; a short stream raises DataLost."""
+    taker = _RowTaker(_batches([3, 0, 5, 2]), "test stream")
+    got = [pa.Table.from_batches(taker.take(n)).column("x").to_pylist() for n in (2, 4, 3)]
+    assert got == [[0, 1], [2, 3, 4, 5], [6, 7, 8]]
+    with pytest.raises(DataLost, match="test stream ended after 10 rows; 11 were asked for"):
+        taker.take(2)
+
+
+def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
+    """Records that arrive before they are asked for are kept; a hash the stream lacks is NotFound."""
+    plan = _plan(cluster, "share-media")
+    media = [m for micro in plan["micro_batches"] for m in micro["media"]]
+    node = media[0]["node_id"]
+    mine = list(dict.fromkeys(m["hash"] for m in media if m["node_id"] == node))
+    assert len(mine) >= 2
+    tickets = [Ticket.decode(m["ticket"].encode()) for m in media if m["node_id"] == node]
+    units = tuple(dict.fromkeys(r for t in tickets for r in t.reads))
+    ticket = Ticket(job=tickets[0].job, kind="media", reads=units, media_hashes=tuple(mine))
+    with Fetcher() as fetcher:
+        stream = _MediaStream(fetcher.stream(node, media[0]["endpoint"], ticket), "media of the test")
+        last = stream.get(mine[-1])  # the other records arrive first and are kept
+        first = stream.get(mine[0])
+        one = Ticket(job=ticket.job, kind="media", reads=units, media_hashes=(mine[0], mine[-1]))
+        expected = media_records(fetcher.fetch([FetchRead(node_id=node, endpoint=media[0]["endpoint"], ticket=one)]))
+        assert bytes(first.data) == bytes(expected[mine[0]].data) and bytes(last.data) == bytes(expected[mine[-1]].data)
+        assert len(bytes(first.data)) == 3 * 32 * 32 and first.shape == [3, 32, 32]
+        with pytest.raises(NotFound, match="not in media of the test"):
+            stream.get("cd" * 32)
+        stream.close()
+
+
+def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
+    """Stopping after one micro-batch cancels the open calls; the nodes keep serving the next fetch."""
+    plan = _plan(cluster, "share-cancel", groups=8, micro=2)
+    with TrainerClient(TrainerConfig(control_url=cluster.control_url, job="share-cancel", rank=0, world_size=1,
+                                     fetch_mode="eager")) as client:
+        mb = MiniBatch(client, plan)
+        first = mb._load(0)
+        assert first.batch.num_rows == 2
+        mb.abandon()
+        with Fetcher() as fetcher:
+            assert _per_micro(fetcher, plan["micro_batches"][1]).num_rows == 2
+    for s in cluster.stores:
+        with Fetcher() as fetcher:
+            assert fetcher._client(s.endpoint).health()["ok"]
