@@ -121,6 +121,7 @@ def rank_loop(
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if model is not None else None
     micro: list[dict[str, Any]] = []
     received: list[TrainBatch] = []
+    cpu_start = time.process_time()  # every thread of this rank's process: its loader, transport, compute
     t_start = time.perf_counter()
     for m in range(spec.micro_batches):
         t0 = time.perf_counter()
@@ -138,6 +139,7 @@ def rank_loop(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     wall = time.perf_counter() - t_start
+    cpu = time.process_time() - cpu_start
     t3 = time.perf_counter()
     for rec, batch in zip(micro, received, strict=True):
         digests = row_digests(batch)
@@ -147,4 +149,5 @@ def rank_loop(
             "digest": microbatch_digest(digests),
             "row_digests": {str(k): v.hex() for k, v in digests.items()},
         })
-    return {"rank": rank, "pid": os.getpid(), "train_s": wall, "digest_s": time.perf_counter() - t3, "micro": micro}
+    return {"rank": rank, "pid": os.getpid(), "train_s": wall, "process_cpu_s": cpu,
+            "digest_s": time.perf_counter() - t3, "micro": micro}

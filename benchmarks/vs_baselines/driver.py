@@ -29,6 +29,7 @@ RUNNER_MODULES = {
     "tq": "benchmarks.vs_baselines.tq_runner",
     "ray": "benchmarks.vs_baselines.ray_runner",
     "knittrans": "benchmarks.vs_baselines.knittrans_runner",
+    "local": "benchmarks.vs_baselines.local_runner",
 }
 
 

@@ -35,14 +35,14 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SYSTEMS = ("knittrans:flight", "knittrans:flight_eager", "knittrans:mmap",
-                   "tq:kv", "tq:sampler", "ray:group", "ray:shard")
+                   "tq:kv", "tq:sampler", "ray:group", "ray:shard", "local:memory")
 SMOKE_SYSTEMS = ("knittrans:flight", "tq:kv", "ray:group")
 SMOKE_SPEC = {"num_trajectories": 128, "micro_batches": 2}
 
 
 def available(system: str) -> bool:
     """Whether the runner module of ``system`` and its dependencies are importable here."""
-    needs = {"tq": ["transfer_queue", "ray"], "ray": ["ray"], "knittrans": ["knittrans"]}[system]
+    needs = {"tq": ["transfer_queue", "ray"], "ray": ["ray"], "knittrans": ["knittrans"], "local": ["torch"]}[system]
     if system == "knittrans" and not (Path(__file__).parent / "knittrans_runner.py").exists():
         return False
     return all(importlib.util.find_spec(m) is not None for m in needs)

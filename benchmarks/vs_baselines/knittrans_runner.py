@@ -188,10 +188,29 @@ class KnitTransRunner:
                 "stored_bytes": float(workload.payload_bytes(image_per_row=False)),
                 "unit_bytes": float(sum(d.num_bytes for d in descs))}
 
+    def _server_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the store nodes and the control plane (all their threads)."""
+        import psutil
+
+        out: dict[str, float] = {}
+        for name, proc in self._cluster.procs.children.items():
+            role = "control_plane" if name.startswith("control") else "stores"
+            try:
+                t = psutil.Process(proc.pid).cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            out[role] = out.get(role, 0.0) + t.user + t.system
+        return out
+
     def consume(self, tag: str, compute: bool) -> list[dict[str, Any]]:
+        before = self._server_cpu()
         for proc in self._consumers:
             self._send(proc, {"cmd": "run", "compute": compute, "tag": tag})
-        return [self._receive(proc) for proc in self._consumers]
+        ranks = [self._receive(proc) for proc in self._consumers]
+        after = self._server_cpu()
+        # servers' CPU during the consume (plans, acks, DoGets), reported with rank 0
+        ranks[0]["server_cpu_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
+        return ranks
 
     def clear(self, tag: str) -> None:
         by_node = {w.node_id: w for w in self.writers}

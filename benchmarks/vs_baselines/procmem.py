@@ -30,6 +30,7 @@ ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     (" store ", "storage"),
     ("control-plane", "controller"),
     ("knittrans_consumer", "consumer"),
+    ("local_consumer", "consumer"),
     ("trainer", "consumer"),
 )
 

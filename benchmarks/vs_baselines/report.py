@@ -66,6 +66,16 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
                          f"{_fmt(t['baseline_value'])} | {t['ratio']:.3g} | {t['required']:g} | "
                          f"{'yes' if t['met'] else '**no**'} |")
         lines.append("")
+    floors = {(r["kind"], r["mode"]): r["minibatch_s"] for r in rows if r["system"] == "local_memory"}
+    bounds = [(r["kind"], r["mode"], r["minibatch_s"], floors[(r["kind"], r["mode"])]) for r in rows
+              if r["system"] == "tq_kv" and (r["kind"], r["mode"]) in floors]
+    if bounds:
+        lines += ["Host bound on transfer+train: `local_memory` has no transfer at all (the micro-batches are in "
+                  "each rank's memory before the run), so no system can be more than tq_kv / local_memory times "
+                  "faster than tq_kv here:", ""]
+        lines += [f"* {kind}, compute={'on' if mode == 'compute' else 'off'}: tq_kv {tq:.3g} s / local_memory "
+                  f"{floor:.3g} s = **{tq / floor:.2f}×** at most" for kind, mode, tq, floor in bounds]
+        lines.append("")
     lines += ["Peak RSS by role (MiB, whole run, summed over processes of the role):", ""]
     for r in rows:
         if r["mode"] == "none":
