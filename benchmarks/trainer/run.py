@@ -67,10 +67,12 @@ class Variant:
     fetch_mode: str
     dedup: bool
     prefetch_next: bool = True
+    stream: bool = True
 
 
 VARIANTS = [
-    Variant("sample/eager/dup", True, "eager", False),
+    Variant("sample/eager/dup", True, "eager", False, stream=False),
+    Variant("unit/eager-per-micro/dup", False, "eager", False, stream=False),
     Variant("unit/eager/dup", False, "eager", False),
     Variant("unit/iter-within/dup", False, "iter", False, prefetch_next=False),
     Variant("unit/iter/dup", False, "iter", False),
@@ -168,7 +170,8 @@ def run_variant(cluster: LocalCluster, job: str, v: Variant, base: Policy, *, wo
         policy = copy.deepcopy(base)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
         cfg = TrainerConfig(control_url=cluster.control_url, job=job, rank=rank, world_size=world,
-                            fetch_mode=v.fetch_mode, prefetch_next=v.prefetch_next)  # type: ignore[arg-type]
+                            fetch_mode=v.fetch_mode, prefetch_next=v.prefetch_next,  # type: ignore[arg-type]
+                            stream=v.stream)
         # The job finishes only when every rank acked, so a sequentially measured rank stops after its
         # ``mini_batches`` instead of waiting for the end of the job.
         with TrainerClient(cfg) as client:
@@ -335,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["ratios"] = {
         "unit_vs_sample_exposed": exposed["unit/eager/dup"] / exposed["sample/eager/dup"],
         "iter_vs_eager_exposed": exposed["unit/iter/dup"] / exposed["unit/eager/dup"],
+        "stream_vs_per_micro_fetch": med["unit/eager/dup"]["fetch_per_micro_ms"]
+        / med["unit/eager-per-micro/dup"]["fetch_per_micro_ms"],
         "iter_within_vs_eager_exposed": exposed["unit/iter-within/dup"] / exposed["unit/eager/dup"],
         "iter_vs_eager_exposed_incl_warmup": med["unit/iter/dup"]["exposed_per_micro_incl_warmup_ms"]
         / med["unit/eager/dup"]["exposed_per_micro_incl_warmup_ms"],

@@ -19,6 +19,7 @@ METRICS: dict[str, str] = {
     "load_p50_ms": "unhidden fetch p50 (ms)",
     "exposed_mean_ms": "exposed / micro-batch (ms)",
     "minibatch_s": "transfer+train / mini-batch (s)",
+    "consumer_cpu_s": "rank processes' CPU / mini-batch (s)",
     "peak_total_mib": "peak RSS all processes (MiB)",
     "storage_bytes_per_stored_byte": "storage RSS / stored byte",
 }
@@ -77,6 +78,9 @@ def _run_metrics(run: dict[str, Any]) -> dict[str, Any]:
         "load_p50_ms": _pct(loads, 0.5),
         "exposed_mean_ms": statistics.fmean(waits),
         "minibatch_s": max(r["train_s"] for r in run["ranks"]),
+        # all threads of all rank processes (absent in results of older versions)
+        "consumer_cpu_s": (sum(r["process_cpu_s"] for r in run["ranks"])
+                           if all("process_cpu_s" in r for r in run["ranks"]) else None),
         "consume_wall_s": run["consume_wall_s"],
         "bytes_received": sum(mb["nbytes"] for r in run["ranks"] for mb in r["micro"]),
         "per_rank": per_rank,
@@ -101,8 +105,9 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             checks = [check_run(r, digests, spec) for r in runs]
             row: dict[str, Any] = {"system": res["system"], "kind": res["kind"], "mode": mode, "reps": len(runs)}
             for key in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s",
-                        "consume_wall_s", "bytes_received", "stored_bytes"):
-                row[key] = statistics.median(m[key] for m in metrics)
+                        "consumer_cpu_s", "consume_wall_s", "bytes_received", "stored_bytes"):
+                values = [m[key] for m in metrics if m[key] is not None]
+                row[key] = statistics.median(values) if values else None
             row["per_rank"] = {rank: {k: statistics.median(m["per_rank"][rank][k] for m in metrics)
                                       for k in ("p50_ms", "p99_ms")} for rank in metrics[0]["per_rank"]}
             row["startup_s"] = res["startup_s"]

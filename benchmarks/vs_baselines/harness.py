@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SYSTEMS = ("knittrans:flight", "knittrans:flight_eager", "knittrans:mmap",
                    "tq:kv", "tq:sampler", "ray:group", "ray:shard", "local:memory")
-SMOKE_SYSTEMS = ("knittrans:flight", "tq:kv", "ray:group")
+SMOKE_SYSTEMS = ("knittrans:flight", "tq:kv", "ray:group", "local:memory")
 SMOKE_SPEC = {"num_trajectories": 128, "micro_batches": 2}
 
 

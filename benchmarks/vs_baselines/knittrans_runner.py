@@ -29,13 +29,8 @@ step is added to the rank's transfer+train time.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import logging
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +42,7 @@ import numpy as np
 import torch
 
 from benchmarks.vs_baselines.common import RunnerOptions, rank_loop, warm_up
+from benchmarks.vs_baselines.rankprocs import RankProcesses, rank_main, read_config, serve_commands
 from benchmarks.vs_baselines.workload import TrainBatch, Workload, WorkloadSpec
 
 __all__ = ["COLUMNS", "VARIANTS", "KnitTransRunner", "make_runner", "to_train_batch"]
@@ -60,7 +56,6 @@ SOURCE = "bench"
 COLUMNS = ("traj_id", "prompt_ids", "response_ids", "response_logprobs", "reward", "version_start",
            "version_end", "media")
 """Columns the ranks fetch (the job spec's projection): what the workload has, nothing more."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 def to_train_batch(micro: Any) -> TrainBatch:
@@ -114,7 +109,7 @@ class KnitTransRunner:
             raise ValueError(f"unknown knittrans variant {variant!r}; choose from {VARIANTS}")
         self.variant = variant
         self.name = f"knittrans_{variant}"
-        self._consumers: list[subprocess.Popen[str]] = []
+        self._ranks: RankProcesses | None = None
         self._descs: dict[str, list[Any]] = {}
         self._work: Path | None = None
         self._cluster: Any = None
@@ -143,36 +138,8 @@ class KnitTransRunner:
             "local_dirs": {s.node_id: str(s.store_dir) for s in self._cluster.stores} if self.variant == "mmap" else {},
             "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "hidden": options.compute_hidden,
         }
-        # OMP_NUM_THREADS=1: what Ray forces on its worker processes, i.e. on both baselines' consumer
-        # actors; without it torch's pool in a non-main thread oversubscribes the 2 cores.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
-        for r in range(spec.ranks):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.vs_baselines.knittrans_runner", "knittrans_consumer",
-                 "--rank", str(r)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
-            self._consumers.append(proc)
-            self._send(proc, config)
-        for proc in self._consumers:
-            self._receive(proc)  # "ready" after warm-up and client creation
-
-    @staticmethod
-    def _send(proc: subprocess.Popen[str], message: dict[str, Any]) -> None:
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(message) + "\n")
-        proc.stdin.flush()
-
-    @staticmethod
-    def _receive(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"knittrans consumer (pid {proc.pid}) exited with {proc.wait()}; see its stderr")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"knittrans consumer (pid {proc.pid}) failed: {reply['error']}")
-        return reply
+        self._ranks = RankProcesses("benchmarks.vs_baselines.knittrans_runner", "knittrans_consumer", spec.ranks,
+                                    config)
 
     def put(self, workload: Workload, tag: str) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -204,9 +171,9 @@ class KnitTransRunner:
 
     def consume(self, tag: str, compute: bool) -> list[dict[str, Any]]:
         before = self._server_cpu()
-        for proc in self._consumers:
-            self._send(proc, {"cmd": "run", "compute": compute, "tag": tag})
-        ranks = [self._receive(proc) for proc in self._consumers]
+        assert self._ranks is not None
+        self._ranks.send({"cmd": "run", "compute": compute, "tag": tag})
+        ranks = self._ranks.receive()
         after = self._server_cpu()
         # servers' CPU during the consume (plans, acks, DoGets), reported with rank 0
         ranks[0]["server_cpu_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -218,16 +185,8 @@ class KnitTransRunner:
             by_node[d.node_id].client.delete(JOB, d.unit_id)
 
     def teardown(self) -> None:
-        for proc in self._consumers:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._send(proc, {"cmd": "stop"})
-        for proc in self._consumers:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._consumers = []
+        if self._ranks is not None:
+            self._ranks.stop()
         for w in getattr(self, "writers", []):
             w.close()
         if getattr(self, "control", None) is not None:
@@ -254,9 +213,7 @@ def _rank_batches(mbs: Iterator[Any], state: dict[str, Any]) -> Iterator[TrainBa
 def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
     from knittrans.trainer.client import TrainerClient, TrainerConfig
 
-    config = json.loads(inp.readline())
-    spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["spec"].items()})
-    hidden = int(config["hidden"])
+    config, spec, hidden = read_config(inp)
     warm_up(spec, hidden)
     cfg = TrainerConfig(control_url=config["control_url"], job=config["job"], rank=rank,
                         world_size=int(config["world_size"]), fetch_mode=config["fetch_mode"],
@@ -270,48 +227,33 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
         for endpoint in config["endpoints"]:
             client.fetcher._client(endpoint).health()  # the fetcher's own (cached) client per endpoint
         mbs = client.minibatches()
-        out.write(json.dumps({"ready": os.getpid()}) + "\n")
-        out.flush()
-        for line in inp:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "stop":
-                break
-            try:
-                state: dict[str, Any] = {}
-                batches = _rank_batches(mbs, state)
-                result = rank_loop(rank, spec, batches, compute=bool(cmd["compute"]), hidden=hidden)
-                extra = list(batches)
-                mb = state["mb"]
-                if extra or mb.num_micro_batches != spec.micro_batches:
-                    raise RuntimeError(f"plan of rank {rank} has {mb.num_micro_batches} micro-batches, "
-                                       f"the workload expects {spec.micro_batches}")
-                t0 = time.perf_counter()
-                mb.ack()  # after the optimizer step, as a trainer does; counted in transfer+train
-                ack_s = time.perf_counter() - t0
-                result["train_s"] += ack_s
-                result["ack_s"] = ack_s
-                for rec, timing in zip(result["micro"], mb.timings, strict=True):
-                    rec["load_s"] = timing.fetch_s + timing.convert_s + timing.transform_s  # unoverlapped
-                    rec["client_wait_s"] = timing.wait_s
-                result["media"] = {k: getattr(mb.media_stats, k) for k in
-                                   ("requests", "hits", "fetched", "logical_bytes", "unique_bytes")}
-                reply: dict[str, Any] = result
-            except Exception as exc:  # reported to the driver, which fails the run
-                logger.exception("rank %d failed", rank)
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            out.write(json.dumps(reply) + "\n")
-            out.flush()
+
+        def run(cmd: dict[str, Any]) -> dict[str, Any]:
+            state: dict[str, Any] = {}
+            batches = _rank_batches(mbs, state)
+            result = rank_loop(rank, spec, batches, compute=bool(cmd["compute"]), hidden=hidden)
+            extra = list(batches)
+            mb = state["mb"]
+            if extra or mb.num_micro_batches != spec.micro_batches:
+                raise RuntimeError(f"plan of rank {rank} has {mb.num_micro_batches} micro-batches, "
+                                   f"the workload expects {spec.micro_batches}")
+            t0 = time.perf_counter()
+            mb.ack()  # after the optimizer step, as a trainer does; counted in transfer+train
+            ack_s = time.perf_counter() - t0
+            result["train_s"] += ack_s
+            result["ack_s"] = ack_s
+            for rec, timing in zip(result["micro"], mb.timings, strict=True):
+                rec["load_s"] = timing.fetch_s + timing.convert_s + timing.transform_s  # unoverlapped
+                rec["client_wait_s"] = timing.wait_s
+            result["media"] = {k: getattr(mb.media_stats, k) for k in
+                               ("requests", "hits", "fetched", "logical_bytes", "unique_bytes")}
+            return result
+
+        serve_commands(inp, out, run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="KnitTrans consumer rank of the vs_baselines benchmark")
-    p.add_argument("role", choices=["knittrans_consumer"])
-    p.add_argument("--rank", type=int, required=True)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s knittrans_consumer[{args.rank}] %(name)s %(message)s")
-    _serve(args.rank, sys.stdin, sys.stdout)
-    return 0
+    return rank_main("knittrans_consumer", "KnitTrans consumer rank of the vs_baselines benchmark", _serve, argv)
 
 
 if __name__ == "__main__":
