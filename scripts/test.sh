@@ -25,7 +25,7 @@ if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
   step "bench environment (ray, transferqueue)"
   bash scripts/setup_bench_env.sh
   step "Ray integration tests"
-  .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray_integration
+  .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray_integration benchmarks/vs_baselines/test_offline.py
   step "baselines benchmark smoke run"
   .venv-bench/bin/python benchmarks/vs_baselines/run.py --smoke
 fi

@@ -83,3 +83,42 @@ def test_memory_sampler_sees_own_process() -> None:
     sampler.sample_once()
     assert classify(psutil.Process(os.getpid()), os.getpid()) == "driver"
     assert sampler.peak_per_role()["driver"] > 0
+
+
+def test_put_batches_cover_every_group_once() -> None:
+    """Producer batches are consecutive, of groups_per_put groups (the last one shorter), covering all groups."""
+    spec = WorkloadSpec(kind="text", num_trajectories=80, micro_batches=2, ranks=5, groups_per_put=3)
+    batches = spec.put_batches()
+    assert [len(b) for b in batches] == [3, 3, 3, 1]
+    assert [g for b in batches for g in b] == list(range(spec.num_groups))
+    with pytest.raises(ValueError, match="groups_per_put"):
+        WorkloadSpec(groups_per_put=0)
+
+
+def test_tq_batch_fields_hold_every_row_of_the_batch() -> None:
+    """One kv_batch_put of a batch of groups carries each row once, with its own group's image."""
+    tq_runner = pytest.importorskip("benchmarks.vs_baselines.tq_runner")
+    w = generate(SPEC)
+    keys, td = tq_runner.group_fields(w, range(4, 6))
+    assert keys == [w.traj_id(i) for i in range(32, 48)]
+    assert row_digests(tq_runner.to_train_batch(td)) == {i: w.digests[i] for i in range(32, 48)}
+
+
+def test_local_runner_ranks_deliver_the_canonical_rows() -> None:
+    """The no-transfer reference: real rank subprocesses return every planned row, digests equal the generator's."""
+    from benchmarks.vs_baselines.common import RunnerOptions
+    from benchmarks.vs_baselines.local_runner import LocalRunner
+
+    spec = WorkloadSpec(kind="multimodal", num_trajectories=32, ranks=2, micro_batches=2, image_shape=(16, 16))
+    runner = LocalRunner("memory")
+    runner.setup(spec, RunnerOptions(compute_hidden=8))
+    try:
+        assert runner.put(generate(spec), "t") == {"put_s": 0.0}
+        ranks = runner.consume("t", compute=True)
+    finally:
+        runner.teardown()
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["process_cpu_s"] > 0 for r in ranks)
+    assert check_run({"ranks": ranks}, generate(spec).digests, spec) == {
+        "wrong_rows": 0, "exactly_once": True, "canonical_plan": True}
+    with pytest.raises(ValueError, match="unknown local variant"):
+        LocalRunner("disk")
