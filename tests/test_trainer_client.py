@@ -194,6 +194,29 @@ def test_every_row_reaches_exactly_one_rank(cluster: LocalCluster) -> None:
     assert control.status(job)["state"] == "completed"
 
 
+def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluster: LocalCluster) -> None:
+    """take_successor(wait_s) lets the prefetch thread's poll return a plan admitted after the ack."""
+    job = "late"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=4, total_steps=2))
+    write_and_register(control, job, cluster.stores, mm_groups("late-a", 4, group_size=2))
+    with _client(cluster, job, "iter") as client:
+        first = next(iter(client.minibatches()))
+        assert len(list(first)) == 2
+        wait_until(lambda: first._successor_polling.is_set(), timeout_s=10, what="the successor poll")
+        first.ack()
+        later = threading.Timer(0.3, lambda: write_and_register(control, job, cluster.stores,
+                                                                mm_groups("late-b", 4, group_size=2)))
+        later.start()
+        try:
+            second = first.take_successor(wait_s=5.0)
+        finally:
+            later.join()
+        assert second is not None and second.step == first.step + 1
+        assert [m.batch.num_rows for m in second] == [4, 4]
+        second.ack()
+
+
 @pytest.fixture
 def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     """A cluster these failure tests may break."""

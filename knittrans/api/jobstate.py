@@ -370,18 +370,24 @@ class JobState:
         return self._render(mb, rank)
 
     def plan_after(self, rank: int, plan_id: str) -> dict[str, Any] | None:
-        """The plan of the mini-batch after ``plan_id`` (the rank's current, un-acked plan), or None.
+        """The plan of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
 
-        Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order.
+        Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order. Once
+        ``n`` is acked, ``n+1`` is the rank's current mini-batch and this is the same as :meth:`next_plan`
+        (a poll for it that was in flight across the ack still gets it).
 
         Raises:
             NotFound: ``plan_id`` is not a plan of this rank that was issued.
             DataLost: ``plan_id`` was withdrawn (its rows were on a lost node).
-            Conflict: ``plan_id`` is not the rank's current plan (already acked, or an earlier one is open).
+            Conflict: ``plan_id`` is neither the rank's current plan nor the one acked just before it
+                (an earlier one is open, or the one after it is acked too).
         """
         mb = self._current(rank, plan_id)
         if rank in mb.acks or mb.status == "consumed":
-            raise Conflict(f"plan {plan_id!r} is already acked; ask for the next plan without 'after'")
+            if self.rank_cursor(rank) != mb.n + 1:
+                raise Conflict(f"plan {plan_id!r} and the one after it are already acked; ask for the next plan "
+                               f"without 'after'")
+            return self.next_plan(rank)
         nxt = self.minibatches.get(mb.n + 1)
         if nxt is None or nxt.status != "planned":
             return None

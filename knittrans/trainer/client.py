@@ -210,7 +210,7 @@ class TrainerClient:
                 mb.stop()
                 raise InvalidRequest(f"mini-batch {mb.plan_id} was neither fully iterated, abandoned nor acked")
             mb.ack()
-            nxt = mb.take_successor()
+            nxt = mb.take_successor(wait_s=min(self.config.poll_timeout_s, 2.0) + 1.0)  # the poll's own timeout
             if nxt is None:
                 plan = self.next_plan()
                 nxt = MiniBatch(self, plan) if plan is not None else None

@@ -120,6 +120,10 @@ class MiniBatch:
         self._successor: MiniBatch | None = None
         self._successor_lock = threading.Lock()
         self._successor_stop = threading.Event()
+        self._successor_last = threading.Event()
+        """Set by :meth:`take_successor` to let an in-flight poll finish, then end the loop."""
+        self._successor_polling = threading.Event()
+        self._successor_done = threading.Event()
 
     @property
     def local_trajectories(self) -> int:
@@ -256,12 +260,19 @@ class MiniBatch:
 
     def _prefetch_successor(self) -> None:
         """Prefetch thread, after the last micro-batch: long-poll the plan after this one and prefetch it."""
+        self._successor_polling.set()
+        try:
+            self._poll_successor()
+        finally:
+            self._successor_done.set()
+
+    def _poll_successor(self) -> None:
         client, cfg = self._client, self._client.config
         while not (self._successor_stop.is_set() or self._stop.is_set()):
             try:
                 plan = client.control.next_plan(cfg.job, cfg.rank, min(cfg.poll_timeout_s, 2.0), after=self.plan_id)
             except Conflict:  # the mini-batch before this one is not acked yet (or this one already is)
-                if self.acked:
+                if self.acked or self._successor_last.is_set():
                     return
                 self._successor_stop.wait(0.1)
                 continue
@@ -269,6 +280,8 @@ class MiniBatch:
                 logger.debug("rank %d: no prefetch after %s: %s", cfg.rank, self.plan_id, exc)
                 return
             if plan is None:
+                if self._successor_last.is_set():
+                    return
                 continue
             with self._successor_lock:
                 if self._successor_stop.is_set():
@@ -278,8 +291,16 @@ class MiniBatch:
                 self._successor = successor
             return
 
-    def take_successor(self) -> MiniBatch | None:
-        """The already prefetching next mini-batch, if the prefetch thread got its plan in time; stops the poll."""
+    def take_successor(self, wait_s: float = 0.0) -> MiniBatch | None:
+        """The already prefetching next mini-batch, if the prefetch thread got its plan; stops the poll.
+
+        ``wait_s > 0``: a poll in flight is allowed to finish first (up to ``wait_s``) instead of being
+        abandoned: when the plan is admitted while it waits it returns it at once, which a new poll
+        by the caller could not do sooner (used after the ack, when the caller needs the plan anyway).
+        """
+        if wait_s > 0 and self._successor_polling.is_set():
+            self._successor_last.set()
+            self._successor_done.wait(wait_s)
         with self._successor_lock:
             self._successor_stop.set()
             successor, self._successor = self._successor, None

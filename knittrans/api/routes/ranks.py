@@ -32,8 +32,10 @@ async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: S
     """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
 
     With ``after=<plan_id>`` (the rank's current, un-acked plan): the plan of the mini-batch after
-    it, so a rank can prefetch while it still trains ``plan_id``; acks stay in order. 409 when
-    ``plan_id`` is not the rank's current plan, 410 when it was (or gets) withdrawn.
+    it, so a rank can prefetch while it still trains ``plan_id``; acks stay in order. After
+    ``plan_id`` is acked the same as without ``after`` (a poll in flight across the ack goes on).
+    409 when ``plan_id`` is neither the rank's current plan nor the one acked just before it, 410
+    when it was (or gets) withdrawn.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
