@@ -333,6 +333,7 @@ class MiniBatch:
         successor = self.take_successor()
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=30)
+        self._close_streams()  # calls of a share not read to its end are cancelled
         if successor is not None:
             successor.stop()
 
@@ -345,7 +346,6 @@ class MiniBatch:
         self.abandoned = True
         self.stop()
         self._cache.clear()
-        self._close_streams()
 
     def report_fetched(self) -> bool:
         """Tell the control plane this rank holds its whole share (call before the optimizer step).
