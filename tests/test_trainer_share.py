@@ -14,7 +14,7 @@ from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
 from knittrans.trainer.minibatch import MiniBatch
-from knittrans.trainer.share import ShareStreams, _MediaStream, _RowTaker, media_records
+from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTaker, media_records
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 
@@ -132,7 +132,15 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
         mb = MiniBatch(client, plan)
         first = mb._load(0)
         assert first.batch.num_rows == 2
+        streams = mb._streams
+        assert streams is not None and streams._rows
+        calls = [opened for opened in [*(t._batches for t in streams._rows.values()),
+                                       *(m._batches for m in streams._media.values())]]
+        generators = [c._opening.result(timeout=10) for c in calls if isinstance(c, _Opened)]
+        assert len(generators) == len(calls) == streams.calls == 4
+        assert any(g.gi_frame is not None for g in generators)  # left open mid-share
         mb.abandon()
+        assert all(g.gi_frame is None for g in generators)  # closed: the unread calls were cancelled
         with Fetcher() as fetcher:
             assert _per_micro(fetcher, plan["micro_batches"][1]).num_rows == 2
     for s in cluster.stores:

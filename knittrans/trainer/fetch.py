@@ -31,7 +31,7 @@ from knittrans.names import check_name
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket
 
-__all__ = ["FetchRead", "Fetcher", "fetch"]
+__all__ = ["FetchRead", "Fetcher", "fetch", "ticket_rows"]
 
 PathLike = str | os.PathLike[str]
 LocalDirs = Mapping[str, PathLike | Sequence[PathLike]]
@@ -52,7 +52,8 @@ class FetchRead:
         check_name(self.node_id, "node_id")
 
 
-def _count(ticket: Ticket) -> int | None:
+def ticket_rows(ticket: Ticket) -> int | None:
+    """Rows a ``DoGet`` of ``ticket`` returns when the ticket alone says (explicit ranges, media hashes), else None."""
     if ticket.kind == "media":
         return len(ticket.media_hashes)
     if ticket.kind != "rows":
@@ -65,7 +66,7 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
     """Group a node's reads into DoGet calls: (ticket, [(read index, rows or None)])."""
     calls: list[tuple[Ticket, list[tuple[int, int | None]]]] = []
     for index, read in reads:
-        t, n = read.ticket, _count(read.ticket)
+        t, n = read.ticket, ticket_rows(read.ticket)
         if calls and n is not None:
             prev, members = calls[-1]
             if (prev.kind == t.kind == "rows" and prev.job == t.job and prev.columns == t.columns

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from knittrans.errors import DataLost, InvalidRequest, KnitTransError, NotFound
 from knittrans.tickets import Ticket, UnitRead
-from knittrans.trainer.fetch import Fetcher
+from knittrans.trainer.fetch import Fetcher, ticket_rows
 from knittrans.trainer.media import MediaRecord
 
 __all__ = ["ShareStreams", "media_records"]
@@ -49,6 +49,16 @@ def media_records(data: pa.Table | pa.RecordBatch) -> dict[str, MediaRecord]:
         for j in range(batch.num_rows):
             out[hashes[j].hex()] = MediaRecord(kinds[j], shapes[j], dtypes[j], payload[j].as_buffer())
     return out
+
+
+def _close(batches: Iterator[pa.RecordBatch], what: str) -> None:
+    """Close (cancel) a batch iterator that may not have been read to its end."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        try:
+            close()
+        except ValueError:  # still running in a thread that did not stop in time
+            logger.warning("%s: stream still in use, not cancelled", what)
 
 
 class _RowTaker:
@@ -80,34 +90,27 @@ class _RowTaker:
         return out
 
     def close(self) -> None:
-        close = getattr(self._batches, "close", None)
-        if close is not None:
-            try:
-                close()
-            except ValueError:  # still running in a thread that did not stop in time
-                logger.warning("%s: stream still in use, not cancelled", self._what)
+        _close(self._batches, self._what)
 
 
 class _MediaStream:
-    """One node's media of the share, in first-use order; records are kept until asked for."""
+    """One node's media of the share, in first-use order; records that arrive early wait until asked for."""
 
     def __init__(self, batches: Iterator[pa.RecordBatch], what: str) -> None:
-        self._rows = _RowTaker(batches, what)
+        self._batches = batches
         self._what = what
         self._pending: dict[str, MediaRecord] = {}
 
     def get(self, media_hash: str) -> MediaRecord:
         while media_hash not in self._pending:
-            try:
-                batches = self._rows.take(1)
-            except DataLost:
-                raise NotFound(f"media {media_hash} is not in {self._what}") from None
-            for batch in batches:
-                self._pending.update(media_records(batch))
+            batch = next(self._batches, None)
+            if batch is None:
+                raise NotFound(f"media {media_hash} is not in {self._what}")
+            self._pending.update(media_records(batch))
         return self._pending.pop(media_hash)
 
     def close(self) -> None:
-        self._rows.close()
+        _close(self._batches, self._what)
 
 
 class _Opened:
@@ -134,11 +137,6 @@ class _Opened:
         close = getattr(self._batches, "close", None)
         if close is not None:
             close()
-
-
-def _count(ticket: Ticket) -> int | None:
-    counts = [r.num_rows for r in ticket.reads]
-    return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
 
 
 class ShareStreams:
@@ -176,7 +174,7 @@ class ShareStreams:
             per_micro = []
             for f in micro["fetches"]:
                 ticket = Ticket.decode(f["ticket"].encode())
-                n = _count(ticket) if ticket.kind == "rows" else None
+                n = ticket_rows(ticket) if ticket.kind == "rows" else None
                 node = f["node_id"]
                 mixed = columns.get(node, ticket.columns) != ticket.columns
                 if n is None or mixed or (job is not None and ticket.job != job):
