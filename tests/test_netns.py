@@ -36,7 +36,7 @@ pytestmark = pytest.mark.netns
 JOB = "mh"
 W_TOKEN, A_TOKEN, S_TOKEN = "netns-worker", "netns-admin", "netns-store"
 QUOTAS = {"math": 2, "mm_qa": 2}
-K, STEPS, RANKS, GROUP = 2, 12, 2, 4
+K, STEPS, RANKS, GROUP = 2, 16, 2, 4
 SOURCES = ["math:8-16:4-10", "mm_qa:8-16:8-16:image=3x16x16"]
 NODE_TIMEOUT_S = 3.0
 FETCH_TIMEOUT_S = 3.0

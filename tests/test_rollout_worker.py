@@ -101,7 +101,12 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         on_disk = _groups_on_disk(node.store_dir / JOB)
         assert len(on_disk) == len(set(on_disk)), "a group was stored twice"
         sealed_only = sum(len(d["groups"]) for d in after["sealed"].values())
-        assert len(on_disk) == registered + sealed_only, "a stored unit is neither registered nor resumable"
+        sealed_groups = {g["group_id"] for d in after["sealed"].values() for g in d["groups"]}
+        # A kill between sealing a unit and journaling it leaves the unit on disk with its groups still
+        # announced: the next start regenerates them under the same unit id and replaces it (resumable too).
+        unjournaled = len((set(after["announced"]) & set(on_disk)) - sealed_groups)
+        assert registered <= len(on_disk) <= registered + sealed_only + unjournaled, (
+            "a stored unit is neither registered nor resumable")
         assert set(killed["announced"]) <= set(on_disk)  # the interrupted groups were completed
 
 
@@ -110,6 +115,8 @@ def _groups_on_disk(job_dir: Path) -> list[str]:
 
     found: list[str] = []
     for traj in sorted(job_dir.glob("*/traj.arrow")):
+        if traj.parent.name.startswith("."):  # an unsealed temporary unit (the kill interrupted its write)
+            continue
         with pa.memory_map(str(traj)) as source:
             found += sorted(set(pa.ipc.open_file(source).read_all().column("group_id").to_pylist()))
     return found
