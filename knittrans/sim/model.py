@@ -89,14 +89,18 @@ class VersionTimeline:
         return bisect.bisect_right(self.available_at, t) - 1
 
     def span(self, start: float, end: float) -> tuple[int, int, float]:
-        """``(version at start, version at end, time-weighted mean version over [start, end])``.
+        """``(version at start, last version that produced a token, time-weighted mean version over [start, end])``.
 
         Tokens are assumed to be generated at a steady rate, so the time-weighted mean is the
         token-weighted mean version of a group that switches weights in flight.
         """
         v0 = self.version_at(start)
-        v1 = self.version_at(end)
-        if v1 == v0 or end <= start:
+        if end <= start:
+            return v0, v0, float(v0)
+        # the end reading is the largest version that produced a token: one arriving exactly at ``end``
+        # produced none, so it is the version in force just before ``end`` (never below ``v0``)
+        v1 = max(v0, bisect.bisect_left(self.available_at, end) - 1)
+        if v1 == v0:
             return v0, v1, float(v0)
         total = 0.0
         t = start

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from knittrans.errors import InvalidRequest
+from knittrans.sched.timing import DEFAULT_LOOKAHEAD
 
 __all__ = [
     "SourceProfile",
@@ -78,7 +79,8 @@ class Workload:
     mini_batches_per_step: int = 8
     """``K``: mini-batches (optimizer steps) per train step; must divide ``G``."""
     window: int = 1
-    """``W``: groups launched but not yet admitted stay <= ``W * G`` (same bound for every policy)."""
+    """``W``: groups launched but not in a mini-batch the trainer started stay <= ``W·G`` (the same bound
+    for every policy; training frees it, admission does not: ``knittrans.sched.timing``)."""
     rollout_slots: int = 64
     """Groups that can be generated at the same time."""
     sync_delay_s: float = 0.0
@@ -93,9 +95,9 @@ class Workload:
     """Data-parallel trainer ranks the mini-batch is split over (by ``knittrans.sched.assign``)."""
     micro_batch_tokens: int = 16384
     """Token budget of one micro-batch (dynamic batch size) passed to the assignment."""
-    admit_ahead: int | None = None
-    """Mini-batches the control plane may admit before the trainer starts them (admitted, queued);
-    None means ``K`` (one train batch). The same for every policy: ``train_batch`` hands a whole batch over."""
+    lookahead: int = DEFAULT_LOOKAHEAD
+    """``L``: mini-batches that may be admitted beyond the one the trainer is on (0 = when it asks for it);
+    the same for every policy (``knittrans.sched.timing``)."""
     max_staleness: int | None = None
     """``η``: admission staleness bound passed to the policies; None for none."""
     steps: int = 50
@@ -129,8 +131,8 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: times must be >= 0")
         if self.trainer_overhead_s == 0 and self.trainer_s_per_token == 0:
             raise ValueError(f"workload {self.name!r}: training must take some time")
-        if self.admit_ahead is not None and self.admit_ahead < 1:
-            raise ValueError(f"workload {self.name!r}: admit_ahead must be >= 1 or null, got {self.admit_ahead}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"workload {self.name!r}: lookahead must be an integer >= 0, got {self.lookahead!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
 
@@ -143,11 +145,6 @@ class Workload:
     def mini_batch_groups(self) -> int:
         """``b``: groups per mini-batch."""
         return self.train_batch_groups // self.mini_batches_per_step
-
-    @property
-    def queue_depth(self) -> int:
-        """Mini-batches that may wait admitted for the trainer (``admit_ahead`` or ``K``)."""
-        return self.mini_batches_per_step if self.admit_ahead is None else self.admit_ahead
 
     @property
     def quotas(self) -> dict[str, int]:

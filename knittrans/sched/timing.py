@@ -1,0 +1,140 @@
+"""Admission timing: when the next mini-batch may be admitted, and how far rollout may run ahead.
+
+A policy (:mod:`knittrans.sched.admission`) says *which* groups form the next mini-batch; this
+module says *when* it may be asked, and what frees rollout's off-policy window. The control plane
+(``knittrans.api.jobstate``) and the simulator (``knittrans.sim.engine``) both call it.
+
+Definitions (global mini-batch indices ``n = step·K + k`` count from 0):
+
+* **Trainer position** ``p``: the lowest global index not yet acked by every rank
+  (:func:`trainer_position`). Ranks ack in order, so ``p`` is the minimum over ranks of each rank's
+  first un-acked index. Mini-batch ``p`` is the one the trainer is on; mini-batches below ``p`` are
+  trained.
+* **Admission lookahead** ``L``: mini-batch ``n`` may be admitted only when ``n <= p + L``
+  (:func:`may_admit`), so at most ``L`` admitted mini-batches wait beyond the one the trainer is on
+  (:func:`admitted_ahead`). ``L = 1`` (the default) is what cross-mini-batch prefetch needs: while
+  the trainer computes ``p``, ``p + 1`` is admitted and its rows can move. ``L = 0`` admits ``p``
+  only once the trainer asks for it (after acking ``p - 1``).
+* **Off-policy window** ``W``: the groups launched but not yet taken by a mini-batch the trainer
+  has started (index ``<= p``) stay ``<= W·G`` (:func:`window_room`). Those *untaken* groups are the
+  ones still generating, the finished unadmitted ones, and the ones in admitted mini-batches beyond
+  ``p``; they are counted per source. Admission does not free window; trainer progress does, so a
+  slow trainer slows rollout down instead of letting it run ahead and go stale. Which source
+  launches next is the one furthest behind its quota share of launches (:func:`launch_order`), so
+  slow sources keep proportionally more groups in flight and no rollout slot idles for a per-source cap.
+
+Staleness bound (end reading). Policies take a source's finished groups in finish order. When a
+group ``g`` of source ``s`` finishes, the trainer is at ``p`` (step ``p // K``) and fewer than ``W·G``
+other untaken groups (of any source) finished before it; the following steps take ``q[s]`` groups of
+``s`` each in finish order, so ``g`` trains in step ``<= p // K + ceil(W·G / q[s])``, at version
+``v_train = step·K + k``. Its last token came from version ``v_end >= p - d``, where ``d`` counts
+optimizer steps whose weights had not reached rollout when ``g`` made its last token (sync lag). So
+its architectural staleness ``v_train - v_end - k <= ceil(W·G / q[s])·K + d``
+(:func:`staleness_bound`), for every policy and every ``L``. The start reading adds the optimizer
+steps trained while ``g`` generated, which only generation time bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_LOOKAHEAD",
+    "AdmissionTiming",
+    "admitted_ahead",
+    "may_admit",
+    "staleness_bound",
+    "launch_order",
+    "trainer_position",
+    "window_room",
+]
+
+DEFAULT_LOOKAHEAD = 1
+"""``L`` unless a job or workload says otherwise: enough for the ``next?after=`` prefetch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionTiming:
+    """The timing rule of one job: admission lookahead ``L`` and off-policy window ``W``."""
+
+    lookahead: int = DEFAULT_LOOKAHEAD
+    """``L``: mini-batches that may be admitted beyond the trainer's position (0 = admit on demand)."""
+    window: int = 1
+    """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"lookahead: {self.lookahead!r} must be an integer >= 0")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window: {self.window!r} must be an integer >= 1")
+
+    def may_admit(self, next_index: int, position: int) -> bool:
+        """:func:`may_admit` with this rule's ``L``."""
+        return may_admit(next_index, position, self.lookahead)
+
+    def room(self, quotas: Mapping[str, int], untaken: Mapping[str, int]) -> int:
+        """:func:`window_room` with this rule's ``W``."""
+        return window_room(quotas, self.window, untaken)
+
+
+def trainer_position(rank_cursors: Iterable[int]) -> int:
+    """The lowest global index not yet acked by every rank: the minimum of the ranks' first un-acked indices.
+
+    Raises:
+        ValueError: no ranks, or a negative cursor.
+    """
+    cursors = list(rank_cursors)
+    if not cursors:
+        raise ValueError("trainer_position needs the cursor of at least one rank")
+    if min(cursors) < 0:
+        raise ValueError(f"rank cursors must be >= 0, got {cursors}")
+    return min(cursors)
+
+
+def may_admit(next_index: int, position: int, lookahead: int) -> bool:
+    """Whether mini-batch ``next_index`` may be admitted now: ``next_index <= position + L``."""
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    return next_index <= position + lookahead
+
+
+def admitted_ahead(next_index: int, position: int) -> int:
+    """Admitted mini-batches beyond the one the trainer is on, when ``next_index`` is the next to admit."""
+    return max(0, next_index - position - 1)
+
+
+def window_room(quotas: Mapping[str, int], window: int, untaken: Mapping[str, int]) -> int:
+    """Groups rollout may still launch: ``W·G - sum(untaken)`` with ``G = sum(q)`` (negative when over,
+    e.g. after a quota cut).
+
+    ``untaken[s]``: groups of ``s`` launched and neither dropped nor taken by a mini-batch the trainer
+    has started (generating + finished unadmitted + admitted beyond the trainer's position).
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window * sum(quotas.values()) - sum(untaken.values())
+
+
+def launch_order(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:
+    """Quota sources, the one furthest behind its quota share of launches first (``launched[s] / q[s]``;
+    ties in ``quotas`` order). ``launched[s]`` counts groups started and not dropped."""
+    order = {s: i for i, s in enumerate(quotas)}
+    live = [s for s, q in quotas.items() if q > 0]
+    return sorted(live, key=lambda s: (launched.get(s, 0) / quotas[s], order[s]))
+
+
+def staleness_bound(*, mini_batches_per_step: int, window: int, train_batch_groups: int, quota: int,
+                    sync_lag: int = 0) -> int:
+    """Largest end-reading architectural staleness of a group of a source with quota ``q[s]``:
+    ``ceil(W·G / q[s])·K + d`` (module docstring).
+
+    ``d`` (``sync_lag``) is how many optimizer steps' weights may still be on their way to rollout when a
+    group makes its last token. It holds for every policy and every lookahead ``L``.
+    """
+    for name, value, least in (("mini_batches_per_step", mini_batches_per_step, 1), ("window", window, 1),
+                               ("train_batch_groups", train_batch_groups, 1), ("quota", quota, 1),
+                               ("sync_lag", sync_lag, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    return -(-window * train_batch_groups // quota) * mini_batches_per_step + sync_lag
