@@ -266,6 +266,12 @@ class ControlClient:
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/versions", json=body)
         return result
 
+    def headroom(self, job: str, *, wait_s: float = 0.0) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}/headroom``: room under the off-policy window; long-polls up to ``wait_s``."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/headroom", params={"wait_s": wait_s},
+                                            timeout_s=wait_s + self.timeout_s)
+        return result
+
     def get_version(self, job: str) -> int:
         """``GET /v1/jobs/{job}/version``: the latest policy version."""
         return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])

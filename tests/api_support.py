@@ -19,10 +19,14 @@ ENDPOINT = "grpc://127.0.0.1:{port}"
 
 
 def job_spec(**overrides: Any) -> dict[str, Any]:
-    """A valid two-source job spec, with fields replaced by ``overrides``."""
+    """A valid two-source job spec, with fields replaced by ``overrides``.
+
+    Its lookahead is large (admit every mini-batch the policy allows at once): these tests pin admission
+    content, flows and restarts; tests/test_api_timing.py pins the lookahead itself.
+    """
     spec: dict[str, Any] = {
         "name": "job1", "group_size": 2, "quotas": {"math": 4, "code": 2}, "mini_batches_per_step": 3,
-        "policy": "constraint_preserving", "world_size": 2, "micro_batch_size": 2,
+        "policy": "constraint_preserving", "world_size": 2, "micro_batch_size": 2, "lookahead": 64,
     }
     spec.update(overrides)
     return spec

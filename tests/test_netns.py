@@ -94,6 +94,7 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         probe.call(control_url, "create_job", {
             "name": JOB, "group_size": GROUP, "quotas": QUOTAS, "mini_batches_per_step": K,
             "policy": "constraint_preserving", "world_size": RANKS, "micro_batch_size": 4, "total_steps": STEPS,
+            "window": 2,
         }, token=A_TOKEN)
         nodes = {"node-0": "h1", "node-1": "h2"}
         endpoints = {n: f"grpc://{addr[h]}:8815" for n, h in nodes.items()}
@@ -108,7 +109,7 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
             argv = ["rollout", "--control-url", control_url, "--job", JOB, "--worker-id", f"w{i}", "--node-id", node,
                     "--store-endpoint", endpoints[node], "--store-dir", str(tmp_path / "stores" / node),
                     "--model-dir", str(model_dir), "--weights-dir", str(weights),
-                    "--state-file", str(tmp_path / f"w{i}.json"), "--group-size", str(GROUP), "--window", "2",
+                    "--state-file", str(tmp_path / f"w{i}.json"), "--group-size", str(GROUP),
                     "--chunk-tokens", "8", "--seed", str(i), "--token", W_TOKEN, "--store-token", S_TOKEN]
             for s in SOURCES:
                 argv += ["--source", s]

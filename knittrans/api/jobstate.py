@@ -23,6 +23,7 @@ from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.sched.admission import expired, make_policy
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
+from knittrans.sched.timing import admitted_ahead, launch_order
 from knittrans.sched.types import StepState
 
 __all__ = ["JOB_STATES", "JobState"]
@@ -65,6 +66,11 @@ class JobState:
         self._node_alive = node_alive
         self._clock = clock
         self._policy = make_policy(spec.policy)
+        self._timing = spec.timing
+        self.peak_admitted_ahead = 0
+        """Most mini-batches admitted beyond the trainer's position at any admission (since this process began)."""
+        self.peak_untaken = 0
+        """Most groups launched but not in a started mini-batch at any supply report (since this process began)."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -124,6 +130,41 @@ class JobState:
             if mb is None or (mb.status != "consumed" and rank not in mb.acks):
                 return n
             n += 1
+
+    @property
+    def position(self) -> int:
+        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
+        return self.first_unconsumed
+
+    def untaken(self) -> dict[str, int]:
+        """Per source: groups launched, not dropped, and not in a mini-batch the trainer has started.
+
+        That is pending (generating) + finished unadmitted on live nodes + in admitted mini-batches beyond
+        the trainer's position. Lost and expired groups left the count when they were retired.
+        """
+        out = dict(self.pending())
+        for g in self.unadmitted.values():
+            if self._node_alive(g.node_id):
+                out[g.record.source] = out.get(g.record.source, 0) + 1
+        for n in range(self.position + 1, self.next_n):
+            mb = self.minibatches.get(n)
+            if mb is not None and mb.status == "planned":
+                for source, count in mb.counts.items():
+                    out[source] = out.get(source, 0) + count
+        return out
+
+    def headroom(self) -> dict[str, Any]:
+        """What rollout may launch now under the window ``W`` (trainer progress, not admission, frees it)."""
+        quotas = self.quotas_for_step(self.next_n // self.K)
+        untaken = self.untaken()
+        launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
+        return {
+            "state": self.state, "position": self.position, "next_global_index": self.next_n,
+            "lookahead": self.spec.lookahead, "window": self.spec.window,
+            "room": self._timing.room(quotas, untaken), "untaken": untaken,
+            "launch_order": launch_order(quotas, launched),
+            "to_regenerate": sorted(self.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
+        }
 
     @property
     def version(self) -> int:
@@ -275,6 +316,7 @@ class JobState:
             touched.add(s)
         for s in touched:
             self._save_supply(txn, s)
+        self.peak_untaken = max(self.peak_untaken, sum(self.untaken().values()))
         if request_id is not None:
             self.request_ids.add(request_id)
             txn.put("request", self.name, request_id, 1)
@@ -291,9 +333,13 @@ class JobState:
         return total is None or self.next_n < total * self.K
 
     def admit(self, txn: Txn) -> list[int]:
-        """Admit every mini-batch the policy allows now; returns their global indices."""
+        """Admit the mini-batches the policy allows now, up to ``L`` beyond the trainer's position.
+
+        Runs after every change that can make a mini-batch formable (registration, supply, node loss)
+        or move the trainer's position (ack); returns the admitted global indices.
+        """
         admitted: list[int] = []
-        while self.can_admit():
+        while self.can_admit() and self._timing.may_admit(self.next_n, self.position):
             state = self.step_state()
             if self._expire(state, txn):
                 state = self.step_state()
@@ -328,9 +374,11 @@ class JobState:
                 a, q = self.admitted_in_step(step), self.quotas_for_step(step)
                 assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"
             wait = sum(mb.admitted_at - g.finished_at for g in decision.groups) / len(decision.groups)
+            ahead = admitted_ahead(n + 1, self.position)
+            self.peak_admitted_ahead = max(self.peak_admitted_ahead, ahead)
             self.admissions.append({"global_index": n, "step": step, "mini_batch_index": k, "at": mb.admitted_at,
                                     "seconds": time.perf_counter() - t0, "groups": len(mb.group_ids),
-                                    "wait_s": wait})
+                                    "wait_s": wait, "position": self.position, "ahead": ahead})
             admitted.append(n)
         self._settle(txn)
         self._save_meta(txn)

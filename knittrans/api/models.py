@@ -13,6 +13,7 @@ __all__ = [
     "ErrorOut",
     "FetchedOut",
     "GroupIn",
+    "HeadroomOut",
     "JobCreate",
     "JobPublic",
     "MediaFetchOut",
@@ -68,6 +69,8 @@ class JobCreate(_In):
     max_staleness: int | None = None
     total_steps: int | None = None
     columns: list[str] | None = None
+    lookahead: int = Field(default=1, ge=0, description="L: mini-batches admitted beyond the trainer's position")
+    window: int = Field(default=1, ge=1, description="W: launched groups not in a started mini-batch <= W·G")
 
 
 class QuotasUpdate(_In):
@@ -168,6 +171,20 @@ class SupplyIn(_In):
     dropped: dict[str, int] = {}
     regenerates: list[str] = Field(default=[], description="lost/expired group ids whose replacements start now")
     request_id: str | None = Field(default=None, description="repeat-safe id: a report seen before is ignored")
+
+
+class HeadroomOut(BaseModel):
+    """What rollout may launch now under the job's window (``GET /v1/jobs/{job}/headroom``)."""
+
+    state: str
+    position: int = Field(description="trainer position: lowest global index not acked by every rank")
+    next_global_index: int
+    lookahead: int
+    window: int
+    room: int = Field(description="groups rollout may launch now: W·G minus untaken (<= 0: wait)")
+    untaken: dict[str, int] = Field(description="launched, not dropped, not in a mini-batch the trainer started")
+    launch_order: list[str] = Field(description="sources, furthest behind their quota share of launches first")
+    to_regenerate: list[dict[str, Any]]
 
 
 class SupplyOut(BaseModel):

@@ -293,6 +293,10 @@ class ControlPlane:
             job.admit(txn)
         return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
 
+    def headroom(self, name: str) -> dict[str, Any]:
+        """What rollout may launch now: room under the window, untaken groups, launch order."""
+        return self.job(name).headroom()
+
     def get_version(self, name: str) -> dict[str, Any]:
         """Latest policy version (what rollout workers should generate with)."""
         job = self.job(name)

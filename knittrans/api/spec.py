@@ -9,6 +9,7 @@ from typing import Any
 from knittrans.errors import InvalidJobSpec
 from knittrans.names import check_name
 from knittrans.sched.admission import POLICIES, mini_batch_sizes
+from knittrans.sched.timing import DEFAULT_LOOKAHEAD, AdmissionTiming
 from knittrans.sched.types import SourceBounds
 
 __all__ = ["JobSpec", "check_quotas"]
@@ -94,6 +95,10 @@ class JobSpec:
     """Train steps after which the job is complete; None to run until drained."""
     columns: tuple[str, ...] | None = None
     """Trajectory columns the ranks fetch; None for all."""
+    lookahead: int = DEFAULT_LOOKAHEAD
+    """``L``: mini-batches admitted beyond the trainer's position (0 = when the trainer asks for one)."""
+    window: int = 1
+    """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "name", error=InvalidJobSpec)
@@ -115,6 +120,8 @@ class JobSpec:
             _positive(self.max_staleness, "max_staleness", minimum=0)
         if self.total_steps is not None:
             _positive(self.total_steps, "total_steps")
+        _positive(self.lookahead, "lookahead", minimum=0)
+        _positive(self.window, "window")
         if self.columns is not None and (
             not self.columns or len(set(self.columns)) != len(self.columns) or not all(self.columns)
         ):
@@ -127,6 +134,11 @@ class JobSpec:
                 f"{smallest * self.group_size} trajectories ({smallest} groups x group_size {self.group_size}); "
                 "lower W or K, or raise the quotas"
             )
+
+    @property
+    def timing(self) -> AdmissionTiming:
+        """The admission timing rule (``L``, ``W``) of the job."""
+        return AdmissionTiming(lookahead=self.lookahead, window=self.window)
 
     @property
     def train_batch_size(self) -> int:
@@ -148,6 +160,8 @@ class JobSpec:
             "max_staleness": self.max_staleness,
             "total_steps": self.total_steps,
             "columns": list(self.columns) if self.columns is not None else None,
+            "lookahead": self.lookahead,
+            "window": self.window,
         }
 
     @classmethod

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from knittrans.sched.admission import quota_deficit
 from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, step_report
+from knittrans.sched.timing import admitted_ahead
 
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
@@ -77,6 +78,11 @@ def job_status(job: JobState) -> dict[str, Any]:
         "staleness": {
             "overall": staleness_report(job.consumed),
             "by_step": {str(s): staleness_report([c for c in job.consumed if c.step == s]) for s in steps},
+        },
+        "timing": {
+            "position": job.position, "lookahead": job.spec.lookahead, "window": job.spec.window,
+            "admitted_ahead": admitted_ahead(job.next_n, job.position), "untaken": job.untaken(),
+            "peak_admitted_ahead": job.peak_admitted_ahead, "peak_untaken": job.peak_untaken,
         },
         "recent_admissions": list(job.admissions),
     }

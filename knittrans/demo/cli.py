@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="output directory")
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch and constraint_preserving on the same workload and compare")
-    parser.add_argument("--window", type=int, default=1, help="off-policy window in train batches (default 1)")
+    parser.add_argument("--window", type=int, default=1, help="off-policy window W in train batches (default 1)")
+    parser.add_argument("--lookahead", type=int, default=1,
+                        help="admission lookahead L: mini-batches admitted beyond the trainer (default 1)")
     parser.add_argument("--hidden", type=int, default=512, help="policy hidden size, a multiple of 64")
     parser.add_argument("--layers", type=int, default=4, help="policy decoder layers")
     parser.add_argument("--seed", type=int, default=0)
@@ -38,7 +40,8 @@ def run(args: Any) -> int:
     def config(policy: str) -> DemoConfig:
         return DemoConfig(out_dir=args.out, policy=policy, engine=args.engine, steps=args.steps,
                           mini_batches_per_step=args.mini_batches, fetch_mode=args.fetch_mode, seed=args.seed,
-                          timeout_s=args.timeout_s, window=args.window, hidden=args.hidden, layers=args.layers)
+                          timeout_s=args.timeout_s, window=args.window, lookahead=args.lookahead,
+                          hidden=args.hidden, layers=args.layers)
 
     policies = ["train_batch", "constraint_preserving"] if args.compare else [args.policy]
     results = {}

@@ -41,7 +41,9 @@ class DemoConfig:
     micro_batch_size: int = 2
     """Trajectories per micro-batch."""
     window: int = 1
-    """Off-policy window in train batches (launched-but-unadmitted groups per source)."""
+    """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
+    lookahead: int = 1
+    """``L``: mini-batches admitted beyond the trainer's position (0 = when the trainer asks)."""
     chunk_tokens: int | None = 8
     """Partial rollout: generation picks up new weights every this many tokens."""
     fetch_mode: str = "iter"
@@ -69,6 +71,8 @@ class DemoConfig:
             raise ValueError(
                 f"quotas {sorted(self.quotas)} and sources {sorted(self.sources)} must name the same sources"
             )
+        if self.window < 1 or self.lookahead < 0:
+            raise ValueError(f"window must be >= 1 and lookahead >= 0, got {self.window} and {self.lookahead}")
         if self.steps < 1 or self.ranks < 1 or self.stores < 1:
             raise ValueError("steps, ranks and stores must be >= 1")
         if self.hidden % 64 or self.hidden < 64 or self.layers < 1:

@@ -35,6 +35,7 @@ def _job_spec(config: DemoConfig) -> dict[str, Any]:
         "name": JOB, "group_size": config.group_size, "quotas": dict(config.quotas),
         "mini_batches_per_step": config.mini_batches_per_step, "policy": config.policy,
         "world_size": config.ranks, "micro_batch_size": config.micro_batch_size, "total_steps": config.steps,
+        "window": config.window, "lookahead": config.lookahead,
     }
 
 
@@ -45,7 +46,7 @@ def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mod
                 "--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir),
                 "--source", profile, "--model-dir", str(model_dir), "--weights-dir", str(run_dir / "weights"),
                 "--state-file", str(run_dir / f"rollout-{source}.json"), "--engine", config.engine,
-                "--group-size", str(config.group_size), "--window", str(config.window),
+                "--group-size", str(config.group_size),
                 "--groups-per-call", str(config.groups_per_call),
                 "--seed", str(config.seed + i)]
         if config.chunk_tokens:

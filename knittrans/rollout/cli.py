@@ -29,7 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine (default hf)")
     parser.add_argument("--group-size", type=int, default=4, help="responses per prompt (job's group size)")
     parser.add_argument("--groups-per-call", type=int, default=2, help="prompts per generate call / unit")
-    parser.add_argument("--window", type=int, default=1, help="off-policy window in train batches")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--chunk-tokens", type=int, default=None, help="partial rollout chunk (tokens)")
     parser.add_argument("--vocab-size", type=int, default=256)
@@ -49,7 +48,7 @@ def run(args: Any) -> int:
         store_endpoint=args.store_endpoint, store_dir=args.store_dir,
         sources=tuple(SourceProfile.parse(s) for s in args.source), model_dir=args.model_dir,
         weights_dir=args.weights_dir, state_file=args.state_file, engine=args.engine,
-        group_size=args.group_size, groups_per_call=args.groups_per_call, window=args.window,
+        group_size=args.group_size, groups_per_call=args.groups_per_call,
         temperature=args.temperature, chunk_tokens=args.chunk_tokens, vocab_size=args.vocab_size,
         reward=args.reward, seed=args.seed, token=args.token, store_token=args.store_token,
     )

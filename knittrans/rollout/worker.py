@@ -1,10 +1,11 @@
 """Rollout worker loop: draw prompts per source, report supply, generate, reward, write units, register.
 
-One worker owns a set of sources and one store node. It keeps at most ``window`` train batches
-of its sources launched-but-unadmitted (the off-policy window; the same bound for every
-admission policy), tags every trajectory with the policy version at its start and end and the
-token-weighted version, and picks up new policy weights when the trainer publishes a version:
-rank 0 writes ``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports
+One worker owns a set of sources and one store node. It launches groups only while the job's
+off-policy window has room (``GET /v1/jobs/{job}/headroom``, a long-poll that answers when trainer
+progress frees room; the rule is ``knittrans.sched.timing``, the same for every admission
+policy), picking the source furthest behind its quota share of launches. It tags every trajectory
+with the policy version at its start and end and the token-weighted version, and picks up new
+policy weights when the trainer publishes a version: rank 0 writes ``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports
 version ``N`` to the control plane; the worker polls the version before every chunk of
 generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
 many tokens and new weights are picked up between chunks (partial rollout across an update).
@@ -143,8 +144,6 @@ class RolloutWorkerConfig:
     """Responses per prompt (must equal the job's group size)."""
     groups_per_call: int = 2
     """Prompts per generate call, written together as one unit."""
-    window: int = 1
-    """Off-policy window: launched-but-unadmitted groups per source <= window * quota."""
     temperature: float = 1.0
     """Sampling temperature."""
     chunk_tokens: int | None = None
@@ -159,15 +158,17 @@ class RolloutWorkerConfig:
     """Control-plane worker token."""
     store_token: str | None = None
     """Store token (DoPut path)."""
-    poll_s: float = 0.2
-    """Sleep between status checks while the window is full."""
+    wait_s: float = 5.0
+    """Longest single wait on the headroom long-poll while the window is full (it answers as soon as room opens)."""
 
     def __post_init__(self) -> None:
         check_name(self.worker_id, "worker_id")
         if not self.sources:
             raise ValueError("a rollout worker needs at least one source")
-        if self.group_size < 1 or self.groups_per_call < 1 or self.window < 1:
-            raise ValueError("group_size, groups_per_call and window must be >= 1")
+        if self.group_size < 1 or self.groups_per_call < 1:
+            raise ValueError("group_size and groups_per_call must be >= 1")
+        if self.wait_s <= 0:
+            raise ValueError(f"wait_s must be > 0, got {self.wait_s}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
 
@@ -296,17 +297,6 @@ class RolloutWorker:
         return out
 
     # ------------------------------------------------------------------ main loop
-    def _headroom(self, status: dict[str, Any]) -> dict[str, int]:
-        quotas = status.get("quotas", {})
-        finished = status["counts"]["finished"]
-        pending = status["counts"]["pending"]
-        room = {}
-        for s in self._sources:
-            q = int(quotas.get(s, 0))
-            launched = int(finished.get(s, 0)) + int(pending.get(s, 0))
-            room[s] = self.config.window * q - launched
-        return room
-
     def _produce(self, source: str, group_ids: list[str]) -> None:
         """Generate, seal, remember the descriptor, register: a crash at any point can be resumed."""
         groups = self.generate(source, group_ids)
@@ -347,21 +337,22 @@ class RolloutWorker:
                 logger.info("%s: regenerating %d announced groups after a restart", cfg.worker_id, len(ids))
                 self._produce(source, ids)
         while max_groups is None or self.groups_written < max_groups:
-            status = self.control.status(cfg.job)
-            if status["state"] in ("completed", "drained"):
+            view = self.control.headroom(cfg.job, wait_s=cfg.wait_s)
+            if view["state"] in ("completed", "drained"):
                 break
-            room = self._headroom(status)
-            source = max(room, key=lambda s: room[s])
-            count = min(cfg.groups_per_call, room[source])
-            if status["state"] not in ("running", "draining") or count <= 0:
-                time.sleep(cfg.poll_s)
+            mine = [s for s in view["launch_order"] if s in self._sources]
+            count = min(cfg.groups_per_call, int(view["room"]))
+            if view["state"] not in ("running", "draining") or count <= 0 or not mine:
+                if view["state"] not in ("running", "draining") or not mine:
+                    time.sleep(min(cfg.wait_s, 0.5))  # paused, or no quota for our sources: nothing wakes us
                 continue
+            source = mine[0]
             ids = [f"{cfg.worker_id}-g{self._state.next_seq + i}" for i in range(count)]
             self._state.next_seq += count
             self._state.announced.update({gid: source for gid in ids})
             self._save_state()
             # new ids replace lost ones (status "to_regenerate") when there are any: see rollout/regen.py
-            report_started(self.control, cfg.job, source, ids, claimable(status, source, count))
+            report_started(self.control, cfg.job, source, ids, claimable(view, source, count))
             self._produce(source, ids)
         return self.groups_written
 

@@ -43,9 +43,9 @@ __all__ = [
     "DEFAULT_LOOKAHEAD",
     "AdmissionTiming",
     "admitted_ahead",
+    "launch_order",
     "may_admit",
     "staleness_bound",
-    "launch_order",
     "trainer_position",
     "window_room",
 ]

@@ -1,16 +1,18 @@
-"""Unit routes: batch registration of sealed units and started-group supply."""
+"""Unit routes: batch registration of sealed units, started-group supply, rollout headroom."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from knittrans.api.auth import WorkerAuth
-from knittrans.api.models import ErrorOut, SupplyIn, SupplyOut, UnitIn, UnitsIn, UnitsOut
-from knittrans.api.routes.deps import Service
+from knittrans.api.models import ErrorOut, HeadroomOut, SupplyIn, SupplyOut, UnitIn, UnitsIn, UnitsOut
+from knittrans.api.routes.deps import Board, Service, SettingsDep
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 
 __all__ = ["router", "to_descriptor"]
@@ -60,3 +62,27 @@ async def report_supply(job: str, body: SupplyIn, svc: Service, _: WorkerAuth) -
     """Groups started (counts or ids) and dropped per source: the pending supply ``P[s]``."""
     return svc.report_supply(job, started=body.started, group_ids=body.group_ids, dropped=body.dropped,
                              request_id=body.request_id, regenerates=body.regenerates)
+
+
+_DONE_STATES = ("completed", "drained")
+
+
+@router.get("/{job}/headroom", response_model=HeadroomOut)
+async def headroom(job: str, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
+                   wait_s: float = Query(0.0, ge=0)) -> dict[str, Any]:
+    """Room rollout has under the off-policy window, and which source should launch next.
+
+    With ``wait_s``: long-poll until there is room (trainer progress frees it), the job can no
+    longer use groups, or ``wait_s`` passed; the answer is the same either way.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait_s, settings.long_poll_max_s)
+    while True:
+        view = svc.headroom(job)
+        remaining = deadline - loop.time()
+        if (view["room"] > 0 and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES \
+                or remaining <= 0:
+            return view
+        event = board.event(job)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining)
