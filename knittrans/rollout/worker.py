@@ -5,8 +5,9 @@ off-policy window has room (``GET /v1/jobs/{job}/headroom``, a long-poll that an
 progress frees room; the rule is ``knittrans.sched.timing``, the same for every admission
 policy), picking the source furthest behind its quota share of launches. It tags every trajectory
 with the policy version at its start and end and the token-weighted version, and picks up new
-policy weights when the trainer publishes a version: rank 0 writes ``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports
-version ``N`` to the control plane; the worker polls the version before every chunk of
+policy weights when the trainer publishes a version: rank 0 writes
+``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports version ``N`` to
+the control plane; the worker polls the version before every chunk of
 generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
 many tokens and new weights are picked up between chunks (partial rollout across an update).
 
