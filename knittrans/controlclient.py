@@ -266,9 +266,13 @@ class ControlClient:
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/versions", json=body)
         return result
 
-    def headroom(self, job: str, *, wait_s: float = 0.0) -> dict[str, Any]:
-        """``GET /v1/jobs/{job}/headroom``: room under the off-policy window; long-polls up to ``wait_s``."""
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/headroom", params={"wait_s": wait_s},
+    def headroom(self, job: str, *, wait_s: float = 0.0, sources: Sequence[str] | None = None) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}/headroom``: room under the off-policy window; long-polls up to ``wait_s`` for one
+        of ``sources`` (default: any) to have headroom."""
+        params: dict[str, Any] = {"wait_s": wait_s}
+        if sources is not None:
+            params["sources"] = ",".join(sources)
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/headroom", params=params,
                                             timeout_s=wait_s + self.timeout_s)
         return result
 

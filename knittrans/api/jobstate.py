@@ -23,7 +23,7 @@ from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.sched.admission import expired, make_policy
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
-from knittrans.sched.timing import admitted_ahead, launch_order
+from knittrans.sched.timing import admitted_ahead, launch_order, launchable
 from knittrans.sched.types import StepState
 
 __all__ = ["JOB_STATES", "JobState"]
@@ -158,10 +158,13 @@ class JobState:
         quotas = self.quotas_for_step(self.next_n // self.K)
         untaken = self.untaken()
         launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
+        room = self._timing.room(quotas, untaken)
+        allowed = launchable(quotas, launched)
         return {
             "state": self.state, "position": self.position, "next_global_index": self.next_n,
             "lookahead": self.spec.lookahead, "window": self.spec.window,
-            "room": self._timing.room(quotas, untaken), "untaken": untaken,
+            "room": room, "untaken": untaken,
+            "headroom": {s: max(0, room) if s in allowed else 0 for s in quotas},
             "launch_order": launch_order(quotas, launched),
             "to_regenerate": sorted(self.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         }

@@ -183,6 +183,8 @@ class HeadroomOut(BaseModel):
     window: int
     room: int = Field(description="groups rollout may launch now: W·G minus untaken (<= 0: wait)")
     untaken: dict[str, int] = Field(description="launched, not dropped, not in a mini-batch the trainer started")
+    headroom: dict[str, int] = Field(description="groups each source may launch now: the room for the sources "
+                                     "furthest behind their quota share of launches, 0 for the others")
     launch_order: list[str] = Field(description="sources, furthest behind their quota share of launches first")
     to_regenerate: list[dict[str, Any]]
 

@@ -25,7 +25,6 @@ import importlib
 import json
 import logging
 import os
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -338,16 +337,14 @@ class RolloutWorker:
                 logger.info("%s: regenerating %d announced groups after a restart", cfg.worker_id, len(ids))
                 self._produce(source, ids)
         while max_groups is None or self.groups_written < max_groups:
-            view = self.control.headroom(cfg.job, wait_s=cfg.wait_s)
+            view = self.control.headroom(cfg.job, wait_s=cfg.wait_s, sources=list(self._sources))
             if view["state"] in ("completed", "drained"):
                 break
-            mine = [s for s in view["launch_order"] if s in self._sources]
-            count = min(cfg.groups_per_call, int(view["room"]))
-            if view["state"] not in ("running", "draining") or count <= 0 or not mine:
-                if view["state"] not in ("running", "draining") or not mine:
-                    time.sleep(min(cfg.wait_s, 0.5))  # paused, or no quota for our sources: nothing wakes us
-                continue
+            mine = [s for s in view["launch_order"] if s in self._sources and view["headroom"].get(s, 0) > 0]
+            if view["state"] not in ("running", "draining") or not mine:
+                continue  # the long-poll already waited (paused, or no room for our sources yet)
             source = mine[0]
+            count = min(cfg.groups_per_call, int(view["headroom"][source]))
             ids = [f"{cfg.worker_id}-g{self._state.next_seq + i}" for i in range(count)]
             self._state.next_seq += count
             self._state.announced.update({gid: source for gid in ids})

@@ -21,7 +21,8 @@ Definitions (global mini-batch indices ``n = step·K + k`` count from 0):
   ``p``; they are counted per source. Admission does not free window; trainer progress does, so a
   slow trainer slows rollout down instead of letting it run ahead and go stale. Which source
   launches next is the one furthest behind its quota share of launches (:func:`launch_order`), so
-  slow sources keep proportionally more groups in flight and no rollout slot idles for a per-source cap.
+  slow sources keep proportionally more groups in flight and no rollout slot idles for a per-source cap;
+  only those sources may launch (:func:`launchable`), so no source can fill the window and starve another.
 
 Staleness bound (end reading). Policies take a source's finished groups in finish order. When a
 group ``g`` of source ``s`` finishes, the trainer is at ``p`` (step ``p // K``) and fewer than ``W·G``
@@ -44,6 +45,7 @@ __all__ = [
     "AdmissionTiming",
     "admitted_ahead",
     "launch_order",
+    "launchable",
     "may_admit",
     "staleness_bound",
     "trainer_position",
@@ -114,6 +116,21 @@ def window_room(quotas: Mapping[str, int], window: int, untaken: Mapping[str, in
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     return window * sum(quotas.values()) - sum(untaken.values())
+
+
+def launchable(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:
+    """The sources that may launch next: those furthest behind their quota share of launches (all tied ones).
+
+    Launching only these keeps every source's launches proportional to its quota, so the window ``W·G``
+    always holds about ``W·q[s]`` groups of each source and no source can fill it and starve the others
+    (with one worker per source, a worker that ignored this could take the whole window and stall the step
+    on another source's quota).
+    """
+    order = launch_order(quotas, launched)
+    if not order:
+        return []
+    first = launched.get(order[0], 0) * 1.0 / quotas[order[0]]
+    return [s for s in order if launched.get(s, 0) / quotas[s] <= first]
 
 
 def launch_order(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:

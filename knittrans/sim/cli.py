@@ -65,6 +65,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _lookahead_list(text: str) -> list[int | str]:
+    values: list[int | str] = []
+    for v in (v.strip() for v in text.split(",") if v.strip()):
+        if v == "K":
+            values.append("K")
+            continue
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}") from None
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+        values.append(n)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``knittrans sim``."""
     parser.add_argument(
@@ -79,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sweep K, mini-batches per step, e.g. 4,8,16 (default: the workload's)")
     parser.add_argument("--window", type=_int_list, default=None,
                         help="sweep W, off-policy window in train batches, e.g. 1,2 (default: the workload's)")
+    parser.add_argument("--lookahead", type=_lookahead_list, default=None,
+                        help="sweep L, mini-batches admitted beyond the trainer's position, e.g. 0,1,2,K "
+                        "(K: one train batch; default: the workload's)")
     parser.add_argument("--sync-delay", type=float, default=None, help="override the weight sync delay (s)")
     parser.add_argument("--in-flight", choices=("on", "off"), default=None,
                         help="override in-flight weight updates (partial rollout)")
@@ -115,19 +136,22 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--steps must be >= 1, got {args.steps}")
         ks = args.mini_batches or [None]
         ws = args.window or [None]
+        ls: list[int | str | None] = list(args.lookahead or [None])
         for w in workloads:  # validate every combination before running anything
             for k in ks:
                 for win in ws:
-                    w.with_overrides(**({} if k is None else {"mini_batches_per_step": k}),
-                                     **({} if win is None else {"window": win}))
+                    for look in ls:
+                        w.with_overrides(**({} if k is None else {"mini_batches_per_step": k}),
+                                         **({} if win is None else {"window": win}),
+                                         **({} if look is None or look == "K" else {"lookahead": look}))
     except ValueError as exc:
         print(f"knittrans sim: {exc}", file=sys.stderr)
         return 2
     modes = len(policies) + (1 if args.colocated else 0)
-    total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * modes * args.seeds
+    total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * len(ls) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
-        workloads, policies, seeds=args.seeds, steps=args.steps, mini_batches=ks, windows=ws,
+        workloads, policies, seeds=args.seeds, steps=args.steps, mini_batches=ks, windows=ws, lookaheads=ls,
         colocated=args.colocated, progress=None if bar is None else (lambda done, label: bar.advance(label)),
     )
     if bar is not None:
@@ -150,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
         for c in results:
             w = c.workload
-            prefix = f"{w.name}_K{w.mini_batches_per_step}_W{w.window}"
+            prefix = f"{w.name}_K{w.mini_batches_per_step}_W{w.window}_L{w.lookahead}"
             metrics = {label: runs[0] for label, runs in c.runs.items()}
             for path in write_plots(metrics, c.traces, args.plots, prefix):
                 logger.info("wrote %s", path)

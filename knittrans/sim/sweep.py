@@ -47,6 +47,7 @@ class ConfigResult:
             "workload": self.workload.name,
             "mini_batches_per_step": self.workload.mini_batches_per_step,
             "window": self.workload.window,
+            "lookahead": self.workload.lookahead,
             "sync_delay_s": self.workload.sync_delay_s,
             "in_flight_updates": self.workload.in_flight_updates,
             "policies": {},
@@ -89,37 +90,40 @@ def run_grid(
     steps: int | None,
     mini_batches: Iterable[int | None] = (None,),
     windows: Iterable[int | None] = (None,),
+    lookaheads: Iterable[int | str | None] = (None,),
     colocated: bool = False,
     progress: Callable[[int, str], None] | None = None,
 ) -> list[ConfigResult]:
     """Run every policy (and optionally the colocated reference) for every configuration and seed.
 
+    ``lookaheads`` may hold ``"K"``: the lookahead equal to the configuration's ``K`` (one train batch).
     ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
     """
     results: list[ConfigResult] = []
-    mbs, wins = list(mini_batches), list(windows)
-    for base in workloads:
-        for k in mbs:
-            for win in wins:
-                changes: dict[str, Any] = {}
-                if k is not None:
-                    changes["mini_batches_per_step"] = k
-                if win is not None:
-                    changes["window"] = win
-                workload = base.with_overrides(**changes) if changes else base
-                config = ConfigResult(workload=workload)
-                modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
-                for label, is_coloc in modes:
-                    policy = BASELINE if is_coloc else label
-                    for seed in range(seeds):
-                        tag = f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} {label} s{seed}"
-                        cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
-                        trace = simulate(workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
-                        metrics = compute_metrics(trace)
-                        config.runs.setdefault(label, []).append(metrics)
-                        if seed == 0:
-                            config.traces[label] = trace
-                results.append(config)
+    mbs, wins, looks = list(mini_batches), list(windows), list(lookaheads)
+    for base, k, win, look in ((b, k, w, la) for b in workloads for k in mbs for w in wins for la in looks):
+        changes: dict[str, Any] = {}
+        if k is not None:
+            changes["mini_batches_per_step"] = k
+        if win is not None:
+            changes["window"] = win
+        if look is not None:
+            changes["lookahead"] = (k or base.mini_batches_per_step) if look == "K" else look
+        workload = base.with_overrides(**changes) if changes else base
+        config = ConfigResult(workload=workload)
+        modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
+        for label, is_coloc in modes:
+            policy = BASELINE if is_coloc else label
+            for seed in range(seeds):
+                tag = (f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "
+                       f"L={workload.lookahead} {label} s{seed}")
+                cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
+                trace = simulate(workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
+                metrics = compute_metrics(trace)
+                config.runs.setdefault(label, []).append(metrics)
+                if seed == 0:
+                    config.traces[label] = trace
+        results.append(config)
     return results
 
 
@@ -130,7 +134,7 @@ def _pct(x: float) -> str:
 def format_table(results: Sequence[ConfigResult]) -> str:
     """Plain-text comparison table: architectural staleness per reading, reductions, tails, throughput."""
     head = (
-        f"{'workload':<16} {'K':>3} {'W':>2} {'policy':<22} "
+        f"{'workload':<16} {'K':>3} {'W':>2} {'L':>2} {'policy':<22} "
         f"{'arch s/e/w':>17} {'red start':>9} {'red end':>8} {'red wtd':>8} {'pos red e':>9} "
         f"{'p99 e':>6} {'max e':>6} {'tr idle':>7} {'ro idle':>7} {'steps/h':>8} {'viol':>4}"
     )
@@ -140,7 +144,8 @@ def format_table(results: Sequence[ConfigResult]) -> str:
         for policy, row in s["policies"].items():
             arch = "/".join(f"{row[f'{r}_arch_mean']:.2f}" for r in READINGS)
             lines.append(
-                f"{s['workload']:<16} {s['mini_batches_per_step']:>3} {s['window']:>2} {policy:<22} {arch:>17} "
+                f"{s['workload']:<16} {s['mini_batches_per_step']:>3} {s['window']:>2} {s['lookahead']:>2} "
+                f"{policy:<22} {arch:>17} "
                 f"{_pct(row['start_arch_reduction']):>9} {_pct(row['end_arch_reduction']):>8} "
                 f"{_pct(row['weighted_arch_reduction']):>8} {_pct(row['end_arch_pos_reduction']):>9} "
                 f"{row['end_arch_p99']:6.1f} {row['end_arch_max']:6.1f} {100 * row['trainer_idle']:6.1f}% "

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
                         help="store nodes' token (default $KNITTRANS_STORE_TOKEN)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--min-step-s", type=float, default=0.0,
+                        help="pad every mini-batch to at least this many seconds (emulate a heavier model)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,5 +83,5 @@ def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
     )
     return config(
         client=client, dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, lr=args.lr,
-        image_channels=args.image_channels, dedup=not args.no_dedup, out=args.out,
+        image_channels=args.image_channels, dedup=not args.no_dedup, out=args.out, min_step_s=args.min_step_s,
     )

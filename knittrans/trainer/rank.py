@@ -90,6 +90,9 @@ class RankConfig:
     """JSON-lines file, one record per mini-batch."""
     dist_timeout_s: float = 300.0
     """Timeout of collectives (a peer rank that died surfaces after this)."""
+    min_step_s: float = 0.0
+    """Pad every mini-batch to at least this many seconds before its ack (emulates a heavier model, e.g. the
+    slow-trainer scenario of the admission-timing proof); 0 trains at the tiny model's own speed."""
 
     def __post_init__(self) -> None:
         if self.client.world_size > 1 and not self.dist_url:
@@ -98,6 +101,8 @@ class RankConfig:
             raise ValueError("a trainer rank needs a fetch_timeout_s (a dead store host must raise, not block)")
         if self.lr <= 0 or self.image_channels < 1 or self.clip_eps <= 0:
             raise ValueError("lr and clip_eps must be > 0 and image_channels >= 1")
+        if not self.min_step_s >= 0:
+            raise ValueError(f"min_step_s must be >= 0, got {self.min_step_s}")
 
     @property
     def rank(self) -> int:
@@ -355,6 +360,9 @@ def run_rank(cfg: RankConfig) -> int:
                 if record is None:  # no rank stepped: ask for this global index again (re-planned)
                     mb.abandon()
                     continue
+                if record["step_time_s"] < cfg.min_step_s:
+                    time.sleep(cfg.min_step_s - record["step_time_s"])
+                    record["step_time_s"] = cfg.min_step_s
                 mb.ack()
                 version = mb.policy_version + 1
                 if cfg.rank == 0:

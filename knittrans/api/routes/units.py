@@ -69,18 +69,24 @@ _DONE_STATES = ("completed", "drained")
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
 async def headroom(job: str, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
-                   wait_s: float = Query(0.0, ge=0)) -> dict[str, Any]:
-    """Room rollout has under the off-policy window, and which source should launch next.
+                   wait_s: float = Query(0.0, ge=0),
+                   sources: str | None = Query(None, max_length=4096,
+                                               description="comma-separated sources the caller generates")
+                   ) -> dict[str, Any]:
+    """Room rollout has under the off-policy window, and which sources may launch now.
 
-    With ``wait_s``: long-poll until there is room (trainer progress frees it), the job can no
-    longer use groups, or ``wait_s`` passed; the answer is the same either way.
+    With ``wait_s``: long-poll until one of ``sources`` (default: any) has headroom (trainer
+    progress frees room; other sources' launches make a source the one furthest behind), the job
+    can no longer use groups, or ``wait_s`` passed; the answer is the same either way.
     """
+    wanted = None if sources is None else {s for s in sources.split(",") if s}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait_s, settings.long_poll_max_s)
     while True:
         view = svc.headroom(job)
         remaining = deadline - loop.time()
-        if (view["room"] > 0 and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES \
+        open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
+        if (open_now and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES \
                 or remaining <= 0:
             return view
         event = board.event(job)
