@@ -117,12 +117,12 @@ class SampleMiniBatch(MiniBatch):
 
 
 def write_job(cluster: LocalCluster, job: str, *, mini_batches: int, groups: int, group_size: int,
-              image: Sequence[int], seed: int, world: int = 4) -> list[Any]:
+              image: Sequence[int], seed: int, world: int = 4, lookahead: int = 1) -> list[Any]:
     """Create the job and write ``mini_batches * groups`` groups (one unit of 8 groups each), round-robin."""
     control = cluster.control()
     control.create_job({"name": job, "group_size": group_size, "quotas": {"mm": groups}, "mini_batches_per_step": 1,
                         "policy": "train_batch", "world_size": world, "micro_batch_size": 16,
-                        "total_steps": mini_batches})
+                        "total_steps": mini_batches, "lookahead": lookahead})
     rng = np.random.default_rng(seed)
     writers = [TrajectoryWriter(job=job, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
                for s in cluster.stores]
@@ -157,19 +157,23 @@ def delete_job(cluster: LocalCluster, job: str, descs: Sequence[Any]) -> None:
         c.close()
 
 
-def run_variant(cluster: LocalCluster, job: str, v: Variant, base: Policy, *, world: int,
+def run_variant(cluster: LocalCluster, jobs: Sequence[str], v: Variant, base: Policy, *,
                 mini_batches: int, warmup: int = 0) -> list[dict[str, Any]]:
-    """Every rank in turn trains all its mini-batches of ``job``; returns one record per rank and mini-batch.
+    """Rank ``r`` trains all its mini-batches of ``jobs[r]`` (one rank's share each), ranks in turn; returns
+    one record per rank and mini-batch.
 
-    The first ``warmup`` of the ``warmup + mini_batches`` mini-batches of every rank are marked
-    ``"warmup": True`` (excluded from the medians, kept in the JSON).
+    With lookahead ``L`` the control plane admits at most ``L`` mini-batches beyond the slowest rank, so a
+    rank measured alone cannot run ahead in a shared multi-rank job: each measured rank has its own
+    world-size-1 job holding exactly a rank's share (``groups / ranks`` groups per mini-batch). The first
+    ``warmup`` of the ``warmup + mini_batches`` mini-batches of every rank are marked ``"warmup": True``
+    (excluded from the medians, kept in the JSON).
     """
     total = warmup + mini_batches
     records = []
-    for rank in range(world):
+    for rank, job in enumerate(jobs):
         policy = copy.deepcopy(base)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-        cfg = TrainerConfig(control_url=cluster.control_url, job=job, rank=rank, world_size=world,
+        cfg = TrainerConfig(control_url=cluster.control_url, job=job, rank=0, world_size=1,
                             fetch_mode=v.fetch_mode, prefetch_next=v.prefetch_next,  # type: ignore[arg-type]
                             stream=v.stream)
         # The job finishes only when every rank acked, so a sequentially measured rank stops after its
@@ -180,11 +184,11 @@ def run_variant(cluster: LocalCluster, job: str, v: Variant, base: Policy, *, wo
                     plan = client.next_plan()
                     assert plan is not None
                     mb: MiniBatch = SampleMiniBatch(client, plan)
-                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup})
+                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup, "rank": rank})
                     mb.ack()
             else:
                 for n, mb in enumerate(client.minibatches()):
-                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup})
+                    records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup, "rank": rank})
                     mb.ack()
                     if n + 1 == total:
                         break
@@ -286,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke (~1 min): 64 trajectories, 2 ranks, 2 mini-batches, 1 repeat")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--lookahead", type=int, default=1,
+                        help="admission lookahead L of the jobs (default 1, the control plane's default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     groups = 8 if args.quick else 64
@@ -300,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trajectories": groups * 8, "group_size": 8, "image_kib": 256, "ranks": world, "micro_batch": 16,
         "mini_batches": mini_batches, "warmup_mini_batches": warmup, "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
-        "ranks_measured": "sequentially"}}
+        "ranks_measured": "sequentially, one world-size-1 job per rank share", "lookahead": args.lookahead}}
     try:
         with LocalCluster(ClusterConfig(work_dir=work, num_stores=2)) as cluster:
             model_dir = build_tiny_qwen2(work / "model", hidden=64, layers=1 if args.quick else 2, heads=1,
@@ -311,14 +317,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep in range(repeats):
                 for v in VARIANTS:
                     job = f"r{rep}-{v.name.replace('/', '-').replace('+', '-')}"
-                    descs = write_job(cluster, job, mini_batches=warmup + mini_batches, groups=groups, group_size=8,
-                                      image=image, seed=rep, world=world)
+                    jobs = [f"{job}-rank{r}" for r in range(world)]
+                    descs = {j: write_job(cluster, j, mini_batches=warmup + mini_batches, groups=groups // world,
+                                          group_size=8, image=image, seed=rep * world + r, world=1,
+                                          lookahead=args.lookahead)
+                             for r, j in enumerate(jobs)}
                     t0 = time.perf_counter()
-                    records = run_variant(cluster, job, v, base, world=world, mini_batches=mini_batches,
-                                          warmup=warmup)
+                    records = run_variant(cluster, jobs, v, base, mini_batches=mini_batches, warmup=warmup)
                     raw.setdefault(v.name, []).append(records)
                     summary = summarise(records)
-                    delete_job(cluster, job, descs)
+                    for j, d in descs.items():
+                        delete_job(cluster, j, d)
                     runs[v.name].append(summary)
                     print(f"  repeat {rep + 1}/{repeats} {v.name:28} exposed {summary['exposed_per_micro_ms']:7.2f} "
                           f"ms/micro, {summary['rank_time_per_mini_batch_s']:6.2f} s/mini-batch "

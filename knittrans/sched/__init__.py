@@ -1,4 +1,4 @@
-"""Scheduling core (pure code, no I/O): admission policies, rank assignment, staleness accounting."""
+"""Scheduling core (pure code, no I/O): admission policies and timing, rank assignment, staleness accounting."""
 
 from knittrans.sched.admission import (
     POLICIES,
@@ -22,6 +22,17 @@ from knittrans.sched.staleness import (
     summarize_weighted,
     version_of,
 )
+from knittrans.sched.timing import (
+    DEFAULT_LOOKAHEAD,
+    AdmissionTiming,
+    admitted_ahead,
+    launch_order,
+    launchable,
+    may_admit,
+    staleness_bound,
+    trainer_position,
+    window_room,
+)
 from knittrans.sched.types import (
     AdmissionDecision,
     FinishedGroup,
@@ -34,10 +45,12 @@ from knittrans.sched.types import (
 )
 
 __all__ = [
+    "DEFAULT_LOOKAHEAD",
     "POLICIES",
     "READINGS",
     "AdmissionDecision",
     "AdmissionPolicy",
+    "AdmissionTiming",
     "ConsumedGroup",
     "FinishedGroup",
     "MicroBatchPlan",
@@ -47,18 +60,25 @@ __all__ = [
     "StalenessStats",
     "StepState",
     "TrajectoryRef",
+    "admitted_ahead",
     "architectural_staleness",
     "assign_mini_batch",
     "composition_plan",
     "expired",
+    "launch_order",
+    "launchable",
     "lpt_assign",
     "make_policy",
+    "may_admit",
     "mini_batch_sizes",
     "quota_deficit",
     "remainder_feasible",
     "staleness",
+    "staleness_bound",
     "step_report",
     "summarize",
     "summarize_weighted",
+    "trainer_position",
     "version_of",
+    "window_room",
 ]
