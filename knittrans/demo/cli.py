@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=1, help="off-policy window W in train batches (default 1)")
     parser.add_argument("--lookahead", type=int, default=1,
                         help="admission lookahead L: mini-batches admitted beyond the trainer (default 1)")
+    parser.add_argument("--scenario", choices=("default", "slow-trainer"), default="default",
+                        help="slow-trainer: every mini-batch takes >= --min-step-s (3 s unless given), about 3x "
+                        "rollout's pace, so the window, not rollout, sets the pace (docs/demo.md)")
+    parser.add_argument("--min-step-s", type=float, default=None,
+                        help="pad every mini-batch to at least this many seconds (default 0; 3 for slow-trainer)")
     parser.add_argument("--hidden", type=int, default=512, help="policy hidden size, a multiple of 64")
     parser.add_argument("--layers", type=int, default=4, help="policy decoder layers")
     parser.add_argument("--seed", type=int, default=0)
@@ -34,14 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: Any) -> int:
     """Run the demo (or the comparison), print the tables, write JSON and PNG."""
     from knittrans.demo.config import DemoConfig
-    from knittrans.demo.report import format_table, plot_results
+    from knittrans.demo.report import format_comparison, format_table, plot_results
     from knittrans.demo.run import run_demo
+
+    slow = args.scenario == "slow-trainer"
+    min_step_s = args.min_step_s if args.min_step_s is not None else (3.0 if slow else 0.0)
+    # the slow trainer's time is the padding, not the model: a small policy keeps the run short
+    hidden, layers = (128, 2) if slow and (args.hidden, args.layers) == (512, 4) else (args.hidden, args.layers)
 
     def config(policy: str) -> DemoConfig:
         return DemoConfig(out_dir=args.out, policy=policy, engine=args.engine, steps=args.steps,
                           mini_batches_per_step=args.mini_batches, fetch_mode=args.fetch_mode, seed=args.seed,
                           timeout_s=args.timeout_s, window=args.window, lookahead=args.lookahead,
-                          hidden=args.hidden, layers=args.layers)
+                          min_step_s=min_step_s, hidden=hidden, layers=layers)
 
     policies = ["train_batch", "constraint_preserving"] if args.compare else [args.policy]
     results = {}
@@ -62,6 +72,7 @@ def run(args: Any) -> int:
             cp = results["constraint_preserving"]["staleness"][reading]["architectural"]["mean"]
             ratios[reading] = None if not tb else cp / tb
         summary["arch_staleness_ratio_cp_over_tb"] = ratios
+        print("\n" + format_comparison(results))
         print("\nmean architectural staleness, constraint_preserving / train_batch: "
               + ", ".join(f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items()))
     out = Path(args.out) / "summary.json"

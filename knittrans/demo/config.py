@@ -44,6 +44,9 @@ class DemoConfig:
     """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
     lookahead: int = 1
     """``L``: mini-batches admitted beyond the trainer's position (0 = when the trainer asks)."""
+    min_step_s: float = 0.0
+    """Pad every mini-batch to at least this many seconds (a heavier model's step time; the slow-trainer
+    scenario); 0 trains at the tiny policy's own speed."""
     chunk_tokens: int | None = 8
     """Partial rollout: generation picks up new weights every this many tokens."""
     fetch_mode: str = "iter"
@@ -71,6 +74,8 @@ class DemoConfig:
             raise ValueError(
                 f"quotas {sorted(self.quotas)} and sources {sorted(self.sources)} must name the same sources"
             )
+        if not self.min_step_s >= 0:
+            raise ValueError(f"min_step_s must be >= 0, got {self.min_step_s}")
         if self.window < 1 or self.lookahead < 0:
             raise ValueError(f"window must be >= 1 and lookahead >= 0, got {self.window} and {self.lookahead}")
         if self.steps < 1 or self.ranks < 1 or self.stores < 1:

@@ -10,7 +10,7 @@ from typing import Any
 
 from knittrans.demo.config import DemoConfig
 
-__all__ = ["collect_results", "format_table", "plot_results"]
+__all__ = ["collect_results", "format_comparison", "format_table", "plot_results"]
 
 
 def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -67,6 +67,7 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         "staleness": overall,
         "quota_fill": status.get("quota_fill"),
         "trajectories_by_step": trajectories_by_step,
+        "timing": status.get("timing"),
         "counts": status["counts"],
         "rank_records": records,
     }
@@ -134,3 +135,23 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def format_comparison(results: dict[str, dict[str, Any]]) -> str:
+    """Policies side by side: staleness per reading, tails, admission-timing peaks and throughput."""
+    head = (f"{'policy':<22} {'arch mean s/e/w':>20} {'arch max e':>10} {'peak ahead/L':>12} "
+            f"{'peak untaken/WG':>15} {'mini-batches/min':>16}")
+    lines = [head, "-" * len(head)]
+    for policy, res in results.items():
+        st = res["staleness"]
+        means = "/".join(_fmt(st[r]["architectural"]["mean"], ".2f") for r in ("start", "end", "weighted"))
+        cfg, timing = res["config"], res.get("timing") or {}
+        g = sum(cfg["quotas"].values())
+        trained = sum(s["mini_batches"] for s in res["steps"])
+        lines.append(
+            f"{policy:<22} {means:>20} {_fmt(st['end']['architectural']['max'], '.1f'):>10} "
+            f"{str(timing.get('peak_admitted_ahead', '-')) + '/' + str(cfg['lookahead']):>12} "
+            f"{str(timing.get('peak_untaken', '-')) + '/' + str(cfg['window'] * g):>15} "
+            f"{60 * trained / res['wall_s']:>16.1f}"
+        )
+    return "\n".join(lines)

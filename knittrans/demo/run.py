@@ -69,7 +69,7 @@ def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mo
                 "--world-size", str(config.ranks), "--dist-url", dist_url, "--model-dir", str(model_dir),
                 "--weights-dir", str(run_dir / "weights"), "--fetch-mode", config.fetch_mode,
                 "--lr", str(config.lr), "--image-channels", str(channels),
-                "--out", str(run_dir / f"rank-{rank}.jsonl")]
+                "--out", str(run_dir / f"rank-{rank}.jsonl"), "--min-step-s", str(config.min_step_s)]
         for node in cluster.stores:
             argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]
         name = f"rank-{rank}"
