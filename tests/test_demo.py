@@ -48,3 +48,21 @@ def test_short_demo_keeps_quotas_and_delivers_every_trajectory_once(tmp_path: Pa
     logical = sum(r["media_logical_bytes"] for r in records)
     unique = sum(r["media_unique_bytes"] for r in records)
     assert unique > 0 and logical >= 2 * unique  # groups of 4 share one image
+
+
+def test_demo_config_validates_timing_fields() -> None:
+    """The demo refuses a negative trainer padding, lookahead or a window below one, naming the field."""
+    import pytest
+
+    for field, value in (("min_step_s", -1.0), ("lookahead", -1), ("window", 0)):
+        with pytest.raises(ValueError, match=field):
+            DemoConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_demo_cli_slow_trainer_scenario_is_accepted(tmp_path: Path) -> None:
+    """`knittrans demo --scenario slow-trainer --compare` parses; an unknown scenario is refused by name."""
+    ok = subprocess.run([sys.executable, "-m", "knittrans.cli", "demo", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "slow-trainer" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "knittrans.cli", "demo", "--scenario", "fast"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "fast" in bad.stderr
