@@ -77,11 +77,13 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     cvs=st.lists(st.floats(0.0, 1.5), min_size=4, max_size=4),
     policy=st.sampled_from(POLICIES),
     seed=st.integers(0, 1000),
+    lookahead=st.integers(0, 5),
 )
 def test_quotas_exact_random_workloads(
-    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int
+    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int
 ) -> None:
-    """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas."""
+    """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
+    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(name=f"s{i}", quota=qi, duration_mean_s=10.0 * (i + 1), duration_cv=cvs[i],
@@ -89,10 +91,13 @@ def test_quotas_exact_random_workloads(
         for i, qi in enumerate(q)
     )
     w = Workload(name="random", sources=sources, group_size=2, mini_batches_per_step=k, window=window,
-                 rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True)
+                 rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True,
+                 lookahead=lookahead)
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
     assert compute_metrics(trace).quota_violations == 0
+    assert trace.peak_admitted_ahead <= lookahead
+    assert trace.peak_untaken_total <= window * w.train_batch_groups
 
 
 @pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
