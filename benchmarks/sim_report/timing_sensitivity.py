@@ -94,7 +94,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"seeds": args.seeds, "steps": args.steps, "ks": ks, "windows": ws, "lookaheads": ls,
             "command": "python benchmarks/sim_report/timing_sensitivity.py " + " ".join(sys.argv[1:])}
-    (args.out / "timing_sensitivity.json").write_text(json.dumps({"meta": meta, "configs": configs}, separators=(",", ":")))
+    payload = {"meta": meta, "configs": configs}
+    (args.out / "timing_sensitivity.json").write_text(json.dumps(payload, separators=(",", ":")) + "\n")
     (args.out / "timing_sensitivity.md").write_text(markdown(configs))
     plot(configs, args.out / "timing_sensitivity.png")
     print(markdown([c for c in configs if c["mini_batches_per_step"] == 16 and c["window"] == 1]))
