@@ -198,7 +198,10 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         poll("both ranks to give up the plans they could not fetch",
              lambda: all("abandoned" in procs.log_tail(f"rank-{r}", 400) for r in range(RANKS)), 60, procs)
         timings["cut_to_abandoned_s"] = time.monotonic() - t_cut
-        poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] == total, 120, procs)
+        # admission runs at most `lookahead` (1) mini-batches beyond the trainer: the withdrawn indices are
+        # re-planned as the ranks reach them, not all at once
+        poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] > withdrawn[-1], 120,
+             procs)
         timings["cut_to_replanned_s"] = time.monotonic() - t_cut
         # a plan the ranks get from now on for a withdrawn index is a re-plan that never reads the lost node
         for rank in range(RANKS):
