@@ -126,6 +126,11 @@ class ControlClient:
         result: dict[str, Any] = self._json("GET", "/v1/health")
         return result
 
+    def overview(self) -> dict[str, Any]:
+        """``GET /v1/overview`` (admin): jobs, store nodes and ranks, as the dashboard shows them."""
+        result: dict[str, Any] = self._json("GET", "/v1/overview")
+        return result
+
     def metrics(self) -> str:
         """``GET /metrics`` (Prometheus text)."""
         return self._request("GET", "/metrics").text
