@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from api_support import ENDPOINT, job_spec, server, single_group_units
+from api_support import ENDPOINT, USAGE, job_spec, populate, server
 from fastapi.testclient import TestClient
 
 from knittrans.api.app import create_app
@@ -16,33 +16,9 @@ from knittrans.api.statusview import render
 from knittrans.controlclient import ControlClient
 
 ADMIN, WORKER = "admin-secret", "worker-secret"
-USAGE = {"units": 3, "rows": 12, "bytes_in_memory": 4096, "bytes_spilled": 0, "budget_bytes": 1 << 20,
-         "budget_used": 5000, "pending": 1, "schema_version": 1}
-TRANSFER = {"exposed_s": 0.25, "fetch_s": 0.5, "row_bytes": 1000, "media_logical_bytes": 800,
-            "media_physical_bytes": 200}
-
-
 def _client(tmp_path: Path) -> TestClient:
     app = create_app(Settings(db_path=str(tmp_path / "cp.db"), admin_token=ADMIN, worker_token=WORKER))
     return TestClient(app, headers={"Authorization": f"Bearer {ADMIN}"})
-
-
-def _drive(c: TestClient) -> None:
-    """Two nodes (one with usage), one job with a consumed step and acks carrying transfer figures."""
-    assert c.post("/v1/jobs", json=job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2)).status_code == 201
-    for node in ("n0", "n1"):
-        assert c.post("/v1/nodes", json={"node_id": node, "endpoint": ENDPOINT.format(port=1)}).status_code == 200
-    assert c.post("/v1/nodes/n0/heartbeat", json=USAGE).status_code == 200
-    assert c.post("/v1/nodes/n1/heartbeat").status_code == 200  # no body: still a heartbeat
-    units = single_group_units(["math", "code", "math", "code"])
-    assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
-    for _ in range(2):  # the first mini-batch of the step, then the second
-        for rank in (0, 1):
-            plan = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json()
-            body = {"plan_id": plan["plan_id"], "transfer": TRANSFER}
-            assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body).status_code == 200
-            again = c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body)  # a repeat is not counted twice
-            assert again.status_code == 200 and again.json()["duplicate"]
 
 
 def test_overview_needs_admin_token(tmp_path: Path) -> None:
@@ -60,7 +36,7 @@ def test_overview_needs_admin_token(tmp_path: Path) -> None:
 def test_overview_reports_jobs_nodes_ranks(tmp_path: Path) -> None:
     """Quota fill, staleness per step, consumed mini-batches, node usage and per-rank transfer sums."""
     with _client(tmp_path) as c:
-        _drive(c)
+        populate(c)
         view = c.get("/v1/overview").json()
     (job,) = view["jobs"]
     assert job["job"] == "job1" and job["state"] == "running" and job["step"] == 1
@@ -81,14 +57,14 @@ def test_overview_reports_jobs_nodes_ranks(tmp_path: Path) -> None:
 def test_metrics_carry_usage_and_transfer(tmp_path: Path) -> None:
     """/metrics exports the store usage and the rank transfer counters the overview shows."""
     with _client(tmp_path) as c:
-        _drive(c)
+        populate(c)
         text = c.get("/metrics").text
     assert 'knittrans_store_budget_used_bytes{node="n0"} 5000.0' in text
     assert 'knittrans_store_budget_bytes{node="n0"} 1.048576e+06' in text
-    assert 'knittrans_rank_exposed_transfer_seconds_total{job="job1",rank="1"} 0.5' in text
-    assert 'knittrans_rank_logical_bytes_total{job="job1",rank="0"} 3600.0' in text
-    assert 'knittrans_rank_physical_bytes_total{job="job1",rank="0"} 2400.0' in text
-    assert 'knittrans_job_state{job="job1",state="running"} 1.0' in text
+    assert 'knittrans_rank_exposed_transfer_seconds_total{job_name="job1",rank="1"} 0.5' in text
+    assert 'knittrans_rank_logical_bytes_total{job_name="job1",rank="0"} 3600.0' in text
+    assert 'knittrans_rank_physical_bytes_total{job_name="job1",rank="0"} 2400.0' in text
+    assert 'knittrans_job_state{job_name="job1",state="running"} 1.0' in text
     assert 'knittrans_node_up{node="n1"} 1.0' in text
 
 
@@ -106,7 +82,7 @@ def test_heartbeat_usage_is_validated(tmp_path: Path) -> None:
 def test_render_shows_the_facts(tmp_path: Path) -> None:
     """The terminal view names the job state, quota fill, ranks and nodes; --job filters."""
     with _client(tmp_path) as c:
-        _drive(c)
+        populate(c)
         view = c.get("/v1/overview").json()
     text = render(view)
     assert "job job1: RUNNING" in text and "math" in text and "code" in text

@@ -2,8 +2,10 @@
 
 Names follow the Prometheus conventions: ``knittrans_`` prefix, base units in the name (``_seconds``,
 ``_bytes``, ``_ratio``, ``_versions``), ``_total`` on counters (added by the exposition), and labels
-whose values can be summed or averaged meaningfully. :data:`METRICS` lists every family exported;
-``deploy/grafana/knittrans.json`` only uses these (checked by ``tests/test_grafana.py``).
+whose values can be summed or averaged meaningfully. The RL job is the label ``job_name``: ``job``
+and ``instance`` belong to the scraper (Prometheus would rename a scraped ``job`` to ``exported_job``).
+:data:`METRICS` lists every family exported; ``deploy/grafana/knittrans.json`` only uses these
+(checked by ``tests/test_grafana.py``).
 """
 
 from __future__ import annotations
@@ -91,26 +93,27 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily("knittrans_units_registered", "Units registered since start",
                                   value=svc.units_registered)
         state = GaugeMetricFamily("knittrans_job_state", "1 for the job's lifecycle state, 0 for the others",
-                                  labels=["job", "state"])
+                                  labels=["job_name", "state"])
         fill = GaugeMetricFamily("knittrans_quota_fill_ratio", "a[s]/q[s] in the current step",
-                                 labels=["job", "source"])
+                                 labels=["job_name", "source"])
         groups = GaugeMetricFamily("knittrans_groups", "Groups by status and source",
-                                   labels=["job", "source", "status"])
-        pending = GaugeMetricFamily("knittrans_pending_groups", "P[s]: started, not finished", labels=["job", "source"])
-        version = GaugeMetricFamily("knittrans_policy_version", "Latest reported policy version", labels=["job"])
-        planned = GaugeMetricFamily("knittrans_next_global_index", "Mini-batches admitted so far", labels=["job"])
+                                   labels=["job_name", "source", "status"])
+        pending = GaugeMetricFamily("knittrans_pending_groups", "P[s]: started, not finished",
+                                    labels=["job_name", "source"])
+        version = GaugeMetricFamily("knittrans_policy_version", "Latest reported policy version", labels=["job_name"])
+        planned = GaugeMetricFamily("knittrans_next_global_index", "Mini-batches admitted so far", labels=["job_name"])
         in_flight = GaugeMetricFamily("knittrans_in_flight_mini_batches", "Admitted, not yet consumed",
-                                      labels=["job"])
+                                      labels=["job_name"])
         consumed = GaugeMetricFamily("knittrans_consumed_mini_batches", "Mini-batches every rank acked",
-                                     labels=["job"])
+                                     labels=["job_name"])
         regenerate = GaugeMetricFamily("knittrans_groups_to_regenerate", "Lost or expired groups not yet "
-                                       "claimed by a rollout worker for regeneration", labels=["job"])
+                                       "claimed by a rollout worker for regeneration", labels=["job_name"])
         admit_s = GaugeMetricFamily("knittrans_last_admission_seconds", "Policy + assignment time of the "
-                                    "last admitted mini-batch", labels=["job"])
+                                    "last admitted mini-batch", labels=["job_name"])
         admit_wait = GaugeMetricFamily("knittrans_last_admission_wait_seconds", "How long the last admitted "
-                                       "mini-batch waited for its groups", labels=["job"])
+                                       "mini-batch waited for its groups", labels=["job_name"])
         stale = GaugeMetricFamily("knittrans_staleness_versions", "Staleness of consumed trajectories in policy "
-                                  "versions (job lifetime)", labels=["job", "source", "reading", "kind", "stat"])
+                                  "versions (job lifetime)", labels=["job_name", "source", "reading", "kind", "stat"])
         for job in svc.jobs.values():
             step = job.next_n // job.K
             for st in JOB_STATES:
@@ -150,7 +153,7 @@ class ServiceCollector(Collector):
         yield from self._ranks()
 
     def _ranks(self) -> Iterator[CounterMetricFamily]:
-        labels = ["job", "rank"]
+        labels = ["job_name", "rank"]
         mbs = CounterMetricFamily("knittrans_rank_mini_batches", "Mini-batches the rank acked with transfer figures",
                                   labels=labels)
         exposed = CounterMetricFamily("knittrans_rank_exposed_transfer_seconds", "Seconds the rank's training "
