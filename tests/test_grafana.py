@@ -71,7 +71,7 @@ def test_dashboard_structure() -> None:
         assert p["id"] not in ids, f"duplicate panel id {p['id']}"
         ids.add(p["id"])
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, f"panel {p['title']!r} is wider than the grid"
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, f"panel {p['title']!r} is wider than the grid"
         for x in range(g["x"], g["x"] + g["w"]):
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"panel {p['title']!r} overlaps another at {(x, y)}"
