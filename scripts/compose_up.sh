@@ -23,9 +23,12 @@ if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else C
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-knittrans}
 
 tokens() {
-  if [ -f .compose.env ]; then set -a; . ./.compose.env; set +a; fi
-  local name new=0
+  local name new=0 saved
   for name in KNITTRANS_WORKER_TOKEN KNITTRANS_STORE_TOKEN KNITTRANS_ADMIN_TOKEN; do
+    if [ -z "${!name:-}" ] && [ -f .compose.env ]; then   # the environment wins over the file
+      saved=$(sed -n "s/^$name=//p" .compose.env | head -n1)
+      if [ -n "$saved" ]; then printf -v "$name" '%s' "$saved"; export "${name?}"; fi
+    fi
     if [ -z "${!name:-}" ]; then
       printf -v "$name" '%s' "$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
       export "${name?}"; new=1

@@ -47,6 +47,10 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
                   "groups": len(mb.group_ids), "counts": dict(mb.counts), "fetched_ranks": sorted(mb.fetched),
                   "acked_ranks": sorted(mb.acks), "admitted_at": mb.admitted_at}
                  for mb in sorted(job.minibatches.values(), key=lambda m: m.n) if mb.status == "planned"]
+    pool_by_node: dict[str, dict[str, int]] = {}
+    for g in job.pool():
+        per_source = pool_by_node.setdefault(g.node_id, {})
+        per_source[g.record.source] = per_source.get(g.record.source, 0) + 1
     ranks = []
     transfers = observed.job_ranks(job.name)
     for rank in range(job.spec.world_size):
@@ -68,6 +72,7 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
         "deficits": status["deficits"],
         "pending": counts["pending"],
         "finished": counts["finished"],
+        "pool_by_node": pool_by_node,
         "groups_by_status": counts["groups_by_status"],
         "in_flight_mini_batches": in_flight,
         "consumed_mini_batches": counts["consumed_mini_batches"],
