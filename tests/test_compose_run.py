@@ -142,6 +142,19 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         assert not leftovers, f"containers left after teardown: {leftovers}"
 
 
+def _screenshot(stack: Stack, path: Path) -> None:
+    """The live stack's /ui in headless chromium (for the docs: a lost node, lost groups, real staleness)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"http://127.0.0.1:{stack.port}/ui#token={stack.admin}")
+        page.locator('.badge[data-state="lost"]').wait_for(timeout=30_000)
+        page.screenshot(path=str(path), full_page=True)
+        browser.close()
+
+
 def _artifacts() -> Path:
     out = Path(os.environ.get("KNITTRANS_ARTIFACTS", ROOT / "results")) / "compose"
     out.mkdir(parents=True, exist_ok=True)
@@ -201,6 +214,8 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     assert len(lost_groups) == sum(pool[node].values()), (
         f"the {pool[node]} pooled groups of {node} must be reported lost: {after['lost_groups']}")
     assert {r["group_id"] for r in after["to_regenerate"]} <= {r["group_id"] for r in after["lost_groups"]}
+    if os.environ.get("KNITTRANS_UPDATE_DOCS_IMG") == "1":
+        _screenshot(stack, ROOT / "docs" / "img" / "dashboard_compose.png")
     poll("a mini-batch consumed after the loss",
          lambda: consumed(before["counts"]["consumed_mini_batches"] + 1), 300)
     timings["kill_to_next_consumed_s"] = time.monotonic() - t_kill
