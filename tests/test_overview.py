@@ -105,3 +105,24 @@ def test_status_command_against_real_server(tmp_path: Path) -> None:
         assert "job job1: PAUSED" in ok.stdout and "no store node registered" in ok.stdout
         denied = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
         assert denied.returncode == 1 and "admin bearer token" in denied.stderr
+
+
+def test_status_watch_redraws(tmp_path: Path) -> None:
+    """``--watch`` keeps redrawing (here: at least twice) until interrupted."""
+    with server(tmp_path / "cp.db", "--admin-token", ADMIN) as cp:
+        with ControlClient(cp.url, token=ADMIN) as admin:
+            admin.create_job(job_spec())
+        cmd = [sys.executable, "-m", "knittrans.cli", "status", "--control-url", cp.url, "--token", ADMIN,
+               "--watch", "--interval-s", "0.1"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            headers = 0
+            for line in proc.stdout:
+                headers += line.startswith("KnitTrans control plane - ")
+                if headers == 2:
+                    break
+            assert headers == 2
+        finally:
+            proc.terminate()
+            proc.wait(30)
