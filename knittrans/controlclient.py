@@ -126,6 +126,11 @@ class ControlClient:
         result: dict[str, Any] = self._json("GET", "/v1/health")
         return result
 
+    def overview(self) -> dict[str, Any]:
+        """``GET /v1/overview`` (admin): jobs, store nodes and ranks, as the dashboard shows them."""
+        result: dict[str, Any] = self._json("GET", "/v1/overview")
+        return result
+
     def metrics(self) -> str:
         """``GET /metrics`` (Prometheus text)."""
         return self._request("GET", "/metrics").text
@@ -173,9 +178,13 @@ class ControlClient:
         result: dict[str, Any] = self._json("POST", "/v1/nodes", json=body)
         return result
 
-    def heartbeat(self, node_id: str) -> dict[str, Any]:
-        """``POST /v1/nodes/{node}/heartbeat`` (Conflict when the node was declared lost)."""
-        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/heartbeat")
+    def heartbeat(self, node_id: str, usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/nodes/{node}/heartbeat`` (Conflict when the node was declared lost).
+
+        ``usage``: the store's ``stats`` (units, bytes, budget), shown by ``/metrics`` and ``/ui``.
+        """
+        body = dict(usage) if usage is not None else None
+        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/heartbeat", json=body)
         return result
 
     def list_nodes(self) -> list[dict[str, Any]]:
@@ -255,9 +264,15 @@ class ControlClient:
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/fetched", json=body)
         return result
 
-    def ack(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
-        """``POST /v1/jobs/{job}/ranks/{rank}/ack`` (DataLost when the plan was withdrawn)."""
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": plan_id})
+    def ack(self, job: str, rank: int, plan_id: str, transfer: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/ranks/{rank}/ack`` (DataLost when the plan was withdrawn).
+
+        ``transfer``: the rank's transfer figures of the mini-batch (see :class:`~knittrans.api.models.TransferIn`).
+        """
+        body: dict[str, Any] = {"plan_id": plan_id}
+        if transfer is not None:
+            body["transfer"] = dict(transfer)
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/ack", json=body)
         return result
 
     def report_version(self, job: str, version: int, rank: int = 0) -> dict[str, Any]:

@@ -139,3 +139,27 @@ def server(db: Path, *extra: str) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+USAGE = {"units": 3, "rows": 12, "bytes_in_memory": 4096, "bytes_spilled": 0, "budget_bytes": 1 << 20,
+         "budget_used": 5000, "pending": 1, "schema_version": 1}
+TRANSFER = {"exposed_s": 0.25, "fetch_s": 0.5, "row_bytes": 1000, "media_logical_bytes": 800,
+            "media_physical_bytes": 200}
+
+
+def populate(c: Any) -> None:
+    """Two nodes (one with usage), one job with a consumed step and acks carrying transfer figures."""
+    assert c.post("/v1/jobs", json=job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2)).status_code == 201
+    for node in ("n0", "n1"):
+        assert c.post("/v1/nodes", json={"node_id": node, "endpoint": ENDPOINT.format(port=1)}).status_code == 200
+    assert c.post("/v1/nodes/n0/heartbeat", json=USAGE).status_code == 200
+    assert c.post("/v1/nodes/n1/heartbeat").status_code == 200  # no body: still a heartbeat
+    units = single_group_units(["math", "code", "math", "code"])
+    assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
+    for _ in range(2):  # the first mini-batch of the step, then the second
+        for rank in (0, 1):
+            plan = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json()
+            body = {"plan_id": plan["plan_id"], "transfer": TRANSFER}
+            assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body).status_code == 200
+            again = c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body)  # a repeat is not counted twice
+            assert again.status_code == 200 and again.json()["duplicate"]

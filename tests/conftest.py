@@ -68,3 +68,17 @@ def make_groups(n_groups: int = 3, n_responses: int = 4, *, seed: int = 0, prefi
             finished_at=1_700_000_000.0 + i,
         ))
     return groups
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``compose`` tests (image builds, minutes on a Docker engine) run only when a ``-m`` names them.
+
+    ``scripts/test.sh`` runs them in their own step with ``-m compose``; any other run deselects them
+    (reported as deselected, never as skipped or passed).
+    """
+    if "compose" in (config.option.markexpr or ""):
+        return
+    keep = [item for item in items if item.get_closest_marker("compose") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("compose")])
+        items[:] = keep

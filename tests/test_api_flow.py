@@ -87,7 +87,7 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     for reading in ("start", "end", "weighted"):
         assert status["staleness"]["overall"][reading]["staleness"]["count"] == len(finish) * 2
     assert set(status["staleness"]["by_step"]) == {"0", "1", "2"}
-    assert 'knittrans_staleness{job="job1",kind="architectural"' in metrics
+    assert 'knittrans_staleness_versions{job_name="job1",kind="architectural"' in metrics
 
 
 def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:

@@ -179,5 +179,5 @@ def test_metrics_are_per_app_instance(tmp_path: Path) -> None:
         create_app(Settings(db_path=str(tmp_path / "2.db")))
     ) as b:
         a.post("/v1/jobs", json=job_spec())
-        assert 'knittrans_quota_fill{job="job1",source="math"}' in a.get("/metrics").text
+        assert 'knittrans_quota_fill_ratio{job_name="job1",source="math"}' in a.get("/metrics").text
         assert "job1" not in b.get("/metrics").text

@@ -124,7 +124,8 @@ def test_services_and_commands_parse(compose: dict[str, Any], commands: dict[str
     others = [n for n, s in compose["services"].items() if s["command"][0] != "knittrans"]
     assert others == ["setup"], f"only the one-shot setup may run something other than knittrans: {others}"
     for svc in compose["services"].values():
-        assert svc["image"] == "knittrans:dev" and svc["build"] == "."
+        assert svc["image"] == "knittrans:dev" and svc["build"]["context"] == "."
+        assert svc["build"]["args"]["BASE_IMAGE"] == "knittrans-base:bookworm"
 
 
 def test_setup_script_is_valid(compose: dict[str, Any], commands: dict[str, Any]) -> None:
@@ -296,21 +297,56 @@ def test_tokens_come_from_environment(compose: dict[str, Any]) -> None:
             assert env["KNITTRANS_WORKER_TOKEN"].startswith("${KNITTRANS_WORKER_TOKEN:?")
             assert env["KNITTRANS_STORE_TOKEN"].startswith("${KNITTRANS_STORE_TOKEN:?")
             assert "--token" not in svc["command"] and "--store-token" not in svc["command"]
-    cp = raw["services"]["control-plane"]["command"]
-    assert cp[cp.index("--worker-token") + 1].startswith("${KNITTRANS_WORKER_TOKEN:?")
-    assert cp[cp.index("--admin-token") + 1].startswith("${KNITTRANS_ADMIN_TOKEN:?")
+    cp = raw["services"]["control-plane"]
+    assert "--worker-token" not in cp["command"] and "--admin-token" not in cp["command"], (
+        "tokens on a command line show in `ps`; the control plane reads them from its environment")
+    assert cp["environment"]["KNITTRANS_WORKER_TOKEN"].startswith("${KNITTRANS_WORKER_TOKEN:?")
+    assert cp["environment"]["KNITTRANS_ADMIN_TOKEN"].startswith("${KNITTRANS_ADMIN_TOKEN:?")
     assert "dummy-knittrans_admin_token" not in str(compose["services"]["store-a"])
 
 
 def test_dockerfile() -> None:
-    """python:3.11-slim, torch 2.13.0 from the CPU index before the package, a non-root user."""
+    """Debian base made by the script, wheels from the wheelhouse (no network), deps before the package, non-root."""
     lines = [ln.strip() for ln in DOCKERFILE.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
-    torch_at = next(i for i, ln in enumerate(lines) if "torch==2.13.0" in ln)
-    assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_at]
-    package_at = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install ."))
-    assert torch_at < package_at
+    assert lines[0] == "ARG BASE_IMAGE=knittrans-base:bookworm"
+    froms = [ln for ln in lines if ln.startswith("FROM ")]
+    assert froms == ["FROM ${BASE_IMAGE} AS deps", "FROM ${BASE_IMAGE}"]
+    installs = [ln for ln in lines if "pip install" in ln]
+    assert installs and all("--no-index" in ln for ln in installs), "the build installs from the wheelhouse only"
+    deps_at = next(i for i, ln in enumerate(lines) if "-r /tmp/wheels/requirements.txt" in ln)
+    package_at = next(i for i, ln in enumerate(lines) if "--no-deps" in ln and "pip install" in ln)
+    assert deps_at < package_at
+    assert lines.index("COPY --from=deps /opt/venv /opt/venv") < package_at
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     ignore = (ROOT / ".dockerignore").read_text().split()
-    assert ".git" in ignore and ".venv" in ignore
+    assert ".git" in ignore and ".venv" in ignore and ".wheelhouse" not in ignore
+    script = (ROOT / "scripts" / "compose_up.sh").read_text()
+    assert "torch==2.13.0" in script and "debootstrap --variant=minbase" in script
+
+
+def test_networks_have_own_subnets(compose: dict[str, Any]) -> None:
+    """Two networks with explicit subnets; the backend is internal; only the control plane is on `admin`."""
+    nets = compose["networks"]
+    assert set(nets) == {"backend", "admin"}
+    assert nets["backend"]["internal"] is True
+    for net in nets.values():
+        (cfg,) = net["ipam"]["config"]
+        assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+/\d+", cfg["subnet"])
+    assert nets["backend"]["ipam"]["config"][0]["subnet"] != nets["admin"]["ipam"]["config"][0]["subnet"]
+    for name, svc in compose["services"].items():
+        want = ["backend", "admin"] if name == "control-plane" else ["backend"]
+        assert svc["networks"] == want, f"{name}: networks {svc['networks']}"
+
+
+def test_tls_switches_by_environment() -> None:
+    """KNITTRANS_CONTROL_SCHEME / KNITTRANS_FLIGHT_SCHEME change every URL and advertised endpoint."""
+    tls = load({**DUMMY_ENV, "KNITTRANS_CONTROL_SCHEME": "https", "KNITTRANS_FLIGHT_SCHEME": "grpc+tls",
+                "KNITTRANS_TLS_CERT": "/etc/knittrans/tls/cert.pem"})
+    text = json.dumps(tls["services"])
+    assert "http://control-plane" not in text and "grpc://store-" not in text
+    assert "https://control-plane:8700" in text and "grpc+tls://store-a:8815" in text
+    for name, svc in tls["services"].items():
+        env = svc.get("environment", {})
+        assert env.get("KNITTRANS_TLS_CERT") == "/etc/knittrans/tls/cert.pem", name
+        assert any(v.endswith(":/etc/knittrans/tls:ro") for v in svc["volumes"]), name

@@ -16,7 +16,8 @@ from knittrans.api.auth import TokenCheck
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import UnitsIn
-from knittrans.api.routes import health, jobs, nodes, ranks, units
+from knittrans.api.observe import Observations
+from knittrans.api.routes import health, jobs, nodes, ranks, ui, units
 from knittrans.api.routes.deps import PlanBoard
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
@@ -116,9 +117,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.state.board = board
     app.state.tokens = TokenCheck(settings)
-    app.state.registry = make_registry(service)
+    app.state.observed = Observations()
+    app.state.registry = make_registry(service, app.state.observed)
     install_error_handlers(app)
-    for module in (health, jobs, nodes, units, ranks):
+    for module in (health, jobs, nodes, units, ranks, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _document_raw_bodies(app)

@@ -21,12 +21,14 @@ __all__ = [
     "NodeLostIn",
     "NodePublic",
     "NodeRegister",
+    "NodeUsageIn",
     "PlanRowOut",
     "QuotasUpdate",
     "RankPlanOut",
     "RowFetchOut",
     "SupplyIn",
     "SupplyOut",
+    "TransferIn",
     "UnitIn",
     "UnitsIn",
     "UnitsOut",
@@ -98,6 +100,19 @@ class NodeRegister(_In):
     node_id: str
     endpoint: str = Field(examples=["grpc://127.0.0.1:8815"])
     host: str = ""
+
+
+class NodeUsageIn(_In):
+    """A store's own figures, sent with its heartbeat (the Flight ``stats`` action's fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    units: int = Field(default=0, ge=0)
+    rows: int = Field(default=0, ge=0)
+    bytes_in_memory: int = Field(default=0, ge=0)
+    bytes_spilled: int = Field(default=0, ge=0)
+    budget_bytes: int | None = Field(default=None, ge=0)
+    budget_used: int = Field(default=0, ge=0)
 
 
 class NodeLostIn(_In):
@@ -249,10 +264,21 @@ class RankPlanOut(BaseModel):
     micro_batches: list[MicroBatchOut]
 
 
+class TransferIn(_In):
+    """Transfer figures of the mini-batch a rank acks (summed per rank for the dashboard and /metrics)."""
+
+    exposed_s: float = Field(default=0.0, ge=0, description="seconds the training loop blocked on data")
+    fetch_s: float = Field(default=0.0, ge=0, description="seconds spent in DoGet calls")
+    row_bytes: int = Field(default=0, ge=0, description="trajectory-row bytes moved")
+    media_logical_bytes: int = Field(default=0, ge=0, description="media bytes the rows reference")
+    media_physical_bytes: int = Field(default=0, ge=0, description="media bytes actually fetched")
+
+
 class AckIn(_In):
-    """The plan a rank has finished (after its optimizer step)."""
+    """The plan a rank has finished (after its optimizer step), with its transfer figures on acks."""
 
     plan_id: str
+    transfer: TransferIn | None = None
 
 
 class FetchedOut(BaseModel):

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def run(args: Any) -> int:
     stopped = threading.Event()
     if args.control_url:
         endpoint = args.advertise or server.endpoint
-        threading.Thread(target=_announce, args=(args, endpoint, stopped), daemon=True,
+        threading.Thread(target=_announce, args=(args, endpoint, stopped, server.store.stats), daemon=True,
                          name="knittrans-heartbeat").start()
     try:
         server.serve()
@@ -72,8 +73,8 @@ def run(args: Any) -> int:
     return 0
 
 
-def _announce(args: Any, endpoint: str, stopped: threading.Event) -> None:
-    """Register the node with the control plane, then heartbeat until stopped (errors are logged, retried)."""
+def _announce(args: Any, endpoint: str, stopped: threading.Event, usage: Callable[[], Mapping[str, Any]]) -> None:
+    """Register the node with the control plane, then heartbeat with ``usage()`` until stopped (errors retried)."""
     from knittrans.controlclient import ControlClient  # the store itself needs no HTTP client
 
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
@@ -86,7 +87,7 @@ def _announce(args: Any, endpoint: str, stopped: threading.Event) -> None:
                     registered = True
                     logger.info("registered node %s (%s) with %s", args.node_id, endpoint, args.control_url)
                 else:
-                    control.heartbeat(args.node_id)
+                    control.heartbeat(args.node_id, usage())
             except Exception as exc:  # keep serving data even when the control plane is away
                 logger.warning("control plane %s: %s", args.control_url, exc)
                 registered = False

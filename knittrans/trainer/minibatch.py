@@ -366,5 +366,14 @@ class MiniBatch:
         with self._ack_lock:
             if not self.acked:
                 cfg = self._client.config
-                self._client.call_control(lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id))
+                transfer = self.transfer()
+                self._client.call_control(
+                    lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id, transfer=transfer))
                 self.acked, self.acked_at = True, time.time()
+
+    def transfer(self) -> dict[str, Any]:
+        """This rank's transfer figures of the mini-batch (sent with the ack; shown by /metrics and /ui)."""
+        return {"exposed_s": sum(t.wait_s for t in self.timings), "fetch_s": sum(t.fetch_s for t in self.timings),
+                "row_bytes": sum(t.bytes for t in self.timings),
+                "media_logical_bytes": self.media_stats.logical_bytes,
+                "media_physical_bytes": self.media_stats.unique_bytes}

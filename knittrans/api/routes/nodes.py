@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
-from knittrans.api.models import ErrorOut, NodeLostIn, NodePublic, NodeRegister
+from knittrans.api.models import ErrorOut, NodeLostIn, NodePublic, NodeRegister, NodeUsageIn
 from knittrans.api.routes.deps import Service
 
 __all__ = ["router"]
@@ -29,9 +30,13 @@ async def list_nodes(svc: Service, _: WorkerAuth) -> list[dict[str, Any]]:
 
 
 @router.post("/{node}/heartbeat", response_model=NodePublic)
-async def heartbeat(node: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
-    """Keep a node alive; a lost node gets 409 and must register again."""
-    return svc.heartbeat(node)
+async def heartbeat(node: str, svc: Service, _: WorkerAuth, request: Request,
+                    body: NodeUsageIn | None = None) -> dict[str, Any]:
+    """Keep a node alive (optionally with its store usage); a lost node gets 409 and must register again."""
+    result = svc.heartbeat(node)
+    if body is not None:
+        request.app.state.observed.record_store(node, body.model_dump(), time.time())
+    return result
 
 
 @router.post("/{node}/lost", response_model=NodePublic)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from knittrans.api.auth import WorkerAuth
@@ -65,9 +66,16 @@ async def fetched(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth)
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
-async def ack(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
-    """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost."""
-    return svc.ack(job, rank, body.plan_id)
+async def ack(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth, request: Request) -> dict[str, Any]:
+    """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost.
+
+    ``transfer`` (optional): the rank's transfer figures of this mini-batch, summed per rank in
+    ``/metrics`` and the dashboard (a repeated ack is not counted twice).
+    """
+    result = svc.ack(job, rank, body.plan_id)
+    transfer = body.transfer.model_dump() if body.transfer is not None else None
+    request.app.state.observed.record_ack(job, rank, result, transfer, time.time())
+    return result
 
 
 @router.post("/{job}/versions", response_model=VersionOut)

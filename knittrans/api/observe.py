@@ -1,0 +1,88 @@
+"""What the control plane observes but does not persist: store usage from heartbeats, ranks' transfer counters.
+
+Both are reported by the processes themselves (a store's heartbeat carries its ``stats``; a rank's
+ack carries the transfer figures of the mini-batch it trained) and kept in memory only: after a
+restart of the control plane they start again from zero, which is how Prometheus counters behave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Observations", "RankTransfer", "StoreUsage"]
+
+
+@dataclass
+class RankTransfer:
+    """Cumulative transfer figures of one rank of one job, summed over its acked mini-batches."""
+
+    mini_batches: int = 0
+    """Mini-batches this rank acked with transfer figures."""
+    exposed_s: float = 0.0
+    """Seconds the training loop blocked waiting for rows (the transfer time not hidden by compute)."""
+    fetch_s: float = 0.0
+    """Seconds spent in ``DoGet`` calls (overlapped with compute where prefetch works)."""
+    row_bytes: int = 0
+    """Trajectory-row bytes moved to this rank."""
+    media_logical_bytes: int = 0
+    """Media bytes the rows reference (what per-trajectory copies would move)."""
+    media_physical_bytes: int = 0
+    """Media bytes actually fetched (each content hash once)."""
+    last_plan: dict[str, Any] = field(default_factory=dict)
+    """``plan_id``, ``global_index``, ``consumed`` and ``at`` (unix time) of the last ack."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StoreUsage:
+    """A store node's own figures, as its last heartbeat reported them."""
+
+    units: int = 0
+    rows: int = 0
+    bytes_in_memory: int = 0
+    bytes_spilled: int = 0
+    budget_bytes: int | None = None
+    budget_used: int = 0
+    at: float = 0.0
+    """Unix time of the heartbeat that carried them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+
+
+class Observations:
+    """Per-rank transfer counters and per-node store usage of one control-plane instance."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[tuple[str, int], RankTransfer] = {}
+        self.stores: dict[str, StoreUsage] = {}
+
+    def record_ack(self, job: str, rank: int, ack: Mapping[str, Any], transfer: Mapping[str, Any] | None,
+                   now: float) -> None:
+        """Remember ``rank``'s last plan; add ``transfer`` unless the ack was a repeat."""
+        entry = self.ranks.setdefault((job, rank), RankTransfer())
+        entry.last_plan = {"plan_id": ack.get("plan_id"), "global_index": ack.get("global_index"),
+                           "consumed": ack.get("consumed"), "at": now}
+        if transfer is None or ack.get("duplicate"):
+            return
+        entry.mini_batches += 1
+        for name in _TRANSFER_FIELDS:
+            setattr(entry, name, getattr(entry, name) + transfer.get(name, 0))
+
+    def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
+        """Replace ``node_id``'s usage with the figures of its latest heartbeat."""
+        self.stores[node_id] = StoreUsage(
+            units=int(usage.get("units", 0)), rows=int(usage.get("rows", 0)),
+            bytes_in_memory=int(usage.get("bytes_in_memory", 0)), bytes_spilled=int(usage.get("bytes_spilled", 0)),
+            budget_bytes=usage.get("budget_bytes"), budget_used=int(usage.get("budget_used", 0)), at=now)
+
+    def job_ranks(self, job: str) -> dict[int, RankTransfer]:
+        """The ranks of ``job`` seen so far, by rank."""
+        return {rank: entry for (name, rank), entry in sorted(self.ranks.items()) if name == job}

@@ -1,0 +1,97 @@
+"""The admin overview: every job, node and rank in one JSON document (for ``/ui`` and ``knittrans status``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from knittrans.api.status import job_status
+from knittrans.sched.staleness import READINGS, step_report
+
+if TYPE_CHECKING:
+    from knittrans.api.jobstate import JobState
+    from knittrans.api.observe import Observations
+    from knittrans.api.service import ControlPlane
+
+__all__ = ["LOST_SHOWN", "overview", "staleness_series"]
+
+LOST_SHOWN = 50
+"""At most this many lost groups and groups to regenerate are listed per job (the counts are exact)."""
+
+
+def staleness_series(job: JobState) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """``{reading: {source: [{step, mean, max, count}]}}``: architectural staleness of each consumed step.
+
+    ``source`` ``"all"`` is every source together. Steps are the ones consumed so far, in order.
+    """
+    by_step: dict[int, list[Any]] = {}
+    for c in job.consumed:
+        by_step.setdefault(c.step, []).append(c)
+    out: dict[str, dict[str, list[dict[str, float]]]] = {r: {} for r in READINGS}
+    for step in sorted(by_step):
+        for reading in READINGS:
+            report = step_report(by_step[step], reading)
+            parts = [("all", report), *report["by_source"].items()]
+            for source, part in parts:
+                stats = part["architectural"].to_dict()
+                if stats["count"]:
+                    out[reading].setdefault(source, []).append(
+                        {"step": step, "mean": float(stats["mean"]), "max": float(stats["max"]),
+                         "count": float(stats["count"])})
+    return out
+
+
+def _job(job: JobState, observed: Observations) -> dict[str, Any]:
+    status = job_status(job)
+    counts = status["counts"]
+    in_flight = [{"global_index": mb.n, "step": mb.step, "k": mb.k, "attempt": mb.attempt,
+                  "groups": len(mb.group_ids), "counts": dict(mb.counts), "fetched_ranks": sorted(mb.fetched),
+                  "acked_ranks": sorted(mb.acks), "admitted_at": mb.admitted_at}
+                 for mb in sorted(job.minibatches.values(), key=lambda m: m.n) if mb.status == "planned"]
+    pool_by_node: dict[str, dict[str, int]] = {}
+    for g in job.pool():
+        per_source = pool_by_node.setdefault(g.node_id, {})
+        per_source[g.record.source] = per_source.get(g.record.source, 0) + 1
+    ranks = []
+    transfers = observed.job_ranks(job.name)
+    for rank in range(job.spec.world_size):
+        entry = transfers.get(rank)
+        ranks.append({"rank": rank, "version": job.rank_versions.get(rank),
+                      **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_plan": {}})})
+    return {
+        "job": job.name,
+        "state": status["state"],
+        "policy": job.spec.policy,
+        "world_size": job.spec.world_size,
+        "total_steps": job.spec.total_steps,
+        "step": status["step"],
+        "mini_batch_index": status["mini_batch_index"],
+        "mini_batches_per_step": job.K,
+        "next_global_index": status["next_global_index"],
+        "version": status["version"],
+        "quota_fill": status["quota_fill"],
+        "deficits": status["deficits"],
+        "pending": counts["pending"],
+        "finished": counts["finished"],
+        "pool_by_node": pool_by_node,
+        "groups_by_status": counts["groups_by_status"],
+        "in_flight_mini_batches": in_flight,
+        "consumed_mini_batches": counts["consumed_mini_batches"],
+        "consumed_groups": counts["consumed_groups"],
+        "lost_groups_total": len(status["lost_groups"]),
+        "lost_groups": status["lost_groups"][:LOST_SHOWN],
+        "to_regenerate_total": len(status["to_regenerate"]),
+        "to_regenerate": status["to_regenerate"][:LOST_SHOWN],
+        "admissions": status["recent_admissions"],
+        "staleness": staleness_series(job),
+        "ranks": ranks,
+    }
+
+
+def overview(service: ControlPlane, observed: Observations, now: float) -> dict[str, Any]:
+    """Jobs (state, quota fill, admissions, staleness, mini-batches, lost groups, ranks) and store nodes."""
+    nodes = []
+    for node in service.list_nodes():
+        usage = observed.stores.get(node["node_id"])
+        nodes.append({**node, "usage": usage.to_dict() if usage is not None else None})
+    jobs = [_job(job, observed) for _, job in sorted(service.jobs.items())]
+    return {"at": now, "jobs": jobs, "nodes": nodes}

@@ -1,0 +1,128 @@
+"""Admin overview (``/v1/overview``), store usage on heartbeats, rank transfer on acks, ``knittrans status``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from api_support import ENDPOINT, USAGE, job_spec, populate, server
+from fastapi.testclient import TestClient
+
+from knittrans.api.app import create_app
+from knittrans.api.settings import Settings
+from knittrans.api.statusview import render
+from knittrans.controlclient import ControlClient
+
+ADMIN, WORKER = "admin-secret", "worker-secret"
+def _client(tmp_path: Path) -> TestClient:
+    app = create_app(Settings(db_path=str(tmp_path / "cp.db"), admin_token=ADMIN, worker_token=WORKER))
+    return TestClient(app, headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def test_overview_needs_admin_token(tmp_path: Path) -> None:
+    """/v1/overview answers 401 without a token and with the worker token; /ui serves the page with a CSP."""
+    with _client(tmp_path) as c:
+        assert c.get("/v1/overview", headers={"Authorization": ""}).status_code == 401
+        assert c.get("/v1/overview", headers={"Authorization": f"Bearer {WORKER}"}).status_code == 401
+        assert c.get("/v1/overview").status_code == 200
+        page = c.get("/ui", headers={"Authorization": ""})
+        assert page.status_code == 200 and "<title>KnitTrans control plane</title>" in page.text
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert ADMIN not in page.text
+
+
+def test_overview_reports_jobs_nodes_ranks(tmp_path: Path) -> None:
+    """Quota fill, staleness per step, consumed mini-batches, node usage and per-rank transfer sums."""
+    with _client(tmp_path) as c:
+        populate(c)
+        view = c.get("/v1/overview").json()
+    (job,) = view["jobs"]
+    assert job["job"] == "job1" and job["state"] == "running" and job["step"] == 1
+    assert job["consumed_mini_batches"] == 2 and job["consumed_groups"] == 4
+    assert set(job["quota_fill"]) == {"math", "code"}
+    assert [p["step"] for p in job["staleness"]["end"]["all"]] == [0]
+    assert set(job["staleness"]["start"]) == {"all", "math", "code"}
+    assert [a["global_index"] for a in job["admissions"]] == [0, 1]
+    for rank in job["ranks"]:
+        assert rank["mini_batches"] == 2
+        assert rank["exposed_s"] == 0.5 and rank["row_bytes"] == 2000 and rank["media_physical_bytes"] == 400
+        assert rank["last_plan"]["global_index"] == 1
+    nodes = {n["node_id"]: n for n in view["nodes"]}
+    assert nodes["n0"]["usage"]["budget_used"] == 5000 and nodes["n0"]["usage"]["budget_bytes"] == 1 << 20
+    assert nodes["n1"]["usage"] is None and nodes["n1"]["state"] == "alive"
+
+
+def test_metrics_carry_usage_and_transfer(tmp_path: Path) -> None:
+    """/metrics exports the store usage and the rank transfer counters the overview shows."""
+    with _client(tmp_path) as c:
+        populate(c)
+        text = c.get("/metrics").text
+    assert 'knittrans_store_budget_used_bytes{node="n0"} 5000.0' in text
+    assert 'knittrans_store_budget_bytes{node="n0"} 1.048576e+06' in text
+    assert 'knittrans_rank_exposed_transfer_seconds_total{job_name="job1",rank="1"} 0.5' in text
+    assert 'knittrans_rank_logical_bytes_total{job_name="job1",rank="0"} 3600.0' in text
+    assert 'knittrans_rank_physical_bytes_total{job_name="job1",rank="0"} 2400.0' in text
+    assert 'knittrans_job_state{job_name="job1",state="running"} 1.0' in text
+    assert 'knittrans_node_up{node="n1"} 1.0' in text
+
+
+def test_heartbeat_usage_is_validated(tmp_path: Path) -> None:
+    """Negative usage figures are a 422 naming the field; the node stays alive."""
+    with _client(tmp_path) as c:
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": ENDPOINT.format(port=1)})
+        bad = c.post("/v1/nodes/n0/heartbeat", json={**USAGE, "budget_used": -1})
+        assert bad.status_code == 422 and "budget_used" in bad.text
+        bad = c.post("/v1/jobs/x/ranks/0/ack", json={"plan_id": "p", "transfer": {"row_bytes": -5}})
+        assert bad.status_code == 422 and "row_bytes" in bad.text
+        assert c.get("/v1/nodes").json()[0]["state"] == "alive"
+
+
+def test_render_shows_the_facts(tmp_path: Path) -> None:
+    """The terminal view names the job state, quota fill, ranks and nodes; --job filters."""
+    with _client(tmp_path) as c:
+        populate(c)
+        view = c.get("/v1/overview").json()
+    text = render(view)
+    assert "job job1: RUNNING" in text and "math" in text and "code" in text
+    assert "lost groups: 0" in text and "n0" in text and "ALIVE" in text and "4.9 KiB/1.0 MiB" in text
+    assert "n1.a0.r0" in text  # rank 0's last plan
+    assert "no job 'other'" in render(view, "other")
+
+
+def test_status_command_against_real_server(tmp_path: Path) -> None:
+    """``knittrans status`` against a real control plane: the view with the admin token, a clear error without."""
+    with server(tmp_path / "cp.db", "--admin-token", ADMIN, "--worker-token", WORKER) as cp:
+        with ControlClient(cp.url, token=ADMIN) as admin:
+            admin.create_job(job_spec())
+            admin.pause("job1")
+        env = {k: v for k, v in os.environ.items() if k != "KNITTRANS_ADMIN_TOKEN"}
+        cmd = [sys.executable, "-m", "knittrans.cli", "status", "--control-url", cp.url]
+        ok = subprocess.run([*cmd, "--token", ADMIN, "--job", "job1"], capture_output=True, text=True, env=env,
+                            timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        assert "job job1: PAUSED" in ok.stdout and "no store node registered" in ok.stdout
+        denied = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        assert denied.returncode == 1 and "admin bearer token" in denied.stderr
+
+
+def test_status_watch_redraws(tmp_path: Path) -> None:
+    """``--watch`` keeps redrawing (here: at least twice) until interrupted."""
+    with server(tmp_path / "cp.db", "--admin-token", ADMIN) as cp:
+        with ControlClient(cp.url, token=ADMIN) as admin:
+            admin.create_job(job_spec())
+        cmd = [sys.executable, "-m", "knittrans.cli", "status", "--control-url", cp.url, "--token", ADMIN,
+               "--watch", "--interval-s", "0.1"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            headers = 0
+            for line in proc.stdout:
+                headers += line.startswith("KnitTrans control plane - ")
+                if headers == 2:
+                    break
+            assert headers == 2
+        finally:
+            proc.terminate()
+            proc.wait(30)
