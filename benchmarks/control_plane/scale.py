@@ -111,7 +111,8 @@ class Server:
     def __init__(self, work: Path) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
-        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "knittrans.cli", "--log-level", "WARNING", "control-plane", "--db",
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "knittrans.cli",
+               "--log-level", "WARNING", "control-plane", "--db",
                str(work / "cp.db"), "--port", "0", "--ready-file", str(ready), "--node-timeout-s", "30"]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "cp.log", "wb"))  # noqa: SIM115
