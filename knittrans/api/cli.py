@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["add_arguments", "run"]
 
@@ -15,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
     parser.add_argument("--db", required=True, help="SQLite state file (created if missing; WAL mode)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one)")
+    parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one; the log and the "
+                        "ready file give the real one)")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="once serving, write {url, host, port, pid} as JSON to this file (for launchers and "
+                        "tests); written atomically")
     parser.add_argument("--worker-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
                         help="bearer token for writers, ranks and stores (default $KNITTRANS_WORKER_TOKEN)")
     parser.add_argument("--admin-token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
@@ -35,6 +47,39 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(db_path=args.db, worker_token=args.worker_token, admin_token=args.admin_token,
                         node_timeout_s=args.node_timeout_s, db_synchronous=args.db_synchronous)
     app = create_app(settings)
-    logger.info("control plane on http://%s:%d (state %s)", args.host, args.port, args.db)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        sock.close()
+        logger.error("control plane cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return 2
+    port = int(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    url = f"http://{_url_host(args.host)}:{port}"
+    asyncio.run(_serve(server, sock, url, args.ready_file, args.db))
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str) -> None:
+    """Serve on ``sock``; once uvicorn reports started, log the URL and write the ready file."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():  # start-up failed: surface its exception
+            await task
+            return
+        await asyncio.sleep(0.01)
+    host, port = sock.getsockname()[:2]
+    logger.info("control plane on %s (state %s)", url, db)
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(json.dumps({"url": url, "host": host, "port": port, "pid": os.getpid()}))
+        tmp.rename(ready_file)
+    await task

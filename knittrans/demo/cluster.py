@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from types import TracebackType
 import httpx
 
 from knittrans.controlclient import ControlClient
-from knittrans.procs import ProcessGroup, free_port, knittrans_command, wait_until
+from knittrans.procs import ProcessGroup, knittrans_command, wait_until
 
 __all__ = ["ClusterConfig", "LocalCluster", "StoreNode"]
 
@@ -66,22 +67,30 @@ class LocalCluster:
         self._db = self.work_dir / "control.db"
 
     def start_control_plane(self) -> None:
-        """Start (or restart on the same database) the control plane and wait for /v1/health."""
-        port = free_port(self.config.host)
+        """Start (or restart on the same database and port) the control plane and wait for /v1/health.
+
+        The first start binds port 0 and reads the real port from the ready file (no free-port race);
+        a restart binds the same port again, so the stores' and workers' URL stays valid.
+        """
+        port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
+        ready = self.work_dir / "control-plane.ready"
+        ready.unlink(missing_ok=True)
         argv = ["control-plane", "--db", str(self._db), "--host", self.config.host, "--port", str(port),
-                "--node-timeout-s", str(self.config.node_timeout_s)]
+                "--ready-file", str(ready), "--node-timeout-s", str(self.config.node_timeout_s)]
         if self.config.worker_token:
             argv += ["--worker-token", self.config.worker_token]
         if self.config.admin_token:
             argv += ["--admin-token", self.config.admin_token]
         self.procs.start("control-plane", knittrans_command(*argv))
-        self.control_url = f"http://{self.config.host}:{port}"
 
-        def up() -> bool:
+        def serving() -> bool:
             self.procs.check_alive("control-plane")
-            return httpx.get(f"{self.control_url}/v1/health", timeout=2).status_code == 200
+            return ready.exists()
 
-        wait_until(up, timeout_s=self.config.start_timeout_s, what="control plane")
+        wait_until(serving, timeout_s=self.config.start_timeout_s, what="control plane")
+        self.control_url = json.loads(ready.read_text())["url"]
+        response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
+        response.raise_for_status()
 
     def start_store(self, index: int) -> StoreNode:
         """Start store node ``index`` (``node-<index>``); it registers itself with the control plane."""

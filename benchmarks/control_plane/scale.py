@@ -1,0 +1,377 @@
+"""Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
+
+Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
+[--seconds 60] [--mini-batches 10000]``. Three phases against one ``knittrans control-plane`` process
+(SQLite WAL in a temp dir), each on its own job:
+
+* ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
+  nodes heartbeat every 2 s, a rollout writer registers one-group units at ``--rate`` groups/s (batched
+  every 100 ms) for ``--seconds``. Each mini-batch holds one row per rank. A rank acks its plan as soon
+  as it has it and asks for the next. Reported: plan delivery latency (the plan's ``admitted_at``, set
+  by the server when it admitted the mini-batch, to the moment the rank has parsed the plan; same host,
+  same clock), registration request latency, mini-batches consumed, server CPU per mini-batch.
+* ``registration``: batches of ``--batch`` one-group units posted back to back to a job with one rank
+  that never consumes; units/s (target >= 20,000).
+* ``memory``: one rank, one group per mini-batch, ``--mini-batches`` mini-batches registered, planned,
+  fetched and acked one after another; the server's RSS and ``/status`` latency sampled along the way
+  (target: RSS growth <= 10 % from mini-batch 1,000 to the end).
+
+The clients speak HTTP/1.1 over asyncio streams directly (a small keep-alive client in this file), so
+the client side costs far less CPU than the server it measures. Results:
+``benchmarks/control_plane/results/scale.{json,md,png}`` with machine, load and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+TOKEN_W, TOKEN_A = "scale-worker", "scale-admin"
+GROUP = 8
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"count": len(values), "mean": statistics.fmean(values) if values else None,
+            "p50": pct(values, 0.5), "p99": pct(values, 0.99), "max": max(values) if values else None}
+
+
+class Http:
+    """One keep-alive HTTP/1.1 connection (JSON bodies, Content-Length responses)."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        data = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        self.writer.write(head.encode() + data)
+        await self.writer.drain()
+        status = int((await self.reader.readline()).split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length) if length else b""
+
+    async def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)) -> Any:
+        status, raw = await self.call(method, path, body)
+        if status not in ok:
+            raise RuntimeError(f"{method} {path} -> {status}: {raw[:300]!r}")
+        return json.loads(raw) if raw else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, Any]:
+    return {"unit_id": uid, "job": job, "node_id": node, "endpoint": f"grpc://127.0.0.1:{10000 + int(node[1:])}",
+            "num_rows": GROUP, "num_bytes": 4096, "schema_version": 1, "groups": [{
+                "group_id": uid, "source": source, "row_start": 0, "num_trajectories": GROUP,
+                "trajectory_tokens": [100] * GROUP, "version_start": version, "version_end": version,
+                "version_weighted": float(version), "finished_at": time.time(), "media_hashes": []}]}
+
+
+class Server:
+    """``knittrans control-plane`` in a subprocess on port 0 (ready file), with psutil handles."""
+
+    def __init__(self, work: Path) -> None:
+        ready = work / "cp.ready"
+        prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "knittrans.cli",
+               "--log-level", "WARNING", "control-plane", "--db",
+               str(work / "cp.db"), "--port", "0", "--ready-file", str(ready), "--node-timeout-s", "30"]
+        env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "cp.log", "wb"))  # noqa: SIM115
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"control plane did not start: {(work / 'cp.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        self.port = int(json.loads(ready.read_text())["port"])
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def rss_mib(self) -> float:
+        return float(self.ps.memory_info().rss) / 2**20
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def spec(name: str, world: int, quotas: dict[str, int], k: int) -> dict[str, Any]:
+    return {"name": name, "group_size": GROUP, "quotas": quotas, "mini_batches_per_step": k,
+            "policy": "constraint_preserving", "world_size": world, "micro_batch_size": 1}
+
+
+async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 1: many ranks long-polling, nodes heartbeating, a writer at a fixed group rate."""
+    job = "delivery"
+    admin = Http("127.0.0.1", port, TOKEN_A)
+    # one row per rank per mini-batch: b = ranks / GROUP groups, K = 2
+    per_mb = max(1, args.ranks // GROUP)
+    sources = {"math": per_mb, "code": per_mb // 2, "chat": per_mb - per_mb // 2}
+    await admin.json("POST", "/v1/jobs", spec(job, args.ranks, sources, 2))
+    nodes = [f"n{i}" for i in range(args.nodes)]
+    for n in nodes:
+        await admin.json("POST", "/v1/nodes", {"node_id": n, "endpoint": f"grpc://127.0.0.1:{10000 + int(n[1:])}",
+                                              "host": f"h{n[1:]}"})
+    stop = asyncio.Event()
+    latencies: list[float] = []
+    reg_latencies: list[float] = []
+    consumed: dict[int, int] = {}
+    errors: list[str] = []
+
+    async def heartbeats() -> None:
+        conns = [Http("127.0.0.1", port, TOKEN_W) for _ in range(4)]
+        i = 0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            await asyncio.gather(*(conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat")
+                                   for j, n in enumerate(nodes) if j % 4 == i % 4))
+            i += 1
+            await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))  # each node every 2 s
+
+    async def writer() -> None:
+        conn = Http("127.0.0.1", port, TOKEN_W)
+        src = [s for s, q in sources.items() for _ in range(q)]
+        per_tick, n = max(1, args.rate // 10), 0
+        next_at = time.monotonic()
+        while not stop.is_set():
+            batch = [unit(job, f"u{n + i}", nodes[(n + i) % len(nodes)], src[(n + i) % len(src)], 0)
+                     for i in range(per_tick)]
+            n += per_tick
+            t0 = time.perf_counter()
+            await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
+            reg_latencies.append(time.perf_counter() - t0)
+            next_at += 0.1
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    async def rank(r: int) -> None:
+        conn = Http("127.0.0.1", port, TOKEN_W)
+        while not stop.is_set():
+            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=2")
+            if status == 204:
+                continue
+            if status != 200:
+                errors.append(f"rank {r} next -> {status}: {raw[:200]!r}")
+                return
+            plan = json.loads(raw)
+            latencies.append(time.time() - plan["admitted_at"])
+            await conn.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": plan["plan_id"]})
+            consumed[r] = consumed.get(r, 0) + 1
+
+    tasks = [asyncio.create_task(rank(r)) for r in range(args.ranks)]
+    await asyncio.sleep(1.0)  # ranks connected and waiting
+    cpu0, t0 = server.cpu_s(), time.monotonic()
+    bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
+    while time.monotonic() - t0 < args.seconds:
+        await asyncio.sleep(min(5.0, args.seconds))
+        log(f"delivery: {time.monotonic() - t0:.0f}/{args.seconds} s, {min(consumed.values(), default=0)} "
+            f"mini-batches acked by every rank, {len(latencies)} plans delivered")
+    stop.set()
+    elapsed, cpu = time.monotonic() - t0, server.cpu_s() - cpu0
+    await asyncio.wait(tasks + bg, timeout=10)
+    for t in tasks + bg:
+        t.cancel()
+    if errors:
+        raise RuntimeError(f"{len(errors)} rank errors, first: {errors[0]}")
+    mbs = min(consumed.values(), default=0)
+    return {"ranks": args.ranks, "nodes": args.nodes, "rate_groups_s": args.rate, "seconds": elapsed,
+            "mini_batches_consumed": mbs, "plans_delivered": len(latencies),
+            "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
+            "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
+            "server_cpu_s": cpu, "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None}
+
+
+async def registration(port: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 2: back-to-back batches of one-group units into a job whose only rank never consumes."""
+    job = "registration"
+    admin = Http("127.0.0.1", port, TOKEN_A)
+    await admin.json("POST", "/v1/jobs", spec(job, 1, {"math": 128, "code": 64, "chat": 64}, 4))
+    await admin.json("POST", "/v1/nodes", {"node_id": "n1000", "endpoint": "grpc://127.0.0.1:11000", "host": "r"})
+    conn = Http("127.0.0.1", port, TOKEN_W)
+    src = ["math"] * 2 + ["code", "chat"]
+    rates, n = [], 0
+    for i in range(args.registration_batches):
+        batch = [unit(job, f"r{n + j}", "n1000", src[(n + j) % 4], 0) for j in range(args.batch)]
+        n += args.batch
+        t0 = time.perf_counter()
+        await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
+        rates.append(args.batch / (time.perf_counter() - t0))
+        if i % 5 == 4:
+            log(f"registration: {n} units, last batch {rates[-1]:,.0f} units/s")
+    return {"batch": args.batch, "batches": args.registration_batches, "units": n,
+            "units_per_s_median": statistics.median(rates), "units_per_s": rates}
+
+
+async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 3: one group per mini-batch, one rank, --mini-batches mini-batches end to end; RSS sampled."""
+    job = "memory"
+    admin = Http("127.0.0.1", port, TOKEN_A)
+    await admin.json("POST", "/v1/jobs", {**spec(job, 1, {"math": 1}, 1), "group_size": 1})
+    await admin.json("POST", "/v1/nodes", {"node_id": "n1001", "endpoint": "grpc://127.0.0.1:11001", "host": "m"})
+    conn, rank = Http("127.0.0.1", port, TOKEN_W), Http("127.0.0.1", port, TOKEN_W)
+    beat = time.monotonic()
+    samples: list[dict[str, float]] = []
+    t0 = time.monotonic()
+    for n in range(args.mini_batches):
+        if time.monotonic() - beat > 2:
+            await conn.json("POST", "/v1/nodes/n1001/heartbeat")
+            beat = time.monotonic()
+        u = unit(job, f"m{n}", "n1001", "math", n)
+        u["num_rows"], u["groups"][0]["num_trajectories"], u["groups"][0]["trajectory_tokens"] = 1, 1, [100]
+        await conn.json("POST", f"/v1/jobs/{job}/units", {"units": [u]})
+        plan = await rank.json("GET", f"/v1/jobs/{job}/ranks/0/next?timeout_s=10")
+        await rank.json("POST", f"/v1/jobs/{job}/ranks/0/ack", {"plan_id": plan["plan_id"]})
+        done = n + 1
+        if done % max(1, args.mini_batches // 20) == 0 or done == 1000:
+            s0 = time.perf_counter()
+            await conn.json("GET", f"/v1/jobs/{job}/status")
+            samples.append({"mini_batch": done, "rss_mib": server.rss_mib(),
+                            "status_ms": (time.perf_counter() - s0) * 1e3, "elapsed_s": time.monotonic() - t0})
+            log(f"memory: {done}/{args.mini_batches} mini-batches, server RSS {samples[-1]['rss_mib']:.1f} MiB, "
+                f"/status {samples[-1]['status_ms']:.1f} ms")
+    at_1000 = next((s for s in samples if s["mini_batch"] >= 1000), samples[0])
+    last = samples[-1]
+    return {"mini_batches": args.mini_batches, "samples": samples, "rss_mib_at_1000": at_1000["rss_mib"],
+            "rss_mib_at_end": last["rss_mib"], "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
+            "status_ms_at_1000": at_1000["status_ms"], "status_ms_at_end": last["status_ms"]}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    samples = result["memory"]["samples"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax[0].plot([s["mini_batch"] for s in samples], [s["rss_mib"] for s in samples], marker=".")
+    ax[0].set(xlabel="mini-batches consumed", ylabel="server RSS (MiB)", title="control-plane memory")
+    ax[1].plot([s["mini_batch"] for s in samples], [s["status_ms"] for s in samples], marker=".")
+    ax[1].set(xlabel="mini-batches consumed", ylabel="GET /status (ms)", title="status cost vs job length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="64 ranks, 8 nodes, 5 s, 1,200 mini-batches")
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument("--rate", type=int, default=1000, help="groups/s the writer registers")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--batch", type=int, default=1000, help="units per registration request (phase 2)")
+    parser.add_argument("--registration-batches", type=int, default=20)
+    parser.add_argument("--mini-batches", type=int, default=10_000)
+    parser.add_argument("--phases", nargs="+", default=["delivery", "registration", "memory"])
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "scale")
+    args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.nodes, args.seconds, args.mini_batches = 64, 8, 5.0, 1200
+        args.registration_batches, args.batch = 5, 500
+        args.rate = min(args.rate, 200)
+    work = Path(tempfile.mkdtemp(prefix="knittrans-scale-"))
+    server = Server(work)
+    log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
+    result: dict[str, Any] = {
+        "benchmark": "control_plane_scale", "machine": platform.platform(), "cpus": os.cpu_count(),
+        "load_avg_1m_start": os.getloadavg()[0], "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "args": {k: str(v) for k, v in vars(args).items()}}
+    try:
+        if "delivery" in args.phases:
+            result["delivery"] = asyncio.run(delivery(server.port, server, args))
+        if "registration" in args.phases:
+            result["registration"] = asyncio.run(registration(server.port, args))
+        if "memory" in args.phases:
+            result["memory"] = asyncio.run(memory(server.port, server, args))
+    finally:
+        server.stop()
+    targets: dict[str, bool] = {}
+    if "delivery" in result and result["delivery"]["plan_delivery_ms"]["p99"] is not None:
+        targets["plan_delivery_p99<=50ms"] = result["delivery"]["plan_delivery_ms"]["p99"] <= 50
+    if "registration" in result:
+        targets["registration>=20000_units_s"] = result["registration"]["units_per_s_median"] >= 20_000
+    if "memory" in result:
+        targets["rss_growth_1000_to_end<=10%"] = result["memory"]["rss_growth"] <= 0.10
+    result["targets"] = targets
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    lines = [f"# Control plane at scale\n\n{result['machine']}, {result['cpus']} CPUs, load "
+             f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}\n"]
+    if "delivery" in result:
+        d = result["delivery"]
+        pdm, reg = d["plan_delivery_ms"], d["registration_request_ms"]
+        lines += [f"## Delivery: {d['ranks']} ranks, {d['nodes']} nodes, {d['rate_groups_s']} groups/s, "
+                  f"{d['seconds']:.0f} s\n", "| figure | p50 | p99 | max |", "|---|---|---|---|",
+                  f"| plan delivery after admission (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} | {pdm['max']:.1f} |"
+                  if pdm["p50"] is not None else "| plan delivery after admission (ms) | – | – | – |",
+                  f"| registration request (ms) | {reg['p50']:.1f} | {reg['p99']:.1f} | {reg['max']:.1f} |"
+                  if reg["p50"] is not None else "| registration request (ms) | – | – | – |",
+                  "", f"mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
+                  f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms\n"]
+    if "registration" in result:
+        r = result["registration"]
+        lines += [f"## Registration\n\n{r['units_per_s_median']:,.0f} units/s (median of {r['batches']} batches of "
+                  f"{r['batch']} one-group units)\n"]
+    if "memory" in result:
+        m = result["memory"]
+        lines += [f"## Memory over {m['mini_batches']} mini-batches\n",
+                  f"RSS {m['rss_mib_at_1000']:.1f} MiB at 1,000 -> {m['rss_mib_at_end']:.1f} MiB at the end "
+                  f"({m['rss_growth'] * 100:+.1f} %); /status {m['status_ms_at_1000']:.1f} -> "
+                  f"{m['status_ms_at_end']:.1f} ms\n"]
+        plot(result, args.out.with_suffix(".png"))
+    lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
