@@ -117,10 +117,17 @@ class RankConfig:
 
 
 _ROWS = "knittrans_encoded_rows"
+_SECONDS = "knittrans_encoder_seconds"
+_STARTED = "knittrans_encoder_started"
+
+
+def _start_clock(module: nn.Module, _args: tuple[Any, ...]) -> None:
+    setattr(module, _STARTED, time.perf_counter())
 
 
 def _count_rows(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
     setattr(module, _ROWS, getattr(module, _ROWS) + int(args[0].shape[0]))
+    setattr(module, _SECONDS, getattr(module, _SECONDS) + time.perf_counter() - getattr(module, _STARTED))
 
 
 @dataclass
@@ -141,12 +148,19 @@ class Policy:
     def __post_init__(self) -> None:
         if not hasattr(self.encoder, _ROWS):
             setattr(self.encoder, _ROWS, 0)  # kept on the module, so deep copies count their own rows
+            setattr(self.encoder, _SECONDS, 0.0)
+            self.encoder.register_forward_pre_hook(_start_clock)
             self.encoder.register_forward_hook(_count_rows)
 
     @property
     def encoded_rows(self) -> int:
         """Images run through the encoder's forward so far (a forward hook counts them)."""
         return int(getattr(self.encoder, _ROWS))
+
+    @property
+    def encoder_seconds(self) -> float:
+        """Wall seconds spent in the encoder's forward so far (both hooks time it)."""
+        return float(getattr(self.encoder, _SECONDS))
 
     @property
     def forward_module(self) -> nn.Module:
@@ -186,7 +200,7 @@ class _Forward:
 
 
 def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Policy:
-    """Load the policy of ``model_dir``: a tiny VLM with its own vision tower, or a text LM plus a seeded side encoder."""
+    """Load ``model_dir``: a tiny VLM with its own vision tower, or a text LM plus a seeded side encoder."""
     from transformers import AutoModelForCausalLM
 
     if is_vlm(model_dir):
@@ -252,8 +266,14 @@ def _image_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicr
 
 
 def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, *,
-                     normaliser: float, clip_eps: float, pad_id: int) -> torch.Tensor:
-    """GRPO loss of one micro-batch's response tokens, divided by ``normaliser``."""
+                     normaliser: float, clip_eps: float, pad_id: int, gaps: list[float] | None = None
+                     ) -> torch.Tensor:
+    """GRPO loss of one micro-batch's response tokens, divided by ``normaliser``.
+
+    ``gaps`` (optional) gets the largest ``|trainer logprob - rollout logprob|`` over the
+    micro-batch's response tokens: on-policy rows (same weights as the rollout) show the engines'
+    numerical agreement, a row whose rollout saw other inputs shows up as a large gap.
+    """
     b = micro.batch
     if b.num_rows == 0:
         return _zero_loss(policy)
@@ -277,6 +297,8 @@ def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMic
             _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
             features=features, has_media=has_media,
         )
+    if gaps is not None and logprobs.numel():
+        gaps.append(float((logprobs.detach() - b.response_logprobs.float()).abs().max()))
     advantages = b.advantages.float().repeat_interleave(response_lens)
     return grpo_loss(logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(),
                      normaliser=normaliser, clip_eps=clip_eps)
@@ -319,7 +341,10 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
     if encoder is not None:
         encoder.begin_mini_batch()
     rows_before = policy.encoded_rows
+    seconds_before = policy.encoder_seconds
+    image_rows = 0
     loss_sum = 0.0
+    gaps: list[float] = []
     traj_ids: list[str] = []
     failure: KnitTransError | None = None
     stats = None
@@ -331,9 +356,10 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
                 sync = policy.ddp.no_sync()  # type: ignore[operator]
             with sync:
                 loss = micro_batch_loss(policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps,
-                                        pad_id=pad_id)
+                                        pad_id=pad_id, gaps=gaps)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
+            image_rows += sum(1 for hashes in micro.batch.media_hex() if hashes)
             table = micro.batch.table
             if table is not None and "traj_id" in table.column_names:
                 traj_ids += [str(t) for t in table.column("traj_id").to_pylist()]
@@ -371,6 +397,9 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
         "unique_media": stats.unique_media if stats is not None else None,
         "media_uses": stats.uses if stats is not None else None,
         "encoded_rows": policy.encoded_rows - rows_before,
+        "image_rows": image_rows,
+        "encoder_forward_s": policy.encoder_seconds - seconds_before,
+        "max_logprob_gap": max(gaps) if gaps else None,
         "loss": loss_sum, "step_time_s": time.perf_counter() - t0,
         "admission_latency_s": (mb.received_at - mb.admitted_at) if mb.admitted_at is not None else None,
     }
