@@ -95,7 +95,7 @@ def test_layout_blocks_compact_and_bad_prompts(vlm_dir: Path) -> None:
 
 
 def test_hf_rollout_conditions_on_images_and_trainer_logprobs_agree(engine: HFEngine, vlm_dir: Path) -> None:
-    """Group-shared images, 2 images per prompt, mixed sizes: trainer logprobs equal the rollout's; a wrong image breaks it."""
+    """Shared images, 2 per prompt, mixed sizes: trainer logprobs equal the rollout's; a wrong image breaks them."""
     layout = VLMLayout.from_dir(vlm_dir)
     processor = load_image_processor(vlm_dir)
     requests = _requests(layout)

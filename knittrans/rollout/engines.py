@@ -341,12 +341,16 @@ class VLLMEngine:
         return VLMLayout.from_dir(model_dir) if is_vlm(model_dir) else None
 
     def load_weights(self, path: str | Path) -> None:
-        """Reload the weights in every worker from ``path`` and drop the (now stale) prefix cache."""
+        """Reload the weights in every worker from ``path``; drop the (now stale) prefix and encoder caches."""
         p = _check_weights_file(path).resolve()
         counts = self._llm.collective_rpc("knittrans_load_weights_file", args=(str(p),))
         # Cached KV blocks were computed with the old weights; reusing them would mix policies.
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
+        if self.layout is not None:
+            # Cached vision embeddings came from the old vision tower; vLLM's scheduler would
+            # also still count them as cached while the worker's copies are gone.
+            self._llm.llm_engine.reset_encoder_cache()
         logger.info("VLLMEngine loaded %s tensors from %s", counts, p)
 
     def close(self) -> None:
