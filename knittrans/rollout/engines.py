@@ -193,7 +193,10 @@ class HFEngine:
         )
 
     def _image_inputs(self, requests: list[PromptRequest], n: int) -> dict[str, Any]:
-        """``pixel_values`` ``[rows, max_images, 3, S, S]`` (zero images pad, as Idefics3 expects) + token mask."""
+        """``generate`` kwargs of a VLM: the suppressed tokens and ``pixel_values`` ``[rows, max_images, 3, S, S]``.
+
+        Prompts with fewer images are padded with all-zero images, which Idefics3 skips.
+        """
         assert self.layout is not None
         layout = self.layout
         per_prompt = [[m.data for m in r.media if m.kind == "image"] for r in requests]
@@ -283,7 +286,7 @@ class VLLMEngine:
             ) from exc
         self.config = config or VLLMEngineConfig()
         self.model_dir = Path(model_dir)
-        self.layout = VLLMEngine._layout(self.model_dir)
+        self.layout = VLMLayout.from_dir(self.model_dir) if is_vlm(self.model_dir) else None
         # vLLM refuses images without a tokenizer (skip_tokenizer_init); the tiny VLM brings its own.
         multimodal: dict[str, Any] = (
             {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": self.config.max_images_per_prompt}}
@@ -335,10 +338,6 @@ class VLLMEngine:
             use_tqdm=False,
         )
         return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
-
-    @staticmethod
-    def _layout(model_dir: Path) -> VLMLayout | None:
-        return VLMLayout.from_dir(model_dir) if is_vlm(model_dir) else None
 
     def load_weights(self, path: str | Path) -> None:
         """Reload the weights in every worker from ``path``; drop the (now stale) prefix and encoder caches."""

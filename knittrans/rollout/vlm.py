@@ -200,7 +200,8 @@ def _train_tokenizer(out: Path) -> None:
     if tok.get_vocab_size() != BYTE_TOKENS:
         raise RuntimeError(f"byte-level tokenizer has {tok.get_vocab_size()} tokens, expected {BYTE_TOKENS}")
     tok.add_special_tokens(list(_SPECIALS))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
                                    bos_token=EOS_TOKEN, extra_special_tokens={"image_token": IMAGE_TOKEN})
     fast.save_pretrained(str(out))
 
@@ -221,7 +222,7 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVLMSpec | None = None, *, se
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(out)
     eos, fake, image, glob = (BYTE_TOKENS + i for i in range(len(_SPECIALS)))
-    config = Idefics3Config(
+    config = Idefics3Config(  # type: ignore[call-arg]  # pad_token_id: taken by **kwargs, not in the stub
         image_token_id=image,
         scale_factor=spec.scale_factor,
         tie_word_embeddings=False,

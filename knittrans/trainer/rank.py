@@ -258,7 +258,7 @@ def _image_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicr
     assert policy.layout is not None
     per_row = micro.batch.media_hex()
     for i, (hashes, ids) in enumerate(zip(per_row, prompt_ids, strict=True)):
-        blocks = policy.layout.count_images(ids)
+        blocks = policy.layout.count_images(ids.numpy())
         if blocks != len(hashes):
             raise InvalidRequest(f"row {i} of the micro-batch has {blocks} image blocks but {len(hashes)} images")
     flat = [h for hs in per_row for h in hs]
