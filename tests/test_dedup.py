@@ -320,3 +320,111 @@ def test_frozen_encoder_backbone_still_exact() -> None:
     run_dedup(dedup, lm_d, images, mbs)
     assert dedup.finish().backward_rows == 0
     assert_close(grads(lm_d), grads(lm))
+
+
+def _images(count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"m{i}": torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8) for i in range(count)}
+
+
+class _CountingEncoder(TinyEncoder):
+    """TinyEncoder that counts its forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(images)
+
+
+def test_frozen_encoder_is_not_rerun_in_recompute_mode() -> None:
+    """recompute + frozen encoder: finish() only drops the cache, it does not run the encoder again."""
+    enc = _CountingEncoder().requires_grad_(False)
+    dedup = DedupEncoder(enc, mode="recompute")
+    dedup.begin_mini_batch(_images(3))
+    dedup.features(["m0", "m1", "m2", "m0"]).sum().backward()
+    assert enc.calls == 1
+    stats = dedup.finish()
+    assert enc.calls == 1 and stats.recompute_calls == 0 and stats.backward_rows == 0
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_no_grad_encodes_without_a_graph(mode: str) -> None:
+    """Under torch.no_grad() nothing records or keeps an encoder graph; finish() has nothing to do."""
+    enc = _CountingEncoder()
+    dedup = DedupEncoder(enc, mode=mode)  # type: ignore[arg-type]
+    with torch.no_grad():
+        dedup.begin_mini_batch(_images(2))
+        feats = dedup.features(["m0", "m1", "m0"])
+    assert not feats.requires_grad
+    assert all(c.encoded is None and c.inputs is None for c in dedup._chunks)
+    stats = dedup.finish()
+    assert stats.backward_rows == 0 and stats.recompute_calls == 0 and enc.calls == 1
+    assert all(p.grad is None for p in enc.parameters())
+
+
+class _Meter:
+    """Live and peak bytes of the tensors autograd graphs save for backward."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        meter = self
+
+        class Held:
+            def __init__(self) -> None:
+                self.t = t
+                self.n = t.numel() * t.element_size()
+                meter.live += self.n
+                meter.peak = max(meter.peak, meter.live)
+
+            def __del__(self) -> None:
+                meter.live -= self.n
+
+        return Held()
+
+
+def test_recompute_backward_runs_chunk_by_chunk() -> None:
+    """recompute with 4 chunks: finish() never holds more than one chunk's graph (gradients still exact)."""
+    torch.manual_seed(0)
+    enc = TinyEncoder()
+    ref = copy.deepcopy(enc)
+    media = _images(4)
+    one = _Meter()
+    with torch.autograd.graph.saved_tensors_hooks(one.pack, lambda h: h.t):
+        ref(media["m0"][None]).sum().backward()
+    meter = _Meter()
+    dedup = DedupEncoder(enc, mode="recompute", encode_batch_size=1)
+    dedup.begin_mini_batch(media)
+    dedup.features(list(media)).sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda h: h.t):
+        stats = dedup.finish()
+    assert stats.recompute_calls == 4
+    assert 0 < meter.peak <= one.peak  # one chunk of one image at a time
+    ref.zero_grad()
+    ref(torch.stack(list(media.values()))).sum().backward()
+    for p, q in zip(enc.parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, q.grad)
+
+
+class _InPlaceEncoder(TinyEncoder):
+    """Scales its input in place: recompute would re-run it on changed data."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float()
+        images.div_(2) if images.is_floating_point() else images.bitwise_right_shift_(1)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_encoder_changing_its_input_in_place_is_refused(mode: str) -> None:
+    """An encoder that modifies its input in place raises InvalidRequest instead of giving wrong gradients."""
+    dedup = DedupEncoder(_InPlaceEncoder(), mode=mode)  # type: ignore[arg-type]
+    dedup.begin_mini_batch()
+    with pytest.raises(InvalidRequest, match="in place"):
+        dedup.add_media(_images(2))
+    dedup.drop()

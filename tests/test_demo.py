@@ -49,6 +49,14 @@ def test_short_demo_keeps_quotas_and_delivers_every_trajectory_once(tmp_path: Pa
     unique = sum(r["media_unique_bytes"] for r in records)
     assert unique > 0 and logical >= 2 * unique  # groups of 4 share one image
 
+    # the policy is the tiny VLM: rollout saw the images, so the first mini-batch (no update yet) is on-policy
+    assert (out / "constraint_preserving" / "model" / "knittrans_vlm.json").is_file()
+    first = [r for r in records if r["global_index"] == 0]
+    assert first and all(r["max_logprob_gap"] < 2e-4 for r in first), [r["max_logprob_gap"] for r in first]
+    assert sum(r["image_rows"] for r in records) == quotas["mm_qa"] * n * 2
+    assert all(r["encoded_rows"] == r["unique_media"] for r in records)
+    assert "img enc/rows" in proc.stdout
+
 
 def test_demo_config_validates_timing_fields() -> None:
     """The demo refuses a negative trainer padding, lookahead or a window below one, naming the field."""

@@ -28,10 +28,11 @@ class DemoConfig:
     """Groups per train batch of each source."""
     sources: dict[str, str] = field(default_factory=lambda: {
         "math": "math:8-16:4-12",
-        "mm_qa": "mm_qa:8-16:24-48:image=4x128x128",
+        "mm_qa": "mm_qa:8-16:24-48:image=3x96-160x96-160",
     })
-    """Per-source rollout profile (``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]``): short text answers
-    versus long answers to prompts that carry an image shared by the group."""
+    """Per-source rollout profile (``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW][:images=K]``): short text
+    answers versus long answers to prompts that carry an image (of a random size) shared by the group.
+    The policy is the tiny VLM (:mod:`knittrans.rollout.vlm`): rollout and trainer both see the image."""
     group_size: int = 4
     """Responses per prompt (GRPO group)."""
     ranks: int = 2
@@ -52,10 +53,10 @@ class DemoConfig:
     fetch_mode: str = "iter"
     """Trainer fetch mode: iter (prefetch) or eager."""
     hidden: int = 512
-    """Hidden size of the tiny Qwen2 policy (``heads * 64``); bigger makes training heavier relative to
+    """Text hidden size of the tiny VLM policy (``heads * 64``); bigger makes training heavier relative to
     rollout, which is what separates the admission policies (see docs/demo.md)."""
     layers: int = 4
-    """Decoder layers of the policy."""
+    """Text decoder layers of the policy."""
     groups_per_call: int = 2
     """Prompts per generate call of a rollout worker (one unit each call)."""
     lr: float = 1e-3

@@ -1,9 +1,17 @@
-"""The demo's tiny policy: a Qwen2 causal LM plus a small vision encoder whose output prefixes the prompt."""
+"""Response logprobs of the trainer's policy: the tiny VLM (images at their ``<image>`` tokens) or a text LM.
+
+The demo's policy is the tiny Idefics3 of :mod:`knittrans.rollout.vlm`: the rollout engines
+condition on the same images, so image rows are on-policy. ``TinyVisionEncoder`` and
+``prefix_embeddings`` remain only for text-only checkpoints (the transfer benchmarks' Qwen2),
+where a side encoder's features are added to the first prompt positions.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from knittrans.rollout.vlm import VLMLayout, place_image_features
 
 __all__ = ["TinyVisionEncoder", "packed_response_logprobs", "prefix_embeddings"]
 
@@ -51,16 +59,32 @@ def packed_response_logprobs(
     *,
     features: torch.Tensor | None = None,
     has_media: torch.Tensor | None = None,
+    image_features: torch.Tensor | None = None,
+    layout: VLMLayout | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Logprob of every response token, flattened in row order (the layout of ``response_logprobs``).
 
-    ``input_ids`` is right-padded ``[B, T]`` holding prompt then response of each row.
+    ``input_ids`` is right-padded ``[B, T]`` holding prompt then response of each row. With a VLM
+    ``layout``, ``image_features`` (``[images, tokens, hidden]``, the images of row 0, then row 1,
+    ...) replace the prompts' ``<image>`` token embeddings, and the image-structure tokens are
+    masked out of the softmax exactly as the rollout engines mask them. Without one, ``features``
+    and ``has_media`` are the text path's side-encoder prefix (:func:`prefix_embeddings`).
     """
     embed = model.get_input_embeddings()  # type: ignore[operator]
-    embeds = prefix_embeddings(embed(input_ids), features, has_media)
+    embeds = embed(input_ids)
+    if layout is not None:
+        if image_features is not None and image_features.shape[0] > 0:
+            embeds = place_image_features(embeds, input_ids, image_features, layout.image_token_id, prompt_lens)
+    else:
+        embeds = prefix_embeddings(embeds, features, has_media)
     logits = model(inputs_embeds=embeds, attention_mask=attention_mask).logits  # type: ignore[operator]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float() / temperature
+    if layout is not None:
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        banned[list(layout.suppressed_token_ids)] = True
+        logits = logits.masked_fill(banned, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
     rows = torch.repeat_interleave(torch.arange(input_ids.shape[0]), response_lens)
     starts = torch.repeat_interleave(prompt_lens, response_lens)
     offsets = torch.arange(int(response_lens.sum())) - torch.repeat_interleave(

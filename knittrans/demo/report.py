@@ -49,7 +49,8 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
             "media_unique_bytes": int(sum(r["media_unique_bytes"] for r in rs)),
             "row_bytes": int(sum(r["row_bytes"] for r in rs)),
             "encoder_calls": int(sum(r["encoder_calls"] for r in rs)),
-            "media_uses": int(sum(r["media_uses"] for r in rs)),
+            "media_uses": int(sum(r["media_uses"] or 0 for r in rs)),
+            **_encoder_columns(rs),
             "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
                 max(r["step_time_s"] for r in rs if r["global_index"] == n)
                 for n in {r["global_index"] for r in rs}
@@ -73,6 +74,23 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
     }
 
 
+def _encoder_columns(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Images through the vision tower vs rows showing images, and the encoder time dedup saved.
+
+    Saved time is the forward time per encoded image times the image references that were not
+    encoded again (a per-row encoder would have run them); the backward saves about as much again.
+    """
+    encoded = int(sum(r.get("encoded_rows") or 0 for r in rs))
+    uses = int(sum(r.get("media_uses") or 0 for r in rs))
+    seconds = float(sum(r.get("encoder_forward_s") or 0.0 for r in rs))
+    return {
+        "image_rows": int(sum(r.get("image_rows") or 0 for r in rs)),
+        "images_encoded": encoded,
+        "encoder_forward_s": seconds,
+        "encoder_forward_saved_s": seconds / encoded * max(uses - encoded, 0) if encoded else 0.0,
+    }
+
+
 def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -80,7 +98,8 @@ def _fmt(v: Any, spec: str) -> str:
 def format_table(results: dict[str, Any]) -> str:
     """Per-step table as text."""
     head = (f"{'step':>4} {'mb':>3} {'adm.wait s':>10} {'arch.stal(end)':>14} {'arch(start)':>11} "
-            f"{'exposed xfer ms':>15} {'fetch ms':>9} {'media MiB log/uniq':>19} {'enc calls/uses':>14} {'step s':>7}")
+            f"{'exposed xfer ms':>15} {'fetch ms':>9} {'media MiB log/uniq':>19} {'img enc/rows':>12} "
+            f"{'enc ms (saved)':>14} {'step s':>7}")
     lines = [head, "-" * len(head)]
     for s in results["steps"]:
         media = f"{s['media_logical_bytes'] / 2**20:.1f}/{s['media_unique_bytes'] / 2**20:.1f}"
@@ -88,7 +107,9 @@ def format_table(results: dict[str, Any]) -> str:
             f"{s['step']:>4} {s['mini_batches']:>3} {_fmt(s['admission_wait_s'], '.2f'):>10} "
             f"{_fmt(s['arch_staleness_end'], '.2f'):>14} {_fmt(s['arch_staleness_start'], '.2f'):>11} "
             f"{s['exposed_transfer_s'] * 1e3:>15.1f} {s['fetch_s'] * 1e3:>9.1f} {media:>19} "
-            f"{str(s['encoder_calls']) + '/' + str(s['media_uses']):>14} {s['step_time_s']:>7.1f}"
+            f"{str(s['images_encoded']) + '/' + str(s['image_rows']):>12} "
+            f"{s['encoder_forward_s'] * 1e3:>6.0f} ({s['encoder_forward_saved_s'] * 1e3:>5.0f})"
+            f" {s['step_time_s']:>7.1f}"
         )
     arch = results["staleness"]
     summary = ", ".join(

@@ -90,14 +90,15 @@ def _progress_line(status: dict[str, Any], total: int, started: float) -> str:
 def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the demo once; return (and write to ``<out_dir>/<policy>/results.json``) its results."""
     from knittrans.demo.report import collect_results
-    from knittrans.rollout.models import build_tiny_qwen2
+    from knittrans.rollout.vlm import TinyVLMSpec, build_tiny_vlm
 
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     run_dir = Path(config.out_dir) / config.policy
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "weights").mkdir(parents=True)
-    model_dir = build_tiny_qwen2(run_dir / "model", hidden=config.hidden, layers=config.layers,
-                                 heads=config.hidden // 64, seed=config.seed)
+    # One tiny VLM for every source: mm_qa prompts carry images, math prompts are text only.
+    model_dir = build_tiny_vlm(run_dir / "model", TinyVLMSpec(hidden=config.hidden, layers=config.layers),
+                               seed=config.seed)
     total = config.steps * config.mini_batches_per_step
     started = time.monotonic()
     cluster_config = ClusterConfig(work_dir=run_dir, num_stores=config.stores)

@@ -7,10 +7,17 @@ applied by either engine). At ``temperature == 0`` decoding is greedy and the lo
 those of the temperature-1 distribution. ``load_weights(path)`` takes a safetensors file in
 Hugging Face checkpoint naming (``model.layers.0...``, ``lm_head.weight``), the format
 ``model.state_dict()`` of the transformers model has.
+
+A model directory written by :func:`knittrans.rollout.vlm.build_tiny_vlm` is a vision-language
+policy: both engines then condition on the prompt's images (``PromptRequest.media`` of kind
+``image``, one image block per image in ``prompt_ids``, see :mod:`knittrans.rollout.vlm`) and
+never sample the image-structure tokens (masked before the softmax, so the logprobs are those of
+the renormalised distribution, which the trainer reproduces with the same mask).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from knittrans.errors import InvalidRequest
 from knittrans.rollout.adapters.hf import groups_from_generate_output
 from knittrans.rollout.adapters.vllm import group_from_request_output, vllm_prompt
 from knittrans.rollout.generated import GeneratedGroup, Prompt, PromptRequest, as_prompt_request
+from knittrans.rollout.vlm import VLMLayout, is_vlm, load_image_processor, pixel_values
 
 __all__ = [
     "HFEngine",
@@ -106,7 +114,17 @@ class HFEngine:
 
         self.config = config or HFEngineConfig()
         self.model_dir = Path(model_dir)
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
+        self.layout: VLMLayout | None = None
+        self._image_processor: Any = None
+        if is_vlm(self.model_dir):
+            from transformers import Idefics3ForConditionalGeneration
+
+            self.layout = VLMLayout.from_dir(self.model_dir)
+            self._image_processor = load_image_processor(self.model_dir)
+            model: Any = Idefics3ForConditionalGeneration.from_pretrained(
+                self.model_dir, dtype=getattr(torch, self.config.dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
         self.model: Any = model.to(self.config.device).eval()
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
@@ -151,6 +169,8 @@ class HFEngine:
             else {"do_sample": False}
         )
         raw = self.config.logprobs_mode == "raw"
+        if self.layout is not None:
+            sampling.update(self._image_inputs(requests, n))
         # Rows are expanded here (prompt-major, like num_return_sequences) so greedy n > 1 works too.
         out = self.model.generate(
             input_ids=ids.repeat_interleave(n, dim=0).to(self.config.device),
@@ -171,6 +191,31 @@ class HFEngine:
             prompt_width=width,
             eos_token_ids=self.eos_token_ids,
         )
+
+    def _image_inputs(self, requests: list[PromptRequest], n: int) -> dict[str, Any]:
+        """``generate`` kwargs of a VLM: the suppressed tokens and ``pixel_values`` ``[rows, max_images, 3, S, S]``.
+
+        Prompts with fewer images are padded with all-zero images, which Idefics3 skips.
+        """
+        assert self.layout is not None
+        layout = self.layout
+        per_prompt = [[m.data for m in r.media if m.kind == "image"] for r in requests]
+        for r, images in zip(requests, per_prompt, strict=True):
+            if layout.count_images(r.prompt_ids) != len(images):
+                raise InvalidRequest(
+                    f"prompt has {layout.count_images(r.prompt_ids)} image blocks but {len(images)} images"
+                )
+        extra: dict[str, Any] = {"suppress_tokens": list(layout.suppressed_token_ids)}
+        most = max(len(images) for images in per_prompt)
+        if most == 0:
+            return extra
+        side = layout.image_size
+        pixels = torch.zeros((len(requests), most, 3, side, side), dtype=self.model.dtype)
+        for i, images in enumerate(per_prompt):
+            if images:
+                pixels[i, : len(images)] = pixel_values(self._image_processor, images).to(self.model.dtype)
+        extra["pixel_values"] = pixels.repeat_interleave(n, dim=0).to(self.config.device)
+        return extra
 
     def load_weights(self, path: str | Path) -> None:
         """``load_state_dict(strict=True)`` from a safetensors file; names what does not match."""
@@ -212,7 +257,10 @@ class VLLMEngineConfig:
     max_model_len: int | None = None
     """Context length; None: the model config's ``max_position_embeddings``."""
     pass_media: bool = False
-    """Send prompt media as ``multi_modal_data`` (needs a multimodal model); else only carry them."""
+    """Send prompt media as ``multi_modal_data`` (needs a multimodal model); else only carry them.
+    Always on for a tiny VLM directory (:func:`~knittrans.rollout.vlm.is_vlm`)."""
+    max_images_per_prompt: int = 4
+    """``limit_mm_per_prompt`` of a VLM: most images one prompt may carry."""
     seed: int = 0
     """Engine seed (per-request seeds come from ``generate(seed=...)``)."""
 
@@ -238,9 +286,19 @@ class VLLMEngine:
             ) from exc
         self.config = config or VLLMEngineConfig()
         self.model_dir = Path(model_dir)
+        self.layout = VLMLayout.from_dir(self.model_dir) if is_vlm(self.model_dir) else None
+        # vLLM refuses images without a tokenizer (skip_tokenizer_init); the tiny VLM brings its own.
+        multimodal: dict[str, Any] = (
+            {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": self.config.max_images_per_prompt}}
+            if self.layout is not None else {"skip_tokenizer_init": True}
+        )
+        self._allowed: list[int] | None = None
+        if self.layout is not None:
+            vocab = int(json.loads((self.model_dir / "config.json").read_text())["text_config"]["vocab_size"])
+            self._allowed = [t for t in range(vocab) if t not in self.layout.suppressed_token_ids]
         self._llm: Any = LLM(
             model=str(self.model_dir),
-            skip_tokenizer_init=True,
+            **multimodal,
             dtype=self.config.dtype,
             enforce_eager=self.config.enforce_eager,
             kv_cache_memory_bytes=int(self.config.kv_cache_gib * 2**30),
@@ -269,21 +327,29 @@ class VLLMEngine:
                 logprobs=0,
                 seed=int(s) & 0x7FFFFFFF,
                 detokenize=False,
+                allowed_token_ids=self._allowed,
             )
             for s in seeds
         ]
         outputs = self._llm.generate(
-            [vllm_prompt(r, pass_media=self.config.pass_media) for r in requests], params, use_tqdm=False
+            [vllm_prompt(r, pass_media=self.config.pass_media or self.layout is not None, layout=self.layout)
+             for r in requests],
+            params,
+            use_tqdm=False,
         )
         return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 
     def load_weights(self, path: str | Path) -> None:
-        """Reload the weights in every worker from ``path`` and drop the (now stale) prefix cache."""
+        """Reload the weights in every worker from ``path``; drop the (now stale) prefix and encoder caches."""
         p = _check_weights_file(path).resolve()
         counts = self._llm.collective_rpc("knittrans_load_weights_file", args=(str(p),))
         # Cached KV blocks were computed with the old weights; reusing them would mix policies.
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
+        if self.layout is not None:
+            # Cached vision embeddings came from the old vision tower; vLLM's scheduler would
+            # also still count them as cached while the worker's copies are gone.
+            self._llm.llm_engine.reset_encoder_cache()
         logger.info("VLLMEngine loaded %s tensors from %s", counts, p)
 
     def close(self) -> None:

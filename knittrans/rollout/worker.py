@@ -11,6 +11,11 @@ the control plane; the worker polls the version before every chunk of
 generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
 many tokens and new weights are picked up between chunks (partial rollout across an update).
 
+With a tiny VLM checkpoint (:func:`knittrans.rollout.vlm.is_vlm`), a source with images puts one
+image block per image in front of the prompt text (:func:`~knittrans.rollout.vlm.image_prompt_ids`)
+and every generate call, continuation chunks included, carries the images, so the engine
+conditions on them; the group's ``n`` samples share them.
+
 Restart safety: group ids are ``<worker_id>-g<seq>`` with ``seq`` from a small state file written
 before the groups are announced; the descriptor of a sealed unit is written there before it is
 registered. A restarted worker registers the sealed-but-unregistered units from their saved
@@ -40,6 +45,7 @@ from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
 from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
 from knittrans.rollout.regen import claimable, report_started
+from knittrans.rollout.vlm import VLMLayout, image_prompt_ids, is_vlm
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup
 
@@ -87,31 +93,55 @@ class SourceProfile:
     max_new_tokens: tuple[int, int] = (8, 16)
     """Inclusive range of the per-group response budget: the source's length profile."""
     image_shape: tuple[int, ...] | None = None
-    """Shape of the uint8 image each group's prompt carries (shared by the group); None: text only."""
+    """Shape of the uint8 image each group's prompt carries (shared by the group); None: text only.
+    With ``image_min_shape`` set, the largest shape (each dimension drawn per image)."""
+    image_min_shape: tuple[int, ...] | None = None
+    """Smallest image shape when images vary in size; None: every image is ``image_shape``."""
+    images: int = 1
+    """Images per prompt (when ``image_shape`` is set)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "source")
         for what, (lo, hi) in (("prompt_len", self.prompt_len), ("max_new_tokens", self.max_new_tokens)):
             if not 1 <= lo <= hi:
                 raise ValueError(f"{self.name}.{what}: need 1 <= lo <= hi, got ({lo}, {hi})")
+        if self.images < 1:
+            raise ValueError(f"{self.name}.images must be >= 1, got {self.images}")
+        low = self.image_min_shape
+        if low is not None and (self.image_shape is None or len(low) != len(self.image_shape)
+                                or any(not 1 <= a <= b for a, b in zip(low, self.image_shape, strict=True))):
+            raise ValueError(f"{self.name}: image size ranges need 1 <= min <= max per dimension")
 
     @classmethod
     def parse(cls, text: str) -> SourceProfile:
-        """``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]``, e.g. ``mm:8-16:32-64:image=4x256x256``."""
+        """``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW][:images=K]``; H and W may be ranges ``LO-HI``.
+
+        E.g. ``mm:8-16:32-64:image=3x64-160x64-160:images=2``: two images per prompt, each of a
+        random size between 64x64 and 160x160.
+        """
         parts = text.split(":")
         try:
             name, prompt, resp = parts[0], parts[1], parts[2]
-            image = None
+            image = low = None
+            count = 1
             for extra in parts[3:]:
                 key, _, value = extra.partition("=")
-                if key != "image":
+                if key == "image":
+                    dims = [tuple(int(x) for x in d.split("-")) for d in value.split("x")]
+                    image = tuple(d[-1] for d in dims)
+                    low = tuple(d[0] for d in dims) if any(len(d) > 1 for d in dims) else None
+                elif key == "images":
+                    count = int(value)
+                else:
                     raise ValueError(f"unknown option {key!r}")
-                image = tuple(int(x) for x in value.split("x"))
             p = tuple(int(x) for x in prompt.split("-"))
             r = tuple(int(x) for x in resp.split("-"))
-            return cls(name=name, prompt_len=(p[0], p[-1]), max_new_tokens=(r[0], r[-1]), image_shape=image)
+            return cls(name=name, prompt_len=(p[0], p[-1]), max_new_tokens=(r[0], r[-1]), image_shape=image,
+                       image_min_shape=low, images=count)
         except (IndexError, ValueError) as exc:
-            raise InvalidRequest(f"source {text!r}: expected NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW] ({exc})") from None
+            raise InvalidRequest(
+                f"source {text!r}: expected NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW][:images=K] ({exc})"
+            ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +225,7 @@ class RolloutWorker:
         self.version = 0
         self.groups_written = 0
         self._sources = {s.name: s for s in config.sources}
+        self._layout: VLMLayout | None = VLMLayout.from_dir(config.model_dir) if is_vlm(config.model_dir) else None
         self._state = self._load_state()
 
     # ------------------------------------------------------------------ state file
@@ -232,8 +263,13 @@ class RolloutWorker:
         ids = rng.integers(0, self.config.vocab_size - 1, size=length, dtype=np.int32)
         media: tuple[Media, ...] = ()
         if profile.image_shape is not None:
-            image = rng.integers(0, 256, size=profile.image_shape, dtype=np.uint8)
-            media = (Media(kind="image", data=image),)
+            low = profile.image_min_shape or profile.image_shape
+            shapes = [tuple(int(rng.integers(a, b + 1)) for a, b in zip(low, profile.image_shape, strict=True))
+                      for _ in range(profile.images)]
+            media = tuple(Media(kind="image", data=rng.integers(0, 256, size=shape, dtype=np.uint8))
+                          for shape in shapes)
+            if self._layout is not None:  # the VLM sees the images: one image block each before the text
+                ids = image_prompt_ids(self._layout, ids, len(media))
         return PromptRequest(prompt_ids=ids, media=media)
 
     def _budget(self, group_id: str, profile: SourceProfile) -> int:
@@ -265,7 +301,8 @@ class RolloutWorker:
                     version = self.maybe_update_weights()
                     samples = [None] * n
                     live = [i for i in range(n) if not done[i]]
-                    prompts = [PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]))
+                    prompts = [PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]),
+                                             media=request.media)
                                for i in live]
                     groups = self.engine.generate(prompts, 1, step, self.config.temperature, seq_seed + produced)
                     for i, g in zip(live, groups, strict=True):

@@ -29,6 +29,18 @@ Shapes: unique media are grouped by (shape, dtype) in first-seen order and each 
 in one call (or in chunks of ``encode_batch_size``); ``features()`` stacks rows, so every media a
 micro-batch asks for must yield the same feature shape (use ``feature_list()`` otherwise).
 
+Grad mode: media encoded while autograd is off (``torch.no_grad()``/``inference_mode``, e.g. an
+evaluation pass) are encoded without a graph in either mode and ``finish()`` has nothing to do for
+them. A frozen encoder (no parameter requires grad) is never re-run by ``finish()`` in
+``recompute`` mode: ``finish()`` then only drops the cache.
+
+Memory of ``recompute``: ``finish()`` re-runs one chunk under grad, runs its backward (parameter
+gradients add up across chunks) and frees its graph before the next chunk, so the peak is one
+chunk's graph, not all of them. ``recompute`` re-runs the encoder on the inputs it kept; an
+encoder that changes its input in place would be re-run on changed data and give wrong gradients
+silently, so the input's version counter is checked after the first forward and again before the
+re-run and :class:`~knittrans.errors.InvalidRequest` is raised when the input was modified.
+
 Data parallelism (DDP/FSDP): the encoder backward happens in ``finish()``, after the last
 micro-batch's backbone backward, so DDP's hooks cannot reduce encoder gradients during the
 backbone's backward. Keep the encoder *outside* the DDP-wrapped backbone, run micro-batches
@@ -104,6 +116,7 @@ class _Chunk:
     encoded: torch.Tensor | None
     leaf: torch.Tensor
     rng_state: _RngState | None
+    input_version: int = 0
 
 
 class DedupEncoder:
@@ -152,6 +165,10 @@ class DedupEncoder:
     def cached_media(self) -> int:
         """Unique media encoded and held for the current mini-batch (0 once dropped)."""
         return len(self._index)
+
+    def __contains__(self, media_hash: object) -> bool:
+        """True when ``media_hash`` was encoded in the current mini-batch."""
+        return media_hash in self._index
 
     def begin_mini_batch(self, media: Mapping[str, torch.Tensor] | None = None) -> None:
         """Start a mini-batch, encoding ``media`` (hash -> decoded tensor) now if given.
@@ -243,18 +260,29 @@ class DedupEncoder:
         grads: list[torch.Tensor] = []
         backward_rows = 0
         recompute_calls = 0
+        trainable = any(p.requires_grad for p in self.encoder.parameters())
         try:
             for chunk in self._chunks:
                 grad = chunk.leaf.grad
                 if grad is None:
                     continue
                 if chunk.encoded is None:  # recompute mode
+                    if not trainable:  # frozen encoder: nothing to propagate, do not re-run it
+                        continue
                     assert chunk.inputs is not None
+                    if chunk.inputs._version != chunk.input_version:
+                        raise InvalidRequest(
+                            "the input of an encoded chunk was modified in place after encoding; "
+                            "recompute mode would re-run the encoder on changed data"
+                        )
                     with torch.enable_grad(), _rng_restored(chunk.rng_state):
                         encoded = self.encoder(chunk.inputs)
                     recompute_calls += 1
-                else:
-                    encoded = chunk.encoded
+                    if encoded.requires_grad:  # backward now: one chunk's graph alive at a time
+                        torch.autograd.backward([encoded], grad_tensors=[grad.to(encoded.dtype)])
+                        backward_rows += int(grad.shape[0])
+                    continue
+                encoded = chunk.encoded
                 if not encoded.requires_grad:  # frozen encoder: nothing to propagate
                     continue
                 outputs.append(encoded)
@@ -298,26 +326,32 @@ class DedupEncoder:
         if self.device is not None:
             inputs = inputs.to(self.device, non_blocking=True)
         rng_state = None
+        grad_mode = torch.is_grad_enabled()  # the caller's: no graph is recorded under no_grad()
+        version = inputs._version
         if self.mode == "keep_graph":
-            with torch.enable_grad():
-                encoded = self.encoder(inputs)
+            encoded = self.encoder(inputs)
         else:
             rng_state = _capture_rng(inputs.device)
             with torch.no_grad():
                 encoded = self.encoder(inputs)
+        if inputs._version != version:
+            raise InvalidRequest(
+                "the encoder modified its input in place; DedupEncoder needs an encoder that leaves it unchanged"
+            )
         self._encoder_calls += 1
         if not isinstance(encoded, torch.Tensor) or encoded.dim() < 1 or encoded.shape[0] != len(items):
             got = tuple(encoded.shape) if isinstance(encoded, torch.Tensor) else type(encoded).__name__
             raise InvalidRequest(f"encoder must return a tensor [{len(items)}, ...] for {len(items)} media, got {got}")
         leaf_dtype = torch.float64 if encoded.dtype == torch.float64 else torch.float32
-        leaf = encoded.detach().to(leaf_dtype).requires_grad_(True)
+        leaf = encoded.detach().to(leaf_dtype).requires_grad_(grad_mode)
         chunk_id = len(self._chunks)
         self._chunks.append(
             _Chunk(
-                inputs=inputs if self.mode == "recompute" else None,
-                encoded=encoded if self.mode == "keep_graph" else None,
+                inputs=inputs if self.mode == "recompute" and grad_mode else None,
+                encoded=encoded if self.mode == "keep_graph" and grad_mode else None,
                 leaf=leaf,
                 rng_state=rng_state,
+                input_version=inputs._version,
             )
         )
         for row, (media_hash, _) in enumerate(items):

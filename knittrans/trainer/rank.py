@@ -29,9 +29,14 @@ result is DDP's: every rank divides its summed token loss by ``N / W`` and gradi
 over ``W`` ranks, so the gradient is exactly that of ``sum(token losses) / N`` over the whole
 mini-batch, whatever the split. Initial weights are broadcast from rank 0.
 
-Media: each row's features (sum over its media) are added at the row's first positions
-(:func:`knittrans.demo.policy.packed_response_logprobs`); ``dedup=False`` encodes every media
-reference separately (the duplicated baseline the benchmark compares against). Each JSON record
+Media: with the tiny VLM (:mod:`knittrans.rollout.vlm`, the demo's policy) the encoder is the
+policy's own vision tower (vision transformer + connector): each unique image of the mini-batch
+is preprocessed and encoded once through :class:`DedupEncoder`, and its features replace the
+``<image>`` tokens of every row that shows it. The vision tower's parameters are the backbone's,
+so they are optimised and all-reduced once. With a text-only checkpoint each row's side-encoder
+features (sum over its media) are added at the row's first positions instead
+(:func:`knittrans.demo.policy.packed_response_logprobs`). ``dedup=False`` encodes every media
+reference separately (the duplicated baseline the benchmarks compare against). Each JSON record
 carries the plan id and the trajectory ids trained (``traj_ids``), so exactly-once can be checked
 from the records.
 """
@@ -52,7 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from knittrans.demo.policy import TinyVisionEncoder, packed_response_logprobs
-from knittrans.errors import KnitTransError
+from knittrans.errors import InvalidRequest, KnitTransError
+from knittrans.rollout.vlm import VisionTower, VLMLayout, is_vlm, load_image_processor, pixel_values
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from knittrans.trainer.convert import pad_sequences
 from knittrans.trainer.dedup import DedupEncoder, all_reduce_gradients
@@ -116,10 +122,17 @@ class RankConfig:
 
 
 _ROWS = "knittrans_encoded_rows"
+_SECONDS = "knittrans_encoder_seconds"
+_STARTED = "knittrans_encoder_started"
+
+
+def _start_clock(module: nn.Module, _args: tuple[Any, ...]) -> None:
+    setattr(module, _STARTED, time.perf_counter())
 
 
 def _count_rows(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
     setattr(module, _ROWS, getattr(module, _ROWS) + int(args[0].shape[0]))
+    setattr(module, _SECONDS, getattr(module, _SECONDS) + time.perf_counter() - getattr(module, _STARTED))
 
 
 @dataclass
@@ -132,10 +145,16 @@ class Policy:
     """Vision encoder (kept outside DDP)."""
     ddp: nn.Module | None = None
     """A DDP wrapper of ``backbone`` to run forwards through (``knittrans train`` uses none; see module doc)."""
+    layout: VLMLayout | None = None
+    """Token layout of a VLM backbone (then ``encoder`` is its own vision tower); None: text-only backbone."""
+    image_processor: Any = None
+    """The VLM's image processor (uint8 image → pixels the vision tower takes)."""
 
     def __post_init__(self) -> None:
         if not hasattr(self.encoder, _ROWS):
             setattr(self.encoder, _ROWS, 0)  # kept on the module, so deep copies count their own rows
+            setattr(self.encoder, _SECONDS, 0.0)
+            self.encoder.register_forward_pre_hook(_start_clock)
             self.encoder.register_forward_hook(_count_rows)
 
     @property
@@ -144,13 +163,32 @@ class Policy:
         return int(getattr(self.encoder, _ROWS))
 
     @property
+    def encoder_seconds(self) -> float:
+        """Wall seconds spent in the encoder's forward so far (both hooks time it)."""
+        return float(getattr(self.encoder, _SECONDS))
+
+    @property
     def forward_module(self) -> nn.Module:
         """What micro-batches run through: the DDP wrapper, else the backbone."""
         return self.ddp if self.ddp is not None else self.backbone
 
     def parameters(self) -> list[nn.Parameter]:
-        """Backbone and encoder parameters (for the optimizer)."""
-        return [*self.backbone.parameters(), *self.encoder.parameters()]
+        """Backbone and encoder parameters, each once (a VLM's vision tower is part of the backbone)."""
+        seen: set[int] = set()
+        out: list[nn.Parameter] = []
+        for p in [*self.backbone.parameters(), *self.encoder.parameters()]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def encoder_inputs(self, media: dict[str, torch.Tensor], hashes: list[str]) -> dict[str, torch.Tensor]:
+        """What the encoder takes per media hash: the VLM's preprocessed pixels, else the decoded tensor."""
+        if self.layout is None:
+            return {h: media[h] for h in hashes}
+        unique = list(dict.fromkeys(hashes))
+        pixels = pixel_values(self.image_processor, [media[h] for h in unique])
+        return dict(zip(unique, pixels, strict=True))
 
 
 class _Forward:
@@ -167,8 +205,16 @@ class _Forward:
 
 
 def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Policy:
-    """Load the causal LM from ``model_dir`` and build a seeded vision encoder of its hidden size."""
+    """Load ``model_dir``: a tiny VLM with its own vision tower, or a text LM plus a seeded side encoder."""
     from transformers import AutoModelForCausalLM
+
+    if is_vlm(model_dir):
+        from transformers import Idefics3ForConditionalGeneration
+
+        vlm: nn.Module = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
+        vlm.train()
+        return Policy(backbone=vlm, encoder=VisionTower(vlm), layout=VLMLayout.from_dir(model_dir),
+                      image_processor=load_image_processor(model_dir))
 
     backbone: nn.Module = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     backbone.train()
@@ -193,19 +239,46 @@ def _row_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroB
     flat = [h for hs in per_row for h in hs]
     if not flat:
         return None, None
-    if dedup is not None:
-        feats = dedup.features(flat, media=micro.media)
-    else:  # duplicated baseline: one encoder row per media reference
-        feats = policy.encoder(torch.stack([micro.media[h] for h in flat]))
+    feats = _media_features(policy, dedup, micro, flat)
     index = torch.tensor([i for i, hs in enumerate(per_row) for _ in hs], dtype=torch.long)
     rows = torch.zeros((len(per_row), *feats.shape[1:]), dtype=feats.dtype).index_add(0, index, feats)
     has_media = torch.tensor([len(hs) > 0 for hs in per_row])
     return rows, has_media
 
 
+def _media_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch,
+                    flat: list[str]) -> torch.Tensor:
+    """Encoder output per media reference ``flat`` (dedup: each unique media once per mini-batch)."""
+    if dedup is not None:
+        fresh = [h for h in flat if h not in dedup]
+        return dedup.features(flat, media=policy.encoder_inputs(micro.media, fresh) if fresh else None)
+    inputs = policy.encoder_inputs(micro.media, flat)  # duplicated baseline: one encoder row per reference
+    out: torch.Tensor = policy.encoder(torch.stack([inputs[h] for h in flat]))
+    return out
+
+
+def _image_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch,
+                    prompt_ids: list[torch.Tensor]) -> torch.Tensor | None:
+    """VLM: features of every image of the micro-batch, row by row (the order of the ``<image>`` blocks)."""
+    assert policy.layout is not None
+    per_row = micro.batch.media_hex()
+    for i, (hashes, ids) in enumerate(zip(per_row, prompt_ids, strict=True)):
+        blocks = policy.layout.count_images(ids.numpy())
+        if blocks != len(hashes):
+            raise InvalidRequest(f"row {i} of the micro-batch has {blocks} image blocks but {len(hashes)} images")
+    flat = [h for hs in per_row for h in hs]
+    return _media_features(policy, dedup, micro, flat) if flat else None
+
+
 def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, *,
-                     normaliser: float, clip_eps: float, pad_id: int) -> torch.Tensor:
-    """GRPO loss of one micro-batch's response tokens, divided by ``normaliser``."""
+                     normaliser: float, clip_eps: float, pad_id: int, gaps: list[float] | None = None
+                     ) -> torch.Tensor:
+    """GRPO loss of one micro-batch's response tokens, divided by ``normaliser``.
+
+    ``gaps`` (optional) gets the largest ``|trainer logprob - rollout logprob|`` over the
+    micro-batch's response tokens: on-policy rows (same weights as the rollout) show the engines'
+    numerical agreement, a row whose rollout saw other inputs shows up as a large gap.
+    """
     b = micro.batch
     if b.num_rows == 0:
         return _zero_loss(policy)
@@ -215,11 +288,22 @@ def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMic
     ids, mask = pad_sequences(packed.input_ids, packed.cu_seqlens, pad_value=pad_id)
     prompt_lens = b.prompt_cu_seqlens.long().diff()
     response_lens = b.response_cu_seqlens.long().diff()
-    features, has_media = _row_features(policy, dedup, micro)
-    logprobs = packed_response_logprobs(
-        _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
-        features=features, has_media=has_media,
-    )
+    if policy.layout is not None:
+        starts = b.prompt_cu_seqlens.long()
+        prompts = [ids[i, : int(starts[i + 1] - starts[i])] for i in range(b.num_rows)]
+        image_features = _image_features(policy, dedup, micro, prompts)
+        logprobs = packed_response_logprobs(
+            _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
+            image_features=image_features, layout=policy.layout,
+        )
+    else:
+        features, has_media = _row_features(policy, dedup, micro)
+        logprobs = packed_response_logprobs(
+            _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
+            features=features, has_media=has_media,
+        )
+    if gaps is not None and logprobs.numel():
+        gaps.append(float((logprobs.detach() - b.response_logprobs.float()).abs().max()))
     advantages = b.advantages.float().repeat_interleave(response_lens)
     return grpo_loss(logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(),
                      normaliser=normaliser, clip_eps=clip_eps)
@@ -262,7 +346,10 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
     if encoder is not None:
         encoder.begin_mini_batch()
     rows_before = policy.encoded_rows
+    seconds_before = policy.encoder_seconds
+    image_rows = 0
     loss_sum = 0.0
+    gaps: list[float] = []
     traj_ids: list[str] = []
     failure: KnitTransError | None = None
     stats = None
@@ -274,9 +361,10 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
                 sync = policy.ddp.no_sync()  # type: ignore[operator]
             with sync:
                 loss = micro_batch_loss(policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps,
-                                        pad_id=pad_id)
+                                        pad_id=pad_id, gaps=gaps)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
+            image_rows += sum(1 for hashes in micro.batch.media_hex() if hashes)
             table = micro.batch.table
             if table is not None and "traj_id" in table.column_names:
                 traj_ids += [str(t) for t in table.column("traj_id").to_pylist()]
@@ -314,6 +402,9 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
         "unique_media": stats.unique_media if stats is not None else None,
         "media_uses": stats.uses if stats is not None else None,
         "encoded_rows": policy.encoded_rows - rows_before,
+        "image_rows": image_rows,
+        "encoder_forward_s": policy.encoder_seconds - seconds_before,
+        "max_logprob_gap": max(gaps) if gaps else None,
         "loss": loss_sum, "step_time_s": time.perf_counter() - t0,
         "admission_latency_s": (mb.received_at - mb.admitted_at) if mb.admitted_at is not None else None,
     }
@@ -338,7 +429,8 @@ def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
     dist.init_process_group("gloo", init_method=cfg.dist_url, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.dist_timeout_s))
     with torch.no_grad():  # same start on every rank: rank 0's weights and buffers
-        for t in [*policy.parameters(), *policy.backbone.buffers(), *policy.encoder.buffers()]:
+        buffers = {id(b): b for b in [*policy.backbone.buffers(), *policy.encoder.buffers()]}
+        for t in [*policy.parameters(), *buffers.values()]:
             dist.broadcast(t.data, 0)
 
 

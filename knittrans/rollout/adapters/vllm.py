@@ -23,6 +23,7 @@ import numpy as np
 
 from knittrans.errors import InvalidRequest
 from knittrans.rollout.generated import FinishReason, GeneratedGroup, GeneratedSample, PromptRequest
+from knittrans.rollout.vlm import VLMLayout, image_to_pil
 
 __all__ = ["CompletionLike", "RequestOutputLike", "group_from_request_output", "vllm_prompt"]
 
@@ -44,19 +45,25 @@ class RequestOutputLike(Protocol):
     finished: bool
 
 
-def vllm_prompt(prompt: PromptRequest, *, pass_media: bool) -> dict[str, Any]:
+def vllm_prompt(prompt: PromptRequest, *, pass_media: bool, layout: VLMLayout | None = None) -> dict[str, Any]:
     """The ``TokensPrompt`` dict for ``LLM.generate``.
 
     With ``pass_media`` the prompt's media become ``multi_modal_data`` keyed by kind
     (``{"image": [array, ...]}``), which only a multimodal model accepts (vLLM raises
     ``ValueError: Multi-modal processor not available for text-only models`` otherwise).
     Without it media stay out of the engine and are only carried into the group.
+
+    With a VLM ``layout`` each image block of the prompt is sent as one ``<image>`` token
+    (vLLM's Idefics3 processor expands it back to the same block, so the prompt vLLM runs, and
+    reports, is ``prompt_ids``) and images go as RGB PIL images.
     """
-    out: dict[str, Any] = {"prompt_token_ids": prompt.prompt_ids.tolist()}
+    ids = layout.compact_ids(prompt.prompt_ids) if layout is not None else prompt.prompt_ids.tolist()
+    out: dict[str, Any] = {"prompt_token_ids": ids}
     if pass_media and prompt.media:
         mm: dict[str, list[Any]] = {}
         for m in prompt.media:
-            mm.setdefault(m.kind, []).append(m.data)
+            mm.setdefault(m.kind, []).append(image_to_pil(m.data) if layout is not None and m.kind == "image"
+                                             else m.data)
         out["multi_modal_data"] = {k: v[0] if len(v) == 1 else v for k, v in mm.items()}
     return out
 
