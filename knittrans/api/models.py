@@ -68,6 +68,7 @@ class JobCreate(_In):
     max_staleness: int | None = None
     total_steps: int | None = None
     columns: list[str] | None = None
+    user_fields: dict[str, str] | None = Field(default=None, examples=[{"ref_logprobs": "list<float32>"}])
 
 
 class QuotasUpdate(_In):
