@@ -41,6 +41,7 @@ COLUMN_PREFIX = "tq."
 """User columns of TransferQueue fields are ``tq.<field>``."""
 _META = b"knittrans.tq"
 _HASH = pa.binary(32)
+_STORAGE_DTYPES: dict[str, np.dtype[Any]] = {"bfloat16": np.dtype(np.int16), "bool": np.dtype(np.uint8)}
 _SPECIAL = {torch.bfloat16: (np.dtype(np.int16), "bfloat16"), torch.bool: (np.dtype(np.uint8), "bool")}
 
 
@@ -208,7 +209,7 @@ def decode_media(table: pa.Table) -> dict[bytes, torch.Tensor]:
     for i, h in enumerate(hashes):
         buf = data[i].as_buffer()
         name = dtypes[i]
-        np_dtype = {"bfloat16": np.dtype(np.int16), "bool": np.dtype(np.uint8)}.get(name) or np.dtype(name)
+        np_dtype = _STORAGE_DTYPES.get(name) or np.dtype(name)
         out[h] = _restore(np.frombuffer(buf, dtype=np_dtype).reshape(shapes[i]), name)
     return out
 
