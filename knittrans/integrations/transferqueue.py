@@ -383,7 +383,7 @@ def _make_manager_class() -> type[Any]:
             if n == 0:
                 return
             partition = metadata.partition_ids[0]
-            columns = {k: data.get(k) for k in data}
+            columns = {k: data.get(k) for k in data.keys()}  # noqa: SIM118 - iterating a TensorDict yields rows
             loop = asyncio.get_running_loop()
             locs = await loop.run_in_executor(None, self.core.put, columns, n, list(metadata.global_indexes),
                                               partition)

@@ -112,8 +112,8 @@ def _same(a: Any, b: Any, where: str) -> None:
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
         assert a.dtype == b.dtype and a.shape == b.shape, \
             f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert a.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() == \
-            b.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes(), f"{where}: bytes differ"
+        assert a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == \
+            b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), f"{where}: bytes differ"
     elif isinstance(a, dict) and not isinstance(b, torch.Tensor):
         assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
         for k in a:
