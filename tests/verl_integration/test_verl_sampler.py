@@ -73,6 +73,8 @@ def test_quotas_are_exact_per_train_batch_and_mini_batches_admit_early(queue: No
         _finish(f"code-{i}", "code", step=1)
     second, _ = s.sample(global_steps=1, partition_id="train", batch_size=3)
     assert _sources(second) == {"math": 1, "code": 2}  # not the 3 oldest (math) groups: the quota binds
+    for i in range(6, 8):
+        _finish(f"math-{i}", "math", step=2)
     for i in range(2, 4):
         _finish(f"code-{i}", "code", step=2)
     third, _ = s.sample(global_steps=2, partition_id="train", batch_size=3)
