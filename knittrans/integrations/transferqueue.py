@@ -438,7 +438,7 @@ def register() -> None:
 
 
 # ---------------------------------------------------------------------- bootstrap (tq.init)
-class _StoreActorImpl:
+class KnitTransStoreActor:
     """One store node inside a Ray actor on the node it serves."""
 
     def __init__(self, node: str, root: str, host: str | None, token: str | None) -> None:
@@ -475,7 +475,7 @@ def bootstrap(conf: Any) -> dict[str, Any]:
             StoreClient(endpoint, token=config.token, timeout_s=config.timeout_s).health()
             logger.info("KnitTrans store %s at %s is up", node, endpoint)
         return {}
-    actor_cls = ray.remote(num_cpus=0)(_StoreActorImpl)
+    actor_cls = ray.remote(num_cpus=0)(KnitTransStoreActor)
     run = uuid.uuid4().hex[:8]
     handles, stores, ray_nodes, dirs = {}, {}, {}, {}
     for i, node_info in enumerate(n for n in ray.nodes() if n.get("Alive")):

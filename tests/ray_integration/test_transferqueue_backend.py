@@ -2,7 +2,7 @@
 
 Each session starts Ray and ``tq.init`` with one backend, replays the same puts (the vs_baselines
 workloads, 1,024 rows each, plus fields of every kind TransferQueue accepts), and reads them back
-with ``kv_batch_get``, ``get_meta``/``get_data`` and the streaming dataloader. Every row of every
+with ``kv_batch_get``, ``get_meta``/``get_data`` and the streaming dataloader (``StreamingDataset``). Every row of every
 field must be byte-equal (dtype, shape, bytes; values for non-tensor fields) between backends.
 """
 
@@ -21,6 +21,8 @@ import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
 from tensordict import NonTensorStack, TensorDict
+from transfer_queue.dataloader.streaming_dataloader import StreamingDataLoader
+from transfer_queue.dataloader.streaming_dataset import StreamingDataset
 
 from benchmarks.vs_baselines.tq_runner import group_fields
 from benchmarks.vs_baselines.workload import Workload, WorkloadSpec, generate
@@ -52,14 +54,13 @@ def _extra_fields(rows: range) -> TensorDict:
 
 
 @contextmanager
-def _session(backend: dict[str, Any]) -> Iterator[None]:
+def _session(backend: dict[str, Any]) -> Iterator[Any]:
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              _node_ip_address="127.0.0.1", runtime_env={"worker_process_setup_hook": SETUP_HOOK})
     kt_tq.register()
     try:
-        tq.init(OmegaConf.create({"controller": {"sampler": "SequentialSampler"}, "backend": backend},
-                                 flags={"allow_objects": True}))
-        yield
+        yield tq.init(OmegaConf.create({"controller": {"sampler": "SequentialSampler"}, "backend": backend},
+                                       flags={"allow_objects": True}))
     finally:
         tq.close()
         ray.shutdown()
@@ -84,7 +85,7 @@ def _rows(value: Any) -> list[Any]:
     return list(value.tolist())
 
 
-def _read_all(workloads: dict[str, Workload]) -> dict[str, Any]:
+def _read_all(workloads: dict[str, Workload], conf: Any) -> dict[str, Any]:
     """Everything a user can read back, keyed so both backends are comparable."""
     out: dict[str, Any] = {}
     rng = np.random.default_rng(0)
@@ -104,6 +105,16 @@ def _read_all(workloads: dict[str, Workload]) -> dict[str, Any]:
         for i, idx in enumerate(cols["traj_index"]):
             seen[int(idx)] = {f: cols[f][i] for f in fields}
     out["meta/multimodal"] = seen
+    dataset = StreamingDataset(config=conf, batch_size=128, micro_batch_size=64, partition_id="text",
+                               data_fields=["traj_index", "prompt_ids", "old_log_prob_bf16", "mm_features", "uid"],
+                               task_name="stream", dp_rank=0, should_check_consumption_status=True)
+    streamed: dict[int, dict[str, Any]] = {}
+    for td, _meta in StreamingDataLoader(dataset, num_workers=0):
+        cols = {f: _rows(td[f]) for f in dataset.data_fields}
+        for i, idx in enumerate(cols["traj_index"]):
+            streamed[int(idx)] = {f: cols[f][i] for f in dataset.data_fields}
+    assert len(streamed) == ROWS
+    out["stream/text"] = streamed
     return out
 
 
@@ -137,9 +148,9 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         ("knittrans", {"storage_backend": "KnitTrans",
                        "KnitTrans": {"media_fields": ["image"], "store_root": str(root), "host": "127.0.0.1"}}),
     ]:
-        with _session(backend):
+        with _session(backend) as conf:
             _put_all(workloads)
-            result[name] = _read_all(workloads)
+            result[name] = _read_all(workloads, conf)
     return result
 
 
