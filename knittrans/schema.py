@@ -295,8 +295,9 @@ class TrajectoryGroup:
     """Group id, unique within the job."""
     source: str
     """Data source of the prompt."""
-    prompt_ids: Any
-    """Prompt token ids (list, numpy array or torch tensor), shared by every response."""
+    prompt_ids: Any = None
+    """Prompt token ids (list, numpy array or torch tensor), shared by every response; ignored
+    when :attr:`response_prompt_ids` is given."""
     response_ids: Sequence[Any]
     """Token ids of each response."""
     response_logprobs: Sequence[Any]
@@ -305,10 +306,12 @@ class TrajectoryGroup:
     """One reward per response."""
     advantages: Any = None
     """One advantage per response; None means GRPO's ``(r - mean) / (std + 1e-6)`` over the group."""
-    version_start: Any
-    """Policy version at which each response started (int for all, or one per response)."""
-    version_end: Any
-    """Policy version of each response's last token (int or one per response)."""
+    version_start: Any = 0
+    """Policy version at which each response started (int for all, or one per response); 0 by
+    default, for plain transfer without version tracking."""
+    version_end: Any = None
+    """Policy version of each response's last token (int or one per response); None means
+    ``version_start``."""
     version_weighted: Any = None
     """Token-weighted version per response; None means the mean of start and end."""
     loss_masks: Sequence[Any] | None = None
@@ -321,6 +324,9 @@ class TrajectoryGroup:
     """Unix seconds each response finished (float or one per response); None means now."""
     traj_ids: Sequence[str] | None = None
     """Trajectory ids; None means ``<group_id>.<i>``."""
+    response_prompt_ids: Sequence[Any] | None = None
+    """A prompt per response (multi-turn or agentic rollouts whose contexts differ), instead of
+    the shared :attr:`prompt_ids`."""
     user_fields: Mapping[str, Any] | None = None
     """Values of the job's declared user fields: ``{name: one value per response}`` (or one value
     for all responses when the field is listed in ``shared_user_fields``)."""
@@ -331,6 +337,10 @@ class TrajectoryGroup:
         n = len(self.response_ids)
         if n == 0:
             raise InvalidRequest(f"group {self.group_id!r} has no responses")
+        if self.prompt_ids is None and self.response_prompt_ids is None:
+            raise InvalidRequest(
+                f"group {self.group_id!r}: give prompt_ids (shared) or response_prompt_ids (per response)"
+            )
         if len(self.response_logprobs) != n:
             raise InvalidRequest(
                 f"group {self.group_id!r}: {len(self.response_logprobs)} logprob lists for {n} responses"
@@ -372,7 +382,10 @@ def build_unit_tables(
             raise InvalidRequest(f"group {g.group_id!r}: traj_ids has the wrong number of entries")
         cols["group_id"] += [g.group_id] * n
         cols["source"] += [g.source] * n
-        cols["prompt_ids"] += [g.prompt_ids] * n
+        if g.response_prompt_ids is not None:
+            cols["prompt_ids"] += _per_row(g.response_prompt_ids, n, "response_prompt_ids", g.group_id)
+        else:
+            cols["prompt_ids"] += [g.prompt_ids] * n
         cols["response_ids"] += list(g.response_ids)
         cols["response_logprobs"] += list(g.response_logprobs)
         if g.loss_masks is None:
@@ -387,6 +400,7 @@ def build_unit_tables(
             cols["advantage"] += _per_row(g.advantages, n, "advantages", g.group_id)
         vs = _per_row(g.version_start, n, "version_start", g.group_id)
         ve = _per_row(g.version_end, n, "version_end", g.group_id)
+        ve = [a if b is None else b for a, b in zip(vs, ve, strict=True)]
         vw = _per_row(g.version_weighted, n, "version_weighted", g.group_id)
         cols["version_start"] += vs
         cols["version_end"] += ve

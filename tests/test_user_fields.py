@@ -141,3 +141,21 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     bf16 = batch.user["old_lp_bf16"][0].view(torch.bfloat16)
     assert torch.equal(bf16.view(torch.int16), want_mb.user["old_lp_bf16"][0].view(torch.int16))
 
+
+
+def test_plain_transfer_needs_no_versions_and_may_give_a_prompt_per_response() -> None:
+    """Versions default to 0 (end = start), and response_prompt_ids gives each row its own prompt; giving
+    neither prompt form is refused by name."""
+    g = TrajectoryGroup(group_id="p", source="s", response_prompt_ids=[[1, 2], [3]], response_ids=[[4], [5, 6]],
+                        response_logprobs=[[0.0], [0.0, 0.0]], rewards=[1.0, 0.0])
+    t = build_unit_tables([g]).traj
+    assert t.column("prompt_ids").to_pylist() == [[1, 2], [3]]
+    assert t.column("version_start").to_pylist() == [0, 0] and t.column("version_end").to_pylist() == [0, 0]
+    g2 = TrajectoryGroup(group_id="q", source="s", prompt_ids=[1], response_ids=[[4]], response_logprobs=[[0.0]],
+                         rewards=[1.0], version_start=3)
+    assert build_unit_tables([g2]).traj.column("version_end").to_pylist() == [3]
+    with pytest.raises(InvalidRequest, match=r"give prompt_ids .shared. or response_prompt_ids"):
+        TrajectoryGroup(group_id="r", source="s", response_ids=[[4]], response_logprobs=[[0.0]], rewards=[1.0])
+    with pytest.raises(InvalidRequest, match="response_prompt_ids has 1 entries for 2 responses"):
+        build_unit_tables([TrajectoryGroup(group_id="x", source="s", response_prompt_ids=[[1]], response_ids=[[4], [5]],
+                                           response_logprobs=[[0.0], [0.0]], rewards=[1.0, 0.0])])
