@@ -51,6 +51,7 @@ from knittrans.flight.client import StoreClient
 from knittrans.integrations.tqcodec import column_name, decode_column, decode_media, encode_put, field_columns
 from knittrans.names import check_name
 from knittrans.rollout.writer import TrajectoryWriter
+from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket, UnitRead
 
 __all__ = ["BACKEND_NAME", "KnitTransStorageManager", "StoreNodeLost", "TQBackendConfig", "register"]
@@ -160,6 +161,7 @@ class _Core:
         self.config = config
         self._clients: dict[str, StoreClient] = {}
         self._writers: dict[str, TrajectoryWriter] = {}
+        self._local: dict[str, LocalReader | None] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="knittrans-tq")
 
     # ------------------------------------------------------------------ placement
@@ -195,6 +197,15 @@ class _Core:
             self._clients[node] = StoreClient(self.endpoint(node), token=self.config.token,
                                               timeout_s=self.config.timeout_s)
         return self._clients[node]
+
+    def _reader(self, node: str) -> Callable[[Ticket], pa.Table]:
+        """How to serve a ticket of ``node``: memory-map its units when its directory is on this host
+        (the same short-circuit as ``TrainerClient``'s ``mmap`` mode), else one ``DoGet``."""
+        if node not in self._local:
+            store_dir = self.config.store_dirs.get(node)
+            self._local[node] = LocalReader([store_dir]) if store_dir and Path(store_dir).is_dir() else None
+        local = self._local[node]
+        return local.read if local is not None else self.client(node).get
 
     def _writer(self, node: str) -> TrajectoryWriter:
         if node not in self._writers:
@@ -256,17 +267,17 @@ class _Core:
         for unit in units:
             rows = [r for f in fields for _, r in where[(node, unit)][f]]
             reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
-        client = self.client(node)
+        read = self._reader(node)
         columns = tuple(c for f, jagged in layout for c in ([column_name(f), column_name(f) + "#shape"] if jagged
                                                            else [column_name(f)]))
         try:
-            table = client.get(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
+            table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
             media = None
             media_cols = [column_name(f) for f in fields if f in self.config.media_fields]
             if media_cols:
                 hashes = sorted({h.hex() for c in media_cols for h in table.column(c).to_pylist()})
                 if hashes:
-                    media = decode_media(client.get(Ticket(job=self.config.job, kind="media", reads=tuple(
+                    media = decode_media(read(Ticket(job=self.config.job, kind="media", reads=tuple(
                         UnitRead(unit_id=u) for u in units), media_hashes=tuple(hashes))))
         except Unavailable as exc:
             gidx = sorted({p for u in units for f in fields for p, _ in where[(node, u)][f]})
@@ -277,10 +288,10 @@ class _Core:
             ) from None
         # position in the DoGet result of every (unit, row): reads in order, ranges sorted
         offset, index = 0, {}
-        for read in reads:
-            for a, b in read.row_ranges:
+        for unit_read in reads:
+            for a, b in unit_read.row_ranges:
                 for r in range(a, b):
-                    index[(read.unit_id, r)] = offset
+                    index[(unit_read.unit_id, r)] = offset
                     offset += 1
         out: dict[str, tuple[list[int], Any]] = {}
         for f in fields:
