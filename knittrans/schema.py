@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from knittrans.errors import InvalidRequest, SchemaMismatch
+from knittrans.userfields import USER_FIELD_NAME_RE, UserField, build_user_column
 
 __all__ = [
     "MEDIA_SCHEMA",
@@ -102,8 +103,9 @@ _SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
 def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "trajectories") -> None:
     """Raise :class:`SchemaMismatch` unless ``schema`` is ours (types, order, version).
 
-    A projection (subset of columns in schema order) of the trajectory schema is accepted too
-    only when ``kind`` columns are all present; units and puts must carry every column.
+    Units and puts must carry every fixed column; a trajectory table may carry per-job user fields
+    (:mod:`knittrans.userfields`) after them, which this check accepts by name only (the job spec
+    declares their types; see :func:`knittrans.userfields.check_user_columns`).
     """
     expected = _SCHEMAS[kind]
     meta = schema.metadata or {}
@@ -113,6 +115,12 @@ def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "tr
         raise SchemaMismatch(f"{kind} schema version is {got}, expected {SCHEMA_VERSION}")
     if meta.get(TABLE_KIND_KEY) != kind.encode():
         raise SchemaMismatch(f"schema is tagged {meta.get(TABLE_KIND_KEY)!r}, expected {kind!r}")
+    names = schema.names
+    if kind == "trajectories" and len(names) > len(expected.names) and names[: len(expected.names)] == expected.names:
+        for extra in names[len(expected.names):]:  # per-job user fields follow the fixed columns
+            if not USER_FIELD_NAME_RE.match(extra) or extra in expected.names or names.count(extra) > 1:
+                raise SchemaMismatch(f"{kind} user column {extra!r} is not a valid, unique user field name")
+        schema = pa.schema(list(schema)[: len(expected.names)], metadata=schema.metadata)
     if schema.names != expected.names:
         missing = [n for n in expected.names if n not in schema.names]
         extra = [n for n in schema.names if n not in expected.names]
@@ -287,8 +295,9 @@ class TrajectoryGroup:
     """Group id, unique within the job."""
     source: str
     """Data source of the prompt."""
-    prompt_ids: Any
-    """Prompt token ids (list, numpy array or torch tensor), shared by every response."""
+    prompt_ids: Any = None
+    """Prompt token ids (list, numpy array or torch tensor), shared by every response; ignored
+    when :attr:`response_prompt_ids` is given."""
     response_ids: Sequence[Any]
     """Token ids of each response."""
     response_logprobs: Sequence[Any]
@@ -297,10 +306,12 @@ class TrajectoryGroup:
     """One reward per response."""
     advantages: Any = None
     """One advantage per response; None means GRPO's ``(r - mean) / (std + 1e-6)`` over the group."""
-    version_start: Any
-    """Policy version at which each response started (int for all, or one per response)."""
-    version_end: Any
-    """Policy version of each response's last token (int or one per response)."""
+    version_start: Any = 0
+    """Policy version at which each response started (int for all, or one per response); 0 by
+    default, for plain transfer without version tracking."""
+    version_end: Any = None
+    """Policy version of each response's last token (int or one per response); None means
+    ``version_start``."""
     version_weighted: Any = None
     """Token-weighted version per response; None means the mean of start and end."""
     loss_masks: Sequence[Any] | None = None
@@ -313,11 +324,23 @@ class TrajectoryGroup:
     """Unix seconds each response finished (float or one per response); None means now."""
     traj_ids: Sequence[str] | None = None
     """Trajectory ids; None means ``<group_id>.<i>``."""
+    response_prompt_ids: Sequence[Any] | None = None
+    """A prompt per response (multi-turn or agentic rollouts whose contexts differ), instead of
+    the shared :attr:`prompt_ids`."""
+    user_fields: Mapping[str, Any] | None = None
+    """Values of the job's declared user fields: ``{name: one value per response}`` (or one value
+    for all responses when the field is listed in ``shared_user_fields``)."""
+    shared_user_fields: frozenset[str] = frozenset()
+    """User fields given once for the whole group (e.g. a per-prompt value), repeated per row."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if n == 0:
             raise InvalidRequest(f"group {self.group_id!r} has no responses")
+        if self.prompt_ids is None and self.response_prompt_ids is None:
+            raise InvalidRequest(
+                f"group {self.group_id!r}: give prompt_ids (shared) or response_prompt_ids (per response)"
+            )
         if len(self.response_logprobs) != n:
             raise InvalidRequest(
                 f"group {self.group_id!r}: {len(self.response_logprobs)} logprob lists for {n} responses"
@@ -339,8 +362,14 @@ class UnitTables:
     """Unique media, :data:`MEDIA_SCHEMA` (possibly empty)."""
 
 
-def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = True) -> UnitTables:
-    """Build (and validate) the trajectory and media tables for whole groups, rows in group order."""
+def build_unit_tables(
+    groups: Sequence[TrajectoryGroup], *, validate: bool = True, user_fields: Sequence[UserField] = ()
+) -> UnitTables:
+    """Build (and validate) the trajectory and media tables for whole groups, rows in group order.
+
+    ``user_fields`` are the job's declared extra columns; every group must give each of them
+    (:attr:`TrajectoryGroup.user_fields`) and nothing else.
+    """
     if not groups:
         raise InvalidRequest("a unit needs at least one group")
     now = time.time()
@@ -353,7 +382,10 @@ def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = Tru
             raise InvalidRequest(f"group {g.group_id!r}: traj_ids has the wrong number of entries")
         cols["group_id"] += [g.group_id] * n
         cols["source"] += [g.source] * n
-        cols["prompt_ids"] += [g.prompt_ids] * n
+        if g.response_prompt_ids is not None:
+            cols["prompt_ids"] += _per_row(g.response_prompt_ids, n, "response_prompt_ids", g.group_id)
+        else:
+            cols["prompt_ids"] += [g.prompt_ids] * n
         cols["response_ids"] += list(g.response_ids)
         cols["response_logprobs"] += list(g.response_logprobs)
         if g.loss_masks is None:
@@ -368,6 +400,7 @@ def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = Tru
             cols["advantage"] += _per_row(g.advantages, n, "advantages", g.group_id)
         vs = _per_row(g.version_start, n, "version_start", g.group_id)
         ve = _per_row(g.version_end, n, "version_end", g.group_id)
+        ve = [a if b is None else b for a, b in zip(vs, ve, strict=True)]
         vw = _per_row(g.version_weighted, n, "version_weighted", g.group_id)
         cols["version_start"] += vs
         cols["version_end"] += ve
@@ -395,9 +428,40 @@ def build_unit_tables(groups: Sequence[TrajectoryGroup], *, validate: bool = Tru
         pa.array(cols["media"], type=pa.list_(_HASH)),
         pa.array((np.asarray(cols["finished_at"], dtype=np.float64) * 1e6).astype("datetime64[us]")),
     ]
-    traj = pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    schema = TRAJECTORY_SCHEMA
+    if user_fields or any(g.user_fields for g in groups):
+        arrays += _user_arrays(groups, user_fields)
+        schema = pa.schema([*TRAJECTORY_SCHEMA, *(pa.field(f.name, f.type, nullable=False) for f in user_fields)],
+                           metadata=TRAJECTORY_SCHEMA.metadata)
+    traj = pa.Table.from_arrays(arrays, schema=schema)
     media = build_media_table(all_media)
     if validate:
         validate_trajectories(traj)
         validate_media(media)
     return UnitTables(traj=traj, media=media)
+
+
+def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserField]) -> list[pa.Array]:
+    """One Arrow array per declared user field, rows in group order; errors name group and field."""
+    declared = {f.name for f in user_fields}
+    per_field: dict[str, list[Any]] = {f.name: [] for f in user_fields}
+    for g in groups:
+        given = dict(g.user_fields or {})
+        unknown = sorted(set(given) - declared)
+        if unknown:
+            raise InvalidRequest(f"group {g.group_id!r}: user fields {unknown} are not declared in the job spec "
+                                 f"(declared: {sorted(declared)})")
+        missing = sorted(declared - set(given))
+        if missing:
+            raise InvalidRequest(f"group {g.group_id!r}: declared user fields {missing} are missing")
+        n = g.num_responses
+        for name, value in given.items():
+            if name in g.shared_user_fields:
+                per_field[name] += [value] * n
+                continue
+            rows = list(value)
+            if len(rows) != n:
+                raise InvalidRequest(f"group {g.group_id!r}: user field {name!r} has {len(rows)} values for "
+                                     f"{n} responses")
+            per_field[name] += rows
+    return [build_user_column(f, per_field[f.name]) for f in user_fields]

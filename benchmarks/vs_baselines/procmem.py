@@ -18,6 +18,7 @@ __all__ = ["ROLE_PATTERNS", "TreeMemorySampler", "classify"]
 # (substring of name or cmdline, role); first match wins.
 ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     ("SimpleStorageUnit", "storage"),
+    ("KnitTransStoreActor", "storage"),  # the TransferQueue backend's per-node store (knittrans.integrations)
     ("TransferQueueController", "controller"),
     ("TQConsumer", "consumer"),
     ("RayConsumer", "consumer"),

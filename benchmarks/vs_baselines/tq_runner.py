@@ -16,8 +16,11 @@ digest.  All of that conversion is counted in the fetch time, as it would be for
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -29,7 +32,11 @@ from benchmarks.vs_baselines.workload import TrainBatch, Workload, WorkloadSpec,
 
 __all__ = ["VARIANTS", "TQRunner", "make_runner"]
 
-VARIANTS = ("kv", "sampler")
+VARIANTS = ("kv", "sampler", "kt_kv", "kt_sampler")
+"""``kt_*``: the same client calls with TransferQueue's storage backend switched to KnitTrans
+(``knittrans.integrations.transferqueue``: node-local Arrow units, one DoGet per node, the group's
+image stored once per content hash)."""
+SETUP_HOOK = "knittrans.integrations.transferqueue.register"
 TASK = "train"
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
 SCALAR_FIELDS = ("traj_index", "reward", "version_start", "version_end")
@@ -93,7 +100,7 @@ class TQConsumer:
         return os.getpid()
 
     def run(self, variant: str, partition: str, fields: list[str], compute: bool) -> dict[str, Any]:
-        batches = self._kv(partition) if variant == "kv" else self._sampler(partition, fields)
+        batches = self._kv(partition) if variant.endswith("kv") else self._sampler(partition, fields)
         return rank_loop(self.rank, self.spec, batches, compute=compute, hidden=self.hidden)
 
     def _kv(self, partition: str) -> Iterator[TrainBatch]:
@@ -119,6 +126,7 @@ class TQRunner:
         self.variant = variant
         self.name = f"tq_{variant}"
         self._actors: list[Any] = []
+        self._store_root: str | None = None
 
     def setup(self, spec: WorkloadSpec, options: RunnerOptions) -> None:
         import transfer_queue as tq
@@ -126,13 +134,23 @@ class TQRunner:
 
         self.spec, self.tq = spec, tq
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        knit = self.variant.startswith("kt_")
         ray.init(_node_ip_address=options.loopback, include_dashboard=False, num_cpus=options.logical_cpus,
-                 logging_level="WARNING", log_to_driver=False)
-        conf = OmegaConf.create(
-            {"controller": {"sampler": tq.RankAwareSampler()},
-             "backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}},
-            flags={"allow_objects": True},
-        )
+                 logging_level="WARNING", log_to_driver=False,
+                 runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None)
+        if knit:
+            from knittrans.integrations.transferqueue import register
+
+            register()
+            shm = Path("/dev/shm")  # tmpfs, as SimpleStorage keeps its data in memory
+            self._store_root = tempfile.mkdtemp(prefix="knittrans_tq_bench_", dir=shm if shm.is_dir() else None)
+            backend = {"storage_backend": "KnitTrans",
+                       "KnitTrans": {"media_fields": ["image"], "store_root": self._store_root,
+                                     "host": options.loopback}}
+        else:
+            backend = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
+        conf = OmegaConf.create({"controller": {"sampler": tq.RankAwareSampler()}, "backend": backend},
+                                flags={"allow_objects": True})
         tq.init(conf)
         self._actors = [
             TQConsumer.remote(r, spec, options.compute_hidden)  # type: ignore[attr-defined]
@@ -146,7 +164,8 @@ class TQRunner:
             keys, fields = group_fields(workload, groups)
             self.tq.kv_batch_put(keys=keys, partition_id=tag, fields=fields)
         put_s = time.perf_counter() - t0
-        return {"put_s": put_s, "stored_bytes": float(workload.payload_bytes(image_per_row=True))}
+        dedup = self.variant.startswith("kt_")
+        return {"put_s": put_s, "stored_bytes": float(workload.payload_bytes(image_per_row=not dedup))}
 
     def consume(self, tag: str, compute: bool) -> list[dict[str, Any]]:
         fields = [*SCALAR_FIELDS, *TOKEN_FIELDS] + (["image"] if self.spec.kind == "multimodal" else [])
@@ -162,6 +181,8 @@ class TQRunner:
         self._actors = []
         self.tq.close()
         ray.shutdown()
+        if self._store_root:
+            shutil.rmtree(self._store_root, ignore_errors=True)
 
 
 def make_runner(variant: str) -> TQRunner:

@@ -73,6 +73,7 @@ class JobCreate(_In):
     columns: list[str] | None = None
     lookahead: int = Field(default=1, ge=0, description="L: mini-batches admitted beyond the trainer's position")
     window: int = Field(default=1, ge=1, description="W: launched groups not in a started mini-batch <= W·G")
+    user_fields: dict[str, str] | None = Field(default=None, examples=[{"ref_logprobs": "list<float32>"}])
 
 
 class QuotasUpdate(_In):

@@ -11,8 +11,10 @@ from knittrans.names import check_name
 from knittrans.sched.admission import POLICIES, mini_batch_sizes
 from knittrans.sched.timing import DEFAULT_LOOKAHEAD, AdmissionTiming
 from knittrans.sched.types import SourceBounds
+from knittrans.schema import TRAJECTORY_COLUMNS
+from knittrans.userfields import UserField, parse_user_fields
 
-__all__ = ["JobSpec", "check_quotas"]
+__all__ = ["JobSpec", "check_quotas", "declared_user_fields"]
 
 
 def check_quotas(
@@ -99,6 +101,9 @@ class JobSpec:
     """``L``: mini-batches admitted beyond the trainer's position (0 = when the trainer asks for one)."""
     window: int = 1
     """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
+    user_fields: Mapping[str, str] = field(default_factory=dict)
+    """Per-job user fields ``{name: Arrow type string}`` written after the fixed columns (see
+    :mod:`knittrans.userfields`); writers must give each of them for every group."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "name", error=InvalidJobSpec)
@@ -126,6 +131,15 @@ class JobSpec:
             not self.columns or len(set(self.columns)) != len(self.columns) or not all(self.columns)
         ):
             raise InvalidJobSpec("columns: give a non-empty list of distinct column names, or null for all")
+        declared = parse_user_fields(self.user_fields)
+        if self.columns is not None:
+            known = set(TRAJECTORY_COLUMNS) | {f.name for f in declared}
+            unknown = [c for c in self.columns if c not in known]
+            if unknown:
+                raise InvalidJobSpec(
+                    f"columns: {unknown} are neither trajectory columns nor declared user_fields "
+                    f"({sorted(f.name for f in declared)})"
+                )
         check_quotas(self.quotas, mini_batches_per_step=self.mini_batches_per_step, bounds=self.bounds)
         smallest = min(mini_batch_sizes(self.train_batch_size, self.mini_batches_per_step))
         if smallest * self.group_size < self.world_size:
@@ -162,6 +176,7 @@ class JobSpec:
             "columns": list(self.columns) if self.columns is not None else None,
             "lookahead": self.lookahead,
             "window": self.window,
+            "user_fields": dict(self.user_fields),
         }
 
     @classmethod
@@ -175,6 +190,7 @@ class JobSpec:
             except ValueError as exc:
                 raise InvalidJobSpec(f"bounds.{source}: {exc}") from None
         columns = body.pop("columns", None)
+        body["user_fields"] = body.pop("user_fields", None) or {}
         try:
             return cls(
                 **body,
@@ -183,3 +199,8 @@ class JobSpec:
             )
         except TypeError as exc:
             raise InvalidJobSpec(f"job spec: {exc}") from None
+
+
+def declared_user_fields(spec: JobSpec) -> tuple[UserField, ...]:
+    """The job's user fields as parsed :class:`~knittrans.userfields.UserField` objects, in order."""
+    return parse_user_fields(spec.user_fields)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_unit_tables
 from knittrans.store.store import estimate_unit_bytes
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
+from knittrans.userfields import UserField, parse_user_fields
 
 __all__ = ["TrajectoryWriter", "describe_unit"]
 
@@ -80,8 +81,13 @@ class TrajectoryWriter:
     """Writes units of one job to one store node (same host: shared directory; else ``DoPut``)."""
 
     def __init__(self, *, job: str, node_id: str, endpoint: str, store_dir: str | os.PathLike[str] | None = None,
-                 token: str | None = None, timeout_s: float = 30.0) -> None:
+                 token: str | None = None, timeout_s: float = 30.0,
+                 user_fields: Sequence[UserField] | Mapping[str, str] = ()) -> None:
         self.job = check_name(job, "job")
+        self.user_fields: tuple[UserField, ...] = (
+            parse_user_fields(user_fields) if isinstance(user_fields, Mapping) else tuple(user_fields)
+        )
+        """The job's declared user fields (``JobSpec.user_fields``); every group must give each."""
         self.node_id = check_name(node_id, "node_id")
         self.endpoint = endpoint
         self.store_dir = Path(store_dir).resolve() if store_dir is not None else None
@@ -98,7 +104,7 @@ class TrajectoryWriter:
         for g in groups:
             check_name(g.group_id, "group_id")
             check_name(g.source, "source")
-        tables = build_unit_tables(groups)
+        tables = build_unit_tables(groups, user_fields=self.user_fields)
         info = self.write_tables(unit_id, tables)
         return describe_unit(tables, groups, unit_id=unit_id, job=self.job, node_id=self.node_id,
                              endpoint=self.endpoint, num_bytes=int(info["num_bytes"]))

@@ -34,6 +34,8 @@ import torch
 import torch.utils.dlpack
 
 from knittrans.errors import InvalidRequest
+from knittrans.schema import TRAJECTORY_COLUMNS
+from knittrans.userfields import user_column_to_torch
 
 __all__ = ["MicroBatch", "PackedSequence", "pad_sequences", "to_device", "to_micro_batch"]
 
@@ -88,6 +90,9 @@ class MicroBatch:
     """int32 ``[rows + 1]`` boundaries of each row's media references."""
     table: pa.Table | None = None
     """The Arrow rows themselves (ids, group ids, sources stay here)."""
+    user: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Per-job user fields fetched, converted by :func:`knittrans.userfields.user_column_to_torch`
+    (a tensor, a ``(values, cu_seqlens)`` pair, or a list of Python values)."""
 
     def media_hex(self) -> list[list[str]]:
         """Hex media hashes per row (a loop over media references, not tokens)."""
@@ -191,6 +196,8 @@ def to_micro_batch(table: pa.Table) -> MicroBatch:
         base = child.offset + start
         fields["media_hashes"] = torch.from_numpy(raw[base * 32:(base + end - start) * 32].reshape(-1, 32).copy())
         fields["media_cu_seqlens"] = torch.from_numpy(offsets - np.int32(start))
+    fixed = set(TRAJECTORY_COLUMNS)
+    fields["user"] = {n: user_column_to_torch(table.column(n)) for n in table.column_names if n not in fixed}
     return MicroBatch(**fields)
 
 
@@ -230,6 +237,16 @@ def to_device(batch: MicroBatch, device: str | torch.device, *, non_blocking: bo
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if isinstance(value, torch.Tensor):
-            staged = value if value.is_pinned() else value.pin_memory()
-            changes[f.name] = staged.to(device, non_blocking=non_blocking)
+            changes[f.name] = _staged(value, device, non_blocking)
+    if batch.user:
+        changes["user"] = {
+            k: _staged(v, device, non_blocking) if isinstance(v, torch.Tensor)
+            else tuple(_staged(x, device, non_blocking) for x in v) if isinstance(v, tuple) else v
+            for k, v in batch.user.items()
+        }
     return dataclasses.replace(batch, **changes)
+
+
+def _staged(value: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    staged = value if value.is_pinned() else value.pin_memory()
+    return staged.to(device, non_blocking=non_blocking)

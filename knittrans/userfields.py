@@ -1,0 +1,278 @@
+"""Per-job user fields: extra trajectory columns beyond the fixed schema, declared in the job spec.
+
+API summary::
+
+    fields = parse_user_fields({"ref_logprobs": "list<float32>", "values": "tensor<float32>[4]"})
+    arr = build_user_column(fields[0], per_row_values)     # pa.Array of the declared type
+    check_user_columns(schema, fields)                     # SchemaMismatch naming the column
+    user_column_to_torch(table.column("values"))           # torch view / (values, cu_seqlens) / list
+
+A user field is one more column after the fixed trajectory columns, with any Arrow type. Types
+are written as strings so a job spec stays JSON: primitives (``bool``, ``int8`` .. ``uint64``,
+``float16`` .. ``float64``, ``string``, ``binary``, ``large_string``, ``large_binary``),
+``list<T>`` / ``large_list<T>`` (variable length per row; converts to flat values plus
+``cu_seqlens``), ``fixed_size_list<T>[n]`` (converts to ``[rows, n]``) and ``tensor<T>[d0,d1,..]``,
+Arrow's canonical ``fixed_shape_tensor`` extension type (converts to ``[rows, d0, d1, ..]``).
+Nested types recurse (``list<list<int32>>``); those convert to Python lists. A user field may not
+reuse a fixed column name, and stores accept extra columns only *after* the fixed ones, so every
+unit written without user fields is exactly a schema-v1 unit.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
+
+__all__ = [
+    "USER_FIELD_NAME_RE",
+    "UserField",
+    "build_user_column",
+    "check_user_columns",
+    "format_arrow_type",
+    "parse_arrow_type",
+    "parse_user_fields",
+    "user_column_to_torch",
+]
+
+USER_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:#-]{0,127}$")
+"""A user column name: starts with a letter or ``_``; letters, digits, ``_ . : # -``; 1-128 chars."""
+
+_PRIMITIVES: dict[str, pa.DataType] = {
+    "bool": pa.bool_(), "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
+    "uint8": pa.uint8(), "uint16": pa.uint16(), "uint32": pa.uint32(), "uint64": pa.uint64(),
+    "float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64(),
+    "string": pa.string(), "large_string": pa.large_string(),
+    "binary": pa.binary(), "large_binary": pa.large_binary(),
+}
+_NAMES = {str(t): n for n, t in _PRIMITIVES.items()} | {"halffloat": "float16", "float": "float32",
+                                                         "double": "float64"}
+
+
+def _split_bracket(text: str, what: str) -> tuple[str, str]:
+    """``list<...>rest`` -> (inner, rest) with balanced angle brackets."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+            if depth == 0:
+                return text[1:i], text[i + 1:]
+    raise InvalidJobSpec(f"{what}: unbalanced '<' in type {text!r}")
+
+
+def _dims(rest: str, what: str, full: str) -> list[int]:
+    m = re.fullmatch(r"\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]", rest)
+    if not m:
+        raise InvalidJobSpec(f"{what}: type {full!r} needs a size like [4] or a shape like [2,3]")
+    dims = [int(x) for x in m.group(1).split(",")]
+    if any(d <= 0 for d in dims):
+        raise InvalidJobSpec(f"{what}: type {full!r} has a non-positive dimension")
+    return dims
+
+
+def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
+    """Parse a type string (see the module docstring); :class:`InvalidJobSpec` names what is wrong."""
+    if not isinstance(text, str):
+        raise InvalidJobSpec(f"{what}: type must be a string such as 'list<float32>', not {text!r}")
+    s = text.strip()
+    if s in _PRIMITIVES:
+        return _PRIMITIVES[s]
+    for prefix in ("large_list", "list", "fixed_size_list", "tensor"):
+        if s.startswith(prefix + "<"):
+            inner_s, rest = _split_bracket(s[len(prefix):], what)
+            inner = parse_arrow_type(inner_s, what)
+            if prefix == "list" and not rest:
+                return pa.list_(inner)
+            if prefix == "large_list" and not rest:
+                return pa.large_list(inner)
+            if prefix == "fixed_size_list":
+                dims = _dims(rest, what, s)
+                if len(dims) != 1:
+                    raise InvalidJobSpec(f"{what}: fixed_size_list takes one size, got {dims}")
+                return pa.list_(inner, dims[0])
+            if prefix == "tensor":
+                if not (pa.types.is_integer(inner) or pa.types.is_floating(inner) or pa.types.is_boolean(inner)):
+                    raise InvalidJobSpec(f"{what}: tensor elements must be numeric or bool, not {inner}")
+                return pa.fixed_shape_tensor(inner, _dims(rest, what, s))
+            raise InvalidJobSpec(f"{what}: unexpected {rest!r} after {prefix}<...> in {s!r}")
+    known = ", ".join(sorted(_PRIMITIVES))
+    raise InvalidJobSpec(
+        f"{what}: unknown type {text!r}; use one of {known}, list<T>, large_list<T>, "
+        "fixed_size_list<T>[n] or tensor<T>[d0,d1,...]"
+    )
+
+
+def format_arrow_type(t: pa.DataType) -> str:
+    """Inverse of :func:`parse_arrow_type` for the types it accepts."""
+    if isinstance(t, pa.FixedShapeTensorType):
+        return f"tensor<{format_arrow_type(t.value_type)}>[{','.join(str(d) for d in t.shape)}]"
+    if pa.types.is_fixed_size_list(t):
+        return f"fixed_size_list<{format_arrow_type(t.value_type)}>[{t.list_size}]"
+    if pa.types.is_large_list(t):
+        return f"large_list<{format_arrow_type(t.value_type)}>"
+    if pa.types.is_list(t):
+        return f"list<{format_arrow_type(t.value_type)}>"
+    name = _NAMES.get(str(t))
+    if name is None:
+        raise InvalidJobSpec(f"type {t} cannot be declared as a user field")
+    return name
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserField:
+    """One declared user column."""
+
+    name: str
+    """Column name; must not be a fixed trajectory column."""
+    type: pa.DataType
+    """Arrow type of the column."""
+
+    def __post_init__(self) -> None:
+        from knittrans.schema import TRAJECTORY_COLUMNS
+
+        if not isinstance(self.name, str) or not USER_FIELD_NAME_RE.match(self.name):
+            raise InvalidJobSpec(
+                f"user_fields: name {self.name!r} is not valid: start with a letter or '_', then letters, "
+                "digits, '_', '.', ':', '#' or '-' (at most 128)"
+            )
+        if self.name in TRAJECTORY_COLUMNS:
+            raise InvalidJobSpec(
+                f"user_fields: {self.name!r} is a fixed trajectory column; pick another name "
+                f"(fixed columns: {list(TRAJECTORY_COLUMNS)})"
+            )
+
+    @property
+    def type_string(self) -> str:
+        """The type as the job spec writes it."""
+        return format_arrow_type(self.type)
+
+
+def parse_user_fields(spec: Mapping[str, str] | None) -> tuple[UserField, ...]:
+    """Declared user fields from ``{name: type string}``, in the given order."""
+    if spec is None:
+        return ()
+    if not isinstance(spec, Mapping):
+        raise InvalidJobSpec("user_fields must be an object {name: type}, e.g. {'values': 'list<float32>'}")
+    return tuple(UserField(name=k, type=parse_arrow_type(v, f"user_fields.{k}")) for k, v in spec.items())
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _numeric_dtype(t: pa.DataType) -> np.dtype[Any]:
+    return np.dtype(np.bool_) if pa.types.is_boolean(t) else np.dtype(t.to_pandas_dtype())
+
+
+def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
+    """Arrow array of ``field.type`` from one value per row; errors name the field and row."""
+    t = field.type
+    try:
+        if isinstance(t, pa.FixedShapeTensorType):
+            dtype = _numeric_dtype(t.value_type)
+            rows = [_as_numpy(v) for v in values]
+            for i, r in enumerate(rows):
+                if tuple(r.shape) != tuple(t.shape):
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: shape {tuple(r.shape)} != declared {tuple(t.shape)}"
+                    )
+            stacked = np.stack(rows).astype(dtype, copy=False) if rows else np.zeros((0, *t.shape), dtype)
+            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
+        if pa.types.is_fixed_size_list(t) and _is_primitive_numeric(t.value_type):
+            dtype = _numeric_dtype(t.value_type)
+            rows = [_as_numpy(v).reshape(-1) for v in values]
+            for i, r in enumerate(rows):
+                if r.shape[0] != t.list_size:
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: {r.shape[0]} values != declared size {t.list_size}"
+                    )
+            flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
+            return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=t.value_type), t.list_size)
+        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_primitive_numeric(t.value_type):
+            dtype = _numeric_dtype(t.value_type)
+            rows = [_as_numpy(v).reshape(-1) for v in values]
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([r.shape[0] for r in rows], out=offsets[1:])
+            flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
+            cls = pa.LargeListArray if pa.types.is_large_list(t) else pa.ListArray
+            if cls is pa.ListArray and offsets[-1] >= 2**31:
+                raise InvalidRequest(f"user field {field.name!r}: {offsets[-1]} values do not fit list<>; "
+                                     "declare large_list<>")
+            off_type = pa.int64() if cls is pa.LargeListArray else pa.int32()
+            return cls.from_arrays(pa.array(offsets, type=off_type), pa.array(flat, type=t.value_type))
+        if _is_primitive_numeric(t):
+            arr = np.asarray([_as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
+            return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
+        return pa.array([v.tolist() if hasattr(v, "tolist") else v for v in values], type=t)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(
+            f"user field {field.name!r} does not fit declared type {field.type_string}: {exc}"
+        ) from None
+
+
+def _is_primitive_numeric(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
+
+
+def check_user_columns(schema: pa.Schema, fields: Sequence[UserField]) -> None:
+    """Raise :class:`SchemaMismatch` unless ``schema``'s extra columns are exactly ``fields`` (names, types)."""
+    from knittrans.schema import TRAJECTORY_COLUMNS
+
+    extra = [f for f in schema if f.name not in TRAJECTORY_COLUMNS]
+    got = [f.name for f in extra]
+    want = [f.name for f in fields]
+    if got != want:
+        raise SchemaMismatch(f"user fields differ from the job spec: got {got}, declared {want}")
+    for have, decl in zip(extra, fields, strict=True):
+        if not have.type.equals(decl.type):
+            raise SchemaMismatch(
+                f"user field {decl.name!r} has type {have.type}, declared {decl.type_string}"
+            )
+
+
+def _from_numpy(arr: np.ndarray) -> Any:
+    """torch view of a (possibly read-only, memory-mapped) numpy array; the caller must not write to it."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable arrays: a read-only view on purpose
+        return torch.from_numpy(arr)
+
+
+def user_column_to_torch(col: pa.ChunkedArray | pa.Array) -> Any:
+    """Torch form of a user column.
+
+    * numeric primitive -> tensor ``[rows]``;
+    * ``fixed_size_list`` of numbers -> tensor ``[rows, n]``; ``tensor<T>[shape]`` -> ``[rows, *shape]``;
+    * ``list`` / ``large_list`` of numbers -> ``(flat values, cu_seqlens)`` (int64 cu_seqlens);
+    * anything else (strings, binary, nested lists) -> a Python list, one value per row.
+    """
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.null_count:
+        raise InvalidRequest(f"user column of type {arr.type} has {arr.null_count} null rows; cannot convert")
+    t = arr.type
+    if isinstance(t, pa.FixedShapeTensorType):
+        return _from_numpy(np.ascontiguousarray(arr.to_numpy_ndarray()))
+    if pa.types.is_fixed_size_list(t) and _is_primitive_numeric(t.value_type):
+        flat = arr.flatten().to_numpy(zero_copy_only=False)
+        return _from_numpy(np.ascontiguousarray(flat).reshape(len(arr), t.list_size))
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_primitive_numeric(t.value_type):
+        offsets = arr.offsets.to_numpy().astype(np.int64)
+        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_numpy(zero_copy_only=False)
+        return _from_numpy(np.ascontiguousarray(values)), _from_numpy(offsets - offsets[0])
+    if _is_primitive_numeric(t):
+        return _from_numpy(np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)))
+    return arr.to_pylist()

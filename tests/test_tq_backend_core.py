@@ -1,0 +1,103 @@
+"""The TransferQueue backend's storage logic without TransferQueue: real store servers, counted DoGets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.flight as flight
+import pytest
+import torch
+
+from knittrans.errors import InvalidRequest
+from knittrans.flight.server import StoreServer, StoreServerConfig
+from knittrans.integrations.transferqueue import NODE_ENV, StoreNodeLost, TQBackendConfig, _Core
+from knittrans.store.store import StoreConfig
+
+
+class CountingStore(StoreServer):
+    """A store server that counts the DoGets it serves, by ticket kind."""
+
+    def __init__(self, config: StoreServerConfig) -> None:
+        super().__init__(config)
+        self.gets: list[bytes] = []
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        self.gets.append(ticket.ticket)
+        return super().do_get(context, ticket)
+
+
+@pytest.fixture()
+def stores(tmp_path: Path) -> Iterator[dict[str, CountingStore]]:
+    servers = {n: CountingStore(StoreServerConfig(store=StoreConfig(root=tmp_path / n), node_id=n))
+               for n in ("node-a", "node-b")}
+    yield servers
+    for s in servers.values():
+        s.shutdown()
+
+
+def _put(core: _Core, node: str, first: int, n: int) -> list[dict[str, Any]]:
+    os.environ[NODE_ENV] = node
+    try:
+        g = torch.Generator().manual_seed(first)
+        image = torch.randint(0, 255, (n // 4, 8, 8), dtype=torch.uint8, generator=g).repeat_interleave(4, 0)
+        data = {"reward": torch.rand(n, generator=g), "logp": torch.randn(n, 5, generator=g).bfloat16(),
+                "tokens": torch.nested.nested_tensor([torch.arange(i % 7 + 1) for i in range(n)], layout=torch.jagged),
+                "image": image, "uid": [f"u{first + i}" for i in range(n)]}
+        return core.put(data, n, list(range(first, first + n)), "train")
+    finally:
+        os.environ.pop(NODE_ENV, None)
+
+
+def test_get_is_one_rows_and_one_media_doget_per_node(stores: dict[str, CountingStore]) -> None:
+    """Rows of two puts on each of two nodes, requested out of order: each node serves exactly one rows DoGet
+    (only the requested fields) and one media DoGet; images are stored once per group, returned per row."""
+    core = _Core(TQBackendConfig(stores={n: s.endpoint for n, s in stores.items()}, media_fields=("image",)))
+    meta: list[dict[str, Any]] = []
+    for node, first in (("node-a", 0), ("node-b", 8), ("node-a", 16), ("node-b", 24)):
+        meta += _put(core, node, first, 8)
+    assert [len(s.store.units("transferqueue")) for s in stores.values()] == [2, 2]
+    assert all(u.media.num_rows == 2 for s in stores.values() for u in s.store.units("transferqueue"))
+    want = [30, 1, 17, 9, 2, 25]
+    got = core.get(["reward", "image", "uid", "tokens"], want, [meta[i] for i in want])
+    for s in stores.values():
+        kinds = sorted(b'"kind":"media"' in t for t in s.gets)
+        assert kinds == [False, True], s.gets
+        assert b"tq.logp" not in s.gets[0] and b"tq.reward" in s.gets[0]
+    ref = {i: _put_values(i) for i in want}
+    assert torch.equal(got["reward"], torch.stack([ref[i]["reward"] for i in want]))
+    assert torch.equal(got["image"], torch.stack([ref[i]["image"] for i in want]))
+    assert got["uid"] == [f"u{i}" for i in want]
+    assert [t.tolist() for t in got["tokens"]] == [list(range(i % 8 % 7 + 1)) for i in want]
+    core.close()
+
+
+def _put_values(index: int) -> dict[str, torch.Tensor]:
+    """What ``_put`` wrote for global index ``index`` (re-generated from its seed)."""
+    first = index - index % 8
+    g = torch.Generator().manual_seed(first)
+    image = torch.randint(0, 255, (2, 8, 8), dtype=torch.uint8, generator=g).repeat_interleave(4, 0)
+    reward = torch.rand(8, generator=g)
+    return {"reward": reward[index - first], "image": image[index - first]}
+
+
+def test_lost_node_and_unknown_location_are_named(stores: dict[str, CountingStore]) -> None:
+    """A stopped node raises StoreNodeLost naming it; a row with no location names the field and index."""
+    core = _Core(TQBackendConfig(stores={n: s.endpoint for n, s in stores.items()}, timeout_s=10))
+    meta = _put(core, "node-b", 0, 4)
+    stores["node-b"].shutdown()
+    with pytest.raises(StoreNodeLost, match=r"store node 'node-b' \(grpc://127.0.0.1:\d+\) is unreachable"):
+        core.get(["reward"], [0, 1], meta[:2])
+    with pytest.raises(Exception, match=r"field 'reward' of global index 7 has no KnitTrans location"):
+        core.get(["reward"], [7], [{}])
+    core.close()
+
+
+def test_values_json_cannot_round_trip_are_refused(stores: dict[str, CountingStore]) -> None:
+    """A non-tensor value that JSON would change (a tuple) is refused naming the field and row."""
+    core = _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint}))
+    with pytest.raises(InvalidRequest, match=r"field 'extra' row 1: a tuple value"):
+        core.put({"extra": [{"a": 1}, (1, 2)]}, 2, [0, 1], "p")
+    core.close()
