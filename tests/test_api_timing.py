@@ -113,3 +113,20 @@ def test_headroom_rejects_bad_input(tmp_path: Path) -> None:
         assert r.status_code == 404 and "nope" in r.json()["detail"]
         r = c.post("/v1/jobs", json=job_spec(name="bad", lookahead=-1))
         assert r.status_code == 422 and "lookahead" in r.text
+
+
+def test_a_source_in_deficit_may_launch_when_the_window_is_full(tmp_path: Path) -> None:
+    """Window full of one source's groups while the step still needs another source (e.g. its groups were lost):
+    that source gets headroom for its deficit, so the job cannot deadlock on the window."""
+    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+        spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=1, world_size=1, lookahead=1, window=1)
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        assert c.post("/v1/jobs/job1/supply", json={"started": {"math": 4}}).status_code == 200
+        r = c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"] * 4)})
+        assert r.status_code == 200 and r.json()["admitted"] == []
+        view = c.get("/v1/jobs/job1/headroom").json()
+        assert view["room"] == 0  # W·G = 4 groups untaken
+        assert view["headroom"] == {"math": 0, "code": 2}
+        assert c.post("/v1/jobs/job1/supply", json={"started": {"code": 2}}).status_code == 200
+        assert c.get("/v1/jobs/job1/headroom").json()["headroom"]["code"] == 0  # deficit now covered by pending
