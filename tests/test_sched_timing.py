@@ -200,3 +200,15 @@ def test_trainer_progress_not_admission_frees_the_window() -> None:
     d.ack(0)
     assert d.job.next_n == 2 and d.job.position == 1
     assert d.job.headroom()["room"] == 4
+
+
+def test_launch_headroom_gives_a_deficit_room_only_while_the_trainer_is_idle() -> None:
+    """Room goes to the allowed sources; a source in deficit gets its deficit with a full window only when the
+    trainer has nothing admitted left to start."""
+    from knittrans.sched.timing import launch_headroom
+
+    quotas = {"math": 2, "code": 2}
+    assert launch_headroom(quotas, 3, ["math"], deficit={}, trainer_idle=False) == {"math": 3, "code": 0}
+    assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=False) == {"math": 0, "code": 0}
+    assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=True) == {"math": 0, "code": 2}
+    assert launch_headroom(quotas, 3, ["code"], deficit={"code": 1}, trainer_idle=True) == {"math": 0, "code": 3}

@@ -23,7 +23,7 @@ from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.sched.admission import expired, make_policy, quota_deficit
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
-from knittrans.sched.timing import admitted_ahead, launch_order, launchable
+from knittrans.sched.timing import admitted_ahead, launch_headroom, launch_order, launchable
 from knittrans.sched.types import StepState
 
 __all__ = ["JOB_STATES", "JobState"]
@@ -160,14 +160,9 @@ class JobState:
         launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
         room = self._timing.room(quotas, untaken)
         allowed = launchable(quotas, launched)
-        headroom = {s: max(0, room) if s in allowed else 0 for s in quotas}
-        # Deadlock guard: when the trainer has nothing admitted left to start (every admitted mini-batch is
-        # acked) and a source's finished and pending groups cannot meet its quota of the open step (its groups
-        # were lost or filtered), that source may launch its deficit even with the window full; otherwise a
-        # window full of other sources' groups waits on a step that waits on this source, and neither moves.
-        if self.next_n <= self.position and not self.done() and self.can_admit():
-            for source, missing in quota_deficit(self.step_state()).items():
-                headroom[source] = max(headroom.get(source, 0), missing)
+        idle = self.next_n <= self.position  # every admitted mini-batch acked: the trainer waits on rollout
+        deficit = quota_deficit(self.step_state()) if idle and not self.done() and self.can_admit() else {}
+        headroom = launch_headroom(quotas, room, allowed, deficit=deficit, trainer_idle=idle)
         return {
             "state": self.state, "position": self.position, "next_global_index": self.next_n,
             "lookahead": self.spec.lookahead, "window": self.spec.window,

@@ -118,6 +118,24 @@ def window_room(quotas: Mapping[str, int], window: int, untaken: Mapping[str, in
     return window * sum(quotas.values()) - sum(untaken.values())
 
 
+def launch_headroom(quotas: Mapping[str, int], room: int, allowed: Iterable[str], *,
+                    deficit: Mapping[str, int], trainer_idle: bool) -> dict[str, int]:
+    """Groups each source may launch now: the window's ``room`` for the sources in ``allowed`` (see
+    :func:`launchable`), 0 for the others.
+
+    Deadlock guard: when the trainer has nothing admitted left to start (``trainer_idle``) and a source's
+    finished and pending groups cannot meet its quota of the open step (``deficit``, e.g. its groups were
+    lost), that source may launch its deficit even with the window full; otherwise a window full of other
+    sources' groups waits on a step that waits on this source, and neither moves.
+    """
+    permitted = set(allowed)
+    headroom = {s: max(0, room) if s in permitted else 0 for s in quotas}
+    if trainer_idle:
+        for source, missing in deficit.items():
+            headroom[source] = max(headroom.get(source, 0), missing)
+    return headroom
+
+
 def launchable(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:
     """The sources that may launch next: those furthest behind their quota share of launches (all tied ones).
 
