@@ -9,7 +9,8 @@ is raised. Error answers are raised as the matching :mod:`knittrans.errors` exce
 from __future__ import annotations
 
 import logging
-import random
+import os
+import ssl
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ from knittrans.errors import (
     Unauthenticated,
     Unavailable,
 )
+from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["ControlClient", "JobFinished"]
 
@@ -51,8 +53,10 @@ def _raise_for(response: httpx.Response) -> None:
     except ValueError:
         kind, detail = "", response.text
     status = response.status_code
-    if status in (400, 422):
-        raise (InvalidJobSpec if kind == "invalid_job_spec" else InvalidRequest)(detail)
+    if kind == "invalid_job_spec":  # 422 (schema) or 409 (a rule across fields or against the state)
+        raise InvalidJobSpec(detail)
+    if status in (400, 422) or kind in ("invalid_request", "invalid_name"):
+        raise InvalidRequest(detail)
     error: type[KnitTransError] = {
         401: Unauthenticated, 404: NotFound, 409: Conflict, 410: DataLost, 413: PayloadTooLarge,
         503: Unavailable, 507: OverBudget,
@@ -67,22 +71,26 @@ class ControlClient:
         base_url: e.g. ``http://127.0.0.1:8700``.
         token: bearer token (worker or admin), or None.
         timeout_s: timeout of ordinary requests (long-polls add their own wait).
-        retries: attempts after the first on connection errors and 503.
-        backoff_s: first backoff; doubles per attempt (with jitter) up to ``max_backoff_s``.
-        max_backoff_s: largest single backoff.
+        retry: the shared :class:`~knittrans.retry.RetryPolicy` for connection errors and 503
+            answers (default: 120 s budget, exponential backoff with jitter).
+        retries: optional cap on attempts after the first (tests and probes that must fail fast).
+        tls_ca: PEM file of the CA that signed an ``https://`` control plane's certificate (default
+            ``$KNITTRANS_TLS_CA``; without either, the system roots verify it).
     """
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 10.0, retries: int = 10,
-                 backoff_s: float = 0.05, max_backoff_s: float = 2.0) -> None:
-        if retries < 0 or backoff_s < 0 or max_backoff_s < 0 or timeout_s <= 0:
-            raise ValueError("retries, backoff_s and max_backoff_s must be >= 0 and timeout_s > 0")
+    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 10.0,
+                 retry: RetryPolicy = DEFAULT_RETRY, retries: int | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None) -> None:
+        if (retries is not None and retries < 0) or not timeout_s > 0:
+            raise ValueError("retries must be >= 0 (or None) and timeout_s > 0")
+        self.retry = retry
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -97,8 +105,9 @@ class ControlClient:
     # ------------------------------------------------------------------ plumbing
     def _request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
                  timeout_s: float | None = None) -> httpx.Response:
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        pauses = self.retry.pauses()
+        attempt = 0
+        while True:
             try:
                 response = self._http.request(method, path, json=json, params=params,
                                               timeout=timeout_s or self.timeout_s)
@@ -109,13 +118,13 @@ class ControlClient:
                     _raise_for(response)
                     return response
                 problem = "503 " + response.text[:200]
-            if attempt == self.retries:
+            pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
+            if pause is None:
                 raise Unavailable(f"control plane {self.base_url}: {method} {path} failed after "
-                                  f"{self.retries + 1} attempts: {problem}")
-            logger.debug("%s %s: %s; retrying in %.2fs", method, path, problem, delay)
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(self.max_backoff_s, max(delay, 0.01) * 2)
-        raise AssertionError("unreachable")
+                                  f"{attempt + 1} attempts: {problem}")
+            attempt += 1
+            logger.debug("%s %s: %s; retrying in %.2fs", method, path, problem, pause)
+            time.sleep(pause)
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
@@ -172,11 +181,24 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ nodes
-    def register_node(self, node_id: str, endpoint: str, host: str = "") -> dict[str, Any]:
-        """``POST /v1/nodes``."""
-        body = {"node_id": node_id, "endpoint": endpoint, "host": host}
+    def register_node(self, node_id: str, endpoint: str, host: str = "", *,
+                      node_key: str | None = None) -> dict[str, Any]:
+        """``POST /v1/nodes``; ``node_key`` is the node's own credential (lets it move its endpoint)."""
+        body: dict[str, Any] = {"node_id": node_id, "endpoint": endpoint, "host": host}
+        if node_key is not None:
+            body["node_key"] = node_key
         result: dict[str, Any] = self._json("POST", "/v1/nodes", json=body)
         return result
+
+    def remove_unit(self, job: str, unit_id: str, reason: str = "removed by an admin") -> dict[str, Any]:
+        """``DELETE /v1/jobs/{job}/units/{unit}`` (admin): its unadmitted groups are regenerated."""
+        result: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{job}/units/{unit_id}", params={"reason": reason})
+        return result
+
+    def mint_token(self, role: str, job: str | None = None, rank: int | None = None) -> str:
+        """``POST /v1/tokens`` (admin): a bearer token scoped to one job's worker, one rank, or a store."""
+        body = {"role": role, "job": job, "rank": rank}
+        return str(self._json("POST", "/v1/tokens", json=body)["token"])
 
     def heartbeat(self, node_id: str, usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """``POST /v1/nodes/{node}/heartbeat`` (Conflict when the node was declared lost).

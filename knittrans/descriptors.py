@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -9,6 +10,21 @@ from knittrans.errors import InvalidRequest
 from knittrans.names import check_name
 
 __all__ = ["GroupRecord", "UnitDescriptor"]
+
+
+SCHEMA_VERSION = 1
+"""Trajectory schema version descriptors may name; equals ``knittrans.schema.SCHEMA_VERSION`` (a test
+pins it) without importing pyarrow into the control plane."""
+MAX_INT32 = (1 << 31) - 1
+"""Largest version, row or token count a descriptor may carry (the Arrow columns are int32)."""
+MAX_COUNT = (1 << 53) - 1
+"""Largest byte count a descriptor may carry (exact in a JSON double)."""
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_int(value: object, what: str, *, limit: int = MAX_INT32) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+        raise InvalidRequest(f"{what} {value!r} must be an integer in [0, {limit}]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +64,23 @@ class GroupRecord:
             raise InvalidRequest(f"group {self.group_id!r}: row_start {self.row_start} is negative")
         if self.version_end < self.version_start:
             raise InvalidRequest(f"group {self.group_id!r}: version_end < version_start")
+        _check_int(self.row_start, f"group {self.group_id!r}: row_start")
+        _check_int(self.version_start, f"group {self.group_id!r}: version_start")
+        _check_int(self.version_end, f"group {self.group_id!r}: version_end")
+        for t in self.trajectory_tokens:
+            _check_int(t, f"group {self.group_id!r}: trajectory_tokens")
+        vw = self.version_weighted
+        if not isinstance(vw, int | float) or not math.isfinite(vw) or not (
+                self.version_start - 1e-3 <= vw <= self.version_end + 1e-3):
+            raise InvalidRequest(f"group {self.group_id!r}: version_weighted {vw!r} must be a finite number in "
+                                 f"[version_start, version_end] = [{self.version_start}, {self.version_end}]")
+        if not isinstance(self.finished_at, int | float) or not math.isfinite(self.finished_at) \
+                or self.finished_at < 0:
+            raise InvalidRequest(f"group {self.group_id!r}: finished_at {self.finished_at!r} must be a finite "
+                                 "non-negative Unix time")
+        for h in self.media_hashes:
+            if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+                raise InvalidRequest(f"group {self.group_id!r}: media hash {h!r} is not 64 lower-case hex characters")
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +113,10 @@ class UnitDescriptor:
         check_name(self.unit_id, "unit_id")
         check_name(self.job, "job")
         check_name(self.node_id, "node_id")
+        _check_int(self.num_bytes, f"unit {self.unit_id!r}: num_bytes", limit=MAX_COUNT)
+        if self.schema_version != SCHEMA_VERSION:
+            raise InvalidRequest(f"unit {self.unit_id!r}: schema_version {self.schema_version!r} is not "
+                                 f"supported (expected {SCHEMA_VERSION})")
         row = 0
         for g in self.groups:
             if g.row_start != row:

@@ -8,8 +8,10 @@ from knittrans.errors import InvalidName, InvalidRequest
 
 __all__ = ["NAME_RE", "check_name"]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-"""A safe identifier: letters, digits, ``.``, ``_``, ``-``; starts alphanumeric; at most 128 chars."""
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A safe identifier: letters, digits, ``.``, ``_``, ``-``; starts alphanumeric; at most 128 chars.
+
+Always matched whole (``fullmatch``): ``$`` would let a trailing newline through."""
 
 
 def check_name(value: object, what: str, *, error: type[InvalidRequest] = InvalidName) -> str:
@@ -18,7 +20,7 @@ def check_name(value: object, what: str, *, error: type[InvalidRequest] = Invali
     Rejects path separators, ``..``, empty strings and anything outside :data:`NAME_RE`,
     so a name can never escape the directory it is joined to.
     """
-    if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value) or ".." in value:
         raise error(
             f"{what} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, without '..'"

@@ -9,6 +9,7 @@ API summary::
     build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
     build_media_table(media) -> pa.Table                          # one row per unique hash
     validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
+    validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
     check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
 
 List columns are built from one ``np.concatenate`` of the per-row values plus an offsets array
@@ -49,6 +50,8 @@ __all__ = [
     "build_unit_tables",
     "check_schema",
     "validate_media",
+    "validate_media_hashes",
+    "validate_part",
     "validate_trajectories",
 ]
 
@@ -152,6 +155,16 @@ def validate_trajectories(table: pa.Table) -> None:
                 f"column {name!r} has length {int(n[row])} != response_ids length {int(resp_len[row])} "
                 f"at row {row}"
             )
+    for name in ("prompt_ids", "response_ids"):
+        tokens = pc.list_flatten(table.column(name))
+        if len(tokens) and pc.min(tokens).as_py() < 0:
+            lens = pc.list_value_length(table.column(name)).to_numpy()
+            first = int(np.flatnonzero(tokens.to_numpy() < 0)[0])
+            row = int(np.searchsorted(np.cumsum(lens), first, side="right"))
+            raise InvalidRequest(f"column {name!r} holds a negative token id at row {row}")
+    mask = pc.list_flatten(table.column("loss_mask"))
+    if len(mask) and pc.max(mask).as_py() > 1:
+        raise InvalidRequest("column 'loss_mask' holds a value other than 0 or 1")
     vs = table.column("version_start").to_numpy()
     ve = table.column("version_end").to_numpy()
     if (ve < vs).any():
@@ -182,6 +195,35 @@ def validate_media(table: pa.Table) -> None:
             if h in seen:
                 raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
             seen.add(h)
+
+
+def validate_media_hashes(table: pa.Table) -> None:
+    """Check that each media row's ``media_hash`` is the SHA-256 :attr:`Media.hash` of its content."""
+    cols = [table.column(c).to_pylist() for c in ("media_hash", "kind", "dtype", "shape")]
+    data = table.column("data")
+    for row, (want, kind, dtype, shape) in enumerate(zip(*cols, strict=True)):
+        h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
+        h.update(memoryview(data[row].as_buffer()))
+        if h.digest() != want:
+            raise InvalidRequest(f"media row {row}: media_hash {bytes(want).hex()} is not the SHA-256 of its "
+                                 f"kind, dtype, shape and bytes ({h.hexdigest()})")
+
+
+def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media"]) -> None:
+    """Content checks for one uploaded batch of a unit part (what a store's ``DoPut`` accepts).
+
+    Trajectories: no nulls, per-row list lengths (``loss_mask``/``response_logprobs`` match
+    ``response_ids``), token ids ≥ 0, mask values 0/1, version order; media: unique rows and
+    hashes that are SHA-256 of the content. Extend here when columns are added.
+    """
+    table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+    if part == "traj":
+        validate_trajectories(table)
+    elif part == "media":
+        validate_media(table)
+        validate_media_hashes(table)
+    else:
+        raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
 
 
 def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:

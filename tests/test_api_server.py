@@ -11,6 +11,7 @@ from api_support import ServerProcess, job_spec, server, single_group_units
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import Conflict, InvalidJobSpec, NotFound, Unauthenticated, Unavailable
+from knittrans.retry import RetryPolicy
 
 
 def _setup(admin: ControlClient, **spec: Any) -> None:
@@ -55,7 +56,7 @@ def test_client_maps_errors_to_knittrans_exceptions(tmp_path: Path) -> None:
             worker.heartbeat("n0")
         with pytest.raises(NotFound, match="never issued"):
             worker.ack("job1", 0, "n5.a0.r0")
-    with ControlClient(srv.url, retries=2, backoff_s=0.01) as gone, pytest.raises(Unavailable):
+    with ControlClient(srv.url, retries=2, retry=RetryPolicy(first_backoff_s=0.01)) as gone, pytest.raises(Unavailable):
         gone.health()
 
 
@@ -64,7 +65,7 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
     db = tmp_path / "cp.db"
     srv = ServerProcess(db).start()
     try:
-        with ControlClient(srv.url, backoff_s=0.05) as client:
+        with ControlClient(srv.url) as client:
             _setup(client, quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
             client.report_supply("job1", started={"math": 4, "code": 4})
             out = client.register_units("job1", single_group_units(["math", "code", "math", "code"]))

@@ -22,13 +22,13 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
 
 
 def test_nodes_register_heartbeat_list(client: TestClient) -> None:
-    """Registered nodes are listed alive; heartbeats of unknown nodes are 404; bad endpoints 400."""
+    """Registered nodes are listed alive; heartbeats of unknown nodes are 404; bad endpoints 422."""
     assert client.post("/v1/nodes/n0/heartbeat").json()["state"] == "alive"
     assert client.post("/v1/nodes/zz/heartbeat").status_code == 404
     r = client.post("/v1/nodes", json={"node_id": "n1", "endpoint": "http://x"})
-    assert r.status_code == 400 and "endpoint" in r.json()["detail"]
+    assert r.status_code == 422 and "endpoint" in r.json()["detail"]
     r = client.post("/v1/nodes", json={"node_id": "a/b", "endpoint": "grpc://127.0.0.1:2"})
-    assert r.status_code == 400 and "node_id" in r.json()["detail"]
+    assert r.status_code == 422 and "node_id" in r.json()["detail"]
     assert [n["node_id"] for n in client.get("/v1/nodes").json()] == ["n0"]
 
 
@@ -70,12 +70,12 @@ def test_units_register_idempotently(client: TestClient) -> None:
     ("bad", "status", "needle"),
     [
         (unit("u1", [group("g1", "math")], node="ghost"), 404, "ghost"),
-        (unit("u1", [group("g1", "math")], job="other"), 400, "other"),
-        (unit("u1", [group("g1", "poetry")]), 400, "poetry"),
-        (unit("u1", [group("g1", "math", size=3)]), 400, "group_size"),
-        (unit("u1", [group("g1", "math", media=["xyz"])]), 400, "media hash"),
-        (unit("../u1", [group("g1", "math")]), 400, "unit_id"),
-        ({**unit("u1", [group("g1", "math")]), "num_rows": 7}, 400, "rows"),
+        (unit("u1", [group("g1", "math")], job="other"), 409, "other"),
+        (unit("u1", [group("g1", "poetry")]), 409, "poetry"),
+        (unit("u1", [group("g1", "math", size=3)]), 409, "group_size"),
+        (unit("u1", [group("g1", "math", media=["xyz"])]), 422, "media_hashes"),
+        (unit("../u1", [group("g1", "math")]), 422, "unit_id"),
+        ({**unit("u1", [group("g1", "math")]), "num_rows": 7}, 409, "rows"),
         ({**unit("u1", [group("g1", "math")]), "groups": "none"}, 422, "groups"),
         (unit("u1", [group("g0", "math")]), 409, "g0"),
     ],
@@ -111,7 +111,7 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
     assert client.get("/v1/jobs/job1/status").json()["counts"]["pending"]["math"] == 1
     r = client.post("/v1/jobs/job1/supply", json={"started": {"math": -1}})
-    assert r.status_code == 400 and "started.math" in r.json()["detail"]
+    assert r.status_code == 422 and "started.math" in r.json()["detail"]
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:

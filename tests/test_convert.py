@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 import torch
-from conftest import make_groups
+from data_support import make_groups
 
 from knittrans.errors import InvalidRequest
 from knittrans.schema import build_unit_tables

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from conftest import make_groups
+from data_support import make_groups
 
 from knittrans.errors import (
     InvalidRequest,

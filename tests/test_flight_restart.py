@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import make_groups
+from data_support import make_groups
 
 from knittrans.flight import StoreClient
 from knittrans.rollout.writer import TrajectoryWriter

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import make_groups
+from data_support import make_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

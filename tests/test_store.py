@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import make_groups
+from data_support import make_groups
 
 from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget
 from knittrans.schema import build_unit_tables

@@ -23,7 +23,7 @@ def row_ranges(draw: st.DrawFn) -> tuple[tuple[int, int], ...]:
 
 @given(
     job=names,
-    units=st.lists(names, min_size=1, max_size=5),
+    units=st.lists(names, min_size=1, max_size=5, unique=True),
     ranges=row_ranges(),
     columns=st.one_of(st.none(), st.lists(names, min_size=1, max_size=4, unique=True)),
 )

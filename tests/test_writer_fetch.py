@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import make_groups
+from data_support import make_groups
 
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, OverBudget

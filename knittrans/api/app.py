@@ -15,10 +15,10 @@ from knittrans import __version__
 from knittrans.api.auth import TokenCheck
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
-from knittrans.api.models import UnitsIn
+from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
-from knittrans.api.routes import health, jobs, nodes, ranks, ui, units
-from knittrans.api.routes.deps import PlanBoard
+from knittrans.api.routes import health, jobs, nodes, ranks, tokens, ui, units
+from knittrans.api.routes.deps import PlanBoard, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.api.store import RecordStore
@@ -79,11 +79,18 @@ class _TooLarge(Exception):
     pass
 
 
-async def _sweep(service: ControlPlane, interval: float) -> None:
+async def _sweep(service: ControlPlane, runner: StateRunner, interval: float) -> None:
+    """Declare late nodes lost; a sweep that itself ran late (the process was paused) first gives
+    every node a fresh grace period, so a pause of ours never counts as a node's silence."""
+    loop = asyncio.get_running_loop()
+    last = loop.time()
     while True:
         await asyncio.sleep(interval)
+        now = loop.time()
+        paused = now - last - interval
+        last = now
         try:
-            service.sweep()
+            await runner(service.sweep, paused_s=paused if paused > max(1.0, interval) else 0.0)
         except Exception:
             logger.exception("node sweep failed")
 
@@ -96,19 +103,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     board = PlanBoard()
-    store = RecordStore(settings.db_path, synchronous=settings.db_synchronous)
+    runner = StateRunner()
+    store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
+    key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
     service = ControlPlane(store, node_timeout_s=settings.node_timeout_s,
-                           recent_admissions=settings.recent_admissions, on_plans=board.notify)
+                           recent_admissions=settings.recent_admissions, on_plans=board.notify,
+                           ticket_key=key, ticket_ttl_s=settings.ticket_ttl_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(_sweep(service, settings.node_sweep_interval_s))
+        store.reopen()  # an app served again after a shutdown (test clients) reconnects to its state
+        sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
         try:
             yield
         finally:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            runner.close()
             store.close()
 
     app = FastAPI(title="KnitTrans control plane", version=__version__, lifespan=lifespan,
@@ -116,11 +128,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.service = service
     app.state.board = board
+    app.state.runner = runner
     app.state.tokens = TokenCheck(settings)
     app.state.observed = Observations()
     app.state.registry = make_registry(service, app.state.observed)
     install_error_handlers(app)
-    for module in (health, jobs, nodes, units, ranks, ui):
+    for module in (health, jobs, nodes, units, ranks, tokens, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _document_raw_bodies(app)
@@ -138,9 +151,56 @@ def _document_raw_bodies(app: FastAPI) -> None:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(extra.pop("$defs", {}))
             components["UnitsIn"] = extra
+            _document_errors(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
+
+
+_ERRORS = {
+    "400": "bad input the models cannot express (names, row layout, job-level rules)",
+    "401": "missing or wrong bearer token",
+    "404": "unknown job, node, rank or plan",
+    "409": "contradicts the current state",
+    "413": "request body above the configured limit",
+    "422": "request does not match the documented schema (or an invalid job spec)",
+    "503": "the state database refused the write; retry after Retry-After seconds",
+}
+
+
+def _document_errors(schema: dict[str, Any]) -> None:
+    """State the error body every route really returns (``ErrorOut``) for each error status it may answer."""
+    ref = {"$ref": "#/components/schemas/ErrorOut"}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorOut"] = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    _close_maps(components)
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            statuses = ["413", "422", "503"] if path in ("/v1/health", "/metrics") else list(_ERRORS)
+            for status in statuses:
+                responses[status] = {"description": _ERRORS[status], "content": {"application/json": {"schema": ref}}}
+            if method in ("get", "post", "put", "delete"):
+                responses["405"] = {"description": "method not allowed on this path",
+                                    "content": {"application/json": {"schema": ref}}}
+
+
+def _close_maps(node: Any) -> None:
+    """Maps keyed by names: pydantic states the key pattern as ``patternProperties`` only, which leaves
+    other keys unconstrained; say that keys must match it (``propertyNames``) and nothing else is allowed."""
+    if isinstance(node, dict):
+        patterns = node.get("patternProperties")
+        if isinstance(patterns, dict) and len(patterns) == 1:
+            (pattern,) = patterns
+            node.setdefault("propertyNames", {})["pattern"] = pattern
+            node["additionalProperties"] = False
+        for value in node.values():
+            _close_maps(value)
+    elif isinstance(node, list):
+        for value in node:
+            _close_maps(value)

@@ -1,16 +1,75 @@
-"""Optional bearer-token auth: a worker token (writers, ranks, stores) and an admin token."""
+"""Optional bearer-token auth: a worker token (writers, ranks, stores), an admin token, and scoped tokens.
+
+Scoped tokens narrow what one credential may do: ``kts.<payload>.<mac>`` where the payload names a
+role (``worker``: one job's units, supply, status and version; ``rank``: one rank of one job — its
+plans, fetched reports, acks and version reports only; ``store``: node registration and
+heartbeats) and the MAC is HMAC-SHA256 under the control plane's token secret (the admin token).
+Admins mint them with ``POST /v1/tokens``.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
-from typing import Annotated
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Request
 
 from knittrans.api.settings import Settings
 from knittrans.errors import Unauthenticated
 
-__all__ = ["AdminAuth", "TokenCheck", "WorkerAuth"]
+__all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token"]
+
+_PREFIX = "kts"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scope:
+    """What a scoped token may do."""
+
+    role: Literal["worker", "rank", "store"]
+    job: str | None = None
+    rank: int | None = None
+
+    def allows(self, path: str, params: dict[str, Any]) -> bool:
+        """Whether a request to ``path`` (with path parameters ``params``) is within this scope."""
+        if self.role == "store":
+            return path.startswith("/v1/nodes")
+        if params.get("job") != self.job or not path.startswith("/v1/jobs/"):
+            return False
+        ranked = "/ranks/" in path or path.endswith("/versions")
+        if self.role == "worker":
+            return not ranked
+        if "rank" in params:
+            return str(params["rank"]) == str(self.rank)
+        return ranked or path.endswith(("/version", f"/jobs/{self.job}", "/status"))
+
+
+def _mac(secret: bytes, payload: bytes) -> str:
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def mint_token(secret: bytes, scope: Scope) -> str:
+    """A bearer token limited to ``scope``, verifiable with ``secret``."""
+    body = json.dumps({"r": scope.role, "j": scope.job, "k": scope.rank}, separators=(",", ":")).encode()
+    payload = base64.urlsafe_b64encode(body).decode().rstrip("=")
+    return f"{_PREFIX}.{payload}.{_mac(secret, payload.encode())}"
+
+
+def _parse(secret: bytes, token: bytes) -> Scope | None:
+    parts = token.decode(errors="replace").split(".")
+    if len(parts) != 3 or parts[0] != _PREFIX:
+        return None
+    if not hmac.compare_digest(parts[2], _mac(secret, parts[1].encode())):
+        return None
+    try:
+        body = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        return Scope(role=body["r"], job=body["j"], rank=body["k"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class TokenCheck:
@@ -19,6 +78,8 @@ class TokenCheck:
     def __init__(self, settings: Settings) -> None:
         self.worker = settings.worker_token.get_secret_value().encode() if settings.worker_token else None
         self.admin = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
+        self.secret = self.admin
+        """Key of scoped tokens (the admin token; none without one)."""
 
     @staticmethod
     def _presented(request: Request) -> bytes | None:
@@ -39,11 +100,29 @@ class TokenCheck:
         return ok
 
     def check_worker(self, request: Request) -> None:
-        """Worker endpoints: open without a worker token; else the worker or the admin token."""
+        """Worker endpoints: open without a worker token; else the worker or the admin token, or a
+        scoped token whose scope covers the request (its scope is left in ``request.state.scope``)."""
+        request.state.scope = None
         if self.worker is None:
             return
-        if not self._matches(self._presented(request), self.worker, self.admin):
+        presented = self._presented(request)
+        if self._matches(presented, self.worker, self.admin):
+            return
+        scope = _parse(self.secret, presented) if self.secret and presented else None
+        if scope is None:
             raise Unauthenticated("this endpoint needs the worker (or admin) bearer token")
+        if not scope.allows(request.url.path, dict(request.path_params)):
+            raise Unauthenticated(f"this token is scoped to {scope.role} of job {scope.job!r}"
+                                  f"{'' if scope.rank is None else f' rank {scope.rank}'}; "
+                                  f"it does not cover {request.method} {request.url.path}")
+        request.state.scope = scope
+
+    def is_admin(self, request: Request) -> bool:
+        """Whether the request carries the admin token (always False when none is configured)."""
+        try:
+            return self.admin is not None and self._matches(self._presented(request), self.admin)
+        except Unauthenticated:
+            return False
 
     def check_admin(self, request: Request) -> None:
         """Admin endpoints: the admin token; without one configured, the worker rule applies."""

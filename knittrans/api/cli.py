@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
     parser.add_argument("--db", required=True, help="SQLite state file (created if missing; WAL mode)")
+    parser.add_argument("--init", action="store_true",
+                        help="initialise an existing empty or foreign --db file (otherwise refused)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one; the log and the "
                         "ready file give the real one)")
@@ -33,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
                         help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)")
     parser.add_argument("--node-timeout-s", type=float, default=30.0, help="heartbeat timeout of store nodes")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS (needs --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default="NORMAL",
                         help="SQLite synchronous pragma (FULL also survives power loss)")
 
@@ -45,8 +51,18 @@ def run(args: argparse.Namespace) -> int:
     from knittrans.api.settings import Settings
 
     settings = Settings(db_path=args.db, worker_token=args.worker_token, admin_token=args.admin_token,
-                        node_timeout_s=args.node_timeout_s, db_synchronous=args.db_synchronous)
+                        node_timeout_s=args.node_timeout_s, db_synchronous=args.db_synchronous,
+                        db_init=args.init)
+    # The event loop shares the GIL with the state thread (admission); a short switch interval lets it
+    # answer health checks and heartbeats between the state thread's bytecodes instead of every 5 ms.
+    sys.setswitchinterval(0.0005)
+    # Unit indexes are large and almost free of reference cycles; rarer full collections keep the
+    # stop-the-world GC pauses (all threads, the event loop included) from adding up during a burst.
+    gc.set_threshold(50_000, 20, 100)
     app = create_app(settings)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        logger.error("--tls-cert and --tls-key go together")
+        return 2
     # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -58,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
         logger.error("control plane cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 2
     port = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    url = f"http://{_url_host(args.host)}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key))
+    scheme = "https" if args.tls_cert else "http"
+    url = f"{scheme}://{_url_host(args.host)}:{port}"
     asyncio.run(_serve(server, sock, url, args.ready_file, args.db))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,9 +28,15 @@ __all__ = ["error_kind", "install_error_handlers", "status_of"]
 
 logger = logging.getLogger(__name__)
 
+# 422 is kept for requests that break the published schema (pydantic refuses them before the service
+# runs). A request that matches the schema but that the service refuses -- its fields contradict each
+# other (K > G), or it contradicts the job's state or stored data (supply for a source without a
+# quota) -- is a 409: the schema cannot state these rules, and a schema-valid request is never a 4xx
+# that says "your request is malformed". The error kind (``invalid_job_spec``, ``invalid_request``)
+# still names what was wrong.
 _STATUS: tuple[tuple[type[KnitTransError], int], ...] = (
-    (InvalidJobSpec, 422),
-    (InvalidRequest, 400),
+    (InvalidJobSpec, 409),
+    (InvalidRequest, 409),
     (NotFound, 404),
     (Conflict, 409),
     (PayloadTooLarge, 413),
@@ -57,6 +64,16 @@ def _json(status: int, kind: str, detail: str, headers: dict[str, str] | None = 
     return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
 
 
+def _allowed(spec: dict[str, Any], path: str) -> set[str]:
+    """Methods the OpenAPI spec documents for ``path`` (templates like ``{job}`` match one segment)."""
+    methods: set[str] = set()
+    for template, ops in spec.get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            methods |= {m.upper() for m in ops}
+    return methods
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
@@ -64,6 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, KnitTransError)
         status = status_of(exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if status == 503:
+            headers = {"Retry-After": "1"}
         return _json(status, error_kind(exc), str(exc), headers)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -77,7 +96,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _json(exc.status_code, kind, str(exc.detail))
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:  # Allow: every method of every route on this path, not just the first
+            methods = _allowed(request.app.openapi(), request.url.path)
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+        return _json(exc.status_code, kind, str(exc.detail), headers or None)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)

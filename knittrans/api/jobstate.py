@@ -20,6 +20,7 @@ from knittrans.api.spec import JobSpec, check_quotas
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
+from knittrans.grants import sign_grant
 from knittrans.sched.admission import expired, make_policy, quota_deficit
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
@@ -40,8 +41,13 @@ class JobState:
     """State and rules of one job; the service owns persistence and the node registry."""
 
     def __init__(self, spec: JobSpec, *, endpoint: Callable[[str], str], node_alive: Callable[[str], bool],
-                 recent_admissions: int = 32, clock: Callable[[], float] = time.time) -> None:
+                 recent_admissions: int = 32, clock: Callable[[], float] = time.time,
+                 ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
         self.spec = spec
+        self.ticket_key = ticket_key
+        """Key that signs plan tickets (shared with the stores); None leaves them unsigned."""
+        self.ticket_ttl_s = ticket_ttl_s
+        """Grants expire this long after their mini-batch was admitted (stable across restarts)."""
         self.name = spec.name
         self.state = "running"
         self.next_n = 0
@@ -300,9 +306,14 @@ class JobState:
             for s, c in counts.items():
                 if c < 0:
                     raise InvalidRequest(f"{what}.{s}: {c} must be >= 0")
+        quotas = set().union(*(q for _, q in self.quota_changes))
+        for what, per_source in (("started", started), ("dropped", dropped), ("group_ids", group_ids)):
+            for s in per_source:
+                if s not in quotas:
+                    raise InvalidRequest(f"{what}.{s}: source has no quota; known sources: {sorted(quotas)}")
         unknown = [g for g in regenerates if g not in self.to_regenerate]
         if unknown:
-            raise InvalidRequest(f"regenerates: {unknown[:5]} are not groups waiting to be regenerated")
+            raise Conflict(f"regenerates: {unknown[:5]} are not groups waiting to be regenerated")
         if request_id is not None and request_id in self.request_ids:
             return False
         for gid in regenerates:
@@ -478,8 +489,18 @@ class JobState:
     def _render(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
         plan = mb.rendered.get(rank)
         if plan is None:
+            sign = None
+            if self.ticket_key is not None:
+                key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
+                cols = self.spec.columns
+
+                def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
+                    return sign_grant(key, job=self.name, rank=rank, expires_at=expires, reads=reads,
+                                      columns=cols, media=media)
+
             plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
-                                    k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns)
+                                    k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns,
+                                    sign=sign)
             plan["mini_batch_trajectories"] = sum(len(micro) for share in mb.layout for micro in share)
             plan["admitted_at"] = mb.admitted_at
             mb.rendered[rank] = plan
@@ -563,6 +584,28 @@ class JobState:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:
             raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")
+
+    # ------------------------------------------------------------------ admin repair
+    def remove_unit(self, unit_id: str, reason: str, txn: Txn) -> list[str]:
+        """Take a bad unit out of scheduling: its unadmitted groups become lost and are offered for
+        regeneration; refused (:class:`Conflict`) once any of its groups is in a mini-batch."""
+        unit = self.units.get(unit_id)
+        if unit is None:
+            raise NotFound(f"unit {unit_id!r} is not registered in job {self.name!r}")
+        entries = [self.groups[g.group_id] for g in unit.groups
+                   if g.group_id in self.groups and self.groups[g.group_id].unit_id == unit_id]
+        busy = [g for g in entries if g.status in ("planned", "consumed")]
+        if busy:
+            raise Conflict(f"unit {unit_id!r}: group {busy[0].record.group_id!r} is {busy[0].status} in mini-batch "
+                           f"{busy[0].mini_batch}; only units whose groups are not admitted can be removed")
+        removed = []
+        for g in entries:
+            if g.status == "finished":
+                self._set(g, "lost", txn)
+                self._regenerate(txn, g, f"unit {unit_id} removed by an admin: {reason}")
+                removed.append(g.record.group_id)
+        self._save_meta(txn)
+        return removed
 
     # ------------------------------------------------------------------ node loss
     def node_lost(self, node_id: str, txn: Txn) -> list[int]:

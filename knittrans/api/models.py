@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
+"""``knittrans.names.NAME_RE`` without ``..`` as one JSON-Schema pattern (matched whole)."""
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=NAME_PATTERN,
+                            description="1-128 letters, digits, '.', '_' or '-', starting alphanumeric, no '..'")]
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # JSON true/false are not integers (JSON Schema agrees; pydantic's lax mode not)
+        raise ValueError("a boolean is not an integer")
+    return value
+
+
+Int32 = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
+Count = Annotated[int, Field(ge=0, le=(1 << 53) - 1), BeforeValidator(_not_bool)]
+Positive = Annotated[int, Field(ge=1, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
+Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
+Endpoint = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^grpc(\+tls|\+tcp)?://[^\s/]+:[0-9]{1,5}$",
+                                examples=["grpc://127.0.0.1:8815"])]
+MAX_UNITS_PER_REQUEST = 512
+"""Most units one registration may carry (send more in several requests)."""
 
 __all__ = [
     "AckIn",
@@ -28,8 +50,11 @@ __all__ = [
     "RowFetchOut",
     "SupplyIn",
     "SupplyOut",
+    "TokenIn",
+    "TokenOut",
     "TransferIn",
     "UnitIn",
+    "UnitRemovedOut",
     "UnitsIn",
     "UnitsOut",
     "VersionIn",
@@ -38,7 +63,7 @@ __all__ = [
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ErrorOut(BaseModel):
@@ -52,34 +77,42 @@ class ErrorOut(BaseModel):
 class BoundsIn(_In):
     """Per-mini-batch bounds of one source."""
 
-    lo: int = 0
-    hi: int | None = None
+    lo: Int32 = 0
+    hi: Int32 | None = None
 
 
 class JobCreate(_In):
     """A job spec (see docs/api.md for what each field means and which values are refused)."""
 
-    name: str
-    group_size: int
-    quotas: dict[str, int]
-    mini_batches_per_step: int
-    policy: str = "constraint_preserving"
-    world_size: int
-    micro_batch_tokens: int | None = None
-    micro_batch_size: int | None = None
-    bounds: dict[str, BoundsIn] | None = None
-    max_staleness: int | None = None
-    total_steps: int | None = None
-    columns: list[str] | None = None
-    lookahead: int = Field(default=1, ge=0, description="L: mini-batches admitted beyond the trainer's position")
-    window: int = Field(default=1, ge=1, description="W: launched groups not in a started mini-batch <= W·G")
-    user_fields: dict[str, str] | None = Field(default=None, examples=[{"ref_logprobs": "list<float32>"}])
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"oneOf": [
+        {"required": ["micro_batch_tokens"], "properties": {"micro_batch_size": {"type": "null"}}},
+        {"required": ["micro_batch_size"], "properties": {"micro_batch_tokens": {"type": "null"}}},
+    ]})
+
+    name: Name
+    group_size: Positive
+    quotas: dict[Name, Int32] = Field(min_length=1)
+    mini_batches_per_step: Positive
+    policy: Literal["train_batch", "linear_target", "constraint_preserving"] = "constraint_preserving"
+    world_size: Positive
+    micro_batch_tokens: Positive | None = None
+    micro_batch_size: Positive | None = None
+    bounds: dict[Name, BoundsIn] | None = None
+    max_staleness: Int32 | None = None
+    total_steps: Positive | None = None
+    columns: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, min_length=1, json_schema_extra={"uniqueItems": True})
+    lookahead: Int32 = Field(default=1, description="L: mini-batches admitted beyond the trainer's position")
+    window: Positive = Field(default=1, description="W: launched groups not in a started mini-batch <= W·G")
+    user_fields: dict[Annotated[str, Field(min_length=1, max_length=128)],
+                      Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, examples=[{"ref_logprobs": "list<float32>"}])
 
 
 class QuotasUpdate(_In):
     """New per-source quotas; they take effect at the next train step."""
 
-    quotas: dict[str, int]
+    quotas: dict[Name, Int32] = Field(min_length=1)
 
 
 class JobPublic(BaseModel):
@@ -98,9 +131,11 @@ class JobPublic(BaseModel):
 class NodeRegister(_In):
     """A store node announcing itself."""
 
-    node_id: str
-    endpoint: str = Field(examples=["grpc://127.0.0.1:8815"])
-    host: str = ""
+    node_id: Name
+    endpoint: Endpoint
+    host: str = Field(default="", max_length=256)
+    node_key: str | None = Field(default=None, min_length=16, max_length=256,
+                                 description="the node's own credential; needed (or the admin token) to move it")
 
 
 class NodeUsageIn(_In):
@@ -119,7 +154,7 @@ class NodeUsageIn(_In):
 class NodeLostIn(_In):
     """Why an admin declares a node lost."""
 
-    reason: str = "declared lost by an admin"
+    reason: str = Field(default="declared lost by an admin", max_length=1024)
 
 
 class NodePublic(BaseModel):
@@ -140,35 +175,35 @@ class NodePublic(BaseModel):
 class GroupIn(_In):
     """One group of a unit (mirrors :class:`knittrans.descriptors.GroupRecord`)."""
 
-    group_id: str
-    source: str
-    row_start: int
-    num_trajectories: int
-    trajectory_tokens: list[int]
-    version_start: int
-    version_end: int
-    version_weighted: float
-    finished_at: float
-    media_hashes: list[str] = []
+    group_id: Name
+    source: Name
+    row_start: Int32
+    num_trajectories: Positive
+    trajectory_tokens: list[Int32] = Field(min_length=1)
+    version_start: Int32
+    version_end: Int32
+    version_weighted: float = Field(ge=0, le=(1 << 31) - 1)
+    finished_at: float = Field(ge=0, le=1e11)
+    media_hashes: list[Hash] = []
 
 
 class UnitIn(_In):
     """A sealed unit (mirrors :meth:`knittrans.descriptors.UnitDescriptor.to_dict`)."""
 
-    unit_id: str
-    job: str
-    node_id: str
-    endpoint: str
-    num_rows: int
-    num_bytes: int
-    schema_version: int
-    groups: list[GroupIn]
+    unit_id: Name
+    job: Name
+    node_id: Name
+    endpoint: Endpoint
+    num_rows: Int32
+    num_bytes: Count
+    schema_version: int = Field(ge=1, le=1, description="trajectory schema version; only 1 exists")
+    groups: list[GroupIn] = Field(min_length=1)
 
 
 class UnitsIn(_In):
     """A batch of units, registered all or none."""
 
-    units: list[UnitIn]
+    units: list[UnitIn] = Field(min_length=1, max_length=MAX_UNITS_PER_REQUEST)
 
 
 class UnitsOut(BaseModel):
@@ -179,14 +214,22 @@ class UnitsOut(BaseModel):
     admitted: list[int]
 
 
+class UnitRemovedOut(BaseModel):
+    """A unit taken out of scheduling: the groups now waiting to be regenerated."""
+
+    unit_id: str
+    removed_groups: list[str]
+    admitted: list[int]
+
+
 class SupplyIn(_In):
     """Groups started (counts or ids) and dropped (will never finish) per source."""
 
-    started: dict[str, int] = {}
-    group_ids: dict[str, list[str]] = {}
-    dropped: dict[str, int] = {}
-    regenerates: list[str] = Field(default=[], description="lost/expired group ids whose replacements start now")
-    request_id: str | None = Field(default=None, description="repeat-safe id: a report seen before is ignored")
+    started: dict[Name, Int32] = {}
+    group_ids: dict[Name, list[Name]] = {}
+    dropped: dict[Name, Int32] = {}
+    regenerates: list[Name] = Field(default=[], description="lost/expired group ids whose replacements start now")
+    request_id: Name | None = Field(default=None, description="repeat-safe id: a report seen before is ignored")
 
 
 class HeadroomOut(BaseModel):
@@ -278,7 +321,7 @@ class TransferIn(_In):
 class AckIn(_In):
     """The plan a rank has finished (after its optimizer step), with its transfer figures on acks."""
 
-    plan_id: str
+    plan_id: str = Field(min_length=1, max_length=512)
     transfer: TransferIn | None = None
 
 
@@ -299,11 +342,28 @@ class AckOut(BaseModel):
     duplicate: bool
 
 
+class TokenIn(_In):
+    """The scope of a token to mint."""
+
+    role: Literal["worker", "rank", "store"]
+    job: Name | None = None
+    rank: Int32 | None = None
+
+
+class TokenOut(BaseModel):
+    """A scoped bearer token and what it may do."""
+
+    token: str
+    role: str
+    job: str | None
+    rank: int | None
+
+
 class VersionIn(_In):
     """A rank's policy version after an optimizer step."""
 
-    version: int
-    rank: int = 0
+    version: Int32
+    rank: Int32 = 0
 
 
 class VersionOut(BaseModel):

@@ -8,7 +8,7 @@ restart of the control plane they start again from zero, which is how Prometheus
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 __all__ = ["Observations", "RankTransfer", "StoreUsage"]
@@ -82,6 +82,16 @@ class Observations:
             units=int(usage.get("units", 0)), rows=int(usage.get("rows", 0)),
             bytes_in_memory=int(usage.get("bytes_in_memory", 0)), bytes_spilled=int(usage.get("bytes_spilled", 0)),
             budget_bytes=usage.get("budget_bytes"), budget_used=int(usage.get("budget_used", 0)), at=now)
+
+    def snapshot(self) -> Observations:
+        """A copy whose maps the event loop no longer changes (for readers on the state thread).
+
+        ``list(d.items())`` copies in one C call, so the event loop cannot add an entry halfway.
+        """
+        copy = Observations()
+        copy.ranks = {key: replace(entry) for key, entry in list(self.ranks.items())}
+        copy.stores = dict(list(self.stores.items()))
+        return copy
 
     def job_ranks(self, job: str) -> dict[int, RankTransfer]:
         """The ranks of ``job`` seen so far, by rank."""

@@ -10,6 +10,7 @@ deterministic, so asking again returns the same plan.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from knittrans.descriptors import GroupRecord, UnitDescriptor
@@ -124,6 +125,27 @@ def _micro_batch(
     }
 
 
+Signer = Callable[[dict[str, list[tuple[int, int]]], dict[str, str]], str]
+"""Makes the signed grant of one node's reads and media (``knittrans.grants.sign_grant`` bound to a plan)."""
+
+
+def _sign(docs: list[dict[str, Any]], sign: Signer) -> None:
+    reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    media: dict[str, dict[str, str]] = {}
+    for d in docs:
+        for f in d["fetches"]:
+            for r in Ticket.decode(f["ticket"].encode()).reads:
+                reads.setdefault(f["node_id"], {}).setdefault(r.unit_id, []).extend(r.row_ranges)
+        for m in d["media"]:
+            t = Ticket.decode(m["ticket"].encode())
+            media.setdefault(m["node_id"], {}).update({h: t.reads[0].unit_id for h in t.media_hashes})
+    grants = {node: sign(reads.get(node, {}), media.get(node, {})) for node in {*reads, *media}}
+    for d in docs:
+        for entry in (*d["fetches"], *d["media"]):
+            t = Ticket.decode(entry["ticket"].encode())
+            entry["ticket"] = replace(t, grants=(grants[entry["node_id"]],)).encode().decode()
+
+
 def render_rank_plan(
     job: str,
     micro_batches: Sequence[Sequence[Sequence[Any]]],
@@ -136,6 +158,7 @@ def render_rank_plan(
     where: Callable[[str], tuple[GroupRecord, str, str]],
     endpoint: Callable[[str], str],
     columns: Sequence[str] | None,
+    sign: Signer | None = None,
 ) -> dict[str, Any]:
     """JSON plan of one rank for mini-batch ``n`` (trained at policy version ``n``).
 
@@ -146,8 +169,13 @@ def render_rank_plan(
         where: group id -> (its record, unit id, node id).
         endpoint: node id -> Flight location of the node now.
         columns: columns to project, None for all.
+        sign: ``sign(reads, media) -> grant`` (see :mod:`knittrans.grants`), called once per node with
+            that node's ``{unit: [(start, stop), ...]}`` and ``{hash: unit}``; every ticket to the
+            node then carries the grant. None leaves tickets unsigned.
     """
     docs = [_micro_batch(job, i, pairs, where, endpoint, columns) for i, pairs in enumerate(micro_batches)]
+    if sign is not None:
+        _sign(docs, sign)
     return {
         "plan_id": format_plan_id(n, attempt, rank),
         "job": job,

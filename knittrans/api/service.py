@@ -8,6 +8,9 @@ memory never runs ahead of what was committed.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,9 +22,9 @@ from knittrans.api.jobstate import JobState
 from knittrans.api.restore import JOB_KINDS, restore_job
 from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
-from knittrans.api.store import RecordStore, Txn
+from knittrans.api.store import RecordStore, StateError, Txn
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
 from knittrans.names import check_name
 
 __all__ = ["ControlPlane", "Node"]
@@ -41,13 +44,18 @@ class Node:
     last_heartbeat: float
     lost: bool = False
     lost_reason: str = ""
+    key_hash: str = ""
+    """SHA-256 hex of the node's own credential (``node_key``); empty when it registered without one."""
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "endpoint": self.endpoint, "host": self.host,
-                "registered_at": self.registered_at, "lost": self.lost, "lost_reason": self.lost_reason}
+                "registered_at": self.registered_at, "lost": self.lost, "lost_reason": self.lost_reason,
+                "key_hash": self.key_hash}
 
     def public(self, now: float) -> dict[str, Any]:
-        return {**self.to_json(), "state": "lost" if self.lost else "alive",
+        body = self.to_json()
+        del body["key_hash"]
+        return {**body, "state": "lost" if self.lost else "alive",
                 "seconds_since_heartbeat": max(0.0, now - self.last_heartbeat)}
 
 
@@ -55,7 +63,8 @@ class ControlPlane:
     """Nodes and jobs of one control plane, persisted in a :class:`RecordStore`."""
 
     def __init__(self, store: RecordStore, *, node_timeout_s: float = 30.0, recent_admissions: int = 32,
-                 clock: Callable[[], float] = time.time, on_plans: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, on_plans: Callable[[str], None] | None = None,
+                 ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
         Args:
@@ -64,8 +73,12 @@ class ControlPlane:
             recent_admissions: admission records kept per job for status.
             clock: wall clock (seconds).
             on_plans: called with a job name after a change that may wake a rank waiting for a plan.
+            ticket_key: HMAC key (shared with the stores) that signs plan tickets; None: unsigned.
+            ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
         """
         self.store = store
+        self.ticket_key = ticket_key
+        self.ticket_ttl_s = ticket_ttl_s
         self.node_timeout_s = node_timeout_s
         self.recent_admissions = recent_admissions
         self.clock = clock
@@ -91,15 +104,20 @@ class ControlPlane:
                 per_job.setdefault(job, {}).setdefault(kind, []).append((key, value))
         self.jobs = {}
         for name, records in per_job.items():
-            spec = JobSpec.from_dict(dict(records["job"])["meta"]["spec"])
-            state = self._new_job(spec)
-            restore_job(state, records)
+            try:
+                spec = JobSpec.from_dict(dict(records["job"])["meta"]["spec"])
+                state = self._new_job(spec)
+                restore_job(state, records)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise StateError(f"{self.store.path}: the records of job {name!r} are damaged "
+                                 f"({type(exc).__name__}: {exc}); restore a backup or remove the job") from exc
             self.jobs[name] = state
         logger.info("loaded %d nodes and %d jobs from %s", len(self.nodes), len(self.jobs), self.store.path)
 
     def _new_job(self, spec: JobSpec) -> JobState:
         return JobState(spec, endpoint=lambda n: self.nodes[n].endpoint, node_alive=self._alive,
-                        recent_admissions=self.recent_admissions, clock=self.clock)
+                        recent_admissions=self.recent_admissions, clock=self.clock,
+                        ticket_key=self.ticket_key, ticket_ttl_s=self.ticket_ttl_s)
 
     def _alive(self, node_id: str) -> bool:
         node = self.nodes.get(node_id)
@@ -111,6 +129,11 @@ class ControlPlane:
         try:
             yield txn
             self.store.commit(txn)
+        except Unavailable:  # the database refused the write: memory is ahead of it, reload
+            logger.warning("state write failed; reloading state from %s", self.store.path)
+            with contextlib.suppress(Exception):
+                self._load()
+            raise
         except KnitTransError:
             raise  # validation failures happen before any mutation
         except BaseException:
@@ -129,15 +152,32 @@ class ControlPlane:
         return found
 
     # ------------------------------------------------------------------ nodes
-    def register_node(self, node_id: str, endpoint: str, host: str) -> dict[str, Any]:
-        """Register (or re-register, reviving a lost) store node; returns its public record."""
+    def register_node(self, node_id: str, endpoint: str, host: str, *, node_key: str | None = None,
+                      admin: bool = False) -> dict[str, Any]:
+        """Register (or re-register, reviving a lost) store node; returns its public record.
+
+        Authority: the first registration binds the node's own credential ``node_key`` (kept as a
+        SHA-256 hash). Moving a registered node to another endpoint needs that same key or
+        ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
+        so a worker-token holder cannot point plans, and the store token, at a server of theirs.
+        """
         check_name(node_id, "node_id")
         if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
             raise InvalidRequest(f"endpoint {endpoint!r} must be a Flight location like grpc://host:port")
         now = self.clock()
         old = self.nodes.get(node_id)
+        presented = hashlib.sha256(node_key.encode()).hexdigest() if node_key else ""
+        key_hash = presented
+        if old is not None:
+            own = bool(old.key_hash) and hmac.compare_digest(old.key_hash, presented)
+            if old.endpoint != endpoint and not (admin or own):
+                raise Unauthenticated(
+                    f"node {node_id!r} is registered at {old.endpoint}; moving it to {endpoint} needs the admin "
+                    "token or the node's own node_key")
+            if old.key_hash and not (admin or own):
+                key_hash = old.key_hash  # the bound key stays; a keyless re-registration cannot replace it
         node = Node(node_id=node_id, endpoint=endpoint, host=host,
-                    registered_at=old.registered_at if old else now, last_heartbeat=now)
+                    registered_at=old.registered_at if old else now, last_heartbeat=now, key_hash=key_hash)
         with self._change(None) as txn:
             self.nodes[node_id] = node
             txn.put("node", "", node_id, node.to_json())
@@ -180,9 +220,18 @@ class ControlPlane:
             logger.warning("node %s lost (%s)", node_id, reason)
         return {**node.public(self.clock()), "withdrawn": withdrawn}
 
-    def sweep(self) -> list[str]:
-        """Declare lost every node whose last heartbeat is older than ``node_timeout_s``."""
+    def sweep(self, *, paused_s: float = 0.0) -> list[str]:
+        """Declare lost every node whose last heartbeat is older than ``node_timeout_s``.
+
+        ``paused_s`` > 0 says the caller itself was paused that long: heartbeats may be queued
+        behind the pause, so every node gets a fresh grace period instead of being judged now.
+        """
         now = self.clock()
+        if paused_s > 0:
+            logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
+            for n in self.nodes.values():
+                n.last_heartbeat = max(n.last_heartbeat, now)
+            return []
         late = [n.node_id for n in self.nodes.values()
                 if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
         for node_id in late:
@@ -242,6 +291,16 @@ class ControlPlane:
             admitted = job.admit(txn)
         self.units_registered += new
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
+
+    def remove_unit(self, name: str, unit_id: str, reason: str) -> dict[str, Any]:
+        """Admin repair: take a bad unit out of scheduling (its unadmitted groups are regenerated)."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            removed = job.remove_unit(unit_id, reason, txn)
+            admitted = job.admit(txn)
+        logger.warning("job %s: unit %s removed by an admin (%s); groups to regenerate: %s",
+                       name, unit_id, reason, removed)
+        return {"unit_id": unit_id, "removed_groups": removed, "admitted": admitted}
 
     def report_supply(self, name: str, *, started: Mapping[str, int], group_ids: Mapping[str, Sequence[str]],
                       dropped: Mapping[str, int], request_id: str | None,

@@ -17,12 +17,18 @@ class Settings(BaseSettings):
 
     db_path: str = "knittrans-control.db"
     """SQLite database file holding the whole state (WAL mode); a restart on the same file resumes."""
+    db_init: bool = False
+    """Initialise an existing empty or foreign database file instead of refusing to start."""
     db_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
     """SQLite ``synchronous`` pragma: NORMAL survives a killed process, FULL also a power loss."""
     worker_token: SecretStr | None = None
     """Bearer token for writers, trainer ranks and stores; None leaves worker endpoints open."""
     admin_token: SecretStr | None = None
     """Bearer token for job and node administration; None falls back to the worker token."""
+    ticket_key: SecretStr | None = None
+    """HMAC key shared with the stores: plan tickets carry grants signed with it (``KNITTRANS_TICKET_KEY``)."""
+    ticket_ttl_s: float = Field(default=86400.0, gt=0, allow_inf_nan=False)
+    """Grants of a mini-batch stay valid this long after its admission."""
     node_timeout_s: float = Field(default=30.0, gt=0)
     """A node without heartbeat for this long is declared lost."""
     node_sweep_interval_s: float = Field(default=1.0, gt=0)

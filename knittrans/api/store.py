@@ -8,15 +8,19 @@ out, so a restarted process on the same file sees exactly what clients were told
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["RecordStore", "Txn"]
+from knittrans.errors import Unavailable
+
+__all__ = ["RecordStore", "StateError", "Txn"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,10 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 STORE_FORMAT = "1"
 """Version of the record layout; a database written with another version is refused."""
+
+
+class StateError(RuntimeError):
+    """The state database cannot be used as it is (empty, foreign, other format, unreadable)."""
 
 
 class Txn:
@@ -59,21 +67,38 @@ class Txn:
 class RecordStore:
     """SQLite (WAL) record store; one connection, serialised by a lock."""
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
-        """Open (creating if needed) the database at ``path``."""
+    def __init__(self, path: str, *, synchronous: str = "NORMAL", init: bool = False) -> None:
+        """Open the database at ``path``, creating it when the file does not exist.
+
+        An existing file that is empty (0 bytes) or not a KnitTrans state database is refused with
+        :class:`StateError` (a silent reset would forget every job) unless ``init`` is True.
+        """
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = path
+        self.synchronous = synchronous
+        self._closed = False
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute(f"PRAGMA synchronous={synchronous}")
-        self._conn.executescript(_SCHEMA)
-        row = self._conn.execute("SELECT value FROM meta WHERE name='format'").fetchone()
+        existed = path != ":memory:" and os.path.exists(path)
+        if existed and os.path.getsize(path) == 0 and not init:
+            raise StateError(f"{path}: the state file is empty (0 bytes); refusing to start as an empty "
+                             "control plane; pass --init to initialise it on purpose")
+        try:
+            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if existed and not init and os.path.getsize(path) > 0 and "meta" not in tables:
+                raise StateError(f"{path}: not a KnitTrans state database (tables {sorted(tables)}); "
+                                 "pass --init to use it anyway")
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute(f"PRAGMA synchronous={synchronous}")
+            self._conn.executescript(_SCHEMA)
+            row = self._conn.execute("SELECT value FROM meta WHERE name='format'").fetchone()
+        except sqlite3.Error as exc:
+            raise StateError(f"{path}: cannot open the state database: {exc}") from exc
         if row is None:
             self._conn.execute("INSERT INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
         elif row[0] != STORE_FORMAT:
-            raise RuntimeError(f"{path}: state format {row[0]!r}, this version reads {STORE_FORMAT!r}")
+            raise StateError(f"{path}: state format {row[0]!r}, this version reads {STORE_FORMAT!r}")
 
     @contextmanager
     def transaction(self) -> Iterator[Txn]:
@@ -89,16 +114,22 @@ class RecordStore:
         puts = [(k, j, key, json.dumps(v, separators=(",", ":"))) for (k, j, key), v in txn.puts.items()]
         with self._lock:
             cur = self._conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
             try:
-                if txn.deletes:
-                    cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
-                if puts:
-                    cur.executemany("INSERT OR REPLACE INTO records(kind, job, key, body) VALUES (?,?,?,?)", puts)
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+                cur.execute("BEGIN IMMEDIATE")
+                try:
+                    if txn.deletes:
+                        cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
+                    if puts:
+                        cur.executemany("INSERT OR REPLACE INTO records(kind, job, key, body) VALUES (?,?,?,?)",
+                                        puts)
+                    cur.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # SQLite may have rolled back already (disk full)
+                        with contextlib.suppress(sqlite3.Error):
+                            cur.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise Unavailable(f"state database {self.path} refused the write: {exc}") from exc
 
     def load(self, kind: str) -> list[tuple[str, str, Any]]:
         """Every ``(job, key, value)`` of ``kind``, ordered by job then key."""
@@ -109,6 +140,15 @@ class RecordStore:
         return [(job, key, json.loads(body)) for job, key, body in rows]
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (:meth:`reopen` connects again, e.g. when an app is started twice)."""
         with self._lock:
             self._conn.close()
+            self._closed = True
+
+    def reopen(self) -> None:
+        """Connect again after :meth:`close`; a no-op while open."""
+        with self._lock:
+            if getattr(self, "_closed", False):
+                self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+                self._conn.execute(f"PRAGMA synchronous={self.synchronous}")
+                self._closed = False

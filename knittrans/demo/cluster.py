@@ -66,22 +66,25 @@ class LocalCluster:
         self.stores: list[StoreNode] = []
         self._db = self.work_dir / "control.db"
 
-    def start_control_plane(self) -> None:
+    def start_control_plane(self, *, port: int | None = None) -> None:
         """Start (or restart on the same database and port) the control plane and wait for /v1/health.
 
-        The first start binds port 0 and reads the real port from the ready file (no free-port race);
-        a restart binds the same port again, so the stores' and workers' URL stays valid.
+        ``port``: listen there. Default: the first start binds port 0 and reads the real port from the
+        ready file (no free-port race); a restart binds the same port again, so the stores' and
+        workers' URL stays valid.
         """
-        port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
+        if port is None:
+            port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
         ready = self.work_dir / "control-plane.ready"
         ready.unlink(missing_ok=True)
         argv = ["control-plane", "--db", str(self._db), "--host", self.config.host, "--port", str(port),
                 "--ready-file", str(ready), "--node-timeout-s", str(self.config.node_timeout_s)]
+        env: dict[str, str] = {}  # tokens travel in the environment, never on a command line (/proc/<pid>/cmdline)
         if self.config.worker_token:
-            argv += ["--worker-token", self.config.worker_token]
+            env["KNITTRANS_WORKER_TOKEN"] = self.config.worker_token
         if self.config.admin_token:
-            argv += ["--admin-token", self.config.admin_token]
-        self.procs.start("control-plane", knittrans_command(*argv))
+            env["KNITTRANS_ADMIN_TOKEN"] = self.config.admin_token
+        self.procs.start("control-plane", knittrans_command(*argv), env=env)
 
         def serving() -> bool:
             self.procs.check_alive("control-plane")
@@ -92,22 +95,25 @@ class LocalCluster:
         response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
         response.raise_for_status()
 
-    def start_store(self, index: int) -> StoreNode:
-        """Start store node ``index`` (``node-<index>``); it registers itself with the control plane."""
+    def start_store(self, index: int, *, port: int = 0) -> StoreNode:
+        """Start store node ``index`` (``node-<index>``); it registers itself with the control plane.
+
+        ``port``: listen there (a restart at the same endpoint); default a free port.
+        """
         node_id = f"node-{index}"
         store_dir = self.work_dir / "stores" / node_id
         store_dir.mkdir(parents=True, exist_ok=True)
         ready = self.work_dir / f"{node_id}.ready"
         ready.unlink(missing_ok=True)
-        argv = ["store", "--dir", str(store_dir), "--host", self.config.host, "--port", "0",
+        argv = ["store", "--dir", str(store_dir), "--host", self.config.host, "--port", str(port),
                 "--node-id", node_id, "--ready-file", str(ready), "--control-url", self.control_url,
                 "--heartbeat-s", str(max(0.2, min(2.0, self.config.node_timeout_s / 5)))]
-        if self.config.worker_token:
-            argv += ["--token", self.config.worker_token, "--control-token", self.config.worker_token]
+        token = self.config.worker_token
+        env = {"KNITTRANS_STORE_TOKEN": token, "KNITTRANS_WORKER_TOKEN": token} if token else {}
         if self.config.store_budget_bytes:
             argv += ["--budget-bytes", str(self.config.store_budget_bytes)]
         name = f"store-{index}"
-        self.procs.start(name, knittrans_command(*argv))
+        self.procs.start(name, knittrans_command(*argv), env=env)
 
         def listening() -> bool:
             self.procs.check_alive(name)

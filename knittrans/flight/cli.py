@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -39,14 +41,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
                         help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve grpc+tls (needs --tls-key)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow serving a non-loopback address without --token (anyone could read and write)")
 
 
 def run(args: Any) -> int:
     """Start the server, announce the endpoint, serve until a signal."""
+    if not (args.token or args.insecure or _loopback(args.host)):
+        logger.error("refusing to serve %s without a token: set KNITTRANS_STORE_TOKEN (or --token), "
+                     "or pass --insecure to accept an open store", args.host)
+        return 2
     config = StoreServerConfig(
         store=StoreConfig(root=args.dir, budget_bytes=args.budget_bytes, spill_dir=args.spill_dir),
         host=args.host, port=args.port, node_id=args.node_id, token=args.token or None,
-        max_put_bytes=args.max_put_bytes,
+        max_put_bytes=args.max_put_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
     )
     server = StoreServer(config)
     logger.info("store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint,
@@ -73,17 +84,41 @@ def run(args: Any) -> int:
     return 0
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _node_key(root: Path, node_id: str) -> str:
+    """The node's own control-plane credential, kept beside its units so a restart keeps it (mode 0600)."""
+    path = root / f".node-key-{node_id}"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        key = secrets.token_hex(24)
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        return key
+
+
 def _announce(args: Any, endpoint: str, stopped: threading.Event, usage: Callable[[], Mapping[str, Any]]) -> None:
     """Register the node with the control plane, then heartbeat with ``usage()`` until stopped (errors retried)."""
     from knittrans.controlclient import ControlClient  # the store itself needs no HTTP client
 
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    node_key = _node_key(Path(args.dir), args.node_id)
     registered = False
     with ControlClient(args.control_url, token=args.control_token) as control:
         while not stopped.is_set():
             try:
                 if not registered:
-                    control.register_node(args.node_id, endpoint, host)
+                    control.register_node(args.node_id, endpoint, host, node_key=node_key)
                     registered = True
                     logger.info("registered node %s (%s) with %s", args.node_id, endpoint, args.control_url)
                 else:

@@ -17,7 +17,9 @@ Every failure is re-raised as the :mod:`knittrans.errors` type the server raised
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -37,10 +39,19 @@ class StoreClient:
     """Client of one store node; thread-safe for concurrent calls (gRPC channel shared)."""
 
     def __init__(self, endpoint: str, *, token: str | None = None, timeout_s: float | None = None,
-                 batch_bytes: int = 4 << 20) -> None:
+                 batch_bytes: int = 4 << 20, tls_ca: str | os.PathLike[str] | None = None) -> None:
+        """Connect to ``endpoint`` (``grpc://`` or ``grpc+tls://``).
+
+        ``tls_ca``: PEM file of the CA that signed the node's certificate (default
+        ``$KNITTRANS_TLS_CA``; without either, the system roots verify a ``grpc+tls`` node).
+        """
         self.endpoint = endpoint
         self.batch_bytes = batch_bytes
-        self._client = flight.FlightClient(endpoint)
+        ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
+        if endpoint.startswith("grpc+tls://") and ca:
+            self._client = flight.FlightClient(endpoint, tls_root_certs=Path(ca).read_bytes())
+        else:
+            self._client = flight.FlightClient(endpoint)
         self._options = flight.FlightCallOptions(headers=auth_headers(token), timeout=timeout_s)
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -113,9 +124,10 @@ class StoreClient:
                  *, seal: bool = True) -> dict[str, Any]:
         """Upload a whole unit through ``DoPut`` and seal it; returns the sealed unit's info."""
         self.put_part(job, unit_id, "traj", traj)
+        media_rows = media.num_rows if media is not None else 0
         if media is not None and media.num_rows:
             self.put_part(job, unit_id, "media", media)
-        return self.seal(job, unit_id) if seal else {}
+        return self.seal(job, unit_id, rows=traj.num_rows, media_rows=media_rows) if seal else {}
 
     def reserve(self, job: str, unit_id: str, nbytes: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Reserve budget for a same-host write; returns ``{"dir": ..., "spilled": bool}``."""
@@ -124,9 +136,17 @@ class StoreClient:
             body["timeout_s"] = timeout_s
         return dict(self._action("reserve", body))
 
-    def seal(self, job: str, unit_id: str) -> dict[str, Any]:
-        """Publish a pending unit; returns its info (rows, bytes, spilled)."""
-        return dict(self._action("seal", {"job": job, "unit": unit_id}))
+    def seal(self, job: str, unit_id: str, *, rows: int | None = None, media_rows: int | None = None,
+             num_bytes: int | None = None) -> dict[str, Any]:
+        """Publish a pending unit; returns its info (rows, bytes, spilled).
+
+        The counts given must match what the node holds, else it drops the unit (``Conflict``).
+        """
+        body: dict[str, Any] = {"job": job, "unit": unit_id}
+        for key, value in (("rows", rows), ("media_rows", media_rows), ("num_bytes", num_bytes)):
+            if value is not None:
+                body[key] = value
+        return dict(self._action("seal", body))
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""

@@ -10,7 +10,13 @@ Protocol (all payloads JSON unless noted):
   limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
   the put's metadata stream. The unit stays invisible until the ``seal`` action.
 * ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
-* Actions: ``seal`` / ``delete`` ``{"job", "unit"}``; ``reserve`` ``{"job", "unit", "bytes",
+* Writes are safe to retry and to race: a ``DoPut`` stream owns its part of the pending unit
+  while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
+  the part instead of appending; a failing stream drops only its own rows). Every batch's
+  content is validated (:func:`knittrans.schema.validate_part`).
+* Actions: ``seal`` ``{"job", "unit", "rows"?, "media_rows"?, "num_bytes"?}`` (the optional
+  counts must match what was written, else the unit is dropped with ``Conflict``) / ``delete``
+  ``{"job", "unit"}``; ``reserve`` ``{"job", "unit", "bytes",
   "timeout_s"}`` (same-host writers: reserves budget and returns the temporary ``dir`` to write
   the IPC files into); ``stats``; ``health``.
 
@@ -20,27 +26,35 @@ stops the server.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
+import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import InvalidRequest, KnitTransError, PayloadTooLarge
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, OverBudget, PayloadTooLarge
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import to_flight_error
+from knittrans.grants import check_ticket
 from knittrans.names import check_name
-from knittrans.schema import check_schema
+from knittrans.schema import check_schema, validate_part
 from knittrans.store import SealedUnit, StoreConfig, UnitStore
 from knittrans.tickets import Ticket, UnitRead
 
 __all__ = ["StoreServer", "StoreServerConfig"]
 
 logger = logging.getLogger(__name__)
+MAX_RESERVE_WAIT_S = 3600.0
+"""Longest ``timeout_s`` a ``reserve`` call may ask to wait for budget."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -62,8 +76,17 @@ class StoreServerConfig:
     """Largest unit (trajectory + media bytes) a single writer may upload."""
     batch_bytes: int = 4 << 20
     """Target size of the record batches ``DoGet`` streams (zero-copy slices)."""
+    ticket_key: str | None = None
+    """HMAC key shared with the control plane: ``DoGet`` serves only tickets whose signed grants
+    cover every read (:mod:`knittrans.grants`); None serves any well-formed ticket."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) to serve TLS with (``grpc+tls://``); needs ``tls_key``."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
         check_name(self.node_id, "node_id")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
@@ -85,6 +108,18 @@ def _mapped(fn: F) -> F:
             raise to_flight_error(exc) from None
         except flight.FlightError:
             raise
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            # malformed client input the IPC reader found (e.g. a dictionary changed within a DoPut)
+            logger.info("%s refused: invalid Arrow data: %s", fn.__name__, exc)
+            raise to_flight_error(InvalidRequest(f"{fn.__name__}: invalid Arrow data: {exc}")) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                logger.warning("%s failed: store directory cannot take the write: %s", fn.__name__, exc)
+                raise to_flight_error(OverBudget(f"{fn.__name__}: the store directory cannot take the write "
+                                                 f"({os.strerror(exc.errno)}); retry later or on another node")) \
+                    from None
+            logger.exception("%s failed", fn.__name__)
+            raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
         except Exception as exc:
             logger.exception("%s failed", fn.__name__)
             raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
@@ -95,11 +130,18 @@ def _mapped(fn: F) -> F:
 def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     try:
         body = json.loads(action.body.to_pybytes() or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"action {action.type!r}: body is not JSON: {exc}") from None
     if not isinstance(body, dict) or any(k not in body for k in keys):
         raise InvalidRequest(f"action {action.type!r}: body must be a JSON object with keys {list(keys)}")
     return body
+
+
+def _count(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InvalidRequest(f"action 'seal': {key!r} must be a non-negative integer, not {value!r}")
+    return value
 
 
 def _json(obj: object) -> list[bytes]:
@@ -117,16 +159,22 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         self.config = config
         self.store = store if store is not None else UnitStore(config.store)
         middleware = {"auth": BearerTokenFactory(config.token)} if config.token else {}
-        super().__init__(f"grpc://{config.host}:{config.port}", middleware=middleware)
-        self.endpoint = f"grpc://{config.host}:{self.port}"
-        self._put_bytes: dict[tuple[str, str], int] = {}
+        scheme, tls = "grpc", None
+        if config.tls_cert is not None and config.tls_key is not None:
+            scheme = "grpc+tls"
+            tls = [flight.CertKeyPair(cert=Path(config.tls_cert).read_bytes(), key=Path(config.tls_key).read_bytes())]
+        super().__init__(f"{scheme}://{config.host}:{config.port}", middleware=middleware, tls_certificates=tls)
+        self.endpoint = f"{scheme}://{config.host}:{self.port}"
         logger.info("store node %s serving %s at %s", config.node_id, config.store.root, self.endpoint)
 
     # --- reads -------------------------------------------------------------------------------
     @_mapped
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
         """Stream the rows × columns (or media rows) a strictly decoded ticket names."""
-        table = self.store.read(Ticket.decode(ticket.ticket))
+        decoded = Ticket.decode(ticket.ticket)
+        if self.config.ticket_key:
+            check_ticket(self.config.ticket_key.encode(), decoded, now=time.time())
+        table = self.store.read(decoded)
         if table.num_rows > 1 and table.nbytes > self.config.batch_bytes:
             rows = max(1, table.num_rows * self.config.batch_bytes // table.nbytes)
             table = pa.Table.from_batches(table.to_batches(max_chunksize=rows), schema=table.schema)
@@ -141,7 +189,10 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     @_mapped
     def list_flights(self, context: Any, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """One FlightInfo per sealed unit; criteria is a job name or empty for all jobs."""
-        job = criteria.decode() if criteria else None
+        try:
+            job = criteria.decode() if criteria else None
+        except UnicodeDecodeError:
+            raise InvalidRequest("ListFlights criteria must be a UTF-8 job name or empty") from None
         if job is not None:
             check_name(job, "job")
         units = self.store.units(job)
@@ -158,17 +209,19 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     # --- writes ------------------------------------------------------------------------------
     @_mapped
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
-        """Receive one part of a pending unit, acknowledging every batch."""
+        """Receive one part of a pending unit, validating and acknowledging every batch.
+
+        The stream owns its part while it runs (see :class:`~knittrans.store.PendingUnit`): a
+        concurrent stream to the same part is refused, a later one replaces it, and a failing
+        stream drops only its own rows.
+        """
         path = [p.decode() for p in (descriptor.path or [])]
         if len(path) != 3 or path[2] not in ("traj", "media"):
             raise InvalidRequest(f"DoPut descriptor path must be [job, unit, 'traj'|'media'], got {path}")
         job, unit_id, part = check_name(path[0], "job"), check_name(path[1], "unit_id"), path[2]
         check_schema(reader.schema, "trajectories" if part == "traj" else "media")
-        try:
-            pending = self.store.pending(job, unit_id)
-        except KnitTransError:
-            pending = self.store.begin(job, unit_id)
-        key = (job, unit_id)
+        pending, token = self.store.open_part(job, unit_id, part)  # type: ignore[arg-type]
+        ok = False
         try:
             while True:
                 try:
@@ -178,19 +231,18 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 batch = chunk.data
                 if batch is None:
                     continue
-                total = self._put_bytes.get(key, 0) + batch.nbytes
-                self._put_bytes[key] = total
+                total = sum(pending.received.values()) + batch.nbytes
                 if total > self.config.max_put_bytes:
                     raise PayloadTooLarge(
                         f"unit {unit_id!r} upload reached {total} bytes, above the limit of "
                         f"{self.config.max_put_bytes} bytes"
                     )
-                pending.write(part, batch)  # type: ignore[arg-type]
+                validate_part(batch, part)  # type: ignore[arg-type]
+                pending.write(part, batch, token=token, abandoned=context.is_cancelled)  # type: ignore[arg-type]
                 writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
-        except BaseException:
-            self._put_bytes.pop(key, None)
-            self.store.abort(job, unit_id)
-            raise
+            ok = True
+        finally:
+            self.store.close_part(pending, part, token, ok=ok)  # type: ignore[arg-type]
 
     # --- actions -----------------------------------------------------------------------------
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -215,10 +267,9 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
             if kind == "seal":
-                self._put_bytes.pop((job, unit_id), None)
-                return _json(self.store.seal(job, unit_id).info())
+                expect = {k: _count(body, k) for k in ("rows", "media_rows", "num_bytes")}
+                return _json(self.store.seal(job, unit_id, **expect).info())
             if kind == "delete":
-                self._put_bytes.pop((job, unit_id), None)
                 self.store.delete(job, unit_id)
                 return _json({"deleted": unit_id})
             nbytes, timeout = body.get("bytes"), body.get("timeout_s")
@@ -227,9 +278,15 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             if nbytes > self.config.max_put_bytes:
                 raise PayloadTooLarge(f"unit {unit_id!r} needs {nbytes} bytes, above the limit of "
                                       f"{self.config.max_put_bytes} bytes")
-            if timeout is not None and not isinstance(timeout, int | float):
-                raise InvalidRequest("action 'reserve': 'timeout_s' must be a number")
-            pending = self.store.begin(job, unit_id, reserve_bytes=nbytes, timeout=timeout)
+            if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                                        or not math.isfinite(timeout) or not 0 <= timeout <= MAX_RESERVE_WAIT_S):
+                raise InvalidRequest(f"action 'reserve': 'timeout_s' must be a number of seconds in "
+                                     f"[0, {MAX_RESERVE_WAIT_S}], not {timeout!r}")
+            pending = self.store.begin(job, unit_id, reserve_bytes=nbytes, timeout=timeout,
+                                       abandoned=context.is_cancelled)
+            if context.is_cancelled():  # the caller gave up while we waited: nobody will use the grant
+                self.store.abort(job, unit_id, only=pending)
+                raise Conflict(f"reservation for unit {unit_id!r} abandoned by its caller")
             return _json({"dir": str(pending.dir), "spilled": pending.spilled})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
 

@@ -243,6 +243,8 @@ def start_stores(control_url: str, *, store_root: str | Path = "/dev/shm/knittra
                 "--heartbeat-s", str(heartbeat_s)]
         if budget_bytes:
             argv += ["--budget-bytes", str(budget_bytes)]
+        if not store_token:
+            argv.append("--insecure")  # the caller chose an open store on the node's address
         env = {k: v for k, v in (("KNITTRANS_STORE_TOKEN", store_token),
                                   ("KNITTRANS_WORKER_TOKEN", worker_token)) if v}
         actor = ray.remote(_KnitTransProcess).options(num_cpus=0, scheduling_strategy=node_affinity(rid)).remote(

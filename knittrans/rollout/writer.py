@@ -122,7 +122,9 @@ class TrajectoryWriter:
                                f"store_dir {self.store_dir}: is the node on another host?")
             write_table(tmp / TRAJ_FILE, tables.traj)
             write_table(tmp / MEDIA_FILE, tables.media)
-            return self.client.seal(self.job, unit_id)
+            size = (tmp / TRAJ_FILE).stat().st_size + (tmp / MEDIA_FILE).stat().st_size
+            return self.client.seal(self.job, unit_id, rows=tables.traj.num_rows,
+                                    media_rows=tables.media.num_rows, num_bytes=size)
         except BaseException:
             try:
                 self.client.delete(self.job, unit_id)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
-from knittrans.errors import OverBudget
+from knittrans.errors import Conflict, OverBudget
 
 __all__ = ["ByteBudget"]
+
+_POLL_S = 0.2
 
 
 class ByteBudget:
@@ -37,8 +40,12 @@ class ByteBudget:
                 return True
             return False
 
-    def reserve(self, nbytes: int, timeout: float) -> None:
-        """Reserve ``nbytes``, waiting up to ``timeout`` seconds for space; else raise OverBudget."""
+    def reserve(self, nbytes: int, timeout: float, *, abandoned: Callable[[], bool] | None = None) -> None:
+        """Reserve ``nbytes``, waiting up to ``timeout`` seconds for space; else raise OverBudget.
+
+        ``abandoned`` is polled while waiting: once it answers True (the caller's call was
+        cancelled) the wait ends with :class:`Conflict` and nothing is reserved.
+        """
         if self.limit is not None and nbytes > self.limit:
             raise OverBudget(f"need {nbytes} bytes but the store budget is only {self.limit} bytes in total")
         deadline = time.monotonic() + timeout
@@ -50,7 +57,11 @@ class ByteBudget:
                         f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
                         f"{self._used} bytes in use, need {nbytes} more"
                     )
-                self._cond.wait(left)
+                if abandoned is not None and abandoned():
+                    raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
+                self._cond.wait(min(left, _POLL_S) if abandoned is not None else left)
+            if abandoned is not None and abandoned():
+                raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
             self._used += nbytes
 
     def force(self, nbytes: int) -> None:

@@ -9,6 +9,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -76,7 +77,15 @@ class StoreConfig:
 
 
 class PendingUnit:
-    """A unit being written into a temporary directory; invisible to readers until sealed."""
+    """A unit being written into a temporary directory; invisible to readers until sealed.
+
+    Ownership rule (retries and races): each part (``traj``, ``media``) is written by one stream
+    at a time. :meth:`claim` gives the stream a token; a second stream claiming a part that is
+    being written gets :class:`Conflict`; a stream claiming a part that an earlier, finished or
+    failed, stream wrote *replaces* it (the part starts empty again), so a retried upload never
+    appends to a stale one. A failing stream resets only its own part, and only while it still
+    owns it.
+    """
 
     def __init__(self, store: UnitStore, job: str, unit_id: str) -> None:
         self.store, self.job, self.unit_id = store, job, unit_id
@@ -85,11 +94,17 @@ class PendingUnit:
         self.reserved = 0
         self.prepaid = 0
         self.dir: Path | None = None
+        self.discarded = False
         self._writers: dict[str, tuple[pa.OSFile, ipc.RecordBatchFileWriter, pa.Schema]] = {}
+        self._owners: dict[str, object] = {}
+        self._part_reserved = {"traj": 0, "media": 0}
         self.rows = {"traj": 0, "media": 0}
-        self.lock = threading.Lock()
+        self.received = {"traj": 0, "media": 0}
+        """Payload bytes received per part (``RecordBatch.nbytes``), for the upload limit."""
+        self.lock = threading.RLock()
 
-    def reserve(self, nbytes: int, timeout: float | None = None) -> Path:
+    def reserve(self, nbytes: int, timeout: float | None = None,
+                abandoned: Callable[[], bool] | None = None) -> Path:
         """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir.
 
         Bytes reserved ahead (``begin(reserve_bytes=...)``) are consumed first by later writes.
@@ -110,34 +125,94 @@ class PendingUnit:
                 logger.info("budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
                             budget.used, budget.limit, self.job, self.unit_id, spill)
             else:
-                budget.reserve(nbytes, wait)
+                budget.reserve(nbytes, wait, abandoned=abandoned)
                 self.reserved += nbytes
             base = spill if self.spilled and spill is not None else self.store.config.root
             self.dir = base / self.job / f"{_TMP}{self.unit_id}-{secrets.token_hex(4)}"
             self.dir.mkdir(parents=True)
         elif not self.spilled:
-            budget.reserve(nbytes, wait)
+            budget.reserve(nbytes, wait, abandoned=abandoned)
             self.reserved += nbytes
         return self.dir
 
-    def write(self, part: Part, batch: pa.RecordBatch, timeout: float | None = None) -> None:
-        """Append one record batch to ``traj`` or ``media`` (schema-checked, budget-reserved)."""
+    def claim(self, part: Part) -> object:
+        """Make the calling stream the only writer of ``part``; an earlier stream's rows are dropped."""
+        if part not in ("traj", "media"):
+            raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
+        with self.lock:
+            if self.discarded:
+                raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted; start it again")
+            if part in self._owners:
+                raise Conflict(f"part {part!r} of unit {self.unit_id!r} (job {self.job!r}) is being "
+                               "written by another stream; retry when that stream has ended")
+            if self.rows[part] or part in self._writers:
+                logger.warning("unit %s/%s: a new stream replaces the %s rows of part %r an earlier stream wrote",
+                               self.job, self.unit_id, self.rows[part], part)
+                self._reset(part)
+            token = object()
+            self._owners[part] = token
+            return token
+
+    def release(self, part: Part, token: object, *, ok: bool) -> None:
+        """End the stream holding ``token``; a failed stream's rows of ``part`` are dropped."""
+        with self.lock:
+            if self._owners.get(part) is not token:
+                return
+            del self._owners[part]
+            if not ok:
+                self._reset(part)
+
+    @property
+    def idle_and_empty(self) -> bool:
+        """No stream is writing and no rows were kept (a failed first upload leaves this)."""
+        return not self._owners and not any(self.rows.values()) and not self._writers
+
+    def _reset(self, part: str) -> None:
+        entry = self._writers.pop(part, None)
+        if entry is not None:
+            with contextlib.suppress(OSError, pa.ArrowException):
+                entry[1].close()
+            with contextlib.suppress(OSError, pa.ArrowException):
+                entry[0].close()
+        if self.dir is not None:
+            with contextlib.suppress(OSError):
+                (self.dir / (TRAJ_FILE if part == "traj" else MEDIA_FILE)).unlink()
+        if self._part_reserved[part]:
+            self.store.budget.release(self._part_reserved[part])
+            self.reserved -= self._part_reserved[part]
+            self._part_reserved[part] = 0
+        self.rows[part] = 0
+        self.received[part] = 0
+
+    def write(self, part: Part, batch: pa.RecordBatch, timeout: float | None = None, *,
+              token: object | None = None, abandoned: Callable[[], bool] | None = None) -> None:
+        """Append one record batch to ``traj`` or ``media`` (schema-checked, budget-reserved).
+
+        With ``token`` (streams from :meth:`claim`) the write is refused once the stream lost the part.
+        """
         with self.lock:
             if part not in ("traj", "media"):
                 raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
+            if self.discarded:
+                raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted while being written")
+            if token is not None and self._owners.get(part) is not token:
+                raise Conflict(f"part {part!r} of unit {self.unit_id!r} is now written by another stream")
             entry = self._writers.get(part)
             if entry is None:
                 check_schema(batch.schema, "trajectories" if part == "traj" else "media")
             elif not batch.schema.equals(entry[2]):
                 raise SchemaMismatch(f"unit {self.unit_id!r}: batch schema changed within part {part!r}")
             extra = ipc_overhead(batch.schema) if entry is None else 0
-            path = self.reserve(ipc.get_record_batch_size(batch) + extra, timeout)
+            before = self.reserved
+            path = self.reserve(ipc.get_record_batch_size(batch) + extra, timeout, abandoned)
+            self._part_reserved[part] += self.reserved - before
             if entry is None:
                 sink = pa.OSFile(str(path / (TRAJ_FILE if part == "traj" else MEDIA_FILE)), "wb")
                 entry = (sink, ipc.new_file(sink, batch.schema), batch.schema)
                 self._writers[part] = entry
             entry[1].write_batch(batch)
             self.rows[part] += batch.num_rows
+            self.received[part] += batch.nbytes
 
     def close_files(self) -> None:
         """Finish the IPC files (footers); idempotent."""
@@ -148,12 +223,24 @@ class PendingUnit:
 
     def discard(self) -> None:
         """Remove the temporary directory and give back the reservation."""
-        with contextlib.suppress(OSError, pa.ArrowException):
-            self.close_files()
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        self.store.budget.release(self.reserved)
-        self.reserved = 0
+        with self.lock:
+            self.discarded = True
+            with contextlib.suppress(OSError, pa.ArrowException):
+                self.close_files()
+            if self.dir is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            self.store.budget.release(self.reserved)
+            self.reserved = 0
+
+
+def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None,
+                    num_bytes: int | None) -> None:
+    got = {"rows": unit.num_rows, "media_rows": unit.media.num_rows, "num_bytes": unit.num_bytes}
+    want = {"rows": rows, "media_rows": media_rows, "num_bytes": num_bytes}
+    bad = [f"{k} {got[k]} (expected {v})" for k, v in want.items() if v is not None and got[k] != v]
+    if bad:
+        raise Conflict(f"unit {unit.unit_id!r} of job {unit.job!r} does not hold what its writer sent: "
+                       f"{', '.join(bad)}; the unit was dropped, write it again")
 
 
 class UnitStore:
@@ -213,8 +300,11 @@ class UnitStore:
                     unit.num_rows, unit.num_bytes)
 
     def begin(self, job: str, unit_id: str, *, reserve_bytes: int | None = None,
-              timeout: float | None = None) -> PendingUnit:
-        """Start a unit; with ``reserve_bytes`` reserve budget now and create its directory."""
+              timeout: float | None = None, abandoned: Callable[[], bool] | None = None) -> PendingUnit:
+        """Start a unit; with ``reserve_bytes`` reserve budget now and create its directory.
+
+        ``abandoned`` (polled while waiting for budget) ends the wait once the caller gave up.
+        """
         check_name(job, "job")
         check_name(unit_id, "unit_id")
         now = time.monotonic()
@@ -230,10 +320,10 @@ class UnitStore:
             self._pending[(job, unit_id)] = pending
         if reserve_bytes is not None:
             try:
-                pending.reserve(reserve_bytes, timeout)
+                pending.reserve(reserve_bytes, timeout, abandoned)
                 pending.prepaid = reserve_bytes
             except BaseException:
-                self.abort(job, unit_id)
+                self.abort(job, unit_id, only=pending)
                 raise
         return pending
 
@@ -245,17 +335,56 @@ class UnitStore:
             raise NotFound(f"no unit {unit_id!r} of job {job!r} is being written")
         return p
 
-    def abort(self, job: str, unit_id: str) -> None:
-        """Drop a pending unit and its temporary files."""
+    def abort(self, job: str, unit_id: str, *, only: PendingUnit | None = None) -> None:
+        """Drop a pending unit and its temporary files; with ``only``, just when that is still the unit."""
         with self._lock:
-            p = self._pending.pop((job, unit_id), None)
-        if p is not None:
-            p.discard()
+            p = self._pending.get((job, unit_id))
+            if p is None or (only is not None and p is not only):
+                return
+            del self._pending[(job, unit_id)]
+        p.discard()
 
-    def seal(self, job: str, unit_id: str) -> SealedUnit:
-        """Validate the pending unit's files and publish them by an atomic directory rename."""
+    def open_part(self, job: str, unit_id: str, part: Part) -> tuple[PendingUnit, object]:
+        """The pending unit (begun if needed) and a claim on ``part`` for one upload stream."""
+        while True:
+            try:
+                pending = self.pending(job, unit_id)
+            except NotFound:
+                try:
+                    pending = self.begin(job, unit_id)
+                except Conflict:
+                    if (job, unit_id) in self._sealed:
+                        raise
+                    continue  # another stream began it in between
+            try:
+                return pending, pending.claim(part)
+            except Conflict:
+                if pending.discarded:
+                    continue  # aborted in between; begin afresh
+                raise
+
+    def close_part(self, pending: PendingUnit, part: Part, token: object, *, ok: bool) -> None:
+        """End an upload stream; a failed first upload that left nothing behind drops its pending unit."""
+        pending.release(part, token, ok=ok)
+        if not ok:
+            with pending.lock:
+                empty = pending.idle_and_empty and not pending.prepaid
+            if empty:
+                self.abort(pending.job, pending.unit_id, only=pending)
+
+    def seal(self, job: str, unit_id: str, *, rows: int | None = None, media_rows: int | None = None,
+             num_bytes: int | None = None) -> SealedUnit:
+        """Validate the pending unit's files and publish them by an atomic directory rename.
+
+        ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
+        written; otherwise the unit is aborted with :class:`Conflict` and the writer starts over.
+        A unit with a part still being written is refused (:class:`Conflict`) and left as is.
+        """
         p = self.pending(job, unit_id)
         with p.lock:
+            if p._owners:
+                raise Conflict(f"unit {unit_id!r} of job {job!r} cannot be sealed: parts "
+                               f"{sorted(p._owners)} are still being written")
             try:
                 p.close_files()
                 tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
@@ -264,10 +393,11 @@ class UnitStore:
                 if not (tmp / MEDIA_FILE).exists():
                     write_table(tmp / MEDIA_FILE, MEDIA_SCHEMA.empty_table())
                 unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
+                _check_expected(unit, rows=rows, media_rows=media_rows, num_bytes=num_bytes)
                 final = tmp.parent / unit_id
                 os.rename(tmp, final)
             except BaseException:
-                self.abort(job, unit_id)
+                self.abort(job, unit_id, only=p)
                 raise
         unit.path = final
         if not p.spilled:
@@ -291,9 +421,9 @@ class UnitStore:
                 for batch in table.to_batches():
                     p.write(part, batch)  # type: ignore[arg-type]
         except BaseException:
-            self.abort(job, unit_id)
+            self.abort(job, unit_id, only=p)
             raise
-        return self.seal(job, unit_id)
+        return self.seal(job, unit_id, rows=traj.num_rows, media_rows=media.num_rows)
 
     def get(self, job: str, unit_id: str) -> SealedUnit:
         """A sealed unit; NotFound (naming job and unit) otherwise."""

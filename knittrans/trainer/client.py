@@ -49,6 +49,7 @@ from typing import Any, Literal, TypeVar
 
 from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.retry import RetryPolicy
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, TrainMicroBatch
@@ -145,17 +146,16 @@ class TrainerClient:
 
     def call_control(self, call: Callable[[], T]) -> T:
         """Run a control-plane call, retrying with backoff for ``control_retry_s`` while it is unreachable."""
-        deadline = time.monotonic() + self.config.control_retry_s
-        delay = 0.2
+        pauses = RetryPolicy(budget_s=self.config.control_retry_s, first_backoff_s=0.2, max_backoff_s=5.0).pauses()
         while True:
             try:
                 return call()
             except Unavailable:
-                if time.monotonic() > deadline:
+                delay = next(pauses, None)
+                if delay is None:
                     raise
                 logger.warning("control plane %s unavailable; retrying in %.1f s", self.config.control_url, delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def next_plan(self) -> dict[str, Any] | None:
         """The next plan (long-polls until one comes); None when the job is finished."""

@@ -71,13 +71,15 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
             prev, members = calls[-1]
             if (prev.kind == t.kind == "rows" and prev.job == t.job and prev.columns == t.columns
                     and all(m is not None for _, m in members)):
-                merged = Ticket(job=t.job, reads=prev.reads + t.reads, columns=t.columns)
+                merged = Ticket(job=t.job, reads=prev.reads + t.reads, columns=t.columns,
+                                grants=tuple(dict.fromkeys(prev.grants + t.grants)))
                 calls[-1] = (merged, [*members, (index, n)])
                 continue
             if (prev.kind == t.kind == "media" and prev.job == t.job
                     and not set(prev.media_hashes) & set(t.media_hashes)):
                 units = prev.reads + tuple(r for r in t.reads if r not in prev.reads)
-                merged = Ticket(job=t.job, kind="media", reads=units, media_hashes=prev.media_hashes + t.media_hashes)
+                merged = Ticket(job=t.job, kind="media", reads=units, media_hashes=prev.media_hashes + t.media_hashes,
+                                grants=tuple(dict.fromkeys(prev.grants + t.grants)))
                 calls[-1] = (merged, [*members, (index, n)])
                 continue
         calls.append((t, [(index, n)]))

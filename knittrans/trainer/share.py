@@ -170,6 +170,7 @@ class ShareStreams:
         reads: dict[str, list[UnitRead]] = {}
         columns: dict[str, tuple[str, ...] | None] = {}
         endpoints: dict[str, str] = {}
+        grants: dict[str, dict[str, None]] = {}  # signed grants per node, in first-seen order
         for micro in plan["micro_batches"]:
             per_micro = []
             for f in micro["fetches"]:
@@ -183,6 +184,7 @@ class ShareStreams:
                 columns[node] = ticket.columns
                 endpoints[node] = f["endpoint"]
                 reads.setdefault(node, []).extend(ticket.reads)
+                grants.setdefault(node, {}).update(dict.fromkeys(ticket.grants))
                 per_micro.append((node, n))
             counts.append(per_micro)
         media_units: dict[str, list[UnitRead]] = {}
@@ -202,11 +204,14 @@ class ShareStreams:
                 units = media_units.setdefault(node, [])
                 units.extend(r for r in ticket.reads if r not in units)
                 media_hashes.setdefault(node, []).append(m["hash"])
+                grants.setdefault(node, {}).update(dict.fromkeys(ticket.grants))
         if job is None:
             return None
-        row_tickets = {n: (endpoints[n], Ticket(job=job, reads=tuple(r), columns=columns[n])) for n, r in reads.items()}
+        row_tickets = {n: (endpoints[n], Ticket(job=job, reads=tuple(r), columns=columns[n],
+                                                grants=tuple(grants.get(n, ()))))
+                       for n, r in reads.items()}
         media_tickets = {n: (endpoints[n], Ticket(job=job, kind="media", reads=tuple(media_units[n]),
-                                                  media_hashes=tuple(h)))
+                                                  media_hashes=tuple(h), grants=tuple(grants.get(n, ()))))
                          for n, h in media_hashes.items()}
         return cls(fetcher, job, counts, row_tickets, media_tickets, media_node)
 

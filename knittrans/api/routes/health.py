@@ -21,7 +21,10 @@ async def health(svc: Service) -> dict[str, Any]:
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text exposition format",
+    "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition of this instance's registry."""
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus exposition of this instance's registry (collected on the state thread)."""
+    body = await request.app.state.runner(generate_latest, request.app.state.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

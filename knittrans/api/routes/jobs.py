@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
 from knittrans.api.models import ErrorOut, JobCreate, JobPublic, QuotasUpdate
-from knittrans.api.routes.deps import Service
+from knittrans.api.routes.deps import Run, Service
 from knittrans.api.spec import JobSpec
 
 __all__ = ["router"]
@@ -17,47 +17,48 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={
     401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut}})
 
 
-@router.post("", response_model=JobPublic, status_code=201)
-async def create_job(body: JobCreate, svc: Service, _: AdminAuth, response: Response) -> dict[str, Any]:
+@router.post("", response_model=JobPublic, status_code=201,
+             responses={200: {"model": JobPublic, "description": "the identical job exists already"}})
+async def create_job(body: JobCreate, svc: Service, run: Run, _: AdminAuth, response: Response) -> dict[str, Any]:
     """Create a job (201); the identical spec again answers 200; another spec under the same name is a 409."""
     spec = JobSpec.from_dict(body.model_dump())
-    job, created = svc.create_job(spec)
+    job, created = await run(svc.create_job, spec)
     if not created:
         response.status_code = 200
     return job
 
 
 @router.get("/{job}", response_model=JobPublic)
-async def get_job(job: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def get_job(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Spec, state, quotas in force and latest policy version of a job."""
-    return svc.get_job(job)
+    return await run(svc.get_job, job)
 
 
 @router.put("/{job}/quotas", response_model=JobPublic)
-async def update_quotas(job: str, body: QuotasUpdate, svc: Service, _: AdminAuth) -> dict[str, Any]:
+async def update_quotas(job: str, body: QuotasUpdate, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Replace the quotas from the next train step on (validated like a new spec)."""
-    return svc.update_quotas(job, body.quotas)
+    return await run(svc.update_quotas, job, body.quotas)
 
 
 @router.post("/{job}/pause", response_model=JobPublic)
-async def pause(job: str, svc: Service, _: AdminAuth) -> dict[str, Any]:
+async def pause(job: str, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Stop admitting; planned mini-batches are still delivered."""
-    return svc.set_state(job, "pause")
+    return await run(svc.set_state, job, "pause")
 
 
 @router.post("/{job}/resume", response_model=JobPublic)
-async def resume(job: str, svc: Service, _: AdminAuth) -> dict[str, Any]:
+async def resume(job: str, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Resume a paused job (a draining or drained job cannot be resumed: 409)."""
-    return svc.set_state(job, "resume")
+    return await run(svc.set_state, job, "resume")
 
 
 @router.post("/{job}/drain", response_model=JobPublic)
-async def drain(job: str, svc: Service, _: AdminAuth) -> dict[str, Any]:
+async def drain(job: str, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Finish the current train step, then admit nothing more."""
-    return svc.set_state(job, "drain")
+    return await run(svc.set_state, job, "drain")
 
 
 @router.get("/{job}/status")
-async def status(job: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def status(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Step, quota fill, group counts, deficits, groups to regenerate, staleness, admission times."""
-    return svc.status(job)
+    return await run(svc.status, job)

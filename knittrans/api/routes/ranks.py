@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 
 from knittrans.api.auth import WorkerAuth
 from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
-from knittrans.api.routes.deps import Board, Service, SettingsDep
+from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
+from knittrans.errors import Unauthenticated
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
 
@@ -27,7 +28,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["ranks"], responses={
 
 @router.get("/{job}/ranks/{rank}/next", responses={
     200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}})
-async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
+async def next_plan(job: str, rank: int, svc: Service, run: Run, board: Board, settings: SettingsDep, _: WorkerAuth,
                     timeout_s: float = Query(30.0, ge=0),
                     after: str | None = Query(None, max_length=64)) -> Response:
     """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
@@ -40,51 +41,63 @@ async def next_plan(job: str, rank: int, svc: Service, board: Board, settings: S
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
-    while True:
+
+    def probe() -> tuple[dict[str, Any] | None, str, bool]:
         plan = svc.next_plan(job, rank) if after is None else svc.plan_after(job, rank, after)
         if plan is not None:
-            return JSONResponse(plan)
+            return plan, "", False
         state = svc.job(job).state
-        if svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after):
+        return None, state, svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after)
+
+    while True:
+        event = board.event(job)  # taken before the probe: a change while it runs still wakes us
+        plan, state, done = await run(probe)
+        if plan is not None:
+            return JSONResponse(plan)
+        if done:
             return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
         remaining = deadline - loop.time()
         if remaining <= 0:
             return Response(status_code=204, headers={STATE_HEADER: state})
-        event = board.event(job)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)
 
 
 @router.post("/{job}/ranks/{rank}/fetched", response_model=FetchedOut)
-async def fetched(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def fetched(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """The rank holds its whole share of the plan (call before the optimizer step; idempotent).
 
     Once all ranks reported it, a store-node loss no longer withdraws the mini-batch; 410 when it
     was already withdrawn (then no rank may step on it: ask for the plan again).
     """
-    return svc.fetched(job, rank, body.plan_id)
+    return await run(svc.fetched, job, rank, body.plan_id)
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
-async def ack(job: str, rank: int, body: AckIn, svc: Service, _: WorkerAuth, request: Request) -> dict[str, Any]:
+async def ack(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth,
+              request: Request) -> dict[str, Any]:
     """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost.
 
     ``transfer`` (optional): the rank's transfer figures of this mini-batch, summed per rank in
     ``/metrics`` and the dashboard (a repeated ack is not counted twice).
     """
-    result = svc.ack(job, rank, body.plan_id)
+    result = await run(svc.ack, job, rank, body.plan_id)
     transfer = body.transfer.model_dump() if body.transfer is not None else None
     request.app.state.observed.record_ack(job, rank, result, transfer, time.time())
     return result
 
 
 @router.post("/{job}/versions", response_model=VersionOut)
-async def report_version(job: str, body: VersionIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def report_version(job: str, body: VersionIn, svc: Service, run: Run, _: WorkerAuth,
+                         request: Request) -> dict[str, Any]:
     """A rank's policy version after an optimizer step (never decreasing)."""
-    return svc.report_version(job, body.rank, body.version)
+    scope = request.state.scope
+    if scope is not None and scope.rank is not None and scope.rank != body.rank:
+        raise Unauthenticated(f"this token is scoped to rank {scope.rank}; it cannot report for rank {body.rank}")
+    return await run(svc.report_version, job, body.rank, body.version)
 
 
 @router.get("/{job}/version", response_model=VersionOut)
-async def get_version(job: str, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def get_version(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Latest policy version, for rollout workers."""
-    return svc.get_version(job)
+    return await run(svc.get_version, job)

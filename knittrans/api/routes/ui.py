@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse
 from knittrans.api.auth import AdminAuth
 from knittrans.api.models import ErrorOut
 from knittrans.api.overview import overview
-from knittrans.api.routes.deps import Service
+from knittrans.api.routes.deps import Run, Service
 
 __all__ = ["CSP", "router"]
 
@@ -30,9 +30,10 @@ def _page() -> str:
 
 
 @router.get("/v1/overview")
-async def get_overview(request: Request, svc: Service, _: AdminAuth) -> dict[str, Any]:
+async def get_overview(request: Request, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Jobs, store nodes and ranks in one document: what the dashboard and ``knittrans status`` show."""
-    return overview(svc, request.app.state.observed, time.time())
+    # The service's state belongs to the state thread; the rank/store figures to the event loop.
+    return await run(overview, svc, request.app.state.observed.snapshot(), time.time())
 
 
 @router.get("/ui", response_class=HTMLResponse, include_in_schema=False)

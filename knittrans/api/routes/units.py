@@ -10,9 +10,19 @@ from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from knittrans.api.auth import WorkerAuth
-from knittrans.api.models import ErrorOut, HeadroomOut, SupplyIn, SupplyOut, UnitIn, UnitsIn, UnitsOut
-from knittrans.api.routes.deps import Board, Service, SettingsDep
+from knittrans.api.auth import AdminAuth, WorkerAuth
+from knittrans.api.models import (
+    ErrorOut,
+    HeadroomOut,
+    SupplyIn,
+    SupplyOut,
+    UnitIn,
+    UnitRemovedOut,
+    UnitsIn,
+    UnitsOut,
+)
+from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
+from knittrans.api.service import ControlPlane
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 
 __all__ = ["router", "to_descriptor"]
@@ -44,31 +54,44 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/UnitsIn"}}}}},
 )
-async def register_units(job: str, request: Request, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def register_units(job: str, request: Request, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
 
     The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser: this is the
     hot path of every rollout writer.
     """
+    raw = await request.body()
+    return await run(_register, svc, job, raw)  # parsing a large batch stays off the event loop too
+
+
+def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
     try:
-        body = UnitsIn.model_validate_json(await request.body())
+        body = UnitsIn.model_validate_json(raw)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
     return svc.register_units(job, [to_descriptor(u) for u in body.units])
 
 
+@router.delete("/{job}/units/{unit}", response_model=UnitRemovedOut)
+async def remove_unit(job: str, unit: str, svc: Service, run: Run, _: AdminAuth,
+                      reason: str = Query("removed by an admin", max_length=1024)) -> dict[str, Any]:
+    """Admin repair: take a bad unit out of scheduling; its groups that are not admitted yet become lost
+    and are offered for regeneration. 409 once any of its groups is in a mini-batch."""
+    return await run(svc.remove_unit, job, unit, reason)
+
+
 @router.post("/{job}/supply", response_model=SupplyOut)
-async def report_supply(job: str, body: SupplyIn, svc: Service, _: WorkerAuth) -> dict[str, Any]:
+async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Groups started (counts or ids) and dropped per source: the pending supply ``P[s]``."""
-    return svc.report_supply(job, started=body.started, group_ids=body.group_ids, dropped=body.dropped,
-                             request_id=body.request_id, regenerates=body.regenerates)
+    return await run(svc.report_supply, job, started=body.started, group_ids=body.group_ids, dropped=body.dropped,
+                     request_id=body.request_id, regenerates=body.regenerates)
 
 
 _DONE_STATES = ("completed", "drained")
 
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
-async def headroom(job: str, svc: Service, board: Board, settings: SettingsDep, _: WorkerAuth,
+async def headroom(job: str, svc: Service, run: Run, board: Board, settings: SettingsDep, _: WorkerAuth,
                    wait_s: float = Query(0.0, ge=0),
                    sources: str | None = Query(None, max_length=4096,
                                                description="comma-separated sources the caller generates")
@@ -83,12 +106,12 @@ async def headroom(job: str, svc: Service, board: Board, settings: SettingsDep, 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait_s, settings.long_poll_max_s)
     while True:
-        view = svc.headroom(job)
+        event = board.event(job)  # taken before the probe: a change while it runs still wakes us
+        view = await run(svc.headroom, job)
         remaining = deadline - loop.time()
         open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
         if (open_now and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES \
                 or remaining <= 0:
             return view
-        event = board.event(job)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)

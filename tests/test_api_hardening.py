@@ -1,0 +1,239 @@
+"""D2/D4/D5 regressions against a real control-plane process: strict input, node authority, database faults."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from api_support import group, job_spec, server, single_group_units, unit
+from fastapi.testclient import TestClient
+
+from knittrans.api.app import create_app
+from knittrans.api.settings import Settings
+
+ADMIN, WORKER = "admin-secret-token", "worker-secret-token"
+
+
+def _post(srv_url: str, path: str, body: object, token: str = WORKER) -> httpx.Response:
+    return httpx.post(srv_url + path, json=body, headers={"authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _raw(srv_url: str, path: str, text: str) -> httpx.Response:
+    return httpx.post(srv_url + path, content=text.encode(), timeout=30,
+                      headers={"authorization": f"Bearer {WORKER}", "content-type": "application/json"})
+
+
+def _tokens() -> tuple[str, ...]:
+    return ("--worker-token", WORKER, "--admin-token", ADMIN)
+
+
+def test_invalid_values_are_refused_and_the_job_and_metrics_keep_working(tmp_path: Path) -> None:
+    """Negative tokens, NaN/Infinity, huge versions, negative bytes, schema 99, unknown sources, 'job\\n' -> 4xx."""
+    with server(tmp_path / "cp.db", *_tokens()) as srv:
+        assert _post(srv.url, "/v1/jobs", job_spec(), ADMIN).status_code == 201
+        node = {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}
+        assert _post(srv.url, "/v1/nodes", node).status_code == 200
+        good = single_group_units(["math"])[0]
+        bad_units = [
+            unit("u1", [group("g1", "math", tokens=[-5, 3])]),
+            {**unit("u2", [group("g2", "math")]), "num_bytes": -1},
+            {**unit("u3", [group("g3", "math")]), "schema_version": 99},
+            unit("u4", [{**group("g4", "math"), "version_start": 10**30, "version_end": 10**30}]),
+            unit("u5", [group("g5", "poetry")]),
+        ]
+        for bad in bad_units:
+            r = _post(srv.url, "/v1/jobs/job1/units", {"units": [bad]})
+            assert 400 <= r.status_code < 500, (bad, r.text)
+            assert set(r.json()) == {"error", "detail"}
+        text = httpx.Request("POST", "/", json={"units": [good]}).content.decode()
+        for literal in ('"version_weighted": NaN', '"finished_at": Infinity'):
+            key = literal.split(":")[0]
+            mutated = text.replace(f'{key}:0.0', literal.replace(": ", ":"), 1).replace(
+                f'{key}:1000.0', literal.replace(": ", ":"), 1)
+            assert mutated != text
+            r = _raw(srv.url, "/v1/jobs/job1/units", mutated)
+            assert r.status_code == 422, r.text
+        r = _post(srv.url, "/v1/jobs/job1/supply", {"started": {"poetry": 1}})
+        assert r.status_code == 409 and "poetry" in r.json()["detail"]
+        r = _post(srv.url, "/v1/jobs", job_spec(name="job\n"), ADMIN)
+        assert r.status_code == 422
+        assert not (tmp_path / "job\n").exists()
+        # the job still takes registrations and the whole control plane still reports metrics
+        assert _post(srv.url, "/v1/jobs/job1/units", {"units": [good]}).json()["registered"] == 1
+        assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+        srv.kill()
+        srv.start()
+        assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+
+
+def test_node_endpoint_moves_only_with_admin_token_or_its_own_key(tmp_path: Path) -> None:
+    """A worker-token holder cannot repoint a registered node; the node's own key or the admin token can."""
+    with server(tmp_path / "cp.db", *_tokens()) as srv:
+        key = "k" * 32
+        r = _post(srv.url, "/v1/nodes", {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "node_key": key})
+        assert r.status_code == 200 and "node_key" not in r.text and "key_hash" not in r.text
+        hijack = {"node_id": "n0", "endpoint": "grpc://127.0.0.1:6666"}
+        assert _post(srv.url, "/v1/nodes", hijack).status_code == 401
+        assert _post(srv.url, "/v1/nodes", {**hijack, "node_key": "x" * 32}).status_code == 401
+        nodes = httpx.get(srv.url + "/v1/nodes", headers={"authorization": f"Bearer {WORKER}"}).json()
+        assert nodes[0]["endpoint"] == "grpc://127.0.0.1:1"
+        assert _post(srv.url, "/v1/nodes", {**hijack, "node_key": key}).status_code == 200
+        assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}, ADMIN).status_code == 200
+        # re-registering at the same endpoint (a restarted store) needs no key
+        assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}).status_code == 200
+
+
+def _start_cp(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "knittrans.cli", "control-plane", "--db", str(db), "--port", "0", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_empty_or_foreign_database_is_refused_unless_init(tmp_path: Path) -> None:
+    """A 0-byte or foreign SQLite file stops the control plane with a clear message; --init takes it."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    done = _start_cp(empty)
+    assert done.returncode != 0 and "empty (0 bytes)" in done.stderr
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+    done = _start_cp(foreign)
+    assert done.returncode != 0 and "not a KnitTrans state database" in done.stderr
+    with server(empty, "--init") as srv:
+        assert httpx.get(srv.url + "/v1/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("pragma, cause", [("max_page_count", "full"), ("query_only", "readonly")])
+def test_database_write_failure_answers_503_with_cause_and_state_stays_consistent(
+    tmp_path: Path, pragma: str, cause: str
+) -> None:
+    """Disk full / read-only SQLite -> 503 + Retry-After naming the cause; nothing half-applied; then recovers."""
+    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as client:
+        assert client.post("/v1/jobs", json=job_spec()).status_code == 201
+        assert client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+        conn = client.app.state.service.store._conn  # type: ignore[attr-defined]
+        if pragma == "max_page_count":
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count={pages}")
+            units = single_group_units(["math", "code"] * 200)  # needs new pages
+        else:
+            conn.execute("PRAGMA query_only=1")
+            units = single_group_units(["math"])
+        r = client.post("/v1/jobs/job1/units", json={"units": units})
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1" and cause in r.json()["detail"]
+        assert client.get("/v1/jobs/job1/status").json()["counts"]["units"] == 0
+        conn.execute("PRAGMA max_page_count=1073741823" if pragma == "max_page_count" else "PRAGMA query_only=0")
+        assert client.post("/v1/jobs/job1/units", json={"units": units}).json()["registered"] == len(units)
+
+
+def test_default_retry_policy_outlasts_a_slow_control_plane_restart(tmp_path: Path) -> None:
+    """D6: a ControlClient with the shared default policy (what rollout workers use) survives a 15 s outage."""
+    import threading
+    import time
+
+    from knittrans.controlclient import ControlClient
+    from knittrans.retry import DEFAULT_RETRY
+
+    assert DEFAULT_RETRY.budget_s >= 120
+    with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
+        client.create_job(job_spec())
+        srv.kill()
+        got: list[object] = []
+        caller = threading.Thread(target=lambda: got.append(client.get_job("job1")["spec"]["name"]))
+        t0 = time.monotonic()
+        caller.start()
+        while time.monotonic() - t0 < 15:  # longer than the old 10-retry schedule (~13 s)
+            caller.join(0.5)
+            assert caller.is_alive()  # still retrying, not given up
+        srv.start()
+        caller.join(120)
+        assert got == ["job1"]
+
+
+def test_admin_removes_a_bad_unit_and_its_groups_are_regenerated(tmp_path: Path) -> None:
+    """DELETE /v1/jobs/{job}/units/{unit} (admin only) takes unadmitted groups out; admitted units are a 409."""
+    with server(tmp_path / "cp.db", *_tokens()) as srv:
+        assert _post(srv.url, "/v1/jobs", job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2),
+                     ADMIN).status_code == 201
+        _post(srv.url, "/v1/nodes", {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        units = single_group_units(["math", "code", "math"])
+        assert _post(srv.url, "/v1/jobs/job1/units", {"units": units}).status_code == 200
+        auth = {"authorization": f"Bearer {WORKER}"}
+        status = httpx.get(srv.url + "/v1/jobs/job1/status", headers=auth).json()
+        admitted = {g for mb in status.get("in_flight", []) for g in mb.get("group_ids", [])} if isinstance(
+            status.get("in_flight"), list) else set()
+        waiting = [u for u in units if u["groups"][0]["group_id"] not in admitted]
+        url = srv.url + "/v1/jobs/job1/units/"
+        assert httpx.delete(url + waiting[-1]["unit_id"], headers=auth).status_code == 401  # worker token: no
+        r = httpx.delete(url + waiting[-1]["unit_id"], params={"reason": "bad rewards"},
+                         headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200, r.text
+        gone = r.json()["removed_groups"]
+        assert gone == [waiting[-1]["groups"][0]["group_id"]]
+        assert httpx.delete(url + "u-nope", headers={"authorization": f"Bearer {ADMIN}"}).status_code == 404
+        srv.kill()
+        srv.start()
+        status = httpx.get(srv.url + "/v1/jobs/job1/status", headers=auth).json()
+        assert gone[0] in {g["group_id"] for g in status["lost_groups"]}
+
+
+def test_removing_an_admitted_unit_is_a_conflict(tmp_path: Path) -> None:
+    """A unit whose group is already in a mini-batch cannot be removed (409 naming the mini-batch)."""
+    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as client:
+        client.post("/v1/jobs", json=job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=1))
+        client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+        assert r.json()["admitted"] == [0]
+        r = client.delete("/v1/jobs/job1/units/u-g0")
+        assert r.status_code == 409 and "mini-batch 0" in r.json()["detail"]
+
+
+def test_descriptor_schema_version_is_the_arrow_schema_version() -> None:
+    """The control plane's accepted schema version is the one the Arrow schema carries."""
+    from knittrans import descriptors, schema
+
+    assert descriptors.SCHEMA_VERSION == schema.SCHEMA_VERSION
+
+
+def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) -> None:
+    """D2: a rank token acks and reports only for its own rank of its own job; a job's worker token
+    registers units only for that job; a store token only touches nodes; forged tokens are refused."""
+    from knittrans.controlclient import ControlClient
+    from knittrans.errors import Unauthenticated
+
+    with server(tmp_path / "cp.db", *_tokens()) as srv, ControlClient(srv.url, token=ADMIN) as admin:
+        admin.create_job(job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=2))
+        admin.create_job(job_spec(name="job2", quotas={"math": 1}, mini_batches_per_step=1, world_size=2))
+        store = admin.mint_token("store")
+        worker = admin.mint_token("worker", job="job1")
+        rank0 = admin.mint_token("rank", job="job1", rank=0)
+        with ControlClient(srv.url, token=store, retries=0) as c:
+            c.register_node("n0", "grpc://127.0.0.1:1")
+            with pytest.raises(Unauthenticated):
+                c.status("job1")
+        with ControlClient(srv.url, token=worker, retries=0) as c:
+            assert c.register_units("job1", single_group_units(["math"]))["admitted"] == [0]
+            with pytest.raises(Unauthenticated, match="scoped to worker of job 'job1'"):
+                c.register_units("job2", single_group_units(["math"], job="job2"))
+            with pytest.raises(Unauthenticated):
+                c.next_plan("job1", 0, timeout_s=0)
+        with ControlClient(srv.url, token=rank0, retries=0) as c:
+            plan = c.next_plan("job1", 0, timeout_s=5)
+            assert plan is not None and plan["rank"] == 0
+            with pytest.raises(Unauthenticated):
+                c.next_plan("job1", 1, timeout_s=0)
+            with pytest.raises(Unauthenticated):
+                c.ack("job1", 1, plan["plan_id"].replace(".r000000", ".r000001"))
+            with pytest.raises(Unauthenticated, match="cannot report for rank 1"):
+                c.report_version("job1", 3, rank=1)
+            assert c.report_version("job1", 3, rank=0)["version"] == 3
+            with pytest.raises(Unauthenticated):
+                c.next_plan("job2", 0, timeout_s=0)
+        forged = worker[:-4] + ("0000" if not worker.endswith("0000") else "1111")
+        with ControlClient(srv.url, token=forged, retries=0) as c, pytest.raises(Unauthenticated):
+            c.status("job1")

@@ -1,0 +1,115 @@
+"""Signed ticket grants: plans carry HMAC grants; stores with the key serve only what the grants cover."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.errors import Unauthenticated
+from knittrans.flight import StoreClient
+from knittrans.grants import check_ticket, sign_grant
+from knittrans.tickets import Ticket, UnitRead
+from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig
+from tests.trainer_support import job_spec, mm_groups, write_and_register
+
+KEY = "ticket-key-for-the-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def signed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Control plane and two stores sharing a ticket key (passed in the environment, never as a flag)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KNITTRANS_TICKET_KEY", KEY)
+    try:
+        with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("signed"), num_stores=2)) as c:
+            yield c
+    finally:
+        mp.undo()
+
+
+def _plan(c: LocalCluster, job: str, world: int = 1) -> dict[str, object]:
+    control = c.control()
+    control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=world, micro_batch_size=3))
+    write_and_register(control, job, c.stores, mm_groups(job, 4, group_size=4), groups_per_unit=2)
+    plan = control.next_plan(job, 0, timeout_s=30)
+    assert plan is not None
+    return plan
+
+
+def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_cluster: LocalCluster) -> None:
+    """Eager and iter (merged DoGets, share streams, media dedup) read every row of a signed plan."""
+    plan = _plan(signed_cluster, "signed-train")
+    tickets = [Ticket.decode(f["ticket"].encode()) for m in plan["micro_batches"] for f in m["fetches"]]  # type: ignore[index]
+    assert tickets and all(len(t.grants) == 1 for t in tickets)
+    for mode in ("eager", "iter"):
+        cfg = TrainerConfig(control_url=signed_cluster.control_url, job="signed-train", rank=0, world_size=1,
+                            fetch_mode=mode, poll_timeout_s=5)  # type: ignore[arg-type]
+        with TrainerClient(cfg) as client:
+            got = list(MiniBatch(client, plan))  # type: ignore[arg-type]
+        assert sum(int(m.batch.rewards.numel()) for m in got) == 16
+        assert all(isinstance(t, torch.Tensor) for m in got for t in m.media.values())
+
+
+def test_store_refuses_unsigned_forged_widened_and_foreign_tickets(signed_cluster: LocalCluster) -> None:
+    """Without a grant, with a bad MAC, with rows or columns beyond the grant, or for another job: 401."""
+    plan = _plan(signed_cluster, "signed-probe")
+    fetch = plan["micro_batches"][0]["fetches"][0]  # type: ignore[index]
+    ticket = Ticket.decode(fetch["ticket"].encode())
+    with StoreClient(fetch["endpoint"]) as c:
+        assert c.get(ticket).num_rows == sum(stop - start for r in ticket.reads for start, stop in r.row_ranges)
+        first = ticket.reads[0]
+        wider = dataclasses.replace(first, row_ranges=((0, 10_000),))
+        forged_mac = ticket.grants[0][:-4] + ("0000" if not ticket.grants[0].endswith("0000") else "1111")
+        bad = {
+            "unsigned": dataclasses.replace(ticket, grants=()),
+            "forged": dataclasses.replace(ticket, grants=(forged_mac,)),
+            "wider rows": dataclasses.replace(ticket, reads=(wider,)),
+            "other unit": dataclasses.replace(ticket, reads=(UnitRead(unit_id="u-elsewhere", row_ranges=((0, 1),)),)),
+            "other job": dataclasses.replace(ticket, job="signed-train"),
+            "whole unit": dataclasses.replace(ticket, reads=(UnitRead(unit_id=first.unit_id),)),
+        }
+        for what, t in bad.items():
+            with pytest.raises(Unauthenticated):
+                c.get(t)
+            assert what
+
+
+def test_grants_expire_and_bind_columns() -> None:
+    """A grant past its expiry, or a ticket asking for columns outside the grant, is refused."""
+    key = KEY.encode()
+    grant = sign_grant(key, job="j", rank=0, expires_at=time.time() + 60, reads={"u": [(0, 4)]},
+                       columns=["reward"], media={})
+    ok = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((1, 3),)),), columns=("reward",), grants=(grant,))
+    check_ticket(key, ok, now=time.time())
+    with pytest.raises(Unauthenticated, match="not granted"):
+        check_ticket(key, dataclasses.replace(ok, columns=("reward", "response_ids")), now=time.time())
+    with pytest.raises(Unauthenticated, match="not granted"):
+        check_ticket(key, dataclasses.replace(ok, columns=None), now=time.time())
+    with pytest.raises(Unauthenticated, match="expired"):
+        check_ticket(key, ok, now=time.time() + 3600)
+    with pytest.raises(Unauthenticated, match="signature"):
+        check_ticket(b"another key", ok, now=time.time())
+
+
+def test_store_without_a_key_still_serves_unsigned_tickets(tmp_path: Path, store_dir: Path) -> None:
+    """Signing is opt-in: a store with no key serves plain tickets as before (ListFlights tickets work)."""
+    from data_support import make_groups
+
+    from knittrans.flight import StoreServer, StoreServerConfig
+    from knittrans.schema import build_unit_tables
+    from knittrans.store import StoreConfig
+
+    srv = StoreServer(StoreServerConfig(store=StoreConfig(root=store_dir)))
+    try:
+        t = build_unit_tables(make_groups(1, 2))
+        with StoreClient(srv.endpoint) as c:
+            c.put_unit("job", "u0", t.traj, t.media)
+            assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0"),))).num_rows == 2
+    finally:
+        srv.shutdown()
