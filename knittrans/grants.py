@@ -13,6 +13,7 @@ API::
     grant = sign_grant(key, job=, rank=, expires_at=, reads={unit: [(start, stop), ...]},
                        columns=None | [...], media={hash: unit})
     check_ticket(key, ticket, now=time.time())     # raises Unauthenticated naming what is not covered
+    check_listing(key, grant, job=, now=)          # a job's credential to list its own units
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 from knittrans.errors import Unauthenticated
 from knittrans.tickets import Ticket
 
-__all__ = ["MAX_GRANTS", "Grant", "check_ticket", "sign_grant"]
+__all__ = ["MAX_GRANTS", "Grant", "check_listing", "check_ticket", "sign_grant"]
 
 MAX_GRANTS = 64
 """Most grants one ticket may carry."""
@@ -124,3 +125,20 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
             raise Unauthenticated(f"rows {list(r.row_ranges) or 'all'} of unit {r.unit_id!r} (columns "
                                   f"{sorted(want_cols) if want_cols is not None else 'all'}) are not granted")
     return grants
+
+
+def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str:
+    """The job a valid, unexpired ``grant`` lets its holder list (``ListFlights``/``GetFlightInfo``).
+
+    Any grant the control plane issued for a job (one that came with a rank plan) is that job's
+    credential; it lists only that job's units. ``job``: the job the caller asked for, or None.
+    """
+    if not grant:
+        raise Unauthenticated("this store lists units only with a grant of their job "
+                              "(criteria: <job>, a newline, <grant>)")
+    opened = _open(key, grant)
+    if opened.expires_at < now:
+        raise Unauthenticated(f"listing grant of job {opened.job!r} expired {now - opened.expires_at:.0f}s ago")
+    if job is not None and job != opened.job:
+        raise Unauthenticated(f"the grant is for job {opened.job!r}; it cannot list job {job!r}")
+    return opened.job

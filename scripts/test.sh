@@ -24,7 +24,7 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
-  -m "not vllm and not compose and not schemathesis"
+  -m "not vllm and not compose"
 
 failed=()
 if [[ "${KNITTRANS_SKIP_BUSY:-0}" != 1 ]]; then

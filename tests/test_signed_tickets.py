@@ -113,3 +113,28 @@ def test_store_without_a_key_still_serves_unsigned_tickets(tmp_path: Path, store
             assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0"),))).num_rows == 2
     finally:
         srv.shutdown()
+
+
+def test_signed_store_lists_a_jobs_units_only_to_a_grant_of_that_job(signed_cluster: LocalCluster) -> None:
+    """ListFlights/GetFlightInfo on a signed store: no grant -> 401; a grant of job A lists A's units only,
+    cannot list or describe job B's, and the listed tickets (no grant) are not served."""
+    plan_a = _plan(signed_cluster, "list-a")
+    _plan(signed_cluster, "list-b")
+    grant = Ticket.decode(plan_a["micro_batches"][0]["fetches"][0]["ticket"].encode()).grants[0]  # type: ignore[index]
+    node = plan_a["micro_batches"][0]["fetches"][0]["endpoint"]  # type: ignore[index]
+    with StoreClient(str(node), token=signed_cluster.config.worker_token) as c:
+        with pytest.raises(Unauthenticated, match="grant"):
+            c.list_units("list-a")
+        with pytest.raises(Unauthenticated, match="grant"):
+            c.list_units()
+        listed = c.list_units("list-a", grant=grant)
+        assert listed and {u["job"] for u in listed} == {"list-a"}
+        assert {u["job"] for u in c.list_units(grant=grant)} == {"list-a"}  # the grant names the job
+        with pytest.raises(Unauthenticated, match="list-b"):
+            c.list_units("list-b", grant=grant)
+        unit = listed[0]["unit_id"]
+        assert c.unit_info("list-a", unit, grant=grant)["unit_id"] == unit
+        with pytest.raises(Unauthenticated, match="grant"):
+            c.unit_info("list-a", unit)
+        with pytest.raises(Unauthenticated, match="no grant"):
+            c.get(Ticket(job="list-a", reads=(UnitRead(unit_id=unit),)))

@@ -91,7 +91,10 @@ def install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors()[:10]:
             loc = ".".join(str(x) for x in err.get("loc", ()))
             parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-        return _json(422, "invalid_request", "; ".join(parts) or "invalid request")
+        # a job spec (create, quota update) that breaks the schema is an invalid job spec, like one
+        # that breaks a rule across its fields (409): clients map both to InvalidJobSpec
+        spec = request.method in ("POST", "PUT") and re.fullmatch(r"/v1/jobs(/[^/]+/quotas)?", request.url.path)
+        return _json(422, "invalid_job_spec" if spec else "invalid_request", "; ".join(parts) or "invalid request")
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

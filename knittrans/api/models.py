@@ -21,10 +21,13 @@ def _not_bool(value: Any) -> Any:
 
 Int32 = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
 Count = Annotated[int, Field(ge=0, le=(1 << 53) - 1), BeforeValidator(_not_bool)]
+Seconds = Annotated[float, Field(ge=0, le=1e9), BeforeValidator(_not_bool)]
 Positive = Annotated[int, Field(ge=1, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
-Endpoint = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^grpc(\+tls|\+tcp)?://[^\s/]+:[0-9]{1,5}$",
+Endpoint = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^grpc(\+tls|\+tcp)?://[A-Za-z0-9._:\[\]-]+:[0-9]{1,5}$",
                                 examples=["grpc://127.0.0.1:8815"])]
+MAX_WORLD_SIZE = 65_536
+"""Most trainer ranks one job may have."""
 MAX_UNITS_PER_REQUEST = 512
 """Most units one registration may carry (send more in several requests)."""
 
@@ -94,7 +97,7 @@ class JobCreate(_In):
     quotas: dict[Name, Int32] = Field(min_length=1)
     mini_batches_per_step: Positive
     policy: Literal["train_batch", "linear_target", "constraint_preserving"] = "constraint_preserving"
-    world_size: Positive
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE), BeforeValidator(_not_bool)]
     micro_batch_tokens: Positive | None = None
     micro_batch_size: Positive | None = None
     bounds: dict[Name, BoundsIn] | None = None
@@ -143,12 +146,12 @@ class NodeUsageIn(_In):
 
     model_config = ConfigDict(extra="ignore")
 
-    units: int = Field(default=0, ge=0)
-    rows: int = Field(default=0, ge=0)
-    bytes_in_memory: int = Field(default=0, ge=0)
-    bytes_spilled: int = Field(default=0, ge=0)
-    budget_bytes: int | None = Field(default=None, ge=0)
-    budget_used: int = Field(default=0, ge=0)
+    units: Count = 0
+    rows: Count = 0
+    bytes_in_memory: Count = 0
+    bytes_spilled: Count = 0
+    budget_bytes: Count | None = None
+    budget_used: Count = 0
 
 
 class NodeLostIn(_In):
@@ -182,8 +185,8 @@ class GroupIn(_In):
     trajectory_tokens: list[Int32] = Field(min_length=1)
     version_start: Int32
     version_end: Int32
-    version_weighted: float = Field(ge=0, le=(1 << 31) - 1)
-    finished_at: float = Field(ge=0, le=1e11)
+    version_weighted: Annotated[float, BeforeValidator(_not_bool)] = Field(ge=0, le=(1 << 31) - 1)
+    finished_at: Annotated[float, BeforeValidator(_not_bool)] = Field(ge=0, le=1e11)
     media_hashes: list[Hash] = []
 
 
@@ -311,11 +314,11 @@ class RankPlanOut(BaseModel):
 class TransferIn(_In):
     """Transfer figures of the mini-batch a rank acks (summed per rank for the dashboard and /metrics)."""
 
-    exposed_s: float = Field(default=0.0, ge=0, description="seconds the training loop blocked on data")
-    fetch_s: float = Field(default=0.0, ge=0, description="seconds spent in DoGet calls")
-    row_bytes: int = Field(default=0, ge=0, description="trajectory-row bytes moved")
-    media_logical_bytes: int = Field(default=0, ge=0, description="media bytes the rows reference")
-    media_physical_bytes: int = Field(default=0, ge=0, description="media bytes actually fetched")
+    exposed_s: Seconds = Field(default=0.0, description="seconds the training loop blocked on data")
+    fetch_s: Seconds = Field(default=0.0, description="seconds spent in DoGet calls")
+    row_bytes: Count = Field(default=0, description="trajectory-row bytes moved")
+    media_logical_bytes: Count = Field(default=0, description="media bytes the rows reference")
+    media_physical_bytes: Count = Field(default=0, description="media bytes actually fetched")
 
 
 class AckIn(_In):

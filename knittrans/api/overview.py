@@ -12,10 +12,14 @@ if TYPE_CHECKING:
     from knittrans.api.observe import Observations
     from knittrans.api.service import ControlPlane
 
-__all__ = ["LOST_SHOWN", "overview", "staleness_series"]
+__all__ = ["LOST_SHOWN", "RANKS_SHOWN", "overview", "staleness_series"]
 
 LOST_SHOWN = 50
 """At most this many lost groups and groups to regenerate are listed per job (the counts are exact)."""
+
+
+RANKS_SHOWN = 256
+"""Ranks listed per job even before they report (ranks that reported are always listed)."""
 
 
 def staleness_series(job: JobState) -> dict[str, dict[str, list[dict[str, float]]]]:
@@ -53,7 +57,9 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
         per_source[g.record.source] = per_source.get(g.record.source, 0) + 1
     ranks = []
     transfers = observed.job_ranks(job.name)
-    for rank in range(job.spec.world_size):
+    # the first RANKS_SHOWN ranks and every rank that reported (acks or versions): O(ranks seen), not O(world_size)
+    shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)
+    for rank in sorted(shown):
         entry = transfers.get(rank)
         ranks.append({"rank": rank, "version": job.rank_versions.get(rank),
                       **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_plan": {}})})

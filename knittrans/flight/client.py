@@ -160,14 +160,19 @@ class StoreClient:
         """Liveness: ``{"ok": True, "node_id": ..., "endpoint": ...}``."""
         return dict(self._action("health"))
 
-    def list_units(self, job: str | None = None) -> list[dict[str, Any]]:
-        """Sealed units (of one job or all): job, unit_id, num_rows, num_bytes."""
-        infos = self._call(lambda: list(self._client.list_flights((job or "").encode(), self._options)))
+    def list_units(self, job: str | None = None, *, grant: str | None = None) -> list[dict[str, Any]]:
+        """Sealed units (of one job or all): job, unit_id, num_rows, num_bytes.
+
+        ``grant``: on a store with a ticket key, a grant of ``job`` (from a rank plan's tickets);
+        such a store lists that job's units only.
+        """
+        criteria = (job or "") + (f"\n{grant}" if grant else "")
+        infos = self._call(lambda: list(self._client.list_flights(criteria.encode(), self._options)))
         return [self._describe(i) for i in infos]
 
-    def unit_info(self, job: str, unit_id: str) -> dict[str, Any]:
-        """One sealed unit's job, unit_id, num_rows and num_bytes."""
-        d = flight.FlightDescriptor.for_path(job, unit_id)
+    def unit_info(self, job: str, unit_id: str, *, grant: str | None = None) -> dict[str, Any]:
+        """One sealed unit's job, unit_id, num_rows and num_bytes (``grant``: as in :meth:`list_units`)."""
+        d = flight.FlightDescriptor.for_path(job, unit_id, *([grant] if grant else []))
         return self._describe(self._call(lambda: self._client.get_flight_info(d, self._options)))
 
     @staticmethod

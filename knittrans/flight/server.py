@@ -41,10 +41,10 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import Conflict, InvalidRequest, KnitTransError, OverBudget, PayloadTooLarge
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, OverBudget, PayloadTooLarge, Unauthenticated
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import to_flight_error
-from knittrans.grants import check_ticket
+from knittrans.grants import check_listing, check_ticket
 from knittrans.names import check_name
 from knittrans.schema import check_schema, validate_part
 from knittrans.store import SealedUnit, StoreConfig, UnitStore
@@ -188,20 +188,39 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
 
     @_mapped
     def list_flights(self, context: Any, criteria: bytes) -> Iterator[flight.FlightInfo]:
-        """One FlightInfo per sealed unit; criteria is a job name or empty for all jobs."""
+        """One FlightInfo per sealed unit; criteria: a job name or empty for all jobs.
+
+        A store with a ticket key (signed mode) lists one job only, for a caller that shows a grant
+        of that job: criteria ``<job>`` newline ``<grant>`` (or just ``<grant>``). The listed tickets carry no
+        grant, so they are a description, not a permission: reads still need a plan's grant.
+        """
         try:
-            job = criteria.decode() if criteria else None
+            text = criteria.decode() if criteria else ""
         except UnicodeDecodeError:
-            raise InvalidRequest("ListFlights criteria must be a UTF-8 job name or empty") from None
-        if job is not None:
+            raise InvalidRequest("ListFlights criteria must be UTF-8 (a job name, or <job>\\n<grant>)") from None
+        job, _, grant = text.partition("\n")
+        if self.config.ticket_key:
+            if not grant and "." in job:  # a bare grant
+                job, grant = "", job
+            job = check_listing(self.config.ticket_key.encode(), grant, job=job or None, now=time.time())
+        elif grant:
+            raise InvalidRequest("this store has no ticket key: ListFlights criteria is a job name or empty")
+        if job:
             check_name(job, "job")
-        units = self.store.units(job)
+        units = self.store.units(job or None)
         return iter([self._info(u) for u in units])
 
     @_mapped
     def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
-        """FlightInfo of the unit named by descriptor path ``[job, unit]``."""
+        """FlightInfo of the unit named by descriptor path ``[job, unit]`` (signed mode:
+        ``[job, unit, grant]`` with a grant of that job)."""
         path = [p.decode() for p in (descriptor.path or [])]
+        if self.config.ticket_key:
+            if len(path) != 3:
+                raise Unauthenticated("this store describes units only with a grant of their job: "
+                                      "descriptor path [job, unit, grant]")
+            check_listing(self.config.ticket_key.encode(), path[2], job=path[0], now=time.time())
+            path = path[:2]
         if len(path) != 2:
             raise InvalidRequest(f"descriptor path must be [job, unit], got {path}")
         return self._info(self.store.get(path[0], path[1]))
