@@ -10,8 +10,16 @@
 # from the Debian mirror apt uses here (KNITTRANS_DEBIAN_MIRROR overrides it). Python packages:
 # the wheels are downloaded on the host with the host's pip configuration into .wheelhouse/ and
 # installed in the image with --no-index (the build itself needs no network).
-# Tokens: KNITTRANS_{WORKER,STORE,ADMIN}_TOKEN from the environment; missing ones are generated
-# once into .compose.env (mode 600, git-ignored), which this script and docker-compose read.
+# Tokens: KNITTRANS_{WORKER,STORE,ADMIN}_TOKEN and KNITTRANS_TICKET_KEY from the environment;
+# missing ones are generated once into .compose.env (mode 600, git-ignored), which this script reads.
+# Each rollout worker, rank and store then gets its own scoped token (`knittrans token`, signed with
+# the admin token): a worker of job `demo`, rank r of `demo`, a store node. Plan tickets carry grants
+# signed with the ticket key, which only the control plane and the stores hold.
+# TLS (default on; KNITTRANS_TLS=off for plain text): a CA and one server certificate for the
+# stack's names (control-plane, store-a, store-b, localhost, 127.0.0.1) are made once with openssl
+# in KNITTRANS_TLS_DIR (default ./deploy/tls; the CA's key is deleted after signing). The control
+# plane serves HTTPS, stores grpc+tls, and every client verifies the CA (host side:
+# $KNITTRANS_TLS_DIR/ca.pem, e.g. `curl --cacert deploy/tls/ca.pem https://127.0.0.1:8700/...`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_IMAGE=${KNITTRANS_BASE_IMAGE:-knittrans-base:bookworm}
@@ -24,7 +32,7 @@ export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-knittrans}
 
 tokens() {
   local name new=0 saved
-  for name in KNITTRANS_WORKER_TOKEN KNITTRANS_STORE_TOKEN KNITTRANS_ADMIN_TOKEN; do
+  for name in KNITTRANS_WORKER_TOKEN KNITTRANS_STORE_TOKEN KNITTRANS_ADMIN_TOKEN KNITTRANS_TICKET_KEY; do
     if [ -z "${!name:-}" ] && [ -f .compose.env ]; then   # the environment wins over the file
       saved=$(sed -n "s/^$name=//p" .compose.env | head -n1)
       if [ -n "$saved" ]; then printf -v "$name" '%s' "$saved"; export "${name?}"; fi
@@ -36,10 +44,50 @@ tokens() {
   done
   if [ "$new" = 1 ]; then
     umask 077
-    printf 'KNITTRANS_WORKER_TOKEN=%s\nKNITTRANS_STORE_TOKEN=%s\nKNITTRANS_ADMIN_TOKEN=%s\n' \
-      "$KNITTRANS_WORKER_TOKEN" "$KNITTRANS_STORE_TOKEN" "$KNITTRANS_ADMIN_TOKEN" > .compose.env
+    printf 'KNITTRANS_WORKER_TOKEN=%s\nKNITTRANS_STORE_TOKEN=%s\nKNITTRANS_ADMIN_TOKEN=%s\nKNITTRANS_TICKET_KEY=%s\n' \
+      "$KNITTRANS_WORKER_TOKEN" "$KNITTRANS_STORE_TOKEN" "$KNITTRANS_ADMIN_TOKEN" "$KNITTRANS_TICKET_KEY" > .compose.env
     log "tokens written to .compose.env (source it to use the admin token)"
   fi
+  # one scoped credential per process (the shared worker token stays valid for tools and tests)
+  local mint=("$PY" -m knittrans.cli token)
+  KNITTRANS_ROLLOUT_TOKEN=$("${mint[@]}" --role worker --job demo)
+  KNITTRANS_RANK0_TOKEN=$("${mint[@]}" --role rank --job demo --rank 0)
+  KNITTRANS_RANK1_TOKEN=$("${mint[@]}" --role rank --job demo --rank 1)
+  KNITTRANS_NODE_TOKEN=$("${mint[@]}" --role store)
+  export KNITTRANS_ROLLOUT_TOKEN KNITTRANS_RANK0_TOKEN KNITTRANS_RANK1_TOKEN KNITTRANS_NODE_TOKEN
+}
+
+tls() {
+  export KNITTRANS_TLS_DIR=${KNITTRANS_TLS_DIR:-./deploy/tls}
+  if [ "${KNITTRANS_TLS:-on}" = off ]; then
+    export KNITTRANS_CONTROL_SCHEME=http KNITTRANS_FLIGHT_SCHEME=grpc
+    export KNITTRANS_TLS_CERT= KNITTRANS_TLS_KEY= KNITTRANS_TLS_CA=
+    return
+  fi
+  local dir=$KNITTRANS_TLS_DIR
+  if [ ! -s "$dir/cert.pem" ] || [ ! -s "$dir/key.pem" ] || [ ! -s "$dir/ca.pem" ]; then
+    command -v openssl >/dev/null || { echo "openssl is missing (apt-get install -y openssl), or KNITTRANS_TLS=off" >&2; exit 1; }
+    log "making a CA and the stack's server certificate in $dir"
+    mkdir -p "$dir"
+    local ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+    openssl req -x509 "${ec[@]}" -days 30 -subj "/CN=knittrans-compose-ca" -keyout "$dir/ca.key" -out "$dir/ca.pem" 2>/dev/null
+    openssl req "${ec[@]}" -subj "/CN=knittrans" -keyout "$dir/key.pem" -out "$dir/cert.csr" 2>/dev/null
+    printf '%s\n' "subjectAltName=DNS:control-plane,DNS:store-a,DNS:store-b,DNS:localhost,IP:127.0.0.1" \
+      "basicConstraints=CA:FALSE" "extendedKeyUsage=serverAuth" > "$dir/ext.cnf"
+    openssl x509 -req -in "$dir/cert.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" -CAcreateserial -days 30 \
+      -extfile "$dir/ext.cnf" -out "$dir/cert.pem" 2>/dev/null
+    rm -f "$dir/ca.key" "$dir/ca.srl" "$dir/cert.csr" "$dir/ext.cnf"   # the CA signs nothing else
+    chmod 644 "$dir/ca.pem" "$dir/cert.pem"
+    if [ "$(id -u)" = 0 ]; then   # readable by the image's user (uid 10001) only
+      chown 10001:10001 "$dir/key.pem"; chmod 600 "$dir/key.pem"
+    else
+      chmod 644 "$dir/key.pem"; log "warning: $dir/key.pem is world-readable (run as root to give it to uid 10001)"
+    fi
+  fi
+  # paths inside the containers (the folder is mounted read-only at /etc/knittrans/tls)
+  export KNITTRANS_CONTROL_SCHEME=https KNITTRANS_FLIGHT_SCHEME=grpc+tls
+  export KNITTRANS_TLS_CERT=/etc/knittrans/tls/cert.pem KNITTRANS_TLS_KEY=/etc/knittrans/tls/key.pem
+  export KNITTRANS_TLS_CA=/etc/knittrans/tls/ca.pem
 }
 
 base_image() {
@@ -86,6 +134,7 @@ images() {
 case "${1:-up}" in
   --down|down)
     tokens
+    tls
     "${COMPOSE[@]}" down -v --remove-orphans --timeout 5
     ;;
   --build|build)
@@ -93,10 +142,11 @@ case "${1:-up}" in
     ;;
   up|--up)
     tokens
+    tls
     images
     log "starting the stack (project $COMPOSE_PROJECT_NAME)"
     "${COMPOSE[@]}" up -d --no-build
-    log "up; admin API on http://127.0.0.1:${KNITTRANS_ADMIN_PORT:-8700} (dashboard /ui)"
+    log "up; admin API on $KNITTRANS_CONTROL_SCHEME://127.0.0.1:${KNITTRANS_ADMIN_PORT:-8700} (dashboard /ui)"
     ;;
   *)
     echo "usage: $0 [up|--build|--down]" >&2; exit 2

@@ -237,3 +237,30 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
         forged = worker[:-4] + ("0000" if not worker.endswith("0000") else "1111")
         with ControlClient(srv.url, token=forged, retries=0) as c, pytest.raises(Unauthenticated):
             c.status("job1")
+
+
+def test_token_command_mints_offline_what_the_control_plane_mints(tmp_path: Path) -> None:
+    """`knittrans token` (admin token from the environment) gives the same token as POST /v1/tokens;
+    without the admin token, or a rank token without --rank, it exits 2 naming what is missing."""
+    import os
+
+    from knittrans.controlclient import ControlClient
+
+    def cli(*args: str, admin: str | None = ADMIN) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "KNITTRANS_ADMIN_TOKEN"}
+        if admin is not None:
+            env["KNITTRANS_ADMIN_TOKEN"] = admin
+        return subprocess.run([sys.executable, "-m", "knittrans.cli", "token", *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    offline = cli("--role", "rank", "--job", "job1", "--rank", "1")
+    assert offline.returncode == 0, offline.stderr
+    with server(tmp_path / "cp.db", *_tokens()) as srv, ControlClient(srv.url, token=ADMIN) as admin:
+        admin.create_job(job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=2))
+        assert offline.stdout.strip() == admin.mint_token("rank", job="job1", rank=1)
+        with ControlClient(srv.url, token=offline.stdout.strip(), retries=0) as c:
+            assert c.report_version("job1", 2, rank=1)["version"] == 2
+    missing = cli("--role", "store", admin=None)
+    assert missing.returncode == 2 and "KNITTRANS_ADMIN_TOKEN" in missing.stderr
+    no_rank = cli("--role", "rank", "--job", "job1")
+    assert no_rank.returncode == 2 and "--rank" in no_rank.stderr

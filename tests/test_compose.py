@@ -29,7 +29,8 @@ from knittrans.procs import ProcessGroup, free_port, knittrans_command, wait_unt
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-TOKENS = ("KNITTRANS_WORKER_TOKEN", "KNITTRANS_STORE_TOKEN", "KNITTRANS_ADMIN_TOKEN")
+TOKENS = ("KNITTRANS_WORKER_TOKEN", "KNITTRANS_STORE_TOKEN", "KNITTRANS_ADMIN_TOKEN", "KNITTRANS_TICKET_KEY",
+          "KNITTRANS_ROLLOUT_TOKEN", "KNITTRANS_RANK0_TOKEN", "KNITTRANS_RANK1_TOKEN", "KNITTRANS_NODE_TOKEN")
 DUMMY_ENV = {name: f"dummy-{name.lower()}" for name in TOKENS}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
@@ -216,9 +217,10 @@ def test_store_health_probe_runs_against_real_store(compose: dict[str, Any], com
     assert "health" in {a for a, _ in StoreServer.list_actions(None, None)}  # type: ignore[arg-type]
     server = start_server(token="s3cret")
     test = compose["services"]["store-a"]["healthcheck"]["test"]
-    assert _run_probe(test, 8815, server.port, {"KNITTRANS_STORE_TOKEN": "s3cret"}) == 0
-    assert _run_probe(test, 8815, server.port, {"KNITTRANS_STORE_TOKEN": "wrong"}) != 0
-    assert _run_probe(test, 8815, free_port(), {"KNITTRANS_STORE_TOKEN": "s3cret"}) != 0
+    env = {"KNITTRANS_FLIGHT_SCHEME": "grpc"}
+    assert _run_probe(test, 8815, server.port, {**env, "KNITTRANS_STORE_TOKEN": "s3cret"}) == 0
+    assert _run_probe(test, 8815, server.port, {**env, "KNITTRANS_STORE_TOKEN": "wrong"}) != 0
+    assert _run_probe(test, 8815, free_port(), {**env, "KNITTRANS_STORE_TOKEN": "s3cret"}) != 0
 
 
 def test_control_plane_health_probe_runs_against_real_server(compose: dict[str, Any], commands: dict[str, Any],
@@ -228,13 +230,14 @@ def test_control_plane_health_probe_runs_against_real_server(compose: dict[str, 
 
     (cp_name, cp), = by_kind(commands, "control-plane").items()
     test = compose["services"][cp_name]["healthcheck"]["test"]
-    assert f"http://127.0.0.1:{cp.port}/v1/health" in test[-1]
+    assert f"://127.0.0.1:{cp.port}/v1/health" in test[-1] and "KNITTRANS_CONTROL_SCHEME" in test[-1]
     assert "/v1/health" in {getattr(r, "path", None) for r in router.routes}
     port = free_port()
-    assert _run_probe(test, cp.port, port, {}) != 0, "the probe must fail when nothing listens"
+    env = {"KNITTRANS_CONTROL_SCHEME": "http", "KNITTRANS_TLS_CA": ""}
+    assert _run_probe(test, cp.port, port, env) != 0, "the probe must fail when nothing listens"
     with ProcessGroup(tmp_path / "logs") as procs:
         procs.start("cp", knittrans_command("control-plane", "--db", str(tmp_path / "c.db"), "--port", str(port)))
-        wait_until(lambda: _run_probe(test, cp.port, port, {}) == 0, timeout_s=60, what="control-plane probe")
+        wait_until(lambda: _run_probe(test, cp.port, port, env) == 0, timeout_s=60, what="control-plane probe")
 
 
 def test_depends_on_conditions(compose: dict[str, Any], commands: dict[str, Any]) -> None:
@@ -290,18 +293,23 @@ def test_tokens_come_from_environment(compose: dict[str, Any]) -> None:
         with pytest.raises(MissingVariable, match=missing):
             load(env)
     raw = yaml.safe_load(COMPOSE.read_text())
+    # each process has its own scoped control-plane credential; only stores hold the ticket key
+    own = {"store": "KNITTRANS_NODE_TOKEN", "rollout": "KNITTRANS_ROLLOUT_TOKEN"}
     for name, svc in compose["services"].items():
         sub = svc["command"][1] if svc["command"][0] == "knittrans" else None
         if sub in ("store", "rollout", "train"):
-            env = raw["services"][name]["environment"]
-            assert env["KNITTRANS_WORKER_TOKEN"].startswith("${KNITTRANS_WORKER_TOKEN:?")
-            assert env["KNITTRANS_STORE_TOKEN"].startswith("${KNITTRANS_STORE_TOKEN:?")
+            env = svc["environment"]
+            token = own.get(sub) or f"KNITTRANS_RANK{parse_command(list(svc['command']))[1].rank}_TOKEN"
+            assert env["KNITTRANS_WORKER_TOKEN"] == DUMMY_ENV[token], (name, token)
+            assert env["KNITTRANS_STORE_TOKEN"] == DUMMY_ENV["KNITTRANS_STORE_TOKEN"], name
+            assert ("KNITTRANS_TICKET_KEY" in env) == (sub == "store"), name
             assert "--token" not in svc["command"] and "--store-token" not in svc["command"]
     cp = raw["services"]["control-plane"]
     assert "--worker-token" not in cp["command"] and "--admin-token" not in cp["command"], (
         "tokens on a command line show in `ps`; the control plane reads them from its environment")
     assert cp["environment"]["KNITTRANS_WORKER_TOKEN"].startswith("${KNITTRANS_WORKER_TOKEN:?")
     assert cp["environment"]["KNITTRANS_ADMIN_TOKEN"].startswith("${KNITTRANS_ADMIN_TOKEN:?")
+    assert cp["environment"]["KNITTRANS_TICKET_KEY"].startswith("${KNITTRANS_TICKET_KEY:?")
     assert "dummy-knittrans_admin_token" not in str(compose["services"]["store-a"])
 
 

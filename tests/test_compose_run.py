@@ -67,11 +67,21 @@ class Stack:
             "KNITTRANS_ADMIN_TOKEN": self.admin, "KNITTRANS_NODE_TIMEOUT_S": "6", "KNITTRANS_TOTAL_STEPS": str(STEPS),
             "KNITTRANS_BACKEND_SUBNET": f"10.219.{n}.0/24", "KNITTRANS_ADMIN_SUBNET": f"10.219.{n + 1}.0/24",
             "KNITTRANS_STORE_SHM_SIZE": "256m", "KNITTRANS_STORE_BUDGET_BYTES": str(128 << 20),
+            "KNITTRANS_TICKET_KEY": secrets.token_hex(24), "KNITTRANS_TLS_DIR": str(tmp / "tls"),
         }
+        self.ca = tmp / "tls" / "ca.pem"  # made by compose_up.sh: every hop of the stack is TLS
+        self.url = f"https://127.0.0.1:{self.port}"
         self.compose = _compose_cmd()
-        self.api = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10,
-                                headers={"Authorization": f"Bearer {self.admin}"})
+        self._api: httpx.Client | None = None
         self.logs = tmp / "compose-logs.txt"
+
+    @property
+    def api(self) -> httpx.Client:
+        """Admin client of the control plane, verifying the stack's CA (made when the stack starts)."""
+        if self._api is None:
+            self._api = httpx.Client(base_url=self.url, timeout=10, verify=str(self.ca),
+                                     headers={"Authorization": f"Bearer {self.admin}"})
+        return self._api
 
     def run(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(list(args), cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -110,7 +120,8 @@ class Stack:
     def down(self) -> None:
         self.logs.write_text(self.dc("logs", "--no-color", "--tail", "200", timeout=120, check=False).stdout)
         self.run("bash", str(SCRIPT), "--down", timeout=300, check=False)
-        self.api.close()
+        if self._api is not None:
+            self._api.close()
 
 
 def poll(what: str, check: Callable[[], T], timeout_s: float, interval_s: float = 0.25) -> T:
@@ -148,8 +159,9 @@ def _screenshot(stack: Stack, path: Path) -> None:
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"http://127.0.0.1:{stack.port}/ui#token={stack.admin}")
+        # the page is served over HTTPS with the stack's own CA (httpx checks the chain elsewhere)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, ignore_https_errors=True)
+        page.goto(f"{stack.url}/ui#token={stack.admin}")
         page.locator('.badge[data-state="lost"]').wait_for(timeout=30_000)
         page.screenshot(path=str(path), full_page=True)
         browser.close()
@@ -263,7 +275,7 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     assert all(n["usage"] is not None for n in view["nodes"])
     (job,) = view["jobs"]
     assert [r["mini_batches"] > 0 and r["row_bytes"] > 0 for r in job["ranks"]] == [True] * RANKS
-    metrics = httpx.get(f"http://127.0.0.1:{stack.port}/metrics", timeout=10).text
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10, verify=str(stack.ca)).text
     assert 'knittrans_rank_physical_bytes_total{job_name="demo",rank="1"}' in metrics
 
     result = {"timings_s": {k: round(v, 2) for k, v in timings.items()}, "steps": STEPS,

@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
                         help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)")
     parser.add_argument("--node-timeout-s", type=float, default=30.0, help="heartbeat timeout of store nodes")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS (needs --tls-key)")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-cert", default=os.environ.get("KNITTRANS_TLS_CERT") or None,
+                        help="PEM certificate: serve HTTPS (needs --tls-key; default $KNITTRANS_TLS_CERT)")
+    parser.add_argument("--tls-key", default=os.environ.get("KNITTRANS_TLS_KEY") or None,
+                        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)")
     parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default="NORMAL",
                         help="SQLite synchronous pragma (FULL also survives power loss)")
 

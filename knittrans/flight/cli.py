@@ -41,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
                         help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats (default 2)")
-    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve grpc+tls (needs --tls-key)")
-    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-cert", type=Path, default=_env_path("KNITTRANS_TLS_CERT"),
+                        help="PEM certificate: serve grpc+tls (needs --tls-key; default $KNITTRANS_TLS_CERT)")
+    parser.add_argument("--tls-key", type=Path, default=_env_path("KNITTRANS_TLS_KEY"),
+                        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow serving a non-loopback address without --token (anyone could read and write)")
 
@@ -82,6 +84,11 @@ def run(args: Any) -> int:
     finally:
         stopped.set()
     return 0
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def _loopback(host: str) -> bool:

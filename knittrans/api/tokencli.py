@@ -1,0 +1,44 @@
+"""``knittrans token``: mint a scoped bearer token offline, with the admin token as the key.
+
+The same token ``POST /v1/tokens`` returns (HMAC-SHA256 under the admin token, see
+:mod:`knittrans.api.auth`), for launchers that start workers before the control plane answers
+(``scripts/compose_up.sh`` gives each rollout worker, rank and store its own). The admin token is
+read from ``$KNITTRANS_ADMIN_TOKEN`` only: secrets stay off command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from knittrans.api.auth import Scope, mint_token
+from knittrans.names import check_name
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the subcommand."""
+    parser.add_argument("--role", required=True, choices=("worker", "rank", "store"),
+                        help="worker: one job's rollout; rank: one rank of one job; store: node registration")
+    parser.add_argument("--job", default=None, help="the job (worker and rank tokens)")
+    parser.add_argument("--rank", type=int, default=None, help="the rank (rank tokens)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the token on stdout; errors name what is missing."""
+    secret = os.environ.get("KNITTRANS_ADMIN_TOKEN")
+    if not secret:
+        print("knittrans token: set KNITTRANS_ADMIN_TOKEN (the control plane's admin token signs the token)",
+              file=sys.stderr)
+        return 2
+    if args.role in ("worker", "rank") and not args.job:
+        print(f"knittrans token: a {args.role} token needs --job", file=sys.stderr)
+        return 2
+    if (args.role == "rank") != (args.rank is not None) or (args.rank is not None and args.rank < 0):
+        print("knittrans token: --rank (>= 0) is given exactly for rank tokens", file=sys.stderr)
+        return 2
+    job = check_name(args.job, "job") if args.role != "store" else None
+    print(mint_token(secret.encode(), Scope(role=args.role, job=job, rank=args.rank)))
+    return 0
