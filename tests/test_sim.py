@@ -78,12 +78,15 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     policy=st.sampled_from(POLICIES),
     seed=st.integers(0, 1000),
     lookahead=st.integers(0, 5),
+    handover=st.sampled_from(["step", "mini_batch"]),
 )
 def test_quotas_exact_random_workloads(
-    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int
+    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int,
+    handover: str,
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
-    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken."""
+    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken
+    (under either train_batch handover)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(name=f"s{i}", quota=qi, duration_mean_s=10.0 * (i + 1), duration_cv=cvs[i],
@@ -92,7 +95,7 @@ def test_quotas_exact_random_workloads(
     )
     w = Workload(name="random", sources=sources, group_size=2, mini_batches_per_step=k, window=window,
                  rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True,
-                 lookahead=lookahead)
+                 lookahead=lookahead, train_batch_handover=handover)
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
     assert compute_metrics(trace).quota_violations == 0
