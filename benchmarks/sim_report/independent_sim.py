@@ -7,8 +7,9 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
 * **Window** ``W``: groups launched and not yet taken by a mini-batch the trainer has *started* stay
   ``<= W·q[s]`` per source (``scope="source"``, the issue's "per source, as today's quota-based room"),
   or ``<= W·G`` in total with the source furthest behind its quota share of launches going first
-  (``scope="global"``, what ``knittrans.sched.timing`` implements). ``free_on="admit"`` frees the window
-  at admission instead (the pre-issue model).
+  (``scope="global"``, what ``knittrans.sched.timing`` implements, argued for in
+  ``docs/architecture.md``). ``free_on="admit"`` frees the window at admission instead (the pre-issue
+  model).
 * **Lookahead** ``L``: mini-batch ``n`` is admitted only when ``n <= p + L``, ``p`` = mini-batches
   trained (``L = 0``: admitted when the trainer is ready to start it).
 * **Trainer**: mini-batch ``n`` trains at version ``n`` for ``overhead + s_per_token x tokens of the
@@ -29,7 +30,10 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
 Usage::
 
     .venv/bin/python benchmarks/sim_report/independent_sim.py --workload skewed3 --seeds 3
-    .venv/bin/python benchmarks/sim_report/independent_sim.py --workload balanced --scope global
+    .venv/bin/python benchmarks/sim_report/independent_sim.py --workload balanced --tb-takes mini_batch
+    .venv/bin/python benchmarks/sim_report/independent_sim.py --scope source   # the issue's "per source"
+
+Defaults: ``scope="global"``, ``tb_takes="train_batch"`` (what ``knittrans sim`` does by default).
 
 Prints the ``constraint_preserving`` vs ``train_batch`` reductions (mean per reading, positive part of the
 end reading) and steps/h, so they can be set beside ``knittrans sim``'s table.
@@ -78,9 +82,9 @@ class Config:
     s_per_token: float = 2.0e-4
     world: int = 8
     steps: int = 40
-    scope: str = "source"
+    scope: str = "global"
     free_on: str = "start"
-    tb_takes: str = "mini_batch"
+    tb_takes: str = "train_batch"
 
     @property
     def G(self) -> int:
@@ -385,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-K", type=int)
     ap.add_argument("-W", type=int)
     ap.add_argument("-L", type=int)
-    ap.add_argument("--scope", choices=("source", "global"), default="source")
+    ap.add_argument("--scope", choices=("source", "global"), default="global")
     ap.add_argument("--free-on", choices=("start", "admit"), default="start")
-    ap.add_argument("--tb-takes", choices=("mini_batch", "train_batch"), default="mini_batch")
+    ap.add_argument("--tb-takes", choices=("mini_batch", "train_batch"), default="train_batch")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     cfg = load(a.workload)
