@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -87,8 +90,11 @@ def main() -> int:
         )
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     meta = {"seeds": args.seeds, "steps": args.steps, "K": 16, "W": 1,
-            "command": "python benchmarks/sim_report/cross_check.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/sim_report/cross_check.py " + " ".join(sys.argv[1:]),
+            "machine": platform.node(), "python": platform.python_version(), "load_average": os.getloadavg(),
+            "git_commit": commit}
     (args.out / "cross_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (args.out / "cross_check.md").write_text(md)
     print(md)
