@@ -18,6 +18,7 @@ from knittrans.sched.timing import (
     admitted_ahead,
     launch_order,
     may_admit,
+    released_at_start,
     staleness_bound,
     trainer_position,
     window_room,
@@ -212,3 +213,17 @@ def test_launch_headroom_gives_a_deficit_room_only_while_the_trainer_is_idle() -
     assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=False) == {"math": 0, "code": 0}
     assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=True) == {"math": 0, "code": 2}
     assert launch_headroom(quotas, 3, ["code"], deficit={"code": 1}, trainer_idle=True) == {"math": 0, "code": 3}
+
+
+def test_released_at_start_per_handover() -> None:
+    """"mini_batch": a started mini-batch frees its own groups; "step": the first one frees the whole train batch,
+    the later ones nothing; anything else is refused."""
+    q = {"a": 3, "b": 1}
+    assert released_at_start({"a": 1, "b": 1}, mini_batch_index=0, quotas=q, handover="mini_batch") == {"a": 1, "b": 1}
+    assert released_at_start({"a": 2}, mini_batch_index=1, quotas=q, handover="mini_batch") == {"a": 2, "b": 0}
+    assert released_at_start({"a": 1, "b": 1}, mini_batch_index=0, quotas=q, handover="step") == q
+    assert released_at_start({"a": 2}, mini_batch_index=1, quotas=q, handover="step") == {"a": 0, "b": 0}
+    with pytest.raises(ValueError, match="handover must be one of"):
+        released_at_start({}, mini_batch_index=0, quotas=q, handover="batch")
+    with pytest.raises(ValueError, match="mini_batch_index"):
+        released_at_start({}, mini_batch_index=-1, quotas=q, handover="step")

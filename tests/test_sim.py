@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from knittrans.cli import main
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
+from knittrans.sched.staleness import architectural_staleness
 from knittrans.sim.engine import simulate
 from knittrans.sim.metrics import compute_metrics
 from knittrans.sim.workload import SourceProfile, Workload, bundled_workloads, load_workload
@@ -78,12 +79,15 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     policy=st.sampled_from(POLICIES),
     seed=st.integers(0, 1000),
     lookahead=st.integers(0, 5),
+    handover=st.sampled_from(["step", "mini_batch"]),
 )
 def test_quotas_exact_random_workloads(
-    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int
+    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int,
+    handover: str,
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
-    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken."""
+    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken
+    (under either train_batch handover)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(name=f"s{i}", quota=qi, duration_mean_s=10.0 * (i + 1), duration_cv=cvs[i],
@@ -92,7 +96,7 @@ def test_quotas_exact_random_workloads(
     )
     w = Workload(name="random", sources=sources, group_size=2, mini_batches_per_step=k, window=window,
                  rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True,
-                 lookahead=lookahead)
+                 lookahead=lookahead, train_batch_handover=handover)
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
     assert compute_metrics(trace).quota_violations == 0
@@ -185,3 +189,41 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fastest" in capsys.readouterr().err
     assert main(["sim", "--workload", "nope", "--no-progress"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["skewed3", "balanced", "code_agent_skew"])
+def test_train_batch_handed_whole_batches_is_exactly_one_batch_off_policy(name: str) -> None:
+    """The conventional baseline (handover "step") launches a whole train batch when the trainer starts a step
+    with the newest weights: every later group's start-reading architectural staleness is exactly W·K. The paced
+    baseline (handover "mini_batch") launches as mini-batches start, so it is fresher on average."""
+    w = load_workload(name).with_overrides(steps=8)
+    k = w.mini_batches_per_step
+    handed = simulate(w, "train_batch", seed=0)
+    values = {architectural_staleness(c.v_train, c.version_start, c.mini_batch_index)
+              for c in handed.consumed if c.step >= 1}
+    assert values == {float(w.window * k)}
+    paced = compute_metrics(simulate(w.with_overrides(train_batch_handover="mini_batch"), "train_batch", seed=0))
+    assert paced.readings["start"].architectural.mean < w.window * k - 1
+
+
+def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--paced-baseline` adds the train_batch_paced row and reductions against it; `--tb-handover mini_batch`
+    makes train_batch itself the paced baseline (both rows then agree); a bad handover exits 2."""
+    out = tmp_path / "res.json"
+    rc = main(["sim", "--workload", "skewed3", "--seeds", "1", "--steps", "3", "--paced-baseline",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    assert "train_batch_paced" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["configs"][0]["policies"]
+    assert set(rows) == {*POLICIES, "train_batch_paced"}
+    assert rows["train_batch"]["start_arch_mean"] == 16.0
+    assert rows["train_batch_paced"]["start_arch_reduction_vs_paced"] == 0.0
+    assert rows["constraint_preserving"]["start_arch_reduction_vs_paced"] < rows["constraint_preserving"][
+        "start_arch_reduction"]
+    rc = main(["sim", "--workload", "skewed3", "--seeds", "1", "--steps", "3", "--paced-baseline",
+               "--tb-handover", "mini_batch", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["configs"][0]["policies"]
+    assert rows["train_batch"]["start_arch_mean"] == rows["train_batch_paced"]["start_arch_mean"]
+    with pytest.raises(SystemExit):
+        main(["sim", "--tb-handover", "batch", "--no-progress"])

@@ -20,7 +20,7 @@ from knittrans.sim.workload import SourceProfile, Workload
 # a token, so weights arriving at the very instant a group finishes do not count.
 
 
-def hand_workload(*, in_flight: bool = True, lookahead: int = 1) -> Workload:
+def hand_workload(*, in_flight: bool = True, lookahead: int = 1, handover: str = "step") -> Workload:
     """The 2-source case above."""
     return Workload(
         name="hand",
@@ -30,7 +30,7 @@ def hand_workload(*, in_flight: bool = True, lookahead: int = 1) -> Workload:
         ),
         group_size=1, mini_batches_per_step=2, window=1, rollout_slots=4, sync_delay_s=0.0,
         in_flight_updates=in_flight, trainer_overhead_s=1.0, trainer_s_per_token=0.0, world_size=1,
-        lookahead=lookahead, steps=2,
+        lookahead=lookahead, train_batch_handover=handover, steps=2,
     )
 
 
@@ -49,25 +49,38 @@ CP = {
     "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 1, 2 / 3),
     "a-3": (3, 1, 1, 1, 1.0), "b-3": (3, 1, 1, 3, 2.0),
 }
-# train_batch: waits for all four groups (t=3), then admits mb0 = {a-0, b-0} and, with L = 1, mb1 =
-#  {a-1, b-1}. mb0 trains 3..4 and frees one slot of each source: a-2 (3..4), b-2 (3..6) at v0. t=4 v1;
-#  a-2 ends at that instant: (0, 0, 0). mb1 trains 4..5 and frees the rest: a-3 (4..5), b-3 (4..7) at v1.
-#  t=5 v2; a-3 ends: (1, 1, 1.0). t=6 b-2: v0 [3,4), v1 [4,5), v2 [5,6] -> (0, 2, 1.0). t=7 b-3:
-#  v1 [4,5), v2 [5,7] -> (1, 2, 5/3); mb2 = {a-2, b-2} and mb3 = {a-3, b-3} admitted, train 7..8, 8..9.
+# train_batch (default handover "step": the trainer is handed the whole train batch when it starts the
+#  step): waits for all four groups (t=3), admits mb0 = {a-0, b-0} and, with L = 1, mb1 = {a-1, b-1}.
+#  mb0 trains 3..4 and the whole step leaves the window: a-2, a-3 (3..4), b-2, b-3 (3..6) launch at v0.
+#  t=4 v1 arrives as a-2, a-3 end: (0, 0, 0). mb1 trains 4..5. t=5 v2. t=6 b-2, b-3: v0 [3,4), v1 [4,5),
+#  v2 [5,6] -> (0, 2, 1.0); mb2 = {a-2, b-2} (n2, k0) trains 6..7, mb3 = {a-3, b-3} (n3, k1) 7..8.
 TB = {
+    "a-0": (0, 0, 0, 0, 0.0), "b-0": (0, 0, 0, 0, 0.0),
+    "a-1": (1, 1, 0, 0, 0.0), "b-1": (1, 1, 0, 0, 0.0),
+    "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 2, 1.0),
+    "a-3": (3, 1, 0, 0, 0.0), "b-3": (3, 1, 0, 2, 1.0),
+}
+# train_batch with handover "mini_batch" (the paced baseline: the project's rule, a group leaves the window
+#  when its own mini-batch starts): mb0 trains 3..4 and frees one slot of each source: a-2 (3..4), b-2
+#  (3..6) at v0. t=4 v1; a-2 ends at that instant: (0, 0, 0). mb1 trains 4..5 and frees the rest: a-3
+#  (4..5), b-3 (4..7) at v1. t=5 v2; a-3 ends: (1, 1, 1.0). t=6 b-2: v0 [3,4), v1 [4,5), v2 [5,6] ->
+#  (0, 2, 1.0). t=7 b-3: v1 [4,5), v2 [5,7] -> (1, 2, 5/3); mb2 = {a-2, b-2} and mb3 = {a-3, b-3}
+#  admitted, train 7..8, 8..9.
+TB_PACED = {
     "a-0": (0, 0, 0, 0, 0.0), "b-0": (0, 0, 0, 0, 0.0),
     "a-1": (1, 1, 0, 0, 0.0), "b-1": (1, 1, 0, 0, 0.0),
     "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 2, 1.0),
     "a-3": (3, 1, 1, 1, 1.0), "b-3": (3, 1, 1, 2, 5 / 3),
 }
-# linear_target: mini-batch k needs the plan's cumulative target {a: k+1, b: k+1}, so b gates it:
+# linear_target (always mini-batch by mini-batch; the handover setting is train_batch's only): mini-batch
+#  k needs the plan's cumulative target {a: k+1, b: k+1}, so b gates it:
 #  t=3 b-0 -> mb0 = {a-0, b-0} trains 3..4: launch a-2 (3..4), b-2 (3..6) at v0; b-1 -> mb1 = {a-1, b-1}
 #  (admitted ahead, not started: no window freed). t=4 v1; a-2 (0, 0, 0); mb1 trains 4..5: launch a-3
 #  (4..5), b-3 (4..7) at v1. t=5 v2; a-3 (1, 1, 1.0). t=6 b-2 (0, 2, 1.0) -> mb2 = {a-2, b-2} trains
 #  6..7. t=7 v3 arrives as b-3 ends: v1 [4,5), v2 [5,7] -> (1, 2, 5/3); mb3 trains 7..8. Makespan 8 s.
-LT = TB
+LT = TB_PACED
 
-HAND = {"constraint_preserving": (CP, 7.0), "train_batch": (TB, 9.0), "linear_target": (LT, 8.0)}
+HAND = {"constraint_preserving": (CP, 7.0), "train_batch": (TB, 8.0), "linear_target": (LT, 8.0)}
 
 
 def _by_group(trace: RunTrace) -> dict[str, tuple[int, int, int, int, float]]:
@@ -90,6 +103,31 @@ def test_hand_case_versions_and_makespan(policy: str) -> None:
     assert trace.makespan_s == pytest.approx(makespan)
 
 
+def test_hand_case_paced_train_batch() -> None:
+    """train_batch with handover "mini_batch" frees the window mini-batch by mini-batch (the paced baseline)."""
+    trace = simulate(hand_workload(handover="mini_batch"), "train_batch", seed=0)
+    got = _by_group(trace)
+    assert set(got) == set(TB_PACED)
+    for gid, (n, k, v0, v1, vw) in TB_PACED.items():
+        assert got[gid][:4] == (n, k, v0, v1), gid
+        assert got[gid][4] == pytest.approx(vw), gid
+    assert trace.makespan_s == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("handover", ["step", "mini_batch"])
+def test_handover_changes_only_train_batch(handover: str) -> None:
+    """The handover setting is the train_batch baseline's: the other policies run identically under both."""
+    for policy in ("constraint_preserving", "linear_target"):
+        trace = simulate(hand_workload(handover=handover), policy, seed=0)
+        assert _by_group(trace) == _by_group(simulate(hand_workload(), policy, seed=0))
+
+
+def test_unknown_handover_is_rejected() -> None:
+    """A handover that is neither "step" nor "mini_batch" is a clear error naming both."""
+    with pytest.raises(ValueError, match="train_batch_handover must be one of mini_batch, step"):
+        hand_workload(handover="batch")
+
+
 @pytest.mark.parametrize("policy", sorted(HAND))
 @pytest.mark.parametrize("reading", READINGS)
 def test_hand_case_architectural_staleness(policy: str, reading: str) -> None:
@@ -107,18 +145,22 @@ def test_hand_case_architectural_staleness(policy: str, reading: str) -> None:
 
 
 def test_hand_case_step_one_means() -> None:
-    """Step 1 mean architectural staleness (end reading): CP (2 + 1 + 1 - 1)/4 vs TB (2 + 0 + 1 + 0)/4.
+    """Step 1 mean architectural staleness (end reading): CP (2 + 1 + 1 - 1)/4, TB (2 + 0 + 2 + 0)/4, paced TB
+    (2 + 0 + 1 + 0)/4.
 
-    a-2 finished the instant v1 arrived and counts as v0 under both policies (the end-reading tie).
+    a-2 finished the instant v1 arrived and counts as v0 under every policy (the end-reading tie).
     """
     means = {}
-    for policy in ("constraint_preserving", "train_batch"):
-        trace = simulate(hand_workload(), policy, seed=0)
+    for label, policy, handover in (("constraint_preserving", "constraint_preserving", "step"),
+                                    ("train_batch", "train_batch", "step"),
+                                    ("paced", "train_batch", "mini_batch")):
+        trace = simulate(hand_workload(handover=handover), policy, seed=0)
         step1 = [c for c in trace.consumed if c.step == 1]
-        means[policy] = sum(
+        means[label] = sum(
             architectural_staleness(c.v_train, c.version_end, c.mini_batch_index) for c in step1
         ) / len(step1)
-    assert means == {"constraint_preserving": pytest.approx(0.75), "train_batch": pytest.approx(0.75)}
+    assert means == {"constraint_preserving": pytest.approx(0.75), "train_batch": pytest.approx(1.0),
+                     "paced": pytest.approx(0.75)}
 
 
 def test_hand_case_without_in_flight_updates_keeps_start_version() -> None:

@@ -24,6 +24,15 @@ Definitions (global mini-batch indices ``n = step·K + k`` count from 0):
   slow sources keep proportionally more groups in flight and no rollout slot idles for a per-source cap;
   only those sources may launch (:func:`launchable`), so no source can fill the window and starve another.
 
+* **Handover** (what "taken" means for a policy): the project's policies hand the trainer one
+  mini-batch at a time, so a group leaves the window when *its* mini-batch starts (``"mini_batch"``).
+  The ``train_batch`` baseline stands for a conventional trainer that is handed the whole train batch
+  when it starts a step: all ``G`` groups of the step leave the window when its first mini-batch
+  starts (``"step"``), and rollout refills the whole window at once — one train batch off-policy
+  (:func:`released_at_start`). Applying ``"mini_batch"`` to ``train_batch`` too (the "paced" baseline)
+  gives it the project's trainer-paced launches, which is most of the start-reading gain
+  (``docs/simulator.md``, "What drives each figure").
+
 Staleness bound (end reading). Policies take a source's finished groups in finish order. When a
 group ``g`` of source ``s`` finishes, the trainer is at ``p`` (step ``p // K``) and fewer than ``W·G``
 other untaken groups (of any source) finished before it; the following steps take ``q[s]`` groups of
@@ -42,11 +51,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_LOOKAHEAD",
+    "HANDOVERS",
     "AdmissionTiming",
     "admitted_ahead",
     "launch_order",
     "launchable",
     "may_admit",
+    "released_at_start",
     "staleness_bound",
     "trainer_position",
     "window_room",
@@ -116,6 +127,29 @@ def window_room(quotas: Mapping[str, int], window: int, untaken: Mapping[str, in
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     return window * sum(quotas.values()) - sum(untaken.values())
+
+
+HANDOVERS: tuple[str, ...] = ("mini_batch", "step")
+"""How a started mini-batch frees the window: its own groups, or (k = 0) the whole train batch."""
+
+
+def released_at_start(counts: Mapping[str, int], *, mini_batch_index: int, quotas: Mapping[str, int],
+                      handover: str) -> dict[str, int]:
+    """Groups per source that leave the window when the trainer starts mini-batch ``k`` holding ``counts``.
+
+    ``"mini_batch"``: the mini-batch's own groups. ``"step"`` (a trainer handed the whole train batch):
+    the quotas ``q`` when ``k == 0``, nothing for the later mini-batches of the step.
+
+    Raises:
+        ValueError: unknown handover, negative index.
+    """
+    if handover not in HANDOVERS:
+        raise ValueError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
+    if mini_batch_index < 0:
+        raise ValueError(f"mini_batch_index must be >= 0, got {mini_batch_index}")
+    if handover == "mini_batch":
+        return {s: counts.get(s, 0) for s in quotas}
+    return dict(quotas) if mini_batch_index == 0 else dict.fromkeys(quotas, 0)
 
 
 def launch_headroom(quotas: Mapping[str, int], room: int, allowed: Iterable[str], *,

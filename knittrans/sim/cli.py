@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override in-flight weight updates (partial rollout)")
     parser.add_argument("--colocated", action="store_true",
                         help="also run the colocated reference (zero architectural staleness by construction)")
+    parser.add_argument("--tb-handover", choices=("step", "mini_batch"), default=None,
+                        help="how train_batch's groups leave the window: step (default: a conventional trainer "
+                        "handed the whole train batch) or mini_batch (the project's rule: the paced baseline)")
+    parser.add_argument("--paced-baseline", action="store_true",
+                        help="also run train_batch with handover mini_batch (row train_batch_paced)")
     parser.add_argument("--json", type=Path, default=None, help="write summaries and per-run metrics here")
     parser.add_argument("--per-step", action="store_true", help="include per-step metrics in the JSON")
     parser.add_argument("--plots", type=Path, default=None,
@@ -124,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             overrides["sync_delay_s"] = args.sync_delay
         if args.in_flight is not None:
             overrides["in_flight_updates"] = args.in_flight == "on"
+        if args.tb_handover is not None:
+            overrides["train_batch_handover"] = args.tb_handover
         if overrides:
             workloads = [w.with_overrides(**overrides) for w in workloads]
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
@@ -147,12 +154,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"knittrans sim: {exc}", file=sys.stderr)
         return 2
-    modes = len(policies) + (1 if args.colocated else 0)
+    modes = len(policies) + (1 if args.colocated else 0) + (1 if args.paced_baseline else 0)
     total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * len(ls) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
         workloads, policies, seeds=args.seeds, steps=args.steps, mini_batches=ks, windows=ws, lookaheads=ls,
-        colocated=args.colocated, progress=None if bar is None else (lambda done, label: bar.advance(label)),
+        colocated=args.colocated, paced_baseline=args.paced_baseline,
+        progress=None if bar is None else (lambda done, label: bar.advance(label)),
     )
     if bar is not None:
         bar.close()

@@ -13,7 +13,7 @@ from knittrans.errors import KnitTransError
 from knittrans.sched.admission import expired, make_policy
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
-from knittrans.sched.timing import AdmissionTiming, admitted_ahead, launch_order
+from knittrans.sched.timing import AdmissionTiming, admitted_ahead, launch_order, released_at_start
 from knittrans.sched.types import AdmissionDecision, FinishedGroup, StepState
 from knittrans.sim.model import SourceStream, VersionTimeline
 from knittrans.sim.workload import Workload
@@ -128,7 +128,12 @@ class _Simulation:
         self.adm_k = 0
         self.adm_n = 0
         self.admitted = dict.fromkeys(self.names, 0)
-        self.queue: deque[tuple[int, float]] = deque()  # admitted, not started: (record index, duration)
+        # admitted, not started: (record index, duration, groups)
+        self.queue: deque[tuple[int, float, tuple[FinishedGroup, ...]]] = deque()
+        # the train_batch baseline handed whole train batches (``train_batch_handover: step``): groups that
+        # left the window when their step's first mini-batch started, before their own mini-batch
+        self.handover = workload.train_batch_handover if policy == "train_batch" and not colocated else "mini_batch"
+        self.released: set[str] = set()
         # trainer side
         self.trainer_idle = True
         self.n = 0  # trainer policy version = mini-batches trained
@@ -220,7 +225,10 @@ class _Simulation:
         keep = []
         for g in self.finished:
             if expired(probe, g):
-                self.untaken[g.source] -= 1
+                if g.group_id in self.released:
+                    self.released.discard(g.group_id)
+                else:
+                    self.untaken[g.source] -= 1
                 self.useful[self.index_of[g.source]] -= 1
                 self.launch_time.pop(g.group_id)
                 self.trace.dropped += 1
@@ -259,7 +267,7 @@ class _Simulation:
                 counts=counts, mean_wait_s=wait / len(groups), mean_generation_s=gen / len(groups),
             )
         )
-        self.queue.append((len(self.trace.mini_batches) - 1, duration))
+        self.queue.append((len(self.trace.mini_batches) - 1, duration, groups))
         self.trace.peak_admitted_ahead = max(self.trace.peak_admitted_ahead, admitted_ahead(self.adm_n + 1, self.n))
         self.adm_n += 1
         self.adm_k += 1
@@ -270,15 +278,39 @@ class _Simulation:
             self.admitted = dict.fromkeys(self.names, 0)
 
     def start_training(self) -> None:
-        index, duration = self.queue.popleft()
+        index, duration, groups = self.queue.popleft()
         record = self.trace.mini_batches[index]
         record.train_start = self.now
         record.train_end = self.now + duration
-        for name, x in record.counts.items():  # training, not admission, frees the window
-            self.untaken[name] -= x
+        for g in groups:  # training, not admission, frees the window
+            if g.group_id in self.released:
+                self.released.discard(g.group_id)
+            else:
+                self.untaken[g.source] -= 1
+        if self.handover == "step" and record.k == 0:
+            self.hand_over_step(record)
         self.trainer_idle = False
         self.trace.trainer_busy_s += duration
         self.push(self.now + duration, _TRAIN_DONE, None)
+
+    def hand_over_step(self, first: MiniBatchRecord) -> None:
+        """The trainer takes the whole train batch of ``first``'s step: every group of the step leaves the window.
+
+        ``train_batch`` starts a step only once all of it has finished, and it takes each source's
+        earliest-finished groups, so the step's later groups are the ones admitted behind ``first`` plus
+        each source's earliest finished ones (:func:`~knittrans.sched.timing.released_at_start` gives the counts).
+        A group the staleness bound dropped after ``first`` was admitted has no finished stand-in yet; its
+        replacement leaves the window when its own mini-batch starts.
+        """
+        release = released_at_start(first.counts, mini_batch_index=0, quotas=self.quotas, handover="step")
+        for name, x in first.counts.items():
+            release[name] -= x
+        later = [g for i, _d, gs in self.queue if self.trace.mini_batches[i].step == first.step for g in gs]
+        for g in later + sorted(self.finished, key=lambda g: (g.finished_at, g.group_id)):
+            if release[g.source] > 0 and g.group_id not in self.released:
+                release[g.source] -= 1
+                self.released.add(g.group_id)
+                self.untaken[g.source] -= 1
 
     def on_train_done(self) -> None:
         self.trainer_idle = True

@@ -12,10 +12,14 @@ from knittrans.sim.engine import RunTrace, simulate
 from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
 from knittrans.sim.workload import Workload
 
-__all__ = ["BASELINE", "COLOCATED", "ConfigResult", "format_table", "run_grid"]
+__all__ = ["BASELINE", "COLOCATED", "PACED_BASELINE", "ConfigResult", "format_table", "run_grid"]
 
 BASELINE = "train_batch"
-"""The policy reductions are measured against."""
+"""The policy reductions are measured against (with the workload's ``train_batch_handover``, default ``step``:
+a conventional trainer handed whole train batches)."""
+PACED_BASELINE = "train_batch_paced"
+"""Row label of ``train_batch`` with ``train_batch_handover: mini_batch``: the project's window rule applied to
+the baseline too (groups leave the window when their own mini-batch starts)."""
 COLOCATED = "colocated"
 """Row label of the colocated reference mode."""
 
@@ -32,11 +36,11 @@ class ConfigResult:
         """Mean over seeds of one figure of one policy."""
         return statistics.fmean(getter(m) for m in self.runs[policy])
 
-    def reduction(self, policy: str, getter: Callable[[RunMetrics], float]) -> float:
+    def reduction(self, policy: str, getter: Callable[[RunMetrics], float], baseline: str = BASELINE) -> float:
         """Relative reduction ``1 - policy / baseline`` of a seed-averaged figure (NaN without a baseline)."""
-        if BASELINE not in self.runs or policy not in self.runs:
+        if baseline not in self.runs or policy not in self.runs:
             return math.nan
-        base = self.mean(BASELINE, getter)
+        base = self.mean(baseline, getter)
         if base == 0:
             return math.nan
         return 1.0 - self.mean(policy, getter) / base
@@ -60,6 +64,11 @@ class ConfigResult:
                         row[f"{r}_{kind}{key}"] = self.mean(policy, _stat_getter(r, stat, key))
                 row[f"{r}_arch_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "mean"))
                 row[f"{r}_arch_pos_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "pos_mean"))
+                if PACED_BASELINE in self.runs:
+                    row[f"{r}_arch_reduction_vs_paced"] = self.reduction(
+                        policy, _stat_getter(r, "architectural", "mean"), PACED_BASELINE)
+                    row[f"{r}_arch_pos_reduction_vs_paced"] = self.reduction(
+                        policy, _stat_getter(r, "architectural", "pos_mean"), PACED_BASELINE)
             for key in ("steps_per_hour", "trajectories_per_hour", "trainer_idle", "rollout_idle", "mean_wait_s",
                         "mean_generation_s"):
                 row[key] = self.mean(policy, _run_getter(key))
@@ -92,9 +101,14 @@ def run_grid(
     windows: Iterable[int | None] = (None,),
     lookaheads: Iterable[int | str | None] = (None,),
     colocated: bool = False,
+    paced_baseline: bool = False,
     progress: Callable[[int, str], None] | None = None,
 ) -> list[ConfigResult]:
-    """Run every policy (and optionally the colocated reference) for every configuration and seed.
+    """Run every policy (and optionally the colocated reference and the paced baseline) for every configuration
+    and seed.
+
+    ``paced_baseline`` adds ``train_batch`` with ``train_batch_handover: mini_batch`` as row
+    :data:`PACED_BASELINE`; summaries then also give every policy's reductions against it (``*_vs_paced``).
 
     ``lookaheads`` may hold ``"K"``: the lookahead equal to the configuration's ``K`` (one train batch).
     ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
@@ -112,13 +126,17 @@ def run_grid(
         workload = base.with_overrides(**changes) if changes else base
         config = ConfigResult(workload=workload)
         modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
+        if paced_baseline:
+            modes.append((PACED_BASELINE, False))
         for label, is_coloc in modes:
-            policy = BASELINE if is_coloc else label
+            policy = BASELINE if is_coloc or label == PACED_BASELINE else label
+            run_workload = (workload.with_overrides(train_batch_handover="mini_batch") if label == PACED_BASELINE
+                            else workload)
             for seed in range(seeds):
                 tag = (f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "
                        f"L={workload.lookahead} {label} s{seed}")
                 cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
-                trace = simulate(workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
+                trace = simulate(run_workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
                 metrics = compute_metrics(trace)
                 config.runs.setdefault(label, []).append(metrics)
                 if seed == 0:

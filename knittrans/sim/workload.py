@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from knittrans.errors import InvalidRequest
-from knittrans.sched.timing import DEFAULT_LOOKAHEAD
+from knittrans.sched.timing import DEFAULT_LOOKAHEAD, HANDOVERS
 
 __all__ = [
     "SourceProfile",
@@ -98,6 +98,12 @@ class Workload:
     lookahead: int = DEFAULT_LOOKAHEAD
     """``L``: mini-batches that may be admitted beyond the one the trainer is on (0 = when it asks for it);
     the same for every policy (``knittrans.sched.timing``)."""
+    train_batch_handover: str = "step"
+    """How the ``train_batch`` baseline's groups leave the window (``knittrans.sched.timing.released_at_start``):
+    ``step`` — a conventional trainer handed the whole train batch when it starts the step (all ``G`` groups
+    leave then; rollout runs one train batch off-policy); ``mini_batch`` — the project's rule applied to the
+    baseline too (each group leaves when its mini-batch starts: the "paced" baseline). Other policies always
+    hand over mini-batch by mini-batch."""
     max_staleness: int | None = None
     """``η``: admission staleness bound passed to the policies; None for none."""
     steps: int = 50
@@ -133,6 +139,9 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: training must take some time")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"workload {self.name!r}: lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if self.train_batch_handover not in HANDOVERS:
+            raise ValueError(f"workload {self.name!r}: train_batch_handover must be one of "
+                             f"{', '.join(HANDOVERS)}, got {self.train_batch_handover!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
 
