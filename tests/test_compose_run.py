@@ -187,6 +187,11 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     assert stack.inspect("setup", "{{.State.Status}} {{.State.ExitCode}}") == "exited 0"
     timings["startup_s"] = time.monotonic() - t0
 
+    # TLS on every hop: the API answers HTTPS only (verified against the stack's CA), stores advertise grpc+tls
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{stack.port}/v1/health", timeout=5)
+    assert {n["endpoint"].split("://")[0] for n in stack.nodes().values()} == {"grpc+tls"}
+
     # networks: explicit subnets, the backend internal; only the control plane publishes a port
     backend = json.loads(stack.run("docker", "network", "inspect", f"{stack.project}_backend").stdout)[0]
     assert backend["Internal"] is True
