@@ -4,6 +4,8 @@
 #   bash scripts/compose_up.sh            # build what is missing, start the stack, wait for health
 #   bash scripts/compose_up.sh --build    # only the images (base image when missing + knittrans:dev)
 #   bash scripts/compose_up.sh --down     # stop and remove containers, networks and volumes
+#   eval "$(bash scripts/compose_up.sh env)"   # export what docker-compose needs (tokens, TLS), then
+#                                              # `docker-compose ps/logs/...` work on the stack directly
 #
 # Needs a running Docker engine and docker-compose (v1 `docker-compose` or the v2 plugin).
 # Base image: Docker Hub may be unreachable, so `knittrans-base:bookworm` is made with debootstrap
@@ -148,7 +150,17 @@ case "${1:-up}" in
     "${COMPOSE[@]}" up -d --no-build
     log "up; admin API on $KNITTRANS_CONTROL_SCHEME://127.0.0.1:${KNITTRANS_ADMIN_PORT:-8700} (dashboard /ui)"
     ;;
+  env|--env)
+    tokens >&2
+    tls >&2
+    for name in KNITTRANS_WORKER_TOKEN KNITTRANS_STORE_TOKEN KNITTRANS_ADMIN_TOKEN KNITTRANS_TICKET_KEY \
+                KNITTRANS_ROLLOUT_TOKEN KNITTRANS_RANK0_TOKEN KNITTRANS_RANK1_TOKEN KNITTRANS_NODE_TOKEN \
+                KNITTRANS_TLS_DIR KNITTRANS_CONTROL_SCHEME KNITTRANS_FLIGHT_SCHEME KNITTRANS_TLS_CERT \
+                KNITTRANS_TLS_KEY KNITTRANS_TLS_CA COMPOSE_PROJECT_NAME; do
+      printf 'export %s=%q\n' "$name" "${!name}"
+    done
+    ;;
   *)
-    echo "usage: $0 [up|--build|--down]" >&2; exit 2
+    echo "usage: $0 [up|--build|--down|env]" >&2; exit 2
     ;;
 esac

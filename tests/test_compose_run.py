@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import subprocess
 import time
@@ -25,7 +26,7 @@ import httpx
 import pytest
 from api_support import free_port
 
-pytestmark = pytest.mark.compose
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(2700)]  # image builds take minutes on a busy machine
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compose_up.sh"
@@ -89,6 +90,12 @@ class Stack:
             raise AssertionError(f"`{' '.join(args)}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                                  f"{proc.stderr[-3000:]}")
         return proc
+
+    def adopt_env(self) -> None:
+        """Take what compose_up.sh set up (per-process tokens, TLS) so plain docker-compose calls work."""
+        for line in self.run("bash", str(SCRIPT), "env", timeout=120).stdout.splitlines():
+            name, _, value = line.removeprefix("export ").partition("=")
+            self.env[name] = shlex.split(value)[0] if value else ""
 
     def dc(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run(*self.compose, *args, timeout=timeout, check=check)
@@ -182,6 +189,7 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
 
     t0 = time.monotonic()
     stack.run("bash", str(SCRIPT), "up", timeout=600)
+    stack.adopt_env()
     for service in ("control-plane", "store-a", "store-b"):  # `up` waited for these; check it did
         assert stack.inspect(service, "{{.State.Health.Status}}") == "healthy", service
     assert stack.inspect("setup", "{{.State.Status}} {{.State.ExitCode}}") == "exited 0"
