@@ -41,14 +41,17 @@ are retried with backoff for ``control_retry_s`` while the control plane is unre
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
+import torch
+
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
 from knittrans.retry import RetryPolicy
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
@@ -99,6 +102,17 @@ class TrainerConfig:
     """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
     replan_wait_s: float = 60.0
     """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
+    warm_connections: bool = True
+    """Connect to every store node the control plane lists when the client starts (one Flight channel
+    per node, kept for every later read), and open a plan's streams as soon as the plan arrives. False:
+    each node is connected at its first ``DoGet``, a share's streams at its first read (the old cold path)."""
+    poll_early: bool = True
+    """Start the first long-poll when the client is created, so it already waits when the first
+    mini-batch is admitted; False: at the first ``next`` of :meth:`TrainerClient.minibatches`."""
+    torch_threads: int | None = None
+    """When set, the client calls ``torch.set_num_threads`` with it at start. Several ranks (or a rank and
+    its rollout) on one host each using every core slow each other down badly: give each rank its share
+    (1 on a small machine; also set ``OMP_NUM_THREADS`` before Python starts). None: leave torch as is."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -111,6 +125,8 @@ class TrainerConfig:
             raise ValueError("fetch_timeout_s must be > 0 (or None)")
         if self.replan_wait_s < 0:
             raise ValueError("replan_wait_s must be >= 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1 (or None)")
         if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
             raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
@@ -134,6 +150,30 @@ class TrainerClient:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
+        self._closed = threading.Event()
+        self._first: Future[dict[str, Any] | None] | None = None
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        if config.poll_early or config.warm_connections:
+            self._first = Future() if config.poll_early else None
+            threading.Thread(target=self._start_early, name=f"knittrans-start-{config.rank}", daemon=True).start()
+
+    def _start_early(self) -> None:
+        """Background start: connect to the store nodes, then long-poll the first plan (``poll_early``)."""
+        if self.config.warm_connections:
+            try:
+                nodes = self.control.list_nodes()
+                self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes
+                                   if not n.get("lost") and n.get("endpoint")})
+            except (KnitTransError, RuntimeError) as exc:  # warming is an optimisation; reads report errors
+                logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
+        first = self._first
+        if first is None or not first.set_running_or_notify_cancel():
+            return
+        try:
+            first.set_result(self.next_plan())
+        except BaseException as exc:  # handed to minibatches()
+            first.set_exception(exc)
 
     def prepare(self, micro: TrainMicroBatch) -> TrainMicroBatch:
         """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
@@ -160,13 +200,19 @@ class TrainerClient:
     def next_plan(self) -> dict[str, Any] | None:
         """The next plan (long-polls until one comes); None when the job is finished."""
         cfg = self.config
-        while True:
+        while not self._closed.is_set():
             try:
                 plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s))
             except JobFinished:
                 return None
             if plan is not None:
                 return plan
+        raise InvalidRequest(f"rank {cfg.rank}: the trainer client is closed")
+
+    def _first_plan(self) -> dict[str, Any] | None:
+        """The plan the early poll got (waiting for it), else a new poll."""
+        first, self._first = self._first, None
+        return first.result() if first is not None else self.next_plan()
 
     def replan(self, failed: str) -> dict[str, Any] | None:
         """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
@@ -189,7 +235,7 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        plan = self.next_plan()
+        plan = self._first_plan()
         mb = MiniBatch(self, plan) if plan is not None else None
         while mb is not None:
             self._current = mb
@@ -226,6 +272,9 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching, close the fetcher and the control-plane client."""
+        self._closed.set()
+        if self._first is not None:
+            self._first.cancel()
         if self._current is not None:
             self._current.stop()
         self.media_pool.shutdown(wait=False, cancel_futures=True)
