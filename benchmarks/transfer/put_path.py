@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.vs_baselines.knittrans_runner import build_groups  # noqa: E402
+from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups  # noqa: E402
 from benchmarks.vs_baselines.workload import WorkloadSpec, generate  # noqa: E402
 from knittrans.demo.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from knittrans.rollout.writer import TrajectoryWriter  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"writer_units": [], "sequential": [], "doput": []}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
         control = cl.control()
-        control.create_job({"name": JOB, "group_size": spec.group_size, "quotas": {"text": spec.num_groups},
+        control.create_job({"name": JOB, "group_size": spec.group_size, "quotas": {SOURCE: spec.num_groups},
                             "mini_batches_per_step": 1, "policy": "train_batch", "world_size": 1,
                             "micro_batch_size": spec.micro_batch_size, "total_steps": 10_000})
         local = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir,

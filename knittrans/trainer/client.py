@@ -51,7 +51,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
+from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.retry import RetryPolicy
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
@@ -156,18 +156,18 @@ class TrainerClient:
             torch.set_num_threads(config.torch_threads)
         if config.poll_early or config.warm_connections:
             self._first = Future() if config.poll_early else None
-            threading.Thread(target=self._start_early, name=f"knittrans-start-{config.rank}", daemon=True).start()
+            threading.Thread(target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}",
+                             daemon=True).start()
 
-    def _start_early(self) -> None:
-        """Background start: connect to the store nodes, then long-poll the first plan (``poll_early``)."""
-        if self.config.warm_connections:
-            try:
+    def _start_early(self, first: Future[dict[str, Any] | None] | None) -> None:
+        """Background start: connect to the store nodes, then long-poll the first plan into ``first``."""
+        try:
+            if self.config.warm_connections:
                 nodes = self.control.list_nodes()
                 self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes
                                    if not n.get("lost") and n.get("endpoint")})
-            except (KnitTransError, RuntimeError) as exc:  # warming is an optimisation; reads report errors
-                logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
-        first = self._first
+        except Exception as exc:  # warming is an optimisation; reads report their own errors
+            logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
         if first is None or not first.set_running_or_notify_cancel():
             return
         try:
