@@ -40,6 +40,7 @@ are retried with backoff for ``control_retry_s`` while the control plane is unre
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -151,7 +152,7 @@ class TrainerClient:
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
         self._closed = threading.Event()
-        self._first: Future[dict[str, Any] | None] | None = None
+        self._first: Future[MiniBatch | None] | None = None
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         if config.poll_early or config.warm_connections:
@@ -159,8 +160,9 @@ class TrainerClient:
             threading.Thread(target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}",
                              daemon=True).start()
 
-    def _start_early(self, first: Future[dict[str, Any] | None] | None) -> None:
-        """Background start: connect to the store nodes, then long-poll the first plan into ``first``."""
+    def _start_early(self, first: Future[MiniBatch | None] | None) -> None:
+        """Background start: connect to the store nodes, then long-poll the first plan and start loading it
+        (its :class:`MiniBatch` into ``first``)."""
         try:
             if self.config.warm_connections:
                 nodes = self.control.list_nodes()
@@ -171,7 +173,11 @@ class TrainerClient:
         if first is None or not first.set_running_or_notify_cancel():
             return
         try:
-            first.set_result(self.next_plan())
+            plan = self.next_plan()
+            mb = MiniBatch(self, plan) if plan is not None else None  # its streams open here, at once
+            if mb is not None and self.config.fetch_mode == "iter":
+                mb.start_prefetch()  # no hop to the loop's thread between the plan and its first fetch
+            first.set_result(mb)
         except BaseException as exc:  # handed to minibatches()
             first.set_exception(exc)
 
@@ -209,10 +215,13 @@ class TrainerClient:
                 return plan
         raise InvalidRequest(f"rank {cfg.rank}: the trainer client is closed")
 
-    def _first_plan(self) -> dict[str, Any] | None:
-        """The plan the early poll got (waiting for it), else a new poll."""
+    def _first_minibatch(self) -> MiniBatch | None:
+        """The mini-batch of the early poll's plan (waiting for it; already loading), else a new poll's."""
         first, self._first = self._first, None
-        return first.result() if first is not None else self.next_plan()
+        if first is not None:
+            return first.result()
+        plan = self.next_plan()
+        return MiniBatch(self, plan) if plan is not None else None
 
     def replan(self, failed: str) -> dict[str, Any] | None:
         """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
@@ -235,8 +244,7 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        plan = self._first_plan()
-        mb = MiniBatch(self, plan) if plan is not None else None
+        mb = self._first_minibatch()
         while mb is not None:
             self._current = mb
             if self.config.fetch_mode == "iter":
@@ -273,8 +281,11 @@ class TrainerClient:
     def close(self) -> None:
         """Stop prefetching, close the fetcher and the control-plane client."""
         self._closed.set()
-        if self._first is not None:
-            self._first.cancel()
+        if self._first is not None and not self._first.cancel() and self._first.done():
+            with contextlib.suppress(Exception):
+                early = self._first.result()
+                if early is not None:
+                    early.stop()
         if self._current is not None:
             self._current.stop()
         self.media_pool.shutdown(wait=False, cancel_futures=True)
