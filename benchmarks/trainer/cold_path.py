@@ -10,11 +10,12 @@ client (``received_at``) -> the training loop holds micro-batch 0 (wall clock, s
   no Flight channel yet): what every job start and every un-prefetched mini-batch pays.
 - ``warm``: mini-batches 2.. of the same client (channels open, the successor poll waiting).
 
-Variants: ``new`` (the defaults: ``warm_connections`` + ``poll_early``) and ``baseline`` (both off:
-the client before issue 18). Each variant runs ``--runs`` times (fresh job and client each run);
-the report gives p50/p99/mean over all mini-batches of a kind and the median over runs of each
-run's p50. ``--depths`` also measures the steady-state exposed wait per micro-batch for several
-``prefetch_depth`` values (a synthetic compute step per micro-batch), which chose the default.
+Variants: ``new`` (``warm_connections`` + ``poll_early``), ``warm_only`` (``warm_connections``
+alone) and ``baseline`` (both off: the client before issue 18). Each variant runs ``--runs`` times
+(fresh job and client each run); the report gives p50/p99/mean over all mini-batches of a kind
+and the median over runs of each run's p50. ``--depths`` also measures the steady-state exposed
+wait per micro-batch for several ``prefetch_depth`` values (a synthetic compute step per
+micro-batch), which chose the default.
 
     python benchmarks/trainer/cold_path.py [--runs 3] [--warm 8] [--depths 1,2,4,8] [--out DIR]
 
@@ -61,7 +62,11 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def run_once(cluster: LocalCluster, name: str, *, new: bool, warm: int, depth: int = 2,
+VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "new": (True, True)}
+"""variant -> (warm_connections, poll_early)."""
+
+
+def run_once(cluster: LocalCluster, name: str, *, variant: str, warm: int, depth: int = 2,
              compute_s: float = 0.0) -> dict[str, Any]:
     """One fresh job and client: ``1 + warm`` mini-batches, each registered while the loop waits."""
     control = cluster.control()
@@ -83,7 +88,8 @@ def run_once(cluster: LocalCluster, name: str, *, new: bool, warm: int, depth: i
     acked = threading.Semaphore(0)
     errors: list[BaseException] = []
     config = TrainerConfig(control_url=cluster.control_url, job=name, rank=0, world_size=1, poll_timeout_s=5,
-                           prefetch_depth=depth, warm_connections=new, poll_early=new)
+                           prefetch_depth=depth, warm_connections=VARIANTS[variant][0],
+                           poll_early=VARIANTS[variant][1])
     client = TrainerClient(config)
 
     def loop() -> None:
@@ -160,10 +166,10 @@ def main() -> None:
                                            "ranks": 1, "runs": args.runs, "warm_per_run": args.warm},
                               "variants": {}, "depth_sweep": {}}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
-        runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
-        for r in range(args.runs):  # variants interleaved, so load drifts hit both alike
-            for variant in ("baseline", "new"):
-                runs[variant].append(run_once(cl, f"cp-{variant}-{r}", new=variant == "new", warm=args.warm))
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        for r in range(args.runs):  # variants interleaved, so load drifts hit all alike
+            for variant in VARIANTS:
+                runs[variant].append(run_once(cl, f"cp-{variant}-{r}", variant=variant, warm=args.warm))
         for variant, rs in runs.items():
             result["variants"][variant] = {
                 kind: {"admission_to_ready": summarise(rs, kind), "admission_to_plan": summarise(
@@ -172,7 +178,7 @@ def main() -> None:
         for d in [int(x) for x in args.depths.split(",") if x]:
             per_run = []
             for r in range(args.runs):
-                out = run_once(cl, f"cp-d{d}-{r}", new=True, warm=3, depth=d, compute_s=args.compute_ms / 1e3)
+                out = run_once(cl, f"cp-d{d}-{r}", variant="new", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
                 per_run.append(1e3 * float(np.mean(out["waits"])) if out["waits"] else 0.0)
             result["depth_sweep"][str(d)] = {"mean_wait_ms_per_micro_batch": statistics.median(per_run),
                                              "runs": per_run}

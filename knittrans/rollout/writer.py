@@ -29,7 +29,6 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +116,15 @@ class TrajectoryWriter:
         return desc
 
     def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
-        """Write each group list as its own unit (up to 4 at a time), then register them all in one call
-        (with ``control``); descriptors in the order of ``units``.
+        """Write each group list as its own unit, then register them all in one call (with ``control``);
+        descriptors in the order of ``units``.
 
         Registration is all or none: a failure leaves the written units sealed but unregistered (a
         retry of the registration with the returned descriptors is a no-op for those that made it).
         """
-        if len(units) > 1:  # the node's round trips (reserve, seal) of several units overlap
-            with ThreadPoolExecutor(max_workers=min(4, len(units)), thread_name_prefix="knittrans-write") as pool:
-                descs = list(pool.map(lambda groups: self._write(groups, None), units))
-        else:
-            descs = [self._write(groups, None) for groups in units]
+        # One unit after the other: writing them from a thread pool was measured slower (put_path.py: the
+        # build is Python and holds the GIL; the node round trips it would overlap are short).
+        descs = [self._write(groups, None) for groups in units]
         if self.control is not None and descs:
             self.control.register_units(self.job, descs)
         return descs
