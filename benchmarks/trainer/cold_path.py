@@ -10,8 +10,8 @@ client (``received_at``) -> the training loop holds micro-batch 0 (wall clock, s
   no Flight channel yet): what every job start and every un-prefetched mini-batch pays.
 - ``warm``: mini-batches 2.. of the same client (channels open, the successor poll waiting).
 
-Variants: ``new`` (``warm_connections`` + ``poll_early``), ``warm_only`` (``warm_connections``
-alone) and ``baseline`` (both off: the client before issue 18). Each variant runs ``--runs`` times
+Variants: ``default`` (``warm_connections``, the client's default), ``poll_early`` (that plus
+``poll_early=True``) and ``baseline`` (both off: the client before issue 18). Each variant runs ``--runs`` times
 (fresh job and client each run); the report gives p50/p99/mean over all mini-batches of a kind
 and the median over runs of each run's p50. ``--depths`` also measures the steady-state exposed
 wait per micro-batch for several ``prefetch_depth`` values (a synthetic compute step per
@@ -62,7 +62,7 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "new": (True, True)}
+VARIANTS = {"baseline": (False, False), "default": (True, False), "poll_early": (True, True)}
 """variant -> (warm_connections, poll_early)."""
 
 
@@ -178,7 +178,7 @@ def main() -> None:
         for d in [int(x) for x in args.depths.split(",") if x]:
             per_run = []
             for r in range(args.runs):
-                out = run_once(cl, f"cp-d{d}-{r}", variant="new", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
+                out = run_once(cl, f"cp-d{d}-{r}", variant="default", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
                 per_run.append(1e3 * float(np.mean(out["waits"])) if out["waits"] else 0.0)
             result["depth_sweep"][str(d)] = {"mean_wait_ms_per_micro_batch": statistics.median(per_run),
                                              "runs": per_run}
