@@ -93,10 +93,16 @@ class ControlClient:
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
+        # Long-polls each on a new connection: an answer on a keep-alive connection that carried earlier
+        # requests reached the client ~45 ms after the plan was ready vs ~5 ms on a fresh one
+        # (benchmarks/trainer/cold_path.py); a poll waits anyway, so the connect is not on the path.
+        self._poll_http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify,
+                                       limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         self._http.close()
+        self._poll_http.close()
 
     def __enter__(self) -> ControlClient:
         return self
@@ -106,13 +112,13 @@ class ControlClient:
 
     # ------------------------------------------------------------------ plumbing
     def _request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None) -> httpx.Response:
+                 timeout_s: float | None = None, poll: bool = False) -> httpx.Response:
         pauses = self.retry.pauses()
         attempt = 0
+        http = self._poll_http if poll else self._http
         while True:
             try:
-                response = self._http.request(method, path, json=json, params=params,
-                                              timeout=timeout_s or self.timeout_s)
+                response = http.request(method, path, json=json, params=params, timeout=timeout_s or self.timeout_s)
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
@@ -286,7 +292,7 @@ class ControlClient:
         if after is not None:
             params["after"] = after
         response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params,
-                                 timeout_s=timeout_s + self.timeout_s)
+                                 timeout_s=timeout_s + self.timeout_s, poll=True)
         if response.status_code == 204:
             if response.headers.get(_DONE_HEADER) == "1":
                 raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")
