@@ -81,15 +81,13 @@ def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: Loca
 
 
 def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
-    """A fresh client connects to every listed store node and (``poll_early``) has the first plan before
-    ``minibatches()`` is called; its streams are open when the plan arrives. Both off (``poll_early`` is off by
-    default): nothing happens before the loop."""
+    """A fresh client connects to every listed store node and has the first plan before ``minibatches()`` is
+    called; its streams are open when the plan arrives. Both off: nothing happens before the loop."""
     control = cluster.control()
     control.create_job(job_spec("warm", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
     cold = TrainerClient(TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1,
-                                       warm_connections=False, poll_timeout_s=5))
-    config = TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1, poll_timeout_s=5,
-                           poll_early=True)
+                                       warm_connections=False, poll_early=False, poll_timeout_s=5))
+    config = TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1, poll_timeout_s=5)
     with TrainerClient(config) as client:
         endpoints = {s.endpoint for s in cluster.stores}
         wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")

@@ -10,12 +10,12 @@ client (``received_at``) -> the training loop holds micro-batch 0 (wall clock, s
   no Flight channel yet): what every job start and every un-prefetched mini-batch pays.
 - ``warm``: mini-batches 2.. of the same client (channels open, the successor poll waiting).
 
-Variants: ``default`` (``warm_connections``, the client's default), ``poll_early`` (that plus
-``poll_early=True``) and ``baseline`` (both off: the client before issue 18). Each variant runs ``--runs`` times
-(fresh job and client each run); the report gives p50/p99/mean over all mini-batches of a kind
-and the median over runs of each run's p50. ``--depths`` also measures the steady-state exposed
-wait per micro-batch for several ``prefetch_depth`` values (a synthetic compute step per
-micro-batch), which chose the default.
+Variants: ``default`` (the client's defaults: ``warm_connections`` and ``poll_early``),
+``warm_only`` (``poll_early=False``) and ``baseline`` (both off: the client flags before issue 18).
+Each variant runs ``--runs`` times (fresh job and client each run); the report gives p50/p99/mean
+over all mini-batches of a kind and the median over runs of each run's p50. ``--depths`` also
+measures the steady-state exposed wait per micro-batch for several ``prefetch_depth`` values (a
+synthetic compute step per micro-batch), which chose the default.
 
     python benchmarks/trainer/cold_path.py [--runs 3] [--warm 8] [--depths 1,2,4,8] [--out DIR]
 
@@ -62,7 +62,7 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-VARIANTS = {"baseline": (False, False), "default": (True, False), "poll_early": (True, True)}
+VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "default": (True, True)}
 """variant -> (warm_connections, poll_early)."""
 
 

@@ -107,12 +107,10 @@ class TrainerConfig:
     """Connect to every store node the control plane lists when the client starts (one Flight channel
     per node, kept for every later read), and open a plan's streams as soon as the plan arrives. False:
     each node is connected at its first ``DoGet``, a share's streams at its first read (the old cold path)."""
-    poll_early: bool = False
+    poll_early: bool = True
     """Start the first long-poll (and the first plan's loading) in a background thread when the client
-    is created, instead of at the first ``next`` of :meth:`TrainerClient.minibatches`. Off by default:
-    ``benchmarks/trainer/cold_path.py`` measured its plan delivery ~40 ms slower than the loop's own
-    poll on the loaded test host (cause not found; the loop's poll already waits in a training loop
-    that starts before admission). Worth it when the loop starts well after the first admission."""
+    is created, so it already waits when the first mini-batch is admitted, instead of at the first
+    ``next`` of :meth:`TrainerClient.minibatches`. False: the previous behaviour."""
     torch_threads: int | None = None
     """When set, the client calls ``torch.set_num_threads`` with it at start. Several ranks (or a rank and
     its rollout) on one host each using every core slow each other down badly: give each rank its share
