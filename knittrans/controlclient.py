@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import ssl
 import time
 import uuid
@@ -38,6 +39,7 @@ __all__ = ["ControlClient", "JobFinished"]
 logger = logging.getLogger(__name__)
 
 _DONE_HEADER = "x-knittrans-done"
+_UNREGISTERED_NODE = re.compile(r"node '([^']+)' is not registered")
 
 
 class JobFinished(KnitTransError):
@@ -91,10 +93,16 @@ class ControlClient:
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
+        # Long-polls each on a new connection: an answer on a keep-alive connection that carried earlier
+        # requests reached the client ~45 ms after the plan was ready vs ~5 ms on a fresh one
+        # (benchmarks/trainer/cold_path.py); a poll waits anyway, so the connect is not on the path.
+        self._poll_http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify,
+                                       limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         self._http.close()
+        self._poll_http.close()
 
     def __enter__(self) -> ControlClient:
         return self
@@ -104,13 +112,13 @@ class ControlClient:
 
     # ------------------------------------------------------------------ plumbing
     def _request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None) -> httpx.Response:
+                 timeout_s: float | None = None, poll: bool = False) -> httpx.Response:
         pauses = self.retry.pauses()
         attempt = 0
+        http = self._poll_http if poll else self._http
         while True:
             try:
-                response = self._http.request(method, path, json=json, params=params,
-                                              timeout=timeout_s or self.timeout_s)
+                response = http.request(method, path, json=json, params=params, timeout=timeout_s or self.timeout_s)
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
@@ -220,11 +228,37 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ units and supply
-    def register_units(self, job: str, units: Sequence[UnitDescriptor | Mapping[str, Any]]) -> dict[str, Any]:
-        """``POST /v1/jobs/{job}/units`` with ``{"units": [...]}``; all or none; repeats are no-ops."""
+    def register_units(self, job: str, units: Sequence[UnitDescriptor | Mapping[str, Any]], *,
+                       node_wait_s: float = 10.0) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/units`` with ``{"units": [...]}``; all or none; repeats are no-ops.
+
+        A unit's store node must be registered with the control plane (a store started with
+        ``--control-url`` registers itself and heartbeats). Right after a store starts it may not be
+        yet: the call then waits up to ``node_wait_s`` for it, and raises ``NotFound`` naming the
+        node and what to do once that time is over (``node_wait_s=0``: at once).
+        """
+        if node_wait_s < 0:
+            raise ValueError("node_wait_s must be >= 0")
         body = {"units": [u.to_dict() if isinstance(u, UnitDescriptor) else dict(u) for u in units]}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/units", json=body)
-        return result
+        deadline = time.monotonic() + node_wait_s
+        pause = 0.05
+        while True:
+            try:
+                result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/units", json=body)
+                return result
+            except NotFound as exc:
+                missing = _UNREGISTERED_NODE.search(str(exc))
+                if missing is None:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NotFound(
+                        f"store node {missing.group(1)!r} has not registered with the control plane "
+                        f"{self.base_url} (waited {node_wait_s:g} s): start the store with --control-url "
+                        f"{self.base_url} (it registers itself and heartbeats) before registering its units, "
+                        f"or register it with POST /v1/nodes") from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
 
     def report_supply(self, job: str, *, started: Mapping[str, int] | None = None,
                       group_ids: Mapping[str, Sequence[str]] | None = None,
@@ -258,7 +292,7 @@ class ControlClient:
         if after is not None:
             params["after"] = after
         response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params,
-                                 timeout_s=timeout_s + self.timeout_s)
+                                 timeout_s=timeout_s + self.timeout_s, poll=True)
         if response.status_code == 204:
             if response.headers.get(_DONE_HEADER) == "1":
                 raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")

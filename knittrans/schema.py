@@ -247,6 +247,16 @@ def _list_array(rows: Sequence[Any], dtype: np.dtype[Any], value_type: pa.DataTy
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
 
 
+def _loss_masks(rows: Sequence[Any], responses: pa.ListArray) -> pa.ListArray:
+    """The loss-mask column: rows given as None are all ones over their response (one allocation)."""
+    offsets = responses.offsets
+    if all(r is None for r in rows):
+        return pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(responses.values), np.uint8)))
+    lengths = np.diff(offsets.to_numpy())
+    return _list_array([np.ones(int(k), np.uint8) if r is None else r for r, k in zip(rows, lengths, strict=True)],
+                       np.dtype(np.uint8), pa.uint8())
+
+
 @dataclass(frozen=True, kw_only=True)
 class Media:
     """One media item (image, audio, ...): raw bytes (e.g. encoded PNG) or a numpy/torch array."""
@@ -431,7 +441,7 @@ def build_unit_tables(
         cols["response_ids"] += list(g.response_ids)
         cols["response_logprobs"] += list(g.response_logprobs)
         if g.loss_masks is None:
-            cols["loss_mask"] += [np.ones(len(_to_numpy(r, np.dtype(np.int32))), np.uint8) for r in g.response_ids]
+            cols["loss_mask"] += [None] * n  # all ones, built from the response offsets below
         else:
             cols["loss_mask"] += _per_row(g.loss_masks, n, "loss_masks", g.group_id)
         rewards = np.asarray(_per_row(g.rewards, n, "rewards", g.group_id), dtype=np.float64)
@@ -454,14 +464,15 @@ def build_unit_tables(
             cols["media"].append([m.hash for m in row_media])
         fin = _per_row(g.finished_at, n, "finished_at", g.group_id)
         cols["finished_at"] += [now if f is None else f for f in fin]
+    responses = _list_array(cols["response_ids"], np.dtype(np.int32), pa.int32())
     arrays = [
         pa.array(cols["traj_id"], type=pa.string()),
         pa.array(cols["group_id"], type=pa.string()),
         pa.array(cols["source"], type=pa.string()).dictionary_encode(),
         _list_array(cols["prompt_ids"], np.dtype(np.int32), pa.int32()),
-        _list_array(cols["response_ids"], np.dtype(np.int32), pa.int32()),
+        responses,
         _list_array(cols["response_logprobs"], np.dtype(np.float32), pa.float32()),
-        _list_array(cols["loss_mask"], np.dtype(np.uint8), pa.uint8()),
+        _loss_masks(cols["loss_mask"], responses),
         pa.array(np.asarray(cols["reward"], dtype=np.float32)),
         pa.array(np.asarray(cols["advantage"], dtype=np.float32)),
         pa.array(np.asarray(cols["version_start"], dtype=np.int32)),

@@ -6,6 +6,11 @@ API::
                               store_dir="/dev/shm/knittrans")     # None -> always DoPut
     desc: UnitDescriptor = writer.write_groups([TrajectoryGroup(...), ...])
 
+    # with a control-plane client the writer registers what it writes (write -> seal -> register):
+    writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
+    writer.write_groups(groups)                          # one unit, registered
+    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
+
 Same host (``store_dir`` given): the node reserves budget (``reserve`` action, waiting for space
 or choosing the spill dir) and hands out a temporary directory; the writer writes the two IPC
 files there itself and asks the node to ``seal`` (atomic rename). Otherwise the unit goes over
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
+from knittrans.controlclient import ControlClient
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import Conflict, KnitTransError
 from knittrans.flight.client import StoreClient
@@ -82,7 +88,8 @@ class TrajectoryWriter:
 
     def __init__(self, *, job: str, node_id: str, endpoint: str, store_dir: str | os.PathLike[str] | None = None,
                  token: str | None = None, timeout_s: float = 30.0,
-                 user_fields: Sequence[UserField] | Mapping[str, str] = ()) -> None:
+                 user_fields: Sequence[UserField] | Mapping[str, str] = (),
+                 control: ControlClient | None = None) -> None:
         self.job = check_name(job, "job")
         self.user_fields: tuple[UserField, ...] = (
             parse_user_fields(user_fields) if isinstance(user_fields, Mapping) else tuple(user_fields)
@@ -93,13 +100,36 @@ class TrajectoryWriter:
         self.store_dir = Path(store_dir).resolve() if store_dir is not None else None
         self.timeout_s = timeout_s
         self.client = StoreClient(endpoint, token=token)
+        self.control = control
+        """When given, every unit written is registered with it (the caller keeps owning the client)."""
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
         return f"{self.node_id[:100]}-{uuid.uuid4().hex[:16]}"
 
     def write_groups(self, groups: Sequence[TrajectoryGroup], *, unit_id: str | None = None) -> UnitDescriptor:
-        """Build, validate, store and seal ``groups`` as one unit; return its descriptor."""
+        """Build, validate, store and seal ``groups`` as one unit, register it when the writer has a
+        ``control`` client; return its descriptor."""
+        desc = self._write(groups, unit_id)
+        if self.control is not None:
+            self.control.register_units(self.job, [desc])
+        return desc
+
+    def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
+        """Write each group list as its own unit, then register them all in one call (with ``control``);
+        descriptors in the order of ``units``.
+
+        Registration is all or none: a failure leaves the written units sealed but unregistered (a
+        retry of the registration with the returned descriptors is a no-op for those that made it).
+        """
+        # One unit after the other: writing them from a thread pool was measured slower (put_path.py: the
+        # build is Python and holds the GIL; the node round trips it would overlap are short).
+        descs = [self._write(groups, None) for groups in units]
+        if self.control is not None and descs:
+            self.control.register_units(self.job, descs)
+        return descs
+
+    def _write(self, groups: Sequence[TrajectoryGroup], unit_id: str | None) -> UnitDescriptor:
         unit_id = check_name(unit_id or self.new_unit_id(), "unit_id")
         for g in groups:
             check_name(g.group_id, "group_id")

@@ -40,12 +40,16 @@ are retried with backoff for ``control_retry_s`` while the control plane is unre
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TypeVar
+
+import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import InvalidRequest, Unavailable
@@ -99,6 +103,18 @@ class TrainerConfig:
     """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
     replan_wait_s: float = 60.0
     """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
+    warm_connections: bool = True
+    """Connect to every store node the control plane lists when the client starts (one Flight channel
+    per node, kept for every later read), and open a plan's streams as soon as the plan arrives. False:
+    each node is connected at its first ``DoGet``, a share's streams at its first read (the old cold path)."""
+    poll_early: bool = True
+    """Start the first long-poll (and the first plan's loading) in a background thread when the client
+    is created, so it already waits when the first mini-batch is admitted, instead of at the first
+    ``next`` of :meth:`TrainerClient.minibatches`. False: the previous behaviour."""
+    torch_threads: int | None = None
+    """When set, the client calls ``torch.set_num_threads`` with it at start. Several ranks (or a rank and
+    its rollout) on one host each using every core slow each other down badly: give each rank its share
+    (1 on a small machine; also set ``OMP_NUM_THREADS`` before Python starts). None: leave torch as is."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -111,6 +127,8 @@ class TrainerConfig:
             raise ValueError("fetch_timeout_s must be > 0 (or None)")
         if self.replan_wait_s < 0:
             raise ValueError("replan_wait_s must be >= 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1 (or None)")
         if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
             raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
@@ -134,6 +152,35 @@ class TrainerClient:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
+        self._closed = threading.Event()
+        self._first: Future[MiniBatch | None] | None = None
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        if config.poll_early or config.warm_connections:
+            self._first = Future() if config.poll_early else None
+            threading.Thread(target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}",
+                             daemon=True).start()
+
+    def _start_early(self, first: Future[MiniBatch | None] | None) -> None:
+        """Background start: connect to the store nodes, then long-poll the first plan and start loading it
+        (its :class:`MiniBatch` into ``first``)."""
+        try:
+            if self.config.warm_connections:
+                nodes = self.control.list_nodes()
+                self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes
+                                   if not n.get("lost") and n.get("endpoint")})
+        except Exception as exc:  # warming is an optimisation; reads report their own errors
+            logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
+        if first is None or not first.set_running_or_notify_cancel():
+            return
+        try:
+            plan = self.next_plan()
+            mb = MiniBatch(self, plan) if plan is not None else None  # its streams open here, at once
+            if mb is not None and self.config.fetch_mode == "iter":
+                mb.start_prefetch()  # no hop to the loop's thread between the plan and its first fetch
+            first.set_result(mb)
+        except BaseException as exc:  # handed to minibatches()
+            first.set_exception(exc)
 
     def prepare(self, micro: TrainMicroBatch) -> TrainMicroBatch:
         """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
@@ -160,13 +207,22 @@ class TrainerClient:
     def next_plan(self) -> dict[str, Any] | None:
         """The next plan (long-polls until one comes); None when the job is finished."""
         cfg = self.config
-        while True:
+        while not self._closed.is_set():
             try:
                 plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s))
             except JobFinished:
                 return None
             if plan is not None:
                 return plan
+        raise InvalidRequest(f"rank {cfg.rank}: the trainer client is closed")
+
+    def _first_minibatch(self) -> MiniBatch | None:
+        """The mini-batch of the early poll's plan (waiting for it; already loading), else a new poll's."""
+        first, self._first = self._first, None
+        if first is not None:
+            return first.result()
+        plan = self.next_plan()
+        return MiniBatch(self, plan) if plan is not None else None
 
     def replan(self, failed: str) -> dict[str, Any] | None:
         """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
@@ -189,8 +245,7 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        plan = self.next_plan()
-        mb = MiniBatch(self, plan) if plan is not None else None
+        mb = self._first_minibatch()
         while mb is not None:
             self._current = mb
             if self.config.fetch_mode == "iter":
@@ -226,6 +281,12 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching, close the fetcher and the control-plane client."""
+        self._closed.set()
+        if self._first is not None and not self._first.cancel() and self._first.done():
+            with contextlib.suppress(Exception):
+                early = self._first.result()
+                if early is not None:
+                    early.stop()
         if self._current is not None:
             self._current.stop()
         self.media_pool.shutdown(wait=False, cancel_futures=True)

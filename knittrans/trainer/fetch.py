@@ -4,6 +4,7 @@ API::
 
     reads = [FetchRead(node_id="node-0", endpoint="grpc://...", ticket=Ticket(...)), ...]
     with Fetcher(token=None, local_dirs={"node-0": "/dev/shm/knittrans"}) as f:
+        f.warm({"node-1": "grpc://..."})           # connect ahead of the first read (optional)
         table = f.fetch(reads)                     # pa.Table, rows in the order of ``reads``
         batches = f.stream("node-0", "grpc://...", ticket)  # one DoGet, batch by batch
     table = fetch(reads, token=..., local_dirs=...)   # one-shot
@@ -18,20 +19,24 @@ anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from knittrans.errors import InvalidRequest
+from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket
 
 __all__ = ["FetchRead", "Fetcher", "fetch", "ticket_rows"]
+
+logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 LocalDirs = Mapping[str, PathLike | Sequence[PathLike]]
@@ -97,6 +102,8 @@ class Fetcher:
             for node, d in (local_dirs or {}).items()
         }
         self._clients: dict[str, StoreClient] = {}
+        self._warm: set[str] = set()
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="knittrans-fetch")
 
     @property
@@ -107,9 +114,35 @@ class Fetcher:
     def _client(self, endpoint: str) -> StoreClient:
         client = self._clients.get(endpoint)
         if client is None:
-            client = self._clients.setdefault(endpoint, StoreClient(endpoint, token=self.token,
-                                                                    timeout_s=self.timeout_s))
+            with self._lock:  # one channel per endpoint, also when two threads ask at once
+                client = self._clients.get(endpoint)
+                if client is None:
+                    client = self._clients[endpoint] = StoreClient(endpoint, token=self.token,
+                                                                   timeout_s=self.timeout_s)
         return client
+
+    def warm(self, endpoints: Mapping[str, str]) -> list[Future[None]]:
+        """Connect to store nodes ahead of their first read (``{node_id: endpoint}``), in the worker pool.
+
+        A Flight channel connects at its first call; a cheap ``health`` action here moves the TCP and
+        HTTP/2 set-up out of the first ``DoGet`` of a plan. The channel is then kept (one per endpoint)
+        for every later read. Local nodes and endpoints already connected are skipped; a node that does
+        not answer is left alone (its reads report the error where they happen).
+        """
+        futures = []
+        for node_id, endpoint in endpoints.items():
+            if node_id in self._local or endpoint in self._warm:
+                continue
+            self._warm.add(endpoint)
+            futures.append(self._pool.submit(self._ping, endpoint))
+        return futures
+
+    def _ping(self, endpoint: str) -> None:
+        try:
+            self._client(endpoint).health()
+        except KnitTransError as exc:
+            self._warm.discard(endpoint)
+            logger.debug("store %s not warmed: %s", endpoint, exc)
 
     def _node(self, node_id: str, reads: list[tuple[int, FetchRead]]) -> list[tuple[int, pa.Table]]:
         local = self._local.get(node_id)

@@ -112,6 +112,8 @@ class MiniBatch:
                 self._streams = ShareStreams.from_plan(client.fetcher, plan, media=cfg.fetch_media)
             except KnitTransError as exc:  # a bad ticket: the per-micro-batch path reports it where it is used
                 logger.debug("plan %s is fetched per micro-batch: %s", self.plan_id, exc)
+        if self._streams is not None and cfg.warm_connections:
+            self._streams.open()  # the calls connect and start flowing now, before the first ``next``
         self._cache = MediaCache(self._streams.media if self._streams is not None else self._fetch_media)
         self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
         self._stop = threading.Event()

@@ -3,6 +3,7 @@
 ::
 
     streams = ShareStreams.from_plan(fetcher, plan)   # None when the plan cannot be streamed
+    streams.open()                                    # optional: start every call now (else at the first read)
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
     streams.close()                                   # cancels what was not read
@@ -220,6 +221,10 @@ class ShareStreams:
         # that reads this node, as with one call per micro-batch.
         self.calls += 1
         return _Opened(self._fetcher.pool.submit(self._fetcher.stream, node, endpoint, ticket))
+
+    def open(self) -> None:
+        """Open every call of the share now (as soon as the plan arrives), before the first :meth:`rows`."""
+        self._open()
 
     def _open(self) -> dict[str, _RowTaker]:
         """Open every call of the share at once (rows first), so all of them flow from the start."""

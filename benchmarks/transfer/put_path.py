@@ -1,0 +1,170 @@
+"""Put path: the rollout side's cost per unit (build + write + seal + register) vs Ray's ``put``.
+
+Workload: the text mini-batch of ``benchmarks/vs_baselines`` (512 trajectories, groups of 8,
+prompts 192-320 and responses 512-1024 tokens), published as 8 units of 8 groups over the two
+store nodes of a real LocalCluster (control plane + 2 ``knittrans store`` processes on 127.0.0.1).
+Timed from the groups (Python/numpy objects) until every unit is registered with the control plane:
+
+- ``writer_units``: :meth:`TrajectoryWriter.write_units` on a writer with a control client, one per
+  store (the units of one store written in one call and registered in one request);
+- ``sequential``: the former path (``write_groups`` per unit, then one ``register_units`` for all);
+- ``doput``: as ``writer_units`` but through ``DoPut`` (a writer on another host, no shared dir).
+
+Ray: the same bytes (4 per-rank shards packed as numpy columns, as ``benchmarks/vs_baselines``
+does) through ``ray.put`` in a local Ray instance, in a subprocess of the ``.venv-bench``
+interpreter (``bash scripts/setup_bench_env.sh``); when Ray is not installed the report says so
+and gives our figures alone. Each figure is the median of ``--runs`` repetitions in one run.
+
+    python benchmarks/transfer/put_path.py [--runs 7] [--ray-python .venv-bench/bin/python] [--out DIR]
+
+Writes ``put_path.json`` and ``put_path.md`` under ``--out`` (default benchmarks/transfer/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups  # noqa: E402
+from benchmarks.vs_baselines.workload import WorkloadSpec, generate  # noqa: E402
+from knittrans.demo.cluster import ClusterConfig, LocalCluster  # noqa: E402
+from knittrans.rollout.writer import TrajectoryWriter  # noqa: E402
+
+JOB = "put"
+
+RAY_SCRIPT = r"""
+import json, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+import ray
+from benchmarks.vs_baselines.ray_runner import pack_rows
+from benchmarks.vs_baselines.workload import WorkloadSpec, generate
+runs = int(sys.argv[2])
+workload = generate(WorkloadSpec(kind="text"))
+spec = workload.spec
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+times, nbytes = [], 0
+for i in range(runs + 1):
+    t0 = time.perf_counter()
+    shards = [pack_rows(workload, list(spec.rank_rows(r)), image="none") for r in range(spec.ranks)]
+    refs = [ray.put(s) for s in shards]
+    t1 = time.perf_counter()
+    nbytes = sum(a.nbytes for s in shards for a in s.values())
+    if i:
+        times.append(t1 - t0)
+    del refs
+print(json.dumps({"ray_version": ray.__version__, "put_s": statistics.median(times), "runs": times,
+                  "objects": spec.ranks, "bytes": nbytes}))
+ray.shutdown()
+"""
+
+
+def ray_put(python: Path, runs: int) -> dict[str, Any]:
+    """Ray's put of the same mini-batch, measured in ``python`` (the bench venv); an ``error`` when absent."""
+    if not python.exists():
+        return {"error": f"{python} not found: Ray is installed only in the bench venv "
+                         "(bash scripts/setup_bench_env.sh)"}
+    proc = subprocess.run([str(python), "-c", RAY_SCRIPT, str(REPO), str(runs)], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return {"error": f"ray run failed ({proc.returncode}): {' | '.join(tail)}"}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--ray-python", type=Path, default=REPO / ".venv-bench" / "bin" / "python")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    spec = WorkloadSpec(kind="text")
+    workload = generate(spec)
+    batches = spec.put_batches()
+    units = len(batches)
+    times: dict[str, list[float]] = {"writer_units": [], "sequential": [], "doput": []}
+    with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
+        control = cl.control()
+        control.create_job({"name": JOB, "group_size": spec.group_size, "quotas": {SOURCE: spec.num_groups},
+                            "mini_batches_per_step": 1, "policy": "train_batch", "world_size": 1,
+                            "micro_batch_size": spec.micro_batch_size, "total_steps": 10_000})
+        local = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir,
+                                  control=control) for s in cl.stores]
+        remote = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, control=control)
+                  for s in cl.stores]
+        plain = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
+                 for s in cl.stores]
+        for run in range(args.runs + 1):  # run 0 warms every path up and is left out
+            for variant in times:
+                groups = build_groups(workload, f"{variant}{run}")  # fresh group ids (outside the timing)
+                chunks = [groups[b.start:b.stop] for b in batches]
+                t0 = time.perf_counter()
+                if variant == "sequential":
+                    descs = [plain[k % 2].write_groups(c) for k, c in enumerate(chunks)]
+                    control.register_units(JOB, descs)
+                else:
+                    writers = local if variant == "writer_units" else remote
+                    for k, w in enumerate(writers):
+                        w.write_units(chunks[k::len(writers)])
+                elapsed = time.perf_counter() - t0
+                if run:
+                    times[variant].append(elapsed)
+        for w in [*local, *remote, *plain]:
+            w.close()
+        control.close()
+    ray = ray_put(args.ray_python, args.runs)
+    result: dict[str, Any] = {
+        "workload": {"kind": "text", "trajectories": spec.num_trajectories, "groups": spec.num_groups,
+                     "units": units, "payload_bytes": workload.payload_bytes(image_per_row=False)},
+        "ours": {v: {"median_s": statistics.median(t), "per_unit_ms": 1e3 * statistics.median(t) / units,
+                     "runs": t} for v, t in times.items()},
+        "ray": ray,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "commit": commit()},
+    }
+    if "put_s" in ray:
+        result["ratio_vs_ray"] = {v: r["median_s"] / ray["put_s"] for v, r in result["ours"].items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "put_path.json").write_text(json.dumps(result, indent=1))
+    m = result["machine"]
+    lines = [f"# Put path: build + write + seal + register (commit {m['commit']})", "",
+             f"Machine: {m['platform']}, {m['cpus']} CPUs, load average {load_start[0]:.1f} at start / "
+             f"{m['loadavg_end'][0]:.1f} at end. Text mini-batch, {spec.num_trajectories} trajectories, "
+             f"{result['workload']['payload_bytes'] / 2**20:.1f} MiB of row data, {units} units over 2 stores; "
+             f"median of {args.runs} runs.", "",
+             "| path | total ms | per unit ms | x Ray put |", "|---|---|---|---|"]
+    for v, r in result["ours"].items():
+        ratio = f"{result['ratio_vs_ray'][v]:.2f}" if "ratio_vs_ray" in result else "n/a"
+        lines.append(f"| {v} | {1e3 * r['median_s']:.1f} | {r['per_unit_ms']:.2f} | {ratio} |")
+    if "put_s" in ray:
+        lines.append(f"| ray.put ({ray['objects']} shards, Ray {ray['ray_version']}) | {1e3 * ray['put_s']:.1f} | "
+                     f"{1e3 * ray['put_s'] / ray['objects']:.2f} per object | 1.00 |")
+    else:
+        lines += ["", f"Ray: not measured: {ray['error']}"]
+    (args.out / "put_path.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

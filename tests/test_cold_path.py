@@ -1,0 +1,119 @@
+"""Issue 18 client side: warm Flight channels, the early first poll, streams opened at plan arrival,
+registration from the writer, and ``register_units`` for a store node that has not registered yet."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.errors import NotFound
+from knittrans.procs import free_port, wait_until
+from knittrans.rollout.writer import TrajectoryWriter
+from knittrans.trainer.client import TrainerClient, TrainerConfig
+from knittrans.trainer.fetch import Fetcher
+from tests.trainer_support import job_spec, mm_groups
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Control plane + two store nodes."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("cold"), num_stores=2)) as c:
+        yield c
+
+
+def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalCluster) -> None:
+    """``write_groups`` registers its unit; ``write_units`` writes one unit per list and registers them together;
+    the units are the job's and a trainer consumes exactly the groups written."""
+    control = cluster.control()
+    control.create_job(job_spec("wr", groups=3, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    s0, s1 = cluster.stores
+    with TrajectoryWriter(job="wr", node_id=s0.node_id, endpoint=s0.endpoint, control=control) as w0, \
+            TrajectoryWriter(job="wr", node_id=s1.node_id, endpoint=s1.endpoint, store_dir=s1.store_dir,
+                             control=control) as w1:
+        one = w0.write_groups(mm_groups("a", 1, group_size=2))
+        assert control.status("wr")["counts"]["units"] == 1
+        two = w1.write_units([mm_groups("b", 1, group_size=2, seed=1), mm_groups("c", 1, group_size=2, seed=2)])
+    assert [d.node_id for d in two] == [s1.node_id, s1.node_id] and one.node_id == s0.node_id
+    assert control.status("wr")["counts"]["units"] == 3
+    config = TrainerConfig(control_url=cluster.control_url, job="wr", rank=0, world_size=1, poll_timeout_s=5)
+    with TrainerClient(config) as client:
+        seen = []
+        for mb in client.minibatches():
+            seen += [r["group_id"] for m in mb for r in m.rows]
+            mb.ack()
+    assert sorted(set(seen)) == ["a0", "b0", "c0"] and len(seen) == 6
+    control.close()
+
+
+def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A unit on a node the control plane does not know: the call waits up to ``node_wait_s`` and then raises
+    NotFound naming the node and the fix; when the node registers meanwhile, the call succeeds."""
+    control = cluster.control()
+    control.create_job(job_spec("unreg", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    store = cluster.stores[0]
+    with TrajectoryWriter(job="unreg", node_id=store.node_id, endpoint=store.endpoint) as w:
+        desc = w.write_groups(mm_groups("u", 1, group_size=2))
+    ghost = {**desc.to_dict(), "node_id": "node-late", "unit_id": "node-late-1"}
+    t0 = time.monotonic()
+    with pytest.raises(NotFound, match=r"store node 'node-late' has not registered .*waited 0.5 s.*--control-url"):
+        control.register_units("unreg", [ghost], node_wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5  # it did wait
+    with pytest.raises(NotFound, match="node-late"):
+        control.register_units("unreg", [ghost], node_wait_s=0)
+    with pytest.raises(ValueError, match="node_wait_s"):
+        control.register_units("unreg", [ghost], node_wait_s=-1)
+
+    late = {**desc.to_dict(), "node_id": "node-later", "unit_id": "node-later-1"}
+    out: dict[str, object] = {}
+    waiter = threading.Thread(target=lambda: out.update(control.register_units("unreg", [late], node_wait_s=20)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # still waiting for the node
+    control.register_node("node-later", store.endpoint, "127.0.0.1")
+    waiter.join(20)
+    assert not waiter.is_alive() and out, "registration did not go through once the node registered"
+    control.close()
+
+
+def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
+    """A fresh client connects to every listed store node and has the first plan before ``minibatches()`` is
+    called; its streams are open when the plan arrives. Both off: nothing happens before the loop."""
+    control = cluster.control()
+    control.create_job(job_spec("warm", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    cold = TrainerClient(TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1,
+                                       warm_connections=False, poll_early=False, poll_timeout_s=5))
+    config = TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1, poll_timeout_s=5)
+    with TrainerClient(config) as client:
+        endpoints = {s.endpoint for s in cluster.stores}
+        wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")
+        assert client._first is not None and not client._first.done()  # waiting: nothing admitted yet
+        with TrajectoryWriter(job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint,
+                              control=control) as w:
+            w.write_units([mm_groups("w", 1, group_size=2), mm_groups("x", 1, group_size=2, seed=3)])
+        first = client._first
+        wait_until(first.done, timeout_s=20, what="the early poll's plan")
+        mbs = client.minibatches()
+        mb = next(mbs)
+        early = first.result()
+        assert early is mb  # the early poll's mini-batch, already loading
+        assert mb._streams is not None and mb._streams.calls >= 1  # opened at plan arrival, before the loop
+        assert sum(m.batch.num_rows for m in mb) == 4
+        mb.ack()
+        assert next(mbs, None) is None
+    assert cold._first is None and not cold.fetcher._clients
+    cold.close()
+    control.close()
+
+
+def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
+    """Warming a node that does not answer is not an error (its reads report it); local nodes need no channel."""
+    with Fetcher(local_dirs={"node-local": str(tmp_path)}, timeout_s=2) as f:
+        futures = f.warm({"node-x": f"grpc://127.0.0.1:{free_port()}", "node-local": "grpc://127.0.0.1:1"})
+        assert len(futures) == 1
+        futures[0].result(timeout=30)
+        assert not f._warm
