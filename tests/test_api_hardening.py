@@ -223,6 +223,9 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
             with pytest.raises(Unauthenticated):
                 c.next_plan("job1", 0, timeout_s=0)
         with ControlClient(srv.url, token=rank0, retries=0) as c:
+            assert [n["node_id"] for n in c.list_nodes()] == ["n0"]  # to warm its Flight connections
+            with pytest.raises(Unauthenticated):
+                c.register_node("n9", "grpc://127.0.0.1:9")
             plan = c.next_plan("job1", 0, timeout_s=5)
             assert plan is not None and plan["rank"] == 0
             with pytest.raises(Unauthenticated):

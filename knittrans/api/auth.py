@@ -34,10 +34,16 @@ class Scope:
     job: str | None = None
     rank: int | None = None
 
-    def allows(self, path: str, params: dict[str, Any]) -> bool:
-        """Whether a request to ``path`` (with path parameters ``params``) is within this scope."""
+    def allows(self, path: str, params: dict[str, Any], method: str = "GET") -> bool:
+        """Whether a ``method`` request to ``path`` (with path parameters ``params``) is within this scope.
+
+        Every role may list the store nodes (``GET /v1/nodes``: ids and endpoints, which plans name
+        anyway); ranks use it to open their Flight connections before the first plan.
+        """
         if self.role == "store":
             return path.startswith("/v1/nodes")
+        if path == "/v1/nodes" and method == "GET":
+            return True
         if params.get("job") != self.job or not path.startswith("/v1/jobs/"):
             return False
         ranked = "/ranks/" in path or path.endswith("/versions")
@@ -111,7 +117,7 @@ class TokenCheck:
         scope = _parse(self.secret, presented) if self.secret and presented else None
         if scope is None:
             raise Unauthenticated("this endpoint needs the worker (or admin) bearer token")
-        if not scope.allows(request.url.path, dict(request.path_params)):
+        if not scope.allows(request.url.path, dict(request.path_params), request.method):
             raise Unauthenticated(f"this token is scoped to {scope.role} of job {scope.job!r}"
                                   f"{'' if scope.rank is None else f' rank {scope.rank}'}; "
                                   f"it does not cover {request.method} {request.url.path}")
