@@ -203,3 +203,30 @@ def test_fast_descriptor_accepts_and_rejects_like_the_descriptor(changes: dict[s
     else:
         got = to_descriptor(UnitIn.model_validate(body))
         assert got == want and got.to_dict() == want.to_dict()
+
+
+def test_consumed_units_are_forgotten_but_their_ids_are_not(tmp_path: Path) -> None:
+    """Consumed groups and units leave memory; a retried registration of a consumed unit is still a duplicate,
+    a new unit reusing a consumed group id is still refused, and removing a consumed unit is a conflict
+    (before and after a restart)."""
+    db = str(tmp_path / "cp.db")
+    spec = _spec(quotas={"math": 1}, world_size=1)
+    with TestClient(create_app(Settings(db_path=db))) as c:
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
+        _run(c, 3, 0)
+        job = c.app.state.service.job(JOB)  # type: ignore[attr-defined]
+        assert not job.units and not job.groups and len(job.retired_units) == 3
+    for _ in range(2):  # the running process, then a restarted one
+        with TestClient(create_app(Settings(db_path=db))) as c:
+            old = single_group_units(["math"], size=1, start=0)[0]
+            old["groups"][0]["version_start"] = old["groups"][0]["version_end"] = 0
+            r = c.post(f"/v1/jobs/{JOB}/units", json={"units": [old]})
+            assert r.status_code == 200 and r.json()["duplicates"] == 1 and r.json()["admitted"] == [], r.text
+            reuse = single_group_units(["math"], size=1, start=0, prefix="g")[0]
+            reuse["unit_id"] = "u-new"
+            assert c.post(f"/v1/jobs/{JOB}/units", json={"units": [reuse]}).status_code == 409
+            assert c.delete(f"/v1/jobs/{JOB}/units/u-g1").status_code == 409
+            status = c.get(f"/v1/jobs/{JOB}/status").json()
+            assert status["counts"]["units"] == 3 and status["counts"]["consumed_groups"] == 3
+            assert status["next_global_index"] == 3

@@ -68,16 +68,33 @@ class Http:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
+    async def call(self, method: str, path: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(self._call(method, path, body), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{method} {path}: no answer within {timeout_s:g} s") from None
+
+    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        self.writer.write(head.encode() + data)
-        await self.writer.drain()
-        status = int((await self.reader.readline()).split()[1])
+        for attempt in range(2):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None
+            try:
+                self.writer.write(head.encode() + data)
+                await self.writer.drain()
+                line = await self.reader.readline()
+            except ConnectionError:
+                line = b""
+            if line:
+                break
+            # the server closed the idle keep-alive connection (uvicorn: after 5 s): reconnect once
+            self.close()
+            if attempt:
+                raise RuntimeError(f"{method} {path}: connection closed by the server")
+        status = int(line.split()[1])
         length = 0
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
@@ -196,7 +213,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         conn = Http("127.0.0.1", port, TOKEN_W)
         while not stop.is_set():
             asked = time.time()
-            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=2")
+            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=30")
             if status == 204:
                 continue
             if status != 200:

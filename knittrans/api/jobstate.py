@@ -663,6 +663,11 @@ class JobState:
         entries = [self.groups[g.group_id] for g in unit.groups
                    if g.group_id in self.groups and self.groups[g.group_id].unit_id == unit_id]
         busy = [g for g in entries if g.status in ("planned", "consumed")]
+        retired = [g.group_id for g in unit.groups
+                   if g.group_id in self.retired_groups and g.group_id not in self.groups]
+        if retired:
+            raise Conflict(f"unit {unit_id!r}: group {retired[0]!r} was consumed; only units whose groups are not "
+                           f"admitted can be removed")
         if busy:
             raise Conflict(f"unit {unit_id!r}: group {busy[0].record.group_id!r} is {busy[0].status} in mini-batch "
                            f"{busy[0].mini_batch}; only units whose groups are not admitted can be removed")
