@@ -95,12 +95,14 @@ class Http:
             if attempt:
                 raise RuntimeError(f"{method} {path}: connection closed by the server")
         status = int(line.split()[1])
+        reader = self.reader
+        assert reader is not None
         length = 0
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+        while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value)
-        return status, await self.reader.readexactly(length) if length else b""
+        return status, await reader.readexactly(length) if length else b""
 
     async def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)) -> Any:
         status, raw = await self.call(method, path, body)
