@@ -68,22 +68,41 @@ class Http:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
+    async def call(self, method: str, path: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(self._call(method, path, body), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{method} {path}: no answer within {timeout_s:g} s") from None
+
+    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        self.writer.write(head.encode() + data)
-        await self.writer.drain()
-        status = int((await self.reader.readline()).split()[1])
+        for attempt in range(2):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None
+            try:
+                self.writer.write(head.encode() + data)
+                await self.writer.drain()
+                line = await self.reader.readline()
+            except ConnectionError:
+                line = b""
+            if line:
+                break
+            # the server closed the idle keep-alive connection (uvicorn: after 5 s): reconnect once
+            self.close()
+            if attempt:
+                raise RuntimeError(f"{method} {path}: connection closed by the server")
+        status = int(line.split()[1])
+        reader = self.reader
+        assert reader is not None
         length = 0
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+        while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value)
-        return status, await self.reader.readexactly(length) if length else b""
+        return status, await reader.readexactly(length) if length else b""
 
     async def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)) -> Any:
         status, raw = await self.call(method, path, body)
@@ -108,14 +127,17 @@ def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, 
 class Server:
     """``knittrans control-plane`` in a subprocess on port 0 (ready file), with psutil handles."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, source: Path | None = None) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
         cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "knittrans.cli",
                "--log-level", "WARNING", "control-plane", "--db",
                str(work / "cp.db"), "--port", "0", "--ready-file", str(ready), "--node-timeout-s", "30"]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "cp.log", "wb"))  # noqa: SIM115
+        if source is not None:  # another checkout's knittrans (the 'before' of a comparison) runs the server
+            env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL,
+                                     stderr=open(work / "cp.log", "wb"))  # noqa: SIM115
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -159,6 +181,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                                               "host": f"h{n[1:]}"})
     stop = asyncio.Event()
     latencies: list[float] = []
+    ages: list[float] = []
     reg_latencies: list[float] = []
     consumed: dict[int, int] = {}
     errors: list[str] = []
@@ -191,14 +214,18 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     async def rank(r: int) -> None:
         conn = Http("127.0.0.1", port, TOKEN_W)
         while not stop.is_set():
-            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=2")
+            asked = time.time()
+            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=30")
             if status == 204:
                 continue
             if status != 200:
                 errors.append(f"rank {r} next -> {status}: {raw[:200]!r}")
                 return
             plan = json.loads(raw)
-            latencies.append(time.time() - plan["admitted_at"])
+            now = time.time()
+            # delivery: from admission, or from the request when the plan was admitted before the rank asked
+            latencies.append(now - max(plan["admitted_at"], asked))
+            ages.append(now - plan["admitted_at"])
             await conn.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": plan["plan_id"]})
             consumed[r] = consumed.get(r, 0) + 1
 
@@ -221,6 +248,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     return {"ranks": args.ranks, "nodes": args.nodes, "rate_groups_s": args.rate, "seconds": elapsed,
             "mini_batches_consumed": mbs, "plans_delivered": len(latencies),
             "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
+            "plan_age_ms": summary([x * 1e3 for x in ages]),
             "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
             "server_cpu_s": cpu, "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None}
 
@@ -247,37 +275,60 @@ async def registration(port: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 3: one group per mini-batch, one rank, --mini-batches mini-batches end to end; RSS sampled."""
+    """Phase 3, the long job, time-compressed: ``--mini-batches`` mini-batches registered, planned and acked
+    as fast as the server answers (no think time), with the server's RSS, CPU and ``/status`` sampled."""
     job = "memory"
     admin = Http("127.0.0.1", port, TOKEN_A)
-    await admin.json("POST", "/v1/jobs", {**spec(job, 1, {"math": 1}, 1), "group_size": 1})
-    await admin.json("POST", "/v1/nodes", {"node_id": "n1001", "endpoint": "grpc://127.0.0.1:11001", "host": "m"})
+    per_mb = args.mb_groups
+    await admin.json("POST", "/v1/jobs", {**spec(job, 1, {"math": per_mb}, 1), "group_size": 1, "lookahead": 64})
+    nodes = [f"m{i}" for i in range(min(args.nodes, 16))]
+    for node_id in nodes:
+        await admin.json("POST", "/v1/nodes", {"node_id": node_id, "endpoint": "grpc://127.0.0.1:11001",
+                                              "host": node_id})
     conn, rank = Http("127.0.0.1", port, TOKEN_W), Http("127.0.0.1", port, TOKEN_W)
     beat = time.monotonic()
     samples: list[dict[str, float]] = []
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), server.cpu_s()
+    cpu_at, registered, last_cpu = 0, 0, cpu0
+    every = max(1, args.mini_batches // 20)
     for n in range(args.mini_batches):
         if time.monotonic() - beat > 2:
-            await conn.json("POST", "/v1/nodes/n1001/heartbeat")
+            for node in nodes:
+                await conn.json("POST", f"/v1/nodes/{node}/heartbeat")
             beat = time.monotonic()
-        u = unit(job, f"m{n}", "n1001", "math", n)
-        u["num_rows"], u["groups"][0]["num_trajectories"], u["groups"][0]["trajectory_tokens"] = 1, 1, [100]
-        await conn.json("POST", f"/v1/jobs/{job}/units", {"units": [u]})
+        if registered <= n:  # the writer runs ahead in batches of 32 mini-batches' groups
+            batch = []
+            for m in range(n, n + 32):
+                for j in range(per_mb):
+                    u = unit(job, f"m{m}.{j}", nodes[(m + j) % len(nodes)], "math", m)
+                    u["num_rows"], u["groups"][0]["num_trajectories"] = 1, 1
+                    u["groups"][0]["trajectory_tokens"] = [100]
+                    batch.append(u)
+            await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
+            registered = n + 32
         plan = await rank.json("GET", f"/v1/jobs/{job}/ranks/0/next?timeout_s=10")
         await rank.json("POST", f"/v1/jobs/{job}/ranks/0/ack", {"plan_id": plan["plan_id"]})
         done = n + 1
-        if done % max(1, args.mini_batches // 20) == 0 or done == 1000:
+        if done % every == 0 or done == 1000:
             s0 = time.perf_counter()
-            await conn.json("GET", f"/v1/jobs/{job}/status")
-            samples.append({"mini_batch": done, "rss_mib": server.rss_mib(),
-                            "status_ms": (time.perf_counter() - s0) * 1e3, "elapsed_s": time.monotonic() - t0})
+            raw = (await conn.call("GET", f"/v1/jobs/{job}/status"))[1]
+            status_ms = (time.perf_counter() - s0) * 1e3
+            cpu = server.cpu_s()
+            samples.append({"mini_batch": done, "rss_mib": server.rss_mib(), "status_ms": status_ms,
+                            "status_bytes": len(raw), "elapsed_s": time.monotonic() - t0,
+                            "cpu_ms_per_mini_batch": (cpu - last_cpu) / (done - cpu_at) * 1e3})
+            cpu_at, last_cpu = done, cpu
             log(f"memory: {done}/{args.mini_batches} mini-batches, server RSS {samples[-1]['rss_mib']:.1f} MiB, "
-                f"/status {samples[-1]['status_ms']:.1f} ms")
+                f"/status {status_ms:.1f} ms")
     at_1000 = next((s for s in samples if s["mini_batch"] >= 1000), samples[0])
     last = samples[-1]
-    return {"mini_batches": args.mini_batches, "samples": samples, "rss_mib_at_1000": at_1000["rss_mib"],
-            "rss_mib_at_end": last["rss_mib"], "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
-            "status_ms_at_1000": at_1000["status_ms"], "status_ms_at_end": last["status_ms"]}
+    return {"mini_batches": args.mini_batches, "groups_per_mini_batch": per_mb, "samples": samples,
+            "seconds": time.monotonic() - t0, "server_cpu_ms_per_mini_batch":
+                (server.cpu_s() - cpu0) / args.mini_batches * 1e3,
+            "rss_mib_at_1000": at_1000["rss_mib"], "rss_mib_at_end": last["rss_mib"],
+            "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
+            "status_ms_at_1000": at_1000["status_ms"], "status_ms_at_end": last["status_ms"],
+            "status_bytes_at_1000": at_1000["status_bytes"], "status_bytes_at_end": last["status_bytes"]}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -301,28 +352,35 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="64 ranks, 8 nodes, 5 s, 1,200 mini-batches")
+    parser.add_argument("--smoke", action="store_true",
+                        help="32 ranks, 8 nodes, 3 s, 300 mini-batches: a run of well under a minute (CI)")
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--rate", type=int, default=1000, help="groups/s the writer registers")
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--batch", type=int, default=1000, help="units per registration request (phase 2)")
+    parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
     parser.add_argument("--registration-batches", type=int, default=20)
     parser.add_argument("--mini-batches", type=int, default=10_000)
+    parser.add_argument("--mb-groups", type=int, default=1, help="groups per mini-batch in the long job (phase 3)")
+    parser.add_argument("--server-label", default=None, help="what --server-source is (its commit)")
     parser.add_argument("--phases", nargs="+", default=["delivery", "registration", "memory"])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale")
+    parser.add_argument("--server-source", type=Path, default=None,
+                        help="directory holding another checkout's knittrans package to run as the server "
+                             "(e.g. `git archive <commit> knittrans | tar -x -C DIR`: the 'before' figures)")
     args = parser.parse_args()
     if args.smoke:
-        args.ranks, args.nodes, args.seconds, args.mini_batches = 64, 8, 5.0, 1200
-        args.registration_batches, args.batch = 5, 500
-        args.rate = min(args.rate, 200)
+        args.ranks, args.nodes, args.seconds, args.mini_batches = 32, 8, 3.0, 300
+        args.registration_batches, args.batch = 3, 500
+        args.rate = min(args.rate, 100)
     work = Path(tempfile.mkdtemp(prefix="knittrans-scale-"))
-    server = Server(work)
+    server = Server(work, args.server_source)
     log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
     result: dict[str, Any] = {
         "benchmark": "control_plane_scale", "machine": platform.platform(), "cpus": os.cpu_count(),
         "load_avg_1m_start": os.getloadavg()[0], "commit": subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "server": args.server_label or ("worktree" if args.server_source is None else str(args.server_source)),
         "args": {k: str(v) for k, v in vars(args).items()}}
     try:
         if "delivery" in args.phases:
@@ -344,7 +402,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     lines = [f"# Control plane at scale\n\n{result['machine']}, {result['cpus']} CPUs, load "
-             f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}\n"]
+             f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}, server {result['server']}\n"]
     if "delivery" in result:
         d = result["delivery"]
         pdm, reg = d["plan_delivery_ms"], d["registration_request_ms"]

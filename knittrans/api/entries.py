@@ -56,6 +56,8 @@ class MiniBatch:
     """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""
     rendered: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Plans already rendered for ranks (not persisted; re-rendered identically after a restart)."""
+    rows: int | None = None
+    """Trajectories in the mini-batch, summed over the layout on first use (not persisted)."""
 
     def to_json(self) -> dict[str, Any]:
         body = {

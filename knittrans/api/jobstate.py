@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from knittrans.api.consumed import ConsumedLedger
 from knittrans.api.entries import GroupEntry, MiniBatch, mb_key
 from knittrans.api.plans import layout_of, parse_plan_id, render_rank_plan, unit_json
 from knittrans.api.spec import JobSpec, check_quotas
@@ -57,6 +58,15 @@ class JobState:
         self.unit_batches = 0
         self.groups: dict[str, GroupEntry] = {}
         self.unadmitted: dict[str, GroupEntry] = {}
+        self.group_counts: dict[tuple[str, str], int] = {}
+        """Groups per ``(source, status)``, kept in step with :attr:`groups` (status and metrics in O(1))."""
+        self.lost: dict[str, GroupEntry] = {}
+        """Groups whose status is ``lost``."""
+        self.retired_groups: set[str] = set()
+        """Ids of consumed groups: their entries are dropped from :attr:`groups` (memory flat over a long job)."""
+        self.retired_units: set[str] = set()
+        """Ids of units whose every group was consumed: dropped from :attr:`units`; registering one again is
+        a duplicate (a no-op), like for a unit still held."""
         self.first_unconsumed = 0
         self.minibatches: dict[int, MiniBatch] = {}
         self.rank_versions: dict[int, int] = {}
@@ -65,7 +75,9 @@ class JobState:
         self.finished_count: dict[str, int] = {}
         self.started_ids: set[str] = set()
         self.request_ids: set[str] = set()
-        self.consumed: list[ConsumedGroup] = []
+        self.consumed = ConsumedLedger()
+        """Consumed groups, compacted (exact running summaries + the latest steps)."""
+        self.consumed_mini_batches = 0
         self.to_regenerate: dict[str, dict[str, Any]] = {}
         self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
         self._endpoint = endpoint
@@ -137,6 +149,11 @@ class JobState:
                 return n
             n += 1
 
+    def in_flight(self) -> list[MiniBatch]:
+        """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
+        return [mb for n in range(self.first_unconsumed, self.next_n)
+                if (mb := self.minibatches[n]).status == "planned"]
+
     @property
     def position(self) -> int:
         """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
@@ -188,9 +205,46 @@ class JobState:
         return self.state in ("drained", "completed")
 
     # ------------------------------------------------------------------ persistence helpers
+    def count_group(self, entry: GroupEntry, delta: int) -> None:
+        """Add ``delta`` to the count of ``entry``'s (source, status) (and the lost index)."""
+        key = (entry.record.source, entry.status)
+        self.group_counts[key] = self.group_counts.get(key, 0) + delta
+        if entry.status == "lost":
+            if delta > 0:
+                self.lost[entry.record.group_id] = entry
+            else:
+                self.lost.pop(entry.record.group_id, None)
+
+    def recount_groups(self) -> None:
+        """Rebuild :attr:`group_counts` and :attr:`lost` from :attr:`groups` (after a restore)."""
+        self.group_counts, self.lost = {}, {}
+        for entry in self.groups.values():
+            self.count_group(entry, 1)
+
+    def retire(self, group_ids: Sequence[str]) -> None:
+        """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.
+
+        Their counts stay in :attr:`group_counts`; their staleness is in :attr:`consumed`; the store keeps
+        their records. What stays in memory per consumed group is its id.
+        """
+        units: set[str] = set()
+        for gid in group_ids:
+            entry = self.groups.pop(gid, None)
+            if entry is not None:
+                self.retired_groups.add(gid)
+                units.add(entry.unit_id)
+        for unit_id in units:
+            unit = self.units.get(unit_id)
+            if unit is not None and not any(
+                    (e := self.groups.get(g.group_id)) is not None and e.unit_id == unit_id for g in unit.groups):
+                del self.units[unit_id]
+                self.retired_units.add(unit_id)
+
     def _set(self, entry: GroupEntry, status: str, txn: Txn, mini_batch: int | None = None) -> None:
-        """Move a group to ``status``, keeping the unadmitted index and the store in step."""
+        """Move a group to ``status``, keeping the unadmitted index, the counts and the store in step."""
+        self.count_group(entry, -1)
         entry.status, entry.mini_batch = status, mini_batch
+        self.count_group(entry, 1)
         gid = entry.record.group_id
         if status == "finished":
             self.unadmitted[gid] = entry
@@ -258,6 +312,8 @@ class JobState:
                 if old != u:
                     raise Conflict(f"unit {u.unit_id!r} is already registered with a different descriptor")
                 continue
+            if u.unit_id in self.retired_units:  # consumed: only its id is kept, a retry is a duplicate
+                continue
             for g in u.groups:
                 if g.source not in quotas:
                     raise InvalidRequest(f"unit {u.unit_id!r}: group {g.group_id!r} has source {g.source!r} "
@@ -269,21 +325,25 @@ class JobState:
                     if len(h) != 64 or not set(h) <= _HEX:
                         raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
                 prior = self.groups.get(g.group_id)
-                if g.group_id in seen_groups or (prior is not None and prior.status not in ("lost", "expired")):
-                    where = seen_groups.get(g.group_id) or (prior.unit_id if prior else "?")
+                if g.group_id in seen_groups or (prior is not None and prior.status not in ("lost", "expired")) \
+                        or g.group_id in self.retired_groups:
+                    where = seen_groups.get(g.group_id) or (prior.unit_id if prior else "(consumed)")
                     raise Conflict(f"unit {u.unit_id!r}: group {g.group_id!r} is already registered in unit {where!r}")
                 seen_groups[g.group_id] = u.unit_id
 
     def add_units(self, units: Sequence[UnitDescriptor], txn: Txn) -> int:
         """Register already-checked units; returns how many were new."""
-        fresh = [u for u in units if u.unit_id not in self.units]
+        fresh = [u for u in units if u.unit_id not in self.units and u.unit_id not in self.retired_units]
         for u in fresh:
             self.units[u.unit_id] = u
             for g in u.groups:
-                if g.group_id in self.groups:  # replaces a lost or expired incarnation
+                old = self.groups.get(g.group_id)
+                if old is not None:  # replaces a lost or expired incarnation
                     txn.delete("group", self.name, g.group_id)
+                    self.count_group(old, -1)
                 entry = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)
                 self.groups[g.group_id] = entry
+                self.count_group(entry, 1)
                 if self.to_regenerate.pop(g.group_id, None) is not None:
                     txn.delete("lost", self.name, g.group_id)
                 self._set(entry, "finished", txn)
@@ -418,7 +478,7 @@ class JobState:
 
     def _settle(self, txn: Txn) -> None:
         """Move draining -> drained and running -> completed once nothing is left to train."""
-        idle = all(mb.status == "consumed" for mb in self.minibatches.values())
+        idle = self.first_unconsumed >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
         if self.state == "draining" and self.next_n % self.K == 0 and idle:
             self.state = "drained"
         total = self.spec.total_steps
@@ -501,7 +561,9 @@ class JobState:
             plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
                                     k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns,
                                     sign=sign)
-            plan["mini_batch_trajectories"] = sum(len(micro) for share in mb.layout for micro in share)
+            if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
+                mb.rows = sum(len(micro) for share in mb.layout for micro in share)
+            plan["mini_batch_trajectories"] = mb.rows
             plan["admitted_at"] = mb.admitted_at
             mb.rendered[rank] = plan
         return plan
@@ -555,8 +617,11 @@ class JobState:
                 group_id=gid, source=r.source, num_trajectories=r.num_trajectories, v_train=mb.n,
                 mini_batch_index=mb.k, step=mb.step, version_start=r.version_start, version_end=r.version_end,
                 version_weighted=r.version_weighted))
-        self.consumed.extend(records)
+        self.consumed.add(records)
+        self.consumed_mini_batches += 1
+        self.retire(mb.group_ids)
         mb.status, mb.layout, mb.rendered = "consumed", [], {}
+        mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
         while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
             self.first_unconsumed += 1
         txn.put("mb", self.name, mb_key(mb.n), mb.to_json())
@@ -590,11 +655,19 @@ class JobState:
         """Take a bad unit out of scheduling: its unadmitted groups become lost and are offered for
         regeneration; refused (:class:`Conflict`) once any of its groups is in a mini-batch."""
         unit = self.units.get(unit_id)
+        if unit is None and unit_id in self.retired_units:
+            raise Conflict(f"unit {unit_id!r}: every group of it was consumed; only units whose groups are not "
+                           f"admitted can be removed")
         if unit is None:
             raise NotFound(f"unit {unit_id!r} is not registered in job {self.name!r}")
         entries = [self.groups[g.group_id] for g in unit.groups
                    if g.group_id in self.groups and self.groups[g.group_id].unit_id == unit_id]
         busy = [g for g in entries if g.status in ("planned", "consumed")]
+        retired = [g.group_id for g in unit.groups
+                   if g.group_id in self.retired_groups and g.group_id not in self.groups]
+        if retired:
+            raise Conflict(f"unit {unit_id!r}: group {retired[0]!r} was consumed; only units whose groups are not "
+                           f"admitted can be removed")
         if busy:
             raise Conflict(f"unit {unit_id!r}: group {busy[0].record.group_id!r} is {busy[0].status} in mini-batch "
                            f"{busy[0].mini_batch}; only units whose groups are not admitted can be removed")

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from knittrans.api.jobstate import JOB_STATES
 from knittrans.api.observe import Observations
 from knittrans.api.service import ControlPlane
-from knittrans.sched.staleness import READINGS, step_report
+from knittrans.sched.staleness import READINGS
 
 __all__ = ["METRICS", "ServiceCollector", "make_registry"]
 
@@ -122,24 +122,21 @@ class ServiceCollector(Collector):
             a = job.admitted_in_step(step)
             for s, quota in q.items():
                 fill.add_metric([job.name, s], a.get(s, 0) / quota if quota else 1.0)
-            counts: dict[tuple[str, str], int] = {}
-            for g in job.groups.values():
-                key = (g.record.source, g.status)
-                counts[key] = counts.get(key, 0) + 1
-            for (s, st), c in sorted(counts.items()):
-                groups.add_metric([job.name, s, st], c)
+            for (s, st), c in sorted(job.group_counts.items()):
+                if c:
+                    groups.add_metric([job.name, s, st], c)
             for s, p in job.pending().items():
                 pending.add_metric([job.name, s], p)
             version.add_metric([job.name], job.version)
             planned.add_metric([job.name], job.next_n)
-            in_flight.add_metric([job.name], sum(1 for mb in job.minibatches.values() if mb.status == "planned"))
-            consumed.add_metric([job.name], sum(1 for mb in job.minibatches.values() if mb.status == "consumed"))
+            in_flight.add_metric([job.name], len(job.in_flight()))
+            consumed.add_metric([job.name], job.consumed_mini_batches)
             regenerate.add_metric([job.name], len(job.to_regenerate))
             if job.admissions:
                 admit_s.add_metric([job.name], job.admissions[-1]["seconds"])
                 admit_wait.add_metric([job.name], job.admissions[-1].get("wait_s") or 0.0)
             for reading in READINGS:
-                report = step_report(job.consumed, reading)
+                report = job.consumed.report(reading)
                 scopes = [("all", report)] + [(s, r) for s, r in report["by_source"].items()]
                 for source, part in scopes:
                     for kind in ("staleness", "architectural"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from knittrans.api.status import job_status
-from knittrans.sched.staleness import READINGS, step_report
 
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
@@ -25,23 +24,10 @@ RANKS_SHOWN = 256
 def staleness_series(job: JobState) -> dict[str, dict[str, list[dict[str, float]]]]:
     """``{reading: {source: [{step, mean, max, count}]}}``: architectural staleness of each consumed step.
 
-    ``source`` ``"all"`` is every source together. Steps are the ones consumed so far, in order.
+    ``source`` ``"all"`` is every source together. Steps are the latest ones consumed
+    (:data:`knittrans.api.consumed.SERIES_STEPS` at most), in order.
     """
-    by_step: dict[int, list[Any]] = {}
-    for c in job.consumed:
-        by_step.setdefault(c.step, []).append(c)
-    out: dict[str, dict[str, list[dict[str, float]]]] = {r: {} for r in READINGS}
-    for step in sorted(by_step):
-        for reading in READINGS:
-            report = step_report(by_step[step], reading)
-            parts = [("all", report), *report["by_source"].items()]
-            for source, part in parts:
-                stats = part["architectural"].to_dict()
-                if stats["count"]:
-                    out[reading].setdefault(source, []).append(
-                        {"step": step, "mean": float(stats["mean"]), "max": float(stats["max"]),
-                         "count": float(stats["count"])})
-    return out
+    return job.consumed.series()
 
 
 def _job(job: JobState, observed: Observations) -> dict[str, Any]:
@@ -50,7 +36,7 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
     in_flight = [{"global_index": mb.n, "step": mb.step, "k": mb.k, "attempt": mb.attempt,
                   "groups": len(mb.group_ids), "counts": dict(mb.counts), "fetched_ranks": sorted(mb.fetched),
                   "acked_ranks": sorted(mb.acks), "admitted_at": mb.admitted_at}
-                 for mb in sorted(job.minibatches.values(), key=lambda m: m.n) if mb.status == "planned"]
+                 for mb in job.in_flight()]
     pool_by_node: dict[str, dict[str, int]] = {}
     for g in job.pool():
         per_source = pool_by_node.setdefault(g.node_id, {})

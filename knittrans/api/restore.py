@@ -48,6 +48,8 @@ def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]])
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n
     job.unadmitted = {gid: g for gid, g in job.groups.items() if g.status == "finished"}
+    job.recount_groups()
+    job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.first_unconsumed)) is not None and m.status == "consumed":
         job.first_unconsumed += 1
     for key, _ in records.get("ack", ()):
@@ -64,5 +66,6 @@ def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]])
     job.started_ids = {gid for gid, _ in records.get("started", ())}
     job.request_ids = {rid for rid, _ in records.get("request", ())}
     for _, rows in records.get("consumed", ()):
-        job.consumed.extend(ConsumedGroup(**r) for r in rows)
+        job.consumed.add(ConsumedGroup(**r) for r in rows)
+    job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
     job.to_regenerate = dict(records.get("lost", ()))

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +63,8 @@ class ControlPlane:
     """Nodes and jobs of one control plane, persisted in a :class:`RecordStore`."""
 
     def __init__(self, store: RecordStore, *, node_timeout_s: float = 30.0, recent_admissions: int = 32,
-                 clock: Callable[[], float] = time.time, on_plans: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.time,
+                 on_plans: Callable[[str, Collection[int] | None], None] | None = None,
                  ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
@@ -72,7 +73,8 @@ class ControlPlane:
             node_timeout_s: a node without heartbeat this long is declared lost by :meth:`sweep`.
             recent_admissions: admission records kept per job for status.
             clock: wall clock (seconds).
-            on_plans: called with a job name after a change that may wake a rank waiting for a plan.
+            on_plans: called with a job name and the ranks whose plans a change may concern (None: every
+                rank; empty: none, only job-wide waiters such as ``/headroom``) after every change of the job.
             ticket_key: HMAC key (shared with the stores) that signs plan tickets; None: unsigned.
             ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
         """
@@ -82,7 +84,8 @@ class ControlPlane:
         self.node_timeout_s = node_timeout_s
         self.recent_admissions = recent_admissions
         self.clock = clock
-        self.on_plans = on_plans or (lambda job: None)
+        self.on_plans = on_plans or (lambda job, ranks: None)
+        self._concerns: Collection[int] | None = None
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
         self.units_registered = 0
@@ -126,9 +129,12 @@ class ControlPlane:
     @contextmanager
     def _change(self, job: str | None) -> Iterator[Txn]:
         txn = Txn()
+        self._concerns = None  # every rank unless the change narrows it (_narrow)
+        committed = False
         try:
             yield txn
             self.store.commit(txn)
+            committed = True
         except Unavailable:  # the database refused the write: memory is ahead of it, reload
             logger.warning("state write failed; reloading state from %s", self.store.path)
             with contextlib.suppress(Exception):
@@ -141,8 +147,14 @@ class ControlPlane:
             self._load()
             raise
         finally:
-            if job is not None:
-                self.on_plans(job)
+            if job is not None:  # a failed change may have reloaded the state: wake every rank
+                self.on_plans(job, self._concerns if committed else None)
+
+    def _narrow(self, job: JobState, state_before: str, admitted: Sequence[int], ranks: Collection[int]) -> None:
+        """Inside :meth:`_change`: the change concerns only ``ranks``' plans unless it admitted a mini-batch
+        or moved the job's lifecycle (then every rank's next answer may differ)."""
+        if not admitted and job.state == state_before:
+            self._concerns = ranks
 
     def job(self, name: str) -> JobState:
         """The job called ``name``; :class:`NotFound` otherwise."""
@@ -216,7 +228,7 @@ class ControlPlane:
                     withdrawn[job.name] = job.node_lost(node_id, txn)
                     job.admit(txn)
             for name in self.jobs:
-                self.on_plans(name)
+                self.on_plans(name, None)
             logger.warning("node %s lost (%s)", node_id, reason)
         return {**node.public(self.clock()), "withdrawn": withdrawn}
 
@@ -286,9 +298,11 @@ class ControlPlane:
             return None if node is None else ("lost" if node.lost else "alive")
 
         job.check_units(units, node_state)
+        before = job.state
         with self._change(name) as txn:
             new = job.add_units(units, txn)
             admitted = job.admit(txn)
+            self._narrow(job, before, admitted, ())
         self.units_registered += new
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
 
@@ -307,10 +321,12 @@ class ControlPlane:
                       regenerates: Sequence[str] = ()) -> dict[str, Any]:
         """Count groups started or dropped per source; runs admission."""
         job = self.job(name)
+        before = job.state
         with self._change(name) as txn:
             applied = job.add_supply(txn, started=started, group_ids=group_ids, dropped=dropped,
                                      request_id=request_id, regenerates=regenerates)
             admitted = job.admit(txn)
+            self._narrow(job, before, admitted, ())
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ ranks
@@ -339,17 +355,19 @@ class ControlPlane:
     def ack(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
         """Ack a plan; at W acks the mini-batch is consumed and staleness recorded."""
         job = self.job(name)
+        before = job.state
         with self._change(name) as txn:
             result = job.ack(rank, plan_id, txn)
-            job.admit(txn)
+            self._narrow(job, before, job.admit(txn), (rank,))
         return result
 
     def report_version(self, name: str, rank: int, version: int) -> dict[str, Any]:
         """Record a rank's policy version; runs admission."""
         job = self.job(name)
+        before = job.state
         with self._change(name) as txn:
             latest = job.report_version(rank, version, txn)
-            job.admit(txn)
+            self._narrow(job, before, job.admit(txn), ())
         return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
 
     def headroom(self, name: str) -> dict[str, Any]:

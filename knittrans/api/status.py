@@ -38,17 +38,18 @@ def job_status(job: JobState) -> dict[str, Any]:
     admitted = job.admitted_in_step(step)
     finished: dict[str, int] = {}
     by_status: dict[str, int] = {}
-    lost: list[dict[str, Any]] = []
-    for g in job.groups.values():
-        by_status[g.status] = by_status.get(g.status, 0) + 1
-        if g.status == "lost":
-            lost.append({"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id})
+    for (_, status), count in job.group_counts.items():
+        if count:
+            by_status[status] = by_status.get(status, 0) + count
+    lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id}
+            for g in job.lost.values()]
     for g in job.pool():
         finished[g.record.source] = finished.get(g.record.source, 0) + 1
-    in_flight = [mb for mb in job.minibatches.values() if mb.status == "planned"]
+    in_flight = job.in_flight()
     open_step = not job.done() and (job.can_admit() or job.state == "paused")
     deficits = quota_deficit(job.step_state()) if open_step else {}
-    steps = sorted({c.step for c in job.consumed})[-STATUS_STEPS:]
+    recent = job.consumed.recent_steps()
+    steps = sorted(recent)[-STATUS_STEPS:]
     return {
         "job": job.name,
         "state": job.state,
@@ -62,22 +63,22 @@ def job_status(job: JobState) -> dict[str, Any]:
             for s, q in sorted(quotas.items())
         },
         "counts": {
-            "units": len(job.units),
+            "units": len(job.units) + len(job.retired_units),
             "finished": finished,
             "pending": job.pending(),
             "admitted_in_step": admitted,
             "groups_by_status": by_status,
             "in_flight_mini_batches": len(in_flight),
             "in_flight_groups": sum(len(mb.group_ids) for mb in in_flight),
-            "consumed_mini_batches": sum(1 for mb in job.minibatches.values() if mb.status == "consumed"),
+            "consumed_mini_batches": job.consumed_mini_batches,
             "consumed_groups": by_status.get("consumed", 0),
         },
         "deficits": deficits,
         "lost_groups": sorted(lost, key=lambda r: r["group_id"]),  # all of them, claimed for regeneration or not
         "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         "staleness": {
-            "overall": staleness_report(job.consumed),
-            "by_step": {str(s): staleness_report([c for c in job.consumed if c.step == s]) for s in steps},
+            "overall": {reading: _stats(job.consumed.report(reading)) for reading in READINGS},
+            "by_step": {str(s): staleness_report(recent[s]) for s in steps},
         },
         "timing": {
             "position": job.position, "lookahead": job.spec.lookahead, "window": job.spec.window,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -43,34 +44,80 @@ class StateRunner:
 
 
 class PlanBoard:
-    """Wakes every rank long-polling a job when that job's plans may have changed (one event per job)."""
+    """Wakes the requests long-polling a job when what they wait for may have changed.
+
+    Two kinds of waiters: a rank waiting for its next plan (one event per ``(job, rank)``) and a
+    job-wide waiter (``/headroom``), woken by any change of the job. The service says which ranks'
+    plans a change concerns (:meth:`notify`): admitting or withdrawing a mini-batch concerns every
+    rank, an ack only the rank that acked, a registration that admits nothing none. So 1,024 ranks
+    waiting for the next admission are not all woken (and do not all probe the state thread) by
+    every registration batch or every other rank's ack.
+    """
 
     def __init__(self) -> None:
-        self._events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._jobs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._ranks: dict[str, dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self.probes: dict[tuple[str, int], int] = {}
+        """Plan probes per ``(job, rank)`` (one per wake-up of a long-poll, plus its first look)."""
 
-    def event(self, job: str) -> asyncio.Event:
-        """The event the next change of ``job`` will set (called on the event loop)."""
+        self._lock = threading.Lock()  # the event loop takes events while the state thread pops them
+
+    def _take(self, table: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Event]], key: Any) -> asyncio.Event:
         loop = asyncio.get_running_loop()
-        found = self._events.get(job)
+        found = table.get(key)
         if found is None or found[0] is not loop:
             found = (loop, asyncio.Event())
-            self._events[job] = found
+            table[key] = found
         return found[1]
 
-    def notify(self, job: str) -> None:
-        """Wake the waiters of ``job``; later waiters get a fresh event."""
-        found = self._events.pop(job, None)
-        if found is None:
+    def event(self, job: str) -> asyncio.Event:
+        """The event the next change of ``job`` will set, whatever it concerns (called on the event loop)."""
+        with self._lock:
+            return self._take(self._jobs, job)
+
+    def rank_event(self, job: str, rank: int) -> asyncio.Event:
+        """The event the next change of ``rank``'s plans in ``job`` will set (called on the event loop)."""
+        with self._lock:
+            return self._take(self._ranks.setdefault(job, {}), rank)
+
+    def probed(self, job: str, rank: int) -> None:
+        """Count one plan probe of ``rank`` (observability and tests: who was woken for nothing)."""
+        key = (job, rank)
+        self.probes[key] = self.probes.get(key, 0) + 1
+
+    def notify(self, job: str, ranks: Collection[int] | None = None) -> None:
+        """Wake ``job``'s job-wide waiters and the waiters of ``ranks`` (None: every rank).
+
+        Called from any thread (the state thread); later waiters get fresh events.
+        """
+        with self._lock:
+            woken = [e for e in (self._jobs.pop(job, None),) if e is not None]
+            table = self._ranks.get(job)
+            if table:
+                if ranks is None:
+                    woken.extend(table.values())
+                    table.clear()
+                else:
+                    woken.extend(e for e in (table.pop(r, None) for r in ranks) if e is not None)
+        if not woken:
             return
-        loop, event = found
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is loop:
-            event.set()
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(event.set)
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        for loop, event in woken:
+            if running is loop:
+                event.set()
+            elif not loop.is_closed():
+                by_loop.setdefault(loop, []).append(event)
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_set_all, events)
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 def _service(request: Request) -> ControlPlane:

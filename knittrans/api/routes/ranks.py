@@ -50,7 +50,8 @@ async def next_plan(job: str, rank: int, svc: Service, run: Run, board: Board, s
         return None, state, svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after)
 
     while True:
-        event = board.event(job)  # taken before the probe: a change while it runs still wakes us
+        event = board.rank_event(job, rank)  # taken before the probe: a change while it runs still wakes us
+        board.probed(job, rank)
         plan, state, done = await run(probe)
         if plan is not None:
             return JSONResponse(plan)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+import math
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,28 +25,64 @@ from knittrans.api.models import (
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.api.service import ControlPlane
 from knittrans.descriptors import GroupRecord, UnitDescriptor
+from knittrans.errors import InvalidRequest
 
 __all__ = ["router", "to_descriptor"]
+
+T = TypeVar("T")
 
 router = APIRouter(prefix="/v1/jobs", tags=["units"], responses={
     400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}})
 
 
+_new = object.__new__
+_setattr = object.__setattr__
+
+
+def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
+    """A frozen dataclass instance from already-validated fields, without running its ``__post_init__``."""
+    obj: T = _new(cls)
+    _setattr(obj, "__dict__", fields)
+    return obj
+
+
 def to_descriptor(u: UnitIn) -> UnitDescriptor:
-    """Plain descriptor of a unit body (raises InvalidRequest for bad names or row layout)."""
-    return UnitDescriptor(
-        unit_id=u.unit_id, job=u.job, node_id=u.node_id, endpoint=u.endpoint, num_rows=u.num_rows,
-        num_bytes=u.num_bytes, schema_version=u.schema_version,
-        groups=tuple(
-            GroupRecord(
-                group_id=g.group_id, source=g.source, row_start=g.row_start, num_trajectories=g.num_trajectories,
-                trajectory_tokens=tuple(g.trajectory_tokens), version_start=g.version_start,
-                version_end=g.version_end, version_weighted=g.version_weighted, finished_at=g.finished_at,
-                media_hashes=tuple(g.media_hashes),
-            )
-            for g in u.groups
-        ),
-    )
+    """Plain descriptor of a unit body (raises InvalidRequest for a bad row layout or inconsistent fields).
+
+    The body passed :class:`UnitIn`'s validation (names, integer ranges, endpoint, hashes: the same rules
+    as :class:`UnitDescriptor`'s own checks), so only the checks across fields run here, and the frozen
+    descriptors are built without re-running the per-field checks (the registration hot path: they were
+    most of its CPU). A test pins that both reject the same bodies.
+    """
+    groups = []
+    row = 0
+    for g in u.groups:
+        gid = g.group_id
+        if len(g.trajectory_tokens) != g.num_trajectories:
+            raise InvalidRequest(f"group {gid!r}: num_trajectories={g.num_trajectories} but "
+                                 f"{len(g.trajectory_tokens)} token counts")
+        if g.version_end < g.version_start:
+            raise InvalidRequest(f"group {gid!r}: version_end < version_start")
+        vw = g.version_weighted
+        if not (math.isfinite(vw) and g.version_start - 1e-3 <= vw <= g.version_end + 1e-3):
+            raise InvalidRequest(f"group {gid!r}: version_weighted {vw!r} must be a finite number in "
+                                 f"[version_start, version_end] = [{g.version_start}, {g.version_end}]")
+        if not math.isfinite(g.finished_at):
+            raise InvalidRequest(f"group {gid!r}: finished_at {g.finished_at!r} must be a finite non-negative "
+                                 "Unix time")
+        if g.row_start != row:
+            raise InvalidRequest(f"unit {u.unit_id!r}: group {gid!r} starts at row {g.row_start}, expected {row}")
+        row += g.num_trajectories
+        groups.append(_frozen(GroupRecord, {
+            "group_id": gid, "source": g.source, "row_start": g.row_start, "num_trajectories": g.num_trajectories,
+            "trajectory_tokens": tuple(g.trajectory_tokens), "version_start": g.version_start,
+            "version_end": g.version_end, "version_weighted": vw, "finished_at": g.finished_at,
+            "media_hashes": tuple(g.media_hashes)}))
+    if row != u.num_rows:
+        raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
+    return _frozen(UnitDescriptor, {
+        "unit_id": u.unit_id, "job": u.job, "node_id": u.node_id, "endpoint": u.endpoint, "num_rows": u.num_rows,
+        "num_bytes": u.num_bytes, "schema_version": u.schema_version, "groups": tuple(groups)})
 
 
 @router.post(

@@ -1,0 +1,163 @@
+"""Consumed groups of a job, compacted: exact running staleness summaries plus a bounded recent window.
+
+A long job consumes millions of groups. Keeping every :class:`ConsumedGroup` and summarising all of
+them on each ``/status``, ``/metrics`` and ``/v1/overview`` made those calls (and the control
+plane's memory) grow with the job's length. :class:`ConsumedLedger` keeps instead:
+
+* per reading, overall and per source, a weighted histogram of staleness and of architectural
+  staleness plus exact running sums: count, mean and ``pos_mean`` are exact; ``p50``/``p99``/``max``
+  are exact for integer staleness (the ``start`` and ``end`` readings) and within
+  :data:`RESOLUTION` versions for the token-weighted reading (its values are binned to that grid,
+  which bounds the histogram by the staleness range, not by the job's length);
+* the groups of the last :data:`RECENT_STEPS` consumed steps as they are (``/status`` by-step);
+* a per-step ``(count, sum, max)`` series of architectural staleness for the last
+  :data:`SERIES_STEPS` steps (the dashboard chart).
+
+The SQLite records are unchanged: a restart replays them through :meth:`ConsumedLedger.add`, so the
+counts after a restart are the same as before it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, staleness, version_of
+
+__all__ = ["RECENT_STEPS", "RESOLUTION", "SERIES_STEPS", "ConsumedLedger", "RunningSummary"]
+
+RESOLUTION = 1.0 / 1024
+"""Histogram bin of non-integer staleness values (versions); integers are kept exactly."""
+RECENT_STEPS = 16
+"""Consumed steps whose groups are kept as they are (``/status`` staleness by step)."""
+SERIES_STEPS = 512
+"""Consumed steps kept in the per-step series (the dashboard's staleness chart)."""
+
+_EMPTY = StalenessStats(count=0, mean=math.nan, p50=math.nan, p99=math.nan, max=math.nan, pos_mean=math.nan)
+
+
+class RunningSummary:
+    """Weighted summary that takes values one at a time in O(1) memory per distinct (binned) value."""
+
+    __slots__ = ("acc", "hist", "pos", "total")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.acc = 0.0
+        self.pos = 0.0
+        self.hist: dict[float, int] = {}
+
+    def add(self, value: float, weight: int) -> None:
+        """Count ``value`` ``weight`` times."""
+        if weight <= 0:
+            return
+        self.total += weight
+        self.acc += value * weight
+        self.pos += max(value, 0.0) * weight
+        key = value if value.is_integer() else round(value / RESOLUTION) * RESOLUTION
+        self.hist[key] = self.hist.get(key, 0) + weight
+
+    def stats(self) -> StalenessStats:
+        """The summary, nearest-rank percentiles (like :func:`knittrans.sched.staleness.summarize_weighted`)."""
+        if self.total == 0:
+            return _EMPTY
+        ordered = sorted(self.hist.items())
+
+        def nearest_rank(fraction: float) -> float:
+            need = max(1, math.ceil(fraction * self.total))
+            seen = 0
+            for value, weight in ordered:
+                seen += weight
+                if seen >= need:
+                    return value
+            return ordered[-1][0]
+
+        return StalenessStats(count=self.total, mean=self.acc / self.total, p50=nearest_rank(0.5),
+                              p99=nearest_rank(0.99), max=ordered[-1][0], pos_mean=self.pos / self.total)
+
+
+class _Reading:
+    __slots__ = ("arch", "by_source", "plain")
+
+    def __init__(self) -> None:
+        self.plain = RunningSummary()
+        self.arch = RunningSummary()
+        self.by_source: dict[str, tuple[RunningSummary, RunningSummary]] = {}
+
+
+class ConsumedLedger:
+    """What the control plane remembers of consumed groups (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.groups = 0
+        """Consumed groups so far."""
+        self.trajectories = 0
+        """Consumed trajectories so far."""
+        self._readings = {r: _Reading() for r in READINGS}
+        self._recent: dict[int, list[ConsumedGroup]] = {}
+        self._series: dict[int, dict[str, dict[str, list[float]]]] = {}
+
+    def add(self, records: Iterable[ConsumedGroup]) -> None:
+        """Account for newly consumed groups (one mini-batch's, or a restart's replay)."""
+        for c in records:
+            self.groups += 1
+            self.trajectories += c.num_trajectories
+            self._recent.setdefault(c.step, []).append(c)
+            series = self._series.setdefault(c.step, {r: {} for r in READINGS})
+            for reading, acc in self._readings.items():
+                value = staleness(c.v_train, version_of(c, reading))
+                extra = value - c.mini_batch_index
+                acc.plain.add(value, c.num_trajectories)
+                acc.arch.add(extra, c.num_trajectories)
+                mine = acc.by_source.get(c.source)
+                if mine is None:
+                    mine = acc.by_source[c.source] = (RunningSummary(), RunningSummary())
+                mine[0].add(value, c.num_trajectories)
+                mine[1].add(extra, c.num_trajectories)
+                if c.num_trajectories > 0:
+                    per_step = series[reading]
+                    for key in ("all", c.source):
+                        cell = per_step.setdefault(key, [0.0, 0.0, -math.inf])
+                        cell[0] += c.num_trajectories
+                        cell[1] += extra * c.num_trajectories
+                        cell[2] = max(cell[2], extra)
+        self._trim(self._recent, RECENT_STEPS)
+        self._trim(self._series, SERIES_STEPS)
+
+    @staticmethod
+    def _trim(table: dict[int, Any], keep: int) -> None:
+        if len(table) > keep:
+            for step in sorted(table)[:-keep]:
+                del table[step]
+
+    def footprint(self) -> int:
+        """Items held (histogram bins, recent groups, series cells): bounded, whatever the job's length."""
+        bins = sum(len(s.hist) for acc in self._readings.values()
+                   for s in (acc.plain, acc.arch, *(x for pair in acc.by_source.values() for x in pair)))
+        recent = sum(len(groups) for groups in self._recent.values())
+        cells = sum(len(per_source) for per_step in self._series.values() for per_source in per_step.values())
+        return bins + recent + cells
+
+    def report(self, reading: str) -> dict[str, Any]:
+        """Like :func:`knittrans.sched.staleness.step_report` over every group consumed so far."""
+        acc = self._readings[reading]
+        return {"reading": reading, "staleness": acc.plain.stats(), "architectural": acc.arch.stats(),
+                "by_source": {s: {"staleness": p.stats(), "architectural": a.stats()}
+                              for s, (p, a) in sorted(acc.by_source.items())}}
+
+    def recent_steps(self) -> dict[int, Sequence[ConsumedGroup]]:
+        """The groups of the last :data:`RECENT_STEPS` consumed steps, by step."""
+        return {s: self._recent[s] for s in sorted(self._recent)}
+
+    def series(self) -> dict[str, dict[str, list[dict[str, float]]]]:
+        """``{reading: {source: [{step, mean, max, count}]}}`` of architectural staleness, last
+        :data:`SERIES_STEPS` steps (``source`` ``"all"``: every source together)."""
+        out: dict[str, dict[str, list[dict[str, float]]]] = {r: {} for r in READINGS}
+        for step in sorted(self._series):
+            for reading, per_source in self._series[step].items():
+                for source in sorted(per_source, key=lambda s: (s != "all", s)):
+                    count, total, top = per_source[source]
+                    out[reading].setdefault(source, []).append(
+                        {"step": step, "mean": total / count, "max": top, "count": count})
+        return out
