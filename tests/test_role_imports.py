@@ -65,3 +65,32 @@ def test_trainer_library_does_not_import_the_demo() -> None:
     modules = _modules_after("import", ",".join(names))
     assert set(names) <= modules
     assert sorted(m for m in modules if m.startswith("knittrans.demo")) == []
+
+
+_WITHOUT_MODEL_STACK = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):  # as if only the core install were there
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "transformers", "matplotlib", "safetensors", "PIL"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Absent())
+from knittrans.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("command", "code", "extra"), [
+    ("store", 0, None), ("control-plane", 0, None), ("status", 0, None), ("sim", 0, None),
+    ("train", 2, "demo"), ("rollout", 2, "rollout"),
+])
+def test_without_the_model_stack_commands_work_or_name_their_extra(command: str, code: int, extra: str | None) -> None:
+    """With torch & co. absent, core commands still answer; the others exit 2 naming the extra to install."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_MODEL_STACK, command, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == code, out.stderr
+    if extra is None:
+        assert f"usage: knittrans {command}" in out.stdout
+    else:
+        assert f"pip install 'knittrans[{extra}]'" in out.stderr
+        assert "Traceback" not in out.stderr
