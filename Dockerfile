@@ -6,7 +6,8 @@
 # `docker import` (no registry needed); any image with Python 3.11 and venv works:
 #   docker build --build-arg BASE_IMAGE=python:3.11-slim -t knittrans:dev .
 # Python packages come from .wheelhouse/ (filled on the host by scripts/compose_up.sh: CPU-only torch
-# 2.13.0 and the package's dependencies) and are installed with --no-index: the build needs no network.
+# 2.13.0, the package's core dependencies and its `demo` extra, i.e. every role's stack) and are
+# installed with --no-index: the build needs no network.
 # For GPU nodes build from an image with CUDA and put the matching torch wheel into the wheelhouse.
 ARG BASE_IMAGE=knittrans-base:bookworm
 

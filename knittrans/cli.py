@@ -16,12 +16,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "store": ("knittrans.flight.cli", "serve a node-local store over Arrow Flight"),
     "control-plane": ("knittrans.api.cli", "serve the control plane (FastAPI + uvicorn, SQLite state)"),
     "rollout": ("knittrans.rollout.cli", "run a rollout worker: generate groups, write units, register them"),
-    "train": ("knittrans.trainer.cli", "run one trainer rank (GRPO on a tiny policy, DDP over gloo)"),
+    "train": ("knittrans.demo.traincli", "run one trainer rank (GRPO on a tiny policy, DDP over gloo)"),
     "token": ("knittrans.api.tokencli", "mint a scoped bearer token offline (admin token from the environment)"),
     "status": ("knittrans.api.statusview", "show jobs, store nodes and ranks of a control plane (--watch redraws)"),
     "sim": ("knittrans.sim.cli", "simulate admission policies under rollout skew"),
     "bench": ("knittrans.benchcli", "run a benchmark from benchmarks/ (transfer, control_plane, trainer, baselines)"),
 }
+
+# Packages of the optional extras (pyproject.toml); a subcommand that needs a missing one names its extra.
+MODEL_STACK = frozenset({"torch", "transformers", "safetensors", "PIL", "matplotlib"})
+EXTRAS: dict[str, str] = {"rollout": "rollout", "train": "demo", "demo": "demo", "bench": "demo"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,8 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            modules[name] = importlib.import_module(module_name)
-            modules[name].add_arguments(p)
+            try:
+                modules[name] = importlib.import_module(module_name)
+                modules[name].add_arguments(p)
+            except ModuleNotFoundError as exc:
+                parser.exit(2, _missing_extra(name, exc))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -51,6 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(modules[args.command].run(args))
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        sys.stderr.write(_missing_extra(args.command, exc))
+        return 2
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> str:
+    """The message for a subcommand whose optional dependency is not installed (other import errors re-raised)."""
+    if exc.name is None or exc.name.split(".")[0] not in MODEL_STACK:
+        raise exc
+    return (f"knittrans {command} needs {exc.name}, which the core install leaves out: "
+            f"pip install 'knittrans[{EXTRAS.get(command, 'demo')}]'\n")
 
 
 if __name__ == "__main__":

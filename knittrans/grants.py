@@ -64,7 +64,7 @@ def sign_grant(key: bytes, *, job: str, rank: int, expires_at: float, reads: Map
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
-    for start, stop in sorted(tuple(r) for r in ranges):  # type: ignore[misc]
+    for start, stop in sorted(tuple(r) for r in ranges):
         if out and start <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], stop))
         else:

@@ -151,7 +151,7 @@ class Ticket:
             rows = r.get("rows", [])
             if not isinstance(rows, list) or not all(isinstance(x, list) for x in rows):
                 raise InvalidTicket(f"reads[{i}].rows must be a list of [start, stop] pairs")
-            reads.append(UnitRead(unit_id=r["unit"], row_ranges=tuple(tuple(x) for x in rows)))  # type: ignore[misc]
+            reads.append(UnitRead(unit_id=r["unit"], row_ranges=tuple(tuple(x) for x in rows)))
         columns = body.get("columns")
         if columns is not None and not isinstance(columns, list):
             raise InvalidTicket("ticket field 'columns' must be a list of names")

@@ -116,7 +116,9 @@ wheelhouse() {
   mkdir -p .wheelhouse
   "$PY" - > .wheelhouse/requirements.txt <<'PYEOF'
 import tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# core + the demo extra: one image serves every role (store, control plane, rollout, trainer, demo)
+deps = project["dependencies"] + project["optional-dependencies"]["demo"]
 print("\n".join(["torch==2.13.0", "setuptools>=68", "wheel", *[d for d in deps if not d.startswith("torch")]]))
 PYEOF
   if [ -f .wheelhouse/.done ] && cmp -s .wheelhouse/requirements.txt .wheelhouse/.done; then return; fi

@@ -51,8 +51,8 @@ for spec in "$TORCH_SPEC" "$TQ_SPEC" "$RAY_SPEC" "psutil>=5.9" "matplotlib>=3.8"
     "${PIP[@]}" "$spec"
   fi
 done
-say "installing knittrans (editable) from $REPO"
-"${PIP[@]}" -q -e "$REPO"
+say "installing knittrans[demo] (editable) from $REPO: the model stack the baselines and Ray tests run"
+"${PIP[@]}" -q -e "$REPO[demo]"
 
 say "checking imports and dependency consistency"
 "$PY" -m pip check

@@ -24,7 +24,7 @@ if [[ ! -f "$STAMP" ]]; then
   "$VENV/bin/python" -m pip install --progress-bar off -q "${SPECS[@]}"
   touch "$STAMP"
 fi
-"$VENV/bin/python" -m pip install -q --progress-bar off -e "$REPO"
+"$VENV/bin/python" -m pip install -q --progress-bar off -e "$REPO[demo]"  # the model stack (no longer core)
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md
 import warnings

@@ -131,6 +131,7 @@ def test_database_write_failure_answers_503_with_cause_and_state_stays_consisten
         assert client.post("/v1/jobs/job1/units", json={"units": units}).json()["registered"] == len(units)
 
 
+@pytest.mark.slow  # ~30 s: waits out a slow control-plane restart by design
 def test_default_retry_policy_outlasts_a_slow_control_plane_restart(tmp_path: Path) -> None:
     """D6: a ControlClient with the shared default policy (what rollout workers use) survives a 15 s outage."""
     import threading

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from knittrans.demo.config import DemoConfig
 
 
+@pytest.mark.slow  # ~30 s: the whole demo pipeline
 def test_short_demo_keeps_quotas_and_delivers_every_trajectory_once(tmp_path: Path) -> None:
     """two steps of the demo: exact per-step composition, exactly-once rows, staleness and dedup counters."""
     out = tmp_path / "demo"

@@ -57,6 +57,7 @@ def test_worker_fills_the_window_and_tags_versions(tmp_path: Path, model_dir: Pa
         assert units["announced"] == {} and units["next_seq"] == 4
 
 
+@pytest.mark.slow  # ~60 s: two worker processes, a kill and a restart
 def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir: Path) -> None:
     """kill -9 while groups are announced but unregistered; the restarted worker completes them under the same ids."""
     (tmp_path / "weights").mkdir()

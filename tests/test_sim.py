@@ -160,6 +160,7 @@ def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
         load_workload("no_such_workload")
 
 
+@pytest.mark.slow  # ~25 s: the simulator CLI over every policy
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`knittrans sim` runs a sweep, prints the table, writes JSON and the four PNG plots per configuration."""
     wl = tmp_path / "tiny.yaml"

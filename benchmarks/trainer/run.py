@@ -2,7 +2,7 @@
 
 Workload: 512 trajectories per mini-batch, groups of 8 sharing one 256 KiB image (uint8 4x256x256),
 4 ranks, micro-batches of 16; tiny Qwen2 (``build_tiny_qwen2``) + ``TinyVisionEncoder``, GRPO loss
-through :func:`knittrans.trainer.rank.train_mini_batch` (the code ``knittrans train`` runs).
+through :func:`knittrans.demo.rank.train_mini_batch` (the code ``knittrans train`` runs).
 A real control plane and two store processes (LocalCluster) serve real writer units.
 
 Ranks are measured one after another against the same live stores: on 2 cores, 4 rank processes
@@ -45,6 +45,7 @@ import pyarrow as pa
 import torch
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.rank import Policy, load_policy, train_mini_batch
 from knittrans.errors import KnitTransError
 from knittrans.flight.client import StoreClient
 from knittrans.rollout.models import build_tiny_qwen2
@@ -55,7 +56,6 @@ from knittrans.trainer.client import MicroTiming, MiniBatch, TrainerClient, Trai
 from knittrans.trainer.convert import to_micro_batch
 from knittrans.trainer.fetch import FetchRead
 from knittrans.trainer.media import MediaCacheStats, decode_media
-from knittrans.trainer.rank import Policy, load_policy, train_mini_batch
 
 
 @dataclass(frozen=True)

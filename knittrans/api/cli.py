@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["add_arguments", "run"]
+    from knittrans.api.settings import Settings
+
+__all__ = ["add_arguments", "run", "settings_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,25 +26,47 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
     parser.add_argument("--db", required=True, help="SQLite state file (created if missing; WAL mode)")
-    parser.add_argument("--init", action="store_true",
-                        help="initialise an existing empty or foreign --db file (otherwise refused)")
+    parser.add_argument("--init", action="store_true", default=None,
+                        help="initialise an existing empty or foreign --db file (otherwise refused; "
+                        "default $KNITTRANS_DB_INIT, else off)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one; the log and the "
                         "ready file give the real one)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="once serving, write {url, host, port, pid} as JSON to this file (for launchers and "
                         "tests); written atomically")
-    parser.add_argument("--worker-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+    # Flags that fill Settings default to None: an absent flag leaves the field to its KNITTRANS_<FIELD>
+    # environment variable, then to the Settings default (settings_from_args).
+    parser.add_argument("--worker-token", default=None,
                         help="bearer token for writers, ranks and stores (default $KNITTRANS_WORKER_TOKEN)")
-    parser.add_argument("--admin-token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
+    parser.add_argument("--admin-token", default=None,
                         help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)")
-    parser.add_argument("--node-timeout-s", type=float, default=30.0, help="heartbeat timeout of store nodes")
+    parser.add_argument("--node-timeout-s", type=float, default=None,
+                        help="heartbeat timeout of store nodes (default $KNITTRANS_NODE_TIMEOUT_S, else "
+                        f"{_settings_default('node_timeout_s')})")
     parser.add_argument("--tls-cert", default=os.environ.get("KNITTRANS_TLS_CERT") or None,
                         help="PEM certificate: serve HTTPS (needs --tls-key; default $KNITTRANS_TLS_CERT)")
     parser.add_argument("--tls-key", default=os.environ.get("KNITTRANS_TLS_KEY") or None,
                         help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)")
-    parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default="NORMAL",
-                        help="SQLite synchronous pragma (FULL also survives power loss)")
+    parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default=None,
+                        help="SQLite synchronous pragma (FULL also survives power loss; default "
+                        f"$KNITTRANS_DB_SYNCHRONOUS, else {_settings_default('db_synchronous')})")
+
+
+def _settings_default(name: str) -> object:
+    from knittrans.api.settings import Settings
+    from knittrans.cliargs import default_of
+
+    return default_of(Settings, name)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The service's settings: the flags given, then ``KNITTRANS_<FIELD>`` variables, then the defaults."""
+    from knittrans.api.settings import Settings
+
+    given = {"worker_token": args.worker_token, "admin_token": args.admin_token,
+             "node_timeout_s": args.node_timeout_s, "db_synchronous": args.db_synchronous, "db_init": args.init}
+    return Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,11 +74,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from knittrans.api.app import create_app
-    from knittrans.api.settings import Settings
 
-    settings = Settings(db_path=args.db, worker_token=args.worker_token, admin_token=args.admin_token,
-                        node_timeout_s=args.node_timeout_s, db_synchronous=args.db_synchronous,
-                        db_init=args.init)
+    settings = settings_from_args(args)
     # The event loop shares the GIL with the state thread (admission); a short switch interval lets it
     # answer health checks and heartbeats between the state thread's bytecodes instead of every 5 ms.
     sys.setswitchinterval(0.0005)

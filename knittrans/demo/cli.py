@@ -7,45 +7,55 @@ import json
 from pathlib import Path
 from typing import Any
 
+from knittrans.cliargs import default_of
+from knittrans.demo.config import DemoConfig
 from knittrans.sched.admission import POLICIES
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``knittrans demo``."""
-    parser.add_argument("--policy", choices=POLICIES, default="constraint_preserving", help="admission policy")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (default hf)")
-    parser.add_argument("--steps", type=int, default=3, help="train steps (default 3)")
-    parser.add_argument("--mini-batches", type=int, default=4, help="mini-batches per step K (default 4)")
-    parser.add_argument("--fetch-mode", choices=("iter", "eager"), default="iter")
-    parser.add_argument("--out", type=Path, default=Path("demo-results"), help="output directory")
+    """Options of ``knittrans demo`` (defaults from :class:`DemoConfig`)."""
+
+    def default(name: str) -> Any:
+        return default_of(DemoConfig, name)
+
+    parser.add_argument("--policy", choices=POLICIES, default=default("policy"), help="admission policy")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default=default("engine"),
+                        help="rollout engine (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=default("steps"), help="train steps (default %(default)s)")
+    parser.add_argument("--mini-batches", type=int, default=default("mini_batches_per_step"),
+                        help="mini-batches per step K (default %(default)s)")
+    parser.add_argument("--fetch-mode", choices=("iter", "eager"), default=default("fetch_mode"))
+    parser.add_argument("--out", type=Path, default=default("out_dir"), help="output directory")
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch and constraint_preserving on the same workload and compare")
-    parser.add_argument("--window", type=int, default=1, help="off-policy window W in train batches (default 1)")
-    parser.add_argument("--lookahead", type=int, default=1,
-                        help="admission lookahead L: mini-batches admitted beyond the trainer (default 1)")
+    parser.add_argument("--window", type=int, default=default("window"),
+                        help="off-policy window W in train batches (default %(default)s)")
+    parser.add_argument("--lookahead", type=int, default=default("lookahead"),
+                        help="admission lookahead L: mini-batches admitted beyond the trainer (default %(default)s)")
     parser.add_argument("--scenario", choices=("default", "slow-trainer"), default="default",
                         help="slow-trainer: every mini-batch takes >= --min-step-s (3 s unless given), about 3x "
                         "rollout's pace, so the window, not rollout, sets the pace (docs/demo.md)")
     parser.add_argument("--min-step-s", type=float, default=None,
                         help="pad every mini-batch to at least this many seconds (default 0; 3 for slow-trainer)")
-    parser.add_argument("--hidden", type=int, default=512, help="policy hidden size, a multiple of 64")
-    parser.add_argument("--layers", type=int, default=4, help="policy decoder layers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--hidden", type=int, default=default("hidden"), help="policy hidden size, a multiple of 64")
+    parser.add_argument("--layers", type=int, default=default("layers"), help="policy decoder layers")
+    parser.add_argument("--seed", type=int, default=default("seed"))
+    parser.add_argument("--timeout-s", type=float, default=default("timeout_s"))
 
 
 def run(args: Any) -> int:
     """Run the demo (or the comparison), print the tables, write JSON and PNG."""
-    from knittrans.demo.config import DemoConfig
     from knittrans.demo.report import format_comparison, format_table, plot_results
     from knittrans.demo.run import run_demo
 
     slow = args.scenario == "slow-trainer"
-    min_step_s = args.min_step_s if args.min_step_s is not None else (3.0 if slow else 0.0)
+    min_step_s = args.min_step_s if args.min_step_s is not None else (
+        3.0 if slow else default_of(DemoConfig, "min_step_s"))
     # the slow trainer's time is the padding, not the model: a small policy keeps the run short
-    hidden, layers = (128, 2) if slow and (args.hidden, args.layers) == (512, 4) else (args.hidden, args.layers)
+    model_defaults = (default_of(DemoConfig, "hidden"), default_of(DemoConfig, "layers"))
+    hidden, layers = (128, 2) if slow and (args.hidden, args.layers) == model_defaults else (args.hidden, args.layers)
 
     def config(policy: str) -> DemoConfig:
         return DemoConfig(out_dir=args.out, policy=policy, engine=args.engine, steps=args.steps,

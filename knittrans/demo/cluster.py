@@ -62,6 +62,7 @@ class LocalCluster:
         self.config = config
         self.work_dir = Path(config.work_dir)
         self.procs = ProcessGroup(self.work_dir / "logs")
+        self._clients: list[ControlClient] = []  # handed out by control(); closed by stop()
         self.control_url = ""
         self.stores: list[StoreNode] = []
         self._db = self.work_dir / "control.db"
@@ -138,10 +139,14 @@ class LocalCluster:
     def control(self, *, admin: bool = False) -> ControlClient:
         """A client of the control plane with the worker (or admin) token."""
         token = (self.config.admin_token or self.config.worker_token) if admin else self.config.worker_token
-        return ControlClient(self.control_url, token=token)
+        client = ControlClient(self.control_url, token=token)
+        self._clients.append(client)
+        return client
 
     def stop(self) -> None:
-        """Stop every process (SIGTERM, then SIGKILL)."""
+        """Close the clients :meth:`control` handed out; stop every process (SIGTERM, then SIGKILL)."""
+        while self._clients:
+            self._clients.pop().close()
         self.procs.stop_all()
 
     def __enter__(self) -> LocalCluster:

@@ -78,7 +78,7 @@ def packed_response_logprobs(
             embeds = place_image_features(embeds, input_ids, image_features, layout.image_token_id, prompt_lens)
     else:
         embeds = prefix_embeddings(embeds, features, has_media)
-    logits = model(inputs_embeds=embeds, attention_mask=attention_mask).logits  # type: ignore[operator]
+    logits = model(inputs_embeds=embeds, attention_mask=attention_mask).logits
     logits = logits.float() / temperature
     if layout is not None:
         banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)

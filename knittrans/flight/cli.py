@@ -13,25 +13,36 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from knittrans.cliargs import default_of
 from knittrans.flight.server import StoreServer, StoreServerConfig
-from knittrans.store import DEFAULT_ROOT, StoreConfig
+from knittrans.store import StoreConfig
 
 __all__ = ["add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_PORT = 8815
+"""The store's well-known port on the command line (the library's :class:`StoreServerConfig` binds any free one)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``knittrans store``."""
-    parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT, help=f"store directory (default {DEFAULT_ROOT})")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8815, help="TCP port, 0 for any free one (default 8815)")
+    parser.add_argument("--dir", type=Path, default=default_of(StoreConfig, "root"),
+                        help="store directory (default %(default)s)")
+    parser.add_argument("--host", default=default_of(StoreServerConfig, "host"),
+                        help="interface to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="TCP port, 0 for any free one (default %(default)s)")
     parser.add_argument("--token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
                         help="bearer token required on every call (default $KNITTRANS_STORE_TOKEN)")
-    parser.add_argument("--budget-bytes", type=int, default=None, help="byte budget of the store directory")
-    parser.add_argument("--spill-dir", type=Path, default=None, help="disk directory for units over budget")
-    parser.add_argument("--node-id", default="node-0", help="name of this store node (default node-0)")
-    parser.add_argument("--max-put-bytes", type=int, default=8 << 30, help="largest unit a DoPut may upload")
+    parser.add_argument("--budget-bytes", type=int, default=default_of(StoreConfig, "budget_bytes"),
+                        help="byte budget of the store directory (default: none)")
+    parser.add_argument("--spill-dir", type=Path, default=default_of(StoreConfig, "spill_dir"),
+                        help="disk directory for units over budget")
+    parser.add_argument("--node-id", default=default_of(StoreServerConfig, "node_id"),
+                        help="name of this store node (default %(default)s)")
+    parser.add_argument("--max-put-bytes", type=int, default=default_of(StoreServerConfig, "max_put_bytes"),
+                        help="largest unit a DoPut may upload (default %(default)s)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the endpoint to this file once listening (for launchers and tests)")
     parser.add_argument("--advertise", default=None,

@@ -239,7 +239,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             raise InvalidRequest(f"DoPut descriptor path must be [job, unit, 'traj'|'media'], got {path}")
         job, unit_id, part = check_name(path[0], "job"), check_name(path[1], "unit_id"), path[2]
         check_schema(reader.schema, "trajectories" if part == "traj" else "media")
-        pending, token = self.store.open_part(job, unit_id, part)  # type: ignore[arg-type]
+        pending, token = self.store.open_part(job, unit_id, part)
         ok = False
         try:
             while True:
@@ -256,12 +256,12 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                         f"unit {unit_id!r} upload reached {total} bytes, above the limit of "
                         f"{self.config.max_put_bytes} bytes"
                     )
-                validate_part(batch, part)  # type: ignore[arg-type]
-                pending.write(part, batch, token=token, abandoned=context.is_cancelled)  # type: ignore[arg-type]
+                validate_part(batch, part)
+                pending.write(part, batch, token=token, abandoned=context.is_cancelled)
                 writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
             ok = True
         finally:
-            self.store.close_part(pending, part, token, ok=ok)  # type: ignore[arg-type]
+            self.store.close_part(pending, part, token, ok=ok)
 
     # --- actions -----------------------------------------------------------------------------
     def list_actions(self, context: Any) -> list[tuple[str, str]]:

@@ -493,7 +493,7 @@ def bootstrap(conf: Any) -> dict[str, Any]:
     for i, node_info in enumerate(n for n in ray.nodes() if n.get("Alive")):
         node = f"tq-node-{i}"
         root = str(Path(config.store_root) / run / node)
-        actor = actor_cls.options(  # type: ignore[attr-defined]
+        actor = actor_cls.options(  # type: ignore[attr-defined,unused-ignore]  # typed only where ray is installed
             name=f"KnitTransStore#{run}-{i}",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_info["NodeID"], soft=False),
         ).remote(node, root, config.host, config.token)

@@ -14,7 +14,13 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``knittrans rollout``."""
+    """Options of ``knittrans rollout`` (defaults from :class:`RolloutWorkerConfig`)."""
+    from knittrans.cliargs import default_of
+    from knittrans.rollout.worker import RolloutWorkerConfig
+
+    def default(name: str) -> Any:
+        return default_of(RolloutWorkerConfig, name)
+
     parser.add_argument("--control-url", required=True, help="control plane base URL")
     parser.add_argument("--job", required=True, help="job name")
     parser.add_argument("--worker-id", required=True, help="unique worker name (prefixes group ids)")
@@ -26,14 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", required=True, help="initial policy checkpoint directory")
     parser.add_argument("--weights-dir", required=True, help="where the trainer publishes policy-v<N>.safetensors")
     parser.add_argument("--state-file", required=True, help="worker state file (restarts resume from it)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine (default hf)")
-    parser.add_argument("--group-size", type=int, default=4, help="responses per prompt (job's group size)")
-    parser.add_argument("--groups-per-call", type=int, default=2, help="prompts per generate call / unit")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="partial rollout chunk (tokens)")
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--reward", default="parity", help="'parity' or package.module:function")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default=default("engine"),
+                        help="inference engine (default %(default)s)")
+    parser.add_argument("--group-size", type=int, default=default("group_size"),
+                        help="responses per prompt (job's group size)")
+    parser.add_argument("--groups-per-call", type=int, default=default("groups_per_call"),
+                        help="prompts per generate call / unit")
+    parser.add_argument("--temperature", type=float, default=default("temperature"))
+    parser.add_argument("--chunk-tokens", type=int, default=default("chunk_tokens"),
+                        help="partial rollout chunk (tokens)")
+    parser.add_argument("--vocab-size", type=int, default=default("vocab_size"))
+    parser.add_argument("--reward", default=default("reward"), help="'parity' or package.module:function")
+    parser.add_argument("--seed", type=int, default=default("seed"))
     parser.add_argument("--max-groups", type=int, default=None, help="stop after this many groups")
     parser.add_argument("--token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"), help="control-plane token")
     parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"), help="store token")

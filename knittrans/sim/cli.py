@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 class ProgressBar:
     """A one-line progress bar on a text stream (stderr), redrawn at most every 0.1 s."""
 
-    def __init__(self, total: int, *, stream: TextIO = sys.stderr, width: int = 30) -> None:
+    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 30) -> None:
         self.total = max(1, total)
         self.done = 0
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr  # looked up now, not at import
         self.width = width
         self._last = 0.0
         self._start = time.monotonic()

@@ -31,7 +31,7 @@ step) tells the control plane this rank holds its whole share: False when the pl
 (its rows were on a lost node). A loop that gives a mini-batch up calls :meth:`MiniBatch.abandon`;
 :meth:`TrainerClient.minibatches` then waits (up to ``replan_wait_s``) for the plan of that global
 index to change — the control plane re-plans it with the next attempt once the node is declared
-lost — and yields the new plan. :mod:`knittrans.trainer.rank` runs this protocol across ranks.
+lost — and yields the new plan. :mod:`knittrans.demo.rank` runs this protocol across ranks.
 
 Errors: a failed fetch is re-raised in the training thread with the plan, micro-batch and the
 store node(s) (id and endpoint) it involved; control-plane calls (``next``, ``ack``, versions)

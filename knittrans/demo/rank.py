@@ -56,13 +56,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from knittrans.demo.grpo import grpo_loss
 from knittrans.demo.policy import TinyVisionEncoder, packed_response_logprobs
 from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.rollout.vlm import VisionTower, VLMLayout, is_vlm, load_image_processor, pixel_values
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from knittrans.trainer.convert import pad_sequences
 from knittrans.trainer.dedup import DedupEncoder, all_reduce_gradients
-from knittrans.trainer.grpo import grpo_loss
 
 __all__ = ["Policy", "RankConfig", "load_policy", "micro_batch_loss", "run_rank", "save_weights",
            "train_mini_batch"]

@@ -1,4 +1,4 @@
-"""``knittrans train``: one data-parallel trainer rank (GRPO on a tiny multimodal policy, DDP over gloo)."""
+"""``knittrans train``: one data-parallel trainer rank of the demo (GRPO on a tiny multimodal policy, DDP over gloo)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from knittrans.trainer.rank import RankConfig
+    from knittrans.demo.rank import RankConfig
 
 __all__ = ["add_arguments", "run"]
 
@@ -24,7 +24,11 @@ def _local_dir(value: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the subcommand."""
+    """Flags of the subcommand (defaults from :class:`TrainerConfig` and :class:`RankConfig`)."""
+    from knittrans.cliargs import default_of
+    from knittrans.demo.rank import RankConfig
+    from knittrans.trainer.client import TrainerConfig
+
     parser.add_argument("--control-url", required=True, help="control plane, e.g. http://127.0.0.1:8700")
     parser.add_argument("--job", required=True, help="job name")
     parser.add_argument("--rank", type=int, required=True, help="this rank, 0 <= rank < world size")
@@ -34,16 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, required=True, help="saved transformers causal LM (tiny Qwen2)")
     parser.add_argument("--weights-dir", type=Path, default=None,
                         help="rank 0 publishes policy-v{n}.safetensors here after every optimizer step")
-    parser.add_argument("--fetch-mode", choices=("eager", "iter"), default="iter",
+    parser.add_argument("--fetch-mode", choices=("eager", "iter"), default=default_of(TrainerConfig, "fetch_mode"),
                         help="eager: whole share first; iter: next micro-batch fetched while one computes")
-    parser.add_argument("--fetch-timeout-s", type=float, default=30.0,
+    parser.add_argument("--fetch-timeout-s", type=float, default=default_of(TrainerConfig, "fetch_timeout_s"),
                         help="timeout of one Flight call to a store node (a dead host raises instead of blocking)")
-    parser.add_argument("--replan-wait-s", type=float, default=60.0,
+    parser.add_argument("--replan-wait-s", type=float, default=default_of(TrainerConfig, "replan_wait_s"),
                         help="after a failed mini-batch, how long to wait for its re-plan before retrying it")
     parser.add_argument("--local-dir", type=_local_dir, action="append", default=[], metavar="NODE=DIR",
                         help="store dir of a node on this host, read memory-mapped (repeatable)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    parser.add_argument("--image-channels", type=int, default=3, help="channels of the media images")
+    parser.add_argument("--lr", type=float, default=default_of(RankConfig, "lr"), help="AdamW learning rate")
+    parser.add_argument("--image-channels", type=int, default=default_of(RankConfig, "image_channels"),
+                        help="channels of the media images")
     parser.add_argument("--no-dedup", action="store_true", help="encode every media reference (baseline)")
     parser.add_argument("--out", type=Path, default=None, help="JSON-lines file, one record per mini-batch")
     parser.add_argument("--token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
@@ -51,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
                         help="store nodes' token (default $KNITTRANS_STORE_TOKEN)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument("--min-step-s", type=float, default=0.0,
+    parser.add_argument("--min-step-s", type=float, default=default_of(RankConfig, "min_step_s"),
                         help="pad every mini-batch to at least this many seconds (emulate a heavier model)")
 
 
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     """Train until the job is finished; 0 on success."""
     import torch
 
-    from knittrans.trainer.rank import RankConfig, run_rank
+    from knittrans.demo.rank import RankConfig, run_rank
 
     if args.threads:
         torch.set_num_threads(args.threads)

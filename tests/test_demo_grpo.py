@@ -1,17 +1,11 @@
-"""GRPO advantages and loss: values derived by hand, accumulation equals one big batch."""
+"""The demo's GRPO loss: values derived by hand, accumulation equals one big batch."""
 
 from __future__ import annotations
 
 import torch
 from torch.testing import assert_close
 
-from knittrans.trainer.grpo import group_advantages, grpo_loss
-
-
-def test_group_advantages_by_hand() -> None:
-    """rewards (1, 3 | 5) in groups (0, 0 | 1) give (-1, 1 | 0) up to eps."""
-    adv = group_advantages(torch.tensor([1.0, 3.0, 5.0], dtype=torch.float64), torch.tensor([0, 0, 1]))
-    assert_close(adv, torch.tensor([-1.0, 1.0, 0.0], dtype=torch.float64), atol=1e-5, rtol=0)
+from knittrans.demo.grpo import grpo_loss
 
 
 def test_loss_clips_large_ratios() -> None:
