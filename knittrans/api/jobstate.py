@@ -17,6 +17,7 @@ from typing import Any
 from knittrans.api.consumed import ConsumedLedger
 from knittrans.api.entries import GroupEntry, MiniBatch, mb_key
 from knittrans.api.plans import layout_of, parse_plan_id, render_rank_plan, unit_json
+from knittrans.api.settings import RECENT_ADMISSIONS
 from knittrans.api.spec import JobSpec, check_quotas
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
@@ -42,7 +43,7 @@ class JobState:
     """State and rules of one job; the service owns persistence and the node registry."""
 
     def __init__(self, spec: JobSpec, *, endpoint: Callable[[str], str], node_alive: Callable[[str], bool],
-                 recent_admissions: int = 32, clock: Callable[[], float] = time.time,
+                 recent_admissions: int = RECENT_ADMISSIONS, clock: Callable[[], float] = time.time,
                  ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
         self.spec = spec
         self.ticket_key = ticket_key

@@ -20,6 +20,7 @@ from typing import Any
 
 from knittrans.api.jobstate import JobState
 from knittrans.api.restore import JOB_KINDS, restore_job
+from knittrans.api.settings import NODE_TIMEOUT_S, RECENT_ADMISSIONS
 from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
 from knittrans.api.store import RecordStore, StateError, Txn
@@ -62,7 +63,8 @@ class Node:
 class ControlPlane:
     """Nodes and jobs of one control plane, persisted in a :class:`RecordStore`."""
 
-    def __init__(self, store: RecordStore, *, node_timeout_s: float = 30.0, recent_admissions: int = 32,
+    def __init__(self, store: RecordStore, *, node_timeout_s: float = NODE_TIMEOUT_S,
+                 recent_admissions: int = RECENT_ADMISSIONS,
                  clock: Callable[[], float] = time.time,
                  on_plans: Callable[[str, Collection[int] | None], None] | None = None,
                  ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
