@@ -19,9 +19,12 @@ its storage seam (``StorageManager.put_data / get_data / clear_data``) is replac
 * ``get_data`` (runs in the consumer): rows are grouped by node; one ``DoGet`` per node carries
   exactly the requested rows (row ranges) and the requested fields' columns, plus one ``media``
   ``DoGet`` per node for the unique media hashes of those rows (a node whose store directory is on
-  this host is served from memory-mapped units instead, same tickets). Fields written by different puts
-  with different column layouts split into one ``DoGet`` per layout. A store that cannot be
-  reached raises :class:`StoreNodeLost` naming the node, its endpoint and the rows that lived there.
+  this host is served from memory-mapped units instead, same tickets, directly on the client's event
+  loop: no thread hand-off). Fields written by different puts with different column layouts split
+  into one ``DoGet`` per layout; several nodes or layouts are read in parallel. Decoding copies each
+  column once (media rows straight from the media buffers into the batch tensor; 1-D jagged fields
+  into one jagged nested tensor). A store that cannot be reached raises :class:`StoreNodeLost`
+  naming the node, its endpoint and the rows that lived there.
 * ``clear_data`` deletes a unit once one clear covers all its rows (``clear_partition`` always
   does); a partial clear keeps the unit until its remaining rows are cleared together.
 
