@@ -12,7 +12,8 @@ with three storage backends in turn:
   ``TensorDict`` it returned for the same micro-batch in the warm-up pass — the storage read costs nothing,
   everything else (the client call, the controller's metadata round trip, TransferQueue's
   per-call thread setting, conversion) is as with a real backend. Its fetch time is the floor any
-  backend's fetch can reach through this client on this host.
+  backend's fetch can reach through this client on this host. Measured in the ``knittrans``
+  session, its passes alternating with real reads, so both see the same load.
 
 Each consumer drives the harness' own ``rank_loop`` (compute off: fetches back to back; on: the tiny
 policy's forward/backward between fetches), all four ranks at once, and records per fetch the whole
@@ -44,7 +45,7 @@ from benchmarks.vs_baselines.workload import TrainBatch, WorkloadSpec, generate
 
 __all__ = ["main"]
 
-BACKENDS = ("simple", "knittrans", "noop")
+BACKENDS = ("simple", "knittrans")
 
 
 @ray.remote(num_cpus=0)
@@ -77,6 +78,9 @@ class FloorConsumer:
 
     def ready(self) -> int:
         return os.getpid()
+
+    def set_noop(self, noop: bool) -> None:
+        self.noop = noop
 
     def run(self, partition: str, path: str, task: str, fields: list[str], compute: bool) -> list[dict[str, float]]:
         """One pass over this rank's micro-batches through :func:`rank_loop` (so waits and compute are
@@ -130,24 +134,31 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
         for groups in spec.put_batches():
             keys, fields = group_fields(workload, groups)
             tq.kv_batch_put(keys=keys, partition_id="floor", fields=fields)
-        actors = [FloorConsumer.remote(r, spec, backend == "noop")  # type: ignore[attr-defined]
+        actors = [FloorConsumer.remote(r, spec, False)  # type: ignore[attr-defined]
                   for r in range(spec.ranks)]
         ray.get([a.ready.remote() for a in actors])
         fields = [*SCALAR_FIELDS, *TOKEN_FIELDS] + (["image"] if spec.kind == "multimodal" else [])
+        # with the KnitTrans backend, passes alternate real reads and the no-op (same load window)
+        variants = [backend] + (["noop"] if knit else [])
         results = []
         for mode in modes:
             compute = mode == "compute"
-            # warm-up pass (fills the no-op memo; its fetches are not recorded)
+            # warm-up pass: real reads (fills the no-op memo; its fetches are not recorded)
+            ray.get([a.set_noop.remote(False) for a in actors])
             ray.get([a.run.remote("floor", path, f"warm-{mode}", fields, compute) for a in actors])
-            passes = []
+            passes: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
             for i in range(reps):
-                load = os.getloadavg()[0]
-                rows = [x for per_rank in ray.get([a.run.remote("floor", path, f"{mode}{i}", fields, compute)
-                                                   for a in actors]) for x in per_rank]
-                passes.append({"load1": load, **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
-                               "wait_p99_ms": sorted(r["wait_ms"] for r in rows)[int(0.99 * len(rows))]})
-            results.append({"backend": backend, "path": path, "mode": mode, "passes": passes,
-                            **{k: statistics.median(p[k] for p in passes) for k in passes[0] if k != "load1"}})
+                for v in variants:
+                    ray.get([a.set_noop.remote(v == "noop") for a in actors])
+                    load = os.getloadavg()[0]
+                    rows = [x for per_rank in ray.get([a.run.remote("floor", path, f"{mode}{i}{v}", fields, compute)
+                                                       for a in actors]) for x in per_rank]
+                    passes[v].append({"load1": load, **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
+                                      "wait_p99_ms": sorted(r["wait_ms"] for r in rows)[int(0.99 * len(rows))]})
+            for v in variants:
+                results.append({"backend": v, "path": path, "mode": mode, "passes": passes[v],
+                                **{k: statistics.median(p[k] for p in passes[v]) for k in passes[v][0]
+                                   if k != "load1"}})
         for a in actors:
             ray.kill(a)
         return results
@@ -164,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", default="multimodal", choices=["text", "multimodal"])
     p.add_argument("--paths", default="kv,sampler", help="kv (kv_batch_get) and/or sampler (get_meta+get_data)")
     p.add_argument("--modes", default="none,compute", help="none (fetch only) and/or compute (tiny policy step)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"some of {BACKENDS}")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help=f"some of {BACKENDS}; knittrans also measures the no-op, pass by pass in the same session")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     spec = WorkloadSpec(kind=args.kind)
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             results += measure(b, spec, args.reps, path, modes)
             meta["loadavg_end"] = list(os.getloadavg())
             (out / "floor.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    lines = [f"# TransferQueue fetch floor ({args.kind}, 4 ranks concurrently, compute off, median of "
+    lines = [f"# TransferQueue fetch floor ({args.kind}, 4 ranks concurrently, median of "
              f"{args.reps} passes; {meta['time']})", "",
              f"Machine: {meta['host']} ({meta['cpu_model']}); commit {meta['commit']}; load average at start "
              f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_start'])}, at end "
