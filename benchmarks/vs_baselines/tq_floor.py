@@ -9,7 +9,7 @@ with three storage backends in turn:
 * ``simple``: TransferQueue's ``SimpleStorage`` (its default, 2 storage units);
 * ``knittrans``: the KnitTrans backend (``media_fields: [image]``);
 * ``noop``: the KnitTrans backend whose ``get_data`` is replaced, in each consumer, by a lookup of the
-  ``TensorDict`` it returned for the same micro-batch in the warm-up pass — the storage read costs nothing,
+  ``TensorDict`` it returned for the same micro-batch in an earlier real pass — the storage read costs nothing,
   everything else (the client call, the controller's metadata round trip, TransferQueue's
   per-call thread setting, conversion) is as with a real backend. Its fetch time is the floor any
   backend's fetch can reach through this client on this host. Measured in the ``knittrans``
@@ -67,7 +67,7 @@ class FloorConsumer:
         async def timed(metadata: Any) -> Any:
             t0 = time.perf_counter()
             if self.noop and self.micro_batch in self.memo:
-                out = self.memo[self.micro_batch]  # this micro-batch's answer of the warm-up pass
+                out = self.memo[self.micro_batch]  # its answer in the last real pass
             else:
                 out = await real(metadata)
                 self.memo[self.micro_batch] = out
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Machine: {meta['host']} ({meta['cpu_model']}); commit {meta['commit']}; load average at start "
              f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_start'])}, at end "
              f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_end'])}. `noop` = KnitTrans backend whose `get_data` "
-             "returns its answer for the same micro-batch in the warm-up pass (no storage work). "
+             "returns its answer for the same micro-batch in the last real pass (no storage work). "
              "`sampler` = `get_meta` (RankAwareSampler) + `get_data`; `kv` = `kv_batch_get`.", "",
              "| path | compute | backend | fetch p50 (ms) | fetch p99 (ms) | client call p50 (ms) "
              "| in get_data p50 (ms) | call outside get_data (ms) | conversion p50 (ms) |", "|---" * 9 + "|"]
