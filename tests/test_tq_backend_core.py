@@ -101,3 +101,28 @@ def test_values_json_cannot_round_trip_are_refused(stores: dict[str, CountingSto
     with pytest.raises(InvalidRequest, match=r"field 'extra' row 1: a tuple value"):
         core.put({"extra": [{"a": 1}, (1, 2)]}, 2, [0, 1], "p")
     core.close()
+
+
+def test_same_host_batch_in_order_is_served_from_the_units_as_batched_tensors(
+        stores: dict[str, CountingStore], tmp_path: Path) -> None:
+    """With the node's directory on this host, a whole put read in order touches no server; 1-D jagged
+    rows come back as one jagged nested tensor and media rows as one dense tensor, both equal to the put."""
+    store_dir = str(tmp_path / "node-a")
+    core = _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint}, store_dirs={"node-a": store_dir},
+                                 media_fields=("image",)))
+    meta = _put(core, "node-a", 0, 8)
+    assert core.all_local(meta) and not _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint})
+                                              ).all_local(meta)
+    stores["node-a"].gets.clear()
+    got = core.get(["tokens", "image", "logp"], list(range(8)), meta)
+    assert stores["node-a"].gets == []
+    assert got["tokens"].is_nested and got["tokens"].layout == torch.jagged
+    assert [t.tolist() for t in got["tokens"].unbind(0)] == [list(range(i % 7 + 1)) for i in range(8)]
+    assert not got["image"].is_nested and got["image"].shape == (8, 8, 8)
+    assert torch.equal(got["image"], torch.stack([_put_values(i)["image"] for i in range(8)]))
+    assert got["logp"].dtype == torch.bfloat16 and got["logp"].shape == (8, 5)
+    # out of order: same rows, reordered, as a list of rows for the jagged field
+    back = core.get(["tokens", "image"], [5, 3], [meta[5], meta[3]])
+    assert [t.tolist() for t in back["tokens"].unbind(0)] == [list(range(6)), list(range(4))]
+    assert torch.equal(back["image"], got["image"][[5, 3]])
+    core.close()

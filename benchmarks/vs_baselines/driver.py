@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 waits = [mb["wait_s"] for r in ranks for mb in r["micro"]]
                 logger.info("%s %s %s: put %.3f s, consume %.3f s, median wait %.1f ms", runner.name, args.kind,
                             tag, put["put_s"], c - b, 1e3 * sorted(waits)[len(waits) // 2])
-                if rep is None:
+                if rep is None:  # warm-up: unrecorded in the medians; the first one after start-up is cold
+                    result.setdefault("warmup", []).append({"tag": tag, "mode": mode,
+                                                            "waits_ms": [1e3 * w for w in waits]})
                     continue
                 result["runs"].append({"rep": rep, "mode": mode, "put": put,
                                        "consume_wall_s": c - b, "ranks": ranks, "put_ahead": ahead})

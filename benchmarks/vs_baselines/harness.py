@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,34 @@ def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec
     return result
 
 
+def cold_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fetch waits of each driver's unrecorded warm-up mini-batches (the first ones after start-up: cold)."""
+    out = []
+    for res in results:
+        for w in res.get("warmup", []):
+            waits = sorted(w["waits_ms"])
+            if waits:
+                out.append({"system": res["system"], "kind": res["kind"], "mode": w["mode"], "tag": w["tag"],
+                            "p50_ms": waits[len(waits) // 2],
+                            "p99_ms": waits[min(len(waits) - 1, int(0.99 * len(waits)))]})
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, CPU model and the git commit of the checkout (``-dirty`` with uncommitted changes)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"host": platform.node(), "platform": platform.platform(), "cpu_model": cpu,
+            "commit": commit + ("-dirty" if dirty else "")}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=None, help=f"comma list of system:variant (default {DEFAULT_SYSTEMS})")
@@ -148,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(scripts/setup_bench_env.sh, or pip install -e '.[bench]')")
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    machine, load_start = machine_info(), list(os.getloadavg())
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())["raw"]
         chosen = []
@@ -160,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                 (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results}))
     (out_dir / "raw_partial.json").unlink(missing_ok=True)
     summary = summarise(results)
+    summary["cold"] = cold_rows(results)
     meta = {"argv": sys.argv[1:], "smoke": args.smoke, "reps": reps, "spec_overrides": spec,
-            "cpus": os.cpu_count(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "cpus": os.cpu_count(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **machine, "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}))
     table = write_markdown(summary, meta, out_dir / "results.md")
     write_png(summary, out_dir / "results.png")

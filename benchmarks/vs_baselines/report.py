@@ -25,6 +25,10 @@ def _reference(rows: list[dict[str, Any]]) -> str:
     return next((s for s in REFERENCE_ORDER if s in present), rows[0]["system"])
 
 
+def _load(values: Any) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "?"
+
+
 def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) -> str:
     """Write (and return) one table per workload/mode with ratios to the reference system."""
     rows = summary["rows"]
@@ -37,6 +41,10 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
              f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots of systems "
              f"following the canonical plan); every row's digest agrees across all systems: "
              f"{summary.get('cross_system_rows_agree')} ({summary.get('cross_system_rows_compared')} rows).", ""]
+    if "commit" in meta:
+        lines += [f"Machine: {meta.get('host')} ({meta.get('cpu_model')}, {meta.get('platform')}); commit "
+                  f"{meta['commit']}; load average (1/5/15 min) at start {_load(meta.get('loadavg_start'))}, "
+                  f"at end {_load(meta.get('loadavg_end'))}.", ""]
     cols = ["put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s",
             "consumer_cpu_s", "startup_s",
             "peak_total_mib", "storage_bytes_per_stored_byte"]
@@ -58,6 +66,14 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
                 lines.append(f"| {r['system']} | " + " | ".join(cells)
                              + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |")
             lines.append("")
+    cold = summary.get("cold", [])
+    if cold:
+        lines += ["## Warm-up mini-batches (unrecorded above; compute=off runs first, so its warm-up is cold)",
+                  "",
+                  "| system | workload | compute | fetch p50 (ms) | fetch p99 (ms) |", "|---" * 5 + "|"]
+        lines += [f"| {c['system']} | {c['kind']} | {'on' if c['mode'] == 'compute' else 'off'} | "
+                  f"{_fmt(c['p50_ms'])} | {_fmt(c['p99_ms'])} |" for c in cold]
+        lines.append("")
     targets = summary.get("targets", [])
     if targets:
         lines += ["## Targets (KnitTrans vs baseline, same run; ratio = baseline / KnitTrans)", "",

@@ -11,8 +11,8 @@ TransferQueue column           Arrow user column(s)                            r
 dense ``[n]``                  primitive                                       0-d tensor
 dense ``[n, *s]``              ``fixed_shape_tensor<T>[s]``                    tensor of shape ``s``
 nested ``[n, j, ...]``         ``large_list<T>`` + ``tq.<field>#shape``        tensor of its own shape
-media field (config)           ``binary(32)`` content hash; payload once in    tensor (decoded once per
-                               the unit's media table                          hash and fetch)
+media field (config)           ``binary(32)`` content hash; payload once in    tensor (copied from the
+                               the unit's media table                          fetched media row)
 non-tensor, all ``str``        ``string``                                      ``str``
 non-tensor, JSON values        ``string`` holding JSON (exact round trip only)  the value
 =============================  ==============================================  ===========================
@@ -199,27 +199,68 @@ def _fixed_columns(n: int, global_indexes: Sequence[int], partition: str,
     ]
 
 
-def decode_media(table: pa.Table) -> dict[bytes, torch.Tensor]:
-    """Media rows (as a ``media`` DoGet returns them) -> tensor per content hash, each decoded once."""
-    out: dict[bytes, torch.Tensor] = {}
+def decode_media(table: pa.Table) -> dict[bytes, tuple[np.ndarray, str]]:
+    """Media rows (as a ``media`` DoGet returns them) -> per content hash, a read-only numpy view of its
+    storage bytes (no copy: the view keeps the DoGet's buffer alive) and its torch dtype name."""
+    out: dict[bytes, tuple[np.ndarray, str]] = {}
     hashes = table.column("media_hash").to_pylist()
     shapes = table.column("shape").to_pylist()
     dtypes = table.column("dtype").to_pylist()
     data = table.column("data")
     for i, h in enumerate(hashes):
-        buf = data[i].as_buffer()
         name = dtypes[i]
         np_dtype = _STORAGE_DTYPES.get(name) or np.dtype(name)
-        out[h] = _restore(np.frombuffer(buf, dtype=np_dtype).reshape(shapes[i]), name)
+        out[h] = (np.frombuffer(data[i].as_buffer(), dtype=np_dtype).reshape(shapes[i]), name)
     return out
 
 
+def _as_torch(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """Tensor of ``dtype_name`` over ``arr`` (which must own writable memory): no copy."""
+    t = torch.from_numpy(arr)
+    if dtype_name == "bfloat16":
+        return t.view(torch.bfloat16)
+    if dtype_name == "bool":
+        return t.view(torch.bool)
+    return t
+
+
+def _decode_media_rows(hashes: list[bytes], media: Mapping[bytes, tuple[np.ndarray, str]],
+                       field: str) -> torch.Tensor | list[torch.Tensor]:
+    """Rows of a media column: one memcpy per row straight from the media buffers into the result."""
+    try:
+        unique = {h: media[h] for h in dict.fromkeys(hashes)}
+    except KeyError as exc:
+        raise InvalidRequest(f"media field {field!r}: hash {exc.args[0].hex()} is not in the media rows") from None
+    kinds = {(a.shape, a.dtype, name) for a, name in unique.values()}
+    if len(kinds) == 1:
+        shape, np_dtype, name = next(iter(kinds))
+        out = np.empty((len(hashes), *shape), dtype=np_dtype)
+        for i, h in enumerate(hashes):
+            out[i] = unique[h][0]
+        return _as_torch(out, name)
+    return [_restore(unique[h][0], unique[h][1]) for h in hashes]
+
+
+def _decode_jagged(col: pa.Array, shapes: list[list[int]], dtype: str) -> torch.Tensor | list[torch.Tensor]:
+    """A jagged column: one jagged nested tensor when every row is 1-D (values copied once), else one
+    tensor per row."""
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    if len(col) and all(len(s) == 1 for s in shapes):
+        base = int(offsets[0])
+        flat = _as_torch(np.array(values[base:int(offsets[-1])], copy=True), dtype)
+        offs = torch.from_numpy(offsets.astype(np.int64) - base)
+        return torch.nested.nested_tensor_from_jagged(flat, offs)
+    return [_restore(values[offsets[i]:offsets[i + 1]], dtype).reshape(shapes[i]) for i in range(len(col))]
+
+
 def decode_column(table: pa.Table, field: str,
-                  media: Mapping[bytes, torch.Tensor] | None = None) -> torch.Tensor | list[Any]:
+                  media: Mapping[bytes, tuple[np.ndarray, str]] | None = None) -> torch.Tensor | list[Any]:
     """Values of ``field`` for every row of ``table`` (a DoGet result holding its column(s)).
 
     A batched tensor ``[rows, ...]`` when every row has one shape and dtype (scalar, dense and
-    uniform media fields), else a list with one value per row.
+    uniform media fields), a jagged nested tensor for a jagged field of 1-D rows, else a list with
+    one value per row.
     """
     name = column_name(field)
     col = table.column(name).combine_chunks()
@@ -230,20 +271,11 @@ def decode_column(table: pa.Table, field: str,
     if kind == "dense":
         return _restore(col.to_numpy_ndarray(), dtype)
     if kind == "jagged":
-        shapes = table.column(name + "#shape").to_pylist()
-        offsets = col.offsets.to_numpy()
-        values = col.values.to_numpy(zero_copy_only=False)
-        return [_restore(values[offsets[i]:offsets[i + 1]], dtype).reshape(shapes[i]) for i in range(len(col))]
+        return _decode_jagged(col, table.column(name + "#shape").to_pylist(), dtype)
     if kind == "media":
         if media is None:
             raise InvalidRequest(f"media field {field!r} needs its media rows")
-        hashes = col.to_pylist()
-        unique = list(dict.fromkeys(hashes))
-        tensors = [media[h] for h in unique]
-        if len({(t.shape, t.dtype) for t in tensors}) == 1:
-            where = {h: i for i, h in enumerate(unique)}
-            return torch.stack(tensors)[torch.tensor([where[h] for h in hashes], dtype=torch.long)]
-        return [media[h] for h in hashes]
+        return _decode_media_rows(col.to_pylist(), media, field)
     if kind == "str":
         return list(col.to_pylist())
     if kind == "json":

@@ -19,9 +19,12 @@ its storage seam (``StorageManager.put_data / get_data / clear_data``) is replac
 * ``get_data`` (runs in the consumer): rows are grouped by node; one ``DoGet`` per node carries
   exactly the requested rows (row ranges) and the requested fields' columns, plus one ``media``
   ``DoGet`` per node for the unique media hashes of those rows (a node whose store directory is on
-  this host is served from memory-mapped units instead, same tickets). Fields written by different puts
-  with different column layouts split into one ``DoGet`` per layout. A store that cannot be
-  reached raises :class:`StoreNodeLost` naming the node, its endpoint and the rows that lived there.
+  this host is served from memory-mapped units instead, same tickets, directly on the client's event
+  loop: no thread hand-off). Fields written by different puts with different column layouts split
+  into one ``DoGet`` per layout; several nodes or layouts are read in parallel. Decoding copies each
+  column once (media rows straight from the media buffers into the batch tensor; 1-D jagged fields
+  into one jagged nested tensor). A store that cannot be reached raises :class:`StoreNodeLost`
+  naming the node, its endpoint and the rows that lived there.
 * ``clear_data`` deletes a unit once one clear covers all its rows (``clear_partition`` always
   does); a partial clear keeps the unit until its remaining rows are cleared together.
 
@@ -202,10 +205,7 @@ class _Core:
     def _reader(self, node: str) -> Callable[[Ticket], pa.Table]:
         """How to serve a ticket of ``node``: memory-map its units when its directory is on this host
         (the same short-circuit as ``TrainerClient``'s ``mmap`` mode), else one ``DoGet``."""
-        if node not in self._local:
-            store_dir = self.config.store_dirs.get(node)
-            self._local[node] = LocalReader([store_dir]) if store_dir and Path(store_dir).is_dir() else None
-        local = self._local[node]
+        local = self._local[node] if self._is_local(node) else None
         return local.read if local is not None else self.client(node).get
 
     def _writer(self, node: str) -> TrajectoryWriter:
@@ -253,12 +253,28 @@ class _Core:
         for key in where:
             groups[(key[0], tuple(sorted(layout[key].items())))].append(key[1])
         jobs = [(node, fields, units) for (node, fields), units in groups.items()]
-        results = list(self._pool.map(lambda j: self._fetch(j[0], j[1], j[2], where), jobs))
+        if len(jobs) == 1:  # the common case (one node, one layout): no hop to the pool
+            results = [self._fetch(*jobs[0], where)]
+        else:
+            results = list(self._pool.map(lambda j: self._fetch(j[0], j[1], j[2], where), jobs))
         parts: dict[str, list[tuple[list[int], Any]]] = defaultdict(list)
         for per_field in results:
             for f, (positions, value) in per_field.items():
                 parts[f].append((positions, value))
         return {f: _assemble(parts[f], n) for f in field_names}
+
+    def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
+        network wait: :meth:`get` is then a short CPU-bound call)."""
+        nodes = {loc["node"] for meta in backend_meta for loc in meta.values()
+                 if isinstance(loc, Mapping) and "node" in loc}
+        return all(self._is_local(str(node)) for node in nodes)
+
+    def _is_local(self, node: str) -> bool:
+        if node not in self._local:
+            store_dir = self.config.store_dirs.get(node)
+            self._local[node] = LocalReader([store_dir]) if store_dir and Path(store_dir).is_dir() else None
+        return self._local[node] is not None
 
     def _fetch(self, node: str, layout: tuple[tuple[str, bool], ...], units: list[str],
                where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
@@ -296,11 +312,13 @@ class _Core:
                     offset += 1
         out: dict[str, tuple[list[int], Any]] = {}
         for f in fields:
-            pairs = [(pos, index[(u, r)]) for u in units for pos, r in where[(node, u)][f]]
+            # in batch order, so that one DoGet's answer needs no reordering after decoding
+            pairs = sorted((pos, index[(u, r)]) for u in units for pos, r in where[(node, u)][f])
             positions = [p for p, _ in pairs]
-            take = pa.array([i for _, i in pairs], type=pa.int64())
-            value = decode_column(table.take(take), f, media)
-            out[f] = (positions, value)
+            rows = [i for _, i in pairs]
+            # rows already in DoGet order (a batch of whole puts, or its ranges in order): no take
+            part = table if rows == list(range(table.num_rows)) else table.take(pa.array(rows, type=pa.int64()))
+            out[f] = (positions, decode_column(part, f, media))
         return out
 
     # ------------------------------------------------------------------ clear
@@ -338,11 +356,14 @@ class _Core:
 
 def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
     """Rows of one field from several DoGets, in batch order: a batched tensor when possible."""
-    tensors = [v for _, v in parts if isinstance(v, torch.Tensor)]
+    order = [p for positions, _ in parts for p in positions]
+    identity = order == list(range(n))
+    if len(parts) == 1 and identity and isinstance(parts[0][1], torch.Tensor):
+        return parts[0][1]  # one DoGet in batch order: dense or jagged nested, as decoded
+    tensors = [v for _, v in parts if isinstance(v, torch.Tensor) and not v.is_nested]
     if len(tensors) == len(parts) and len({(t.shape[1:], t.dtype) for t in tensors}) == 1:
         cat = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        order = [p for positions, _ in parts for p in positions]
-        if order == list(range(n)):
+        if identity:
             return cat
         inv = torch.empty(n, dtype=torch.long)
         inv[torch.tensor(order, dtype=torch.long)] = torch.arange(n)
@@ -409,10 +430,13 @@ def _make_manager_class() -> type[Any]:
         async def get_data(self, metadata: Any) -> TensorDict:
             if metadata.size == 0 or not metadata.field_names:
                 return TensorDict({}, batch_size=metadata.size)
-            loop = asyncio.get_running_loop()
-            fields = await loop.run_in_executor(None, self.core.get, list(metadata.field_names),
-                                                list(metadata.global_indexes),
-                                                metadata._custom_backend_meta)
+            args = (list(metadata.field_names), list(metadata.global_indexes), metadata._custom_backend_meta)
+            if self.core.all_local(args[2]):
+                # memory-mapped units of this host: a short CPU-bound read, done here as SimpleStorage
+                # packs its answer on the loop too (a hop to a thread costs more than the read)
+                fields = self.core.get(*args)
+            else:  # DoGets wait on the network: keep the client's loop free meanwhile
+                fields = await asyncio.get_running_loop().run_in_executor(None, self.core.get, *args)
             return TensorDict({f: _pack(v) for f, v in fields.items()}, batch_size=metadata.size)
 
         async def clear_data(self, metadata: Any) -> None:
