@@ -1,6 +1,6 @@
 """Bring your own data: a control plane and a store on this host, your groups with your own fields, 2 ranks.
 
-    python examples/byo_data.py          # prints what each rank got, exits 1 if anything is off
+python examples/byo_data.py          # prints what each rank got, exits 1 if anything is off
 """
 
 import tempfile
@@ -22,20 +22,36 @@ def my_group(i: int) -> TrajectoryGroup:
     rng = np.random.default_rng(i)
     responses = [rng.integers(0, 1000, 3 + r).astype(np.int32) for r in range(SIZE)]
     return TrajectoryGroup(
-        group_id=f"g{i}", source="mine", prompt_ids=np.arange(5, dtype=np.int32), response_ids=responses,
-        response_logprobs=[np.zeros(len(r), np.float32) for r in responses], rewards=np.full(SIZE, float(i)),
+        group_id=f"g{i}",
+        source="mine",
+        prompt_ids=np.arange(5, dtype=np.int32),
+        response_ids=responses,
+        response_logprobs=[np.zeros(len(r), np.float32) for r in responses],
+        rewards=np.full(SIZE, float(i)),
         user_fields={"ref_logprobs": [np.full(len(r), -i, np.float32) for r in responses], "prompt_uid": f"p{i}"},
-        shared_user_fields=frozenset({"prompt_uid"}))  # one value for the whole group
+        shared_user_fields=frozenset({"prompt_uid"}),
+    )  # one value for the whole group
 
 
 with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=1)) as cluster:
     control, store = cluster.control(), cluster.stores[0]
-    control.create_job({"name": "byo", "group_size": SIZE, "quotas": {"mine": GROUPS}, "mini_batches_per_step": 1,
-                        "policy": "train_batch", "world_size": 2, "micro_batch_size": 4, "total_steps": 1,
-                        "user_fields": FIELDS})
+    control.create_job(
+        {
+            "name": "byo",
+            "group_size": SIZE,
+            "quotas": {"mine": GROUPS},
+            "mini_batches_per_step": 1,
+            "policy": "train_batch",
+            "world_size": 2,
+            "micro_batch_size": 4,
+            "total_steps": 1,
+            "user_fields": FIELDS,
+        }
+    )
     # write -> seal -> register, in one call per batch of units
-    with TrajectoryWriter(job="byo", node_id=store.node_id, endpoint=store.endpoint, control=control,
-                          user_fields=FIELDS) as writer:
+    with TrajectoryWriter(
+        job="byo", node_id=store.node_id, endpoint=store.endpoint, control=control, user_fields=FIELDS
+    ) as writer:
         writer.write_units([[my_group(i)] for i in range(GROUPS)])
     got: dict[int, list[tuple[float, str, float]]] = {0: [], 1: []}
 

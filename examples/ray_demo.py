@@ -28,8 +28,13 @@ SOURCES = ["math:8-16:4-12", "mm_qa:8-16:16-32:image=3x32x32"]
 def run_knittrans(argv: list[str], env: dict[str, str], log_path: str) -> int:
     """Ray task body: run one ``knittrans`` CLI process on the task's node; its exit code."""
     with open(log_path, "ab") as log:
-        return subprocess.run([sys.executable, "-m", "knittrans.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, check=False).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "knittrans.cli", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+            check=False,
+        ).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,34 +64,87 @@ def main(argv: list[str] | None = None) -> int:
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     store_root = Path(tempfile.mkdtemp(prefix="knittrans-ray-", dir=shm))
 
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=max(4, args.ranks + 2), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=max(4, args.ranks + 2), include_dashboard=False, log_to_driver=False
+    )
     started = time.monotonic()
-    kt = start_cluster(out, worker_token=tokens["worker"], store_token=tokens["store"], admin_token=tokens["admin"],
-                       store_root=store_root, node_timeout_s=30, control_port=free_port("127.0.0.1"))
+    kt = start_cluster(
+        out,
+        worker_token=tokens["worker"],
+        store_token=tokens["store"],
+        admin_token=tokens["admin"],
+        store_root=store_root,
+        node_timeout_s=30,
+        control_port=free_port("127.0.0.1"),
+    )
     try:
         with ControlClient(kt.control_url, token=tokens["admin"]) as admin:
-            admin.create_job({"name": "demo", "group_size": 4, "quotas": QUOTAS,
-                              "mini_batches_per_step": args.mini_batches, "policy": "constraint_preserving",
-                              "world_size": args.ranks, "micro_batch_size": 4, "total_steps": args.steps})
+            admin.create_job(
+                {
+                    "name": "demo",
+                    "group_size": 4,
+                    "quotas": QUOTAS,
+                    "mini_batches_per_step": args.mini_batches,
+                    "policy": "constraint_preserving",
+                    "world_size": args.ranks,
+                    "micro_batch_size": 4,
+                    "total_steps": args.steps,
+                }
+            )
         task = ray.remote(run_knittrans)
         env = kt.env()
         rollouts = []
         for i, store in enumerate(kt.stores * 2):  # two workers per node, each can generate every source
-            argv = ["rollout", *kt.rollout_args(store.ray_node_id), "--job", "demo", "--worker-id", f"ray-w{i}",
-                    "--model-dir", str(model_dir), "--weights-dir", str(weights),
-                    "--state-file", str(out / f"rollout-{i}.json"), "--group-size", "4", "--chunk-tokens", "8",
-                    "--seed", str(i)]
+            argv = [
+                "rollout",
+                *kt.rollout_args(store.ray_node_id),
+                "--job",
+                "demo",
+                "--worker-id",
+                f"ray-w{i}",
+                "--model-dir",
+                str(model_dir),
+                "--weights-dir",
+                str(weights),
+                "--state-file",
+                str(out / f"rollout-{i}.json"),
+                "--group-size",
+                "4",
+                "--chunk-tokens",
+                "8",
+                "--seed",
+                str(i),
+            ]
             for s in SOURCES:
                 argv += ["--source", s]
-            rollouts.append(task.options(num_cpus=1, scheduling_strategy=node_affinity(store.ray_node_id)).remote(
-                argv, env, str(out / "logs" / f"rollout-{i}.log")))
+            rollouts.append(
+                task.options(num_cpus=1, scheduling_strategy=node_affinity(store.ray_node_id)).remote(
+                    argv, env, str(out / "logs" / f"rollout-{i}.log")
+                )
+            )
         dist_url = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
         ranks = []
         for rank in range(args.ranks):
-            argv = ["train", *kt.trainer_args(), "--job", "demo", "--rank", str(rank), "--world-size",
-                    str(args.ranks), "--dist-url", dist_url, "--model-dir", str(model_dir), "--weights-dir",
-                    str(weights), "--lr", "1e-3", "--out", str(out / f"rank-{rank}.jsonl")]
+            argv = [
+                "train",
+                *kt.trainer_args(),
+                "--job",
+                "demo",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(args.ranks),
+                "--dist-url",
+                dist_url,
+                "--model-dir",
+                str(model_dir),
+                "--weights-dir",
+                str(weights),
+                "--lr",
+                "1e-3",
+                "--out",
+                str(out / f"rank-{rank}.jsonl"),
+            ]
             ranks.append(task.options(num_cpus=1).remote(argv, env, str(out / "logs" / f"rank-{rank}.log")))
         codes = ray.get(ranks, timeout=args.timeout_s)
         if any(codes):
@@ -94,18 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         rollout_codes = ray.get(rollouts, timeout=120)
         with ControlClient(kt.control_url, token=tokens["worker"]) as control:
             status = control.status("demo")
-        records = [json.loads(line) for p in sorted(out.glob("rank-*.jsonl")) for line in p.read_text().splitlines()
-                   if line.strip()]
+        records = [
+            json.loads(line)
+            for p in sorted(out.glob("rank-*.jsonl"))
+            for line in p.read_text().splitlines()
+            if line.strip()
+        ]
         results: dict[str, Any] = {
-            "wall_s": time.monotonic() - started, "ray_nodes": len([n for n in ray.nodes() if n["Alive"]]),
-            "control_url": kt.control_url, "stores": [s.__dict__ for s in kt.stores],
-            "rollout_exit_codes": rollout_codes, "status": status, "rank_records": records,
+            "wall_s": time.monotonic() - started,
+            "ray_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+            "control_url": kt.control_url,
+            "stores": [s.__dict__ for s in kt.stores],
+            "rollout_exit_codes": rollout_codes,
+            "status": status,
+            "rank_records": records,
         }
         (out / "results.json").write_text(json.dumps(results, indent=2))
         arch = status["staleness"]["overall"]["end"]["architectural"]["mean"]
-        print(f"ray demo: {status['counts']['consumed_mini_batches']} mini-batches over {args.steps} steps, "
-              f"state {status['state']}, {len(kt.stores)} store(s) on {results['ray_nodes']} Ray node(s), "
-              f"mean architectural staleness (end) {arch}, wall {results['wall_s']:.1f} s; results in {out}")
+        print(
+            f"ray demo: {status['counts']['consumed_mini_batches']} mini-batches over {args.steps} steps, "
+            f"state {status['state']}, {len(kt.stores)} store(s) on {results['ray_nodes']} Ray node(s), "
+            f"mean architectural staleness (end) {arch}, wall {results['wall_s']:.1f} s; results in {out}"
+        )
         return 0 if status["state"] == "completed" else 1
     finally:
         kt.shutdown()

@@ -67,8 +67,10 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> str:
     """The message for a subcommand whose optional dependency is not installed (other import errors re-raised)."""
     if exc.name is None or exc.name.split(".")[0] not in MODEL_STACK:
         raise exc
-    return (f"knittrans {command} needs {exc.name}, which the core install leaves out: "
-            f"pip install 'knittrans[{EXTRAS.get(command, 'demo')}]'\n")
+    return (
+        f"knittrans {command} needs {exc.name}, which the core install leaves out: "
+        f"pip install 'knittrans[{EXTRAS.get(command, 'demo')}]'\n"
+    )
 
 
 if __name__ == "__main__":

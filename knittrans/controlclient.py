@@ -60,8 +60,13 @@ def _raise_for(response: httpx.Response) -> None:
     if status in (400, 422) or kind in ("invalid_request", "invalid_name"):
         raise InvalidRequest(detail)
     error: type[KnitTransError] = {
-        401: Unauthenticated, 404: NotFound, 409: Conflict, 410: DataLost, 413: PayloadTooLarge,
-        503: Unavailable, 507: OverBudget,
+        401: Unauthenticated,
+        404: NotFound,
+        409: Conflict,
+        410: DataLost,
+        413: PayloadTooLarge,
+        503: Unavailable,
+        507: OverBudget,
     }.get(status, KnitTransError)
     raise error(f"{detail}" if error is not KnitTransError else f"HTTP {status}: {detail}")
 
@@ -80,9 +85,16 @@ class ControlClient:
             ``$KNITTRANS_TLS_CA``; without either, the system roots verify it).
     """
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 10.0,
-                 retry: RetryPolicy = DEFAULT_RETRY, retries: int | None = None,
-                 tls_ca: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        retries: int | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+    ) -> None:
         if (retries is not None and retries < 0) or not timeout_s > 0:
             raise ValueError("retries must be >= 0 (or None) and timeout_s > 0")
         self.retry = retry
@@ -96,8 +108,13 @@ class ControlClient:
         # Long-polls each on a new connection: an answer on a keep-alive connection that carried earlier
         # requests reached the client ~45 ms after the plan was ready vs ~5 ms on a fresh one
         # (benchmarks/trainer/cold_path.py); a poll waits anyway, so the connect is not on the path.
-        self._poll_http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify,
-                                       limits=httpx.Limits(max_keepalive_connections=0))
+        self._poll_http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout_s,
+            verify=verify,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def close(self) -> None:
         """Close the connection pools."""
@@ -111,8 +128,16 @@ class ControlClient:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
-    def _request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None, poll: bool = False) -> httpx.Response:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+        poll: bool = False,
+    ) -> httpx.Response:
         pauses = self.retry.pauses()
         attempt = 0
         http = self._poll_http if poll else self._http
@@ -128,8 +153,9 @@ class ControlClient:
                 problem = "503 " + response.text[:200]
             pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
             if pause is None:
-                raise Unavailable(f"control plane {self.base_url}: {method} {path} failed after "
-                                  f"{attempt + 1} attempts: {problem}")
+                raise Unavailable(
+                    f"control plane {self.base_url}: {method} {path} failed after {attempt + 1} attempts: {problem}"
+                )
             attempt += 1
             logger.debug("%s %s: %s; retrying in %.2fs", method, path, problem, pause)
             time.sleep(pause)
@@ -189,8 +215,9 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ nodes
-    def register_node(self, node_id: str, endpoint: str, host: str = "", *,
-                      node_key: str | None = None) -> dict[str, Any]:
+    def register_node(
+        self, node_id: str, endpoint: str, host: str = "", *, node_key: str | None = None
+    ) -> dict[str, Any]:
         """``POST /v1/nodes``; ``node_key`` is the node's own credential (lets it move its endpoint)."""
         body: dict[str, Any] = {"node_id": node_id, "endpoint": endpoint, "host": host}
         if node_key is not None:
@@ -228,8 +255,9 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ units and supply
-    def register_units(self, job: str, units: Sequence[UnitDescriptor | Mapping[str, Any]], *,
-                       node_wait_s: float = 10.0) -> dict[str, Any]:
+    def register_units(
+        self, job: str, units: Sequence[UnitDescriptor | Mapping[str, Any]], *, node_wait_s: float = 10.0
+    ) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/units`` with ``{"units": [...]}``; all or none; repeats are no-ops.
 
         A unit's store node must be registered with the control plane (a store started with
@@ -256,29 +284,39 @@ class ControlClient:
                         f"store node {missing.group(1)!r} has not registered with the control plane "
                         f"{self.base_url} (waited {node_wait_s:g} s): start the store with --control-url "
                         f"{self.base_url} (it registers itself and heartbeats) before registering its units, "
-                        f"or register it with POST /v1/nodes") from None
+                        f"or register it with POST /v1/nodes"
+                    ) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.5)
 
-    def report_supply(self, job: str, *, started: Mapping[str, int] | None = None,
-                      group_ids: Mapping[str, Sequence[str]] | None = None,
-                      dropped: Mapping[str, int] | None = None, regenerates: Sequence[str] = (),
-                      request_id: str | None = None) -> dict[str, Any]:
+    def report_supply(
+        self,
+        job: str,
+        *,
+        started: Mapping[str, int] | None = None,
+        group_ids: Mapping[str, Sequence[str]] | None = None,
+        dropped: Mapping[str, int] | None = None,
+        regenerates: Sequence[str] = (),
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/supply``; a fresh ``request_id`` makes retries count once.
 
         ``regenerates``: lost/expired group ids (from status ``to_regenerate``) whose replacements start now.
         """
         body = {
-            "started": dict(started or {}), "group_ids": {s: list(v) for s, v in (group_ids or {}).items()},
-            "dropped": dict(dropped or {}), "regenerates": list(regenerates),
+            "started": dict(started or {}),
+            "group_ids": {s: list(v) for s, v in (group_ids or {}).items()},
+            "dropped": dict(dropped or {}),
+            "regenerates": list(regenerates),
             "request_id": request_id or uuid.uuid4().hex,
         }
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/supply", json=body)
         return result
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0, *,
-                  after: str | None = None) -> dict[str, Any] | None:
+    def next_plan(
+        self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None
+    ) -> dict[str, Any] | None:
         """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
 
         ``after``: the rank's current, un-acked plan id; returns the plan of the mini-batch after it
@@ -291,8 +329,9 @@ class ControlClient:
         params: dict[str, Any] = {"timeout_s": timeout_s}
         if after is not None:
             params["after"] = after
-        response = self._request("GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params,
-                                 timeout_s=timeout_s + self.timeout_s, poll=True)
+        response = self._request(
+            "GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params, timeout_s=timeout_s + self.timeout_s, poll=True
+        )
         if response.status_code == 204:
             if response.headers.get(_DONE_HEADER) == "1":
                 raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")
@@ -343,8 +382,9 @@ class ControlClient:
         params: dict[str, Any] = {"wait_s": wait_s}
         if sources is not None:
             params["sources"] = ",".join(sources)
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/headroom", params=params,
-                                            timeout_s=wait_s + self.timeout_s)
+        result: dict[str, Any] = self._json(
+            "GET", f"/v1/jobs/{job}/headroom", params=params, timeout_s=wait_s + self.timeout_s
+        )
         return result
 
     def get_version(self, job: str) -> int:

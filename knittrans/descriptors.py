@@ -70,14 +70,19 @@ class GroupRecord:
         for t in self.trajectory_tokens:
             _check_int(t, f"group {self.group_id!r}: trajectory_tokens")
         vw = self.version_weighted
-        if not isinstance(vw, int | float) or not math.isfinite(vw) or not (
-                self.version_start - 1e-3 <= vw <= self.version_end + 1e-3):
-            raise InvalidRequest(f"group {self.group_id!r}: version_weighted {vw!r} must be a finite number in "
-                                 f"[version_start, version_end] = [{self.version_start}, {self.version_end}]")
-        if not isinstance(self.finished_at, int | float) or not math.isfinite(self.finished_at) \
-                or self.finished_at < 0:
-            raise InvalidRequest(f"group {self.group_id!r}: finished_at {self.finished_at!r} must be a finite "
-                                 "non-negative Unix time")
+        if (
+            not isinstance(vw, int | float)
+            or not math.isfinite(vw)
+            or not (self.version_start - 1e-3 <= vw <= self.version_end + 1e-3)
+        ):
+            raise InvalidRequest(
+                f"group {self.group_id!r}: version_weighted {vw!r} must be a finite number in "
+                f"[version_start, version_end] = [{self.version_start}, {self.version_end}]"
+            )
+        if not isinstance(self.finished_at, int | float) or not math.isfinite(self.finished_at) or self.finished_at < 0:
+            raise InvalidRequest(
+                f"group {self.group_id!r}: finished_at {self.finished_at!r} must be a finite non-negative Unix time"
+            )
         for h in self.media_hashes:
             if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
                 raise InvalidRequest(f"group {self.group_id!r}: media hash {h!r} is not 64 lower-case hex characters")
@@ -115,8 +120,10 @@ class UnitDescriptor:
         check_name(self.node_id, "node_id")
         _check_int(self.num_bytes, f"unit {self.unit_id!r}: num_bytes", limit=MAX_COUNT)
         if self.schema_version != SCHEMA_VERSION:
-            raise InvalidRequest(f"unit {self.unit_id!r}: schema_version {self.schema_version!r} is not "
-                                 f"supported (expected {SCHEMA_VERSION})")
+            raise InvalidRequest(
+                f"unit {self.unit_id!r}: schema_version {self.schema_version!r} is not "
+                f"supported (expected {SCHEMA_VERSION})"
+            )
         row = 0
         for g in self.groups:
             if g.row_start != row:

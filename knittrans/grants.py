@@ -51,13 +51,26 @@ def _mac(key: bytes, payload: bytes) -> str:
     return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
-def sign_grant(key: bytes, *, job: str, rank: int, expires_at: float, reads: Mapping[str, Sequence[tuple[int, int]]],
-               columns: Sequence[str] | None, media: Mapping[str, str]) -> str:
+def sign_grant(
+    key: bytes,
+    *,
+    job: str,
+    rank: int,
+    expires_at: float,
+    reads: Mapping[str, Sequence[tuple[int, int]]],
+    columns: Sequence[str] | None,
+    media: Mapping[str, str],
+) -> str:
     """``<base64url payload>.<hex HMAC-SHA256>`` granting ``reads`` (unit -> row ranges) × ``columns``
     and ``media`` (hash -> unit) of ``job`` to ``rank`` until ``expires_at`` (Unix seconds)."""
-    body = {"job": job, "rank": rank, "exp": expires_at,
-            "reads": {u: [list(r) for r in _merge(list(rs))] for u, rs in sorted(reads.items())},
-            "columns": sorted(columns) if columns is not None else None, "media": dict(sorted(media.items()))}
+    body = {
+        "job": job,
+        "rank": rank,
+        "exp": expires_at,
+        "reads": {u: [list(r) for r in _merge(list(rs))] for u, rs in sorted(reads.items())},
+        "columns": sorted(columns) if columns is not None else None,
+        "media": dict(sorted(media.items())),
+    }
     payload = base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode().rstrip("=")
     return f"{payload}.{_mac(key, payload.encode())}"
 
@@ -78,10 +91,14 @@ def _open(key: bytes, grant: str) -> Grant:
         raise Unauthenticated("ticket grant signature does not verify (not issued by this job's control plane)")
     try:
         body: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        return Grant(job=body["job"], rank=int(body["rank"]), expires_at=float(body["exp"]),
-                     reads={u: [(int(a), int(b)) for a, b in rs] for u, rs in body["reads"].items()},
-                     columns=frozenset(body["columns"]) if body["columns"] is not None else None,
-                     media=dict(body["media"]))
+        return Grant(
+            job=body["job"],
+            rank=int(body["rank"]),
+            expires_at=float(body["exp"]),
+            reads={u: [(int(a), int(b)) for a, b in rs] for u, rs in body["reads"].items()},
+            columns=frozenset(body["columns"]) if body["columns"] is not None else None,
+            media=dict(body["media"]),
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise Unauthenticated(f"ticket grant is malformed: {exc}") from None
 
@@ -122,8 +139,10 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
                 ok = True
                 break
         if not ok:
-            raise Unauthenticated(f"rows {list(r.row_ranges) or 'all'} of unit {r.unit_id!r} (columns "
-                                  f"{sorted(want_cols) if want_cols is not None else 'all'}) are not granted")
+            raise Unauthenticated(
+                f"rows {list(r.row_ranges) or 'all'} of unit {r.unit_id!r} (columns "
+                f"{sorted(want_cols) if want_cols is not None else 'all'}) are not granted"
+            )
     return grants
 
 
@@ -134,8 +153,9 @@ def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str
     credential; it lists only that job's units. ``job``: the job the caller asked for, or None.
     """
     if not grant:
-        raise Unauthenticated("this store lists units only with a grant of their job "
-                              "(criteria: <job>, a newline, <grant>)")
+        raise Unauthenticated(
+            "this store lists units only with a grant of their job (criteria: <job>, a newline, <grant>)"
+        )
     opened = _open(key, grant)
     if opened.expires_at < now:
         raise Unauthenticated(f"listing grant of job {opened.job!r} expired {now - opened.expires_at:.0f}s ago")

@@ -74,7 +74,11 @@ class ProcessGroup:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(
-            [*prefix, *argv], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+            [*prefix, *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=cwd,
             start_new_session=True,
         )
         log.close()

@@ -120,16 +120,14 @@ def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "tr
         raise SchemaMismatch(f"schema is tagged {meta.get(TABLE_KIND_KEY)!r}, expected {kind!r}")
     names = schema.names
     if kind == "trajectories" and len(names) > len(expected.names) and names[: len(expected.names)] == expected.names:
-        for extra in names[len(expected.names):]:  # per-job user fields follow the fixed columns
+        for extra in names[len(expected.names) :]:  # per-job user fields follow the fixed columns
             if not USER_FIELD_NAME_RE.match(extra) or extra in expected.names or names.count(extra) > 1:
                 raise SchemaMismatch(f"{kind} user column {extra!r} is not a valid, unique user field name")
         schema = pa.schema(list(schema)[: len(expected.names)], metadata=schema.metadata)
     if schema.names != expected.names:
         missing = [n for n in expected.names if n not in schema.names]
         extra = [n for n in schema.names if n not in expected.names]
-        raise SchemaMismatch(
-            f"{kind} columns differ: missing {missing}, unexpected {extra}, order {schema.names}"
-        )
+        raise SchemaMismatch(f"{kind} columns differ: missing {missing}, unexpected {extra}, order {schema.names}")
     for got_f, want_f in zip(schema, expected, strict=True):
         if not got_f.type.equals(want_f.type):
             raise SchemaMismatch(f"{kind} column {got_f.name!r} has type {got_f.type}, expected {want_f.type}")
@@ -152,8 +150,7 @@ def validate_trajectories(table: pa.Table) -> None:
         if n.shape != resp_len.shape or (n != resp_len).any():
             row = _first_bad(n != resp_len)
             raise InvalidRequest(
-                f"column {name!r} has length {int(n[row])} != response_ids length {int(resp_len[row])} "
-                f"at row {row}"
+                f"column {name!r} has length {int(n[row])} != response_ids length {int(resp_len[row])} at row {row}"
             )
     for name in ("prompt_ids", "response_ids"):
         tokens = pc.list_flatten(table.column(name))
@@ -205,8 +202,10 @@ def validate_media_hashes(table: pa.Table) -> None:
         h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
         h.update(memoryview(data[row].as_buffer()))
         if h.digest() != want:
-            raise InvalidRequest(f"media row {row}: media_hash {bytes(want).hex()} is not the SHA-256 of its "
-                                 f"kind, dtype, shape and bytes ({h.hexdigest()})")
+            raise InvalidRequest(
+                f"media row {row}: media_hash {bytes(want).hex()} is not the SHA-256 of its "
+                f"kind, dtype, shape and bytes ({h.hexdigest()})"
+            )
 
 
 def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media"]) -> None:
@@ -253,8 +252,11 @@ def _loss_masks(rows: Sequence[Any], responses: pa.ListArray) -> pa.ListArray:
     if all(r is None for r in rows):
         return pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(responses.values), np.uint8)))
     lengths = np.diff(offsets.to_numpy())
-    return _list_array([np.ones(int(k), np.uint8) if r is None else r for r, k in zip(rows, lengths, strict=True)],
-                       np.dtype(np.uint8), pa.uint8())
+    return _list_array(
+        [np.ones(int(k), np.uint8) if r is None else r for r, k in zip(rows, lengths, strict=True)],
+        np.dtype(np.uint8),
+        pa.uint8(),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,8 +486,10 @@ def build_unit_tables(
     schema = TRAJECTORY_SCHEMA
     if user_fields or any(g.user_fields for g in groups):
         arrays += _user_arrays(groups, user_fields)
-        schema = pa.schema([*TRAJECTORY_SCHEMA, *(pa.field(f.name, f.type, nullable=False) for f in user_fields)],
-                           metadata=TRAJECTORY_SCHEMA.metadata)
+        schema = pa.schema(
+            [*TRAJECTORY_SCHEMA, *(pa.field(f.name, f.type, nullable=False) for f in user_fields)],
+            metadata=TRAJECTORY_SCHEMA.metadata,
+        )
     traj = pa.Table.from_arrays(arrays, schema=schema)
     media = build_media_table(all_media)
     if validate:
@@ -502,8 +506,10 @@ def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserFi
         given = dict(g.user_fields or {})
         unknown = sorted(set(given) - declared)
         if unknown:
-            raise InvalidRequest(f"group {g.group_id!r}: user fields {unknown} are not declared in the job spec "
-                                 f"(declared: {sorted(declared)})")
+            raise InvalidRequest(
+                f"group {g.group_id!r}: user fields {unknown} are not declared in the job spec "
+                f"(declared: {sorted(declared)})"
+            )
         missing = sorted(declared - set(given))
         if missing:
             raise InvalidRequest(f"group {g.group_id!r}: declared user fields {missing} are missing")
@@ -514,7 +520,8 @@ def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserFi
                 continue
             rows = list(value)
             if len(rows) != n:
-                raise InvalidRequest(f"group {g.group_id!r}: user field {name!r} has {len(rows)} values for "
-                                     f"{n} responses")
+                raise InvalidRequest(
+                    f"group {g.group_id!r}: user field {name!r} has {len(rows)} values for {n} responses"
+                )
             per_field[name] += rows
     return [build_user_column(f, per_field[f.name]) for f in user_fields]

@@ -111,9 +111,7 @@ class Ticket:
     def encode(self) -> bytes:
         """Compact JSON bytes for ``pyarrow.flight.Ticket``."""
         body: dict[str, Any] = {"v": TICKET_VERSION, "kind": self.kind, "job": self.job}
-        body["reads"] = [
-            {"unit": r.unit_id, "rows": [list(x) for x in r.row_ranges]} for r in self.reads
-        ]
+        body["reads"] = [{"unit": r.unit_id, "rows": [list(x) for x in r.row_ranges]} for r in self.reads]
         if self.columns is not None:
             body["columns"] = list(self.columns)
         if self.media_hashes:

@@ -46,14 +46,24 @@ USER_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:#-]{0,127}$")
 """A user column name: starts with a letter or ``_``; letters, digits, ``_ . : # -``; 1-128 chars."""
 
 _PRIMITIVES: dict[str, pa.DataType] = {
-    "bool": pa.bool_(), "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
-    "uint8": pa.uint8(), "uint16": pa.uint16(), "uint32": pa.uint32(), "uint64": pa.uint64(),
-    "float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64(),
-    "string": pa.string(), "large_string": pa.large_string(),
-    "binary": pa.binary(), "large_binary": pa.large_binary(),
+    "bool": pa.bool_(),
+    "int8": pa.int8(),
+    "int16": pa.int16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "uint8": pa.uint8(),
+    "uint16": pa.uint16(),
+    "uint32": pa.uint32(),
+    "uint64": pa.uint64(),
+    "float16": pa.float16(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+    "large_string": pa.large_string(),
+    "binary": pa.binary(),
+    "large_binary": pa.large_binary(),
 }
-_NAMES = {str(t): n for n, t in _PRIMITIVES.items()} | {"halffloat": "float16", "float": "float32",
-                                                         "double": "float64"}
+_NAMES = {str(t): n for n, t in _PRIMITIVES.items()} | {"halffloat": "float16", "float": "float32", "double": "float64"}
 
 
 def _split_bracket(text: str, what: str) -> tuple[str, str]:
@@ -65,7 +75,7 @@ def _split_bracket(text: str, what: str) -> tuple[str, str]:
         elif ch == ">":
             depth -= 1
             if depth == 0:
-                return text[1:i], text[i + 1:]
+                return text[1:i], text[i + 1 :]
     raise InvalidJobSpec(f"{what}: unbalanced '<' in type {text!r}")
 
 
@@ -88,7 +98,7 @@ def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
         return _PRIMITIVES[s]
     for prefix in ("large_list", "list", "fixed_size_list", "tensor"):
         if s.startswith(prefix + "<"):
-            inner_s, rest = _split_bracket(s[len(prefix):], what)
+            inner_s, rest = _split_bracket(s[len(prefix) :], what)
             inner = parse_arrow_type(inner_s, what)
             if prefix == "list" and not rest:
                 return pa.list_(inner)
@@ -207,8 +217,9 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
             flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
             cls = pa.LargeListArray if pa.types.is_large_list(t) else pa.ListArray
             if cls is pa.ListArray and offsets[-1] >= 2**31:
-                raise InvalidRequest(f"user field {field.name!r}: {offsets[-1]} values do not fit list<>; "
-                                     "declare large_list<>")
+                raise InvalidRequest(
+                    f"user field {field.name!r}: {offsets[-1]} values do not fit list<>; declare large_list<>"
+                )
             off_type = pa.int64() if cls is pa.LargeListArray else pa.int32()
             return cls.from_arrays(pa.array(offsets, type=off_type), pa.array(flat, type=t.value_type))
         if _is_primitive_numeric(t):
@@ -238,9 +249,7 @@ def check_user_columns(schema: pa.Schema, fields: Sequence[UserField]) -> None:
         raise SchemaMismatch(f"user fields differ from the job spec: got {got}, declared {want}")
     for have, decl in zip(extra, fields, strict=True):
         if not have.type.equals(decl.type):
-            raise SchemaMismatch(
-                f"user field {decl.name!r} has type {have.type}, declared {decl.type_string}"
-            )
+            raise SchemaMismatch(f"user field {decl.name!r} has type {have.type}, declared {decl.type_string}")
 
 
 def _from_numpy(arr: np.ndarray) -> Any:

@@ -23,10 +23,9 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/tmp/knittrans-apt-chromium.log 2>&1 \
     || tail -n 20 /tmp/knittrans-apt-chromium.log
 fi
-step "lint and types (ruff check, mypy --strict)"
+step "lint, format and types (ruff check, ruff format --check, mypy --strict)"
 .venv/bin/ruff check knittrans tests benchmarks examples
-# After the planned mass reformat, formatting is enforced too:
-# .venv/bin/ruff format --check knittrans tests benchmarks examples
+.venv/bin/ruff format --check knittrans tests benchmarks examples
 .venv/bin/mypy
 step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \

@@ -25,36 +25,70 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
     content, flows and restarts; tests/test_api_timing.py pins the lookahead itself.
     """
     spec: dict[str, Any] = {
-        "name": "job1", "group_size": 2, "quotas": {"math": 4, "code": 2}, "mini_batches_per_step": 3,
-        "policy": "constraint_preserving", "world_size": 2, "micro_batch_size": 2, "lookahead": 64,
+        "name": "job1",
+        "group_size": 2,
+        "quotas": {"math": 4, "code": 2},
+        "mini_batches_per_step": 3,
+        "policy": "constraint_preserving",
+        "world_size": 2,
+        "micro_batch_size": 2,
+        "lookahead": 64,
     }
     spec.update(overrides)
     return spec
 
 
-def group(group_id: str, source: str, *, row_start: int = 0, size: int = 2, finished_at: float = 0.0,
-          version: int = 0, tokens: Sequence[int] | None = None, media: Sequence[str] = ()) -> dict[str, Any]:
+def group(
+    group_id: str,
+    source: str,
+    *,
+    row_start: int = 0,
+    size: int = 2,
+    finished_at: float = 0.0,
+    version: int = 0,
+    tokens: Sequence[int] | None = None,
+    media: Sequence[str] = (),
+) -> dict[str, Any]:
     """A group record body."""
     toks = list(tokens) if tokens is not None else [10 + i for i in range(size)]
-    return {"group_id": group_id, "source": source, "row_start": row_start, "num_trajectories": size,
-            "trajectory_tokens": toks, "version_start": version, "version_end": version,
-            "version_weighted": float(version), "finished_at": finished_at, "media_hashes": list(media)}
+    return {
+        "group_id": group_id,
+        "source": source,
+        "row_start": row_start,
+        "num_trajectories": size,
+        "trajectory_tokens": toks,
+        "version_start": version,
+        "version_end": version,
+        "version_weighted": float(version),
+        "finished_at": finished_at,
+        "media_hashes": list(media),
+    }
 
 
-def unit(unit_id: str, groups: Sequence[dict[str, Any]], *, job: str = "job1", node: str = "n0",
-         port: int = 1) -> dict[str, Any]:
+def unit(
+    unit_id: str, groups: Sequence[dict[str, Any]], *, job: str = "job1", node: str = "n0", port: int = 1
+) -> dict[str, Any]:
     """A unit descriptor body whose groups are laid out one after another from row 0."""
     row = 0
     laid = []
     for g in groups:
         laid.append({**g, "row_start": row})
         row += g["num_trajectories"]
-    return {"unit_id": unit_id, "job": job, "node_id": node, "endpoint": ENDPOINT.format(port=port),
-            "num_rows": row, "num_bytes": 100 * row, "schema_version": 1, "groups": laid}
+    return {
+        "unit_id": unit_id,
+        "job": job,
+        "node_id": node,
+        "endpoint": ENDPOINT.format(port=port),
+        "num_rows": row,
+        "num_bytes": 100 * row,
+        "schema_version": 1,
+        "groups": laid,
+    }
 
 
-def single_group_units(sources: Sequence[str], *, job: str = "job1", node: str = "n0", size: int = 2,
-                       prefix: str = "g", start: int = 0) -> list[dict[str, Any]]:
+def single_group_units(
+    sources: Sequence[str], *, job: str = "job1", node: str = "n0", size: int = 2, prefix: str = "g", start: int = 0
+) -> list[dict[str, Any]]:
     """One unit per group, ``sources[i]`` for group ``i``, finishing in list order."""
     return [
         unit(f"u-{prefix}{i}", [group(f"{prefix}{i}", s, size=size, finished_at=1000.0 + i)], job=job, node=node)
@@ -101,10 +135,22 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> ServerProcess:
-        cmd = [sys.executable, "-m", "knittrans.cli", "--log-level", "WARNING", "control-plane",
-               "--db", str(self.db), "--port", str(self.port), *self.extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "knittrans.cli",
+            "--log-level",
+            "WARNING",
+            "control-plane",
+            "--db",
+            str(self.db),
+            "--port",
+            str(self.port),
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -141,10 +187,23 @@ def server(db: Path, *extra: str) -> Iterator[ServerProcess]:
         proc.stop()
 
 
-USAGE = {"units": 3, "rows": 12, "bytes_in_memory": 4096, "bytes_spilled": 0, "budget_bytes": 1 << 20,
-         "budget_used": 5000, "pending": 1, "schema_version": 1}
-TRANSFER = {"exposed_s": 0.25, "fetch_s": 0.5, "row_bytes": 1000, "media_logical_bytes": 800,
-            "media_physical_bytes": 200}
+USAGE = {
+    "units": 3,
+    "rows": 12,
+    "bytes_in_memory": 4096,
+    "bytes_spilled": 0,
+    "budget_bytes": 1 << 20,
+    "budget_used": 5000,
+    "pending": 1,
+    "schema_version": 1,
+}
+TRANSFER = {
+    "exposed_s": 0.25,
+    "fetch_s": 0.5,
+    "row_bytes": 1000,
+    "media_logical_bytes": 800,
+    "media_physical_bytes": 200,
+}
 
 
 def populate(c: Any) -> None:

@@ -133,7 +133,10 @@ class Probe:
         """Token used when a call names none."""
         self.proc = subprocess.Popen(
             [*the_lab.exec_prefix(host), sys.executable, "-u", str(Path(__file__).resolve()), "probe"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
 
     def call(self, target: str, method: str, *args: Any, token: str | None = None, **kwargs: Any) -> Any:

@@ -19,8 +19,15 @@ def _next(c: TestClient, rank: int, after: str | None = None) -> Any:
 
 
 def _setup(c: TestClient, *, sources: list[str], node: str = "n0", world: int = 2, k: int = 2) -> None:
-    c.post("/v1/jobs", json=job_spec(quotas={"math": len(sources) // 2, "code": len(sources) // 2},
-                                     mini_batches_per_step=k, world_size=world, total_steps=1))
+    c.post(
+        "/v1/jobs",
+        json=job_spec(
+            quotas={"math": len(sources) // 2, "code": len(sources) // 2},
+            mini_batches_per_step=k,
+            world_size=world,
+            total_steps=1,
+        ),
+    )
     for n in ("n0", "n1"):
         c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
     c.post("/v1/jobs/job1/supply", json={"started": {"math": len(sources) // 2, "code": len(sources) // 2}})
@@ -58,8 +65,9 @@ def test_after_returns_the_next_plan_and_keeps_ack_order(tmp_path: Path) -> None
 def test_after_waits_for_admission(tmp_path: Path) -> None:
     """after= answers 204 (not done) while n+1 is not admitted, and the plan once it is."""
     with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
-        c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1,
-                                         policy="linear_target"))
+        c.post(
+            "/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, policy="linear_target")
+        )
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
@@ -75,12 +83,15 @@ def test_withdrawn_plan_is_410_for_after_and_fetched(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
         _setup(c, sources=["math", "code", "math", "code"], node="n1")
         p0 = _next(c, 0).json()
-        assert c.post("/v1/jobs/job1/ranks/0/fetched", json={"plan_id": p0["plan_id"]}).json()[
-            "fetched_ranks"] == 1  # rank 1 has not fetched: the mini-batch still depends on n1
+        assert (
+            c.post("/v1/jobs/job1/ranks/0/fetched", json={"plan_id": p0["plan_id"]}).json()["fetched_ranks"] == 1
+        )  # rank 1 has not fetched: the mini-batch still depends on n1
         assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [0, 1]}
-        for r in (_next(c, 0, after=p0["plan_id"]),
-                  c.post("/v1/jobs/job1/ranks/0/fetched", json={"plan_id": p0["plan_id"]}),
-                  c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": p0["plan_id"]})):
+        for r in (
+            _next(c, 0, after=p0["plan_id"]),
+            c.post("/v1/jobs/job1/ranks/0/fetched", json={"plan_id": p0["plan_id"]}),
+            c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": p0["plan_id"]}),
+        ):
             assert r.status_code == 410 and r.json()["error"] == "data_lost", r.text
         assert _next(c, 0).status_code == 204  # nothing left to plan until the groups are regenerated
 
@@ -105,8 +116,9 @@ def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path)
         assert r.status_code == 410  # the prefetched plan of mini-batch 1 was withdrawn
         status = c.get("/v1/jobs/job1/status").json()
         assert sorted(x["group_id"] for x in status["to_regenerate"]) == ["g2", "g3"]
-        c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r2"], "code": ["r3"]},
-                                             "regenerates": ["g2", "g3"]})
+        c.post(
+            "/v1/jobs/job1/supply", json={"group_ids": {"math": ["r2"], "code": ["r3"]}, "regenerates": ["g2", "g3"]}
+        )
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"], prefix="r", start=2)})
         rest = drain_ranks(c, "job1", 2)
     assert sorted((p["plan_id"]) for p in rest) == ["n1.a1.r0", "n1.a1.r1"]

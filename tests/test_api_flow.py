@@ -35,8 +35,15 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     """Skewed multi-source rollout: every step has exactly q per source, every row reaches one rank once."""
     rng = random.Random(7)
     steps, world = 3, 3
-    spec = job_spec(quotas=QUOTAS, mini_batches_per_step=4, world_size=world, policy=policy,
-                    micro_batch_tokens=40, micro_batch_size=None, total_steps=steps)
+    spec = job_spec(
+        quotas=QUOTAS,
+        mini_batches_per_step=4,
+        world_size=world,
+        policy=policy,
+        micro_batch_tokens=40,
+        micro_batch_size=None,
+        total_steps=steps,
+    )
     finish: list[tuple[float, str, str]] = []
     for s, q in QUOTAS.items():
         speed = {"math": 1.0, "code": 3.0, "mm": 2.0}[s]
@@ -54,11 +61,19 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
         while i < len(finish):
             batch = []
             for _ in range(rng.randint(1, 4)):
-                take = finish[i: i + rng.randint(1, 3)]
+                take = finish[i : i + rng.randint(1, 3)]
                 i += len(take)
                 if take:
-                    groups = [group(gid, s, finished_at=t, tokens=[rng.randint(3, 30) for _ in range(2)],
-                                    media=hashes.get(gid, ())) for t, gid, s in take]
+                    groups = [
+                        group(
+                            gid,
+                            s,
+                            finished_at=t,
+                            tokens=[rng.randint(3, 30) for _ in range(2)],
+                            media=hashes.get(gid, ()),
+                        )
+                        for t, gid, s in take
+                    ]
                     batch.append(unit(f"u{i}", groups, node=f"n{rng.randrange(3)}"))
             r = c.post("/v1/jobs/job1/units", json={"units": batch})
             assert r.status_code == 200, r.text
@@ -76,9 +91,13 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     for p in plans:
         assert p["policy_version"] == p["global_index"] and p["step"] == p["global_index"] // 4
         for m in p["micro_batches"]:
-            fetched = [(f["node_id"], read.unit_id, row) for f in m["fetches"]
-                       for read in Ticket.decode(f["ticket"].encode()).reads
-                       for a, b in read.row_ranges for row in range(a, b)]
+            fetched = [
+                (f["node_id"], read.unit_id, row)
+                for f in m["fetches"]
+                for read in Ticket.decode(f["ticket"].encode()).reads
+                for a, b in read.row_ranges
+                for row in range(a, b)
+            ]
             assert fetched == [(r["node_id"], r["unit_id"], r["row"]) for r in m["rows"]]
             want = {h for r in m["rows"] for h in hashes.get(r["group_id"], ())}
             assert {x["hash"] for x in m["media"]} == want
@@ -99,7 +118,8 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
             c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 2, "code": 2}})
         units = single_group_units(["math", "code"], node="n1") + single_group_units(
-            ["math", "code"], node="n0", start=2)
+            ["math", "code"], node="n0", start=2
+        )
         assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
         old = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json()
         assert {r["node_id"] for m in old["micro_batches"] for r in m["rows"]} == {"n1"}
@@ -111,8 +131,9 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
         assert sorted(x["group_id"] for x in status["to_regenerate"]) == ["g0", "g1"]
         assert status["deficits"] == {"math": 1, "code": 1}
         assert status["quota_fill"]["math"]["admitted"] == 0
-        supply = c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0"], "code": ["r1"]},
-                                                       "regenerates": ["g0", "g1"]}).json()
+        supply = c.post(
+            "/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0"], "code": ["r1"]}, "regenerates": ["g0", "g1"]}
+        ).json()
         assert supply["admitted"] == [0]  # the surviving groups can go once regeneration is under way
         regen = single_group_units(["math", "code"], node="n0", prefix="r")
         assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [1]
@@ -202,7 +223,8 @@ def test_ack_and_version_rules(tmp_path: Path) -> None:
         c.post("/v1/jobs", json=spec)
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"])}).json()[
-            "admitted"] == [0, 1]
+            "admitted"
+        ] == [0, 1]
         r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": "n1.a0.r0"})
         assert r.status_code == 409 and "mini-batch 0 before 1" in r.json()["detail"]
         assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": "garbage"}).status_code == 404

@@ -18,7 +18,10 @@ _SCHEMA = _APP.openapi()
 _PARAMS = {"job": "job1", "node": "n0", "rank": "0"}
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,

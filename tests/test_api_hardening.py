@@ -23,8 +23,12 @@ def _post(srv_url: str, path: str, body: object, token: str = WORKER) -> httpx.R
 
 
 def _raw(srv_url: str, path: str, text: str) -> httpx.Response:
-    return httpx.post(srv_url + path, content=text.encode(), timeout=30,
-                      headers={"authorization": f"Bearer {WORKER}", "content-type": "application/json"})
+    return httpx.post(
+        srv_url + path,
+        content=text.encode(),
+        timeout=30,
+        headers={"authorization": f"Bearer {WORKER}", "content-type": "application/json"},
+    )
 
 
 def _tokens() -> tuple[str, ...]:
@@ -52,8 +56,9 @@ def test_invalid_values_are_refused_and_the_job_and_metrics_keep_working(tmp_pat
         text = httpx.Request("POST", "/", json={"units": [good]}).content.decode()
         for literal in ('"version_weighted": NaN', '"finished_at": Infinity'):
             key = literal.split(":")[0]
-            mutated = text.replace(f'{key}:0.0', literal.replace(": ", ":"), 1).replace(
-                f'{key}:1000.0', literal.replace(": ", ":"), 1)
+            mutated = text.replace(f"{key}:0.0", literal.replace(": ", ":"), 1).replace(
+                f"{key}:1000.0", literal.replace(": ", ":"), 1
+            )
             assert mutated != text
             r = _raw(srv.url, "/v1/jobs/job1/units", mutated)
             assert r.status_code == 422, r.text
@@ -159,20 +164,28 @@ def test_default_retry_policy_outlasts_a_slow_control_plane_restart(tmp_path: Pa
 def test_admin_removes_a_bad_unit_and_its_groups_are_regenerated(tmp_path: Path) -> None:
     """DELETE /v1/jobs/{job}/units/{unit} (admin only) takes unadmitted groups out; admitted units are a 409."""
     with server(tmp_path / "cp.db", *_tokens()) as srv:
-        assert _post(srv.url, "/v1/jobs", job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2),
-                     ADMIN).status_code == 201
+        assert (
+            _post(
+                srv.url, "/v1/jobs", job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2), ADMIN
+            ).status_code
+            == 201
+        )
         _post(srv.url, "/v1/nodes", {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         units = single_group_units(["math", "code", "math"])
         assert _post(srv.url, "/v1/jobs/job1/units", {"units": units}).status_code == 200
         auth = {"authorization": f"Bearer {WORKER}"}
         status = httpx.get(srv.url + "/v1/jobs/job1/status", headers=auth).json()
-        admitted = {g for mb in status.get("in_flight", []) for g in mb.get("group_ids", [])} if isinstance(
-            status.get("in_flight"), list) else set()
+        admitted = (
+            {g for mb in status.get("in_flight", []) for g in mb.get("group_ids", [])}
+            if isinstance(status.get("in_flight"), list)
+            else set()
+        )
         waiting = [u for u in units if u["groups"][0]["group_id"] not in admitted]
         url = srv.url + "/v1/jobs/job1/units/"
         assert httpx.delete(url + waiting[-1]["unit_id"], headers=auth).status_code == 401  # worker token: no
-        r = httpx.delete(url + waiting[-1]["unit_id"], params={"reason": "bad rewards"},
-                         headers={"authorization": f"Bearer {ADMIN}"})
+        r = httpx.delete(
+            url + waiting[-1]["unit_id"], params={"reason": "bad rewards"}, headers={"authorization": f"Bearer {ADMIN}"}
+        )
         assert r.status_code == 200, r.text
         gone = r.json()["removed_groups"]
         assert gone == [waiting[-1]["groups"][0]["group_id"]]
@@ -254,8 +267,13 @@ def test_token_command_mints_offline_what_the_control_plane_mints(tmp_path: Path
         env = {k: v for k, v in os.environ.items() if k != "KNITTRANS_ADMIN_TOKEN"}
         if admin is not None:
             env["KNITTRANS_ADMIN_TOKEN"] = admin
-        return subprocess.run([sys.executable, "-m", "knittrans.cli", "token", *args], capture_output=True,
-                              text=True, env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "knittrans.cli", "token", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     offline = cli("--role", "rank", "--job", "job1", "--rank", "1")
     assert offline.returncode == 0, offline.stderr

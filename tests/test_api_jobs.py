@@ -175,9 +175,10 @@ def test_tokens_guard_worker_and_admin_endpoints(tmp_path: Path) -> None:
 
 def test_metrics_are_per_app_instance(tmp_path: Path) -> None:
     """Two apps in one process keep separate Prometheus registries."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "1.db")))) as a, TestClient(
-        create_app(Settings(db_path=str(tmp_path / "2.db")))
-    ) as b:
+    with (
+        TestClient(create_app(Settings(db_path=str(tmp_path / "1.db")))) as a,
+        TestClient(create_app(Settings(db_path=str(tmp_path / "2.db")))) as b,
+    ):
         a.post("/v1/jobs", json=job_spec())
         assert 'knittrans_quota_fill_ratio{job_name="job1",source="math"}' in a.get("/metrics").text
         assert "job1" not in b.get("/metrics").text

@@ -27,8 +27,16 @@ JOB = "job1"
 
 
 def _spec(**overrides: Any) -> dict[str, Any]:
-    spec = {"name": JOB, "group_size": 1, "quotas": {"math": 2}, "mini_batches_per_step": 1,
-            "policy": "constraint_preserving", "world_size": 2, "micro_batch_size": 1, "lookahead": 64}
+    spec = {
+        "name": JOB,
+        "group_size": 1,
+        "quotas": {"math": 2},
+        "mini_batches_per_step": 1,
+        "policy": "constraint_preserving",
+        "world_size": 2,
+        "micro_batch_size": 1,
+        "lookahead": 64,
+    }
     spec.update(overrides)
     return spec
 
@@ -154,8 +162,9 @@ def test_running_summary_matches_the_exact_summary() -> None:
             running.add(float(v), w)
         got, want = running.stats(), summarize_weighted(pairs)
         assert got.count == want.count
-        assert math.isclose(got.mean, want.mean, rel_tol=1e-12) and math.isclose(got.pos_mean, want.pos_mean,
-                                                                                    rel_tol=1e-12)
+        assert math.isclose(got.mean, want.mean, rel_tol=1e-12) and math.isclose(
+            got.pos_mean, want.pos_mean, rel_tol=1e-12
+        )
         tol = RESOLUTION if fractional else 0.0
         for name in ("p50", "p99", "max"):
             assert abs(getattr(got, name) - getattr(want, name)) <= tol, name
@@ -164,26 +173,63 @@ def test_running_summary_matches_the_exact_summary() -> None:
 def test_ledger_keeps_the_latest_steps_only() -> None:
     ledger = ConsumedLedger()
     for step in range(3 * RECENT_STEPS):
-        ledger.add([ConsumedGroup(group_id=f"g{step}", source="math", num_trajectories=2, v_train=step,
-                                  mini_batch_index=0, step=step, version_start=step, version_end=step,
-                                  version_weighted=float(step))])
+        ledger.add(
+            [
+                ConsumedGroup(
+                    group_id=f"g{step}",
+                    source="math",
+                    num_trajectories=2,
+                    v_train=step,
+                    mini_batch_index=0,
+                    step=step,
+                    version_start=step,
+                    version_end=step,
+                    version_weighted=float(step),
+                )
+            ]
+        )
     assert sorted(ledger.recent_steps()) == list(range(2 * RECENT_STEPS, 3 * RECENT_STEPS))
     assert ledger.groups == 3 * RECENT_STEPS and ledger.trajectories == 6 * RECENT_STEPS
     assert ledger.report("start")["staleness"].count == 6 * RECENT_STEPS
 
 
 def _body(**group_changes: Any) -> dict[str, Any]:
-    g = {"group_id": "g0", "source": "math", "row_start": 0, "num_trajectories": 2, "trajectory_tokens": [3, 4],
-         "version_start": 1, "version_end": 2, "version_weighted": 1.5, "finished_at": 10.0, "media_hashes": []}
+    g = {
+        "group_id": "g0",
+        "source": "math",
+        "row_start": 0,
+        "num_trajectories": 2,
+        "trajectory_tokens": [3, 4],
+        "version_start": 1,
+        "version_end": 2,
+        "version_weighted": 1.5,
+        "finished_at": 10.0,
+        "media_hashes": [],
+    }
     g.update(group_changes)
-    return {"unit_id": "u0", "job": "job1", "node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "num_rows": 2,
-            "num_bytes": 10, "schema_version": 1, "groups": [g]}
+    return {
+        "unit_id": "u0",
+        "job": "job1",
+        "node_id": "n0",
+        "endpoint": "grpc://127.0.0.1:1",
+        "num_rows": 2,
+        "num_bytes": 10,
+        "schema_version": 1,
+        "groups": [g],
+    }
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"trajectory_tokens": [3]}, {"version_end": 0}, {"version_weighted": 2.5}, {"row_start": 1},
-    {"num_trajectories": 3, "trajectory_tokens": [1, 2, 3]},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"trajectory_tokens": [3]},
+        {"version_end": 0},
+        {"version_weighted": 2.5},
+        {"row_start": 1},
+        {"num_trajectories": 3, "trajectory_tokens": [1, 2, 3]},
+    ],
+)
 def test_fast_descriptor_accepts_and_rejects_like_the_descriptor(changes: dict[str, Any]) -> None:
     """The registration hot path builds descriptors without their per-field checks (pydantic ran them):
     it must accept exactly what :class:`UnitDescriptor` accepts, and build the same descriptor."""

@@ -14,8 +14,9 @@ from knittrans.api import Settings, create_app
 
 
 def _setup(c: TestClient, *, lookahead: int, k: int = 3, steps: int = 10, window: int = 1) -> None:
-    spec = job_spec(quotas={"math": 2, "code": 1}, mini_batches_per_step=k, world_size=1, lookahead=lookahead,
-                    window=window)
+    spec = job_spec(
+        quotas={"math": 2, "code": 1}, mini_batches_per_step=k, world_size=1, lookahead=lookahead, window=window
+    )
     assert c.post("/v1/jobs", json=spec).status_code == 201
     c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
     sources = ["math", "code", "math"] * steps

@@ -31,19 +31,62 @@ GROUP, K, STEPS, KILLS = 2, 2, 50, 20
 def _rollout_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:
     node = c.stores[0]
     return knittrans_command(
-        "rollout", "--control-url", c.control_url, "--job", JOB, "--worker-id", "w0", "--node-id", node.node_id,
-        "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir), "--source", "math:4-8:4-8",
-        "--source", "code:4-8:4-8", "--model-dir", str(model), "--weights-dir", str(run / "weights"),
-        "--state-file", str(run / "rollout.json"), "--group-size", str(GROUP), "--groups-per-call", "2",
-        "--seed", "3")
+        "rollout",
+        "--control-url",
+        c.control_url,
+        "--job",
+        JOB,
+        "--worker-id",
+        "w0",
+        "--node-id",
+        node.node_id,
+        "--store-endpoint",
+        node.endpoint,
+        "--store-dir",
+        str(node.store_dir),
+        "--source",
+        "math:4-8:4-8",
+        "--source",
+        "code:4-8:4-8",
+        "--model-dir",
+        str(model),
+        "--weights-dir",
+        str(run / "weights"),
+        "--state-file",
+        str(run / "rollout.json"),
+        "--group-size",
+        str(GROUP),
+        "--groups-per-call",
+        "2",
+        "--seed",
+        "3",
+    )
 
 
 def _rank_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:
     return knittrans_command(
-        "train", "--control-url", c.control_url, "--job", JOB, "--rank", "0", "--world-size", "1",
-        "--model-dir", str(model), "--weights-dir", str(run / "weights"), "--replan-wait-s", "5",
-        "--fetch-timeout-s", "10", "--local-dir", f"{c.stores[0].node_id}={c.stores[0].store_dir}",
-        "--out", str(run / "rank-0.jsonl"))
+        "train",
+        "--control-url",
+        c.control_url,
+        "--job",
+        JOB,
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--model-dir",
+        str(model),
+        "--weights-dir",
+        str(run / "weights"),
+        "--replan-wait-s",
+        "5",
+        "--fetch-timeout-s",
+        "10",
+        "--local-dir",
+        f"{c.stores[0].node_id}={c.stores[0].store_dir}",
+        "--out",
+        str(run / "rank-0.jsonl"),
+    )
 
 
 def _status(c: LocalCluster) -> dict[str, Any]:
@@ -63,8 +106,17 @@ def test_random_kill9_of_every_process_kind_keeps_exactly_once_and_exact_quotas(
     kills: list[str] = []
     with LocalCluster(ClusterConfig(work_dir=run, num_stores=1, node_timeout_s=120)) as c:
         control = c.control(admin=True)
-        control.create_job({"name": JOB, "group_size": GROUP, "quotas": QUOTAS, "mini_batches_per_step": K,
-                            "world_size": 1, "micro_batch_size": 2, "total_steps": STEPS})
+        control.create_job(
+            {
+                "name": JOB,
+                "group_size": GROUP,
+                "quotas": QUOTAS,
+                "mini_batches_per_step": K,
+                "world_size": 1,
+                "micro_batch_size": 2,
+                "total_steps": STEPS,
+            }
+        )
         c.procs.start("rollout", _rollout_argv(c, run, model), env=env)
         c.procs.start("rank-0", _rank_argv(c, run, model), env=env)
         control_port = int(c.control_url.rsplit(":", 1)[1])
@@ -90,8 +142,11 @@ def test_random_kill9_of_every_process_kind_keeps_exactly_once_and_exact_quotas(
             else:
                 c.procs.start("rank-0", _rank_argv(c, run, model), env=env)
         assert len(kills) >= KILLS, f"the job ended after {len(kills)} kills; make it longer"
-        wait_until(lambda: c.procs.children["rank-0"].poll() is not None, timeout_s=600,
-                   what=f"the job to finish after kills {kills}")
+        wait_until(
+            lambda: c.procs.children["rank-0"].poll() is not None,
+            timeout_s=600,
+            what=f"the job to finish after kills {kills}",
+        )
         c.procs.check_alive("rank-0")
         status = _status(c)
     assert status["counts"]["consumed_mini_batches"] == STEPS * K

@@ -63,7 +63,8 @@ def test_flags_and_defaults_match_the_snapshot() -> None:
     for command in expected:
         assert actual[command] == expected[command], (
             f"`knittrans {command}` flags differ from tests/data/cli_flags.json "
-            "(if intended: .venv/bin/python -m tests.test_cli_flags --write)")
+            "(if intended: .venv/bin/python -m tests.test_cli_flags --write)"
+        )
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
@@ -86,12 +87,21 @@ def _control_plane_settings(argv: list[str]) -> Any:
 
 def test_control_plane_flags_leave_unset_fields_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """An absent flag takes KNITTRANS_<FIELD> (as Settings promises), a given flag wins, else the default."""
-    for name in ("KNITTRANS_NODE_TIMEOUT_S", "KNITTRANS_DB_SYNCHRONOUS", "KNITTRANS_DB_INIT",
-                 "KNITTRANS_WORKER_TOKEN", "KNITTRANS_ADMIN_TOKEN"):
+    for name in (
+        "KNITTRANS_NODE_TIMEOUT_S",
+        "KNITTRANS_DB_SYNCHRONOUS",
+        "KNITTRANS_DB_INIT",
+        "KNITTRANS_WORKER_TOKEN",
+        "KNITTRANS_ADMIN_TOKEN",
+    ):
         monkeypatch.delenv(name, raising=False)
     plain = _control_plane_settings(["--db", "x.db"])
-    assert (plain.node_timeout_s, plain.db_synchronous, plain.db_init, plain.worker_token) == (30.0, "NORMAL", False,
-                                                                                            None)
+    assert (plain.node_timeout_s, plain.db_synchronous, plain.db_init, plain.worker_token) == (
+        30.0,
+        "NORMAL",
+        False,
+        None,
+    )
     monkeypatch.setenv("KNITTRANS_NODE_TIMEOUT_S", "7.5")
     monkeypatch.setenv("KNITTRANS_DB_SYNCHRONOUS", "FULL")
     monkeypatch.setenv("KNITTRANS_DB_INIT", "true")
@@ -99,8 +109,9 @@ def test_control_plane_flags_leave_unset_fields_to_the_environment(monkeypatch: 
     from_env = _control_plane_settings(["--db", "x.db"])
     assert (from_env.node_timeout_s, from_env.db_synchronous, from_env.db_init) == (7.5, "FULL", True)
     assert from_env.worker_token is not None and from_env.worker_token.get_secret_value() == "w-token"
-    flags = _control_plane_settings(["--db", "x.db", "--node-timeout-s", "3", "--db-synchronous", "NORMAL",
-                                     "--worker-token", "flag-token"])
+    flags = _control_plane_settings(
+        ["--db", "x.db", "--node-timeout-s", "3", "--db-synchronous", "NORMAL", "--worker-token", "flag-token"]
+    )
     assert (flags.node_timeout_s, flags.db_synchronous) == (3.0, "NORMAL")
     assert flags.worker_token is not None and flags.worker_token.get_secret_value() == "flag-token"
     assert flags.db_path == "x.db"
@@ -112,6 +123,7 @@ if __name__ == "__main__":
     table = flag_table()
     lines = ",\n".join(
         f"  {json.dumps(command)}: [\n" + ",\n".join(f"    {json.dumps(row, sort_keys=True)}" for row in rows) + "\n  ]"
-        for command, rows in table.items())
+        for command, rows in table.items()
+    )
     SNAPSHOT.write_text("{\n" + lines + "\n}\n")  # one flag a line: a change is a one-line diff
     print(f"wrote {SNAPSHOT}")

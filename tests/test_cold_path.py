@@ -32,9 +32,12 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
     control = cluster.control()
     control.create_job(job_spec("wr", groups=3, group_size=2, k=1, world_size=1, micro_batch_size=2))
     s0, s1 = cluster.stores
-    with TrajectoryWriter(job="wr", node_id=s0.node_id, endpoint=s0.endpoint, control=control) as w0, \
-            TrajectoryWriter(job="wr", node_id=s1.node_id, endpoint=s1.endpoint, store_dir=s1.store_dir,
-                             control=control) as w1:
+    with (
+        TrajectoryWriter(job="wr", node_id=s0.node_id, endpoint=s0.endpoint, control=control) as w0,
+        TrajectoryWriter(
+            job="wr", node_id=s1.node_id, endpoint=s1.endpoint, store_dir=s1.store_dir, control=control
+        ) as w1,
+    ):
         one = w0.write_groups(mm_groups("a", 1, group_size=2))
         assert control.status("wr")["counts"]["units"] == 1
         two = w1.write_units([mm_groups("b", 1, group_size=2, seed=1), mm_groups("c", 1, group_size=2, seed=2)])
@@ -85,15 +88,25 @@ def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCl
     called; its streams are open when the plan arrives. Both off: nothing happens before the loop."""
     control = cluster.control()
     control.create_job(job_spec("warm", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
-    cold = TrainerClient(TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1,
-                                       warm_connections=False, poll_early=False, poll_timeout_s=5))
+    cold = TrainerClient(
+        TrainerConfig(
+            control_url=cluster.control_url,
+            job="warm",
+            rank=0,
+            world_size=1,
+            warm_connections=False,
+            poll_early=False,
+            poll_timeout_s=5,
+        )
+    )
     config = TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1, poll_timeout_s=5)
     with TrainerClient(config) as client:
         endpoints = {s.endpoint for s in cluster.stores}
         wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")
         assert client._first is not None and not client._first.done()  # waiting: nothing admitted yet
-        with TrajectoryWriter(job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint,
-                              control=control) as w:
+        with TrajectoryWriter(
+            job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint, control=control
+        ) as w:
             w.write_units([mm_groups("w", 1, group_size=2), mm_groups("x", 1, group_size=2, seed=3)])
         first = client._first
         wait_until(first.done, timeout_s=20, what="the early poll's plan")

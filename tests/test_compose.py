@@ -29,8 +29,16 @@ from knittrans.procs import ProcessGroup, free_port, knittrans_command, wait_unt
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-TOKENS = ("KNITTRANS_WORKER_TOKEN", "KNITTRANS_STORE_TOKEN", "KNITTRANS_ADMIN_TOKEN", "KNITTRANS_TICKET_KEY",
-          "KNITTRANS_ROLLOUT_TOKEN", "KNITTRANS_RANK0_TOKEN", "KNITTRANS_RANK1_TOKEN", "KNITTRANS_NODE_TOKEN")
+TOKENS = (
+    "KNITTRANS_WORKER_TOKEN",
+    "KNITTRANS_STORE_TOKEN",
+    "KNITTRANS_ADMIN_TOKEN",
+    "KNITTRANS_TICKET_KEY",
+    "KNITTRANS_ROLLOUT_TOKEN",
+    "KNITTRANS_RANK0_TOKEN",
+    "KNITTRANS_RANK1_TOKEN",
+    "KNITTRANS_NODE_TOKEN",
+)
 DUMMY_ENV = {name: f"dummy-{name.lower()}" for name in TOKENS}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
@@ -100,8 +108,11 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def commands(compose: dict[str, Any]) -> dict[str, tuple[str, argparse.Namespace]]:
-    return {name: parse_command(list(svc["command"])) for name, svc in compose["services"].items()
-            if svc["command"][0] == "knittrans"}
+    return {
+        name: parse_command(list(svc["command"]))
+        for name, svc in compose["services"].items()
+        if svc["command"][0] == "knittrans"
+    }
 
 
 def by_kind(commands: dict[str, tuple[str, argparse.Namespace]], kind: str) -> dict[str, argparse.Namespace]:
@@ -152,7 +163,7 @@ def test_setup_script_is_valid(compose: dict[str, Any], commands: dict[str, Any]
 def test_wiring_endpoints_volumes_ranks(compose: dict[str, Any], commands: dict[str, Any]) -> None:
     """Stores advertise their service name; workers write to their node's tmpfs dir; ranks share one gloo group."""
     services = compose["services"]
-    (cp_name, cp), = by_kind(commands, "control-plane").items()
+    ((cp_name, cp),) = by_kind(commands, "control-plane").items()
     control_url = f"http://{cp_name}:{cp.port}"
     assert cp.host == "0.0.0.0", "inside its container the control plane must listen beyond loopback"
     stores = by_kind(commands, "store")
@@ -167,7 +178,8 @@ def test_wiring_endpoints_volumes_ranks(compose: dict[str, Any], commands: dict[
         assert args.store_endpoint == store.advertise and args.control_url == control_url
         assert args.store_dir == str(store.dir)
         assert mounts(services[name])[args.store_dir] == mounts(services[store_name])[str(store.dir)], (
-            f"{name} must mount {store_name}'s tmpfs volume at the same path for direct writes")
+            f"{name} must mount {store_name}'s tmpfs volume at the same path for direct writes"
+        )
         assert mounts(services[name])["/weights"] == "weights"
     ranks = by_kind(commands, "train")
     assert sorted(a.rank for a in ranks.values()) == list(range(len(ranks)))
@@ -185,7 +197,7 @@ def test_wiring_endpoints_volumes_ranks(compose: dict[str, Any], commands: dict[
 
 def test_only_control_plane_published_on_loopback(compose: dict[str, Any], commands: dict[str, Any]) -> None:
     """Nothing is published except the control plane's port, bound to 127.0.0.1 on the host."""
-    (cp_name, cp), = by_kind(commands, "control-plane").items()
+    ((cp_name, cp),) = by_kind(commands, "control-plane").items()
     for name, svc in compose["services"].items():
         ports = svc.get("ports", [])
         if name != cp_name:
@@ -205,8 +217,9 @@ def _run_probe(test: list[str], port_from: int, port_to: int, env: Mapping[str, 
     return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, timeout=60).returncode
 
 
-def test_store_health_probe_runs_against_real_store(compose: dict[str, Any], commands: dict[str, Any],
-                                                     start_server: Any) -> None:
+def test_store_health_probe_runs_against_real_store(
+    compose: dict[str, Any], commands: dict[str, Any], start_server: Any
+) -> None:
     """The store health check calls the Flight ``health`` action: passes on a live store, fails on a wrong token."""
     from knittrans.flight.server import StoreServer
 
@@ -223,12 +236,13 @@ def test_store_health_probe_runs_against_real_store(compose: dict[str, Any], com
     assert _run_probe(test, 8815, free_port(), {**env, "KNITTRANS_STORE_TOKEN": "s3cret"}) != 0
 
 
-def test_control_plane_health_probe_runs_against_real_server(compose: dict[str, Any], commands: dict[str, Any],
-                                                             tmp_path: Path) -> None:
+def test_control_plane_health_probe_runs_against_real_server(
+    compose: dict[str, Any], commands: dict[str, Any], tmp_path: Path
+) -> None:
     """The control-plane health check GETs /v1/health (a real route) and passes against a real server."""
     from knittrans.api.routes.health import router
 
-    (cp_name, cp), = by_kind(commands, "control-plane").items()
+    ((cp_name, cp),) = by_kind(commands, "control-plane").items()
     test = compose["services"][cp_name]["healthcheck"]["test"]
     assert f"://127.0.0.1:{cp.port}/v1/health" in test[-1] and "KNITTRANS_CONTROL_SCHEME" in test[-1]
     assert "/v1/health" in {getattr(r, "path", None) for r in router.routes}
@@ -306,7 +320,8 @@ def test_tokens_come_from_environment(compose: dict[str, Any]) -> None:
             assert "--token" not in svc["command"] and "--store-token" not in svc["command"]
     cp = raw["services"]["control-plane"]
     assert "--worker-token" not in cp["command"] and "--admin-token" not in cp["command"], (
-        "tokens on a command line show in `ps`; the control plane reads them from its environment")
+        "tokens on a command line show in `ps`; the control plane reads them from its environment"
+    )
     assert cp["environment"]["KNITTRANS_WORKER_TOKEN"].startswith("${KNITTRANS_WORKER_TOKEN:?")
     assert cp["environment"]["KNITTRANS_ADMIN_TOKEN"].startswith("${KNITTRANS_ADMIN_TOKEN:?")
     assert cp["environment"]["KNITTRANS_TICKET_KEY"].startswith("${KNITTRANS_TICKET_KEY:?")
@@ -349,8 +364,14 @@ def test_networks_have_own_subnets(compose: dict[str, Any]) -> None:
 
 def test_tls_switches_by_environment() -> None:
     """KNITTRANS_CONTROL_SCHEME / KNITTRANS_FLIGHT_SCHEME change every URL and advertised endpoint."""
-    tls = load({**DUMMY_ENV, "KNITTRANS_CONTROL_SCHEME": "https", "KNITTRANS_FLIGHT_SCHEME": "grpc+tls",
-                "KNITTRANS_TLS_CERT": "/etc/knittrans/tls/cert.pem"})
+    tls = load(
+        {
+            **DUMMY_ENV,
+            "KNITTRANS_CONTROL_SCHEME": "https",
+            "KNITTRANS_FLIGHT_SCHEME": "grpc+tls",
+            "KNITTRANS_TLS_CERT": "/etc/knittrans/tls/cert.pem",
+        }
+    )
     text = json.dumps(tls["services"])
     assert "http://control-plane" not in text and "grpc://store-" not in text
     assert "https://control-plane:8700" in text and "grpc+tls://store-a:8815" in text

@@ -47,11 +47,14 @@ def _engine() -> None:
     """Fail with the engine's own words when no Docker engine answers."""
     if not shutil.which("docker"):
         pytest.fail("no docker CLI: apt-get install -y docker.io, then start dockerd (scripts/test.sh does both)")
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}} {{.Driver}}"], capture_output=True,
-                          text=True, timeout=60)
+    info = subprocess.run(
+        ["docker", "info", "--format", "{{.ServerVersion}} {{.Driver}}"], capture_output=True, text=True, timeout=60
+    )
     if info.returncode != 0:
-        pytest.fail(f"the Docker engine is not reachable: {info.stderr.strip() or info.stdout.strip()} "
-                    "(scripts/test.sh starts dockerd and prints its log when it cannot)")
+        pytest.fail(
+            f"the Docker engine is not reachable: {info.stderr.strip() or info.stdout.strip()} "
+            "(scripts/test.sh starts dockerd and prints its log when it cannot)"
+        )
 
 
 class Stack:
@@ -63,12 +66,20 @@ class Stack:
         self.port = free_port()
         self.admin = secrets.token_hex(16)
         self.env = {
-            **os.environ, "COMPOSE_PROJECT_NAME": self.project, "KNITTRANS_ADMIN_PORT": str(self.port),
-            "KNITTRANS_WORKER_TOKEN": secrets.token_hex(16), "KNITTRANS_STORE_TOKEN": secrets.token_hex(16),
-            "KNITTRANS_ADMIN_TOKEN": self.admin, "KNITTRANS_NODE_TIMEOUT_S": "6", "KNITTRANS_TOTAL_STEPS": str(STEPS),
-            "KNITTRANS_BACKEND_SUBNET": f"10.219.{n}.0/24", "KNITTRANS_ADMIN_SUBNET": f"10.219.{n + 1}.0/24",
-            "KNITTRANS_STORE_SHM_SIZE": "256m", "KNITTRANS_STORE_BUDGET_BYTES": str(128 << 20),
-            "KNITTRANS_TICKET_KEY": secrets.token_hex(24), "KNITTRANS_TLS_DIR": str(tmp / "tls"),
+            **os.environ,
+            "COMPOSE_PROJECT_NAME": self.project,
+            "KNITTRANS_ADMIN_PORT": str(self.port),
+            "KNITTRANS_WORKER_TOKEN": secrets.token_hex(16),
+            "KNITTRANS_STORE_TOKEN": secrets.token_hex(16),
+            "KNITTRANS_ADMIN_TOKEN": self.admin,
+            "KNITTRANS_NODE_TIMEOUT_S": "6",
+            "KNITTRANS_TOTAL_STEPS": str(STEPS),
+            "KNITTRANS_BACKEND_SUBNET": f"10.219.{n}.0/24",
+            "KNITTRANS_ADMIN_SUBNET": f"10.219.{n + 1}.0/24",
+            "KNITTRANS_STORE_SHM_SIZE": "256m",
+            "KNITTRANS_STORE_BUDGET_BYTES": str(128 << 20),
+            "KNITTRANS_TICKET_KEY": secrets.token_hex(24),
+            "KNITTRANS_TLS_DIR": str(tmp / "tls"),
         }
         self.ca = tmp / "tls" / "ca.pem"  # made by compose_up.sh: every hop of the stack is TLS
         self.url = f"https://127.0.0.1:{self.port}"
@@ -80,15 +91,17 @@ class Stack:
     def api(self) -> httpx.Client:
         """Admin client of the control plane, verifying the stack's CA (made when the stack starts)."""
         if self._api is None:
-            self._api = httpx.Client(base_url=self.url, timeout=10, verify=str(self.ca),
-                                     headers={"Authorization": f"Bearer {self.admin}"})
+            self._api = httpx.Client(
+                base_url=self.url, timeout=10, verify=str(self.ca), headers={"Authorization": f"Bearer {self.admin}"}
+            )
         return self._api
 
     def run(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(list(args), cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise AssertionError(f"`{' '.join(args)}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                                 f"{proc.stderr[-3000:]}")
+            raise AssertionError(
+                f"`{' '.join(args)}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return proc
 
     def adopt_env(self) -> None:
@@ -155,8 +168,9 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield s
     finally:
         s.down()
-        leftovers = s.run("docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={s.project}",
-                          check=False).stdout.split()
+        leftovers = s.run(
+            "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={s.project}", check=False
+        ).stdout.split()
         assert not leftovers, f"containers left after teardown: {leftovers}"
 
 
@@ -205,8 +219,11 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     assert backend["Internal"] is True
     assert backend["IPAM"]["Config"][0]["Subnet"] == stack.env["KNITTRANS_BACKEND_SUBNET"]
     for service in ("store-a", "trainer-0"):
-        assert stack.inspect(service, "{{json .NetworkSettings.Ports}}") in ("{}", '{"8815/tcp":null}',
-                                                                            '{"29500/tcp":null}'), service
+        assert stack.inspect(service, "{{json .NetworkSettings.Ports}}") in (
+            "{}",
+            '{"8815/tcp":null}',
+            '{"29500/tcp":null}',
+        ), service
 
     def consumed(n: int) -> bool:
         return stack.status()["counts"]["consumed_mini_batches"] >= n  # type: ignore[no-any-return]
@@ -237,12 +254,12 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     after = stack.status()
     lost_groups = [r for r in after["lost_groups"] if r["node_id"] == node]
     assert len(lost_groups) == sum(pool[node].values()), (
-        f"the {pool[node]} pooled groups of {node} must be reported lost: {after['lost_groups']}")
+        f"the {pool[node]} pooled groups of {node} must be reported lost: {after['lost_groups']}"
+    )
     assert {r["group_id"] for r in after["to_regenerate"]} <= {r["group_id"] for r in after["lost_groups"]}
     if os.environ.get("KNITTRANS_UPDATE_DOCS_IMG") == "1":
         _screenshot(stack, ROOT / "docs" / "img" / "dashboard_compose.png")
-    poll("a mini-batch consumed after the loss",
-         lambda: consumed(before["counts"]["consumed_mini_batches"] + 1), 300)
+    poll("a mini-batch consumed after the loss", lambda: consumed(before["counts"]["consumed_mini_batches"] + 1), 300)
     timings["kill_to_next_consumed_s"] = time.monotonic() - t_kill
 
     # the store comes back (a killed container is not restarted by its policy: start it) and registers again
@@ -253,8 +270,9 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     timings["kill_to_completed_s"] = time.monotonic() - t_kill
     timings["job_s"] = time.monotonic() - t0
     for rank in range(RANKS):
-        poll(f"trainer-{rank} exited", lambda r=rank: stack.inspect(f"trainer-{r}", "{{.State.Status}}") == "exited",
-             120)
+        poll(
+            f"trainer-{rank} exited", lambda r=rank: stack.inspect(f"trainer-{r}", "{{.State.Status}}") == "exited", 120
+        )
         assert stack.inspect(f"trainer-{rank}", "{{.State.ExitCode}}") == "0"
 
     # exact quotas per step, exactly-once from the ranks' own records
@@ -277,7 +295,8 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     trained = [tid for r in records for tid in r["traj_ids"]]
     assert len(trained) == len(set(trained)) == total * GROUP * sum(QUOTAS.values()) // K, "exactly once"
     assert not {tid.rsplit(".", 1)[0] for tid in trained} & {r["group_id"] for r in lost_groups}, (
-        "a trajectory of a lost group was trained")
+        "a trajectory of a lost group was trained"
+    )
     cp_log = stack.dc("logs", "--no-color", "control-plane").stdout
     withdrew = re.findall(rf"node {node} lost, withdrew mini-batches \[([0-9, ]+)\]", cp_log)
     for n in (int(x) for found in withdrew for x in found.split(",")):
@@ -291,9 +310,16 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10, verify=str(stack.ca)).text
     assert 'knittrans_rank_physical_bytes_total{job_name="demo",rank="1"}' in metrics
 
-    result = {"timings_s": {k: round(v, 2) for k, v in timings.items()}, "steps": STEPS,
-              "mini_batches": total, "killed": store, "lost_groups": len(lost_groups), "lost_reason": lost_reason,
-              "withdrawn_mini_batches": sorted(int(x) for found in withdrew for x in found.split(",")),
-              "node_timeout_s": float(stack.env["KNITTRANS_NODE_TIMEOUT_S"]), "heartbeat_s": 2.0}
+    result = {
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "steps": STEPS,
+        "mini_batches": total,
+        "killed": store,
+        "lost_groups": len(lost_groups),
+        "lost_reason": lost_reason,
+        "withdrawn_mini_batches": sorted(int(x) for found in withdrew for x in found.split(",")),
+        "node_timeout_s": float(stack.env["KNITTRANS_NODE_TIMEOUT_S"]),
+        "heartbeat_s": 2.0,
+    }
     (_artifacts() / "compose_run.json").write_text(json.dumps(result, indent=2) + "\n")
     print("\ncompose run: " + json.dumps(result))

@@ -16,8 +16,12 @@ def test_port_zero_reports_the_real_port_in_the_ready_file(tmp_path: Path) -> No
     port exits with an error naming the address instead of a traceback."""
     ready = tmp_path / "cp.ready"
     with ProcessGroup(tmp_path / "logs") as procs:
-        procs.start("cp", knittrans_command("control-plane", "--db", str(tmp_path / "cp.db"), "--port", "0",
-                                            "--ready-file", str(ready)))
+        procs.start(
+            "cp",
+            knittrans_command(
+                "control-plane", "--db", str(tmp_path / "cp.db"), "--port", "0", "--ready-file", str(ready)
+            ),
+        )
 
         def written() -> bool:
             procs.check_alive("cp")
@@ -33,7 +37,10 @@ def test_port_zero_reports_the_real_port_in_the_ready_file(tmp_path: Path) -> No
 
         second = subprocess.run(
             knittrans_command("control-plane", "--db", str(tmp_path / "other.db"), "--port", str(info["port"])),
-            capture_output=True, text=True, timeout=60)
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == 2
         assert f"cannot listen on 127.0.0.1:{info['port']}" in second.stderr
         assert "Traceback" not in second.stderr

@@ -28,9 +28,9 @@ def test_columns_become_zero_copy_tensors_with_cu_seqlens() -> None:
     rows = traj.to_pylist()
     cu = mb.response_cu_seqlens.tolist()
     for i, row in enumerate(rows):
-        assert mb.response_ids[cu[i]:cu[i + 1]].tolist() == row["response_ids"]
-        assert mb.response_logprobs[cu[i]:cu[i + 1]].tolist() == row["response_logprobs"]  # type: ignore[index]
-        assert mb.loss_mask[cu[i]:cu[i + 1]].tolist() == row["loss_mask"]  # type: ignore[index]
+        assert mb.response_ids[cu[i] : cu[i + 1]].tolist() == row["response_ids"]
+        assert mb.response_logprobs[cu[i] : cu[i + 1]].tolist() == row["response_logprobs"]  # type: ignore[index]
+        assert mb.loss_mask[cu[i] : cu[i + 1]].tolist() == row["loss_mask"]  # type: ignore[index]
     assert mb.rewards.tolist() == [r["reward"] for r in rows]  # type: ignore[union-attr]
     assert mb.version_end.tolist() == [r["version_end"] for r in rows]  # type: ignore[union-attr]
     assert mb.media_hex() == [[h.hex() for h in r["media"]] for r in rows]

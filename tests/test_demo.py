@@ -16,8 +16,22 @@ from knittrans.demo.config import DemoConfig
 def test_short_demo_keeps_quotas_and_delivers_every_trajectory_once(tmp_path: Path) -> None:
     """two steps of the demo: exact per-step composition, exactly-once rows, staleness and dedup counters."""
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "knittrans.cli", "demo", "--steps", "2", "--hidden", "128", "--layers", "2",
-           "--out", str(out), "--timeout-s", "400"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "knittrans.cli",
+        "demo",
+        "--steps",
+        "2",
+        "--hidden",
+        "128",
+        "--layers",
+        "2",
+        "--out",
+        str(out),
+        "--timeout-s",
+        "400",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mean architectural staleness" in proc.stdout
@@ -74,6 +88,7 @@ def test_demo_cli_slow_trainer_scenario_is_accepted(tmp_path: Path) -> None:
     """`knittrans demo --scenario slow-trainer --compare` parses; an unknown scenario is refused by name."""
     ok = subprocess.run([sys.executable, "-m", "knittrans.cli", "demo", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "slow-trainer" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "knittrans.cli", "demo", "--scenario", "fast"], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "knittrans.cli", "demo", "--scenario", "fast"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "fast" in bad.stderr

@@ -25,6 +25,8 @@ def test_accumulated_micro_batches_equal_one_batch() -> None:
     adv = torch.randn(40, generator=g, dtype=torch.float64)
     mask = (torch.rand(40, generator=g) > 0.2).double()
     whole = grpo_loss(lp, old, adv, mask, normaliser=float(mask.sum()))
-    parts = sum(grpo_loss(lp[i:i + 10], old[i:i + 10], adv[i:i + 10], mask[i:i + 10],
-                          normaliser=float(mask.sum())) for i in range(0, 40, 10))
+    parts = sum(
+        grpo_loss(lp[i : i + 10], old[i : i + 10], adv[i : i + 10], mask[i : i + 10], normaliser=float(mask.sum()))
+        for i in range(0, 40, 10)
+    )
     assert_close(parts, whole)

@@ -8,9 +8,25 @@ import sys
 import knittrans
 
 DOCUMENTED = {
-    "TrajectoryWriter", "TrainerClient", "TrainerConfig", "ControlClient", "StoreServer", "StoreServerConfig",
-    "UnitStore", "StoreConfig", "Ticket", "UnitDescriptor", "TrajectoryGroup", "Media", "DedupEncoder",
-    "MediaCache", "make_policy", "assign_mini_batch", "create_app", "Fetcher", "to_micro_batch",
+    "TrajectoryWriter",
+    "TrainerClient",
+    "TrainerConfig",
+    "ControlClient",
+    "StoreServer",
+    "StoreServerConfig",
+    "UnitStore",
+    "StoreConfig",
+    "Ticket",
+    "UnitDescriptor",
+    "TrajectoryGroup",
+    "Media",
+    "DedupEncoder",
+    "MediaCache",
+    "make_policy",
+    "assign_mini_batch",
+    "create_app",
+    "Fetcher",
+    "to_micro_batch",
 }
 
 

@@ -57,9 +57,14 @@ def test_many_units_row_ranges_and_projection_in_one_doget(start_server: Start) 
         cols = ("response_logprobs", "traj_id")
         ticket = _rows("job", ("u2", ((0, 2), (5, 6))), ("u0", ((11, 12),)), ("u1", ()), columns=cols)
         got = c.get(ticket)
-        want = pa.concat_tables([
-            units["u2"].traj.slice(0, 2), units["u2"].traj.slice(5, 1), units["u0"].traj.slice(11, 1), units["u1"].traj,
-        ]).select(list(cols))
+        want = pa.concat_tables(
+            [
+                units["u2"].traj.slice(0, 2),
+                units["u2"].traj.slice(5, 1),
+                units["u0"].traj.slice(11, 1),
+                units["u1"].traj,
+            ]
+        ).select(list(cols))
         assert got.column_names == list(cols) and got.equals(want)
 
 

@@ -20,9 +20,26 @@ from knittrans.tickets import Ticket, UnitRead
 def _launch(store_dir: Path, ready: Path, port: int = 0) -> subprocess.Popen[bytes]:
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "knittrans.cli", "store", "--dir", str(store_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--node-id", "node-a", "--token", "tok", "--ready-file", str(ready)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "knittrans.cli",
+            "store",
+            "--dir",
+            str(store_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--node-id",
+            "node-a",
+            "--token",
+            "tok",
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -40,10 +57,13 @@ def test_kill_9_restart_recovers_sealed_units_and_drops_partial(store_dir: Path,
         endpoint = ready.read_text()
         local = TrajectoryWriter(job="job", node_id="node-a", endpoint=endpoint, store_dir=store_dir, token="tok")
         remote = TrajectoryWriter(job="job", node_id="node-a", endpoint=endpoint, token="tok")
-        descs = [local.write_groups(make_groups(2, seed=1, prefix="a")),
-                 remote.write_groups(make_groups(3, seed=2, prefix="b"))]
-        expected = {d.unit_id: remote.client.get(Ticket(job="job", reads=(UnitRead(unit_id=d.unit_id),)))
-                    for d in descs}
+        descs = [
+            local.write_groups(make_groups(2, seed=1, prefix="a")),
+            remote.write_groups(make_groups(3, seed=2, prefix="b")),
+        ]
+        expected = {
+            d.unit_id: remote.client.get(Ticket(job="job", reads=(UnitRead(unit_id=d.unit_id),))) for d in descs
+        }
         half = make_groups(1, seed=3, prefix="c")
         remote.client.put_part("job", "half", "traj", build_unit_tables(half).traj)  # never sealed
         (store_dir / "job" / ".tmp-crashed-0000").mkdir()

@@ -85,9 +85,15 @@ def test_dashboard_structure() -> None:
 def test_dashboard_covers_the_issue_topics() -> None:
     """Admission latency, staleness per source, exposed transfer per rank, bytes, store budget, node health."""
     text = DASHBOARD.read_text()
-    for name in ("knittrans_last_admission_seconds", "knittrans_staleness_versions",
-                 "knittrans_rank_exposed_transfer_seconds_total", "knittrans_rank_logical_bytes_total",
-                 "knittrans_rank_physical_bytes_total", "knittrans_store_budget_bytes", "knittrans_node_up"):
+    for name in (
+        "knittrans_last_admission_seconds",
+        "knittrans_staleness_versions",
+        "knittrans_rank_exposed_transfer_seconds_total",
+        "knittrans_rank_logical_bytes_total",
+        "knittrans_rank_physical_bytes_total",
+        "knittrans_store_budget_bytes",
+        "knittrans_node_up",
+    ):
         assert name in text, f"the dashboard does not chart {name}"
 
 
@@ -133,7 +139,8 @@ def test_exported_names_follow_prometheus_conventions(scrape: dict[str, Any]) ->
             for label in sample.labels:
                 assert re.fullmatch(r"[a-z][a-z0-9_]*", label), f"{name}: label {label!r} is not snake case"
                 assert label not in ("job", "instance", "le", "quantile"), (
-                    f"{name}: label {label!r} belongs to Prometheus (scrape target or histogram/summary)")
+                    f"{name}: label {label!r} belongs to Prometheus (scrape target or histogram/summary)"
+                )
         assert family.documentation, f"{name} has no help text"
 
 

@@ -84,44 +84,144 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
     procs = ProcessGroup(tmp_path / "logs")
     probe = Probe(netlab, "t0", token=W_TOKEN)
     try:
+
         def start(name: str, host: str, *argv: str) -> None:
             procs.start(name, knittrans_command(*argv), env=ENV, prefix=netlab.exec_prefix(host))
 
-        start("control-plane", "cp", "control-plane", "--db", str(tmp_path / "control.db"), "--host", addr["cp"],
-              "--port", "8700", "--node-timeout-s", str(NODE_TIMEOUT_S), "--worker-token", W_TOKEN,
-              "--admin-token", A_TOKEN)
+        start(
+            "control-plane",
+            "cp",
+            "control-plane",
+            "--db",
+            str(tmp_path / "control.db"),
+            "--host",
+            addr["cp"],
+            "--port",
+            "8700",
+            "--node-timeout-s",
+            str(NODE_TIMEOUT_S),
+            "--worker-token",
+            W_TOKEN,
+            "--admin-token",
+            A_TOKEN,
+        )
         poll("control plane", lambda: _try(lambda: probe.call(control_url, "health")), 60, procs)
-        probe.call(control_url, "create_job", {
-            "name": JOB, "group_size": GROUP, "quotas": QUOTAS, "mini_batches_per_step": K,
-            "policy": "constraint_preserving", "world_size": RANKS, "micro_batch_size": 4, "total_steps": STEPS,
-            "window": 2,
-        }, token=A_TOKEN)
+        probe.call(
+            control_url,
+            "create_job",
+            {
+                "name": JOB,
+                "group_size": GROUP,
+                "quotas": QUOTAS,
+                "mini_batches_per_step": K,
+                "policy": "constraint_preserving",
+                "world_size": RANKS,
+                "micro_batch_size": 4,
+                "total_steps": STEPS,
+                "window": 2,
+            },
+            token=A_TOKEN,
+        )
         nodes = {"node-0": "h1", "node-1": "h2"}
         endpoints = {n: f"grpc://{addr[h]}:8815" for n, h in nodes.items()}
         for node, host in nodes.items():
             store_dir = tmp_path / "stores" / node
             store_dir.mkdir(parents=True)
-            start(f"store-{node}", host, "store", "--dir", str(store_dir), "--host", addr[host], "--port", "8815",
-                  "--node-id", node, "--advertise", endpoints[node], "--control-url", control_url,
-                  "--heartbeat-s", "0.5", "--token", S_TOKEN, "--control-token", W_TOKEN)
+            start(
+                f"store-{node}",
+                host,
+                "store",
+                "--dir",
+                str(store_dir),
+                "--host",
+                addr[host],
+                "--port",
+                "8815",
+                "--node-id",
+                node,
+                "--advertise",
+                endpoints[node],
+                "--control-url",
+                control_url,
+                "--heartbeat-s",
+                "0.5",
+                "--token",
+                S_TOKEN,
+                "--control-token",
+                W_TOKEN,
+            )
         poll("store registration", lambda: len(probe.call(control_url, "list_nodes")) == 2, 60, procs)
         for i, (node, host) in enumerate(nodes.items()):
-            argv = ["rollout", "--control-url", control_url, "--job", JOB, "--worker-id", f"w{i}", "--node-id", node,
-                    "--store-endpoint", endpoints[node], "--store-dir", str(tmp_path / "stores" / node),
-                    "--model-dir", str(model_dir), "--weights-dir", str(weights),
-                    "--state-file", str(tmp_path / f"w{i}.json"), "--group-size", str(GROUP),
-                    "--chunk-tokens", "8", "--seed", str(i), "--token", W_TOKEN, "--store-token", S_TOKEN]
+            argv = [
+                "rollout",
+                "--control-url",
+                control_url,
+                "--job",
+                JOB,
+                "--worker-id",
+                f"w{i}",
+                "--node-id",
+                node,
+                "--store-endpoint",
+                endpoints[node],
+                "--store-dir",
+                str(tmp_path / "stores" / node),
+                "--model-dir",
+                str(model_dir),
+                "--weights-dir",
+                str(weights),
+                "--state-file",
+                str(tmp_path / f"w{i}.json"),
+                "--group-size",
+                str(GROUP),
+                "--chunk-tokens",
+                "8",
+                "--seed",
+                str(i),
+                "--token",
+                W_TOKEN,
+                "--store-token",
+                S_TOKEN,
+            ]
             for s in SOURCES:
                 argv += ["--source", s]
             start(f"rollout-{node}", host, *argv)
 
         def start_trainers(model: Path, port: int) -> None:
             for rank in range(RANKS):  # no --local-dir: every row is fetched over Flight from its owner
-                start(f"rank-{rank}", f"t{rank}", "train", "--control-url", control_url, "--job", JOB,
-                      "--rank", str(rank), "--world-size", str(RANKS), "--dist-url", f"tcp://{addr['t0']}:{port}",
-                      "--model-dir", str(model), "--weights-dir", str(weights), "--fetch-mode", "iter",
-                      "--lr", "1e-3", "--out", str(tmp_path / f"rank-{rank}.jsonl"), "--token", W_TOKEN,
-                      "--store-token", S_TOKEN, "--threads", "1", "--fetch-timeout-s", str(FETCH_TIMEOUT_S))
+                start(
+                    f"rank-{rank}",
+                    f"t{rank}",
+                    "train",
+                    "--control-url",
+                    control_url,
+                    "--job",
+                    JOB,
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(RANKS),
+                    "--dist-url",
+                    f"tcp://{addr['t0']}:{port}",
+                    "--model-dir",
+                    str(model),
+                    "--weights-dir",
+                    str(weights),
+                    "--fetch-mode",
+                    "iter",
+                    "--lr",
+                    "1e-3",
+                    "--out",
+                    str(tmp_path / f"rank-{rank}.jsonl"),
+                    "--token",
+                    W_TOKEN,
+                    "--store-token",
+                    S_TOKEN,
+                    "--threads",
+                    "1",
+                    "--fetch-timeout-s",
+                    str(FETCH_TIMEOUT_S),
+                )
 
         def status() -> dict[str, Any]:
             result: dict[str, Any] = probe.call(control_url, "status", JOB)
@@ -168,8 +268,12 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
 
         # ---------------------------------------------------------------- phase 2: cut a store host
         total = STEPS * K
-        poll("a train step of finished groups in the pool",
-             lambda: all(status()["counts"]["finished"].get(s, 0) >= q for s, q in QUOTAS.items()), 120, procs)
+        poll(
+            "a train step of finished groups in the pool",
+            lambda: all(status()["counts"]["finished"].get(s, 0) >= q for s, q in QUOTAS.items()),
+            120,
+            procs,
+        )
         before = status()
         t_cut = time.monotonic()
         # Cut first, then resume: the running ranks get plans with rows on node-1 (not yet declared lost)
@@ -195,13 +299,16 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         first_withdrawn = withdrawn[0]
         assert withdrawn == list(range(first_withdrawn, withdrawn[-1] + 1)), withdrawn
         assert first_withdrawn >= before["counts"]["consumed_mini_batches"]  # consumed ones are never withdrawn
-        poll("both ranks to give up the plans they could not fetch",
-             lambda: all("abandoned" in procs.log_tail(f"rank-{r}", 400) for r in range(RANKS)), 60, procs)
+        poll(
+            "both ranks to give up the plans they could not fetch",
+            lambda: all("abandoned" in procs.log_tail(f"rank-{r}", 400) for r in range(RANKS)),
+            60,
+            procs,
+        )
         timings["cut_to_abandoned_s"] = time.monotonic() - t_cut
         # admission runs at most `lookahead` (1) mini-batches beyond the trainer: the withdrawn indices are
         # re-planned as the ranks reach them, not all at once
-        poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] > withdrawn[-1], 120,
-             procs)
+        poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] > withdrawn[-1], 120, procs)
         timings["cut_to_replanned_s"] = time.monotonic() - t_cut
         # a plan the ranks get from now on for a withdrawn index is a re-plan that never reads the lost node
         for rank in range(RANKS):
@@ -236,10 +343,12 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         trained = [t for r in records for t in r["traj_ids"]]
         assert len(trained) == len(set(trained)) == total * GROUP * sum(QUOTAS.values()) // K, "exactly once"
         assert not {t.rsplit(".", 1)[0] for t in trained} & {r["group_id"] for r in lost_groups}, (
-            "a trajectory of a lost group was trained")
+            "a trajectory of a lost group was trained"
+        )
         remaining = {r["group_id"] for r in final["to_regenerate"]}
         assert remaining < {r["group_id"] for r in after["to_regenerate"]} or not remaining, (
-            "the surviving worker claimed lost groups when it regenerated")
+            "the surviving worker claimed lost groups when it regenerated"
+        )
         assert final["staleness"]["overall"]["end"]["architectural"]["count"] == total * GROUP * 2
         timings["total_s"] = time.monotonic() - t0
         per_step: dict[int, float] = {}

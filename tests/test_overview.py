@@ -16,6 +16,8 @@ from knittrans.api.statusview import render
 from knittrans.controlclient import ControlClient
 
 ADMIN, WORKER = "admin-secret", "worker-secret"
+
+
 def _client(tmp_path: Path) -> TestClient:
     app = create_app(Settings(db_path=str(tmp_path / "cp.db"), admin_token=ADMIN, worker_token=WORKER))
     return TestClient(app, headers={"Authorization": f"Bearer {ADMIN}"})
@@ -99,8 +101,9 @@ def test_status_command_against_real_server(tmp_path: Path) -> None:
             admin.pause("job1")
         env = {k: v for k, v in os.environ.items() if k != "KNITTRANS_ADMIN_TOKEN"}
         cmd = [sys.executable, "-m", "knittrans.cli", "status", "--control-url", cp.url]
-        ok = subprocess.run([*cmd, "--token", ADMIN, "--job", "job1"], capture_output=True, text=True, env=env,
-                            timeout=60)
+        ok = subprocess.run(
+            [*cmd, "--token", ADMIN, "--job", "job1"], capture_output=True, text=True, env=env, timeout=60
+        )
         assert ok.returncode == 0, ok.stderr
         assert "job job1: PAUSED" in ok.stdout and "no store node registered" in ok.stdout
         denied = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
@@ -112,8 +115,19 @@ def test_status_watch_redraws(tmp_path: Path) -> None:
     with server(tmp_path / "cp.db", "--admin-token", ADMIN) as cp:
         with ControlClient(cp.url, token=ADMIN) as admin:
             admin.create_job(job_spec())
-        cmd = [sys.executable, "-m", "knittrans.cli", "status", "--control-url", cp.url, "--token", ADMIN,
-               "--watch", "--interval-s", "0.1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "knittrans.cli",
+            "status",
+            "--control-url",
+            cp.url,
+            "--token",
+            ADMIN,
+            "--watch",
+            "--interval-s",
+            "0.1",
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None

@@ -32,8 +32,9 @@ print(json.dumps(sorted(sys.modules)))
 
 
 def _modules_after(what: str, arg: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", _PROBE, what, arg], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, what, arg], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -42,15 +43,18 @@ def _heavy(modules: set[str]) -> list[str]:
     return sorted(m for m in modules if m.split(".")[0] in MODEL_STACK)
 
 
-@pytest.mark.parametrize(("what", "arg"), [
-    ("command", "store"),
-    ("command", "control-plane"),
-    ("import", "knittrans.flight.server"),
-    ("import", "knittrans.flight.cli"),
-    ("import", "knittrans.api.app"),
-    ("import", "knittrans.api.cli"),
-    ("import", "knittrans.controlclient"),
-])
+@pytest.mark.parametrize(
+    ("what", "arg"),
+    [
+        ("command", "store"),
+        ("command", "control-plane"),
+        ("import", "knittrans.flight.server"),
+        ("import", "knittrans.flight.cli"),
+        ("import", "knittrans.api.app"),
+        ("import", "knittrans.api.cli"),
+        ("import", "knittrans.controlclient"),
+    ],
+)
 def test_store_and_control_plane_do_not_import_the_model_stack(what: str, arg: str) -> None:
     """``knittrans store --help``, ``knittrans control-plane --help`` and their modules: no torch & co."""
     modules = _modules_after(what, arg)
@@ -60,8 +64,9 @@ def test_store_and_control_plane_do_not_import_the_model_stack(what: str, arg: s
 
 def test_trainer_library_does_not_import_the_demo() -> None:
     """Every ``knittrans.trainer`` module imports without ``knittrans.demo`` (the demo builds on it)."""
-    names = sorted(f"knittrans.trainer.{p.stem}" for p in (ROOT / "knittrans" / "trainer").glob("*.py")
-                   if p.stem != "__init__")
+    names = sorted(
+        f"knittrans.trainer.{p.stem}" for p in (ROOT / "knittrans" / "trainer").glob("*.py") if p.stem != "__init__"
+    )
     modules = _modules_after("import", ",".join(names))
     assert set(names) <= modules
     assert sorted(m for m in modules if m.startswith("knittrans.demo")) == []
@@ -80,14 +85,27 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize(("command", "code", "extra"), [
-    ("store", 0, None), ("control-plane", 0, None), ("status", 0, None), ("sim", 0, None),
-    ("train", 2, "demo"), ("rollout", 2, "rollout"),
-])
+@pytest.mark.parametrize(
+    ("command", "code", "extra"),
+    [
+        ("store", 0, None),
+        ("control-plane", 0, None),
+        ("status", 0, None),
+        ("sim", 0, None),
+        ("train", 2, "demo"),
+        ("rollout", 2, "rollout"),
+    ],
+)
 def test_without_the_model_stack_commands_work_or_name_their_extra(command: str, code: int, extra: str | None) -> None:
     """With torch & co. absent, core commands still answer; the others exit 2 naming the extra to install."""
-    out = subprocess.run([sys.executable, "-c", _WITHOUT_MODEL_STACK, command, "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_MODEL_STACK, command, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == code, out.stderr
     if extra is None:
         assert f"usage: knittrans {command}" in out.stdout

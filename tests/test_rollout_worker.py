@@ -22,18 +22,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _spec(quotas: dict[str, int], steps: int) -> dict[str, object]:
-    return {"name": JOB, "group_size": 2, "quotas": quotas, "mini_batches_per_step": 2,
-            "policy": "constraint_preserving", "world_size": 1, "micro_batch_size": 2, "total_steps": steps}
+    return {
+        "name": JOB,
+        "group_size": 2,
+        "quotas": quotas,
+        "mini_batches_per_step": 2,
+        "policy": "constraint_preserving",
+        "world_size": 1,
+        "micro_batch_size": 2,
+        "total_steps": steps,
+    }
 
 
 def _config(cluster: LocalCluster, tmp: Path, model: Path, **kw: object) -> RolloutWorkerConfig:
     node = cluster.stores[0]
     args: dict[str, object] = dict(
-        control_url=cluster.control_url, job=JOB, worker_id="w0", node_id=node.node_id,
-        store_endpoint=node.endpoint, store_dir=str(node.store_dir), model_dir=str(model),
-        weights_dir=str(tmp / "weights"), state_file=str(tmp / "w0.json"), group_size=2, groups_per_call=1,
-        sources=(SourceProfile(name="a", max_new_tokens=(3, 5)),
-                 SourceProfile(name="b", max_new_tokens=(6, 9), image_shape=(1, 8, 8))),
+        control_url=cluster.control_url,
+        job=JOB,
+        worker_id="w0",
+        node_id=node.node_id,
+        store_endpoint=node.endpoint,
+        store_dir=str(node.store_dir),
+        model_dir=str(model),
+        weights_dir=str(tmp / "weights"),
+        state_file=str(tmp / "w0.json"),
+        group_size=2,
+        groups_per_call=1,
+        sources=(
+            SourceProfile(name="a", max_new_tokens=(3, 5)),
+            SourceProfile(name="b", max_new_tokens=(6, 9), image_shape=(1, 8, 8)),
+        ),
     )
     args.update(kw)
     return RolloutWorkerConfig(**args)  # type: ignore[arg-type]
@@ -67,11 +85,35 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         control.create_job(_spec({"a": 3, "b": 3}, steps=1))
         node = cluster.stores[0]
         argv = knittrans_command(
-            "rollout", "--control-url", cluster.control_url, "--job", JOB, "--worker-id", "w0",
-            "--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir),
-            "--source", "a:4-6:3-5", "--source", "b:4-6:40-60", "--model-dir", str(model_dir),
-            "--weights-dir", str(tmp_path / "weights"), "--state-file", str(state), "--group-size", "2",
-            "--groups-per-call", "1", "--chunk-tokens", "4",
+            "rollout",
+            "--control-url",
+            cluster.control_url,
+            "--job",
+            JOB,
+            "--worker-id",
+            "w0",
+            "--node-id",
+            node.node_id,
+            "--store-endpoint",
+            node.endpoint,
+            "--store-dir",
+            str(node.store_dir),
+            "--source",
+            "a:4-6:3-5",
+            "--source",
+            "b:4-6:40-60",
+            "--model-dir",
+            str(model_dir),
+            "--weights-dir",
+            str(tmp_path / "weights"),
+            "--state-file",
+            str(state),
+            "--group-size",
+            "2",
+            "--groups-per-call",
+            "1",
+            "--chunk-tokens",
+            "4",
         )
         cluster.procs.start("worker", argv)
 
@@ -87,9 +129,14 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         killed = json.loads(state.read_text())
         assert killed["announced"], "the kill must land while groups are announced"
         cluster.procs.start("worker", argv)  # same state file
-        wait_until(lambda: control.status(JOB)["state"] == "completed"
-                   or sum(control.status(JOB)["counts"]["groups_by_status"].values()) >= 6,
-                   timeout_s=180, what="the restarted worker to finish the step")
+        wait_until(
+            lambda: (
+                control.status(JOB)["state"] == "completed"
+                or sum(control.status(JOB)["counts"]["groups_by_status"].values()) >= 6
+            ),
+            timeout_s=180,
+            what="the restarted worker to finish the step",
+        )
         cluster.procs.kill("worker")  # it may be filling the next step's window: stop it anywhere
         after = json.loads(state.read_text())
         counts = control.status(JOB)["counts"]
@@ -107,7 +154,8 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         # announced: the next start regenerates them under the same unit id and replaces it (resumable too).
         unjournaled = len((set(after["announced"]) & set(on_disk)) - sealed_groups)
         assert registered <= len(on_disk) <= registered + sealed_only + unjournaled, (
-            "a stored unit is neither registered nor resumable")
+            "a stored unit is neither registered nor resumable"
+        )
         assert set(killed["announced"]) <= set(on_disk)  # the interrupted groups were completed
 
 

@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_scale_smoke_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "scale"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "control_plane" / "scale.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "control_plane" / "scale.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     for key in ("machine", "cpus", "load_avg_1m_start", "commit", "server", "targets"):
@@ -30,9 +35,18 @@ def test_scale_smoke_writes_every_figure(tmp_path: Path) -> None:
     assert result["registration"]["units"] == 3 * 500 and result["registration"]["units_per_s_median"] > 0
     m = result["memory"]
     assert m["mini_batches"] == 300 and m["samples"][-1]["mini_batch"] == 300
-    for key in ("rss_mib_at_1000", "rss_mib_at_end", "rss_growth", "status_ms_at_end", "status_bytes_at_end",
-                "server_cpu_ms_per_mini_batch"):
+    for key in (
+        "rss_mib_at_1000",
+        "rss_mib_at_end",
+        "rss_growth",
+        "status_ms_at_end",
+        "status_bytes_at_end",
+        "server_cpu_ms_per_mini_batch",
+    ):
         assert key in m, key
-    assert set(result["targets"]) == {"plan_delivery_p99<=50ms", "registration>=20000_units_s",
-                                      "rss_growth_1000_to_end<=10%"}
+    assert set(result["targets"]) == {
+        "plan_delivery_p99<=50ms",
+        "registration>=20000_units_s",
+        "rss_growth_1000_to_end<=10%",
+    }
     assert out.with_suffix(".md").read_text().startswith("# Control plane at scale")

@@ -66,8 +66,16 @@ def test_timing_rule_validates() -> None:
 @pytest.mark.parametrize(("field", "value"), [("lookahead", -1), ("lookahead", "1"), ("window", 0)])
 def test_job_spec_validates_timing_fields(field: str, value: object) -> None:
     """The job spec refuses a bad L or W and names the field."""
-    body = {"name": "j", "group_size": 1, "quotas": {"a": 2}, "mini_batches_per_step": 2,
-            "policy": "constraint_preserving", "world_size": 1, "micro_batch_size": 1, field: value}
+    body = {
+        "name": "j",
+        "group_size": 1,
+        "quotas": {"a": 2},
+        "mini_batches_per_step": 2,
+        "policy": "constraint_preserving",
+        "world_size": 1,
+        "micro_batch_size": 1,
+        field: value,
+    }
     with pytest.raises(InvalidJobSpec, match=field):
         JobSpec.from_dict(body)
 
@@ -80,12 +88,21 @@ class _Driver:
     """Plays rollout and trainer against a real :class:`JobState`: launches only within the room."""
 
     def __init__(self, *, quotas: dict[str, int], k: int, lookahead: int, window: int, world: int) -> None:
-        self.spec = JobSpec(name="j", group_size=1, quotas=quotas, mini_batches_per_step=k,
-                            policy="constraint_preserving", world_size=world, micro_batch_size=1,
-                            lookahead=lookahead, window=window)
+        self.spec = JobSpec(
+            name="j",
+            group_size=1,
+            quotas=quotas,
+            mini_batches_per_step=k,
+            policy="constraint_preserving",
+            world_size=world,
+            micro_batch_size=1,
+            lookahead=lookahead,
+            window=window,
+        )
         self.alive: dict[str, bool] = {"n0": True, "n1": True}
-        self.job = JobState(self.spec, endpoint=lambda n: "grpc://127.0.0.1:1",
-                            node_alive=lambda n: self.alive.get(n, False))
+        self.job = JobState(
+            self.spec, endpoint=lambda n: "grpc://127.0.0.1:1", node_alive=lambda n: self.alive.get(n, False)
+        )
         self.running: list[tuple[str, str]] = []  # (group id, source) launched, not finished
         self.seq = 0
         self.time = 0.0
@@ -109,8 +126,9 @@ class _Driver:
             gid = f"g{self.seq}"
             self.seq += 1
             claims = [r["group_id"] for r in self.job.to_regenerate.values() if r["source"] == source][:1]
-            self.job.add_supply(Txn(), started={}, group_ids={source: [gid]}, dropped={}, request_id=None,
-                                regenerates=claims)
+            self.job.add_supply(
+                Txn(), started={}, group_ids={source: [gid]}, dropped={}, request_id=None, regenerates=claims
+            )
             self.running.append((gid, source))
             self.job.admit(Txn())
             self.check()
@@ -122,10 +140,27 @@ class _Driver:
             node = next(n for n, up in self.alive.items() if up)
         gid, source = self.running.pop(index % len(self.running))
         self.time += 1.0
-        record = GroupRecord(group_id=gid, source=source, row_start=0, num_trajectories=1, trajectory_tokens=(8,),
-                             version_start=0, version_end=0, version_weighted=0.0, finished_at=self.time)
-        unit = UnitDescriptor(unit_id=f"u-{gid}", job="j", node_id=node, endpoint="grpc://127.0.0.1:1", num_rows=1,
-                              num_bytes=1, schema_version=SCHEMA_VERSION, groups=(record,))
+        record = GroupRecord(
+            group_id=gid,
+            source=source,
+            row_start=0,
+            num_trajectories=1,
+            trajectory_tokens=(8,),
+            version_start=0,
+            version_end=0,
+            version_weighted=0.0,
+            finished_at=self.time,
+        )
+        unit = UnitDescriptor(
+            unit_id=f"u-{gid}",
+            job="j",
+            node_id=node,
+            endpoint="grpc://127.0.0.1:1",
+            num_rows=1,
+            num_bytes=1,
+            schema_version=SCHEMA_VERSION,
+            groups=(record,),
+        )
         self.job.check_units([unit], lambda n: "alive" if self.alive[n] else "lost")
         self.job.add_units([unit], Txn())
         self.job.admit(Txn())
@@ -139,8 +174,9 @@ class _Driver:
         self.job.fetched(rank, plan["plan_id"], Txn())
         txn = Txn()
         self.job.ack(rank, plan["plan_id"], txn)
-        self.consumed += [ConsumedGroup(**r) for (kind, _, _), rows in txn.puts.items() if kind == "consumed"
-                          for r in rows]  # the records the service would persist
+        self.consumed += [
+            ConsumedGroup(**r) for (kind, _, _), rows in txn.puts.items() if kind == "consumed" for r in rows
+        ]  # the records the service would persist
         self.job.admit(Txn())
         self.check()
 
@@ -163,8 +199,13 @@ _op = st.one_of(_launch, _finish, _finish, _finish, _ack, _ack, _lose)
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    qa=st.integers(1, 4), qb=st.integers(1, 4), k=st.sampled_from([1, 2]), lookahead=st.integers(0, 3),
-    window=st.integers(1, 2), world=st.integers(1, 2), ops=st.lists(_op, min_size=10, max_size=150),
+    qa=st.integers(1, 4),
+    qb=st.integers(1, 4),
+    k=st.sampled_from([1, 2]),
+    lookahead=st.integers(0, 3),
+    window=st.integers(1, 2),
+    world=st.integers(1, 2),
+    ops=st.lists(_op, min_size=10, max_size=150),
 )
 def test_any_interleaving_keeps_lookahead_window_and_quotas(
     qa: int, qb: int, k: int, lookahead: int, window: int, world: int, ops: list[tuple[object, ...]]
@@ -222,7 +263,7 @@ def test_launch_headroom_gives_a_deficit_room_only_while_the_trainer_is_idle() -
 
 
 def test_released_at_start_per_handover() -> None:
-    """"mini_batch": a started mini-batch frees its own groups; "step": the first one frees the whole train batch,
+    """ "mini_batch": a started mini-batch frees its own groups; "step": the first one frees the whole train batch,
     the later ones nothing; anything else is refused."""
     q = {"a": 3, "b": 1}
     assert released_at_start({"a": 1, "b": 1}, mini_batch_index=0, quotas=q, handover="mini_batch") == {"a": 1, "b": 1}

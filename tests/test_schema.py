@@ -64,10 +64,13 @@ def test_media_are_stored_once_per_unique_hash() -> None:
 def test_torch_and_list_inputs_build_the_same_table() -> None:
     """Tensors, numpy arrays and Python lists are interchangeable inputs."""
     kw = dict(group_id="g", source="math", rewards=[1.0, 0.5], version_start=2, version_end=3, finished_at=1.0)
-    a = TrajectoryGroup(prompt_ids=torch.tensor([1, 2]), response_ids=[torch.tensor([3, 4, 5]), torch.tensor([6])],
-                        response_logprobs=[torch.zeros(3), torch.full((1,), -0.5)], **kw)  # type: ignore[arg-type]
-    b = TrajectoryGroup(prompt_ids=[1, 2], response_ids=[[3, 4, 5], [6]], response_logprobs=[[0.0] * 3, [-0.5]],
-                        **kw)  # type: ignore[arg-type]
+    a = TrajectoryGroup(
+        prompt_ids=torch.tensor([1, 2]),
+        response_ids=[torch.tensor([3, 4, 5]), torch.tensor([6])],
+        response_logprobs=[torch.zeros(3), torch.full((1,), -0.5)],
+        **kw,
+    )  # type: ignore[arg-type]
+    b = TrajectoryGroup(prompt_ids=[1, 2], response_ids=[[3, 4, 5], [6]], response_logprobs=[[0.0] * 3, [-0.5]], **kw)  # type: ignore[arg-type]
     assert build_unit_tables([a]).traj.equals(build_unit_tables([b]).traj)
 
 
@@ -117,10 +120,18 @@ def test_builder_round_trips_random_shapes(lengths: list[list[int]], data: st.Da
     groups = []
     for i, lens in enumerate(lengths):
         resp = [np.arange(n, dtype=np.int32) + 7 * k for k, n in enumerate(lens)]
-        groups.append(TrajectoryGroup(
-            group_id=f"g{i}", source="s", prompt_ids=np.arange(i + 1), response_ids=resp,
-            response_logprobs=[np.full(n, -0.25, np.float32) for n in lens], rewards=[0.0] * len(lens),
-            version_start=0, version_end=0))
+        groups.append(
+            TrajectoryGroup(
+                group_id=f"g{i}",
+                source="s",
+                prompt_ids=np.arange(i + 1),
+                response_ids=resp,
+                response_logprobs=[np.full(n, -0.25, np.float32) for n in lens],
+                rewards=[0.0] * len(lens),
+                version_start=0,
+                version_end=0,
+            )
+        )
     traj = build_unit_tables(groups).traj
     flat = [r for g in groups for r in g.response_ids]
     assert traj.column("response_ids").to_pylist() == [r.tolist() for r in flat]

@@ -48,8 +48,14 @@ def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_
     tickets = [Ticket.decode(f["ticket"].encode()) for m in plan["micro_batches"] for f in m["fetches"]]  # type: ignore[index]
     assert tickets and all(len(t.grants) == 1 for t in tickets)
     for mode in ("eager", "iter"):
-        cfg = TrainerConfig(control_url=signed_cluster.control_url, job="signed-train", rank=0, world_size=1,
-                            fetch_mode=mode, poll_timeout_s=5)  # type: ignore[arg-type]
+        cfg = TrainerConfig(
+            control_url=signed_cluster.control_url,
+            job="signed-train",
+            rank=0,
+            world_size=1,
+            fetch_mode=mode,
+            poll_timeout_s=5,
+        )  # type: ignore[arg-type]
         with TrainerClient(cfg) as client:
             got = list(MiniBatch(client, plan))  # type: ignore[arg-type]
         assert sum(int(m.batch.rewards.numel()) for m in got) == 16
@@ -83,8 +89,9 @@ def test_store_refuses_unsigned_forged_widened_and_foreign_tickets(signed_cluste
 def test_grants_expire_and_bind_columns() -> None:
     """A grant past its expiry, or a ticket asking for columns outside the grant, is refused."""
     key = KEY.encode()
-    grant = sign_grant(key, job="j", rank=0, expires_at=time.time() + 60, reads={"u": [(0, 4)]},
-                       columns=["reward"], media={})
+    grant = sign_grant(
+        key, job="j", rank=0, expires_at=time.time() + 60, reads={"u": [(0, 4)]}, columns=["reward"], media={}
+    )
     ok = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((1, 3),)),), columns=("reward",), grants=(grant,))
     check_ticket(key, ok, now=time.time())
     with pytest.raises(Unauthenticated, match="not granted"):

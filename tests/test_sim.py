@@ -82,7 +82,14 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     handover=st.sampled_from(["step", "mini_batch"]),
 )
 def test_quotas_exact_random_workloads(
-    quotas: list[int], k: int, window: int, slots: int, cvs: list[float], policy: str, seed: int, lookahead: int,
+    quotas: list[int],
+    k: int,
+    window: int,
+    slots: int,
+    cvs: list[float],
+    policy: str,
+    seed: int,
+    lookahead: int,
     handover: str,
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
@@ -90,13 +97,33 @@ def test_quotas_exact_random_workloads(
     (under either train_batch handover)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
-        SourceProfile(name=f"s{i}", quota=qi, duration_mean_s=10.0 * (i + 1), duration_cv=cvs[i],
-                      tail_prob=0.1, tail_scale=2.0, tail_alpha=1.5, tokens_mean=200, tokens_cv=0.5)
+        SourceProfile(
+            name=f"s{i}",
+            quota=qi,
+            duration_mean_s=10.0 * (i + 1),
+            duration_cv=cvs[i],
+            tail_prob=0.1,
+            tail_scale=2.0,
+            tail_alpha=1.5,
+            tokens_mean=200,
+            tokens_cv=0.5,
+        )
         for i, qi in enumerate(q)
     )
-    w = Workload(name="random", sources=sources, group_size=2, mini_batches_per_step=k, window=window,
-                 rollout_slots=slots, world_size=2, micro_batch_tokens=512, steps=4, in_flight_updates=True,
-                 lookahead=lookahead, train_batch_handover=handover)
+    w = Workload(
+        name="random",
+        sources=sources,
+        group_size=2,
+        mini_batches_per_step=k,
+        window=window,
+        rollout_slots=slots,
+        world_size=2,
+        micro_batch_tokens=512,
+        steps=4,
+        in_flight_updates=True,
+        lookahead=lookahead,
+        train_batch_handover=handover,
+    )
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
     assert compute_metrics(trace).quota_violations == 0
@@ -138,8 +165,11 @@ def test_metrics_shape_and_idle_fractions() -> None:
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"window": 0}, "window"), ({"mini_batches_per_step": 7}, "mini_batches_per_step"),
-     ({"rollout_slots": 0}, "rollout_slots")],
+    [
+        ({"window": 0}, "window"),
+        ({"mini_batches_per_step": 7}, "mini_batches_per_step"),
+        ({"rollout_slots": 0}, "rollout_slots"),
+    ],
 )
 def test_bad_workload_is_rejected(change: dict[str, int], field: str) -> None:
     """A workload that cannot run raises ValueError naming the field."""
@@ -170,8 +200,26 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     wl.write_text(yaml.safe_dump(data))
     out = tmp_path / "res.json"
     plots = tmp_path / "plots"
-    rc = main(["sim", "--workload", str(wl), "--policy", "all", "--seeds", "2", "--mini-batches", "4,8",
-               "--window", "1", "--colocated", "--json", str(out), "--plots", str(plots)])
+    rc = main(
+        [
+            "sim",
+            "--workload",
+            str(wl),
+            "--policy",
+            "all",
+            "--seeds",
+            "2",
+            "--mini-batches",
+            "4,8",
+            "--window",
+            "1",
+            "--colocated",
+            "--json",
+            str(out),
+            "--plots",
+            str(plots),
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     assert "constraint_preserving" in captured.out and "colocated" in captured.out
@@ -200,8 +248,9 @@ def test_train_batch_handed_whole_batches_is_exactly_one_batch_off_policy(name: 
     w = load_workload(name).with_overrides(steps=8)
     k = w.mini_batches_per_step
     handed = simulate(w, "train_batch", seed=0)
-    values = {architectural_staleness(c.v_train, c.version_start, c.mini_batch_index)
-              for c in handed.consumed if c.step >= 1}
+    values = {
+        architectural_staleness(c.v_train, c.version_start, c.mini_batch_index) for c in handed.consumed if c.step >= 1
+    }
     assert values == {float(w.window * k)}
     paced = compute_metrics(simulate(w.with_overrides(train_batch_handover="mini_batch"), "train_batch", seed=0))
     assert paced.readings["start"].architectural.mean < w.window * k - 1
@@ -211,18 +260,48 @@ def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureF
     """`--paced-baseline` adds the train_batch_paced row and reductions against it; `--tb-handover mini_batch`
     makes train_batch itself the paced baseline (both rows then agree); a bad handover exits 2."""
     out = tmp_path / "res.json"
-    rc = main(["sim", "--workload", "skewed3", "--seeds", "1", "--steps", "3", "--paced-baseline",
-               "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "sim",
+            "--workload",
+            "skewed3",
+            "--seeds",
+            "1",
+            "--steps",
+            "3",
+            "--paced-baseline",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "train_batch_paced" in capsys.readouterr().out
     rows = json.loads(out.read_text())["configs"][0]["policies"]
     assert set(rows) == {*POLICIES, "train_batch_paced"}
     assert rows["train_batch"]["start_arch_mean"] == 16.0
     assert rows["train_batch_paced"]["start_arch_reduction_vs_paced"] == 0.0
-    assert rows["constraint_preserving"]["start_arch_reduction_vs_paced"] < rows["constraint_preserving"][
-        "start_arch_reduction"]
-    rc = main(["sim", "--workload", "skewed3", "--seeds", "1", "--steps", "3", "--paced-baseline",
-               "--tb-handover", "mini_batch", "--json", str(out), "--no-progress"])
+    assert (
+        rows["constraint_preserving"]["start_arch_reduction_vs_paced"]
+        < rows["constraint_preserving"]["start_arch_reduction"]
+    )
+    rc = main(
+        [
+            "sim",
+            "--workload",
+            "skewed3",
+            "--seeds",
+            "1",
+            "--steps",
+            "3",
+            "--paced-baseline",
+            "--tb-handover",
+            "mini_batch",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())["configs"][0]["policies"]
     assert rows["train_batch"]["start_arch_mean"] == rows["train_batch_paced"]["start_arch_mean"]

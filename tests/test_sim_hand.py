@@ -28,9 +28,18 @@ def hand_workload(*, in_flight: bool = True, lookahead: int = 1, handover: str =
             SourceProfile(name="a", quota=2, duration_mean_s=1.0, tokens_mean=100),
             SourceProfile(name="b", quota=2, duration_mean_s=3.0, tokens_mean=100),
         ),
-        group_size=1, mini_batches_per_step=2, window=1, rollout_slots=4, sync_delay_s=0.0,
-        in_flight_updates=in_flight, trainer_overhead_s=1.0, trainer_s_per_token=0.0, world_size=1,
-        lookahead=lookahead, train_batch_handover=handover, steps=2,
+        group_size=1,
+        mini_batches_per_step=2,
+        window=1,
+        rollout_slots=4,
+        sync_delay_s=0.0,
+        in_flight_updates=in_flight,
+        trainer_overhead_s=1.0,
+        trainer_s_per_token=0.0,
+        world_size=1,
+        lookahead=lookahead,
+        train_batch_handover=handover,
+        steps=2,
     )
 
 
@@ -44,10 +53,14 @@ def hand_workload(*, in_flight: bool = True, lookahead: int = 1, handover: str =
 #  (1, 1, 1.0). t=5 v3. t=6 b-3: v1 [3,4), v2 [4,5), v3 [5,6] -> (1, 3, 2.0); mb3 = {a-3, b-3} (n3, k1)
 #  trains 6..7. Makespan 7 s; every mini-batch starts training as it is admitted.
 CP = {
-    "a-0": (0, 0, 0, 0, 0.0), "a-1": (0, 0, 0, 0, 0.0),
-    "b-0": (1, 1, 0, 1, 1 / 3), "b-1": (1, 1, 0, 1, 1 / 3),
-    "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 1, 2 / 3),
-    "a-3": (3, 1, 1, 1, 1.0), "b-3": (3, 1, 1, 3, 2.0),
+    "a-0": (0, 0, 0, 0, 0.0),
+    "a-1": (0, 0, 0, 0, 0.0),
+    "b-0": (1, 1, 0, 1, 1 / 3),
+    "b-1": (1, 1, 0, 1, 1 / 3),
+    "a-2": (2, 0, 0, 0, 0.0),
+    "b-2": (2, 0, 0, 1, 2 / 3),
+    "a-3": (3, 1, 1, 1, 1.0),
+    "b-3": (3, 1, 1, 3, 2.0),
 }
 # train_batch (default handover "step": the trainer is handed the whole train batch when it starts the
 #  step): waits for all four groups (t=3), admits mb0 = {a-0, b-0} and, with L = 1, mb1 = {a-1, b-1}.
@@ -55,10 +68,14 @@ CP = {
 #  t=4 v1 arrives as a-2, a-3 end: (0, 0, 0). mb1 trains 4..5. t=5 v2. t=6 b-2, b-3: v0 [3,4), v1 [4,5),
 #  v2 [5,6] -> (0, 2, 1.0); mb2 = {a-2, b-2} (n2, k0) trains 6..7, mb3 = {a-3, b-3} (n3, k1) 7..8.
 TB = {
-    "a-0": (0, 0, 0, 0, 0.0), "b-0": (0, 0, 0, 0, 0.0),
-    "a-1": (1, 1, 0, 0, 0.0), "b-1": (1, 1, 0, 0, 0.0),
-    "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 2, 1.0),
-    "a-3": (3, 1, 0, 0, 0.0), "b-3": (3, 1, 0, 2, 1.0),
+    "a-0": (0, 0, 0, 0, 0.0),
+    "b-0": (0, 0, 0, 0, 0.0),
+    "a-1": (1, 1, 0, 0, 0.0),
+    "b-1": (1, 1, 0, 0, 0.0),
+    "a-2": (2, 0, 0, 0, 0.0),
+    "b-2": (2, 0, 0, 2, 1.0),
+    "a-3": (3, 1, 0, 0, 0.0),
+    "b-3": (3, 1, 0, 2, 1.0),
 }
 # train_batch with handover "mini_batch" (the paced baseline: the project's rule, a group leaves the window
 #  when its own mini-batch starts): mb0 trains 3..4 and frees one slot of each source: a-2 (3..4), b-2
@@ -67,10 +84,14 @@ TB = {
 #  (0, 2, 1.0). t=7 b-3: v1 [4,5), v2 [5,7] -> (1, 2, 5/3); mb2 = {a-2, b-2} and mb3 = {a-3, b-3}
 #  admitted, train 7..8, 8..9.
 TB_PACED = {
-    "a-0": (0, 0, 0, 0, 0.0), "b-0": (0, 0, 0, 0, 0.0),
-    "a-1": (1, 1, 0, 0, 0.0), "b-1": (1, 1, 0, 0, 0.0),
-    "a-2": (2, 0, 0, 0, 0.0), "b-2": (2, 0, 0, 2, 1.0),
-    "a-3": (3, 1, 1, 1, 1.0), "b-3": (3, 1, 1, 2, 5 / 3),
+    "a-0": (0, 0, 0, 0, 0.0),
+    "b-0": (0, 0, 0, 0, 0.0),
+    "a-1": (1, 1, 0, 0, 0.0),
+    "b-1": (1, 1, 0, 0, 0.0),
+    "a-2": (2, 0, 0, 0, 0.0),
+    "b-2": (2, 0, 0, 2, 1.0),
+    "a-3": (3, 1, 1, 1, 1.0),
+    "b-3": (3, 1, 1, 2, 5 / 3),
 }
 # linear_target (always mini-batch by mini-batch; the handover setting is train_batch's only): mini-batch
 #  k needs the plan's cumulative target {a: k+1, b: k+1}, so b gates it:
@@ -151,16 +172,21 @@ def test_hand_case_step_one_means() -> None:
     a-2 finished the instant v1 arrived and counts as v0 under every policy (the end-reading tie).
     """
     means = {}
-    for label, policy, handover in (("constraint_preserving", "constraint_preserving", "step"),
-                                    ("train_batch", "train_batch", "step"),
-                                    ("paced", "train_batch", "mini_batch")):
+    for label, policy, handover in (
+        ("constraint_preserving", "constraint_preserving", "step"),
+        ("train_batch", "train_batch", "step"),
+        ("paced", "train_batch", "mini_batch"),
+    ):
         trace = simulate(hand_workload(handover=handover), policy, seed=0)
         step1 = [c for c in trace.consumed if c.step == 1]
-        means[label] = sum(
-            architectural_staleness(c.v_train, c.version_end, c.mini_batch_index) for c in step1
-        ) / len(step1)
-    assert means == {"constraint_preserving": pytest.approx(0.75), "train_batch": pytest.approx(1.0),
-                     "paced": pytest.approx(0.75)}
+        means[label] = sum(architectural_staleness(c.v_train, c.version_end, c.mini_batch_index) for c in step1) / len(
+            step1
+        )
+    assert means == {
+        "constraint_preserving": pytest.approx(0.75),
+        "train_batch": pytest.approx(1.0),
+        "paced": pytest.approx(0.75),
+    }
 
 
 def test_hand_case_without_in_flight_updates_keeps_start_version() -> None:

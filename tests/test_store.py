@@ -32,8 +32,11 @@ def test_reads_are_zero_copy_slices_of_the_memory_map(store_dir: Path) -> None:
     unit = store.write_unit("job", "u1", t.traj, t.media)
     assert (store_dir / "job" / "u1" / "traj.arrow").exists()
     lo, hi = _buffer_span(unit.traj)
-    got = store.read(Ticket(job="job", reads=(UnitRead(unit_id="u1", row_ranges=((2, 5), (7, 9))),),
-                            columns=("response_ids", "reward")))
+    got = store.read(
+        Ticket(
+            job="job", reads=(UnitRead(unit_id="u1", row_ranges=((2, 5), (7, 9))),), columns=("response_ids", "reward")
+        )
+    )
     assert got.column_names == ["response_ids", "reward"]
     expected = pa.concat_tables([t.traj.slice(2, 3), t.traj.slice(7, 2)]).select(["response_ids", "reward"])
     assert got.equals(expected)
@@ -111,8 +114,11 @@ def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -
     assert stats["bytes_spilled"] == spilled.num_bytes and stats["budget_used"] <= budget
     again = UnitStore(cfg)
     assert {u.unit_id: u.spilled for u in again.units()} == {"a": False, "b": True}
-    assert LocalReader([store_dir, tmp_path / "spill"]).read(
-        Ticket(job="job", reads=(UnitRead(unit_id="b"),))).equals(t.traj)
+    assert (
+        LocalReader([store_dir, tmp_path / "spill"])
+        .read(Ticket(job="job", reads=(UnitRead(unit_id="b"),)))
+        .equals(t.traj)
+    )
 
 
 def test_delete_removes_unit_and_frees_budget(store_dir: Path) -> None:

@@ -60,8 +60,9 @@ def _retry_put(c: StoreClient, t: UnitTables, unit: str, deadline_s: float = 120
 def test_kill9_writer_mid_doput_then_retry_serves_exactly_the_retried_rows(start_server: Start) -> None:
     """A writer killed after 1 of 3 batches, retried with the same unit id, seals the 12 retried rows only."""
     server = start_server()
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, server.endpoint], cwd=TESTS,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, server.endpoint], cwd=TESTS, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("sent 1 of 3")
     finally:
@@ -133,8 +134,11 @@ def _bad_traj(column: str, mutate: Callable[[list[object]], object]) -> pa.Table
     traj = _unit(1).traj
     values = traj.column(column).to_pylist()
     mutate(values)
-    return traj.set_column(traj.schema.get_field_index(column), traj.schema.field(column),
-                           pa.array(values, type=traj.schema.field(column).type))
+    return traj.set_column(
+        traj.schema.get_field_index(column),
+        traj.schema.field(column),
+        pa.array(values, type=traj.schema.field(column).type),
+    )
 
 
 def test_doput_validates_content_and_keeps_serving(start_server: Start) -> None:
@@ -145,8 +149,11 @@ def test_doput_validates_content_and_keeps_serving(start_server: Start) -> None:
     media = _unit(1).media
     data = media.column("data").to_pylist()
     data[0] = data[0][:-1] + bytes([data[0][-1] ^ 1])
-    forged = media.set_column(media.schema.get_field_index("data"), media.schema.field("data"),
-                              pa.array(data, type=media.schema.field("data").type))
+    forged = media.set_column(
+        media.schema.get_field_index("data"),
+        media.schema.field("data"),
+        pa.array(data, type=media.schema.field("data").type),
+    )
     with StoreClient(server.endpoint) as c:
         with pytest.raises(InvalidRequest, match="'loss_mask' has length 1"):
             c.put_part("job", "u0", "traj", short_mask)
@@ -214,14 +221,25 @@ def test_same_host_writer_seals_with_counts(start_server: Start, store_dir: Path
 
 def test_store_on_non_loopback_without_token_refuses_to_start(tmp_path: Path) -> None:
     """``knittrans store --host 0.0.0.0`` without a token exits with a clear error unless --insecure."""
-    cmd = [sys.executable, "-m", "knittrans.cli", "store", "--dir", str(tmp_path / "s"), "--host", "0.0.0.0",
-           "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "knittrans.cli",
+        "store",
+        "--dir",
+        str(tmp_path / "s"),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "KNITTRANS_STORE_TOKEN"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2 and "--insecure" in done.stderr
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([*cmd, "--insecure", "--ready-file", str(ready)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*cmd, "--insecure", "--ready-file", str(ready)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:

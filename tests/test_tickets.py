@@ -27,11 +27,15 @@ def row_ranges(draw: st.DrawFn) -> tuple[tuple[int, int], ...]:
     ranges=row_ranges(),
     columns=st.one_of(st.none(), st.lists(names, min_size=1, max_size=4, unique=True)),
 )
-def test_rows_ticket_round_trips(job: str, units: list[str], ranges: tuple[tuple[int, int], ...],
-                                 columns: list[str] | None) -> None:
+def test_rows_ticket_round_trips(
+    job: str, units: list[str], ranges: tuple[tuple[int, int], ...], columns: list[str] | None
+) -> None:
     """encode then decode gives back an equal ticket for any valid rows ticket."""
-    t = Ticket(job=job, reads=tuple(UnitRead(unit_id=u, row_ranges=ranges) for u in units),
-               columns=tuple(columns) if columns is not None else None)
+    t = Ticket(
+        job=job,
+        reads=tuple(UnitRead(unit_id=u, row_ranges=ranges) for u in units),
+        columns=tuple(columns) if columns is not None else None,
+    )
     assert Ticket.decode(t.encode()) == t
 
 

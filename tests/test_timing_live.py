@@ -31,31 +31,93 @@ def test_slow_trainer_keeps_lookahead_window_and_staleness_bounds(tmp_path: Path
     weights = tmp_path / "weights"
     weights.mkdir()
     G = sum(QUOTAS.values())
-    bound = max(staleness_bound(mini_batches_per_step=K, window=W, train_batch_groups=G, quota=q, sync_lag=SYNC_LAG)
-                for q in QUOTAS.values())
+    bound = max(
+        staleness_bound(mini_batches_per_step=K, window=W, train_batch_groups=G, quota=q, sync_lag=SYNC_LAG)
+        for q in QUOTAS.values()
+    )
     with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
         control = cluster.control(admin=True)
-        control.create_job({
-            "name": JOB, "group_size": GROUP, "quotas": QUOTAS, "mini_batches_per_step": K,
-            "policy": "constraint_preserving", "world_size": 1, "micro_batch_size": 2, "total_steps": STEPS,
-            "lookahead": L, "window": W, "max_staleness": bound,
-        })
+        control.create_job(
+            {
+                "name": JOB,
+                "group_size": GROUP,
+                "quotas": QUOTAS,
+                "mini_batches_per_step": K,
+                "policy": "constraint_preserving",
+                "world_size": 1,
+                "micro_batch_size": 2,
+                "total_steps": STEPS,
+                "lookahead": L,
+                "window": W,
+                "max_staleness": bound,
+            }
+        )
         node = cluster.stores[0]
-        cluster.procs.start("rollout", knittrans_command(
-            "rollout", "--control-url", cluster.control_url, "--job", JOB, "--worker-id", "w0",
-            "--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir),
-            "--source", "a:4-6:3-5", "--source", "b:4-6:4-6", "--model-dir", str(model),
-            "--weights-dir", str(weights), "--state-file", str(tmp_path / "w0.json"), "--group-size", str(GROUP),
-            "--groups-per-call", "1", "--chunk-tokens", "2",
-        ), env={"OMP_NUM_THREADS": "1"})
+        cluster.procs.start(
+            "rollout",
+            knittrans_command(
+                "rollout",
+                "--control-url",
+                cluster.control_url,
+                "--job",
+                JOB,
+                "--worker-id",
+                "w0",
+                "--node-id",
+                node.node_id,
+                "--store-endpoint",
+                node.endpoint,
+                "--store-dir",
+                str(node.store_dir),
+                "--source",
+                "a:4-6:3-5",
+                "--source",
+                "b:4-6:4-6",
+                "--model-dir",
+                str(model),
+                "--weights-dir",
+                str(weights),
+                "--state-file",
+                str(tmp_path / "w0.json"),
+                "--group-size",
+                str(GROUP),
+                "--groups-per-call",
+                "1",
+                "--chunk-tokens",
+                "2",
+            ),
+            env={"OMP_NUM_THREADS": "1"},
+        )
         started = time.monotonic()
         # the trainer takes at least 1.5 s per mini-batch of two groups; the worker makes a group in a fraction
         # of that (measured below), so training is the bottleneck
-        cluster.procs.start("rank-0", knittrans_command(
-            "train", "--control-url", cluster.control_url, "--job", JOB, "--rank", "0", "--world-size", "1",
-            "--model-dir", str(model), "--weights-dir", str(weights), "--local-dir", f"{node.node_id}={node.store_dir}",
-            "--image-channels", "1", "--min-step-s", "1.5", "--out", str(tmp_path / "rank-0.jsonl"),
-        ), env={"OMP_NUM_THREADS": "1"})
+        cluster.procs.start(
+            "rank-0",
+            knittrans_command(
+                "train",
+                "--control-url",
+                cluster.control_url,
+                "--job",
+                JOB,
+                "--rank",
+                "0",
+                "--world-size",
+                "1",
+                "--model-dir",
+                str(model),
+                "--weights-dir",
+                str(weights),
+                "--local-dir",
+                f"{node.node_id}={node.store_dir}",
+                "--image-channels",
+                "1",
+                "--min-step-s",
+                "1.5",
+                "--out",
+                str(tmp_path / "rank-0.jsonl"),
+            ),
+            env={"OMP_NUM_THREADS": "1"},
+        )
 
         def finished() -> bool:
             cluster.procs.check_alive("control-plane", node.name)
@@ -91,6 +153,8 @@ def test_slow_trainer_keeps_lookahead_window_and_staleness_bounds(tmp_path: Path
     trained = [t for r in records for t in r["traj_ids"]]
     assert len(trained) == len(set(trained)) == STEPS * G * GROUP  # exactly once
     train_s = sum(r["step_time_s"] for r in records)
-    print(f"live timing proof: {total} mini-batches in {wall:.1f}s, training {train_s:.1f}s, "
-          f"peak untaken {timing['peak_untaken']}/{W * G}, peak ahead {timing['peak_admitted_ahead']}/{L}, "
-          f"end arch staleness mean {end['mean']:.2f} max {end['max']:.1f} (bound {bound})")
+    print(
+        f"live timing proof: {total} mini-batches in {wall:.1f}s, training {train_s:.1f}s, "
+        f"peak untaken {timing['peak_untaken']}/{W * G}, peak ahead {timing['peak_admitted_ahead']}/{L}, "
+        f"end arch staleness mean {end['mean']:.2f} max {end['max']:.1f} (bound {bound})"
+    )

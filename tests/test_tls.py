@@ -26,8 +26,9 @@ from knittrans.tickets import Ticket, UnitRead
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _make_pki(tmp: Path, name: str = "knittrans-test-ca") -> tuple[Path, Path, Path]:
@@ -35,19 +36,32 @@ def _make_pki(tmp: Path, name: str = "knittrans-test-ca") -> tuple[Path, Path, P
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = (tmp / f"{name}.pem", tmp / "server.pem", tmp / "server.key")
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -69,8 +83,7 @@ def test_store_serves_grpc_tls_to_clients_that_verify_the_ca(tmp_path: Path, sto
             assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0"),))).equals(t.traj)
         with StoreClient(srv.endpoint, tls_ca=other_ca, timeout_s=10) as c, pytest.raises(KnitTransError):
             c.health()
-        with StoreClient(srv.endpoint.replace("grpc+tls", "grpc"), timeout_s=10) as c, \
-                pytest.raises(KnitTransError):
+        with StoreClient(srv.endpoint.replace("grpc+tls", "grpc"), timeout_s=10) as c, pytest.raises(KnitTransError):
             c.health()  # plaintext to a TLS port
     finally:
         srv.shutdown()
@@ -81,8 +94,22 @@ def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path
     ca, cert, key = _make_pki(tmp_path)
     port = free_port()
     url = f"https://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "knittrans.cli", "--log-level", "WARNING", "control-plane", "--db",
-           str(tmp_path / "cp.db"), "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "knittrans.cli",
+        "--log-level",
+        "WARNING",
+        "control-plane",
+        "--db",
+        str(tmp_path / "cp.db"),
+        "--port",
+        str(port),
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with ControlClient(url, tls_ca=ca, retries=0) as client:

@@ -31,8 +31,10 @@ class CountingStore(StoreServer):
 
 @pytest.fixture()
 def stores(tmp_path: Path) -> Iterator[dict[str, CountingStore]]:
-    servers = {n: CountingStore(StoreServerConfig(store=StoreConfig(root=tmp_path / n), node_id=n))
-               for n in ("node-a", "node-b")}
+    servers = {
+        n: CountingStore(StoreServerConfig(store=StoreConfig(root=tmp_path / n), node_id=n))
+        for n in ("node-a", "node-b")
+    }
     yield servers
     for s in servers.values():
         s.shutdown()
@@ -43,9 +45,13 @@ def _put(core: _Core, node: str, first: int, n: int) -> list[dict[str, Any]]:
     try:
         g = torch.Generator().manual_seed(first)
         image = torch.randint(0, 255, (n // 4, 8, 8), dtype=torch.uint8, generator=g).repeat_interleave(4, 0)
-        data = {"reward": torch.rand(n, generator=g), "logp": torch.randn(n, 5, generator=g).bfloat16(),
-                "tokens": torch.nested.nested_tensor([torch.arange(i % 7 + 1) for i in range(n)], layout=torch.jagged),
-                "image": image, "uid": [f"u{first + i}" for i in range(n)]}
+        data = {
+            "reward": torch.rand(n, generator=g),
+            "logp": torch.randn(n, 5, generator=g).bfloat16(),
+            "tokens": torch.nested.nested_tensor([torch.arange(i % 7 + 1) for i in range(n)], layout=torch.jagged),
+            "image": image,
+            "uid": [f"u{first + i}" for i in range(n)],
+        }
         return core.put(data, n, list(range(first, first + n)), "train")
     finally:
         os.environ.pop(NODE_ENV, None)
@@ -104,15 +110,20 @@ def test_values_json_cannot_round_trip_are_refused(stores: dict[str, CountingSto
 
 
 def test_same_host_batch_in_order_is_served_from_the_units_as_batched_tensors(
-        stores: dict[str, CountingStore], tmp_path: Path) -> None:
+    stores: dict[str, CountingStore], tmp_path: Path
+) -> None:
     """With the node's directory on this host, a whole put read in order touches no server; 1-D jagged
     rows come back as one jagged nested tensor and media rows as one dense tensor, both equal to the put."""
     store_dir = str(tmp_path / "node-a")
-    core = _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint}, store_dirs={"node-a": store_dir},
-                                 media_fields=("image",)))
+    core = _Core(
+        TQBackendConfig(
+            stores={"node-a": stores["node-a"].endpoint}, store_dirs={"node-a": store_dir}, media_fields=("image",)
+        )
+    )
     meta = _put(core, "node-a", 0, 8)
-    assert core.all_local(meta) and not _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint})
-                                              ).all_local(meta)
+    assert core.all_local(meta) and not _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint})).all_local(
+        meta
+    )
     stores["node-a"].gets.clear()
     got = core.get(["tokens", "image", "logp"], list(range(8)), meta)
     assert stores["node-a"].gets == []

@@ -27,11 +27,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def _client(c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, transform: Any = None,
-            **kw: Any) -> TrainerClient:
-    return TrainerClient(TrainerConfig(control_url=c.control_url, job=job, rank=rank, world_size=world,
-                                       fetch_mode=mode, poll_timeout_s=5, **kw),  # type: ignore[arg-type]
-                         transform=transform)
+def _client(
+    c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, transform: Any = None, **kw: Any
+) -> TrainerClient:
+    return TrainerClient(
+        TrainerConfig(
+            control_url=c.control_url, job=job, rank=rank, world_size=world, fetch_mode=mode, poll_timeout_s=5, **kw
+        ),  # type: ignore[arg-type]
+        transform=transform,
+    )
 
 
 def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
@@ -40,12 +44,12 @@ def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
     return out
 
 
-def _one_rank_plan(c: LocalCluster, job: str, *, groups: int, micro_batch_size: int,
-                   groups_per_unit: int) -> dict[str, Any]:
+def _one_rank_plan(
+    c: LocalCluster, job: str, *, groups: int, micro_batch_size: int, groups_per_unit: int
+) -> dict[str, Any]:
     """A one-rank job of ``groups`` multimodal groups of 4, written and registered; its first plan."""
     control = c.control()
-    control.create_job(job_spec(job, groups=groups, group_size=4, k=1, world_size=1,
-                                micro_batch_size=micro_batch_size))
+    control.create_job(job_spec(job, groups=groups, group_size=4, k=1, world_size=1, micro_batch_size=micro_batch_size))
     write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=4), groups_per_unit=groups_per_unit)
     plan = control.next_plan(job, 0, timeout_s=10)
     assert plan is not None
@@ -197,8 +201,9 @@ def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluste
         assert len(list(first)) == 2
         wait_until(lambda: first._successor_polling.is_set(), timeout_s=10, what="the successor poll")
         first.ack()
-        later = threading.Timer(0.3, lambda: write_and_register(control, job, cluster.stores,
-                                                                mm_groups("late-b", 4, group_size=2)))
+        later = threading.Timer(
+            0.3, lambda: write_and_register(control, job, cluster.stores, mm_groups("late-b", 4, group_size=2))
+        )
         later.start()
         try:
             second = first.take_successor(wait_s=5.0)
@@ -246,8 +251,17 @@ def test_control_plane_restart_mid_job(own_cluster: LocalCluster) -> None:
     control.create_job(job_spec(job, groups=4, group_size=2, k=2, world_size=1, micro_batch_size=2))
     write_and_register(control, job, c.stores, mm_groups("r", 4, group_size=2))
     port = c.control_url.rsplit(":", 1)[1]
-    argv = knittrans_command("control-plane", "--db", str(c.work_dir / "control.db"), "--host", "127.0.0.1",
-                             "--port", port, "--node-timeout-s", "30")
+    argv = knittrans_command(
+        "control-plane",
+        "--db",
+        str(c.work_dir / "control.db"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--node-timeout-s",
+        "30",
+    )
     rows, indices = 0, []
     with _client(c, job, "iter") as client:
         for n, mb in enumerate(client.minibatches()):

@@ -30,18 +30,41 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 saved like the rollout engines load it."""
-    return build_tiny_qwen2(tmp_path_factory.mktemp("model"), vocab_size=256, hidden=64, layers=1, heads=1,
-                            head_dim=64)
+    return build_tiny_qwen2(tmp_path_factory.mktemp("model"), vocab_size=256, hidden=64, layers=1, heads=1, head_dim=64)
 
 
-def _start_ranks(c: LocalCluster, job: str, model_dir: Path, tmp_path: Path, *extra: str,
-                 modes: tuple[str, str] = ("iter", "eager")) -> list[Path]:
+def _start_ranks(
+    c: LocalCluster, job: str, model_dir: Path, tmp_path: Path, *extra: str, modes: tuple[str, str] = ("iter", "eager")
+) -> list[Path]:
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = ["train", "--control-url", c.control_url, "--job", job, "--rank", str(r), "--world-size", "2",
-                "--dist-url", f"tcp://127.0.0.1:{port}", "--model-dir", str(model_dir), "--fetch-mode", modes[r],
-                "--lr", "1e-2", "--image-channels", str(IMAGE[0]), "--out", str(outs[r]), "--threads", "1", *extra]
+        argv = [
+            "train",
+            "--control-url",
+            c.control_url,
+            "--job",
+            job,
+            "--rank",
+            str(r),
+            "--world-size",
+            "2",
+            "--dist-url",
+            f"tcp://127.0.0.1:{port}",
+            "--model-dir",
+            str(model_dir),
+            "--fetch-mode",
+            modes[r],
+            "--lr",
+            "1e-2",
+            "--image-channels",
+            str(IMAGE[0]),
+            "--out",
+            str(outs[r]),
+            "--threads",
+            "1",
+            *extra,
+        ]
         c.procs.start(f"rank-{r}", knittrans_command(*argv))
     return outs
 
@@ -52,8 +75,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 def _wait_ranks(c: LocalCluster) -> None:
     procs = [c.procs.children[f"rank-{r}"] for r in range(2)]
-    wait_until(lambda: all(p.poll() is not None for p in procs), timeout_s=90, what="both ranks to exit",
-               interval_s=0.2)
+    wait_until(
+        lambda: all(p.poll() is not None for p in procs), timeout_s=90, what="both ranks to exit", interval_s=0.2
+    )
     for r, p in enumerate(procs):
         assert p.returncode == 0, c.procs.log_tail(f"rank-{r}", 60)
 
@@ -69,16 +93,40 @@ def test_two_ranks_train_job_to_completion(cluster: LocalCluster, model_dir: Pat
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = ["train", "--control-url", cluster.control_url, "--job", job, "--rank", str(r), "--world-size", "2",
-                "--dist-url", f"tcp://127.0.0.1:{port}", "--model-dir", str(model_dir), "--weights-dir", str(weights),
-                "--fetch-mode", "iter" if r == 0 else "eager", "--lr", "1e-2", "--image-channels", str(IMAGE[0]),
-                "--out", str(outs[r]), "--threads", "1"]
+        argv = [
+            "train",
+            "--control-url",
+            cluster.control_url,
+            "--job",
+            job,
+            "--rank",
+            str(r),
+            "--world-size",
+            "2",
+            "--dist-url",
+            f"tcp://127.0.0.1:{port}",
+            "--model-dir",
+            str(model_dir),
+            "--weights-dir",
+            str(weights),
+            "--fetch-mode",
+            "iter" if r == 0 else "eager",
+            "--lr",
+            "1e-2",
+            "--image-channels",
+            str(IMAGE[0]),
+            "--out",
+            str(outs[r]),
+            "--threads",
+            "1",
+        ]
         if r == 1:
             argv += ["--local-dir", f"{cluster.stores[1].node_id}={cluster.stores[1].store_dir}"]
         cluster.procs.start(f"rank-{r}", knittrans_command(*argv))
     procs = [cluster.procs.children[f"rank-{r}"] for r in range(2)]
-    wait_until(lambda: all(p.poll() is not None for p in procs), timeout_s=90, what="both ranks to exit",
-               interval_s=0.2)
+    wait_until(
+        lambda: all(p.poll() is not None for p in procs), timeout_s=90, what="both ranks to exit", interval_s=0.2
+    )
     for r, p in enumerate(procs):
         assert p.returncode == 0, cluster.procs.log_tail(f"rank-{r}", 60)
 
@@ -118,35 +166,40 @@ def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
 
 
-def test_store_killed_under_a_plan_no_partial_step(own_cluster: LocalCluster, model_dir: Path,
-                                                    tmp_path: Path) -> None:
+def test_store_killed_under_a_plan_no_partial_step(own_cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
     """A store node is SIGKILLed while the ranks hold plans with its rows: no rank steps on them, the plans are
     re-issued (next attempt) once the node is declared lost and its groups regenerated, and the job completes
     with every trained trajectory trained exactly once (checked from the rank records)."""
     c, job = own_cluster, "lossjob"
     control = c.control()
-    control.create_job(job_spec(job, groups=4, group_size=GROUP_SIZE, k=2, world_size=2, micro_batch_size=2,
-                                total_steps=2))
+    control.create_job(
+        job_spec(job, groups=4, group_size=GROUP_SIZE, k=2, world_size=2, micro_batch_size=2, total_steps=2)
+    )
     step0 = write_and_register(control, job, c.stores, mm_groups("a", 4, group_size=GROUP_SIZE, image_shape=IMAGE))
     control.pause(job)  # step 1 is written now but admitted only after the kill
-    step1 = write_and_register(control, job, c.stores,
-                               mm_groups("b", 4, group_size=GROUP_SIZE, image_shape=IMAGE, seed=1))
+    step1 = write_and_register(
+        control, job, c.stores, mm_groups("b", 4, group_size=GROUP_SIZE, image_shape=IMAGE, seed=1)
+    )
     outs = _start_ranks(c, job, model_dir, tmp_path, "--fetch-timeout-s", "5", modes=("iter", "iter"))
-    wait_until(lambda: all(len(_records(p)) == 2 for p in outs), timeout_s=60, what="step 0 trained",
-               interval_s=0.2)
+    wait_until(lambda: all(len(_records(p)) == 2 for p in outs), timeout_s=60, what="step 0 trained", interval_s=0.2)
     dead = c.stores[1]
     c.procs.kill(dead.name)
     control.resume(job)  # mini-batches 2 and 3 are planned with rows on the dead node
-    wait_until(lambda: all("abandoned" in c.procs.log_tail(f"rank-{r}", 200) for r in range(2)), timeout_s=60,
-               what="both ranks to give up their plan", interval_s=0.2)
+    wait_until(
+        lambda: all("abandoned" in c.procs.log_tail(f"rank-{r}", 200) for r in range(2)),
+        timeout_s=60,
+        what="both ranks to give up their plan",
+        interval_s=0.2,
+    )
     assert all(len(_records(p)) == 2 for p in outs), "a rank stepped on a mini-batch with rows on a dead node"
     lost = control.declare_lost(dead.node_id, "killed by the test")
     assert lost["withdrawn"] == {job: [2, 3]}
     regen = [g["group_id"] for g in control.status(job)["to_regenerate"]]
     assert sorted(regen) == ["b1", "b3"]  # round-robin: the dead node held b1 and b3
     control.report_supply(job, group_ids={"mm": ["c0", "c1"]}, regenerates=regen)
-    replacements = write_and_register(control, job, c.stores[:1],
-                                      mm_groups("c", 2, group_size=GROUP_SIZE, image_shape=IMAGE, seed=2))
+    replacements = write_and_register(
+        control, job, c.stores[:1], mm_groups("c", 2, group_size=GROUP_SIZE, image_shape=IMAGE, seed=2)
+    )
     _wait_ranks(c)
 
     assert control.status(job)["state"] == "completed" and control.get_version(job) == 4
@@ -157,6 +210,11 @@ def test_store_killed_under_a_plan_no_partial_step(own_cluster: LocalCluster, mo
         assert [rec["attempt"] for rec in recs] == [0, 0, 1, 1]  # the re-plans, never the withdrawn plans
         assert all(rec["plan_id"] == f"n{rec['global_index']}.a{rec['attempt']}.r{r}" for rec in recs)
     trained = [t for rec in records for t in rec["traj_ids"]]
-    expected = {f"{g.group_id}.{i}" for d in [*step0, *step1, *replacements] for g in d.groups
-                if g.group_id not in regen for i in range(g.num_trajectories)}
+    expected = {
+        f"{g.group_id}.{i}"
+        for d in [*step0, *step1, *replacements]
+        for g in d.groups
+        if g.group_id not in regen
+        for i in range(g.num_trajectories)
+    }
     assert len(trained) == len(set(trained)) == 8 * GROUP_SIZE and set(trained) == expected

@@ -36,8 +36,10 @@ def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: i
 
 
 def _per_micro(fetcher: Fetcher, micro: dict[str, Any]) -> pa.Table:
-    reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
-             for f in micro["fetches"]]
+    reads = [
+        FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
+        for f in micro["fetches"]
+    ]
     return fetcher.fetch(reads)
 
 
@@ -55,9 +57,19 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
             got = streams.rows(i)
             assert got is not None and got.equals(_per_micro(reference, micro))
             hashes = [m["hash"] for m in micro["media"]]
-            expected = {h: bytes(r.data) for h, r in media_records(reference.fetch([
-                FetchRead(node_id=m["node_id"], endpoint=m["endpoint"], ticket=Ticket.decode(m["ticket"].encode()))
-                for m in micro["media"]])).items()}
+            expected = {
+                h: bytes(r.data)
+                for h, r in media_records(
+                    reference.fetch(
+                        [
+                            FetchRead(
+                                node_id=m["node_id"], endpoint=m["endpoint"], ticket=Ticket.decode(m["ticket"].encode())
+                            )
+                            for m in micro["media"]
+                        ]
+                    )
+                ).items()
+            }
             assert {h: bytes(r.data) for h, r in streams.media(hashes).items()} == expected
         assert streams.calls == 2 * len(nodes)
         streams.close()
@@ -79,8 +91,14 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
 def test_unstreamable_plan_falls_back() -> None:
     """A rows ticket without explicit row ranges cannot be split per micro-batch: no streams for that plan."""
     whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
-    plan = {"micro_batches": [{"fetches": [{"node_id": "n0", "endpoint": "grpc://127.0.0.1:1",
-                                            "ticket": whole.encode().decode()}], "media": []}]}
+    plan = {
+        "micro_batches": [
+            {
+                "fetches": [{"node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "ticket": whole.encode().decode()}],
+                "media": [],
+            }
+        ]
+    }
     with Fetcher() as fetcher:
         assert ShareStreams.from_plan(fetcher, plan) is None
 
@@ -127,15 +145,21 @@ def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
 def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
     """Stopping after one micro-batch cancels the open calls; the nodes keep serving the next fetch."""
     plan = _plan(cluster, "share-cancel", groups=8, micro=2)
-    with TrainerClient(TrainerConfig(control_url=cluster.control_url, job="share-cancel", rank=0, world_size=1,
-                                     fetch_mode="eager")) as client:
+    with TrainerClient(
+        TrainerConfig(control_url=cluster.control_url, job="share-cancel", rank=0, world_size=1, fetch_mode="eager")
+    ) as client:
         mb = MiniBatch(client, plan)
         first = mb._load(0)
         assert first.batch.num_rows == 2
         streams = mb._streams
         assert streams is not None and streams._rows
-        calls = [opened for opened in [*(t._batches for t in streams._rows.values()),
-                                       *(m._batches for m in streams._media.values())]]
+        calls = [
+            opened
+            for opened in [
+                *(t._batches for t in streams._rows.values()),
+                *(m._batches for m in streams._media.values()),
+            ]
+        ]
         generators = [c._opening.result(timeout=10) for c in calls if isinstance(c, _Opened)]
         assert len(generators) == len(calls) == streams.calls == 4
         assert any(g.gi_frame is not None for g in generators)  # left open mid-share

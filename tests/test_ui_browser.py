@@ -26,8 +26,10 @@ ADMIN, WORKER = "ui-admin-token", "ui-worker-token"
 def _chromium() -> str:
     path = os.environ.get("KNITTRANS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
-        pytest.fail("no chromium found: install Debian's `chromium` package (apt-get install -y chromium) "
-                    "or set KNITTRANS_CHROMIUM to a Chrome/Chromium executable")
+        pytest.fail(
+            "no chromium found: install Debian's `chromium` package (apt-get install -y chromium) "
+            "or set KNITTRANS_CHROMIUM to a Chrome/Chromium executable"
+        )
     return path
 
 
@@ -36,8 +38,11 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        b = p.chromium.launch(
+            executable_path=_chromium(),
+            headless=True,
+            args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
         try:
             yield b
         finally:
@@ -52,8 +57,10 @@ def _artifacts() -> Path:
 
 def test_dashboard_shows_live_job_and_pauses_it(browser: Any, tmp_path: Path) -> None:
     """The page connects with the admin token, shows the running job, nodes and ranks; Pause pauses the job."""
-    with server(tmp_path / "cp.db", "--admin-token", ADMIN, "--worker-token", WORKER) as cp, \
-            httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10) as api:
+    with (
+        server(tmp_path / "cp.db", "--admin-token", ADMIN, "--worker-token", WORKER) as cp,
+        httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10) as api,
+    ):
         populate(api)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors: list[str] = []

@@ -21,8 +21,13 @@ from knittrans.trainer.convert import to_micro_batch
 from knittrans.userfields import check_user_columns, parse_arrow_type, parse_user_fields
 from tests.trainer_support import job_spec, mm_groups
 
-USER = {"ref_logprobs": "list<float32>", "values": "tensor<float32>[2,3]", "uid": "string",
-        "pair": "fixed_size_list<int64>[2]", "old_lp_bf16": "list<uint16>"}
+USER = {
+    "ref_logprobs": "list<float32>",
+    "values": "tensor<float32>[2,3]",
+    "uid": "string",
+    "pair": "fixed_size_list<int64>[2]",
+    "old_lp_bf16": "list<uint16>",
+}
 
 
 def _with_user(groups: list[TrajectoryGroup], seed: int = 1) -> list[TrajectoryGroup]:
@@ -31,22 +36,36 @@ def _with_user(groups: list[TrajectoryGroup], seed: int = 1) -> list[TrajectoryG
     for g in groups:
         n = g.num_responses
         lens = [len(r) for r in g.response_ids]
-        out.append(TrajectoryGroup(**{**{k: getattr(g, k) for k in g.__dataclass_fields__}, "user_fields": {
-            "ref_logprobs": [rng.standard_normal(m).astype(np.float32) for m in lens],
-            "values": torch.randn(n, 2, 3, generator=torch.Generator().manual_seed(seed)),
-            "uid": f"uid-{g.group_id}",
-            "pair": [[i, -i] for i in range(n)],
-            "old_lp_bf16": [torch.randn(m).bfloat16().view(torch.int16).numpy().view(np.uint16) for m in lens],
-        }, "shared_user_fields": frozenset({"uid"})}))
+        out.append(
+            TrajectoryGroup(
+                **{
+                    **{k: getattr(g, k) for k in g.__dataclass_fields__},
+                    "user_fields": {
+                        "ref_logprobs": [rng.standard_normal(m).astype(np.float32) for m in lens],
+                        "values": torch.randn(n, 2, 3, generator=torch.Generator().manual_seed(seed)),
+                        "uid": f"uid-{g.group_id}",
+                        "pair": [[i, -i] for i in range(n)],
+                        "old_lp_bf16": [
+                            torch.randn(m).bfloat16().view(torch.int16).numpy().view(np.uint16) for m in lens
+                        ],
+                    },
+                    "shared_user_fields": frozenset({"uid"}),
+                }
+            )
+        )
     return out
 
 
 def test_type_strings_round_trip_and_bad_types_are_named() -> None:
     """Every accepted type string parses to the Arrow type; a bad one names the field and the type."""
-    for text, want in [("list<float32>", pa.list_(pa.float32())), ("large_list<int8>", pa.large_list(pa.int8())),
-                       ("fixed_size_list<int64>[2]", pa.list_(pa.int64(), 2)), ("string", pa.string()),
-                       ("tensor<uint8>[3,4]", pa.fixed_shape_tensor(pa.uint8(), [3, 4])),
-                       ("list<list<int32>>", pa.list_(pa.list_(pa.int32())))]:
+    for text, want in [
+        ("list<float32>", pa.list_(pa.float32())),
+        ("large_list<int8>", pa.large_list(pa.int8())),
+        ("fixed_size_list<int64>[2]", pa.list_(pa.int64(), 2)),
+        ("string", pa.string()),
+        ("tensor<uint8>[3,4]", pa.fixed_shape_tensor(pa.uint8(), [3, 4])),
+        ("list<list<int32>>", pa.list_(pa.list_(pa.int32()))),
+    ]:
         assert parse_arrow_type(text).equals(want)
         assert parse_user_fields({"x": text})[0].type_string == text
     with pytest.raises(InvalidJobSpec, match=r"user_fields.v: unknown type 'float128'"):
@@ -77,18 +96,23 @@ def test_builder_validates_user_fields_naming_group_field_and_row() -> None:
     check_user_columns(tables.traj.schema, fields)
     g = good[0]
     with pytest.raises(InvalidRequest, match=r"declared user fields \['values'\] are missing"):
-        build_unit_tables([TrajectoryGroup(**{**vars(g), "user_fields": {k: v for k, v in g.user_fields.items()
-                                                                           if k != "values"}})], user_fields=fields)
+        build_unit_tables(
+            [TrajectoryGroup(**{**vars(g), "user_fields": {k: v for k, v in g.user_fields.items() if k != "values"}})],
+            user_fields=fields,
+        )
     with pytest.raises(InvalidRequest, match=r"\['extra'\] are not declared"):
-        build_unit_tables([TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields, "extra": [1, 2, 3]}})],
-                          user_fields=fields)
+        build_unit_tables(
+            [TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields, "extra": [1, 2, 3]}})], user_fields=fields
+        )
     with pytest.raises(InvalidRequest, match=r"'values' row 0: shape \(3, 2\) != declared \(2, 3\)"):
-        build_unit_tables([TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields,
-                                                                         "values": torch.zeros(3, 3, 2)}})],
-                          user_fields=fields)
+        build_unit_tables(
+            [TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields, "values": torch.zeros(3, 3, 2)}})],
+            user_fields=fields,
+        )
     with pytest.raises(InvalidRequest, match="'pair' has 2 values for 3 responses"):
-        build_unit_tables([TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields, "pair": [[1, 2]] * 2}})],
-                          user_fields=fields)
+        build_unit_tables(
+            [TrajectoryGroup(**{**vars(g), "user_fields": {**g.user_fields, "pair": [[1, 2]] * 2}})], user_fields=fields
+        )
     with pytest.raises(SchemaMismatch, match=r"user field 'values' has type .*declared tensor<float64>\[2,3\]"):
         check_user_columns(tables.traj.schema, parse_user_fields({**USER, "values": "tensor<float64>[2,3]"}))
 
@@ -115,15 +139,19 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     """Written through the real writer and control plane, DoGet projects the user columns the spec names and
     the trainer gets them as torch tensors equal to what was written."""
     control = cluster.control()
-    spec = {**job_spec("ufe2e", groups=2, group_size=3, k=1, world_size=1, micro_batch_size=6),
-            "user_fields": USER, "columns": ["response_ids", "ref_logprobs", "values", "uid", "old_lp_bf16"]}
+    spec = {
+        **job_spec("ufe2e", groups=2, group_size=3, k=1, world_size=1, micro_batch_size=6),
+        "user_fields": USER,
+        "columns": ["response_ids", "ref_logprobs", "values", "uid", "old_lp_bf16"],
+    }
     control.create_job(spec)
     groups = _with_user(mm_groups("e", 2, group_size=3, with_media=False))
     store = cluster.stores[0]
     with TrajectoryWriter(job="ufe2e", node_id=store.node_id, endpoint=store.endpoint, user_fields=USER) as w:
         control.register_units("ufe2e", [w.write_groups(groups)])
-    config = TrainerConfig(control_url=cluster.control_url, job="ufe2e", rank=0, world_size=1,
-                           fetch_mode="eager", poll_timeout_s=5)
+    config = TrainerConfig(
+        control_url=cluster.control_url, job="ufe2e", rank=0, world_size=1, fetch_mode="eager", poll_timeout_s=5
+    )
     with TrainerClient(config) as client:
         plan = client.next_plan()
         assert plan is not None
@@ -142,20 +170,42 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     assert torch.equal(bf16.view(torch.int16), want_mb.user["old_lp_bf16"][0].view(torch.int16))
 
 
-
 def test_plain_transfer_needs_no_versions_and_may_give_a_prompt_per_response() -> None:
     """Versions default to 0 (end = start), and response_prompt_ids gives each row its own prompt; giving
     neither prompt form is refused by name."""
-    g = TrajectoryGroup(group_id="p", source="s", response_prompt_ids=[[1, 2], [3]], response_ids=[[4], [5, 6]],
-                        response_logprobs=[[0.0], [0.0, 0.0]], rewards=[1.0, 0.0])
+    g = TrajectoryGroup(
+        group_id="p",
+        source="s",
+        response_prompt_ids=[[1, 2], [3]],
+        response_ids=[[4], [5, 6]],
+        response_logprobs=[[0.0], [0.0, 0.0]],
+        rewards=[1.0, 0.0],
+    )
     t = build_unit_tables([g]).traj
     assert t.column("prompt_ids").to_pylist() == [[1, 2], [3]]
     assert t.column("version_start").to_pylist() == [0, 0] and t.column("version_end").to_pylist() == [0, 0]
-    g2 = TrajectoryGroup(group_id="q", source="s", prompt_ids=[1], response_ids=[[4]], response_logprobs=[[0.0]],
-                         rewards=[1.0], version_start=3)
+    g2 = TrajectoryGroup(
+        group_id="q",
+        source="s",
+        prompt_ids=[1],
+        response_ids=[[4]],
+        response_logprobs=[[0.0]],
+        rewards=[1.0],
+        version_start=3,
+    )
     assert build_unit_tables([g2]).traj.column("version_end").to_pylist() == [3]
     with pytest.raises(InvalidRequest, match=r"give prompt_ids .shared. or response_prompt_ids"):
         TrajectoryGroup(group_id="r", source="s", response_ids=[[4]], response_logprobs=[[0.0]], rewards=[1.0])
     with pytest.raises(InvalidRequest, match="response_prompt_ids has 1 entries for 2 responses"):
-        build_unit_tables([TrajectoryGroup(group_id="x", source="s", response_prompt_ids=[[1]], response_ids=[[4], [5]],
-                                           response_logprobs=[[0.0], [0.0]], rewards=[1.0, 0.0])])
+        build_unit_tables(
+            [
+                TrajectoryGroup(
+                    group_id="x",
+                    source="s",
+                    response_prompt_ids=[[1]],
+                    response_ids=[[4], [5]],
+                    response_logprobs=[[0.0], [0.0]],
+                    rewards=[1.0, 0.0],
+                )
+            ]
+        )

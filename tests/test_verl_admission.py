@@ -46,8 +46,11 @@ def test_bad_configuration_is_named() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(q=st.dictionaries(st.sampled_from("abcd"), st.integers(1, 5), min_size=1, max_size=4),
-       k=st.integers(1, 4), order=st.randoms(use_true_random=False))
+@given(
+    q=st.dictionaries(st.sampled_from("abcd"), st.integers(1, 5), min_size=1, max_size=4),
+    k=st.integers(1, 4),
+    order=st.randoms(use_true_random=False),
+)
 def test_every_train_batch_has_exactly_the_quotas(q: dict[str, int], k: int, order: object) -> None:
     """Whatever order groups finish in, every K consecutive mini-batches hold exactly q[s] groups of s."""
     k = min(k, sum(q.values()))

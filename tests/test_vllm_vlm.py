@@ -37,9 +37,19 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = root / "out"
     out.mkdir()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(a), "--new-weights", str(b / "model.safetensors"),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            str(a),
+            "--new-weights",
+            str(b / "model.safetensors"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, f"vLLM VLM rollout failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -64,9 +74,15 @@ def _gap(result: dict[str, Any], phase: int, model_dir: Path, images: list[list[
             for s in g["samples"]:
                 ids = torch.tensor([g["prompt_ids"] + s["response_ids"]])
                 lp = packed_response_logprobs(
-                    model, ids, torch.ones_like(ids), torch.tensor([len(g["prompt_ids"])]),
-                    torch.tensor([len(s["response_ids"])]), image_features=feats, layout=layout,
-                    temperature=result["temperature"])
+                    model,
+                    ids,
+                    torch.ones_like(ids),
+                    torch.tensor([len(g["prompt_ids"])]),
+                    torch.tensor([len(s["response_ids"])]),
+                    image_features=feats,
+                    layout=layout,
+                    temperature=result["temperature"],
+                )
                 worst = max(worst, float(np.abs(lp.numpy() - np.asarray(s["response_logprobs"])).max()))
     return worst
 
@@ -83,8 +99,10 @@ def test_vllm_image_rows_match_the_trainer(rollout: dict[str, Any]) -> None:
 def test_a_wrong_image_breaks_the_agreement(rollout: dict[str, Any]) -> None:
     """The same tokens scored with other images of the same sizes are far off: vLLM really saw the pixels."""
     rng = np.random.default_rng(5)
-    wrong = [[rng.integers(0, 256, im.shape, dtype=np.uint8) for im in (rollout["image_arrays"][i] for i in which)]
-             for which in rollout["images"]]
+    wrong = [
+        [rng.integers(0, 256, im.shape, dtype=np.uint8) for im in (rollout["image_arrays"][i] for i in which)]
+        for which in rollout["images"]
+    ]
     assert _gap(rollout, 0, rollout["model_a"], wrong) > 1e-2
 
 

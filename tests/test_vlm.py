@@ -56,23 +56,33 @@ def _requests(layout: VLMLayout, seed: int = 0) -> list[PromptRequest]:
     a, b = _image(rng, 96, 128), _image(rng, 150, 100)
     c = np.moveaxis(_image(rng, 80, 64), 0, -1)
     return [
-        PromptRequest(prompt_ids=image_prompt_ids(layout, [1, 2, 3, 4], 2),
-                      media=(Media(kind="image", data=a), Media(kind="image", data=b))),
+        PromptRequest(
+            prompt_ids=image_prompt_ids(layout, [1, 2, 3, 4], 2),
+            media=(Media(kind="image", data=a), Media(kind="image", data=b)),
+        ),
         PromptRequest(prompt_ids=np.array([5, 6, 7], dtype=np.int32)),
         PromptRequest(prompt_ids=image_prompt_ids(layout, [9, 8], 1), media=(Media(kind="image", data=c),)),
     ]
 
 
-def _trainer_logprobs(model: Any, layout: VLMLayout, processor: Any, group: GeneratedGroup,
-                      images: list[Any]) -> list[np.ndarray]:
+def _trainer_logprobs(
+    model: Any, layout: VLMLayout, processor: Any, group: GeneratedGroup, images: list[Any]
+) -> list[np.ndarray]:
     """The trainer's logprobs of each sample (``packed_response_logprobs`` with the policy's vision tower)."""
     out = []
     with torch.no_grad():
         feats = VisionTower(model)(pixel_values(processor, images)) if images else None
         for s in group.samples:
             ids = torch.from_numpy(np.concatenate([group.prompt_ids, s.response_ids])).long()[None]
-            lp = packed_response_logprobs(model, ids, torch.ones_like(ids), torch.tensor([group.prompt_ids.shape[0]]),
-                                          torch.tensor([s.num_tokens]), image_features=feats, layout=layout)
+            lp = packed_response_logprobs(
+                model,
+                ids,
+                torch.ones_like(ids),
+                torch.tensor([group.prompt_ids.shape[0]]),
+                torch.tensor([s.num_tokens]),
+                image_features=feats,
+                layout=layout,
+            )
             out.append(lp.numpy())
     return out
 
@@ -111,9 +121,12 @@ def test_hf_rollout_conditions_on_images_and_trainer_logprobs_agree(engine: HFEn
     assert worst < 2e-4
     rng = np.random.default_rng(99)
     wrong = [_image(rng, 112, 112), _image(rng, 112, 112)]
-    gap = max(float(np.abs(lp - s.response_logprobs).max())
-              for lp, s in zip(_trainer_logprobs(engine.model, layout, processor, groups[0], wrong),
-                               groups[0].samples, strict=True))
+    gap = max(
+        float(np.abs(lp - s.response_logprobs).max())
+        for lp, s in zip(
+            _trainer_logprobs(engine.model, layout, processor, groups[0], wrong), groups[0].samples, strict=True
+        )
+    )
     assert gap > 50 * max(worst, 1e-6), (gap, worst)
     with pytest.raises(InvalidRequest, match="image blocks"):
         engine.generate([PromptRequest(prompt_ids=requests[0].prompt_ids)], 1, 2, 1.0, seed=0)
@@ -124,8 +137,10 @@ def test_images_change_the_samples(engine: HFEngine, vlm_dir: Path) -> None:
     layout = VLMLayout.from_dir(vlm_dir)
     rng = np.random.default_rng(3)
     ids = image_prompt_ids(layout, [1, 2, 3], 1)
-    first, second = (engine.generate([PromptRequest(prompt_ids=ids, media=(Media(kind="image", data=im),))],
-                                     4, 8, 1.0, seed=1)[0] for im in (_image(rng, 112, 112), _image(rng, 112, 112)))
+    first, second = (
+        engine.generate([PromptRequest(prompt_ids=ids, media=(Media(kind="image", data=im),))], 4, 8, 1.0, seed=1)[0]
+        for im in (_image(rng, 112, 112), _image(rng, 112, 112))
+    )
     assert any(not np.array_equal(a, b) for a, b in zip(first.response_ids, second.response_ids, strict=True))
 
 
@@ -136,8 +151,11 @@ def test_load_weights_reloads_vision_and_language(vlm_dir: Path, tmp_path: Path)
     engine.load_weights(other / "model.safetensors")
     state = load_file(str(other / "model.safetensors"))
     own = engine.model.state_dict()
-    for name in ("model.vision_model.encoder.layers.0.self_attn.q_proj.weight",
-                 "model.connector.modality_projection.proj.weight", "model.text_model.layers.0.mlp.up_proj.weight"):
+    for name in (
+        "model.vision_model.encoder.layers.0.self_attn.q_proj.weight",
+        "model.connector.modality_projection.proj.weight",
+        "model.text_model.layers.0.mlp.up_proj.weight",
+    ):
         assert torch.equal(own[name], state[name]), name
 
 
@@ -191,8 +209,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(cluster: LocalCluster, engine: HFEngine, vlm_dir: Path,
-                                                          tmp_path: Path) -> None:
+def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(
+    cluster: LocalCluster, engine: HFEngine, vlm_dir: Path, tmp_path: Path
+) -> None:
     """Rollout-generated image groups, 2 gloo ranks: first step on-policy (gap < 2e-4), one encode per image."""
     layout = VLMLayout.from_dir(vlm_dir)
     rng = np.random.default_rng(7)
@@ -200,11 +219,14 @@ def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(cluster: LocalCluster,
     for g in range(4):
         count = 1 + g % 2  # 1 or 2 images per prompt, shared by the group's 4 samples
         media = tuple(Media(kind="image", data=_image(rng, 80 + 16 * g, 112)) for _ in range(count))
-        requests.append(PromptRequest(prompt_ids=image_prompt_ids(layout, rng.integers(0, 255, 5), count),
-                                      media=media))
+        requests.append(PromptRequest(prompt_ids=image_prompt_ids(layout, rng.integers(0, 255, 5), count), media=media))
     generated = engine.generate(requests, 4, 6, 1.0, seed=11)
-    groups = [to_trajectory_group(gen, group_id=f"v{i}", source="mm", rewards=[0.1, 0.9, 0.4, 0.6],
-                                  version_start=0, version_end=0) for i, gen in enumerate(generated)]
+    groups = [
+        to_trajectory_group(
+            gen, group_id=f"v{i}", source="mm", rewards=[0.1, 0.9, 0.4, 0.6], version_start=0, version_end=0
+        )
+        for i, gen in enumerate(generated)
+    ]
     job = "vlmjob"
     control = cluster.control()
     control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=2, micro_batch_size=2))
@@ -212,13 +234,34 @@ def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(cluster: LocalCluster,
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = ["train", "--control-url", cluster.control_url, "--job", job, "--rank", str(r), "--world-size", "2",
-                "--dist-url", f"tcp://127.0.0.1:{port}", "--model-dir", str(vlm_dir), "--weights-dir",
-                str(tmp_path / "weights"), "--lr", "1e-3", "--out", str(outs[r]), "--threads", "1"]
+        argv = [
+            "train",
+            "--control-url",
+            cluster.control_url,
+            "--job",
+            job,
+            "--rank",
+            str(r),
+            "--world-size",
+            "2",
+            "--dist-url",
+            f"tcp://127.0.0.1:{port}",
+            "--model-dir",
+            str(vlm_dir),
+            "--weights-dir",
+            str(tmp_path / "weights"),
+            "--lr",
+            "1e-3",
+            "--out",
+            str(outs[r]),
+            "--threads",
+            "1",
+        ]
         cluster.procs.start(f"vrank-{r}", knittrans_command(*argv))
     procs = [cluster.procs.children[f"vrank-{r}"] for r in range(2)]
-    wait_until(lambda: all(p.poll() is not None for p in procs), timeout_s=180, what="both ranks to exit",
-               interval_s=0.2)
+    wait_until(
+        lambda: all(p.poll() is not None for p in procs), timeout_s=180, what="both ranks to exit", interval_s=0.2
+    )
     for r, p in enumerate(procs):
         assert p.returncode == 0, cluster.procs.log_tail(f"vrank-{r}", 60)
     records = [json.loads(line) for out in outs for line in out.read_text().splitlines()]

@@ -21,8 +21,11 @@ Start = Callable[..., StoreServer]
 
 
 def _read(server: StoreServer, unit: str, rows: tuple[tuple[int, int], ...] = (), columns=None) -> FetchRead:  # type: ignore[no-untyped-def]
-    return FetchRead(node_id=server.config.node_id, endpoint=server.endpoint,
-                     ticket=Ticket(job="job", reads=(UnitRead(unit_id=unit, row_ranges=rows),), columns=columns))
+    return FetchRead(
+        node_id=server.config.node_id,
+        endpoint=server.endpoint,
+        ticket=Ticket(job="job", reads=(UnitRead(unit_id=unit, row_ranges=rows),), columns=columns),
+    )
 
 
 def test_local_and_remote_writers_store_the_same_unit(start_server: Start, store_dir: Path) -> None:
@@ -62,8 +65,7 @@ def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store
     """The reserve action applies the node's budget to same-host writers: OverBudget after the timeout."""
     t = build_unit_tables(make_groups(20, 4))
     server = start_server(budget_bytes=int(estimate_unit_bytes(t.traj, t.media) * 1.5))
-    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir,
-                              timeout_s=0.2)
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir, timeout_s=0.2)
     writer.write_groups(make_groups(20, 4, prefix="a"))
     with pytest.raises(OverBudget, match="stayed full"):
         writer.write_groups(make_groups(20, 4, prefix="b"))

@@ -61,12 +61,19 @@ def main() -> None:
             if phase == 1:
                 engine.load_weights(args.new_weights)
             groups = engine.generate(prompts, N, MAX_NEW_TOKENS, TEMPERATURE, SEED)
-            result["phases"].append([{
-                "prompt_ids": g.prompt_ids.tolist(),
-                "media": [m.hex for m in g.media],
-                "samples": [{"response_ids": s.response_ids.tolist(), "response_logprobs": s.response_logprobs.tolist()}
-                            for s in g.samples],
-            } for g in groups])
+            result["phases"].append(
+                [
+                    {
+                        "prompt_ids": g.prompt_ids.tolist(),
+                        "media": [m.hex for m in g.media],
+                        "samples": [
+                            {"response_ids": s.response_ids.tolist(), "response_logprobs": s.response_logprobs.tolist()}
+                            for s in g.samples
+                        ],
+                    }
+                    for g in groups
+                ]
+            )
     finally:
         engine.close()
     result["temperature"] = TEMPERATURE

@@ -53,8 +53,20 @@ def _free_port() -> int:
 
 def _start_server(db: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "knittrans.cli", "--log-level", "WARNING", "control-plane", "--db", str(db),
-           "--port", str(port), "--node-timeout-s", "86400"]  # the benchmark sends no heartbeats
+    cmd = [
+        sys.executable,
+        "-m",
+        "knittrans.cli",
+        "--log-level",
+        "WARNING",
+        "control-plane",
+        "--db",
+        str(db),
+        "--port",
+        str(port),
+        "--node-timeout-s",
+        "86400",
+    ]  # the benchmark sends no heartbeats
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -71,17 +83,40 @@ def _start_server(db: Path) -> tuple[subprocess.Popen[bytes], str]:
 def _unit(job: str, i: int, source: str, t: float) -> dict[str, Any]:
     toks = [200 + (i * 37 + k * 101) % 1800 for k in range(GROUP_SIZE)]
     return {
-        "unit_id": f"u{i}", "job": job, "node_id": f"n{i % 8}", "endpoint": f"grpc://127.0.0.1:{9000 + i % 8}",
-        "num_rows": GROUP_SIZE, "num_bytes": 4096, "schema_version": 1,
-        "groups": [{"group_id": f"g{i}", "source": source, "row_start": 0, "num_trajectories": GROUP_SIZE,
-                    "trajectory_tokens": toks, "version_start": 0, "version_end": 0, "version_weighted": 0.0,
-                    "finished_at": t, "media_hashes": []}],
+        "unit_id": f"u{i}",
+        "job": job,
+        "node_id": f"n{i % 8}",
+        "endpoint": f"grpc://127.0.0.1:{9000 + i % 8}",
+        "num_rows": GROUP_SIZE,
+        "num_bytes": 4096,
+        "schema_version": 1,
+        "groups": [
+            {
+                "group_id": f"g{i}",
+                "source": source,
+                "row_start": 0,
+                "num_trajectories": GROUP_SIZE,
+                "trajectory_tokens": toks,
+                "version_start": 0,
+                "version_end": 0,
+                "version_weighted": 0.0,
+                "finished_at": t,
+                "media_hashes": [],
+            }
+        ],
     }
 
 
 def _job(c: httpx.Client, name: str, *, quotas: dict[str, int], k: int, w: int, size: int = GROUP_SIZE) -> None:
-    spec = {"name": name, "group_size": size, "quotas": quotas, "mini_batches_per_step": k,
-            "policy": "constraint_preserving", "world_size": w, "micro_batch_tokens": 16384}
+    spec = {
+        "name": name,
+        "group_size": size,
+        "quotas": quotas,
+        "mini_batches_per_step": k,
+        "policy": "constraint_preserving",
+        "world_size": w,
+        "micro_batch_tokens": 16384,
+    }
     c.post("/v1/jobs", json=spec).raise_for_status()
 
 
@@ -185,8 +220,11 @@ def main() -> int:
                 wall, cpu = registration(c, server, run, args.baseline_units, 1)
                 single.append(wall)
                 single_cpu.append(cpu)
-                print(f"  run {run}: batched {batched[-1]:,.0f} units/s ({batched_cpu[-1]:,.0f} per server CPU-s), "
-                      f"one-per-request {single[-1]:,.0f} units/s (load avg {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"  run {run}: batched {batched[-1]:,.0f} units/s ({batched_cpu[-1]:,.0f} per server CPU-s), "
+                    f"one-per-request {single[-1]:,.0f} units/s (load avg {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
         lp = delivery(url, "longpoll", args.trials, None)
         print(f"  long-poll: median {statistics.median(lp['from_response_ms']):.2f} ms", flush=True)
         poll = delivery(url, "polling", args.trials, args.poll_interval_ms / 1e3)
@@ -202,40 +240,68 @@ def main() -> int:
     poll_req = statistics.median(poll["from_request_ms"])
     result = {
         "benchmark": "control_plane/bench_http",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_avg_1m_at_end": os.getloadavg()[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_avg_1m_at_end": os.getloadavg()[0],
+        },
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "registration": {
-            "batched_units_per_s": batched, "batched_median": reg_med,
-            "one_per_request_units_per_s": single, "one_per_request_median": base_med,
+            "batched_units_per_s": batched,
+            "batched_median": reg_med,
+            "one_per_request_units_per_s": single,
+            "one_per_request_median": base_med,
             "batched_units_per_server_cpu_s": batched_cpu,
             "batched_per_cpu_s_median": statistics.median(batched_cpu),
             "one_per_request_per_cpu_s_median": statistics.median(single_cpu),
-            "ratio_vs_baseline": reg_med / base_med, "target_units_per_s": 5000, "meets_target": reg_med >= 5000,
+            "ratio_vs_baseline": reg_med / base_med,
+            "target_units_per_s": 5000,
+            "meets_target": reg_med >= 5000,
         },
         "plan_delivery": {
-            "long_poll": lp, "long_poll_median_ms": lp_med,
+            "long_poll": lp,
+            "long_poll_median_ms": lp_med,
             "long_poll_median_from_request_ms": statistics.median(lp["from_request_ms"]),
             "long_poll_max_ms": max(lp["from_response_ms"]),
-            "polling": poll, "polling_median_ms": poll_med, "polling_median_from_request_ms": poll_req,
+            "polling": poll,
+            "polling_median_ms": poll_med,
+            "polling_median_from_request_ms": poll_req,
             "ratio_polling_over_long_poll_from_request": poll_req / lp_req,
-            "target_ms": 10, "meets_target": lp_med <= 10,
+            "target_ms": 10,
+            "meets_target": lp_med <= 10,
         },
     }
     args.out.write_text(json.dumps(result, indent=2))
     rows = [
-        (f"unit registration, batches of {args.batch}", f"{reg_med:,.0f} units/s", ">= 5,000 units/s",
-         "yes" if reg_med >= 5000 else "NO"),
+        (
+            f"unit registration, batches of {args.batch}",
+            f"{reg_med:,.0f} units/s",
+            ">= 5,000 units/s",
+            "yes" if reg_med >= 5000 else "NO",
+        ),
         ("  per second of server CPU (load-independent)", f"{statistics.median(batched_cpu):,.0f} units/s", "", ""),
         ("unit registration, 1 per request (baseline)", f"{base_med:,.0f} units/s", "", ""),
         ("  ratio batched / baseline", f"{reg_med / base_med:.1f}x", "", ""),
-        ("plan delivery, long-poll (from reg. response)", f"{lp_med:.2f} ms", "<= 10 ms",
-         "yes" if lp_med <= 10 else "NO"),
+        (
+            "plan delivery, long-poll (from reg. response)",
+            f"{lp_med:.2f} ms",
+            "<= 10 ms",
+            "yes" if lp_med <= 10 else "NO",
+        ),
         ("plan delivery, long-poll (from reg. request)", f"{lp_req:.2f} ms", "", ""),
-        (f"plan delivery, polling every {args.poll_interval_ms:g} ms (from reg. response)", f"{poll_med:.2f} ms",
-         "", ""),
-        (f"plan delivery, polling every {args.poll_interval_ms:g} ms (from reg. request)", f"{poll_req:.2f} ms",
-         "", ""),
+        (
+            f"plan delivery, polling every {args.poll_interval_ms:g} ms (from reg. response)",
+            f"{poll_med:.2f} ms",
+            "",
+            "",
+        ),
+        (
+            f"plan delivery, polling every {args.poll_interval_ms:g} ms (from reg. request)",
+            f"{poll_req:.2f} ms",
+            "",
+            "",
+        ),
         ("  ratio polling / long-poll (from request)", f"{poll_req / lp_req:.1f}x", "", ""),
     ]
     width = max(len(r[0]) for r in rows)

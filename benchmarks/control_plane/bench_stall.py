@@ -52,8 +52,10 @@ def _pct(xs: list[float], q: float) -> float:
 def _window(url: str, work: Any) -> tuple[dict[str, list[float]], float]:
     stop = threading.Event()
     out: dict[str, list[float]] = {}
-    threads = [threading.Thread(target=lambda k=k, p=p, m=m: out.__setitem__(k, _probe(url, stop, p, m)))
-               for k, p, m in (("health", "/v1/health", "GET"), ("heartbeat", "/v1/nodes/n0/heartbeat", "POST"))]
+    threads = [
+        threading.Thread(target=lambda k=k, p=p, m=m: out.__setitem__(k, _probe(url, stop, p, m)))
+        for k, p, m in (("health", "/v1/health", "GET"), ("heartbeat", "/v1/nodes/n0/heartbeat", "POST"))
+    ]
     for t in threads:
         t.start()
     t0 = time.perf_counter()
@@ -70,9 +72,14 @@ def run_once(url: str, run: int, units: int) -> dict[str, Any]:
         job = f"stall{run}"
         _job(c, job, quotas={s: 256 for s in SOURCES}, k=4, w=8)
         c.post(f"/v1/jobs/{job}/supply", json={"started": {s: units for s in SOURCES}}).raise_for_status()
-        bodies = [{"units": [_unit(job, i, SOURCES[i % 4], 1000.0 + i)
-                             for i in range(lo, min(units, lo + MAX_UNITS_PER_REQUEST))]}
-                  for lo in range(0, units, MAX_UNITS_PER_REQUEST)]
+        bodies = [
+            {
+                "units": [
+                    _unit(job, i, SOURCES[i % 4], 1000.0 + i) for i in range(lo, min(units, lo + MAX_UNITS_PER_REQUEST))
+                ]
+            }
+            for lo in range(0, units, MAX_UNITS_PER_REQUEST)
+        ]
 
         def register() -> None:
             for body in bodies:
@@ -82,9 +89,13 @@ def run_once(url: str, run: int, units: int) -> dict[str, Any]:
         idle, _ = _window(url, lambda: time.sleep(wall))
     row: dict[str, Any] = {"registration_s": wall}
     for kind in ("health", "heartbeat"):
-        row[kind] = {"busy_p50_ms": _pct(busy[kind], 0.5), "busy_p99_ms": _pct(busy[kind], 0.99),
-                     "busy_max_ms": max(busy[kind]), "idle_p99_ms": _pct(idle[kind], 0.99),
-                     "probes": len(busy[kind])}
+        row[kind] = {
+            "busy_p50_ms": _pct(busy[kind], 0.5),
+            "busy_p99_ms": _pct(busy[kind], 0.99),
+            "busy_max_ms": max(busy[kind]),
+            "idle_p99_ms": _pct(idle[kind], 0.99),
+            "probes": len(busy[kind]),
+        }
     return row
 
 
@@ -104,27 +115,41 @@ def main() -> int:
             for run in range(args.runs):
                 rows.append(run_once(url, run, args.units))
                 r = rows[-1]
-                print(f"run {run + 1}/{args.runs}: {args.units} units in {r['registration_s']:.1f}s; health p99 "
-                      f"{r['health']['busy_p99_ms']:.1f} ms (idle {r['health']['idle_p99_ms']:.1f} ms), max "
-                      f"{r['health']['busy_max_ms']:.1f} ms; heartbeat p99 {r['heartbeat']['busy_p99_ms']:.1f} ms",
-                      flush=True)
+                print(
+                    f"run {run + 1}/{args.runs}: {args.units} units in {r['registration_s']:.1f}s; health p99 "
+                    f"{r['health']['busy_p99_ms']:.1f} ms (idle {r['health']['idle_p99_ms']:.1f} ms), max "
+                    f"{r['health']['busy_max_ms']:.1f} ms; heartbeat p99 {r['heartbeat']['busy_p99_ms']:.1f} ms",
+                    flush=True,
+                )
         finally:
             proc.kill()
             proc.wait()
-    med = {kind: {k: statistics.median(r[kind][k] for r in rows) for k in rows[0][kind]}
-           for kind in ("health", "heartbeat")}
-    result = {"units": args.units, "runs": rows, "median": med,
-              "median_registration_s": statistics.median(r["registration_s"] for r in rows),
-              "ratio_busy_over_idle_p99": {k: med[k]["busy_p99_ms"] / med[k]["idle_p99_ms"] for k in med},
-              "target_p99_ms": 50.0, "meets_target": med["health"]["busy_p99_ms"] <= 50.0,
-              "platform": platform.platform(), "python": platform.python_version()}
+    med = {
+        kind: {k: statistics.median(r[kind][k] for r in rows) for k in rows[0][kind]}
+        for kind in ("health", "heartbeat")
+    }
+    result = {
+        "units": args.units,
+        "runs": rows,
+        "median": med,
+        "median_registration_s": statistics.median(r["registration_s"] for r in rows),
+        "ratio_busy_over_idle_p99": {k: med[k]["busy_p99_ms"] / med[k]["idle_p99_ms"] for k in med},
+        "target_p99_ms": 50.0,
+        "meets_target": med["health"]["busy_p99_ms"] <= 50.0,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    md = ["| probe | p50 busy (ms) | p99 busy (ms) | max busy (ms) | p99 idle (ms) | busy/idle p99 |",
-          "|---|---|---|---|---|---|"]
+    md = [
+        "| probe | p50 busy (ms) | p99 busy (ms) | max busy (ms) | p99 idle (ms) | busy/idle p99 |",
+        "|---|---|---|---|---|---|",
+    ]
     for k, m in med.items():
-        md.append(f"| {k} | {m['busy_p50_ms']:.1f} | {m['busy_p99_ms']:.1f} | {m['busy_max_ms']:.1f} | "
-                  f"{m['idle_p99_ms']:.1f} | {result['ratio_busy_over_idle_p99'][k]:.2f} |")
+        md.append(
+            f"| {k} | {m['busy_p50_ms']:.1f} | {m['busy_p99_ms']:.1f} | {m['busy_max_ms']:.1f} | "
+            f"{m['idle_p99_ms']:.1f} | {result['ratio_busy_over_idle_p99'][k]:.2f} |"
+        )
     args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"target p99 <= 50 ms: {'met' if result['meets_target'] else 'MISSED'}; wrote {args.out}")

@@ -56,8 +56,13 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def summary(values: list[float]) -> dict[str, Any]:
-    return {"count": len(values), "mean": statistics.fmean(values) if values else None,
-            "p50": pct(values, 0.5), "p99": pct(values, 0.99), "max": max(values) if values else None}
+    return {
+        "count": len(values),
+        "mean": statistics.fmean(values) if values else None,
+        "p50": pct(values, 0.5),
+        "p99": pct(values, 0.99),
+        "max": max(values) if values else None,
+    }
 
 
 class Http:
@@ -76,8 +81,10 @@ class Http:
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = b"" if body is None else json.dumps(body).encode()
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
         for attempt in range(2):
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -117,11 +124,29 @@ class Http:
 
 
 def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, Any]:
-    return {"unit_id": uid, "job": job, "node_id": node, "endpoint": f"grpc://127.0.0.1:{10000 + int(node[1:])}",
-            "num_rows": GROUP, "num_bytes": 4096, "schema_version": 1, "groups": [{
-                "group_id": uid, "source": source, "row_start": 0, "num_trajectories": GROUP,
-                "trajectory_tokens": [100] * GROUP, "version_start": version, "version_end": version,
-                "version_weighted": float(version), "finished_at": time.time(), "media_hashes": []}]}
+    return {
+        "unit_id": uid,
+        "job": job,
+        "node_id": node,
+        "endpoint": f"grpc://127.0.0.1:{10000 + int(node[1:])}",
+        "num_rows": GROUP,
+        "num_bytes": 4096,
+        "schema_version": 1,
+        "groups": [
+            {
+                "group_id": uid,
+                "source": source,
+                "row_start": 0,
+                "num_trajectories": GROUP,
+                "trajectory_tokens": [100] * GROUP,
+                "version_start": version,
+                "version_end": version,
+                "version_weighted": float(version),
+                "finished_at": time.time(),
+                "media_hashes": [],
+            }
+        ],
+    }
 
 
 class Server:
@@ -130,14 +155,28 @@ class Server:
     def __init__(self, work: Path, source: Path | None = None) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
-        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "knittrans.cli",
-               "--log-level", "WARNING", "control-plane", "--db",
-               str(work / "cp.db"), "--port", "0", "--ready-file", str(ready), "--node-timeout-s", "30"]
+        cmd = [
+            sys.executable,
+            *(["-m", "cProfile", "-o", prof] if prof else []),
+            "-m",
+            "knittrans.cli",
+            "--log-level",
+            "WARNING",
+            "control-plane",
+            "--db",
+            str(work / "cp.db"),
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--node-timeout-s",
+            "30",
+        ]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
         if source is not None:  # another checkout's knittrans (the 'before' of a comparison) runs the server
             env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL,
-                                     stderr=open(work / "cp.log", "wb"))  # noqa: SIM115
+        log = open(work / "cp.log", "wb")  # noqa: SIM115  # kept open for the server's lifetime
+        self.proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -163,8 +202,15 @@ class Server:
 
 
 def spec(name: str, world: int, quotas: dict[str, int], k: int) -> dict[str, Any]:
-    return {"name": name, "group_size": GROUP, "quotas": quotas, "mini_batches_per_step": k,
-            "policy": "constraint_preserving", "world_size": world, "micro_batch_size": 1}
+    return {
+        "name": name,
+        "group_size": GROUP,
+        "quotas": quotas,
+        "mini_batches_per_step": k,
+        "policy": "constraint_preserving",
+        "world_size": world,
+        "micro_batch_size": 1,
+    }
 
 
 async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
@@ -177,8 +223,11 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     await admin.json("POST", "/v1/jobs", spec(job, args.ranks, sources, 2))
     nodes = [f"n{i}" for i in range(args.nodes)]
     for n in nodes:
-        await admin.json("POST", "/v1/nodes", {"node_id": n, "endpoint": f"grpc://127.0.0.1:{10000 + int(n[1:])}",
-                                              "host": f"h{n[1:]}"})
+        await admin.json(
+            "POST",
+            "/v1/nodes",
+            {"node_id": n, "endpoint": f"grpc://127.0.0.1:{10000 + int(n[1:])}", "host": f"h{n[1:]}"},
+        )
     stop = asyncio.Event()
     latencies: list[float] = []
     ages: list[float] = []
@@ -191,8 +240,9 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         i = 0
         while not stop.is_set():
             t0 = time.monotonic()
-            await asyncio.gather(*(conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat")
-                                   for j, n in enumerate(nodes) if j % 4 == i % 4))
+            await asyncio.gather(
+                *(conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat") for j, n in enumerate(nodes) if j % 4 == i % 4)
+            )
             i += 1
             await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))  # each node every 2 s
 
@@ -202,8 +252,9 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         per_tick, n = max(1, args.rate // 10), 0
         next_at = time.monotonic()
         while not stop.is_set():
-            batch = [unit(job, f"u{n + i}", nodes[(n + i) % len(nodes)], src[(n + i) % len(src)], 0)
-                     for i in range(per_tick)]
+            batch = [
+                unit(job, f"u{n + i}", nodes[(n + i) % len(nodes)], src[(n + i) % len(src)], 0) for i in range(per_tick)
+            ]
             n += per_tick
             t0 = time.perf_counter()
             await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
@@ -235,8 +286,10 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
     while time.monotonic() - t0 < args.seconds:
         await asyncio.sleep(min(5.0, args.seconds))
-        log(f"delivery: {time.monotonic() - t0:.0f}/{args.seconds} s, {min(consumed.values(), default=0)} "
-            f"mini-batches acked by every rank, {len(latencies)} plans delivered")
+        log(
+            f"delivery: {time.monotonic() - t0:.0f}/{args.seconds} s, {min(consumed.values(), default=0)} "
+            f"mini-batches acked by every rank, {len(latencies)} plans delivered"
+        )
     stop.set()
     elapsed, cpu = time.monotonic() - t0, server.cpu_s() - cpu0
     await asyncio.wait(tasks + bg, timeout=10)
@@ -245,12 +298,19 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     if errors:
         raise RuntimeError(f"{len(errors)} rank errors, first: {errors[0]}")
     mbs = min(consumed.values(), default=0)
-    return {"ranks": args.ranks, "nodes": args.nodes, "rate_groups_s": args.rate, "seconds": elapsed,
-            "mini_batches_consumed": mbs, "plans_delivered": len(latencies),
-            "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
-            "plan_age_ms": summary([x * 1e3 for x in ages]),
-            "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
-            "server_cpu_s": cpu, "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None}
+    return {
+        "ranks": args.ranks,
+        "nodes": args.nodes,
+        "rate_groups_s": args.rate,
+        "seconds": elapsed,
+        "mini_batches_consumed": mbs,
+        "plans_delivered": len(latencies),
+        "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
+        "plan_age_ms": summary([x * 1e3 for x in ages]),
+        "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
+        "server_cpu_s": cpu,
+        "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
+    }
 
 
 async def registration(port: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -270,8 +330,13 @@ async def registration(port: int, args: argparse.Namespace) -> dict[str, Any]:
         rates.append(args.batch / (time.perf_counter() - t0))
         if i % 5 == 4:
             log(f"registration: {n} units, last batch {rates[-1]:,.0f} units/s")
-    return {"batch": args.batch, "batches": args.registration_batches, "units": n,
-            "units_per_s_median": statistics.median(rates), "units_per_s": rates}
+    return {
+        "batch": args.batch,
+        "batches": args.registration_batches,
+        "units": n,
+        "units_per_s_median": statistics.median(rates),
+        "units_per_s": rates,
+    }
 
 
 async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
@@ -283,8 +348,9 @@ async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[st
     await admin.json("POST", "/v1/jobs", {**spec(job, 1, {"math": per_mb}, 1), "group_size": 1, "lookahead": 64})
     nodes = [f"m{i}" for i in range(min(args.nodes, 16))]
     for node_id in nodes:
-        await admin.json("POST", "/v1/nodes", {"node_id": node_id, "endpoint": "grpc://127.0.0.1:11001",
-                                              "host": node_id})
+        await admin.json(
+            "POST", "/v1/nodes", {"node_id": node_id, "endpoint": "grpc://127.0.0.1:11001", "host": node_id}
+        )
     conn, rank = Http("127.0.0.1", port, TOKEN_W), Http("127.0.0.1", port, TOKEN_W)
     beat = time.monotonic()
     samples: list[dict[str, float]] = []
@@ -314,21 +380,37 @@ async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[st
             raw = (await conn.call("GET", f"/v1/jobs/{job}/status"))[1]
             status_ms = (time.perf_counter() - s0) * 1e3
             cpu = server.cpu_s()
-            samples.append({"mini_batch": done, "rss_mib": server.rss_mib(), "status_ms": status_ms,
-                            "status_bytes": len(raw), "elapsed_s": time.monotonic() - t0,
-                            "cpu_ms_per_mini_batch": (cpu - last_cpu) / (done - cpu_at) * 1e3})
+            samples.append(
+                {
+                    "mini_batch": done,
+                    "rss_mib": server.rss_mib(),
+                    "status_ms": status_ms,
+                    "status_bytes": len(raw),
+                    "elapsed_s": time.monotonic() - t0,
+                    "cpu_ms_per_mini_batch": (cpu - last_cpu) / (done - cpu_at) * 1e3,
+                }
+            )
             cpu_at, last_cpu = done, cpu
-            log(f"memory: {done}/{args.mini_batches} mini-batches, server RSS {samples[-1]['rss_mib']:.1f} MiB, "
-                f"/status {status_ms:.1f} ms")
+            log(
+                f"memory: {done}/{args.mini_batches} mini-batches, server RSS {samples[-1]['rss_mib']:.1f} MiB, "
+                f"/status {status_ms:.1f} ms"
+            )
     at_1000 = next((s for s in samples if s["mini_batch"] >= 1000), samples[0])
     last = samples[-1]
-    return {"mini_batches": args.mini_batches, "groups_per_mini_batch": per_mb, "samples": samples,
-            "seconds": time.monotonic() - t0, "server_cpu_ms_per_mini_batch":
-                (server.cpu_s() - cpu0) / args.mini_batches * 1e3,
-            "rss_mib_at_1000": at_1000["rss_mib"], "rss_mib_at_end": last["rss_mib"],
-            "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
-            "status_ms_at_1000": at_1000["status_ms"], "status_ms_at_end": last["status_ms"],
-            "status_bytes_at_1000": at_1000["status_bytes"], "status_bytes_at_end": last["status_bytes"]}
+    return {
+        "mini_batches": args.mini_batches,
+        "groups_per_mini_batch": per_mb,
+        "samples": samples,
+        "seconds": time.monotonic() - t0,
+        "server_cpu_ms_per_mini_batch": (server.cpu_s() - cpu0) / args.mini_batches * 1e3,
+        "rss_mib_at_1000": at_1000["rss_mib"],
+        "rss_mib_at_end": last["rss_mib"],
+        "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
+        "status_ms_at_1000": at_1000["status_ms"],
+        "status_ms_at_end": last["status_ms"],
+        "status_bytes_at_1000": at_1000["status_bytes"],
+        "status_bytes_at_end": last["status_bytes"],
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -352,8 +434,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true",
-                        help="32 ranks, 8 nodes, 3 s, 300 mini-batches: a run of well under a minute (CI)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="32 ranks, 8 nodes, 3 s, 300 mini-batches: a run of well under a minute (CI)",
+    )
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--rate", type=int, default=1000, help="groups/s the writer registers")
@@ -365,9 +450,13 @@ def main() -> int:
     parser.add_argument("--server-label", default=None, help="what --server-source is (its commit)")
     parser.add_argument("--phases", nargs="+", default=["delivery", "registration", "memory"])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale")
-    parser.add_argument("--server-source", type=Path, default=None,
-                        help="directory holding another checkout's knittrans package to run as the server "
-                             "(e.g. `git archive <commit> knittrans | tar -x -C DIR`: the 'before' figures)")
+    parser.add_argument(
+        "--server-source",
+        type=Path,
+        default=None,
+        help="directory holding another checkout's knittrans package to run as the server "
+        "(e.g. `git archive <commit> knittrans | tar -x -C DIR`: the 'before' figures)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.nodes, args.seconds, args.mini_batches = 32, 8, 3.0, 300
@@ -377,11 +466,16 @@ def main() -> int:
     server = Server(work, args.server_source)
     log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
     result: dict[str, Any] = {
-        "benchmark": "control_plane_scale", "machine": platform.platform(), "cpus": os.cpu_count(),
-        "load_avg_1m_start": os.getloadavg()[0], "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "benchmark": "control_plane_scale",
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_avg_1m_start": os.getloadavg()[0],
+        "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "server": args.server_label or ("worktree" if args.server_source is None else str(args.server_source)),
-        "args": {k: str(v) for k, v in vars(args).items()}}
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     try:
         if "delivery" in args.phases:
             result["delivery"] = asyncio.run(delivery(server.port, server, args))
@@ -401,29 +495,42 @@ def main() -> int:
     result["targets"] = targets
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    lines = [f"# Control plane at scale\n\n{result['machine']}, {result['cpus']} CPUs, load "
-             f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}, server {result['server']}\n"]
+    lines = [
+        f"# Control plane at scale\n\n{result['machine']}, {result['cpus']} CPUs, load "
+        f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}, server {result['server']}\n"
+    ]
     if "delivery" in result:
         d = result["delivery"]
         pdm, reg = d["plan_delivery_ms"], d["registration_request_ms"]
-        lines += [f"## Delivery: {d['ranks']} ranks, {d['nodes']} nodes, {d['rate_groups_s']} groups/s, "
-                  f"{d['seconds']:.0f} s\n", "| figure | p50 | p99 | max |", "|---|---|---|---|",
-                  f"| plan delivery after admission (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} | {pdm['max']:.1f} |"
-                  if pdm["p50"] is not None else "| plan delivery after admission (ms) | – | – | – |",
-                  f"| registration request (ms) | {reg['p50']:.1f} | {reg['p99']:.1f} | {reg['max']:.1f} |"
-                  if reg["p50"] is not None else "| registration request (ms) | – | – | – |",
-                  "", f"mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
-                  f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms\n"]
+        lines += [
+            f"## Delivery: {d['ranks']} ranks, {d['nodes']} nodes, {d['rate_groups_s']} groups/s, "
+            f"{d['seconds']:.0f} s\n",
+            "| figure | p50 | p99 | max |",
+            "|---|---|---|---|",
+            f"| plan delivery after admission (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} | {pdm['max']:.1f} |"
+            if pdm["p50"] is not None
+            else "| plan delivery after admission (ms) | – | – | – |",
+            f"| registration request (ms) | {reg['p50']:.1f} | {reg['p99']:.1f} | {reg['max']:.1f} |"
+            if reg["p50"] is not None
+            else "| registration request (ms) | – | – | – |",
+            "",
+            f"mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
+            f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms\n",
+        ]
     if "registration" in result:
         r = result["registration"]
-        lines += [f"## Registration\n\n{r['units_per_s_median']:,.0f} units/s (median of {r['batches']} batches of "
-                  f"{r['batch']} one-group units)\n"]
+        lines += [
+            f"## Registration\n\n{r['units_per_s_median']:,.0f} units/s (median of {r['batches']} batches of "
+            f"{r['batch']} one-group units)\n"
+        ]
     if "memory" in result:
         m = result["memory"]
-        lines += [f"## Memory over {m['mini_batches']} mini-batches\n",
-                  f"RSS {m['rss_mib_at_1000']:.1f} MiB at 1,000 -> {m['rss_mib_at_end']:.1f} MiB at the end "
-                  f"({m['rss_growth'] * 100:+.1f} %); /status {m['status_ms_at_1000']:.1f} -> "
-                  f"{m['status_ms_at_end']:.1f} ms\n"]
+        lines += [
+            f"## Memory over {m['mini_batches']} mini-batches\n",
+            f"RSS {m['rss_mib_at_1000']:.1f} MiB at 1,000 -> {m['rss_mib_at_end']:.1f} MiB at the end "
+            f"({m['rss_growth'] * 100:+.1f} %); /status {m['status_ms_at_1000']:.1f} -> "
+            f"{m['status_ms_at_end']:.1f} ms\n",
+        ]
         plot(result, args.out.with_suffix(".png"))
     lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

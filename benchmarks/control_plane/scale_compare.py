@@ -53,12 +53,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     before, after = (json.loads(p.read_text()) for p in (args.before, args.after))
-    lines = ["# Control plane at scale: before / after\n",
-             f"{after['machine']}, {after['cpus']} CPUs. Before: server {before['server']}, load "
-             f"{before['load_avg_1m_start']:.1f} at start. After: server {after['server']} (commit "
-             f"{after['commit']}), load {after['load_avg_1m_start']:.1f} at start. Arguments: "
-             f"`{' '.join(f'{k}={v}' for k, v in after['args'].items() if k not in ('out', 'server_source'))}`\n",
-             "| figure | before | after | after / before |", "|---|---|---|---|"]
+    lines = [
+        "# Control plane at scale: before / after\n",
+        f"{after['machine']}, {after['cpus']} CPUs. Before: server {before['server']}, load "
+        f"{before['load_avg_1m_start']:.1f} at start. After: server {after['server']} (commit "
+        f"{after['commit']}), load {after['load_avg_1m_start']:.1f} at start. Arguments: "
+        f"`{' '.join(f'{k}={v}' for k, v in after['args'].items() if k not in ('out', 'server_source'))}`\n",
+        "| figure | before | after | after / before |",
+        "|---|---|---|---|",
+    ]
     for name, path in ROWS:
         b, a = _get(before, *path), _get(after, *path)
         ratio = f"{a / b:.2f}" if isinstance(a, int | float) and isinstance(b, int | float) and b else "–"

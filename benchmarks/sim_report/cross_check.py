@@ -35,8 +35,9 @@ FIGURES = ("start_mean", "end_pos", "weighted_mean")
 
 def project(name: str, lookahead: int, handover: str, seeds: int, steps: int) -> dict[str, float]:
     """Reductions and steps/h ratio from ``knittrans sim``."""
-    w = load_workload(name).with_overrides(mini_batches_per_step=16, window=1, lookahead=lookahead,
-                                           train_batch_handover=handover, steps=steps)
+    w = load_workload(name).with_overrides(
+        mini_batches_per_step=16, window=1, lookahead=lookahead, train_batch_handover=handover, steps=steps
+    )
     avg: dict[str, dict[str, float]] = {}
     for policy in ("train_batch", "constraint_preserving"):
         ms = [compute_metrics(simulate(w, policy, seed=s)) for s in range(seeds)]
@@ -54,8 +55,15 @@ def project(name: str, lookahead: int, handover: str, seeds: int, steps: int) ->
 
 def independent(name: str, lookahead: int, handover: str, scope: str, seeds: int, steps: int) -> dict[str, float]:
     """The same figures from the independent simulator."""
-    cfg = replace(independent_sim.load(name), K=16, W=1, L=lookahead, steps=steps, scope=scope,
-                  tb_takes="train_batch" if handover == "step" else "mini_batch")
+    cfg = replace(
+        independent_sim.load(name),
+        K=16,
+        W=1,
+        L=lookahead,
+        steps=steps,
+        scope=scope,
+        tb_takes="train_batch" if handover == "step" else "mini_batch",
+    )
     res = independent_sim.compare(cfg, seeds)
     out = {f: res["reduction"][f] for f in FIGURES}
     out["steps_ratio"] = res["steps_ratio"]
@@ -72,12 +80,33 @@ def main() -> int:
     for name in ("skewed3", "balanced"):
         for handover in ("step", "mini_batch"):
             for lookahead in (0, 1):
-                rows.append({"workload": name, "baseline": handover, "L": lookahead, "simulator": "knittrans sim",
-                             **project(name, lookahead, handover, args.seeds, args.steps)})
-                rows.append({"workload": name, "baseline": handover, "L": lookahead, "simulator": "independent",
-                             **independent(name, lookahead, handover, "global", args.seeds, args.steps)})
-            rows.append({"workload": name, "baseline": handover, "L": 1, "simulator": "independent, per-source W·q[s]",
-                         **independent(name, 1, handover, "source", args.seeds, args.steps)})
+                rows.append(
+                    {
+                        "workload": name,
+                        "baseline": handover,
+                        "L": lookahead,
+                        "simulator": "knittrans sim",
+                        **project(name, lookahead, handover, args.seeds, args.steps),
+                    }
+                )
+                rows.append(
+                    {
+                        "workload": name,
+                        "baseline": handover,
+                        "L": lookahead,
+                        "simulator": "independent",
+                        **independent(name, lookahead, handover, "global", args.seeds, args.steps),
+                    }
+                )
+            rows.append(
+                {
+                    "workload": name,
+                    "baseline": handover,
+                    "L": 1,
+                    "simulator": "independent, per-source W·q[s]",
+                    **independent(name, 1, handover, "source", args.seeds, args.steps),
+                }
+            )
     lines = [
         "| workload | train_batch baseline | L | simulator | red. mean start | red. pos. part end "
         "| red. mean weighted | steps/h x TB |",
@@ -91,10 +120,17 @@ def main() -> int:
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    meta = {"seeds": args.seeds, "steps": args.steps, "K": 16, "W": 1,
-            "command": "python benchmarks/sim_report/cross_check.py " + " ".join(sys.argv[1:]),
-            "machine": platform.node(), "python": platform.python_version(), "load_average": os.getloadavg(),
-            "git_commit": commit}
+    meta = {
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "K": 16,
+        "W": 1,
+        "command": "python benchmarks/sim_report/cross_check.py " + " ".join(sys.argv[1:]),
+        "machine": platform.node(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+        "git_commit": commit,
+    }
     (args.out / "cross_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (args.out / "cross_check.md").write_text(md)
     print(md)

@@ -103,10 +103,19 @@ def load(name: str) -> Config:
         Source(s["name"], s["quota"], s["duration_mean_s"], s["duration_cv"], s["tokens_mean"], s["tokens_cv"])
         for s in raw["sources"]
     )
-    return Config(sources=sources, group_size=raw["group_size"], K=raw["mini_batches_per_step"], W=raw["window"],
-                  L=raw.get("lookahead", 1), slots=raw["rollout_slots"], sync_s=raw["sync_delay_s"],
-                  overhead_s=raw["trainer_overhead_s"], s_per_token=raw["trainer_s_per_token"],
-                  world=raw["world_size"], steps=raw["steps"])
+    return Config(
+        sources=sources,
+        group_size=raw["group_size"],
+        K=raw["mini_batches_per_step"],
+        W=raw["window"],
+        L=raw.get("lookahead", 1),
+        slots=raw["rollout_slots"],
+        sync_s=raw["sync_delay_s"],
+        overhead_s=raw["trainer_overhead_s"],
+        s_per_token=raw["trainer_s_per_token"],
+        world=raw["world_size"],
+        steps=raw["steps"],
+    )
 
 
 def lognormal(rng: np.random.Generator, mean: float, cv: float) -> float:
@@ -334,8 +343,10 @@ class Sim:
         self.launch()
         while self.trained < self.c.steps * self.c.K:
             if not self.heap:
-                raise RuntimeError(f"stalled at t={self.now:.1f}: trained {self.trained}, pool {len(self.pool)}, "
-                                   f"untaken {self.untaken}, pending {self.pending}")
+                raise RuntimeError(
+                    f"stalled at t={self.now:.1f}: trained {self.trained}, pool {len(self.pool)}, "
+                    f"untaken {self.untaken}, pending {self.pending}"
+                )
             t, kind, _, data = heapq.heappop(self.heap)
             self.now = t
             if kind == 0:
@@ -374,8 +385,12 @@ def compare(cfg: Config, seeds: int) -> dict[str, Any]:
         "train_batch": tb,
         "constraint_preserving": cp,
         "reduction": {
-            "start_mean": red("start_mean"), "end_mean": red("end_mean"), "weighted_mean": red("weighted_mean"),
-            "start_pos": red("start_pos"), "end_pos": red("end_pos"), "weighted_pos": red("weighted_pos"),
+            "start_mean": red("start_mean"),
+            "end_mean": red("end_mean"),
+            "weighted_mean": red("weighted_mean"),
+            "start_pos": red("start_pos"),
+            "end_pos": red("end_pos"),
+            "weighted_pos": red("weighted_pos"),
         },
         "steps_ratio": cp["steps_per_h"] / tb["steps_per_h"],
     }
@@ -404,15 +419,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     r = out["reduction"]
     tb, cp = out["train_batch"], out["constraint_preserving"]
-    print(f"{a.workload} K={cfg.K} W={cfg.W} L={cfg.L} scope={cfg.scope} free_on={cfg.free_on} "
-          f"tb_takes={cfg.tb_takes} seeds={a.seeds} steps={cfg.steps}")
+    print(
+        f"{a.workload} K={cfg.K} W={cfg.W} L={cfg.L} scope={cfg.scope} free_on={cfg.free_on} "
+        f"tb_takes={cfg.tb_takes} seeds={a.seeds} steps={cfg.steps}"
+    )
     for name, m in (("train_batch", tb), ("constraint_preserving", cp)):
-        print(f"  {name:22s} mean s/e/w {m['start_mean']:6.2f} {m['end_mean']:6.2f} {m['weighted_mean']:6.2f}"
-              f"  pos s/e/w {m['start_pos']:6.2f} {m['end_pos']:6.2f} {m['weighted_pos']:6.2f}"
-              f"  max end {m['end_max']:5.1f}  steps/h {m['steps_per_h']:6.1f}")
-    print(f"  reduction mean s/e/w {r['start_mean']:.0%} / {r['end_mean']:.0%} / {r['weighted_mean']:.0%}"
-          f"   pos s/e/w {r['start_pos']:.0%} / {r['end_pos']:.0%} / {r['weighted_pos']:.0%}"
-          f"   steps/h x{out['steps_ratio']:.2f}")
+        print(
+            f"  {name:22s} mean s/e/w {m['start_mean']:6.2f} {m['end_mean']:6.2f} {m['weighted_mean']:6.2f}"
+            f"  pos s/e/w {m['start_pos']:6.2f} {m['end_pos']:6.2f} {m['weighted_pos']:6.2f}"
+            f"  max end {m['end_max']:5.1f}  steps/h {m['steps_per_h']:6.1f}"
+        )
+    print(
+        f"  reduction mean s/e/w {r['start_mean']:.0%} / {r['end_mean']:.0%} / {r['weighted_mean']:.0%}"
+        f"   pos s/e/w {r['start_pos']:.0%} / {r['end_pos']:.0%} / {r['weighted_pos']:.0%}"
+        f"   steps/h x{out['steps_ratio']:.2f}"
+    )
     return 0
 
 

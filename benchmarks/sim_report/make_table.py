@@ -14,8 +14,10 @@ def pct(x: float | None) -> str:
 def main() -> int:
     path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results.json")
     data = json.loads(path.read_text())
-    print("| workload | K | W | policy | red. mean arch start / end / wtd | red. pos. part start / end / wtd "
-          "| arch p99 / max (end) | steps/h | trainer idle |")
+    print(
+        "| workload | K | W | policy | red. mean arch start / end / wtd | red. pos. part start / end / wtd "
+        "| arch p99 / max (end) | steps/h | trainer idle |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in data["configs"]:
         for policy, r in c["policies"].items():
@@ -23,9 +25,11 @@ def main() -> int:
                 continue
             reds = " / ".join(pct(r[f"{x}_arch_reduction"]) for x in ("start", "end", "weighted"))
             pos = " / ".join(pct(r[f"{x}_arch_pos_reduction"]) for x in ("start", "end", "weighted"))
-            print(f"| {c['workload']} | {c['mini_batches_per_step']} | {c['window']} | {policy} | {reds} | {pos} "
-                  f"| {r['end_arch_p99']:.1f} / {r['end_arch_max']:.1f} | {r['steps_per_hour']:.1f} "
-                  f"| {100 * r['trainer_idle']:.0f}% |")
+            print(
+                f"| {c['workload']} | {c['mini_batches_per_step']} | {c['window']} | {policy} | {reds} | {pos} "
+                f"| {r['end_arch_p99']:.1f} / {r['end_arch_max']:.1f} | {r['steps_per_hour']:.1f} "
+                f"| {100 * r['trainer_idle']:.0f}% |"
+            )
     return 0
 
 

@@ -47,9 +47,14 @@ def markdown(configs: list[dict[str, Any]]) -> str:
             reds = " / ".join(_pct(r[f"{x}_arch_reduction"]) for x in READ)
             pos = " / ".join(_pct(r[f"{x}_arch_pos_reduction"]) for x in READ)
             ratio = r["steps_per_hour"] / base["steps_per_hour"]
-            paced = " / ".join(_pct(r.get(key)) for key in ("start_arch_reduction_vs_paced",
-                                                            "end_arch_pos_reduction_vs_paced",
-                                                            "weighted_arch_reduction_vs_paced"))
+            paced = " / ".join(
+                _pct(r.get(key))
+                for key in (
+                    "start_arch_reduction_vs_paced",
+                    "end_arch_pos_reduction_vs_paced",
+                    "weighted_arch_reduction_vs_paced",
+                )
+            )
             lines.append(
                 f"| {c['workload']} | {c['mini_batches_per_step']} | {c['window']} | {c['lookahead']} | {policy} "
                 f"| {arch} | {reds} | {pos} | {paced} | {r['end_arch_p99']:.1f} / {r['end_arch_max']:.1f} "
@@ -68,8 +73,9 @@ def plot(configs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, reading in zip(axes, READ, strict=True):
         for name in sorted({c["workload"] for c in configs}):
-            rows = [c for c in configs if c["workload"] == name and c["mini_batches_per_step"] == 16
-                    and c["window"] == 1]
+            rows = [
+                c for c in configs if c["workload"] == name and c["mini_batches_per_step"] == 16 and c["window"] == 1
+            ]
             rows.sort(key=lambda c: c["lookahead"])
             xs = [str(c["lookahead"]) for c in rows]
             key = f"{reading}_arch_pos_reduction" if reading == "end" else f"{reading}_arch_reduction"
@@ -100,13 +106,28 @@ def main() -> int:
     ks, ws, ls = [4, 8, 16], [1, 2], [0, 1, 2, "K"]
     total = args.steps * len(workloads) * len(ks) * len(ws) * len(ls) * (len(POLICIES) + 1) * args.seeds
     bar = ProgressBar(total)
-    results = run_grid(workloads, list(POLICIES), seeds=args.seeds, steps=args.steps, mini_batches=ks, windows=ws,
-                       lookaheads=ls, paced_baseline=True, progress=lambda done, label: bar.advance(label))
+    results = run_grid(
+        workloads,
+        list(POLICIES),
+        seeds=args.seeds,
+        steps=args.steps,
+        mini_batches=ks,
+        windows=ws,
+        lookaheads=ls,
+        paced_baseline=True,
+        progress=lambda done, label: bar.advance(label),
+    )
     bar.close()
     configs = [r.summary() for r in results]
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"seeds": args.seeds, "steps": args.steps, "ks": ks, "windows": ws, "lookaheads": ls,
-            "command": "python benchmarks/sim_report/timing_sensitivity.py " + " ".join(sys.argv[1:])}
+    meta = {
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "ks": ks,
+        "windows": ws,
+        "lookaheads": ls,
+        "command": "python benchmarks/sim_report/timing_sensitivity.py " + " ".join(sys.argv[1:]),
+    }
     payload = {"meta": meta, "configs": configs}
     (args.out / "timing_sensitivity.json").write_text(json.dumps(payload, separators=(",", ":")) + "\n")
     (args.out / "timing_sensitivity.md").write_text(markdown(configs))

@@ -52,22 +52,34 @@ def main() -> int:
             runs = [timed(w, policy, args.steps) for _ in range(args.repeats)]
             wall = statistics.median(r[0] for r in runs)
             events, calls = runs[0][1], runs[0][2]
-            rows.append({
-                "factor": factor, "rollout_slots": w.rollout_slots,
-                "trajectories_per_step": w.train_batch_groups * w.group_size, "policy": policy,
-                "steps": args.steps, "events": events, "select_calls": calls, "wall_s_median": wall,
-                "us_per_event": 1e6 * wall / events,
-            })
-            print(f"f={factor} slots={w.rollout_slots:4d} traj/step={rows[-1]['trajectories_per_step']:5d} "
-                  f"{policy:<22} events={events:7d} select={calls:6d} wall={wall:7.2f}s "
-                  f"{rows[-1]['us_per_event']:7.1f} us/event", file=sys.stderr)
+            rows.append(
+                {
+                    "factor": factor,
+                    "rollout_slots": w.rollout_slots,
+                    "trajectories_per_step": w.train_batch_groups * w.group_size,
+                    "policy": policy,
+                    "steps": args.steps,
+                    "events": events,
+                    "select_calls": calls,
+                    "wall_s_median": wall,
+                    "us_per_event": 1e6 * wall / events,
+                }
+            )
+            print(
+                f"f={factor} slots={w.rollout_slots:4d} traj/step={rows[-1]['trajectories_per_step']:5d} "
+                f"{policy:<22} events={events:7d} select={calls:6d} wall={wall:7.2f}s "
+                f"{rows[-1]['us_per_event']:7.1f} us/event",
+                file=sys.stderr,
+            )
     base = {r["policy"]: r for r in rows if r["factor"] == 1}
     print(f"\n{'policy':<22} {'f':>2} {'events':>8} {'wall s':>8} {'events x':>9} {'wall x':>7} {'us/event':>9}")
     for r in rows:
         b = base[r["policy"]]
-        print(f"{r['policy']:<22} {r['factor']:>2} {r['events']:>8} {r['wall_s_median']:8.2f} "
-              f"{r['events'] / b['events']:9.2f} {r['wall_s_median'] / b['wall_s_median']:7.2f} "
-              f"{r['us_per_event']:9.1f}")
+        print(
+            f"{r['policy']:<22} {r['factor']:>2} {r['events']:>8} {r['wall_s_median']:8.2f} "
+            f"{r['events'] / b['events']:9.2f} {r['wall_s_median'] / b['wall_s_median']:7.2f} "
+            f"{r['us_per_event']:9.1f}"
+        )
     full = None
     if args.full_steps:
         w = scaled(8)
@@ -83,12 +95,21 @@ def main() -> int:
         sim_s = time.perf_counter() - t0
         metrics = compute_metrics(trace)
         total_s = time.perf_counter() - t0
-        full = {"rollout_slots": w.rollout_slots, "trajectories_per_step": w.train_batch_groups * w.group_size,
-                "steps": args.full_steps, "policy": "constraint_preserving", "events": trace.events,
-                "simulate_s": sim_s, "with_metrics_s": total_s, "quota_violations": metrics.quota_violations}
-        print(f"\nfull run: {w.rollout_slots} slots, {full['trajectories_per_step']} trajectories/step, "
-              f"{args.full_steps} steps: simulate {sim_s:.1f}s, with metrics {total_s:.1f}s, "
-              f"{trace.events} events")
+        full = {
+            "rollout_slots": w.rollout_slots,
+            "trajectories_per_step": w.train_batch_groups * w.group_size,
+            "steps": args.full_steps,
+            "policy": "constraint_preserving",
+            "events": trace.events,
+            "simulate_s": sim_s,
+            "with_metrics_s": total_s,
+            "quota_violations": metrics.quota_violations,
+        }
+        print(
+            f"\nfull run: {w.rollout_slots} slots, {full['trajectories_per_step']} trajectories/step, "
+            f"{args.full_steps} steps: simulate {sim_s:.1f}s, with metrics {total_s:.1f}s, "
+            f"{trace.events} events"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"sizes": rows, "full": full}, indent=1))
     return 0

@@ -42,15 +42,33 @@ def one_run(tree: Path, settle_s: float, timeout_s: float = 120.0) -> tuple[floa
         ready = Path(tmp) / "ready"
         env = {**os.environ, "PYTHONPATH": str(tree)}
         env.pop("KNITTRANS_STORE_TOKEN", None)
-        proc = subprocess.Popen([sys.executable, "-m", "knittrans.cli", "store", "--port", "0", "--dir",
-                                 str(Path(tmp) / "store"), "--ready-file", str(ready)], cwd=tree, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "knittrans.cli",
+                "store",
+                "--port",
+                "0",
+                "--dir",
+                str(Path(tmp) / "store"),
+                "--ready-file",
+                str(ready),
+            ],
+            cwd=tree,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while not ready.exists():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"store exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
-                                       if proc.stderr else f"store exited with {proc.returncode}")
+                    raise RuntimeError(
+                        f"store exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
+                        if proc.stderr
+                        else f"store exited with {proc.returncode}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"store from {tree} not ready after {timeout_s} s")
                 time.sleep(0.05)
@@ -69,16 +87,24 @@ def one_run(tree: Path, settle_s: float, timeout_s: float = 120.0) -> tuple[floa
 
 
 def _commit(tree: Path) -> str:
-    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
     return out.stdout.strip() or "unknown"
 
 
 def measure(tree: Path, runs: int, settle_s: float, commit: str | None = None) -> dict[str, Any]:
     samples = [one_run(tree, settle_s) for _ in range(runs)]
     rss = [s[0] for s in samples]
-    return {"tree": str(tree), "commit": commit or _commit(tree), "rss_mib": rss, "median_mib": statistics.median(rss),
-            "min_mib": min(rss), "max_mib": max(rss), "model_stack_mapped": samples[-1][1]}
+    return {
+        "tree": str(tree),
+        "commit": commit or _commit(tree),
+        "rss_mib": rss,
+        "median_mib": statistics.median(rss),
+        "min_mib": min(rss),
+        "max_mib": max(rss),
+        "model_stack_mapped": samples[-1][1],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     rows = [("baseline", result["baseline"])] if "baseline" in result else []
     rows.append(("current", result["current"]))
-    md = ["# Store node idle RSS", "",
-          f"python {result['python']}, {result['cpus']} CPUs, load average {result['load_average_1m_start']:.1f} "
-          f"-> {result['load_average_1m_end']:.1f}; {args.runs} runs, RSS read {args.settle_s} s after ready.", "",
-          "| tree | commit | median MiB | min | max | model stack mapped |", "|---|---|---|---|---|---|"]
-    md += [f"| {name} | {r['commit']} | {r['median_mib']:.1f} | {r['min_mib']:.1f} | {r['max_mib']:.1f} | "
-           f"{', '.join(r['model_stack_mapped']) or 'none'} |" for name, r in rows]
+    md = [
+        "# Store node idle RSS",
+        "",
+        f"python {result['python']}, {result['cpus']} CPUs, load average {result['load_average_1m_start']:.1f} "
+        f"-> {result['load_average_1m_end']:.1f}; {args.runs} runs, RSS read {args.settle_s} s after ready.",
+        "",
+        "| tree | commit | median MiB | min | max | model stack mapped |",
+        "|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {name} | {r['commit']} | {r['median_mib']:.1f} | {r['min_mib']:.1f} | {r['max_mib']:.1f} | "
+        f"{', '.join(r['model_stack_mapped']) or 'none'} |"
+        for name, r in rows
+    ]
     if "ratio_current_vs_baseline" in result:
         md += ["", f"ratio current / baseline: {result['ratio_current_vs_baseline']:.3f}"]
     args.out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -50,12 +50,18 @@ PROMPT, RESPONSE = 128, 256
 def groups(prefix: str, seed: int) -> list[TrajectoryGroup]:
     """Text-only GRPO groups (prompt 128, responses 256 tokens)."""
     rng = np.random.default_rng(seed)
-    return [TrajectoryGroup(
-        group_id=f"{prefix}g{g}", source="text", prompt_ids=rng.integers(0, 32000, PROMPT).astype(np.int32),
-        response_ids=[rng.integers(0, 32000, RESPONSE).astype(np.int32) for _ in range(GROUP_SIZE)],
-        response_logprobs=[np.full(RESPONSE, -1.0, np.float32) for _ in range(GROUP_SIZE)],
-        rewards=rng.random(GROUP_SIZE).astype(np.float32), finished_at=time.time(),
-    ) for g in range(GROUPS)]
+    return [
+        TrajectoryGroup(
+            group_id=f"{prefix}g{g}",
+            source="text",
+            prompt_ids=rng.integers(0, 32000, PROMPT).astype(np.int32),
+            response_ids=[rng.integers(0, 32000, RESPONSE).astype(np.int32) for _ in range(GROUP_SIZE)],
+            response_logprobs=[np.full(RESPONSE, -1.0, np.float32) for _ in range(GROUP_SIZE)],
+            rewards=rng.random(GROUP_SIZE).astype(np.float32),
+            finished_at=time.time(),
+        )
+        for g in range(GROUPS)
+    ]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -66,20 +72,33 @@ VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "default": (
 """variant -> (warm_connections, poll_early)."""
 
 
-def run_once(cluster: LocalCluster, name: str, *, variant: str, warm: int, depth: int = 2,
-             compute_s: float = 0.0) -> dict[str, Any]:
+def run_once(
+    cluster: LocalCluster, name: str, *, variant: str, warm: int, depth: int = 2, compute_s: float = 0.0
+) -> dict[str, Any]:
     """One fresh job and client: ``1 + warm`` mini-batches, each registered while the loop waits."""
     control = cluster.control()
     steps = 1 + warm
-    control.create_job({"name": name, "group_size": GROUP_SIZE, "quotas": {"text": GROUPS},
-                        "mini_batches_per_step": 1, "policy": "train_batch", "world_size": 1,
-                        "micro_batch_size": MICRO, "total_steps": steps})
+    control.create_job(
+        {
+            "name": name,
+            "group_size": GROUP_SIZE,
+            "quotas": {"text": GROUPS},
+            "mini_batches_per_step": 1,
+            "policy": "train_batch",
+            "world_size": 1,
+            "micro_batch_size": MICRO,
+            "total_steps": steps,
+        }
+    )
     descs = []
-    writers = [TrajectoryWriter(job=name, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
-               for s in cluster.stores]
+    writers = [
+        TrajectoryWriter(job=name, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
+        for s in cluster.stores
+    ]
     for step in range(steps):  # one unit per group, spread over both stores
-        descs.append([writers[g % len(writers)].write_groups([grp])
-                      for g, grp in enumerate(groups(f"{name}s{step}", step))])
+        descs.append(
+            [writers[g % len(writers)].write_groups([grp]) for g, grp in enumerate(groups(f"{name}s{step}", step))]
+        )
     for w in writers:
         w.close()
     records: list[dict[str, Any]] = []
@@ -87,9 +106,16 @@ def run_once(cluster: LocalCluster, name: str, *, variant: str, warm: int, depth
     done = threading.Event()
     acked = threading.Semaphore(0)
     errors: list[BaseException] = []
-    config = TrainerConfig(control_url=cluster.control_url, job=name, rank=0, world_size=1, poll_timeout_s=5,
-                           prefetch_depth=depth, warm_connections=VARIANTS[variant][0],
-                           poll_early=VARIANTS[variant][1])
+    config = TrainerConfig(
+        control_url=cluster.control_url,
+        job=name,
+        rank=0,
+        world_size=1,
+        poll_timeout_s=5,
+        prefetch_depth=depth,
+        warm_connections=VARIANTS[variant][0],
+        poll_early=VARIANTS[variant][1],
+    )
     client = TrainerClient(config)
 
     def loop() -> None:
@@ -99,9 +125,13 @@ def run_once(cluster: LocalCluster, name: str, *, variant: str, warm: int, depth
                     if i == 0:
                         ready = time.time()
                         assert mb.admitted_at is not None
-                        records.append({"admission_to_plan_s": mb.received_at - mb.admitted_at,
-                                        "admission_to_ready_s": ready - mb.admitted_at,
-                                        "rows": micro.batch.num_rows})
+                        records.append(
+                            {
+                                "admission_to_plan_s": mb.received_at - mb.admitted_at,
+                                "admission_to_ready_s": ready - mb.admitted_at,
+                                "rows": micro.batch.num_rows,
+                            }
+                        )
                     else:
                         waits.append(micro.timing.wait_s)
                     if compute_s:
@@ -137,19 +167,30 @@ def run_once(cluster: LocalCluster, name: str, *, variant: str, warm: int, depth
 def summarise(runs: list[dict[str, Any]], kind: str, key: str = "admission_to_ready_s") -> dict[str, float]:
     values = [r[key] * 1e3 for run in runs for r in run["records"] if r["kind"] == kind]
     per_run = [statistics.median([r[key] * 1e3 for r in run["records"] if r["kind"] == kind]) for run in runs]
-    return {"p50_ms": pct(values, 50), "p99_ms": pct(values, 99), "mean_ms": float(np.mean(values)),
-            "median_of_run_p50_ms": statistics.median(per_run), "n": len(values)}
+    return {
+        "p50_ms": pct(values, 50),
+        "p99_ms": pct(values, 99),
+        "mean_ms": float(np.mean(values)),
+        "median_of_run_p50_ms": statistics.median(per_run),
+        "n": len(values),
+    }
 
 
 def machine() -> dict[str, Any]:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg(), "commit": commit,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "commit": commit,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
 
 
 def main() -> None:
@@ -161,10 +202,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     start_load = os.getloadavg()
-    result: dict[str, Any] = {"workload": {"group_size": GROUP_SIZE, "groups": GROUPS, "micro_batch_size": MICRO,
-                                           "prompt_tokens": PROMPT, "response_tokens": RESPONSE, "stores": 2,
-                                           "ranks": 1, "runs": args.runs, "warm_per_run": args.warm},
-                              "variants": {}, "depth_sweep": {}}
+    result: dict[str, Any] = {
+        "workload": {
+            "group_size": GROUP_SIZE,
+            "groups": GROUPS,
+            "micro_batch_size": MICRO,
+            "prompt_tokens": PROMPT,
+            "response_tokens": RESPONSE,
+            "stores": 2,
+            "ranks": 1,
+            "runs": args.runs,
+            "warm_per_run": args.warm,
+        },
+        "variants": {},
+        "depth_sweep": {},
+    }
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for r in range(args.runs):  # variants interleaved, so load drifts hit all alike
@@ -172,34 +224,52 @@ def main() -> None:
                 runs[variant].append(run_once(cl, f"cp-{variant}-{r}", variant=variant, warm=args.warm))
         for variant, rs in runs.items():
             result["variants"][variant] = {
-                kind: {"admission_to_ready": summarise(rs, kind), "admission_to_plan": summarise(
-                    rs, kind, "admission_to_plan_s")} for kind in ("cold", "warm")}
+                kind: {
+                    "admission_to_ready": summarise(rs, kind),
+                    "admission_to_plan": summarise(rs, kind, "admission_to_plan_s"),
+                }
+                for kind in ("cold", "warm")
+            }
             result["variants"][variant]["raw"] = [run["records"] for run in rs]
         for d in [int(x) for x in args.depths.split(",") if x]:
             per_run = []
             for r in range(args.runs):
                 out = run_once(cl, f"cp-d{d}-{r}", variant="default", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
                 per_run.append(1e3 * float(np.mean(out["waits"])) if out["waits"] else 0.0)
-            result["depth_sweep"][str(d)] = {"mean_wait_ms_per_micro_batch": statistics.median(per_run),
-                                             "runs": per_run}
+            result["depth_sweep"][str(d)] = {
+                "mean_wait_ms_per_micro_batch": statistics.median(per_run),
+                "runs": per_run,
+            }
     result["machine"] = {**machine(), "loadavg_start": start_load}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cold_path.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Cold path: admission -> first micro-batch ready (commit {result['machine']['commit']})", "",
-             f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs, load average "
-             f"{start_load[0]:.1f} at start / {result['machine']['loadavg'][0]:.1f} at end; "
-             f"OMP_NUM_THREADS={result['machine']['omp_num_threads']}. {args.runs} runs per variant, "
-             f"1 cold + {args.warm} warm mini-batches each (32 text trajectories, 4 micro-batches, 2 stores).", "",
-             "| variant | kind | ready p50 ms | p99 ms | mean ms | median of run p50s | plan delivered p50 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Cold path: admission -> first micro-batch ready (commit {result['machine']['commit']})",
+        "",
+        f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs, load average "
+        f"{start_load[0]:.1f} at start / {result['machine']['loadavg'][0]:.1f} at end; "
+        f"OMP_NUM_THREADS={result['machine']['omp_num_threads']}. {args.runs} runs per variant, "
+        f"1 cold + {args.warm} warm mini-batches each (32 text trajectories, 4 micro-batches, 2 stores).",
+        "",
+        "| variant | kind | ready p50 ms | p99 ms | mean ms | median of run p50s | plan delivered p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for variant, v in result["variants"].items():
         for kind in ("cold", "warm"):
             s, p = v[kind]["admission_to_ready"], v[kind]["admission_to_plan"]
-            lines.append(f"| {variant} | {kind} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['mean_ms']:.1f} | "
-                         f"{s['median_of_run_p50_ms']:.1f} | {p['p50_ms']:.1f} |")
+            lines.append(
+                f"| {variant} | {kind} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['mean_ms']:.1f} | "
+                f"{s['median_of_run_p50_ms']:.1f} | {p['p50_ms']:.1f} |"
+            )
     if result["depth_sweep"]:
-        lines += ["", f"Steady state, {args.compute_ms:.0f} ms compute per micro-batch: mean exposed wait per "
-                  "micro-batch (after the first), median over runs", "", "| prefetch_depth | wait ms |", "|---|---|"]
+        lines += [
+            "",
+            f"Steady state, {args.compute_ms:.0f} ms compute per micro-batch: mean exposed wait per "
+            "micro-batch (after the first), median over runs",
+            "",
+            "| prefetch_depth | wait ms |",
+            "|---|---|",
+        ]
         lines += [f"| {d} | {v['mean_wait_ms_per_micro_batch']:.2f} |" for d, v in result["depth_sweep"].items()]
     (args.out / "cold_path.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -90,10 +90,15 @@ class SampleMiniBatch(MiniBatch):
         endpoints = {f["node_id"]: f["endpoint"] for f in micro["fetches"]}
         tables = []
         for row in micro["rows"]:  # one request per trajectory
-            ticket = Ticket(job=self.plan["job"], reads=(UnitRead(unit_id=row["unit_id"],
-                                                                  row_ranges=((row["row"], row["row"] + 1),)),))
-            tables.append(self._client.fetcher.fetch([FetchRead(node_id=row["node_id"],
-                                                                endpoint=endpoints[row["node_id"]], ticket=ticket)]))
+            ticket = Ticket(
+                job=self.plan["job"],
+                reads=(UnitRead(unit_id=row["unit_id"], row_ranges=((row["row"], row["row"] + 1),)),),
+            )
+            tables.append(
+                self._client.fetcher.fetch(
+                    [FetchRead(node_id=row["node_id"], endpoint=endpoints[row["node_id"]], ticket=ticket)]
+                )
+            )
         table = pa.concat_tables(tables)
         t1 = time.perf_counter()
         batch = to_micro_batch(table)
@@ -116,28 +121,56 @@ class SampleMiniBatch(MiniBatch):
         self.media_stats = MediaCacheStats(logical_bytes=moved, unique_bytes=moved)
 
 
-def write_job(cluster: LocalCluster, job: str, *, mini_batches: int, groups: int, group_size: int,
-              image: Sequence[int], seed: int, world: int = 4, lookahead: int = 1) -> list[Any]:
+def write_job(
+    cluster: LocalCluster,
+    job: str,
+    *,
+    mini_batches: int,
+    groups: int,
+    group_size: int,
+    image: Sequence[int],
+    seed: int,
+    world: int = 4,
+    lookahead: int = 1,
+) -> list[Any]:
     """Create the job and write ``mini_batches * groups`` groups (one unit of 8 groups each), round-robin."""
     control = cluster.control()
-    control.create_job({"name": job, "group_size": group_size, "quotas": {"mm": groups}, "mini_batches_per_step": 1,
-                        "policy": "train_batch", "world_size": world, "micro_batch_size": 16,
-                        "total_steps": mini_batches, "lookahead": lookahead})
+    control.create_job(
+        {
+            "name": job,
+            "group_size": group_size,
+            "quotas": {"mm": groups},
+            "mini_batches_per_step": 1,
+            "policy": "train_batch",
+            "world_size": world,
+            "micro_batch_size": 16,
+            "total_steps": mini_batches,
+            "lookahead": lookahead,
+        }
+    )
     rng = np.random.default_rng(seed)
-    writers = [TrajectoryWriter(job=job, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
-               for s in cluster.stores]
+    writers = [
+        TrajectoryWriter(job=job, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir) for s in cluster.stores
+    ]
     descs = []
     all_groups = []
     for g in range(mini_batches * groups):
-        all_groups.append(TrajectoryGroup(
-            group_id=f"g{g}", source="mm", prompt_ids=rng.integers(0, 255, 16).astype(np.int32),
-            response_ids=[rng.integers(0, 255, 32).astype(np.int32) for _ in range(group_size)],
-            response_logprobs=[np.full(32, -np.log(256), np.float32) for _ in range(group_size)],
-            rewards=rng.random(group_size).astype(np.float32), version_start=0, version_end=0,
-            media=[Media(kind="image", data=rng.integers(0, 256, tuple(image), dtype=np.uint8))],
-            finished_at=1000.0 + g))
+        all_groups.append(
+            TrajectoryGroup(
+                group_id=f"g{g}",
+                source="mm",
+                prompt_ids=rng.integers(0, 255, 16).astype(np.int32),
+                response_ids=[rng.integers(0, 255, 32).astype(np.int32) for _ in range(group_size)],
+                response_logprobs=[np.full(32, -np.log(256), np.float32) for _ in range(group_size)],
+                rewards=rng.random(group_size).astype(np.float32),
+                version_start=0,
+                version_end=0,
+                media=[Media(kind="image", data=rng.integers(0, 256, tuple(image), dtype=np.uint8))],
+                finished_at=1000.0 + g,
+            )
+        )
     for u, start in enumerate(range(0, len(all_groups), 8)):
-        descs.append(writers[u % len(writers)].write_groups(all_groups[start:start + 8]))
+        descs.append(writers[u % len(writers)].write_groups(all_groups[start : start + 8]))
     for w in writers:
         w.close()
     control.register_units(job, descs)
@@ -157,8 +190,9 @@ def delete_job(cluster: LocalCluster, job: str, descs: Sequence[Any]) -> None:
         c.close()
 
 
-def run_variant(cluster: LocalCluster, jobs: Sequence[str], v: Variant, base: Policy, *,
-                mini_batches: int, warmup: int = 0) -> list[dict[str, Any]]:
+def run_variant(
+    cluster: LocalCluster, jobs: Sequence[str], v: Variant, base: Policy, *, mini_batches: int, warmup: int = 0
+) -> list[dict[str, Any]]:
     """Rank ``r`` trains all its mini-batches of ``jobs[r]`` (one rank's share each), ranks in turn; returns
     one record per rank and mini-batch.
 
@@ -173,9 +207,15 @@ def run_variant(cluster: LocalCluster, jobs: Sequence[str], v: Variant, base: Po
     for rank, job in enumerate(jobs):
         policy = copy.deepcopy(base)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-        cfg = TrainerConfig(control_url=cluster.control_url, job=job, rank=0, world_size=1,
-                            fetch_mode=v.fetch_mode, prefetch_next=v.prefetch_next,  # type: ignore[arg-type]
-                            stream=v.stream)
+        cfg = TrainerConfig(
+            control_url=cluster.control_url,
+            job=job,
+            rank=0,
+            world_size=1,
+            fetch_mode=v.fetch_mode,
+            prefetch_next=v.prefetch_next,  # type: ignore[arg-type]
+            stream=v.stream,
+        )
         # The job finishes only when every rank acked, so a sequentially measured rank stops after its
         # ``mini_batches`` instead of waiting for the end of the job.
         with TrainerClient(cfg) as client:
@@ -247,7 +287,8 @@ def grad_check(cluster: LocalCluster, model_dir: Path, image_channels: int) -> f
         for dedup in (False, True):
             policy = copy.deepcopy(base)
             params = dict(policy.backbone.named_parameters()) | {
-                f"enc.{n}": p for n, p in policy.encoder.named_parameters()}
+                f"enc.{n}": p for n, p in policy.encoder.named_parameters()
+            }
             capture = _Capture(params)
             train_mini_batch(policy, capture, MiniBatch(client, plan), world_size=1, dedup=dedup)
             grads[dedup] = capture.grads
@@ -263,10 +304,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [v["name"] for v in result["variants"]]
-    panels = [("exposed_per_micro_ms", "exposed transfer / micro-batch (ms)"),
-              ("rank_time_per_mini_batch_s", "transfer+train / mini-batch (s)"),
-              ("media_bytes_per_mini_batch", "media bytes / mini-batch (MiB)"),
-              ("encoder_rows_per_mini_batch", "images encoded / mini-batch")]
+    panels = [
+        ("exposed_per_micro_ms", "exposed transfer / micro-batch (ms)"),
+        ("rank_time_per_mini_batch_s", "transfer+train / mini-batch (s)"),
+        ("media_bytes_per_mini_batch", "media bytes / mini-batch (MiB)"),
+        ("encoder_rows_per_mini_batch", "images encoded / mini-batch"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
     for ax, (key, title) in zip(axes, panels, strict=True):
         vals = [v["median"][key] / (2**20 if "bytes" in key else 1) for v in result["variants"]]
@@ -274,8 +317,10 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
     w = result["workload"]
-    fig.suptitle(f"trainer ablations: {w['trajectories']} traj/mini-batch, groups of {w['group_size']} sharing one "
-                 f"{w['image_kib']} KiB image, {w['ranks']} ranks (sequential), micro-batch 16")
+    fig.suptitle(
+        f"trainer ablations: {w['trajectories']} traj/mini-batch, groups of {w['group_size']} sharing one "
+        f"{w['image_kib']} KiB image, {w['ranks']} ranks (sequential), micro-batch 16"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -285,13 +330,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mini-batches", type=int, default=4, help="measured mini-batches per rank and run")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="unmeasured mini-batches per rank and run before them (0: measure the cold start)")
-    parser.add_argument("--quick", action="store_true",
-                        help="CI smoke (~1 min): 64 trajectories, 2 ranks, 2 mini-batches, 1 repeat")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured mini-batches per rank and run before them (0: measure the cold start)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="CI smoke (~1 min): 64 trajectories, 2 ranks, 2 mini-batches, 1 repeat"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--lookahead", type=int, default=1,
-                        help="admission lookahead L of the jobs (default 1, the control plane's default)")
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=1,
+        help="admission lookahead L of the jobs (default 1, the control plane's default)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     groups = 8 if args.quick else 64
@@ -302,15 +356,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = 2 if args.quick else 4
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     work = Path(tempfile.mkdtemp(prefix="knittrans-bench-trainer-", dir=shm))
-    result: dict[str, Any] = {"workload": {
-        "trajectories": groups * 8, "group_size": 8, "image_kib": 256, "ranks": world, "micro_batch": 16,
-        "mini_batches": mini_batches, "warmup_mini_batches": warmup, "repeats": repeats,
-        "torch_threads": torch.get_num_threads(),
-        "ranks_measured": "sequentially, one world-size-1 job per rank share", "lookahead": args.lookahead}}
+    result: dict[str, Any] = {
+        "workload": {
+            "trajectories": groups * 8,
+            "group_size": 8,
+            "image_kib": 256,
+            "ranks": world,
+            "micro_batch": 16,
+            "mini_batches": mini_batches,
+            "warmup_mini_batches": warmup,
+            "repeats": repeats,
+            "torch_threads": torch.get_num_threads(),
+            "ranks_measured": "sequentially, one world-size-1 job per rank share",
+            "lookahead": args.lookahead,
+        }
+    }
     try:
         with LocalCluster(ClusterConfig(work_dir=work, num_stores=2)) as cluster:
-            model_dir = build_tiny_qwen2(work / "model", hidden=64, layers=1 if args.quick else 2, heads=1,
-                                         head_dim=64)
+            model_dir = build_tiny_qwen2(work / "model", hidden=64, layers=1 if args.quick else 2, heads=1, head_dim=64)
             base = load_policy(model_dir, image_channels=image[0])
             runs: dict[str, list[dict[str, float]]] = {v.name: [] for v in VARIANTS}
             raw: dict[str, list[list[dict[str, Any]]]] = {}
@@ -318,10 +381,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for v in VARIANTS:
                     job = f"r{rep}-{v.name.replace('/', '-').replace('+', '-')}"
                     jobs = [f"{job}-rank{r}" for r in range(world)]
-                    descs = {j: write_job(cluster, j, mini_batches=warmup + mini_batches, groups=groups // world,
-                                          group_size=8, image=image, seed=rep * world + r, world=1,
-                                          lookahead=args.lookahead)
-                             for r, j in enumerate(jobs)}
+                    descs = {
+                        j: write_job(
+                            cluster,
+                            j,
+                            mini_batches=warmup + mini_batches,
+                            groups=groups // world,
+                            group_size=8,
+                            image=image,
+                            seed=rep * world + r,
+                            world=1,
+                            lookahead=args.lookahead,
+                        )
+                        for r, j in enumerate(jobs)
+                    }
                     t0 = time.perf_counter()
                     records = run_variant(cluster, jobs, v, base, mini_batches=mini_batches, warmup=warmup)
                     raw.setdefault(v.name, []).append(records)
@@ -329,17 +402,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for j, d in descs.items():
                         delete_job(cluster, j, d)
                     runs[v.name].append(summary)
-                    print(f"  repeat {rep + 1}/{repeats} {v.name:28} exposed {summary['exposed_per_micro_ms']:7.2f} "
-                          f"ms/micro, {summary['rank_time_per_mini_batch_s']:6.2f} s/mini-batch "
-                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                    print(
+                        f"  repeat {rep + 1}/{repeats} {v.name:28} exposed {summary['exposed_per_micro_ms']:7.2f} "
+                        f"ms/micro, {summary['rank_time_per_mini_batch_s']:6.2f} s/mini-batch "
+                        f"({time.perf_counter() - t0:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             print("  gradient check (float64, dup vs dedup) ...", file=sys.stderr, flush=True)
             result["grad_max_abs_diff"] = grad_check(cluster, model_dir, image[0])
             result["grads_equal"] = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["variants"] = [
-        {"name": name, "runs": rs, "median": {k: statistics.median(r[k] for r in rs) for k in rs[0]},
-         "records": [[{k: v for k, v in rec.items() if k != "traj_ids"} for rec in recs] for recs in raw[name]]}
+        {
+            "name": name,
+            "runs": rs,
+            "median": {k: statistics.median(r[k] for r in rs) for k in rs[0]},
+            "records": [[{k: v for k, v in rec.items() if k != "traj_ids"} for rec in recs] for recs in raw[name]],
+        }
         for name, rs in runs.items()
     ]
     med = {v["name"]: v["median"] for v in result["variants"]}
@@ -370,15 +451,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "trainer_quick" if args.quick else "trainer"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     _plot(result, args.out / f"{name}.png")
-    print(f"{'variant':28}{'exposed ms/micro':>18}{'incl warm-up':>14}{'1st micro ms':>14}{'fetch ms/micro':>16}"
-          f"{'s/mini-batch':>14}{'media MiB/mb':>14}{'enc rows/mb':>13}")
+    print(
+        f"{'variant':28}{'exposed ms/micro':>18}{'incl warm-up':>14}{'1st micro ms':>14}{'fetch ms/micro':>16}"
+        f"{'s/mini-batch':>14}{'media MiB/mb':>14}{'enc rows/mb':>13}"
+    )
     for v in result["variants"]:
         m = v["median"]
-        print(f"{v['name']:28}{m['exposed_per_micro_ms']:>18.2f}{m['exposed_per_micro_incl_warmup_ms']:>14.2f}"
-              f"{m['first_micro_exposed_ms']:>14.2f}"
-              f"{m['fetch_per_micro_ms']:>16.2f}"
-              f"{m['rank_time_per_mini_batch_s']:>14.2f}{m['media_bytes_per_mini_batch'] / 2**20:>14.1f}"
-              f"{m['encoder_rows_per_mini_batch']:>13.0f}")
+        print(
+            f"{v['name']:28}{m['exposed_per_micro_ms']:>18.2f}{m['exposed_per_micro_incl_warmup_ms']:>14.2f}"
+            f"{m['first_micro_exposed_ms']:>14.2f}"
+            f"{m['fetch_per_micro_ms']:>16.2f}"
+            f"{m['rank_time_per_mini_batch_s']:>14.2f}{m['media_bytes_per_mini_batch'] / 2**20:>14.1f}"
+            f"{m['encoder_rows_per_mini_batch']:>13.0f}"
+        )
     for k, val in r.items():
         print(f"  {k:32} {val:8.3f}")
     print(f"  gradients dup vs dedup equal (assert_close rtol 1e-5): max abs diff {result['grad_max_abs_diff']:.2e}")

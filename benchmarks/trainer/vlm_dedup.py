@@ -92,8 +92,9 @@ def _workload(groups: int, group_size: int, images: int, pixels: torch.Tensor) -
     return rows
 
 
-def _run(mode: str, tower: VisionTower, rows: list[list[str]], media: dict[str, torch.Tensor], micro: int,
-         proj: torch.Tensor) -> tuple[float, int, int]:
+def _run(
+    mode: str, tower: VisionTower, rows: list[list[str]], media: dict[str, torch.Tensor], micro: int, proj: torch.Tensor
+) -> tuple[float, int, int]:
     """One mini-batch; returns (seconds, peak bytes, images run through the tower's forward)."""
     for p in tower.parameters():
         p.grad = None
@@ -146,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import Idefics3ForConditionalGeneration
 
-    spec = TinyVLMSpec(vision_hidden=args.vision_hidden, vision_layers=args.vision_layers,
-                       vision_heads=max(1, args.vision_hidden // 64), image_size=args.image_size)
+    spec = TinyVLMSpec(
+        vision_hidden=args.vision_hidden,
+        vision_layers=args.vision_layers,
+        vision_heads=max(1, args.vision_hidden // 64),
+        image_size=args.image_size,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_vlm(Path(tmp) / "vlm", spec, seed=0)
         model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -157,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     image_counts = [int(x) for x in args.images.split(",")]
     rng = np.random.default_rng(0)
     most = args.groups * max(image_counts)
-    raw = [rng.integers(0, 256, (3, int(rng.integers(96, 161)), int(rng.integers(96, 161))), dtype=np.uint8)
-           for _ in range(most)]
+    raw = [
+        rng.integers(0, 256, (3, int(rng.integers(96, 161)), int(rng.integers(96, 161))), dtype=np.uint8)
+        for _ in range(most)
+    ]
     pixels = pixel_values(processor, raw)
-    media = {f"g{g}i{i}": pixels[g * max(image_counts) + i] for g in range(args.groups)
-             for i in range(max(image_counts))}
+    media = {
+        f"g{g}i{i}": pixels[g * max(image_counts) + i] for g in range(args.groups) for i in range(max(image_counts))
+    }
     proj = torch.from_numpy(rng.standard_normal(spec.hidden).astype(np.float32))
     cells: list[dict[str, Any]] = []
     total = len(group_sizes) * len(image_counts) * len(MODES)
@@ -178,24 +186,42 @@ def main(argv: list[str] | None = None) -> int:
                     runs[mode].append(_run(mode, tower, rows, media, args.micro_batch, proj))
             for mode in MODES:
                 ratios = [r[0] / b[0] for r, b in zip(runs[mode], runs["per_row"], strict=True)]
-                cells.append({"group_size": g, "images_per_prompt": images, "mode": mode,
-                              "median_s": statistics.median(r[0] for r in runs[mode]),
-                              "runs_s": [r[0] for r in runs[mode]],
-                              "time_ratio_vs_per_row": statistics.median(ratios),
-                              "peak_graph_mib": runs[mode][-1][1] / 2**20, "encoded_images": runs[mode][-1][2],
-                              "image_uses": len(rows) * images})
+                cells.append(
+                    {
+                        "group_size": g,
+                        "images_per_prompt": images,
+                        "mode": mode,
+                        "median_s": statistics.median(r[0] for r in runs[mode]),
+                        "runs_s": [r[0] for r in runs[mode]],
+                        "time_ratio_vs_per_row": statistics.median(ratios),
+                        "peak_graph_mib": runs[mode][-1][1] / 2**20,
+                        "encoded_images": runs[mode][-1][2],
+                        "image_uses": len(rows) * images,
+                    }
+                )
                 done += 1
-                print(f"[{done}/{total}] G={g} I={images} {mode}: {cells[-1]['median_s'] * 1e3:.1f} ms "
-                      f"(x{cells[-1]['time_ratio_vs_per_row']:.3f} of per_row)", file=sys.stderr, flush=True)
+                print(
+                    f"[{done}/{total}] G={g} I={images} {mode}: {cells[-1]['median_s'] * 1e3:.1f} ms "
+                    f"(x{cells[-1]['time_ratio_vs_per_row']:.3f} of per_row)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     for c in cells:
-        base = next(b for b in cells if b["mode"] == "per_row" and b["group_size"] == c["group_size"]
-                    and b["images_per_prompt"] == c["images_per_prompt"])
+        base = next(
+            b
+            for b in cells
+            if b["mode"] == "per_row"
+            and b["group_size"] == c["group_size"]
+            and b["images_per_prompt"] == c["images_per_prompt"]
+        )
         c["time_saved"] = 1 - c["time_ratio_vs_per_row"]
         c["target_saved"] = 0.8 * (1 - 1 / c["group_size"]) if c["mode"] != "per_row" else None
         c["meets_target"] = None if c["target_saved"] is None else c["time_saved"] >= c["target_saved"]
         c["memory_ratio_vs_per_row"] = c["peak_graph_mib"] / base["peak_graph_mib"]
-    result = {"config": {**vars(args), "out": str(args.out), "spec": spec.__dict__,
-                         "torch": torch.__version__}, "cells": cells}
+    result = {
+        "config": {**vars(args), "out": str(args.out), "spec": spec.__dict__, "torch": torch.__version__},
+        "cells": cells,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "vlm_dedup.json").write_text(json.dumps(result, indent=2))
     table = _markdown(cells, args)
@@ -206,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _markdown(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    head = (f"Vision tower per mini-batch ({args.groups} prompts x G rows, micro-batches of {args.micro_batch}, "
-            f"median of {args.repeats}, {args.threads} thread(s))\n\n"
-            "| G | images/prompt | mode | encoded/uses | median ms | x per_row (median of ratios) | saved | target | "
-            "peak graph MiB | x per_row |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"Vision tower per mini-batch ({args.groups} prompts x G rows, micro-batches of {args.micro_batch}, "
+        f"median of {args.repeats}, {args.threads} thread(s))\n\n"
+        "| G | images/prompt | mode | encoded/uses | median ms | x per_row (median of ratios) | saved | target | "
+        "peak graph MiB | x per_row |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = [
         f"| {c['group_size']} | {c['images_per_prompt']} | {c['mode']} | {c['encoded_images']}/{c['image_uses']} | "
         f"{c['median_s'] * 1e3:.1f} | {c['time_ratio_vs_per_row']:.3f} | {c['time_saved']:.1%} | "
@@ -232,8 +260,9 @@ def _plot(cells: list[dict[str, Any]], path: Path) -> None:
             pts = sorted((c["group_size"], c) for c in cells if c["mode"] == mode and c["images_per_prompt"] == images)
             gs = [g for g, _ in pts]
             axes[0].plot(gs, [c["time_saved"] for _, c in pts], style, marker="o", label=f"{mode}, {images} img")
-            axes[1].plot(gs, [c["memory_ratio_vs_per_row"] for _, c in pts], style, marker="o",
-                         label=f"{mode}, {images} img")
+            axes[1].plot(
+                gs, [c["memory_ratio_vs_per_row"] for _, c in pts], style, marker="o", label=f"{mode}, {images} img"
+            )
     gs = sorted({c["group_size"] for c in cells})
     axes[0].plot(gs, [0.8 * (1 - 1 / g) for g in gs], "k:", label="target 0.8(1-1/G)")
     axes[0].set_title("vision time saved vs per-row encoding")

@@ -50,11 +50,18 @@ def groups(rows: int, seed: int) -> list[TrajectoryGroup]:
     out = []
     for g in range(max(1, rows // 8)):
         lens = rng.integers(1024, 3072, 8)
-        out.append(TrajectoryGroup(
-            group_id=f"g{g}", source="math", prompt_ids=rng.integers(0, 150_000, 256, dtype=np.int32),
-            response_ids=[rng.integers(0, 150_000, n, dtype=np.int32) for n in lens],
-            response_logprobs=[-rng.random(n, dtype=np.float32) for n in lens],
-            rewards=rng.random(8).astype(np.float32), version_start=0, version_end=1))
+        out.append(
+            TrajectoryGroup(
+                group_id=f"g{g}",
+                source="math",
+                prompt_ids=rng.integers(0, 150_000, 256, dtype=np.int32),
+                response_ids=[rng.integers(0, 150_000, n, dtype=np.int32) for n in lens],
+                response_logprobs=[-rng.random(n, dtype=np.float32) for n in lens],
+                rewards=rng.random(8).astype(np.float32),
+                version_start=0,
+                version_end=1,
+            )
+        )
     return out
 
 
@@ -87,13 +94,22 @@ def main() -> int:
     except ImportError:
         cupy = None
     device = torch.device("cuda:0")
-    log(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, cupy "
-        f"{getattr(cupy, '__version__', 'not installed')}")
+    log(
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, cupy "
+        f"{getattr(cupy, '__version__', 'not installed')}"
+    )
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "cupy": getattr(cupy, "__version__", None), "machine": platform.platform(), "runs": args.runs,
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() or "unknown", "micro_batches": {}}
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "cupy": getattr(cupy, "__version__", None),
+        "machine": platform.platform(),
+        "runs": args.runs,
+        "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown",
+        "micro_batches": {},
+    }
     table = build_unit_tables(groups(256, seed=1)).traj
     for rows in (16, 64, 256):
         host = to_micro_batch(table.slice(0, rows))
@@ -111,30 +127,47 @@ def main() -> int:
         pageable = torch.empty(nbytes, dtype=torch.uint8)
         target = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if cupy is not None:
+
             def memcpy(src: torch.Tensor = pinned, dst: torch.Tensor = target, n: int = nbytes) -> None:
                 cupy.cuda.runtime.memcpy(dst.data_ptr(), src.data_ptr(), n, cupy.cuda.runtime.memcpyHostToDevice)
         else:
+
             def memcpy(src: torch.Tensor = pinned, dst: torch.Tensor = target, n: int = nbytes) -> None:
                 dst.copy_(src, non_blocking=True)
+
         t_to_device = timed(lambda h=host: to_device(h, device), args.runs)
         t_memcpy = timed(memcpy, args.runs)
         t_pageable = timed(lambda s=pageable, d=target: d.copy_(s), args.runs)
-        gbps = {"to_device": nbytes / t_to_device / 1e9, "pinned_memcpy": nbytes / t_memcpy / 1e9,
-                "pageable_copy": nbytes / t_pageable / 1e9}
-        report["micro_batches"][str(rows)] = {"bytes": nbytes, "GBps": gbps,
-                                             "to_device_vs_memcpy": gbps["to_device"] / gbps["pinned_memcpy"]}
-        log(f"{rows} rows, {nbytes / 2**20:.1f} MiB: to_device {gbps['to_device']:.1f} GB/s, pinned memcpy "
-            f"{gbps['pinned_memcpy']:.1f} GB/s, pageable {gbps['pageable_copy']:.1f} GB/s")
+        gbps = {
+            "to_device": nbytes / t_to_device / 1e9,
+            "pinned_memcpy": nbytes / t_memcpy / 1e9,
+            "pageable_copy": nbytes / t_pageable / 1e9,
+        }
+        report["micro_batches"][str(rows)] = {
+            "bytes": nbytes,
+            "GBps": gbps,
+            "to_device_vs_memcpy": gbps["to_device"] / gbps["pinned_memcpy"],
+        }
+        log(
+            f"{rows} rows, {nbytes / 2**20:.1f} MiB: to_device {gbps['to_device']:.1f} GB/s, pinned memcpy "
+            f"{gbps['pinned_memcpy']:.1f} GB/s, pageable {gbps['pageable_copy']:.1f} GB/s"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    lines = ["| rows | MiB | to_device GB/s | pinned cudaMemcpy GB/s | pageable GB/s | to_device / memcpy |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| rows | MiB | to_device GB/s | pinned cudaMemcpy GB/s | pageable GB/s | to_device / memcpy |",
+        "|---|---|---|---|---|---|",
+    ]
     for rows, r in report["micro_batches"].items():
         g = r["GBps"]
-        lines.append(f"| {rows} | {r['bytes'] / 2**20:.1f} | {g['to_device']:.1f} | {g['pinned_memcpy']:.1f} | "
-                     f"{g['pageable_copy']:.1f} | {r['to_device_vs_memcpy']:.2f} |")
-    md = (f"# GPU path check\n\n{report['device']}, torch {report['torch']}, cupy {report['cupy']}, commit "
-          f"{report['commit']}, median of {args.runs} runs; correctness checks passed\n\n" + "\n".join(lines) + "\n")
+        lines.append(
+            f"| {rows} | {r['bytes'] / 2**20:.1f} | {g['to_device']:.1f} | {g['pinned_memcpy']:.1f} | "
+            f"{g['pageable_copy']:.1f} | {r['to_device_vs_memcpy']:.2f} |"
+        )
+    md = (
+        f"# GPU path check\n\n{report['device']}, torch {report['torch']}, cupy {report['cupy']}, commit "
+        f"{report['commit']}, median of {args.runs} runs; correctness checks passed\n\n" + "\n".join(lines) + "\n"
+    )
     args.out.with_suffix(".md").write_text(md)
     print(md)
     return 0

@@ -122,8 +122,10 @@ def client_main(args: argparse.Namespace) -> None:
     for size, (unit_id, rows) in units.items():
         for streams in args.streams:
             bounds = [rows * i // streams for i in range(streams + 1)]
-            tickets = [Ticket(job="bench", reads=(UnitRead(unit_id=unit_id, row_ranges=((lo, hi),)),))
-                       for lo, hi in itertools.pairwise(bounds)]
+            tickets = [
+                Ticket(job="bench", reads=(UnitRead(unit_id=unit_id, row_ranges=((lo, hi),)),))
+                for lo, hi in itertools.pairwise(bounds)
+            ]
             clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300) for _ in range(streams)]
             doget(clients, tickets)  # warm-up: connections, page cache of the store's mmap
             nbytes = doget(clients, tickets)[1]
@@ -138,13 +140,21 @@ def client_main(args: argparse.Namespace) -> None:
             tcp_gbps = [nbytes / t / 1e9 for t in t_tcp]
             key = f"{size}MiB_x{streams}"
             out[key] = {
-                "bytes": nbytes, "streams": streams, "runs": args.runs,
-                "doget_GBps_median": statistics.median(get_gbps), "tcp_GBps_median": statistics.median(tcp_gbps),
-                "doget_GBps": get_gbps, "tcp_GBps": tcp_gbps,
+                "bytes": nbytes,
+                "streams": streams,
+                "runs": args.runs,
+                "doget_GBps_median": statistics.median(get_gbps),
+                "tcp_GBps_median": statistics.median(tcp_gbps),
+                "doget_GBps": get_gbps,
+                "tcp_GBps": tcp_gbps,
                 "ratio_median": statistics.median(get_gbps) / statistics.median(tcp_gbps),
             }
-            print(f"[netns] {key}: DoGet {out[key]['doget_GBps_median']:.2f} GB/s, "
-                  f"TCP {out[key]['tcp_GBps_median']:.2f} GB/s", file=sys.stderr, flush=True)
+            print(
+                f"[netns] {key}: DoGet {out[key]['doget_GBps_median']:.2f} GB/s, "
+                f"TCP {out[key]['tcp_GBps_median']:.2f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
     print(json.dumps(out), flush=True)
 
 
@@ -188,12 +198,32 @@ def main() -> int:
         store_ip = the_lab.hosts["store"]
         endpoint = f"grpc://{store_ip}:{STORE_PORT}"
         ready = work / "store.ready"
-        procs.start("store", knittrans_command("--log-level", "WARNING", "store", "--dir", str(work / "store"),
-                                               "--host", store_ip, "--port", str(STORE_PORT), "--node-id", "store",
-                                               "--ready-file", str(ready)),
-                    prefix=the_lab.exec_prefix("store"), env={**env, "KNITTRANS_STORE_TOKEN": TOKEN})
-        tcp = subprocess.Popen([*the_lab.exec_prefix("store"), sys.executable, __file__, "tcp-serve", store_ip],
-                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.start(
+            "store",
+            knittrans_command(
+                "--log-level",
+                "WARNING",
+                "store",
+                "--dir",
+                str(work / "store"),
+                "--host",
+                store_ip,
+                "--port",
+                str(STORE_PORT),
+                "--node-id",
+                "store",
+                "--ready-file",
+                str(ready),
+            ),
+            prefix=the_lab.exec_prefix("store"),
+            env={**env, "KNITTRANS_STORE_TOKEN": TOKEN},
+        )
+        tcp = subprocess.Popen(
+            [*the_lab.exec_prefix("store"), sys.executable, __file__, "tcp-serve", store_ip],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
         def store_up() -> bool:
             procs.check_alive("store")
@@ -202,32 +232,71 @@ def main() -> int:
         wait_until(store_up, timeout_s=120, what="store in its namespace")
         assert tcp.stdout is not None and tcp.stdout.readline().strip() == "ready"
         writer = subprocess.run(
-            [*the_lab.exec_prefix("store"), sys.executable, __file__, "write", endpoint, str(work / "store"),
-             *map(str, sizes)], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}, timeout=900, check=True)
+            [
+                *the_lab.exec_prefix("store"),
+                sys.executable,
+                __file__,
+                "write",
+                endpoint,
+                str(work / "store"),
+                *map(str, sizes),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+            timeout=900,
+            check=True,
+        )
         units = json.loads(writer.stdout.strip().splitlines()[-1])
         log(f"store at {endpoint}; measuring {sizes} MiB x streams 1, 4, {runs} runs each")
         client = subprocess.run(
-            [*the_lab.exec_prefix("trainer"), sys.executable, __file__, "client", "--endpoint", endpoint,
-             "--tcp-host", store_ip, "--units", json.dumps(units), "--runs", str(runs)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, **env}, timeout=1800, check=True)
+            [
+                *the_lab.exec_prefix("trainer"),
+                sys.executable,
+                __file__,
+                "client",
+                "--endpoint",
+                endpoint,
+                "--tcp-host",
+                store_ip,
+                "--units",
+                json.dumps(units),
+                "--runs",
+                str(runs),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+            timeout=1800,
+            check=True,
+        )
         tcp.kill()
         tcp.wait(10)
         results = json.loads(client.stdout.strip().splitlines()[-1])
     subprocess.run(["rm", "-rf", str(work)], check=False)
     report = {
-        "benchmark": "netns_throughput", "machine": platform.platform(), "cpus": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0], "commit": _commit(), "runs": runs, "results": results,
+        "benchmark": "netns_throughput",
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+        "commit": _commit(),
+        "runs": runs,
+        "results": results,
         "target_4_streams_ratio>=0.8": {k: v["ratio_median"] >= 0.8 for k, v in results.items() if v["streams"] == 4},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = ["| unit | streams | DoGet GB/s | raw TCP GB/s | DoGet / TCP |", "|---|---|---|---|---|"]
     for r in results.values():
-        lines.append(f"| {r['bytes'] / MiB:.0f} MiB | {r['streams']} | {r['doget_GBps_median']:.2f} | "
-                     f"{r['tcp_GBps_median']:.2f} | {r['ratio_median']:.2f} |")
-    md = (f"# Cross-host throughput (veth between network namespaces)\n\n{platform.platform()}, "
-          f"{os.cpu_count()} CPUs, load {report['load_avg_1m']:.1f}, commit {report['commit']}, median of {runs} "
-          f"runs\n\n" + "\n".join(lines) + "\n")
+        lines.append(
+            f"| {r['bytes'] / MiB:.0f} MiB | {r['streams']} | {r['doget_GBps_median']:.2f} | "
+            f"{r['tcp_GBps_median']:.2f} | {r['ratio_median']:.2f} |"
+        )
+    md = (
+        f"# Cross-host throughput (veth between network namespaces)\n\n{platform.platform()}, "
+        f"{os.cpu_count()} CPUs, load {report['load_avg_1m']:.1f}, commit {report['commit']}, median of {runs} "
+        f"runs\n\n" + "\n".join(lines) + "\n"
+    )
     args.out.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {args.out.with_suffix('.json')} and .md")

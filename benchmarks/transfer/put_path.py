@@ -74,10 +74,12 @@ ray.shutdown()
 def ray_put(python: Path, runs: int) -> dict[str, Any]:
     """Ray's put of the same mini-batch, measured in ``python`` (the bench venv); an ``error`` when absent."""
     if not python.exists():
-        return {"error": f"{python} not found: Ray is installed only in the bench venv "
-                         "(bash scripts/setup_bench_env.sh)"}
-    proc = subprocess.run([str(python), "-c", RAY_SCRIPT, str(REPO), str(runs)], capture_output=True, text=True,
-                          timeout=600)
+        return {
+            "error": f"{python} not found: Ray is installed only in the bench venv (bash scripts/setup_bench_env.sh)"
+        }
+    proc = subprocess.run(
+        [str(python), "-c", RAY_SCRIPT, str(REPO), str(runs)], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
         return {"error": f"ray run failed ({proc.returncode}): {' | '.join(tail)}"}
@@ -86,8 +88,9 @@ def ray_put(python: Path, runs: int) -> dict[str, Any]:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -106,19 +109,30 @@ def main() -> None:
     times: dict[str, list[float]] = {"writer_units": [], "sequential": [], "doput": []}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
         control = cl.control()
-        control.create_job({"name": JOB, "group_size": spec.group_size, "quotas": {SOURCE: spec.num_groups},
-                            "mini_batches_per_step": 1, "policy": "train_batch", "world_size": 1,
-                            "micro_batch_size": spec.micro_batch_size, "total_steps": 10_000})
-        local = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir,
-                                  control=control) for s in cl.stores]
-        remote = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, control=control)
-                  for s in cl.stores]
-        plain = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
-                 for s in cl.stores]
+        control.create_job(
+            {
+                "name": JOB,
+                "group_size": spec.group_size,
+                "quotas": {SOURCE: spec.num_groups},
+                "mini_batches_per_step": 1,
+                "policy": "train_batch",
+                "world_size": 1,
+                "micro_batch_size": spec.micro_batch_size,
+                "total_steps": 10_000,
+            }
+        )
+        local = [
+            TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir, control=control)
+            for s in cl.stores
+        ]
+        remote = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, control=control) for s in cl.stores]
+        plain = [
+            TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir) for s in cl.stores
+        ]
         for run in range(args.runs + 1):  # run 0 warms every path up and is left out
             for variant in times:
                 groups = build_groups(workload, f"{variant}{run}")  # fresh group ids (outside the timing)
-                chunks = [groups[b.start:b.stop] for b in batches]
+                chunks = [groups[b.start : b.stop] for b in batches]
                 t0 = time.perf_counter()
                 if variant == "sequential":
                     descs = [plain[k % 2].write_groups(c) for k, c in enumerate(chunks)]
@@ -126,7 +140,7 @@ def main() -> None:
                 else:
                     writers = local if variant == "writer_units" else remote
                     for k, w in enumerate(writers):
-                        w.write_units(chunks[k::len(writers)])
+                        w.write_units(chunks[k :: len(writers)])
                 elapsed = time.perf_counter() - t0
                 if run:
                     times[variant].append(elapsed)
@@ -135,31 +149,51 @@ def main() -> None:
         control.close()
     ray = ray_put(args.ray_python, args.runs)
     result: dict[str, Any] = {
-        "workload": {"kind": "text", "trajectories": spec.num_trajectories, "groups": spec.num_groups,
-                     "units": units, "payload_bytes": workload.payload_bytes(image_per_row=False)},
-        "ours": {v: {"median_s": statistics.median(t), "per_unit_ms": 1e3 * statistics.median(t) / units,
-                     "runs": t} for v, t in times.items()},
+        "workload": {
+            "kind": "text",
+            "trajectories": spec.num_trajectories,
+            "groups": spec.num_groups,
+            "units": units,
+            "payload_bytes": workload.payload_bytes(image_per_row=False),
+        },
+        "ours": {
+            v: {"median_s": statistics.median(t), "per_unit_ms": 1e3 * statistics.median(t) / units, "runs": t}
+            for v, t in times.items()
+        },
         "ray": ray,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "commit": commit()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "commit": commit(),
+        },
     }
     if "put_s" in ray:
         result["ratio_vs_ray"] = {v: r["median_s"] / ray["put_s"] for v, r in result["ours"].items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "put_path.json").write_text(json.dumps(result, indent=1))
     m = result["machine"]
-    lines = [f"# Put path: build + write + seal + register (commit {m['commit']})", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, load average {load_start[0]:.1f} at start / "
-             f"{m['loadavg_end'][0]:.1f} at end. Text mini-batch, {spec.num_trajectories} trajectories, "
-             f"{result['workload']['payload_bytes'] / 2**20:.1f} MiB of row data, {units} units over 2 stores; "
-             f"median of {args.runs} runs.", "",
-             "| path | total ms | per unit ms | x Ray put |", "|---|---|---|---|"]
+    lines = [
+        f"# Put path: build + write + seal + register (commit {m['commit']})",
+        "",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, load average {load_start[0]:.1f} at start / "
+        f"{m['loadavg_end'][0]:.1f} at end. Text mini-batch, {spec.num_trajectories} trajectories, "
+        f"{result['workload']['payload_bytes'] / 2**20:.1f} MiB of row data, {units} units over 2 stores; "
+        f"median of {args.runs} runs.",
+        "",
+        "| path | total ms | per unit ms | x Ray put |",
+        "|---|---|---|---|",
+    ]
     for v, r in result["ours"].items():
         ratio = f"{result['ratio_vs_ray'][v]:.2f}" if "ratio_vs_ray" in result else "n/a"
         lines.append(f"| {v} | {1e3 * r['median_s']:.1f} | {r['per_unit_ms']:.2f} | {ratio} |")
     if "put_s" in ray:
-        lines.append(f"| ray.put ({ray['objects']} shards, Ray {ray['ray_version']}) | {1e3 * ray['put_s']:.1f} | "
-                     f"{1e3 * ray['put_s'] / ray['objects']:.2f} per object | 1.00 |")
+        lines.append(
+            f"| ray.put ({ray['objects']} shards, Ray {ray['ray_version']}) | {1e3 * ray['put_s']:.1f} | "
+            f"{1e3 * ray['put_s'] / ray['objects']:.2f} per object | 1.00 |"
+        )
     else:
         lines += ["", f"Ray: not measured: {ray['error']}"]
     (args.out / "put_path.md").write_text("\n".join(lines) + "\n")

@@ -60,11 +60,18 @@ def make_groups(target_bytes: int, seed: int) -> list[TrajectoryGroup]:
     groups = []
     for g in range(rows // GROUP):
         lens = rng.integers(RESPONSE // 2, RESPONSE * 3 // 2, GROUP)
-        groups.append(TrajectoryGroup(
-            group_id=f"g{g}", source="math", prompt_ids=rng.integers(0, 150_000, PROMPT, dtype=np.int32),
-            response_ids=[rng.integers(0, 150_000, n, dtype=np.int32) for n in lens],
-            response_logprobs=[-rng.random(n, dtype=np.float32) for n in lens],
-            rewards=rng.random(GROUP).astype(np.float32), version_start=0, version_end=1))
+        groups.append(
+            TrajectoryGroup(
+                group_id=f"g{g}",
+                source="math",
+                prompt_ids=rng.integers(0, 150_000, PROMPT, dtype=np.int32),
+                response_ids=[rng.integers(0, 150_000, n, dtype=np.int32) for n in lens],
+                response_logprobs=[-rng.random(n, dtype=np.float32) for n in lens],
+                rewards=rng.random(GROUP).astype(np.float32),
+                version_start=0,
+                version_end=1,
+            )
+        )
     return groups
 
 
@@ -130,8 +137,22 @@ def main() -> int:
     sizes = [1, 16] if args.quick else [1, 16, 256]
     root = Path(tempfile.mkdtemp(prefix="knittrans-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     ready = root / "endpoint"
-    proc = subprocess.Popen([sys.executable, "-m", "knittrans.cli", "--log-level", "WARNING", "store",
-                             "--dir", str(root / "store"), "--port", "0", "--ready-file", str(ready)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "knittrans.cli",
+            "--log-level",
+            "WARNING",
+            "store",
+            "--dir",
+            str(root / "store"),
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ]
+    )
     results: dict[str, Any] = {"runs": runs, "machine": platform.platform(), "cpus": __import__("os").cpu_count()}
     rows_out: list[tuple[str, str, str]] = []
     try:
@@ -146,8 +167,9 @@ def main() -> int:
         for size in sizes:
             log(f"building and writing {size} MiB unit")
             desc = writer.write_groups(make_groups(size * MiB, seed=size), unit_id=f"u{size}")
-            read = FetchRead(node_id="node-0", endpoint=endpoint,
-                             ticket=Ticket(job="bench", reads=(UnitRead(unit_id=desc.unit_id),)))
+            read = FetchRead(
+                node_id="node-0", endpoint=endpoint, ticket=Ticket(job="bench", reads=(UnitRead(unit_id=desc.unit_id),))
+            )
             nbytes = fetcher.fetch([read]).nbytes
             log(f"{size} MiB: DoGet")
             t_get = median_time(lambda r=read: fetcher.fetch([r]), runs)
@@ -164,38 +186,70 @@ def main() -> int:
             t_map_copy = median_time(lambda r=read: touch_copy(local.fetch([r])), runs)
             times = {"doget": t_get, "tcp": t_tcp, "memcpy": t_mem, "local_view": t_map, "local_copy": t_map_copy}
             gbps = {k: nbytes / v / 1e9 for k, v in times.items()}
-            throughput[f"{size}MiB"] = {"bytes": nbytes, "GBps": gbps,
-                                        "doget_vs_tcp": gbps["doget"] / gbps["tcp"],
-                                        "local_view_vs_doget": gbps["local_view"] / gbps["doget"],
-                                        "local_copy_vs_doget": gbps["local_copy"] / gbps["doget"]}
+            throughput[f"{size}MiB"] = {
+                "bytes": nbytes,
+                "GBps": gbps,
+                "doget_vs_tcp": gbps["doget"] / gbps["tcp"],
+                "local_view_vs_doget": gbps["local_view"] / gbps["doget"],
+                "local_copy_vs_doget": gbps["local_copy"] / gbps["doget"],
+            }
             rows_out += [
-                (f"DoGet {size} MiB", f"{gbps['doget']:.2f} GB/s", f"{gbps['doget'] / gbps['tcp']:.2f}x TCP "
-                 f"({gbps['tcp']:.2f}), {gbps['doget'] / gbps['memcpy']:.2f}x memcpy ({gbps['memcpy']:.2f})"),
-                (f"short-circuit {size} MiB", f"{gbps['local_view']:.1f} GB/s",
-                 f"{gbps['local_view'] / gbps['doget']:.0f}x DoGet (mmap views, {t_map * 1e3:.2f} ms)"),
-                (f"short-circuit+copy {size} MiB", f"{gbps['local_copy']:.2f} GB/s",
-                 f"{gbps['local_copy'] / gbps['doget']:.1f}x DoGet (every byte copied out, pessimistic)"),
+                (
+                    f"DoGet {size} MiB",
+                    f"{gbps['doget']:.2f} GB/s",
+                    f"{gbps['doget'] / gbps['tcp']:.2f}x TCP "
+                    f"({gbps['tcp']:.2f}), {gbps['doget'] / gbps['memcpy']:.2f}x memcpy ({gbps['memcpy']:.2f})",
+                ),
+                (
+                    f"short-circuit {size} MiB",
+                    f"{gbps['local_view']:.1f} GB/s",
+                    f"{gbps['local_view'] / gbps['doget']:.0f}x DoGet (mmap views, {t_map * 1e3:.2f} ms)",
+                ),
+                (
+                    f"short-circuit+copy {size} MiB",
+                    f"{gbps['local_copy']:.2f} GB/s",
+                    f"{gbps['local_copy'] / gbps['doget']:.1f}x DoGet (every byte copied out, pessimistic)",
+                ),
             ]
         results["throughput"] = throughput
         log("tiny DoGet latency")
-        tiny = FetchRead(node_id="node-0", endpoint=endpoint, ticket=Ticket(
-            job="bench", reads=(UnitRead(unit_id="u1", row_ranges=((0, 1),)),), columns=("reward",)))
+        tiny = FetchRead(
+            node_id="node-0",
+            endpoint=endpoint,
+            ticket=Ticket(job="bench", reads=(UnitRead(unit_id="u1", row_ranges=((0, 1),)),), columns=("reward",)),
+        )
         t_tiny = median_time(lambda: fetcher.fetch([tiny]), 50 * runs, warmup=20)
         results["tiny_doget_ms"] = t_tiny * 1e3
         rows_out.append(("tiny DoGet (1 row, 1 col)", f"{t_tiny * 1e3:.3f} ms", "target <= 1 ms"))
         log("Arrow -> torch conversion")
-        big = local.fetch([FetchRead(node_id="node-0", endpoint=endpoint, ticket=Ticket(
-            job="bench", reads=(UnitRead(unit_id=f"u{sizes[-1]}"),)))])
+        big = local.fetch(
+            [
+                FetchRead(
+                    node_id="node-0",
+                    endpoint=endpoint,
+                    ticket=Ticket(job="bench", reads=(UnitRead(unit_id=f"u{sizes[-1]}"),)),
+                )
+            ]
+        )
         conv: dict[str, Any] = {}
         for rows in (16, 64, 256):
             mb_table = big.slice(0, rows)
             t_fast = median_time(lambda t=mb_table: to_micro_batch(t), 20 * runs, warmup=5)
             t_pack = median_time(lambda t=mb_table: to_micro_batch(t).pack(), 5 * runs, warmup=2)
             t_naive = median_time(lambda t=mb_table: naive_padding(t), runs)
-            conv[str(rows)] = {"to_micro_batch_us": t_fast * 1e6, "with_pack_us": t_pack * 1e6,
-                               "naive_ms": t_naive * 1e3, "speedup": t_naive / t_fast}
-            rows_out.append((f"to_micro_batch {rows} rows", f"{t_fast * 1e6:.1f} us",
-                             f"{t_naive / t_fast:.0f}x naive ({t_naive * 1e3:.1f} ms); +pack() {t_pack * 1e6:.0f} us"))
+            conv[str(rows)] = {
+                "to_micro_batch_us": t_fast * 1e6,
+                "with_pack_us": t_pack * 1e6,
+                "naive_ms": t_naive * 1e3,
+                "speedup": t_naive / t_fast,
+            }
+            rows_out.append(
+                (
+                    f"to_micro_batch {rows} rows",
+                    f"{t_fast * 1e6:.1f} us",
+                    f"{t_naive / t_fast:.0f}x naive ({t_naive * 1e3:.1f} ms); +pack() {t_pack * 1e6:.0f} us",
+                )
+            )
         results["conversion"] = conv
         fetcher.close()
         local.close()

@@ -66,8 +66,10 @@ def _run_metrics(run: dict[str, Any]) -> dict[str, Any]:
     # times it in its loader thread (``load_s``); without prefetch it is the wait itself.
     loads = [1e3 * mb.get("load_s", mb["wait_s"]) for r in run["ranks"] for mb in r["micro"]]
     per_rank = {
-        str(r["rank"]): {"p50_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.5),
-                         "p99_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.99)}
+        str(r["rank"]): {
+            "p50_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.5),
+            "p99_ms": _pct([1e3 * m["wait_s"] for m in r["micro"]], 0.99),
+        }
         for r in run["ranks"]
     }
     return {
@@ -79,8 +81,9 @@ def _run_metrics(run: dict[str, Any]) -> dict[str, Any]:
         "exposed_mean_ms": statistics.fmean(waits),
         "minibatch_s": max(r["train_s"] for r in run["ranks"]),
         # all threads of all rank processes (absent in results of older versions)
-        "consumer_cpu_s": (sum(r["process_cpu_s"] for r in run["ranks"])
-                           if all("process_cpu_s" in r for r in run["ranks"]) else None),
+        "consumer_cpu_s": (
+            sum(r["process_cpu_s"] for r in run["ranks"]) if all("process_cpu_s" in r for r in run["ranks"]) else None
+        ),
         "consume_wall_s": run["consume_wall_s"],
         "bytes_received": sum(mb["nbytes"] for r in run["ranks"] for mb in r["micro"]),
         "per_rank": per_rank,
@@ -104,12 +107,24 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             metrics = [_run_metrics(r) for r in runs]
             checks = [check_run(r, digests, spec) for r in runs]
             row: dict[str, Any] = {"system": res["system"], "kind": res["kind"], "mode": mode, "reps": len(runs)}
-            for key in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s",
-                        "consumer_cpu_s", "consume_wall_s", "bytes_received", "stored_bytes"):
+            for key in (
+                "put_s",
+                "fetch_p50_ms",
+                "fetch_p99_ms",
+                "load_p50_ms",
+                "exposed_mean_ms",
+                "minibatch_s",
+                "consumer_cpu_s",
+                "consume_wall_s",
+                "bytes_received",
+                "stored_bytes",
+            ):
                 values = [m[key] for m in metrics if m[key] is not None]
                 row[key] = statistics.median(values) if values else None
-            row["per_rank"] = {rank: {k: statistics.median(m["per_rank"][rank][k] for m in metrics)
-                                      for k in ("p50_ms", "p99_ms")} for rank in metrics[0]["per_rank"]}
+            row["per_rank"] = {
+                rank: {k: statistics.median(m["per_rank"][rank][k] for m in metrics) for k in ("p50_ms", "p99_ms")}
+                for rank in metrics[0]["per_rank"]
+            }
             row["startup_s"] = res["startup_s"]
             row["peak_total_mib"] = mem["peak_by_role_whole_run"].get("total", 0) / 2**20
             row["peak_by_role_mib"] = {k: v / 2**20 for k, v in mem["peak_by_role_whole_run"].items()}
@@ -141,33 +156,89 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             for metric in METRICS:
                 va, vb = a.get(metric), b.get(metric)
                 if va and vb:
-                    ratios.append({"kind": a["kind"], "mode": a["mode"], "metric": metric, "system": a["system"],
-                                   "baseline": b["system"], "baseline_over_system": vb / va})
-    return {"rows": rows, "ratios": ratios, "targets": check_targets(rows),
-            "cross_system_digests_agree": all(len(v) == 1 for v in canon.values()),
-            "cross_system_microbatches_compared": len(canon),
-            "cross_system_rows_agree": all(len(v) == 1 for v in row_sets.values()),
-            "cross_system_rows_compared": len(row_sets)}
+                    ratios.append(
+                        {
+                            "kind": a["kind"],
+                            "mode": a["mode"],
+                            "metric": metric,
+                            "system": a["system"],
+                            "baseline": b["system"],
+                            "baseline_over_system": vb / va,
+                        }
+                    )
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "targets": check_targets(rows),
+        "cross_system_digests_agree": all(len(v) == 1 for v in canon.values()),
+        "cross_system_microbatches_compared": len(canon),
+        "cross_system_rows_agree": all(len(v) == 1 for v in row_sets.values()),
+        "cross_system_rows_compared": len(row_sets),
+    }
 
 
 # (target, kind, mode, metric, required baseline/system ratio, baselines); the TransferQueue reference
 # is ``tq_kv`` (its faster variant here); "text" compares against every baseline on every speed metric.
 TARGETS: tuple[tuple[str, str, str, str, float, tuple[str, ...]], ...] = (
-    ("multimodal exposed transfer / micro-batch >= 100x lower than TQ", "multimodal", "compute",
-     "exposed_mean_ms", 100.0, ("tq_kv",)),
-    ("multimodal fetch latency (no compute) >= 20x lower than TQ", "multimodal", "none", "fetch_p50_ms", 20.0,
-     ("tq_kv",)),
-    ("multimodal fetch latency (no compute) >= 20x lower than TQ, unhidden", "multimodal", "none",
-     "load_p50_ms", 20.0, ("tq_kv",)),
+    (
+        "multimodal exposed transfer / micro-batch >= 100x lower than TQ",
+        "multimodal",
+        "compute",
+        "exposed_mean_ms",
+        100.0,
+        ("tq_kv",),
+    ),
+    (
+        "multimodal fetch latency (no compute) >= 20x lower than TQ",
+        "multimodal",
+        "none",
+        "fetch_p50_ms",
+        20.0,
+        ("tq_kv",),
+    ),
+    (
+        "multimodal fetch latency (no compute) >= 20x lower than TQ, unhidden",
+        "multimodal",
+        "none",
+        "load_p50_ms",
+        20.0,
+        ("tq_kv",),
+    ),
     ("multimodal transfer+train >= 5.8x lower than TQ", "multimodal", "compute", "minibatch_s", 5.8, ("tq_kv",)),
-    *((f"text no slower than any baseline: {m}", "text", mode, m, 1.0, ("tq_kv", "tq_sampler", "ray_group",
-                                                                       "ray_shard"))
-      for mode in ("none", "compute")
-      for m in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s", "startup_s")),
-    *((f"{kind} storage RSS per stored byte no higher than TQ", kind, "none", "storage_bytes_per_stored_byte",
-       1.0, ("tq_kv",)) for kind in ("text", "multimodal")),
-    *((f"{kind} storage RSS per logical byte no higher than TQ", kind, "none", "storage_bytes_per_logical_byte",
-       1.0, ("tq_kv",)) for kind in ("text", "multimodal")),
+    *(
+        (
+            f"text no slower than any baseline: {m}",
+            "text",
+            mode,
+            m,
+            1.0,
+            ("tq_kv", "tq_sampler", "ray_group", "ray_shard"),
+        )
+        for mode in ("none", "compute")
+        for m in ("put_s", "fetch_p50_ms", "fetch_p99_ms", "exposed_mean_ms", "minibatch_s", "startup_s")
+    ),
+    *(
+        (
+            f"{kind} storage RSS per stored byte no higher than TQ",
+            kind,
+            "none",
+            "storage_bytes_per_stored_byte",
+            1.0,
+            ("tq_kv",),
+        )
+        for kind in ("text", "multimodal")
+    ),
+    *(
+        (
+            f"{kind} storage RSS per logical byte no higher than TQ",
+            kind,
+            "none",
+            "storage_bytes_per_logical_byte",
+            1.0,
+            ("tq_kv",),
+        )
+        for kind in ("text", "multimodal")
+    ),
 )
 
 
@@ -185,7 +256,19 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     continue
                 va, vb = float(mine[metric]), float(theirs[metric])
                 ratio = vb / va if va > 0 else float("inf")
-                out.append({"target": name, "kind": kind, "mode": mode, "metric": metric, "system": system,
-                            "baseline": base, "system_value": va, "baseline_value": vb, "ratio": ratio,
-                            "required": need, "met": ratio >= need})
+                out.append(
+                    {
+                        "target": name,
+                        "kind": kind,
+                        "mode": mode,
+                        "metric": metric,
+                        "system": system,
+                        "baseline": base,
+                        "system_value": va,
+                        "baseline_value": vb,
+                        "ratio": ratio,
+                        "required": need,
+                        "met": ratio >= need,
+                    }
+                )
     return out

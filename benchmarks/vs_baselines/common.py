@@ -95,11 +95,17 @@ def warm_up(spec: WorkloadSpec, hidden: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     n = 2
     batch = TrainBatch(
-        traj_index=torch.arange(n), prompt_ids=torch.zeros(n, dtype=torch.int32),
-        prompt_cu=torch.arange(n + 1), response_ids=torch.zeros(n, dtype=torch.int32),
-        response_cu=torch.arange(n + 1), response_logprobs=torch.zeros(n), reward=torch.ones(n),
-        version_start=torch.zeros(n, dtype=torch.int32), version_end=torch.zeros(n, dtype=torch.int32),
-        images=torch.zeros(1, 16, 16, dtype=torch.uint8), image_index=torch.zeros(n, dtype=torch.int64),
+        traj_index=torch.arange(n),
+        prompt_ids=torch.zeros(n, dtype=torch.int32),
+        prompt_cu=torch.arange(n + 1),
+        response_ids=torch.zeros(n, dtype=torch.int32),
+        response_cu=torch.arange(n + 1),
+        response_logprobs=torch.zeros(n),
+        reward=torch.ones(n),
+        version_start=torch.zeros(n, dtype=torch.int32),
+        version_end=torch.zeros(n, dtype=torch.int32),
+        images=torch.zeros(1, 16, 16, dtype=torch.uint8),
+        image_index=torch.zeros(n, dtype=torch.int64),
     )
     model.loss(batch).backward()  # type: ignore[no-untyped-call]
     optimizer.step()
@@ -143,11 +149,19 @@ def rank_loop(
     t3 = time.perf_counter()
     for rec, batch in zip(micro, received, strict=True):
         digests = row_digests(batch)
-        rec.update({
-            "nbytes": batch.nbytes(),
-            "rows": sorted(digests),
-            "digest": microbatch_digest(digests),
-            "row_digests": {str(k): v.hex() for k, v in digests.items()},
-        })
-    return {"rank": rank, "pid": os.getpid(), "train_s": wall, "process_cpu_s": cpu,
-            "digest_s": time.perf_counter() - t3, "micro": micro}
+        rec.update(
+            {
+                "nbytes": batch.nbytes(),
+                "rows": sorted(digests),
+                "digest": microbatch_digest(digests),
+                "row_digests": {str(k): v.hex() for k, v in digests.items()},
+            }
+        )
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "train_s": wall,
+        "process_cpu_s": cpu,
+        "digest_s": time.perf_counter() - t3,
+        "micro": micro,
+    }

@@ -43,8 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spec-json", default="{}", help="WorkloadSpec overrides as JSON")
     p.add_argument("--compute-hidden", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1, help="unrecorded mini-batches per mode before the measured ones")
-    p.add_argument("--no-put-ahead", dest="put_ahead", action="store_false",
-                   help="compute mode: put each mini-batch only after the previous one was consumed")
+    p.add_argument(
+        "--no-put-ahead",
+        dest="put_ahead",
+        action="store_false",
+        help="compute mode: put each mini-batch only after the previous one was consumed",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -63,8 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= {"none", "compute"}:
         raise SystemExit(f"--modes must list 'none' and/or 'compute', got {args.modes!r}")
     runner = importlib.import_module(RUNNER_MODULES[args.system]).make_runner(args.variant)
-    result: dict[str, Any] = {"system": runner.name, "kind": args.kind, "spec": dataclasses.asdict(spec),
-                              "phases": [], "runs": []}
+    result: dict[str, Any] = {
+        "system": runner.name,
+        "kind": args.kind,
+        "spec": dataclasses.asdict(spec),
+        "phases": [],
+        "runs": [],
+    }
 
     def phase(name: str, t0: float, t1: float) -> None:
         result["phases"].append({"name": name, "start": t0, "end": t1})
@@ -105,14 +114,23 @@ def main(argv: list[str] | None = None) -> int:
                 phase(f"consume:{tag}", b, c)
                 put = puts.pop(tag)
                 waits = [mb["wait_s"] for r in ranks for mb in r["micro"]]
-                logger.info("%s %s %s: put %.3f s, consume %.3f s, median wait %.1f ms", runner.name, args.kind,
-                            tag, put["put_s"], c - b, 1e3 * sorted(waits)[len(waits) // 2])
+                logger.info(
+                    "%s %s %s: put %.3f s, consume %.3f s, median wait %.1f ms",
+                    runner.name,
+                    args.kind,
+                    tag,
+                    put["put_s"],
+                    c - b,
+                    1e3 * sorted(waits)[len(waits) // 2],
+                )
                 if rep is None:  # warm-up: unrecorded in the medians; the first one after start-up is cold
-                    result.setdefault("warmup", []).append({"tag": tag, "mode": mode,
-                                                            "waits_ms": [1e3 * w for w in waits]})
+                    result.setdefault("warmup", []).append(
+                        {"tag": tag, "mode": mode, "waits_ms": [1e3 * w for w in waits]}
+                    )
                     continue
-                result["runs"].append({"rep": rep, "mode": mode, "put": put,
-                                       "consume_wall_s": c - b, "ranks": ranks, "put_ahead": ahead})
+                result["runs"].append(
+                    {"rep": rep, "mode": mode, "put": put, "consume_wall_s": c - b, "ranks": ranks, "put_ahead": ahead}
+                )
     finally:
         t2 = time.time()
         runner.teardown()

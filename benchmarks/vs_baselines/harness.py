@@ -35,8 +35,16 @@ __all__ = ["DEFAULT_SYSTEMS", "main", "run_one"]
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SYSTEMS = ("knittrans:flight", "knittrans:flight_eager", "knittrans:mmap",
-                   "tq:kv", "tq:sampler", "ray:group", "ray:shard", "local:memory")
+DEFAULT_SYSTEMS = (
+    "knittrans:flight",
+    "knittrans:flight_eager",
+    "knittrans:mmap",
+    "tq:kv",
+    "tq:sampler",
+    "ray:group",
+    "ray:shard",
+    "local:memory",
+)
 SMOKE_SYSTEMS = ("knittrans:flight", "tq:kv", "ray:group", "local:memory")
 SMOKE_SPEC = {"num_trajectories": 128, "micro_batches": 2}
 
@@ -62,17 +70,53 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec: dict[str, Any],
-            hidden: int, timeout_s: float, workdir: Path, warmup: int = 1, put_ahead: bool = True) -> dict[str, Any]:
+def run_one(
+    system: str,
+    variant: str,
+    kind: str,
+    *,
+    reps: int,
+    modes: str,
+    spec: dict[str, Any],
+    hidden: int,
+    timeout_s: float,
+    workdir: Path,
+    warmup: int = 1,
+    put_ahead: bool = True,
+) -> dict[str, Any]:
     """Run one driver subprocess, sampling its process tree's memory; return its result plus memory."""
     out = workdir / f"{system}_{variant}_{kind}.json"
-    cmd = [sys.executable, "-m", "benchmarks.vs_baselines.driver", "--system", system, "--variant", variant,
-           "--kind", kind, "--reps", str(reps), "--modes", modes, "--spec-json", json.dumps(spec),
-           "--compute-hidden", str(hidden), "--out", str(out), "--warmup", str(warmup),
-           *([] if put_ahead else ["--no-put-ahead"])]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-               TQ_LOGGING_LEVEL=os.environ.get("TQ_LOGGING_LEVEL", "ERROR"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.vs_baselines.driver",
+        "--system",
+        system,
+        "--variant",
+        variant,
+        "--kind",
+        kind,
+        "--reps",
+        str(reps),
+        "--modes",
+        modes,
+        "--spec-json",
+        json.dumps(spec),
+        "--compute-hidden",
+        str(hidden),
+        "--out",
+        str(out),
+        "--warmup",
+        str(warmup),
+        *([] if put_ahead else ["--no-put-ahead"]),
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        TQ_LOGGING_LEVEL=os.environ.get("TQ_LOGGING_LEVEL", "ERROR"),
+    )
     logger.info("running %s:%s on %s (%d reps, modes %s)", system, variant, kind, reps, modes)
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
@@ -96,8 +140,9 @@ def run_one(system: str, variant: str, kind: str, *, reps: int, modes: str, spec
         "peak_by_role_whole_run": sampler.peak_per_role(),
         "peak_by_role_data_phases": sampler.peak_per_role(consume[0]["start"], consume[-1]["end"]),
         "peak_by_role_one_copy": sampler.peak_per_role(single[0]["start"], single[-1]["end"]),
-        "peak_by_process": {str(pid): {"role": role, "peak_rss": rss}
-                            for pid, (role, rss) in sampler.peak_by_pid.items()},
+        "peak_by_process": {
+            str(pid): {"role": role, "peak_rss": rss} for pid, (role, rss) in sampler.peak_by_pid.items()
+        },
         "processes": len(sampler.peak_by_pid),
     }
     return result
@@ -110,25 +155,48 @@ def cold_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for w in res.get("warmup", []):
             waits = sorted(w["waits_ms"])
             if waits:
-                out.append({"system": res["system"], "kind": res["kind"], "mode": w["mode"], "tag": w["tag"],
-                            "p50_ms": waits[len(waits) // 2],
-                            "p99_ms": waits[min(len(waits) - 1, int(0.99 * len(waits)))]})
+                out.append(
+                    {
+                        "system": res["system"],
+                        "kind": res["kind"],
+                        "mode": w["mode"],
+                        "tag": w["tag"],
+                        "p50_ms": waits[len(waits) // 2],
+                        "p99_ms": waits[min(len(waits) - 1, int(0.99 * len(waits)))],
+                    }
+                )
     return out
 
 
 def machine_info() -> dict[str, Any]:
     """Host, CPU model and the git commit of the checkout (``-dirty`` with uncommitted changes)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
+
     def git(*a: str) -> str:
         try:
             return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
+
     commit = git("rev-parse", "--short", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"host": platform.node(), "platform": platform.platform(), "cpu_model": cpu,
-            "commit": commit + ("-dirty" if dirty else "")}
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "commit": commit + ("-dirty" if dirty else ""),
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -138,17 +206,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="none,compute")
     p.add_argument("--compute-hidden", type=int, default=64)
-    p.add_argument("--spec-json", default=None,
-                   help='WorkloadSpec overrides as JSON, e.g. \'{"ranks": 1, "num_trajectories": 128}\'')
+    p.add_argument(
+        "--spec-json",
+        default=None,
+        help='WorkloadSpec overrides as JSON, e.g. \'{"ranks": 1, "num_trajectories": 128}\'',
+    )
     p.add_argument("--warmup", type=int, default=1, help="unrecorded mini-batches per system and mode first")
-    p.add_argument("--no-put-ahead", dest="put_ahead", action="store_false",
-                   help="compute mode: put each mini-batch only after the previous one was consumed "
-                        "(default: the next one is put before the current one is consumed)")
+    p.add_argument(
+        "--no-put-ahead",
+        dest="put_ahead",
+        action="store_false",
+        help="compute mode: put each mini-batch only after the previous one was consumed "
+        "(default: the next one is put before the current one is consumed)",
+    )
     p.add_argument("--smoke", action="store_true", help="reduced CI mode (< 2 min): fewer systems, rows, reps")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per driver subprocess")
     p.add_argument("--from-json", default=None, help="re-summarise the raw results of an earlier results.json")
-    p.add_argument("--out", default=None,
-                   help="output folder (default benchmarks/vs_baselines/results, or results/smoke with --smoke)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default benchmarks/vs_baselines/results, or results/smoke with --smoke)",
+    )
     return p.parse_args(argv)
 
 
@@ -173,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     default_out = REPO / "benchmarks" / "vs_baselines" / "results"
     out_dir = Path(args.out) if args.out else (default_out / "smoke" if args.smoke else default_out)
     if not chosen and not args.from_json:
-        raise SystemExit("no system to run: the baselines need the 'bench' extra "
-                         "(scripts/setup_bench_env.sh, or pip install -e '.[bench]')")
+        raise SystemExit(
+            "no system to run: the baselines need the 'bench' extra "
+            "(scripts/setup_bench_env.sh, or pip install -e '.[bench]')"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     machine, load_start = machine_info(), list(os.getloadavg())
@@ -184,24 +264,48 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs_baselines_") as tmp:
         for kind in kinds:
             for system, variant in chosen:
-                results.append(run_one(system, variant, kind, reps=reps, modes=args.modes, spec=spec,
-                                       hidden=args.compute_hidden, timeout_s=args.timeout, workdir=Path(tmp),
-                                       warmup=args.warmup, put_ahead=args.put_ahead))
+                results.append(
+                    run_one(
+                        system,
+                        variant,
+                        kind,
+                        reps=reps,
+                        modes=args.modes,
+                        spec=spec,
+                        hidden=args.compute_hidden,
+                        timeout_s=args.timeout,
+                        workdir=Path(tmp),
+                        warmup=args.warmup,
+                        put_ahead=args.put_ahead,
+                    )
+                )
                 (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results}))
     (out_dir / "raw_partial.json").unlink(missing_ok=True)
     summary = summarise(results)
     summary["cold"] = cold_rows(results)
-    meta = {"argv": sys.argv[1:], "smoke": args.smoke, "reps": reps, "spec_overrides": spec,
-            "cpus": os.cpu_count(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            **machine, "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())}
+    meta = {
+        "argv": sys.argv[1:],
+        "smoke": args.smoke,
+        "reps": reps,
+        "spec_overrides": spec,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **machine,
+        "loadavg_start": load_start,
+        "loadavg_end": list(os.getloadavg()),
+    }
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}))
     table = write_markdown(summary, meta, out_dir / "results.md")
     write_png(summary, out_dir / "results.png")
     print(table)
     missed = [t for t in summary["targets"] if not t["met"]]
     if missed:
-        logger.warning("%d of %d target checks missed (see results.md; targets are reported, not enforced)",
-                       len(missed), len(summary["targets"]))
+        logger.warning(
+            "%d of %d target checks missed (see results.md; targets are reported, not enforced)",
+            len(missed),
+            len(summary["targets"]),
+        )
     bad = [f"{s['system']}/{s['kind']}/{s['mode']}" for s in summary["rows"] if not s["correct"]]
     if bad or not summary["cross_system_digests_agree"] or not summary["cross_system_rows_agree"]:
         logger.error("CORRECTNESS FAILURE: %s", bad or "cross-system digests disagree")

@@ -53,8 +53,16 @@ VARIANTS = ("flight", "flight_eager", "mmap")
 ALIASES = {"default": "flight"}
 JOB = "bench"
 SOURCE = "bench"
-COLUMNS = ("traj_id", "prompt_ids", "response_ids", "response_logprobs", "reward", "version_start",
-           "version_end", "media")
+COLUMNS = (
+    "traj_id",
+    "prompt_ids",
+    "response_ids",
+    "response_logprobs",
+    "reward",
+    "version_start",
+    "version_end",
+    "media",
+)
 """Columns the ranks fetch (the job spec's projection): what the workload has, nothing more."""
 
 
@@ -72,11 +80,16 @@ def to_train_batch(micro: Any) -> TrainBatch:
         image_index = torch.tensor([slot[h] for h in refs], dtype=torch.int64)
     return TrainBatch(
         traj_index=torch.tensor(ids, dtype=torch.int64),
-        prompt_ids=b.prompt_ids, prompt_cu=b.prompt_cu_seqlens.long(),
-        response_ids=b.response_ids, response_cu=b.response_cu_seqlens.long(),
-        response_logprobs=b.response_logprobs, reward=b.rewards,
-        version_start=b.version_start, version_end=b.version_end,
-        images=images, image_index=image_index,
+        prompt_ids=b.prompt_ids,
+        prompt_cu=b.prompt_cu_seqlens.long(),
+        response_ids=b.response_ids,
+        response_cu=b.response_cu_seqlens.long(),
+        response_logprobs=b.response_logprobs,
+        reward=b.rewards,
+        version_start=b.version_start,
+        version_end=b.version_end,
+        images=images,
+        image_index=image_index,
     )
 
 
@@ -89,14 +102,20 @@ def build_groups(workload: Workload, tag: str) -> list[Any]:
     for k in range(spec.num_groups):
         rows = list(range(k * g, (k + 1) * g))
         media = [Media(kind="image", data=workload.images[k])] if workload.images is not None else []
-        out.append(TrajectoryGroup(
-            group_id=f"{tag}-g{k:04d}", source=SOURCE, prompt_ids=workload.prompt_ids[rows[0]],
-            response_ids=[workload.response_ids[i] for i in rows],
-            response_logprobs=[workload.response_logprobs[i] for i in rows],
-            rewards=workload.reward[rows], version_start=workload.version_start[rows],
-            version_end=workload.version_end[rows], media=media,
-            traj_ids=[workload.traj_id(i) for i in rows],
-        ))
+        out.append(
+            TrajectoryGroup(
+                group_id=f"{tag}-g{k:04d}",
+                source=SOURCE,
+                prompt_ids=workload.prompt_ids[rows[0]],
+                response_ids=[workload.response_ids[i] for i in rows],
+                response_logprobs=[workload.response_logprobs[i] for i in rows],
+                rewards=workload.reward[rows],
+                version_start=workload.version_start[rows],
+                version_end=workload.version_end[rows],
+                media=media,
+                traj_ids=[workload.traj_id(i) for i in rows],
+            )
+        )
     return out
 
 
@@ -124,36 +143,55 @@ class KnitTransRunner:
         self._cluster = LocalCluster(ClusterConfig(work_dir=self._work, num_stores=2, host=options.loopback))
         self._cluster.start()
         self.control = self._cluster.control()
-        self.control.create_job({
-            "name": JOB, "group_size": spec.group_size, "quotas": {SOURCE: spec.num_groups},
-            "mini_batches_per_step": 1, "policy": "train_batch", "world_size": spec.ranks,
-            "micro_batch_size": spec.micro_batch_size, "columns": list(COLUMNS),
-        })
-        self.writers = [TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
-                        for s in self._cluster.stores]
+        self.control.create_job(
+            {
+                "name": JOB,
+                "group_size": spec.group_size,
+                "quotas": {SOURCE: spec.num_groups},
+                "mini_batches_per_step": 1,
+                "policy": "train_batch",
+                "world_size": spec.ranks,
+                "micro_batch_size": spec.micro_batch_size,
+                "columns": list(COLUMNS),
+            }
+        )
+        self.writers = [
+            TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
+            for s in self._cluster.stores
+        ]
         config = {
-            "control_url": self._cluster.control_url, "job": JOB, "world_size": spec.ranks,
+            "control_url": self._cluster.control_url,
+            "job": JOB,
+            "world_size": spec.ranks,
             "fetch_mode": "eager" if self.variant == "flight_eager" else "iter",
             "endpoints": [] if self.variant == "mmap" else [s.endpoint for s in self._cluster.stores],
             "local_dirs": {s.node_id: str(s.store_dir) for s in self._cluster.stores} if self.variant == "mmap" else {},
-            "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "hidden": options.compute_hidden,
+            "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+            "hidden": options.compute_hidden,
         }
-        self._ranks = RankProcesses("benchmarks.vs_baselines.knittrans_runner", "knittrans_consumer", spec.ranks,
-                                    config)
+        self._ranks = RankProcesses(
+            "benchmarks.vs_baselines.knittrans_runner", "knittrans_consumer", spec.ranks, config
+        )
 
     def put(self, workload: Workload, tag: str) -> dict[str, float]:
         t0 = time.perf_counter()
         groups = build_groups(workload, tag)
         # one unit per producer batch of groups, batches alternating between the two store nodes
-        descs = [self.writers[k % len(self.writers)].write_groups(groups[b.start:b.stop])
-                 for k, b in enumerate(self.spec.put_batches())]
+        descs = [
+            self.writers[k % len(self.writers)].write_groups(groups[b.start : b.stop])
+            for k, b in enumerate(self.spec.put_batches())
+        ]
         t1 = time.perf_counter()
         self.control.register_units(JOB, descs)
         t2 = time.perf_counter()
         self._descs[tag] = descs
-        return {"put_s": t2 - t0, "write_s": t1 - t0, "register_s": t2 - t1,
-                "stored_bytes": float(workload.payload_bytes(image_per_row=False)),
-                "unit_bytes": float(sum(d.num_bytes for d in descs))}
+        return {
+            "put_s": t2 - t0,
+            "write_s": t1 - t0,
+            "register_s": t2 - t1,
+            "stored_bytes": float(workload.payload_bytes(image_per_row=False)),
+            "unit_bytes": float(sum(d.num_bytes for d in descs)),
+        }
 
     def _server_cpu(self) -> dict[str, float]:
         """CPU seconds so far of the store nodes and the control plane (all their threads)."""
@@ -215,9 +253,15 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
 
     config, spec, hidden = read_config(inp)
     warm_up(spec, hidden)
-    cfg = TrainerConfig(control_url=config["control_url"], job=config["job"], rank=rank,
-                        world_size=int(config["world_size"]), fetch_mode=config["fetch_mode"],
-                        local_dirs=config["local_dirs"], prefetch_depth=spec.micro_batches)
+    cfg = TrainerConfig(
+        control_url=config["control_url"],
+        job=config["job"],
+        rank=rank,
+        world_size=int(config["world_size"]),
+        fetch_mode=config["fetch_mode"],
+        local_dirs=config["local_dirs"],
+        prefetch_depth=spec.micro_batches,
+    )
     # The conversion to the workload's TrainBatch is the client's transform (its collate function):
     # it runs in the prefetch thread, off the training loop, as a DataLoader's collate_fn would.
     with TrainerClient(cfg, transform=to_train_batch) as client:
@@ -235,8 +279,10 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
             extra = list(batches)
             mb = state["mb"]
             if extra or mb.num_micro_batches != spec.micro_batches:
-                raise RuntimeError(f"plan of rank {rank} has {mb.num_micro_batches} micro-batches, "
-                                   f"the workload expects {spec.micro_batches}")
+                raise RuntimeError(
+                    f"plan of rank {rank} has {mb.num_micro_batches} micro-batches, "
+                    f"the workload expects {spec.micro_batches}"
+                )
             t0 = time.perf_counter()
             mb.ack()  # after the optimizer step, as a trainer does; counted in transfer+train
             ack_s = time.perf_counter() - t0
@@ -245,8 +291,9 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
             for rec, timing in zip(result["micro"], mb.timings, strict=True):
                 rec["load_s"] = timing.fetch_s + timing.convert_s + timing.transform_s  # unoverlapped
                 rec["client_wait_s"] = timing.wait_s
-            result["media"] = {k: getattr(mb.media_stats, k) for k in
-                               ("requests", "hits", "fetched", "logical_bytes", "unique_bytes")}
+            result["media"] = {
+                k: getattr(mb.media_stats, k) for k in ("requests", "hits", "fetched", "logical_bytes", "unique_bytes")
+            }
             return result
 
         serve_commands(inp, out, run)

@@ -59,10 +59,12 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
     _, spec, hidden = read_config(inp)
     warm_up(spec, hidden)
     workload = generate(spec)
-    batches = [batch_from_rows(workload, list(spec.plan(rank, m)), dedup_images=True)
-               for m in range(spec.micro_batches)]
-    serve_commands(inp, out, lambda cmd: rank_loop(rank, spec, iter(batches), compute=bool(cmd["compute"]),
-                                                   hidden=hidden))
+    batches = [
+        batch_from_rows(workload, list(spec.plan(rank, m)), dedup_images=True) for m in range(spec.micro_batches)
+    ]
+    serve_commands(
+        inp, out, lambda cmd: rank_loop(rank, spec, iter(batches), compute=bool(cmd["compute"]), hidden=hidden)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

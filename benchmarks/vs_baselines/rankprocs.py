@@ -32,13 +32,20 @@ class RankProcesses:
     """``python -m <module> <role> --rank r`` for every rank; the first line each one reads is ``config``."""
 
     def __init__(self, module: str, role: str, ranks: int, config: dict[str, Any]) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+        )
         self.role = role
         self.procs: list[subprocess.Popen[str]] = []
         for r in range(ranks):
-            proc = subprocess.Popen([sys.executable, "-m", module, role, "--rank", str(r)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, role, "--rank", str(r)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                env=env,
+            )
             self.procs.append(proc)
             self._send(proc, config)
         self.receive()  # every rank answers "ready" once warmed up
@@ -111,14 +118,16 @@ def serve_commands(inp: IO[str], out: IO[str], run: Callable[[dict[str, Any]], d
         out.flush()
 
 
-def rank_main(role: str, description: str, serve: Callable[[int, IO[str], IO[str]], None],
-              argv: list[str] | None = None) -> int:
+def rank_main(
+    role: str, description: str, serve: Callable[[int, IO[str], IO[str]], None], argv: list[str] | None = None
+) -> int:
     """Entry point of a consumer rank process: ``<role> --rank r``, logging to stderr."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("role", choices=[role])
     p.add_argument("--rank", type=int, required=True)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s {role}[{args.rank}] %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format=f"%(asctime)s {role}[{args.rank}] %(name)s %(message)s"
+    )
     serve(args.rank, sys.stdin, sys.stdout)
     return 0

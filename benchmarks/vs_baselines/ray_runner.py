@@ -58,6 +58,7 @@ def _cat(parts: list[np.ndarray]) -> torch.Tensor:
 
 def batch_from_packs(packs: list[dict[str, np.ndarray]]) -> TrainBatch:
     """Concatenate packed groups into one :class:`TrainBatch` (copies, as a user would)."""
+
     def cu(key: str) -> torch.Tensor:
         offs, base = [np.zeros(1, np.int64)], 0
         for p in packs:
@@ -75,13 +76,16 @@ def batch_from_packs(packs: list[dict[str, np.ndarray]]) -> TrainBatch:
             image_index = torch.arange(images.shape[0])
     return TrainBatch(
         traj_index=_cat([p["traj_index"] for p in packs]),
-        prompt_ids=_cat([p["prompt_ids"] for p in packs]), prompt_cu=cu("prompt_cu"),
-        response_ids=_cat([p["response_ids"] for p in packs]), response_cu=cu("response_cu"),
+        prompt_ids=_cat([p["prompt_ids"] for p in packs]),
+        prompt_cu=cu("prompt_cu"),
+        response_ids=_cat([p["response_ids"] for p in packs]),
+        response_cu=cu("response_cu"),
         response_logprobs=_cat([p["response_logprobs"] for p in packs]),
         reward=_cat([p["reward"] for p in packs]),
         version_start=_cat([p["version_start"] for p in packs]),
         version_end=_cat([p["version_end"] for p in packs]),
-        images=images, image_index=image_index,
+        images=images,
+        image_index=image_index,
     )
 
 
@@ -138,8 +142,13 @@ class RayRunner:
     def setup(self, spec: WorkloadSpec, options: RunnerOptions) -> None:
         self.spec = spec
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(_node_ip_address=options.loopback, include_dashboard=False, num_cpus=options.logical_cpus,
-                 logging_level="WARNING", log_to_driver=False)
+        ray.init(
+            _node_ip_address=options.loopback,
+            include_dashboard=False,
+            num_cpus=options.logical_cpus,
+            logging_level="WARNING",
+            log_to_driver=False,
+        )
         self._actors = [
             RayConsumer.remote(r, spec, options.compute_hidden)  # type: ignore[attr-defined]
             for r in range(spec.ranks)
@@ -152,8 +161,10 @@ class RayRunner:
         per_rank: list[list[list[Any]]] = []
         if self.variant == "group":
             g = spec.group_size
-            group_refs = [ray.put(pack_rows(workload, list(range(k * g, (k + 1) * g)), image="group"))
-                          for k in range(spec.num_groups)]
+            group_refs = [
+                ray.put(pack_rows(workload, list(range(k * g, (k + 1) * g)), image="group"))
+                for k in range(spec.num_groups)
+            ]
             for r in range(spec.ranks):
                 mbs = []
                 for m in range(spec.micro_batches):

@@ -33,28 +33,47 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
     """Write (and return) one table per workload/mode with ratios to the reference system."""
     rows = summary["rows"]
     ref = _reference(rows)
-    lines = [f"# vs_baselines ({'smoke' if meta['smoke'] else 'full'}; {meta['reps']} rep(s); "
-             f"{meta['cpus']} CPUs; {meta['time']})", "",
-             f"Medians over repetitions. `×ref` = system's value / {ref}'s (same run).  "
-             f"Correctness: every row's digest equals the generator's; cross-system micro-batch digests "
-             f"agree: {summary['cross_system_digests_agree']} "
-             f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots of systems "
-             f"following the canonical plan); every row's digest agrees across all systems: "
-             f"{summary.get('cross_system_rows_agree')} ({summary.get('cross_system_rows_compared')} rows).", ""]
+    lines = [
+        f"# vs_baselines ({'smoke' if meta['smoke'] else 'full'}; {meta['reps']} rep(s); "
+        f"{meta['cpus']} CPUs; {meta['time']})",
+        "",
+        f"Medians over repetitions. `×ref` = system's value / {ref}'s (same run).  "
+        f"Correctness: every row's digest equals the generator's; cross-system micro-batch digests "
+        f"agree: {summary['cross_system_digests_agree']} "
+        f"({summary['cross_system_microbatches_compared']} (workload, rank, micro-batch) slots of systems "
+        f"following the canonical plan); every row's digest agrees across all systems: "
+        f"{summary.get('cross_system_rows_agree')} ({summary.get('cross_system_rows_compared')} rows).",
+        "",
+    ]
     if "commit" in meta:
-        lines += [f"Machine: {meta.get('host')} ({meta.get('cpu_model')}, {meta.get('platform')}); commit "
-                  f"{meta['commit']}; load average (1/5/15 min) at start {_load(meta.get('loadavg_start'))}, "
-                  f"at end {_load(meta.get('loadavg_end'))}.", ""]
-    cols = ["put_s", "fetch_p50_ms", "fetch_p99_ms", "load_p50_ms", "exposed_mean_ms", "minibatch_s",
-            "consumer_cpu_s", "startup_s",
-            "peak_total_mib", "storage_bytes_per_stored_byte"]
+        lines += [
+            f"Machine: {meta.get('host')} ({meta.get('cpu_model')}, {meta.get('platform')}); commit "
+            f"{meta['commit']}; load average (1/5/15 min) at start {_load(meta.get('loadavg_start'))}, "
+            f"at end {_load(meta.get('loadavg_end'))}.",
+            "",
+        ]
+    cols = [
+        "put_s",
+        "fetch_p50_ms",
+        "fetch_p99_ms",
+        "load_p50_ms",
+        "exposed_mean_ms",
+        "minibatch_s",
+        "consumer_cpu_s",
+        "startup_s",
+        "peak_total_mib",
+        "storage_bytes_per_stored_byte",
+    ]
     for kind in sorted({r["kind"] for r in rows}):
         for mode in sorted({r["mode"] for r in rows if r["kind"] == kind}):
             sel = [r for r in rows if (r["kind"], r["mode"]) == (kind, mode)]
             base = next((r for r in sel if r["system"] == ref), None)
-            lines += [f"## {kind}, compute={'on' if mode == 'compute' else 'off'}", "",
-                      "| system | " + " | ".join(METRICS[c] for c in cols) + " | MiB received | correct |",
-                      "|---" * (len(cols) + 3) + "|"]
+            lines += [
+                f"## {kind}, compute={'on' if mode == 'compute' else 'off'}",
+                "",
+                "| system | " + " | ".join(METRICS[c] for c in cols) + " | MiB received | correct |",
+                "|---" * (len(cols) + 3) + "|",
+            ]
             for r in sel:
                 cells = []
                 for c in cols:
@@ -63,35 +82,56 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
                         cell += f" ({r[c] / base[c]:.2g}×ref)"
                     cells.append(cell)
                 ok = "yes" if r["correct"] else "**NO**"
-                lines.append(f"| {r['system']} | " + " | ".join(cells)
-                             + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |")
+                lines.append(
+                    f"| {r['system']} | " + " | ".join(cells) + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |"
+                )
             lines.append("")
     cold = summary.get("cold", [])
     if cold:
-        lines += ["## Warm-up mini-batches (unrecorded above; compute=off runs first, so its warm-up is cold)",
-                  "",
-                  "| system | workload | compute | fetch p50 (ms) | fetch p99 (ms) |", "|---" * 5 + "|"]
-        lines += [f"| {c['system']} | {c['kind']} | {'on' if c['mode'] == 'compute' else 'off'} | "
-                  f"{_fmt(c['p50_ms'])} | {_fmt(c['p99_ms'])} |" for c in cold]
+        lines += [
+            "## Warm-up mini-batches (unrecorded above; compute=off runs first, so its warm-up is cold)",
+            "",
+            "| system | workload | compute | fetch p50 (ms) | fetch p99 (ms) |",
+            "|---" * 5 + "|",
+        ]
+        lines += [
+            f"| {c['system']} | {c['kind']} | {'on' if c['mode'] == 'compute' else 'off'} | "
+            f"{_fmt(c['p50_ms'])} | {_fmt(c['p99_ms'])} |"
+            for c in cold
+        ]
         lines.append("")
     targets = summary.get("targets", [])
     if targets:
-        lines += ["## Targets (KnitTrans vs baseline, same run; ratio = baseline / KnitTrans)", "",
-                  "| target | system | vs | KnitTrans | baseline | ratio | needed | met |", "|---" * 8 + "|"]
+        lines += [
+            "## Targets (KnitTrans vs baseline, same run; ratio = baseline / KnitTrans)",
+            "",
+            "| target | system | vs | KnitTrans | baseline | ratio | needed | met |",
+            "|---" * 8 + "|",
+        ]
         for t in targets:
-            lines.append(f"| {t['target']} | {t['system']} | {t['baseline']} | {_fmt(t['system_value'])} | "
-                         f"{_fmt(t['baseline_value'])} | {t['ratio']:.3g} | {t['required']:g} | "
-                         f"{'yes' if t['met'] else '**no**'} |")
+            lines.append(
+                f"| {t['target']} | {t['system']} | {t['baseline']} | {_fmt(t['system_value'])} | "
+                f"{_fmt(t['baseline_value'])} | {t['ratio']:.3g} | {t['required']:g} | "
+                f"{'yes' if t['met'] else '**no**'} |"
+            )
         lines.append("")
     floors = {(r["kind"], r["mode"]): r["minibatch_s"] for r in rows if r["system"] == "local_memory"}
-    bounds = [(r["kind"], r["mode"], r["minibatch_s"], floors[(r["kind"], r["mode"])]) for r in rows
-              if r["system"] == "tq_kv" and r["mode"] == "compute" and (r["kind"], r["mode"]) in floors]
+    bounds = [
+        (r["kind"], r["mode"], r["minibatch_s"], floors[(r["kind"], r["mode"])])
+        for r in rows
+        if r["system"] == "tq_kv" and r["mode"] == "compute" and (r["kind"], r["mode"]) in floors
+    ]
     if bounds:
-        lines += ["Host bound on transfer+train: `local_memory` has no transfer at all (the micro-batches are in "
-                  "each rank's memory before the run), so no system can be more than tq_kv / local_memory times "
-                  "faster than tq_kv here:", ""]
-        lines += [f"* {kind} (compute): tq_kv {tq:.3g} s / local_memory "
-                  f"{floor:.3g} s = **{tq / floor:.2f}×** at most" for kind, mode, tq, floor in bounds]
+        lines += [
+            "Host bound on transfer+train: `local_memory` has no transfer at all (the micro-batches are in "
+            "each rank's memory before the run), so no system can be more than tq_kv / local_memory times "
+            "faster than tq_kv here:",
+            "",
+        ]
+        lines += [
+            f"* {kind} (compute): tq_kv {tq:.3g} s / local_memory {floor:.3g} s = **{tq / floor:.2f}×** at most"
+            for kind, mode, tq, floor in bounds
+        ]
         lines.append("")
     lines += ["Peak RSS by role (MiB, whole run, summed over processes of the role):", ""]
     for r in rows:

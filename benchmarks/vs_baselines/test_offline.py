@@ -119,6 +119,9 @@ def test_local_runner_ranks_deliver_the_canonical_rows() -> None:
         runner.teardown()
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["process_cpu_s"] > 0 for r in ranks)
     assert check_run({"ranks": ranks}, generate(spec).digests, spec) == {
-        "wrong_rows": 0, "exactly_once": True, "canonical_plan": True}
+        "wrong_rows": 0,
+        "exactly_once": True,
+        "canonical_plan": True,
+    }
     with pytest.raises(ValueError, match="unknown local variant"):
         LocalRunner("disk")

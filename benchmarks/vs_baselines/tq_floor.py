@@ -97,13 +97,23 @@ class FloorConsumer:
                     td = self.tq.kv_batch_get(keys=keys, partition_id=partition)
                 else:  # a fresh task name per pass: the sampler hands out the partition again
                     config = {"dp_rank": self.rank, "batch_index": m, "task_name": task, "partition_id": partition}
-                    meta = client.get_meta(data_fields=fields, batch_size=self.spec.micro_batch_size,
-                                           partition_id=partition, task_name=task, sampling_config=config)
+                    meta = client.get_meta(
+                        data_fields=fields,
+                        batch_size=self.spec.micro_batch_size,
+                        partition_id=partition,
+                        task_name=task,
+                        sampling_config=config,
+                    )
                     td = client.get_data(meta)
                 t1 = time.perf_counter()
                 batch = to_train_batch(td)
-                parts.append({"call_ms": 1e3 * (t1 - t0), "backend_ms": 1e3 * self.inner_s,
-                              "convert_ms": 1e3 * (time.perf_counter() - t1)})
+                parts.append(
+                    {
+                        "call_ms": 1e3 * (t1 - t0),
+                        "backend_ms": 1e3 * self.inner_s,
+                        "convert_ms": 1e3 * (time.perf_counter() - t1),
+                    }
+                )
                 yield batch
 
         result = rank_loop(self.rank, self.spec, batches(), compute=compute)
@@ -115,8 +125,14 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
     from omegaconf import OmegaConf
 
     knit = backend != "simple"
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, logging_level="WARNING",
-             log_to_driver=False, runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=8,
+        logging_level="WARNING",
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None,
+    )
     root = None
     try:
         if knit:
@@ -124,18 +140,26 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
 
             register()
             root = tempfile.mkdtemp(prefix="knittrans_tq_floor_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-            conf_backend: dict[str, Any] = {"storage_backend": "KnitTrans", "KnitTrans": {
-                "media_fields": ["image"], "store_root": root, "host": "127.0.0.1"}}
+            conf_backend: dict[str, Any] = {
+                "storage_backend": "KnitTrans",
+                "KnitTrans": {"media_fields": ["image"], "store_root": root, "host": "127.0.0.1"},
+            }
         else:
             conf_backend = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
-        tq.init(OmegaConf.create({"controller": {"sampler": tq.RankAwareSampler()}, "backend": conf_backend},
-                                 flags={"allow_objects": True}))
+        tq.init(
+            OmegaConf.create(
+                {"controller": {"sampler": tq.RankAwareSampler()}, "backend": conf_backend},
+                flags={"allow_objects": True},
+            )
+        )
         workload = generate(spec)
         for groups in spec.put_batches():
             keys, fields = group_fields(workload, groups)
             tq.kv_batch_put(keys=keys, partition_id="floor", fields=fields)
-        actors = [FloorConsumer.remote(r, spec, False)  # type: ignore[attr-defined]
-                  for r in range(spec.ranks)]
+        actors = [
+            FloorConsumer.remote(r, spec, False)  # type: ignore[attr-defined]
+            for r in range(spec.ranks)
+        ]
         ray.get([a.ready.remote() for a in actors])
         fields = [*SCALAR_FIELDS, *TOKEN_FIELDS] + (["image"] if spec.kind == "multimodal" else [])
         # with the KnitTrans backend, passes alternate real reads and the no-op (same load window)
@@ -151,14 +175,30 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
                 for v in variants:
                     ray.get([a.set_noop.remote(v == "noop") for a in actors])
                     load = os.getloadavg()[0]
-                    rows = [x for per_rank in ray.get([a.run.remote("floor", path, f"{mode}{i}{v}", fields, compute)
-                                                       for a in actors]) for x in per_rank]
-                    passes[v].append({"load1": load, **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
-                                      "wait_p99_ms": sorted(r["wait_ms"] for r in rows)[int(0.99 * len(rows))]})
+                    rows = [
+                        x
+                        for per_rank in ray.get(
+                            [a.run.remote("floor", path, f"{mode}{i}{v}", fields, compute) for a in actors]
+                        )
+                        for x in per_rank
+                    ]
+                    passes[v].append(
+                        {
+                            "load1": load,
+                            **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
+                            "wait_p99_ms": sorted(r["wait_ms"] for r in rows)[int(0.99 * len(rows))],
+                        }
+                    )
             for v in variants:
-                results.append({"backend": v, "path": path, "mode": mode, "passes": passes[v],
-                                **{k: statistics.median(p[k] for p in passes[v]) for k in passes[v][0]
-                                   if k != "load1"}})
+                results.append(
+                    {
+                        "backend": v,
+                        "path": path,
+                        "mode": mode,
+                        "passes": passes[v],
+                        **{k: statistics.median(p[k] for p in passes[v]) for k in passes[v][0] if k != "load1"},
+                    }
+                )
         for a in actors:
             ray.kill(a)
         return results
@@ -175,13 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", default="multimodal", choices=["text", "multimodal"])
     p.add_argument("--paths", default="kv,sampler", help="kv (kv_batch_get) and/or sampler (get_meta+get_data)")
     p.add_argument("--modes", default="none,compute", help="none (fetch only) and/or compute (tiny policy step)")
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help=f"some of {BACKENDS}; knittrans also measures the no-op, pass by pass in the same session")
+    p.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help=f"some of {BACKENDS}; knittrans also measures the no-op, pass by pass in the same session",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     spec = WorkloadSpec(kind=args.kind)
-    meta = {"argv": sys.argv[1:], **machine_info(), "loadavg_start": list(os.getloadavg()),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "reps": args.reps, "kind": args.kind}
+    meta = {
+        "argv": sys.argv[1:],
+        **machine_info(),
+        "loadavg_start": list(os.getloadavg()),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "reps": args.reps,
+        "kind": args.kind,
+    }
     paths = args.paths.split(",")
     if not set(paths) <= {"kv", "sampler"}:
         raise SystemExit(f"--paths must list kv and/or sampler, got {args.paths!r}")
@@ -199,20 +248,27 @@ def main(argv: list[str] | None = None) -> int:
             results += measure(b, spec, args.reps, path, modes)
             meta["loadavg_end"] = list(os.getloadavg())
             (out / "floor.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    lines = [f"# TransferQueue fetch floor ({args.kind}, 4 ranks concurrently, median of "
-             f"{args.reps} passes; {meta['time']})", "",
-             f"Machine: {meta['host']} ({meta['cpu_model']}); commit {meta['commit']}; load average at start "
-             f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_start'])}, at end "
-             f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_end'])}. `noop` = KnitTrans backend whose `get_data` "
-             "returns its answer for the same micro-batch in the last real pass (no storage work). "
-             "`sampler` = `get_meta` (RankAwareSampler) + `get_data`; `kv` = `kv_batch_get`.", "",
-             "| path | compute | backend | fetch p50 (ms) | fetch p99 (ms) | client call p50 (ms) "
-             "| in get_data p50 (ms) | call outside get_data (ms) | conversion p50 (ms) |", "|---" * 9 + "|"]
+    lines = [
+        f"# TransferQueue fetch floor ({args.kind}, 4 ranks concurrently, median of "
+        f"{args.reps} passes; {meta['time']})",
+        "",
+        f"Machine: {meta['host']} ({meta['cpu_model']}); commit {meta['commit']}; load average at start "
+        f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_start'])}, at end "
+        f"{'/'.join(f'{v:.2f}' for v in meta['loadavg_end'])}. `noop` = KnitTrans backend whose `get_data` "
+        "returns its answer for the same micro-batch in the last real pass (no storage work). "
+        "`sampler` = `get_meta` (RankAwareSampler) + `get_data`; `kv` = `kv_batch_get`.",
+        "",
+        "| path | compute | backend | fetch p50 (ms) | fetch p99 (ms) | client call p50 (ms) "
+        "| in get_data p50 (ms) | call outside get_data (ms) | conversion p50 (ms) |",
+        "|---" * 9 + "|",
+    ]
     for r in results:
         compute = "on" if r["mode"] == "compute" else "off"
-        lines.append(f"| {r['path']} | {compute} | {r['backend']} | {r['wait_ms']:.1f} | {r['wait_p99_ms']:.1f} | "
-                     f"{r['call_ms']:.1f} | {r['backend_ms']:.1f} | {r['call_ms'] - r['backend_ms']:.1f} | "
-                     f"{r['convert_ms']:.1f} |")
+        lines.append(
+            f"| {r['path']} | {compute} | {r['backend']} | {r['wait_ms']:.1f} | {r['wait_p99_ms']:.1f} | "
+            f"{r['call_ms']:.1f} | {r['backend_ms']:.1f} | {r['call_ms'] - r['backend_ms']:.1f} | "
+            f"{r['convert_ms']:.1f} |"
+        )
     (out / "floor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

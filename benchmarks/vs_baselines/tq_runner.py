@@ -53,8 +53,11 @@ def group_fields(workload: Workload, groups: int | range) -> tuple[list[str], Te
         "version_start": torch.from_numpy(workload.version_start[rows]),
         "version_end": torch.from_numpy(workload.version_end[rows]),
     }
-    for name, arrays in (("prompt_ids", workload.prompt_ids), ("response_ids", workload.response_ids),
-                         ("response_logprobs", workload.response_logprobs)):
+    for name, arrays in (
+        ("prompt_ids", workload.prompt_ids),
+        ("response_ids", workload.response_ids),
+        ("response_logprobs", workload.response_logprobs),
+    ):
         cols[name] = torch.nested.nested_tensor([torch.from_numpy(arrays[i]) for i in rows], layout=torch.jagged)
     if workload.images is not None:
         cols["image"] = torch.from_numpy(workload.images[list(groups)]).repeat_interleave(g, dim=0)
@@ -76,12 +79,16 @@ def to_train_batch(td: TensorDict) -> TrainBatch:
         image_index = torch.arange(images.shape[0])
     return TrainBatch(
         traj_index=scalars["traj_index"].to(torch.int64),
-        prompt_ids=torch.cat(tokens["prompt_ids"]), prompt_cu=cu_seqlens([len(t) for t in tokens["prompt_ids"]]),
+        prompt_ids=torch.cat(tokens["prompt_ids"]),
+        prompt_cu=cu_seqlens([len(t) for t in tokens["prompt_ids"]]),
         response_ids=torch.cat(tokens["response_ids"]),
         response_cu=cu_seqlens([len(t) for t in tokens["response_ids"]]),
         response_logprobs=torch.cat(tokens["response_logprobs"]),
-        reward=scalars["reward"], version_start=scalars["version_start"], version_end=scalars["version_end"],
-        images=images, image_index=image_index,
+        reward=scalars["reward"],
+        version_start=scalars["version_start"],
+        version_end=scalars["version_end"],
+        images=images,
+        image_index=image_index,
     )
 
 
@@ -112,8 +119,13 @@ class TQConsumer:
         client = self.tq.get_client()
         for m in range(self.spec.micro_batches):
             config = {"dp_rank": self.rank, "batch_index": m, "task_name": TASK, "partition_id": partition}
-            meta = client.get_meta(data_fields=fields, batch_size=self.spec.micro_batch_size,
-                                   partition_id=partition, task_name=TASK, sampling_config=config)
+            meta = client.get_meta(
+                data_fields=fields,
+                batch_size=self.spec.micro_batch_size,
+                partition_id=partition,
+                task_name=TASK,
+                sampling_config=config,
+            )
             yield to_train_batch(client.get_data(meta))
 
 
@@ -135,22 +147,29 @@ class TQRunner:
         self.spec, self.tq = spec, tq
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         knit = self.variant.startswith("kt_")
-        ray.init(_node_ip_address=options.loopback, include_dashboard=False, num_cpus=options.logical_cpus,
-                 logging_level="WARNING", log_to_driver=False,
-                 runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None)
+        ray.init(
+            _node_ip_address=options.loopback,
+            include_dashboard=False,
+            num_cpus=options.logical_cpus,
+            logging_level="WARNING",
+            log_to_driver=False,
+            runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None,
+        )
         if knit:
             from knittrans.integrations.transferqueue import register
 
             register()
             shm = Path("/dev/shm")  # tmpfs, as SimpleStorage keeps its data in memory
             self._store_root = tempfile.mkdtemp(prefix="knittrans_tq_bench_", dir=shm if shm.is_dir() else None)
-            backend = {"storage_backend": "KnitTrans",
-                       "KnitTrans": {"media_fields": ["image"], "store_root": self._store_root,
-                                     "host": options.loopback}}
+            backend = {
+                "storage_backend": "KnitTrans",
+                "KnitTrans": {"media_fields": ["image"], "store_root": self._store_root, "host": options.loopback},
+            }
         else:
             backend = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
-        conf = OmegaConf.create({"controller": {"sampler": tq.RankAwareSampler()}, "backend": backend},
-                                flags={"allow_objects": True})
+        conf = OmegaConf.create(
+            {"controller": {"sampler": tq.RankAwareSampler()}, "backend": backend}, flags={"allow_objects": True}
+        )
         tq.init(conf)
         self._actors = [
             TQConsumer.remote(r, spec, options.compute_hidden)  # type: ignore[attr-defined]

@@ -164,8 +164,17 @@ class TrainBatch:
 
     def nbytes(self) -> int:
         """Bytes held by the batch's tensors (what the consumer received)."""
-        tensors = [self.traj_index, self.prompt_ids, self.prompt_cu, self.response_ids, self.response_cu,
-                   self.response_logprobs, self.reward, self.version_start, self.version_end]
+        tensors = [
+            self.traj_index,
+            self.prompt_ids,
+            self.prompt_cu,
+            self.response_ids,
+            self.response_cu,
+            self.response_logprobs,
+            self.reward,
+            self.version_start,
+            self.version_end,
+        ]
         if self.images is not None and self.image_index is not None:
             tensors += [self.images, self.image_index]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -194,17 +203,26 @@ def generate(spec: WorkloadSpec) -> Workload:
         images = rng.integers(0, 256, (spec.num_groups, *spec.image_shape), dtype=np.uint8)
     image_digests = [_image_digest(images[i]) for i in range(spec.num_groups)] if images is not None else None
     digests = [
-        _row_digest(i, prompts[i], responses[i], logprobs[i], reward[i : i + 1], version_start[i : i + 1],
-                    version_end[i : i + 1], image_digests[i // g] if image_digests else b"")
+        _row_digest(
+            i,
+            prompts[i],
+            responses[i],
+            logprobs[i],
+            reward[i : i + 1],
+            version_start[i : i + 1],
+            version_end[i : i + 1],
+            image_digests[i // g] if image_digests else b"",
+        )
         for i in range(n)
     ]
     return Workload(spec, prompts, responses, logprobs, reward, version_start, version_end, images, digests)
 
 
 def _image_digest(image: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest() + repr(
-        tuple(image.shape)
-    ).encode()
+    return (
+        hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest()
+        + repr(tuple(image.shape)).encode()
+    )
 
 
 def _row_digest(index: int, *parts: np.ndarray | bytes) -> bytes:
@@ -236,8 +254,14 @@ def row_digests(batch: TrainBatch) -> dict[int, bytes]:
                 image_digest[k] = _image_digest(batch.images[k].numpy())
             img = image_digest[k]
         out[int(idx)] = _row_digest(
-            int(idx), prompt[pcu[i] : pcu[i + 1]], response[rcu[i] : rcu[i + 1]], logp[rcu[i] : rcu[i + 1]],
-            reward[i : i + 1], vs[i : i + 1], ve[i : i + 1], img,
+            int(idx),
+            prompt[pcu[i] : pcu[i + 1]],
+            response[rcu[i] : rcu[i + 1]],
+            logp[rcu[i] : rcu[i + 1]],
+            reward[i : i + 1],
+            vs[i : i + 1],
+            ve[i : i + 1],
+            img,
         )
     return out
 

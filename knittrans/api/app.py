@@ -36,10 +36,17 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     async def _reject(self, send: Send) -> None:
-        body = ('{"error":"payload_too_large","detail":"request body is larger than the '
-                f'{self.max_bytes} bytes allowed; send smaller batches"}}').encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = (
+            '{"error":"payload_too_large","detail":"request body is larger than the '
+            f'{self.max_bytes} bytes allowed; send smaller batches"}}'
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,9 +113,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     runner = StateRunner()
     store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
     key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
-    service = ControlPlane(store, node_timeout_s=settings.node_timeout_s,
-                           recent_admissions=settings.recent_admissions, on_plans=board.notify,
-                           ticket_key=key, ticket_ttl_s=settings.ticket_ttl_s)
+    service = ControlPlane(
+        store,
+        node_timeout_s=settings.node_timeout_s,
+        recent_admissions=settings.recent_admissions,
+        on_plans=board.notify,
+        ticket_key=key,
+        ticket_ttl_s=settings.ticket_ttl_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -123,8 +135,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             runner.close()
             store.close()
 
-    app = FastAPI(title="KnitTrans control plane", version=__version__, lifespan=lifespan,
-                  description="Jobs, store nodes, unit index, admission, rank plans, versions, staleness.")
+    app = FastAPI(
+        title="KnitTrans control plane",
+        version=__version__,
+        lifespan=lifespan,
+        description="Jobs, store nodes, unit index, admission, rank plans, versions, staleness.",
+    )
     app.state.settings = settings
     app.state.service = service
     app.state.board = board
@@ -158,8 +174,6 @@ def _document_raw_bodies(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
-
-
 _ERRORS = {
     "400": "bad input the models cannot express (names, row layout, job-level rules)",
     "401": "missing or wrong bearer token",
@@ -186,8 +200,10 @@ def _document_errors(schema: dict[str, Any]) -> None:
             for status in statuses:
                 responses[status] = {"description": _ERRORS[status], "content": {"application/json": {"schema": ref}}}
             if method in ("get", "post", "put", "delete"):
-                responses["405"] = {"description": "method not allowed on this path",
-                                    "content": {"application/json": {"schema": ref}}}
+                responses["405"] = {
+                    "description": "method not allowed on this path",
+                    "content": {"application/json": {"schema": ref}},
+                }
 
 
 def _close_maps(node: Any) -> None:

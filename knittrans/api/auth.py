@@ -118,9 +118,11 @@ class TokenCheck:
         if scope is None:
             raise Unauthenticated("this endpoint needs the worker (or admin) bearer token")
         if not scope.allows(request.url.path, dict(request.path_params), request.method):
-            raise Unauthenticated(f"this token is scoped to {scope.role} of job {scope.job!r}"
-                                  f"{'' if scope.rank is None else f' rank {scope.rank}'}; "
-                                  f"it does not cover {request.method} {request.url.path}")
+            raise Unauthenticated(
+                f"this token is scoped to {scope.role} of job {scope.job!r}"
+                f"{'' if scope.rank is None else f' rank {scope.rank}'}; "
+                f"it does not cover {request.method} {request.url.path}"
+            )
         request.state.scope = scope
 
     def is_admin(self, request: Request) -> bool:

@@ -26,31 +26,63 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
     parser.add_argument("--db", required=True, help="SQLite state file (created if missing; WAL mode)")
-    parser.add_argument("--init", action="store_true", default=None,
-                        help="initialise an existing empty or foreign --db file (otherwise refused; "
-                        "default $KNITTRANS_DB_INIT, else off)")
+    parser.add_argument(
+        "--init",
+        action="store_true",
+        default=None,
+        help="initialise an existing empty or foreign --db file (otherwise refused; "
+        "default $KNITTRANS_DB_INIT, else off)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=8700, help="TCP port (0 picks a free one; the log and the "
-                        "ready file give the real one)")
-    parser.add_argument("--ready-file", type=Path, default=None,
-                        help="once serving, write {url, host, port, pid} as JSON to this file (for launchers and "
-                        "tests); written atomically")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8700,
+        help="TCP port (0 picks a free one; the log and the ready file give the real one)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="once serving, write {url, host, port, pid} as JSON to this file (for launchers and "
+        "tests); written atomically",
+    )
     # Flags that fill Settings default to None: an absent flag leaves the field to its KNITTRANS_<FIELD>
     # environment variable, then to the Settings default (settings_from_args).
-    parser.add_argument("--worker-token", default=None,
-                        help="bearer token for writers, ranks and stores (default $KNITTRANS_WORKER_TOKEN)")
-    parser.add_argument("--admin-token", default=None,
-                        help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)")
-    parser.add_argument("--node-timeout-s", type=float, default=None,
-                        help="heartbeat timeout of store nodes (default $KNITTRANS_NODE_TIMEOUT_S, else "
-                        f"{_settings_default('node_timeout_s')})")
-    parser.add_argument("--tls-cert", default=os.environ.get("KNITTRANS_TLS_CERT") or None,
-                        help="PEM certificate: serve HTTPS (needs --tls-key; default $KNITTRANS_TLS_CERT)")
-    parser.add_argument("--tls-key", default=os.environ.get("KNITTRANS_TLS_KEY") or None,
-                        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)")
-    parser.add_argument("--db-synchronous", choices=("NORMAL", "FULL"), default=None,
-                        help="SQLite synchronous pragma (FULL also survives power loss; default "
-                        f"$KNITTRANS_DB_SYNCHRONOUS, else {_settings_default('db_synchronous')})")
+    parser.add_argument(
+        "--worker-token",
+        default=None,
+        help="bearer token for writers, ranks and stores (default $KNITTRANS_WORKER_TOKEN)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token for job and node administration (default $KNITTRANS_ADMIN_TOKEN)",
+    )
+    parser.add_argument(
+        "--node-timeout-s",
+        type=float,
+        default=None,
+        help="heartbeat timeout of store nodes (default $KNITTRANS_NODE_TIMEOUT_S, else "
+        f"{_settings_default('node_timeout_s')})",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("KNITTRANS_TLS_CERT") or None,
+        help="PEM certificate: serve HTTPS (needs --tls-key; default $KNITTRANS_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("KNITTRANS_TLS_KEY") or None,
+        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--db-synchronous",
+        choices=("NORMAL", "FULL"),
+        default=None,
+        help="SQLite synchronous pragma (FULL also survives power loss; default "
+        f"$KNITTRANS_DB_SYNCHRONOUS, else {_settings_default('db_synchronous')})",
+    )
 
 
 def _settings_default(name: str) -> object:
@@ -64,8 +96,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The service's settings: the flags given, then ``KNITTRANS_<FIELD>`` variables, then the defaults."""
     from knittrans.api.settings import Settings
 
-    given = {"worker_token": args.worker_token, "admin_token": args.admin_token,
-             "node_timeout_s": args.node_timeout_s, "db_synchronous": args.db_synchronous, "db_init": args.init}
+    given = {
+        "worker_token": args.worker_token,
+        "admin_token": args.admin_token,
+        "node_timeout_s": args.node_timeout_s,
+        "db_synchronous": args.db_synchronous,
+        "db_init": args.init,
+    }
     return Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -97,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
         logger.error("control plane cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 2
     port = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    )
     scheme = "https" if args.tls_cert else "http"
     url = f"{scheme}://{_url_host(args.host)}:{port}"
     asyncio.run(_serve(server, sock, url, args.ready_file, args.db))

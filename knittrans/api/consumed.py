@@ -73,8 +73,14 @@ class RunningSummary:
                     return value
             return ordered[-1][0]
 
-        return StalenessStats(count=self.total, mean=self.acc / self.total, p50=nearest_rank(0.5),
-                              p99=nearest_rank(0.99), max=ordered[-1][0], pos_mean=self.pos / self.total)
+        return StalenessStats(
+            count=self.total,
+            mean=self.acc / self.total,
+            p50=nearest_rank(0.5),
+            p99=nearest_rank(0.99),
+            max=ordered[-1][0],
+            pos_mean=self.pos / self.total,
+        )
 
 
 class _Reading:
@@ -133,8 +139,11 @@ class ConsumedLedger:
 
     def footprint(self) -> int:
         """Items held (histogram bins, recent groups, series cells): bounded, whatever the job's length."""
-        bins = sum(len(s.hist) for acc in self._readings.values()
-                   for s in (acc.plain, acc.arch, *(x for pair in acc.by_source.values() for x in pair)))
+        bins = sum(
+            len(s.hist)
+            for acc in self._readings.values()
+            for s in (acc.plain, acc.arch, *(x for pair in acc.by_source.values() for x in pair))
+        )
         recent = sum(len(groups) for groups in self._recent.values())
         cells = sum(len(per_source) for per_step in self._series.values() for per_source in per_step.values())
         return bins + recent + cells
@@ -142,9 +151,14 @@ class ConsumedLedger:
     def report(self, reading: str) -> dict[str, Any]:
         """Like :func:`knittrans.sched.staleness.step_report` over every group consumed so far."""
         acc = self._readings[reading]
-        return {"reading": reading, "staleness": acc.plain.stats(), "architectural": acc.arch.stats(),
-                "by_source": {s: {"staleness": p.stats(), "architectural": a.stats()}
-                              for s, (p, a) in sorted(acc.by_source.items())}}
+        return {
+            "reading": reading,
+            "staleness": acc.plain.stats(),
+            "architectural": acc.arch.stats(),
+            "by_source": {
+                s: {"staleness": p.stats(), "architectural": a.stats()} for s, (p, a) in sorted(acc.by_source.items())
+            },
+        }
 
     def recent_steps(self) -> dict[int, Sequence[ConsumedGroup]]:
         """The groups of the last :data:`RECENT_STEPS` consumed steps, by step."""
@@ -159,5 +173,6 @@ class ConsumedLedger:
                 for source in sorted(per_source, key=lambda s: (s != "all", s)):
                     count, total, top = per_source[source]
                     out[reading].setdefault(source, []).append(
-                        {"step": step, "mean": total / count, "max": top, "count": count})
+                        {"step": step, "mean": total / count, "max": top, "count": count}
+                    )
         return out

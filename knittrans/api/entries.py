@@ -31,9 +31,16 @@ class GroupEntry:
     def __post_init__(self) -> None:
         r = self.record
         self.view = FinishedGroup(
-            group_id=r.group_id, source=r.source, trajectory_tokens=r.trajectory_tokens,
-            finished_at=r.finished_at, version_start=r.version_start, version_end=r.version_end,
-            version_weighted=r.version_weighted, unit_id=self.unit_id, node_id=self.node_id, row_start=r.row_start,
+            group_id=r.group_id,
+            source=r.source,
+            trajectory_tokens=r.trajectory_tokens,
+            finished_at=r.finished_at,
+            version_start=r.version_start,
+            version_end=r.version_end,
+            version_weighted=r.version_weighted,
+            unit_id=self.unit_id,
+            node_id=self.node_id,
+            row_start=r.row_start,
         )
 
 
@@ -61,8 +68,14 @@ class MiniBatch:
 
     def to_json(self) -> dict[str, Any]:
         body = {
-            "n": self.n, "step": self.step, "k": self.k, "attempt": self.attempt, "group_ids": self.group_ids,
-            "counts": self.counts, "admitted_at": self.admitted_at, "status": self.status,
+            "n": self.n,
+            "step": self.step,
+            "k": self.k,
+            "attempt": self.attempt,
+            "group_ids": self.group_ids,
+            "counts": self.counts,
+            "admitted_at": self.admitted_at,
+            "status": self.status,
         }
         if self.status == "planned":
             body["layout"] = self.layout

@@ -42,9 +42,17 @@ _HEX = frozenset("0123456789abcdef")
 class JobState:
     """State and rules of one job; the service owns persistence and the node registry."""
 
-    def __init__(self, spec: JobSpec, *, endpoint: Callable[[str], str], node_alive: Callable[[str], bool],
-                 recent_admissions: int = RECENT_ADMISSIONS, clock: Callable[[], float] = time.time,
-                 ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        endpoint: Callable[[str], str],
+        node_alive: Callable[[str], bool],
+        recent_admissions: int = RECENT_ADMISSIONS,
+        clock: Callable[[], float] = time.time,
+        ticket_key: bytes | None = None,
+        ticket_ttl_s: float = 86400.0,
+    ) -> None:
         self.spec = spec
         self.ticket_key = ticket_key
         """Key that signs plan tickets (shared with the stores); None leaves them unsigned."""
@@ -134,10 +142,14 @@ class JobState:
         step, k = divmod(n, self.K)
         quotas = self.quotas_for_step(step)
         return StepState(
-            quotas=quotas, admitted=self.admitted_in_step(step),
+            quotas=quotas,
+            admitted=self.admitted_in_step(step),
             finished=[g.view for g in self.pool() if g.record.source in quotas],
-            pending=self.pending(), mini_batch_index=k,
-            mini_batches_per_step=self.K, bounds=self.spec.bounds, current_version=n,
+            pending=self.pending(),
+            mini_batch_index=k,
+            mini_batches_per_step=self.K,
+            bounds=self.spec.bounds,
+            current_version=n,
             max_staleness=self.spec.max_staleness,
         )
 
@@ -152,8 +164,9 @@ class JobState:
 
     def in_flight(self) -> list[MiniBatch]:
         """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
-        return [mb for n in range(self.first_unconsumed, self.next_n)
-                if (mb := self.minibatches[n]).status == "planned"]
+        return [
+            mb for n in range(self.first_unconsumed, self.next_n) if (mb := self.minibatches[n]).status == "planned"
+        ]
 
     @property
     def position(self) -> int:
@@ -188,9 +201,13 @@ class JobState:
         deficit = quota_deficit(self.step_state()) if idle and not self.done() and self.can_admit() else {}
         headroom = launch_headroom(quotas, room, allowed, deficit=deficit, trainer_idle=idle)
         return {
-            "state": self.state, "position": self.position, "next_global_index": self.next_n,
-            "lookahead": self.spec.lookahead, "window": self.spec.window,
-            "room": room, "untaken": untaken,
+            "state": self.state,
+            "position": self.position,
+            "next_global_index": self.next_n,
+            "lookahead": self.spec.lookahead,
+            "window": self.spec.window,
+            "room": room,
+            "untaken": untaken,
             "headroom": headroom,
             "launch_order": launch_order(quotas, launched),
             "to_regenerate": sorted(self.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
@@ -237,7 +254,8 @@ class JobState:
         for unit_id in units:
             unit = self.units.get(unit_id)
             if unit is not None and not any(
-                    (e := self.groups.get(g.group_id)) is not None and e.unit_id == unit_id for g in unit.groups):
+                (e := self.groups.get(g.group_id)) is not None and e.unit_id == unit_id for g in unit.groups
+            ):
                 del self.units[unit_id]
                 self.retired_units.add(unit_id)
 
@@ -256,7 +274,9 @@ class JobState:
 
     def meta_json(self) -> dict[str, Any]:
         return {
-            "spec": self.spec.to_dict(), "state": self.state, "next_n": self.next_n,
+            "spec": self.spec.to_dict(),
+            "state": self.state,
+            "next_n": self.next_n,
             "attempts": {str(n): a for n, a in self.attempts.items()},
             "quota_changes": [[s, q] for s, q in self.quota_changes],
         }
@@ -265,10 +285,16 @@ class JobState:
         txn.put("job", self.name, "meta", self.meta_json())
 
     def _save_supply(self, txn: Txn, source: str) -> None:
-        txn.put("supply", self.name, source, {
-            "started": self.started.get(source, 0), "dropped": self.dropped.get(source, 0),
-            "finished": self.finished_count.get(source, 0),
-        })
+        txn.put(
+            "supply",
+            self.name,
+            source,
+            {
+                "started": self.started.get(source, 0),
+                "dropped": self.dropped.get(source, 0),
+                "finished": self.finished_count.get(source, 0),
+            },
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def set_state(self, action: str, txn: Txn) -> None:
@@ -317,17 +343,24 @@ class JobState:
                 continue
             for g in u.groups:
                 if g.source not in quotas:
-                    raise InvalidRequest(f"unit {u.unit_id!r}: group {g.group_id!r} has source {g.source!r} "
-                                         f"without a quota; known sources: {sorted(quotas)}")
+                    raise InvalidRequest(
+                        f"unit {u.unit_id!r}: group {g.group_id!r} has source {g.source!r} "
+                        f"without a quota; known sources: {sorted(quotas)}"
+                    )
                 if g.num_trajectories != self.spec.group_size:
-                    raise InvalidRequest(f"unit {u.unit_id!r}: group {g.group_id!r} has {g.num_trajectories} "
-                                         f"trajectories, the job's group_size is {self.spec.group_size}")
+                    raise InvalidRequest(
+                        f"unit {u.unit_id!r}: group {g.group_id!r} has {g.num_trajectories} "
+                        f"trajectories, the job's group_size is {self.spec.group_size}"
+                    )
                 for h in g.media_hashes:
                     if len(h) != 64 or not set(h) <= _HEX:
                         raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
                 prior = self.groups.get(g.group_id)
-                if g.group_id in seen_groups or (prior is not None and prior.status not in ("lost", "expired")) \
-                        or g.group_id in self.retired_groups:
+                if (
+                    g.group_id in seen_groups
+                    or (prior is not None and prior.status not in ("lost", "expired"))
+                    or g.group_id in self.retired_groups
+                ):
                     where = seen_groups.get(g.group_id) or (prior.unit_id if prior else "(consumed)")
                     raise Conflict(f"unit {u.unit_id!r}: group {g.group_id!r} is already registered in unit {where!r}")
                 seen_groups[g.group_id] = u.unit_id
@@ -356,8 +389,16 @@ class JobState:
             self._save_supply(txn, s)
         return len(fresh)
 
-    def add_supply(self, txn: Txn, *, started: Mapping[str, int], group_ids: Mapping[str, Sequence[str]],
-                   dropped: Mapping[str, int], request_id: str | None, regenerates: Sequence[str] = ()) -> bool:
+    def add_supply(
+        self,
+        txn: Txn,
+        *,
+        started: Mapping[str, int],
+        group_ids: Mapping[str, Sequence[str]],
+        dropped: Mapping[str, int],
+        request_id: str | None,
+        regenerates: Sequence[str] = (),
+    ) -> bool:
         """Count groups started (and dropped) per source; returns False for a repeated ``request_id``.
 
         ``regenerates`` names lost or expired groups whose replacements this report starts: they leave
@@ -428,7 +469,9 @@ class JobState:
             n = self.next_n
             step, k = divmod(n, self.K)
             plans = assign_mini_batch(
-                decision.groups, self.spec.world_size, micro_batch_tokens=self.spec.micro_batch_tokens,
+                decision.groups,
+                self.spec.world_size,
+                micro_batch_tokens=self.spec.micro_batch_tokens,
                 micro_batch_size=self.spec.micro_batch_size,
             )
             attempt = self.attempts.get(n, -1) + 1
@@ -437,9 +480,16 @@ class JobState:
             assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(
                 g.num_trajectories for g in decision.groups
             ), f"mini-batch {n}: assignment lost or duplicated rows"  # every trajectory to one rank, once
-            mb = MiniBatch(n=n, step=step, k=k, attempt=attempt, group_ids=[g.group_id for g in decision.groups],
-                           counts={s: c for s, c in decision.counts.items() if c}, admitted_at=self._clock(),
-                           layout=layout)
+            mb = MiniBatch(
+                n=n,
+                step=step,
+                k=k,
+                attempt=attempt,
+                group_ids=[g.group_id for g in decision.groups],
+                counts={s: c for s, c in decision.counts.items() if c},
+                admitted_at=self._clock(),
+                layout=layout,
+            )
             for g in decision.groups:
                 entry = self.groups[g.group_id]
                 assert entry.status == "finished", f"group {g.group_id} admitted twice"
@@ -454,9 +504,19 @@ class JobState:
             wait = sum(mb.admitted_at - g.finished_at for g in decision.groups) / len(decision.groups)
             ahead = admitted_ahead(n + 1, self.position)
             self.peak_admitted_ahead = max(self.peak_admitted_ahead, ahead)
-            self.admissions.append({"global_index": n, "step": step, "mini_batch_index": k, "at": mb.admitted_at,
-                                    "seconds": time.perf_counter() - t0, "groups": len(mb.group_ids),
-                                    "wait_s": wait, "position": self.position, "ahead": ahead})
+            self.admissions.append(
+                {
+                    "global_index": n,
+                    "step": step,
+                    "mini_batch_index": k,
+                    "at": mb.admitted_at,
+                    "seconds": time.perf_counter() - t0,
+                    "groups": len(mb.group_ids),
+                    "wait_s": wait,
+                    "position": self.position,
+                    "ahead": ahead,
+                }
+            )
             admitted.append(n)
         self._settle(txn)
         self._save_meta(txn)
@@ -472,8 +532,14 @@ class JobState:
         return bool(old)
 
     def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
-        body = {"group_id": entry.record.group_id, "source": entry.record.source, "reason": reason,
-                "unit_id": entry.unit_id, "node_id": entry.node_id, "at": self._clock()}
+        body = {
+            "group_id": entry.record.group_id,
+            "source": entry.record.source,
+            "reason": reason,
+            "unit_id": entry.unit_id,
+            "node_id": entry.node_id,
+            "at": self._clock(),
+        }
         self.to_regenerate[entry.record.group_id] = body
         txn.put("lost", self.name, entry.record.group_id, body)
 
@@ -511,8 +577,9 @@ class JobState:
         mb = self._current(rank, plan_id)
         if rank in mb.acks or mb.status == "consumed":
             if self.rank_cursor(rank) != mb.n + 1:
-                raise Conflict(f"plan {plan_id!r} and the one after it are already acked; ask for the next plan "
-                               f"without 'after'")
+                raise Conflict(
+                    f"plan {plan_id!r} and the one after it are already acked; ask for the next plan without 'after'"
+                )
             return self.next_plan(rank)
         nxt = self.minibatches.get(mb.n + 1)
         if nxt is None or nxt.status != "planned":
@@ -556,12 +623,23 @@ class JobState:
                 cols = self.spec.columns
 
                 def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
-                    return sign_grant(key, job=self.name, rank=rank, expires_at=expires, reads=reads,
-                                      columns=cols, media=media)
+                    return sign_grant(
+                        key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
+                    )
 
-            plan = render_rank_plan(self.name, mb.layout[rank], rank=rank, n=mb.n, attempt=mb.attempt, step=mb.step,
-                                    k=mb.k, where=self._where, endpoint=self._endpoint, columns=self.spec.columns,
-                                    sign=sign)
+            plan = render_rank_plan(
+                self.name,
+                mb.layout[rank],
+                rank=rank,
+                n=mb.n,
+                attempt=mb.attempt,
+                step=mb.step,
+                k=mb.k,
+                where=self._where,
+                endpoint=self._endpoint,
+                columns=self.spec.columns,
+                sign=sign,
+            )
             if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
                 mb.rows = sum(len(micro) for share in mb.layout for micro in share)
             plan["mini_batch_trajectories"] = mb.rows
@@ -614,10 +692,19 @@ class JobState:
             entry = self.groups[gid]
             self._set(entry, "consumed", txn, mb.n)
             r = entry.record
-            records.append(ConsumedGroup(
-                group_id=gid, source=r.source, num_trajectories=r.num_trajectories, v_train=mb.n,
-                mini_batch_index=mb.k, step=mb.step, version_start=r.version_start, version_end=r.version_end,
-                version_weighted=r.version_weighted))
+            records.append(
+                ConsumedGroup(
+                    group_id=gid,
+                    source=r.source,
+                    num_trajectories=r.num_trajectories,
+                    v_train=mb.n,
+                    mini_batch_index=mb.k,
+                    step=mb.step,
+                    version_start=r.version_start,
+                    version_end=r.version_end,
+                    version_weighted=r.version_weighted,
+                )
+            )
         self.consumed.add(records)
         self.consumed_mini_batches += 1
         self.retire(mb.group_ids)
@@ -657,21 +744,31 @@ class JobState:
         regeneration; refused (:class:`Conflict`) once any of its groups is in a mini-batch."""
         unit = self.units.get(unit_id)
         if unit is None and unit_id in self.retired_units:
-            raise Conflict(f"unit {unit_id!r}: every group of it was consumed; only units whose groups are not "
-                           f"admitted can be removed")
+            raise Conflict(
+                f"unit {unit_id!r}: every group of it was consumed; only units whose groups are not "
+                f"admitted can be removed"
+            )
         if unit is None:
             raise NotFound(f"unit {unit_id!r} is not registered in job {self.name!r}")
-        entries = [self.groups[g.group_id] for g in unit.groups
-                   if g.group_id in self.groups and self.groups[g.group_id].unit_id == unit_id]
+        entries = [
+            self.groups[g.group_id]
+            for g in unit.groups
+            if g.group_id in self.groups and self.groups[g.group_id].unit_id == unit_id
+        ]
         busy = [g for g in entries if g.status in ("planned", "consumed")]
-        retired = [g.group_id for g in unit.groups
-                   if g.group_id in self.retired_groups and g.group_id not in self.groups]
+        retired = [
+            g.group_id for g in unit.groups if g.group_id in self.retired_groups and g.group_id not in self.groups
+        ]
         if retired:
-            raise Conflict(f"unit {unit_id!r}: group {retired[0]!r} was consumed; only units whose groups are not "
-                           f"admitted can be removed")
+            raise Conflict(
+                f"unit {unit_id!r}: group {retired[0]!r} was consumed; only units whose groups are not "
+                f"admitted can be removed"
+            )
         if busy:
-            raise Conflict(f"unit {unit_id!r}: group {busy[0].record.group_id!r} is {busy[0].status} in mini-batch "
-                           f"{busy[0].mini_batch}; only units whose groups are not admitted can be removed")
+            raise Conflict(
+                f"unit {unit_id!r}: group {busy[0].record.group_id!r} is {busy[0].status} in mini-batch "
+                f"{busy[0].mini_batch}; only units whose groups are not admitted can be removed"
+            )
         removed = []
         for g in entries:
             if g.status == "finished":
@@ -690,8 +787,13 @@ class JobState:
         held = [n for n in touched if self._held(self.minibatches[n])]
         untouched = [n for n in touched if n not in held]
         for n in held:
-            logger.warning("job %s: mini-batch %d has rows on lost node %s but every rank already holds its share "
-                           "(fetched or acked); it is kept", self.name, n, node_id)
+            logger.warning(
+                "job %s: mini-batch %d has rows on lost node %s but every rank already holds its share "
+                "(fetched or acked); it is kept",
+                self.name,
+                n,
+                node_id,
+            )
         if untouched:
             first = untouched[0]
             withdrawn = [n for n in sorted(self.minibatches) if n >= first]
@@ -704,8 +806,9 @@ class JobState:
                 for gid in mb.group_ids:
                     self._set(self.groups[gid], "finished", txn)
             self.next_n = first
-            logger.warning("job %s: node %s lost, withdrew mini-batches %s for re-planning",
-                           self.name, node_id, withdrawn)
+            logger.warning(
+                "job %s: node %s lost, withdrew mini-batches %s for re-planning", self.name, node_id, withdrawn
+            )
         for g in [g for g in self.unadmitted.values() if g.node_id == node_id]:
             self._set(g, "lost", txn)
             self._regenerate(txn, g, f"node {node_id} lost")

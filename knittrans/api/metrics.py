@@ -69,19 +69,21 @@ class ServiceCollector(Collector):
         nodes.add_metric(["lost"], len(svc.nodes) - alive)
         yield nodes
         up = GaugeMetricFamily("knittrans_node_up", "1 while the store node is alive, 0 once lost", labels=["node"])
-        age = GaugeMetricFamily("knittrans_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat",
-                                labels=["node"])
+        age = GaugeMetricFamily(
+            "knittrans_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat", labels=["node"]
+        )
         for n in sorted(svc.nodes.values(), key=lambda n: n.node_id):
             up.add_metric([n.node_id], 0 if n.lost else 1)
             age.add_metric([n.node_id], max(0.0, now - n.last_heartbeat))
         yield from (up, age)
         units = GaugeMetricFamily("knittrans_store_units", "Sealed units held by the store node", labels=["node"])
-        held = GaugeMetricFamily("knittrans_store_bytes", "Bytes of sealed units on the store node by place",
-                                 labels=["node", "place"])
-        budget = GaugeMetricFamily("knittrans_store_budget_bytes", "The store node's memory budget",
-                                   labels=["node"])
-        used = GaugeMetricFamily("knittrans_store_budget_used_bytes", "Budget bytes in use (sealed and pending)",
-                                 labels=["node"])
+        held = GaugeMetricFamily(
+            "knittrans_store_bytes", "Bytes of sealed units on the store node by place", labels=["node", "place"]
+        )
+        budget = GaugeMetricFamily("knittrans_store_budget_bytes", "The store node's memory budget", labels=["node"])
+        used = GaugeMetricFamily(
+            "knittrans_store_budget_used_bytes", "Budget bytes in use (sealed and pending)", labels=["node"]
+        )
         for node_id, usage in sorted(self.observed.stores.items()):
             units.add_metric([node_id], usage.units)
             held.add_metric([node_id, "memory"], usage.bytes_in_memory)
@@ -90,30 +92,49 @@ class ServiceCollector(Collector):
                 budget.add_metric([node_id], usage.budget_bytes)
             used.add_metric([node_id], usage.budget_used)
         yield from (units, held, budget, used)
-        yield CounterMetricFamily("knittrans_units_registered", "Units registered since start",
-                                  value=svc.units_registered)
-        state = GaugeMetricFamily("knittrans_job_state", "1 for the job's lifecycle state, 0 for the others",
-                                  labels=["job_name", "state"])
-        fill = GaugeMetricFamily("knittrans_quota_fill_ratio", "a[s]/q[s] in the current step",
-                                 labels=["job_name", "source"])
-        groups = GaugeMetricFamily("knittrans_groups", "Groups by status and source",
-                                   labels=["job_name", "source", "status"])
-        pending = GaugeMetricFamily("knittrans_pending_groups", "P[s]: started, not finished",
-                                    labels=["job_name", "source"])
+        yield CounterMetricFamily(
+            "knittrans_units_registered", "Units registered since start", value=svc.units_registered
+        )
+        state = GaugeMetricFamily(
+            "knittrans_job_state", "1 for the job's lifecycle state, 0 for the others", labels=["job_name", "state"]
+        )
+        fill = GaugeMetricFamily(
+            "knittrans_quota_fill_ratio", "a[s]/q[s] in the current step", labels=["job_name", "source"]
+        )
+        groups = GaugeMetricFamily(
+            "knittrans_groups", "Groups by status and source", labels=["job_name", "source", "status"]
+        )
+        pending = GaugeMetricFamily(
+            "knittrans_pending_groups", "P[s]: started, not finished", labels=["job_name", "source"]
+        )
         version = GaugeMetricFamily("knittrans_policy_version", "Latest reported policy version", labels=["job_name"])
         planned = GaugeMetricFamily("knittrans_next_global_index", "Mini-batches admitted so far", labels=["job_name"])
-        in_flight = GaugeMetricFamily("knittrans_in_flight_mini_batches", "Admitted, not yet consumed",
-                                      labels=["job_name"])
-        consumed = GaugeMetricFamily("knittrans_consumed_mini_batches", "Mini-batches every rank acked",
-                                     labels=["job_name"])
-        regenerate = GaugeMetricFamily("knittrans_groups_to_regenerate", "Lost or expired groups not yet "
-                                       "claimed by a rollout worker for regeneration", labels=["job_name"])
-        admit_s = GaugeMetricFamily("knittrans_last_admission_seconds", "Policy + assignment time of the "
-                                    "last admitted mini-batch", labels=["job_name"])
-        admit_wait = GaugeMetricFamily("knittrans_last_admission_wait_seconds", "How long the last admitted "
-                                       "mini-batch waited for its groups", labels=["job_name"])
-        stale = GaugeMetricFamily("knittrans_staleness_versions", "Staleness of consumed trajectories in policy "
-                                  "versions (job lifetime)", labels=["job_name", "source", "reading", "kind", "stat"])
+        in_flight = GaugeMetricFamily(
+            "knittrans_in_flight_mini_batches", "Admitted, not yet consumed", labels=["job_name"]
+        )
+        consumed = GaugeMetricFamily(
+            "knittrans_consumed_mini_batches", "Mini-batches every rank acked", labels=["job_name"]
+        )
+        regenerate = GaugeMetricFamily(
+            "knittrans_groups_to_regenerate",
+            "Lost or expired groups not yet claimed by a rollout worker for regeneration",
+            labels=["job_name"],
+        )
+        admit_s = GaugeMetricFamily(
+            "knittrans_last_admission_seconds",
+            "Policy + assignment time of the last admitted mini-batch",
+            labels=["job_name"],
+        )
+        admit_wait = GaugeMetricFamily(
+            "knittrans_last_admission_wait_seconds",
+            "How long the last admitted mini-batch waited for its groups",
+            labels=["job_name"],
+        )
+        stale = GaugeMetricFamily(
+            "knittrans_staleness_versions",
+            "Staleness of consumed trajectories in policy versions (job lifetime)",
+            labels=["job_name", "source", "reading", "kind", "stat"],
+        )
         for job in svc.jobs.values():
             step = job.next_n // job.K
             for st in JOB_STATES:
@@ -145,22 +166,47 @@ class ServiceCollector(Collector):
                             continue
                         for stat in ("mean", "p50", "p99", "max", "pos_mean"):
                             stale.add_metric([job.name, source, reading, kind, stat], float(stats[stat]))
-        yield from (state, fill, groups, pending, regenerate, version, planned, in_flight, consumed, admit_s,
-                    admit_wait, stale)
+        yield from (
+            state,
+            fill,
+            groups,
+            pending,
+            regenerate,
+            version,
+            planned,
+            in_flight,
+            consumed,
+            admit_s,
+            admit_wait,
+            stale,
+        )
         yield from self._ranks()
 
     def _ranks(self) -> Iterator[CounterMetricFamily]:
         labels = ["job_name", "rank"]
-        mbs = CounterMetricFamily("knittrans_rank_mini_batches", "Mini-batches the rank acked with transfer figures",
-                                  labels=labels)
-        exposed = CounterMetricFamily("knittrans_rank_exposed_transfer_seconds", "Seconds the rank's training "
-                                      "loop blocked waiting for rows (transfer not hidden by compute)", labels=labels)
-        fetch = CounterMetricFamily("knittrans_rank_fetch_seconds", "Seconds the rank spent fetching rows and "
-                                    "media (overlapped with compute where prefetch works)", labels=labels)
-        logical = CounterMetricFamily("knittrans_rank_logical_bytes", "Row bytes plus media bytes as referenced "
-                                      "by the rows (per-trajectory copies)", labels=labels)
-        physical = CounterMetricFamily("knittrans_rank_physical_bytes", "Row bytes plus media bytes actually "
-                                       "fetched (each content hash once)", labels=labels)
+        mbs = CounterMetricFamily(
+            "knittrans_rank_mini_batches", "Mini-batches the rank acked with transfer figures", labels=labels
+        )
+        exposed = CounterMetricFamily(
+            "knittrans_rank_exposed_transfer_seconds",
+            "Seconds the rank's training loop blocked waiting for rows (transfer not hidden by compute)",
+            labels=labels,
+        )
+        fetch = CounterMetricFamily(
+            "knittrans_rank_fetch_seconds",
+            "Seconds the rank spent fetching rows and media (overlapped with compute where prefetch works)",
+            labels=labels,
+        )
+        logical = CounterMetricFamily(
+            "knittrans_rank_logical_bytes",
+            "Row bytes plus media bytes as referenced by the rows (per-trajectory copies)",
+            labels=labels,
+        )
+        physical = CounterMetricFamily(
+            "knittrans_rank_physical_bytes",
+            "Row bytes plus media bytes actually fetched (each content hash once)",
+            labels=labels,
+        )
         for (job, rank), t in sorted(self.observed.ranks.items()):
             key = [job, str(rank)]
             mbs.add_metric(key, t.mini_batches)

@@ -9,8 +9,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
 """``knittrans.names.NAME_RE`` without ``..`` as one JSON-Schema pattern (matched whole)."""
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=NAME_PATTERN,
-                            description="1-128 letters, digits, '.', '_' or '-', starting alphanumeric, no '..'")]
+Name = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        pattern=NAME_PATTERN,
+        description="1-128 letters, digits, '.', '_' or '-', starting alphanumeric, no '..'",
+    ),
+]
 
 
 def _not_bool(value: Any) -> Any:
@@ -24,8 +31,15 @@ Count = Annotated[int, Field(ge=0, le=(1 << 53) - 1), BeforeValidator(_not_bool)
 Seconds = Annotated[float, Field(ge=0, le=1e9), BeforeValidator(_not_bool)]
 Positive = Annotated[int, Field(ge=1, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
-Endpoint = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^grpc(\+tls|\+tcp)?://[A-Za-z0-9._:\[\]-]+:[0-9]{1,5}$",
-                                examples=["grpc://127.0.0.1:8815"])]
+Endpoint = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=512,
+        pattern=r"^grpc(\+tls|\+tcp)?://[A-Za-z0-9._:\[\]-]+:[0-9]{1,5}$",
+        examples=["grpc://127.0.0.1:8815"],
+    ),
+]
 MAX_WORLD_SIZE = 65_536
 """Most trainer ranks one job may have."""
 MAX_UNITS_PER_REQUEST = 512
@@ -87,10 +101,16 @@ class BoundsIn(_In):
 class JobCreate(_In):
     """A job spec (see docs/api.md for what each field means and which values are refused)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"oneOf": [
-        {"required": ["micro_batch_tokens"], "properties": {"micro_batch_size": {"type": "null"}}},
-        {"required": ["micro_batch_size"], "properties": {"micro_batch_tokens": {"type": "null"}}},
-    ]})
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["micro_batch_tokens"], "properties": {"micro_batch_size": {"type": "null"}}},
+                {"required": ["micro_batch_size"], "properties": {"micro_batch_tokens": {"type": "null"}}},
+            ]
+        },
+    )
 
     name: Name
     group_size: Positive
@@ -104,12 +124,14 @@ class JobCreate(_In):
     max_staleness: Int32 | None = None
     total_steps: Positive | None = None
     columns: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
-        default=None, min_length=1, json_schema_extra={"uniqueItems": True})
+        default=None, min_length=1, json_schema_extra={"uniqueItems": True}
+    )
     lookahead: Int32 = Field(default=1, description="L: mini-batches admitted beyond the trainer's position")
     window: Positive = Field(default=1, description="W: launched groups not in a started mini-batch <= W·G")
-    user_fields: dict[Annotated[str, Field(min_length=1, max_length=128)],
-                      Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
-        default=None, examples=[{"ref_logprobs": "list<float32>"}])
+    user_fields: (
+        dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(min_length=1, max_length=256)]]
+        | None
+    ) = Field(default=None, examples=[{"ref_logprobs": "list<float32>"}])
 
 
 class QuotasUpdate(_In):
@@ -137,8 +159,12 @@ class NodeRegister(_In):
     node_id: Name
     endpoint: Endpoint
     host: str = Field(default="", max_length=256)
-    node_key: str | None = Field(default=None, min_length=16, max_length=256,
-                                 description="the node's own credential; needed (or the admin token) to move it")
+    node_key: str | None = Field(
+        default=None,
+        min_length=16,
+        max_length=256,
+        description="the node's own credential; needed (or the admin token) to move it",
+    )
 
 
 class NodeUsageIn(_In):
@@ -245,8 +271,10 @@ class HeadroomOut(BaseModel):
     window: int
     room: int = Field(description="groups rollout may launch now: W·G minus untaken (<= 0: wait)")
     untaken: dict[str, int] = Field(description="launched, not dropped, not in a mini-batch the trainer started")
-    headroom: dict[str, int] = Field(description="groups each source may launch now: the room for the sources "
-                                     "furthest behind their quota share of launches, 0 for the others")
+    headroom: dict[str, int] = Field(
+        description="groups each source may launch now: the room for the sources "
+        "furthest behind their quota share of launches, 0 for the others"
+    )
     launch_order: list[str] = Field(description="sources, furthest behind their quota share of launches first")
     to_regenerate: list[dict[str, Any]]
 

@@ -64,12 +64,17 @@ class Observations:
         self.ranks: dict[tuple[str, int], RankTransfer] = {}
         self.stores: dict[str, StoreUsage] = {}
 
-    def record_ack(self, job: str, rank: int, ack: Mapping[str, Any], transfer: Mapping[str, Any] | None,
-                   now: float) -> None:
+    def record_ack(
+        self, job: str, rank: int, ack: Mapping[str, Any], transfer: Mapping[str, Any] | None, now: float
+    ) -> None:
         """Remember ``rank``'s last plan; add ``transfer`` unless the ack was a repeat."""
         entry = self.ranks.setdefault((job, rank), RankTransfer())
-        entry.last_plan = {"plan_id": ack.get("plan_id"), "global_index": ack.get("global_index"),
-                           "consumed": ack.get("consumed"), "at": now}
+        entry.last_plan = {
+            "plan_id": ack.get("plan_id"),
+            "global_index": ack.get("global_index"),
+            "consumed": ack.get("consumed"),
+            "at": now,
+        }
         if transfer is None or ack.get("duplicate"):
             return
         entry.mini_batches += 1
@@ -79,9 +84,14 @@ class Observations:
     def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
         """Replace ``node_id``'s usage with the figures of its latest heartbeat."""
         self.stores[node_id] = StoreUsage(
-            units=int(usage.get("units", 0)), rows=int(usage.get("rows", 0)),
-            bytes_in_memory=int(usage.get("bytes_in_memory", 0)), bytes_spilled=int(usage.get("bytes_spilled", 0)),
-            budget_bytes=usage.get("budget_bytes"), budget_used=int(usage.get("budget_used", 0)), at=now)
+            units=int(usage.get("units", 0)),
+            rows=int(usage.get("rows", 0)),
+            bytes_in_memory=int(usage.get("bytes_in_memory", 0)),
+            bytes_spilled=int(usage.get("bytes_spilled", 0)),
+            budget_bytes=usage.get("budget_bytes"),
+            budget_used=int(usage.get("budget_used", 0)),
+            at=now,
+        )
 
     def snapshot(self) -> Observations:
         """A copy whose maps the event loop no longer changes (for readers on the state thread).

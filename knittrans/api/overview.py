@@ -33,10 +33,20 @@ def staleness_series(job: JobState) -> dict[str, dict[str, list[dict[str, float]
 def _job(job: JobState, observed: Observations) -> dict[str, Any]:
     status = job_status(job)
     counts = status["counts"]
-    in_flight = [{"global_index": mb.n, "step": mb.step, "k": mb.k, "attempt": mb.attempt,
-                  "groups": len(mb.group_ids), "counts": dict(mb.counts), "fetched_ranks": sorted(mb.fetched),
-                  "acked_ranks": sorted(mb.acks), "admitted_at": mb.admitted_at}
-                 for mb in job.in_flight()]
+    in_flight = [
+        {
+            "global_index": mb.n,
+            "step": mb.step,
+            "k": mb.k,
+            "attempt": mb.attempt,
+            "groups": len(mb.group_ids),
+            "counts": dict(mb.counts),
+            "fetched_ranks": sorted(mb.fetched),
+            "acked_ranks": sorted(mb.acks),
+            "admitted_at": mb.admitted_at,
+        }
+        for mb in job.in_flight()
+    ]
     pool_by_node: dict[str, dict[str, int]] = {}
     for g in job.pool():
         per_source = pool_by_node.setdefault(g.node_id, {})
@@ -47,8 +57,13 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
     shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)
     for rank in sorted(shown):
         entry = transfers.get(rank)
-        ranks.append({"rank": rank, "version": job.rank_versions.get(rank),
-                      **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_plan": {}})})
+        ranks.append(
+            {
+                "rank": rank,
+                "version": job.rank_versions.get(rank),
+                **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_plan": {}}),
+            }
+        )
     return {
         "job": job.name,
         "state": status["state"],

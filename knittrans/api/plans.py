@@ -29,14 +29,26 @@ def unit_json(u: UnitDescriptor) -> dict[str, Any]:
     Token counts and media hashes stay tuples: JSON encodes them as arrays.
     """
     return {
-        "unit_id": u.unit_id, "job": u.job, "node_id": u.node_id, "endpoint": u.endpoint, "num_rows": u.num_rows,
-        "num_bytes": u.num_bytes, "schema_version": u.schema_version,
+        "unit_id": u.unit_id,
+        "job": u.job,
+        "node_id": u.node_id,
+        "endpoint": u.endpoint,
+        "num_rows": u.num_rows,
+        "num_bytes": u.num_bytes,
+        "schema_version": u.schema_version,
         "groups": [
-            {"group_id": g.group_id, "source": g.source, "row_start": g.row_start,
-             "num_trajectories": g.num_trajectories, "trajectory_tokens": g.trajectory_tokens,
-             "version_start": g.version_start, "version_end": g.version_end,
-             "version_weighted": g.version_weighted, "finished_at": g.finished_at,
-             "media_hashes": g.media_hashes}
+            {
+                "group_id": g.group_id,
+                "source": g.source,
+                "row_start": g.row_start,
+                "num_trajectories": g.num_trajectories,
+                "trajectory_tokens": g.trajectory_tokens,
+                "version_start": g.version_start,
+                "version_end": g.version_end,
+                "version_weighted": g.version_weighted,
+                "finished_at": g.finished_at,
+                "media_hashes": g.media_hashes,
+            }
             for g in u.groups
         ],
     }
@@ -92,8 +104,9 @@ def _micro_batch(
         record, unit_id, node_id = where(group_id)
         num_tokens = record.trajectory_tokens[row - record.row_start]
         tokens += num_tokens
-        rows.append({"group_id": group_id, "unit_id": unit_id, "node_id": node_id, "row": row,
-                     "num_tokens": num_tokens})
+        rows.append(
+            {"group_id": group_id, "unit_id": unit_id, "node_id": node_id, "row": row, "num_tokens": num_tokens}
+        )
         for h in record.media_hashes:
             media.setdefault(h, (node_id, unit_id))
         if current == (node_id, unit_id) and ranges[-1][1] == row:
@@ -112,14 +125,22 @@ def _micro_batch(
         "num_tokens": tokens,
         "rows": rows,
         "fetches": [
-            {"node_id": node_id, "endpoint": endpoint(node_id),
-             "ticket": Ticket(job=job, reads=tuple(reads), columns=cols).encode().decode()}
+            {
+                "node_id": node_id,
+                "endpoint": endpoint(node_id),
+                "ticket": Ticket(job=job, reads=tuple(reads), columns=cols).encode().decode(),
+            }
             for node_id, reads in per_node.items()
         ],
         "media": [
-            {"hash": h, "node_id": node_id, "endpoint": endpoint(node_id),
-             "ticket": Ticket(job=job, kind="media", reads=(UnitRead(unit_id=unit_id),), media_hashes=(h,))
-             .encode().decode()}
+            {
+                "hash": h,
+                "node_id": node_id,
+                "endpoint": endpoint(node_id),
+                "ticket": Ticket(job=job, kind="media", reads=(UnitRead(unit_id=unit_id),), media_hashes=(h,))
+                .encode()
+                .decode(),
+            }
             for h, (node_id, unit_id) in media.items()
         ],
     }

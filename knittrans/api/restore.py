@@ -12,8 +12,20 @@ from knittrans.sched.staleness import ConsumedGroup
 
 __all__ = ["JOB_KINDS", "restore_job"]
 
-JOB_KINDS = ("job", "units", "group", "mb", "ack", "fetched", "version", "supply", "started", "request", "consumed",
-             "lost")
+JOB_KINDS = (
+    "job",
+    "units",
+    "group",
+    "mb",
+    "ack",
+    "fetched",
+    "version",
+    "supply",
+    "started",
+    "request",
+    "consumed",
+    "lost",
+)
 """Record kinds that belong to one job."""
 
 
@@ -41,9 +53,16 @@ def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]])
             entry.status = body["status"]
     for _, body in records.get("mb", ()):
         mb = MiniBatch(
-            n=body["n"], step=body["step"], k=body["k"], attempt=body["attempt"], group_ids=body["group_ids"],
-            counts=body["counts"], admitted_at=body["admitted_at"], layout=body.get("layout", []),
-            status=body["status"])
+            n=body["n"],
+            step=body["step"],
+            k=body["k"],
+            attempt=body["attempt"],
+            group_ids=body["group_ids"],
+            counts=body["counts"],
+            admitted_at=body["admitted_at"],
+            layout=body.get("layout", []),
+            status=body["status"],
+        )
         job.minibatches[mb.n] = mb
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n

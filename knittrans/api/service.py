@@ -33,7 +33,6 @@ __all__ = ["ControlPlane", "Node"]
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Node:
     """A store node: where its Flight server listens and whether it is alive."""
@@ -49,25 +48,40 @@ class Node:
     """SHA-256 hex of the node's own credential (``node_key``); empty when it registered without one."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "endpoint": self.endpoint, "host": self.host,
-                "registered_at": self.registered_at, "lost": self.lost, "lost_reason": self.lost_reason,
-                "key_hash": self.key_hash}
+        return {
+            "node_id": self.node_id,
+            "endpoint": self.endpoint,
+            "host": self.host,
+            "registered_at": self.registered_at,
+            "lost": self.lost,
+            "lost_reason": self.lost_reason,
+            "key_hash": self.key_hash,
+        }
 
     def public(self, now: float) -> dict[str, Any]:
         body = self.to_json()
         del body["key_hash"]
-        return {**body, "state": "lost" if self.lost else "alive",
-                "seconds_since_heartbeat": max(0.0, now - self.last_heartbeat)}
+        return {
+            **body,
+            "state": "lost" if self.lost else "alive",
+            "seconds_since_heartbeat": max(0.0, now - self.last_heartbeat),
+        }
 
 
 class ControlPlane:
     """Nodes and jobs of one control plane, persisted in a :class:`RecordStore`."""
 
-    def __init__(self, store: RecordStore, *, node_timeout_s: float = NODE_TIMEOUT_S,
-                 recent_admissions: int = RECENT_ADMISSIONS,
-                 clock: Callable[[], float] = time.time,
-                 on_plans: Callable[[str, Collection[int] | None], None] | None = None,
-                 ticket_key: bytes | None = None, ticket_ttl_s: float = 86400.0) -> None:
+    def __init__(
+        self,
+        store: RecordStore,
+        *,
+        node_timeout_s: float = NODE_TIMEOUT_S,
+        recent_admissions: int = RECENT_ADMISSIONS,
+        clock: Callable[[], float] = time.time,
+        on_plans: Callable[[str, Collection[int] | None], None] | None = None,
+        ticket_key: bytes | None = None,
+        ticket_ttl_s: float = 86400.0,
+    ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
         Args:
@@ -114,15 +128,23 @@ class ControlPlane:
                 state = self._new_job(spec)
                 restore_job(state, records)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise StateError(f"{self.store.path}: the records of job {name!r} are damaged "
-                                 f"({type(exc).__name__}: {exc}); restore a backup or remove the job") from exc
+                raise StateError(
+                    f"{self.store.path}: the records of job {name!r} are damaged "
+                    f"({type(exc).__name__}: {exc}); restore a backup or remove the job"
+                ) from exc
             self.jobs[name] = state
         logger.info("loaded %d nodes and %d jobs from %s", len(self.nodes), len(self.jobs), self.store.path)
 
     def _new_job(self, spec: JobSpec) -> JobState:
-        return JobState(spec, endpoint=lambda n: self.nodes[n].endpoint, node_alive=self._alive,
-                        recent_admissions=self.recent_admissions, clock=self.clock,
-                        ticket_key=self.ticket_key, ticket_ttl_s=self.ticket_ttl_s)
+        return JobState(
+            spec,
+            endpoint=lambda n: self.nodes[n].endpoint,
+            node_alive=self._alive,
+            recent_admissions=self.recent_admissions,
+            clock=self.clock,
+            ticket_key=self.ticket_key,
+            ticket_ttl_s=self.ticket_ttl_s,
+        )
 
     def _alive(self, node_id: str) -> bool:
         node = self.nodes.get(node_id)
@@ -166,8 +188,9 @@ class ControlPlane:
         return found
 
     # ------------------------------------------------------------------ nodes
-    def register_node(self, node_id: str, endpoint: str, host: str, *, node_key: str | None = None,
-                      admin: bool = False) -> dict[str, Any]:
+    def register_node(
+        self, node_id: str, endpoint: str, host: str, *, node_key: str | None = None, admin: bool = False
+    ) -> dict[str, Any]:
         """Register (or re-register, reviving a lost) store node; returns its public record.
 
         Authority: the first registration binds the node's own credential ``node_key`` (kept as a
@@ -187,11 +210,18 @@ class ControlPlane:
             if old.endpoint != endpoint and not (admin or own):
                 raise Unauthenticated(
                     f"node {node_id!r} is registered at {old.endpoint}; moving it to {endpoint} needs the admin "
-                    "token or the node's own node_key")
+                    "token or the node's own node_key"
+                )
             if old.key_hash and not (admin or own):
                 key_hash = old.key_hash  # the bound key stays; a keyless re-registration cannot replace it
-        node = Node(node_id=node_id, endpoint=endpoint, host=host,
-                    registered_at=old.registered_at if old else now, last_heartbeat=now, key_hash=key_hash)
+        node = Node(
+            node_id=node_id,
+            endpoint=endpoint,
+            host=host,
+            registered_at=old.registered_at if old else now,
+            last_heartbeat=now,
+            key_hash=key_hash,
+        )
         with self._change(None) as txn:
             self.nodes[node_id] = node
             txn.put("node", "", node_id, node.to_json())
@@ -246,8 +276,7 @@ class ControlPlane:
             for n in self.nodes.values():
                 n.last_heartbeat = max(n.last_heartbeat, now)
             return []
-        late = [n.node_id for n in self.nodes.values()
-                if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
+        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
         for node_id in late:
             self.declare_lost(node_id, f"no heartbeat for {self.node_timeout_s:g}s")
         return late
@@ -270,9 +299,14 @@ class ControlPlane:
         """Spec and lifecycle of a job."""
         job = self.job(name)
         step = job.next_n // job.K
-        return {"spec": job.spec.to_dict(), "state": job.state, "next_global_index": job.next_n,
-                "quotas": job.quotas_for_step(step), "quota_changes": [
-                    {"from_step": s, "quotas": q} for s, q in job.quota_changes], "version": job.version}
+        return {
+            "spec": job.spec.to_dict(),
+            "state": job.state,
+            "next_global_index": job.next_n,
+            "quotas": job.quotas_for_step(step),
+            "quota_changes": [{"from_step": s, "quotas": q} for s, q in job.quota_changes],
+            "version": job.version,
+        }
 
     def update_quotas(self, name: str, quotas: Mapping[str, int]) -> dict[str, Any]:
         """New quotas from the next train step on."""
@@ -314,19 +348,33 @@ class ControlPlane:
         with self._change(name) as txn:
             removed = job.remove_unit(unit_id, reason, txn)
             admitted = job.admit(txn)
-        logger.warning("job %s: unit %s removed by an admin (%s); groups to regenerate: %s",
-                       name, unit_id, reason, removed)
+        logger.warning(
+            "job %s: unit %s removed by an admin (%s); groups to regenerate: %s", name, unit_id, reason, removed
+        )
         return {"unit_id": unit_id, "removed_groups": removed, "admitted": admitted}
 
-    def report_supply(self, name: str, *, started: Mapping[str, int], group_ids: Mapping[str, Sequence[str]],
-                      dropped: Mapping[str, int], request_id: str | None,
-                      regenerates: Sequence[str] = ()) -> dict[str, Any]:
+    def report_supply(
+        self,
+        name: str,
+        *,
+        started: Mapping[str, int],
+        group_ids: Mapping[str, Sequence[str]],
+        dropped: Mapping[str, int],
+        request_id: str | None,
+        regenerates: Sequence[str] = (),
+    ) -> dict[str, Any]:
         """Count groups started or dropped per source; runs admission."""
         job = self.job(name)
         before = job.state
         with self._change(name) as txn:
-            applied = job.add_supply(txn, started=started, group_ids=group_ids, dropped=dropped,
-                                     request_id=request_id, regenerates=regenerates)
+            applied = job.add_supply(
+                txn,
+                started=started,
+                group_ids=group_ids,
+                dropped=dropped,
+                request_id=request_id,
+                regenerates=regenerates,
+            )
             admitted = job.admit(txn)
             self._narrow(job, before, admitted, ())
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}

@@ -17,9 +17,7 @@ from knittrans.userfields import UserField, parse_user_fields
 __all__ = ["JobSpec", "check_quotas", "declared_user_fields"]
 
 
-def check_quotas(
-    quotas: Mapping[str, int], *, mini_batches_per_step: int, bounds: Mapping[str, SourceBounds]
-) -> None:
+def check_quotas(quotas: Mapping[str, int], *, mini_batches_per_step: int, bounds: Mapping[str, SourceBounds]) -> None:
     """Raise :class:`InvalidJobSpec` naming the field when ``quotas`` cannot run with ``K`` and ``bounds``."""
     if not quotas:
         raise InvalidJobSpec("quotas: at least one source with a quota (groups per train batch) is needed")

@@ -41,8 +41,7 @@ def job_status(job: JobState) -> dict[str, Any]:
     for (_, status), count in job.group_counts.items():
         if count:
             by_status[status] = by_status.get(status, 0) + count
-    lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id}
-            for g in job.lost.values()]
+    lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id} for g in job.lost.values()]
     for g in job.pool():
         finished[g.record.source] = finished.get(g.record.source, 0) + 1
     in_flight = job.in_flight()
@@ -81,9 +80,13 @@ def job_status(job: JobState) -> dict[str, Any]:
             "by_step": {str(s): staleness_report(recent[s]) for s in steps},
         },
         "timing": {
-            "position": job.position, "lookahead": job.spec.lookahead, "window": job.spec.window,
-            "admitted_ahead": admitted_ahead(job.next_n, job.position), "untaken": job.untaken(),
-            "peak_admitted_ahead": job.peak_admitted_ahead, "peak_untaken": job.peak_untaken,
+            "position": job.position,
+            "lookahead": job.spec.lookahead,
+            "window": job.spec.window,
+            "admitted_ahead": admitted_ahead(job.next_n, job.position),
+            "untaken": job.untaken(),
+            "peak_admitted_ahead": job.peak_admitted_ahead,
+            "peak_untaken": job.peak_untaken,
         },
         "recent_admissions": list(job.admissions),
     }

@@ -42,39 +42,79 @@ def _bar(fraction: float, width: int = 20) -> str:
 
 def _job(job: dict[str, Any], now: float) -> list[str]:
     total = f"/{job['total_steps']}" if job.get("total_steps") else ""
-    lines = [f"job {job['job']}: {job['state'].upper()}  step {job['step']}{total}  mini-batch "
-             f"{job['mini_batch_index'] + 1}/{job['mini_batches_per_step']}  policy v{job['version']}  "
-             f"{job['policy']}  consumed {job['consumed_mini_batches']} mini-batches / {job['consumed_groups']} groups"]
+    lines = [
+        f"job {job['job']}: {job['state'].upper()}  step {job['step']}{total}  mini-batch "
+        f"{job['mini_batch_index'] + 1}/{job['mini_batches_per_step']}  policy v{job['version']}  "
+        f"{job['policy']}  consumed {job['consumed_mini_batches']} mini-batches / {job['consumed_groups']} groups"
+    ]
     lines.append(" quota fill (current step):")
-    lines += _table(["source", "admitted/quota", "fill", "pending", "finished", "deficit"], [
-        [s, f"{f['admitted']}/{f['quota']}", f"{_bar(f['fill'])} {f['fill'] * 100:3.0f}%",
-         job["pending"].get(s, 0), job["finished"].get(s, 0), job["deficits"].get(s, "") or ""]
-        for s, f in job["quota_fill"].items()])
+    lines += _table(
+        ["source", "admitted/quota", "fill", "pending", "finished", "deficit"],
+        [
+            [
+                s,
+                f"{f['admitted']}/{f['quota']}",
+                f"{_bar(f['fill'])} {f['fill'] * 100:3.0f}%",
+                job["pending"].get(s, 0),
+                job["finished"].get(s, 0),
+                job["deficits"].get(s, "") or "",
+            ]
+            for s, f in job["quota_fill"].items()
+        ],
+    )
     admissions = job["admissions"]
     if admissions:
         waits = [a.get("wait_s") or 0.0 for a in admissions]
         last = admissions[-1]
-        lines.append(f" admissions: last #{last['global_index']} waited {_secs(last.get('wait_s') or 0.0)}, "
-                     f"policy+assignment {_secs(last['seconds'])}; recent {len(waits)}: mean wait "
-                     f"{_secs(sum(waits) / len(waits))}, max {_secs(max(waits))}")
+        lines.append(
+            f" admissions: last #{last['global_index']} waited {_secs(last.get('wait_s') or 0.0)}, "
+            f"policy+assignment {_secs(last['seconds'])}; recent {len(waits)}: mean wait "
+            f"{_secs(sum(waits) / len(waits))}, max {_secs(max(waits))}"
+        )
     stale = job["staleness"].get("end", {})
     if stale:
-        lines.append(" architectural staleness (end reading), last consumed step: " + ", ".join(
-            f"{s} mean {pts[-1]['mean']:.2f} max {pts[-1]['max']:.0f} (step {pts[-1]['step']})"
-            for s, pts in sorted(stale.items())))
+        lines.append(
+            " architectural staleness (end reading), last consumed step: "
+            + ", ".join(
+                f"{s} mean {pts[-1]['mean']:.2f} max {pts[-1]['max']:.0f} (step {pts[-1]['step']})"
+                for s, pts in sorted(stale.items())
+            )
+        )
     in_flight = job["in_flight_mini_batches"]
-    lines.append(f" in flight: {len(in_flight)} mini-batches" + (": " + ", ".join(
-        f"#{m['global_index']} (fetched {len(m['fetched_ranks'])}, acked {len(m['acked_ranks'])})"
-        for m in in_flight[:8]) if in_flight else ""))
+    lines.append(
+        f" in flight: {len(in_flight)} mini-batches"
+        + (
+            ": "
+            + ", ".join(
+                f"#{m['global_index']} (fetched {len(m['fetched_ranks'])}, acked {len(m['acked_ranks'])})"
+                for m in in_flight[:8]
+            )
+            if in_flight
+            else ""
+        )
+    )
     lines.append(f" lost groups: {job['lost_groups_total']}, waiting for regeneration: {job['to_regenerate_total']}")
     lines.append(" ranks:")
-    lines += _table(["rank", "version", "mini-batches", "exposed", "fetch", "logical", "physical", "last plan"], [
-        [r["rank"], r.get("version") if r.get("version") is not None else "-", r["mini_batches"],
-         _secs(r.get("exposed_s")), _secs(r.get("fetch_s")),
-         _bytes(r.get("row_bytes", 0) + r.get("media_logical_bytes", 0)) if "row_bytes" in r else "-",
-         _bytes(r.get("row_bytes", 0) + r.get("media_physical_bytes", 0)) if "row_bytes" in r else "-",
-         (f"{r['last_plan']['plan_id']} ({_secs(now - r['last_plan']['at'])} ago)" if r.get("last_plan") else "-")]
-        for r in job["ranks"]])
+    lines += _table(
+        ["rank", "version", "mini-batches", "exposed", "fetch", "logical", "physical", "last plan"],
+        [
+            [
+                r["rank"],
+                r.get("version") if r.get("version") is not None else "-",
+                r["mini_batches"],
+                _secs(r.get("exposed_s")),
+                _secs(r.get("fetch_s")),
+                _bytes(r.get("row_bytes", 0) + r.get("media_logical_bytes", 0)) if "row_bytes" in r else "-",
+                _bytes(r.get("row_bytes", 0) + r.get("media_physical_bytes", 0)) if "row_bytes" in r else "-",
+                (
+                    f"{r['last_plan']['plan_id']} ({_secs(now - r['last_plan']['at'])} ago)"
+                    if r.get("last_plan")
+                    else "-"
+                ),
+            ]
+            for r in job["ranks"]
+        ],
+    )
     return lines
 
 
@@ -94,20 +134,38 @@ def render(overview: dict[str, Any], job: str | None = None) -> str:
     for n in overview["nodes"]:
         u = n.get("usage") or {}
         budget = u.get("budget_bytes")
-        rows.append([n["node_id"], n["state"].upper(), n["endpoint"], _secs(n["seconds_since_heartbeat"]) + " ago",
-                     u.get("units", "-"), _bytes(u.get("bytes_in_memory")), _bytes(u.get("bytes_spilled")),
-                     f"{_bytes(u.get('budget_used'))}/{_bytes(budget)}" if budget else _bytes(u.get("budget_used"))])
-    lines += _table(["node", "state", "endpoint", "heartbeat", "units", "memory", "spilled", "budget"], rows) \
-        if rows else ["  no store node registered"]
+        rows.append(
+            [
+                n["node_id"],
+                n["state"].upper(),
+                n["endpoint"],
+                _secs(n["seconds_since_heartbeat"]) + " ago",
+                u.get("units", "-"),
+                _bytes(u.get("bytes_in_memory")),
+                _bytes(u.get("bytes_spilled")),
+                f"{_bytes(u.get('budget_used'))}/{_bytes(budget)}" if budget else _bytes(u.get("budget_used")),
+            ]
+        )
+    lines += (
+        _table(["node", "state", "endpoint", "heartbeat", "units", "memory", "spilled", "budget"], rows)
+        if rows
+        else ["  no store node registered"]
+    )
     return "\n".join(lines) + "\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
-    parser.add_argument("--control-url", default=os.environ.get("KNITTRANS_CONTROL_URL", "http://127.0.0.1:8700"),
-                        help="control plane (default $KNITTRANS_CONTROL_URL or http://127.0.0.1:8700)")
-    parser.add_argument("--token", default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
-                        help="admin bearer token (default $KNITTRANS_ADMIN_TOKEN)")
+    parser.add_argument(
+        "--control-url",
+        default=os.environ.get("KNITTRANS_CONTROL_URL", "http://127.0.0.1:8700"),
+        help="control plane (default $KNITTRANS_CONTROL_URL or http://127.0.0.1:8700)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("KNITTRANS_ADMIN_TOKEN"),
+        help="admin bearer token (default $KNITTRANS_ADMIN_TOKEN)",
+    )
     parser.add_argument("--job", default=None, help="show only this job")
     parser.add_argument("--watch", action="store_true", help="redraw until interrupted")
     parser.add_argument("--interval-s", type=float, default=2.0, help="seconds between redraws with --watch")

@@ -81,14 +81,17 @@ class RecordStore:
         self._lock = threading.Lock()
         existed = path != ":memory:" and os.path.exists(path)
         if existed and os.path.getsize(path) == 0 and not init:
-            raise StateError(f"{path}: the state file is empty (0 bytes); refusing to start as an empty "
-                             "control plane; pass --init to initialise it on purpose")
+            raise StateError(
+                f"{path}: the state file is empty (0 bytes); refusing to start as an empty "
+                "control plane; pass --init to initialise it on purpose"
+            )
         try:
             self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if existed and not init and os.path.getsize(path) > 0 and "meta" not in tables:
-                raise StateError(f"{path}: not a KnitTrans state database (tables {sorted(tables)}); "
-                                 "pass --init to use it anyway")
+                raise StateError(
+                    f"{path}: not a KnitTrans state database (tables {sorted(tables)}); pass --init to use it anyway"
+                )
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute(f"PRAGMA synchronous={synchronous}")
             self._conn.executescript(_SCHEMA)
@@ -120,8 +123,7 @@ class RecordStore:
                     if txn.deletes:
                         cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
                     if puts:
-                        cur.executemany("INSERT OR REPLACE INTO records(kind, job, key, body) VALUES (?,?,?,?)",
-                                        puts)
+                        cur.executemany("INSERT OR REPLACE INTO records(kind, job, key, body) VALUES (?,?,?,?)", puts)
                     cur.execute("COMMIT")
                 except BaseException:
                     if self._conn.in_transaction:  # SQLite may have rolled back already (disk full)

@@ -20,8 +20,12 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the subcommand."""
-    parser.add_argument("--role", required=True, choices=("worker", "rank", "store"),
-                        help="worker: one job's rollout; rank: one rank of one job; store: node registration")
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=("worker", "rank", "store"),
+        help="worker: one job's rollout; rank: one rank of one job; store: node registration",
+    )
     parser.add_argument("--job", default=None, help="the job (worker and rank tokens)")
     parser.add_argument("--rank", type=int, default=None, help="the rank (rank tokens)")
 
@@ -30,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
     """Print the token on stdout; errors name what is missing."""
     secret = os.environ.get("KNITTRANS_ADMIN_TOKEN")
     if not secret:
-        print("knittrans token: set KNITTRANS_ADMIN_TOKEN (the control plane's admin token signs the token)",
-              file=sys.stderr)
+        print(
+            "knittrans token: set KNITTRANS_ADMIN_TOKEN (the control plane's admin token signs the token)",
+            file=sys.stderr,
+        )
         return 2
     if args.role in ("worker", "rank") and not args.job:
         print(f"knittrans token: a {args.role} token needs --job", file=sys.stderr)

@@ -21,24 +21,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return default_of(DemoConfig, name)
 
     parser.add_argument("--policy", choices=POLICIES, default=default("policy"), help="admission policy")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default=default("engine"),
-                        help="rollout engine (default %(default)s)")
+    parser.add_argument(
+        "--engine", choices=("hf", "vllm"), default=default("engine"), help="rollout engine (default %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=default("steps"), help="train steps (default %(default)s)")
-    parser.add_argument("--mini-batches", type=int, default=default("mini_batches_per_step"),
-                        help="mini-batches per step K (default %(default)s)")
+    parser.add_argument(
+        "--mini-batches",
+        type=int,
+        default=default("mini_batches_per_step"),
+        help="mini-batches per step K (default %(default)s)",
+    )
     parser.add_argument("--fetch-mode", choices=("iter", "eager"), default=default("fetch_mode"))
     parser.add_argument("--out", type=Path, default=default("out_dir"), help="output directory")
-    parser.add_argument("--compare", action="store_true",
-                        help="run train_batch and constraint_preserving on the same workload and compare")
-    parser.add_argument("--window", type=int, default=default("window"),
-                        help="off-policy window W in train batches (default %(default)s)")
-    parser.add_argument("--lookahead", type=int, default=default("lookahead"),
-                        help="admission lookahead L: mini-batches admitted beyond the trainer (default %(default)s)")
-    parser.add_argument("--scenario", choices=("default", "slow-trainer"), default="default",
-                        help="slow-trainer: every mini-batch takes >= --min-step-s (3 s unless given), about 3x "
-                        "rollout's pace, so the window, not rollout, sets the pace (docs/demo.md)")
-    parser.add_argument("--min-step-s", type=float, default=None,
-                        help="pad every mini-batch to at least this many seconds (default 0; 3 for slow-trainer)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run train_batch and constraint_preserving on the same workload and compare",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=default("window"),
+        help="off-policy window W in train batches (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=default("lookahead"),
+        help="admission lookahead L: mini-batches admitted beyond the trainer (default %(default)s)",
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=("default", "slow-trainer"),
+        default="default",
+        help="slow-trainer: every mini-batch takes >= --min-step-s (3 s unless given), about 3x "
+        "rollout's pace, so the window, not rollout, sets the pace (docs/demo.md)",
+    )
+    parser.add_argument(
+        "--min-step-s",
+        type=float,
+        default=None,
+        help="pad every mini-batch to at least this many seconds (default 0; 3 for slow-trainer)",
+    )
     parser.add_argument("--hidden", type=int, default=default("hidden"), help="policy hidden size, a multiple of 64")
     parser.add_argument("--layers", type=int, default=default("layers"), help="policy decoder layers")
     parser.add_argument("--seed", type=int, default=default("seed"))
@@ -51,17 +75,29 @@ def run(args: Any) -> int:
     from knittrans.demo.run import run_demo
 
     slow = args.scenario == "slow-trainer"
-    min_step_s = args.min_step_s if args.min_step_s is not None else (
-        3.0 if slow else default_of(DemoConfig, "min_step_s"))
+    min_step_s = (
+        args.min_step_s if args.min_step_s is not None else (3.0 if slow else default_of(DemoConfig, "min_step_s"))
+    )
     # the slow trainer's time is the padding, not the model: a small policy keeps the run short
     model_defaults = (default_of(DemoConfig, "hidden"), default_of(DemoConfig, "layers"))
     hidden, layers = (128, 2) if slow and (args.hidden, args.layers) == model_defaults else (args.hidden, args.layers)
 
     def config(policy: str) -> DemoConfig:
-        return DemoConfig(out_dir=args.out, policy=policy, engine=args.engine, steps=args.steps,
-                          mini_batches_per_step=args.mini_batches, fetch_mode=args.fetch_mode, seed=args.seed,
-                          timeout_s=args.timeout_s, window=args.window, lookahead=args.lookahead,
-                          min_step_s=min_step_s, hidden=hidden, layers=layers)
+        return DemoConfig(
+            out_dir=args.out,
+            policy=policy,
+            engine=args.engine,
+            steps=args.steps,
+            mini_batches_per_step=args.mini_batches,
+            fetch_mode=args.fetch_mode,
+            seed=args.seed,
+            timeout_s=args.timeout_s,
+            window=args.window,
+            lookahead=args.lookahead,
+            min_step_s=min_step_s,
+            hidden=hidden,
+            layers=layers,
+        )
 
     policies = ["train_batch", "constraint_preserving"] if args.compare else [args.policy]
     results = {}
@@ -73,8 +109,9 @@ def run(args: Any) -> int:
     main = results[policies[-1]]
     other = results[policies[0]] if args.compare else None
     png = plot_results(main, Path(args.out) / "demo.png", compare=other)
-    summary: dict[str, Any] = {"runs": {p: {"staleness": r["staleness"], "wall_s": r["wall_s"]}
-                                        for p, r in results.items()}}
+    summary: dict[str, Any] = {
+        "runs": {p: {"staleness": r["staleness"], "wall_s": r["wall_s"]} for p, r in results.items()}
+    }
     if args.compare:
         ratios = {}
         for reading in ("start", "end", "weighted"):
@@ -83,8 +120,10 @@ def run(args: Any) -> int:
             ratios[reading] = None if not tb else cp / tb
         summary["arch_staleness_ratio_cp_over_tb"] = ratios
         print("\n" + format_comparison(results))
-        print("\nmean architectural staleness, constraint_preserving / train_batch: "
-              + ", ".join(f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items()))
+        print(
+            "\nmean architectural staleness, constraint_preserving / train_batch: "
+            + ", ".join(f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items())
+        )
     out = Path(args.out) / "summary.json"
     out.write_text(json.dumps(summary, indent=2))
     print(f"\nresults: {out}, per-run JSON in {args.out}/<policy>/results.json, plot: {png}")

@@ -78,8 +78,19 @@ class LocalCluster:
             port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
         ready = self.work_dir / "control-plane.ready"
         ready.unlink(missing_ok=True)
-        argv = ["control-plane", "--db", str(self._db), "--host", self.config.host, "--port", str(port),
-                "--ready-file", str(ready), "--node-timeout-s", str(self.config.node_timeout_s)]
+        argv = [
+            "control-plane",
+            "--db",
+            str(self._db),
+            "--host",
+            self.config.host,
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready),
+            "--node-timeout-s",
+            str(self.config.node_timeout_s),
+        ]
         env: dict[str, str] = {}  # tokens travel in the environment, never on a command line (/proc/<pid>/cmdline)
         if self.config.worker_token:
             env["KNITTRANS_WORKER_TOKEN"] = self.config.worker_token
@@ -106,9 +117,23 @@ class LocalCluster:
         store_dir.mkdir(parents=True, exist_ok=True)
         ready = self.work_dir / f"{node_id}.ready"
         ready.unlink(missing_ok=True)
-        argv = ["store", "--dir", str(store_dir), "--host", self.config.host, "--port", str(port),
-                "--node-id", node_id, "--ready-file", str(ready), "--control-url", self.control_url,
-                "--heartbeat-s", str(max(0.2, min(2.0, self.config.node_timeout_s / 5)))]
+        argv = [
+            "store",
+            "--dir",
+            str(store_dir),
+            "--host",
+            self.config.host,
+            "--port",
+            str(port),
+            "--node-id",
+            node_id,
+            "--ready-file",
+            str(ready),
+            "--control-url",
+            self.control_url,
+            "--heartbeat-s",
+            str(max(0.2, min(2.0, self.config.node_timeout_s / 5))),
+        ]
         token = self.config.worker_token
         env = {"KNITTRANS_STORE_TOKEN": token, "KNITTRANS_WORKER_TOKEN": token} if token else {}
         if self.config.store_budget_bytes:
@@ -123,8 +148,11 @@ class LocalCluster:
         wait_until(listening, timeout_s=self.config.start_timeout_s, what=f"store {node_id}")
         node = StoreNode(node_id=node_id, endpoint=ready.read_text().strip(), store_dir=store_dir, name=name)
         with self.control() as control:
-            wait_until(lambda: any(n["node_id"] == node_id for n in control.list_nodes()),
-                       timeout_s=self.config.start_timeout_s, what=f"registration of {node_id}")
+            wait_until(
+                lambda: any(n["node_id"] == node_id for n in control.list_nodes()),
+                timeout_s=self.config.start_timeout_s,
+                what=f"registration of {node_id}",
+            )
         return node
 
     def start(self) -> LocalCluster:
@@ -132,8 +160,11 @@ class LocalCluster:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.start_control_plane()
         self.stores = [self.start_store(i) for i in range(self.config.num_stores)]
-        logger.info("local cluster up: control plane %s, stores %s", self.control_url,
-                    ", ".join(s.endpoint for s in self.stores))
+        logger.info(
+            "local cluster up: control plane %s, stores %s",
+            self.control_url,
+            ", ".join(s.endpoint for s in self.stores),
+        )
         return self
 
     def control(self, *, admin: bool = False) -> ControlClient:

@@ -26,10 +26,12 @@ class DemoConfig:
     """K: mini-batches (optimizer steps) per train step."""
     quotas: dict[str, int] = field(default_factory=lambda: {"math": 4, "mm_qa": 4})
     """Groups per train batch of each source."""
-    sources: dict[str, str] = field(default_factory=lambda: {
-        "math": "math:8-16:4-12",
-        "mm_qa": "mm_qa:8-16:24-48:image=3x96-160x96-160",
-    })
+    sources: dict[str, str] = field(
+        default_factory=lambda: {
+            "math": "math:8-16:4-12",
+            "mm_qa": "mm_qa:8-16:24-48:image=3x96-160x96-160",
+        }
+    )
     """Per-source rollout profile (``NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW][:images=K]``): short text
     answers versus long answers to prompts that carry an image (of a random size) shared by the group.
     The policy is the tiny VLM (:mod:`knittrans.rollout.vlm`): rollout and trainer both see the image."""

@@ -64,8 +64,7 @@ from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, Tr
 from knittrans.trainer.convert import pad_sequences
 from knittrans.trainer.dedup import DedupEncoder, all_reduce_gradients
 
-__all__ = ["Policy", "RankConfig", "load_policy", "micro_batch_loss", "run_rank", "save_weights",
-           "train_mini_batch"]
+__all__ = ["Policy", "RankConfig", "load_policy", "micro_batch_loss", "run_rank", "save_weights", "train_mini_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +212,12 @@ def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: t
 
         vlm: nn.Module = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
         vlm.train()
-        return Policy(backbone=vlm, encoder=VisionTower(vlm), layout=VLMLayout.from_dir(model_dir),
-                      image_processor=load_image_processor(model_dir))
+        return Policy(
+            backbone=vlm,
+            encoder=VisionTower(vlm),
+            layout=VLMLayout.from_dir(model_dir),
+            image_processor=load_image_processor(model_dir),
+        )
 
     backbone: nn.Module = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     backbone.train()
@@ -232,8 +235,9 @@ def _zero_loss(policy: Policy) -> torch.Tensor:
     return logits.sum() * 0.0
 
 
-def _row_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _row_features(
+    policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-row media features ``[rows, tokens, hidden]`` (sum over a row's media) and the has-media flags."""
     per_row = micro.batch.media_hex()
     flat = [h for hs in per_row for h in hs]
@@ -246,8 +250,9 @@ def _row_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroB
     return rows, has_media
 
 
-def _media_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch,
-                    flat: list[str]) -> torch.Tensor:
+def _media_features(
+    policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, flat: list[str]
+) -> torch.Tensor:
     """Encoder output per media reference ``flat`` (dedup: each unique media once per mini-batch)."""
     if dedup is not None:
         fresh = [h for h in flat if h not in dedup]
@@ -257,8 +262,9 @@ def _media_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicr
     return out
 
 
-def _image_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch,
-                    prompt_ids: list[torch.Tensor]) -> torch.Tensor | None:
+def _image_features(
+    policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, prompt_ids: list[torch.Tensor]
+) -> torch.Tensor | None:
     """VLM: features of every image of the micro-batch, row by row (the order of the ``<image>`` blocks)."""
     assert policy.layout is not None
     per_row = micro.batch.media_hex()
@@ -270,9 +276,16 @@ def _image_features(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicr
     return _media_features(policy, dedup, micro, flat) if flat else None
 
 
-def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, *,
-                     normaliser: float, clip_eps: float, pad_id: int, gaps: list[float] | None = None
-                     ) -> torch.Tensor:
+def micro_batch_loss(
+    policy: Policy,
+    dedup: DedupEncoder | None,
+    micro: TrainMicroBatch,
+    *,
+    normaliser: float,
+    clip_eps: float,
+    pad_id: int,
+    gaps: list[float] | None = None,
+) -> torch.Tensor:
     """GRPO loss of one micro-batch's response tokens, divided by ``normaliser``.
 
     ``gaps`` (optional) gets the largest ``|trainer logprob - rollout logprob|`` over the
@@ -293,20 +306,31 @@ def micro_batch_loss(policy: Policy, dedup: DedupEncoder | None, micro: TrainMic
         prompts = [ids[i, : int(starts[i + 1] - starts[i])] for i in range(b.num_rows)]
         image_features = _image_features(policy, dedup, micro, prompts)
         logprobs = packed_response_logprobs(
-            _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
-            image_features=image_features, layout=policy.layout,
+            _Forward(policy),  # type: ignore[arg-type]
+            ids.long(),
+            mask.long(),
+            prompt_lens,
+            response_lens,
+            image_features=image_features,
+            layout=policy.layout,
         )
     else:
         features, has_media = _row_features(policy, dedup, micro)
         logprobs = packed_response_logprobs(
-            _Forward(policy), ids.long(), mask.long(), prompt_lens, response_lens,  # type: ignore[arg-type]
-            features=features, has_media=has_media,
+            _Forward(policy),  # type: ignore[arg-type]
+            ids.long(),
+            mask.long(),
+            prompt_lens,
+            response_lens,
+            features=features,
+            has_media=has_media,
         )
     if gaps is not None and logprobs.numel():
         gaps.append(float((logprobs.detach() - b.response_logprobs.float()).abs().max()))
     advantages = b.advantages.float().repeat_interleave(response_lens)
-    return grpo_loss(logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(),
-                     normaliser=normaliser, clip_eps=clip_eps)
+    return grpo_loss(
+        logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(), normaliser=normaliser, clip_eps=clip_eps
+    )
 
 
 def _global_trajectories(mb: MiniBatch, world_size: int) -> int:
@@ -329,8 +353,16 @@ def _all_ok(ok: bool, world_size: int) -> bool:
     return bool(flag.item())
 
 
-def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniBatch, *, world_size: int,
-                     dedup: bool = True, clip_eps: float = 0.2, pad_id: int = 0) -> dict[str, Any] | None:
+def train_mini_batch(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    mb: MiniBatch,
+    *,
+    world_size: int,
+    dedup: bool = True,
+    clip_eps: float = 0.2,
+    pad_id: int = 0,
+) -> dict[str, Any] | None:
     """Forward/backward every micro-batch of ``mb``; if every rank holds its share, reduce and step.
 
     Returns the mini-batch's record, or None when the mini-batch failed on some rank (a fetch
@@ -360,8 +392,9 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
             if policy.ddp is not None and i != last:
                 sync = policy.ddp.no_sync()  # type: ignore[operator]
             with sync:
-                loss = micro_batch_loss(policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps,
-                                        pad_id=pad_id, gaps=gaps)
+                loss = micro_batch_loss(
+                    policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps, pad_id=pad_id, gaps=gaps
+                )
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
             image_rows += sum(1 for hashes in micro.batch.media_hex() if hashes)
@@ -390,14 +423,25 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
     timings = mb.timings
     media = mb.media_stats
     return {
-        "step": mb.step, "k": mb.index, "global_index": mb.global_index, "policy_version": mb.policy_version,
-        "plan_id": mb.plan_id, "attempt": mb.attempt, "traj_ids": traj_ids,
-        "micro_batches": len(timings), "rows": sum(t.rows for t in timings), "global_trajectories": total,
-        "wait_s": sum(t.wait_s for t in timings), "fetch_s": sum(t.fetch_s for t in timings),
-        "convert_s": sum(t.convert_s for t in timings), "row_bytes": sum(t.bytes for t in timings),
+        "step": mb.step,
+        "k": mb.index,
+        "global_index": mb.global_index,
+        "policy_version": mb.policy_version,
+        "plan_id": mb.plan_id,
+        "attempt": mb.attempt,
+        "traj_ids": traj_ids,
+        "micro_batches": len(timings),
+        "rows": sum(t.rows for t in timings),
+        "global_trajectories": total,
+        "wait_s": sum(t.wait_s for t in timings),
+        "fetch_s": sum(t.fetch_s for t in timings),
+        "convert_s": sum(t.convert_s for t in timings),
+        "row_bytes": sum(t.bytes for t in timings),
         "first_wait_s": timings[0].wait_s if timings else 0.0,
-        "media_logical_bytes": media.logical_bytes, "media_unique_bytes": media.unique_bytes,
-        "media_requests": media.requests, "media_fetched": media.fetched,
+        "media_logical_bytes": media.logical_bytes,
+        "media_unique_bytes": media.unique_bytes,
+        "media_requests": media.requests,
+        "media_fetched": media.fetched,
         "encoder_calls": stats.encoder_calls if stats is not None else None,
         "unique_media": stats.unique_media if stats is not None else None,
         "media_uses": stats.uses if stats is not None else None,
@@ -405,7 +449,8 @@ def train_mini_batch(policy: Policy, optimizer: torch.optim.Optimizer, mb: MiniB
         "image_rows": image_rows,
         "encoder_forward_s": policy.encoder_seconds - seconds_before,
         "max_logprob_gap": max(gaps) if gaps else None,
-        "loss": loss_sum, "step_time_s": time.perf_counter() - t0,
+        "loss": loss_sum,
+        "step_time_s": time.perf_counter() - t0,
         "admission_latency_s": (mb.received_at - mb.admitted_at) if mb.admitted_at is not None else None,
     }
 
@@ -426,8 +471,13 @@ def save_weights(backbone: nn.Module, weights_dir: Path, version: int) -> Path:
 def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
     from datetime import timedelta
 
-    dist.init_process_group("gloo", init_method=cfg.dist_url, rank=cfg.rank, world_size=cfg.world_size,
-                            timeout=timedelta(seconds=cfg.dist_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=cfg.dist_url,
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        timeout=timedelta(seconds=cfg.dist_timeout_s),
+    )
     with torch.no_grad():  # same start on every rank: rank 0's weights and buffers
         buffers = {id(b): b for b in [*policy.backbone.buffers(), *policy.encoder.buffers()]}
         for t in [*policy.parameters(), *buffers.values()]:
@@ -447,8 +497,15 @@ def run_rank(cfg: RankConfig) -> int:
     try:
         with TrainerClient(cfg.client) as client:
             for mb in client.minibatches():
-                record = train_mini_batch(policy, optimizer, mb, world_size=cfg.world_size, dedup=cfg.dedup,
-                                          clip_eps=cfg.clip_eps, pad_id=pad_id)
+                record = train_mini_batch(
+                    policy,
+                    optimizer,
+                    mb,
+                    world_size=cfg.world_size,
+                    dedup=cfg.dedup,
+                    clip_eps=cfg.clip_eps,
+                    pad_id=pad_id,
+                )
                 if record is None:  # no rank stepped: ask for this global index again (re-planned)
                     mb.abandon()
                     continue
@@ -463,8 +520,14 @@ def run_rank(cfg: RankConfig) -> int:
                     client.report_version(version)
                 record.update(rank=cfg.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
                 trained += 1
-                logger.info("rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)", cfg.rank,
-                            mb.global_index, record["loss"], record["wait_s"], record["step_time_s"])
+                logger.info(
+                    "rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)",
+                    cfg.rank,
+                    mb.global_index,
+                    record["loss"],
+                    record["wait_s"],
+                    record["step_time_s"],
+                )
                 if out is not None:
                     out.write(json.dumps(record) + "\n")
                     out.flush()

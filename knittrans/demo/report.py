@@ -36,26 +36,27 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         adm = [admissions[n] for n in sorted({int(r["global_index"]) for r in rs}) if n in admissions]
         waits = [a["wait_s"] for a in adm if a.get("wait_s") is not None]
         st = staleness_by_step.get(str(step), {})
-        steps.append({
-            "step": step,
-            "mini_batches": len({r["global_index"] for r in rs}),
-            "admission_wait_s": sum(waits) / len(waits) if waits else None,
-            "arch_staleness_end": st.get("end", {}).get("architectural", {}).get("mean"),
-            "arch_staleness_start": st.get("start", {}).get("architectural", {}).get("mean"),
-            "arch_staleness_weighted": st.get("weighted", {}).get("architectural", {}).get("mean"),
-            "exposed_transfer_s": sum(r["wait_s"] for r in rs),
-            "fetch_s": sum(r["fetch_s"] for r in rs),
-            "media_logical_bytes": int(sum(r["media_logical_bytes"] for r in rs)),
-            "media_unique_bytes": int(sum(r["media_unique_bytes"] for r in rs)),
-            "row_bytes": int(sum(r["row_bytes"] for r in rs)),
-            "encoder_calls": int(sum(r["encoder_calls"] for r in rs)),
-            "media_uses": int(sum(r["media_uses"] or 0 for r in rs)),
-            **_encoder_columns(rs),
-            "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
-                max(r["step_time_s"] for r in rs if r["global_index"] == n)
-                for n in {r["global_index"] for r in rs}
-            ),
-        })
+        steps.append(
+            {
+                "step": step,
+                "mini_batches": len({r["global_index"] for r in rs}),
+                "admission_wait_s": sum(waits) / len(waits) if waits else None,
+                "arch_staleness_end": st.get("end", {}).get("architectural", {}).get("mean"),
+                "arch_staleness_start": st.get("start", {}).get("architectural", {}).get("mean"),
+                "arch_staleness_weighted": st.get("weighted", {}).get("architectural", {}).get("mean"),
+                "exposed_transfer_s": sum(r["wait_s"] for r in rs),
+                "fetch_s": sum(r["fetch_s"] for r in rs),
+                "media_logical_bytes": int(sum(r["media_logical_bytes"] for r in rs)),
+                "media_unique_bytes": int(sum(r["media_unique_bytes"] for r in rs)),
+                "row_bytes": int(sum(r["row_bytes"] for r in rs)),
+                "encoder_calls": int(sum(r["encoder_calls"] for r in rs)),
+                "media_uses": int(sum(r["media_uses"] or 0 for r in rs)),
+                **_encoder_columns(rs),
+                "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
+                    max(r["step_time_s"] for r in rs if r["global_index"] == n) for n in {r["global_index"] for r in rs}
+                ),
+            }
+        )
     overall = status["staleness"]["overall"]
     trajectories_by_step = {  # trajectories of each source consumed per step, as the control plane counted them
         step: {src: v["staleness"]["count"] for src, v in rep["end"]["by_source"].items()}
@@ -97,9 +98,11 @@ def _fmt(v: Any, spec: str) -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     """Per-step table as text."""
-    head = (f"{'step':>4} {'mb':>3} {'adm.wait s':>10} {'arch.stal(end)':>14} {'arch(start)':>11} "
-            f"{'exposed xfer ms':>15} {'fetch ms':>9} {'media MiB log/uniq':>19} {'img enc/rows':>12} "
-            f"{'enc ms (saved)':>14} {'step s':>7}")
+    head = (
+        f"{'step':>4} {'mb':>3} {'adm.wait s':>10} {'arch.stal(end)':>14} {'arch(start)':>11} "
+        f"{'exposed xfer ms':>15} {'fetch ms':>9} {'media MiB log/uniq':>19} {'img enc/rows':>12} "
+        f"{'enc ms (saved)':>14} {'step s':>7}"
+    )
     lines = [head, "-" * len(head)]
     for s in results["steps"]:
         media = f"{s['media_logical_bytes'] / 2**20:.1f}/{s['media_unique_bytes'] / 2**20:.1f}"
@@ -134,8 +137,9 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
         steps = [s["step"] for s in res["steps"]]
         axes[0][0].plot(steps, [s["arch_staleness_end"] or 0 for s in res["steps"]], marker="o", label=policy)
         axes[0][1].plot(steps, [s["admission_wait_s"] or 0 for s in res["steps"]], marker="o", label=policy)
-        axes[1][0].plot(steps, [s["exposed_transfer_s"] * 1e3 for s in res["steps"]], marker="o",
-                        label=f"{policy} exposed")
+        axes[1][0].plot(
+            steps, [s["exposed_transfer_s"] * 1e3 for s in res["steps"]], marker="o", label=f"{policy} exposed"
+        )
         axes[1][0].plot(steps, [s["fetch_s"] * 1e3 for s in res["steps"]], linestyle="--", label=f"{policy} fetch")
     main = results["steps"]
     x = range(len(main))
@@ -160,8 +164,10 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
 
 def format_comparison(results: dict[str, dict[str, Any]]) -> str:
     """Policies side by side: staleness per reading, tails, admission-timing peaks and throughput."""
-    head = (f"{'policy':<22} {'arch mean s/e/w':>20} {'arch max e':>10} {'peak ahead/L':>12} "
-            f"{'peak untaken/WG':>15} {'mini-batches/min':>16}")
+    head = (
+        f"{'policy':<22} {'arch mean s/e/w':>20} {'arch max e':>10} {'peak ahead/L':>12} "
+        f"{'peak untaken/WG':>15} {'mini-batches/min':>16}"
+    )
     lines = [head, "-" * len(head)]
     for policy, res in results.items():
         st = res["staleness"]

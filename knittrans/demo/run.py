@@ -32,27 +32,60 @@ JOB = "demo"
 
 def _job_spec(config: DemoConfig) -> dict[str, Any]:
     return {
-        "name": JOB, "group_size": config.group_size, "quotas": dict(config.quotas),
-        "mini_batches_per_step": config.mini_batches_per_step, "policy": config.policy,
-        "world_size": config.ranks, "micro_batch_size": config.micro_batch_size, "total_steps": config.steps,
-        "window": config.window, "lookahead": config.lookahead,
+        "name": JOB,
+        "group_size": config.group_size,
+        "quotas": dict(config.quotas),
+        "mini_batches_per_step": config.mini_batches_per_step,
+        "policy": config.policy,
+        "world_size": config.ranks,
+        "micro_batch_size": config.micro_batch_size,
+        "total_steps": config.steps,
+        "window": config.window,
+        "lookahead": config.lookahead,
     }
 
 
 def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> None:
     for i, (source, profile) in enumerate(config.sources.items()):
         node = cluster.stores[i % len(cluster.stores)]
-        argv = ["rollout", "--control-url", cluster.control_url, "--job", JOB, "--worker-id", f"w-{source}",
-                "--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir),
-                "--source", profile, "--model-dir", str(model_dir), "--weights-dir", str(run_dir / "weights"),
-                "--state-file", str(run_dir / f"rollout-{source}.json"), "--engine", config.engine,
-                "--group-size", str(config.group_size),
-                "--groups-per-call", str(config.groups_per_call),
-                "--seed", str(config.seed + i)]
+        argv = [
+            "rollout",
+            "--control-url",
+            cluster.control_url,
+            "--job",
+            JOB,
+            "--worker-id",
+            f"w-{source}",
+            "--node-id",
+            node.node_id,
+            "--store-endpoint",
+            node.endpoint,
+            "--store-dir",
+            str(node.store_dir),
+            "--source",
+            profile,
+            "--model-dir",
+            str(model_dir),
+            "--weights-dir",
+            str(run_dir / "weights"),
+            "--state-file",
+            str(run_dir / f"rollout-{source}.json"),
+            "--engine",
+            config.engine,
+            "--group-size",
+            str(config.group_size),
+            "--groups-per-call",
+            str(config.groups_per_call),
+            "--seed",
+            str(config.seed + i),
+        ]
         if config.chunk_tokens:
             argv += ["--chunk-tokens", str(config.chunk_tokens)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"} if config.engine == "vllm" else {
-            "OMP_NUM_THREADS": "1"}
+        env = (
+            {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+            if config.engine == "vllm"
+            else {"OMP_NUM_THREADS": "1"}
+        )
         cluster.procs.start(f"rollout-{source}", knittrans_command(*argv), env=env)
 
 
@@ -65,11 +98,33 @@ def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mo
             channels = image[0]
     names = []
     for rank in range(config.ranks):
-        argv = ["train", "--control-url", cluster.control_url, "--job", JOB, "--rank", str(rank),
-                "--world-size", str(config.ranks), "--dist-url", dist_url, "--model-dir", str(model_dir),
-                "--weights-dir", str(run_dir / "weights"), "--fetch-mode", config.fetch_mode,
-                "--lr", str(config.lr), "--image-channels", str(channels),
-                "--out", str(run_dir / f"rank-{rank}.jsonl"), "--min-step-s", str(config.min_step_s)]
+        argv = [
+            "train",
+            "--control-url",
+            cluster.control_url,
+            "--job",
+            JOB,
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(config.ranks),
+            "--dist-url",
+            dist_url,
+            "--model-dir",
+            str(model_dir),
+            "--weights-dir",
+            str(run_dir / "weights"),
+            "--fetch-mode",
+            config.fetch_mode,
+            "--lr",
+            str(config.lr),
+            "--image-channels",
+            str(channels),
+            "--out",
+            str(run_dir / f"rank-{rank}.jsonl"),
+            "--min-step-s",
+            str(config.min_step_s),
+        ]
         for node in cluster.stores:
             argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]
         name = f"rank-{rank}"
@@ -83,8 +138,10 @@ def _progress_line(status: dict[str, Any], total: int, started: float) -> str:
     arch = status["staleness"]["overall"]["end"]["architectural"]["mean"]
     fill = " ".join(f"{s}={v['admitted']}/{v['quota']}" for s, v in status["quota_fill"].items())
     arch_txt = "-" if arch is None else f"{arch:.2f}"
-    return (f"[{time.monotonic() - started:6.1f}s] mini-batches trained {consumed}/{total}  "
-            f"step {status['step']} fill {fill}  units {status['counts']['units']}  arch.staleness(end) {arch_txt}")
+    return (
+        f"[{time.monotonic() - started:6.1f}s] mini-batches trained {consumed}/{total}  "
+        f"step {status['step']} fill {fill}  units {status['counts']['units']}  arch.staleness(end) {arch_txt}"
+    )
 
 
 def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -97,13 +154,16 @@ def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = Non
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "weights").mkdir(parents=True)
     # One tiny VLM for every source: mm_qa prompts carry images, math prompts are text only.
-    model_dir = build_tiny_vlm(run_dir / "model", TinyVLMSpec(hidden=config.hidden, layers=config.layers),
-                               seed=config.seed)
+    model_dir = build_tiny_vlm(
+        run_dir / "model", TinyVLMSpec(hidden=config.hidden, layers=config.layers), seed=config.seed
+    )
     total = config.steps * config.mini_batches_per_step
     started = time.monotonic()
     cluster_config = ClusterConfig(work_dir=run_dir, num_stores=config.stores)
-    say(f"demo: policy={config.policy} engine={config.engine} steps={config.steps} K={config.mini_batches_per_step} "
-        f"ranks={config.ranks} stores={config.stores} sources={list(config.quotas)}; logs in {run_dir / 'logs'}")
+    say(
+        f"demo: policy={config.policy} engine={config.engine} steps={config.steps} K={config.mini_batches_per_step} "
+        f"ranks={config.ranks} stores={config.stores} sources={list(config.quotas)}; logs in {run_dir / 'logs'}"
+    )
     with LocalCluster(cluster_config) as cluster:
         control = cluster.control(admin=True)
         control.create_job(_job_spec(config))

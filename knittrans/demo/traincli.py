@@ -33,31 +33,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", required=True, help="job name")
     parser.add_argument("--rank", type=int, required=True, help="this rank, 0 <= rank < world size")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    parser.add_argument("--dist-url", default=None,
-                        help="tcp://HOST:PORT of the gloo process group (not needed for world size 1)")
+    parser.add_argument(
+        "--dist-url", default=None, help="tcp://HOST:PORT of the gloo process group (not needed for world size 1)"
+    )
     parser.add_argument("--model-dir", type=Path, required=True, help="saved transformers causal LM (tiny Qwen2)")
-    parser.add_argument("--weights-dir", type=Path, default=None,
-                        help="rank 0 publishes policy-v{n}.safetensors here after every optimizer step")
-    parser.add_argument("--fetch-mode", choices=("eager", "iter"), default=default_of(TrainerConfig, "fetch_mode"),
-                        help="eager: whole share first; iter: next micro-batch fetched while one computes")
-    parser.add_argument("--fetch-timeout-s", type=float, default=default_of(TrainerConfig, "fetch_timeout_s"),
-                        help="timeout of one Flight call to a store node (a dead host raises instead of blocking)")
-    parser.add_argument("--replan-wait-s", type=float, default=default_of(TrainerConfig, "replan_wait_s"),
-                        help="after a failed mini-batch, how long to wait for its re-plan before retrying it")
-    parser.add_argument("--local-dir", type=_local_dir, action="append", default=[], metavar="NODE=DIR",
-                        help="store dir of a node on this host, read memory-mapped (repeatable)")
+    parser.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="rank 0 publishes policy-v{n}.safetensors here after every optimizer step",
+    )
+    parser.add_argument(
+        "--fetch-mode",
+        choices=("eager", "iter"),
+        default=default_of(TrainerConfig, "fetch_mode"),
+        help="eager: whole share first; iter: next micro-batch fetched while one computes",
+    )
+    parser.add_argument(
+        "--fetch-timeout-s",
+        type=float,
+        default=default_of(TrainerConfig, "fetch_timeout_s"),
+        help="timeout of one Flight call to a store node (a dead host raises instead of blocking)",
+    )
+    parser.add_argument(
+        "--replan-wait-s",
+        type=float,
+        default=default_of(TrainerConfig, "replan_wait_s"),
+        help="after a failed mini-batch, how long to wait for its re-plan before retrying it",
+    )
+    parser.add_argument(
+        "--local-dir",
+        type=_local_dir,
+        action="append",
+        default=[],
+        metavar="NODE=DIR",
+        help="store dir of a node on this host, read memory-mapped (repeatable)",
+    )
     parser.add_argument("--lr", type=float, default=default_of(RankConfig, "lr"), help="AdamW learning rate")
-    parser.add_argument("--image-channels", type=int, default=default_of(RankConfig, "image_channels"),
-                        help="channels of the media images")
+    parser.add_argument(
+        "--image-channels",
+        type=int,
+        default=default_of(RankConfig, "image_channels"),
+        help="channels of the media images",
+    )
     parser.add_argument("--no-dedup", action="store_true", help="encode every media reference (baseline)")
     parser.add_argument("--out", type=Path, default=None, help="JSON-lines file, one record per mini-batch")
-    parser.add_argument("--token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
-                        help="control-plane worker token (default $KNITTRANS_WORKER_TOKEN)")
-    parser.add_argument("--store-token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
-                        help="store nodes' token (default $KNITTRANS_STORE_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+        help="control-plane worker token (default $KNITTRANS_WORKER_TOKEN)",
+    )
+    parser.add_argument(
+        "--store-token",
+        default=os.environ.get("KNITTRANS_STORE_TOKEN"),
+        help="store nodes' token (default $KNITTRANS_STORE_TOKEN)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument("--min-step-s", type=float, default=default_of(RankConfig, "min_step_s"),
-                        help="pad every mini-batch to at least this many seconds (emulate a heavier model)")
+    parser.add_argument(
+        "--min-step-s",
+        type=float,
+        default=default_of(RankConfig, "min_step_s"),
+        help="pad every mini-batch to at least this many seconds (emulate a heavier model)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,11 +119,25 @@ def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
     from knittrans.trainer.client import TrainerConfig
 
     client = TrainerConfig(
-        control_url=args.control_url, job=args.job, rank=args.rank, world_size=args.world_size, token=args.token,
-        store_token=args.store_token, fetch_mode=args.fetch_mode, local_dirs=dict(args.local_dir),
-        fetch_timeout_s=args.fetch_timeout_s, replan_wait_s=args.replan_wait_s,
+        control_url=args.control_url,
+        job=args.job,
+        rank=args.rank,
+        world_size=args.world_size,
+        token=args.token,
+        store_token=args.store_token,
+        fetch_mode=args.fetch_mode,
+        local_dirs=dict(args.local_dir),
+        fetch_timeout_s=args.fetch_timeout_s,
+        replan_wait_s=args.replan_wait_s,
     )
     return config(
-        client=client, dist_url=args.dist_url, model_dir=args.model_dir, weights_dir=args.weights_dir, lr=args.lr,
-        image_channels=args.image_channels, dedup=not args.no_dedup, out=args.out, min_step_s=args.min_step_s,
+        client=client,
+        dist_url=args.dist_url,
+        model_dir=args.model_dir,
+        weights_dir=args.weights_dir,
+        lr=args.lr,
+        image_channels=args.image_channels,
+        dedup=not args.no_dedup,
+        out=args.out,
+        min_step_s=args.min_step_s,
     )

@@ -27,54 +27,106 @@ DEFAULT_PORT = 8815
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``knittrans store``."""
-    parser.add_argument("--dir", type=Path, default=default_of(StoreConfig, "root"),
-                        help="store directory (default %(default)s)")
-    parser.add_argument("--host", default=default_of(StoreServerConfig, "host"),
-                        help="interface to bind (default %(default)s)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="TCP port, 0 for any free one (default %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("KNITTRANS_STORE_TOKEN"),
-                        help="bearer token required on every call (default $KNITTRANS_STORE_TOKEN)")
-    parser.add_argument("--budget-bytes", type=int, default=default_of(StoreConfig, "budget_bytes"),
-                        help="byte budget of the store directory (default: none)")
-    parser.add_argument("--spill-dir", type=Path, default=default_of(StoreConfig, "spill_dir"),
-                        help="disk directory for units over budget")
-    parser.add_argument("--node-id", default=default_of(StoreServerConfig, "node_id"),
-                        help="name of this store node (default %(default)s)")
-    parser.add_argument("--max-put-bytes", type=int, default=default_of(StoreServerConfig, "max_put_bytes"),
-                        help="largest unit a DoPut may upload (default %(default)s)")
-    parser.add_argument("--ready-file", type=Path, default=None,
-                        help="write the endpoint to this file once listening (for launchers and tests)")
-    parser.add_argument("--advertise", default=None,
-                        help="grpc://HOST:PORT others should use (default: the bound address)")
-    parser.add_argument("--control-url", default=os.environ.get("KNITTRANS_CONTROL_URL"),
-                        help="control plane to register with and heartbeat to (default $KNITTRANS_CONTROL_URL)")
-    parser.add_argument("--control-token", default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
-                        help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)")
+    parser.add_argument(
+        "--dir", type=Path, default=default_of(StoreConfig, "root"), help="store directory (default %(default)s)"
+    )
+    parser.add_argument(
+        "--host", default=default_of(StoreServerConfig, "host"), help="interface to bind (default %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="TCP port, 0 for any free one (default %(default)s)"
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("KNITTRANS_STORE_TOKEN"),
+        help="bearer token required on every call (default $KNITTRANS_STORE_TOKEN)",
+    )
+    parser.add_argument(
+        "--budget-bytes",
+        type=int,
+        default=default_of(StoreConfig, "budget_bytes"),
+        help="byte budget of the store directory (default: none)",
+    )
+    parser.add_argument(
+        "--spill-dir",
+        type=Path,
+        default=default_of(StoreConfig, "spill_dir"),
+        help="disk directory for units over budget",
+    )
+    parser.add_argument(
+        "--node-id",
+        default=default_of(StoreServerConfig, "node_id"),
+        help="name of this store node (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-put-bytes",
+        type=int,
+        default=default_of(StoreServerConfig, "max_put_bytes"),
+        help="largest unit a DoPut may upload (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write the endpoint to this file once listening (for launchers and tests)",
+    )
+    parser.add_argument(
+        "--advertise", default=None, help="grpc://HOST:PORT others should use (default: the bound address)"
+    )
+    parser.add_argument(
+        "--control-url",
+        default=os.environ.get("KNITTRANS_CONTROL_URL"),
+        help="control plane to register with and heartbeat to (default $KNITTRANS_CONTROL_URL)",
+    )
+    parser.add_argument(
+        "--control-token",
+        default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
+        help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)",
+    )
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats (default 2)")
-    parser.add_argument("--tls-cert", type=Path, default=_env_path("KNITTRANS_TLS_CERT"),
-                        help="PEM certificate: serve grpc+tls (needs --tls-key; default $KNITTRANS_TLS_CERT)")
-    parser.add_argument("--tls-key", type=Path, default=_env_path("KNITTRANS_TLS_KEY"),
-                        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow serving a non-loopback address without --token (anyone could read and write)")
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=_env_path("KNITTRANS_TLS_CERT"),
+        help="PEM certificate: serve grpc+tls (needs --tls-key; default $KNITTRANS_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        type=Path,
+        default=_env_path("KNITTRANS_TLS_KEY"),
+        help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving a non-loopback address without --token (anyone could read and write)",
+    )
 
 
 def run(args: Any) -> int:
     """Start the server, announce the endpoint, serve until a signal."""
     if not (args.token or args.insecure or _loopback(args.host)):
-        logger.error("refusing to serve %s without a token: set KNITTRANS_STORE_TOKEN (or --token), "
-                     "or pass --insecure to accept an open store", args.host)
+        logger.error(
+            "refusing to serve %s without a token: set KNITTRANS_STORE_TOKEN (or --token), "
+            "or pass --insecure to accept an open store",
+            args.host,
+        )
         return 2
     config = StoreServerConfig(
         store=StoreConfig(root=args.dir, budget_bytes=args.budget_bytes, spill_dir=args.spill_dir),
-        host=args.host, port=args.port, node_id=args.node_id, token=args.token or None,
-        max_put_bytes=args.max_put_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        host=args.host,
+        port=args.port,
+        node_id=args.node_id,
+        token=args.token or None,
+        max_put_bytes=args.max_put_bytes,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
     )
     server = StoreServer(config)
-    logger.info("store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint,
-                server.store.recovered)
+    logger.info(
+        "store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint, server.store.recovered
+    )
     if args.ready_file is not None:
         tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
         tmp.write_text(server.endpoint)
@@ -88,8 +140,12 @@ def run(args: Any) -> int:
     stopped = threading.Event()
     if args.control_url:
         endpoint = args.advertise or server.endpoint
-        threading.Thread(target=_announce, args=(args, endpoint, stopped, server.store.stats), daemon=True,
-                         name="knittrans-heartbeat").start()
+        threading.Thread(
+            target=_announce,
+            args=(args, endpoint, stopped, server.store.stats),
+            daemon=True,
+            name="knittrans-heartbeat",
+        ).start()
     try:
         server.serve()
     finally:

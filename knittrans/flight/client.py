@@ -38,8 +38,15 @@ T = TypeVar("T")
 class StoreClient:
     """Client of one store node; thread-safe for concurrent calls (gRPC channel shared)."""
 
-    def __init__(self, endpoint: str, *, token: str | None = None, timeout_s: float | None = None,
-                 batch_bytes: int = 4 << 20, tls_ca: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        timeout_s: float | None = None,
+        batch_bytes: int = 4 << 20,
+        tls_ca: str | os.PathLike[str] | None = None,
+    ) -> None:
         """Connect to ``endpoint`` (``grpc://`` or ``grpc+tls://``).
 
         ``tls_ca``: PEM file of the CA that signed the node's certificate (default
@@ -120,8 +127,9 @@ class StoreClient:
             raise KnitTransError(f"store {self.endpoint} acknowledged {acked} of {len(batches)} batches")
         return acked
 
-    def put_unit(self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None,
-                 *, seal: bool = True) -> dict[str, Any]:
+    def put_unit(
+        self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, seal: bool = True
+    ) -> dict[str, Any]:
         """Upload a whole unit through ``DoPut`` and seal it; returns the sealed unit's info."""
         self.put_part(job, unit_id, "traj", traj)
         media_rows = media.num_rows if media is not None else 0
@@ -136,8 +144,15 @@ class StoreClient:
             body["timeout_s"] = timeout_s
         return dict(self._action("reserve", body))
 
-    def seal(self, job: str, unit_id: str, *, rows: int | None = None, media_rows: int | None = None,
-             num_bytes: int | None = None) -> dict[str, Any]:
+    def seal(
+        self,
+        job: str,
+        unit_id: str,
+        *,
+        rows: int | None = None,
+        media_rows: int | None = None,
+        num_bytes: int | None = None,
+    ) -> dict[str, Any]:
         """Publish a pending unit; returns its info (rows, bytes, spilled).
 
         The counts given must match what the node holds, else it drops the unit (``Conflict``).

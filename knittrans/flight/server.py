@@ -115,9 +115,12 @@ def _mapped(fn: F) -> F:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
                 logger.warning("%s failed: store directory cannot take the write: %s", fn.__name__, exc)
-                raise to_flight_error(OverBudget(f"{fn.__name__}: the store directory cannot take the write "
-                                                 f"({os.strerror(exc.errno)}); retry later or on another node")) \
-                    from None
+                raise to_flight_error(
+                    OverBudget(
+                        f"{fn.__name__}: the store directory cannot take the write "
+                        f"({os.strerror(exc.errno)}); retry later or on another node"
+                    )
+                ) from None
             logger.exception("%s failed", fn.__name__)
             raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
         except Exception as exc:
@@ -217,8 +220,9 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         path = [p.decode() for p in (descriptor.path or [])]
         if self.config.ticket_key:
             if len(path) != 3:
-                raise Unauthenticated("this store describes units only with a grant of their job: "
-                                      "descriptor path [job, unit, grant]")
+                raise Unauthenticated(
+                    "this store describes units only with a grant of their job: descriptor path [job, unit, grant]"
+                )
             check_listing(self.config.ticket_key.encode(), path[2], job=path[0], now=time.time())
             path = path[:2]
         if len(path) != 2:
@@ -295,17 +299,24 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             if not isinstance(nbytes, int) or nbytes < 0:
                 raise InvalidRequest("action 'reserve': 'bytes' must be a non-negative integer")
             if nbytes > self.config.max_put_bytes:
-                raise PayloadTooLarge(f"unit {unit_id!r} needs {nbytes} bytes, above the limit of "
-                                      f"{self.config.max_put_bytes} bytes")
-            if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-                                        or not math.isfinite(timeout) or not 0 <= timeout <= MAX_RESERVE_WAIT_S):
-                raise InvalidRequest(f"action 'reserve': 'timeout_s' must be a number of seconds in "
-                                     f"[0, {MAX_RESERVE_WAIT_S}], not {timeout!r}")
-            pending = self.store.begin(job, unit_id, reserve_bytes=nbytes, timeout=timeout,
-                                       abandoned=context.is_cancelled)
+                raise PayloadTooLarge(
+                    f"unit {unit_id!r} needs {nbytes} bytes, above the limit of {self.config.max_put_bytes} bytes"
+                )
+            if timeout is not None and (
+                not isinstance(timeout, int | float)
+                or isinstance(timeout, bool)
+                or not math.isfinite(timeout)
+                or not 0 <= timeout <= MAX_RESERVE_WAIT_S
+            ):
+                raise InvalidRequest(
+                    f"action 'reserve': 'timeout_s' must be a number of seconds in "
+                    f"[0, {MAX_RESERVE_WAIT_S}], not {timeout!r}"
+                )
+            pending = self.store.begin(
+                job, unit_id, reserve_bytes=nbytes, timeout=timeout, abandoned=context.is_cancelled
+            )
             if context.is_cancelled():  # the caller gave up while we waited: nobody will use the grant
                 self.store.abort(job, unit_id, only=pending)
                 raise Conflict(f"reservation for unit {unit_id!r} abandoned by its caller")
             return _json({"dir": str(pending.dir), "spilled": pending.spilled})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
-

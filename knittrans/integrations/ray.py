@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane",
-           "start_stores"]
+__all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +56,21 @@ def node_affinity(node_id: str) -> Any:
 class _KnitTransProcess:
     """Actor body: one ``knittrans`` child process on this actor's node, stopped with the actor."""
 
-    def __init__(self, argv: list[str], log_path: str, ready_file: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], log_path: str, ready_file: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._ready = Path(ready_file) if ready_file else None
         if self._ready is not None:
             self._ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "knittrans.cli", *argv], stdout=log,
-                                          stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "knittrans.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
 
     def node(self) -> dict[str, str]:
         """Ray node id and IP address this actor runs on."""
@@ -141,8 +145,16 @@ class KnitTransCluster:
     def rollout_args(self, ray_node_id: str) -> list[str]:
         """``knittrans rollout`` flags pointing a worker on ``ray_node_id`` at its node's store."""
         s = self.store_for(ray_node_id)
-        return ["--control-url", self.control_url, "--node-id", s.node_id, "--store-endpoint", s.endpoint,
-                "--store-dir", s.store_dir]
+        return [
+            "--control-url",
+            self.control_url,
+            "--node-id",
+            s.node_id,
+            "--store-endpoint",
+            s.endpoint,
+            "--store-dir",
+            s.store_dir,
+        ]
 
     def trainer_args(self) -> list[str]:
         """``knittrans train`` flags for a rank (tokens travel through the environment: :meth:`env`)."""
@@ -173,9 +185,17 @@ def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
-def start_control_plane(work_dir: str | Path, *, worker_token: str | None = None, admin_token: str | None = None,
-                        node_timeout_s: float = 30.0, ray_node_id: str | None = None, detached: bool = False,
-                        name: str = "knittrans-control-plane", port: int = 8700) -> tuple[str, Any]:
+def start_control_plane(
+    work_dir: str | Path,
+    *,
+    worker_token: str | None = None,
+    admin_token: str | None = None,
+    node_timeout_s: float = 30.0,
+    ray_node_id: str | None = None,
+    detached: bool = False,
+    name: str = "knittrans-control-plane",
+    port: int = 8700,
+) -> tuple[str, Any]:
     """Start ``knittrans control-plane`` in an actor; returns ``(url, actor)``.
 
     Args:
@@ -187,8 +207,17 @@ def start_control_plane(work_dir: str | Path, *, worker_token: str | None = None
     ray = _ray()
     node = ray_node_id or ray.get_runtime_context().get_node_id()
     ip = next(n["NodeManagerAddress"] for n in _alive_nodes(ray) if n["NodeID"] == node)
-    argv = ["control-plane", "--db", str(Path(work_dir) / "control.db"), "--host", ip, "--port", str(port),
-            "--node-timeout-s", str(node_timeout_s)]
+    argv = [
+        "control-plane",
+        "--db",
+        str(Path(work_dir) / "control.db"),
+        "--host",
+        ip,
+        "--port",
+        str(port),
+        "--node-timeout-s",
+        str(node_timeout_s),
+    ]
     if worker_token:
         argv += ["--worker-token", worker_token]
     if admin_token:
@@ -196,8 +225,11 @@ def start_control_plane(work_dir: str | Path, *, worker_token: str | None = None
     options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": node_affinity(node), "name": name}
     if detached:
         options["lifetime"] = "detached"
-    actor = ray.remote(_KnitTransProcess).options(**options).remote(
-        argv, str(Path(work_dir) / "logs" / "control-plane.log"))
+    actor = (
+        ray.remote(_KnitTransProcess)
+        .options(**options)
+        .remote(argv, str(Path(work_dir) / "logs" / "control-plane.log"))
+    )
     url = f"http://{ip}:{port}"
     _wait_http(f"{url}/v1/health", actor, ray)
     logger.info("control plane %s on Ray node %s", url, node[:8])
@@ -221,10 +253,17 @@ def _wait_http(url: str, actor: Any, ray: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def start_stores(control_url: str, *, store_root: str | Path = "/dev/shm/knittrans", work_dir: str | Path,
-                 worker_token: str | None = None, store_token: str | None = None,
-                 ray_node_ids: Sequence[str] | None = None, heartbeat_s: float = 2.0,
-                 budget_bytes: int | None = None) -> tuple[list[StoreInfo], list[Any]]:
+def start_stores(
+    control_url: str,
+    *,
+    store_root: str | Path = "/dev/shm/knittrans",
+    work_dir: str | Path,
+    worker_token: str | None = None,
+    store_token: str | None = None,
+    ray_node_ids: Sequence[str] | None = None,
+    heartbeat_s: float = 2.0,
+    budget_bytes: int | None = None,
+) -> tuple[list[StoreInfo], list[Any]]:
     """One ``knittrans store`` per Ray node (all alive nodes by default), pinned there; returns infos and actors.
 
     Each store binds its node's IP on a free port, registers with the control plane and heartbeats.
@@ -238,21 +277,40 @@ def start_stores(control_url: str, *, store_root: str | Path = "/dev/shm/knittra
             raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")
         node_id = f"store-{rid[:8]}"
         store_dir = str(Path(store_root) / node_id)
-        argv = ["store", "--dir", store_dir, "--host", nodes[rid], "--port", "0", "--node-id", node_id,
-                "--ready-file", str(Path(work_dir) / f"{node_id}.ready"), "--control-url", control_url,
-                "--heartbeat-s", str(heartbeat_s)]
+        argv = [
+            "store",
+            "--dir",
+            store_dir,
+            "--host",
+            nodes[rid],
+            "--port",
+            "0",
+            "--node-id",
+            node_id,
+            "--ready-file",
+            str(Path(work_dir) / f"{node_id}.ready"),
+            "--control-url",
+            control_url,
+            "--heartbeat-s",
+            str(heartbeat_s),
+        ]
         if budget_bytes:
             argv += ["--budget-bytes", str(budget_bytes)]
         if not store_token:
             argv.append("--insecure")  # the caller chose an open store on the node's address
-        env = {k: v for k, v in (("KNITTRANS_STORE_TOKEN", store_token),
-                                  ("KNITTRANS_WORKER_TOKEN", worker_token)) if v}
-        actor = ray.remote(_KnitTransProcess).options(num_cpus=0, scheduling_strategy=node_affinity(rid)).remote(
-            argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), str(Path(work_dir) / f"{node_id}.ready"), env)
+        env = {k: v for k, v in (("KNITTRANS_STORE_TOKEN", store_token), ("KNITTRANS_WORKER_TOKEN", worker_token)) if v}
+        actor = (
+            ray.remote(_KnitTransProcess)
+            .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
+            .remote(
+                argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), str(Path(work_dir) / f"{node_id}.ready"), env
+            )
+        )
         actors.append(actor)
         pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
-    infos = [StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d)
-             for rid, nid, d, ref in pending]
+    infos = [
+        StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d) for rid, nid, d, ref in pending
+    ]
     for info, actor in zip(infos, actors, strict=True):
         where = ray.get(actor.node.remote())["node_id"]
         if where != info.ray_node_id:
@@ -260,19 +318,44 @@ def start_stores(control_url: str, *, store_root: str | Path = "/dev/shm/knittra
     return infos, actors
 
 
-def start_cluster(work_dir: str | Path, *, worker_token: str | None = None, store_token: str | None = None,
-                  admin_token: str | None = None, store_root: str | Path = "/dev/shm/knittrans",
-                  node_timeout_s: float = 30.0, detached_control_plane: bool = False,
-                  control_port: int = 8700) -> KnitTransCluster:
+def start_cluster(
+    work_dir: str | Path,
+    *,
+    worker_token: str | None = None,
+    store_token: str | None = None,
+    admin_token: str | None = None,
+    store_root: str | Path = "/dev/shm/knittrans",
+    node_timeout_s: float = 30.0,
+    detached_control_plane: bool = False,
+    control_port: int = 8700,
+) -> KnitTransCluster:
     """Control plane on the driver's node, then one store per alive Ray node; waits until all registered."""
     ray = _ray()
-    url, cp = start_control_plane(work_dir, worker_token=worker_token, admin_token=admin_token,
-                                  node_timeout_s=node_timeout_s, detached=detached_control_plane, port=control_port)
-    cluster = KnitTransCluster(control_url=url, stores=[], worker_token=worker_token, store_token=store_token,
-                               admin_token=admin_token, actors=[cp])
+    url, cp = start_control_plane(
+        work_dir,
+        worker_token=worker_token,
+        admin_token=admin_token,
+        node_timeout_s=node_timeout_s,
+        detached=detached_control_plane,
+        port=control_port,
+    )
+    cluster = KnitTransCluster(
+        control_url=url,
+        stores=[],
+        worker_token=worker_token,
+        store_token=store_token,
+        admin_token=admin_token,
+        actors=[cp],
+    )
     try:
-        stores, actors = start_stores(url, store_root=store_root, work_dir=work_dir, worker_token=worker_token,
-                                      store_token=store_token, heartbeat_s=min(2.0, node_timeout_s / 5))
+        stores, actors = start_stores(
+            url,
+            store_root=store_root,
+            work_dir=work_dir,
+            worker_token=worker_token,
+            store_token=store_token,
+            heartbeat_s=min(2.0, node_timeout_s / 5),
+        )
         cluster.stores, cluster.actors = stores, [cp, *actors]
         from knittrans.controlclient import ControlClient
 
@@ -286,6 +369,7 @@ def start_cluster(work_dir: str | Path, *, worker_token: str | None = None, stor
     except BaseException:
         cluster.shutdown()
         raise
-    logger.info("KnitTrans on Ray: control plane %s, %d stores (%d Ray nodes)", url, len(cluster.stores),
-                len(_alive_nodes(ray)))
+    logger.info(
+        "KnitTrans on Ray: control plane %s, %d stores (%d Ray nodes)", url, len(cluster.stores), len(_alive_nodes(ray))
+    )
     return cluster

@@ -105,8 +105,7 @@ def _encode_tensor(field: str, value: torch.Tensor, n: int) -> tuple[list[pa.Fie
         values = np.concatenate(flat) if flat else np.zeros(0, np.float32)
         arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
         shapes = pa.array([list(r.shape) for r in rows], type=pa.list_(pa.int32()))
-        return ([_field(name, arr.type, "jagged", dtype), _field(name + "#shape", shapes.type, "shape")],
-                [arr, shapes])
+        return ([_field(name, arr.type, "jagged", dtype), _field(name + "#shape", shapes.type, "shape")], [arr, shapes])
     data, dtype = _np_view(value, field)
     if data.ndim == 1:
         arr1 = pa.array(data)
@@ -140,8 +139,9 @@ def _rows_of(value: Any) -> list[Any]:
     return list(value)
 
 
-def encode_put(data: Mapping[str, Any], n: int, *, global_indexes: Sequence[int], partition: str,
-               media_fields: Sequence[str] = ()) -> UnitTables:
+def encode_put(
+    data: Mapping[str, Any], n: int, *, global_indexes: Sequence[int], partition: str, media_fields: Sequence[str] = ()
+) -> UnitTables:
     """The unit tables of one TransferQueue put of ``n`` rows (``data``: field -> column)."""
     if len(global_indexes) != n:
         raise InvalidRequest(f"{len(global_indexes)} global indexes for {n} rows")
@@ -179,8 +179,9 @@ def encode_put(data: Mapping[str, Any], n: int, *, global_indexes: Sequence[int]
     return UnitTables(traj=traj, media=build_media_table(media) if media else MEDIA_SCHEMA.empty_table())
 
 
-def _fixed_columns(n: int, global_indexes: Sequence[int], partition: str,
-                   row_hashes: list[list[bytes]]) -> list[pa.Array]:
+def _fixed_columns(
+    n: int, global_indexes: Sequence[int], partition: str, row_hashes: list[list[bytes]]
+) -> list[pa.Array]:
     """The fixed trajectory columns of a TransferQueue unit: ids from the global index, empty tokens."""
     empty = pa.array(np.zeros(n + 1, np.int32))
     zeros_f = pa.array(np.zeros(n, np.float32))
@@ -193,7 +194,11 @@ def _fixed_columns(n: int, global_indexes: Sequence[int], partition: str,
         pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
         pa.ListArray.from_arrays(empty, pa.array([], pa.float32())),
         pa.ListArray.from_arrays(empty, pa.array([], pa.uint8())),
-        zeros_f, zeros_f, zeros_i, zeros_i, zeros_f,
+        zeros_f,
+        zeros_f,
+        zeros_i,
+        zeros_i,
+        zeros_f,
         pa.array(row_hashes, type=pa.list_(_HASH)),
         pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
     ]
@@ -224,8 +229,9 @@ def _as_torch(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
     return t
 
 
-def _decode_media_rows(hashes: list[bytes], media: Mapping[bytes, tuple[np.ndarray, str]],
-                       field: str) -> torch.Tensor | list[torch.Tensor]:
+def _decode_media_rows(
+    hashes: list[bytes], media: Mapping[bytes, tuple[np.ndarray, str]], field: str
+) -> torch.Tensor | list[torch.Tensor]:
     """Rows of a media column: one memcpy per row straight from the media buffers into the result."""
     try:
         unique = {h: media[h] for h in dict.fromkeys(hashes)}
@@ -248,14 +254,15 @@ def _decode_jagged(col: pa.Array, shapes: list[list[int]], dtype: str) -> torch.
     values = col.values.to_numpy(zero_copy_only=False)
     if len(col) and all(len(s) == 1 for s in shapes):
         base = int(offsets[0])
-        flat = _as_torch(np.array(values[base:int(offsets[-1])], copy=True), dtype)
+        flat = _as_torch(np.array(values[base : int(offsets[-1])], copy=True), dtype)
         offs = torch.from_numpy(offsets.astype(np.int64) - base)
         return torch.nested.nested_tensor_from_jagged(flat, offs)
-    return [_restore(values[offsets[i]:offsets[i + 1]], dtype).reshape(shapes[i]) for i in range(len(col))]
+    return [_restore(values[offsets[i] : offsets[i + 1]], dtype).reshape(shapes[i]) for i in range(len(col))]
 
 
-def decode_column(table: pa.Table, field: str,
-                  media: Mapping[bytes, tuple[np.ndarray, str]] | None = None) -> torch.Tensor | list[Any]:
+def decode_column(
+    table: pa.Table, field: str, media: Mapping[bytes, tuple[np.ndarray, str]] | None = None
+) -> torch.Tensor | list[Any]:
     """Values of ``field`` for every row of ``table`` (a DoGet result holding its column(s)).
 
     A batched tensor ``[rows, ...]`` when every row has one shape and dtype (scalar, dense and

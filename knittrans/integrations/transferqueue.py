@@ -193,13 +193,15 @@ class _Core:
         try:
             return self.config.stores[node]
         except KeyError:
-            raise StoreNodeLost(f"store node {node!r} is not in backend.KnitTrans.stores "
-                                f"{sorted(self.config.stores)}") from None
+            raise StoreNodeLost(
+                f"store node {node!r} is not in backend.KnitTrans.stores {sorted(self.config.stores)}"
+            ) from None
 
     def client(self, node: str) -> StoreClient:
         if node not in self._clients:
-            self._clients[node] = StoreClient(self.endpoint(node), token=self.config.token,
-                                              timeout_s=self.config.timeout_s)
+            self._clients[node] = StoreClient(
+                self.endpoint(node), token=self.config.token, timeout_s=self.config.timeout_s
+            )
         return self._clients[node]
 
     def _reader(self, node: str) -> Callable[[Ticket], pa.Table]:
@@ -212,18 +214,25 @@ class _Core:
         if node not in self._writers:
             store_dir = self.config.store_dirs.get(node)
             local = store_dir if store_dir and Path(store_dir).is_dir() else None
-            self._writers[node] = TrajectoryWriter(job=self.config.job, node_id=node, endpoint=self.endpoint(node),
-                                                   store_dir=local, token=self.config.token,
-                                                   timeout_s=self.config.timeout_s)
+            self._writers[node] = TrajectoryWriter(
+                job=self.config.job,
+                node_id=node,
+                endpoint=self.endpoint(node),
+                store_dir=local,
+                token=self.config.token,
+                timeout_s=self.config.timeout_s,
+            )
         return self._writers[node]
 
     # ------------------------------------------------------------------ put
-    def put(self, data: Mapping[str, Any], n: int, global_indexes: Sequence[int],
-            partition: str) -> list[dict[str, dict[str, Any]]]:
+    def put(
+        self, data: Mapping[str, Any], n: int, global_indexes: Sequence[int], partition: str
+    ) -> list[dict[str, dict[str, Any]]]:
         """Write one put as one unit on this node; per row, ``{field: location}`` (TQ's backend meta)."""
         node = self.local_node()
-        tables = encode_put(data, n, global_indexes=global_indexes, partition=partition,
-                            media_fields=self.config.media_fields)
+        tables = encode_put(
+            data, n, global_indexes=global_indexes, partition=partition, media_fields=self.config.media_fields
+        )
         writer = self._writer(node)
         unit_id = writer.new_unit_id()
         try:
@@ -232,12 +241,12 @@ class _Core:
             raise StoreNodeLost(f"store node {node!r} ({self.endpoint(node)}) cannot take the put: {exc}") from None
         names = set(tables.traj.schema.names)
         jagged = {f: field_columns(names, f)[-1].endswith("#shape") for f in data}
-        return [{f: {"node": node, "unit": unit_id, "row": i, "n": n, "j": jagged[f]} for f in data}
-                for i in range(n)]
+        return [{f: {"node": node, "unit": unit_id, "row": i, "n": n, "j": jagged[f]} for f in data} for i in range(n)]
 
     # ------------------------------------------------------------------ get
-    def get(self, field_names: Sequence[str], global_indexes: Sequence[int],
-            backend_meta: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def get(
+        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
+    ) -> dict[str, Any]:
         """``{field: batched tensor | list of row values}`` for the rows, in ``global_indexes`` order."""
         n = len(global_indexes)
         # (node, unit) -> {field: [(position, row)]}
@@ -266,8 +275,9 @@ class _Core:
     def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
         network wait: :meth:`get` is then a short CPU-bound call)."""
-        nodes = {loc["node"] for meta in backend_meta for loc in meta.values()
-                 if isinstance(loc, Mapping) and "node" in loc}
+        nodes = {
+            loc["node"] for meta in backend_meta for loc in meta.values() if isinstance(loc, Mapping) and "node" in loc
+        }
         return all(self._is_local(str(node)) for node in nodes)
 
     def _is_local(self, node: str) -> bool:
@@ -276,17 +286,24 @@ class _Core:
             self._local[node] = LocalReader([store_dir]) if store_dir and Path(store_dir).is_dir() else None
         return self._local[node] is not None
 
-    def _fetch(self, node: str, layout: tuple[tuple[str, bool], ...], units: list[str],
-               where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
-               ) -> dict[str, tuple[list[int], Any]]:
+    def _fetch(
+        self,
+        node: str,
+        layout: tuple[tuple[str, bool], ...],
+        units: list[str],
+        where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
+    ) -> dict[str, tuple[list[int], Any]]:
         fields = tuple(f for f, _ in layout)
         reads = []
         for unit in units:
             rows = [r for f in fields for _, r in where[(node, unit)][f]]
             reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
         read = self._reader(node)
-        columns = tuple(c for f, jagged in layout for c in ([column_name(f), column_name(f) + "#shape"] if jagged
-                                                           else [column_name(f)]))
+        columns = tuple(
+            c
+            for f, jagged in layout
+            for c in ([column_name(f), column_name(f) + "#shape"] if jagged else [column_name(f)])
+        )
         try:
             table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
             media = None
@@ -294,8 +311,16 @@ class _Core:
             if media_cols:
                 hashes = sorted({h.hex() for c in media_cols for h in table.column(c).to_pylist()})
                 if hashes:
-                    media = decode_media(read(Ticket(job=self.config.job, kind="media", reads=tuple(
-                        UnitRead(unit_id=u) for u in units), media_hashes=tuple(hashes))))
+                    media = decode_media(
+                        read(
+                            Ticket(
+                                job=self.config.job,
+                                kind="media",
+                                reads=tuple(UnitRead(unit_id=u) for u in units),
+                                media_hashes=tuple(hashes),
+                            )
+                        )
+                    )
         except Unavailable as exc:
             gidx = sorted({p for u in units for f in fields for p, _ in where[(node, u)][f]})
             raise StoreNodeLost(
@@ -322,8 +347,9 @@ class _Core:
         return out
 
     # ------------------------------------------------------------------ clear
-    def clear(self, field_names: Sequence[str], global_indexes: Sequence[int],
-              backend_meta: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    def clear(
+        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[str, str]]:
         """Delete units whose every row is cleared by this call; returns the deleted (node, unit)."""
         rows: dict[tuple[str, str], set[int]] = defaultdict(set)
         sizes: dict[tuple[str, str], int] = {}
@@ -406,8 +432,9 @@ def _make_manager_class() -> type[Any]:
             self.core = _Core(TQBackendConfig.from_conf(config))
             super().__init__(controller_info, config)  # its own ZMQ context: only the notify path uses ZMQ
 
-        async def put_data(self, data: TensorDict, metadata: Any,
-                           data_parser: Callable[[Any], Any] | None = None) -> None:
+        async def put_data(
+            self, data: TensorDict, metadata: Any, data_parser: Callable[[Any], Any] | None = None
+        ) -> None:
             if data_parser is not None:
                 raise NotImplementedError(f"data_parser is not supported by the {BACKEND_NAME} backend")
             n = len(metadata.global_indexes)
@@ -418,14 +445,14 @@ def _make_manager_class() -> type[Any]:
             partition = metadata.partition_ids[0]
             columns = {k: data.get(k) for k in data.keys()}  # noqa: SIM118 - iterating a TensorDict yields rows
             loop = asyncio.get_running_loop()
-            locs = await loop.run_in_executor(None, self.core.put, columns, n, list(metadata.global_indexes),
-                                              partition)
+            locs = await loop.run_in_executor(None, self.core.put, columns, n, list(metadata.global_indexes), partition)
             per_index: dict[int, dict[str, Any]] = {}
             for pos, gidx in enumerate(metadata.global_indexes):
                 per_index[gidx] = locs[pos]
                 metadata._custom_backend_meta[pos].update(per_index[gidx])
-            await self.notify_data_update(partition, list(metadata.global_indexes), extract_field_schema(data),
-                                          per_index)
+            await self.notify_data_update(
+                partition, list(metadata.global_indexes), extract_field_schema(data), per_index
+            )
 
         async def get_data(self, metadata: Any) -> TensorDict:
             if metadata.size == 0 or not metadata.field_names:
@@ -441,8 +468,13 @@ def _make_manager_class() -> type[Any]:
 
         async def clear_data(self, metadata: Any) -> None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.core.clear, list(metadata.field_names),
-                                       list(metadata.global_indexes), metadata._custom_backend_meta)
+            await loop.run_in_executor(
+                None,
+                self.core.clear,
+                list(metadata.field_names),
+                list(metadata.global_indexes),
+                metadata._custom_backend_meta,
+            )
 
         def close(self) -> None:
             if hasattr(self, "core"):
@@ -485,8 +517,9 @@ class KnitTransStoreActor:
 
         bind = host or ray.util.get_node_ip_address()
         Path(root).mkdir(parents=True, exist_ok=True)
-        self.server = StoreServer(StoreServerConfig(store=StoreConfig(root=Path(root)), host=bind, port=0,
-                                                    node_id=node, token=token))
+        self.server = StoreServer(
+            StoreServerConfig(store=StoreConfig(root=Path(root)), host=bind, port=0, node_id=node, token=token)
+        )
 
     def endpoint(self) -> str:
         return str(self.server.endpoint)
@@ -527,8 +560,9 @@ def bootstrap(conf: Any) -> dict[str, Any]:
         handles[node] = actor
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(section if section is not None else {},
-                             {"stores": stores, "ray_nodes": ray_nodes, "store_dirs": dirs})
+    merged = OmegaConf.merge(
+        section if section is not None else {}, {"stores": stores, "ray_nodes": ray_nodes, "store_dirs": dirs}
+    )
     conf.backend[BACKEND_NAME] = merged
     logger.info("started KnitTrans stores %s", stores)
     return handles

@@ -92,22 +92,50 @@ class QuotaAdmission:
         return mini_batch_sizes(sum(self.quotas.values()), self.mini_batches_per_step)
 
     def _state(self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int) -> StepState:
-        groups = [FinishedGroup(group_id=g.uid, source=g.source, trajectory_tokens=(1,) * g.num_trajectories,
-                                finished_at=g.finished_at, version_start=g.version_start)
-                  for g in finished if g.source in self.quotas]
-        return StepState(quotas=self.quotas, admitted=self.admitted, finished=groups,
-                         pending={s: pending.get(s, 0) for s in self.quotas},
-                         mini_batch_index=self.mini_batch_index, mini_batches_per_step=self.mini_batches_per_step,
-                         bounds=self.bounds, current_version=version, max_staleness=self.max_staleness)
+        groups = [
+            FinishedGroup(
+                group_id=g.uid,
+                source=g.source,
+                trajectory_tokens=(1,) * g.num_trajectories,
+                finished_at=g.finished_at,
+                version_start=g.version_start,
+            )
+            for g in finished
+            if g.source in self.quotas
+        ]
+        return StepState(
+            quotas=self.quotas,
+            admitted=self.admitted,
+            finished=groups,
+            pending={s: pending.get(s, 0) for s in self.quotas},
+            mini_batch_index=self.mini_batch_index,
+            mini_batches_per_step=self.mini_batches_per_step,
+            bounds=self.bounds,
+            current_version=version,
+            max_staleness=self.max_staleness,
+        )
 
     def stale(self, finished: Iterable[SamplerGroup], version: int) -> list[str]:
         """uids past the staleness bound at trainer version ``version``."""
         state = self._state([], {}, version)
-        return [g.uid for g in finished if expired(state, FinishedGroup(
-            group_id=g.uid, source=g.source, trajectory_tokens=(1,), finished_at=0.0, version_start=g.version_start))]
+        return [
+            g.uid
+            for g in finished
+            if expired(
+                state,
+                FinishedGroup(
+                    group_id=g.uid,
+                    source=g.source,
+                    trajectory_tokens=(1,),
+                    finished_at=0.0,
+                    version_start=g.version_start,
+                ),
+            )
+        ]
 
-    def select(self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int,
-               batch_size: int) -> list[str] | None:
+    def select(
+        self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int, batch_size: int
+    ) -> list[str] | None:
         """uids of the next mini-batch, or None to wait; commits the admission when it returns uids."""
         want = self.sizes[self.mini_batch_index]
         if batch_size != want:
@@ -130,8 +158,9 @@ class QuotaAdmission:
         return [g.group_id for g in decision.groups]
 
 
-def _admission_from_kwargs(kwargs: Mapping[str, Any], trainer_config: Any,
-                           max_off_policy_threshold: int | None) -> QuotaAdmission:
+def _admission_from_kwargs(
+    kwargs: Mapping[str, Any], trainer_config: Any, max_off_policy_threshold: int | None
+) -> QuotaAdmission:
     quotas = kwargs.get("quotas")
     if not quotas:
         raise InvalidJobSpec("trainer.v1.sampler.sampler_kwargs.quotas: give {data_source: groups per train batch}")
@@ -142,8 +171,12 @@ def _admission_from_kwargs(kwargs: Mapping[str, Any], trainer_config: Any,
     if staleness is None and max_off_policy_threshold is not None:
         staleness = int(max_off_policy_threshold) - 1  # verl's span = steps - start + 1 <= threshold
     bounds = {s: SourceBounds(lo=int(b.get("lo", 0)), hi=b.get("hi")) for s, b in (kwargs.get("bounds") or {}).items()}
-    return QuotaAdmission(quotas={str(s): int(q) for s, q in dict(quotas).items()}, mini_batches_per_step=int(k),
-                          max_staleness=staleness, bounds=bounds)
+    return QuotaAdmission(
+        quotas={str(s): int(q) for s, q in dict(quotas).items()},
+        mini_batches_per_step=int(k),
+        max_staleness=staleness,
+        bounds=bounds,
+    )
 
 
 def make_sampler_class() -> type[Any]:
@@ -156,8 +189,9 @@ def make_sampler_class() -> type[Any]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.admission = _admission_from_kwargs(dict(self.sampler_kwargs or {}), self.trainer_config,
-                                                    self.max_off_policy_threshold)
+            self.admission = _admission_from_kwargs(
+                dict(self.sampler_kwargs or {}), self.trainer_config, self.max_off_policy_threshold
+            )
             self.source_field = str((self.sampler_kwargs or {}).get("source_field", "data_source"))
             self._sources: dict[str, str] = {}
             self._first_seen: dict[str, float] = {}
@@ -189,9 +223,15 @@ def make_sampler_class() -> type[Any]:
                 if source is None:
                     continue
                 seen = self._first_seen.setdefault(uid, time.monotonic())
-                out.append(SamplerGroup(uid=uid, source=source, version_start=self._version_start(partition_id, uid),
-                                        finished_at=seen,
-                                        num_trajectories=len(self._group_keys(partition_id, uid))))
+                out.append(
+                    SamplerGroup(
+                        uid=uid,
+                        source=source,
+                        version_start=self._version_start(partition_id, uid),
+                        finished_at=seen,
+                        num_trajectories=len(self._group_keys(partition_id, uid)),
+                    )
+                )
             return out
 
         # -- verl's interface ---------------------------------------------------------------------
@@ -213,8 +253,9 @@ def make_sampler_class() -> type[Any]:
                 reasons = self._terminal_eviction_reasons(global_steps, partition_id)
                 sampleable = self._sampleable_terminal_keys(partition_id, reasons)
                 pending = {s: int(q) for s, q in self.admission.quotas.items()}  # unknown supply: assume enough
-                uids = self.admission.select(self._finished(partition_id, sampleable), pending, global_steps,
-                                             batch_size)
+                uids = self.admission.select(
+                    self._finished(partition_id, sampleable), pending, global_steps, batch_size
+                )
                 if uids is not None:
                     snapshot = dict(self.partitions[partition_id])
                     for uid in uids:

@@ -27,20 +27,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", required=True, help="store node this worker writes to")
     parser.add_argument("--store-endpoint", required=True, help="grpc://HOST:PORT of that store node")
     parser.add_argument("--store-dir", default=None, help="the node's directory when on this host (direct writes)")
-    parser.add_argument("--source", action="append", required=True,
-                        help="NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]; repeat for several sources")
+    parser.add_argument(
+        "--source",
+        action="append",
+        required=True,
+        help="NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW]; repeat for several sources",
+    )
     parser.add_argument("--model-dir", required=True, help="initial policy checkpoint directory")
     parser.add_argument("--weights-dir", required=True, help="where the trainer publishes policy-v<N>.safetensors")
     parser.add_argument("--state-file", required=True, help="worker state file (restarts resume from it)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default=default("engine"),
-                        help="inference engine (default %(default)s)")
-    parser.add_argument("--group-size", type=int, default=default("group_size"),
-                        help="responses per prompt (job's group size)")
-    parser.add_argument("--groups-per-call", type=int, default=default("groups_per_call"),
-                        help="prompts per generate call / unit")
+    parser.add_argument(
+        "--engine", choices=("hf", "vllm"), default=default("engine"), help="inference engine (default %(default)s)"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=default("group_size"), help="responses per prompt (job's group size)"
+    )
+    parser.add_argument(
+        "--groups-per-call", type=int, default=default("groups_per_call"), help="prompts per generate call / unit"
+    )
     parser.add_argument("--temperature", type=float, default=default("temperature"))
-    parser.add_argument("--chunk-tokens", type=int, default=default("chunk_tokens"),
-                        help="partial rollout chunk (tokens)")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=default("chunk_tokens"), help="partial rollout chunk (tokens)"
+    )
     parser.add_argument("--vocab-size", type=int, default=default("vocab_size"))
     parser.add_argument("--reward", default=default("reward"), help="'parity' or package.module:function")
     parser.add_argument("--seed", type=int, default=default("seed"))
@@ -54,13 +62,26 @@ def run(args: Any) -> int:
     from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile
 
     config = RolloutWorkerConfig(
-        control_url=args.control_url, job=args.job, worker_id=args.worker_id, node_id=args.node_id,
-        store_endpoint=args.store_endpoint, store_dir=args.store_dir,
-        sources=tuple(SourceProfile.parse(s) for s in args.source), model_dir=args.model_dir,
-        weights_dir=args.weights_dir, state_file=args.state_file, engine=args.engine,
-        group_size=args.group_size, groups_per_call=args.groups_per_call,
-        temperature=args.temperature, chunk_tokens=args.chunk_tokens, vocab_size=args.vocab_size,
-        reward=args.reward, seed=args.seed, token=args.token, store_token=args.store_token,
+        control_url=args.control_url,
+        job=args.job,
+        worker_id=args.worker_id,
+        node_id=args.node_id,
+        store_endpoint=args.store_endpoint,
+        store_dir=args.store_dir,
+        sources=tuple(SourceProfile.parse(s) for s in args.source),
+        model_dir=args.model_dir,
+        weights_dir=args.weights_dir,
+        state_file=args.state_file,
+        engine=args.engine,
+        group_size=args.group_size,
+        groups_per_call=args.groups_per_call,
+        temperature=args.temperature,
+        chunk_tokens=args.chunk_tokens,
+        vocab_size=args.vocab_size,
+        reward=args.reward,
+        seed=args.seed,
+        token=args.token,
+        store_token=args.store_token,
     )
 
     def stop(signum: int, frame: object) -> None:

@@ -122,7 +122,8 @@ class HFEngine:
             self.layout = VLMLayout.from_dir(self.model_dir)
             self._image_processor = load_image_processor(self.model_dir)
             model: Any = Idefics3ForConditionalGeneration.from_pretrained(
-                self.model_dir, dtype=getattr(torch, self.config.dtype))
+                self.model_dir, dtype=getattr(torch, self.config.dtype)
+            )
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
         self.model: Any = model.to(self.config.device).eval()
@@ -290,7 +291,8 @@ class VLLMEngine:
         # vLLM refuses images without a tokenizer (skip_tokenizer_init); the tiny VLM brings its own.
         multimodal: dict[str, Any] = (
             {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": self.config.max_images_per_prompt}}
-            if self.layout is not None else {"skip_tokenizer_init": True}
+            if self.layout is not None
+            else {"skip_tokenizer_init": True}
         )
         self._allowed: list[int] | None = None
         if self.layout is not None:
@@ -332,8 +334,10 @@ class VLLMEngine:
             for s in seeds
         ]
         outputs = self._llm.generate(
-            [vllm_prompt(r, pass_media=self.config.pass_media or self.layout is not None, layout=self.layout)
-             for r in requests],
+            [
+                vllm_prompt(r, pass_media=self.config.pass_media or self.layout is not None, layout=self.layout)
+                for r in requests
+            ],
             params,
             use_tqdm=False,
         )

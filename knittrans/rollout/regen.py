@@ -27,11 +27,12 @@ def claimable(status: Mapping[str, Any], source: str, count: int) -> list[str]:
     """Up to ``count`` group ids of ``source`` waiting to be regenerated, oldest first."""
     waiting = [r for r in status.get("to_regenerate", ()) if r.get("source") == source]
     waiting.sort(key=lambda r: (r.get("at", 0.0), r["group_id"]))
-    return [r["group_id"] for r in waiting[:max(0, count)]]
+    return [r["group_id"] for r in waiting[: max(0, count)]]
 
 
-def report_started(control: ControlClient, job: str, source: str, group_ids: Sequence[str],
-                   regenerates: Sequence[str]) -> list[str]:
+def report_started(
+    control: ControlClient, job: str, source: str, group_ids: Sequence[str], regenerates: Sequence[str]
+) -> list[str]:
     """Announce ``group_ids`` as started, claiming ``regenerates``; returns the claims that were applied."""
     if regenerates:
         try:

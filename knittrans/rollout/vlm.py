@@ -89,8 +89,17 @@ class TinyVLMSpec:
     """Text ``max_position_embeddings``."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "vision_hidden", "vision_layers", "vision_heads", "image_size",
-                     "patch_size", "scale_factor", "max_positions"):
+        for name in (
+            "hidden",
+            "layers",
+            "vision_hidden",
+            "vision_layers",
+            "vision_heads",
+            "image_size",
+            "patch_size",
+            "scale_factor",
+            "max_positions",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TinyVLMSpec.{name} must be positive, got {getattr(self, name)}")
         if self.hidden % 64:
@@ -140,8 +149,12 @@ class VLMLayout:
 
     def image_block(self) -> list[int]:
         """The prompt ids standing for one image."""
-        return [self.fake_token_id, self.global_token_id, *[self.image_token_id] * self.tokens_per_image,
-                self.fake_token_id]
+        return [
+            self.fake_token_id,
+            self.global_token_id,
+            *[self.image_token_id] * self.tokens_per_image,
+            self.fake_token_id,
+        ]
 
     def compact_ids(self, prompt_ids: Sequence[int] | np.ndarray) -> list[int]:
         """The prompt as vLLM takes it: each image block collapsed to one ``<image>`` (vLLM expands it back)."""
@@ -194,15 +207,23 @@ def _train_tokenizer(out: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BYTE_TOKENS, special_tokens=[], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=BYTE_TOKENS,
+        special_tokens=[],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["knittrans tiny vision-language policy"], trainer=trainer)
     if tok.get_vocab_size() != BYTE_TOKENS:
         raise RuntimeError(f"byte-level tokenizer has {tok.get_vocab_size()} tokens, expected {BYTE_TOKENS}")
     tok.add_special_tokens(list(_SPECIALS))
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                   bos_token=EOS_TOKEN, extra_special_tokens={"image_token": IMAGE_TOKEN})
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+    )
     fast.save_pretrained(str(out))
 
 
@@ -228,16 +249,29 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVLMSpec | None = None, *, se
         tie_word_embeddings=False,
         pad_token_id=eos,
         vision_config={
-            "hidden_size": spec.vision_hidden, "intermediate_size": 2 * spec.vision_hidden,
-            "num_hidden_layers": spec.vision_layers, "num_attention_heads": spec.vision_heads,
-            "image_size": spec.image_size, "patch_size": spec.patch_size, "initializer_range": spec.init_std,
+            "hidden_size": spec.vision_hidden,
+            "intermediate_size": 2 * spec.vision_hidden,
+            "num_hidden_layers": spec.vision_layers,
+            "num_attention_heads": spec.vision_heads,
+            "image_size": spec.image_size,
+            "patch_size": spec.patch_size,
+            "initializer_range": spec.init_std,
         },
         text_config={
-            "model_type": "llama", "vocab_size": spec.vocab_size, "hidden_size": spec.hidden,
-            "intermediate_size": 2 * spec.hidden, "num_hidden_layers": spec.layers,
-            "num_attention_heads": spec.hidden // 64, "num_key_value_heads": spec.hidden // 64,
-            "head_dim": 64, "max_position_embeddings": spec.max_positions, "initializer_range": spec.init_std,
-            "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "tie_word_embeddings": False,
+            "model_type": "llama",
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden,
+            "intermediate_size": 2 * spec.hidden,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.hidden // 64,
+            "num_key_value_heads": spec.hidden // 64,
+            "head_dim": 64,
+            "max_position_embeddings": spec.max_positions,
+            "initializer_range": spec.init_std,
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+            "pad_token_id": eos,
+            "tie_word_embeddings": False,
         },
         dtype="float32",
     )
@@ -251,17 +285,32 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVLMSpec | None = None, *, se
     model.save_pretrained(out, safe_serialization=True)
     processor = {
         "image_processor_type": "Idefics3ImageProcessor",
-        "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": spec.image_size},
-        "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True,
-        "do_image_splitting": False, "max_image_size": {"longest_edge": spec.image_size},
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": spec.image_size},
+        "resample": 1,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+        "do_image_splitting": False,
+        "max_image_size": {"longest_edge": spec.image_size},
         "processor_class": "Idefics3Processor",
     }
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    (out / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "Idefics3Processor", "image_seq_len": spec.tokens_per_image}, indent=2))
-    layout = VLMLayout(eos_token_id=eos, fake_token_id=fake, image_token_id=image, global_token_id=glob,
-                       tokens_per_image=spec.tokens_per_image, image_size=spec.image_size)
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": spec.tokens_per_image}, indent=2)
+    )
+    layout = VLMLayout(
+        eos_token_id=eos,
+        fake_token_id=fake,
+        image_token_id=image,
+        global_token_id=glob,
+        tokens_per_image=spec.tokens_per_image,
+        image_size=spec.image_size,
+    )
     (out / "knittrans_vlm.json").write_text(json.dumps(layout.__dict__, indent=2))
     logger.info("saved tiny Idefics3 %s (seed %d) to %s", spec, seed, out)
     return out
@@ -322,7 +371,10 @@ class VisionTower(nn.Module):
 
 
 def place_image_features(
-    embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int,
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token_id: int,
     prompt_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Put ``features`` (``[images, tokens, hidden]``, in prompt order row by row) at the ``<image>`` tokens.

@@ -108,8 +108,11 @@ class SourceProfile:
         if self.images < 1:
             raise ValueError(f"{self.name}.images must be >= 1, got {self.images}")
         low = self.image_min_shape
-        if low is not None and (self.image_shape is None or len(low) != len(self.image_shape)
-                                or any(not 1 <= a <= b for a, b in zip(low, self.image_shape, strict=True))):
+        if low is not None and (
+            self.image_shape is None
+            or len(low) != len(self.image_shape)
+            or any(not 1 <= a <= b for a, b in zip(low, self.image_shape, strict=True))
+        ):
             raise ValueError(f"{self.name}: image size ranges need 1 <= min <= max per dimension")
 
     @classmethod
@@ -136,8 +139,14 @@ class SourceProfile:
                     raise ValueError(f"unknown option {key!r}")
             p = tuple(int(x) for x in prompt.split("-"))
             r = tuple(int(x) for x in resp.split("-"))
-            return cls(name=name, prompt_len=(p[0], p[-1]), max_new_tokens=(r[0], r[-1]), image_shape=image,
-                       image_min_shape=low, images=count)
+            return cls(
+                name=name,
+                prompt_len=(p[0], p[-1]),
+                max_new_tokens=(r[0], r[-1]),
+                image_shape=image,
+                image_min_shape=low,
+                images=count,
+            )
         except (IndexError, ValueError) as exc:
             raise InvalidRequest(
                 f"source {text!r}: expected NAME:PMIN-PMAX:RMIN-RMAX[:image=CxHxW][:images=K] ({exc})"
@@ -219,8 +228,13 @@ class RolloutWorker:
         self.config = config
         self.control = ControlClient(config.control_url, token=config.token)
         self.engine = engine or open_engine(config.engine, config.model_dir)  # type: ignore[arg-type]
-        self.writer = TrajectoryWriter(job=config.job, node_id=config.node_id, endpoint=config.store_endpoint,
-                                       store_dir=config.store_dir, token=config.store_token)
+        self.writer = TrajectoryWriter(
+            job=config.job,
+            node_id=config.node_id,
+            endpoint=config.store_endpoint,
+            store_dir=config.store_dir,
+            token=config.store_token,
+        )
         self.reward = load_reward(config.reward)
         self.version = 0
         self.groups_written = 0
@@ -234,14 +248,18 @@ class RolloutWorker:
         if not path.exists():
             return _State()
         raw = json.loads(path.read_text())
-        return _State(next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]),
-                      sealed=dict(raw.get("sealed", {})))
+        return _State(
+            next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]), sealed=dict(raw.get("sealed", {}))
+        )
 
     def _save_state(self) -> None:
         path = Path(self.config.state_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"next_seq": self._state.next_seq, "announced": self._state.announced,
-                                   "sealed": self._state.sealed}))
+        tmp.write_text(
+            json.dumps(
+                {"next_seq": self._state.next_seq, "announced": self._state.announced, "sealed": self._state.sealed}
+            )
+        )
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ weights
@@ -264,10 +282,13 @@ class RolloutWorker:
         media: tuple[Media, ...] = ()
         if profile.image_shape is not None:
             low = profile.image_min_shape or profile.image_shape
-            shapes = [tuple(int(rng.integers(a, b + 1)) for a, b in zip(low, profile.image_shape, strict=True))
-                      for _ in range(profile.images)]
-            media = tuple(Media(kind="image", data=rng.integers(0, 256, size=shape, dtype=np.uint8))
-                          for shape in shapes)
+            shapes = [
+                tuple(int(rng.integers(a, b + 1)) for a, b in zip(low, profile.image_shape, strict=True))
+                for _ in range(profile.images)
+            ]
+            media = tuple(
+                Media(kind="image", data=rng.integers(0, 256, size=shape, dtype=np.uint8)) for shape in shapes
+            )
             if self._layout is not None:  # the VLM sees the images: one image block each before the text
                 ids = image_prompt_ids(self._layout, ids, len(media))
         return PromptRequest(prompt_ids=ids, media=media)
@@ -301,9 +322,10 @@ class RolloutWorker:
                     version = self.maybe_update_weights()
                     samples = [None] * n
                     live = [i for i in range(n) if not done[i]]
-                    prompts = [PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]),
-                                             media=request.media)
-                               for i in live]
+                    prompts = [
+                        PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]), media=request.media)
+                        for i in live
+                    ]
                     groups = self.engine.generate(prompts, 1, step, self.config.temperature, seq_seed + produced)
                     for i, g in zip(live, groups, strict=True):
                         samples[i] = g.samples[0]
@@ -319,8 +341,11 @@ class RolloutWorker:
             final = GeneratedGroup(
                 prompt_ids=request.prompt_ids,
                 samples=tuple(
-                    GeneratedSample(response_ids=np.concatenate(tokens[i]), response_logprobs=np.concatenate(logps[i]),
-                                    finish_reason="stop" if done[i] else "length")
+                    GeneratedSample(
+                        response_ids=np.concatenate(tokens[i]),
+                        response_logprobs=np.concatenate(logps[i]),
+                        finish_reason="stop" if done[i] else "length",
+                    )
                     for i in range(n)
                 ),
                 media=request.media,
@@ -329,8 +354,17 @@ class RolloutWorker:
             vw = [float(v.mean()) if v.size else float(start) for v in per_token]
             ve = [int(v.max()) if v.size else start for v in per_token]
             rewards = [self.reward(source, final.prompt_ids, s.response_ids) for s in final.samples]
-            out.append(to_trajectory_group(final, group_id=gid, source=source, rewards=rewards,
-                                           version_start=start, version_end=ve, version_weighted=vw))
+            out.append(
+                to_trajectory_group(
+                    final,
+                    group_id=gid,
+                    source=source,
+                    rewards=rewards,
+                    version_start=start,
+                    version_end=ve,
+                    version_weighted=vw,
+                )
+            )
         return out
 
     # ------------------------------------------------------------------ main loop

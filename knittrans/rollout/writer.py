@@ -51,8 +51,14 @@ logger = logging.getLogger(__name__)
 
 
 def describe_unit(
-    tables: UnitTables, groups: Sequence[TrajectoryGroup], *, unit_id: str, job: str, node_id: str,
-    endpoint: str, num_bytes: int,
+    tables: UnitTables,
+    groups: Sequence[TrajectoryGroup],
+    *,
+    unit_id: str,
+    job: str,
+    node_id: str,
+    endpoint: str,
+    num_bytes: int,
 ) -> UnitDescriptor:
     """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column)."""
     traj = tables.traj
@@ -70,26 +76,48 @@ def describe_unit(
         w = rlen[sl].astype(np.float64)
         weighted = float((vw[sl] * w).sum() / w.sum()) if w.sum() > 0 else float(vw[sl].mean())
         hashes = list(dict.fromkeys(h.hex() for hs in media[sl] for h in hs))
-        records.append(GroupRecord(
-            group_id=g.group_id, source=g.source, row_start=row, num_trajectories=n,
-            trajectory_tokens=tuple(int(x) for x in plen[sl] + rlen[sl]),
-            version_start=int(vs[sl].min()), version_end=int(ve[sl].max()), version_weighted=weighted,
-            finished_at=float(fin[sl].max()), media_hashes=tuple(hashes),
-        ))
+        records.append(
+            GroupRecord(
+                group_id=g.group_id,
+                source=g.source,
+                row_start=row,
+                num_trajectories=n,
+                trajectory_tokens=tuple(int(x) for x in plen[sl] + rlen[sl]),
+                version_start=int(vs[sl].min()),
+                version_end=int(ve[sl].max()),
+                version_weighted=weighted,
+                finished_at=float(fin[sl].max()),
+                media_hashes=tuple(hashes),
+            )
+        )
         row += n
     return UnitDescriptor(
-        unit_id=unit_id, job=job, node_id=node_id, endpoint=endpoint, num_rows=traj.num_rows,
-        num_bytes=num_bytes, schema_version=SCHEMA_VERSION, groups=tuple(records),
+        unit_id=unit_id,
+        job=job,
+        node_id=node_id,
+        endpoint=endpoint,
+        num_rows=traj.num_rows,
+        num_bytes=num_bytes,
+        schema_version=SCHEMA_VERSION,
+        groups=tuple(records),
     )
 
 
 class TrajectoryWriter:
     """Writes units of one job to one store node (same host: shared directory; else ``DoPut``)."""
 
-    def __init__(self, *, job: str, node_id: str, endpoint: str, store_dir: str | os.PathLike[str] | None = None,
-                 token: str | None = None, timeout_s: float = 30.0,
-                 user_fields: Sequence[UserField] | Mapping[str, str] = (),
-                 control: ControlClient | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        job: str,
+        node_id: str,
+        endpoint: str,
+        store_dir: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        user_fields: Sequence[UserField] | Mapping[str, str] = (),
+        control: ControlClient | None = None,
+    ) -> None:
         self.job = check_name(job, "job")
         self.user_fields: tuple[UserField, ...] = (
             parse_user_fields(user_fields) if isinstance(user_fields, Mapping) else tuple(user_fields)
@@ -136,8 +164,15 @@ class TrajectoryWriter:
             check_name(g.source, "source")
         tables = build_unit_tables(groups, user_fields=self.user_fields)
         info = self.write_tables(unit_id, tables)
-        return describe_unit(tables, groups, unit_id=unit_id, job=self.job, node_id=self.node_id,
-                             endpoint=self.endpoint, num_bytes=int(info["num_bytes"]))
+        return describe_unit(
+            tables,
+            groups,
+            unit_id=unit_id,
+            job=self.job,
+            node_id=self.node_id,
+            endpoint=self.endpoint,
+            num_bytes=int(info["num_bytes"]),
+        )
 
     def write_tables(self, unit_id: str, tables: UnitTables) -> dict[str, Any]:
         """Store prepared tables as unit ``unit_id``; returns the node's info on the sealed unit."""
@@ -148,13 +183,16 @@ class TrajectoryWriter:
         tmp = Path(grant["dir"]).resolve()
         try:
             if not grant["spilled"] and self.store_dir not in tmp.parents:
-                raise Conflict(f"store node {self.endpoint} writes to {tmp}, not under this writer's "
-                               f"store_dir {self.store_dir}: is the node on another host?")
+                raise Conflict(
+                    f"store node {self.endpoint} writes to {tmp}, not under this writer's "
+                    f"store_dir {self.store_dir}: is the node on another host?"
+                )
             write_table(tmp / TRAJ_FILE, tables.traj)
             write_table(tmp / MEDIA_FILE, tables.media)
             size = (tmp / TRAJ_FILE).stat().st_size + (tmp / MEDIA_FILE).stat().st_size
-            return self.client.seal(self.job, unit_id, rows=tables.traj.num_rows,
-                                    media_rows=tables.media.num_rows, num_bytes=size)
+            return self.client.seal(
+                self.job, unit_id, rows=tables.traj.num_rows, media_rows=tables.media.num_rows, num_bytes=size
+            )
         except BaseException:
             try:
                 self.client.delete(self.job, unit_id)

@@ -133,8 +133,9 @@ HANDOVERS: tuple[str, ...] = ("mini_batch", "step")
 """How a started mini-batch frees the window: its own groups, or (k = 0) the whole train batch."""
 
 
-def released_at_start(counts: Mapping[str, int], *, mini_batch_index: int, quotas: Mapping[str, int],
-                      handover: str) -> dict[str, int]:
+def released_at_start(
+    counts: Mapping[str, int], *, mini_batch_index: int, quotas: Mapping[str, int], handover: str
+) -> dict[str, int]:
     """Groups per source that leave the window when the trainer starts mini-batch ``k`` holding ``counts``.
 
     ``"mini_batch"``: the mini-batch's own groups. ``"step"`` (a trainer handed the whole train batch):
@@ -152,8 +153,9 @@ def released_at_start(counts: Mapping[str, int], *, mini_batch_index: int, quota
     return dict(quotas) if mini_batch_index == 0 else dict.fromkeys(quotas, 0)
 
 
-def launch_headroom(quotas: Mapping[str, int], room: int, allowed: Iterable[str], *,
-                    deficit: Mapping[str, int], trainer_idle: bool) -> dict[str, int]:
+def launch_headroom(
+    quotas: Mapping[str, int], room: int, allowed: Iterable[str], *, deficit: Mapping[str, int], trainer_idle: bool
+) -> dict[str, int]:
     """Groups each source may launch now: the window's ``room`` for the sources in ``allowed`` (see
     :func:`launchable`), 0 for the others.
 
@@ -193,17 +195,22 @@ def launch_order(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list
     return sorted(live, key=lambda s: (launched.get(s, 0) / quotas[s], order[s]))
 
 
-def staleness_bound(*, mini_batches_per_step: int, window: int, train_batch_groups: int, quota: int,
-                    sync_lag: int = 0) -> int:
+def staleness_bound(
+    *, mini_batches_per_step: int, window: int, train_batch_groups: int, quota: int, sync_lag: int = 0
+) -> int:
     """Largest end-reading architectural staleness of a group of a source with quota ``q[s]``:
     ``ceil(W·G / q[s])·K + d`` (module docstring).
 
     ``d`` (``sync_lag``) is how many optimizer steps' weights may still be on their way to rollout when a
     group makes its last token. It holds for every policy and every lookahead ``L``.
     """
-    for name, value, least in (("mini_batches_per_step", mini_batches_per_step, 1), ("window", window, 1),
-                               ("train_batch_groups", train_batch_groups, 1), ("quota", quota, 1),
-                               ("sync_lag", sync_lag, 0)):
+    for name, value, least in (
+        ("mini_batches_per_step", mini_batches_per_step, 1),
+        ("window", window, 1),
+        ("train_batch_groups", train_batch_groups, 1),
+        ("quota", quota, 1),
+        ("sync_lag", sync_lag, 0),
+    ):
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
     return -(-window * train_batch_groups // quota) * mini_batches_per_step + sync_lag

@@ -86,34 +86,60 @@ def _lookahead_list(text: str) -> list[int | str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``knittrans sim``."""
     parser.add_argument(
-        "--workload", action="append", default=None,
+        "--workload",
+        action="append",
+        default=None,
         help=f"bundled name ({', '.join(bundled_workloads())}), a .yaml path, or 'all'; repeatable "
         "(default: all bundled)",
     )
     parser.add_argument("--policy", default="all", help=f"one of {', '.join(POLICIES)}, or 'all' (default)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="train steps per run (default: the workload's)")
-    parser.add_argument("--mini-batches", type=_int_list, default=None,
-                        help="sweep K, mini-batches per step, e.g. 4,8,16 (default: the workload's)")
-    parser.add_argument("--window", type=_int_list, default=None,
-                        help="sweep W, off-policy window in train batches, e.g. 1,2 (default: the workload's)")
-    parser.add_argument("--lookahead", type=_lookahead_list, default=None,
-                        help="sweep L, mini-batches admitted beyond the trainer's position, e.g. 0,1,2,K "
-                        "(K: one train batch; default: the workload's)")
+    parser.add_argument(
+        "--mini-batches",
+        type=_int_list,
+        default=None,
+        help="sweep K, mini-batches per step, e.g. 4,8,16 (default: the workload's)",
+    )
+    parser.add_argument(
+        "--window",
+        type=_int_list,
+        default=None,
+        help="sweep W, off-policy window in train batches, e.g. 1,2 (default: the workload's)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=_lookahead_list,
+        default=None,
+        help="sweep L, mini-batches admitted beyond the trainer's position, e.g. 0,1,2,K "
+        "(K: one train batch; default: the workload's)",
+    )
     parser.add_argument("--sync-delay", type=float, default=None, help="override the weight sync delay (s)")
-    parser.add_argument("--in-flight", choices=("on", "off"), default=None,
-                        help="override in-flight weight updates (partial rollout)")
-    parser.add_argument("--colocated", action="store_true",
-                        help="also run the colocated reference (zero architectural staleness by construction)")
-    parser.add_argument("--tb-handover", choices=("step", "mini_batch"), default=None,
-                        help="how train_batch's groups leave the window: step (default: a conventional trainer "
-                        "handed the whole train batch) or mini_batch (the project's rule: the paced baseline)")
-    parser.add_argument("--paced-baseline", action="store_true",
-                        help="also run train_batch with handover mini_batch (row train_batch_paced)")
+    parser.add_argument(
+        "--in-flight", choices=("on", "off"), default=None, help="override in-flight weight updates (partial rollout)"
+    )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also run the colocated reference (zero architectural staleness by construction)",
+    )
+    parser.add_argument(
+        "--tb-handover",
+        choices=("step", "mini_batch"),
+        default=None,
+        help="how train_batch's groups leave the window: step (default: a conventional trainer "
+        "handed the whole train batch) or mini_batch (the project's rule: the paced baseline)",
+    )
+    parser.add_argument(
+        "--paced-baseline",
+        action="store_true",
+        help="also run train_batch with handover mini_batch (row train_batch_paced)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write summaries and per-run metrics here")
     parser.add_argument("--per-step", action="store_true", help="include per-step metrics in the JSON")
-    parser.add_argument("--plots", type=Path, default=None,
-                        help="write PNG plots (seed 0) of every configuration into this directory")
+    parser.add_argument(
+        "--plots", type=Path, default=None, help="write PNG plots (seed 0) of every configuration into this directory"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -148,9 +174,11 @@ def run(args: argparse.Namespace) -> int:
             for k in ks:
                 for win in ws:
                     for look in ls:
-                        w.with_overrides(**({} if k is None else {"mini_batches_per_step": k}),
-                                         **({} if win is None else {"window": win}),
-                                         **({} if look is None or look == "K" else {"lookahead": look}))
+                        w.with_overrides(
+                            **({} if k is None else {"mini_batches_per_step": k}),
+                            **({} if win is None else {"window": win}),
+                            **({} if look is None or look == "K" else {"lookahead": look}),
+                        )
     except ValueError as exc:
         print(f"knittrans sim: {exc}", file=sys.stderr)
         return 2
@@ -158,17 +186,26 @@ def run(args: argparse.Namespace) -> int:
     total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * len(ls) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
-        workloads, policies, seeds=args.seeds, steps=args.steps, mini_batches=ks, windows=ws, lookaheads=ls,
-        colocated=args.colocated, paced_baseline=args.paced_baseline,
+        workloads,
+        policies,
+        seeds=args.seeds,
+        steps=args.steps,
+        mini_batches=ks,
+        windows=ws,
+        lookaheads=ls,
+        colocated=args.colocated,
+        paced_baseline=args.paced_baseline,
         progress=None if bar is None else (lambda done, label: bar.advance(label)),
     )
     if bar is not None:
         bar.close()
     print(format_table(results))
-    print("arch s/e/w: mean architectural staleness (versions) under the start/end/weighted readings; "
-          f"red: reduction vs train_batch at the same K and W; pos red e: reduction of the positive part "
-          f"(end reading); p99/max e: architectural staleness tails (end reading). '{COLOCATED}' is the "
-          "colocated reference.")
+    print(
+        "arch s/e/w: mean architectural staleness (versions) under the start/end/weighted readings; "
+        f"red: reduction vs train_batch at the same K and W; pos red e: reduction of the positive part "
+        f"(end reading); p99/max e: architectural staleness tails (end reading). '{COLOCATED}' is the "
+        "colocated reference."
+    )
     if args.json is not None:
         payload = {
             "configs": [c.summary() for c in results],

@@ -86,7 +86,13 @@ class _Simulation:
     """One run; the state is updated incrementally on every event."""
 
     def __init__(
-        self, workload: Workload, policy: str, *, seed: int, steps: int, colocated: bool,
+        self,
+        workload: Workload,
+        policy: str,
+        *,
+        seed: int,
+        steps: int,
+        colocated: bool,
         on_step: Callable[[int], None] | None,
     ) -> None:
         self.w = workload
@@ -98,8 +104,7 @@ class _Simulation:
         self.quotas = workload.quotas
         self.quota_list = [s.quota for s in workload.sources]
         self.streams = [
-            SourceStream(s, group_size=workload.group_size, seed=seed, index=i)
-            for i, s in enumerate(workload.sources)
+            SourceStream(s, group_size=workload.group_size, seed=seed, index=i) for i, s in enumerate(workload.sources)
         ]
         self.G = workload.train_batch_groups
         self.K = workload.mini_batches_per_step
@@ -181,8 +186,15 @@ class _Simulation:
             v1, vw = v0, float(v0)
         self.finished.append(
             FinishedGroup(
-                group_id=gid, source=name, trajectory_tokens=tokens, finished_at=self.now,
-                version_start=v0, version_end=v1, version_weighted=vw, unit_id=gid, node_id="sim",
+                group_id=gid,
+                source=name,
+                trajectory_tokens=tokens,
+                finished_at=self.now,
+                version_start=v0,
+                version_end=v1,
+                version_weighted=vw,
+                unit_id=gid,
+                node_id="sim",
             )
         )
         self.pending[name] -= 1
@@ -202,8 +214,13 @@ class _Simulation:
             if self.w.max_staleness is not None and self.purged_at != self.n:
                 self.drop_expired()
             state = StepState(
-                quotas=self.quotas, admitted=self.admitted, finished=self.finished, pending=self.pending,
-                mini_batch_index=self.adm_k, mini_batches_per_step=self.K, current_version=self.n,
+                quotas=self.quotas,
+                admitted=self.admitted,
+                finished=self.finished,
+                pending=self.pending,
+                mini_batch_index=self.adm_k,
+                mini_batches_per_step=self.K,
+                current_version=self.n,
                 max_staleness=self.w.max_staleness,
             )
             self.trace.select_calls += 1
@@ -218,8 +235,13 @@ class _Simulation:
         """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test)."""
         self.purged_at = self.n
         probe = StepState(
-            quotas=self.quotas, admitted=self.admitted, finished=(), pending=self.pending,
-            mini_batch_index=self.adm_k, mini_batches_per_step=self.K, current_version=self.n,
+            quotas=self.quotas,
+            admitted=self.admitted,
+            finished=(),
+            pending=self.pending,
+            mini_batch_index=self.adm_k,
+            mini_batches_per_step=self.K,
+            current_version=self.n,
             max_staleness=self.w.max_staleness,
         )
         keep = []
@@ -253,18 +275,32 @@ class _Simulation:
             gen += g.finished_at - self.launch_time.pop(g.group_id)
             self.trace.consumed.append(
                 ConsumedGroup(
-                    group_id=g.group_id, source=g.source, num_trajectories=len(g.trajectory_tokens),
-                    v_train=self.adm_n, mini_batch_index=self.adm_k, step=self.adm_step,
-                    version_start=g.version_start, version_end=g.version_end, version_weighted=g.version_weighted,
+                    group_id=g.group_id,
+                    source=g.source,
+                    num_trajectories=len(g.trajectory_tokens),
+                    v_train=self.adm_n,
+                    mini_batch_index=self.adm_k,
+                    step=self.adm_step,
+                    version_start=g.version_start,
+                    version_end=g.version_end,
+                    version_weighted=g.version_weighted,
                 )
             )
         for name, x in counts.items():
             self.admitted[name] += x
         self.trace.mini_batches.append(
             MiniBatchRecord(
-                step=self.adm_step, k=self.adm_k, n=self.adm_n, admitted_at=self.now, train_start=math.nan,
-                train_end=math.nan, tokens=sum(g.num_tokens for g in groups), max_rank_tokens=rank_tokens,
-                counts=counts, mean_wait_s=wait / len(groups), mean_generation_s=gen / len(groups),
+                step=self.adm_step,
+                k=self.adm_k,
+                n=self.adm_n,
+                admitted_at=self.now,
+                train_start=math.nan,
+                train_end=math.nan,
+                tokens=sum(g.num_tokens for g in groups),
+                max_rank_tokens=rank_tokens,
+                counts=counts,
+                mean_wait_s=wait / len(groups),
+                mean_generation_s=gen / len(groups),
             )
         )
         self.queue.append((len(self.trace.mini_batches) - 1, duration, groups))
@@ -381,6 +417,7 @@ def simulate(
         raise ValueError(f"steps must be >= 1, got {n_steps}")
     sim = _Simulation(workload, policy, seed=seed, steps=n_steps, colocated=colocated, on_step=on_step)
     trace = sim.run()
-    logger.debug("%s/%s seed %d: %d events, %d select calls", workload.name, policy, seed, trace.events,
-                 trace.select_calls)
+    logger.debug(
+        "%s/%s seed %d: %d events, %d select calls", workload.name, policy, seed, trace.events, trace.select_calls
+    )
     return trace

@@ -117,8 +117,12 @@ def compute_metrics(trace: RunTrace, *, warmup_steps: int | None = None) -> RunM
         mbs = trace.mini_batches[s * K : (s + 1) * K]
         per_step.append(
             StepMetrics(
-                step=s, readings=reading_stats(by_step[s]), admitted_at=[m.admitted_at for m in mbs],
-                train_end=mbs[-1].train_end, counts=trace.step_counts[s], quota_ok=trace.step_counts[s] == quotas,
+                step=s,
+                readings=reading_stats(by_step[s]),
+                admitted_at=[m.admitted_at for m in mbs],
+                train_end=mbs[-1].train_end,
+                counts=trace.step_counts[s],
+                quota_ok=trace.step_counts[s] == quotas,
                 mean_wait_s=sum(m.mean_wait_s for m in mbs) / len(mbs),
                 mean_generation_s=sum(m.mean_generation_s for m in mbs) / len(mbs),
             )
@@ -130,14 +134,26 @@ def compute_metrics(trace: RunTrace, *, warmup_steps: int | None = None) -> RunM
     hours = span / 3600.0
     steady = per_step[warm:]
     return RunMetrics(
-        workload=w.name, policy=trace.policy, seed=trace.seed, mini_batches_per_step=K,
-        window=w.window, colocated=trace.colocated, in_flight_updates=w.in_flight_updates, steps=trace.steps,
-        warmup_steps=warm, readings=reading_stats(kept), quota_violations=violations,
+        workload=w.name,
+        policy=trace.policy,
+        seed=trace.seed,
+        mini_batches_per_step=K,
+        window=w.window,
+        colocated=trace.colocated,
+        in_flight_updates=w.in_flight_updates,
+        steps=trace.steps,
+        warmup_steps=warm,
+        readings=reading_stats(kept),
+        quota_violations=violations,
         trainer_idle=1.0 - trace.trainer_busy_s / span,
         rollout_idle=1.0 - trace.rollout_busy_s / (span * w.rollout_slots),
         trajectories_per_hour=trace.steps * w.train_batch_groups * w.group_size / hours,
-        steps_per_hour=trace.steps / hours, makespan_s=span,
+        steps_per_hour=trace.steps / hours,
+        makespan_s=span,
         mean_wait_s=sum(x.mean_wait_s for x in steady) / len(steady),
         mean_generation_s=sum(x.mean_generation_s for x in steady) / len(steady),
-        dropped=trace.dropped, events=trace.events, select_calls=trace.select_calls, per_step=per_step,
+        dropped=trace.dropped,
+        events=trace.events,
+        select_calls=trace.select_calls,
+        per_step=per_step,
     )

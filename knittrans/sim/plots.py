@@ -109,8 +109,10 @@ def write_plots(
     w = first.workload
     title = f"{w.name}, K={w.mini_batches_per_step}, W={w.window}, sync {w.sync_delay_s:g}s"
     warmup = next(iter(metrics.values())).warmup_steps
-    paths = [out_dir / f"{prefix}_{name}.png" for name in ("staleness_per_step", "arch_by_index",
-                                                           "cumulative_quotas", "admission_timeline")]
+    paths = [
+        out_dir / f"{prefix}_{name}.png"
+        for name in ("staleness_per_step", "arch_by_index", "cumulative_quotas", "admission_timeline")
+    ]
     _staleness_per_step(metrics, paths[0], title)
     _by_mini_batch_index(traces, warmup, paths[1], title)
     _cumulative_quotas(traces, paths[2], title)

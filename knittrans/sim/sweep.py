@@ -66,11 +66,19 @@ class ConfigResult:
                 row[f"{r}_arch_pos_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "pos_mean"))
                 if PACED_BASELINE in self.runs:
                     row[f"{r}_arch_reduction_vs_paced"] = self.reduction(
-                        policy, _stat_getter(r, "architectural", "mean"), PACED_BASELINE)
+                        policy, _stat_getter(r, "architectural", "mean"), PACED_BASELINE
+                    )
                     row[f"{r}_arch_pos_reduction_vs_paced"] = self.reduction(
-                        policy, _stat_getter(r, "architectural", "pos_mean"), PACED_BASELINE)
-            for key in ("steps_per_hour", "trajectories_per_hour", "trainer_idle", "rollout_idle", "mean_wait_s",
-                        "mean_generation_s"):
+                        policy, _stat_getter(r, "architectural", "pos_mean"), PACED_BASELINE
+                    )
+            for key in (
+                "steps_per_hour",
+                "trajectories_per_hour",
+                "trainer_idle",
+                "rollout_idle",
+                "mean_wait_s",
+                "mean_generation_s",
+            ):
                 row[key] = self.mean(policy, _run_getter(key))
             row["quota_violations"] = sum(m.quota_violations for m in self.runs[policy])
             out["policies"][policy] = row
@@ -130,11 +138,14 @@ def run_grid(
             modes.append((PACED_BASELINE, False))
         for label, is_coloc in modes:
             policy = BASELINE if is_coloc or label == PACED_BASELINE else label
-            run_workload = (workload.with_overrides(train_batch_handover="mini_batch") if label == PACED_BASELINE
-                            else workload)
+            run_workload = (
+                workload.with_overrides(train_batch_handover="mini_batch") if label == PACED_BASELINE else workload
+            )
             for seed in range(seeds):
-                tag = (f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "
-                       f"L={workload.lookahead} {label} s{seed}")
+                tag = (
+                    f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "
+                    f"L={workload.lookahead} {label} s{seed}"
+                )
                 cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
                 trace = simulate(run_workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
                 metrics = compute_metrics(trace)

@@ -140,8 +140,10 @@ class Workload:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"workload {self.name!r}: lookahead must be an integer >= 0, got {self.lookahead!r}")
         if self.train_batch_handover not in HANDOVERS:
-            raise ValueError(f"workload {self.name!r}: train_batch_handover must be one of "
-                             f"{', '.join(HANDOVERS)}, got {self.train_batch_handover!r}")
+            raise ValueError(
+                f"workload {self.name!r}: train_batch_handover must be one of "
+                f"{', '.join(HANDOVERS)}, got {self.train_batch_handover!r}"
+            )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
 

@@ -103,8 +103,7 @@ class PendingUnit:
         """Payload bytes received per part (``RecordBatch.nbytes``), for the upload limit."""
         self.lock = threading.RLock()
 
-    def reserve(self, nbytes: int, timeout: float | None = None,
-                abandoned: Callable[[], bool] | None = None) -> Path:
+    def reserve(self, nbytes: int, timeout: float | None = None, abandoned: Callable[[], bool] | None = None) -> Path:
         """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir.
 
         Bytes reserved ahead (``begin(reserve_bytes=...)``) are consumed first by later writes.
@@ -122,8 +121,14 @@ class PendingUnit:
                 self.reserved += nbytes
             elif spill is not None:
                 self.spilled = True
-                logger.info("budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
-                            budget.used, budget.limit, self.job, self.unit_id, spill)
+                logger.info(
+                    "budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
+                    budget.used,
+                    budget.limit,
+                    self.job,
+                    self.unit_id,
+                    spill,
+                )
             else:
                 budget.reserve(nbytes, wait, abandoned=abandoned)
                 self.reserved += nbytes
@@ -143,11 +148,18 @@ class PendingUnit:
             if self.discarded:
                 raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted; start it again")
             if part in self._owners:
-                raise Conflict(f"part {part!r} of unit {self.unit_id!r} (job {self.job!r}) is being "
-                               "written by another stream; retry when that stream has ended")
+                raise Conflict(
+                    f"part {part!r} of unit {self.unit_id!r} (job {self.job!r}) is being "
+                    "written by another stream; retry when that stream has ended"
+                )
             if self.rows[part] or part in self._writers:
-                logger.warning("unit %s/%s: a new stream replaces the %s rows of part %r an earlier stream wrote",
-                               self.job, self.unit_id, self.rows[part], part)
+                logger.warning(
+                    "unit %s/%s: a new stream replaces the %s rows of part %r an earlier stream wrote",
+                    self.job,
+                    self.unit_id,
+                    self.rows[part],
+                    part,
+                )
                 self._reset(part)
             token = object()
             self._owners[part] = token
@@ -184,8 +196,15 @@ class PendingUnit:
         self.rows[part] = 0
         self.received[part] = 0
 
-    def write(self, part: Part, batch: pa.RecordBatch, timeout: float | None = None, *,
-              token: object | None = None, abandoned: Callable[[], bool] | None = None) -> None:
+    def write(
+        self,
+        part: Part,
+        batch: pa.RecordBatch,
+        timeout: float | None = None,
+        *,
+        token: object | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> None:
         """Append one record batch to ``traj`` or ``media`` (schema-checked, budget-reserved).
 
         With ``token`` (streams from :meth:`claim`) the write is refused once the stream lost the part.
@@ -233,14 +252,15 @@ class PendingUnit:
             self.reserved = 0
 
 
-def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None,
-                    num_bytes: int | None) -> None:
+def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None, num_bytes: int | None) -> None:
     got = {"rows": unit.num_rows, "media_rows": unit.media.num_rows, "num_bytes": unit.num_bytes}
     want = {"rows": rows, "media_rows": media_rows, "num_bytes": num_bytes}
     bad = [f"{k} {got[k]} (expected {v})" for k, v in want.items() if v is not None and got[k] != v]
     if bad:
-        raise Conflict(f"unit {unit.unit_id!r} of job {unit.job!r} does not hold what its writer sent: "
-                       f"{', '.join(bad)}; the unit was dropped, write it again")
+        raise Conflict(
+            f"unit {unit.unit_id!r} of job {unit.job!r} does not hold what its writer sent: "
+            f"{', '.join(bad)}; the unit was dropped, write it again"
+        )
 
 
 class UnitStore:
@@ -296,11 +316,19 @@ class UnitStore:
             self.budget.force(unit.num_bytes)
         self._sealed[(job, unit.unit_id)] = unit
         self.recovered += 1
-        logger.info("rescan: recovered unit %s/%s (%s rows, %s bytes)", job, unit.unit_id,
-                    unit.num_rows, unit.num_bytes)
+        logger.info(
+            "rescan: recovered unit %s/%s (%s rows, %s bytes)", job, unit.unit_id, unit.num_rows, unit.num_bytes
+        )
 
-    def begin(self, job: str, unit_id: str, *, reserve_bytes: int | None = None,
-              timeout: float | None = None, abandoned: Callable[[], bool] | None = None) -> PendingUnit:
+    def begin(
+        self,
+        job: str,
+        unit_id: str,
+        *,
+        reserve_bytes: int | None = None,
+        timeout: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> PendingUnit:
         """Start a unit; with ``reserve_bytes`` reserve budget now and create its directory.
 
         ``abandoned`` (polled while waiting for budget) ends the wait once the caller gave up.
@@ -372,8 +400,15 @@ class UnitStore:
             if empty:
                 self.abort(pending.job, pending.unit_id, only=pending)
 
-    def seal(self, job: str, unit_id: str, *, rows: int | None = None, media_rows: int | None = None,
-             num_bytes: int | None = None) -> SealedUnit:
+    def seal(
+        self,
+        job: str,
+        unit_id: str,
+        *,
+        rows: int | None = None,
+        media_rows: int | None = None,
+        num_bytes: int | None = None,
+    ) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
 
         ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
@@ -383,8 +418,10 @@ class UnitStore:
         p = self.pending(job, unit_id)
         with p.lock:
             if p._owners:
-                raise Conflict(f"unit {unit_id!r} of job {job!r} cannot be sealed: parts "
-                               f"{sorted(p._owners)} are still being written")
+                raise Conflict(
+                    f"unit {unit_id!r} of job {job!r} cannot be sealed: parts "
+                    f"{sorted(p._owners)} are still being written"
+                )
             try:
                 p.close_files()
                 tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
@@ -409,8 +446,9 @@ class UnitStore:
         logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
         return unit
 
-    def write_unit(self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None,
-                   *, timeout: float | None = None) -> SealedUnit:
+    def write_unit(
+        self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, timeout: float | None = None
+    ) -> SealedUnit:
         """Write and seal a whole unit (reserving its full size first, so spill is decided once)."""
         check_schema(traj.schema, "trajectories")
         media = MEDIA_SCHEMA.empty_table() if media is None else media

@@ -88,8 +88,14 @@ class SealedUnit:
         media = _open_table(media_path, "media") if media_path.exists() else MEDIA_SCHEMA.empty_table()
         size = traj_path.stat().st_size + (media_path.stat().st_size if media_path.exists() else 0)
         return cls(
-            job=job, unit_id=unit_id, path=path, traj=traj, media=media, num_bytes=size,
-            spilled=spilled, inode=traj_path.stat().st_ino,
+            job=job,
+            unit_id=unit_id,
+            path=path,
+            traj=traj,
+            media=media,
+            num_bytes=size,
+            spilled=spilled,
+            inode=traj_path.stat().st_ino,
         )
 
     @property
@@ -105,8 +111,12 @@ class SealedUnit:
     def info(self) -> dict[str, object]:
         """JSON-able summary."""
         return {
-            "job": self.job, "unit_id": self.unit_id, "num_rows": self.num_rows,
-            "num_bytes": self.num_bytes, "media_rows": self.media.num_rows, "spilled": self.spilled,
+            "job": self.job,
+            "unit_id": self.unit_id,
+            "num_rows": self.num_rows,
+            "num_bytes": self.num_bytes,
+            "media_rows": self.media.num_rows,
+            "spilled": self.spilled,
         }
 
 
@@ -193,8 +203,13 @@ class LocalReader:
         """Exactly what the store server's ``DoGet`` returns for ``ticket``."""
         if ticket.kind == "media":
             ids = [r.unit_id for r in ticket.reads] or sorted(
-                {p.name for root in self.roots if (root / ticket.job).is_dir() for p in (root / ticket.job).iterdir()
-                 if not p.name.startswith(".")}
+                {
+                    p.name
+                    for root in self.roots
+                    if (root / ticket.job).is_dir()
+                    for p in (root / ticket.job).iterdir()
+                    if not p.name.startswith(".")
+                }
             )
             return read_media([self.unit(ticket.job, u) for u in ids], ticket.media_hashes)
         return read_rows(self.unit, ticket.job, ticket.reads, ticket.columns)

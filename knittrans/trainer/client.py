@@ -136,8 +136,13 @@ class TrainerConfig:
 class TrainerClient:
     """One rank: long-polls plans, fetches rows and media on demand, acks, reports versions."""
 
-    def __init__(self, config: TrainerConfig, *, control: ControlClient | None = None,
-                 transform: Callable[[TrainMicroBatch], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        control: ControlClient | None = None,
+        transform: Callable[[TrainMicroBatch], Any] | None = None,
+    ) -> None:
         self.config = config
         self.transform = transform
         """``transform(micro) -> Any``, run right after a micro-batch is loaded — in the prefetch thread
@@ -145,8 +150,9 @@ class TrainerClient:
         collate (padding, image stacking, pinning) then happens off the training thread, like a
         DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
         self.control = control or ControlClient(config.control_url, token=config.token)
-        self.fetcher = Fetcher(token=config.store_token, local_dirs=dict(config.local_dirs),
-                               timeout_s=config.fetch_timeout_s)
+        self.fetcher = Fetcher(
+            token=config.store_token, local_dirs=dict(config.local_dirs), timeout_s=config.fetch_timeout_s
+        )
         self.media_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="knittrans-media")
         """Runs a micro-batch's media fetch alongside its row fetch."""
         self.timings: list[MicroTiming] = []
@@ -158,8 +164,9 @@ class TrainerClient:
             torch.set_num_threads(config.torch_threads)
         if config.poll_early or config.warm_connections:
             self._first = Future() if config.poll_early else None
-            threading.Thread(target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}", daemon=True
+            ).start()
 
     def _start_early(self, first: Future[MiniBatch | None] | None) -> None:
         """Background start: connect to the store nodes, then long-poll the first plan and start loading it
@@ -167,8 +174,9 @@ class TrainerClient:
         try:
             if self.config.warm_connections:
                 nodes = self.control.list_nodes()
-                self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes
-                                   if not n.get("lost") and n.get("endpoint")})
+                self.fetcher.warm(
+                    {n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")}
+                )
         except Exception as exc:  # warming is an optimisation; reads report their own errors
             logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
         if first is None or not first.set_running_or_notify_cancel():
@@ -256,8 +264,9 @@ class TrainerClient:
                 self.timings.extend(mb.timings)
                 self.media_stats = self.media_stats + mb.media_stats
             if mb.abandoned and not mb.acked:
-                logger.warning("rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank,
-                               mb.plan_id)
+                logger.warning(
+                    "rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank, mb.plan_id
+                )
                 plan = self.replan(mb.plan_id)
                 mb = MiniBatch(self, plan) if plan is not None else None
                 continue

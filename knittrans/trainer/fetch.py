@@ -74,17 +74,33 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
         t, n = read.ticket, ticket_rows(read.ticket)
         if calls and n is not None:
             prev, members = calls[-1]
-            if (prev.kind == t.kind == "rows" and prev.job == t.job and prev.columns == t.columns
-                    and all(m is not None for _, m in members)):
-                merged = Ticket(job=t.job, reads=prev.reads + t.reads, columns=t.columns,
-                                grants=tuple(dict.fromkeys(prev.grants + t.grants)))
+            if (
+                prev.kind == t.kind == "rows"
+                and prev.job == t.job
+                and prev.columns == t.columns
+                and all(m is not None for _, m in members)
+            ):
+                merged = Ticket(
+                    job=t.job,
+                    reads=prev.reads + t.reads,
+                    columns=t.columns,
+                    grants=tuple(dict.fromkeys(prev.grants + t.grants)),
+                )
                 calls[-1] = (merged, [*members, (index, n)])
                 continue
-            if (prev.kind == t.kind == "media" and prev.job == t.job
-                    and not set(prev.media_hashes) & set(t.media_hashes)):
+            if (
+                prev.kind == t.kind == "media"
+                and prev.job == t.job
+                and not set(prev.media_hashes) & set(t.media_hashes)
+            ):
                 units = prev.reads + tuple(r for r in t.reads if r not in prev.reads)
-                merged = Ticket(job=t.job, kind="media", reads=units, media_hashes=prev.media_hashes + t.media_hashes,
-                                grants=tuple(dict.fromkeys(prev.grants + t.grants)))
+                merged = Ticket(
+                    job=t.job,
+                    kind="media",
+                    reads=units,
+                    media_hashes=prev.media_hashes + t.media_hashes,
+                    grants=tuple(dict.fromkeys(prev.grants + t.grants)),
+                )
                 calls[-1] = (merged, [*members, (index, n)])
                 continue
         calls.append((t, [(index, n)]))
@@ -94,8 +110,14 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
 class Fetcher:
     """Reusable fetcher: keeps one client per endpoint and one LocalReader per local node."""
 
-    def __init__(self, *, token: str | None = None, local_dirs: LocalDirs | None = None,
-                 max_workers: int = 8, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        local_dirs: LocalDirs | None = None,
+        max_workers: int = 8,
+        timeout_s: float | None = None,
+    ) -> None:
         self.token, self.timeout_s = token, timeout_s
         self._local = {
             node: LocalReader([d] if isinstance(d, str | os.PathLike) else list(d))
@@ -117,8 +139,7 @@ class Fetcher:
             with self._lock:  # one channel per endpoint, also when two threads ask at once
                 client = self._clients.get(endpoint)
                 if client is None:
-                    client = self._clients[endpoint] = StoreClient(endpoint, token=self.token,
-                                                                   timeout_s=self.timeout_s)
+                    client = self._clients[endpoint] = StoreClient(endpoint, token=self.token, timeout_s=self.timeout_s)
         return client
 
     def warm(self, endpoints: Mapping[str, str]) -> list[Future[None]]:
@@ -206,8 +227,7 @@ class Fetcher:
         self.close()
 
 
-def fetch(reads: Sequence[FetchRead], *, token: str | None = None,
-          local_dirs: LocalDirs | None = None) -> pa.Table:
+def fetch(reads: Sequence[FetchRead], *, token: str | None = None, local_dirs: LocalDirs | None = None) -> pa.Table:
     """One-shot :meth:`Fetcher.fetch` (opens and closes connections; prefer a Fetcher in loops)."""
     with Fetcher(token=token, local_dirs=local_dirs) as fetcher:
         return fetcher.fetch(reads)

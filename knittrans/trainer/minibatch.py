@@ -148,15 +148,18 @@ class MiniBatch:
             entry = self._media_of.get(h)
             if entry is None:
                 raise InvalidRequest(f"media hash {h} is not in plan {self.plan_id}")
-            reads.append(FetchRead(node_id=entry["node_id"], endpoint=entry["endpoint"],
-                                   ticket=Ticket.decode(entry["ticket"].encode())))
+            reads.append(
+                FetchRead(
+                    node_id=entry["node_id"], endpoint=entry["endpoint"], ticket=Ticket.decode(entry["ticket"].encode())
+                )
+            )
         return media_records(self._client.fetcher.fetch(reads))
 
     def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
         nodes = {f["node_id"]: f["endpoint"] for f in [*micro["fetches"], *micro.get("media", ())]}
         named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
-        message = (f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}")
+        message = f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}"
         try:
             return type(exc)(message)
         except TypeError:  # an exception type with another constructor
@@ -171,14 +174,19 @@ class MiniBatch:
         streams = self._streams
         # Per micro-batch calls: the plan names the micro-batch's media, so their DoGet runs (in another
         # thread) while the rows' DoGet does. Streams: both already flow, read one after the other.
-        ahead = (self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
-                 if want_media and streams is None else None)
+        ahead = (
+            self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
+            if want_media and streams is None
+            else None
+        )
         try:
             if streams is not None:
                 table = streams.rows(i)
             elif micro["fetches"]:
-                reads = [FetchRead(node_id=f["node_id"], endpoint=f["endpoint"],
-                                   ticket=Ticket.decode(f["ticket"].encode())) for f in micro["fetches"]]
+                reads = [
+                    FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
+                    for f in micro["fetches"]
+                ]
                 table = self._client.fetcher.fetch(reads)
         except KnitTransError as exc:
             if ahead is not None and not ahead.cancel():
@@ -370,12 +378,16 @@ class MiniBatch:
                 cfg = self._client.config
                 transfer = self.transfer()
                 self._client.call_control(
-                    lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id, transfer=transfer))
+                    lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id, transfer=transfer)
+                )
                 self.acked, self.acked_at = True, time.time()
 
     def transfer(self) -> dict[str, Any]:
         """This rank's transfer figures of the mini-batch (sent with the ack; shown by /metrics and /ui)."""
-        return {"exposed_s": sum(t.wait_s for t in self.timings), "fetch_s": sum(t.fetch_s for t in self.timings),
-                "row_bytes": sum(t.bytes for t in self.timings),
-                "media_logical_bytes": self.media_stats.logical_bytes,
-                "media_physical_bytes": self.media_stats.unique_bytes}
+        return {
+            "exposed_s": sum(t.wait_s for t in self.timings),
+            "fetch_s": sum(t.fetch_s for t in self.timings),
+            "row_bytes": sum(t.bytes for t in self.timings),
+            "media_logical_bytes": self.media_stats.logical_bytes,
+            "media_physical_bytes": self.media_stats.unique_bytes,
+        }

@@ -147,9 +147,15 @@ class ShareStreams:
     calls :meth:`rows` for micro-batches ``0, 1, ...`` in order and :meth:`media` as it goes.
     """
 
-    def __init__(self, fetcher: Fetcher, job: str, row_counts: list[list[tuple[str, int]]],
-                 row_tickets: dict[str, tuple[str, Ticket]], media_tickets: dict[str, tuple[str, Ticket]],
-                 media_node: dict[str, str]) -> None:
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        job: str,
+        row_counts: list[list[tuple[str, int]]],
+        row_tickets: dict[str, tuple[str, Ticket]],
+        media_tickets: dict[str, tuple[str, Ticket]],
+        media_node: dict[str, str],
+    ) -> None:
         self._fetcher = fetcher
         self.job = job
         self._row_counts = row_counts
@@ -208,12 +214,23 @@ class ShareStreams:
                 grants.setdefault(node, {}).update(dict.fromkeys(ticket.grants))
         if job is None:
             return None
-        row_tickets = {n: (endpoints[n], Ticket(job=job, reads=tuple(r), columns=columns[n],
-                                                grants=tuple(grants.get(n, ()))))
-                       for n, r in reads.items()}
-        media_tickets = {n: (endpoints[n], Ticket(job=job, kind="media", reads=tuple(media_units[n]),
-                                                  media_hashes=tuple(h), grants=tuple(grants.get(n, ()))))
-                         for n, h in media_hashes.items()}
+        row_tickets = {
+            n: (endpoints[n], Ticket(job=job, reads=tuple(r), columns=columns[n], grants=tuple(grants.get(n, ()))))
+            for n, r in reads.items()
+        }
+        media_tickets = {
+            n: (
+                endpoints[n],
+                Ticket(
+                    job=job,
+                    kind="media",
+                    reads=tuple(media_units[n]),
+                    media_hashes=tuple(h),
+                    grants=tuple(grants.get(n, ())),
+                ),
+            )
+            for n, h in media_hashes.items()
+        }
         return cls(fetcher, job, counts, row_tickets, media_tickets, media_node)
 
     def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:

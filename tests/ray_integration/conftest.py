@@ -19,5 +19,7 @@ collect_ignore_glob = [] if HAVE_RAY else ["test_*.py"]
 def pytest_report_header() -> str:
     if HAVE_RAY:
         return "tests/ray_integration: Ray found, Ray integration tests collected"
-    return ("tests/ray_integration: Ray not installed here, not collected "
-            "(run them with .venv-bench/bin/python -m pytest tests/ray_integration)")
+    return (
+        "tests/ray_integration: Ray not installed here, not collected "
+        "(run them with .venv-bench/bin/python -m pytest tests/ray_integration)"
+    )

@@ -18,8 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ray_demo_runs_end_to_end(tmp_path: Path) -> None:
     """One store per Ray node on 127.0.0.1, control plane actor, ranks and workers as tasks: the job completes."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_demo.py"), "--steps", "1",
-                           "--mini-batches", "2", "--out", str(out)], capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "ray_demo.py"),
+            "--steps",
+            "1",
+            "--mini-batches",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((out / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
     results = json.loads((out / "results.json").read_text())

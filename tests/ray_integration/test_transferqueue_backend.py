@@ -35,8 +35,10 @@ SETUP_HOOK = "knittrans.integrations.transferqueue.register"
 
 
 def _workloads() -> dict[str, Workload]:
-    return {kind: generate(WorkloadSpec(kind=kind, num_trajectories=ROWS, image_shape=(64, 64), seed=3))
-            for kind in ("text", "multimodal")}
+    return {
+        kind: generate(WorkloadSpec(kind=kind, num_trajectories=ROWS, image_shape=(64, 64), seed=3))
+        for kind in ("text", "multimodal")
+    }
 
 
 def _extra_fields(rows: range) -> TensorDict:
@@ -44,23 +46,35 @@ def _extra_fields(rows: range) -> TensorDict:
     g = torch.Generator().manual_seed(rows.start)
     n = len(rows)
     jag = [torch.randn(1 + (i % 5), 3, generator=g) for i in rows]
-    return TensorDict({
-        "old_log_prob_bf16": torch.randn(n, 7, generator=g).bfloat16(),
-        "attention_mask": torch.rand(n, 9, generator=g) > 0.5,
-        "mm_features": torch.nested.nested_tensor(jag, layout=torch.jagged),
-        "uid": NonTensorStack(*[f"uid-{i // 8}" for i in rows]),
-        "extra_info": NonTensorStack(*[{"index": i, "split": "train", "tags": ["a", i % 3]} for i in rows]),
-    }, batch_size=n)
+    return TensorDict(
+        {
+            "old_log_prob_bf16": torch.randn(n, 7, generator=g).bfloat16(),
+            "attention_mask": torch.rand(n, 9, generator=g) > 0.5,
+            "mm_features": torch.nested.nested_tensor(jag, layout=torch.jagged),
+            "uid": NonTensorStack(*[f"uid-{i // 8}" for i in rows]),
+            "extra_info": NonTensorStack(*[{"index": i, "split": "train", "tags": ["a", i % 3]} for i in rows]),
+        },
+        batch_size=n,
+    )
 
 
 @contextmanager
 def _session(backend: dict[str, Any]) -> Iterator[Any]:
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             _node_ip_address="127.0.0.1", runtime_env={"worker_process_setup_hook": SETUP_HOOK})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"worker_process_setup_hook": SETUP_HOOK},
+    )
     kt_tq.register()
     try:
-        yield tq.init(OmegaConf.create({"controller": {"sampler": "SequentialSampler"}, "backend": backend},
-                                       flags={"allow_objects": True}))
+        yield tq.init(
+            OmegaConf.create(
+                {"controller": {"sampler": "SequentialSampler"}, "backend": backend}, flags={"allow_objects": True}
+            )
+        )
     finally:
         tq.close()
         ray.shutdown()
@@ -105,9 +119,16 @@ def _read_all(workloads: dict[str, Workload], conf: Any) -> dict[str, Any]:
         for i, idx in enumerate(cols["traj_index"]):
             seen[int(idx)] = {f: cols[f][i] for f in fields}
     out["meta/multimodal"] = seen
-    dataset = StreamingDataset(config=conf, batch_size=128, micro_batch_size=64, partition_id="text",
-                               data_fields=["traj_index", "prompt_ids", "old_log_prob_bf16", "mm_features", "uid"],
-                               task_name="stream", dp_rank=0, should_check_consumption_status=True)
+    dataset = StreamingDataset(
+        config=conf,
+        batch_size=128,
+        micro_batch_size=64,
+        partition_id="text",
+        data_fields=["traj_index", "prompt_ids", "old_log_prob_bf16", "mm_features", "uid"],
+        task_name="stream",
+        dp_rank=0,
+        should_check_consumption_status=True,
+    )
     streamed: dict[int, dict[str, Any]] = {}
     for td, _meta in StreamingDataLoader(dataset, num_workers=0):
         cols = {f: _rows(td[f]) for f in dataset.data_fields}
@@ -121,10 +142,13 @@ def _read_all(workloads: dict[str, Workload], conf: Any) -> dict[str, Any]:
 def _same(a: Any, b: Any, where: str) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, \
+        assert a.dtype == b.dtype and a.shape == b.shape, (
             f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == \
-            b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), f"{where}: bytes differ"
+        )
+        assert (
+            a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ), f"{where}: bytes differ"
     elif isinstance(a, dict) and not isinstance(b, torch.Tensor):
         assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
         for k in a:
@@ -145,8 +169,13 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     result = {}
     for name, backend in [
         ("simple", {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}),
-        ("knittrans", {"storage_backend": "KnitTrans",
-                       "KnitTrans": {"media_fields": ["image"], "store_root": str(root), "host": "127.0.0.1"}}),
+        (
+            "knittrans",
+            {
+                "storage_backend": "KnitTrans",
+                "KnitTrans": {"media_fields": ["image"], "store_root": str(root), "host": "127.0.0.1"},
+            },
+        ),
     ]:
         with _session(backend) as conf:
             _put_all(workloads)
@@ -159,8 +188,14 @@ def test_every_row_and_field_is_byte_equal_to_simple_storage(answers: dict[str, 
     simple, knit = answers["simple"], answers["knittrans"]
     assert simple.keys() == knit.keys()
     assert len(simple["meta/multimodal"]) == ROWS
-    assert set(simple["kv/text"]) >= {"prompt_ids", "old_log_prob_bf16", "attention_mask", "mm_features", "uid",
-                                      "extra_info"}
+    assert set(simple["kv/text"]) >= {
+        "prompt_ids",
+        "old_log_prob_bf16",
+        "attention_mask",
+        "mm_features",
+        "uid",
+        "extra_info",
+    }
     assert "image" in simple["kv/multimodal"]
     for key in simple:
         _same(simple[key], knit[key], key)
@@ -174,8 +209,10 @@ def test_puts_land_on_the_producer_node_and_a_lost_node_is_named(tmp_path: Path)
     """With two stores, each put is written to its producer's node; reading rows of a stopped node raises an
     error naming that node, and rows of the surviving node still read."""
     servers = {n: _store(tmp_path, n) for n in ("node-a", "node-b")}
-    backend = {"storage_backend": "KnitTrans",
-               "KnitTrans": {"stores": {n: s.endpoint for n, s in servers.items()}, "job": "loss"}}
+    backend = {
+        "storage_backend": "KnitTrans",
+        "KnitTrans": {"stores": {n: s.endpoint for n, s in servers.items()}, "job": "loss"},
+    }
     w = generate(WorkloadSpec(kind="text", num_trajectories=64, groups_per_put=2, seed=5))
     old = os.environ.get(kt_tq.NODE_ENV)
     try:
@@ -207,4 +244,3 @@ def test_unknown_backend_keys_are_refused_by_name() -> None:
     """A typo in backend.KnitTrans is an error naming the key, not a silently ignored setting."""
     with pytest.raises(ValueError, match=r"unknown keys \['media_field'\]"):
         kt_tq.TQBackendConfig.from_conf({"media_field": ["image"]})
-

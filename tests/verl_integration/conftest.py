@@ -17,5 +17,7 @@ collect_ignore_glob = [] if HAVE_VERL else ["test_*.py"]
 def pytest_report_header() -> str:
     if HAVE_VERL:
         return "tests/verl_integration: verl found, verl sampler tests collected"
-    return ("tests/verl_integration: verl not installed here, not collected "
-            "(run them with .venv-verl/bin/python -m pytest tests/verl_integration)")
+    return (
+        "tests/verl_integration: verl not installed here, not collected "
+        "(run them with .venv-verl/bin/python -m pytest tests/verl_integration)"
+    )

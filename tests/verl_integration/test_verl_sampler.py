@@ -21,12 +21,16 @@ N = 2  # trajectories per group
 
 @pytest.fixture()
 def queue() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(
+        num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False, _node_ip_address="127.0.0.1"
+    )
     try:
-        tq.init(OmegaConf.create({"backend": {"storage_backend": "SimpleStorage",
-                                              "SimpleStorage": {"num_data_storage_units": 1}}},
-                                 flags={"allow_objects": True}))
+        tq.init(
+            OmegaConf.create(
+                {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 1}}},
+                flags={"allow_objects": True},
+            )
+        )
         yield
     finally:
         tq.close()
@@ -36,22 +40,36 @@ def queue() -> Iterator[None]:
 def _finish(uid: str, source: str, step: int, min_step: int | None = None) -> None:
     """What verl does when a prompt's group finished: trajectories with fields and tags, then the prompt tag."""
     keys = [f"{uid}_{i}_0" for i in range(N)]
-    fields = TensorDict({"data_source": NonTensorStack(*[source] * N), "responses": torch.arange(N * 3).view(N, 3)},
-                        batch_size=N)
-    tags = [{"status": "success", "global_steps": step, "min_global_steps": step if min_step is None else min_step,
-             "max_global_steps": step} for _ in range(N)]
+    fields = TensorDict(
+        {"data_source": NonTensorStack(*[source] * N), "responses": torch.arange(N * 3).view(N, 3)}, batch_size=N
+    )
+    tags = [
+        {
+            "status": "success",
+            "global_steps": step,
+            "min_global_steps": step if min_step is None else min_step,
+            "max_global_steps": step,
+        }
+        for _ in range(N)
+    ]
     tq.kv_batch_put(keys=keys, partition_id="train", fields=fields, tags=tags)
-    tq.kv_batch_put(keys=[uid], partition_id="train", tags=[{"is_prompt": True, "status": "finished",
-                                                            "global_steps": step}])
+    tq.kv_batch_put(
+        keys=[uid], partition_id="train", tags=[{"is_prompt": True, "status": "finished", "global_steps": step}]
+    )
 
 
 def _sampler(**sampler_kwargs: Any) -> Any:
     cls = load_extern_type("pkg://knittrans.integrations.verl", "KnitTransQuotaSampler")
     assert issubclass(cls, ReplayBufferAsync)
     # the constructor call of verl's TrainerBase._build_replay_buffer for a custom sampler
-    return cls(trainer_mode="separate_async", trainer_config=OmegaConf.create({"parameter_sync_step": 2}),
-               max_off_policy_threshold=3, max_off_policy_strategy="drop",
-               sampler_kwargs=OmegaConf.create(sampler_kwargs), refill_fn=lambda n: None)
+    return cls(
+        trainer_mode="separate_async",
+        trainer_config=OmegaConf.create({"parameter_sync_step": 2}),
+        max_off_policy_threshold=3,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create(sampler_kwargs),
+        refill_fn=lambda n: None,
+    )
 
 
 def _sources(batch: Any) -> Counter[str]:

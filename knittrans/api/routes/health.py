@@ -21,9 +21,16 @@ async def health(svc: Service) -> dict[str, Any]:
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
 
 
-@router.get("/metrics", response_class=Response, responses={200: {
-    "description": "Prometheus text exposition format",
-    "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition format",
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of this instance's registry (collected on the state thread)."""
     body = await request.app.state.runner(generate_latest, request.app.state.registry)

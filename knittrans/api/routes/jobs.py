@@ -13,12 +13,19 @@ from knittrans.api.spec import JobSpec
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={
-    401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut}})
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+)
 
 
-@router.post("", response_model=JobPublic, status_code=201,
-             responses={200: {"model": JobPublic, "description": "the identical job exists already"}})
+@router.post(
+    "",
+    response_model=JobPublic,
+    status_code=201,
+    responses={200: {"model": JobPublic, "description": "the identical job exists already"}},
+)
 async def create_job(body: JobCreate, svc: Service, run: Run, _: AdminAuth, response: Response) -> dict[str, Any]:
     """Create a job (201); the identical spec again answers 200; another spec under the same name is a 409."""
     spec = JobSpec.from_dict(body.model_dump())

@@ -13,8 +13,11 @@ from knittrans.api.routes.deps import Run, Service
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses={
-    401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}})
+router = APIRouter(
+    prefix="/v1/nodes",
+    tags=["nodes"],
+    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
+)
 
 
 @router.post("", response_model=NodePublic)
@@ -35,8 +38,9 @@ async def list_nodes(svc: Service, run: Run, _: WorkerAuth) -> list[dict[str, An
 
 
 @router.post("/{node}/heartbeat", response_model=NodePublic)
-async def heartbeat(node: str, svc: Service, _: WorkerAuth, request: Request,
-                    body: NodeUsageIn | None = None) -> dict[str, Any]:
+async def heartbeat(
+    node: str, svc: Service, _: WorkerAuth, request: Request, body: NodeUsageIn | None = None
+) -> dict[str, Any]:
     """Keep a node alive (optionally with its store usage); a lost node gets 409 and must register again."""
     result = svc.heartbeat(node)  # on the event loop: never waits behind admission on the state thread
     if body is not None:

@@ -22,15 +22,28 @@ DONE_HEADER = "X-KnitTrans-Done"
 STATE_HEADER = "X-KnitTrans-Job-State"
 """Lifecycle state of the job, on every 204 of the long-poll."""
 
-router = APIRouter(prefix="/v1/jobs", tags=["ranks"], responses={
-    401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut}})
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["ranks"],
+    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut}},
+)
 
 
-@router.get("/{job}/ranks/{rank}/next", responses={
-    200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}})
-async def next_plan(job: str, rank: int, svc: Service, run: Run, board: Board, settings: SettingsDep, _: WorkerAuth,
-                    timeout_s: float = Query(30.0, ge=0),
-                    after: str | None = Query(None, max_length=64)) -> Response:
+@router.get(
+    "/{job}/ranks/{rank}/next",
+    responses={200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}},
+)
+async def next_plan(
+    job: str,
+    rank: int,
+    svc: Service,
+    run: Run,
+    board: Board,
+    settings: SettingsDep,
+    _: WorkerAuth,
+    timeout_s: float = Query(30.0, ge=0),
+    after: str | None = Query(None, max_length=64),
+) -> Response:
     """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
 
     With ``after=<plan_id>`` (the rank's current, un-acked plan): the plan of the mini-batch after
@@ -75,8 +88,9 @@ async def fetched(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: W
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
-async def ack(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth,
-              request: Request) -> dict[str, Any]:
+async def ack(
+    job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth, request: Request
+) -> dict[str, Any]:
     """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost.
 
     ``transfer`` (optional): the rank's transfer figures of this mini-batch, summed per rank in
@@ -89,8 +103,9 @@ async def ack(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: Worke
 
 
 @router.post("/{job}/versions", response_model=VersionOut)
-async def report_version(job: str, body: VersionIn, svc: Service, run: Run, _: WorkerAuth,
-                         request: Request) -> dict[str, Any]:
+async def report_version(
+    job: str, body: VersionIn, svc: Service, run: Run, _: WorkerAuth, request: Request
+) -> dict[str, Any]:
     """A rank's policy version after an optimizer step (never decreasing)."""
     scope = request.state.scope
     if scope is not None and scope.rank is not None and scope.rank != body.rank:

@@ -12,8 +12,11 @@ from knittrans.errors import Conflict, InvalidRequest
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/tokens", tags=["tokens"], responses={
-    400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 409: {"model": ErrorOut}})
+router = APIRouter(
+    prefix="/v1/tokens",
+    tags=["tokens"],
+    responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 409: {"model": ErrorOut}},
+)
 
 
 @router.post("", response_model=TokenOut)

@@ -19,8 +19,10 @@ __all__ = ["CSP", "router"]
 
 router = APIRouter(tags=["ui"], responses={401: {"model": ErrorOut}})
 
-CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-       "img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; base-uri 'none'")
+CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; base-uri 'none'"
+)
 """The page's Content-Security-Policy: its own inline script and style, requests to this origin only."""
 
 
@@ -39,5 +41,12 @@ async def get_overview(request: Request, svc: Service, run: Run, _: AdminAuth) -
 @router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
 async def ui() -> HTMLResponse:
     """The dashboard page. It holds no data: it asks for the admin token and polls ``/v1/overview``."""
-    return HTMLResponse(_page(), headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store",
-                                          "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+    return HTMLResponse(
+        _page(),
+        headers={
+            "Content-Security-Policy": CSP,
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+        },
+    )

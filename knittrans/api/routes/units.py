@@ -31,8 +31,11 @@ __all__ = ["router", "to_descriptor"]
 
 T = TypeVar("T")
 
-router = APIRouter(prefix="/v1/jobs", tags=["units"], responses={
-    400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}})
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["units"],
+    responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
+)
 
 
 _new = object.__new__
@@ -59,37 +62,67 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
     for g in u.groups:
         gid = g.group_id
         if len(g.trajectory_tokens) != g.num_trajectories:
-            raise InvalidRequest(f"group {gid!r}: num_trajectories={g.num_trajectories} but "
-                                 f"{len(g.trajectory_tokens)} token counts")
+            raise InvalidRequest(
+                f"group {gid!r}: num_trajectories={g.num_trajectories} but {len(g.trajectory_tokens)} token counts"
+            )
         if g.version_end < g.version_start:
             raise InvalidRequest(f"group {gid!r}: version_end < version_start")
         vw = g.version_weighted
         if not (math.isfinite(vw) and g.version_start - 1e-3 <= vw <= g.version_end + 1e-3):
-            raise InvalidRequest(f"group {gid!r}: version_weighted {vw!r} must be a finite number in "
-                                 f"[version_start, version_end] = [{g.version_start}, {g.version_end}]")
+            raise InvalidRequest(
+                f"group {gid!r}: version_weighted {vw!r} must be a finite number in "
+                f"[version_start, version_end] = [{g.version_start}, {g.version_end}]"
+            )
         if not math.isfinite(g.finished_at):
-            raise InvalidRequest(f"group {gid!r}: finished_at {g.finished_at!r} must be a finite non-negative "
-                                 "Unix time")
+            raise InvalidRequest(
+                f"group {gid!r}: finished_at {g.finished_at!r} must be a finite non-negative Unix time"
+            )
         if g.row_start != row:
             raise InvalidRequest(f"unit {u.unit_id!r}: group {gid!r} starts at row {g.row_start}, expected {row}")
         row += g.num_trajectories
-        groups.append(_frozen(GroupRecord, {
-            "group_id": gid, "source": g.source, "row_start": g.row_start, "num_trajectories": g.num_trajectories,
-            "trajectory_tokens": tuple(g.trajectory_tokens), "version_start": g.version_start,
-            "version_end": g.version_end, "version_weighted": vw, "finished_at": g.finished_at,
-            "media_hashes": tuple(g.media_hashes)}))
+        groups.append(
+            _frozen(
+                GroupRecord,
+                {
+                    "group_id": gid,
+                    "source": g.source,
+                    "row_start": g.row_start,
+                    "num_trajectories": g.num_trajectories,
+                    "trajectory_tokens": tuple(g.trajectory_tokens),
+                    "version_start": g.version_start,
+                    "version_end": g.version_end,
+                    "version_weighted": vw,
+                    "finished_at": g.finished_at,
+                    "media_hashes": tuple(g.media_hashes),
+                },
+            )
+        )
     if row != u.num_rows:
         raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    return _frozen(UnitDescriptor, {
-        "unit_id": u.unit_id, "job": u.job, "node_id": u.node_id, "endpoint": u.endpoint, "num_rows": u.num_rows,
-        "num_bytes": u.num_bytes, "schema_version": u.schema_version, "groups": tuple(groups)})
+    return _frozen(
+        UnitDescriptor,
+        {
+            "unit_id": u.unit_id,
+            "job": u.job,
+            "node_id": u.node_id,
+            "endpoint": u.endpoint,
+            "num_rows": u.num_rows,
+            "num_bytes": u.num_bytes,
+            "schema_version": u.schema_version,
+            "groups": tuple(groups),
+        },
+    )
 
 
 @router.post(
     "/{job}/units",
     response_model=UnitsOut,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/UnitsIn"}}}}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/UnitsIn"}}},
+        }
+    },
 )
 async def register_units(job: str, request: Request, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
@@ -110,8 +143,14 @@ def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
 
 
 @router.delete("/{job}/units/{unit}", response_model=UnitRemovedOut)
-async def remove_unit(job: str, unit: str, svc: Service, run: Run, _: AdminAuth,
-                      reason: str = Query("removed by an admin", max_length=1024)) -> dict[str, Any]:
+async def remove_unit(
+    job: str,
+    unit: str,
+    svc: Service,
+    run: Run,
+    _: AdminAuth,
+    reason: str = Query("removed by an admin", max_length=1024),
+) -> dict[str, Any]:
     """Admin repair: take a bad unit out of scheduling; its groups that are not admitted yet become lost
     and are offered for regeneration. 409 once any of its groups is in a mini-batch."""
     return await run(svc.remove_unit, job, unit, reason)
@@ -120,19 +159,31 @@ async def remove_unit(job: str, unit: str, svc: Service, run: Run, _: AdminAuth,
 @router.post("/{job}/supply", response_model=SupplyOut)
 async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Groups started (counts or ids) and dropped per source: the pending supply ``P[s]``."""
-    return await run(svc.report_supply, job, started=body.started, group_ids=body.group_ids, dropped=body.dropped,
-                     request_id=body.request_id, regenerates=body.regenerates)
+    return await run(
+        svc.report_supply,
+        job,
+        started=body.started,
+        group_ids=body.group_ids,
+        dropped=body.dropped,
+        request_id=body.request_id,
+        regenerates=body.regenerates,
+    )
 
 
 _DONE_STATES = ("completed", "drained")
 
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
-async def headroom(job: str, svc: Service, run: Run, board: Board, settings: SettingsDep, _: WorkerAuth,
-                   wait_s: float = Query(0.0, ge=0),
-                   sources: str | None = Query(None, max_length=4096,
-                                               description="comma-separated sources the caller generates")
-                   ) -> dict[str, Any]:
+async def headroom(
+    job: str,
+    svc: Service,
+    run: Run,
+    board: Board,
+    settings: SettingsDep,
+    _: WorkerAuth,
+    wait_s: float = Query(0.0, ge=0),
+    sources: str | None = Query(None, max_length=4096, description="comma-separated sources the caller generates"),
+) -> dict[str, Any]:
     """Room rollout has under the off-policy window, and which sources may launch now.
 
     With ``wait_s``: long-poll until one of ``sources`` (default: any) has headroom (trainer
@@ -147,8 +198,7 @@ async def headroom(job: str, svc: Service, run: Run, board: Board, settings: Set
         view = await run(svc.headroom, job)
         remaining = deadline - loop.time()
         open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
-        if (open_now and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES \
-                or remaining <= 0:
+        if (open_now and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES or remaining <= 0:
             return view
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)

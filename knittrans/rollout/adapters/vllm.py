@@ -62,8 +62,9 @@ def vllm_prompt(prompt: PromptRequest, *, pass_media: bool, layout: VLMLayout | 
     if pass_media and prompt.media:
         mm: dict[str, list[Any]] = {}
         for m in prompt.media:
-            mm.setdefault(m.kind, []).append(image_to_pil(m.data) if layout is not None and m.kind == "image"
-                                             else m.data)
+            mm.setdefault(m.kind, []).append(
+                image_to_pil(m.data) if layout is not None and m.kind == "image" else m.data
+            )
         out["multi_modal_data"] = {k: v[0] if len(v) == 1 else v for k, v in mm.items()}
     return out
 
