@@ -19,45 +19,26 @@ GROUPS, SIZE = 4, 4
 
 
 def my_group(i: int) -> TrajectoryGroup:
-    rng = np.random.default_rng(i)
-    responses = [rng.integers(0, 1000, 3 + r).astype(np.int32) for r in range(SIZE)]
-    return TrajectoryGroup(
-        group_id=f"g{i}",
-        source="mine",
-        prompt_ids=np.arange(5, dtype=np.int32),
-        response_ids=responses,
-        response_logprobs=[np.zeros(len(r), np.float32) for r in responses],
-        rewards=np.full(SIZE, float(i)),
-        user_fields={"ref_logprobs": [np.full(len(r), -i, np.float32) for r in responses], "prompt_uid": f"p{i}"},
-        shared_user_fields=frozenset({"prompt_uid"}),
-    )  # one value for the whole group
+    resp = [np.random.default_rng(i).integers(0, 1000, 3 + r).astype(np.int32) for r in range(SIZE)]
+    mine = {"ref_logprobs": [np.full(len(r), -i, np.float32) for r in resp], "prompt_uid": f"p{i}"}
+    kw = dict(response_logprobs=[np.zeros(len(r), np.float32) for r in resp], rewards=np.full(SIZE, float(i)))
+    kw["prompt_ids"], kw["shared_user_fields"] = np.arange(5, dtype=np.int32), frozenset({"prompt_uid"})
+    return TrajectoryGroup(  # prompt_uid: one value for the whole group
+        group_id=f"g{i}", source="mine", response_ids=resp, user_fields=mine, **kw
+    )
 
 
 with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=1)) as cluster:
     control, store = cluster.control(), cluster.stores[0]
-    control.create_job(
-        {
-            "name": "byo",
-            "group_size": SIZE,
-            "quotas": {"mine": GROUPS},
-            "mini_batches_per_step": 1,
-            "policy": "train_batch",
-            "world_size": 2,
-            "micro_batch_size": 4,
-            "total_steps": 1,
-            "user_fields": FIELDS,
-        }
-    )
-    # write -> seal -> register, in one call per batch of units
-    with TrajectoryWriter(
-        job="byo", node_id=store.node_id, endpoint=store.endpoint, control=control, user_fields=FIELDS
-    ) as writer:
+    spec = dict(name="byo", group_size=SIZE, quotas={"mine": GROUPS}, mini_batches_per_step=1, world_size=2)
+    control.create_job({**spec, "micro_batch_size": 4, "total_steps": 1, "user_fields": FIELDS})
+    where = dict(job="byo", node_id=store.node_id, endpoint=store.endpoint, control=control, user_fields=FIELDS)
+    with TrajectoryWriter(**where) as writer:  # write -> seal -> register, one call per batch of units
         writer.write_units([[my_group(i)] for i in range(GROUPS)])
     got: dict[int, list[tuple[float, str, float]]] = {0: [], 1: []}
 
     def rank(r: int) -> None:
-        config = TrainerConfig(control_url=cluster.control_url, job="byo", rank=r, world_size=2)
-        with TrainerClient(config) as client:
+        with TrainerClient(TrainerConfig(control_url=cluster.control_url, job="byo", rank=r, world_size=2)) as client:
             for mini_batch in client.minibatches():
                 for micro in mini_batch:
                     lp, cu = micro.batch.user["ref_logprobs"]  # flat values + offsets, torch tensors
