@@ -105,9 +105,10 @@ class ControlClient:
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
-        # Long-polls each on a new connection: an answer on a keep-alive connection that carried earlier
-        # requests reached the client ~45 ms after the plan was ready vs ~5 ms on a fresh one
-        # (benchmarks/trainer/cold_path.py); a poll waits anyway, so the connect is not on the path.
+        # Long-polls each on a new connection of their own pool, so a poll waiting in another thread never
+        # holds the connection ordinary requests use; a poll waits anyway, so the connect is not on the
+        # path. (The ~45 ms late answers on keep-alive connections measured in benchmarks/trainer/cold_path.py
+        # were the server's: its listening socket lacked TCP_NODELAY, fixed in knittrans/api/cli.py.)
         self._poll_http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
