@@ -25,7 +25,7 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 step "lint, format and types (ruff check, ruff format --check, mypy --strict)"
 .venv/bin/ruff check knittrans tests benchmarks examples
-.venv/bin/ruff format --check knittrans tests benchmarks examples
+.venv/bin/ruff format --check .   # also the Python blocks in docs/
 .venv/bin/mypy
 step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
