@@ -29,38 +29,16 @@ GROUP, K, STEPS, KILLS = 2, 2, 50, 20
 
 
 def _rollout_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:
-    node = c.stores[0]
-    return knittrans_command(
-        "rollout",
-        "--control-url",
-        c.control_url,
-        "--job",
+    args = c.rollout_args(
         JOB,
-        "--worker-id",
-        "w0",
-        "--node-id",
-        node.node_id,
-        "--store-endpoint",
-        node.endpoint,
-        "--store-dir",
-        str(node.store_dir),
-        "--source",
-        "math:4-8:4-8",
-        "--source",
-        "code:4-8:4-8",
-        "--model-dir",
-        str(model),
-        "--weights-dir",
-        str(run / "weights"),
-        "--state-file",
-        str(run / "rollout.json"),
-        "--group-size",
-        str(GROUP),
-        "--groups-per-call",
-        "2",
-        "--seed",
-        "3",
+        worker_id="w0",
+        sources=["math:4-8:4-8", "code:4-8:4-8"],
+        model_dir=model,
+        weights_dir=run / "weights",
+        state_file=run / "rollout.json",
+        group_size=GROUP,
     )
+    return knittrans_command(*args, "--groups-per-call", "2", "--seed", "3")
 
 
 def _rank_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:

@@ -84,37 +84,16 @@ def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir
         control = cluster.control()
         control.create_job(_spec({"a": 3, "b": 3}, steps=1))
         node = cluster.stores[0]
-        argv = knittrans_command(
-            "rollout",
-            "--control-url",
-            cluster.control_url,
-            "--job",
+        args = cluster.rollout_args(
             JOB,
-            "--worker-id",
-            "w0",
-            "--node-id",
-            node.node_id,
-            "--store-endpoint",
-            node.endpoint,
-            "--store-dir",
-            str(node.store_dir),
-            "--source",
-            "a:4-6:3-5",
-            "--source",
-            "b:4-6:40-60",
-            "--model-dir",
-            str(model_dir),
-            "--weights-dir",
-            str(tmp_path / "weights"),
-            "--state-file",
-            str(state),
-            "--group-size",
-            "2",
-            "--groups-per-call",
-            "1",
-            "--chunk-tokens",
-            "4",
+            worker_id="w0",
+            sources=["a:4-6:3-5", "b:4-6:40-60"],
+            model_dir=model_dir,
+            weights_dir=tmp_path / "weights",
+            state_file=state,
+            group_size=2,
         )
+        argv = knittrans_command(*args, "--groups-per-call", "1", "--chunk-tokens", "4")
         cluster.procs.start("worker", argv)
 
         def announced_after_progress() -> bool:

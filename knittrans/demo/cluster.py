@@ -107,6 +107,28 @@ class LocalCluster:
         response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
         response.raise_for_status()
 
+    def rollout_args(
+        self,
+        job: str,
+        *,
+        worker_id: str,
+        sources: list[str],
+        model_dir: Path,
+        weights_dir: Path,
+        state_file: Path,
+        group_size: int,
+        store: int = 0,
+    ) -> list[str]:
+        """``knittrans rollout`` arguments of a worker writing into store node ``store`` of this cluster
+        (append further flags, then start it with ``knittrans_command(*args)``)."""
+        node = self.stores[store]
+        args = ["rollout", "--control-url", self.control_url, "--job", job, "--worker-id", worker_id]
+        args += ["--node-id", node.node_id, "--store-endpoint", node.endpoint, "--store-dir", str(node.store_dir)]
+        for source in sources:
+            args += ["--source", source]
+        args += ["--model-dir", str(model_dir), "--weights-dir", str(weights_dir), "--state-file", str(state_file)]
+        return [*args, "--group-size", str(group_size)]
+
     def start_store(self, index: int, *, port: int = 0) -> StoreNode:
         """Start store node ``index`` (``node-<index>``); it registers itself with the control plane.
 

@@ -47,33 +47,19 @@ def _job_spec(config: DemoConfig) -> dict[str, Any]:
 
 def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> None:
     for i, (source, profile) in enumerate(config.sources.items()):
-        node = cluster.stores[i % len(cluster.stores)]
-        argv = [
-            "rollout",
-            "--control-url",
-            cluster.control_url,
-            "--job",
+        argv = cluster.rollout_args(
             JOB,
-            "--worker-id",
-            f"w-{source}",
-            "--node-id",
-            node.node_id,
-            "--store-endpoint",
-            node.endpoint,
-            "--store-dir",
-            str(node.store_dir),
-            "--source",
-            profile,
-            "--model-dir",
-            str(model_dir),
-            "--weights-dir",
-            str(run_dir / "weights"),
-            "--state-file",
-            str(run_dir / f"rollout-{source}.json"),
+            worker_id=f"w-{source}",
+            sources=[profile],
+            model_dir=model_dir,
+            weights_dir=run_dir / "weights",
+            state_file=run_dir / f"rollout-{source}.json",
+            group_size=config.group_size,
+            store=i % len(cluster.stores),
+        )
+        argv += [
             "--engine",
             config.engine,
-            "--group-size",
-            str(config.group_size),
             "--groups-per-call",
             str(config.groups_per_call),
             "--seed",
