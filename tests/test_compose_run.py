@@ -16,6 +16,7 @@ import re
 import secrets
 import shlex
 import shutil
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -92,7 +93,10 @@ class Stack:
         """Admin client of the control plane, verifying the stack's CA (made when the stack starts)."""
         if self._api is None:
             self._api = httpx.Client(
-                base_url=self.url, timeout=10, verify=str(self.ca), headers={"Authorization": f"Bearer {self.admin}"}
+                base_url=self.url,
+                timeout=10,
+                verify=ssl.create_default_context(cafile=str(self.ca)),
+                headers={"Authorization": f"Bearer {self.admin}"},
             )
         return self._api
 
@@ -307,7 +311,7 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     assert all(n["usage"] is not None for n in view["nodes"])
     (job,) = view["jobs"]
     assert [r["mini_batches"] > 0 and r["row_bytes"] > 0 for r in job["ranks"]] == [True] * RANKS
-    metrics = httpx.get(f"{stack.url}/metrics", timeout=10, verify=str(stack.ca)).text
+    metrics = stack.api.get("/metrics").text
     assert 'knittrans_rank_physical_bytes_total{job_name="demo",rank="1"}' in metrics
 
     result = {
