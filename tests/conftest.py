@@ -1,4 +1,5 @@
-"""Shared fixtures: a store directory on tmpfs, a running store server (synthetic groups: data_support)."""
+"""Shared fixtures: a store directory on tmpfs, a running store server (synthetic groups: data_support), a
+per-module local cluster (control plane + two stores as real processes)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from knittrans.flight import StoreServer, StoreServerConfig
 from knittrans.store import StoreConfig
+
+if TYPE_CHECKING:
+    from knittrans.demo.cluster import LocalCluster
 
 # The vLLM suite runs in its own venv (scripts/setup_vllm_env.sh); elsewhere it is not even collected,
 # so `pytest -m vllm` without vLLM fails with "no tests ran" instead of passing.
@@ -56,3 +60,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("compose")])
         items[:] = keep
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A control plane and two store nodes as real processes, shared by one module's tests.
+
+    Tests that break a node (kill it, restart the control plane) start a cluster of their own instead.
+    """
+    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp(name), num_stores=2)) as c:
+        yield c

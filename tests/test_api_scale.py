@@ -10,7 +10,6 @@ import json
 import math
 import random
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from fastapi.testclient import TestClient
 from knittrans.api import Settings, consumed, create_app
 from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger, RunningSummary
 from knittrans.api.routes.deps import PlanBoard
+from knittrans.procs import wait_until
 from knittrans.sched.staleness import ConsumedGroup, summarize_weighted
 
 JOB = "job1"
@@ -39,13 +39,6 @@ def _spec(**overrides: Any) -> dict[str, Any]:
     }
     spec.update(overrides)
     return spec
-
-
-def _wait_for(cond: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
@@ -69,7 +62,8 @@ def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
         before = board.probes[(JOB, 0)]
         waiter = threading.Thread(target=wait_rank0)
         waiter.start()
-        _wait_for(lambda: board.probes[(JOB, 0)] == before + 1)  # its first look: nothing yet, it waits
+        # its first look: nothing yet, it waits
+        wait_until(lambda: board.probes[(JOB, 0)] == before + 1, timeout_s=10, what="rank 0's first probe")
         # three changes of the job that do not change rank 0's next plan
         r = c.post(f"/v1/jobs/{JOB}/units", json={"units": units[2:3]})
         assert r.status_code == 200 and r.json()["admitted"] == [], r.text

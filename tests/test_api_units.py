@@ -10,6 +10,7 @@ from api_support import group, job_spec, single_group_units, unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.procs import wait_until
 
 
 @pytest.fixture
@@ -44,13 +45,15 @@ def test_lost_node_needs_reregistration(client: TestClient) -> None:
 
 
 def test_node_without_heartbeat_times_out(tmp_path: Path) -> None:
-    """A node silent for longer than node_timeout_s is declared lost by the service."""
+    """A node silent for longer than node_timeout_s is declared lost by the background sweeper.
+
+    Waits on ``/metrics``, which reads node state without sweeping (``GET /v1/nodes`` sweeps on read), so
+    the test fails if the sweeper task does not run.
+    """
     settings = Settings(db_path=str(tmp_path / "t.db"), node_timeout_s=0.05, node_sweep_interval_s=0.02)
     with TestClient(create_app(settings)) as c:
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
-        import time
-
-        time.sleep(0.2)
+        wait_until(lambda: 'knittrans_node_up{node="n0"} 0.0' in c.get("/metrics").text, timeout_s=20, what="sweeper")
         node = c.get("/v1/nodes").json()[0]
         assert node["state"] == "lost" and "heartbeat" in node["lost_reason"]
 

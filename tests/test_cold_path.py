@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import NotFound
 from knittrans.procs import free_port, wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher
 from tests.trainer_support import job_spec, mm_groups
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Control plane + two store nodes."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("cold"), num_stores=2)) as c:
-        yield c
 
 
 def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalCluster) -> None:

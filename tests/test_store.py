@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +10,7 @@ import pytest
 from data_support import make_groups
 
 from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget
+from knittrans.procs import wait_until
 from knittrans.schema import build_unit_tables
 from knittrans.store import LocalReader, StoreConfig, UnitStore, estimate_unit_bytes
 from knittrans.tickets import Ticket, UnitRead
@@ -76,7 +76,7 @@ def test_waiting_writer_proceeds_when_space_is_freed(store_dir: Path) -> None:
 
     thread = threading.Thread(target=second)
     thread.start()
-    time.sleep(0.3)
+    wait_until(lambda: store.budget.waiting == 1, timeout_s=20, what="the second writer waiting for space")
     assert not done.is_set() and store.stats()["units"] == 1  # backpressure: still waiting
     store.delete("job", "a")
     thread.join(10)

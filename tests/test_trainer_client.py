@@ -20,13 +20,6 @@ from tests.trainer_support import job_spec, mm_groups, write_and_register
 BIG_IMAGE = (4, 256, 256)  # 256 KiB per group
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Control plane + two store nodes shared by the tests that do not break them."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("tc"), num_stores=2)) as c:
-        yield c
-
-
 def _client(
     c: LocalCluster, job: str, mode: str, *, rank: int = 0, world: int = 1, transform: Any = None, **kw: Any
 ) -> TrainerClient:

@@ -21,13 +21,6 @@ IMAGE = (3, 32, 32)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A control plane and two store nodes as real processes."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("cluster"), num_stores=2)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 saved like the rollout engines load it."""
     return build_tiny_qwen2(tmp_path_factory.mktemp("model"), vocab_size=256, hidden=64, layers=1, heads=1, head_dim=64)

@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import DataLost, InvalidRequest, NotFound
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
@@ -16,13 +16,6 @@ from knittrans.trainer.fetch import Fetcher, FetchRead
 from knittrans.trainer.minibatch import MiniBatch
 from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTaker, media_records
 from tests.trainer_support import job_spec, mm_groups, write_and_register
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Control plane + two store nodes."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("share"), num_stores=2)) as c:
-        yield c
 
 
 def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: int = 4) -> dict[str, Any]:

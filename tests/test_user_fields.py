@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from knittrans.api.spec import JobSpec
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, check_schema
@@ -126,13 +125,6 @@ def test_store_keeps_user_columns_and_refuses_a_user_column_before_the_fixed_one
     bad = tables.traj.select(["values", *TRAJECTORY_COLUMNS])
     with pytest.raises(SchemaMismatch, match="columns differ"):
         store.write_unit("j", "u2", bad, tables.media)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Control plane + one store node."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("uf"), num_stores=1)) as c:
-        yield c
 
 
 def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalCluster) -> None:

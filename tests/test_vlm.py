@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.demo.cluster import LocalCluster
 from knittrans.demo.policy import packed_response_logprobs
 from knittrans.errors import InvalidRequest
 from knittrans.procs import free_port, knittrans_command, wait_until
@@ -202,13 +201,6 @@ def test_source_profile_images_per_prompt_and_size_ranges() -> None:
 
 
 # ---------------------------------------------------------------------------------------- two ranks
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A control plane and two store nodes as real processes."""
-    with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp("cluster"), num_stores=2)) as c:
-        yield c
-
-
 def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(
     cluster: LocalCluster, engine: HFEngine, vlm_dir: Path, tmp_path: Path
 ) -> None:

@@ -25,12 +25,18 @@ class ByteBudget:
             raise ValueError(f"budget limit must be positive or None, not {limit}")
         self.limit = limit
         self._used = 0
+        self._waiting = 0
         self._cond = threading.Condition()
 
     @property
     def used(self) -> int:
         """Bytes reserved or held right now."""
         return self._used
+
+    @property
+    def waiting(self) -> int:
+        """Writers blocked in :meth:`reserve` right now, waiting for space."""
+        return self._waiting
 
     def try_reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` if they fit now; never waits."""
@@ -50,16 +56,20 @@ class ByteBudget:
             raise OverBudget(f"need {nbytes} bytes but the store budget is only {self.limit} bytes in total")
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.limit is not None and self._used + nbytes > self.limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise OverBudget(
-                        f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
-                        f"{self._used} bytes in use, need {nbytes} more"
-                    )
-                if abandoned is not None and abandoned():
-                    raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
-                self._cond.wait(min(left, _POLL_S) if abandoned is not None else left)
+            self._waiting += 1
+            try:
+                while self.limit is not None and self._used + nbytes > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise OverBudget(
+                            f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
+                            f"{self._used} bytes in use, need {nbytes} more"
+                        )
+                    if abandoned is not None and abandoned():
+                        raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
+                    self._cond.wait(min(left, _POLL_S) if abandoned is not None else left)
+            finally:
+                self._waiting -= 1
             if abandoned is not None and abandoned():
                 raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
             self._used += nbytes
