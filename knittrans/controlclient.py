@@ -38,6 +38,9 @@ __all__ = ["ControlClient", "JobFinished"]
 
 logger = logging.getLogger(__name__)
 
+_WARN_AFTER_ATTEMPTS = 5
+"""A call failing this many times in a row is logged as a warning (earlier retries at debug level)."""
+
 _DONE_HEADER = "x-knittrans-done"
 _UNREGISTERED_NODE = re.compile(r"node '([^']+)' is not registered")
 
@@ -159,7 +162,17 @@ class ControlClient:
                     f"control plane {self.base_url}: {method} {path} failed after {attempt + 1} attempts: {problem}"
                 )
             attempt += 1
-            logger.debug("%s %s: %s; retrying in %.2fs", method, path, problem, pause)
+            # one warning per call once it has failed a few times (a restart in progress), debug before
+            level = logging.WARNING if attempt == _WARN_AFTER_ATTEMPTS else logging.DEBUG
+            logger.log(
+                level,
+                "control plane %s: %s %s: %s; retrying (budget %.0f s)",
+                self.base_url,
+                method,
+                path,
+                problem,
+                self.retry.budget_s,
+            )
             time.sleep(pause)
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from knittrans.columns import TRAJECTORY_COLUMNS
 from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
 
 __all__ = [
@@ -147,8 +148,6 @@ class UserField:
     """Arrow type of the column."""
 
     def __post_init__(self) -> None:
-        from knittrans.schema import TRAJECTORY_COLUMNS
-
         if not isinstance(self.name, str) or not USER_FIELD_NAME_RE.match(self.name):
             raise InvalidJobSpec(
                 f"user_fields: name {self.name!r} is not valid: start with a letter or '_', then letters, "
@@ -240,8 +239,6 @@ def _is_primitive_numeric(t: pa.DataType) -> bool:
 
 def check_user_columns(schema: pa.Schema, fields: Sequence[UserField]) -> None:
     """Raise :class:`SchemaMismatch` unless ``schema``'s extra columns are exactly ``fields`` (names, types)."""
-    from knittrans.schema import TRAJECTORY_COLUMNS
-
     extra = [f for f in schema if f.name not in TRAJECTORY_COLUMNS]
     got = [f.name for f in extra]
     want = [f.name for f in fields]

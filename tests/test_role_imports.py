@@ -7,6 +7,7 @@ library (``knittrans.trainer``) must not import the demo that is built on it.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -112,3 +113,50 @@ def test_without_the_model_stack_commands_work_or_name_their_extra(command: str,
     else:
         assert f"pip install 'knittrans[{extra}]'" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+def _imports_of(path: Path) -> set[str]:
+    """``knittrans`` modules a source file imports anywhere (``TYPE_CHECKING`` blocks and functions too)."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this file's package
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + [base] * bool(base))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("knittrans.")}
+
+
+@pytest.mark.parametrize(
+    "package", ["trainer", "api", "flight", "store", "rollout", "sched", "sim", "demo", "integrations", "."]
+)
+def test_no_import_cycles_between_modules(package: str) -> None:
+    """No two modules of a package import each other, even lazily or for type checking only (a cycle hidden
+    behind ``TYPE_CHECKING`` is still two modules that cannot be understood apart)."""
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+        for p in (ROOT / "knittrans" / package).rglob("*.py")
+        if p.stem != "__init__"
+    }
+    graph = {name: _imports_of(path) & set(files) for name, path in files.items()}
+    assert len(files) > 1
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    cycles = [c for c in (cycle_from(name) for name in sorted(graph)) if c is not None]
+    assert cycles == [], " -> ".join(cycles[0]) if cycles else ""

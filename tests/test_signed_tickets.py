@@ -15,7 +15,7 @@ from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
 from knittrans.grants import check_ticket, sign_grant
 from knittrans.tickets import Ticket, UnitRead
-from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig
+from knittrans.trainer.client import TrainerClient, TrainerConfig
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 KEY = "ticket-key-for-the-test-0123456789"
@@ -57,7 +57,7 @@ def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_
             poll_timeout_s=5,
         )  # type: ignore[arg-type]
         with TrainerClient(cfg) as client:
-            got = list(MiniBatch(client, plan))  # type: ignore[arg-type]
+            got = list(client.minibatch(plan))
         assert sum(int(m.batch.rewards.numel()) for m in got) == 16
         assert all(isinstance(t, torch.Tensor) for m in got for t in m.media.values())
 

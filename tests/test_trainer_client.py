@@ -57,7 +57,7 @@ def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
     results = {}
     for mode in ("eager", "iter"):
         with _client(cluster, job, mode) as client:
-            results[mode] = [(_tensors(m), m.rows) for m in MiniBatch(client, plan)]
+            results[mode] = [(_tensors(m), m.rows) for m in client.minibatch(plan)]
     assert len(results["eager"]) == len(results["iter"]) == 6
     for (te, re_), (ti, ri) in zip(results["eager"], results["iter"], strict=True):
         assert re_ == ri and te.keys() == ti.keys()
@@ -77,7 +77,7 @@ def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
     main = threading.current_thread().name
     for mode in ("eager", "iter"):
         with _client(cluster, job, mode, transform=collate) as client:
-            got = list(MiniBatch(client, plan))
+            got = list(client.minibatch(plan))
         assert [m.prepared[1] for m in got] == [0, 1]
         for m in got:
             torch.testing.assert_close(m.prepared[2], m.batch.rewards.sum())
@@ -92,7 +92,7 @@ def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
     with _client(cluster, job, "iter", transform=broken) as client:
         seen = []
         with pytest.raises(InvalidRequest, match="cannot pad micro-batch 1"):
-            for m in MiniBatch(client, plan):
+            for m in client.minibatch(plan):
                 seen.append(m.index)
         assert seen == [0]
 
@@ -184,7 +184,7 @@ def test_every_row_reaches_exactly_one_rank(cluster: LocalCluster) -> None:
 
 
 def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluster: LocalCluster) -> None:
-    """take_successor(wait_s) lets the prefetch thread's poll return a plan admitted after the ack."""
+    """successor.take(wait_s) lets the prefetch thread's poll return a plan admitted after the ack."""
     job = "late"
     control = cluster.control()
     control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=4, total_steps=2))
@@ -192,14 +192,14 @@ def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluste
     with _client(cluster, job, "iter") as client:
         first = next(iter(client.minibatches()))
         assert len(list(first)) == 2
-        wait_until(lambda: first._successor_polling.is_set(), timeout_s=10, what="the successor poll")
+        wait_until(lambda: first.successor.polling, timeout_s=10, what="the successor poll")
         first.ack()
         later = threading.Timer(
             0.3, lambda: write_and_register(control, job, cluster.stores, mm_groups("late-b", 4, group_size=2))
         )
         later.start()
         try:
-            second = first.take_successor(wait_s=5.0)
+            second = first.successor.take(wait_s=5.0)
         finally:
             later.join()
         assert second is not None and second.step == first.step + 1

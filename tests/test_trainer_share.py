@@ -13,7 +13,6 @@ from knittrans.errors import DataLost, InvalidRequest, NotFound
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
-from knittrans.trainer.minibatch import MiniBatch
 from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTaker, media_records
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
@@ -141,7 +140,7 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
     with TrainerClient(
         TrainerConfig(control_url=cluster.control_url, job="share-cancel", rank=0, world_size=1, fetch_mode="eager")
     ) as client:
-        mb = MiniBatch(client, plan)
+        mb = client.minibatch(plan)
         first = mb._load(0)
         assert first.batch.num_rows == 2
         streams = mb._streams

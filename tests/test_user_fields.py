@@ -15,7 +15,7 @@ from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, check_schema
 from knittrans.store.store import StoreConfig, UnitStore
-from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig
+from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.convert import to_micro_batch
 from knittrans.userfields import check_user_columns, parse_arrow_type, parse_user_fields
 from tests.trainer_support import job_spec, mm_groups
@@ -147,7 +147,7 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     with TrainerClient(config) as client:
         plan = client.next_plan()
         assert plan is not None
-        [mb] = list(MiniBatch(client, plan))
+        [mb] = list(client.minibatch(plan))
     batch = mb.batch
     assert batch.table is not None and batch.table.column_names == spec["columns"]
     assert set(batch.user) == {"ref_logprobs", "values", "uid", "old_lp_bf16"}

@@ -95,7 +95,7 @@ class SampleMiniBatch(MiniBatch):
                 reads=(UnitRead(unit_id=row["unit_id"], row_ranges=((row["row"], row["row"] + 1),)),),
             )
             tables.append(
-                self._client.fetcher.fetch(
+                self._ctx.fetcher.fetch(
                     [FetchRead(node_id=row["node_id"], endpoint=endpoints[row["node_id"]], ticket=ticket)]
                 )
             )
@@ -223,7 +223,7 @@ def run_variant(
                 for n in range(total):
                     plan = client.next_plan()
                     assert plan is not None
-                    mb: MiniBatch = SampleMiniBatch(client, plan)
+                    mb: MiniBatch = SampleMiniBatch(client.context, plan)
                     records.append(_train(policy, opt, mb, v.dedup) | {"warmup": n < warmup, "rank": rank})
                     mb.ack()
             else:
@@ -290,7 +290,7 @@ def grad_check(cluster: LocalCluster, model_dir: Path, image_channels: int) -> f
                 f"enc.{n}": p for n, p in policy.encoder.named_parameters()
             }
             capture = _Capture(params)
-            train_mini_batch(policy, capture, MiniBatch(client, plan), world_size=1, dedup=dedup)
+            train_mini_batch(policy, capture, client.minibatch(plan), world_size=1, dedup=dedup)
             grads[dedup] = capture.grads
     delete_job(cluster, job, descs)
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-9)

@@ -44,93 +44,23 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import InvalidRequest, Unavailable
-from knittrans.retry import RetryPolicy
+from knittrans.errors import InvalidRequest
+from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
-from knittrans.trainer.minibatch import MicroTiming, MiniBatch, TrainMicroBatch
+from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch
 
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """How one rank talks to the control plane and the store nodes."""
-
-    control_url: str
-    """Base URL of the control plane, e.g. ``http://127.0.0.1:8000``."""
-    job: str
-    """Job name."""
-    rank: int
-    """This rank, ``0 <= rank < world_size``."""
-    world_size: int
-    """Data-parallel ranks of the job."""
-    token: str | None = None
-    """Worker bearer token of the control plane."""
-    store_token: str | None = None
-    """Bearer token of the store nodes."""
-    fetch_mode: Literal["eager", "iter"] = "iter"
-    """``eager``: fetch the whole share first; ``iter``: fetch micro-batch i+1 while i computes."""
-    prefetch_depth: int = 2
-    """Micro-batches fetched ahead in ``iter`` mode."""
-    poll_timeout_s: float = 30.0
-    """Long-poll timeout of one ``next`` request."""
-    control_retry_s: float = 120.0
-    """How long to keep retrying while the control plane is unreachable (e.g. restarting)."""
-    local_dirs: Mapping[str, str] = field(default_factory=dict)
-    """Store node id -> its store directory, for nodes on this host (memory-mapped reads)."""
-    fetch_media: bool = True
-    """Fetch and decode the media each micro-batch references (through a per-mini-batch cache)."""
-    stream: bool = True
-    """Read the share through one ``DoGet`` per store node and kind (rows, media), each micro-batch
-    taking its rows as they arrive (:class:`~knittrans.trainer.share.ShareStreams`); False: one
-    ``DoGet`` per micro-batch and kind."""
-    prefetch_next: bool = True
-    """``iter`` only: prefetch mini-batch ``n+1`` (plan via ``next?after=``) while ``n`` finishes."""
-    fetch_timeout_s: float | None = 30.0
-    """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
-    replan_wait_s: float = 60.0
-    """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
-    warm_connections: bool = True
-    """Connect to every store node the control plane lists when the client starts (one Flight channel
-    per node, kept for every later read), and open a plan's streams as soon as the plan arrives. False:
-    each node is connected at its first ``DoGet``, a share's streams at its first read (the old cold path)."""
-    poll_early: bool = True
-    """Start the first long-poll (and the first plan's loading) in a background thread when the client
-    is created, so it already waits when the first mini-batch is admitted, instead of at the first
-    ``next`` of :meth:`TrainerClient.minibatches`. False: the previous behaviour."""
-    torch_threads: int | None = None
-    """When set, the client calls ``torch.set_num_threads`` with it at start. Several ranks (or a rank and
-    its rollout) on one host each using every core slow each other down badly: give each rank its share
-    (1 on a small machine; also set ``OMP_NUM_THREADS`` before Python starts). None: leave torch as is."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
-        if self.fetch_mode not in ("eager", "iter"):
-            raise ValueError(f"fetch_mode must be 'eager' or 'iter', not {self.fetch_mode!r}")
-        if self.prefetch_depth < 1:
-            raise ValueError("prefetch_depth must be >= 1")
-        if self.fetch_timeout_s is not None and self.fetch_timeout_s <= 0:
-            raise ValueError("fetch_timeout_s must be > 0 (or None)")
-        if self.replan_wait_s < 0:
-            raise ValueError("replan_wait_s must be >= 0")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError("torch_threads must be >= 1 (or None)")
-        if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
-            raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 
 
 class TrainerClient:
@@ -149,7 +79,8 @@ class TrainerClient:
         in ``iter`` mode — with the result in :attr:`TrainMicroBatch.prepared`: a model-specific
         collate (padding, image stacking, pinning) then happens off the training thread, like a
         DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
-        self.control = control or ControlClient(config.control_url, token=config.token)
+        self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
+        """Control-plane client; its retry policy is the rank's only one (``control_retry_s`` by default)."""
         self.fetcher = Fetcher(
             token=config.store_token, local_dirs=dict(config.local_dirs), timeout_s=config.fetch_timeout_s
         )
@@ -160,6 +91,15 @@ class TrainerClient:
         self._current: MiniBatch | None = None
         self._closed = threading.Event()
         self._first: Future[MiniBatch | None] | None = None
+        self.context = RankContext(
+            config=config,
+            fetcher=self.fetcher,
+            media_pool=self.media_pool,
+            control=self.control,
+            prepare=self.prepare,
+            closed=self._closed,
+        )
+        """What this rank's mini-batches use of it (a subclass of :class:`MiniBatch` is built with it)."""
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         if config.poll_early or config.warm_connections:
@@ -183,7 +123,7 @@ class TrainerClient:
             return
         try:
             plan = self.next_plan()
-            mb = MiniBatch(self, plan) if plan is not None else None  # its streams open here, at once
+            mb = self.minibatch(plan) if plan is not None else None  # its streams open here, at once
             if mb is not None and self.config.fetch_mode == "iter":
                 mb.start_prefetch()  # no hop to the loop's thread between the plan and its first fetch
             first.set_result(mb)
@@ -199,25 +139,16 @@ class TrainerClient:
         micro.timing.transform_s = time.perf_counter() - t0
         return replace(micro, prepared=prepared)
 
-    def call_control(self, call: Callable[[], T]) -> T:
-        """Run a control-plane call, retrying with backoff for ``control_retry_s`` while it is unreachable."""
-        pauses = RetryPolicy(budget_s=self.config.control_retry_s, first_backoff_s=0.2, max_backoff_s=5.0).pauses()
-        while True:
-            try:
-                return call()
-            except Unavailable:
-                delay = next(pauses, None)
-                if delay is None:
-                    raise
-                logger.warning("control plane %s unavailable; retrying in %.1f s", self.config.control_url, delay)
-                time.sleep(delay)
+    def minibatch(self, plan: dict[str, Any]) -> MiniBatch:
+        """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once with ``warm_connections``)."""
+        return MiniBatch(self.context, plan)
 
     def next_plan(self) -> dict[str, Any] | None:
         """The next plan (long-polls until one comes); None when the job is finished."""
         cfg = self.config
         while not self._closed.is_set():
             try:
-                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s))
+                plan = self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s)
             except JobFinished:
                 return None
             if plan is not None:
@@ -230,7 +161,7 @@ class TrainerClient:
         if first is not None:
             return first.result()
         plan = self.next_plan()
-        return MiniBatch(self, plan) if plan is not None else None
+        return self.minibatch(plan) if plan is not None else None
 
     def replan(self, failed: str) -> dict[str, Any] | None:
         """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
@@ -238,7 +169,7 @@ class TrainerClient:
         deadline = time.monotonic() + cfg.replan_wait_s
         while True:
             try:
-                plan = self.call_control(lambda: self.control.next_plan(cfg.job, cfg.rank, 1.0))
+                plan = self.control.next_plan(cfg.job, cfg.rank, 1.0)
             except JobFinished:
                 return None
             if plan is not None and (plan["plan_id"] != failed or time.monotonic() > deadline):
@@ -268,21 +199,21 @@ class TrainerClient:
                     "rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank, mb.plan_id
                 )
                 plan = self.replan(mb.plan_id)
-                mb = MiniBatch(self, plan) if plan is not None else None
+                mb = self.minibatch(plan) if plan is not None else None
                 continue
             if not mb.acked and not mb.complete:
                 mb.stop()
                 raise InvalidRequest(f"mini-batch {mb.plan_id} was neither fully iterated, abandoned nor acked")
             mb.ack()
-            nxt = mb.take_successor(wait_s=min(self.config.poll_timeout_s, 2.0) + 1.0)  # the poll's own timeout
+            nxt = mb.successor.take_after_ack()
             if nxt is None:
                 plan = self.next_plan()
-                nxt = MiniBatch(self, plan) if plan is not None else None
+                nxt = self.minibatch(plan) if plan is not None else None
             mb = nxt
 
     def report_version(self, version: int) -> None:
         """Report the policy version after an optimizer step (rank 0 is enough); retried like ``next``."""
-        self.call_control(lambda: self.control.report_version(self.config.job, version, self.config.rank))
+        self.control.report_version(self.config.job, version, self.config.rank)
 
     def timings_dicts(self) -> list[dict[str, Any]]:
         """Recorded per-micro-batch timings as plain dicts (for JSON export)."""

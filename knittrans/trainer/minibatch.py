@@ -14,23 +14,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from knittrans.controlclient import ControlClient
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError
 from knittrans.tickets import Ticket
+from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
-from knittrans.trainer.fetch import FetchRead
+from knittrans.trainer.fetch import Fetcher, FetchRead
 from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
 from knittrans.trainer.share import ShareStreams, media_records
 
-if TYPE_CHECKING:
-    from knittrans.trainer.client import TrainerClient
-
-__all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch"]
+__all__ = ["MicroTiming", "MiniBatch", "RankContext", "SuccessorPoll", "TrainMicroBatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,127 @@ class TrainMicroBatch:
     """What the client's ``transform`` returned for this micro-batch (None without a transform)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What a :class:`MiniBatch` uses of its rank, handed in by the rank's
+    :class:`~knittrans.trainer.client.TrainerClient` (which owns and closes all of it)."""
+
+    config: TrainerConfig
+    """The rank's settings (job, rank, fetch mode, prefetch depth, streams, media, poll timeout)."""
+    fetcher: Fetcher
+    """Store-node reads (Flight channels or memory maps)."""
+    media_pool: Executor
+    """Runs a micro-batch's media fetch alongside its row fetch."""
+    control: ControlClient
+    """Control-plane calls (``next?after=``, ``fetched``, ``ack``), retried under its retry policy."""
+    prepare: Callable[[TrainMicroBatch], TrainMicroBatch]
+    """The client's ``transform`` applied to a loaded micro-batch (identity without one)."""
+    closed: threading.Event
+    """Set once the client is closing: calls failing after it are expected, not bugs."""
+
+
+class SuccessorPoll:
+    """Long-polls the plan after one mini-batch's (``next?after=``) and starts loading it.
+
+    :meth:`run` is called by the mini-batch's prefetch thread once its last micro-batch is loaded; the
+    training thread later :meth:`take` s the successor (a :class:`MiniBatch` already prefetching) or
+    nothing. One request waits at most :attr:`POLL_S`, so a stopped poll ends within that; ``take`` after
+    the ack may let the request in flight finish (:meth:`take_after_ack`) since the plan it waits for is
+    the one the caller needs next.
+    """
+
+    POLL_S = 2.0
+    """Longest single ``next?after=`` request (the poll_timeout_s of the rank caps it)."""
+
+    def __init__(
+        self,
+        poll: Callable[[float], dict[str, Any] | None],
+        start: Callable[[dict[str, Any]], MiniBatch],
+        *,
+        acked: Callable[[], bool],
+        poll_timeout_s: float,
+        closed: threading.Event,
+        what: str,
+    ) -> None:
+        self._poll, self._start, self._acked, self._closed, self._what = poll, start, acked, closed, what
+        self.poll_s = min(poll_timeout_s, self.POLL_S)
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        """No successor any more: end the loop at once, discard a plan that comes back."""
+        self._last = threading.Event()
+        """Let the request in flight finish (its plan is kept), then end the loop."""
+        self._done = threading.Event()
+        self._running = False
+        self._successor: MiniBatch | None = None
+
+    def run(self) -> None:
+        """Poll until a plan comes (then start loading it), the job has no further one, or :meth:`take`."""
+        with self._lock:
+            if self._cancel.is_set():
+                return
+            self._running = True
+        try:
+            self._loop()
+        finally:
+            self._done.set()
+
+    def _loop(self) -> None:
+        while not self._cancel.is_set():
+            try:
+                plan = self._poll(self.poll_s)
+            except Conflict:  # the mini-batch before this one is not acked yet (or this one already is)
+                if self._acked() or self._last.is_set():
+                    return
+                self._cancel.wait(0.1)
+                continue
+            except KnitTransError as exc:  # finished, withdrawn (DataLost), control plane down
+                logger.debug("no prefetch after %s: %s", self._what, exc)
+                return
+            except RuntimeError as exc:  # httpx after the client was closed
+                (logger.debug if self._closed.is_set() else logger.warning)("no prefetch after %s: %r", self._what, exc)
+                return
+            if plan is None:
+                if self._last.is_set():
+                    return
+                continue
+            with self._lock:
+                if self._cancel.is_set():
+                    return
+                self._successor = self._start(plan)
+            return
+
+    @property
+    def polling(self) -> bool:
+        """The poll has started (in the prefetch thread) and not ended yet."""
+        with self._lock:
+            return self._running and not self._done.is_set()
+
+    def take(self, wait_s: float = 0.0) -> MiniBatch | None:
+        """The successor if its plan came (already prefetching), else None; the poll stops.
+
+        ``wait_s > 0``: a request in flight may finish first (up to ``wait_s``) instead of being abandoned.
+        """
+        with self._lock:
+            running = self._running
+        if wait_s > 0 and running:
+            self._last.set()
+            self._done.wait(wait_s)
+        with self._lock:
+            self._cancel.set()
+            successor, self._successor = self._successor, None
+        return successor
+
+    def take_after_ack(self) -> MiniBatch | None:
+        """:meth:`take`, letting the request in flight run to its own timeout: after the ack the plan it
+        waits for is the caller's next one, which a new request could not get sooner."""
+        return self.take(wait_s=self.poll_s + 1.0)
+
+
 class MiniBatch:
     """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
 
-    def __init__(self, client: TrainerClient, plan: dict[str, Any]) -> None:
-        self._client = client
+    def __init__(self, ctx: RankContext, plan: dict[str, Any]) -> None:
+        self._ctx = ctx
         self.plan = plan
         self.plan_id: str = plan["plan_id"]
         self.step: int = plan["step"]
@@ -104,12 +220,12 @@ class MiniBatch:
         for micro in plan["micro_batches"]:
             for m in micro.get("media", ()):
                 self._media_of.setdefault(m["hash"], m)
-        cfg = client.config
+        cfg = ctx.config
         self._streams: ShareStreams | None = None
         """One DoGet per node and kind for the whole share (None: one per micro-batch and kind)."""
         if cfg.stream:
             try:
-                self._streams = ShareStreams.from_plan(client.fetcher, plan, media=cfg.fetch_media)
+                self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=cfg.fetch_media)
             except KnitTransError as exc:  # a bad ticket: the per-micro-batch path reports it where it is used
                 logger.debug("plan %s is fetched per micro-batch: %s", self.plan_id, exc)
         if self._streams is not None and cfg.warm_connections:
@@ -119,13 +235,15 @@ class MiniBatch:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
-        self._successor: MiniBatch | None = None
-        self._successor_lock = threading.Lock()
-        self._successor_stop = threading.Event()
-        self._successor_last = threading.Event()
-        """Set by :meth:`take_successor` to let an in-flight poll finish, then end the loop."""
-        self._successor_polling = threading.Event()
-        self._successor_done = threading.Event()
+        self.successor = SuccessorPoll(
+            lambda timeout_s: ctx.control.next_plan(cfg.job, cfg.rank, timeout_s, after=self.plan_id),
+            self._start_successor,
+            acked=lambda: self.acked,
+            poll_timeout_s=cfg.poll_timeout_s,
+            closed=ctx.closed,
+            what=f"rank {cfg.rank} plan {self.plan_id}",
+        )
+        """The poll for the next mini-batch's plan, run by the prefetch thread after the last micro-batch."""
 
     @property
     def local_trajectories(self) -> int:
@@ -153,7 +271,7 @@ class MiniBatch:
                     node_id=entry["node_id"], endpoint=entry["endpoint"], ticket=Ticket.decode(entry["ticket"].encode())
                 )
             )
-        return media_records(self._client.fetcher.fetch(reads))
+        return media_records(self._ctx.fetcher.fetch(reads))
 
     def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
@@ -170,12 +288,12 @@ class MiniBatch:
         timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro["rows"]))
         t0 = time.perf_counter()
         table = None
-        want_media = self._client.config.fetch_media and bool(micro.get("media"))
+        want_media = self._ctx.config.fetch_media and bool(micro.get("media"))
         streams = self._streams
         # Per micro-batch calls: the plan names the micro-batch's media, so their DoGet runs (in another
         # thread) while the rows' DoGet does. Streams: both already flow, read one after the other.
         ahead = (
-            self._client.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
+            self._ctx.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
             if want_media and streams is None
             else None
         )
@@ -187,7 +305,7 @@ class MiniBatch:
                     FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
                     for f in micro["fetches"]
                 ]
-                table = self._client.fetcher.fetch(reads)
+                table = self._ctx.fetcher.fetch(reads)
         except KnitTransError as exc:
             if ahead is not None and not ahead.cancel():
                 ahead.exception()  # let it finish before the error ends the mini-batch (cache cleared)
@@ -211,14 +329,14 @@ class MiniBatch:
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
         loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
-        return self._client.prepare(loaded)
+        return self._ctx.prepare(loaded)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
         if self.consumed:
             raise InvalidRequest(f"mini-batch {self.plan_id} was already iterated")
         self.consumed = True
         try:
-            if self._client.config.fetch_mode == "eager":
+            if self._ctx.config.fetch_mode == "eager":
                 t0 = time.perf_counter()
                 loaded = [self._load(i) for i in range(self.num_micro_batches)]
                 wait = time.perf_counter() - t0
@@ -241,7 +359,7 @@ class MiniBatch:
         """Start the ``iter`` prefetch thread now (iterating starts it otherwise); idempotent."""
         if self._worker is not None:
             return
-        depth = self._client.config.prefetch_depth
+        depth = self._ctx.config.prefetch_depth
         q: queue.Queue[TrainMicroBatch | BaseException | None] = queue.Queue(depth)
         self._queue = q
 
@@ -262,58 +380,15 @@ class MiniBatch:
             except BaseException as exc:  # re-raised in the training thread
                 put(exc)
                 return
-            if put(None) and self._client.config.prefetch_next:
-                self._prefetch_successor()
+            if put(None) and self._ctx.config.prefetch_next:
+                self.successor.run()
 
         self._worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
         self._worker.start()
 
-    def _prefetch_successor(self) -> None:
-        """Prefetch thread, after the last micro-batch: long-poll the plan after this one and prefetch it."""
-        self._successor_polling.set()
-        try:
-            self._poll_successor()
-        finally:
-            self._successor_done.set()
-
-    def _poll_successor(self) -> None:
-        client, cfg = self._client, self._client.config
-        while not (self._successor_stop.is_set() or self._stop.is_set()):
-            try:
-                plan = client.control.next_plan(cfg.job, cfg.rank, min(cfg.poll_timeout_s, 2.0), after=self.plan_id)
-            except Conflict:  # the mini-batch before this one is not acked yet (or this one already is)
-                if self.acked or self._successor_last.is_set():
-                    return
-                self._successor_stop.wait(0.1)
-                continue
-            except (KnitTransError, RuntimeError) as exc:  # finished, withdrawn (DataLost), down, client closed
-                logger.debug("rank %d: no prefetch after %s: %s", cfg.rank, self.plan_id, exc)
-                return
-            if plan is None:
-                if self._successor_last.is_set():
-                    return
-                continue
-            with self._successor_lock:
-                if self._successor_stop.is_set():
-                    return
-                successor = MiniBatch(client, plan)
-                successor.start_prefetch()
-                self._successor = successor
-            return
-
-    def take_successor(self, wait_s: float = 0.0) -> MiniBatch | None:
-        """The already prefetching next mini-batch, if the prefetch thread got its plan; stops the poll.
-
-        ``wait_s > 0``: a poll in flight is allowed to finish first (up to ``wait_s``) instead of being
-        abandoned: when the plan is admitted while it waits it returns it at once, which a new poll
-        by the caller could not do sooner (used after the ack, when the caller needs the plan anyway).
-        """
-        if wait_s > 0 and self._successor_polling.is_set():
-            self._successor_last.set()
-            self._successor_done.wait(wait_s)
-        with self._successor_lock:
-            self._successor_stop.set()
-            successor, self._successor = self._successor, None
+    def _start_successor(self, plan: dict[str, Any]) -> MiniBatch:
+        successor = MiniBatch(self._ctx, plan)
+        successor.start_prefetch()
         return successor
 
     def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
@@ -340,7 +415,7 @@ class MiniBatch:
     def stop(self) -> None:
         """Stop a running prefetch thread and any prefetched successor, e.g. when abandoning the mini-batch."""
         self._stop.set()
-        successor = self.take_successor()
+        successor = self.successor.take()
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=30)
         self._close_streams()  # calls of a share not read to its end are cancelled
@@ -363,9 +438,9 @@ class MiniBatch:
         Returns False when the plan was withdrawn (a store node with its rows was lost): then no rank
         may step on it. Once every rank reported it, a node loss no longer withdraws the mini-batch.
         """
-        cfg = self._client.config
+        cfg = self._ctx.config
         try:
-            self._client.call_control(lambda: self._client.control.fetched(cfg.job, cfg.rank, self.plan_id))
+            self._ctx.control.fetched(cfg.job, cfg.rank, self.plan_id)
         except DataLost as exc:
             logger.warning("rank %d: plan %s was withdrawn: %s", cfg.rank, self.plan_id, exc)
             return False
@@ -375,11 +450,8 @@ class MiniBatch:
         """Tell the control plane this rank finished the mini-batch (after its optimizer step)."""
         with self._ack_lock:
             if not self.acked:
-                cfg = self._client.config
-                transfer = self.transfer()
-                self._client.call_control(
-                    lambda: self._client.control.ack(cfg.job, cfg.rank, self.plan_id, transfer=transfer)
-                )
+                cfg = self._ctx.config
+                self._ctx.control.ack(cfg.job, cfg.rank, self.plan_id, transfer=self.transfer())
                 self.acked, self.acked_at = True, time.time()
 
     def transfer(self) -> dict[str, Any]:
