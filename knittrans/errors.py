@@ -10,6 +10,7 @@
     │   └── InvalidJobSpec               a job spec that cannot be run
     ├── NotFound (LookupError)           unknown unit, job, node, media hash; 404 / FlightServerError(not found)
     ├── Conflict                         a state change that contradicts the current state; 409
+    │   └── DedupStateError (RuntimeError)  a DedupEncoder method called out of order
     ├── PayloadTooLarge                  an upload above the configured limit; 413
     ├── OverBudget                       the store's byte budget stayed full past the writer's timeout; 507
     ├── Unauthenticated                  missing or wrong bearer token; 401 / FlightUnauthenticatedError
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "Conflict",
     "DataLost",
+    "DedupStateError",
     "InvalidJobSpec",
     "InvalidName",
     "InvalidRequest",
@@ -66,6 +68,11 @@ class NotFound(KnitTransError, LookupError):
 
 class Conflict(KnitTransError):
     """A state change that contradicts the current state (e.g. resuming a drained job)."""
+
+
+class DedupStateError(Conflict, RuntimeError):
+    """A :class:`~knittrans.trainer.dedup.DedupEncoder` method was called out of order (e.g. ``features()``
+    before a mini-batch began)."""
 
 
 class PayloadTooLarge(KnitTransError):

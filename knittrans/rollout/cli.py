@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: Any) -> int:
-    """Build the worker and run it; SIGTERM ends it between units."""
+    """Build the worker and run it; SIGTERM stops it at once, like Ctrl-C (a KeyboardInterrupt wherever it is),
+    and the worker is closed either way."""
     from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile
 
     config = RolloutWorkerConfig(

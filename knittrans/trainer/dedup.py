@@ -65,7 +65,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from knittrans.errors import Conflict, InvalidRequest, NotFound
+from knittrans.errors import DedupStateError, InvalidRequest, NotFound
 
 __all__ = [
     "DedupEncoder",
@@ -77,10 +77,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Mode = Literal["keep_graph", "recompute"]
-
-
-class DedupStateError(Conflict, RuntimeError):
-    """A DedupEncoder method was called out of order (e.g. ``features()`` before a mini-batch began)."""
 
 
 @dataclass(frozen=True, kw_only=True)
