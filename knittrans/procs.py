@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ProcessGroup", "free_port", "knittrans_command", "wait_until"]
+__all__ = ["ProcessGroup", "free_port", "knittrans_command", "stop_process", "wait_ready", "wait_until"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,58 @@ def wait_until(check: Callable[[], bool], *, timeout_s: float, what: str, interv
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s" + (f": {last}" if last else ""))
         time.sleep(interval_s)
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    output: Callable[[], str] = lambda: "",
+) -> None:
+    """Wait until ``ready()`` is true while ``proc`` runs (``ready`` may raise while the child starts).
+
+    Raises RuntimeError naming ``what``, its exit code and ``output()`` (e.g. its log tail) when the child
+    exits first, TimeoutError after ``timeout_s``.
+    """
+
+    def check() -> bool:
+        if proc.poll() is not None:
+            raise _Exited(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}")
+        return ready()
+
+    try:
+        wait_until(check, timeout_s=timeout_s, what=what)
+    except _Exited as exc:
+        raise RuntimeError(str(exc)) from None
+    except TimeoutError:
+        if proc.poll() is not None:  # it exited during the last pause
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}") from None
+        raise
+
+
+class _Exited(BaseException):
+    """Internal: ends :func:`wait_until` at once (it retries ordinary exceptions)."""
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 10.0, group: bool = False) -> int | None:
+    """SIGTERM ``proc`` (its whole process group with ``group``), SIGKILL after ``grace_s``, close its pipes;
+    its exit code."""
+    if proc.poll() is None:
+        send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                send(signal.SIGKILL)
+            proc.wait(timeout=30)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return proc.returncode
 
 
 class ProcessGroup:

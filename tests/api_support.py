@@ -8,12 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from knittrans.procs import stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
 
@@ -151,30 +152,27 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"control plane exited with {self.proc.returncode}: {err}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/v1/health", timeout=1.0).status_code == 200:
-                    return self
-            time.sleep(0.05)
-        raise RuntimeError("control plane did not become healthy")
+        proc = self.proc
+        wait_ready(
+            proc,
+            lambda: httpx.get(self.url + "/v1/health", timeout=1.0).status_code == 200,
+            timeout_s=timeout_s,
+            what="control plane",
+            output=lambda: proc.stderr.read().decode() if proc.stderr else "",
+        )
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown handler runs."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 @contextlib.contextmanager

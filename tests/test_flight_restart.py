@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from data_support import make_groups
 
 from knittrans.flight import StoreClient
+from knittrans.procs import wait_ready
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
@@ -19,33 +19,31 @@ from knittrans.tickets import Ticket, UnitRead
 
 def _launch(store_dir: Path, ready: Path, port: int = 0) -> subprocess.Popen[bytes]:
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "knittrans.cli",
-            "store",
-            "--dir",
-            str(store_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--node-id",
-            "node-a",
-            "--token",
-            "tok",
-            "--ready-file",
-            str(ready),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "store exited"
-        assert time.monotonic() < deadline, "store did not start within 30s"
-        time.sleep(0.05)
+    log = ready.with_suffix(".log")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "knittrans.cli",
+                "store",
+                "--dir",
+                str(store_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--node-id",
+                "node-a",
+                "--token",
+                "tok",
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    wait_ready(proc, ready.exists, timeout_s=30, what="store", output=lambda: log.read_text(errors="replace"))
     return proc
 
 

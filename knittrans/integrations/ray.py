@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from knittrans.procs import stop_process, wait_ready
+
 __all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
 logger = logging.getLogger(__name__)
@@ -80,28 +82,17 @@ class _KnitTransProcess:
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
         """Block until the child wrote its ready file; return its content (the endpoint)."""
-        deadline = time.monotonic() + timeout_s
-        while self._ready is not None and not self._ready.exists():
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"knittrans child exited with code {self._proc.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"knittrans child not ready after {timeout_s:.0f} s")
-            time.sleep(0.05)
-        return self._ready.read_text().strip() if self._ready is not None else ""
+        if self._ready is None:
+            return ""
+        wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what="knittrans child")
+        return self._ready.read_text().strip()
 
     def alive(self) -> bool:
         return self._proc.poll() is None
 
     def stop(self) -> int | None:
         """SIGTERM the child, SIGKILL after 10 s; its exit code."""
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
-        return self._proc.returncode
+        return stop_process(self._proc)
 
 
 @dataclass(frozen=True, kw_only=True)
