@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from knittrans.cliargs import default_of
+from knittrans.errors import KnitTransError
 from knittrans.flight.server import StoreServer, StoreServerConfig
 from knittrans.store import StoreConfig
 
@@ -197,7 +198,10 @@ def _announce(args: Any, endpoint: str, stopped: threading.Event, usage: Callabl
                     logger.info("registered node %s (%s) with %s", args.node_id, endpoint, args.control_url)
                 else:
                     control.heartbeat(args.node_id, usage())
-            except Exception as exc:  # keep serving data even when the control plane is away
+            except KnitTransError as exc:  # away, restarting, or it declared this node lost: register again
                 logger.warning("control plane %s: %s", args.control_url, exc)
+                registered = False
+            except Exception:  # a bug here must not stop the heartbeats (the node would be declared lost)
+                logger.exception("heartbeat to %s failed unexpectedly", args.control_url)
                 registered = False
             stopped.wait(args.heartbeat_s)
