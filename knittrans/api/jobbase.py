@@ -298,6 +298,19 @@ class JobBase:
             },
         )
 
+    def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
+        """Offer a lost or expired group for regeneration (``reason`` says why)."""
+        body = {
+            "group_id": entry.record.group_id,
+            "source": entry.record.source,
+            "reason": reason,
+            "unit_id": entry.unit_id,
+            "node_id": entry.node_id,
+            "at": self._clock(),
+        }
+        self.to_regenerate[entry.record.group_id] = body
+        txn.put(Kind.TO_REGENERATE, self.name, entry.record.group_id, body)
+
     # ------------------------------------------------------------------ lifecycle
     def set_state(self, action: JobAction, txn: Txn) -> None:
         """Apply ``pause``, ``resume`` or ``drain``; raise :class:`Conflict` when not allowed now."""
@@ -320,8 +333,6 @@ class JobBase:
         self._save_meta(txn)
         return from_step
 
-    # ------------------------------------------------------------------ admission rules (shared)
-
     def can_admit(self) -> bool:
         """Whether the lifecycle lets the next mini-batch be admitted."""
         if self.state not in ADMITTING:
@@ -339,15 +350,3 @@ class JobBase:
         total = self.spec.total_steps
         if total is not None and self.next_n >= total * self.K and idle:
             self.state = job_move(self.state, "completed") or self.state  # a drained job stays drained
-
-    def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
-        body = {
-            "group_id": entry.record.group_id,
-            "source": entry.record.source,
-            "reason": reason,
-            "unit_id": entry.unit_id,
-            "node_id": entry.node_id,
-            "at": self._clock(),
-        }
-        self.to_regenerate[entry.record.group_id] = body
-        txn.put(Kind.TO_REGENERATE, self.name, entry.record.group_id, body)
