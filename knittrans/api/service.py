@@ -5,7 +5,7 @@ runs admission where state changed, and commits the writes to the store before r
 unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
 memory never runs ahead of what was committed.
 
-Nothing here takes a lock: in the app, one thread (the
+The service and its jobs take no lock: in the app, one thread (the
 :class:`~knittrans.api.routes.deps.StateRunner`) makes every call, and ``state_thread`` checks it.
 """
 
