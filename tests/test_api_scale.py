@@ -126,7 +126,7 @@ def test_status_does_not_grow_with_consumed_mini_batches(tmp_path: Path, monkeyp
     with TestClient(create_app(Settings(db_path=db, recent_admissions=8))) as c:
         assert c.post("/v1/jobs", json=spec).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
-        job = c.app.state.service.job(JOB)  # type: ignore[attr-defined]
+        job = c.app.state.service.jobs[JOB]  # type: ignore[attr-defined]  # between requests: the state is idle
         _run(c, 40, 0)
         size40 = len(json.dumps(c.get(f"/v1/jobs/{JOB}/status").json(), separators=(",", ":")))
         foot40 = job.consumed.footprint()
@@ -256,7 +256,7 @@ def test_consumed_units_are_forgotten_but_their_ids_are_not(tmp_path: Path) -> N
         assert c.post("/v1/jobs", json=spec).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         _run(c, 3, 0)
-        job = c.app.state.service.job(JOB)  # type: ignore[attr-defined]
+        job = c.app.state.service.jobs[JOB]  # type: ignore[attr-defined]  # between requests: the state is idle
         assert not job.units and not job.groups and len(job.retired_units) == 3
     for _ in range(2):  # the running process, then a restarted one
         with TestClient(create_app(Settings(db_path=db))) as c:

@@ -110,7 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     board = PlanBoard()
-    runner = StateRunner()
+    runner = StateRunner()  # the one thread that touches the service's state (its docstring: why no locks)
     store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
     key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
     service = ControlPlane(
@@ -120,11 +120,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         on_plans=board.notify,
         ticket_key=key,
         ticket_ttl_s=settings.ticket_ttl_s,
+        state_thread=runner.check,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.reopen()  # an app served again after a shutdown (test clients) reconnects to its state
+        runner.start()
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
         try:
             yield

@@ -6,24 +6,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from knittrans.descriptors import GroupRecord
+from knittrans.lifecycle import GroupStatus, MiniBatchStatus
 from knittrans.sched.types import FinishedGroup
 
-__all__ = ["GroupEntry", "MiniBatch", "mb_key"]
-
-
-def mb_key(n: int) -> str:
-    """Store key of mini-batch ``n`` (zero-padded so keys sort numerically)."""
-    return f"{n:012d}"
+__all__ = ["GroupEntry", "MiniBatch"]
 
 
 @dataclass
 class GroupEntry:
-    """A group the job knows of and where it is in its life (finished/planned/consumed/lost/expired)."""
+    """A group the job knows of and where it is in its life (:data:`~knittrans.lifecycle.GroupStatus`)."""
 
     record: GroupRecord
     unit_id: str
     node_id: str
-    status: str = "finished"
+    status: GroupStatus = "finished"
     mini_batch: int | None = None
     view: FinishedGroup = field(init=False, repr=False)
     """The scheduling view of the group (what admission and assignment see)."""
@@ -57,7 +53,7 @@ class MiniBatch:
     admitted_at: float
     layout: list[Any]
     """rank -> micro-batch -> ``[group_id, row]`` pairs (see :mod:`knittrans.api.plans`); empty once consumed."""
-    status: str = "planned"
+    status: MiniBatchStatus = "planned"
     acks: set[int] = field(default_factory=set)
     fetched: set[int] = field(default_factory=set)
     """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""

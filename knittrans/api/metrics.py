@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from knittrans.api.jobstate import JOB_STATES
 from knittrans.api.observe import Observations
 from knittrans.api.service import ControlPlane
+from knittrans.lifecycle import JOB_STATES
 from knittrans.sched.staleness import READINGS
 
 __all__ = ["METRICS", "ServiceCollector", "make_registry"]
@@ -143,9 +143,9 @@ class ServiceCollector(Collector):
             a = job.admitted_in_step(step)
             for s, quota in q.items():
                 fill.add_metric([job.name, s], a.get(s, 0) / quota if quota else 1.0)
-            for (s, st), c in sorted(job.group_counts.items()):
+            for (s, status), c in sorted(job.group_counts.items()):
                 if c:
-                    groups.add_metric([job.name, s, st], c)
+                    groups.add_metric([job.name, s, status], c)
             for s, p in job.pending().items():
                 pending.add_metric([job.name, s], p)
             version.add_metric([job.name], job.version)

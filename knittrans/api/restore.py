@@ -7,51 +7,36 @@ from typing import Any
 
 from knittrans.api.entries import GroupEntry, MiniBatch
 from knittrans.api.jobstate import JobState
+from knittrans.api.records import META_KEY, Kind, parse_rank_key, parse_version_key
 from knittrans.descriptors import UnitDescriptor
 from knittrans.sched.staleness import ConsumedGroup
 
-__all__ = ["JOB_KINDS", "restore_job"]
-
-JOB_KINDS = (
-    "job",
-    "units",
-    "group",
-    "mb",
-    "ack",
-    "fetched",
-    "version",
-    "supply",
-    "started",
-    "request",
-    "consumed",
-    "lost",
-)
-"""Record kinds that belong to one job."""
+__all__ = ["restore_job"]
 
 
-def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]]) -> None:
+def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]) -> None:
     """Load ``records`` (``kind -> [(key, value)]`` in key order) into a freshly built ``job``.
 
     Group status is derived: every group of a registered unit starts finished (a later unit holding
     the same group id replaces a lost or expired one), ``group`` records mark lost/expired groups,
     and the mini-batch records mark planned and consumed ones.
     """
-    meta = dict(records["job"])["meta"]
+    meta = dict(records[Kind.JOB])[META_KEY]
     job.state, job.next_n = meta["state"], meta["next_n"]
     job.attempts = {int(n): a for n, a in meta["attempts"].items()}
     job.quota_changes = [(s, q) for s, q in meta["quota_changes"]]
-    for _, batch in records.get("units", ()):
+    for _, batch in records.get(Kind.UNITS, ()):
         job.unit_batches += 1
         for body in batch:
             u = UnitDescriptor.from_dict(body)
             job.units[u.unit_id] = u
             for g in u.groups:
                 job.groups[g.group_id] = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)
-    for gid, body in records.get("group", ()):
+    for gid, body in records.get(Kind.GROUP, ()):
         entry = job.groups[gid]
         if entry.unit_id == body["unit_id"]:
             entry.status = body["status"]
-    for _, body in records.get("mb", ()):
+    for _, body in records.get(Kind.MINI_BATCH, ()):
         mb = MiniBatch(
             n=body["n"],
             step=body["step"],
@@ -71,20 +56,20 @@ def restore_job(job: JobState, records: Mapping[str, Iterable[tuple[str, Any]]])
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.first_unconsumed)) is not None and m.status == "consumed":
         job.first_unconsumed += 1
-    for key, _ in records.get("ack", ()):
-        n, rank = key.split(".")
-        job.minibatches[int(n)].acks.add(int(rank))
-    for key, body in records.get("fetched", ()):
-        n, rank = key.split(".")
-        held = job.minibatches.get(int(n))
+    for key, _ in records.get(Kind.ACK, ()):
+        n, rank = parse_rank_key(key)
+        job.minibatches[n].acks.add(rank)
+    for key, body in records.get(Kind.FETCHED, ()):
+        n, rank = parse_rank_key(key)
+        held = job.minibatches.get(n)
         if held is not None and held.attempt == body["attempt"]:
-            held.fetched.add(int(rank))
-    job.rank_versions = {int(r): v for r, v in records.get("version", ())}
-    for s, body in records.get("supply", ()):
+            held.fetched.add(rank)
+    job.rank_versions = {parse_version_key(r): v for r, v in records.get(Kind.VERSION, ())}
+    for s, body in records.get(Kind.SUPPLY, ()):
         job.started[s], job.dropped[s], job.finished_count[s] = body["started"], body["dropped"], body["finished"]
-    job.started_ids = {gid for gid, _ in records.get("started", ())}
-    job.request_ids = {rid for rid, _ in records.get("request", ())}
-    for _, rows in records.get("consumed", ()):
+    job.started_ids = {gid for gid, _ in records.get(Kind.STARTED, ())}
+    job.request_ids = {rid for rid, _ in records.get(Kind.REQUEST, ())}
+    for _, rows in records.get(Kind.CONSUMED, ()):
         job.consumed.add(ConsumedGroup(**r) for r in rows)
     job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
-    job.to_regenerate = dict(records.get("lost", ()))
+    job.to_regenerate = dict(records.get(Kind.TO_REGENERATE, ()))

@@ -4,6 +4,9 @@ Every public method is one state change (or a read): it validates, mutates the i
 runs admission where state changed, and commits the writes to the store before returning. If an
 unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
 memory never runs ahead of what was committed.
+
+The service and its jobs take no lock: in the app, one thread (the
+:class:`~knittrans.api.routes.deps.StateRunner`) makes every call, and ``state_thread`` checks it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from knittrans.api.jobstate import JobState
-from knittrans.api.restore import JOB_KINDS, restore_job
+from knittrans.api.records import JOB_KINDS, META_KEY, Kind
+from knittrans.api.restore import restore_job
 from knittrans.api.settings import NODE_TIMEOUT_S, RECENT_ADMISSIONS
 from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
 from knittrans.api.store import RecordStore, StateError, Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
+from knittrans.lifecycle import JobAction
 from knittrans.names import check_name
 
 __all__ = ["ControlPlane", "Node"]
@@ -81,6 +86,7 @@ class ControlPlane:
         on_plans: Callable[[str, Collection[int] | None], None] | None = None,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
+        state_thread: Callable[[], None] | None = None,
     ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
@@ -93,6 +99,9 @@ class ControlPlane:
                 rank; empty: none, only job-wide waiters such as ``/headroom``) after every change of the job.
             ticket_key: HMAC key (shared with the stores) that signs plan tickets; None: unsigned.
             ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
+            state_thread: called when a job's state is looked up, a change begins and nodes are swept;
+                raises when the calling thread may not touch the state (the app passes
+                :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
         """
         self.store = store
         self.ticket_key = ticket_key
@@ -101,6 +110,7 @@ class ControlPlane:
         self.recent_admissions = recent_admissions
         self.clock = clock
         self.on_plans = on_plans or (lambda job, ranks: None)
+        self._state_thread = state_thread or (lambda: None)
         self._concerns: Collection[int] | None = None
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
@@ -114,17 +124,17 @@ class ControlPlane:
     def _load(self) -> None:
         now = self.clock()
         self.nodes = {}
-        for _, node_id, body in self.store.load("node"):
+        for _, node_id, body in self.store.load(Kind.NODE):
             # a restarted control plane gives every live node a fresh heartbeat grace period
             self.nodes[node_id] = Node(**body, last_heartbeat=now)
-        per_job: dict[str, dict[str, list[tuple[str, Any]]]] = {}
+        per_job: dict[str, dict[Kind, list[tuple[str, Any]]]] = {}
         for kind in JOB_KINDS:
             for job, key, value in self.store.load(kind):
                 per_job.setdefault(job, {}).setdefault(kind, []).append((key, value))
         self.jobs = {}
         for name, records in per_job.items():
             try:
-                spec = JobSpec.from_dict(dict(records["job"])["meta"]["spec"])
+                spec = JobSpec.from_dict(dict(records[Kind.JOB])[META_KEY]["spec"])
                 state = self._new_job(spec)
                 restore_job(state, records)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -152,6 +162,7 @@ class ControlPlane:
 
     @contextmanager
     def _change(self, job: str | None) -> Iterator[Txn]:
+        self._state_thread()
         txn = Txn()
         self._concerns = None  # every rank unless the change narrows it (_narrow)
         committed = False
@@ -182,6 +193,7 @@ class ControlPlane:
 
     def job(self, name: str) -> JobState:
         """The job called ``name``; :class:`NotFound` otherwise."""
+        self._state_thread()
         found = self.jobs.get(name)
         if found is None:
             raise NotFound(f"job {name!r} does not exist; create it with POST /v1/jobs")
@@ -224,7 +236,7 @@ class ControlPlane:
         )
         with self._change(None) as txn:
             self.nodes[node_id] = node
-            txn.put("node", "", node_id, node.to_json())
+            txn.put(Kind.NODE, "", node_id, node.to_json())
         if old is not None and old.endpoint != endpoint:
             for job in self.jobs.values():
                 job.forget_rendered()
@@ -255,7 +267,7 @@ class ControlPlane:
         if not node.lost:
             with self._change(None) as txn:
                 node.lost, node.lost_reason = True, reason
-                txn.put("node", "", node_id, node.to_json())
+                txn.put(Kind.NODE, "", node_id, node.to_json())
                 for job in self.jobs.values():
                     withdrawn[job.name] = job.node_lost(node_id, txn)
                     job.admit(txn)
@@ -270,6 +282,7 @@ class ControlPlane:
         ``paused_s`` > 0 says the caller itself was paused that long: heartbeats may be queued
         behind the pause, so every node gets a fresh grace period instead of being judged now.
         """
+        self._state_thread()
         now = self.clock()
         if paused_s > 0:
             logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
@@ -316,7 +329,7 @@ class ControlPlane:
             job.admit(txn)
         return {**self.get_job(name), "effective_from_step": from_step}
 
-    def set_state(self, name: str, action: str) -> dict[str, Any]:
+    def set_state(self, name: str, action: JobAction) -> dict[str, Any]:
         """``pause``, ``resume`` or ``drain`` a job."""
         job = self.job(name)
         with self._change(name) as txn:

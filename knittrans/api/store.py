@@ -1,6 +1,7 @@
 """Persistence of control-plane state: a narrow record store over SQLite in WAL mode.
 
-Everything the service knows is a JSON record addressed by ``(kind, job, key)``. A state change is
+Everything the service knows is a JSON record addressed by ``(kind, job, key)`` (the kinds and keys
+are named in :mod:`knittrans.api.records`). A state change is
 buffered in a :class:`Txn` and written in one SQLite transaction before the HTTP response goes
 out, so a restarted process on the same file sees exactly what clients were told. The interface
 (``transaction``/``put``/``delete``/``load``) is small enough to put PostgreSQL behind it later.
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from knittrans.api.records import Kind
 from knittrans.errors import Unavailable
 
 __all__ = ["RecordStore", "StateError", "Txn"]
@@ -50,15 +52,17 @@ class Txn:
         self.puts: dict[tuple[str, str, str], Any] = {}
         self.deletes: set[tuple[str, str, str]] = set()
 
-    def put(self, kind: str, job: str, key: str, value: Any) -> None:
+    def put(self, kind: Kind, job: str, key: str, value: Any) -> None:
         """Insert or replace the record ``(kind, job, key)`` with the JSON-able ``value``."""
-        self.deletes.discard((kind, job, key))
-        self.puts[(kind, job, key)] = value
+        address = (kind.value, job, key)
+        self.deletes.discard(address)
+        self.puts[address] = value
 
-    def delete(self, kind: str, job: str, key: str) -> None:
+    def delete(self, kind: Kind, job: str, key: str) -> None:
         """Remove the record ``(kind, job, key)`` if present."""
-        self.puts.pop((kind, job, key), None)
-        self.deletes.add((kind, job, key))
+        address = (kind.value, job, key)
+        self.puts.pop(address, None)
+        self.deletes.add(address)
 
     def __len__(self) -> int:
         return len(self.puts) + len(self.deletes)
@@ -133,11 +137,11 @@ class RecordStore:
             except sqlite3.Error as exc:
                 raise Unavailable(f"state database {self.path} refused the write: {exc}") from exc
 
-    def load(self, kind: str) -> list[tuple[str, str, Any]]:
+    def load(self, kind: Kind) -> list[tuple[str, str, Any]]:
         """Every ``(job, key, value)`` of ``kind``, ordered by job then key."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT job, key, body FROM records WHERE kind=? ORDER BY job, key", (kind,)
+                "SELECT job, key, body FROM records WHERE kind=? ORDER BY job, key", (kind.value,)
             ).fetchall()
         return [(job, key, json.loads(body)) for job, key, body in rows]
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import Conflict, InvalidRequest
+from knittrans.lifecycle import ADMITTING, TERMINAL
 from knittrans.names import check_name
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
@@ -409,10 +410,10 @@ class RolloutWorker:
                 self._produce(source, ids)
         while max_groups is None or self.groups_written < max_groups:
             view = self.control.headroom(cfg.job, wait_s=cfg.wait_s, sources=list(self._sources))
-            if view["state"] in ("completed", "drained"):
+            if view["state"] in TERMINAL:
                 break
             mine = [s for s in view["launch_order"] if s in self._sources and view["headroom"].get(s, 0) > 0]
-            if view["state"] not in ("running", "draining") or not mine:
+            if view["state"] not in ADMITTING or not mine:
                 continue  # the long-poll already waited (paused, or no room for our sources yet)
             source = mine[0]
             count = min(cfg.groups_per_call, int(view["headroom"][source]))

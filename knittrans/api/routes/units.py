@@ -26,6 +26,7 @@ from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.api.service import ControlPlane
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest
+from knittrans.lifecycle import ADMITTING, TERMINAL
 
 __all__ = ["router", "to_descriptor"]
 
@@ -170,9 +171,6 @@ async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: Wor
     )
 
 
-_DONE_STATES = ("completed", "drained")
-
-
 @router.get("/{job}/headroom", response_model=HeadroomOut)
 async def headroom(
     job: str,
@@ -198,7 +196,7 @@ async def headroom(
         view = await run(svc.headroom, job)
         remaining = deadline - loop.time()
         open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
-        if (open_now and view["state"] in ("running", "draining")) or view["state"] in _DONE_STATES or remaining <= 0:
+        if (open_now and view["state"] in ADMITTING) or view["state"] in TERMINAL or remaining <= 0:
             return view
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)

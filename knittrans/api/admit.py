@@ -1,0 +1,111 @@
+"""Admission: forming the next mini-batches from the pool under the policy, the lookahead and the staleness bound."""
+
+from __future__ import annotations
+
+import time
+
+from knittrans.api.entries import MiniBatch
+from knittrans.api.jobbase import JobBase
+from knittrans.api.plans import layout_of
+from knittrans.api.records import Kind, mb_key
+from knittrans.api.store import Txn
+from knittrans.sched.admission import expired
+from knittrans.sched.assign import assign_mini_batch
+from knittrans.sched.timing import admitted_ahead
+from knittrans.sched.types import StepState
+
+__all__ = ["Admission"]
+
+
+class Admission(JobBase):
+    """Admits mini-batches and expires groups past the staleness bound."""
+
+    # ------------------------------------------------------------------ admission
+    def can_admit(self) -> bool:
+        """Whether the lifecycle lets the next mini-batch be admitted."""
+        if self.state not in ("running", "draining"):
+            return False
+        if self.state == "draining" and self.next_n % self.K == 0:
+            return False
+        total = self.spec.total_steps
+        return total is None or self.next_n < total * self.K
+
+    def admit(self, txn: Txn) -> list[int]:
+        """Admit the mini-batches the policy allows now, up to ``L`` beyond the trainer's position.
+
+        Runs after every change that can make a mini-batch formable (registration, supply, node loss)
+        or move the trainer's position (ack); returns the admitted global indices.
+        """
+        admitted: list[int] = []
+        while self.can_admit() and self._timing.may_admit(self.next_n, self.position):
+            state = self.step_state()
+            if self._expire(state, txn):
+                state = self.step_state()
+            t0 = time.perf_counter()
+            decision = self._policy.select(state)
+            if decision is None:
+                break
+            n = self.next_n
+            step, k = divmod(n, self.K)
+            plans = assign_mini_batch(
+                decision.groups,
+                self.spec.world_size,
+                micro_batch_tokens=self.spec.micro_batch_tokens,
+                micro_batch_size=self.spec.micro_batch_size,
+            )
+            attempt = self.attempts.get(n, -1) + 1
+            layout = layout_of(plans)
+            seen = [(gid, row) for rank in layout for micro in rank for gid, row in micro]
+            assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(
+                g.num_trajectories for g in decision.groups
+            ), f"mini-batch {n}: assignment lost or duplicated rows"  # every trajectory to one rank, once
+            mb = MiniBatch(
+                n=n,
+                step=step,
+                k=k,
+                attempt=attempt,
+                group_ids=[g.group_id for g in decision.groups],
+                counts={s: c for s, c in decision.counts.items() if c},
+                admitted_at=self._clock(),
+                layout=layout,
+            )
+            for g in decision.groups:
+                entry = self.groups[g.group_id]
+                assert entry.status == "finished", f"group {g.group_id} admitted twice"
+                self._set(entry, "planned", txn, n)
+            self.minibatches[n] = mb
+            self.attempts[n] = attempt
+            self.next_n = n + 1
+            txn.put(Kind.MINI_BATCH, self.name, mb_key(n), mb.to_json())
+            if (k + 1) == self.K:
+                a, q = self.admitted_in_step(step), self.quotas_for_step(step)
+                assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"
+            wait = sum(mb.admitted_at - g.finished_at for g in decision.groups) / len(decision.groups)
+            ahead = admitted_ahead(n + 1, self.position)
+            self.peak_admitted_ahead = max(self.peak_admitted_ahead, ahead)
+            self.admissions.append(
+                {
+                    "global_index": n,
+                    "step": step,
+                    "mini_batch_index": k,
+                    "at": mb.admitted_at,
+                    "seconds": time.perf_counter() - t0,
+                    "groups": len(mb.group_ids),
+                    "wait_s": wait,
+                    "position": self.position,
+                    "ahead": ahead,
+                }
+            )
+            admitted.append(n)
+        self._settle(txn)
+        self._save_meta(txn)
+        return admitted
+
+    def _expire(self, state: StepState, txn: Txn) -> bool:
+        """Retire finished groups past the staleness bound; True when any was."""
+        old = [g for g in state.finished if expired(state, g)]
+        for g in old:
+            entry = self.groups[g.group_id]
+            self._set(entry, "expired", txn)
+            self._regenerate(txn, entry, "expired")
+        return bool(old)

@@ -1,0 +1,205 @@
+"""Plan delivery to the trainer's ranks: next plan, prefetch (``after``), fetched, ack, policy versions."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from knittrans.api.entries import MiniBatch
+from knittrans.api.jobbase import JobBase
+from knittrans.api.plans import parse_plan_id, render_rank_plan
+from knittrans.api.records import Kind, mb_key, rank_key, version_key
+from knittrans.api.store import Txn
+from knittrans.descriptors import GroupRecord
+from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
+from knittrans.grants import sign_grant
+from knittrans.sched.staleness import ConsumedGroup
+
+__all__ = ["Delivery"]
+
+
+class Delivery(JobBase):
+    """Rank plans (rendered once per rank and mini-batch), fetch reports, acks and versions."""
+
+    # ------------------------------------------------------------------ plans and acks
+    def next_plan(self, rank: int) -> dict[str, Any] | None:
+        """The plan of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
+        self._check_rank(rank)
+        mb = self.minibatches.get(self.rank_cursor(rank))
+        if mb is None or mb.status != "planned":
+            return None
+        return self._render(mb, rank)
+
+    def plan_after(self, rank: int, plan_id: str) -> dict[str, Any] | None:
+        """The plan of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
+
+        Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order. Once
+        ``n`` is acked, ``n+1`` is the rank's current mini-batch and this is the same as :meth:`next_plan`
+        (a poll for it that was in flight across the ack still gets it).
+
+        Raises:
+            NotFound: ``plan_id`` is not a plan of this rank that was issued.
+            DataLost: ``plan_id`` was withdrawn (its rows were on a lost node).
+            Conflict: ``plan_id`` is neither the rank's current plan nor the one acked just before it
+                (an earlier one is open, or the one after it is acked too).
+        """
+        mb = self._current(rank, plan_id)
+        if rank in mb.acks or mb.status == "consumed":
+            if self.rank_cursor(rank) != mb.n + 1:
+                raise Conflict(
+                    f"plan {plan_id!r} and the one after it are already acked; ask for the next plan without 'after'"
+                )
+            return self.next_plan(rank)
+        nxt = self.minibatches.get(mb.n + 1)
+        if nxt is None or nxt.status != "planned":
+            return None
+        return self._render(nxt, rank)
+
+    def done_after(self, rank: int, plan_id: str) -> bool:
+        """Whether no mini-batch will ever follow ``plan_id`` (checked like :meth:`plan_after`)."""
+        mb = self._current(rank, plan_id)
+        if self.next_n > mb.n + 1:
+            return False
+        total = self.spec.total_steps
+        closed = self.state == "draining" and self.next_n % self.K == 0
+        return self.done() or closed or (total is not None and self.next_n >= total * self.K)
+
+    def _current(self, rank: int, plan_id: str) -> MiniBatch:
+        """The mini-batch of ``plan_id``, which must be ``rank``'s current one (or already acked by it)."""
+        self._check_rank(rank)
+        parsed = parse_plan_id(plan_id)
+        if parsed is None or parsed[2] != rank:
+            raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
+        n, attempt, _ = parsed
+        mb = self.minibatches.get(n)
+        if mb is None or mb.attempt != attempt:
+            if attempt <= self.attempts.get(n, -1):
+                raise DataLost(f"plan {plan_id!r} was withdrawn (rows on a lost node); ask for the next plan again")
+            raise NotFound(f"plan {plan_id!r} was never issued")
+        if mb.status == "consumed" or rank in mb.acks:
+            return mb
+        cursor = self.rank_cursor(rank)
+        if n != cursor:
+            raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
+        return mb
+
+    def _render(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
+        plan = mb.rendered.get(rank)
+        if plan is None:
+            sign = None
+            if self.ticket_key is not None:
+                key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
+                cols = self.spec.columns
+
+                def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
+                    return sign_grant(
+                        key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
+                    )
+
+            plan = render_rank_plan(
+                self.name,
+                mb.layout[rank],
+                rank=rank,
+                n=mb.n,
+                attempt=mb.attempt,
+                step=mb.step,
+                k=mb.k,
+                where=self._where,
+                endpoint=self._endpoint,
+                columns=self.spec.columns,
+                sign=sign,
+            )
+            if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
+                mb.rows = sum(len(micro) for share in mb.layout for micro in share)
+            plan["mini_batch_trajectories"] = mb.rows
+            plan["admitted_at"] = mb.admitted_at
+            mb.rendered[rank] = plan
+        return plan
+
+    def _where(self, group_id: str) -> tuple[GroupRecord, str, str]:
+        entry = self.groups[group_id]
+        return entry.record, entry.unit_id, entry.node_id
+
+    def forget_rendered(self) -> None:
+        """Drop rendered plans (a node's endpoint changed: tickets must carry the new one)."""
+        for mb in self.minibatches.values():
+            mb.rendered.clear()
+
+    def rank_done(self, rank: int) -> bool:
+        """Whether ``rank`` has acked everything and no further mini-batch will come."""
+        return self.done() and self.rank_cursor(rank) >= self.next_n
+
+    def fetched(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
+        """Record that ``rank`` holds its whole share of ``plan_id`` (before its optimizer step); idempotent.
+
+        Once every rank reported it, the mini-batch no longer depends on any store node and survives
+        a node loss; until then a node loss withdraws it and this call raises :class:`DataLost`.
+        """
+        mb = self._current(rank, plan_id)
+        if mb.status == "planned" and rank not in mb.acks and rank not in mb.fetched:
+            mb.fetched.add(rank)
+            txn.put(Kind.FETCHED, self.name, rank_key(mb.n, rank), {"attempt": mb.attempt})
+        return {"plan_id": plan_id, "global_index": mb.n, "fetched_ranks": len(mb.fetched | mb.acks)}
+
+    def ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
+        """Record that ``rank`` finished plan ``plan_id``; idempotent; consumes the mini-batch at W acks."""
+        mb = self._current(rank, plan_id)
+        n, attempt = mb.n, mb.attempt
+        if mb.status == "consumed" or rank in mb.acks:
+            return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
+        mb.acks.add(rank)
+        txn.put(Kind.ACK, self.name, rank_key(n, rank), {"attempt": attempt})
+        consumed = len(mb.acks) == self.spec.world_size
+        if consumed:
+            self._consume(mb, txn)
+        self._settle(txn)
+        self._save_meta(txn)
+        return {"plan_id": plan_id, "global_index": n, "consumed": consumed, "duplicate": False}
+
+    def _consume(self, mb: MiniBatch, txn: Txn) -> None:
+        records = []
+        for gid in mb.group_ids:
+            entry = self.groups[gid]
+            self._set(entry, "consumed", txn, mb.n)
+            r = entry.record
+            records.append(
+                ConsumedGroup(
+                    group_id=gid,
+                    source=r.source,
+                    num_trajectories=r.num_trajectories,
+                    v_train=mb.n,
+                    mini_batch_index=mb.k,
+                    step=mb.step,
+                    version_start=r.version_start,
+                    version_end=r.version_end,
+                    version_weighted=r.version_weighted,
+                )
+            )
+        self.consumed.add(records)
+        self.consumed_mini_batches += 1
+        self.retire(mb.group_ids)
+        mb.status, mb.layout, mb.rendered = "consumed", [], {}
+        mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
+        while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
+            self.first_unconsumed += 1
+        txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
+        txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [asdict(r) for r in records])
+        for rank in range(self.spec.world_size):
+            txn.delete(Kind.ACK, self.name, rank_key(mb.n, rank))
+            txn.delete(Kind.FETCHED, self.name, rank_key(mb.n, rank))
+
+    def report_version(self, rank: int, version: int, txn: Txn) -> int:
+        """Record ``rank``'s policy version after an optimizer step; versions never go back."""
+        self._check_rank(rank)
+        if version < 0:
+            raise InvalidRequest(f"version {version} must be >= 0")
+        old = self.rank_versions.get(rank, 0)
+        if version < old:
+            raise Conflict(f"rank {rank} already reported version {old}; versions never decrease")
+        self.rank_versions[rank] = version
+        txn.put(Kind.VERSION, self.name, version_key(rank), version)
+        return self.version
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.spec.world_size:
+            raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")

@@ -1,0 +1,352 @@
+"""The state of one job, the views every part reads and the record writes every part shares.
+
+:class:`JobBase` holds what :class:`~knittrans.api.jobstate.JobState` knows of a job: units and groups,
+supply counts, admitted mini-batches and their acks, versions, staleness. The parts that change it
+(:mod:`~knittrans.api.supply`, :mod:`~knittrans.api.admit`, :mod:`~knittrans.api.delivery`,
+:mod:`~knittrans.api.nodeloss`) build on it; the lifecycle moves follow the table in
+:mod:`knittrans.lifecycle`. Threading: see :class:`~knittrans.api.jobstate.JobState`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from knittrans.api.consumed import ConsumedLedger
+from knittrans.api.entries import GroupEntry, MiniBatch
+from knittrans.api.records import META_KEY, Kind
+from knittrans.api.settings import RECENT_ADMISSIONS
+from knittrans.api.spec import JobSpec, check_quotas
+from knittrans.api.store import Txn
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import Conflict
+from knittrans.lifecycle import (
+    ADMITTING,
+    GROUP_MOVES,
+    JOB_MOVES,
+    REPLACEABLE,
+    TERMINAL,
+    GroupStatus,
+    JobAction,
+    JobStatus,
+    job_move,
+)
+from knittrans.sched.admission import make_policy, quota_deficit
+from knittrans.sched.timing import launch_headroom, launch_order, launchable
+from knittrans.sched.types import StepState
+
+__all__ = ["JobBase"]
+
+
+class JobBase:
+    """State of one job, its derived views, lifecycle and shared record writes (no HTTP, no SQL)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        endpoint: Callable[[str], str],
+        node_alive: Callable[[str], bool],
+        recent_admissions: int = RECENT_ADMISSIONS,
+        clock: Callable[[], float] = time.time,
+        ticket_key: bytes | None = None,
+        ticket_ttl_s: float = 86400.0,
+    ) -> None:
+        self.spec = spec
+        self.ticket_key = ticket_key
+        """Key that signs plan tickets (shared with the stores); None leaves them unsigned."""
+        self.ticket_ttl_s = ticket_ttl_s
+        """Grants expire this long after their mini-batch was admitted (stable across restarts)."""
+        self.name = spec.name
+        self.state: JobStatus = "running"
+        self.next_n = 0
+        self.attempts: dict[int, int] = {}
+        self.quota_changes: list[tuple[int, dict[str, int]]] = [(0, dict(spec.quotas))]
+        self.units: dict[str, UnitDescriptor] = {}
+        self.unit_batches = 0
+        self.groups: dict[str, GroupEntry] = {}
+        self.unadmitted: dict[str, GroupEntry] = {}
+        self.group_counts: dict[tuple[str, GroupStatus], int] = {}
+        """Groups per ``(source, status)``, kept in step with :attr:`groups` (status and metrics in O(1))."""
+        self.lost: dict[str, GroupEntry] = {}
+        """Groups whose status is ``lost``."""
+        self.retired_groups: set[str] = set()
+        """Ids of consumed groups: their entries are dropped from :attr:`groups` (memory flat over a long job)."""
+        self.retired_units: set[str] = set()
+        """Ids of units whose every group was consumed: dropped from :attr:`units`; registering one again is
+        a duplicate (a no-op), like for a unit still held."""
+        self.first_unconsumed = 0
+        self.minibatches: dict[int, MiniBatch] = {}
+        self.rank_versions: dict[int, int] = {}
+        self.started: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.finished_count: dict[str, int] = {}
+        self.started_ids: set[str] = set()
+        self.request_ids: set[str] = set()
+        self.consumed = ConsumedLedger()
+        """Consumed groups, compacted (exact running summaries + the latest steps)."""
+        self.consumed_mini_batches = 0
+        self.to_regenerate: dict[str, dict[str, Any]] = {}
+        self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
+        self._endpoint = endpoint
+        self._node_alive = node_alive
+        self._clock = clock
+        self._policy = make_policy(spec.policy)
+        self._timing = spec.timing
+        self.peak_admitted_ahead = 0
+        """Most mini-batches admitted beyond the trainer's position at any admission (since this process began)."""
+        self.peak_untaken = 0
+        """Most groups launched but not in a started mini-batch at any supply report (since this process began)."""
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def K(self) -> int:
+        return self.spec.mini_batches_per_step
+
+    def quotas_for_step(self, step: int) -> dict[str, int]:
+        """Quotas in force for train step ``step``."""
+        current = self.quota_changes[0][1]
+        for from_step, quotas in self.quota_changes:
+            if from_step <= step:
+                current = quotas
+        return current
+
+    def admitted_in_step(self, step: int) -> dict[str, int]:
+        """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches)."""
+        a = dict.fromkeys(self.quotas_for_step(step), 0)
+        for n in range(step * self.K, min(self.next_n, (step + 1) * self.K)):
+            mb = self.minibatches.get(n)
+            if mb is not None:
+                for s, c in mb.counts.items():
+                    a[s] = a.get(s, 0) + c
+        return a
+
+    def pending(self) -> dict[str, int]:
+        """``P[s]``: groups started and neither finished nor dropped."""
+        sources = set(self.started) | set(self.quotas_for_step(self.next_n // self.K))
+        return {
+            s: max(0, self.started.get(s, 0) - self.finished_count.get(s, 0) - self.dropped.get(s, 0))
+            for s in sorted(sources)
+        }
+
+    def pool(self) -> list[GroupEntry]:
+        """Finished, unadmitted groups on live nodes, earliest finished first (ties by group id)."""
+        live = [g for g in self.unadmitted.values() if self._node_alive(g.node_id)]
+        live.sort(key=lambda g: (g.record.finished_at, g.record.group_id))
+        return live
+
+    def step_state(self, n: int | None = None) -> StepState:
+        """What the policy sees when forming mini-batch ``n`` (default: the next one)."""
+        n = self.next_n if n is None else n
+        step, k = divmod(n, self.K)
+        quotas = self.quotas_for_step(step)
+        return StepState(
+            quotas=quotas,
+            admitted=self.admitted_in_step(step),
+            finished=[g.view for g in self.pool() if g.record.source in quotas],
+            pending=self.pending(),
+            mini_batch_index=k,
+            mini_batches_per_step=self.K,
+            bounds=self.spec.bounds,
+            current_version=n,
+            max_staleness=self.spec.max_staleness,
+        )
+
+    def rank_cursor(self, rank: int) -> int:
+        """Lowest mini-batch index ``rank`` has not acked."""
+        n = self.first_unconsumed
+        while True:
+            mb = self.minibatches.get(n)
+            if mb is None or (mb.status != "consumed" and rank not in mb.acks):
+                return n
+            n += 1
+
+    def in_flight(self) -> list[MiniBatch]:
+        """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
+        return [
+            mb for n in range(self.first_unconsumed, self.next_n) if (mb := self.minibatches[n]).status == "planned"
+        ]
+
+    @property
+    def position(self) -> int:
+        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
+        return self.first_unconsumed
+
+    def untaken(self) -> dict[str, int]:
+        """Per source: groups launched, not dropped, and not in a mini-batch the trainer has started.
+
+        That is pending (generating) + finished unadmitted on live nodes + in admitted mini-batches beyond
+        the trainer's position. Lost and expired groups left the count when they were retired.
+        """
+        out = dict(self.pending())
+        for g in self.unadmitted.values():
+            if self._node_alive(g.node_id):
+                out[g.record.source] = out.get(g.record.source, 0) + 1
+        for n in range(self.position + 1, self.next_n):
+            mb = self.minibatches.get(n)
+            if mb is not None and mb.status == "planned":
+                for source, count in mb.counts.items():
+                    out[source] = out.get(source, 0) + count
+        return out
+
+    def headroom(self) -> dict[str, Any]:
+        """What rollout may launch now under the window ``W`` (trainer progress, not admission, frees it)."""
+        quotas = self.quotas_for_step(self.next_n // self.K)
+        untaken = self.untaken()
+        launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
+        room = self._timing.room(quotas, untaken)
+        allowed = launchable(quotas, launched)
+        idle = self.next_n <= self.position  # every admitted mini-batch acked: the trainer waits on rollout
+        deficit = quota_deficit(self.step_state()) if idle and not self.done() and self.can_admit() else {}
+        headroom = launch_headroom(quotas, room, allowed, deficit=deficit, trainer_idle=idle)
+        return {
+            "state": self.state,
+            "position": self.position,
+            "next_global_index": self.next_n,
+            "lookahead": self.spec.lookahead,
+            "window": self.spec.window,
+            "room": room,
+            "untaken": untaken,
+            "headroom": headroom,
+            "launch_order": launch_order(quotas, launched),
+            "to_regenerate": sorted(self.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
+        }
+
+    @property
+    def version(self) -> int:
+        """Latest policy version reported by any rank (0 before the first report)."""
+        return max(self.rank_versions.values(), default=0)
+
+    def done(self) -> bool:
+        """Whether the job will never plan another mini-batch."""
+        return self.state in TERMINAL
+
+    # ------------------------------------------------------------------ persistence helpers
+    def count_group(self, entry: GroupEntry, delta: int) -> None:
+        """Add ``delta`` to the count of ``entry``'s (source, status) (and the lost index)."""
+        key = (entry.record.source, entry.status)
+        self.group_counts[key] = self.group_counts.get(key, 0) + delta
+        if entry.status == "lost":
+            if delta > 0:
+                self.lost[entry.record.group_id] = entry
+            else:
+                self.lost.pop(entry.record.group_id, None)
+
+    def recount_groups(self) -> None:
+        """Rebuild :attr:`group_counts` and :attr:`lost` from :attr:`groups` (after a restore)."""
+        self.group_counts, self.lost = {}, {}
+        for entry in self.groups.values():
+            self.count_group(entry, 1)
+
+    def retire(self, group_ids: Sequence[str]) -> None:
+        """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.
+
+        Their counts stay in :attr:`group_counts`; their staleness is in :attr:`consumed`; the store keeps
+        their records. What stays in memory per consumed group is its id.
+        """
+        units: set[str] = set()
+        for gid in group_ids:
+            entry = self.groups.pop(gid, None)
+            if entry is not None:
+                self.retired_groups.add(gid)
+                units.add(entry.unit_id)
+        for unit_id in units:
+            unit = self.units.get(unit_id)
+            if unit is not None and not any(
+                (e := self.groups.get(g.group_id)) is not None and e.unit_id == unit_id for g in unit.groups
+            ):
+                del self.units[unit_id]
+                self.retired_units.add(unit_id)
+
+    def _set(self, entry: GroupEntry, status: GroupStatus, txn: Txn, mini_batch: int | None = None) -> None:
+        """Move a group to ``status``, keeping the unadmitted index, the counts and the store in step."""
+        assert status in GROUP_MOVES[entry.status], f"group {entry.record.group_id}: {entry.status} -> {status}"
+        self.count_group(entry, -1)
+        entry.status, entry.mini_batch = status, mini_batch
+        self.count_group(entry, 1)
+        gid = entry.record.group_id
+        if status == "finished":
+            self.unadmitted[gid] = entry
+        else:
+            self.unadmitted.pop(gid, None)
+        if status in REPLACEABLE:  # planned/consumed follow from the mini-batch records
+            txn.put(Kind.GROUP, self.name, gid, {"unit_id": entry.unit_id, "status": status})
+
+    def meta_json(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(),
+            "state": self.state,
+            "next_n": self.next_n,
+            "attempts": {str(n): a for n, a in self.attempts.items()},
+            "quota_changes": [[s, q] for s, q in self.quota_changes],
+        }
+
+    def _save_meta(self, txn: Txn) -> None:
+        txn.put(Kind.JOB, self.name, META_KEY, self.meta_json())
+
+    def _save_supply(self, txn: Txn, source: str) -> None:
+        txn.put(
+            Kind.SUPPLY,
+            self.name,
+            source,
+            {
+                "started": self.started.get(source, 0),
+                "dropped": self.dropped.get(source, 0),
+                "finished": self.finished_count.get(source, 0),
+            },
+        )
+
+    def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
+        """Offer a lost or expired group for regeneration (``reason`` says why)."""
+        body = {
+            "group_id": entry.record.group_id,
+            "source": entry.record.source,
+            "reason": reason,
+            "unit_id": entry.unit_id,
+            "node_id": entry.node_id,
+            "at": self._clock(),
+        }
+        self.to_regenerate[entry.record.group_id] = body
+        txn.put(Kind.TO_REGENERATE, self.name, entry.record.group_id, body)
+
+    # ------------------------------------------------------------------ lifecycle
+    def set_state(self, action: JobAction, txn: Txn) -> None:
+        """Apply ``pause``, ``resume`` or ``drain``; raise :class:`Conflict` when not allowed now."""
+        target = job_move(self.state, action)
+        if target == self.state:
+            return
+        if target is None:
+            allowed = [s for s, event in JOB_MOVES if event == action]
+            raise Conflict(f"job {self.name!r} is {self.state}; {action} needs it to be {' or '.join(allowed)}")
+        self.state = target
+        self._save_meta(txn)
+
+    def update_quotas(self, quotas: Mapping[str, int], txn: Txn) -> int:
+        """Set quotas from the next train step on; returns that step."""
+        check_quotas(quotas, mini_batches_per_step=self.K, bounds=self.spec.bounds)
+        if self.done():
+            raise Conflict(f"job {self.name!r} is {self.state}; its quotas can no longer change")
+        from_step = -(-self.next_n // self.K)
+        self.quota_changes = [c for c in self.quota_changes if c[0] < from_step] + [(from_step, dict(quotas))]
+        self._save_meta(txn)
+        return from_step
+
+    def can_admit(self) -> bool:
+        """Whether the lifecycle lets the next mini-batch be admitted."""
+        if self.state not in ADMITTING:
+            return False
+        if self.state == "draining" and self.next_n % self.K == 0:
+            return False
+        total = self.spec.total_steps
+        return total is None or self.next_n < total * self.K
+
+    def _settle(self, txn: Txn) -> None:
+        """Move draining -> drained and running -> completed once nothing is left to train."""
+        idle = self.first_unconsumed >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
+        if self.next_n % self.K == 0 and idle:
+            self.state = job_move(self.state, "drained") or self.state  # only a draining job drains
+        total = self.spec.total_steps
+        if total is not None and self.next_n >= total * self.K and idle:
+            self.state = job_move(self.state, "completed") or self.state  # a drained job stays drained

@@ -1,0 +1,106 @@
+"""The persistence schema of the control plane: record kinds and the keys of their records, in one place.
+
+Every record is addressed by ``(kind, job, key)`` (:mod:`knittrans.api.store`). What the values are:
+
+==================  ============================  ====================================================
+kind                key                           value
+==================  ============================  ====================================================
+``node``            node id (job ``""``)          the node's registration (:class:`~knittrans.api.service.Node`)
+``job``             ``meta``                      spec, lifecycle state, next index, attempts, quotas
+``units``           batch number (:func:`batch_key`)  the units registered in one request
+``group``           group id                      ``{unit_id, status}`` of a lost or expired group
+``mb``              :func:`mb_key`                 one admitted mini-batch
+``ack``             :func:`rank_key`               ``{attempt}``: a rank acked the mini-batch
+``fetched``         :func:`rank_key`               ``{attempt}``: a rank holds its share of it
+``version``         :func:`version_key`            a rank's policy version
+``supply``          source                        groups started, dropped and finished
+``started``         group id                      the source of a group reported started
+``request``         request id                    ``1``: a supply report already applied
+``consumed``        :func:`mb_key`                 staleness rows of a consumed mini-batch
+``lost``            group id                      a group to regenerate (see :attr:`Kind.TO_REGENERATE`)
+==================  ============================  ====================================================
+
+The strings are on disk: changing one needs a new ``STORE_FORMAT`` or a reader for the old spelling.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = [
+    "JOB_KINDS",
+    "META_KEY",
+    "Kind",
+    "batch_key",
+    "mb_key",
+    "parse_mb_key",
+    "parse_rank_key",
+    "parse_version_key",
+    "rank_key",
+    "version_key",
+]
+
+
+class Kind(str, Enum):
+    """Record kinds (the ``kind`` column); the values are the on-disk spelling."""
+
+    NODE = "node"
+    JOB = "job"
+    UNITS = "units"
+    GROUP = "group"
+    MINI_BATCH = "mb"
+    ACK = "ack"
+    FETCHED = "fetched"
+    VERSION = "version"
+    SUPPLY = "supply"
+    STARTED = "started"
+    REQUEST = "request"
+    CONSUMED = "consumed"
+    TO_REGENERATE = "lost"
+    """Groups offered for regeneration: lost ones *and* expired ones (the body's ``reason`` says which).
+
+    Spelled ``"lost"`` on disk because it held only lost groups when the format was fixed; databases
+    written since keep that spelling, so the name here says what the records are."""
+
+
+JOB_KINDS: tuple[Kind, ...] = tuple(k for k in Kind if k is not Kind.NODE)
+"""Record kinds that belong to one job (every kind but ``node``)."""
+
+META_KEY = "meta"
+"""Key of a job's one ``job`` record."""
+
+
+def mb_key(n: int) -> str:
+    """Store key of mini-batch ``n`` (zero-padded so keys sort numerically)."""
+    return f"{n:012d}"
+
+
+def parse_mb_key(key: str) -> int:
+    """The mini-batch index of an :func:`mb_key` key."""
+    return int(key)
+
+
+def rank_key(n: int, rank: int) -> str:
+    """Store key of ``rank``'s record about mini-batch ``n`` (acks and fetches): ``<mb_key>.<rank>``."""
+    return f"{mb_key(n)}.{rank:06d}"
+
+
+def parse_rank_key(key: str) -> tuple[int, int]:
+    """``(n, rank)`` of a :func:`rank_key` key."""
+    n, rank = key.split(".")
+    return int(n), int(rank)
+
+
+def batch_key(batch: int) -> str:
+    """Store key of the ``batch``-th registration of units of a job (zero-padded: keys sort in order)."""
+    return f"{batch:012d}"
+
+
+def version_key(rank: int) -> str:
+    """Store key of ``rank``'s policy version."""
+    return str(rank)
+
+
+def parse_version_key(key: str) -> int:
+    """The rank of a :func:`version_key` key."""
+    return int(key)

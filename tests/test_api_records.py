@@ -1,0 +1,98 @@
+"""The persistence schema: record kinds and keys keep their on-disk spelling, and a database written
+before the schema had its own module (tests/data/state_v1.sql) restores to the same job."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from knittrans.api import Settings, create_app
+from knittrans.api.records import (
+    JOB_KINDS,
+    Kind,
+    batch_key,
+    mb_key,
+    parse_mb_key,
+    parse_rank_key,
+    parse_version_key,
+    rank_key,
+    version_key,
+)
+
+DATA = Path(__file__).resolve().parent / "data"
+OLD_KINDS = {
+    "node",
+    "job",
+    "units",
+    "group",
+    "mb",
+    "ack",
+    "fetched",
+    "version",
+    "supply",
+    "started",
+    "request",
+    "consumed",
+    "lost",
+}
+"""The kinds the control plane wrote at commit 5262092 (bare strings then)."""
+
+
+def _old_database(tmp_path: Path) -> str:
+    db = str(tmp_path / "cp.db")
+    with sqlite3.connect(db) as conn:
+        conn.executescript((DATA / "state_v1.sql").read_text())
+    return db
+
+
+def _persisted(status: dict[str, Any]) -> dict[str, Any]:
+    """What of a status follows from the records (admission timings and peaks live in memory only)."""
+    out = {k: v for k, v in status.items() if k != "recent_admissions"}
+    out["timing"] = {k: v for k, v in status["timing"].items() if not k.startswith("peak_")}
+    return out
+
+
+def test_kinds_keep_their_on_disk_spelling() -> None:
+    """Every kind is spelled as the old code wrote it; groups to regenerate (lost or expired) are ``lost``."""
+    assert {k.value for k in Kind} == OLD_KINDS
+    assert Kind.TO_REGENERATE.value == "lost"
+    assert set(JOB_KINDS) == set(Kind) - {Kind.NODE}
+
+
+def test_keys_are_built_and_parsed_by_one_pair() -> None:
+    """Keys have the old layout, sort numerically as strings, and parse back to what built them."""
+    assert mb_key(7) == "000000000007" and parse_mb_key(mb_key(7)) == 7
+    assert rank_key(12, 3) == "000000000012.000003" and parse_rank_key(rank_key(12, 3)) == (12, 3)
+    assert batch_key(2) == "000000000002"
+    assert version_key(5) == "5" and parse_version_key(version_key(5)) == 5
+    keys = [rank_key(n, r) for n in (0, 9, 10, 100) for r in (0, 2, 11)]
+    assert sorted(keys) == keys
+
+
+def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
+    """The old database loads to the status the old code showed, and the job goes on from there."""
+    db = _old_database(tmp_path)
+    before = json.loads((DATA / "state_v1_status.json").read_text())
+    with TestClient(create_app(Settings(db_path=db))) as c:
+        status = c.get("/v1/jobs/job1/status").json()
+        assert _persisted(status) == _persisted(before)
+        reasons = {r["group_id"]: r["reason"] for r in status["to_regenerate"]}
+        assert reasons["late"] == "expired" and reasons["g2"] == "node n2 lost"  # both kept under kind "lost"
+        # mini-batch 1: rank 0 acked (an "ack" record), rank 1 only fetched; its ack consumes it
+        plan = c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json()
+        assert plan["global_index"] == 1
+        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": plan["plan_id"]})
+        assert r.status_code == 200 and r.json()["consumed"], r.text
+        assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
+        assert c.get("/v1/jobs/job1/version").json()["by_rank"] == {"0": 1}
+        status = c.get("/v1/jobs/job1/status").json()
+    with sqlite3.connect(db) as conn:
+        kinds = {k for (k,) in conn.execute("SELECT DISTINCT kind FROM records")}
+        acks = [k for (k,) in conn.execute("SELECT key FROM records WHERE kind='ack'")]
+    assert kinds <= OLD_KINDS and not acks  # consumed: its acks are gone
+    with TestClient(create_app(Settings(db_path=db))) as c:  # what today's code wrote reads back too
+        assert _persisted(c.get("/v1/jobs/job1/status").json()) == _persisted(status)
