@@ -71,6 +71,18 @@ class Delivery(JobBase):
         if parsed is None or parsed[2] != rank:
             raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
         n, attempt, _ = parsed
+        if n < self.evicted_below:  # consumed long ago: its entry left memory (any attempt answers as consumed)
+            return MiniBatch(
+                n=n,
+                step=n // self.K,
+                k=n % self.K,
+                attempt=attempt,
+                group_ids=[],
+                counts={},
+                admitted_at=0.0,
+                layout=[],
+                status="consumed",
+            )
         mb = self.minibatches.get(n)
         if mb is None or mb.attempt != attempt:
             if attempt <= self.attempts.get(n, -1):
@@ -182,6 +194,7 @@ class Delivery(JobBase):
         mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
         while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
             self.first_unconsumed += 1
+        self.evict_consumed()
         txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [asdict(r) for r in records])
         for rank in range(self.spec.world_size):

@@ -79,6 +79,10 @@ class JobBase:
         a duplicate (a no-op), like for a unit still held."""
         self.first_unconsumed = 0
         self.minibatches: dict[int, MiniBatch] = {}
+        """Admitted mini-batches by global index, from :attr:`evicted_below` on (see :meth:`evict_consumed`)."""
+        self.evicted_below = 0
+        """Mini-batches below this index were consumed and their entries (and attempts) dropped from memory;
+        their records stay in the database. Keeps a long job's memory flat."""
         self.rank_versions: dict[int, int] = {}
         self.started: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
@@ -153,6 +157,16 @@ class JobBase:
             current_version=n,
             max_staleness=self.spec.max_staleness,
         )
+
+    def evict_consumed(self) -> None:
+        """Drop consumed mini-batches no question needs any more: those before both the one acked just
+        before the trainer's position (``plan_after`` and duplicate acks of it) and the step being formed
+        (:meth:`admitted_in_step`). A plan id of an evicted index is answered as consumed."""
+        keep_from = min(self.first_unconsumed - 1, (self.next_n // self.K) * self.K)
+        while self.evicted_below < keep_from:
+            self.minibatches.pop(self.evicted_below, None)
+            self.attempts.pop(self.evicted_below, None)
+            self.evicted_below += 1
 
     def rank_cursor(self, rank: int) -> int:
         """Lowest mini-batch index ``rank`` has not acked."""

@@ -72,4 +72,5 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     for _, rows in records.get(Kind.CONSUMED, ()):
         job.consumed.add(ConsumedGroup(**r) for r in rows)
     job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
+    job.evict_consumed()
     job.to_regenerate = dict(records.get(Kind.TO_REGENERATE, ()))
