@@ -6,7 +6,7 @@ import re
 
 from knittrans.errors import InvalidName, InvalidRequest
 
-__all__ = ["NAME_RE", "check_name"]
+__all__ = ["NAME_RE", "check_name", "is_content_hash"]
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A safe identifier: letters, digits, ``.``, ``_``, ``-``; starts alphanumeric; at most 128 chars.
@@ -26,3 +26,11 @@ def check_name(value: object, what: str, *, error: type[InvalidRequest] = Invali
             "starting with a letter or digit, without '..'"
         )
     return value
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_content_hash(value: object) -> bool:
+    """Whether ``value`` is a content hash as media are named by: 64 lower-case hex characters (SHA-256)."""
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX

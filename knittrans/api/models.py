@@ -326,7 +326,10 @@ class MicroBatchOut(BaseModel):
 
 
 class RankPlanOut(BaseModel):
-    """A rank's share of mini-batch ``global_index`` (trained at ``policy_version``)."""
+    """A rank's share of mini-batch ``global_index`` (trained at ``policy_version``).
+
+    The OpenAPI description of :class:`knittrans.plans.RankPlan` (a test checks that fields and types agree).
+    """
 
     plan_id: str
     job: str
@@ -337,6 +340,8 @@ class RankPlanOut(BaseModel):
     policy_version: int
     num_tokens: int
     micro_batches: list[MicroBatchOut]
+    mini_batch_trajectories: int | None = None
+    admitted_at: float | None = None
 
 
 class TransferIn(_In):
