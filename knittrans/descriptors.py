@@ -10,7 +10,7 @@ from typing import Any
 from knittrans.errors import InvalidRequest
 from knittrans.names import check_name, is_content_hash
 
-__all__ = ["GROUP_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields"]
+__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields", "unit_fields"]
 
 
 SCHEMA_VERSION = 1
@@ -93,19 +93,6 @@ class GroupRecord:
         return sum(self.trajectory_tokens)
 
 
-GROUP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GroupRecord))
-"""Fields of :class:`GroupRecord` in order: its JSON object and ``GroupIn`` of the API follow this list
-(a test checks ``GroupIn``)."""
-
-_group_values = operator.attrgetter(*GROUP_FIELDS)
-
-
-def group_fields(group: object) -> dict[str, Any]:
-    """``{field: value}`` of :data:`GROUP_FIELDS` read from ``group`` (a :class:`GroupRecord` or anything
-    with the same attributes, e.g. the API's ``GroupIn``), without :func:`dataclasses.asdict`'s deep copy."""
-    return dict(zip(GROUP_FIELDS, _group_values(group), strict=True))
-
-
 @dataclass(frozen=True, kw_only=True)
 class UnitDescriptor:
     """A sealed, immutable storage unit: where it lives and which groups it holds."""
@@ -168,3 +155,24 @@ class UnitDescriptor:
             return cls(**{**d, "groups": groups})
         except (KeyError, TypeError) as exc:
             raise InvalidRequest(f"bad unit descriptor: {exc}") from None
+
+
+GROUP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GroupRecord))
+"""Fields of :class:`GroupRecord` in order: its JSON object and ``GroupIn`` of the API follow this list
+(a test checks ``GroupIn``)."""
+UNIT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(UnitDescriptor))
+"""Fields of :class:`UnitDescriptor` in order (``UnitIn`` of the API follows this list)."""
+
+_group_values = operator.attrgetter(*GROUP_FIELDS)
+_unit_values = operator.attrgetter(*UNIT_FIELDS)
+
+
+def group_fields(group: object) -> dict[str, Any]:
+    """``{field: value}`` of :data:`GROUP_FIELDS` read from ``group`` (a :class:`GroupRecord` or anything
+    with the same attributes, e.g. the API's ``GroupIn``), without :func:`dataclasses.asdict`'s deep copy."""
+    return dict(zip(GROUP_FIELDS, _group_values(group), strict=True))
+
+
+def unit_fields(unit: object) -> dict[str, Any]:
+    """``{field: value}`` of :data:`UNIT_FIELDS` read from ``unit`` (``groups`` as they are there)."""
+    return dict(zip(UNIT_FIELDS, _unit_values(unit), strict=True))

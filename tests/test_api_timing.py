@@ -41,7 +41,7 @@ def test_registration_admits_only_up_to_the_lookahead(tmp_path: Path) -> None:
         status = c.get("/v1/jobs/job1/status").json()
         assert status["timing"]["position"] == 0 and status["timing"]["admitted_ahead"] == 1
         for n in range(5):  # every ack moves the trainer's position and admits exactly one more
-            assert _ack_next(c)["global_index"] == n
+            assert _ack_next(c).global_index == n
             status = c.get("/v1/jobs/job1/status").json()
             assert status["next_global_index"] == n + 3
             assert status["timing"]["position"] == n + 1

@@ -9,7 +9,7 @@ import pytest
 
 from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import DataLost, InvalidRequest, NotFound
-from knittrans.plans import MicroBatchReads, RankPlan
+from knittrans.plans import MicroBatchReads, PlanId, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -75,14 +75,24 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
 def test_unstreamable_plan_falls_back() -> None:
     """A rows ticket without explicit row ranges cannot be split per micro-batch: no streams for that plan."""
     whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
-    plan = {
-        "micro_batches": [
-            {
-                "fetches": [{"node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "ticket": whole.encode().decode()}],
-                "media": [],
-            }
-        ]
-    }
+    micro = MicroBatchReads(
+        index=0,
+        num_tokens=0,
+        rows=(),
+        fetches=(RowFetch(node_id="n0", endpoint="grpc://127.0.0.1:1", ticket=whole),),
+        media=(),
+    )
+    plan = RankPlan(
+        plan_id=PlanId(n=0, attempt=0, rank=0),
+        job="j",
+        rank=0,
+        step=0,
+        mini_batch_index=0,
+        global_index=0,
+        policy_version=0,
+        num_tokens=0,
+        micro_batches=(micro,),
+    )
     with Fetcher() as fetcher:
         assert ShareStreams.from_plan(fetcher, plan) is None
 

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from knittrans.names import CONTENT_HASH_PATTERN
+
 NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
 """``knittrans.names.NAME_RE`` without ``..`` as one JSON-Schema pattern (matched whole)."""
 
@@ -30,7 +32,7 @@ Int32 = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_bool)
 Count = Annotated[int, Field(ge=0, le=(1 << 53) - 1), BeforeValidator(_not_bool)]
 Seconds = Annotated[float, Field(ge=0, le=1e9), BeforeValidator(_not_bool)]
 Positive = Annotated[int, Field(ge=1, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
-Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
+Hash = Annotated[str, Field(pattern=CONTENT_HASH_PATTERN, min_length=64, max_length=64)]
 Endpoint = Annotated[
     str,
     Field(

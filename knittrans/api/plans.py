@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields
+from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
 from knittrans.errors import InvalidTicket
 from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
 from knittrans.sched.types import RankPlan as RankAssignment
@@ -30,16 +30,9 @@ def unit_json(u: UnitDescriptor) -> dict[str, Any]:
 
     Token counts and media hashes stay tuples: JSON encodes them as arrays.
     """
-    return {
-        "unit_id": u.unit_id,
-        "job": u.job,
-        "node_id": u.node_id,
-        "endpoint": u.endpoint,
-        "num_rows": u.num_rows,
-        "num_bytes": u.num_bytes,
-        "schema_version": u.schema_version,
-        "groups": [group_fields(g) for g in u.groups],
-    }
+    body = unit_fields(u)
+    body["groups"] = [group_fields(g) for g in u.groups]
+    return body
 
 
 def layout_of(plans: Sequence[RankAssignment]) -> Layout:

@@ -24,7 +24,7 @@ from knittrans.api.models import (
 )
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.api.service import ControlPlane
-from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields
+from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
@@ -87,19 +87,9 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
         groups.append(_frozen(GroupRecord, values))
     if row != u.num_rows:
         raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    return _frozen(
-        UnitDescriptor,
-        {
-            "unit_id": u.unit_id,
-            "job": u.job,
-            "node_id": u.node_id,
-            "endpoint": u.endpoint,
-            "num_rows": u.num_rows,
-            "num_bytes": u.num_bytes,
-            "schema_version": u.schema_version,
-            "groups": tuple(groups),
-        },
-    )
+    values = unit_fields(u)
+    values["groups"] = tuple(groups)
+    return _frozen(UnitDescriptor, values)
 
 
 @router.post(
