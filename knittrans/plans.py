@@ -20,6 +20,7 @@ layout in the OpenAPI schema (a test checks that both agree).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -269,6 +270,8 @@ def _field(path: str, key: str) -> str:
 
 def _object(value: object, path: str, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     """``value`` as a JSON object with exactly ``fields`` (those in ``optional`` may be missing)."""
+    if isinstance(value, dict) and len(value) == len(fields) and value.keys() == _key_set(fields):
+        return value  # the usual case, checked at once
     where = f"plan field {path!r}" if path else "a plan"
     if not isinstance(value, dict):
         raise InvalidRequest(f"{where} must be a JSON object, not {type(value).__name__}")
@@ -279,6 +282,11 @@ def _object(value: object, path: str, fields: tuple[str, ...], optional: tuple[s
     if missing:
         raise InvalidRequest(f"{where} lacks fields: {missing}")
     return value
+
+
+@functools.cache
+def _key_set(fields: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(fields)
 
 
 def _int(d: Mapping[str, Any], key: str, path: str) -> int:
@@ -315,6 +323,11 @@ def _ticket(d: Mapping[str, Any], path: str, kind: Literal["rows", "media"]) -> 
 
 def _row(value: object, path: str) -> PlanRow:
     d = _object(value, path, ("group_id", "unit_id", "node_id", "row", "num_tokens"))
+    g, u, n, row, tokens = d["group_id"], d["unit_id"], d["node_id"], d["row"], d["num_tokens"]
+    # the usual case (a plan has a row per trajectory), checked at once; else each field with its error
+    ok = type(g) is type(u) is type(n) is str and g and u and n and type(row) is type(tokens) is int
+    if ok and row >= 0 and tokens >= 0:
+        return PlanRow(group_id=g, unit_id=u, node_id=n, row=row, num_tokens=tokens)
     return PlanRow(
         group_id=_str(d, "group_id", path),
         unit_id=_str(d, "unit_id", path),
