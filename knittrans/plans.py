@@ -14,8 +14,8 @@ and names the field that is wrong. Wire layout (key order as sent)::
      "mini_batch_trajectories": 64, "admitted_at": 1767225600.0}
 
 Tickets travel as the strings :meth:`knittrans.tickets.Ticket.encode` makes; here they are
-:class:`~knittrans.tickets.Ticket` objects. ``api/models.py``'s ``RankPlanOut`` documents the same
-layout in the OpenAPI schema (a test checks that both agree).
+:class:`~knittrans.tickets.Ticket` objects. ``RankPlanOut`` in ``api/models.py`` (the layout in the
+OpenAPI schema) is made from these dataclasses.
 """
 
 from __future__ import annotations

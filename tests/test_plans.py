@@ -165,7 +165,7 @@ def _shape(t: Any) -> Any:
 
 
 def test_openapi_model_agrees_with_the_dataclasses() -> None:
-    """RankPlanOut (the OpenAPI schema) declares exactly the fields and types of RankPlan, recursively."""
+    """RankPlanOut (the OpenAPI schema, made from the dataclasses) has the fields and JSON types of RankPlan."""
     assert _shape(RankPlanOut) == _shape(RankPlan)
     assert list(RankPlanOut.model_fields) == list(RankPlan.__dataclass_fields__)
     for cls in (PlanRow, RowFetch, MediaFetch, MicroBatchReads):
