@@ -21,17 +21,14 @@ import httpx
 
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import (
-    Conflict,
-    DataLost,
     InvalidJobSpec,
     InvalidRequest,
     KnitTransError,
     NotFound,
-    OverBudget,
-    PayloadTooLarge,
-    Unauthenticated,
     Unavailable,
+    error_of_status,
 )
+from knittrans.plans import RankPlan
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["ControlClient", "JobFinished"]
@@ -62,15 +59,7 @@ def _raise_for(response: httpx.Response) -> None:
         raise InvalidJobSpec(detail)
     if status in (400, 422) or kind in ("invalid_request", "invalid_name"):
         raise InvalidRequest(detail)
-    error: type[KnitTransError] = {
-        401: Unauthenticated,
-        404: NotFound,
-        409: Conflict,
-        410: DataLost,
-        413: PayloadTooLarge,
-        503: Unavailable,
-        507: OverBudget,
-    }.get(status, KnitTransError)
+    error = error_of_status(status)
     raise error(f"{detail}" if error is not KnitTransError else f"HTTP {status}: {detail}")
 
 
@@ -329,9 +318,7 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(
-        self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None
-    ) -> dict[str, Any] | None:
+    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None) -> RankPlan | None:
         """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
 
         ``after``: the rank's current, un-acked plan id; returns the plan of the mini-batch after it
@@ -340,6 +327,7 @@ class ControlClient:
 
         Raises:
             JobFinished: the job will plan nothing more for this rank (after ``after``).
+            InvalidRequest: the answer is not a well-formed plan.
         """
         params: dict[str, Any] = {"timeout_s": timeout_s}
         if after is not None:
@@ -351,10 +339,9 @@ class ControlClient:
             if response.headers.get(_DONE_HEADER) == "1":
                 raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")
             return None
-        result: dict[str, Any] = response.json()
-        return result
+        return RankPlan.from_json(response.json())
 
-    def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
+    def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[RankPlan]:
         """Yield the rank's plans until the job is finished; ack each before asking for the next."""
         while True:
             try:

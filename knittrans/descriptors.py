@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import operator
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from knittrans.errors import InvalidRequest
-from knittrans.names import check_name
+from knittrans.names import check_name, is_content_hash
 
-__all__ = ["GroupRecord", "UnitDescriptor"]
+__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields", "unit_fields"]
 
 
 SCHEMA_VERSION = 1
@@ -19,7 +20,6 @@ MAX_INT32 = (1 << 31) - 1
 """Largest version, row or token count a descriptor may carry (the Arrow columns are int32)."""
 MAX_COUNT = (1 << 53) - 1
 """Largest byte count a descriptor may carry (exact in a JSON double)."""
-_HEX = frozenset("0123456789abcdef")
 
 
 def _check_int(value: object, what: str, *, limit: int = MAX_INT32) -> None:
@@ -84,7 +84,7 @@ class GroupRecord:
                 f"group {self.group_id!r}: finished_at {self.finished_at!r} must be a finite non-negative Unix time"
             )
         for h in self.media_hashes:
-            if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+            if not is_content_hash(h):
                 raise InvalidRequest(f"group {self.group_id!r}: media hash {h!r} is not 64 lower-case hex characters")
 
     @property
@@ -155,3 +155,24 @@ class UnitDescriptor:
             return cls(**{**d, "groups": groups})
         except (KeyError, TypeError) as exc:
             raise InvalidRequest(f"bad unit descriptor: {exc}") from None
+
+
+GROUP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GroupRecord))
+"""Fields of :class:`GroupRecord` in order: its JSON object and ``GroupIn`` of the API follow this list
+(a test checks ``GroupIn``)."""
+UNIT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(UnitDescriptor))
+"""Fields of :class:`UnitDescriptor` in order (``UnitIn`` of the API follows this list)."""
+
+_group_values = operator.attrgetter(*GROUP_FIELDS)
+_unit_values = operator.attrgetter(*UNIT_FIELDS)
+
+
+def group_fields(group: object) -> dict[str, Any]:
+    """``{field: value}`` of :data:`GROUP_FIELDS` read from ``group`` (a :class:`GroupRecord` or anything
+    with the same attributes, e.g. the API's ``GroupIn``), without :func:`dataclasses.asdict`'s deep copy."""
+    return dict(zip(GROUP_FIELDS, _group_values(group), strict=True))
+
+
+def unit_fields(unit: object) -> dict[str, Any]:
+    """``{field: value}`` of :data:`UNIT_FIELDS` read from ``unit`` (``groups`` as they are there)."""
+    return dict(zip(UNIT_FIELDS, _unit_values(unit), strict=True))

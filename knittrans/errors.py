@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "HTTP_STATUS",
     "Conflict",
     "DataLost",
     "DedupStateError",
@@ -35,6 +36,8 @@ __all__ = [
     "SchemaMismatch",
     "Unauthenticated",
     "Unavailable",
+    "error_of_status",
+    "http_status",
 ]
 
 
@@ -93,3 +96,44 @@ class DataLost(KnitTransError):
 
 class Unavailable(KnitTransError):
     """A peer (store node, control plane) cannot be reached right now."""
+
+
+# 422 is kept for requests that break the published schema (pydantic refuses them before the service
+# runs). A request that matches the schema but that the service refuses -- its fields contradict each
+# other (K > G), or it contradicts the job's state or stored data (supply for a source without a
+# quota) -- is a 409: the schema cannot state these rules, and a schema-valid request is never a 4xx
+# that says "your request is malformed". The error kind (``invalid_job_spec``, ``invalid_request``)
+# still names what was wrong.
+HTTP_STATUS: tuple[tuple[type[KnitTransError], int], ...] = (
+    (InvalidJobSpec, 409),
+    (InvalidRequest, 409),
+    (NotFound, 404),
+    (Conflict, 409),
+    (PayloadTooLarge, 413),
+    (OverBudget, 507),
+    (Unauthenticated, 401),
+    (DataLost, 410),
+    (Unavailable, 503),
+)
+"""HTTP status of each error (first ``isinstance`` match): the control plane answers with it
+(:mod:`knittrans.api.httperrors`) and :class:`~knittrans.controlclient.ControlClient` reads it back."""
+
+
+def http_status(exc: KnitTransError) -> int:
+    """HTTP status of a KnitTrans error (500 for anything unmapped)."""
+    for kind, status in HTTP_STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def error_of_status(status: int) -> type[KnitTransError]:
+    """The error a client raises for an HTTP error status (:class:`KnitTransError` when none maps to it).
+
+    Request errors share 409 with :class:`Conflict`; a client tells them apart by the answer's error
+    kind (``invalid_request``, ``invalid_job_spec``), so they are not returned here.
+    """
+    for kind, code in HTTP_STATUS:
+        if code == status and not issubclass(kind, InvalidRequest):
+            return kind
+    return KnitTransError

@@ -6,7 +6,7 @@ import re
 
 from knittrans.errors import InvalidName, InvalidRequest
 
-__all__ = ["NAME_RE", "check_name"]
+__all__ = ["CONTENT_HASH_PATTERN", "NAME_RE", "check_name", "is_content_hash"]
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A safe identifier: letters, digits, ``.``, ``_``, ``-``; starts alphanumeric; at most 128 chars.
@@ -26,3 +26,15 @@ def check_name(value: object, what: str, *, error: type[InvalidRequest] = Invali
             "starting with a letter or digit, without '..'"
         )
     return value
+
+
+CONTENT_HASH_PATTERN = r"^[0-9a-f]{64}$"
+"""A media content hash (SHA-256): 64 lower-case hex characters; :func:`is_content_hash` checks it
+(the API's schema publishes it as this pattern)."""
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_content_hash(value: object) -> bool:
+    """Whether ``value`` matches :data:`CONTENT_HASH_PATTERN` (a set test: faster than the regex)."""
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX

@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from knittrans.errors import InvalidTicket
-from knittrans.names import check_name
+from knittrans.names import check_name, is_content_hash
 
-__all__ = ["MAX_TICKET_BYTES", "TICKET_VERSION", "Ticket", "UnitRead"]
+__all__ = [
+    "MAX_TICKET_BYTES",
+    "TICKET_VERSION",
+    "RowRun",
+    "Ticket",
+    "UnitRead",
+    "join_tickets",
+    "node_reads",
+    "row_runs",
+]
 
 TICKET_VERSION = 1
 """Version of the ticket envelope; a ticket with another version is refused."""
 
 MAX_TICKET_BYTES = 1 << 20
 """Largest ticket accepted (1 MiB): enough for thousands of row ranges."""
-
-_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +108,7 @@ class Ticket:
             if not self.media_hashes:
                 raise InvalidTicket("a 'media' ticket needs at least one media hash")
             for h in self.media_hashes:
-                if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+                if not is_content_hash(h):
                     raise InvalidTicket(f"media hash {h!r} is not 64 lower-case hex characters")
         if self.columns is not None:
             if not self.columns or not all(isinstance(c, str) and c for c in self.columns):
@@ -167,3 +175,86 @@ class Ticket:
             media_hashes=tuple(media),
             grants=tuple(grants),
         )
+
+
+RowRun = tuple[str, str, tuple[tuple[int, int], ...]]
+"""``(node_id, unit_id, row ranges)``: consecutive rows of one unit, as merged half-open ranges."""
+
+
+def row_runs(rows: Iterable[tuple[str, str, int]]) -> list[RowRun]:
+    """Rows ``(node_id, unit_id, row)`` in read order as runs of one unit each, ranges merged.
+
+    A run ends where the unit changes; inside a run a row right after the previous one extends its
+    range, any other row starts a new range. Reading the runs in order returns the rows in order.
+    """
+    out: list[RowRun] = []
+    current: tuple[str, str] | None = None
+    ranges: list[tuple[int, int]] = []
+    for node_id, unit_id, row in rows:
+        if current is not None and current[0] == node_id and current[1] == unit_id:
+            start, stop = ranges[-1]
+            if stop == row:
+                ranges[-1] = (start, row + 1)
+            else:
+                ranges.append((row, row + 1))
+            continue
+        if current is not None:
+            out.append((current[0], current[1], tuple(ranges)))
+        current, ranges = (node_id, unit_id), [(row, row + 1)]
+    if current is not None:
+        out.append((current[0], current[1], tuple(ranges)))
+    return out
+
+
+def node_reads(rows: Iterable[tuple[str, str, int]]) -> dict[str, tuple[UnitRead, ...]]:
+    """Rows ``(node_id, unit_id, row)`` in read order as the reads of each node (nodes in first-use order).
+
+    One ``DoGet`` per node returns its rows in order, so a node's rows must be contiguous in ``rows``.
+
+    Raises:
+        InvalidTicket: a node's rows are interrupted by another node's, or a range is not valid.
+    """
+    per_node: dict[str, list[UnitRead]] = {}
+    last: str | None = None
+    for node_id, unit_id, ranges in row_runs(rows):
+        if node_id != last and node_id in per_node:
+            raise InvalidTicket(f"rows of node {node_id!r} are not contiguous in read order")
+        per_node.setdefault(node_id, []).append(UnitRead(unit_id=unit_id, row_ranges=ranges))
+        last = node_id
+    return {node: tuple(reads) for node, reads in per_node.items()}
+
+
+def join_tickets(tickets: Sequence[Ticket], *, grants: Sequence[str] | None = None) -> Ticket:
+    """One ticket that serves what ``tickets`` serve, in their order (one ``DoGet`` instead of several).
+
+    ``rows`` tickets of one job and projection: reads concatenated. ``media`` tickets of one job:
+    units once each, hashes concatenated. Grants: ``grants`` when given, else those of ``tickets``
+    once each, in first-seen order.
+
+    Raises:
+        InvalidTicket: no tickets, or they differ in kind, job or (``rows``) columns, or the joined
+            ticket would read a row twice.
+    """
+    if not tickets:
+        raise InvalidTicket("join_tickets needs at least one ticket")
+    first = tickets[0]
+    joined = tuple(grants) if grants is not None else tuple(dict.fromkeys(g for t in tickets for g in t.grants))
+    for t in tickets[1:]:
+        if t.kind != first.kind or t.job != first.job or (first.kind == "rows" and t.columns != first.columns):
+            raise InvalidTicket("only tickets of one kind, job and projection can be joined")
+    if len(tickets) == 1 and joined == first.grants:
+        return first
+    if first.kind == "rows":
+        return Ticket(
+            job=first.job, reads=tuple(r for t in tickets for r in t.reads), columns=first.columns, grants=joined
+        )
+    units: list[UnitRead] = []
+    for t in tickets:
+        units.extend(r for r in t.reads if r not in units)
+    return Ticket(
+        job=first.job,
+        kind="media",
+        reads=tuple(units),
+        media_hashes=tuple(h for t in tickets for h in t.media_hashes),
+        grants=joined,
+    )

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from knittrans.plans import RankPlan
 from knittrans.procs import stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
@@ -97,9 +98,9 @@ def single_group_units(
     ]
 
 
-def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -> list[dict[str, Any]]:
+def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -> list[RankPlan]:
     """Let every rank fetch (timeout 0) and ack plans until none is ready; returns the plans in delivery order."""
-    delivered: list[dict[str, Any]] = []
+    delivered: list[RankPlan] = []
     for _ in range(rounds):
         progress = False
         for rank in range(world_size):
@@ -107,9 +108,9 @@ def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -
             if r.status_code == 204:
                 continue
             assert r.status_code == 200, r.text
-            plan = r.json()
+            plan = RankPlan.from_json(r.json())
             delivered.append(plan)
-            a = client.post(f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": plan["plan_id"]})
+            a = client.post(f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": str(plan.plan_id)})
             assert a.status_code == 200, a.text
             progress = True
         if not progress:
@@ -215,8 +216,8 @@ def populate(c: Any) -> None:
     assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
     for _ in range(2):  # the first mini-batch of the step, then the second
         for rank in (0, 1):
-            plan = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json()
-            body = {"plan_id": plan["plan_id"], "transfer": TRANSFER}
+            plan = RankPlan.from_json(c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json())
+            body = {"plan_id": str(plan.plan_id), "transfer": TRANSFER}
             assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body).status_code == 200
             again = c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body)  # a repeat is not counted twice
             assert again.status_code == 200 and again.json()["duplicate"]

@@ -162,6 +162,7 @@ class Probe:
 def _serve_probe() -> None:
     from knittrans.controlclient import ControlClient
     from knittrans.flight.client import StoreClient
+    from knittrans.plans import RankPlan
 
     clients: dict[tuple[str, str | None], Any] = {}
     for line in sys.stdin:
@@ -176,7 +177,7 @@ def _serve_probe() -> None:
                     client = StoreClient(key[0], token=key[1], timeout_s=5)
                 clients[key] = client
             result = getattr(client, request["method"])(*request["args"], **request["kwargs"])
-            reply: dict[str, Any] = {"result": result}
+            reply: dict[str, Any] = {"result": result.to_json() if isinstance(result, RankPlan) else result}
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(reply, default=str) + "\n")

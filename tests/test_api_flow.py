@@ -5,28 +5,27 @@ from __future__ import annotations
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 from api_support import drain_ranks, group, job_spec, single_group_units, unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.plans import RankPlan
 from knittrans.sched.admission import POLICIES
-from knittrans.tickets import Ticket
 
 QUOTAS = {"math": 4, "code": 2, "mm": 2}
 
 
-def _rows_of(plans: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    return [(r["group_id"], r["row"]) for p in plans for m in p["micro_batches"] for r in m["rows"]]
+def _rows_of(plans: list[RankPlan]) -> list[tuple[str, int]]:
+    return [(r.group_id, r.row) for p in plans for m in p.micro_batches for r in m.rows]
 
 
-def _groups_per_step(plans: list[dict[str, Any]], source_of: dict[str, str]) -> dict[int, Counter[str]]:
+def _groups_per_step(plans: list[RankPlan], source_of: dict[str, str]) -> dict[int, Counter[str]]:
     seen: dict[int, set[str]] = {}
     for p in plans:
-        for m in p["micro_batches"]:
-            seen.setdefault(p["step"], set()).update(r["group_id"] for r in m["rows"])
+        for m in p.micro_batches:
+            seen.setdefault(p.step, set()).update(r.group_id for r in m.rows)
     return {step: Counter(source_of[g] for g in gids) for step, gids in seen.items()}
 
 
@@ -56,7 +55,7 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
         for n in range(3):
             c.post("/v1/nodes", json={"node_id": f"n{n}", "endpoint": f"grpc://127.0.0.1:{9000 + n}"})
         c.post("/v1/jobs/job1/supply", json={"started": {s: q * steps for s, q in QUOTAS.items()}})
-        plans: list[dict[str, Any]] = []
+        plans: list[RankPlan] = []
         i = 0
         while i < len(finish):
             batch = []
@@ -79,28 +78,28 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
             assert r.status_code == 200, r.text
             plans += drain_ranks(c, "job1", world)
             for p in plans[-world:]:
-                c.post("/v1/jobs/job1/versions", json={"version": p["global_index"] + 1, "rank": p["rank"]})
+                c.post("/v1/jobs/job1/versions", json={"version": p.global_index + 1, "rank": p.rank})
         status = c.get("/v1/jobs/job1/status").json()
         metrics = c.get("/metrics").text
     total_mb = steps * 4
-    assert sorted(Counter(p["global_index"] for p in plans).items()) == [(n, world) for n in range(total_mb)]
-    assert len({p["plan_id"] for p in plans}) == total_mb * world
+    assert sorted(Counter(p.global_index for p in plans).items()) == [(n, world) for n in range(total_mb)]
+    assert len({str(p.plan_id) for p in plans}) == total_mb * world
     rows = _rows_of(plans)
     assert len(rows) == len(set(rows)) == len(finish) * 2  # every trajectory exactly once
     assert _groups_per_step(plans, source_of) == {s: Counter(QUOTAS) for s in range(steps)}
     for p in plans:
-        assert p["policy_version"] == p["global_index"] and p["step"] == p["global_index"] // 4
-        for m in p["micro_batches"]:
+        assert p.policy_version == p.global_index and p.step == p.global_index // 4
+        for m in p.micro_batches:
             fetched = [
-                (f["node_id"], read.unit_id, row)
-                for f in m["fetches"]
-                for read in Ticket.decode(f["ticket"].encode()).reads
+                (f.node_id, read.unit_id, row)
+                for f in m.fetches
+                for read in f.ticket.reads
                 for a, b in read.row_ranges
                 for row in range(a, b)
             ]
-            assert fetched == [(r["node_id"], r["unit_id"], r["row"]) for r in m["rows"]]
-            want = {h for r in m["rows"] for h in hashes.get(r["group_id"], ())}
-            assert {x["hash"] for x in m["media"]} == want
+            assert fetched == [(r.node_id, r.unit_id, r.row) for r in m.rows]
+            want = {h for r in m.rows for h in hashes.get(r.group_id, ())}
+            assert {x.hash for x in m.media} == want
     assert status["state"] == "completed"
     assert status["counts"]["consumed_groups"] == len(finish)
     for reading in ("start", "end", "weighted"):
@@ -121,11 +120,11 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
             ["math", "code"], node="n0", start=2
         )
         assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
-        old = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json()
-        assert {r["node_id"] for m in old["micro_batches"] for r in m["rows"]} == {"n1"}
+        old = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+        assert {r.node_id for m in old.micro_batches for r in m.rows} == {"n1"}
         lost = c.post("/v1/nodes/n1/lost").json()
         assert lost["withdrawn"] == {"job1": [0, 1]}
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": old["plan_id"]})
+        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(old.plan_id)})
         assert r.status_code == 410 and r.json()["error"] == "data_lost"
         status = c.get("/v1/jobs/job1/status").json()
         assert sorted(x["group_id"] for x in status["to_regenerate"]) == ["g0", "g1"]
@@ -139,8 +138,8 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
         assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [1]
         plans = drain_ranks(c, "job1", 2)
         assert c.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
-    assert all(r["node_id"] == "n0" for p in plans for m in p["micro_batches"] for r in m["rows"])
-    assert plans[0]["plan_id"] != old["plan_id"] and plans[0]["global_index"] == 0
+    assert all(r.node_id == "n0" for p in plans for m in p.micro_batches for r in m.rows)
+    assert str(plans[0].plan_id) != str(old.plan_id) and plans[0].global_index == 0
     rows = _rows_of(plans)
     assert len(rows) == len(set(rows)) == 8
     assert {g for g, _ in rows} == {"g2", "g3", "r0", "r1"}
@@ -154,17 +153,17 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
         for n in ("n0", "n1"):
             c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"], node="n1")})
-        p0 = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json()
-        c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": p0["plan_id"]})
+        p0 = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+        c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(p0.plan_id)})
         assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [1]}
-        p1 = c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json()
-        assert p1["global_index"] == 0
-        assert c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": p1["plan_id"]}).json()["consumed"]
+        p1 = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
+        assert p1.global_index == 0
+        assert c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": str(p1.plan_id)}).json()["consumed"]
         assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"], node="n0", prefix="r")})
         plans = drain_ranks(c, "job1", 2)
-    assert [p["global_index"] for p in plans] == [1, 1]
-    assert {r["group_id"] for p in plans for m in p["micro_batches"] for r in m["rows"]} == {"r0"}
+    assert [p.global_index for p in plans] == [1, 1]
+    assert {r.group_id for p in plans for m in p.micro_batches for r in m.rows} == {"r0"}
 
 
 def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
@@ -189,9 +188,9 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
     db = str(tmp_path / "cp.db")
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
 
-    def take(c: TestClient, rank: int) -> dict[str, Any]:
-        plan: dict[str, Any] = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json()
-        assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json={"plan_id": plan["plan_id"]}).status_code == 200
+    def take(c: TestClient, rank: int) -> RankPlan:
+        plan = RankPlan.from_json(c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json())
+        assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
         return plan
 
     with TestClient(create_app(Settings(db_path=db))) as c:
@@ -206,12 +205,12 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
         assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2
         assert c.get("/v1/jobs/job1/version").json()["version"] == 2
         assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
-        again = c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json()
-        assert again["global_index"] == 1 and again["plan_id"] == first[2]["plan_id"].replace("r0", "r1")
+        again = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
+        assert again.global_index == 1 and str(again.plan_id) == str(first[2].plan_id).replace("r0", "r1")
         r = c.post("/v1/jobs/job1/units", json={"units": single_group_units(["code", "math", "code", "math"], start=4)})
         assert r.json()["admitted"] == [2, 3]
         rest = drain_ranks(c, "job1", 2)
-    assert sorted((p["global_index"], p["rank"]) for p in rest) == [(1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert sorted((p.global_index, p.rank) for p in rest) == [(1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     rows = _rows_of(first + rest)
     assert len(rows) == len(set(rows)) == 16
 

@@ -241,11 +241,11 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
             with pytest.raises(Unauthenticated):
                 c.register_node("n9", "grpc://127.0.0.1:9")
             plan = c.next_plan("job1", 0, timeout_s=5)
-            assert plan is not None and plan["rank"] == 0
+            assert plan is not None and plan.rank == 0
             with pytest.raises(Unauthenticated):
                 c.next_plan("job1", 1, timeout_s=0)
             with pytest.raises(Unauthenticated):
-                c.ack("job1", 1, plan["plan_id"].replace(".r000000", ".r000001"))
+                c.ack("job1", 1, str(plan.plan_id).replace(".r000000", ".r000001"))
             with pytest.raises(Unauthenticated, match="cannot report for rank 1"):
                 c.report_version("job1", 3, rank=1)
             assert c.report_version("job1", 3, rank=0)["version"] == 3

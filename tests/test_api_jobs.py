@@ -111,11 +111,11 @@ def test_quota_update_takes_effect_at_the_next_step(client: TestClient, node: st
     by_step: dict[int, dict[str, int]] = {}
     src = {f"g{i}": s for i, s in enumerate(["math", "code", "math", "code", "math", "math", "math", "code"])}
     for p in plans:
-        for m in p["micro_batches"]:
-            for row in m["rows"]:
-                if row["row"] == 0:
-                    by_step.setdefault(p["step"], {}).setdefault(src[row["group_id"]], 0)
-                    by_step[p["step"]][src[row["group_id"]]] += 1
+        for m in p.micro_batches:
+            for row in m.rows:
+                if row.row == 0:
+                    by_step.setdefault(p.step, {}).setdefault(src[row.group_id], 0)
+                    by_step[p.step][src[row.group_id]] += 1
     assert by_step == {0: {"math": 2, "code": 2}, 1: {"math": 3, "code": 1}}
 
 
@@ -147,7 +147,7 @@ def test_drain_finishes_the_step_and_cannot_be_resumed(client: TestClient, node:
     assert client.post("/v1/jobs/job1/drain").json()["state"] == "draining"
     client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"] * 4, start=1)})
     plans = drain_ranks(client, "job1", 1)
-    assert [p["global_index"] for p in plans] == [0, 1]
+    assert [p.global_index for p in plans] == [0, 1]
     assert client.get("/v1/jobs/job1").json()["state"] == "drained"
     r = client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 5})
     assert r.status_code == 204 and r.headers["X-KnitTrans-Done"] == "1"

@@ -22,6 +22,7 @@ from knittrans.api.records import (
     rank_key,
     version_key,
 )
+from knittrans.plans import RankPlan
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_KINDS = {
@@ -83,9 +84,9 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
         reasons = {r["group_id"]: r["reason"] for r in status["to_regenerate"]}
         assert reasons["late"] == "expired" and reasons["g2"] == "node n2 lost"  # both kept under kind "lost"
         # mini-batch 1: rank 0 acked (an "ack" record), rank 1 only fetched; its ack consumes it
-        plan = c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json()
-        assert plan["global_index"] == 1
-        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": plan["plan_id"]})
+        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
+        assert plan.global_index == 1
+        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": str(plan.plan_id)})
         assert r.status_code == 200 and r.json()["consumed"], r.text
         assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
         assert c.get("/v1/jobs/job1/version").json()["by_rank"] == {"0": 1}

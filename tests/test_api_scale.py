@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from knittrans.api import Settings, consumed, create_app
 from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger, RunningSummary
 from knittrans.api.routes.deps import PlanBoard
+from knittrans.plans import RankPlan
 from knittrans.procs import wait_until
 from knittrans.sched.staleness import ConsumedGroup, summarize_weighted
 
@@ -50,8 +51,10 @@ def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         units = single_group_units(["math"] * 4, size=1)
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": units[:2]}).json()["admitted"] == [0]
-        plans = [c.get(f"/v1/jobs/{JOB}/ranks/{r}/next", params={"timeout_s": 0}).json() for r in (0, 1)]
-        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": plans[0]["plan_id"]}).status_code == 200
+        plans = [
+            RankPlan.from_json(c.get(f"/v1/jobs/{JOB}/ranks/{r}/next", params={"timeout_s": 0}).json()) for r in (0, 1)
+        ]
+        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": str(plans[0].plan_id)}).status_code == 200
 
         got: dict[str, Any] = {}
 
@@ -67,7 +70,7 @@ def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
         # three changes of the job that do not change rank 0's next plan
         r = c.post(f"/v1/jobs/{JOB}/units", json={"units": units[2:3]})
         assert r.status_code == 200 and r.json()["admitted"] == [], r.text
-        assert c.post(f"/v1/jobs/{JOB}/ranks/1/ack", json={"plan_id": plans[1]["plan_id"]}).json()["consumed"]
+        assert c.post(f"/v1/jobs/{JOB}/ranks/1/ack", json={"plan_id": str(plans[1].plan_id)}).json()["consumed"]
         assert c.post(f"/v1/jobs/{JOB}/versions", json={"rank": 1, "version": 1}).status_code == 200
         # no wait needed here: a spurious wake-up is counted whenever it happens, and the count after the
         # admission below (exactly one more probe) would include it
@@ -76,7 +79,7 @@ def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
         # the admission of mini-batch 1 concerns every rank: rank 0 is woken and gets it
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": units[3:]}).json()["admitted"] == [1]
         waiter.join(10)
-        assert got["status"] == 200 and got["body"]["global_index"] == 1
+        assert got["status"] == 200 and RankPlan.from_json(got["body"]).global_index == 1
         assert board.probes[(JOB, 0)] == before + 2
 
 
@@ -113,8 +116,8 @@ def _run(c: TestClient, n: int, start: int) -> None:
         u["groups"][0]["version_start"] = u["groups"][0]["version_end"] = i
         u["groups"][0]["version_weighted"] = float(i)
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": [u]}).json()["admitted"] == [i]
-        plan = c.get(f"/v1/jobs/{JOB}/ranks/0/next", params={"timeout_s": 0}).json()
-        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": plan["plan_id"]}).json()["consumed"]
+        plan = RankPlan.from_json(c.get(f"/v1/jobs/{JOB}/ranks/0/next", params={"timeout_s": 0}).json())
+        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).json()["consumed"]
 
 
 def test_status_does_not_grow_with_consumed_mini_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

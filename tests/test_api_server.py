@@ -11,6 +11,7 @@ from api_support import ServerProcess, job_spec, server, single_group_units
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import Conflict, InvalidJobSpec, NotFound, Unauthenticated, Unavailable
+from knittrans.plans import RankPlan
 from knittrans.retry import RetryPolicy
 
 
@@ -24,7 +25,7 @@ def test_long_poll_wakes_when_a_mini_batch_is_admitted(tmp_path: Path) -> None:
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
         _setup(client, quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1)
         assert client.next_plan("job1", 0, timeout_s=0.1) is None
-        got: list[dict[str, Any] | None] = []
+        got: list[RankPlan | None] = []
         waiter = threading.Thread(target=lambda: got.append(client.next_plan("job1", 0, timeout_s=20)))
         with ControlClient(srv.url) as writer:
             waiter.start()
@@ -33,8 +34,8 @@ def test_long_poll_wakes_when_a_mini_batch_is_admitted(tmp_path: Path) -> None:
             writer.register_units("job1", single_group_units(["math", "code"]))
         waiter.join(10)
         plan = got[0]
-        assert plan is not None and plan["global_index"] == 0
-        assert {r["group_id"] for m in plan["micro_batches"] for r in m["rows"]} == {"g0", "g1"}
+        assert plan is not None and plan.global_index == 0
+        assert {r.group_id for m in plan.micro_batches for r in m.rows} == {"g0", "g1"}
 
 
 def test_client_maps_errors_to_knittrans_exceptions(tmp_path: Path) -> None:
@@ -70,17 +71,17 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
             client.report_supply("job1", started={"math": 4, "code": 4})
             out = client.register_units("job1", single_group_units(["math", "code", "math", "code"]))
             assert out["admitted"] == [0, 1]
-            delivered: list[dict[str, Any]] = []
+            delivered: list[RankPlan] = []
             for rank in (0, 1):
                 plan = client.next_plan("job1", rank, timeout_s=1)
                 assert plan is not None
-                client.ack("job1", rank, plan["plan_id"])
+                client.ack("job1", rank, str(plan.plan_id))
                 delivered.append(plan)
             held = client.next_plan("job1", 0, timeout_s=1)  # rank 0 holds mini-batch 1, un-acked
-            assert held is not None and held["global_index"] == 1
+            assert held is not None and held.global_index == 1
             client.report_version("job1", 1, rank=0)
             srv.kill()
-            result: list[dict[str, Any] | None] = []
+            result: list[RankPlan | None] = []
             # a rank asking while the control plane is down retries until it is back
             asker = threading.Thread(target=lambda: result.append(client.next_plan("job1", 1, timeout_s=5)))
             asker.start()
@@ -89,12 +90,12 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
             asker.join(30)
             again = client.next_plan("job1", 0, timeout_s=1)
             assert again == held  # the same un-acked plan, byte for byte
-            assert result[0] is not None and result[0]["global_index"] == 1
+            assert result[0] is not None and result[0].global_index == 1
             assert client.get_version("job1") == 1
             assert client.status("job1")["next_global_index"] == 2
-            client.ack("job1", 0, held["plan_id"])
-            assert client.ack("job1", 1, result[0]["plan_id"])["consumed"]
-            assert client.ack("job1", 1, result[0]["plan_id"])["duplicate"]  # a retried ack is a no-op
+            client.ack("job1", 0, str(held.plan_id))
+            assert client.ack("job1", 1, str(result[0].plan_id))["consumed"]
+            assert client.ack("job1", 1, str(result[0].plan_id))["duplicate"]  # a retried ack is a no-op
             delivered += [held, result[0]]
             out = client.register_units("job1", single_group_units(["code", "math", "math", "code"], start=4))
             assert out["admitted"] == [2, 3]
@@ -102,14 +103,14 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
                 for rank in (0, 1):
                     plan = client.next_plan("job1", rank, timeout_s=1)
                     assert plan is not None
-                    client.ack("job1", rank, plan["plan_id"])
+                    client.ack("job1", rank, str(plan.plan_id))
                     delivered.append(plan)
             assert client.next_plan("job1", 0, timeout_s=0.1) is None
     finally:
         srv.stop()
-    indices = sorted((p["global_index"], p["rank"]) for p in delivered)
+    indices = sorted((p.global_index, p.rank) for p in delivered)
     assert indices == [(n, r) for n in range(4) for r in (0, 1)]
-    rows = [(r["group_id"], r["row"]) for p in delivered for m in p["micro_batches"] for r in m["rows"]]
+    rows = [(r.group_id, r.row) for p in delivered for m in p.micro_batches for r in m.rows]
     assert len(rows) == len(set(rows)) == 16
 
 
@@ -120,7 +121,7 @@ def test_iter_plans_ends_when_the_job_completes(tmp_path: Path) -> None:
         client.register_units("job1", single_group_units(["math", "math", "math"]))
         seen = []
         for plan in client.iter_plans("job1", 0, timeout_s=2):
-            seen.append(plan["global_index"])
-            client.ack("job1", 0, plan["plan_id"])
+            seen.append(plan.global_index)
+            client.ack("job1", 0, str(plan.plan_id))
         assert seen == [0, 1]
         assert client.get_job("job1")["state"] == "completed"

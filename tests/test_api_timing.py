@@ -11,6 +11,7 @@ from api_support import job_spec, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.plans import RankPlan
 
 
 def _setup(c: TestClient, *, lookahead: int, k: int = 3, steps: int = 10, window: int = 1) -> None:
@@ -26,9 +27,9 @@ def _setup(c: TestClient, *, lookahead: int, k: int = 3, steps: int = 10, window
     c.registered = r.json()  # type: ignore[attr-defined]
 
 
-def _ack_next(c: TestClient) -> dict[str, Any]:
-    plan: dict[str, Any] = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json()
-    assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": plan["plan_id"]}).status_code == 200
+def _ack_next(c: TestClient) -> RankPlan:
+    plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+    assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
     return plan
 
 
@@ -40,7 +41,7 @@ def test_registration_admits_only_up_to_the_lookahead(tmp_path: Path) -> None:
         status = c.get("/v1/jobs/job1/status").json()
         assert status["timing"]["position"] == 0 and status["timing"]["admitted_ahead"] == 1
         for n in range(5):  # every ack moves the trainer's position and admits exactly one more
-            assert _ack_next(c)["global_index"] == n
+            assert _ack_next(c).global_index == n
             status = c.get("/v1/jobs/job1/status").json()
             assert status["next_global_index"] == n + 3
             assert status["timing"]["position"] == n + 1
@@ -53,10 +54,10 @@ def test_lookahead_zero_admits_when_the_trainer_asks(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
         _setup(c, lookahead=0)
         assert c.registered["admitted"] == [0]  # type: ignore[attr-defined]
-        plan = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json()
-        after = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0, "after": plan["plan_id"]})
+        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+        after = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0, "after": str(plan.plan_id)})
         assert after.status_code == 204  # nothing to prefetch with L = 0
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": plan["plan_id"]})
+        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)})
         assert r.status_code == 200
         assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2
 

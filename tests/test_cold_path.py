@@ -39,7 +39,7 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
     with TrainerClient(config) as client:
         seen = []
         for mb in client.minibatches():
-            seen += [r["group_id"] for m in mb for r in m.rows]
+            seen += [r.group_id for m in mb for r in m.rows]
             mb.ack()
     assert sorted(set(seen)) == ["a0", "b0", "c0"] and len(seen) == 6
     control.close()

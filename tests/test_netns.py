@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from netns_support import Lab, Probe, lab
 
+from knittrans.plans import RankPlan
 from knittrans.procs import ProcessGroup, knittrans_command
 from knittrans.rollout.models import build_tiny_qwen2
 
@@ -245,9 +246,9 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         plan_endpoints = set()
         # every rank plan's fetch goes to a namespace address, never loopback or a local dir
         for n in range(RANKS):
-            plan = probe.call(control_url, "next_plan", JOB, n, 0.1)
-            for micro in (plan or {}).get("micro_batches", []):
-                plan_endpoints |= {f["endpoint"] for f in micro["fetches"]}
+            body = probe.call(control_url, "next_plan", JOB, n, 0.1)
+            for micro in RankPlan.from_json(body).micro_batches if body is not None else ():
+                plan_endpoints |= {f.endpoint for f in micro.fetches}
         assert plan_endpoints <= set(endpoints.values())
 
         # pause: the trainers (kept running) drain what is planned and wait; rollout fills the pool
@@ -319,11 +320,12 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         timings["cut_to_replanned_s"] = time.monotonic() - t_cut
         # a plan the ranks get from now on for a withdrawn index is a re-plan that never reads the lost node
         for rank in range(RANKS):
-            plan = probe.call(control_url, "next_plan", JOB, rank, 0.1)
-            if plan is not None and plan["global_index"] >= first_withdrawn:
-                assert {f["node_id"] for m in plan["micro_batches"] for f in m["fetches"]} <= {"node-0"}
-                if plan["global_index"] == first_withdrawn:
-                    assert plan["plan_id"].startswith(f"n{first_withdrawn}.a1."), plan["plan_id"]
+            body = probe.call(control_url, "next_plan", JOB, rank, 0.1)
+            plan = RankPlan.from_json(body) if body is not None else None
+            if plan is not None and plan.global_index >= first_withdrawn:
+                assert {f.node_id for m in plan.micro_batches for f in m.fetches} <= {"node-0"}
+                if plan.global_index == first_withdrawn:
+                    assert (plan.plan_id.n, plan.plan_id.attempt) == (first_withdrawn, 1), plan.plan_id
 
         final = poll("job completed", lambda: (s := status())["state"] == "completed" and s, 180, procs, 0.2)
         timings["cut_to_completed_s"] = time.monotonic() - t_cut

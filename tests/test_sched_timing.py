@@ -171,9 +171,9 @@ class _Driver:
         plan = self.job.next_plan(rank)
         if plan is None:
             return
-        self.job.fetched(rank, plan["plan_id"], Txn())
+        self.job.fetched(rank, str(plan.plan_id), Txn())
         txn = Txn()
-        self.job.ack(rank, plan["plan_id"], txn)
+        self.job.ack(rank, str(plan.plan_id), txn)
         self.consumed += [
             ConsumedGroup(**r) for (kind, _, _), rows in txn.puts.items() if kind == "consumed" for r in rows
         ]  # the records the service would persist

@@ -14,6 +14,7 @@ from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
 from knittrans.grants import check_ticket, sign_grant
+from knittrans.plans import RankPlan
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from tests.trainer_support import job_spec, mm_groups, write_and_register
@@ -33,7 +34,7 @@ def signed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
         mp.undo()
 
 
-def _plan(c: LocalCluster, job: str, world: int = 1) -> dict[str, object]:
+def _plan(c: LocalCluster, job: str, world: int = 1) -> RankPlan:
     control = c.control()
     control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=world, micro_batch_size=3))
     write_and_register(control, job, c.stores, mm_groups(job, 4, group_size=4), groups_per_unit=2)
@@ -45,7 +46,7 @@ def _plan(c: LocalCluster, job: str, world: int = 1) -> dict[str, object]:
 def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_cluster: LocalCluster) -> None:
     """Eager and iter (merged DoGets, share streams, media dedup) read every row of a signed plan."""
     plan = _plan(signed_cluster, "signed-train")
-    tickets = [Ticket.decode(f["ticket"].encode()) for m in plan["micro_batches"] for f in m["fetches"]]  # type: ignore[index]
+    tickets = [f.ticket for m in plan.micro_batches for f in m.fetches]
     assert tickets and all(len(t.grants) == 1 for t in tickets)
     for mode in ("eager", "iter"):
         cfg = TrainerConfig(
@@ -65,9 +66,9 @@ def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_
 def test_store_refuses_unsigned_forged_widened_and_foreign_tickets(signed_cluster: LocalCluster) -> None:
     """Without a grant, with a bad MAC, with rows or columns beyond the grant, or for another job: 401."""
     plan = _plan(signed_cluster, "signed-probe")
-    fetch = plan["micro_batches"][0]["fetches"][0]  # type: ignore[index]
-    ticket = Ticket.decode(fetch["ticket"].encode())
-    with StoreClient(fetch["endpoint"]) as c:
+    fetch = plan.micro_batches[0].fetches[0]
+    ticket = fetch.ticket
+    with StoreClient(fetch.endpoint) as c:
         assert c.get(ticket).num_rows == sum(stop - start for r in ticket.reads for start, stop in r.row_ranges)
         first = ticket.reads[0]
         wider = dataclasses.replace(first, row_ranges=((0, 10_000),))
@@ -127,8 +128,8 @@ def test_signed_store_lists_a_jobs_units_only_to_a_grant_of_that_job(signed_clus
     cannot list or describe job B's, and the listed tickets (no grant) are not served."""
     plan_a = _plan(signed_cluster, "list-a")
     _plan(signed_cluster, "list-b")
-    grant = Ticket.decode(plan_a["micro_batches"][0]["fetches"][0]["ticket"].encode()).grants[0]  # type: ignore[index]
-    node = plan_a["micro_batches"][0]["fetches"][0]["endpoint"]  # type: ignore[index]
+    grant = plan_a.micro_batches[0].fetches[0].ticket.grants[0]
+    node = plan_a.micro_batches[0].fetches[0].endpoint
     with StoreClient(str(node), token=signed_cluster.config.worker_token) as c:
         with pytest.raises(Unauthenticated, match="grant"):
             c.list_units("list-a")

@@ -13,6 +13,7 @@ import torch
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.plans import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from tests.trainer_support import job_spec, mm_groups, write_and_register
@@ -37,9 +38,7 @@ def _tensors(m: TrainMicroBatch) -> dict[str, torch.Tensor]:
     return out
 
 
-def _one_rank_plan(
-    c: LocalCluster, job: str, *, groups: int, micro_batch_size: int, groups_per_unit: int
-) -> dict[str, Any]:
+def _one_rank_plan(c: LocalCluster, job: str, *, groups: int, micro_batch_size: int, groups_per_unit: int) -> RankPlan:
     """A one-rank job of ``groups`` multimodal groups of 4, written and registered; its first plan."""
     control = c.control()
     control.create_job(job_spec(job, groups=groups, group_size=4, k=1, world_size=1, micro_batch_size=micro_batch_size))
@@ -53,7 +52,7 @@ def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
     """The same plan iterated eagerly and with prefetching yields equal tensors, media and row entries."""
     job = "same"
     plan = _one_rank_plan(cluster, job, groups=4, micro_batch_size=3, groups_per_unit=2)
-    assert len(plan["micro_batches"]) == 6  # 16 rows / 3, over two nodes
+    assert len(plan.micro_batches) == 6  # 16 rows / 3, over two nodes
     results = {}
     for mode in ("eager", "iter"):
         with _client(cluster, job, mode) as client:
@@ -69,7 +68,7 @@ def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
     """``transform`` runs in the prefetch thread (iter) and its errors reach the loop at their micro-batch."""
     job = "transform"
     plan = _one_rank_plan(cluster, job, groups=2, micro_batch_size=4, groups_per_unit=1)
-    assert len(plan["micro_batches"]) == 2
+    assert len(plan.micro_batches) == 2
 
     def collate(m: TrainMicroBatch) -> tuple[str, int, torch.Tensor]:
         return threading.current_thread().name, m.index, m.batch.rewards.sum()

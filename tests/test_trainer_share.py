@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pyarrow as pa
 import pytest
 
 from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import DataLost, InvalidRequest, NotFound
+from knittrans.plans import MicroBatchReads, PlanId, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -17,7 +17,7 @@ from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTak
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 
-def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: int = 4) -> dict[str, Any]:
+def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: int = 4) -> RankPlan:
     control = c.control()
     control.create_job(job_spec(job, groups=groups, group_size=2, k=1, world_size=1, micro_batch_size=micro))
     write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=2), groups_per_unit=unit)
@@ -27,11 +27,8 @@ def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: i
     return plan
 
 
-def _per_micro(fetcher: Fetcher, micro: dict[str, Any]) -> pa.Table:
-    reads = [
-        FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
-        for f in micro["fetches"]
-    ]
+def _per_micro(fetcher: Fetcher, micro: MicroBatchReads) -> pa.Table:
+    reads = [FetchRead(node_id=f.node_id, endpoint=f.endpoint, ticket=f.ticket) for f in micro.fetches]
     return fetcher.fetch(reads)
 
 
@@ -43,22 +40,17 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
     with Fetcher(local_dirs=dirs) as fetcher, Fetcher() as reference:
         streams = ShareStreams.from_plan(fetcher, plan)
         assert streams is not None
-        nodes = {f["node_id"] for m in plan["micro_batches"] for f in [*m["fetches"], *m["media"]]}
-        assert len(nodes) == 2 and len(plan["micro_batches"]) == 3
-        for i, micro in enumerate(plan["micro_batches"]):
+        nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
+        assert len(nodes) == 2 and len(plan.micro_batches) == 3
+        for i, micro in enumerate(plan.micro_batches):
             got = streams.rows(i)
             assert got is not None and got.equals(_per_micro(reference, micro))
-            hashes = [m["hash"] for m in micro["media"]]
+            hashes = [m.hash for m in micro.media]
             expected = {
                 h: bytes(r.data)
                 for h, r in media_records(
                     reference.fetch(
-                        [
-                            FetchRead(
-                                node_id=m["node_id"], endpoint=m["endpoint"], ticket=Ticket.decode(m["ticket"].encode())
-                            )
-                            for m in micro["media"]
-                        ]
+                        [FetchRead(node_id=m.node_id, endpoint=m.endpoint, ticket=m.ticket) for m in micro.media]
                     )
                 ).items()
             }
@@ -83,14 +75,24 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
 def test_unstreamable_plan_falls_back() -> None:
     """A rows ticket without explicit row ranges cannot be split per micro-batch: no streams for that plan."""
     whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
-    plan = {
-        "micro_batches": [
-            {
-                "fetches": [{"node_id": "n0", "endpoint": "grpc://127.0.0.1:1", "ticket": whole.encode().decode()}],
-                "media": [],
-            }
-        ]
-    }
+    micro = MicroBatchReads(
+        index=0,
+        num_tokens=0,
+        rows=(),
+        fetches=(RowFetch(node_id="n0", endpoint="grpc://127.0.0.1:1", ticket=whole),),
+        media=(),
+    )
+    plan = RankPlan(
+        plan_id=PlanId(n=0, attempt=0, rank=0),
+        job="j",
+        rank=0,
+        step=0,
+        mini_batch_index=0,
+        global_index=0,
+        policy_version=0,
+        num_tokens=0,
+        micro_batches=(micro,),
+    )
     with Fetcher() as fetcher:
         assert ShareStreams.from_plan(fetcher, plan) is None
 
@@ -114,19 +116,19 @@ def test_row_taker_splits_batches_where_counts_end() -> None:
 def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
     """Records that arrive before they are asked for are kept; a hash the stream lacks is NotFound."""
     plan = _plan(cluster, "share-media")
-    media = [m for micro in plan["micro_batches"] for m in micro["media"]]
-    node = media[0]["node_id"]
-    mine = list(dict.fromkeys(m["hash"] for m in media if m["node_id"] == node))
+    media = [m for micro in plan.micro_batches for m in micro.media]
+    node = media[0].node_id
+    mine = list(dict.fromkeys(m.hash for m in media if m.node_id == node))
     assert len(mine) >= 2
-    tickets = [Ticket.decode(m["ticket"].encode()) for m in media if m["node_id"] == node]
+    tickets = [m.ticket for m in media if m.node_id == node]
     units = tuple(dict.fromkeys(r for t in tickets for r in t.reads))
     ticket = Ticket(job=tickets[0].job, kind="media", reads=units, media_hashes=tuple(mine))
     with Fetcher() as fetcher:
-        stream = _MediaStream(fetcher.stream(node, media[0]["endpoint"], ticket), "media of the test")
+        stream = _MediaStream(fetcher.stream(node, media[0].endpoint, ticket), "media of the test")
         last = stream.get(mine[-1])  # the other records arrive first and are kept
         first = stream.get(mine[0])
         one = Ticket(job=ticket.job, kind="media", reads=units, media_hashes=(mine[0], mine[-1]))
-        expected = media_records(fetcher.fetch([FetchRead(node_id=node, endpoint=media[0]["endpoint"], ticket=one)]))
+        expected = media_records(fetcher.fetch([FetchRead(node_id=node, endpoint=media[0].endpoint, ticket=one)]))
         assert bytes(first.data) == bytes(expected[mine[0]].data) and bytes(last.data) == bytes(expected[mine[-1]].data)
         assert len(bytes(first.data)) == 3 * 32 * 32 and first.shape == [3, 32, 32]
         with pytest.raises(NotFound, match="not in media of the test"):
@@ -158,7 +160,7 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
         mb.abandon()
         assert all(g.gi_frame is None for g in generators)  # closed: the unread calls were cancelled
         with Fetcher() as fetcher:
-            assert _per_micro(fetcher, plan["micro_batches"][1]).num_rows == 2
+            assert _per_micro(fetcher, plan.micro_batches[1]).num_rows == 2
     for s in cluster.stores:
         with Fetcher() as fetcher:
             assert fetcher._client(s.endpoint).health()["ok"]

@@ -152,7 +152,7 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     assert batch.table is not None and batch.table.column_names == spec["columns"]
     assert set(batch.user) == {"ref_logprobs", "values", "uid", "old_lp_bf16"}
     want = build_unit_tables(groups, user_fields=parse_user_fields(USER)).traj
-    want_mb = to_micro_batch(want.take([int(r["row"]) for r in mb.rows]))  # one unit: its row index
+    want_mb = to_micro_batch(want.take([int(r.row) for r in mb.rows]))  # one unit: its row index
     values, cu = batch.user["ref_logprobs"]
     torch.testing.assert_close(values, want_mb.user["ref_logprobs"][0], rtol=0, atol=0)
     assert torch.equal(cu, want_mb.user["ref_logprobs"][1])

@@ -84,19 +84,19 @@ class SampleMiniBatch(MiniBatch):
     """Sample-level baseline: one DoGet per trajectory, and each trajectory copies its own media."""
 
     def _load(self, i: int) -> TrainMicroBatch:
-        micro = self.plan["micro_batches"][i]
-        timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro["rows"]))
+        micro = self.plan.micro_batches[i]
+        timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro.rows))
         t0 = time.perf_counter()
-        endpoints = {f["node_id"]: f["endpoint"] for f in micro["fetches"]}
+        endpoints = {f.node_id: f.endpoint for f in micro.fetches}
         tables = []
-        for row in micro["rows"]:  # one request per trajectory
+        for row in micro.rows:  # one request per trajectory
             ticket = Ticket(
-                job=self.plan["job"],
-                reads=(UnitRead(unit_id=row["unit_id"], row_ranges=((row["row"], row["row"] + 1),)),),
+                job=self.plan.job,
+                reads=(UnitRead(unit_id=row.unit_id, row_ranges=((row.row, row.row + 1),)),),
             )
             tables.append(
                 self._ctx.fetcher.fetch(
-                    [FetchRead(node_id=row["node_id"], endpoint=endpoints[row["node_id"]], ticket=ticket)]
+                    [FetchRead(node_id=row.node_id, endpoint=endpoints[row.node_id], ticket=ticket)]
                 )
             )
         table = pa.concat_tables(tables)
@@ -113,7 +113,7 @@ class SampleMiniBatch(MiniBatch):
         t3 = time.perf_counter()
         self.moved_bytes = getattr(self, "moved_bytes", 0) + moved
         timing.fetch_s, timing.convert_s, timing.bytes = (t1 - t0) + (t3 - t2), t2 - t1, table.nbytes
-        return TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
+        return TrainMicroBatch(index=i, batch=batch, media=media, rows=micro.rows, timing=timing)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
         yield from super().__iter__()

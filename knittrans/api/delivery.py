@@ -7,12 +7,13 @@ from typing import Any
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.plans import parse_plan_id, render_rank_plan
+from knittrans.api.plans import render_rank_plan
 from knittrans.api.records import Kind, mb_key, rank_key, version_key
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord
 from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.grants import sign_grant
+from knittrans.plans import PlanId, RankPlan
 from knittrans.sched.staleness import ConsumedGroup
 
 __all__ = ["Delivery"]
@@ -22,7 +23,7 @@ class Delivery(JobBase):
     """Rank plans (rendered once per rank and mini-batch), fetch reports, acks and versions."""
 
     # ------------------------------------------------------------------ plans and acks
-    def next_plan(self, rank: int) -> dict[str, Any] | None:
+    def next_plan(self, rank: int) -> RankPlan | None:
         """The plan of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
         self._check_rank(rank)
         mb = self.minibatches.get(self.rank_cursor(rank))
@@ -30,7 +31,7 @@ class Delivery(JobBase):
             return None
         return self._render(mb, rank)
 
-    def plan_after(self, rank: int, plan_id: str) -> dict[str, Any] | None:
+    def plan_after(self, rank: int, plan_id: str) -> RankPlan | None:
         """The plan of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
 
         Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order. Once
@@ -67,10 +68,10 @@ class Delivery(JobBase):
     def _current(self, rank: int, plan_id: str) -> MiniBatch:
         """The mini-batch of ``plan_id``, which must be ``rank``'s current one (or already acked by it)."""
         self._check_rank(rank)
-        parsed = parse_plan_id(plan_id)
-        if parsed is None or parsed[2] != rank:
+        parsed = PlanId.parse(plan_id)
+        if parsed is None or parsed.rank != rank:
             raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
-        n, attempt, _ = parsed
+        n, attempt = parsed.n, parsed.attempt
         if n < self.evicted_below:  # consumed long ago: its entry left memory (any attempt answers as consumed)
             return MiniBatch(
                 n=n,
@@ -95,7 +96,7 @@ class Delivery(JobBase):
             raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
         return mb
 
-    def _render(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
+    def _render(self, mb: MiniBatch, rank: int) -> RankPlan:
         plan = mb.rendered.get(rank)
         if plan is None:
             sign = None
@@ -108,6 +109,8 @@ class Delivery(JobBase):
                         key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
                     )
 
+            if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
+                mb.rows = sum(len(micro) for share in mb.layout for micro in share)
             plan = render_rank_plan(
                 self.name,
                 mb.layout[rank],
@@ -120,11 +123,9 @@ class Delivery(JobBase):
                 endpoint=self._endpoint,
                 columns=self.spec.columns,
                 sign=sign,
+                mini_batch_trajectories=mb.rows,
+                admitted_at=mb.admitted_at,
             )
-            if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
-                mb.rows = sum(len(micro) for share in mb.layout for micro in share)
-            plan["mini_batch_trajectories"] = mb.rows
-            plan["admitted_at"] = mb.admitted_at
             mb.rendered[rank] = plan
         return plan
 

@@ -11,48 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from knittrans.errors import (
-    Conflict,
-    DataLost,
-    InvalidJobSpec,
-    InvalidRequest,
-    KnitTransError,
-    NotFound,
-    OverBudget,
-    PayloadTooLarge,
-    Unauthenticated,
-    Unavailable,
-)
+from knittrans.errors import KnitTransError, http_status
 
-__all__ = ["error_kind", "install_error_handlers", "status_of"]
+__all__ = ["error_kind", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
-
-# 422 is kept for requests that break the published schema (pydantic refuses them before the service
-# runs). A request that matches the schema but that the service refuses -- its fields contradict each
-# other (K > G), or it contradicts the job's state or stored data (supply for a source without a
-# quota) -- is a 409: the schema cannot state these rules, and a schema-valid request is never a 4xx
-# that says "your request is malformed". The error kind (``invalid_job_spec``, ``invalid_request``)
-# still names what was wrong.
-_STATUS: tuple[tuple[type[KnitTransError], int], ...] = (
-    (InvalidJobSpec, 409),
-    (InvalidRequest, 409),
-    (NotFound, 404),
-    (Conflict, 409),
-    (PayloadTooLarge, 413),
-    (OverBudget, 507),
-    (Unauthenticated, 401),
-    (DataLost, 410),
-    (Unavailable, 503),
-)
-
-
-def status_of(exc: KnitTransError) -> int:
-    """HTTP status of a KnitTrans error (500 for anything unmapped)."""
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            return status
-    return 500
 
 
 def error_kind(exc: BaseException) -> str:
@@ -79,7 +42,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def knittrans_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, KnitTransError)
-        status = status_of(exc)
+        status = http_status(exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         if status == 503:
             headers = {"Retry-After": "1"}

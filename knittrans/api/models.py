@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+
+from knittrans.names import CONTENT_HASH_PATTERN
+from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
+from knittrans.tickets import Ticket
 
 NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
 """``knittrans.names.NAME_RE`` without ``..`` as one JSON-Schema pattern (matched whole)."""
@@ -30,7 +37,7 @@ Int32 = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_bool)
 Count = Annotated[int, Field(ge=0, le=(1 << 53) - 1), BeforeValidator(_not_bool)]
 Seconds = Annotated[float, Field(ge=0, le=1e9), BeforeValidator(_not_bool)]
 Positive = Annotated[int, Field(ge=1, le=(1 << 31) - 1), BeforeValidator(_not_bool)]
-Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
+Hash = Annotated[str, Field(pattern=CONTENT_HASH_PATTERN, min_length=64, max_length=64)]
 Endpoint = Annotated[
     str,
     Field(
@@ -288,55 +295,33 @@ class SupplyOut(BaseModel):
 
 
 # ---------------------------------------------------------------- plans
-class PlanRowOut(BaseModel):
-    """One trajectory row of a micro-batch."""
-
-    group_id: str
-    unit_id: str
-    node_id: str
-    row: int
-    num_tokens: int
-
-
-class RowFetchOut(BaseModel):
-    """One DoGet: every row of the micro-batch on one node, returned in ``rows`` order."""
-
-    node_id: str
-    endpoint: str
-    ticket: str
+def _wire_type(t: Any, nested: Mapping[Any, type[BaseModel]]) -> Any:
+    """The JSON type of a field of :mod:`knittrans.plans`: ids and tickets are strings, tuples lists."""
+    if t in (PlanId, Ticket):
+        return str
+    if typing.get_origin(t) is tuple:
+        return list.__class_getitem__(_wire_type(typing.get_args(t)[0], nested))
+    return nested.get(t, t)
 
 
-class MediaFetchOut(BaseModel):
-    """One unique media hash of the micro-batch and the DoGet that serves it."""
-
-    hash: str
-    node_id: str
-    endpoint: str
-    ticket: str
-
-
-class MicroBatchOut(BaseModel):
-    """One micro-batch of a rank's plan."""
-
-    index: int
-    num_tokens: int
-    rows: list[PlanRowOut]
-    fetches: list[RowFetchOut]
-    media: list[MediaFetchOut]
+def _wire_model(cls: type[Any], name: str, nested: Mapping[Any, type[BaseModel]] | None = None) -> type[BaseModel]:
+    """The response model of a :mod:`knittrans.plans` dataclass: its fields, in order, as JSON types."""
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = {
+        f.name: (_wire_type(hints[f.name], nested or {}), ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(cls)
+    }
+    return create_model(name, __doc__=cls.__doc__, __module__=__name__, **fields)
 
 
-class RankPlanOut(BaseModel):
-    """A rank's share of mini-batch ``global_index`` (trained at ``policy_version``)."""
-
-    plan_id: str
-    job: str
-    rank: int
-    step: int
-    mini_batch_index: int
-    global_index: int
-    policy_version: int
-    num_tokens: int
-    micro_batches: list[MicroBatchOut]
+# The plan's OpenAPI description, made from knittrans.plans (its one definition).
+PlanRowOut = _wire_model(PlanRow, "PlanRowOut")
+RowFetchOut = _wire_model(RowFetch, "RowFetchOut")
+MediaFetchOut = _wire_model(MediaFetch, "MediaFetchOut")
+MicroBatchOut = _wire_model(
+    MicroBatchReads, "MicroBatchOut", {PlanRow: PlanRowOut, RowFetch: RowFetchOut, MediaFetch: MediaFetchOut}
+)
+RankPlanOut = _wire_model(RankPlan, "RankPlanOut", {MicroBatchReads: MicroBatchOut})
 
 
 class TransferIn(_In):

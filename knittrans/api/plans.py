@@ -2,9 +2,9 @@
 
 At admission the assignment (:func:`knittrans.sched.assign.assign_mini_batch`) is reduced to a
 *layout* — rank → micro-batch → ``[group_id, row]`` pairs in read order — which is what is persisted.
-The JSON plan a rank receives (rows, one rows ticket per node, one media ticket per unique hash) is
-rendered from the layout when the rank asks, with the nodes' current endpoints; rendering is
-deterministic, so asking again returns the same plan.
+The plan a rank receives (:class:`knittrans.plans.RankPlan`: rows, one rows ticket per node, one
+media ticket per unique hash) is rendered from the layout when the rank asks, with the nodes'
+current endpoints; rendering is deterministic, so asking again returns the same plan.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.sched.types import RankPlan
-from knittrans.tickets import Ticket, UnitRead
+from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
+from knittrans.errors import InvalidTicket
+from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
+from knittrans.sched.types import RankPlan as RankAssignment
+from knittrans.tickets import Ticket, UnitRead, node_reads
 
-__all__ = ["Layout", "format_plan_id", "layout_of", "parse_plan_id", "render_rank_plan", "unit_json"]
+__all__ = ["Layout", "layout_of", "render_rank_plan", "unit_json"]
 
 Layout = list[list[list[list[Any]]]]
 """rank -> micro-batch -> ``[group_id, row]`` pairs, in the order the rank's reads return rows."""
@@ -28,52 +30,12 @@ def unit_json(u: UnitDescriptor) -> dict[str, Any]:
 
     Token counts and media hashes stay tuples: JSON encodes them as arrays.
     """
-    return {
-        "unit_id": u.unit_id,
-        "job": u.job,
-        "node_id": u.node_id,
-        "endpoint": u.endpoint,
-        "num_rows": u.num_rows,
-        "num_bytes": u.num_bytes,
-        "schema_version": u.schema_version,
-        "groups": [
-            {
-                "group_id": g.group_id,
-                "source": g.source,
-                "row_start": g.row_start,
-                "num_trajectories": g.num_trajectories,
-                "trajectory_tokens": g.trajectory_tokens,
-                "version_start": g.version_start,
-                "version_end": g.version_end,
-                "version_weighted": g.version_weighted,
-                "finished_at": g.finished_at,
-                "media_hashes": g.media_hashes,
-            }
-            for g in u.groups
-        ],
-    }
+    body = unit_fields(u)
+    body["groups"] = [group_fields(g) for g in u.groups]
+    return body
 
 
-def format_plan_id(n: int, attempt: int, rank: int) -> str:
-    """Plan id of rank ``rank`` in attempt ``attempt`` of mini-batch ``n``."""
-    return f"n{n}.a{attempt}.r{rank}"
-
-
-def parse_plan_id(plan_id: str) -> tuple[int, int, int] | None:
-    """``(n, attempt, rank)`` of a plan id, or None when it is not one of ours."""
-    parts = plan_id.split(".")
-    if len(parts) != 3 or [p[:1] for p in parts] != ["n", "a", "r"]:
-        return None
-    try:
-        n, attempt, rank = (int(p[1:]) for p in parts)
-    except ValueError:
-        return None
-    if min(n, attempt, rank) < 0:
-        return None
-    return n, attempt, rank
-
-
-def layout_of(plans: Sequence[RankPlan]) -> Layout:
+def layout_of(plans: Sequence[RankAssignment]) -> Layout:
     """The compact layout of an assignment (ranks in order)."""
     return [
         [[[t.group_id, t.row] for t in m.trajectories] for m in p.micro_batches]
@@ -88,83 +50,65 @@ def _micro_batch(
     where: Callable[[str], tuple[GroupRecord, str, str]],
     endpoint: Callable[[str], str],
     columns: Sequence[str] | None,
-) -> dict[str, Any]:
+) -> MicroBatchReads:
     rows = []
-    per_node: dict[str, list[UnitRead]] = {}
     media: dict[str, tuple[str, str]] = {}
-    current: tuple[str, str] | None = None
-    ranges: list[tuple[int, int]] = []
-
-    def close() -> None:
-        if current is not None:
-            per_node.setdefault(current[0], []).append(UnitRead(unit_id=current[1], row_ranges=tuple(ranges)))
-
     tokens = 0
     for group_id, row in pairs:
         record, unit_id, node_id = where(group_id)
         num_tokens = record.trajectory_tokens[row - record.row_start]
         tokens += num_tokens
-        rows.append(
-            {"group_id": group_id, "unit_id": unit_id, "node_id": node_id, "row": row, "num_tokens": num_tokens}
-        )
+        rows.append(PlanRow(group_id=group_id, unit_id=unit_id, node_id=node_id, row=row, num_tokens=num_tokens))
         for h in record.media_hashes:
             media.setdefault(h, (node_id, unit_id))
-        if current == (node_id, unit_id) and ranges[-1][1] == row:
-            ranges[-1] = (ranges[-1][0], row + 1)
-        elif current == (node_id, unit_id):
-            ranges.append((row, row + 1))
-        else:
-            close()
-            if current is not None and current[0] != node_id and node_id in per_node:
-                raise RuntimeError(f"micro-batch {index}: rows of node {node_id!r} are not contiguous")
-            current, ranges = (node_id, unit_id), [(row, row + 1)]
-    close()
+    try:
+        per_node = node_reads((r.node_id, r.unit_id, r.row) for r in rows)
+    except InvalidTicket as exc:
+        raise RuntimeError(f"micro-batch {index}: {exc}") from None
     cols = tuple(columns) if columns else None
-    return {
-        "index": index,
-        "num_tokens": tokens,
-        "rows": rows,
-        "fetches": [
-            {
-                "node_id": node_id,
-                "endpoint": endpoint(node_id),
-                "ticket": Ticket(job=job, reads=tuple(reads), columns=cols).encode().decode(),
-            }
+    return MicroBatchReads(
+        index=index,
+        num_tokens=tokens,
+        rows=tuple(rows),
+        fetches=tuple(
+            RowFetch(node_id=node_id, endpoint=endpoint(node_id), ticket=Ticket(job=job, reads=reads, columns=cols))
             for node_id, reads in per_node.items()
-        ],
-        "media": [
-            {
-                "hash": h,
-                "node_id": node_id,
-                "endpoint": endpoint(node_id),
-                "ticket": Ticket(job=job, kind="media", reads=(UnitRead(unit_id=unit_id),), media_hashes=(h,))
-                .encode()
-                .decode(),
-            }
+        ),
+        media=tuple(
+            MediaFetch(
+                hash=h,
+                node_id=node_id,
+                endpoint=endpoint(node_id),
+                ticket=Ticket(job=job, kind="media", reads=(UnitRead(unit_id=unit_id),), media_hashes=(h,)),
+            )
             for h, (node_id, unit_id) in media.items()
-        ],
-    }
+        ),
+    )
 
 
 Signer = Callable[[dict[str, list[tuple[int, int]]], dict[str, str]], str]
 """Makes the signed grant of one node's reads and media (``knittrans.grants.sign_grant`` bound to a plan)."""
 
 
-def _sign(docs: list[dict[str, Any]], sign: Signer) -> None:
+def _sign(micro_batches: list[MicroBatchReads], sign: Signer) -> list[MicroBatchReads]:
+    """The micro-batches with every ticket carrying the grant of its node (all of the rank's reads there)."""
     reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
     media: dict[str, dict[str, str]] = {}
-    for d in docs:
-        for f in d["fetches"]:
-            for r in Ticket.decode(f["ticket"].encode()).reads:
-                reads.setdefault(f["node_id"], {}).setdefault(r.unit_id, []).extend(r.row_ranges)
-        for m in d["media"]:
-            t = Ticket.decode(m["ticket"].encode())
-            media.setdefault(m["node_id"], {}).update({h: t.reads[0].unit_id for h in t.media_hashes})
+    for m in micro_batches:
+        for f in m.fetches:
+            for r in f.ticket.reads:
+                reads.setdefault(f.node_id, {}).setdefault(r.unit_id, []).extend(r.row_ranges)
+        for e in m.media:
+            media.setdefault(e.node_id, {}).update({h: e.ticket.reads[0].unit_id for h in e.ticket.media_hashes})
     grants = {node: sign(reads.get(node, {}), media.get(node, {})) for node in {*reads, *media}}
-    for d in docs:
-        for entry in (*d["fetches"], *d["media"]):
-            t = Ticket.decode(entry["ticket"].encode())
-            entry["ticket"] = replace(t, grants=(grants[entry["node_id"]],)).encode().decode()
+    return [
+        replace(
+            m,
+            fetches=tuple(replace(f, ticket=replace(f.ticket, grants=(grants[f.node_id],))) for f in m.fetches),
+            media=tuple(replace(e, ticket=replace(e.ticket, grants=(grants[e.node_id],))) for e in m.media),
+        )
+        for m in micro_batches
+    ]
 
 
 def render_rank_plan(
@@ -180,8 +124,10 @@ def render_rank_plan(
     endpoint: Callable[[str], str],
     columns: Sequence[str] | None,
     sign: Signer | None = None,
-) -> dict[str, Any]:
-    """JSON plan of one rank for mini-batch ``n`` (trained at policy version ``n``).
+    mini_batch_trajectories: int | None = None,
+    admitted_at: float | None = None,
+) -> RankPlan:
+    """The plan of one rank for mini-batch ``n`` (trained at policy version ``n``).
 
     Args:
         job: job name written into the tickets.
@@ -193,18 +139,22 @@ def render_rank_plan(
         sign: ``sign(reads, media) -> grant`` (see :mod:`knittrans.grants`), called once per node with
             that node's ``{unit: [(start, stop), ...]}`` and ``{hash: unit}``; every ticket to the
             node then carries the grant. None leaves tickets unsigned.
+        mini_batch_trajectories, admitted_at: the whole mini-batch's trajectory count and admission
+            time, passed on to the trainer.
     """
     docs = [_micro_batch(job, i, pairs, where, endpoint, columns) for i, pairs in enumerate(micro_batches)]
     if sign is not None:
-        _sign(docs, sign)
-    return {
-        "plan_id": format_plan_id(n, attempt, rank),
-        "job": job,
-        "rank": rank,
-        "step": step,
-        "mini_batch_index": k,
-        "global_index": n,
-        "policy_version": n,
-        "num_tokens": sum(d["num_tokens"] for d in docs),
-        "micro_batches": docs,
-    }
+        docs = _sign(docs, sign)
+    return RankPlan(
+        plan_id=PlanId(n=n, attempt=attempt, rank=rank),
+        job=job,
+        rank=rank,
+        step=step,
+        mini_batch_index=k,
+        global_index=n,
+        policy_version=n,
+        num_tokens=sum(d.num_tokens for d in docs),
+        micro_batches=tuple(docs),
+        mini_batch_trajectories=mini_batch_trajectories,
+        admitted_at=admitted_at,
+    )

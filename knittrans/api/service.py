@@ -32,6 +32,7 @@ from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
 from knittrans.lifecycle import JobAction
 from knittrans.names import check_name
+from knittrans.plans import RankPlan
 
 __all__ = ["ControlPlane", "Node"]
 
@@ -393,11 +394,11 @@ class ControlPlane:
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(self, name: str, rank: int) -> dict[str, Any] | None:
+    def next_plan(self, name: str, rank: int) -> RankPlan | None:
         """The rank's current plan, or None (not admitted yet, or the job is done: see :meth:`rank_done`)."""
         return self.job(name).next_plan(rank)
 
-    def plan_after(self, name: str, rank: int, plan_id: str) -> dict[str, Any] | None:
+    def plan_after(self, name: str, rank: int, plan_id: str) -> RankPlan | None:
         """The rank's plan of the mini-batch after its current plan ``plan_id``, or None (not admitted yet)."""
         return self.job(name).plan_after(rank, plan_id)
 

@@ -12,10 +12,9 @@ from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
 from knittrans.lifecycle import REPLACEABLE
+from knittrans.names import is_content_hash
 
 __all__ = ["Supply"]
-
-_HEX = frozenset("0123456789abcdef")
 
 
 class Supply(JobBase):
@@ -57,7 +56,7 @@ class Supply(JobBase):
                         f"trajectories, the job's group_size is {self.spec.group_size}"
                     )
                 for h in g.media_hashes:
-                    if len(h) != 64 or not set(h) <= _HEX:
+                    if not is_content_hash(h):
                         raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
                 prior = self.groups.get(g.group_id)
                 if (

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Sequence
 
 from knittrans.sched.types import FinishedGroup, MicroBatchPlan, NodeRead, RankPlan, TrajectoryRef
+from knittrans.tickets import row_runs
 
 __all__ = ["assign_mini_batch", "lpt_assign"]
 
@@ -190,24 +191,8 @@ def assign_mini_batch(
     for rank, parts in enumerate(cuts):
         micro = []
         for index, part in enumerate(parts):
-            reads = []
-            i, m = 0, len(part)
-            while i < m:
-                unit = unit_of[part[i]]
-                ranges = []
-                start = rows[part[i]]
-                end = start + 1
-                i += 1
-                while i < m and unit_of[part[i]] == unit:
-                    row = rows[part[i]]
-                    if row != end:
-                        ranges.append((start, end))
-                        start = row
-                    end = row + 1
-                    i += 1
-                ranges.append((start, end))
-                node_id, unit_id = units[unit]
-                reads.append(NodeRead(node_id=node_id, unit_id=unit_id, row_ranges=tuple(ranges)))
+            runs = row_runs((*units[unit_of[p]], rows[p]) for p in part)
+            reads = [NodeRead(node_id=node_id, unit_id=unit_id, row_ranges=r) for node_id, unit_id, r in runs]
             micro.append(
                 MicroBatchPlan(index=index, trajectories=tuple(map(refs.__getitem__, part)), reads=tuple(reads))
             )

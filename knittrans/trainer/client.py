@@ -53,6 +53,7 @@ import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import InvalidRequest
+from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
@@ -139,11 +140,11 @@ class TrainerClient:
         micro.timing.transform_s = time.perf_counter() - t0
         return replace(micro, prepared=prepared)
 
-    def minibatch(self, plan: dict[str, Any]) -> MiniBatch:
+    def minibatch(self, plan: RankPlan) -> MiniBatch:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once with ``warm_connections``)."""
         return MiniBatch(self.context, plan)
 
-    def next_plan(self) -> dict[str, Any] | None:
+    def next_plan(self) -> RankPlan | None:
         """The next plan (long-polls until one comes); None when the job is finished."""
         cfg = self.config
         while not self._closed.is_set():
@@ -163,7 +164,7 @@ class TrainerClient:
         plan = self.next_plan()
         return self.minibatch(plan) if plan is not None else None
 
-    def replan(self, failed: str) -> dict[str, Any] | None:
+    def replan(self, failed: str) -> RankPlan | None:
         """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
         cfg = self.config
         deadline = time.monotonic() + cfg.replan_wait_s
@@ -172,7 +173,7 @@ class TrainerClient:
                 plan = self.control.next_plan(cfg.job, cfg.rank, 1.0)
             except JobFinished:
                 return None
-            if plan is not None and (plan["plan_id"] != failed or time.monotonic() > deadline):
+            if plan is not None and (str(plan.plan_id) != failed or time.monotonic() > deadline):
                 return plan
             if plan is not None:
                 time.sleep(0.2)

@@ -32,7 +32,7 @@ from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.store.unit import LocalReader
-from knittrans.tickets import Ticket
+from knittrans.tickets import Ticket, join_tickets
 
 __all__ = ["FetchRead", "Fetcher", "fetch", "ticket_rows"]
 
@@ -74,34 +74,12 @@ def _plan(reads: list[tuple[int, FetchRead]]) -> list[tuple[Ticket, list[tuple[i
         t, n = read.ticket, ticket_rows(read.ticket)
         if calls and n is not None:
             prev, members = calls[-1]
-            if (
-                prev.kind == t.kind == "rows"
-                and prev.job == t.job
-                and prev.columns == t.columns
-                and all(m is not None for _, m in members)
-            ):
-                merged = Ticket(
-                    job=t.job,
-                    reads=prev.reads + t.reads,
-                    columns=t.columns,
-                    grants=tuple(dict.fromkeys(prev.grants + t.grants)),
-                )
-                calls[-1] = (merged, [*members, (index, n)])
-                continue
-            if (
-                prev.kind == t.kind == "media"
-                and prev.job == t.job
-                and not set(prev.media_hashes) & set(t.media_hashes)
-            ):
-                units = prev.reads + tuple(r for r in t.reads if r not in prev.reads)
-                merged = Ticket(
-                    job=t.job,
-                    kind="media",
-                    reads=units,
-                    media_hashes=prev.media_hashes + t.media_hashes,
-                    grants=tuple(dict.fromkeys(prev.grants + t.grants)),
-                )
-                calls[-1] = (merged, [*members, (index, n)])
+            rows = (
+                prev.kind == t.kind == "rows" and prev.columns == t.columns and all(m is not None for _, m in members)
+            )
+            media = prev.kind == t.kind == "media" and not set(prev.media_hashes) & set(t.media_hashes)
+            if prev.job == t.job and (rows or media):
+                calls[-1] = (join_tickets([prev, t]), [*members, (index, n)])
                 continue
         calls.append((t, [(index, n)]))
     return calls

@@ -19,7 +19,6 @@ get writable copies.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from knittrans.errors import InvalidRequest, NotFound, SchemaMismatch
+from knittrans.names import is_content_hash
 
 __all__ = [
     "MediaCache",
@@ -41,7 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_HEX_HASH = re.compile(r"[0-9a-f]{64}")
 
 _NUMPY_DTYPES = {
     "bytes": np.dtype(np.uint8),
@@ -147,7 +146,7 @@ class MediaCacheStats:
 
 def _check_hashes(hashes: Sequence[str]) -> None:
     for media_hash in hashes:
-        if not isinstance(media_hash, str) or not _HEX_HASH.fullmatch(media_hash):
+        if not is_content_hash(media_hash):
             raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
 
 

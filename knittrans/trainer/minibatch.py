@@ -23,7 +23,7 @@ import torch
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError
-from knittrans.tickets import Ticket
+from knittrans.plans import MediaFetch, MicroBatchReads, PlanRow, RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -63,8 +63,8 @@ class TrainMicroBatch:
     """Tensors of the rows (see :class:`~knittrans.trainer.convert.MicroBatch`); ``num_rows`` may be 0."""
     media: dict[str, torch.Tensor]
     """Decoded media the rows use, by hex hash (each unique hash once)."""
-    rows: list[dict[str, Any]]
-    """The plan's row entries (group id, unit, node, row, tokens), in row order."""
+    rows: tuple[PlanRow, ...]
+    """The plan's rows (group id, unit, node, row, tokens), in row order."""
     timing: MicroTiming
     prepared: Any = None
     """What the client's ``transform`` returned for this micro-batch (None without a transform)."""
@@ -104,8 +104,8 @@ class SuccessorPoll:
 
     def __init__(
         self,
-        poll: Callable[[float], dict[str, Any] | None],
-        start: Callable[[dict[str, Any]], MiniBatch],
+        poll: Callable[[float], RankPlan | None],
+        start: Callable[[RankPlan], MiniBatch],
         *,
         acked: Callable[[], bool],
         poll_timeout_s: float,
@@ -189,23 +189,21 @@ class SuccessorPoll:
 class MiniBatch:
     """A rank's share of one admitted mini-batch; iterate it once for its micro-batches."""
 
-    def __init__(self, ctx: RankContext, plan: dict[str, Any]) -> None:
+    def __init__(self, ctx: RankContext, plan: RankPlan) -> None:
         self._ctx = ctx
         self.plan = plan
-        self.plan_id: str = plan["plan_id"]
-        self.step: int = plan["step"]
-        self.index: int = plan["mini_batch_index"]
-        self.global_index: int = plan["global_index"]
-        parts = self.plan_id.split(".")
-        self.attempt: int = int(parts[1][1:]) if len(parts) == 3 and parts[1][1:].isdigit() else 0
+        self.plan_id: str = str(plan.plan_id)
+        self.step: int = plan.step
+        self.index: int = plan.mini_batch_index
+        self.global_index: int = plan.global_index
+        self.attempt: int = plan.plan_id.attempt
         """Re-plan attempt of this global index (``n{n}.a{attempt}.r{rank}``)."""
-        self.policy_version: int = plan["policy_version"]
-        self.num_tokens: int = plan.get("num_tokens", 0)
-        self.num_micro_batches = len(plan["micro_batches"])
+        self.policy_version: int = plan.policy_version
+        self.num_tokens: int = plan.num_tokens
+        self.num_micro_batches = len(plan.micro_batches)
         self.received_at = time.time()
         """Wall-clock time the plan reached this rank."""
-        admitted = plan.get("admitted_at")
-        self.admitted_at: float | None = float(admitted) if admitted is not None else None
+        self.admitted_at: float | None = plan.admitted_at
         """Wall-clock admission time, when the control plane puts it in the plan (else None)."""
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
@@ -216,10 +214,10 @@ class MiniBatch:
         self.complete = False
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
-        self._media_of: dict[str, dict[str, Any]] = {}
-        for micro in plan["micro_batches"]:
-            for m in micro.get("media", ()):
-                self._media_of.setdefault(m["hash"], m)
+        self._media_of: dict[str, MediaFetch] = {}
+        for micro in plan.micro_batches:
+            for m in micro.media:
+                self._media_of.setdefault(m.hash, m)
         cfg = ctx.config
         self._streams: ShareStreams | None = None
         """One DoGet per node and kind for the whole share (None: one per micro-batch and kind)."""
@@ -248,7 +246,7 @@ class MiniBatch:
     @property
     def local_trajectories(self) -> int:
         """Trajectories of this rank's share (known from the plan, before any fetch)."""
-        return sum(len(m["rows"]) for m in self.plan["micro_batches"])
+        return self.plan.local_trajectories
 
     @property
     def mini_batch_trajectories(self) -> int | None:
@@ -257,8 +255,7 @@ class MiniBatch:
         None when the control plane does not put ``mini_batch_trajectories`` in the plan; a trainer
         then sums :attr:`local_trajectories` over ranks (one all-reduce) for a global normaliser.
         """
-        value = self.plan.get("mini_batch_trajectories")
-        return int(value) if value is not None else None
+        return self.plan.mini_batch_trajectories
 
     def _fetch_media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         reads = []
@@ -266,16 +263,12 @@ class MiniBatch:
             entry = self._media_of.get(h)
             if entry is None:
                 raise InvalidRequest(f"media hash {h} is not in plan {self.plan_id}")
-            reads.append(
-                FetchRead(
-                    node_id=entry["node_id"], endpoint=entry["endpoint"], ticket=Ticket.decode(entry["ticket"].encode())
-                )
-            )
+            reads.append(FetchRead(node_id=entry.node_id, endpoint=entry.endpoint, ticket=entry.ticket))
         return media_records(self._ctx.fetcher.fetch(reads))
 
-    def _fetch_error(self, i: int, micro: dict[str, Any], exc: KnitTransError) -> KnitTransError:
+    def _fetch_error(self, i: int, micro: MicroBatchReads, exc: KnitTransError) -> KnitTransError:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
-        nodes = {f["node_id"]: f["endpoint"] for f in [*micro["fetches"], *micro.get("media", ())]}
+        nodes = {f.node_id: f.endpoint for f in micro.fetches} | {m.node_id: m.endpoint for m in micro.media}
         named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
         message = f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}"
         try:
@@ -284,27 +277,24 @@ class MiniBatch:
             return KnitTransError(message)
 
     def _load(self, i: int) -> TrainMicroBatch:
-        micro = self.plan["micro_batches"][i]
-        timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro["rows"]))
+        micro = self.plan.micro_batches[i]
+        timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro.rows))
         t0 = time.perf_counter()
         table = None
-        want_media = self._ctx.config.fetch_media and bool(micro.get("media"))
+        want_media = self._ctx.config.fetch_media and bool(micro.media)
         streams = self._streams
         # Per micro-batch calls: the plan names the micro-batch's media, so their DoGet runs (in another
         # thread) while the rows' DoGet does. Streams: both already flow, read one after the other.
         ahead = (
-            self._ctx.media_pool.submit(self._cache.prefetch, [m["hash"] for m in micro["media"]])
+            self._ctx.media_pool.submit(self._cache.prefetch, [m.hash for m in micro.media])
             if want_media and streams is None
             else None
         )
         try:
             if streams is not None:
                 table = streams.rows(i)
-            elif micro["fetches"]:
-                reads = [
-                    FetchRead(node_id=f["node_id"], endpoint=f["endpoint"], ticket=Ticket.decode(f["ticket"].encode()))
-                    for f in micro["fetches"]
-                ]
+            elif micro.fetches:
+                reads = [FetchRead(node_id=f.node_id, endpoint=f.endpoint, ticket=f.ticket) for f in micro.fetches]
                 table = self._ctx.fetcher.fetch(reads)
         except KnitTransError as exc:
             if ahead is not None and not ahead.cancel():
@@ -321,14 +311,14 @@ class MiniBatch:
             try:
                 if ahead is not None:
                     ahead.result()
-                media = self._cache.get(refs or [m["hash"] for m in micro["media"]])
+                media = self._cache.get(refs or [m.hash for m in micro.media])
             except KnitTransError as exc:
                 raise self._fetch_error(i, micro, exc) from exc
         t3 = time.perf_counter()
         timing.fetch_s = (t1 - t0) + (t3 - t2)
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
-        loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro["rows"], timing=timing)
+        loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro.rows, timing=timing)
         return self._ctx.prepare(loaded)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
@@ -386,7 +376,7 @@ class MiniBatch:
         self._worker = threading.Thread(target=produce, name=f"knittrans-prefetch-{self.global_index}", daemon=True)
         self._worker.start()
 
-    def _start_successor(self, plan: dict[str, Any]) -> MiniBatch:
+    def _start_successor(self, plan: RankPlan) -> MiniBatch:
         successor = MiniBatch(self._ctx, plan)
         successor.start_prefetch()
         return successor

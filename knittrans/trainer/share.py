@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
 
 import pyarrow as pa
 
 from knittrans.errors import DataLost, InvalidRequest, KnitTransError, NotFound
-from knittrans.tickets import Ticket, UnitRead
+from knittrans.plans import RankPlan
+from knittrans.tickets import Ticket, join_tickets
 from knittrans.trainer.fetch import Fetcher, ticket_rows
 from knittrans.trainer.media import MediaRecord
 
@@ -169,68 +169,48 @@ class ShareStreams:
         """``DoGet`` calls (or local reads) opened so far."""
 
     @classmethod
-    def from_plan(cls, fetcher: Fetcher, plan: dict[str, Any], *, media: bool = True) -> ShareStreams | None:
+    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams | None:
         """Streams for ``plan``'s micro-batches; None when a rows ticket has no explicit row ranges or
         one node's tickets project different columns (those plans are fetched micro-batch by micro-batch)."""
         job: str | None = None
         counts: list[list[tuple[str, int]]] = []
-        reads: dict[str, list[UnitRead]] = {}
-        columns: dict[str, tuple[str, ...] | None] = {}
+        rows: dict[str, list[Ticket]] = {}
         endpoints: dict[str, str] = {}
-        grants: dict[str, dict[str, None]] = {}  # signed grants per node, in first-seen order
-        for micro in plan["micro_batches"]:
+        for micro in plan.micro_batches:
             per_micro = []
-            for f in micro["fetches"]:
-                ticket = Ticket.decode(f["ticket"].encode())
+            for f in micro.fetches:
+                ticket, node = f.ticket, f.node_id
                 n = ticket_rows(ticket) if ticket.kind == "rows" else None
-                node = f["node_id"]
-                mixed = columns.get(node, ticket.columns) != ticket.columns
+                mixed = node in rows and rows[node][0].columns != ticket.columns
                 if n is None or mixed or (job is not None and ticket.job != job):
                     return None
                 job = ticket.job
-                columns[node] = ticket.columns
-                endpoints[node] = f["endpoint"]
-                reads.setdefault(node, []).extend(ticket.reads)
-                grants.setdefault(node, {}).update(dict.fromkeys(ticket.grants))
+                endpoints[node] = f.endpoint
+                rows.setdefault(node, []).append(ticket)
                 per_micro.append((node, n))
             counts.append(per_micro)
-        media_units: dict[str, list[UnitRead]] = {}
-        media_hashes: dict[str, list[str]] = {}
+        media_of: dict[str, list[Ticket]] = {}
         media_node: dict[str, str] = {}
-        for micro in plan["micro_batches"] if media else []:
-            for m in micro.get("media", ()):
-                if m["hash"] in media_node:
+        for micro in plan.micro_batches if media else ():
+            for m in micro.media:
+                if m.hash in media_node:
                     continue
-                ticket = Ticket.decode(m["ticket"].encode())
-                node = m["node_id"]
-                if ticket.kind != "media" or (job is not None and ticket.job != job):
+                if m.ticket.kind != "media" or (job is not None and m.ticket.job != job):
                     return None
-                job = ticket.job
-                media_node[m["hash"]] = node
-                endpoints.setdefault(node, m["endpoint"])
-                units = media_units.setdefault(node, [])
-                units.extend(r for r in ticket.reads if r not in units)
-                media_hashes.setdefault(node, []).append(m["hash"])
-                grants.setdefault(node, {}).update(dict.fromkeys(ticket.grants))
+                job = m.ticket.job
+                media_node[m.hash] = m.node_id
+                endpoints.setdefault(m.node_id, m.endpoint)
+                media_of.setdefault(m.node_id, []).append(m.ticket)
         if job is None:
             return None
-        row_tickets = {
-            n: (endpoints[n], Ticket(job=job, reads=tuple(r), columns=columns[n], grants=tuple(grants.get(n, ()))))
-            for n, r in reads.items()
+        # A node's rows and media tickets carry the same grants (one per node and plan): every
+        # joined ticket gets all of them, as the rank's reads on the node are one grant's.
+        grants = {
+            node: tuple(dict.fromkeys(g for t in (*rows.get(node, ()), *media_of.get(node, ())) for g in t.grants))
+            for node in endpoints
         }
-        media_tickets = {
-            n: (
-                endpoints[n],
-                Ticket(
-                    job=job,
-                    kind="media",
-                    reads=tuple(media_units[n]),
-                    media_hashes=tuple(h),
-                    grants=tuple(grants.get(n, ())),
-                ),
-            )
-            for n, h in media_hashes.items()
-        }
+        row_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in rows.items()}
+        media_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in media_of.items()}
         return cls(fetcher, job, counts, row_tickets, media_tickets, media_node)
 
     def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:

@@ -14,6 +14,7 @@ from knittrans.api.auth import WorkerAuth
 from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.errors import Unauthenticated
+from knittrans.plans import RankPlan
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
 
@@ -55,7 +56,7 @@ async def next_plan(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
 
-    def probe() -> tuple[dict[str, Any] | None, str, bool]:
+    def probe() -> tuple[RankPlan | None, str, bool]:
         plan = svc.next_plan(job, rank) if after is None else svc.plan_after(job, rank, after)
         if plan is not None:
             return plan, "", False
@@ -67,7 +68,7 @@ async def next_plan(
         board.probed(job, rank)
         plan, state, done = await run(probe)
         if plan is not None:
-            return JSONResponse(plan)
+            return JSONResponse(plan.to_json())
         if done:
             return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
         remaining = deadline - loop.time()

@@ -24,7 +24,7 @@ from knittrans.api.models import (
 )
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.api.service import ControlPlane
-from knittrans.descriptors import GroupRecord, UnitDescriptor
+from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
@@ -81,38 +81,15 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
         if g.row_start != row:
             raise InvalidRequest(f"unit {u.unit_id!r}: group {gid!r} starts at row {g.row_start}, expected {row}")
         row += g.num_trajectories
-        groups.append(
-            _frozen(
-                GroupRecord,
-                {
-                    "group_id": gid,
-                    "source": g.source,
-                    "row_start": g.row_start,
-                    "num_trajectories": g.num_trajectories,
-                    "trajectory_tokens": tuple(g.trajectory_tokens),
-                    "version_start": g.version_start,
-                    "version_end": g.version_end,
-                    "version_weighted": vw,
-                    "finished_at": g.finished_at,
-                    "media_hashes": tuple(g.media_hashes),
-                },
-            )
-        )
+        values = group_fields(g)
+        values["trajectory_tokens"] = tuple(g.trajectory_tokens)
+        values["media_hashes"] = tuple(g.media_hashes)
+        groups.append(_frozen(GroupRecord, values))
     if row != u.num_rows:
         raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    return _frozen(
-        UnitDescriptor,
-        {
-            "unit_id": u.unit_id,
-            "job": u.job,
-            "node_id": u.node_id,
-            "endpoint": u.endpoint,
-            "num_rows": u.num_rows,
-            "num_bytes": u.num_bytes,
-            "schema_version": u.schema_version,
-            "groups": tuple(groups),
-        },
-    )
+    values = unit_fields(u)
+    values["groups"] = tuple(groups)
+    return _frozen(UnitDescriptor, values)
 
 
 @router.post(
