@@ -9,11 +9,12 @@ from api_support import drain_ranks, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.plans import RankPlan
 
 STEPS = 40
 
 
-def _run(c: TestClient, start: int, groups: int) -> list[dict[str, Any]]:
+def _run(c: TestClient, start: int, groups: int) -> list[RankPlan]:
     """Register ``groups`` one-group units (math/code alternating) and let both ranks consume all they can."""
     sources = ["math", "code"] * (groups // 2)
     r = c.post("/v1/jobs/job1/units", json={"units": single_group_units(sources, start=start)})
@@ -40,7 +41,7 @@ def test_consumed_mini_batches_leave_memory_and_old_plan_ids_still_answer(tmp_pa
         assert job.first_unconsumed == 2 * STEPS and job.consumed_mini_batches == 2 * STEPS
         assert len(job.minibatches) <= 2 and len(job.attempts) <= 2, sorted(job.minibatches)
         assert job.evicted_below >= 2 * STEPS - 2
-        old = plans[0]["plan_id"]  # mini-batch 0, rank 0: consumed and evicted long ago
+        old = str(plans[0].plan_id)  # mini-batch 0, rank 0: consumed and evicted long ago
         r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": old})
         assert r.status_code == 200 and r.json()["duplicate"] and r.json()["consumed"], r.text
         r = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0, "after": old})
@@ -52,5 +53,5 @@ def test_consumed_mini_batches_leave_memory_and_old_plan_ids_still_answer(tmp_pa
         assert len(job.minibatches) <= 2
         assert c.get("/v1/jobs/job1/status").json()["staleness"] == status["staleness"]
         more = _run(c, 2 * STEPS, 8)
-        assert sorted({p["global_index"] for p in more}) == list(range(2 * STEPS, 2 * STEPS + 8))
+        assert sorted({p.global_index for p in more}) == list(range(2 * STEPS, 2 * STEPS + 8))
         assert len(_job(c).minibatches) <= 2
