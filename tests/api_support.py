@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi.testclient import TestClient
 
+from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
 from knittrans.procs import stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
+
+
+def app_client(db: str | Path, **settings: Any) -> TestClient:
+    """The real control-plane app on SQLite file ``db`` (other ``Settings`` fields from ``settings``) in a
+    ``TestClient``; use it as a context manager, which runs the app's lifespan (state thread, sweeper)."""
+    return TestClient(create_app(Settings(db_path=str(db), **settings)))
 
 
 def job_spec(**overrides: Any) -> dict[str, Any]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from api_support import drain_ranks, job_spec, single_group_units
+from api_support import app_client, drain_ranks, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
 
 
@@ -37,7 +36,7 @@ def _setup(c: TestClient, *, sources: list[str], node: str = "n0", world: int = 
 
 def test_after_returns_the_next_plan_and_keeps_ack_order(tmp_path: Path) -> None:
     """after=<current plan> gives the rank's plan of n+1 before n is acked; stale or future ids are refused."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, sources=["math", "code", "math", "code"])
         p0 = RankPlan.from_json(_next(c, 0).json())
         assert p0.global_index == 0
@@ -69,7 +68,7 @@ def test_after_returns_the_next_plan_and_keeps_ack_order(tmp_path: Path) -> None
 
 def test_after_waits_for_admission(tmp_path: Path) -> None:
     """after= answers 204 (not done) while n+1 is not admitted, and the plan once it is."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         c.post(
             "/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, policy="linear_target")
         )
@@ -85,7 +84,7 @@ def test_after_waits_for_admission(tmp_path: Path) -> None:
 
 def test_withdrawn_plan_is_410_for_after_and_fetched(tmp_path: Path) -> None:
     """A node loss before every rank reported its share fetched withdraws the plan: after= and fetched say 410."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, sources=["math", "code", "math", "code"], node="n1")
         p0 = RankPlan.from_json(_next(c, 0).json())
         assert (
@@ -104,7 +103,7 @@ def test_withdrawn_plan_is_410_for_after_and_fetched(tmp_path: Path) -> None:
 def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path) -> None:
     """All ranks reported fetched (persisted): after a control-plane restart a node loss keeps the mini-batch."""
     db = str(tmp_path / "cp.db")
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         _setup(c, sources=["math", "code", "math", "code"], node="n1")
         plans = [RankPlan.from_json(_next(c, r).json()) for r in (0, 1)]
         for r, p in enumerate(plans):
@@ -112,7 +111,7 @@ def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path)
         again = c.post("/v1/jobs/job1/ranks/1/fetched", json={"plan_id": str(plans[1].plan_id)}).json()
         assert again["fetched_ranks"] == 2  # idempotent
         p1 = RankPlan.from_json(_next(c, 0, after=str(plans[0].plan_id)).json())
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         assert RankPlan.from_json(_next(c, 0, after=str(plans[0].plan_id)).json()) == p1  # same plan after the restart
         assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [1]}  # 0 is held by every rank
         for r, p in enumerate(plans):

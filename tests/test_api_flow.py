@@ -7,10 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from api_support import drain_ranks, group, job_spec, single_group_units, unit
+from api_support import app_client, drain_ranks, group, job_spec, single_group_units, unit
 from fastapi.testclient import TestClient
 
-from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
 from knittrans.sched.admission import POLICIES
 
@@ -50,7 +49,7 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     finish.sort()
     source_of = {gid: s for _, gid, s in finish}
     hashes = {gid: [f"{i:064x}"] for i, (_, gid, s) in enumerate(finish) if s == "mm"}
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         assert c.post("/v1/jobs", json=spec).status_code == 201
         for n in range(3):
             c.post("/v1/nodes", json={"node_id": f"n{n}", "endpoint": f"grpc://127.0.0.1:{9000 + n}"})
@@ -111,7 +110,7 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
 def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
     """Rows on a lost node: the un-acked mini-batch is withdrawn whole, re-planned without them, never half-used."""
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         c.post("/v1/jobs", json=spec)
         for n in ("n0", "n1"):
             c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
@@ -148,7 +147,7 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
 def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     """A mini-batch some rank already acked was fully fetched: it is kept; later untouched ones are re-planned."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         c.post("/v1/jobs", json=spec)
         for n in ("n0", "n1"):
             c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
@@ -169,7 +168,7 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
 def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
     """Groups older than max_staleness are never admitted and are listed to regenerate."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, max_staleness=0)
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         c.post("/v1/jobs", json=spec)
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 3}})
@@ -193,7 +192,7 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
         assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
         return plan
 
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         c.post("/v1/jobs", json=spec)
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 4, "code": 4}})
@@ -201,7 +200,7 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
         assert r.json()["admitted"] == [0, 1]
         first = [take(c, 0), take(c, 1), take(c, 0)]  # mini-batch 0 consumed, rank 0 also done with 1
         c.post("/v1/jobs/job1/versions", json={"version": 2, "rank": 0})
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2
         assert c.get("/v1/jobs/job1/version").json()["version"] == 2
         assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
@@ -218,7 +217,7 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
 def test_ack_and_version_rules(tmp_path: Path) -> None:
     """Acks go in order per rank, unknown ranks are 404, and policy versions never go back."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1)
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         c.post("/v1/jobs", json=spec)
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"])}).json()[

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import job_spec, single_group_units
+from api_support import app_client, job_spec, single_group_units
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -73,7 +73,7 @@ def test_every_mutating_endpoint_is_fuzzed() -> None:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Any:
     db = Path(tmp_path_factory.mktemp("fuzz")) / "cp.db"
-    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+    with app_client(db) as c:
         c.post("/v1/jobs", json=job_spec())
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"])})

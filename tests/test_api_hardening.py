@@ -9,11 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_support import group, job_spec, server, single_group_units, unit
-from fastapi.testclient import TestClient
-
-from knittrans.api.app import create_app
-from knittrans.api.settings import Settings
+from api_support import app_client, group, job_spec, server, single_group_units, unit
 
 ADMIN, WORKER = "admin-secret-token", "worker-secret-token"
 
@@ -117,7 +113,7 @@ def test_database_write_failure_answers_503_with_cause_and_state_stays_consisten
     tmp_path: Path, pragma: str, cause: str
 ) -> None:
     """Disk full / read-only SQLite -> 503 + Retry-After naming the cause; nothing half-applied; then recovers."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as client:
+    with app_client(tmp_path / "cp.db") as client:
         assert client.post("/v1/jobs", json=job_spec()).status_code == 201
         assert client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
         conn = client.app.state.service.store._conn  # type: ignore[attr-defined]
@@ -198,7 +194,7 @@ def test_admin_removes_a_bad_unit_and_its_groups_are_regenerated(tmp_path: Path)
 
 def test_removing_an_admitted_unit_is_a_conflict(tmp_path: Path) -> None:
     """A unit whose group is already in a mini-batch cannot be removed (409 naming the mini-batch)."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as client:
+    with app_client(tmp_path / "cp.db") as client:
         client.post("/v1/jobs", json=job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=1))
         client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})

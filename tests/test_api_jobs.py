@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import drain_ranks, job_spec, single_group_units
+from api_support import app_client, drain_ranks, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
@@ -15,7 +15,7 @@ from knittrans.api import Settings, create_app
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         yield c
 
 
@@ -176,8 +176,8 @@ def test_tokens_guard_worker_and_admin_endpoints(tmp_path: Path) -> None:
 def test_metrics_are_per_app_instance(tmp_path: Path) -> None:
     """Two apps in one process keep separate Prometheus registries."""
     with (
-        TestClient(create_app(Settings(db_path=str(tmp_path / "1.db")))) as a,
-        TestClient(create_app(Settings(db_path=str(tmp_path / "2.db")))) as b,
+        app_client(tmp_path / "1.db") as a,
+        app_client(tmp_path / "2.db") as b,
     ):
         a.post("/v1/jobs", json=job_spec())
         assert 'knittrans_quota_fill_ratio{job_name="job1",source="math"}' in a.get("/metrics").text

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from api_support import drain_ranks, job_spec, single_group_units
+from api_support import app_client, drain_ranks, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
 
 STEPS = 40
@@ -32,7 +31,7 @@ def test_consumed_mini_batches_leave_memory_and_old_plan_ids_still_answer(tmp_pa
     restores the same state and keeps evicting."""
     spec = job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
     db = str(tmp_path / "cp.db")
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         c.post("/v1/jobs", json=spec)
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
         plans = _run(c, 0, 2 * STEPS)
@@ -47,7 +46,7 @@ def test_consumed_mini_batches_leave_memory_and_old_plan_ids_still_answer(tmp_pa
         r = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0, "after": old})
         assert r.status_code == 409 and "already acked" in r.json()["detail"], r.text
         status = c.get("/v1/jobs/job1/status").json()
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         job = _job(c)
         assert (job.first_unconsumed, job.consumed_mini_batches) == (2 * STEPS, 2 * STEPS)
         assert len(job.minibatches) <= 2

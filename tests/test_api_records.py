@@ -8,9 +8,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from fastapi.testclient import TestClient
+from api_support import app_client
 
-from knittrans.api import Settings, create_app
 from knittrans.api.records import (
     JOB_KINDS,
     Kind,
@@ -78,7 +77,7 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
     """The old database loads to the status the old code showed, and the job goes on from there."""
     db = _old_database(tmp_path)
     before = json.loads((DATA / "state_v1_status.json").read_text())
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         status = c.get("/v1/jobs/job1/status").json()
         assert _persisted(status) == _persisted(before)
         reasons = {r["group_id"]: r["reason"] for r in status["to_regenerate"]}
@@ -95,5 +94,5 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
         kinds = {k for (k,) in conn.execute("SELECT DISTINCT kind FROM records")}
         acks = [k for (k,) in conn.execute("SELECT key FROM records WHERE kind='ack'")]
     assert kinds <= OLD_KINDS and not acks  # consumed: its acks are gone
-    with TestClient(create_app(Settings(db_path=db))) as c:  # what today's code wrote reads back too
+    with app_client(db) as c:  # what today's code wrote reads back too
         assert _persisted(c.get("/v1/jobs/job1/status").json()) == _persisted(status)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import single_group_units
+from api_support import app_client, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api import Settings, consumed, create_app
+from knittrans.api import consumed
 from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger, RunningSummary
 from knittrans.api.routes.deps import PlanBoard
 from knittrans.plans import RankPlan
@@ -45,7 +45,7 @@ def _spec(**overrides: Any) -> dict[str, Any]:
 def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
     """A registration that admits nothing, another rank's ack and a version report do not wake a rank
     waiting for its next plan; the admission of its next mini-batch does, once."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
         assert c.post("/v1/jobs", json=_spec()).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
@@ -85,7 +85,7 @@ def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
 
 def test_job_wide_waiters_still_see_every_change(tmp_path: Path) -> None:
     """``/headroom?wait_s`` waits on the job-wide event: a registration that admits nothing still wakes it."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
         assert c.post("/v1/jobs", json=_spec()).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
@@ -126,7 +126,7 @@ def test_status_does_not_grow_with_consumed_mini_batches(tmp_path: Path, monkeyp
     monkeypatch.setattr(consumed, "SERIES_STEPS", 24)  # the dashboard series window, full before 40 steps
     db = str(tmp_path / "cp.db")
     spec = _spec(quotas={"math": 1}, world_size=1)
-    with TestClient(create_app(Settings(db_path=db, recent_admissions=8))) as c:
+    with app_client(db, recent_admissions=8) as c:
         assert c.post("/v1/jobs", json=spec).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         job = c.app.state.service.jobs[JOB]  # type: ignore[attr-defined]  # between requests: the state is idle
@@ -143,7 +143,7 @@ def test_status_does_not_grow_with_consumed_mini_batches(tmp_path: Path, monkeyp
         assert status["counts"]["groups_by_status"] == {"consumed": 80}
         assert status["staleness"]["overall"]["end"]["staleness"]["count"] == 80
         overview = c.get("/v1/overview").json()
-    with TestClient(create_app(Settings(db_path=db, recent_admissions=8))) as c:
+    with app_client(db, recent_admissions=8) as c:
         again = c.get(f"/v1/jobs/{JOB}/status").json()
         assert again["counts"] == status["counts"]
         assert again["staleness"] == status["staleness"]
@@ -255,14 +255,14 @@ def test_consumed_units_are_forgotten_but_their_ids_are_not(tmp_path: Path) -> N
     (before and after a restart)."""
     db = str(tmp_path / "cp.db")
     spec = _spec(quotas={"math": 1}, world_size=1)
-    with TestClient(create_app(Settings(db_path=db))) as c:
+    with app_client(db) as c:
         assert c.post("/v1/jobs", json=spec).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         _run(c, 3, 0)
         job = c.app.state.service.jobs[JOB]  # type: ignore[attr-defined]  # between requests: the state is idle
         assert not job.units and not job.groups and len(job.retired_units) == 3
     for _ in range(2):  # the running process, then a restarted one
-        with TestClient(create_app(Settings(db_path=db))) as c:
+        with app_client(db) as c:
             old = single_group_units(["math"], size=1, start=0)[0]
             old["groups"][0]["version_start"] = old["groups"][0]["version_end"] = 0
             r = c.post(f"/v1/jobs/{JOB}/units", json={"units": [old]})

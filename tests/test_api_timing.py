@@ -7,10 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api_support import job_spec, single_group_units
+from api_support import app_client, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
 
 
@@ -35,7 +34,7 @@ def _ack_next(c: TestClient) -> RankPlan:
 
 def test_registration_admits_only_up_to_the_lookahead(tmp_path: Path) -> None:
     """K=3, one rank, 10 train batches finished, nothing acked: L=1 admits mini-batches 0 and 1, not all 30."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=1)
         assert c.registered["admitted"] == [0, 1]  # type: ignore[attr-defined]
         status = c.get("/v1/jobs/job1/status").json()
@@ -51,7 +50,7 @@ def test_registration_admits_only_up_to_the_lookahead(tmp_path: Path) -> None:
 
 def test_lookahead_zero_admits_when_the_trainer_asks(tmp_path: Path) -> None:
     """L=0: only the trainer's current mini-batch is ever admitted; the next one comes with the ack."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=0)
         assert c.registered["admitted"] == [0]  # type: ignore[attr-defined]
         plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
@@ -64,7 +63,7 @@ def test_lookahead_zero_admits_when_the_trainer_asks(tmp_path: Path) -> None:
 
 def test_headroom_counts_untaken_groups_and_opens_with_progress(tmp_path: Path) -> None:
     """Room = W·G - untaken; admission leaves it unchanged, an ack (trainer progress) opens it."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=1, steps=1, window=2)  # G = 3 groups, all finished; mini-batches 0, 1 admitted
         view = c.get("/v1/jobs/job1/headroom").json()
         # untaken: mini-batch 1 (admitted beyond the position) and the unadmitted group of mini-batch 2
@@ -82,7 +81,7 @@ def test_headroom_counts_untaken_groups_and_opens_with_progress(tmp_path: Path) 
 
 def test_headroom_long_poll_answers_when_an_ack_frees_room(tmp_path: Path) -> None:
     """A rollout worker waiting on a full window is answered by the ack that frees room, not by a timeout."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=1, steps=1)  # W·G = 3, three groups untaken except mini-batch 0's
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 1}})  # fill the window: room 0
         assert c.get("/v1/jobs/job1/headroom").json()["room"] == 0
@@ -107,7 +106,7 @@ def test_headroom_long_poll_answers_when_an_ack_frees_room(tmp_path: Path) -> No
 
 def test_headroom_rejects_bad_input(tmp_path: Path) -> None:
     """A negative wait and an unknown job are refused with the problem named."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=1, steps=1)
         r = c.get("/v1/jobs/job1/headroom", params={"wait_s": -1})
         assert r.status_code == 422 and "wait_s" in r.text
@@ -120,7 +119,7 @@ def test_headroom_rejects_bad_input(tmp_path: Path) -> None:
 def test_a_source_in_deficit_may_launch_when_the_window_is_full(tmp_path: Path) -> None:
     """Window full of one source's groups while the step still needs another source (e.g. its groups were lost):
     that source gets headroom for its deficit, so the job cannot deadlock on the window."""
-    with TestClient(create_app(Settings(db_path=str(tmp_path / "cp.db")))) as c:
+    with app_client(tmp_path / "cp.db") as c:
         spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=1, world_size=1, lookahead=1, window=1)
         assert c.post("/v1/jobs", json=spec).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})

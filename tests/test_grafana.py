@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import populate
-from fastapi.testclient import TestClient
+from api_support import app_client, populate
 from prometheus_client.parser import text_string_to_metric_families
 
-from knittrans.api.app import create_app
 from knittrans.api.metrics import METRICS
-from knittrans.api.settings import Settings
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "knittrans.json"
 NAME = re.compile(r"^knittrans_[a-z][a-z0-9]*(_[a-z0-9]+)*$")
@@ -29,7 +26,7 @@ NON_BASE_UNITS = ("_ms", "_s", "_us", "_ns", "_secs", "_kb", "_mb", "_gb", "_kib
 def scrape(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Families and samples of a real app's /metrics after a consumed step, node usage and rank acks."""
     db = tmp_path_factory.mktemp("grafana") / "cp.db"
-    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+    with app_client(db) as c:
         populate(c)
         c.post("/v1/nodes/n1/lost", json={"reason": "test"})
         text = c.get("/metrics").text

@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import group, job_spec, unit
-from fastapi.testclient import TestClient
+from api_support import app_client, group, job_spec, unit
 from pydantic import BaseModel
 
 from knittrans import errors
-from knittrans.api import Settings, create_app
 from knittrans.api.models import GroupIn, RankPlanOut, UnitIn
 from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, group_fields
 from knittrans.errors import InvalidRequest, InvalidTicket
@@ -35,7 +33,7 @@ def _hash(i: int) -> str:
 def wire_plans(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Plans as the real app sends them: two nodes, media, signed tickets, a projection."""
     db = tmp_path_factory.mktemp("plans") / "cp.db"
-    with TestClient(create_app(Settings(db_path=str(db), ticket_key="k" * 32))) as c:
+    with app_client(db, ticket_key="k" * 32) as c:
         spec = job_spec(
             quotas={"math": 2, "code": 2}, mini_batches_per_step=1, world_size=2, micro_batch_size=3, group_size=4
         )
