@@ -4,7 +4,8 @@ Everything the service knows is a JSON record addressed by ``(kind, job, key)`` 
 are named in :mod:`knittrans.api.records`). A state change is
 buffered in a :class:`Txn` and written in one SQLite transaction before the HTTP response goes
 out, so a restarted process on the same file sees exactly what clients were told. The interface
-(``transaction``/``put``/``delete``/``load``) is small enough to put PostgreSQL behind it later.
+(:class:`Txn` ``put``/``delete``, :meth:`RecordStore.commit`, ``load``) is small enough to put
+PostgreSQL behind it later.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from knittrans.api.records import Kind
@@ -46,7 +45,7 @@ class StateError(RuntimeError):
 
 
 class Txn:
-    """Buffered writes of one state change; applied atomically by :meth:`RecordStore.transaction`."""
+    """Buffered writes of one state change; applied atomically by :meth:`RecordStore.commit`."""
 
     def __init__(self) -> None:
         self.puts: dict[tuple[str, str, str], Any] = {}
@@ -106,13 +105,6 @@ class RecordStore:
             self._conn.execute("INSERT INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
         elif row[0] != STORE_FORMAT:
             raise StateError(f"{path}: state format {row[0]!r}, this version reads {STORE_FORMAT!r}")
-
-    @contextmanager
-    def transaction(self) -> Iterator[Txn]:
-        """Yield a :class:`Txn`; its writes are committed together when the block exits cleanly."""
-        txn = Txn()
-        yield txn
-        self.commit(txn)
 
     def commit(self, txn: Txn) -> None:
         """Write ``txn`` in one SQLite transaction (nothing when it is empty)."""

@@ -16,7 +16,7 @@ class TrainerConfig:
     """How one rank talks to the control plane and the store nodes."""
 
     control_url: str
-    """Base URL of the control plane, e.g. ``http://127.0.0.1:8000``."""
+    """Base URL of the control plane, e.g. ``http://127.0.0.1:8700`` (``knittrans control-plane``'s default port)."""
     job: str
     """Job name."""
     rank: int
