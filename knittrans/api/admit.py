@@ -20,16 +20,7 @@ __all__ = ["Admission"]
 class Admission(JobBase):
     """Admits mini-batches and expires groups past the staleness bound."""
 
-    # ------------------------------------------------------------------ admission
-    def can_admit(self) -> bool:
-        """Whether the lifecycle lets the next mini-batch be admitted."""
-        if self.state not in ("running", "draining"):
-            return False
-        if self.state == "draining" and self.next_n % self.K == 0:
-            return False
-        total = self.spec.total_steps
-        return total is None or self.next_n < total * self.K
-
+    # ------------------------------------------------------------------ admission (can_admit: JobBase)
     def admit(self, txn: Txn) -> list[int]:
         """Admit the mini-batches the policy allows now, up to ``L`` beyond the trainer's position.
 

@@ -62,8 +62,7 @@ class Delivery(JobBase):
         if self.next_n > mb.n + 1:
             return False
         total = self.spec.total_steps
-        closed = self.state == "draining" and self.next_n % self.K == 0
-        return self.done() or closed or (total is not None and self.next_n >= total * self.K)
+        return self.done() or self.drain_closed or (total is not None and self.next_n >= total * self.K)
 
     def _current(self, rank: int, plan_id: str) -> MiniBatch:
         """The mini-batch of ``plan_id``, which must be ``rank``'s current one (or already acked by it)."""

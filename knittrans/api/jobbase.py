@@ -347,11 +347,14 @@ class JobBase:
         self._save_meta(txn)
         return from_step
 
+    @property
+    def drain_closed(self) -> bool:
+        """A draining job reached a step boundary: it admits nothing more (the one place of that rule)."""
+        return self.state == "draining" and self.next_n % self.K == 0
+
     def can_admit(self) -> bool:
         """Whether the lifecycle lets the next mini-batch be admitted."""
-        if self.state not in ADMITTING:
-            return False
-        if self.state == "draining" and self.next_n % self.K == 0:
+        if self.state not in ADMITTING or self.drain_closed:
             return False
         total = self.spec.total_steps
         return total is None or self.next_n < total * self.K
