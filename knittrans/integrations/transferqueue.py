@@ -37,26 +37,33 @@ for its Ray node id, or the ``KNITTRANS_TQ_NODE`` environment variable when set.
 from __future__ import annotations
 
 import asyncio
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
-import torch
 
 from knittrans.errors import InvalidRequest, KnitTransError, NotFound, Unavailable
 from knittrans.flight.client import StoreClient
-from knittrans.integrations.tqcodec import column_name, decode_column, decode_media, encode_put, field_columns
 from knittrans.names import check_name
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket, UnitRead
+
+# torch (and the codec, which needs it) is imported on first use, not with this module: importing
+# torch fixes its intra-op thread count, and Ray sets OMP_NUM_THREADS for an actor only after the
+# worker's setup hook ran (see register()).
 
 __all__ = ["BACKEND_NAME", "KnitTransStorageManager", "StoreNodeLost", "TQBackendConfig", "register"]
 
@@ -229,6 +236,8 @@ class _Core:
         self, data: Mapping[str, Any], n: int, global_indexes: Sequence[int], partition: str
     ) -> list[dict[str, dict[str, Any]]]:
         """Write one put as one unit on this node; per row, ``{field: location}`` (TQ's backend meta)."""
+        from knittrans.integrations.tqcodec import encode_put, field_columns
+
         node = self.local_node()
         tables = encode_put(
             data, n, global_indexes=global_indexes, partition=partition, media_fields=self.config.media_fields
@@ -293,6 +302,8 @@ class _Core:
         units: list[str],
         where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
     ) -> dict[str, tuple[list[int], Any]]:
+        from knittrans.integrations.tqcodec import column_name, decode_column, decode_media
+
         fields = tuple(f for f, _ in layout)
         reads = []
         for unit in units:
@@ -382,6 +393,8 @@ class _Core:
 
 def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
     """Rows of one field from several DoGets, in batch order: a batched tensor when possible."""
+    import torch
+
     order = [p for positions, _ in parts for p in positions]
     identity = order == list(range(n))
     if len(parts) == 1 and identity and isinstance(parts[0][1], torch.Tensor):
@@ -404,6 +417,8 @@ def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
 
 def _pack(value: Any) -> Any:
     """A field for a TensorDict: batched tensors as they are; row lists as TransferQueue packs them."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value
     from tensordict import NonTensorStack
@@ -491,8 +506,56 @@ KnitTransStorageManager: type[Any] | None = None
 def register() -> None:
     """Register the ``KnitTrans`` backend (manager + bootstrap) with TransferQueue; idempotent.
 
-    Usable as Ray's ``worker_process_setup_hook`` so every worker process knows the backend.
+    Usable as Ray's ``worker_process_setup_hook`` so every worker process knows the backend. Ray runs
+    that hook when the worker process starts, *before* it sets ``OMP_NUM_THREADS`` for the actor or
+    task the process will run; importing TransferQueue (hence torch) there would fix torch's
+    intra-op thread count at the number of cores in every worker, TransferQueue's controller
+    included, whose per-request torch ops then wait on an OpenMP team on a loaded host. So in a Ray
+    worker whose thread count is not set yet, and that has not imported TransferQueue, this only
+    arranges for the registration to happen right after the process imports ``transfer_queue``.
     """
+    if KnitTransStorageManager is not None:
+        return
+    if "transfer_queue" not in sys.modules and _ray_worker_before_task():
+        if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport())
+        return
+    _register_now()
+
+
+def _ray_worker_before_task() -> bool:
+    """Whether this is a Ray worker process that has not been given its thread count yet."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return False
+    ray = sys.modules.get("ray")
+    worker = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
+    return worker is not None and getattr(worker, "mode", None) == getattr(ray, "WORKER_MODE", object())
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`register` once the ``transfer_queue`` package has been imported in this process."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "transfer_queue":
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders locate the package
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            _register_now()
+
+        loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def _register_now() -> None:
     global KnitTransStorageManager
     if KnitTransStorageManager is not None:
         return
