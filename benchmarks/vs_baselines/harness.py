@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                             put_ahead=args.put_ahead,
                         )
                     )
-                    (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results + done, "round": rnd}))
+                    (out_dir / "raw_partial.json").write_text(json.dumps({"rounds": [*per_round, done]}))
             per_round.append(done)
         results += merge_rounds(per_round)
     (out_dir / "raw_partial.json").unlink(missing_ok=True)
