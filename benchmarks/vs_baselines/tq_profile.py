@@ -56,7 +56,12 @@ class ProfConsumer:
 
         self.manager.get_data = timed
 
-    def run(self, partition: str, task: str, fields: list[str], profile: bool) -> dict[str, Any]:
+    def run(
+        self, partition: str, task: str, fields: list[str], profile: bool, path: str = "sampler", compute: bool = False
+    ) -> dict[str, Any]:
+        from benchmarks.vs_baselines.common import TinyPolicy
+
+        model = TinyPolicy(self.spec.vocab_size, 64) if compute else None
         prof = cProfile.Profile() if profile else None
         rows = []
         cpu0 = time.process_time()
@@ -65,18 +70,25 @@ class ProfConsumer:
             if prof:
                 prof.enable()
             t0 = time.perf_counter()
-            meta = self.client.get_meta(
-                data_fields=fields,
-                batch_size=self.spec.micro_batch_size,
-                partition_id=partition,
-                task_name=task,
-                sampling_config=config,
-            )
-            t1 = time.perf_counter()
-            td = self.client.get_data(meta)
+            if path == "kv":
+                keys = [f"t{i:05d}" for i in self.spec.plan(self.rank, m)]
+                t1 = time.perf_counter()
+                td = self.tq.kv_batch_get(keys=keys, partition_id=partition)
+            else:
+                meta = self.client.get_meta(
+                    data_fields=fields,
+                    batch_size=self.spec.micro_batch_size,
+                    partition_id=partition,
+                    task_name=task,
+                    sampling_config=config,
+                )
+                t1 = time.perf_counter()
+                td = self.client.get_data(meta)
             t2 = time.perf_counter()
-            to_train_batch(td)
+            batch = to_train_batch(td)
             t3 = time.perf_counter()
+            if model is not None:
+                model.loss(batch).backward()
             if prof:
                 prof.disable()
             rows.append(
@@ -95,7 +107,9 @@ class ProfConsumer:
         return out
 
 
-def measure(backend: str, spec: WorkloadSpec, reps: int, out: Path, profile: bool) -> list[dict[str, Any]]:
+def measure(
+    backend: str, spec: WorkloadSpec, reps: int, out: Path, profile: bool, path: str, compute: bool
+) -> list[dict[str, Any]]:
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
@@ -164,13 +178,20 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, out: Path, profile: boo
                 use = actors[:1] if ranks == "one" else actors
                 c0 = _proc_cpu(cpid)
                 t0 = time.perf_counter()
-                res = ray.get([a.run.remote("p", f"{ranks}{i}", fields, profile and k == 0) for k, a in enumerate(use)])
+                res = ray.get(
+                    [
+                        a.run.remote("p", f"{ranks}{i}", fields, profile and k == 0, path, compute)
+                        for k, a in enumerate(use)
+                    ]
+                )
                 wall = time.perf_counter() - t0
                 ctrl = _proc_cpu(cpid) - c0
                 rows = [r for x in res for r in x["rows"]]
                 calls = len(rows)
                 rec = {
                     "backend": backend,
+                    "path": path,
+                    "compute": compute,
                     "ranks": ranks,
                     "rep": i,
                     "load1": os.getloadavg()[0],
@@ -201,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--backends", default="simple,knittrans")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--path", default="sampler", choices=["sampler", "kv"])
+    p.add_argument("--compute", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -208,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = WorkloadSpec(kind="multimodal")
     results = []
     for b in args.backends.split(","):
-        results += measure(b, spec, args.reps, out, args.profile)
+        results += measure(b, spec, args.reps, out, args.profile, args.path, args.compute)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
     return 0
 
