@@ -14,7 +14,7 @@ its storage seam (``StorageManager.put_data / get_data / clear_data``) is replac
 * ``put_data`` (runs in the producer): one put becomes one storage unit (Arrow IPC, see
   :mod:`knittrans.integrations.tqcodec`) written to the KnitTrans store *of the producer's node*.
   Media fields (``media_fields``) are stored once per content hash. Each (row, field) gets
-  ``{"node", "unit", "row", "n"}`` as TransferQueue ``custom_backend_meta``: the controller keeps
+  ``(node, unit, row, n, jagged)`` as TransferQueue ``custom_backend_meta``: the controller keeps
   it and hands it back in every ``BatchMeta``, so any process can find the row.
 * ``get_data`` (runs in the consumer): rows are grouped by node; one ``DoGet`` per node carries
   exactly the requested rows (row ranges) and the requested fields' columns, plus one ``media``
@@ -137,22 +137,24 @@ def _plain(conf: Any) -> dict[str, Any]:
     return dict(conf)
 
 
-@dataclass(frozen=True)
-class _Loc:
-    node: str
-    unit: str
-    row: int
-    n: int
-    jagged: bool
+Loc = tuple[str, str, int, int, bool]
+"""Where one (row, field) lives: ``(node, unit, row in unit, rows in unit, jagged column)``. Carried
+as TransferQueue ``custom_backend_meta`` (a tuple, or a list after a msgpack hop): five scalars
+rather than a keyed dict, so the controller's per-request copies and the BatchMeta it ships stay small."""
 
 
-def _loc(meta: Any, field_name: str, gidx: int) -> _Loc:
-    if not isinstance(meta, Mapping) or not {"node", "unit", "row", "n"} <= set(meta):
+def _is_loc(meta: Any) -> bool:
+    return type(meta) in (tuple, list) and len(meta) == 5
+
+
+def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
+    if not _is_loc(meta):
         raise NotFound(
             f"field {field_name!r} of global index {gidx} has no KnitTrans location; was it put through the "
             f"{BACKEND_NAME} backend?"
         )
-    return _Loc(str(meta["node"]), str(meta["unit"]), int(meta["row"]), int(meta["n"]), bool(meta.get("j")))
+    node, unit, row, n, jagged = meta
+    return node, unit, row, n, jagged
 
 
 def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -234,7 +236,7 @@ class _Core:
     # ------------------------------------------------------------------ put
     def put(
         self, data: Mapping[str, Any], n: int, global_indexes: Sequence[int], partition: str
-    ) -> list[dict[str, dict[str, Any]]]:
+    ) -> list[dict[str, Loc]]:
         """Write one put as one unit on this node; per row, ``{field: location}`` (TQ's backend meta)."""
         from knittrans.integrations.tqcodec import encode_put, field_columns
 
@@ -250,7 +252,7 @@ class _Core:
             raise StoreNodeLost(f"store node {node!r} ({self.endpoint(node)}) cannot take the put: {exc}") from None
         names = set(tables.traj.schema.names)
         jagged = {f: field_columns(names, f)[-1].endswith("#shape") for f in data}
-        return [{f: {"node": node, "unit": unit_id, "row": i, "n": n, "j": jagged[f]} for f in data} for i in range(n)]
+        return [{f: (node, unit_id, i, n, jagged[f]) for f in data} for i in range(n)]
 
     # ------------------------------------------------------------------ get
     def get(
@@ -263,9 +265,9 @@ class _Core:
         layout: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
         for pos, (gidx, meta) in enumerate(zip(global_indexes, backend_meta, strict=True)):
             for f in field_names:
-                loc = _loc(meta.get(f), f, gidx)
-                where[(loc.node, loc.unit)][f].append((pos, loc.row))
-                layout[(loc.node, loc.unit)][f] = loc.jagged
+                node, unit, row, _, jagged = _loc(meta.get(f), f, gidx)
+                where[(node, unit)][f].append((pos, row))
+                layout[(node, unit)][f] = jagged
         # one DoGet per node and column layout: units whose requested fields have the same columns
         groups: dict[tuple[str, tuple[tuple[str, bool], ...]], list[str]] = defaultdict(list)
         for key in where:
@@ -284,9 +286,7 @@ class _Core:
     def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
         network wait: :meth:`get` is then a short CPU-bound call)."""
-        nodes = {
-            loc["node"] for meta in backend_meta for loc in meta.values() if isinstance(loc, Mapping) and "node" in loc
-        }
+        nodes = {loc[0] for meta in backend_meta for loc in meta.values() if _is_loc(loc)}
         return all(self._is_local(str(node)) for node in nodes)
 
     def _is_local(self, node: str) -> bool:
@@ -366,11 +366,11 @@ class _Core:
         sizes: dict[tuple[str, str], int] = {}
         for gidx, meta in zip(global_indexes, backend_meta, strict=True):
             for f in field_names:
-                if not isinstance(meta.get(f), Mapping):
+                if not _is_loc(meta.get(f)):
                     continue
-                loc = _loc(meta[f], f, gidx)
-                rows[(loc.node, loc.unit)].add(loc.row)
-                sizes[(loc.node, loc.unit)] = loc.n
+                node, unit, row, n, _ = _loc(meta[f], f, gidx)
+                rows[(node, unit)].add(row)
+                sizes[(node, unit)] = n
         deleted = []
         for key, cleared in rows.items():
             if len(cleared) >= sizes[key]:
