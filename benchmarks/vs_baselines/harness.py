@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     round_loads: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="vs_baselines_") as tmp:
         per_round: list[list[dict[str, Any]]] = []
-        for rnd in range(rounds):
+        for _ in range(rounds):
             round_loads.append(list(os.getloadavg()))
             done: list[dict[str, Any]] = []
             for kind in kinds:
