@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,37 @@ def run_one(
     return result
 
 
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per (system, workload) from interleaved rounds (one driver, one repetition per round):
+    their repetitions side by side, warm-up waits pooled per mode, start-up the median, memory peaks the
+    largest per role."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = []
+    for parts in zip(*rounds, strict=True):
+        base = dict(parts[0])
+        runs = []
+        for rnd, part in enumerate(parts):
+            runs += [{**run, "rep": rnd} for run in part["runs"]]
+        base["runs"] = runs
+        base["phases"] = [p for part in parts for p in part["phases"]]
+        base["startup_s"] = statistics.median(part["startup_s"] for part in parts)
+        warm: dict[str, dict[str, Any]] = {}
+        for part in parts:
+            for w in part.get("warmup", []):
+                slot = warm.setdefault(w["mode"], {**w, "waits_ms": []})
+                slot["waits_ms"] = slot["waits_ms"] + list(w["waits_ms"])
+        base["warmup"] = list(warm.values())
+        memory = dict(parts[0]["memory"])
+        for key in ("peak_by_role_whole_run", "peak_by_role_data_phases", "peak_by_role_one_copy"):
+            roles = {role for part in parts for role in part["memory"][key]}
+            memory[key] = {role: max(part["memory"][key].get(role, 0) for part in parts) for role in roles}
+        memory["processes"] = max(part["memory"]["processes"] for part in parts)
+        base["memory"] = memory
+        merged.append(base)
+    return merged
+
+
 def cold_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fetch waits of each driver's unrecorded warm-up mini-batches (the first ones after start-up: cold)."""
     out = []
@@ -219,6 +251,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="compute mode: put each mini-batch only after the previous one was consumed "
         "(default: the next one is put before the current one is consumed)",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the repetitions as rounds (every system once per round, one driver each) instead of "
+        "all repetitions of one system in a row, so systems share the host's load window",
+    )
     p.add_argument("--smoke", action="store_true", help="reduced CI mode (< 2 min): fewer systems, rows, reps")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per driver subprocess")
     p.add_argument("--from-json", default=None, help="re-summarise the raw results of an earlier results.json")
@@ -261,25 +299,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())["raw"]
         chosen = []
+    rounds = reps if args.interleave else 1
+    round_loads: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="vs_baselines_") as tmp:
-        for kind in kinds:
-            for system, variant in chosen:
-                results.append(
-                    run_one(
-                        system,
-                        variant,
-                        kind,
-                        reps=reps,
-                        modes=args.modes,
-                        spec=spec,
-                        hidden=args.compute_hidden,
-                        timeout_s=args.timeout,
-                        workdir=Path(tmp),
-                        warmup=args.warmup,
-                        put_ahead=args.put_ahead,
+        per_round: list[list[dict[str, Any]]] = []
+        for _ in range(rounds):
+            round_loads.append(list(os.getloadavg()))
+            done: list[dict[str, Any]] = []
+            for kind in kinds:
+                for system, variant in chosen:
+                    done.append(
+                        run_one(
+                            system,
+                            variant,
+                            kind,
+                            reps=1 if args.interleave else reps,
+                            modes=args.modes,
+                            spec=spec,
+                            hidden=args.compute_hidden,
+                            timeout_s=args.timeout,
+                            workdir=Path(tmp),
+                            warmup=args.warmup,
+                            put_ahead=args.put_ahead,
+                        )
                     )
-                )
-                (out_dir / "raw_partial.json").write_text(json.dumps({"raw": results}))
+                    (out_dir / "raw_partial.json").write_text(json.dumps({"rounds": [*per_round, done]}))
+            per_round.append(done)
+        results += merge_rounds(per_round)
     (out_dir / "raw_partial.json").unlink(missing_ok=True)
     summary = summarise(results)
     summary["cold"] = cold_rows(results)
@@ -294,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         **machine,
         "loadavg_start": load_start,
         "loadavg_end": list(os.getloadavg()),
+        "interleaved": args.interleave,
+        "loadavg_rounds": round_loads if args.interleave else None,
     }
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}))
     table = write_markdown(summary, meta, out_dir / "results.md")

@@ -52,6 +52,13 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
             f"at end {_load(meta.get('loadavg_end'))}.",
             "",
         ]
+    if meta.get("interleaved"):
+        lines += [
+            f"Repetitions interleaved: {meta['reps']} rounds, every system once per round (one driver "
+            f"each); load average at the start of each round: "
+            f"{', '.join(_load(v) for v in meta.get('loadavg_rounds') or [])}.",
+            "",
+        ]
     cols = [
         "put_s",
         "fetch_p50_ms",

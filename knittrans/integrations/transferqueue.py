@@ -14,7 +14,7 @@ its storage seam (``StorageManager.put_data / get_data / clear_data``) is replac
 * ``put_data`` (runs in the producer): one put becomes one storage unit (Arrow IPC, see
   :mod:`knittrans.integrations.tqcodec`) written to the KnitTrans store *of the producer's node*.
   Media fields (``media_fields``) are stored once per content hash. Each (row, field) gets
-  ``{"node", "unit", "row", "n"}`` as TransferQueue ``custom_backend_meta``: the controller keeps
+  ``(node, unit, row, n, jagged)`` as TransferQueue ``custom_backend_meta``: the controller keeps
   it and hands it back in every ``BatchMeta``, so any process can find the row.
 * ``get_data`` (runs in the consumer): rows are grouped by node; one ``DoGet`` per node carries
   exactly the requested rows (row ranges) and the requested fields' columns, plus one ``media``
@@ -37,26 +37,33 @@ for its Ray node id, or the ``KNITTRANS_TQ_NODE`` environment variable when set.
 from __future__ import annotations
 
 import asyncio
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
-import torch
 
 from knittrans.errors import InvalidRequest, KnitTransError, NotFound, Unavailable
 from knittrans.flight.client import StoreClient
-from knittrans.integrations.tqcodec import column_name, decode_column, decode_media, encode_put, field_columns
 from knittrans.names import check_name
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket, UnitRead
+
+# torch (and the codec, which needs it) is imported on first use, not with this module: importing
+# torch fixes its intra-op thread count, and Ray sets OMP_NUM_THREADS for an actor only after the
+# worker's setup hook ran (see register()).
 
 __all__ = ["BACKEND_NAME", "KnitTransStorageManager", "StoreNodeLost", "TQBackendConfig", "register"]
 
@@ -130,22 +137,24 @@ def _plain(conf: Any) -> dict[str, Any]:
     return dict(conf)
 
 
-@dataclass(frozen=True)
-class _Loc:
-    node: str
-    unit: str
-    row: int
-    n: int
-    jagged: bool
+Loc = tuple[str, str, int, int, bool]
+"""Where one (row, field) lives: ``(node, unit, row in unit, rows in unit, jagged column)``. Carried
+as TransferQueue ``custom_backend_meta`` (a tuple, or a list after a msgpack hop): five scalars
+rather than a keyed dict, so the controller's per-request copies and the BatchMeta it ships stay small."""
 
 
-def _loc(meta: Any, field_name: str, gidx: int) -> _Loc:
-    if not isinstance(meta, Mapping) or not {"node", "unit", "row", "n"} <= set(meta):
+def _is_loc(meta: Any) -> bool:
+    return type(meta) in (tuple, list) and len(meta) == 5
+
+
+def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
+    if not _is_loc(meta):
         raise NotFound(
             f"field {field_name!r} of global index {gidx} has no KnitTrans location; was it put through the "
             f"{BACKEND_NAME} backend?"
         )
-    return _Loc(str(meta["node"]), str(meta["unit"]), int(meta["row"]), int(meta["n"]), bool(meta.get("j")))
+    node, unit, row, n, jagged = meta
+    return node, unit, row, n, jagged
 
 
 def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -227,8 +236,10 @@ class _Core:
     # ------------------------------------------------------------------ put
     def put(
         self, data: Mapping[str, Any], n: int, global_indexes: Sequence[int], partition: str
-    ) -> list[dict[str, dict[str, Any]]]:
+    ) -> list[dict[str, Loc]]:
         """Write one put as one unit on this node; per row, ``{field: location}`` (TQ's backend meta)."""
+        from knittrans.integrations.tqcodec import encode_put, field_columns
+
         node = self.local_node()
         tables = encode_put(
             data, n, global_indexes=global_indexes, partition=partition, media_fields=self.config.media_fields
@@ -241,7 +252,7 @@ class _Core:
             raise StoreNodeLost(f"store node {node!r} ({self.endpoint(node)}) cannot take the put: {exc}") from None
         names = set(tables.traj.schema.names)
         jagged = {f: field_columns(names, f)[-1].endswith("#shape") for f in data}
-        return [{f: {"node": node, "unit": unit_id, "row": i, "n": n, "j": jagged[f]} for f in data} for i in range(n)]
+        return [{f: (node, unit_id, i, n, jagged[f]) for f in data} for i in range(n)]
 
     # ------------------------------------------------------------------ get
     def get(
@@ -254,9 +265,9 @@ class _Core:
         layout: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
         for pos, (gidx, meta) in enumerate(zip(global_indexes, backend_meta, strict=True)):
             for f in field_names:
-                loc = _loc(meta.get(f), f, gidx)
-                where[(loc.node, loc.unit)][f].append((pos, loc.row))
-                layout[(loc.node, loc.unit)][f] = loc.jagged
+                node, unit, row, _, jagged = _loc(meta.get(f), f, gidx)
+                where[(node, unit)][f].append((pos, row))
+                layout[(node, unit)][f] = jagged
         # one DoGet per node and column layout: units whose requested fields have the same columns
         groups: dict[tuple[str, tuple[tuple[str, bool], ...]], list[str]] = defaultdict(list)
         for key in where:
@@ -275,9 +286,7 @@ class _Core:
     def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
         network wait: :meth:`get` is then a short CPU-bound call)."""
-        nodes = {
-            loc["node"] for meta in backend_meta for loc in meta.values() if isinstance(loc, Mapping) and "node" in loc
-        }
+        nodes = {loc[0] for meta in backend_meta for loc in meta.values() if _is_loc(loc)}
         return all(self._is_local(str(node)) for node in nodes)
 
     def _is_local(self, node: str) -> bool:
@@ -293,6 +302,8 @@ class _Core:
         units: list[str],
         where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
     ) -> dict[str, tuple[list[int], Any]]:
+        from knittrans.integrations.tqcodec import column_name, decode_column, decode_media
+
         fields = tuple(f for f, _ in layout)
         reads = []
         for unit in units:
@@ -355,11 +366,11 @@ class _Core:
         sizes: dict[tuple[str, str], int] = {}
         for gidx, meta in zip(global_indexes, backend_meta, strict=True):
             for f in field_names:
-                if not isinstance(meta.get(f), Mapping):
+                if not _is_loc(meta.get(f)):
                     continue
-                loc = _loc(meta[f], f, gidx)
-                rows[(loc.node, loc.unit)].add(loc.row)
-                sizes[(loc.node, loc.unit)] = loc.n
+                node, unit, row, n, _ = _loc(meta[f], f, gidx)
+                rows[(node, unit)].add(row)
+                sizes[(node, unit)] = n
         deleted = []
         for key, cleared in rows.items():
             if len(cleared) >= sizes[key]:
@@ -382,6 +393,8 @@ class _Core:
 
 def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
     """Rows of one field from several DoGets, in batch order: a batched tensor when possible."""
+    import torch
+
     order = [p for positions, _ in parts for p in positions]
     identity = order == list(range(n))
     if len(parts) == 1 and identity and isinstance(parts[0][1], torch.Tensor):
@@ -404,6 +417,8 @@ def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
 
 def _pack(value: Any) -> Any:
     """A field for a TensorDict: batched tensors as they are; row lists as TransferQueue packs them."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value
     from tensordict import NonTensorStack
@@ -491,8 +506,56 @@ KnitTransStorageManager: type[Any] | None = None
 def register() -> None:
     """Register the ``KnitTrans`` backend (manager + bootstrap) with TransferQueue; idempotent.
 
-    Usable as Ray's ``worker_process_setup_hook`` so every worker process knows the backend.
+    Usable as Ray's ``worker_process_setup_hook`` so every worker process knows the backend. Ray runs
+    that hook when the worker process starts, *before* it sets ``OMP_NUM_THREADS`` for the actor or
+    task the process will run; importing TransferQueue (hence torch) there would fix torch's
+    intra-op thread count at the number of cores in every worker, TransferQueue's controller
+    included, whose per-request torch ops then wait on an OpenMP team on a loaded host. So in a Ray
+    worker whose thread count is not set yet, and that has not imported TransferQueue, this only
+    arranges for the registration to happen right after the process imports ``transfer_queue``.
     """
+    if KnitTransStorageManager is not None:
+        return
+    if "transfer_queue" not in sys.modules and _ray_worker_before_task():
+        if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport())
+        return
+    _register_now()
+
+
+def _ray_worker_before_task() -> bool:
+    """Whether this is a Ray worker process that has not been given its thread count yet."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return False
+    ray = sys.modules.get("ray")
+    worker = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
+    return worker is not None and getattr(worker, "mode", None) == getattr(ray, "WORKER_MODE", object())
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`register` once the ``transfer_queue`` package has been imported in this process."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "transfer_queue":
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders locate the package
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            _register_now()
+
+        loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def _register_now() -> None:
     global KnitTransStorageManager
     if KnitTransStorageManager is not None:
         return

@@ -244,3 +244,54 @@ def test_unknown_backend_keys_are_refused_by_name() -> None:
     """A typo in backend.KnitTrans is an error naming the key, not a silently ignored setting."""
     with pytest.raises(ValueError, match=r"unknown keys \['media_field'\]"):
         kt_tq.TQBackendConfig.from_conf({"media_field": ["image"]})
+
+
+@ray.remote(num_cpus=0)
+class _Reader:
+    """A consumer rank in its own worker process (Ray runs the setup hook there)."""
+
+    def read(self, keys: list[str], partition: str) -> dict[str, Any]:
+        tq.init()  # attaches; creates this process' client, hence its KnitTrans storage manager
+        td = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=["traj_index"])
+        return {
+            "rows": td["traj_index"].tolist(),
+            "manager": type(tq.get_client().storage_manager).__name__,
+            "torch_threads": torch.get_num_threads(),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+        }
+
+
+_PROBE = """
+def probe():
+    import os, sys
+    return "torch" in sys.modules, "transfer_queue" in sys.modules, os.environ.get("OMP_NUM_THREADS")
+"""
+
+
+def test_setup_hook_leaves_thread_counts_to_ray_and_registers_in_workers(tmp_path: Path) -> None:
+    """The setup hook imports neither torch nor TransferQueue (Ray sets OMP_NUM_THREADS only after it): the
+    controller keeps Ray's thread count, and a worker that imports TransferQueue still gets the backend."""
+    server = _store(tmp_path, "node-a")
+    backend = {"storage_backend": "KnitTrans", "KnitTrans": {"stores": {"node-a": server.endpoint}, "job": "hook"}}
+    w = generate(WorkloadSpec(kind="text", num_trajectories=64, groups_per_put=2, seed=5))
+    try:
+        with _session(backend):
+            for groups in w.spec.put_batches():
+                keys, fields = group_fields(w, groups)
+                tq.kv_batch_put(keys=keys, partition_id="p", fields=fields)
+            namespace: dict[str, Any] = {"__name__": "__main__"}
+            exec(_PROBE, namespace)  # defined here, pickled by value: running it imports nothing
+            torch_loaded, tq_loaded, _omp = ray.get(ray.remote(num_cpus=0)(namespace["probe"]).remote())
+            assert not torch_loaded and not tq_loaded
+            controller = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+            threads, omp = ray.get(
+                controller.__ray_call__.remote(lambda _self: (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]))
+            )
+            assert threads == int(omp) == 1  # Ray's setting for an actor without num_cpus
+            keys = [w.traj_id(i) for i in (5, 63, 0)]
+            got = ray.get(_Reader.remote().read.remote(keys, "p"))  # type: ignore[attr-defined]
+            assert got["rows"] == [5, 63, 0]
+            assert got["manager"] == "KnitTransStorageManagerImpl"
+            assert got["torch_threads"] == int(got["omp"]) == 1
+    finally:
+        server.shutdown()
