@@ -16,6 +16,8 @@
     ├── Unauthenticated                  missing or wrong bearer token; 401 / FlightUnauthenticatedError
     ├── DataLost                         rows that were planned live on a node declared lost; 410
     └── Unavailable                      a peer (store node, control plane) cannot be reached; 503
+
+    StateError (RuntimeError)            the control plane's state database cannot be used as it is (at start)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "OverBudget",
     "PayloadTooLarge",
     "SchemaMismatch",
+    "StateError",
     "Unauthenticated",
     "Unavailable",
     "error_of_status",
@@ -137,3 +140,10 @@ def error_of_status(status: int) -> type[KnitTransError]:
         if code == status and not issubclass(kind, InvalidRequest):
             return kind
     return KnitTransError
+
+
+class StateError(RuntimeError):
+    """The control plane's state database cannot be used as it is (empty, foreign, other format, unreadable).
+
+    Raised when the control plane starts, before it serves anything: not a request error, so not a
+    :class:`KnitTransError`."""

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from knittrans.api.records import Kind
-from knittrans.errors import Unavailable
+from knittrans.errors import StateError, Unavailable
 
 __all__ = ["RecordStore", "StateError", "Txn"]
 
@@ -38,10 +38,6 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 STORE_FORMAT = "1"
 """Version of the record layout; a database written with another version is refused."""
-
-
-class StateError(RuntimeError):
-    """The state database cannot be used as it is (empty, foreign, other format, unreadable)."""
 
 
 class Txn:
