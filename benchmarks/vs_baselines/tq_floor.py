@@ -24,6 +24,7 @@ passes over the same stored mini-batch (a first pass per mode is warm-up, not re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -120,7 +121,11 @@ class FloorConsumer:
         return [{"wait_ms": 1e3 * mb["wait_s"], **p} for mb, p in zip(result["micro"], parts, strict=True)]
 
 
-def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[str]) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def tq_session(backend: str, spec: WorkloadSpec, partition: str, prefix: str) -> Iterator[Any]:
+    """Ray and TransferQueue with ``backend`` ("simple": SimpleStorage; any other: the KnitTrans backend,
+    registered through the worker setup hook), the workload of ``spec`` put into ``partition``; yields the
+    ``transfer_queue`` module. Shuts both down (and removes the store root) on exit."""
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
@@ -139,7 +144,7 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
             from knittrans.integrations.transferqueue import register
 
             register()
-            root = tempfile.mkdtemp(prefix="knittrans_tq_floor_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+            root = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
             conf_backend: dict[str, Any] = {
                 "storage_backend": "KnitTrans",
                 "KnitTrans": {"media_fields": ["image"], "store_root": root, "host": "127.0.0.1"},
@@ -155,7 +160,18 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
         workload = generate(spec)
         for groups in spec.put_batches():
             keys, fields = group_fields(workload, groups)
-            tq.kv_batch_put(keys=keys, partition_id="floor", fields=fields)
+            tq.kv_batch_put(keys=keys, partition_id=partition, fields=fields)
+        yield tq
+    finally:
+        tq.close()
+        ray.shutdown()
+        if root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[str]) -> list[dict[str, Any]]:
+    knit = backend != "simple"
+    with tq_session(backend, spec, "floor", "knittrans_tq_floor_"):
         actors = [
             FloorConsumer.remote(r, spec, False)  # type: ignore[attr-defined]
             for r in range(spec.ranks)
@@ -202,11 +218,6 @@ def measure(backend: str, spec: WorkloadSpec, reps: int, path: str, modes: list[
         for a in actors:
             ray.kill(a)
         return results
-    finally:
-        tq.close()
-        ray.shutdown()
-        if root:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,8 @@ import io
 import json
 import os
 import pstats
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,9 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks.vs_baselines.tq_runner import SCALAR_FIELDS, SETUP_HOOK, TOKEN_FIELDS, group_fields, to_train_batch
-from benchmarks.vs_baselines.workload import WorkloadSpec, generate
+from benchmarks.vs_baselines.tq_floor import tq_session
+from benchmarks.vs_baselines.tq_runner import SCALAR_FIELDS, TOKEN_FIELDS, to_train_batch
+from benchmarks.vs_baselines.workload import WorkloadSpec
 
 
 def _proc_cpu(pid: int) -> float:
@@ -110,43 +109,9 @@ class ProfConsumer:
 def measure(
     backend: str, spec: WorkloadSpec, reps: int, out: Path, profile: bool, path: str, compute: bool
 ) -> list[dict[str, Any]]:
-    import transfer_queue as tq
-    from omegaconf import OmegaConf
-
-    knit = backend == "knittrans"
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=8,
-        logging_level="WARNING",
-        log_to_driver=False,
-        runtime_env={"worker_process_setup_hook": SETUP_HOOK} if knit else None,
-    )
-    root = None
-    try:
-        if knit:
-            from knittrans.integrations.transferqueue import register
-
-            register()
-            root = tempfile.mkdtemp(prefix="knittrans_tq_prof_", dir="/dev/shm")
-            conf_backend: dict[str, Any] = {
-                "storage_backend": "KnitTrans",
-                "KnitTrans": {"media_fields": ["image"], "store_root": root, "host": "127.0.0.1"},
-            }
-        else:
-            conf_backend = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
-        tq.init(
-            OmegaConf.create(
-                {"controller": {"sampler": tq.RankAwareSampler()}, "backend": conf_backend},
-                flags={"allow_objects": True},
-            )
-        )
+    with tq_session(backend, spec, "p", "knittrans_tq_prof_"):
         controller = ray.get_actor("TransferQueueController", namespace="transfer_queue")
         cpid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()))
-        workload = generate(spec)
-        for groups in spec.put_batches():
-            keys, fields = group_fields(workload, groups)
-            tq.kv_batch_put(keys=keys, partition_id="p", fields=fields)
         actors = [ProfConsumer.remote(r, spec) for r in range(spec.ranks)]  # type: ignore[attr-defined]
         fields = [*SCALAR_FIELDS, *TOKEN_FIELDS] + (["image"] if spec.kind == "multimodal" else [])
         ray.get([a.run.remote("p", "warm", fields, False) for a in actors])
@@ -210,11 +175,6 @@ def measure(
         for a in actors:
             ray.kill(a)
         return results
-    finally:
-        tq.close()
-        ray.shutdown()
-        if root:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
