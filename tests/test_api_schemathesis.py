@@ -29,5 +29,10 @@ pytestmark = pytest.mark.schemathesis
 @schema.parametrize()
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_operation_passes_every_check(case: schemathesis.Case) -> None:
-    """Generated requests (valid and invalid) get responses that conform to the spec: status, body, headers."""
-    case.call_and_validate()
+    """Generated requests (valid and invalid) get responses that conform to the spec: status, body, headers.
+
+    The read timeout is 60 s, not schemathesis' 10 s: every answer here is quick (long-polls are capped at
+    1 s), but in one full-suite run on this 2-core machine a trivial request (a 404 after a 0.2 s headroom
+    wait) took longer than 10 s once and not on its rerun; the cause was not found (see the closing note).
+    """
+    case.call_and_validate(timeout=60)
