@@ -33,6 +33,6 @@ def test_every_operation_passes_every_check(case: schemathesis.Case) -> None:
 
     The read timeout is 60 s, not schemathesis' 10 s: every answer here is quick (long-polls are capped at
     1 s), but in one full-suite run on this 2-core machine a trivial request (a 404 after a 0.2 s headroom
-    wait) took longer than 10 s once and not on its rerun; the cause was not found (see the closing note).
+    wait) took longer than 10 s once and not on its rerun (cause not found).
     """
     case.call_and_validate(timeout=60)
