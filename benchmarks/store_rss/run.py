@@ -26,6 +26,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from knittrans.procs import stop_process, wait_ready  # noqa: E402
 
 
 def vm_rss_kib(pid: int) -> int:
@@ -61,29 +65,20 @@ def one_run(tree: Path, settle_s: float, timeout_s: float = 120.0) -> tuple[floa
             stderr=subprocess.PIPE,
         )
         try:
-            deadline = time.monotonic() + timeout_s
-            while not ready.exists():
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"store exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
-                        if proc.stderr
-                        else f"store exited with {proc.returncode}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"store from {tree} not ready after {timeout_s} s")
-                time.sleep(0.05)
-            time.sleep(settle_s)
+            wait_ready(
+                proc,
+                ready.exists,
+                timeout_s=timeout_s,
+                what=f"store from {tree}",
+                output=lambda: proc.stderr.read().decode()[-2000:] if proc.stderr else "",
+            )
+            time.sleep(settle_s)  # the measurement itself: RSS a fixed time after ready, not a synchronisation
             rss = vm_rss_kib(proc.pid) / 1024
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
             heavy = sorted({lib for lib in ("libtorch", "transformers", "matplotlib") if lib in maps})
             return rss, heavy
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace_s=30)
 
 
 def _commit(tree: Path) -> str:

@@ -137,7 +137,7 @@ def measure(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            time.sleep(2)
+            time.sleep(2)  # py-spy attaches and starts sampling (it gives no ready signal)
         for i in range(reps):
             for ranks in ("one", "all"):
                 use = actors[:1] if ranks == "one" else actors
