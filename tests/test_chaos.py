@@ -42,29 +42,11 @@ def _rollout_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:
 
 
 def _rank_argv(c: LocalCluster, run: Path, model: Path) -> list[str]:
-    return knittrans_command(
-        "train",
-        "--control-url",
-        c.control_url,
-        "--job",
-        JOB,
-        "--rank",
-        "0",
-        "--world-size",
-        "1",
-        "--model-dir",
-        str(model),
-        "--weights-dir",
-        str(run / "weights"),
-        "--replan-wait-s",
-        "5",
-        "--fetch-timeout-s",
-        "10",
-        "--local-dir",
-        f"{c.stores[0].node_id}={c.stores[0].store_dir}",
-        "--out",
-        str(run / "rank-0.jsonl"),
+    args = c.train_args(
+        JOB, rank=0, world_size=1, model_dir=model, out=run / "rank-0.jsonl", weights_dir=run / "weights"
     )
+    args += ["--replan-wait-s", "5", "--fetch-timeout-s", "10"]
+    return knittrans_command(*args, "--local-dir", f"{c.stores[0].node_id}={c.stores[0].store_dir}")
 
 
 def _status(c: LocalCluster) -> dict[str, Any]:

@@ -75,27 +75,15 @@ def test_slow_trainer_keeps_lookahead_window_and_staleness_bounds(tmp_path: Path
         cluster.procs.start(
             "rank-0",
             knittrans_command(
-                "train",
-                "--control-url",
-                cluster.control_url,
-                "--job",
-                JOB,
-                "--rank",
-                "0",
-                "--world-size",
-                "1",
-                "--model-dir",
-                str(model),
-                "--weights-dir",
-                str(weights),
+                *cluster.train_args(
+                    JOB, rank=0, world_size=1, model_dir=model, out=tmp_path / "rank-0.jsonl", weights_dir=weights
+                ),
                 "--local-dir",
                 f"{node.node_id}={node.store_dir}",
                 "--image-channels",
                 "1",
                 "--min-step-s",
                 "1.5",
-                "--out",
-                str(tmp_path / "rank-0.jsonl"),
             ),
             env={"OMP_NUM_THREADS": "1"},
         )

@@ -32,32 +32,10 @@ def _start_ranks(
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = [
-            "train",
-            "--control-url",
-            c.control_url,
-            "--job",
-            job,
-            "--rank",
-            str(r),
-            "--world-size",
-            "2",
-            "--dist-url",
-            f"tcp://127.0.0.1:{port}",
-            "--model-dir",
-            str(model_dir),
-            "--fetch-mode",
-            modes[r],
-            "--lr",
-            "1e-2",
-            "--image-channels",
-            str(IMAGE[0]),
-            "--out",
-            str(outs[r]),
-            "--threads",
-            "1",
-            *extra,
-        ]
+        argv = c.train_args(
+            job, rank=r, world_size=2, model_dir=model_dir, out=outs[r], dist_url=f"tcp://127.0.0.1:{port}"
+        )
+        argv += ["--fetch-mode", modes[r], "--lr", "1e-2", "--image-channels", str(IMAGE[0]), "--threads", "1", *extra]
         c.procs.start(f"rank-{r}", knittrans_command(*argv))
     return outs
 
@@ -86,33 +64,17 @@ def test_two_ranks_train_job_to_completion(cluster: LocalCluster, model_dir: Pat
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = [
-            "train",
-            "--control-url",
-            cluster.control_url,
-            "--job",
+        argv = cluster.train_args(
             job,
-            "--rank",
-            str(r),
-            "--world-size",
-            "2",
-            "--dist-url",
-            f"tcp://127.0.0.1:{port}",
-            "--model-dir",
-            str(model_dir),
-            "--weights-dir",
-            str(weights),
-            "--fetch-mode",
-            "iter" if r == 0 else "eager",
-            "--lr",
-            "1e-2",
-            "--image-channels",
-            str(IMAGE[0]),
-            "--out",
-            str(outs[r]),
-            "--threads",
-            "1",
-        ]
+            rank=r,
+            world_size=2,
+            model_dir=model_dir,
+            out=outs[r],
+            weights_dir=weights,
+            dist_url=f"tcp://127.0.0.1:{port}",
+        )
+        argv += ["--fetch-mode", "iter" if r == 0 else "eager", "--lr", "1e-2", "--image-channels", str(IMAGE[0])]
+        argv += ["--threads", "1"]
         if r == 1:
             argv += ["--local-dir", f"{cluster.stores[1].node_id}={cluster.stores[1].store_dir}"]
         cluster.procs.start(f"rank-{r}", knittrans_command(*argv))

@@ -226,29 +226,16 @@ def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(
     port = free_port()
     outs = [tmp_path / f"rank{r}.jsonl" for r in range(2)]
     for r in range(2):
-        argv = [
-            "train",
-            "--control-url",
-            cluster.control_url,
-            "--job",
+        argv = cluster.train_args(
             job,
-            "--rank",
-            str(r),
-            "--world-size",
-            "2",
-            "--dist-url",
-            f"tcp://127.0.0.1:{port}",
-            "--model-dir",
-            str(vlm_dir),
-            "--weights-dir",
-            str(tmp_path / "weights"),
-            "--lr",
-            "1e-3",
-            "--out",
-            str(outs[r]),
-            "--threads",
-            "1",
-        ]
+            rank=r,
+            world_size=2,
+            model_dir=vlm_dir,
+            out=outs[r],
+            weights_dir=tmp_path / "weights",
+            dist_url=f"tcp://127.0.0.1:{port}",
+        )
+        argv += ["--lr", "1e-3", "--threads", "1"]
         cluster.procs.start(f"vrank-{r}", knittrans_command(*argv))
     procs = [cluster.procs.children[f"vrank-{r}"] for r in range(2)]
     wait_until(

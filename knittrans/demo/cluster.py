@@ -129,6 +129,27 @@ class LocalCluster:
         args += ["--model-dir", str(model_dir), "--weights-dir", str(weights_dir), "--state-file", str(state_file)]
         return [*args, "--group-size", str(group_size)]
 
+    def train_args(
+        self,
+        job: str,
+        *,
+        rank: int,
+        world_size: int,
+        model_dir: Path,
+        out: Path,
+        weights_dir: Path | None = None,
+        dist_url: str | None = None,
+    ) -> list[str]:
+        """``knittrans train`` arguments of rank ``rank`` of ``job`` on this cluster (append further flags,
+        then start it with ``knittrans_command(*args)``)."""
+        args = ["train", "--control-url", self.control_url, "--job", job, "--rank", str(rank)]
+        args += ["--world-size", str(world_size), "--model-dir", str(model_dir), "--out", str(out)]
+        if weights_dir is not None:
+            args += ["--weights-dir", str(weights_dir)]
+        if dist_url is not None:
+            args += ["--dist-url", dist_url]
+        return args
+
     def start_store(self, index: int, *, port: int = 0) -> StoreNode:
         """Start store node ``index`` (``node-<index>``); it registers itself with the control plane.
 

@@ -84,33 +84,17 @@ def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mo
             channels = image[0]
     names = []
     for rank in range(config.ranks):
-        argv = [
-            "train",
-            "--control-url",
-            cluster.control_url,
-            "--job",
+        argv = cluster.train_args(
             JOB,
-            "--rank",
-            str(rank),
-            "--world-size",
-            str(config.ranks),
-            "--dist-url",
-            dist_url,
-            "--model-dir",
-            str(model_dir),
-            "--weights-dir",
-            str(run_dir / "weights"),
-            "--fetch-mode",
-            config.fetch_mode,
-            "--lr",
-            str(config.lr),
-            "--image-channels",
-            str(channels),
-            "--out",
-            str(run_dir / f"rank-{rank}.jsonl"),
-            "--min-step-s",
-            str(config.min_step_s),
-        ]
+            rank=rank,
+            world_size=config.ranks,
+            model_dir=model_dir,
+            out=run_dir / f"rank-{rank}.jsonl",
+            weights_dir=run_dir / "weights",
+            dist_url=dist_url,
+        )
+        argv += ["--fetch-mode", config.fetch_mode, "--lr", str(config.lr), "--image-channels", str(channels)]
+        argv += ["--min-step-s", str(config.min_step_s)]
         for node in cluster.stores:
             argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]
         name = f"rank-{rank}"
