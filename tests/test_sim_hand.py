@@ -224,3 +224,59 @@ def test_hand_case_timing_bounds(policy: str, lookahead: int) -> None:
     assert trace.peak_untaken_total == 4
     if lookahead == 0:  # every mini-batch is admitted only when the trainer is ready to start it
         assert all(m.admitted_at == m.train_start for m in trace.mini_batches)
+
+
+def sync_workload(launch_weights: str) -> Workload:
+    """One source a (1 s per group), quota 2: G = 2, K = 2 (one group per mini-batch), 2 slots, W = 1, 1 s of
+    training per mini-batch and weights that take 0.5 s to reach rollout."""
+    return Workload(
+        name="sync",
+        sources=(SourceProfile(name="a", quota=2, duration_mean_s=1.0, tokens_mean=100),),
+        group_size=1,
+        mini_batches_per_step=2,
+        window=1,
+        rollout_slots=2,
+        sync_delay_s=0.5,
+        in_flight_updates=True,
+        launch_weights=launch_weights,
+        trainer_overhead_s=1.0,
+        trainer_s_per_token=0.0,
+        world_size=1,
+        steps=2,
+    )
+
+
+# constraint_preserving, 0.5 s sync. t=0 a-0, a-1 launch at v0 and finish at t=1: mb0 = {a-0} trains 1..2,
+#  frees a slot of the window: a-2 launches (v0 is the newest version, already there), runs 1..2; mb1 = {a-1}
+#  is admitted ahead (L = 1). t=2 mb0 ends: v1 is published and reaches rollout at 2.5; mb1 trains 2..3 and
+#  frees the window: a-3 launches. a-2 ends: (0, 0, 0) -> mb2 (n2, k0) trains 3..4.
+#  "arrived": a-3 generates from 2 with v0, switches to v1 at 2.5, ends at 3: (0, 1, 0.5); mb3 (n3, k1).
+#  "published": a-3 waits for v1 and generates 2.5..3.5 (v2, published at 3, arrives exactly at 3.5 and
+#  makes none of its tokens): (1, 1, 1.0); mb3 (n3, k1) trains 4..5 either way.
+SYNC = {
+    "arrived": {"a-0": (0, 0, 0, 0, 0.0), "a-1": (1, 1, 0, 0, 0.0), "a-2": (2, 0, 0, 0, 0.0), "a-3": (3, 1, 0, 1, 0.5)},
+    "published": {
+        "a-0": (0, 0, 0, 0, 0.0),
+        "a-1": (1, 1, 0, 0, 0.0),
+        "a-2": (2, 0, 0, 0, 0.0),
+        "a-3": (3, 1, 1, 1, 1.0),
+    },
+}
+
+
+@pytest.mark.parametrize("launch_weights", sorted(SYNC))
+def test_launch_weights(launch_weights: str) -> None:
+    """``published`` starts a launch with the newest published weights (waiting for them); ``arrived`` does not wait."""
+    trace = simulate(sync_workload(launch_weights), "constraint_preserving", seed=0)
+    got = _by_group(trace)
+    assert set(got) == set(SYNC[launch_weights])
+    for gid, (n, k, v0, v1, vw) in SYNC[launch_weights].items():
+        assert got[gid][:4] == (n, k, v0, v1), gid
+        assert got[gid][4] == pytest.approx(vw), gid
+    assert trace.makespan_s == pytest.approx(5.0)
+
+
+def test_unknown_launch_weights_is_rejected() -> None:
+    """launch_weights other than "arrived" / "published" is a clear error naming both."""
+    with pytest.raises(ValueError, match="launch_weights must be one of arrived, published"):
+        sync_workload("latest")

@@ -1,7 +1,8 @@
 """Cross-check: ``knittrans sim`` against the independent simulator (``independent_sim.py``) on issue 13's figures.
 
 Run: ``.venv/bin/python benchmarks/sim_report/cross_check.py [--seeds 3] [--steps 40]``.
-For ``skewed3`` and ``balanced`` at K = 16, W = 1, L in {0, 1}, and both ``train_batch`` baselines (``step``:
+For ``skewed3`` and ``balanced`` at K = 16, W = 1, L in {0, 1} (launches with the newest published weights,
+the default; also L = 1 with ``launch_weights: arrived``), and both ``train_batch`` baselines (``step``:
 handed whole train batches; ``mini_batch``: paced by the project's window rule), it prints and writes
 ``results/cross_check.{json,md}``: the constraint_preserving-vs-train_batch reduction of mean architectural
 staleness (start, token-weighted), of the end reading's positive part, and the steps/h ratio, from both
@@ -33,10 +34,17 @@ import independent_sim  # noqa: E402
 FIGURES = ("start_mean", "end_pos", "weighted_mean")
 
 
-def project(name: str, lookahead: int, handover: str, seeds: int, steps: int) -> dict[str, float]:
+def project(
+    name: str, lookahead: int, handover: str, seeds: int, steps: int, launch_weights: str = "published"
+) -> dict[str, float]:
     """Reductions and steps/h ratio from ``knittrans sim``."""
     w = load_workload(name).with_overrides(
-        mini_batches_per_step=16, window=1, lookahead=lookahead, train_batch_handover=handover, steps=steps
+        mini_batches_per_step=16,
+        window=1,
+        lookahead=lookahead,
+        train_batch_handover=handover,
+        steps=steps,
+        launch_weights=launch_weights,
     )
     avg: dict[str, dict[str, float]] = {}
     for policy in ("train_batch", "constraint_preserving"):
@@ -53,7 +61,9 @@ def project(name: str, lookahead: int, handover: str, seeds: int, steps: int) ->
     return out
 
 
-def independent(name: str, lookahead: int, handover: str, scope: str, seeds: int, steps: int) -> dict[str, float]:
+def independent(
+    name: str, lookahead: int, handover: str, scope: str, seeds: int, steps: int, launch_weights: str = "published"
+) -> dict[str, float]:
     """The same figures from the independent simulator."""
     cfg = replace(
         independent_sim.load(name),
@@ -63,6 +73,7 @@ def independent(name: str, lookahead: int, handover: str, scope: str, seeds: int
         steps=steps,
         scope=scope,
         tb_takes="train_batch" if handover == "step" else "mini_batch",
+        launch_weights=launch_weights,
     )
     res = independent_sim.compare(cfg, seeds)
     out = {f: res["reduction"][f] for f in FIGURES}
@@ -105,6 +116,25 @@ def main() -> int:
                     "L": 1,
                     "simulator": "independent, per-source W·q[s]",
                     **independent(name, 1, handover, "source", args.seeds, args.steps),
+                }
+            )
+            # launches with the weights that have reached rollout (background sync) instead of the newest published
+            rows.append(
+                {
+                    "workload": name,
+                    "baseline": handover,
+                    "L": 1,
+                    "simulator": "knittrans sim, launch_weights arrived",
+                    **project(name, 1, handover, args.seeds, args.steps, "arrived"),
+                }
+            )
+            rows.append(
+                {
+                    "workload": name,
+                    "baseline": handover,
+                    "L": 1,
+                    "simulator": "independent, launch_weights arrived",
+                    **independent(name, 1, handover, "global", args.seeds, args.steps, "arrived"),
                 }
             )
     lines = [

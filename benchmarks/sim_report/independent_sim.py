@@ -14,7 +14,10 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
   trained (``L = 0``: admitted when the trainer is ready to start it).
 * **Trainer**: mini-batch ``n`` trains at version ``n`` for ``overhead + s_per_token x tokens of the
   busiest of world ranks`` (trajectories spread largest-first over the least-loaded rank); version
-  ``n + 1`` reaches rollout ``sync`` seconds after it ends. Running groups switch weights when they
+  ``n + 1`` reaches rollout ``sync`` seconds after it ends. A launch starts with the newest version the
+  trainer has written, waiting for it to reach rollout (``launch_weights="published"``, the default, as
+  ``knittrans rollout``'s worker loads the newest weights before each group), or at once with what has
+  arrived (``"arrived"``). Running groups switch weights when they
   arrive (partial rollout): start version, end version (largest that produced a token: weights arriving
   exactly at the finish produced none) and the time-weighted mean.
 * **Policies**: ``train_batch`` admits mini-batch ``k`` of a step only when the whole train batch has
@@ -85,6 +88,7 @@ class Config:
     scope: str = "global"
     free_on: str = "start"
     tb_takes: str = "train_batch"
+    launch_weights: str = "published"
 
     @property
     def G(self) -> int:
@@ -115,6 +119,7 @@ def load(name: str) -> Config:
         s_per_token=raw["trainer_s_per_token"],
         world=raw["world_size"],
         steps=raw["steps"],
+        launch_weights=raw.get("launch_weights", "published"),
     )
 
 
@@ -250,13 +255,15 @@ class Sim:
             if s is None:
                 return
             duration, tokens = self.draw(s)
-            g = Group(gid=self.seq, src=s, launched_at=self.now, duration=duration, tokens=tokens)
+            # "published": the slot loads the newest weights the trainer has written before it generates
+            start = max(self.now, self.avail[-1]) if self.c.launch_weights == "published" else self.now
+            g = Group(gid=self.seq, src=s, launched_at=start, duration=duration, tokens=tokens)
             self.idle_slots -= 1
             self.untaken[s] += 1
             self.launched[s] += 1
             self.pending[s] += 1
             self.res.peak_untaken[s] = max(self.res.peak_untaken[s], self.untaken[s])
-            self.push(self.now + duration, 1, g)
+            self.push(start + duration, 1, g)
 
     def finish(self, g: Group) -> None:
         g.finished_at = self.now
@@ -407,10 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scope", choices=("source", "global"), default="global")
     ap.add_argument("--free-on", choices=("start", "admit"), default="start")
     ap.add_argument("--tb-takes", choices=("mini_batch", "train_batch"), default="train_batch")
+    ap.add_argument("--launch-weights", choices=("published", "arrived"), default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     cfg = load(a.workload)
-    over = {k: v for k, v in (("K", a.K), ("W", a.W), ("L", a.L), ("steps", a.steps)) if v is not None}
+    over = {
+        k: v
+        for k, v in (("K", a.K), ("W", a.W), ("L", a.L), ("steps", a.steps), ("launch_weights", a.launch_weights))
+        if v is not None
+    }
     cfg = replace(cfg, scope=a.scope, free_on=a.free_on, tb_takes=a.tb_takes, **over)
     out = compare(cfg, a.seeds)
     if a.json:
@@ -421,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     tb, cp = out["train_batch"], out["constraint_preserving"]
     print(
         f"{a.workload} K={cfg.K} W={cfg.W} L={cfg.L} scope={cfg.scope} free_on={cfg.free_on} "
-        f"tb_takes={cfg.tb_takes} seeds={a.seeds} steps={cfg.steps}"
+        f"tb_takes={cfg.tb_takes} launch_weights={cfg.launch_weights} seeds={a.seeds} steps={cfg.steps}"
     )
     for name, m in (("train_batch", tb), ("constraint_preserving", cp)):
         print(

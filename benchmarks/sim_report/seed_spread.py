@@ -1,11 +1,13 @@
 """Seed spread of issue 13's headline figures: is a missed target noise or the mechanism?
 
-Run: ``.venv/bin/python benchmarks/sim_report/seed_spread.py [--seeds 12] [--steps 40]``.
+Run: ``.venv/bin/python benchmarks/sim_report/seed_spread.py [--seeds 12] [--steps 40] [--launch-weights arrived]``.
 For ``skewed3`` at K = 16, W = 1, L = 1 (the headline configuration), each seed is simulated with
 ``train_batch`` (whole-step handover) and ``constraint_preserving``; per seed it records the reductions of
 mean architectural staleness (start, token-weighted), of the end reading's positive part, and the steps/h
 ratio. Writes ``results/seed_spread.{json,md}``: per-seed rows, mean, standard deviation, min and max,
 and the pooled figure (reduction of the seed-averaged means, as ``cross_check.py`` reports it).
+``--launch-weights arrived`` (launches do not wait for the newest published weights) writes
+``results/seed_spread_arrived.{json,md}`` instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from knittrans.sim.workload import load_workload
 
 HERE = Path(__file__).parent
 FIGURES = ("start_mean", "end_pos", "weighted_mean", "steps_ratio")
+WEIGHTS = {"published": "the newest published weights", "arrived": "the weights that have reached rollout"}
 TARGETS = {"start_mean": 0.38, "end_pos": 0.50, "weighted_mean": 0.54, "steps_ratio": 3.5}
 
 
@@ -43,9 +46,15 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--launch-weights", choices=("published", "arrived"), default="published")
     args = parser.parse_args()
     w = load_workload("skewed3").with_overrides(
-        mini_batches_per_step=16, window=1, lookahead=1, train_batch_handover="step", steps=args.steps
+        mini_batches_per_step=16,
+        window=1,
+        lookahead=1,
+        train_batch_handover="step",
+        steps=args.steps,
+        launch_weights=args.launch_weights,
     )
     rows: list[dict[str, Any]] = []
     raw: dict[str, list[dict[str, float]]] = {"train_batch": [], "constraint_preserving": []}
@@ -85,7 +94,8 @@ def main() -> int:
     lines = [
         f"# Seed spread: skewed3, K = 16, W = 1, L = 1, {args.steps} steps, {args.seeds} seeds",
         "",
-        "constraint_preserving vs train_batch (whole-step handover), each seed run by both.",
+        "constraint_preserving vs train_batch (whole-step handover), each seed run by both; launches start "
+        f"with {WEIGHTS[args.launch_weights]} (`launch_weights: {args.launch_weights}`).",
         "",
         "| figure | target | pooled | mean | sd | min | max | seeds meeting the target |",
         "|---|---|---|---|---|---|---|---|",
@@ -110,6 +120,7 @@ def main() -> int:
         "K": 16,
         "W": 1,
         "L": 1,
+        "launch_weights": args.launch_weights,
         "seeds": args.seeds,
         "steps": args.steps,
         "command": "python benchmarks/sim_report/seed_spread.py " + " ".join(sys.argv[1:]),
@@ -119,10 +130,9 @@ def main() -> int:
         "git_commit": commit,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "seed_spread.json").write_text(
-        json.dumps({"meta": meta, "stats": stats, "rows": rows}, indent=1) + "\n"
-    )
-    (args.out / "seed_spread.md").write_text(md)
+    stem = "seed_spread" if args.launch_weights == "published" else "seed_spread_arrived"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "stats": stats, "rows": rows}, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(md)
     print(md)
     return 0
 

@@ -119,6 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--in-flight", choices=("on", "off"), default=None, help="override in-flight weight updates (partial rollout)"
     )
     parser.add_argument(
+        "--launch-weights",
+        choices=("arrived", "published"),
+        default=None,
+        help="override which weights a new group starts with: arrived (background sync) or published "
+        "(wait for the newest published weights, as knittrans rollout does)",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="also run the colocated reference (zero architectural staleness by construction)",
@@ -157,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             overrides["in_flight_updates"] = args.in_flight == "on"
         if args.tb_handover is not None:
             overrides["train_batch_handover"] = args.tb_handover
+        if args.launch_weights is not None:
+            overrides["launch_weights"] = args.launch_weights
         if overrides:
             workloads = [w.with_overrides(**overrides) for w in workloads]
         policies = list(POLICIES) if args.policy == "all" else [args.policy]

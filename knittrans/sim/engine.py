@@ -175,7 +175,12 @@ class _Simulation:
             self.pending[name] += 1
             self.launch_time[gid] = self.now
             self.trace.launched += 1
-            self.push(self.now + duration, _FINISH, (name, gid, self.now, tokens))
+            # ``launch_weights: published``: the slot first loads the newest published weights, so
+            # generation starts once they reach rollout (the version it starts with is that one)
+            start = self.now
+            if self.w.launch_weights == "published":
+                start = max(start, self.timeline.available_at[self.timeline.latest])
+            self.push(start + duration, _FINISH, (name, gid, start, tokens))
 
     def on_finish(self, payload: tuple[str, str, float, tuple[int, ...]]) -> None:
         name, gid, start, tokens = payload

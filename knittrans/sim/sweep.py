@@ -54,6 +54,7 @@ class ConfigResult:
             "lookahead": self.workload.lookahead,
             "sync_delay_s": self.workload.sync_delay_s,
             "in_flight_updates": self.workload.in_flight_updates,
+            "launch_weights": self.workload.launch_weights,
             "policies": {},
         }
         for policy in self.runs:

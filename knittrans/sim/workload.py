@@ -16,12 +16,16 @@ from knittrans.errors import InvalidRequest
 from knittrans.sched.timing import DEFAULT_LOOKAHEAD, HANDOVERS
 
 __all__ = [
+    "LAUNCH_WEIGHTS",
     "SourceProfile",
     "Workload",
     "bundled_workloads",
     "load_workload",
     "workload_from_dict",
 ]
+
+LAUNCH_WEIGHTS = ("arrived", "published")
+"""Values of :attr:`Workload.launch_weights`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +91,12 @@ class Workload:
     """Seconds from the end of an optimizer step until rollout generates with the new weights."""
     in_flight_updates: bool = False
     """Partial rollout: running groups switch to new weights when they arrive (else keep start weights)."""
+    launch_weights: str = "published"
+    """Which weights a newly launched group starts with (:data:`LAUNCH_WEIGHTS`): ``arrived`` — whatever has
+    reached the rollout slots (the sync runs in the background while rollout keeps launching with older
+    weights); ``published`` — the newest version the trainer has published: a launch waits for weights still
+    on their way (at most ``sync_delay_s``), as ``knittrans rollout``'s worker does (it loads the newest
+    published weights before it starts each group)."""
     trainer_overhead_s: float = 1.0
     """Fixed seconds per mini-batch (optimizer step, launch costs)."""
     trainer_s_per_token: float = 1e-5
@@ -143,6 +153,11 @@ class Workload:
             raise ValueError(
                 f"workload {self.name!r}: train_batch_handover must be one of "
                 f"{', '.join(HANDOVERS)}, got {self.train_batch_handover!r}"
+            )
+        if self.launch_weights not in LAUNCH_WEIGHTS:
+            raise ValueError(
+                f"workload {self.name!r}: launch_weights must be one of {', '.join(LAUNCH_WEIGHTS)}, "
+                f"got {self.launch_weights!r}"
             )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
