@@ -228,21 +228,13 @@ def test_hand_case_timing_bounds(policy: str, lookahead: int) -> None:
 
 def sync_workload(launch_weights: str) -> Workload:
     """One source a (1 s per group), quota 2: G = 2, K = 2 (one group per mini-batch), 2 slots, W = 1, 1 s of
-    training per mini-batch and weights that take 0.5 s to reach rollout."""
-    return Workload(
+    training per mini-batch (the hand case's trainer) and weights that take 0.5 s to reach rollout."""
+    return hand_workload().with_overrides(
         name="sync",
         sources=(SourceProfile(name="a", quota=2, duration_mean_s=1.0, tokens_mean=100),),
-        group_size=1,
-        mini_batches_per_step=2,
-        window=1,
         rollout_slots=2,
         sync_delay_s=0.5,
-        in_flight_updates=True,
         launch_weights=launch_weights,
-        trainer_overhead_s=1.0,
-        trainer_s_per_token=0.0,
-        world_size=1,
-        steps=2,
     )
 
 
