@@ -14,17 +14,18 @@ from pydantic import ValidationError
 from knittrans.api.auth import AdminAuth, WorkerAuth
 from knittrans.api.models import (
     ErrorOut,
+    GroupIn,
     HeadroomOut,
     SupplyIn,
     SupplyOut,
     UnitIn,
     UnitRemovedOut,
-    UnitsIn,
     UnitsOut,
+    parse_units,
 )
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.api.service import ControlPlane
-from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
+from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
@@ -42,6 +43,9 @@ router = APIRouter(
 _new = object.__new__
 _setattr = object.__setattr__
 
+if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != UNIT_FIELDS:  # to_descriptor
+    raise ImportError("knittrans.api.models: GroupIn/UnitIn fields must be GroupRecord/UnitDescriptor's, in order")
+
 
 def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
     """A frozen dataclass instance from already-validated fields, without running its ``__post_init__``."""
@@ -50,44 +54,47 @@ def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
     return obj
 
 
-def to_descriptor(u: UnitIn) -> UnitDescriptor:
-    """Plain descriptor of a unit body (raises InvalidRequest for a bad row layout or inconsistent fields).
+def to_descriptor(u: Any) -> UnitDescriptor:
+    """Plain descriptor of a validated unit body (raises InvalidRequest for a bad row layout or inconsistent
+    fields).
 
-    The body passed :class:`UnitIn`'s validation (names, integer ranges, endpoint, hashes: the same rules
-    as :class:`UnitDescriptor`'s own checks), so only the checks across fields run here, and the frozen
-    descriptors are built without re-running the per-field checks (the registration hot path: they were
-    most of its CPU). A test pins that both reject the same bodies.
+    ``u`` passed :class:`UnitIn`'s validation (or its strict twin's, :func:`~knittrans.api.models.parse_units`):
+    names, integer ranges, endpoint, hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only
+    the checks across fields run here, and the frozen descriptors are built from the validated fields
+    (``__dict__``, in the descriptors' field order) without re-running the per-field checks (the registration
+    hot path: they were most of its CPU). A test pins that both reject the same bodies.
     """
     groups = []
     row = 0
     for g in u.groups:
-        gid = g.group_id
-        if len(g.trajectory_tokens) != g.num_trajectories:
-            raise InvalidRequest(
-                f"group {gid!r}: num_trajectories={g.num_trajectories} but {len(g.trajectory_tokens)} token counts"
-            )
-        if g.version_end < g.version_start:
+        values = dict(g.__dict__)
+        gid = values["group_id"]
+        n, tokens = values["num_trajectories"], values["trajectory_tokens"]
+        if len(tokens) != n:
+            raise InvalidRequest(f"group {gid!r}: num_trajectories={n} but {len(tokens)} token counts")
+        start, end = values["version_start"], values["version_end"]
+        if end < start:
             raise InvalidRequest(f"group {gid!r}: version_end < version_start")
-        vw = g.version_weighted
-        if not (math.isfinite(vw) and g.version_start - 1e-3 <= vw <= g.version_end + 1e-3):
+        vw = values["version_weighted"]
+        if not (math.isfinite(vw) and start - 1e-3 <= vw <= end + 1e-3):
             raise InvalidRequest(
                 f"group {gid!r}: version_weighted {vw!r} must be a finite number in "
-                f"[version_start, version_end] = [{g.version_start}, {g.version_end}]"
+                f"[version_start, version_end] = [{start}, {end}]"
             )
-        if not math.isfinite(g.finished_at):
+        finished_at = values["finished_at"]
+        if not math.isfinite(finished_at):
+            raise InvalidRequest(f"group {gid!r}: finished_at {finished_at!r} must be a finite non-negative Unix time")
+        if values["row_start"] != row:
             raise InvalidRequest(
-                f"group {gid!r}: finished_at {g.finished_at!r} must be a finite non-negative Unix time"
+                f"unit {u.unit_id!r}: group {gid!r} starts at row {values['row_start']}, expected {row}"
             )
-        if g.row_start != row:
-            raise InvalidRequest(f"unit {u.unit_id!r}: group {gid!r} starts at row {g.row_start}, expected {row}")
-        row += g.num_trajectories
-        values = group_fields(g)
-        values["trajectory_tokens"] = tuple(g.trajectory_tokens)
-        values["media_hashes"] = tuple(g.media_hashes)
+        row += n
+        values["trajectory_tokens"] = tuple(tokens)
+        values["media_hashes"] = tuple(values["media_hashes"])
         groups.append(_frozen(GroupRecord, values))
     if row != u.num_rows:
         raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    values = unit_fields(u)
+    values = dict(u.__dict__)
     values["groups"] = tuple(groups)
     return _frozen(UnitDescriptor, values)
 
@@ -105,8 +112,8 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
 async def register_units(job: str, request: Request, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
 
-    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser: this is the
-    hot path of every rollout writer.
+    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser
+    (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer.
     """
     raw = await request.body()
     return await run(_register, svc, job, raw)  # parsing a large batch stays off the event loop too
@@ -114,10 +121,10 @@ async def register_units(job: str, request: Request, svc: Service, run: Run, _: 
 
 def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
     try:
-        body = UnitsIn.model_validate_json(raw)
+        units = parse_units(raw)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    return svc.register_units(job, [to_descriptor(u) for u in body.units])
+    return svc.register_units(job, [to_descriptor(u) for u in units])
 
 
 @router.delete("/{job}/units/{unit}", response_model=UnitRemovedOut)
