@@ -23,7 +23,7 @@ from knittrans.api.models import (
     UnitsOut,
     parse_units,
 )
-from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
+from knittrans.api.routes.deps import Board, Run, Service, SettingsDep, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest
@@ -109,14 +109,20 @@ def to_descriptor(u: Any) -> UnitDescriptor:
         }
     },
 )
-async def register_units(job: str, request: Request, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
+async def register_units(job: str, request: Request, _: WorkerAuth) -> dict[str, Any]:
     """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
 
     The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser
-    (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer.
+    (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer. The service
+    and the state runner come from the app's state, not from (plain ``def``) dependencies, which FastAPI
+    would run in its thread pool: two thread hops per request, each a wait for the GIL and the scheduler.
     """
     raw = await request.body()
-    return await run(_register, svc, job, raw)  # parsing a large batch stays off the event loop too
+    state = request.app.state
+    run: StateRunner = state.runner
+    # parsing a large batch stays off the event loop too
+    result: dict[str, Any] = await run(_register, state.service, job, raw)
+    return result
 
 
 def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
