@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from pydantic import BeforeValidator, ValidationError
 
 from knittrans.api import models
-from knittrans.api.models import GroupIn, UnitIn, UnitsIn, parse_units
+from knittrans.api.models import GroupIn, UnitIn, UnitsIn, parse_units, unit_dict
 from knittrans.api.plans import unit_json
 from knittrans.api.records import Kind
-from knittrans.api.routes.units import to_descriptor
+from knittrans.api.routes.units import descriptor_of, to_descriptor
 from knittrans.api.store import Encoded, RecordStore, Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.sched.types import FinishedGroup
@@ -60,46 +60,63 @@ def _unit(**group_changes: Any) -> dict[str, Any]:
     }
 
 
-def _plain(units: list[Any]) -> list[dict[str, Any]]:
-    """The validated fields of parsed units as plain dicts (groups too)."""
-    return [{**u.__dict__, "groups": [dict(g.__dict__) for g in u.groups]} for u in units]
+def _plain(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parsed units with their sequences as tuples and the default of ``media_hashes`` filled in."""
+    return [
+        {
+            **u,
+            "groups": [
+                {
+                    **g,
+                    "trajectory_tokens": tuple(g["trajectory_tokens"]),
+                    "media_hashes": tuple(g.get("media_hashes", ())),
+                }
+                for g in u["groups"]
+            ],
+        }
+        for u in units
+    ]
 
 
 def _same_outcome(raw: bytes) -> None:
     """``parse_units`` accepts ``raw`` exactly when ``UnitsIn`` does, with the same values, or raises the
     same errors."""
     try:
-        want = _plain(UnitsIn.model_validate_json(raw).units)
+        want = _plain([unit_dict(u) for u in UnitsIn.model_validate_json(raw).units])
     except ValidationError as exc:
         with pytest.raises(ValidationError) as got:
             parse_units(raw)
         assert got.value.json() == exc.json() and str(got.value) == str(exc)
         return
-    got_units = parse_units(raw)
-    assert _plain(got_units) == want
-    for a, b in zip(_plain(got_units), want, strict=True):  # same types too (1 == 1.0 == True)
+    got_units = _plain(parse_units(raw))
+    assert got_units == want
+    for a, b in zip(got_units, want, strict=True):  # same types too (1 == 1.0 == True)
+        assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
         for ga, gb in zip(a["groups"], b["groups"], strict=True):
             assert {k: type(v) for k, v in ga.items()} == {k: type(v) for k, v in gb.items()}
 
 
 def test_strict_twin_has_the_models_fields_and_constraints() -> None:
-    """The twin has each model's fields, in order, with the same defaults and constraints, minus the Python
-    validators (so a constraint added to ``GroupIn`` later reaches the hot path too)."""
+    """The twin has each model's fields, in order, with the same constraints, minus the Python validators
+    (so a constraint added to ``GroupIn`` later reaches the hot path too); a field with a default may be
+    left out."""
     for model, twin in (
         (GroupIn, models._StrictGroupIn),
         (UnitIn, models._StrictUnitIn),
         (UnitsIn, models._StrictUnitsIn),
     ):
-        assert list(twin.model_fields) == list(model.model_fields)
-        assert twin.model_config["strict"] and twin.model_config["extra"] == "forbid"
-        assert twin.model_config["allow_inf_nan"] is False
+        hints = typing.get_type_hints(twin, include_extras=True)
+        assert list(hints) == list(model.model_fields)
+        assert twin.__pydantic_config__ == {"extra": "forbid", "allow_inf_nan": False, "strict": True}
+        assert twin.__required_keys__ == {n for n, f in model.model_fields.items() if f.is_required()}
         for name, info in model.model_fields.items():
-            mine = twin.model_fields[name]
-            assert mine.metadata == [m for m in info.metadata if not isinstance(m, BeforeValidator)], name
-            assert mine.is_required() == info.is_required() and mine.default == info.default, name
-            assert not any(isinstance(m, BeforeValidator) for m in mine.metadata)
-    tokens = typing.get_args(models._StrictGroupIn.model_fields["trajectory_tokens"].annotation)[0]
-    assert not any(isinstance(m, BeforeValidator) for m in typing.get_args(tokens)[1:])
+            mine = list(getattr(hints[name], "__metadata__", ()))
+            assert mine == [m for m in info.metadata if not isinstance(m, BeforeValidator)], name
+    group_hints = typing.get_type_hints(models._StrictGroupIn, include_extras=True)
+    for name in ("trajectory_tokens", "media_hashes"):
+        items = typing.get_args(typing.get_args(group_hints[name])[0])
+        assert items[1] is Ellipsis and not any(isinstance(m, BeforeValidator) for m in typing.get_args(items[0])), name
+    assert not any(isinstance(m, BeforeValidator) for m in getattr(group_hints["version_weighted"], "__metadata__", ()))
 
 
 @pytest.mark.parametrize(
@@ -203,7 +220,8 @@ def test_hot_path_errors_name_the_field_over_http(tmp_path: Path) -> None:
 def test_descriptor_from_the_twin_equals_the_checked_descriptor() -> None:
     body = _unit(media_hashes=["0" * 64])
     want = UnitDescriptor.from_dict(body)
-    got = to_descriptor(parse_units(json.dumps({"units": [body]}).encode())[0])
+    got = descriptor_of(parse_units(json.dumps({"units": [body]}).encode())[0])
+    assert to_descriptor(UnitIn.model_validate(body)) == want
     assert got == want and got.to_dict() == want.to_dict()
     assert type(got.groups) is tuple and type(got.groups[0].trajectory_tokens) is tuple
     assert type(got.groups[0].media_hashes) is tuple
@@ -213,7 +231,7 @@ def test_group_view_is_the_finished_group() -> None:
     """``GroupEntry.view`` (built without ``FinishedGroup.__init__``) equals the one ``__init__`` builds."""
     from knittrans.api.entries import GroupEntry
 
-    record = to_descriptor(parse_units(json.dumps({"units": [_unit()]}).encode())[0]).groups[0]
+    record = descriptor_of(parse_units(json.dumps({"units": [_unit()]}).encode())[0]).groups[0]
     view = GroupEntry(record=record, unit_id="u0", node_id="n0").view
     want = FinishedGroup(
         group_id="g0",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,7 @@ from knittrans.api.models import (
     UnitRemovedOut,
     UnitsOut,
     parse_units,
+    unit_dict,
 )
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep, StateRunner
 from knittrans.api.service import ControlPlane
@@ -29,9 +30,7 @@ from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDe
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
-__all__ = ["router", "to_descriptor"]
-
-T = TypeVar("T")
+__all__ = ["descriptor_of", "router", "to_descriptor"]
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -47,27 +46,26 @@ if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != 
     raise ImportError("knittrans.api.models: GroupIn/UnitIn fields must be GroupRecord/UnitDescriptor's, in order")
 
 
-def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
-    """A frozen dataclass instance from already-validated fields, without running its ``__post_init__``."""
-    obj: T = _new(cls)
-    _setattr(obj, "__dict__", fields)
-    return obj
-
-
-def to_descriptor(u: Any) -> UnitDescriptor:
+def to_descriptor(u: UnitIn) -> UnitDescriptor:
     """Plain descriptor of a validated unit body (raises InvalidRequest for a bad row layout or inconsistent
-    fields).
+    fields): :func:`descriptor_of` of its fields."""
+    return descriptor_of(unit_dict(u))
 
-    ``u`` passed :class:`UnitIn`'s validation (or its strict twin's, :func:`~knittrans.api.models.parse_units`):
-    names, integer ranges, endpoint, hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only
-    the checks across fields run here, and the frozen descriptors are built from the validated fields
-    (``__dict__``, in the descriptors' field order) without re-running the per-field checks (the registration
-    hot path: they were most of its CPU). A test pins that both reject the same bodies.
+
+def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
+    """Descriptor of a unit's validated fields, as :func:`~knittrans.api.models.parse_units` gives them
+    (raises InvalidRequest for a bad row layout or inconsistent fields). Takes ``u`` and its group dicts
+    over: they become the descriptors' attribute dicts.
+
+    ``u`` passed :class:`UnitIn`'s validation (or its strict twin's): names, integer ranges, endpoint,
+    hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only the checks across fields run
+    here, and the frozen descriptors are built from the validated fields (in the descriptors' field
+    order) without re-running the per-field checks (the registration hot path: they were most of its
+    CPU). A test pins that both reject the same bodies.
     """
     groups = []
     row = 0
-    for g in u.groups:
-        values = dict(g.__dict__)
+    for values in u["groups"]:
         gid = values["group_id"]
         n, tokens = values["num_trajectories"], values["trajectory_tokens"]
         if len(tokens) != n:
@@ -86,17 +84,21 @@ def to_descriptor(u: Any) -> UnitDescriptor:
             raise InvalidRequest(f"group {gid!r}: finished_at {finished_at!r} must be a finite non-negative Unix time")
         if values["row_start"] != row:
             raise InvalidRequest(
-                f"unit {u.unit_id!r}: group {gid!r} starts at row {values['row_start']}, expected {row}"
+                f"unit {u['unit_id']!r}: group {gid!r} starts at row {values['row_start']}, expected {row}"
             )
         row += n
-        values["trajectory_tokens"] = tuple(tokens)
-        values["media_hashes"] = tuple(values["media_hashes"])
-        groups.append(_frozen(GroupRecord, values))
-    if row != u.num_rows:
-        raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    values = dict(u.__dict__)
-    values["groups"] = tuple(groups)
-    return _frozen(UnitDescriptor, values)
+        if type(tokens) is not tuple:
+            values["trajectory_tokens"] = tuple(tokens)
+        values["media_hashes"] = tuple(values.get("media_hashes", ()))
+        group = _new(GroupRecord)
+        _setattr(group, "__dict__", values)
+        groups.append(group)
+    if row != u["num_rows"]:
+        raise InvalidRequest(f"unit {u['unit_id']!r}: groups cover {row} rows, unit has {u['num_rows']}")
+    u["groups"] = tuple(groups)
+    unit = _new(UnitDescriptor)
+    _setattr(unit, "__dict__", u)
+    return unit
 
 
 @router.post(
@@ -130,7 +132,7 @@ def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
         units = parse_units(raw)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    return svc.register_units(job, [to_descriptor(u) for u in units])
+    return svc.register_units(job, [descriptor_of(u) for u in units])
 
 
 @router.delete("/{job}/units/{unit}", response_model=UnitRemovedOut)
