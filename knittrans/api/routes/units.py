@@ -42,7 +42,8 @@ router = APIRouter(
 _new = object.__new__
 _setattr = object.__setattr__
 
-if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != UNIT_FIELDS:  # to_descriptor
+# descriptor_of uses the validated dicts as the descriptors' attribute dicts: same fields, same order
+if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != UNIT_FIELDS:
     raise ImportError("knittrans.api.models: GroupIn/UnitIn fields must be GroupRecord/UnitDescriptor's, in order")
 
 
