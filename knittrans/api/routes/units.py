@@ -118,7 +118,8 @@ async def register_units(job: str, request: Request, _: WorkerAuth) -> dict[str,
     The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser
     (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer. The service
     and the state runner come from the app's state, not from (plain ``def``) dependencies, which FastAPI
-    would run in its thread pool: two thread hops per request, each a wait for the GIL and the scheduler.
+    would run in its thread pool: a thread hop per dependency and request, each a wait for the GIL and the
+    scheduler (the auth dependency is ``async``).
     """
     raw = await request.body()
     state = request.app.state
