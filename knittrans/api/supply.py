@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from pydantic import TypeAdapter
+
 from knittrans.api.entries import GroupEntry
 from knittrans.api.jobbase import JobBase
-from knittrans.api.plans import unit_json
 from knittrans.api.records import Kind, batch_key
-from knittrans.api.store import Txn
+from knittrans.api.store import Encoded, Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
 from knittrans.lifecycle import REPLACEABLE
 from knittrans.names import is_content_hash
 
 __all__ = ["Supply"]
+
+_UNITS_JSON = TypeAdapter(list[UnitDescriptor])
+"""Encodes a registration's units record: the JSON of ``[unit_json(u) for u in units]`` (same fields, same
+order; a number that is an int where the descriptor says float, e.g. ``version_weighted=1``, reads back as
+``1.0``, an equal value)."""
 
 
 class Supply(JobBase):
@@ -71,22 +77,24 @@ class Supply(JobBase):
     def add_units(self, units: Sequence[UnitDescriptor], txn: Txn) -> int:
         """Register already-checked units; returns how many were new."""
         fresh = [u for u in units if u.unit_id not in self.units and u.unit_id not in self.retired_units]
+        groups, unadmitted, finished = self.groups, self.unadmitted, self.finished_count
         for u in fresh:
             self.units[u.unit_id] = u
             for g in u.groups:
-                old = self.groups.get(g.group_id)
+                gid = g.group_id
+                old = groups.get(gid)
                 if old is not None:  # replaces a lost or expired incarnation
-                    txn.delete(Kind.GROUP, self.name, g.group_id)
+                    txn.delete(Kind.GROUP, self.name, gid)
                     self.count_group(old, -1)
-                entry = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)
-                self.groups[g.group_id] = entry
+                if self.to_regenerate.pop(gid, None) is not None:
+                    txn.delete(Kind.TO_REGENERATE, self.name, gid)
+                entry = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)  # status "finished"
+                groups[gid] = unadmitted[gid] = entry  # what _set(entry, "finished") does, without its no-op recount
                 self.count_group(entry, 1)
-                if self.to_regenerate.pop(g.group_id, None) is not None:
-                    txn.delete(Kind.TO_REGENERATE, self.name, g.group_id)
-                self._set(entry, "finished", txn)
-                self.finished_count[g.source] = self.finished_count.get(g.source, 0) + 1
-        if fresh:
-            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), [unit_json(u) for u in fresh])
+                finished[g.source] = finished.get(g.source, 0) + 1
+        if fresh:  # [unit_json(u) ...] encoded by pydantic-core from the descriptors (~10x faster than json.dumps)
+            encoded = Encoded(_UNITS_JSON.dump_json(fresh, warnings=False).decode())
+            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), encoded)
             self.unit_batches += 1
         for s in {g.source for u in units for g in u.groups}:
             self._save_supply(txn, s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,23 +14,23 @@ from pydantic import ValidationError
 from knittrans.api.auth import AdminAuth, WorkerAuth
 from knittrans.api.models import (
     ErrorOut,
+    GroupIn,
     HeadroomOut,
     SupplyIn,
     SupplyOut,
     UnitIn,
     UnitRemovedOut,
-    UnitsIn,
     UnitsOut,
+    parse_units,
+    unit_dict,
 )
-from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
+from knittrans.api.routes.deps import Board, Run, Service, SettingsDep, StateRunner
 from knittrans.api.service import ControlPlane
-from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
+from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
-__all__ = ["router", "to_descriptor"]
-
-T = TypeVar("T")
+__all__ = ["descriptor_of", "router", "to_descriptor"]
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -42,54 +42,64 @@ router = APIRouter(
 _new = object.__new__
 _setattr = object.__setattr__
 
-
-def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
-    """A frozen dataclass instance from already-validated fields, without running its ``__post_init__``."""
-    obj: T = _new(cls)
-    _setattr(obj, "__dict__", fields)
-    return obj
+# descriptor_of uses the validated dicts as the descriptors' attribute dicts: same fields, same order
+if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != UNIT_FIELDS:
+    raise ImportError("knittrans.api.models: GroupIn/UnitIn fields must be GroupRecord/UnitDescriptor's, in order")
 
 
 def to_descriptor(u: UnitIn) -> UnitDescriptor:
-    """Plain descriptor of a unit body (raises InvalidRequest for a bad row layout or inconsistent fields).
+    """Plain descriptor of a validated unit body (raises InvalidRequest for a bad row layout or inconsistent
+    fields): :func:`descriptor_of` of its fields."""
+    return descriptor_of(unit_dict(u))
 
-    The body passed :class:`UnitIn`'s validation (names, integer ranges, endpoint, hashes: the same rules
-    as :class:`UnitDescriptor`'s own checks), so only the checks across fields run here, and the frozen
-    descriptors are built without re-running the per-field checks (the registration hot path: they were
-    most of its CPU). A test pins that both reject the same bodies.
+
+def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
+    """Descriptor of a unit's validated fields, as :func:`~knittrans.api.models.parse_units` gives them
+    (raises InvalidRequest for a bad row layout or inconsistent fields). Takes ``u`` and its group dicts
+    over: they become the descriptors' attribute dicts.
+
+    ``u`` passed :class:`UnitIn`'s validation (or its strict twin's): names, integer ranges, endpoint,
+    hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only the checks across fields run
+    here, and the frozen descriptors are built from the validated fields (in the descriptors' field
+    order) without re-running the per-field checks (the registration hot path: they were most of its
+    CPU). A test pins that both reject the same bodies.
     """
     groups = []
     row = 0
-    for g in u.groups:
-        gid = g.group_id
-        if len(g.trajectory_tokens) != g.num_trajectories:
-            raise InvalidRequest(
-                f"group {gid!r}: num_trajectories={g.num_trajectories} but {len(g.trajectory_tokens)} token counts"
-            )
-        if g.version_end < g.version_start:
+    for values in u["groups"]:
+        gid = values["group_id"]
+        n, tokens = values["num_trajectories"], values["trajectory_tokens"]
+        if len(tokens) != n:
+            raise InvalidRequest(f"group {gid!r}: num_trajectories={n} but {len(tokens)} token counts")
+        start, end = values["version_start"], values["version_end"]
+        if end < start:
             raise InvalidRequest(f"group {gid!r}: version_end < version_start")
-        vw = g.version_weighted
-        if not (math.isfinite(vw) and g.version_start - 1e-3 <= vw <= g.version_end + 1e-3):
+        vw = values["version_weighted"]
+        if not (math.isfinite(vw) and start - 1e-3 <= vw <= end + 1e-3):
             raise InvalidRequest(
                 f"group {gid!r}: version_weighted {vw!r} must be a finite number in "
-                f"[version_start, version_end] = [{g.version_start}, {g.version_end}]"
+                f"[version_start, version_end] = [{start}, {end}]"
             )
-        if not math.isfinite(g.finished_at):
+        finished_at = values["finished_at"]
+        if not math.isfinite(finished_at):
+            raise InvalidRequest(f"group {gid!r}: finished_at {finished_at!r} must be a finite non-negative Unix time")
+        if values["row_start"] != row:
             raise InvalidRequest(
-                f"group {gid!r}: finished_at {g.finished_at!r} must be a finite non-negative Unix time"
+                f"unit {u['unit_id']!r}: group {gid!r} starts at row {values['row_start']}, expected {row}"
             )
-        if g.row_start != row:
-            raise InvalidRequest(f"unit {u.unit_id!r}: group {gid!r} starts at row {g.row_start}, expected {row}")
-        row += g.num_trajectories
-        values = group_fields(g)
-        values["trajectory_tokens"] = tuple(g.trajectory_tokens)
-        values["media_hashes"] = tuple(g.media_hashes)
-        groups.append(_frozen(GroupRecord, values))
-    if row != u.num_rows:
-        raise InvalidRequest(f"unit {u.unit_id!r}: groups cover {row} rows, unit has {u.num_rows}")
-    values = unit_fields(u)
-    values["groups"] = tuple(groups)
-    return _frozen(UnitDescriptor, values)
+        row += n
+        if type(tokens) is not tuple:
+            values["trajectory_tokens"] = tuple(tokens)
+        values["media_hashes"] = tuple(values.get("media_hashes", ()))
+        group = _new(GroupRecord)
+        _setattr(group, "__dict__", values)
+        groups.append(group)
+    if row != u["num_rows"]:
+        raise InvalidRequest(f"unit {u['unit_id']!r}: groups cover {row} rows, unit has {u['num_rows']}")
+    u["groups"] = tuple(groups)
+    unit = _new(UnitDescriptor)
+    _setattr(unit, "__dict__", u)
+    return unit
 
 
 @router.post(
@@ -102,22 +112,29 @@ def to_descriptor(u: UnitIn) -> UnitDescriptor:
         }
     },
 )
-async def register_units(job: str, request: Request, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
+async def register_units(job: str, request: Request, _: WorkerAuth) -> dict[str, Any]:
     """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
 
-    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser: this is the
-    hot path of every rollout writer.
+    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser
+    (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer. The service
+    and the state runner come from the app's state, not from (plain ``def``) dependencies, which FastAPI
+    would run in its thread pool: a thread hop per dependency and request, each a wait for the GIL and the
+    scheduler (the auth dependency is ``async``).
     """
     raw = await request.body()
-    return await run(_register, svc, job, raw)  # parsing a large batch stays off the event loop too
+    state = request.app.state
+    run: StateRunner = state.runner
+    # parsing a large batch stays off the event loop too
+    result: dict[str, Any] = await run(_register, state.service, job, raw)
+    return result
 
 
 def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
     try:
-        body = UnitsIn.model_validate_json(raw)
+        units = parse_units(raw)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    return svc.register_units(job, [to_descriptor(u) for u in body.units])
+    return svc.register_units(job, [descriptor_of(u) for u in units])
 
 
 @router.delete("/{job}/units/{unit}", response_model=UnitRemovedOut)
