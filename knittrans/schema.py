@@ -458,7 +458,8 @@ def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
                 except InvalidRequest as exc:
                     raise InvalidRequest(f"unit {k} (of {len(units)}): {exc}") from None
     for u in units:
-        validate_media(u.media)
+        if u.media.num_rows:  # an empty one is MEDIA_SCHEMA.empty_table(): nothing to check
+            validate_media(u.media)
 
 
 class _TrajectoryRows:
@@ -478,7 +479,7 @@ class _TrajectoryRows:
         masks: list[Any] = []
         rewards, advantages, given_adv = [], [], []
         vs_parts, ve_parts, vw_parts, fin_parts = [], [], [], []
-        self.media: list[list[Media]] = []
+        self.media: list[tuple[Media, ...]] = []
         """Media of each row (the group's, then the row's own), in row order."""
         media_hashes: list[bytes] = []
         media_counts: list[int] = []
@@ -510,12 +511,17 @@ class _TrajectoryRows:
             ve_parts.append(ve)
             vw_parts.append(_row_values(g.version_weighted, n, "version_weighted", gid, default=(vs + ve) / 2))
             fin_parts.append(_row_values(g.finished_at, n, "finished_at", gid, default=np.full(n, now)))
-            per_resp = _per_row(g.response_media, n, "response_media", gid) if g.response_media else None
-            for i in range(n):
-                row_media = [*g.media, *per_resp[i]] if per_resp is not None else list(g.media)
-                self.media.append(row_media)
-                media_hashes += [m.hash for m in row_media]
-                media_counts.append(len(row_media))
+            if g.response_media:
+                for extra in _per_row(g.response_media, n, "response_media", gid):
+                    row_media = (*g.media, *extra)
+                    self.media.append(row_media)
+                    media_hashes += [m.hash for m in row_media]
+                    media_counts.append(len(row_media))
+            else:  # every row uses the group's media (often none)
+                shared = tuple(g.media)
+                self.media += [shared] * n
+                media_hashes += [m.hash for m in shared] * n
+                media_counts += [len(shared)] * n
         reward = np.concatenate(rewards)
         advantage = np.concatenate(advantages)
         if not all(given_adv):  # GRPO: each group's rewards normalised by its own mean and std
@@ -557,7 +563,7 @@ class _TrajectoryRows:
         out = [
             pa.array(traj_ids[start:stop], type=pa.string()),
             pa.array(group_ids[start:stop], type=pa.string()),
-            pa.array(sources[start:stop], type=pa.string()).dictionary_encode(),
+            _dictionary(sources[start:stop]),
         ]
         for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
             out.append(_list_range(values, offsets, start, stop, value_type))
@@ -573,6 +579,15 @@ class _TrajectoryRows:
         )
         out.append(pa.array(self.finished[start:stop]))
         return out
+
+
+def _dictionary(values: list[str]) -> pa.DictionaryArray:
+    """``pa.array(values).dictionary_encode()`` (int32 indices, first-seen order), without the compute call."""
+    codes: dict[str, int] = {}
+    indices = [codes.setdefault(v, len(codes)) for v in values]
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.asarray(indices, dtype=np.int32)), pa.array(list(codes), type=pa.string())
+    )
 
 
 _LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
