@@ -209,13 +209,18 @@ class TrajectoryWriter:
             wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
             grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
         seals: list[dict[str, Any]] = []
+        parents: dict[str, Path] = {}  # the units' directories share a parent (<root>/<job>): resolve it once
         try:
             for k, (uid, t) in enumerate(units):
                 seal: dict[str, Any] = {"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows}
                 if self.store_dir is None:
                     self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
                 else:
-                    tmp = Path(grants[k]["dir"]).resolve()
+                    granted = Path(grants[k]["dir"])
+                    parent = parents.get(str(granted.parent))
+                    if parent is None:
+                        parent = parents[str(granted.parent)] = granted.parent.resolve()
+                    tmp = parent / granted.name if granted.name not in ("", ".", "..") else granted.resolve()
                     if not grants[k]["spilled"] and self.store_dir not in tmp.parents:
                         raise Conflict(
                             f"store node {self.endpoint} writes to {tmp}, not under this writer's "
