@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
+import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import GroupRecord, UnitDescriptor
@@ -69,20 +69,21 @@ def describe_unit(
     sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
     starts = np.zeros(len(groups), dtype=np.int64)
     np.cumsum(sizes[:-1], out=starts[1:])
-    plen = pc.list_value_length(traj.column("prompt_ids")).to_numpy()
-    rlen = pc.list_value_length(traj.column("response_ids")).to_numpy()
+    cols = {c: _one_chunk(traj, c) for c in _DESCRIBED}
+    plen = np.diff(cols["prompt_ids"].offsets.to_numpy())
+    rlen = np.diff(cols["response_ids"].offsets.to_numpy())
     tokens = (plen.astype(np.int64) + rlen).tolist()
-    vs = np.minimum.reduceat(traj.column("version_start").to_numpy(), starts).tolist()
-    ve = np.maximum.reduceat(traj.column("version_end").to_numpy(), starts).tolist()
-    vw = traj.column("version_weighted").to_numpy().astype(np.float64)
+    vs = np.minimum.reduceat(cols["version_start"].to_numpy(), starts).tolist()
+    ve = np.maximum.reduceat(cols["version_end"].to_numpy(), starts).tolist()
+    vw = cols["version_weighted"].to_numpy().astype(np.float64)
     w = rlen.astype(np.float64)
     wsum = np.add.reduceat(w, starts)
     weighted = np.where(
         wsum > 0, np.add.reduceat(vw * w, starts) / np.where(wsum > 0, wsum, 1.0), np.add.reduceat(vw, starts) / sizes
     ).tolist()
-    fin = (np.maximum.reduceat(traj.column("finished_at").cast("int64").to_numpy(), starts) / 1e6).tolist()
-    media_col = traj.column("media")
-    media = media_col.to_pylist() if len(pc.list_flatten(media_col)) else None
+    fin = (np.maximum.reduceat(cols["finished_at"].to_numpy().astype(np.int64), starts) / 1e6).tolist()
+    media_refs = cols["media"]
+    media = media_refs.to_pylist() if media_refs.offsets[-1].as_py() > media_refs.offsets[0].as_py() else None
     records, row = [], 0
     for k, g in enumerate(groups):
         n = g.num_responses
@@ -112,6 +113,16 @@ def describe_unit(
         schema_version=SCHEMA_VERSION,
         groups=tuple(records),
     )
+
+
+_DESCRIBED = ("prompt_ids", "response_ids", "version_start", "version_end", "version_weighted", "finished_at", "media")
+"""Trajectory columns a unit descriptor is computed from."""
+
+
+def _one_chunk(table: pa.Table, name: str) -> Any:
+    """Column ``name`` as one array (its only chunk, or the chunks combined)."""
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 class TrajectoryWriter:
