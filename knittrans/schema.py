@@ -7,17 +7,19 @@ API summary::
     TrajectoryGroup(group_id=, source=, prompt_ids=, response_ids=[...], response_logprobs=[...],
                     rewards=[...], version_start=, version_end=, ...)
     build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
+    build_units_tables([groups, ...]) -> [UnitTables, ...]         # several units, one pass over their rows
     build_media_table(media) -> pa.Table                          # one row per unique hash
     validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
     validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
     check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
 
 List columns are built from one ``np.concatenate`` of the per-row values plus an offsets array
-(a loop over rows, never over tokens). ``loss_mask`` has one byte per *response* token; a group
-without masks gets all ones. ``version_weighted`` (an addition to DESIGN's table) is the
-token-weighted policy version of each trajectory's response; it defaults to the mean of
-``version_start`` and ``version_end``. Media content hashes are SHA-256 over a small header
-(kind, dtype, shape) followed by the raw bytes, so equal bytes of a different shape differ.
+(a loop over groups, never over tokens; rows given as numpy arrays are not converted one by one).
+``loss_mask`` has one byte per *response* token; a group without masks gets all ones.
+``version_weighted`` (an addition to DESIGN's table) is the token-weighted policy version of each
+trajectory's response; it defaults to the mean of ``version_start`` and ``version_end``. Media
+content hashes are SHA-256 over a small header (kind, dtype, shape) followed by the raw bytes, so
+equal bytes of a different shape differ.
 """
 
 from __future__ import annotations
@@ -449,7 +451,12 @@ def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
         validate_trajectories(units[0].traj)
     else:
         try:
+            # the fixed columns of all rows at once; user-field columns (built per unit) are checked below
             validate_trajectories(pa.Table.from_arrays(rows.arrays(0, rows.num_rows), schema=TRAJECTORY_SCHEMA))
+            for u in units:
+                for name in u.traj.column_names[len(TRAJECTORY_COLUMNS) :]:
+                    if u.traj.column(name).null_count:
+                        validate_trajectories(u.traj)  # raises, naming the column and row
         except InvalidRequest:
             # find the unit and its row; a traj_id repeated across units (not within one) is allowed
             for k, u in enumerate(units):

@@ -159,9 +159,13 @@ def test_user_fields_are_built_per_unit_with_unit_relative_rows() -> None:
     for groups, t in zip(units, tables, strict=True):
         assert t.traj.equals(build_unit_tables(groups, user_fields=fields).traj)
         assert t.traj.column("uid").to_pylist() == [g.group_id for g in groups for _ in range(g.num_responses)]
-    g = units[1][0]
-    units[1][0] = _replace(g, user_fields={"ref": g.user_fields["ref"][:1], "uid": "x"})  # type: ignore[index]
-    with pytest.raises(InvalidRequest, match=r"group 'u1g0': user field 'ref' has 1 values for 4 responses"):
+    g = units[1][1]
+    refs = g.user_fields["ref"]  # type: ignore[index]
+    units[1][1] = _replace(g, user_fields={"ref": refs, "uid": [None, "a", "b", "c"]}, shared_user_fields=frozenset())
+    with pytest.raises(InvalidRequest, match=r"^unit 1 \(of 2\): column 'uid' is null at row 4$"):
+        build_units_tables(units, user_fields=fields)
+    units[1][1] = _replace(g, user_fields={"ref": refs[:1], "uid": "x"})
+    with pytest.raises(InvalidRequest, match=r"group 'u1g1': user field 'ref' has 1 values for 4 responses"):
         build_units_tables(units, user_fields=fields)
 
 
