@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from knittrans.errors import InvalidRequest
@@ -135,8 +135,10 @@ class UnitDescriptor:
             raise InvalidRequest(f"unit {self.unit_id!r}: groups cover {row} rows, unit has {self.num_rows}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict."""
-        return asdict(self)
+        """Plain JSON-able dict (what :func:`dataclasses.asdict` gives, without its deep copy)."""
+        values = unit_fields(self)
+        values["groups"] = tuple(group_fields(g) for g in self.groups)
+        return values
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> UnitDescriptor:

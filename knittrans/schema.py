@@ -7,17 +7,19 @@ API summary::
     TrajectoryGroup(group_id=, source=, prompt_ids=, response_ids=[...], response_logprobs=[...],
                     rewards=[...], version_start=, version_end=, ...)
     build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
+    build_units_tables([groups, ...]) -> [UnitTables, ...]         # several units, one pass over their rows
     build_media_table(media) -> pa.Table                          # one row per unique hash
     validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
     validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
     check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
 
 List columns are built from one ``np.concatenate`` of the per-row values plus an offsets array
-(a loop over rows, never over tokens). ``loss_mask`` has one byte per *response* token; a group
-without masks gets all ones. ``version_weighted`` (an addition to DESIGN's table) is the
-token-weighted policy version of each trajectory's response; it defaults to the mean of
-``version_start`` and ``version_end``. Media content hashes are SHA-256 over a small header
-(kind, dtype, shape) followed by the raw bytes, so equal bytes of a different shape differ.
+(a loop over groups, never over tokens; rows given as numpy arrays are not converted one by one).
+``loss_mask`` has one byte per *response* token; a group without masks gets all ones.
+``version_weighted`` (an addition to DESIGN's table) is the token-weighted policy version of each
+trajectory's response; it defaults to the mean of ``version_start`` and ``version_end``. Media
+content hashes are SHA-256 over a small header (kind, dtype, shape) followed by the raw bytes, so
+equal bytes of a different shape differ.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "UnitTables",
     "build_media_table",
     "build_unit_tables",
+    "build_units_tables",
     "check_schema",
     "validate_media",
     "validate_media_hashes",
@@ -69,6 +72,8 @@ __all__ = [
 """Trajectory column names in schema order."""
 
 _SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
+_INT32 = np.dtype(np.int32)
+_MEDIA_REFS = TRAJECTORY_SCHEMA.field("media").type
 
 
 def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "trajectories") -> None:
@@ -203,28 +208,32 @@ def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
-def _list_array(rows: Sequence[Any], dtype: np.dtype[Any], value_type: pa.DataType) -> pa.ListArray:
-    """ListArray from per-row sequences: one concatenate plus an offsets cumsum."""
-    parts = [_to_numpy(r, dtype) for r in rows]
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
+def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row sequences as one values array of ``dtype`` and int64 row offsets (one concatenate).
+
+    Rows numpy can concatenate as they are (1-D arrays or lists: the usual case) are joined in one
+    call and cast once; anything else (scalars, 2-D rows, GPU tensors) is converted row by row first.
+    """
+    try:
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        values = np.concatenate(rows) if len(rows) else np.zeros(0, dtype=dtype)
+        if values.ndim != 1 or values.shape[0] != lengths.sum():
+            raise ValueError("rows are not 1-D")
+    except (TypeError, ValueError, RuntimeError):
+        parts = [_to_numpy(r, dtype) for r in rows]
+        lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] >= 2**31:
         raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
-    values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return (values if values.dtype == dtype else values.astype(dtype)), offsets
+
+
+def _list_array(rows: Sequence[Any], dtype: np.dtype[Any], value_type: pa.DataType) -> pa.ListArray:
+    """ListArray from per-row sequences: one concatenate plus an offsets cumsum."""
+    values, offsets = _list_values(rows, dtype)
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
-
-
-def _loss_masks(rows: Sequence[Any], responses: pa.ListArray) -> pa.ListArray:
-    """The loss-mask column: rows given as None are all ones over their response (one allocation)."""
-    offsets = responses.offsets
-    if all(r is None for r in rows):
-        return pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(responses.values), np.uint8)))
-    lengths = np.diff(offsets.to_numpy())
-    return _list_array(
-        [np.ones(int(k), np.uint8) if r is None else r for r, k in zip(rows, lengths, strict=True)],
-        np.dtype(np.uint8),
-        pa.uint8(),
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +296,8 @@ def build_media_table(media: Sequence[Media]) -> pa.Table:
     for m in media:
         unique.setdefault(m.hash, m)
     items = list(unique.values())
+    if not items:
+        return MEDIA_SCHEMA.empty_table()
     return pa.Table.from_arrays(
         [
             pa.array([m.hash for m in items], type=_HASH),
@@ -392,78 +403,247 @@ def build_unit_tables(
     ``user_fields`` are the job's declared extra columns; every group must give each of them
     (:attr:`TrajectoryGroup.user_fields`) and nothing else.
     """
-    if not groups:
-        raise InvalidRequest("a unit needs at least one group")
-    now = time.time()
-    cols: dict[str, list[Any]] = {k: [] for k in TRAJECTORY_COLUMNS}
-    all_media: list[Media] = []
-    for g in groups:
-        n = g.num_responses
-        cols["traj_id"] += list(g.traj_ids) if g.traj_ids is not None else [f"{g.group_id}.{i}" for i in range(n)]
-        if len(cols["traj_id"]) != len(cols["group_id"]) + n:
-            raise InvalidRequest(f"group {g.group_id!r}: traj_ids has the wrong number of entries")
-        cols["group_id"] += [g.group_id] * n
-        cols["source"] += [g.source] * n
-        if g.response_prompt_ids is not None:
-            cols["prompt_ids"] += _per_row(g.response_prompt_ids, n, "response_prompt_ids", g.group_id)
-        else:
-            cols["prompt_ids"] += [g.prompt_ids] * n
-        cols["response_ids"] += list(g.response_ids)
-        cols["response_logprobs"] += list(g.response_logprobs)
-        if g.loss_masks is None:
-            cols["loss_mask"] += [None] * n  # all ones, built from the response offsets below
-        else:
-            cols["loss_mask"] += _per_row(g.loss_masks, n, "loss_masks", g.group_id)
-        rewards = np.asarray(_per_row(g.rewards, n, "rewards", g.group_id), dtype=np.float64)
-        cols["reward"] += list(rewards)
-        if g.advantages is None:  # GRPO: the group's rewards normalised by its own mean and std
-            cols["advantage"] += list((rewards - rewards.mean()) / (rewards.std() + 1e-6))
-        else:
-            cols["advantage"] += _per_row(g.advantages, n, "advantages", g.group_id)
-        vs = _per_row(g.version_start, n, "version_start", g.group_id)
-        ve = _per_row(g.version_end, n, "version_end", g.group_id)
-        ve = [a if b is None else b for a, b in zip(vs, ve, strict=True)]
-        vw = _per_row(g.version_weighted, n, "version_weighted", g.group_id)
-        cols["version_start"] += vs
-        cols["version_end"] += ve
-        cols["version_weighted"] += [(a + b) / 2 if w is None else w for a, b, w in zip(vs, ve, vw, strict=True)]
-        per_resp = _per_row(g.response_media, n, "response_media", g.group_id) if g.response_media else [()] * n
-        for extra in per_resp:
-            row_media = [*g.media, *extra]
-            all_media += row_media
-            cols["media"].append([m.hash for m in row_media])
-        fin = _per_row(g.finished_at, n, "finished_at", g.group_id)
-        cols["finished_at"] += [now if f is None else f for f in fin]
-    responses = _list_array(cols["response_ids"], np.dtype(np.int32), pa.int32())
-    arrays = [
-        pa.array(cols["traj_id"], type=pa.string()),
-        pa.array(cols["group_id"], type=pa.string()),
-        pa.array(cols["source"], type=pa.string()).dictionary_encode(),
-        _list_array(cols["prompt_ids"], np.dtype(np.int32), pa.int32()),
-        responses,
-        _list_array(cols["response_logprobs"], np.dtype(np.float32), pa.float32()),
-        _loss_masks(cols["loss_mask"], responses),
-        pa.array(np.asarray(cols["reward"], dtype=np.float32)),
-        pa.array(np.asarray(cols["advantage"], dtype=np.float32)),
-        pa.array(np.asarray(cols["version_start"], dtype=np.int32)),
-        pa.array(np.asarray(cols["version_end"], dtype=np.int32)),
-        pa.array(np.asarray(cols["version_weighted"], dtype=np.float32)),
-        pa.array(cols["media"], type=pa.list_(_HASH)),
-        pa.array((np.asarray(cols["finished_at"], dtype=np.float64) * 1e6).astype("datetime64[us]")),
-    ]
-    schema = TRAJECTORY_SCHEMA
-    if user_fields or any(g.user_fields for g in groups):
-        arrays += _user_arrays(groups, user_fields)
-        schema = pa.schema(
-            [*TRAJECTORY_SCHEMA, *(pa.field(f.name, f.type, nullable=False) for f in user_fields)],
-            metadata=TRAJECTORY_SCHEMA.metadata,
-        )
-    traj = pa.Table.from_arrays(arrays, schema=schema)
-    media = build_media_table(all_media)
+    return build_units_tables([groups], validate=validate, user_fields=user_fields)[0]
+
+
+def build_units_tables(
+    units: Sequence[Sequence[TrajectoryGroup]], *, validate: bool = True, user_fields: Sequence[UserField] = ()
+) -> list[UnitTables]:
+    """:func:`build_unit_tables` for several units at once (one per group list), in order.
+
+    The rows of every unit are gathered together (one concatenation per column); each unit's
+    Arrow arrays are then zero-copy views of its range of those numpy buffers (list offsets
+    rebased), with its own ``source`` dictionary, media table (deduplicated within the unit) and
+    user-field columns: each unit is what :func:`build_unit_tables` gives for its groups alone,
+    down to the bytes of its IPC files. The rows are validated in one pass; errors name the group,
+    or the unit (its index in ``units``) and the row within it.
+    """
+    if not units:
+        return []
+    for groups in units:
+        if not groups:
+            raise InvalidRequest("a unit needs at least one group")
+    rows = _TrajectoryRows([g for groups in units for g in groups], time.time())
+    out: list[UnitTables] = []
+    start = 0
+    for groups in units:
+        stop = start + sum(g.num_responses for g in groups)
+        arrays = rows.arrays(start, stop)
+        schema = TRAJECTORY_SCHEMA
+        if user_fields or any(g.user_fields for g in groups):
+            arrays += _user_arrays(groups, user_fields)
+            schema = pa.schema(
+                [*TRAJECTORY_SCHEMA, *(pa.field(f.name, f.type, nullable=False) for f in user_fields)],
+                metadata=TRAJECTORY_SCHEMA.metadata,
+            )
+        traj = pa.Table.from_arrays(arrays, schema=schema)
+        media = build_media_table([m for ms in rows.media[start:stop] for m in ms])
+        out.append(UnitTables(traj=traj, media=media))
+        start = stop
     if validate:
-        validate_trajectories(traj)
-        validate_media(media)
-    return UnitTables(traj=traj, media=media)
+        _validate_units(out, rows)
+    return out
+
+
+def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
+    """Validate every unit: the rows of all of them in one pass, each alone only to name a bad row."""
+    if len(units) == 1:
+        validate_trajectories(units[0].traj)
+    else:
+        try:
+            # the fixed columns of all rows at once; user-field columns (built per unit) are checked below
+            validate_trajectories(pa.Table.from_arrays(rows.arrays(0, rows.num_rows), schema=TRAJECTORY_SCHEMA))
+            for u in units:
+                for name in u.traj.column_names[len(TRAJECTORY_COLUMNS) :]:
+                    if u.traj.column(name).null_count:
+                        validate_trajectories(u.traj)  # raises, naming the column and row
+        except InvalidRequest:
+            # find the unit and its row; a traj_id repeated across units (not within one) is allowed
+            for k, u in enumerate(units):
+                try:
+                    validate_trajectories(u.traj)
+                except InvalidRequest as exc:
+                    raise InvalidRequest(f"unit {k} (of {len(units)}): {exc}") from None
+    for u in units:
+        if u.media.num_rows:  # an empty one is MEDIA_SCHEMA.empty_table(): nothing to check
+            validate_media(u.media)
+
+
+class _TrajectoryRows:
+    """The fixed trajectory columns of groups as numpy buffers, gathered with one Python step per group
+    (not per row); :meth:`arrays` gives any row range as Arrow arrays that are views of them."""
+
+    def __init__(self, groups: Sequence[TrajectoryGroup], now: float) -> None:
+        sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
+        starts = np.zeros(len(groups), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        traj_ids: list[str] = []
+        group_ids: list[str] = []
+        sources: list[str] = []
+        prompts: list[Any] = []
+        responses: list[Any] = []
+        logprobs: list[Any] = []
+        masks: list[Any] = []
+        rewards, advantages, given_adv = [], [], []
+        vs_parts, ve_parts, vw_parts, fin_parts = [], [], [], []
+        self.media: list[tuple[Media, ...]] = []
+        """Media of each row (the group's, then the row's own), in row order."""
+        media_hashes: list[bytes] = []
+        media_counts: list[int] = []
+        for g in groups:
+            n, gid = g.num_responses, g.group_id
+            if g.traj_ids is not None:
+                ids = list(g.traj_ids)
+                if len(ids) != n:
+                    raise InvalidRequest(f"group {gid!r}: traj_ids has the wrong number of entries")
+                traj_ids += ids
+            else:
+                traj_ids += [f"{gid}.{i}" for i in range(n)]
+            group_ids += [gid] * n
+            sources += [g.source] * n
+            if g.response_prompt_ids is not None:
+                prompts += _per_row(g.response_prompt_ids, n, "response_prompt_ids", gid)
+            else:
+                prompts += [_to_numpy(g.prompt_ids, _INT32)] * n
+            responses += g.response_ids
+            logprobs += g.response_logprobs
+            masks += [None] * n if g.loss_masks is None else _per_row(g.loss_masks, n, "loss_masks", gid)
+            r = _row_values(g.rewards, n, "rewards", gid)
+            rewards.append(r)
+            given_adv.append(g.advantages is not None)
+            advantages.append(r if g.advantages is None else _row_values(g.advantages, n, "advantages", gid))
+            vs = _row_values(g.version_start, n, "version_start", gid)
+            ve = _row_values(g.version_end, n, "version_end", gid, default=vs)
+            vs_parts.append(vs)
+            ve_parts.append(ve)
+            vw_parts.append(_row_values(g.version_weighted, n, "version_weighted", gid, default=(vs + ve) / 2))
+            fin_parts.append(_row_values(g.finished_at, n, "finished_at", gid, default=np.full(n, now)))
+            if g.response_media:
+                for extra in _per_row(g.response_media, n, "response_media", gid):
+                    row_media = (*g.media, *extra)
+                    self.media.append(row_media)
+                    media_hashes += [m.hash for m in row_media]
+                    media_counts.append(len(row_media))
+            else:  # every row uses the group's media (often none)
+                shared = tuple(g.media)
+                self.media += [shared] * n
+                media_hashes += [m.hash for m in shared] * n
+                media_counts += [len(shared)] * n
+        reward = np.concatenate(rewards)
+        advantage = np.concatenate(advantages)
+        if not all(given_adv):  # GRPO: each group's rewards normalised by its own mean and std
+            mean = np.add.reduceat(reward, starts) / sizes
+            centred = reward - np.repeat(mean, sizes)
+            std = np.sqrt(np.add.reduceat(centred * centred, starts) / sizes)
+            grpo = centred / np.repeat(std + 1e-6, sizes)
+            advantage = np.where(np.repeat(~np.asarray(given_adv), sizes), grpo, advantage)
+        self.num_rows = len(traj_ids)
+        self.strings = (traj_ids, group_ids, sources)
+        response_ids = _list_values(responses, _INT32)
+        if all(m is None for m in masks):
+            mask_values = (np.ones(len(response_ids[0]), np.uint8), response_ids[1])
+        else:
+            lengths = np.diff(response_ids[1])
+            filled = [np.ones(int(k), np.uint8) if m is None else m for m, k in zip(masks, lengths, strict=True)]
+            mask_values = _list_values(filled, np.dtype(np.uint8))
+        self.lists = (
+            _list_values(prompts, _INT32),
+            response_ids,
+            _list_values(logprobs, np.dtype(np.float32)),
+            mask_values,
+        )
+        self.numbers = (
+            reward.astype(np.float32),
+            advantage.astype(np.float32),
+            _int32_versions(np.concatenate(vs_parts), "version_start", groups, starts),
+            _int32_versions(np.concatenate(ve_parts), "version_end", groups, starts),
+            np.concatenate(vw_parts).astype(np.float32),
+        )
+        media_offsets = np.zeros(len(media_counts) + 1, dtype=np.int64)
+        np.cumsum(media_counts, out=media_offsets[1:])
+        self.media_refs = (media_hashes, media_offsets)
+        self.finished = (np.concatenate(fin_parts) * 1e6).astype("datetime64[us]")
+
+    def arrays(self, start: int, stop: int) -> list[pa.Array]:
+        """Rows ``[start, stop)`` as arrays in :data:`TRAJECTORY_SCHEMA` order (views of the buffers)."""
+        traj_ids, group_ids, sources = self.strings
+        out = [
+            pa.array(traj_ids[start:stop], type=pa.string()),
+            pa.array(group_ids[start:stop], type=pa.string()),
+            _dictionary(sources[start:stop]),
+        ]
+        for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
+            out.append(_list_range(values, offsets, start, stop, value_type))
+        out += [pa.array(x[start:stop]) for x in self.numbers]
+        hashes, offsets = self.media_refs
+        lo, hi = int(offsets[start]), int(offsets[stop])
+        out.append(
+            pa.ListArray.from_arrays(
+                pa.array((offsets[start : stop + 1] - lo).astype(np.int32)),
+                pa.array(hashes[lo:hi], type=_HASH),
+                type=_MEDIA_REFS,
+            )
+        )
+        out.append(pa.array(self.finished[start:stop]))
+        return out
+
+
+def _dictionary(values: list[str]) -> pa.DictionaryArray:
+    """``pa.array(values).dictionary_encode()`` (int32 indices, first-seen order), without the compute call."""
+    codes: dict[str, int] = {}
+    indices = [codes.setdefault(v, len(codes)) for v in values]
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.asarray(indices, dtype=np.int32)), pa.array(list(codes), type=pa.string())
+    )
+
+
+_LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
+"""Value types of ``prompt_ids``, ``response_ids``, ``response_logprobs`` and ``loss_mask``."""
+
+
+def _list_range(
+    values: np.ndarray, offsets: np.ndarray, start: int, stop: int, value_type: pa.DataType
+) -> pa.ListArray:
+    """Rows ``[start, stop)`` of a list column as a ListArray of zero-based offsets over a view of ``values``."""
+    lo, hi = int(offsets[start]), int(offsets[stop])
+    return pa.ListArray.from_arrays(
+        pa.array((offsets[start : stop + 1] - lo).astype(np.int32)), pa.array(values[lo:hi], type=value_type)
+    )
+
+
+def _row_values(value: Any, n: int, what: str, group_id: str, default: np.ndarray | None = None) -> np.ndarray:
+    """One float64 per row: a scalar broadcast, or a sequence of ``n`` (None, whole or per entry, takes ``default``)."""
+    if value is None and default is not None:
+        return default
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
+        if value.shape[0] != n:
+            raise InvalidRequest(f"group {group_id!r}: {what} has {value.shape[0]} entries for {n} responses")
+        return value.astype(np.float64)
+    seq = _per_row(value, n, what, group_id)
+    if default is not None and any(v is None for v in seq):
+        seq = [d if v is None else v for v, d in zip(seq, default.tolist(), strict=True)]
+    try:
+        out = np.asarray(seq, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"group {group_id!r}: {what} must be numbers, one per response: {exc}") from None
+    if out.shape != (n,):
+        raise InvalidRequest(f"group {group_id!r}: {what} must be one number per response, got shape {out.shape}")
+    return out
+
+
+def _int32_versions(values: np.ndarray, name: str, groups: Sequence[TrajectoryGroup], starts: np.ndarray) -> np.ndarray:
+    """Versions as int32 (truncating, as ``astype``); a value that is no int32 is an error naming its group."""
+    bad = ~(np.isfinite(values) & (values >= -(2**31)) & (values < 2**31))
+    if bad.any():
+        row = _first_bad(bad)
+        k = int(np.searchsorted(starts, row, side="right")) - 1
+        raise InvalidRequest(
+            f"group {groups[k].group_id!r}: {name} {float(values[row])!r} of response {row - int(starts[k])} "
+            "is not a 32-bit integer"
+        )
+    return values.astype(np.int32)
 
 
 def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserField]) -> list[pa.Array]:

@@ -10,6 +10,12 @@ Timed from the groups (Python/numpy objects) until every unit is registered with
 - ``sequential``: the former path (``write_groups`` per unit, then one ``register_units`` for all);
 - ``doput``: as ``writer_units`` but through ``DoPut`` (a writer on another host, no shared dir).
 
+Where ``writer_units`` spends its time: after the timed runs, ``--runs`` more of it with each phase
+timed (the writer's own functions and calls, wrapped with a clock for that pass only: build,
+size estimate, ``reserve_units``, IPC writes, ``seal_units``, descriptors, registration), next to
+the round trip of a no-op call to each server (control plane ``GET /v1/health``, store ``health``
+action) as a gauge of this host's scheduling delay during the run.
+
 Ray: the same bytes (4 per-rank shards packed as numpy columns, as ``benchmarks/vs_baselines``
 does) through ``ray.put`` in a local Ray instance, in a subprocess of the ``.venv-bench``
 interpreter (``bash scripts/setup_bench_env.sh``); when Ray is not installed the report says so
@@ -31,6 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +50,7 @@ if str(REPO) not in sys.path:
 from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups  # noqa: E402
 from benchmarks.vs_baselines.workload import WorkloadSpec, generate  # noqa: E402
 from knittrans.demo.cluster import ClusterConfig, LocalCluster  # noqa: E402
+from knittrans.rollout import writer as writer_module  # noqa: E402
 from knittrans.rollout.writer import TrajectoryWriter  # noqa: E402
 
 JOB = "put"
@@ -84,6 +94,47 @@ def ray_put(python: Path, runs: int) -> dict[str, Any]:
         tail = proc.stderr.strip().splitlines()[-3:]
         return {"error": f"ray run failed ({proc.returncode}): {' | '.join(tail)}"}
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+PHASES = ("build", "estimate", "reserve_units", "write_files", "seal_units", "describe", "register")
+
+
+@contextmanager
+def phase_clocks(writers: list[TrajectoryWriter], control: Any) -> Iterator[dict[str, float]]:
+    """Seconds spent in each of :data:`PHASES` while the block runs (the functions and calls wrapped)."""
+    spent: dict[str, float] = defaultdict(float)
+
+    def clocked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return run
+
+    module_fns = {
+        "build_units_tables": "build",
+        "estimate_unit_bytes": "estimate",
+        "write_table": "write_files",
+        "describe_unit": "describe",
+    }
+    saved = {attr: getattr(writer_module, attr) for attr in module_fns}
+    for attr, name in module_fns.items():
+        setattr(writer_module, attr, clocked(name, saved[attr]))
+    for w in writers:
+        w.client.reserve_units = clocked("reserve_units", w.client.reserve_units)  # type: ignore[method-assign]
+        w.client.seal_units = clocked("seal_units", w.client.seal_units)  # type: ignore[method-assign]
+    control.register_units = clocked("register", control.register_units)
+    try:
+        yield spent
+    finally:
+        for attr, fn in saved.items():
+            setattr(writer_module, attr, fn)
+        for w in writers:
+            del w.client.reserve_units, w.client.seal_units
+        del control.register_units
 
 
 def commit() -> str:
@@ -144,6 +195,24 @@ def main() -> None:
                 elapsed = time.perf_counter() - t0
                 if run:
                     times[variant].append(elapsed)
+        phases: dict[str, list[float]] = {p: [] for p in (*PHASES, "total", "control_rtt", "store_rtt")}
+        for run in range(args.runs):  # the phase breakdown of writer_units (not in the figures above)
+            groups = build_groups(workload, f"phases{run}")
+            chunks = [groups[b.start : b.stop] for b in batches]
+            with phase_clocks(local, control) as spent:
+                t0 = time.perf_counter()
+                for k, w in enumerate(local):
+                    w.write_units(chunks[k :: len(local)])
+                total = time.perf_counter() - t0
+            for p in PHASES:
+                phases[p].append(spent[p])
+            phases["total"].append(total)
+            t0 = time.perf_counter()
+            control.health()
+            phases["control_rtt"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            local[0].client.health()
+            phases["store_rtt"].append(time.perf_counter() - t0)
         for w in [*local, *remote, *plain]:
             w.close()
         control.close()
@@ -160,6 +229,7 @@ def main() -> None:
             v: {"median_s": statistics.median(t), "per_unit_ms": 1e3 * statistics.median(t) / units, "runs": t}
             for v, t in times.items()
         },
+        "writer_units_phases_ms": {p: 1e3 * statistics.median(v) for p, v in phases.items()},
         "ray": ray,
         "machine": {
             "platform": platform.platform(),
@@ -196,6 +266,21 @@ def main() -> None:
         )
     else:
         lines += ["", f"Ray: not measured: {ray['error']}"]
+    ph = result["writer_units_phases_ms"]
+    lines += [
+        "",
+        f"Where `writer_units` spends its time ({args.runs} more runs, each phase clocked; medians, ms per run of "
+        "both writers):",
+        "",
+        "| " + " | ".join((*PHASES, "other", "total")) + " |",
+        "|" + "---|" * (len(PHASES) + 2),
+        "| "
+        + " | ".join(f"{ph[p]:.1f}" for p in PHASES)
+        + f" | {ph['total'] - sum(ph[p] for p in PHASES):.1f} | {ph['total']:.1f} |",
+        "",
+        f"No-op round trips in the same pass (the host's scheduling delay): control plane `GET /v1/health` "
+        f"{ph['control_rtt']:.2f} ms, store `health` action {ph['store_rtt']:.2f} ms.",
+    ]
     (args.out / "put_path.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -8,6 +8,7 @@ API::
         c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
         c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
         c.seal(job, unit) / c.delete(job, unit) / c.stats() / c.health()
+        c.reserve_units(job, [(unit, nbytes), ...]) / c.seal_units(job, [{"unit": ...}, ...])  # batched
         c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -162,6 +163,22 @@ class StoreClient:
             if value is not None:
                 body[key] = value
         return dict(self._action("seal", body))
+
+    def reserve_units(
+        self, job: str, units: Sequence[tuple[str, int]], timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """:meth:`reserve` for several ``(unit_id, nbytes)`` in one round trip, all or none; one
+        ``{"unit", "dir", "spilled"}`` per unit, in order (``timeout_s`` bounds the whole call)."""
+        body: dict[str, Any] = {"job": job, "units": [{"unit": u, "bytes": n} for u, n in units]}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return list(self._action("reserve_units", body)["units"])
+
+    def seal_units(self, job: str, units: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """:meth:`seal` for several units in one round trip, all or none: each entry is ``{"unit"}``
+        plus the optional ``rows``, ``media_rows`` and ``num_bytes`` to check; the sealed units' infos,
+        in order. When one fails, the node deletes those of this call it sealed and aborts the rest."""
+        return list(self._action("seal_units", {"job": job, "units": [dict(u) for u in units]})["units"])
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""

@@ -18,7 +18,12 @@ Protocol (all payloads JSON unless noted):
   counts must match what was written, else the unit is dropped with ``Conflict``) / ``delete``
   ``{"job", "unit"}``; ``reserve`` ``{"job", "unit", "bytes",
   "timeout_s"}`` (same-host writers: reserves budget and returns the temporary ``dir`` to write
-  the IPC files into); ``stats``; ``health``.
+  the IPC files into); ``stats``; ``health``. Batched forms for a writer's several units, each
+  all or none (one round trip instead of one per unit): ``reserve_units`` ``{"job", "units":
+  [{"unit", "bytes"}, ...], "timeout_s"?}`` -> ``{"units": [{"unit", "dir", "spilled"}, ...]}``
+  (``timeout_s`` bounds the whole call) and ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
+  "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` (a failing unit deletes the
+  ones this call sealed and aborts the rest).
 
 Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
 stops the server.
@@ -47,7 +52,7 @@ from knittrans.flight.errors import to_flight_error
 from knittrans.grants import check_listing, check_ticket
 from knittrans.names import check_name
 from knittrans.schema import check_schema, validate_part
-from knittrans.store import SealedUnit, StoreConfig, UnitStore
+from knittrans.store import SealedUnit, SealSpec, StoreConfig, UnitStore
 from knittrans.tickets import Ticket, UnitRead
 
 __all__ = ["StoreServer", "StoreServerConfig"]
@@ -55,6 +60,8 @@ __all__ = ["StoreServer", "StoreServerConfig"]
 logger = logging.getLogger(__name__)
 MAX_RESERVE_WAIT_S = 3600.0
 """Longest ``timeout_s`` a ``reserve`` call may ask to wait for budget."""
+MAX_BATCH_UNITS = 4096
+"""Most units one ``reserve_units`` or ``seal_units`` call may name."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -140,11 +147,36 @@ def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     return body
 
 
-def _count(body: dict[str, Any], key: str) -> int | None:
+def _count(body: dict[str, Any], key: str, kind: str = "seal") -> int | None:
     value = body.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InvalidRequest(f"action 'seal': {key!r} must be a non-negative integer, not {value!r}")
+        raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
     return value
+
+
+def _timeout(kind: str, timeout: Any) -> float | None:
+    if timeout is not None and (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)
+        or not 0 <= timeout <= MAX_RESERVE_WAIT_S
+    ):
+        raise InvalidRequest(
+            f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_RESERVE_WAIT_S}], not {timeout!r}"
+        )
+    return timeout
+
+
+def _unit_entries(kind: str, units: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(unit_id, entry)`` of a batched action's ``units``: 1 to :data:`MAX_BATCH_UNITS` objects naming a unit."""
+    if not isinstance(units, list) or not 1 <= len(units) <= MAX_BATCH_UNITS:
+        raise InvalidRequest(f"action {kind!r}: 'units' must be a list of 1 to {MAX_BATCH_UNITS} objects")
+    out = []
+    for e in units:
+        if not isinstance(e, dict) or "unit" not in e:
+            raise InvalidRequest(f"action {kind!r}: every entry of 'units' must be an object with a 'unit' key")
+        out.append((check_name(e["unit"], "unit_id"), e))
+    return out
 
 
 def _json(obj: object) -> list[bytes]:
@@ -272,20 +304,40 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         """The actions this server understands."""
         return [
             ("seal", "publish a pending unit: {job, unit}"),
+            ("seal_units", "publish several pending units, all or none: {job, units: [{unit, ...}]}"),
             ("delete", "delete a sealed or pending unit: {job, unit}"),
             ("reserve", "same-host writer: reserve budget, get a temporary dir: {job, unit, bytes, timeout_s}"),
+            ("reserve_units", "reserve for several units, all or none: {job, units: [{unit, bytes}], timeout_s}"),
             ("stats", "counts and bytes of this node"),
             ("health", "liveness and identity of this node"),
         ]
 
     @_mapped
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
-        """Dispatch ``seal``, ``delete``, ``reserve``, ``stats`` and ``health``."""
+        """Dispatch ``seal``, ``seal_units``, ``delete``, ``reserve``, ``reserve_units``, ``stats`` and ``health``."""
         kind = action.type
         if kind == "health":
             return _json({"ok": True, "node_id": self.config.node_id, "endpoint": self.endpoint})
         if kind == "stats":
             return _json({"node_id": self.config.node_id, **self.store.stats()})
+        if kind in ("reserve_units", "seal_units"):
+            body = _body(action, "job", "units")
+            job = check_name(body["job"], "job")
+            entries = _unit_entries(kind, body["units"])
+            if kind == "seal_units":
+                specs = [
+                    SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
+                    for uid, e in entries
+                ]
+                return _json({"units": [u.info() for u in self.store.seal_units(job, specs)]})
+            timeout = _timeout(kind, body.get("timeout_s"))
+            wanted = [(uid, self._reserve_bytes(kind, uid, e.get("bytes"))) for uid, e in entries]
+            begun = self.store.begin_units(job, wanted, timeout=timeout, abandoned=context.is_cancelled)
+            if context.is_cancelled():  # the caller gave up while we waited: nobody will use the grants
+                for p in begun:
+                    self.store.abort(job, p.unit_id, only=p)
+                raise Conflict(f"reservation for units {[u for u, _ in wanted]} abandoned by its caller")
+            return _json({"units": [{"unit": p.unit_id, "dir": str(p.dir), "spilled": p.spilled} for p in begun]})
         if kind in ("seal", "delete", "reserve"):
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
@@ -295,23 +347,8 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             if kind == "delete":
                 self.store.delete(job, unit_id)
                 return _json({"deleted": unit_id})
-            nbytes, timeout = body.get("bytes"), body.get("timeout_s")
-            if not isinstance(nbytes, int) or nbytes < 0:
-                raise InvalidRequest("action 'reserve': 'bytes' must be a non-negative integer")
-            if nbytes > self.config.max_put_bytes:
-                raise PayloadTooLarge(
-                    f"unit {unit_id!r} needs {nbytes} bytes, above the limit of {self.config.max_put_bytes} bytes"
-                )
-            if timeout is not None and (
-                not isinstance(timeout, int | float)
-                or isinstance(timeout, bool)
-                or not math.isfinite(timeout)
-                or not 0 <= timeout <= MAX_RESERVE_WAIT_S
-            ):
-                raise InvalidRequest(
-                    f"action 'reserve': 'timeout_s' must be a number of seconds in "
-                    f"[0, {MAX_RESERVE_WAIT_S}], not {timeout!r}"
-                )
+            nbytes = self._reserve_bytes(kind, unit_id, body.get("bytes"))
+            timeout = _timeout(kind, body.get("timeout_s"))
             pending = self.store.begin(
                 job, unit_id, reserve_bytes=nbytes, timeout=timeout, abandoned=context.is_cancelled
             )
@@ -320,3 +357,12 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 raise Conflict(f"reservation for unit {unit_id!r} abandoned by its caller")
             return _json({"dir": str(pending.dir), "spilled": pending.spilled})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
+
+    def _reserve_bytes(self, kind: str, unit_id: str, nbytes: Any) -> int:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidRequest(f"action {kind!r}: 'bytes' of unit {unit_id!r} must be a non-negative integer")
+        if nbytes > self.config.max_put_bytes:
+            raise PayloadTooLarge(
+                f"unit {unit_id!r} needs {nbytes} bytes, above the limit of {self.config.max_put_bytes} bytes"
+            )
+        return nbytes

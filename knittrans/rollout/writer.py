@@ -11,11 +11,14 @@ API::
     writer.write_groups(groups)                          # one unit, registered
     writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
 
-Same host (``store_dir`` given): the node reserves budget (``reserve`` action, waiting for space
-or choosing the spill dir) and hands out a temporary directory; the writer writes the two IPC
-files there itself and asks the node to ``seal`` (atomic rename). Otherwise the unit goes over
-``DoPut`` (two puts and a ``seal``). Media are deduplicated by content hash within the unit by
-:func:`knittrans.schema.build_unit_tables`.
+Same host (``store_dir`` given): the node reserves budget (``reserve_units`` action, waiting for
+space or choosing the spill dir) and hands out a temporary directory per unit; the writer writes
+the two IPC files there itself and asks the node to seal them (``seal_units``: validation, then an
+atomic rename each). Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units``
+publishes them. One call writes all its units with one reserve and one seal round trip, whatever
+their number, and builds their rows as one Arrow table cut into a slice per unit
+(:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
+unit.
 
 Versions in the descriptor, per group: ``version_start`` = min over its trajectories,
 ``version_end`` = max, ``version_weighted`` = mean of the trajectories' ``version_weighted``
@@ -33,14 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
+import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, KnitTransError
+from knittrans.errors import Conflict, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
-from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_unit_tables
+from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
 from knittrans.store.store import estimate_unit_bytes
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
@@ -60,34 +63,43 @@ def describe_unit(
     endpoint: str,
     num_bytes: int,
 ) -> UnitDescriptor:
-    """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column)."""
+    """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column:
+    per-group minima, maxima and sums are segment reductions over the group's rows)."""
     traj = tables.traj
-    plen = pc.list_value_length(traj.column("prompt_ids")).to_numpy()
-    rlen = pc.list_value_length(traj.column("response_ids")).to_numpy()
-    vs = traj.column("version_start").to_numpy()
-    ve = traj.column("version_end").to_numpy()
-    vw = traj.column("version_weighted").to_numpy().astype(np.float64)
-    fin = traj.column("finished_at").cast("int64").to_numpy() / 1e6
-    media = traj.column("media").to_pylist()
+    sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
+    starts = np.zeros(len(groups), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    cols = {c: _one_chunk(traj, c) for c in _DESCRIBED}
+    plen = np.diff(cols["prompt_ids"].offsets.to_numpy())
+    rlen = np.diff(cols["response_ids"].offsets.to_numpy())
+    tokens = (plen.astype(np.int64) + rlen).tolist()
+    vs = np.minimum.reduceat(cols["version_start"].to_numpy(), starts).tolist()
+    ve = np.maximum.reduceat(cols["version_end"].to_numpy(), starts).tolist()
+    vw = cols["version_weighted"].to_numpy().astype(np.float64)
+    w = rlen.astype(np.float64)
+    wsum = np.add.reduceat(w, starts)
+    weighted = np.where(
+        wsum > 0, np.add.reduceat(vw * w, starts) / np.where(wsum > 0, wsum, 1.0), np.add.reduceat(vw, starts) / sizes
+    ).tolist()
+    fin = (np.maximum.reduceat(cols["finished_at"].to_numpy().astype(np.int64), starts) / 1e6).tolist()
+    media_refs = cols["media"]
+    media = media_refs.to_pylist() if media_refs.offsets[-1].as_py() > media_refs.offsets[0].as_py() else None
     records, row = [], 0
-    for g in groups:
+    for k, g in enumerate(groups):
         n = g.num_responses
-        sl = slice(row, row + n)
-        w = rlen[sl].astype(np.float64)
-        weighted = float((vw[sl] * w).sum() / w.sum()) if w.sum() > 0 else float(vw[sl].mean())
-        hashes = list(dict.fromkeys(h.hex() for hs in media[sl] for h in hs))
+        hashes = () if media is None else tuple(dict.fromkeys(h.hex() for hs in media[row : row + n] for h in hs))
         records.append(
             GroupRecord(
                 group_id=g.group_id,
                 source=g.source,
                 row_start=row,
                 num_trajectories=n,
-                trajectory_tokens=tuple(int(x) for x in plen[sl] + rlen[sl]),
-                version_start=int(vs[sl].min()),
-                version_end=int(ve[sl].max()),
-                version_weighted=weighted,
-                finished_at=float(fin[sl].max()),
-                media_hashes=tuple(hashes),
+                trajectory_tokens=tuple(tokens[row : row + n]),
+                version_start=vs[k],
+                version_end=ve[k],
+                version_weighted=weighted[k],
+                finished_at=fin[k],
+                media_hashes=hashes,
             )
         )
         row += n
@@ -101,6 +113,16 @@ def describe_unit(
         schema_version=SCHEMA_VERSION,
         groups=tuple(records),
     )
+
+
+_DESCRIBED = ("prompt_ids", "response_ids", "version_start", "version_end", "version_weighted", "finished_at", "media")
+"""Trajectory columns a unit descriptor is computed from."""
+
+
+def _one_chunk(table: pa.Table, name: str) -> Any:
+    """Column ``name`` as one array (its only chunk, or the chunks combined)."""
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 class TrajectoryWriter:
@@ -138,67 +160,99 @@ class TrajectoryWriter:
     def write_groups(self, groups: Sequence[TrajectoryGroup], *, unit_id: str | None = None) -> UnitDescriptor:
         """Build, validate, store and seal ``groups`` as one unit, register it when the writer has a
         ``control`` client; return its descriptor."""
-        desc = self._write(groups, unit_id)
-        if self.control is not None:
-            self.control.register_units(self.job, [desc])
-        return desc
+        return self._publish([groups], [unit_id])[0]
 
     def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
         """Write each group list as its own unit, then register them all in one call (with ``control``);
         descriptors in the order of ``units``.
 
-        Registration is all or none: a failure leaves the written units sealed but unregistered (a
-        retry of the registration with the returned descriptors is a no-op for those that made it).
+        The units are built together (one Arrow table for all rows, cut into one slice per unit),
+        reserved and sealed in one round trip each (same host; over ``DoPut`` one seal for all), and
+        registered in one request. Storing is all or none: when one unit fails, none stays on the
+        node. Registration is all or none too: a failure leaves the written units sealed but
+        unregistered (a retry of the registration with the returned descriptors is a no-op for those
+        that made it).
         """
-        # One unit after the other: writing them from a thread pool was measured slower (put_path.py: the
-        # build is Python and holds the GIL; the node round trips it would overlap are short).
-        descs = [self._write(groups, None) for groups in units]
-        if self.control is not None and descs:
+        return self._publish(units, [None] * len(units))
+
+    def _publish(
+        self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
+    ) -> list[UnitDescriptor]:
+        if not units:
+            return []
+        ids = [check_name(u or self.new_unit_id(), "unit_id") for u in unit_ids]
+        for groups in units:
+            for g in groups:
+                check_name(g.group_id, "group_id")
+                check_name(g.source, "source")
+        tables = build_units_tables(units, user_fields=self.user_fields)
+        infos = self.write_tables_many(list(zip(ids, tables, strict=True)))
+        descs = [
+            describe_unit(
+                t,
+                groups,
+                unit_id=uid,
+                job=self.job,
+                node_id=self.node_id,
+                endpoint=self.endpoint,
+                num_bytes=int(info["num_bytes"]),
+            )
+            for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
+        ]
+        if self.control is not None:
             self.control.register_units(self.job, descs)
         return descs
 
-    def _write(self, groups: Sequence[TrajectoryGroup], unit_id: str | None) -> UnitDescriptor:
-        unit_id = check_name(unit_id or self.new_unit_id(), "unit_id")
-        for g in groups:
-            check_name(g.group_id, "group_id")
-            check_name(g.source, "source")
-        tables = build_unit_tables(groups, user_fields=self.user_fields)
-        info = self.write_tables(unit_id, tables)
-        return describe_unit(
-            tables,
-            groups,
-            unit_id=unit_id,
-            job=self.job,
-            node_id=self.node_id,
-            endpoint=self.endpoint,
-            num_bytes=int(info["num_bytes"]),
-        )
-
     def write_tables(self, unit_id: str, tables: UnitTables) -> dict[str, Any]:
         """Store prepared tables as unit ``unit_id``; returns the node's info on the sealed unit."""
-        if self.store_dir is None:
-            return self.client.put_unit(self.job, unit_id, tables.traj, tables.media)
-        need = estimate_unit_bytes(tables.traj, tables.media)
-        grant = self.client.reserve(self.job, unit_id, need, timeout_s=self.timeout_s)
-        tmp = Path(grant["dir"]).resolve()
+        return self.write_tables_many([(unit_id, tables)])[0]
+
+    def write_tables_many(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
+        """Store prepared tables as units ``(unit_id, tables)``, all or none; the node's infos, in order.
+
+        Same host: one ``reserve_units`` round trip for all (budget, memory or spill), the IPC files
+        written straight into the directories it grants, one ``seal_units``. Otherwise: ``DoPut`` calls
+        per unit, then one ``seal_units``. A failure removes every unit of the call from the node.
+        """
+        if not units:
+            return []
+        if self.store_dir is not None:
+            wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
+            grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
+        seals: list[dict[str, Any]] = []
+        parents: dict[str, Path] = {}  # the units' directories share a parent (<root>/<job>): resolve it once
         try:
-            if not grant["spilled"] and self.store_dir not in tmp.parents:
-                raise Conflict(
-                    f"store node {self.endpoint} writes to {tmp}, not under this writer's "
-                    f"store_dir {self.store_dir}: is the node on another host?"
-                )
-            write_table(tmp / TRAJ_FILE, tables.traj)
-            write_table(tmp / MEDIA_FILE, tables.media)
-            size = (tmp / TRAJ_FILE).stat().st_size + (tmp / MEDIA_FILE).stat().st_size
-            return self.client.seal(
-                self.job, unit_id, rows=tables.traj.num_rows, media_rows=tables.media.num_rows, num_bytes=size
-            )
+            for k, (uid, t) in enumerate(units):
+                seal: dict[str, Any] = {"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows}
+                if self.store_dir is None:
+                    self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
+                else:
+                    granted = Path(grants[k]["dir"])
+                    parent = parents.get(str(granted.parent))
+                    if parent is None:
+                        parent = parents[str(granted.parent)] = granted.parent.resolve()
+                    tmp = parent / granted.name if granted.name not in ("", ".", "..") else granted.resolve()
+                    if not grants[k]["spilled"] and self.store_dir not in tmp.parents:
+                        raise Conflict(
+                            f"store node {self.endpoint} writes to {tmp}, not under this writer's "
+                            f"store_dir {self.store_dir}: is the node on another host?"
+                        )
+                    seal["num_bytes"] = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
+                seals.append(seal)
+            return self.client.seal_units(self.job, seals)
         except BaseException:
-            try:
-                self.client.delete(self.job, unit_id)
-            except KnitTransError as exc:
-                logger.warning("could not abort unit %s/%s: %s", self.job, unit_id, exc)
+            self._abort([uid for uid, _ in units])
             raise
+
+    def _abort(self, unit_ids: Sequence[str]) -> None:
+        """Remove units of a failed write from the node (sealed or pending; gone already is fine)."""
+        for uid in unit_ids:
+            try:
+                self.client.delete(self.job, uid)
+            except NotFound:
+                pass
+            except KnitTransError as exc:
+                logger.warning("could not abort unit %s/%s: %s", self.job, uid, exc)
 
     def close(self) -> None:
         """Close the connection to the node."""

@@ -6,7 +6,7 @@ same-host short-circuit; ``ByteBudget`` for backpressure.
 """
 
 from knittrans.store.budget import ByteBudget
-from knittrans.store.store import DEFAULT_ROOT, PendingUnit, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store.store import DEFAULT_ROOT, PendingUnit, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, LocalReader, SealedUnit, read_media, read_rows
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ByteBudget",
     "LocalReader",
     "PendingUnit",
+    "SealSpec",
     "SealedUnit",
     "StoreConfig",
     "UnitStore",

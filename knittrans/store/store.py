@@ -9,7 +9,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,7 +24,7 @@ from knittrans.store.budget import ByteBudget
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
 from knittrans.tickets import Ticket
 
-__all__ = ["DEFAULT_ROOT", "PendingUnit", "StoreConfig", "UnitStore", "estimate_unit_bytes"]
+__all__ = ["DEFAULT_ROOT", "PendingUnit", "SealSpec", "StoreConfig", "UnitStore", "estimate_unit_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,20 @@ def estimate_unit_bytes(traj: pa.Table, media: pa.Table) -> int:
 
 
 Part = Literal["traj", "media"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SealSpec:
+    """One unit of :meth:`UnitStore.seal_units` and what its writer says it holds (None: not checked)."""
+
+    unit_id: str
+    """Unit to seal."""
+    rows: int | None = None
+    """Trajectory rows written."""
+    media_rows: int | None = None
+    """Media rows written."""
+    num_bytes: int | None = None
+    """Bytes of both IPC files."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +281,7 @@ class UnitStore:
     """Units of every job on one node. Thread-safe; never imports ``pyarrow.flight``.
 
     API: ``begin(job, unit, reserve_bytes=None) -> PendingUnit``; ``seal(job, unit) -> SealedUnit``;
+    ``begin_units``/``seal_units`` (several units in one call, all or none);
     ``write_unit(job, unit, traj, media) -> SealedUnit`` (begin + write + seal); ``abort``;
     ``delete``; ``get``; ``units(job)``; ``read(ticket) -> pa.Table``; ``stats()``.
     """
@@ -354,6 +369,38 @@ class UnitStore:
                 self.abort(job, unit_id, only=pending)
                 raise
         return pending
+
+    def begin_units(
+        self,
+        job: str,
+        reservations: Sequence[tuple[str, int]],
+        *,
+        timeout: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> list[PendingUnit]:
+        """:meth:`begin` each ``(unit_id, reserve_bytes)`` in order, all or none.
+
+        ``timeout`` bounds the whole call (each unit waits for budget at most what is left of it);
+        when one unit cannot begin, the units begun before it are aborted and the error is raised.
+        """
+        check_name(job, "job")
+        ids = [unit_id for unit_id, _ in reservations]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(
+                f"unit ids repeat within one reservation: {sorted({u for u in ids if ids.count(u) > 1})}"
+            )
+        wait = self.config.wait_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        begun: list[PendingUnit] = []
+        try:
+            for unit_id, nbytes in reservations:
+                left = max(0.0, deadline - time.monotonic())
+                begun.append(self.begin(job, unit_id, reserve_bytes=nbytes, timeout=left, abandoned=abandoned))
+        except BaseException:
+            for p in begun:
+                self.abort(job, p.unit_id, only=p)
+            raise
+        return begun
 
     def pending(self, job: str, unit_id: str) -> PendingUnit:
         """The unsealed unit ``job/unit_id``; NotFound otherwise."""
@@ -445,6 +492,25 @@ class UnitStore:
             self._sealed[(job, unit_id)] = unit
         logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
         return unit
+
+    def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
+        """:meth:`seal` each unit in order, all or none: when one fails, the units this call sealed
+        before it are deleted and those after it aborted, then the error (naming the unit) is raised."""
+        ids = [u.unit_id for u in units]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"unit ids repeat within one seal: {sorted({u for u in ids if ids.count(u) > 1})}")
+        sealed: list[SealedUnit] = []
+        try:
+            for u in units:
+                sealed.append(self.seal(job, u.unit_id, rows=u.rows, media_rows=u.media_rows, num_bytes=u.num_bytes))
+        except BaseException:
+            for unit in sealed:
+                with contextlib.suppress(NotFound):
+                    self.delete(job, unit.unit_id)
+            for u in units[len(sealed) :]:
+                self.abort(job, u.unit_id)
+            raise
+        return sealed
 
     def write_unit(
         self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, timeout: float | None = None

@@ -43,9 +43,10 @@ MEDIA_FILE = "media.arrow"
 
 def write_table(path: Path, table: pa.Table, *, max_chunk_rows: int | None = None) -> int:
     """Write ``table`` as an Arrow IPC file (no fsync: tmpfs) and return its size in bytes."""
-    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=max_chunk_rows)
-    return path.stat().st_size
+    with pa.OSFile(str(path), "wb") as sink:
+        with ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=max_chunk_rows)
+        return int(sink.tell())
 
 
 def _open_table(path: Path, kind: str) -> pa.Table:

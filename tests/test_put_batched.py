@@ -1,0 +1,411 @@
+"""The batched put path: several units built as one table, reserved and sealed in one round trip each.
+
+Covers :func:`knittrans.schema.build_units_tables` (each unit equals the unit built alone, errors name
+the unit and row), :meth:`UnitStore.begin_units` / :meth:`UnitStore.seal_units` (all or none), the
+``reserve_units`` / ``seal_units`` Flight actions (bad bodies refused with clear errors, the single-unit
+actions unchanged) and :meth:`TrajectoryWriter.write_units` over a shared directory and over ``DoPut``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+import pytest
+import torch
+from data_support import make_groups
+
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, PayloadTooLarge, SchemaMismatch
+from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
+from knittrans.rollout.writer import TrajectoryWriter, describe_unit
+from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
+from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store.unit import write_table
+from knittrans.tickets import Ticket, UnitRead
+from knittrans.userfields import parse_user_fields
+
+Start = Callable[..., StoreServer]
+
+
+def _units(n_units: int = 3, seed: int = 0) -> list[list[TrajectoryGroup]]:
+    return [make_groups(2 + k % 2, 3 + k, seed=seed + k, prefix=f"u{k}g") for k in range(n_units)]
+
+
+def _replace(g: TrajectoryGroup, **changes: Any) -> TrajectoryGroup:
+    return TrajectoryGroup(**{**{f.name: getattr(g, f.name) for f in dataclasses.fields(g)}, **changes})
+
+
+# --------------------------------------------------------------------------- builder
+
+
+def test_each_unit_of_a_batch_is_the_unit_built_alone(tmp_path: Path) -> None:
+    """Same rows, own source dictionary, own deduplicated media table, and byte-identical IPC files."""
+    units = _units(4)
+    together = build_units_tables(units)
+    assert len(together) == 4
+    for k, (groups, t) in enumerate(zip(units, together, strict=True)):
+        alone = build_unit_tables(groups)
+        assert t.traj.schema.equals(alone.traj.schema, check_metadata=True)
+        assert t.traj.equals(alone.traj) and t.media.equals(alone.media)
+        source = t.traj.column("source").chunk(0)
+        rows = [g.source for g in groups for _ in range(g.num_responses)]
+        assert source.equals(pa.array(rows).dictionary_encode())  # the unit's own dictionary, first-seen order
+        assert t.media.num_rows == alone.media.num_rows > 0  # the group images and two audio clips, each once
+        for name, table in (("traj", t.traj), ("media", t.media)):
+            a, b = tmp_path / f"{k}-{name}-batch.arrow", tmp_path / f"{k}-{name}-alone.arrow"
+            write_table(a, table)
+            write_table(b, getattr(alone, name))
+            assert a.read_bytes() == b.read_bytes()
+
+
+def test_batched_columns_hold_the_inputs_and_grpo_advantages() -> None:
+    """List columns are the inputs concatenated; advantages are each group's normalised rewards unless given."""
+    units = _units(2)
+    given = np.array([0.5, -0.5, 0.25, 1.0], dtype=np.float32)
+    units[1][0] = _replace(units[1][0], advantages=given)
+    tables = build_units_tables(units)
+    for groups, t in zip(units, tables, strict=True):
+        flat = pc.list_flatten(t.traj.column("response_ids")).to_numpy()
+        assert np.array_equal(flat, np.concatenate([r for g in groups for r in g.response_ids]))
+        prompts = t.traj.column("prompt_ids").to_pylist()
+        assert prompts == [g.prompt_ids.tolist() for g in groups for _ in range(g.num_responses)]
+        adv = t.traj.column("advantage").to_numpy()
+        row = 0
+        for g in groups:
+            n = g.num_responses
+            r = np.asarray(g.rewards, dtype=np.float64)
+            want = given if g.advantages is not None else ((r - r.mean()) / (r.std() + 1e-6)).astype(np.float32)
+            np.testing.assert_allclose(adv[row : row + n], want, rtol=1e-6, atol=1e-6)
+            row += n
+
+
+def test_rows_given_as_lists_tensors_or_mixed_dtypes_build_the_same_columns() -> None:
+    """The one-concatenate fast path and the row-by-row fallback give the same table."""
+    (g,) = make_groups(1, 4, media=False)
+    as_lists = _replace(
+        g,
+        prompt_ids=g.prompt_ids.tolist(),
+        response_ids=[r.tolist() for r in g.response_ids],
+        response_logprobs=[torch.from_numpy(x) for x in g.response_logprobs],
+        loss_masks=[m.astype(bool) for m in g.loss_masks or ()],
+    )
+    mixed = _replace(g, response_ids=[r.astype(np.int64) if i % 2 else r for i, r in enumerate(g.response_ids)])
+    column_rows = _replace(g, response_ids=[r.reshape(-1, 1) for r in g.response_ids])
+    want = build_unit_tables([g]).traj
+    for variant in (as_lists, mixed, column_rows):
+        got = build_unit_tables([variant]).traj
+        for name in ("prompt_ids", "response_ids", "response_logprobs", "loss_mask"):
+            assert got.column(name).equals(want.column(name)), name
+
+
+def test_batch_errors_name_the_unit_and_its_row() -> None:
+    """A bad row in the second unit is reported with that unit and the row within it; inputs are checked too."""
+    units = _units(3)
+    bad = units[1][1]
+    units[1][1] = _replace(bad, response_ids=[np.array([-1, 2], np.int32), *bad.response_ids[1:]])
+    units[1][1] = _replace(units[1][1], response_logprobs=[np.zeros(2, np.float32), *bad.response_logprobs[1:]])
+    units[1][1] = _replace(units[1][1], loss_masks=[np.ones(2, np.uint8), *(bad.loss_masks or ())[1:]])
+    row = units[1][0].num_responses  # first row of the second group of unit 1
+    with pytest.raises(InvalidRequest, match=rf"^unit 1 \(of 3\): column 'response_ids' .* at row {row}$"):
+        build_units_tables(units)
+    with pytest.raises(InvalidRequest, match="a unit needs at least one group"):
+        build_units_tables([units[0], []])
+    g = units[0][0]
+    with pytest.raises(InvalidRequest, match=r"group 'u0g0': rewards has 2 entries for 3 responses"):
+        build_units_tables([[_replace(g, rewards=[1.0, 2.0])]])
+    with pytest.raises(
+        InvalidRequest, match=r"group 'u1g1': version_end 1099511627776.0 of response 2 is not a 32-bit"
+    ):
+        build_units_tables([units[0], [units[1][0], _replace(units[1][1], version_end=[0, 0, 2**40, 0])]])
+    assert build_units_tables([]) == []
+
+
+def test_traj_ids_may_repeat_across_units_but_not_within_one() -> None:
+    """Each unit is validated as a unit: the same trajectory id in two units is allowed, as before batching."""
+    (g,) = make_groups(1, 3, media=False)
+    twin = _replace(g, group_id="other")  # no traj_ids: ids derive from the group id, so set them equal
+    same = [f"t{i}" for i in range(3)]
+    tables = build_units_tables([[_replace(g, traj_ids=same)], [_replace(twin, traj_ids=same)]])
+    assert [t.traj.column("traj_id").to_pylist() for t in tables] == [same, same]
+    with pytest.raises(InvalidRequest, match=r"^unit 1 \(of 2\): column 'traj_id' value 't0' is duplicated"):
+        build_units_tables([[g], [_replace(g, traj_ids=same), _replace(twin, traj_ids=same)]])
+
+
+def test_user_fields_are_built_per_unit_with_unit_relative_rows() -> None:
+    """Declared user fields travel with each unit; a bad value names its group, field and row in the unit."""
+    fields = parse_user_fields({"ref": "list<float32>", "uid": "string"})
+
+    def with_user(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        return [
+            _replace(
+                g,
+                user_fields={"ref": [np.full(3, i, np.float32) for i in range(g.num_responses)], "uid": g.group_id},
+                shared_user_fields=frozenset({"uid"}),
+            )
+            for g in groups
+        ]
+
+    units = [with_user(gs) for gs in _units(2)]
+    tables = build_units_tables(units, user_fields=fields)
+    for groups, t in zip(units, tables, strict=True):
+        assert t.traj.equals(build_unit_tables(groups, user_fields=fields).traj)
+        assert t.traj.column("uid").to_pylist() == [g.group_id for g in groups for _ in range(g.num_responses)]
+    g = units[1][1]
+    refs = g.user_fields["ref"]  # type: ignore[index]
+    units[1][1] = _replace(g, user_fields={"ref": refs, "uid": [None, "a", "b", "c"]}, shared_user_fields=frozenset())
+    with pytest.raises(InvalidRequest, match=r"^unit 1 \(of 2\): column 'uid' is null at row 4$"):
+        build_units_tables(units, user_fields=fields)
+    units[1][1] = _replace(g, user_fields={"ref": refs[:1], "uid": "x"})
+    with pytest.raises(InvalidRequest, match=r"group 'u1g1': user field 'ref' has 1 values for 4 responses"):
+        build_units_tables(units, user_fields=fields)
+
+
+def test_descriptor_to_dict_is_asdict() -> None:
+    """The hand-written ``to_dict`` gives exactly :func:`dataclasses.asdict`'s dict."""
+    t = build_unit_tables(make_groups(2, 3))
+    d = describe_unit(t, make_groups(2, 3), unit_id="u", job="j", node_id="n", endpoint="grpc://x:1", num_bytes=5)
+    assert d.to_dict() == dataclasses.asdict(d)
+    assert json.dumps(d.to_dict()) == json.dumps(dataclasses.asdict(d))
+
+
+# --------------------------------------------------------------------------- store
+
+
+def _begin_and_write(store: UnitStore, ids: list[str], seed: int = 0) -> list[SealSpec]:
+    tables = build_units_tables(_units(len(ids), seed=seed))
+    pending = store.begin_units(
+        "job", [(u, estimate_unit_bytes(t.traj, t.media)) for u, t in zip(ids, tables, strict=True)]
+    )
+    specs = []
+    for p, t in zip(pending, tables, strict=True):
+        assert p.dir is not None
+        size = write_table(p.dir / TRAJ_FILE, t.traj) + write_table(p.dir / MEDIA_FILE, t.media)
+        specs.append(SealSpec(unit_id=p.unit_id, rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size))
+    return specs
+
+
+def test_store_seals_a_batch_and_checks_every_unit(store_dir: Path) -> None:
+    """``begin_units`` + ``seal_units`` publish every unit; the counts of each are checked."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    specs = _begin_and_write(store, ["a", "b", "c"])
+    sealed = store.seal_units("job", specs)
+    assert [u.unit_id for u in sealed] == ["a", "b", "c"]
+    assert [u.num_rows for u in sealed] == [s.rows for s in specs]
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b", "c"]
+    assert store.stats()["pending"] == 0 and store.budget.used == sum(u.num_bytes for u in sealed)
+
+
+def test_store_seal_batch_is_all_or_none(store_dir: Path) -> None:
+    """A unit whose counts do not match undoes the units sealed before it and aborts those after it."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30))
+    specs = _begin_and_write(store, ["a", "b", "c"])
+    specs[1] = dataclasses.replace(specs[1], rows=(specs[1].rows or 0) + 1)
+    with pytest.raises(Conflict, match=r"unit 'b' of job 'job' does not hold what its writer sent: rows"):
+        store.seal_units("job", specs)
+    assert store.units("job") == [] and store.stats()["pending"] == 0 and store.budget.used == 0
+    assert list((store_dir / "job").iterdir()) == []
+    with pytest.raises(InvalidRequest, match=r"unit ids repeat within one seal: \['x'\]"):
+        store.seal_units("job", [SealSpec(unit_id="x"), SealSpec(unit_id="x")])
+
+
+def test_store_reserve_batch_is_all_or_none(store_dir: Path) -> None:
+    """A unit that cannot begin (exists already, or no budget in time) aborts the units begun before it."""
+    t = build_unit_tables(make_groups(3, 4))
+    need = estimate_unit_bytes(t.traj, t.media)
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=int(need * 2.5)))
+    store.write_unit("job", "taken", t.traj, t.media)
+    with pytest.raises(Conflict, match="unit 'taken' of job 'job' already exists"):
+        store.begin_units("job", [("fresh", need), ("taken", need)])
+    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "taken").num_bytes
+    with pytest.raises(OverBudget):
+        store.begin_units("job", [("a", need), ("b", need)], timeout=0.1)  # room for one more, not two
+    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "taken").num_bytes
+    with pytest.raises(InvalidRequest, match=r"unit ids repeat within one reservation: \['a'\]"):
+        store.begin_units("job", [("a", 1), ("a", 1)])
+
+
+# --------------------------------------------------------------------------- Flight actions
+
+
+class RecordingServer(StoreServer):
+    """A store server that records the action types it is asked for (to count round trips)."""
+
+    def __init__(self, config: StoreServerConfig) -> None:
+        super().__init__(config)
+        self.actions: list[str] = []
+
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        self.actions.append(action.type)
+        return super().do_action(context, action)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def recording(store_dir: Path) -> Any:
+    server = RecordingServer(StoreServerConfig(store=StoreConfig(root=store_dir), node_id="node-0"))
+    yield server
+    server.shutdown()
+
+
+def test_reserve_and_seal_actions_round_trip(recording: RecordingServer, store_dir: Path) -> None:
+    """``reserve_units`` hands out one directory per unit; ``seal_units`` publishes them, all or none."""
+    client = StoreClient(recording.endpoint)
+    tables = build_units_tables(_units(3))
+    grants = client.reserve_units(
+        "job", [(f"u{k}", estimate_unit_bytes(t.traj, t.media)) for k, t in enumerate(tables)]
+    )
+    assert [g["unit"] for g in grants] == ["u0", "u1", "u2"] and not any(g["spilled"] for g in grants)
+    seals = []
+    for g, t in zip(grants, tables, strict=True):
+        d = Path(g["dir"])
+        assert store_dir in d.parents
+        size = write_table(d / TRAJ_FILE, t.traj) + write_table(d / MEDIA_FILE, t.media)
+        seals.append({"unit": g["unit"], "rows": t.traj.num_rows, "media_rows": t.media.num_rows, "num_bytes": size})
+    (Path(grants[2]["dir"]) / TRAJ_FILE).write_bytes(b"not arrow")
+    with pytest.raises(SchemaMismatch, match="is not a readable Arrow IPC file"):
+        client.seal_units("job", seals)
+    assert recording.store.units("job") == [] and recording.store.stats()["pending"] == 0
+    # again, intact: all three sealed and readable
+    grants = client.reserve_units("job", [(s["unit"], 1 << 20) for s in seals], timeout_s=5)
+    for g, t in zip(grants, tables, strict=True):
+        write_table(Path(g["dir"]) / TRAJ_FILE, t.traj)
+        write_table(Path(g["dir"]) / MEDIA_FILE, t.media)
+    infos = client.seal_units("job", [{k: v for k, v in s.items() if k != "num_bytes"} for s in seals])
+    assert [i["unit_id"] for i in infos] == ["u0", "u1", "u2"]
+    got = client.get(Ticket(job="job", reads=(UnitRead(unit_id="u1"),)))
+    assert got.equals(tables[1].traj)
+    assert recording.actions == ["reserve_units", "seal_units", "reserve_units", "seal_units"]
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "error", "match"),
+    [
+        ("reserve_units", {"job": "job"}, InvalidRequest, r"body must be a JSON object with keys \['job', 'units'\]"),
+        ("reserve_units", {"job": "job", "units": []}, InvalidRequest, "'units' must be a list of 1 to 4096 objects"),
+        ("reserve_units", {"job": "job", "units": {"unit": "a"}}, InvalidRequest, "'units' must be a list"),
+        ("reserve_units", {"job": "job", "units": [["a", 5]]}, InvalidRequest, "an object with a 'unit' key"),
+        ("reserve_units", {"job": "job", "units": [{"unit": "../x", "bytes": 1}]}, InvalidRequest, "unit_id"),
+        ("reserve_units", {"job": "job", "units": [{"unit": "a"}]}, InvalidRequest, "'bytes' of unit 'a' must be"),
+        ("reserve_units", {"job": "job", "units": [{"unit": "a", "bytes": True}]}, InvalidRequest, "'bytes'"),
+        ("reserve_units", {"job": "job", "units": [{"unit": "a", "bytes": 1 << 40}]}, PayloadTooLarge, "above"),
+        (
+            "reserve_units",
+            {"job": "job", "units": [{"unit": "a", "bytes": 1}], "timeout_s": -1},
+            InvalidRequest,
+            "'timeout_s' must be a number of seconds",
+        ),
+        ("seal_units", {"job": "job", "units": [{"unit": "a", "rows": -1}]}, InvalidRequest, "'rows' must be a non"),
+        ("seal_units", {"job": "job", "units": [{"unit": "nope"}]}, NotFound, "no unit 'nope' of job 'job'"),
+        ("seal_units", {"job": "job", "units": [{"unit": "a"}] * 5000}, InvalidRequest, "1 to 4096"),
+    ],
+)
+def test_batched_actions_refuse_bad_bodies(
+    recording: RecordingServer, kind: str, body: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """Every malformed batched request is refused with a typed error that says what is wrong; nothing is left."""
+    client = StoreClient(recording.endpoint)
+    with pytest.raises(error, match=match):
+        client._action(kind, body)
+    assert recording.store.stats()["pending"] == 0
+    client.close()
+
+
+def test_single_unit_actions_still_work(recording: RecordingServer, store_dir: Path) -> None:
+    """Writers of the former protocol (``reserve`` and ``seal`` per unit) are still served."""
+    client = StoreClient(recording.endpoint)
+    t = build_unit_tables(make_groups(2, 3))
+    grant = client.reserve("job", "old", estimate_unit_bytes(t.traj, t.media))
+    write_table(Path(grant["dir"]) / TRAJ_FILE, t.traj)
+    info = client.seal("job", "old", rows=t.traj.num_rows)
+    assert info["num_rows"] == t.traj.num_rows and recording.actions == ["reserve", "seal"]
+    client.close()
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def test_write_units_uses_one_reserve_and_one_seal(recording: RecordingServer, store_dir: Path) -> None:
+    """Same host: one ``reserve_units`` and one ``seal_units`` for the call; every unit is what it holds."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    units = _units(4)
+    descs = writer.write_units(units)
+    assert recording.actions == ["reserve_units", "seal_units"]
+    assert [d.num_rows for d in descs] == [sum(g.num_responses for g in gs) for gs in units]
+    for d, groups in zip(descs, units, strict=True):
+        assert UnitDescriptor.from_dict(d.to_dict()) == d
+        unit = recording.store.get("job", d.unit_id)
+        assert d.num_bytes == unit.num_bytes
+        alone = build_unit_tables(groups)
+        assert unit.traj.drop_columns(["finished_at"]).equals(alone.traj.drop_columns(["finished_at"]))
+        assert [g.group_id for g in d.groups] == [g.group_id for g in groups]
+    assert writer.write_units([]) == [] and recording.actions == ["reserve_units", "seal_units"]
+    writer.close()
+
+
+def test_write_units_over_doput_matches_the_shared_dir(recording: RecordingServer, store_dir: Path) -> None:
+    """Over ``DoPut`` the units are put one by one and sealed in one call; descriptions match the local path."""
+    local = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    remote = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint)
+    units = _units(3)
+    a = local.write_units(units)
+    recording.actions.clear()
+    b = remote.write_units(units)
+    assert recording.actions == ["seal_units"]
+    for x, y in zip(a, b, strict=True):
+        assert x.groups == y.groups and x.num_rows == y.num_rows
+        ta, tb = (recording.store.get("job", d.unit_id).traj.drop_columns(["finished_at"]) for d in (x, y))
+        assert ta.equals(tb)
+    local.close()
+    remote.close()
+
+
+def test_write_units_failure_leaves_nothing_on_the_node(recording: RecordingServer, tmp_path: Path) -> None:
+    """A failure after the reservation (here: the node writes elsewhere) removes every unit of the call."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=tmp_path)
+    with pytest.raises(Conflict, match="is the node on another host"):
+        writer.write_units(_units(3))
+    assert recording.store.stats()["pending"] == 0 and recording.store.units("job") == []
+    assert recording.store.budget.used == 0
+    recording.actions.clear()
+    with pytest.raises(InvalidRequest, match="a unit needs at least one group"):
+        writer.write_units([_units(1)[0], []])
+    assert recording.actions == []  # refused before anything reached the node
+    writer.close()
+
+
+def test_write_units_waits_for_budget_for_the_whole_batch(start_server: Start, store_dir: Path) -> None:
+    """The batch reserves all its units or none: with room for one unit only, a batch of two times out."""
+    t = build_unit_tables(make_groups(20, 4))
+    server = start_server(budget_bytes=int(estimate_unit_bytes(t.traj, t.media) * 1.5))
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir, timeout_s=0.2)
+    with pytest.raises(OverBudget, match="stayed full"):
+        writer.write_units([make_groups(20, 4, prefix="a"), make_groups(20, 4, prefix="b")])
+    assert server.store.stats()["pending"] == 0 and server.store.budget.used == 0
+    (desc,) = writer.write_units([make_groups(20, 4, prefix="c")])
+    assert server.store.get("job", desc.unit_id).num_rows == 80
+    writer.close()
+
+
+def test_units_of_a_batch_are_views_of_one_buffer_and_put_as_their_rows(recording: RecordingServer) -> None:
+    """Each unit's token values are a view into one buffer for the batch (no copy per unit); ``put_unit``
+    of such a unit stores exactly its rows."""
+    client = StoreClient(recording.endpoint)
+    tables = build_units_tables(_units(3))
+    for name in ("prompt_ids", "response_ids", "response_logprobs", "loss_mask"):
+        values = [t.traj.column(name).chunk(0).values for t in tables]
+        for a, b in itertools.pairwise(values):
+            assert b.buffers()[1].address == a.buffers()[1].address + a.nbytes, name
+    middle = tables[1]
+    client.put_unit("job", "mid", middle.traj, middle.media)
+    got = client.get(Ticket(job="job", reads=(UnitRead(unit_id="mid"),)))
+    assert got.equals(middle.traj)
+    client.close()
