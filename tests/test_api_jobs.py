@@ -11,6 +11,8 @@ from api_support import app_client, drain_ranks, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP, JobSpec
+from knittrans.errors import InvalidJobSpec
 
 
 @pytest.fixture
@@ -66,6 +68,8 @@ def test_create_is_idempotent_for_the_same_spec_only(client: TestClient) -> None
         ({"columns": []}, 422, "columns"),
         ({"quotas": {"math": "many"}}, 422, "quotas.math"),
         ({"surprise": 1}, 422, "surprise"),
+        # an absurd K (found by the schemathesis run): planning its step took a minute of the event loop
+        ({"mini_batches_per_step": 292675459, "quotas": {"math": 2147483647, "code": 1}}, 422, "mini_batches_per_step"),
     ],
 )
 def test_invalid_specs_are_refused_naming_the_field(
@@ -78,6 +82,16 @@ def test_invalid_specs_are_refused_naming_the_field(
     assert set(body) == {"error", "detail"}
     assert names in body["detail"], body
     assert client.get("/v1/jobs/job1").status_code == 404
+
+
+def test_job_spec_refuses_more_mini_batches_than_the_maximum() -> None:
+    """``JobSpec`` (also built from YAML and the CLI) caps K at MAX_MINI_BATCHES_PER_STEP, naming the field."""
+    spec = job_spec(quotas={"math": 10_000, "code": 0}, world_size=1)
+    assert JobSpec.from_dict({**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP}).mini_batches_per_step == (
+        MAX_MINI_BATCHES_PER_STEP
+    )
+    with pytest.raises(InvalidJobSpec, match=r"mini_batches_per_step: K=4097 is above the maximum 4096"):
+        JobSpec.from_dict({**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP + 1})
 
 
 def test_missing_field_is_named(client: TestClient) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, create_model
 from typing_extensions import NotRequired, TypedDict
 
+from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP
 from knittrans.names import CONTENT_HASH_PATTERN
 from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
 from knittrans.tickets import Ticket
@@ -126,7 +127,7 @@ class JobCreate(_In):
     name: Name
     group_size: Positive
     quotas: dict[Name, Int32] = Field(min_length=1)
-    mini_batches_per_step: Positive
+    mini_batches_per_step: Annotated[int, Field(ge=1, le=MAX_MINI_BATCHES_PER_STEP), BeforeValidator(_not_bool)]
     policy: Literal["train_batch", "linear_target", "constraint_preserving"] = "constraint_preserving"
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE), BeforeValidator(_not_bool)]
     micro_batch_tokens: Positive | None = None

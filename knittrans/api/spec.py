@@ -14,7 +14,7 @@ from knittrans.sched.types import SourceBounds
 from knittrans.schema import TRAJECTORY_COLUMNS
 from knittrans.userfields import UserField, parse_user_fields
 
-__all__ = ["JobSpec", "check_quotas", "declared_user_fields"]
+__all__ = ["MAX_MINI_BATCHES_PER_STEP", "JobSpec", "check_quotas", "declared_user_fields"]
 
 
 def check_quotas(quotas: Mapping[str, int], *, mini_batches_per_step: int, bounds: Mapping[str, SourceBounds]) -> None:
@@ -62,6 +62,11 @@ def check_quotas(quotas: Mapping[str, int], *, mini_batches_per_step: int, bound
             )
 
 
+MAX_MINI_BATCHES_PER_STEP = 4096
+"""Largest ``K`` a job may have: per-step work (mini-batch sizes, composition plans) is ``O(K)``, so an
+absurd ``K`` (a typo, a fuzzer) would stall the control plane for minutes while it plans one step."""
+
+
 def _positive(value: Any, what: str, *, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidJobSpec(f"{what}: {value!r} must be an integer >= {minimum}")
@@ -107,6 +112,11 @@ class JobSpec:
         check_name(self.name, "name", error=InvalidJobSpec)
         _positive(self.group_size, "group_size")
         _positive(self.mini_batches_per_step, "mini_batches_per_step")
+        if self.mini_batches_per_step > MAX_MINI_BATCHES_PER_STEP:
+            raise InvalidJobSpec(
+                f"mini_batches_per_step: K={self.mini_batches_per_step} is above the maximum "
+                f"{MAX_MINI_BATCHES_PER_STEP} mini-batches per step"
+            )
         _positive(self.world_size, "world_size")
         if self.policy not in POLICIES:
             raise InvalidJobSpec(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
