@@ -18,7 +18,7 @@ from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
 from knittrans.api.routes import health, jobs, nodes, ranks, tokens, ui, units
-from knittrans.api.routes.deps import PlanBoard, StateRunner
+from knittrans.api.routes.deps import AckBatcher, PlanBoard, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.api.store import RecordStore
@@ -127,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.reopen()  # an app served again after a shutdown (test clients) reconnects to its state
         runner.start()
+        board.bind(asyncio.get_running_loop(), service.rank_answers)  # plans published to this loop
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
         try:
             yield
@@ -135,6 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             runner.close()
+            board.unbind()
             store.close()
 
     app = FastAPI(
@@ -147,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.state.board = board
     app.state.runner = runner
+    app.state.acks = AckBatcher(service, runner)
     app.state.tokens = TokenCheck(settings)
     app.state.observed = Observations()
     app.state.registry = make_registry(service, app.state.observed)

@@ -11,9 +11,11 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from knittrans.api.auth import WorkerAuth
+from knittrans.api.delivery import Answer
 from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
-from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
-from knittrans.errors import Unauthenticated
+from knittrans.api.routes.deps import Acks, Board, PlanBoard, Run, Service, SettingsDep, StateRunner
+from knittrans.api.service import ControlPlane
+from knittrans.errors import InvalidRequest, Unauthenticated
 from knittrans.plans import RankPlan
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
@@ -32,7 +34,10 @@ router = APIRouter(
 
 @router.get(
     "/{job}/ranks/{rank}/next",
-    responses={200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}},
+    responses={
+        200: {"model": RankPlanOut},
+        204: {"description": "no plan within timeout_s (or the job is done)"},
+    },
 )
 async def next_plan(
     job: str,
@@ -40,28 +45,83 @@ async def next_plan(
     svc: Service,
     run: Run,
     board: Board,
+    acks: Acks,
     settings: SettingsDep,
     _: WorkerAuth,
+    request: Request,
     timeout_s: float = Query(30.0, ge=0),
     after: str | None = Query(None, max_length=64),
+    ack: str | None = Query(
+        None,
+        max_length=64,
+        description="the rank's current plan id: ack it (like POST .../ack, without transfer figures), "
+        "then long-poll the next plan, in one request; errors as for the ack (404 unknown plan, 409 out "
+        "of order, 410 withdrawn), and then nothing was acked",
+    ),
 ) -> Response:
     """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
+
+    With ``ack=<plan_id>``: ack that plan first (idempotent, so a retried request is safe), then
+    long-poll for the next one: one request per rank per mini-batch instead of an ack and a ``next``.
+    If the ack is refused (404 the plan is not this rank's, 409 an earlier plan is still open, 410
+    it was withdrawn) the request answers that error and does not poll.
 
     With ``after=<plan_id>`` (the rank's current, un-acked plan): the plan of the mini-batch after
     it, so a rank can prefetch while it still trains ``plan_id``; acks stay in order. After
     ``plan_id`` is acked the same as without ``after`` (a poll in flight across the ack goes on).
     409 when ``plan_id`` is neither the rank's current plan nor the one acked just before it, 410
-    when it was (or gets) withdrawn.
+    when it was (or gets) withdrawn. ``ack`` and ``after`` together: 409 ``invalid_request``.
     """
+    if ack is not None and after is not None:
+        raise InvalidRequest("give either 'ack' (ack this plan, then wait for the next) or 'after', not both")
+    if ack is not None:
+        acked = await acks.ack(job, rank, ack)
+        request.app.state.observed.record_ack(job, rank, acked, None, time.time())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
+    if after is not None:
+        return await _next_after(job, rank, after, svc, run, board, loop, deadline)
+
+    def look() -> Answer:
+        found = svc.rank_answer(job, rank)  # 404 for an unknown job or rank
+        board.store(job, rank, found)
+        return found
+
+    while True:
+        found = board.answer(job, rank)  # what the state thread last published, read on the loop
+        event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
+        board.probed(job, rank)
+        if found is None:  # nothing published for this rank yet: ask the state thread (it publishes)
+            found = await run(look)
+        raw, state, done = found
+        if raw is not None:
+            return Response(raw, media_type="application/json")
+        if done:
+            return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return Response(status_code=204, headers={STATE_HEADER: state})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining)
+
+
+async def _next_after(
+    job: str,
+    rank: int,
+    after: str,
+    svc: ControlPlane,
+    run: StateRunner,
+    board: PlanBoard,
+    loop: asyncio.AbstractEventLoop,
+    deadline: float,
+) -> Response:
+    """``next?after=``: probed on the state thread at each wake-up (it checks ``after`` each time)."""
 
     def probe() -> tuple[RankPlan | None, str, bool]:
-        plan = svc.next_plan(job, rank) if after is None else svc.plan_after(job, rank, after)
+        plan = svc.plan_after(job, rank, after)
         if plan is not None:
             return plan, "", False
-        state = svc.job(job).state
-        return None, state, svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after)
+        return None, svc.job(job).state, svc.done_after(job, rank, after)
 
     while True:
         event = board.rank_event(job, rank)  # taken before the probe: a change while it runs still wakes us
@@ -89,18 +149,16 @@ async def fetched(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: W
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
-async def ack(
-    job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth, request: Request
-) -> dict[str, Any]:
+async def ack(job: str, rank: int, body: AckIn, acks: Acks, _: WorkerAuth, request: Request) -> Response:
     """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost.
 
     ``transfer`` (optional): the rank's transfer figures of this mini-batch, summed per rank in
     ``/metrics`` and the dashboard (a repeated ack is not counted twice).
     """
-    result = await run(svc.ack, job, rank, body.plan_id)
+    result = await acks.ack(job, rank, body.plan_id)  # group commit with the acks arriving together
     transfer = body.transfer.model_dump() if body.transfer is not None else None
     request.app.state.observed.record_ack(job, rank, result, transfer, time.time())
-    return result
+    return JSONResponse(result)  # the service's dict is AckOut already: no second validation
 
 
 @router.post("/{job}/versions", response_model=VersionOut)
