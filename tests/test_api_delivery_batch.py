@@ -208,8 +208,7 @@ def test_next_ack_bad_values_are_refused(tmp_path: Path, bad: str) -> None:
 def test_client_next_with_ack_against_a_real_server(tmp_path: Path) -> None:
     """The control client's ``next_plan(ack=...)`` on a real server process (uvicorn, loopback): one
     request acks and returns the next plan; a refused ack raises the client's error; the job runs out."""
-    with server(tmp_path / "cp.db") as proc:
-        client = ControlClient(proc.url, retries=0)
+    with server(tmp_path / "cp.db") as proc, ControlClient(proc.url, retries=0) as client:
         with httpx.Client(base_url=proc.url) as c:
             c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
             c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})

@@ -141,11 +141,11 @@ class TokenCheck:
             raise Unauthenticated("this endpoint needs the admin bearer token")
 
 
-def _worker(request: Request) -> None:
+async def _worker(request: Request) -> None:  # async: a plain def would hop to a worker thread
     request.app.state.tokens.check_worker(request)
 
 
-def _admin(request: Request) -> None:
+async def _admin(request: Request) -> None:
     request.app.state.tokens.check_admin(request)
 
 

@@ -296,27 +296,31 @@ class AckBatcher:
         return out
 
 
-def _service(request: Request) -> ControlPlane:
+# The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a thread
+# hop (two context switches) per dependency and request, the largest cost of a ``next`` or ``ack`` at scale.
+
+
+async def _service(request: Request) -> ControlPlane:
     service: ControlPlane = request.app.state.service
     return service
 
 
-def _board(request: Request) -> PlanBoard:
+async def _board(request: Request) -> PlanBoard:
     board: PlanBoard = request.app.state.board
     return board
 
 
-def _acks(request: Request) -> AckBatcher:
+async def _acks(request: Request) -> AckBatcher:
     acks: AckBatcher = request.app.state.acks
     return acks
 
 
-def _runner(request: Request) -> StateRunner:
+async def _runner(request: Request) -> StateRunner:
     runner: StateRunner = request.app.state.runner
     return runner
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
