@@ -223,3 +223,31 @@ def test_client_next_with_ack_against_a_real_server(tmp_path: Path) -> None:
         with pytest.raises(JobFinished):
             client.next_plan(JOB, 0, 5, ack=str(p1.plan_id))
         assert client.get_job(JOB)["state"] == "completed"
+
+
+def test_fast_path_serves_plain_next_and_leaves_the_rest_to_the_app(tmp_path: Path) -> None:
+    """Plain ``next`` (``timeout_s``, ``ack``) is answered by the fast path; a bad token, an unknown job
+    or rank, a refused ack, a malformed query and ``after`` are answered by the app, as documented."""
+    with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk") as c:
+        c.headers["Authorization"] = "Bearer adm"
+        _setup(c, world=2, sources=["math", "code"] * 4)
+        counts: dict[str, int] = c.app.state.fast_next  # type: ignore[attr-defined]
+        served, to_app = counts["served"], counts["to_app"]
+        p0 = _plan(c, 0)
+        assert _plan(c, 0, ack=str(p0.plan_id)).global_index == 1
+        assert (counts["served"], counts["to_app"]) == (served + 2, to_app)
+        cases = [
+            (c.get(f"/v1/jobs/{JOB}/ranks/0/next", headers={"Authorization": "Bearer x"}), 401),
+            (c.get("/v1/jobs/nope/ranks/0/next", params={"timeout_s": 0}), 404),
+            (_next(c, 5), 404),
+            (_next(c, 1, ack="n1.a0.r1"), 409),  # mini-batch 1 before 0
+        ]
+        for response, status in cases:
+            assert response.status_code == status and response.json()["error"], response.text
+        assert counts["to_app"] == to_app + 4 and counts["served"] == served + 2
+        for params in ({"timeout_s": "-1"}, {"timeout_s": "x"}, {"ack": "y" * 65}, {"zzz": "1"}):
+            r = c.get(f"/v1/jobs/{JOB}/ranks/1/next", params={"timeout_s": 0, **params})
+            assert r.status_code in (200, 422), r.text  # never the fast path: the app validates
+        assert counts["served"] == served + 2
+        assert _next(c, 1, after=str(p0.plan_id)).status_code == 404  # rank 0's plan; after= is the app's
+        assert counts["served"] == served + 2

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from knittrans import __version__
 from knittrans.api.auth import TokenCheck
+from knittrans.api.fastpath import FastNext
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
@@ -157,6 +158,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, jobs, nodes, units, ranks, tokens, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
+    app.state.fast_next = {"served": 0, "to_app": 0}
     _document_raw_bodies(app)
     return app
 

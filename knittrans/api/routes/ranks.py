@@ -19,7 +19,7 @@ from knittrans.api.settings import Settings
 from knittrans.errors import InvalidRequest, Unauthenticated
 from knittrans.plans import RankPlan
 
-__all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
+__all__ = ["DONE_HEADER", "STATE_HEADER", "router", "serve_next"]
 
 DONE_HEADER = "X-KnitTrans-Done"
 """Set to ``1`` on a 204 when no further plan will ever come for the rank (job drained or completed)."""
@@ -68,24 +68,32 @@ async def next_plan(
     409 when ``plan_id`` is neither the rank's current plan nor the one acked just before it, 410
     when it was (or gets) withdrawn. ``ack`` and ``after`` together: 409 ``invalid_request``.
     """
-    # the hot route of a large job (every rank, every mini-batch): the app's parts from its state, not
-    # one injected dependency each (FastAPI's per-dependency cost was a third of the event loop's time
-    # at 1,024 ranks); only the auth check stays a dependency (it answers 401 before any validation)
-    state = request.app.state
-    svc: ControlPlane = state.service
-    run: StateRunner = state.runner
-    board: PlanBoard = state.board
-    acks: AckBatcher = state.acks
-    settings: Settings = state.settings
     if ack is not None and after is not None:
         raise InvalidRequest("give either 'ack' (ack this plan, then wait for the next) or 'after', not both")
+    if after is None:
+        return await serve_next(request.app.state, job, rank, timeout_s, ack)
+    state = request.app.state
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(timeout_s, state.settings.long_poll_max_s)
+    return await _next_after(job, rank, after, state.service, state.runner, state.board, loop, deadline)
+
+
+async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str | None) -> Response:
+    """``next`` without ``after`` (``ack`` optional), for the route and for :class:`FastNext`.
+
+    The app's parts come from its ``state``, not one injected dependency each (FastAPI's
+    per-dependency cost was a third of the event loop's time at 1,024 ranks). The plan is read from
+    the plan board on the event loop; only a rank's first look goes to the state thread.
+    """
+    svc: ControlPlane = state.service
+    board: PlanBoard = state.board
+    settings: Settings = state.settings
     if ack is not None:
+        acks: AckBatcher = state.acks
         acked = await acks.ack(job, rank, ack)
         state.observed.record_ack(job, rank, acked, None, time.time())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
-    if after is not None:
-        return await _next_after(job, rank, after, svc, run, board, loop, deadline)
 
     def look() -> Answer:
         found = svc.rank_answer(job, rank)  # 404 for an unknown job or rank
@@ -97,7 +105,8 @@ async def next_plan(
         event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
         board.probed(job, rank)
         if found is None:  # nothing published for this rank yet: ask the state thread (it publishes)
-            found = await run(look)
+            runner: StateRunner = state.runner
+            found = await runner(look)
         raw, job_state, done = found
         if raw is not None:
             return Response(raw, media_type="application/json")
