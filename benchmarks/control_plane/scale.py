@@ -329,6 +329,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
         "plan_age_ms": summary([x * 1e3 for x in ages]),
         "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
+        "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
         "server_cpu_share": cpu / elapsed,
         "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
