@@ -17,7 +17,7 @@ from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.errors import KnitTransError
 
-__all__ = ["AckBatcher", "Acks", "Board", "PlanBoard", "Run", "Service", "SettingsDep", "StateRunner"]
+__all__ = ["AckBatcher", "Board", "PlanBoard", "Run", "Service", "SettingsDep", "StateRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ class PlanBoard:
 
     def answer(self, job: str, rank: int) -> Answer | None:
         """What ``next`` answers ``rank`` of ``job`` now, as last published; None when nothing is
-        published for it yet (ask the state thread: :meth:`look`). Called on the event loop."""
+        published for it yet (ask the state thread, ``ControlPlane.rank_answer``, and :meth:`store` the
+        answer there). Called on the event loop."""
         table = self._answers.get(job)
         return None if table is None else table.get(rank)
 
@@ -238,7 +239,9 @@ class AckBatcher:
     request still gets its own result or error (a refused ack does not fail the others).
 
     The first ack of a quiet moment goes at once (after acks already queued on the loop join it);
-    later ones queue behind the batch in flight and go together when it returns.
+    later ones queue behind the batch in flight and go together when it returns. An unexpected
+    failure of the whole call (not a refused ack) fails every ack of the batch, as it would have
+    failed each of them alone.
     """
 
     def __init__(self, service: ControlPlane, runner: StateRunner) -> None:
@@ -310,11 +313,6 @@ async def _board(request: Request) -> PlanBoard:
     return board
 
 
-async def _acks(request: Request) -> AckBatcher:
-    acks: AckBatcher = request.app.state.acks
-    return acks
-
-
 async def _runner(request: Request) -> StateRunner:
     runner: StateRunner = request.app.state.runner
     return runner
@@ -331,7 +329,5 @@ Board = Annotated[PlanBoard, Depends(_board)]
 """The app's :class:`PlanBoard`."""
 SettingsDep = Annotated[Settings, Depends(_settings)]
 """The app's settings."""
-Acks = Annotated[AckBatcher, Depends(_acks)]
-"""The app's :class:`AckBatcher`: ``await acks.ack(job, rank, plan_id)``."""
 Run = Annotated[StateRunner, Depends(_runner)]
 """The app's :class:`StateRunner`: ``await run(svc.method, ...)``."""

@@ -35,10 +35,7 @@ router = APIRouter(
 
 @router.get(
     "/{job}/ranks/{rank}/next",
-    responses={
-        200: {"model": RankPlanOut},
-        204: {"description": "no plan within timeout_s (or the job is done)"},
-    },
+    responses={200: {"model": RankPlanOut}, 204: {"description": "no plan within timeout_s (or the job is done)"}},
 )
 async def next_plan(
     job: str,
