@@ -251,3 +251,25 @@ def test_fast_path_serves_plain_next_and_leaves_the_rest_to_the_app(tmp_path: Pa
         assert counts["served"] == served + 2
         assert _next(c, 1, after=str(p0.plan_id)).status_code == 404  # rank 0's plan; after= is the app's
         assert counts["served"] == served + 2
+
+
+def test_admission_publishes_every_rank_in_chunks(tmp_path: Path) -> None:
+    """An admission renders and publishes every rank's plan before anyone asks (the registration's
+    answer comes after the board has them), chunk by chunk; a rank's ``next`` is those bytes."""
+    with app_client(tmp_path / "cp.db") as c:
+        _setup(c, world=5, sources=["math", "code"] * 5)  # two rows per rank per mini-batch
+        board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
+        published = {r: board.answer(JOB, r) for r in range(5)}
+        assert all(a is not None and a[0] is not None for a in published.values()), published
+        svc = c.app.state.service  # type: ignore[attr-defined]
+
+        async def chunks() -> list[dict[int, Any]]:
+            return await c.app.state.runner(lambda: list(svc.jobs[JOB].answer_chunks(None, size=2)))  # type: ignore[attr-defined]
+
+        assert c.portal is not None
+        got = c.portal.call(chunks)
+        assert [sorted(chunk) for chunk in got] == [[0, 1], [2, 3], [4]]
+        for chunk in got:
+            for rank, answer in chunk.items():
+                assert answer == published[rank]  # rendered once: the same bytes again
+                assert _next(c, rank).content == answer[0]

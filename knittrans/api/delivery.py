@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -18,7 +18,10 @@ from knittrans.grants import sign_grant
 from knittrans.plans import PlanId, RankPlan
 from knittrans.sched.staleness import ConsumedGroup
 
-__all__ = ["Answer", "Delivery"]
+__all__ = ["ANSWER_CHUNK", "Answer", "Delivery"]
+
+ANSWER_CHUNK = 128
+"""Ranks whose answers the plan board gets in one post (:meth:`Delivery.answer_chunks`)."""
 
 Answer = tuple[bytes | None, str, bool]
 """What ``next`` (without ``after``) answers a rank now: ``(plan JSON, job state, done)``; the plan is
@@ -41,6 +44,14 @@ class Delivery(JobBase):
         """:data:`Answer` of ``rank`` (NotFound outside the world size)."""
         self._check_rank(rank)
         return self.answers((rank,))[rank]
+
+    def answer_chunks(self, ranks: Collection[int] | None, size: int = ANSWER_CHUNK) -> Iterator[dict[int, Answer]]:
+        """:meth:`answers` of ``ranks`` (None: every rank) in chunks of ``size`` ranks, rendered as they are
+        taken: the plan board publishes each chunk at once, so the first ranks of a 1,024-rank
+        admission get their plans while the last ones are still rendered."""
+        todo = list(range(self.spec.world_size)) if ranks is None else list(ranks)
+        for start in range(0, len(todo), size):
+            yield self.answers(todo[start : start + size])
 
     def answers(self, ranks: Collection[int] | None) -> dict[int, Answer]:
         """:data:`Answer` of each of ``ranks`` (None: every rank), each plan rendered to JSON once.

@@ -421,11 +421,12 @@ class ControlPlane:
         """Whether no further plan will come for ``rank``."""
         return self.job(name).rank_done(rank)
 
-    def rank_answers(self, name: str, ranks: Collection[int] | None) -> dict[int, Answer] | None:
-        """What ``next`` answers each of ``ranks`` (None: every rank) now; None when the job does not exist."""
+    def rank_answers(self, name: str, ranks: Collection[int] | None) -> Iterator[dict[int, Answer]] | None:
+        """What ``next`` answers each of ``ranks`` (None: every rank) now, in chunks of ranks rendered as
+        they are taken; None when the job does not exist."""
         self._state_thread()
         job = self.jobs.get(name)
-        return None if job is None else job.answers(ranks)
+        return None if job is None else job.answer_chunks(ranks)
 
     def rank_answer(self, name: str, rank: int) -> Answer:
         """What ``next`` answers ``rank`` now (NotFound for an unknown job or rank)."""

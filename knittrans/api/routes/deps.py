@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -22,6 +22,9 @@ __all__ = ["AckBatcher", "Board", "PlanBoard", "Run", "Service", "SettingsDep", 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+Compute = Callable[[str, Collection[int] | None], Iterable[dict[int, Answer]] | None]
+"""``ControlPlane.rank_answers``: the answers of a job's ranks (None: every rank) in chunks; None: no such job."""
 
 
 class StateRunner:
@@ -107,16 +110,12 @@ class PlanBoard:
 
         self._lock = threading.Lock()  # the event loop takes events while the state thread pops them
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._compute: Callable[[str, Collection[int] | None], dict[int, Answer] | None] | None = None
+        self._compute: Compute | None = None
         self._answers: dict[str, dict[int, Answer]] = {}  # owned by the loop: read and written only there
 
-    def bind(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        compute: Callable[[str, Collection[int] | None], dict[int, Answer] | None],
-    ) -> None:
+    def bind(self, loop: asyncio.AbstractEventLoop, compute: Compute) -> None:
         """Publish answers to ``loop`` from now on, computed by ``compute(job, ranks)`` on the state
-        thread (the service's ``rank_answers``: None when the job does not exist)."""
+        thread (the service's ``rank_answers``: chunks of answers, None when the job does not exist)."""
         self._answers = {}
         self._loop, self._compute = loop, compute
 
@@ -170,13 +169,19 @@ class PlanBoard:
         if compute is None or self._loop is None:
             self._wake(job, ranks)
             return
-        answers: dict[int, Answer] | None
+        if ranks is not None and not ranks:
+            self._post(job, {}, ranks, wake=True)  # job-wide waiters only
+            return
         try:
-            answers = compute(job, ranks) if ranks is None or ranks else {}
+            chunks = compute(job, ranks)
+            if chunks is None:  # no such job (any more)
+                self._post(job, None, ranks, wake=True)
+                return
+            for chunk in chunks:  # each chunk is posted as soon as it is rendered
+                self._post(job, chunk, chunk.keys(), wake=True)
         except Exception:  # the board must not break the change that notifies it: drop the job's answers
             logger.exception("plan board: answers of job %s could not be computed", job)
-            answers = None
-        self._post(job, answers, ranks, wake=True)
+            self._post(job, None, ranks, wake=True)
 
     def _post(self, job: str, answers: dict[int, Answer] | None, ranks: Collection[int] | None, *, wake: bool) -> None:
         loop = self._loop
