@@ -17,7 +17,10 @@ from typing import Any
 
 def _key(result: dict[str, Any]) -> tuple[str, int, str]:
     d = result["delivery"]
-    return result["server"], int(d["rows_per_rank"]), str(d["ack_mode"])
+    server = result["server"]
+    if server.startswith("worktree"):  # the checkout's own server: name its commit
+        server = f"{server} @ {result['commit']}"
+    return server, int(d["rows_per_rank"]), str(d["ack_mode"])
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -50,7 +53,7 @@ def main() -> int:
         "# Plan delivery at 1,024 ranks: medians per configuration\n",
         f"{first['machine']}, {first['cpus']} CPUs; {len(runs)} runs of "
         f"{first['delivery']['seconds']:.0f} s, {first['delivery']['ranks']} ranks, {first['delivery']['nodes']} "
-        f"nodes, {first['delivery']['rate_groups_s']} groups/s; worktree commit {first['commit']}\n",
+        f"nodes, {first['delivery']['rate_groups_s']} groups/s\n",
         "| server | rows/rank | acks | runs | load at start | delivery p50 ms | delivery p99 ms | mini-batches "
         "| server CPU ms / mini-batch | server CPU busy (one core) | requests/s | server CPU µs / request "
         "| groups registered /s |",
