@@ -318,12 +318,19 @@ class ControlClient:
         return result
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None) -> RankPlan | None:
+    def next_plan(
+        self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None, ack: str | None = None
+    ) -> RankPlan | None:
         """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
 
         ``after``: the rank's current, un-acked plan id; returns the plan of the mini-batch after it
         (for prefetching across the ack), Conflict when ``after`` is not the current plan, DataLost
         when it was withdrawn.
+
+        ``ack``: the rank's current plan id, acked first in the same request (one request per
+        mini-batch instead of :meth:`ack` and ``next``; no transfer figures; safe to retry, the ack
+        is idempotent); NotFound, Conflict or DataLost as for :meth:`ack` when it is refused, and
+        then nothing was acked. Not together with ``after``.
 
         Raises:
             JobFinished: the job will plan nothing more for this rank (after ``after``).
@@ -332,6 +339,8 @@ class ControlClient:
         params: dict[str, Any] = {"timeout_s": timeout_s}
         if after is not None:
             params["after"] = after
+        if ack is not None:
+            params["ack"] = ack
         response = self._request(
             "GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params, timeout_s=timeout_s + self.timeout_s, poll=True
         )

@@ -1,15 +1,19 @@
 """Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
 
 Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
-[--seconds 60] [--mini-batches 10000]``. Three phases against one ``knittrans control-plane`` process
-(SQLite WAL in a temp dir), each on its own job:
+[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post] [--mini-batches 10000]``. Three phases
+against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each on its own job:
 
 * ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
   nodes heartbeat every 2 s, a rollout writer registers one-group units at ``--rate`` groups/s (batched
-  every 100 ms) for ``--seconds``. Each mini-batch holds one row per rank. A rank acks its plan as soon
-  as it has it and asks for the next. Reported: plan delivery latency (the plan's ``admitted_at``, set
-  by the server when it admitted the mini-batch, to the moment the rank has parsed the plan; same host,
-  same clock), registration request latency, mini-batches consumed, server CPU per mini-batch.
+  every 100 ms) for ``--seconds``. Each mini-batch holds ``--rows-per-rank`` rows per rank (1, the stress
+  case: ~8 mini-batches/s at 1,024 ranks; 8: a realistic 8,192-trajectory mini-batch, ~1/s). A rank acks
+  its plan as soon as it has it and asks for the next: in one request (``next?ack=<plan_id>``,
+  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``). Reported: plan
+  delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
+  the moment the rank has parsed the plan; same host, same clock), registration request latency,
+  mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
+  sees whether the server was saturated).
 * ``registration``: batches of ``--batch`` one-group units posted back to back to a job with one rank
   that never consumes; units/s (target >= 20,000).
 * ``memory``: one rank, one group per mini-batch, ``--mini-batches`` mini-batches registered, planned,
@@ -217,8 +221,8 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     """Phase 1: many ranks long-polling, nodes heartbeating, a writer at a fixed group rate."""
     job = "delivery"
     admin = Http("127.0.0.1", port, TOKEN_A)
-    # one row per rank per mini-batch: b = ranks / GROUP groups, K = 2
-    per_mb = max(1, args.ranks // GROUP)
+    # --rows-per-rank rows per rank per mini-batch: b = ranks * rows / GROUP groups, K = 2
+    per_mb = max(1, args.ranks * args.rows_per_rank // GROUP)
     sources = {"math": per_mb, "code": per_mb // 2, "chat": per_mb - per_mb // 2}
     await admin.json("POST", "/v1/jobs", spec(job, args.ranks, sources, 2))
     nodes = [f"n{i}" for i in range(args.nodes)]
@@ -234,15 +238,18 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     reg_latencies: list[float] = []
     consumed: dict[int, int] = {}
     errors: list[str] = []
+    requests = [0]  # HTTP requests the ranks, nodes and writer made during the timed window
 
     async def heartbeats() -> None:
         conns = [Http("127.0.0.1", port, TOKEN_W) for _ in range(4)]
         i = 0
         while not stop.is_set():
             t0 = time.monotonic()
-            await asyncio.gather(
-                *(conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat") for j, n in enumerate(nodes) if j % 4 == i % 4)
-            )
+            beats = [
+                conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat") for j, n in enumerate(nodes) if j % 4 == i % 4
+            ]
+            requests[0] += len(beats)
+            await asyncio.gather(*beats)
             i += 1
             await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))  # each node every 2 s
 
@@ -258,15 +265,22 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
             n += per_tick
             t0 = time.perf_counter()
             await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
+            requests[0] += 1
             reg_latencies.append(time.perf_counter() - t0)
             next_at += 0.1
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
     async def rank(r: int) -> None:
         conn = Http("127.0.0.1", port, TOKEN_W)
+        acked = ""  # --ack-mode next: the plan to ack on the next long-poll
         while not stop.is_set():
             asked = time.time()
-            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=30")
+            query = f"&ack={acked}" if acked else ""
+            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=30{query}")
+            requests[0] += 1
+            if acked and status in (200, 204):
+                acked = ""
+                consumed[r] = consumed.get(r, 0) + 1
             if status == 204:
                 continue
             if status != 200:
@@ -277,12 +291,16 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
             # delivery: from admission, or from the request when the plan was admitted before the rank asked
             latencies.append(now - max(plan["admitted_at"], asked))
             ages.append(now - plan["admitted_at"])
+            if args.ack_mode == "next":
+                acked = plan["plan_id"]
+                continue
             await conn.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": plan["plan_id"]})
+            requests[0] += 1
             consumed[r] = consumed.get(r, 0) + 1
 
     tasks = [asyncio.create_task(rank(r)) for r in range(args.ranks)]
     await asyncio.sleep(1.0)  # ranks connected and waiting
-    cpu0, t0 = server.cpu_s(), time.monotonic()
+    cpu0, t0, requests[0] = server.cpu_s(), time.monotonic(), 0
     bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
     while time.monotonic() - t0 < args.seconds:
         await asyncio.sleep(min(5.0, args.seconds))
@@ -291,7 +309,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
             f"mini-batches acked by every rank, {len(latencies)} plans delivered"
         )
     stop.set()
-    elapsed, cpu = time.monotonic() - t0, server.cpu_s() - cpu0
+    elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
     await asyncio.wait(tasks + bg, timeout=10)
     for t in tasks + bg:
         t.cancel()
@@ -302,14 +320,22 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "ranks": args.ranks,
         "nodes": args.nodes,
         "rate_groups_s": args.rate,
+        "rows_per_rank": args.rows_per_rank,
+        "groups_per_mini_batch": per_mb,
+        "ack_mode": args.ack_mode,
         "seconds": elapsed,
         "mini_batches_consumed": mbs,
         "plans_delivered": len(latencies),
         "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
         "plan_age_ms": summary([x * 1e3 for x in ages]),
         "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
+        "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
+        "server_cpu_share": cpu / elapsed,
         "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
+        "requests": made,
+        "requests_per_s": made / elapsed,
+        "server_cpu_us_per_request": cpu / made * 1e6 if made else None,
     }
 
 
@@ -443,6 +469,20 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--rate", type=int, default=1000, help="groups/s the writer registers")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--rows-per-rank",
+        type=int,
+        default=1,
+        help="rows per rank per mini-batch in the delivery phase (1: the stress case, ~8 mini-batches/s at "
+        "1,024 ranks and 1,000 groups/s; 8: 8,192 trajectories a mini-batch, ~1 mini-batch/s)",
+    )
+    parser.add_argument(
+        "--ack-mode",
+        choices=["post", "next"],
+        default="next",
+        help="how a rank acks in the delivery phase: 'post' (POST .../ack, then GET .../next: two requests per "
+        "mini-batch) or 'next' (GET .../next?ack=<plan_id>: one request; servers before issue 18 lack it)",
+    )
     parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
     parser.add_argument("--registration-batches", type=int, default=20)
     parser.add_argument("--mini-batches", type=int, default=10_000)
@@ -514,8 +554,11 @@ def main() -> int:
             if reg["p50"] is not None
             else "| registration request (ms) | – | – | – |",
             "",
-            f"mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
-            f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms\n",
+            f"{d['rows_per_rank']} rows per rank ({d['groups_per_mini_batch']} groups per mini-batch), acks via "
+            f"{d['ack_mode']!r}; mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
+            f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms; server CPU busy "
+            f"{d['server_cpu_share'] * 100:.0f} % of one core; {d['requests_per_s']:,.0f} requests/s "
+            f"({d['server_cpu_us_per_request'] or float('nan'):.0f} µs server CPU each)\n",
         ]
     if "registration" in result:
         r = result["registration"]

@@ -13,12 +13,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from knittrans import __version__
 from knittrans.api.auth import TokenCheck
+from knittrans.api.fastpath import FastNext
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
 from knittrans.api.routes import health, jobs, nodes, ranks, tokens, ui, units
-from knittrans.api.routes.deps import PlanBoard, StateRunner
+from knittrans.api.routes.deps import AckBatcher, PlanBoard, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.api.store import RecordStore
@@ -127,6 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.reopen()  # an app served again after a shutdown (test clients) reconnects to its state
         runner.start()
+        board.bind(asyncio.get_running_loop(), service.rank_answers)  # plans published to this loop
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
         try:
             yield
@@ -135,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             runner.close()
+            board.unbind()
             store.close()
 
     app = FastAPI(
@@ -147,6 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = service
     app.state.board = board
     app.state.runner = runner
+    app.state.acks = AckBatcher(service, runner)
     app.state.tokens = TokenCheck(settings)
     app.state.observed = Observations()
     app.state.registry = make_registry(service, app.state.observed)
@@ -154,6 +158,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, jobs, nodes, units, ranks, tokens, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
+    app.state.fast_next = {"served": 0, "to_app": 0}
     _document_raw_bodies(app)
     return app
 

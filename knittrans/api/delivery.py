@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -11,12 +13,19 @@ from knittrans.api.plans import render_rank_plan
 from knittrans.api.records import Kind, mb_key, rank_key, version_key
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord
-from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
+from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, NotFound
 from knittrans.grants import sign_grant
 from knittrans.plans import PlanId, RankPlan
 from knittrans.sched.staleness import ConsumedGroup
 
-__all__ = ["Delivery"]
+__all__ = ["ANSWER_CHUNK", "Answer", "Delivery"]
+
+ANSWER_CHUNK = 128
+"""Ranks whose answers the plan board gets in one post (:meth:`Delivery.answer_chunks`)."""
+
+Answer = tuple[bytes | None, str, bool]
+"""What ``next`` (without ``after``) answers a rank now: ``(plan JSON, job state, done)``; the plan is
+None while the rank's next mini-batch is not admitted, and ``done`` says none will ever come."""
 
 
 class Delivery(JobBase):
@@ -30,6 +39,43 @@ class Delivery(JobBase):
         if mb is None or mb.status != "planned":
             return None
         return self._render(mb, rank)
+
+    def answer(self, rank: int) -> Answer:
+        """:data:`Answer` of ``rank`` (NotFound outside the world size)."""
+        self._check_rank(rank)
+        return self.answers((rank,))[rank]
+
+    def answer_chunks(self, ranks: Collection[int] | None, size: int = ANSWER_CHUNK) -> Iterator[dict[int, Answer]]:
+        """:meth:`answers` of ``ranks`` (None: every rank) in chunks of ``size`` ranks, rendered as they are
+        taken: the plan board publishes each chunk at once, so the first ranks of a 1,024-rank
+        admission get their plans while the last ones are still rendered."""
+        todo = list(range(self.spec.world_size)) if ranks is None else list(ranks)
+        for start in range(0, len(todo), size):
+            yield self.answers(todo[start : start + size])
+
+    def answers(self, ranks: Collection[int] | None) -> dict[int, Answer]:
+        """:data:`Answer` of each of ``ranks`` (None: every rank), each plan rendered to JSON once.
+
+        What the plan board publishes to the event loop after a change, so a waiting ``next`` is
+        answered there without a state-thread hop or a second rendering.
+        """
+        out: dict[int, Answer] = {}
+        done = self.done()
+        for rank in range(self.spec.world_size) if ranks is None else ranks:
+            if not 0 <= rank < self.spec.world_size:
+                continue
+            cursor = self.rank_cursor(rank)
+            mb = self.minibatches.get(cursor)
+            if mb is not None and mb.status == "planned":
+                raw = mb.rendered_json.get(rank)
+                if raw is None:
+                    body = self._render(mb, rank).to_json()
+                    raw = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+                    mb.rendered_json[rank] = raw
+                out[rank] = (raw, self.state, False)
+            else:
+                out[rank] = (None, self.state, done and cursor >= self.next_n)
+        return out
 
     def plan_after(self, rank: int, plan_id: str) -> RankPlan | None:
         """The plan of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
@@ -136,6 +182,7 @@ class Delivery(JobBase):
         """Drop rendered plans (a node's endpoint changed: tickets must carry the new one)."""
         for mb in self.minibatches.values():
             mb.rendered.clear()
+            mb.rendered_json.clear()
 
     def rank_done(self, rank: int) -> bool:
         """Whether ``rank`` has acked everything and no further mini-batch will come."""
@@ -155,6 +202,34 @@ class Delivery(JobBase):
 
     def ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
         """Record that ``rank`` finished plan ``plan_id``; idempotent; consumes the mini-batch at W acks."""
+        result = self._ack(rank, plan_id, txn)
+        if not result["duplicate"]:
+            self._settle(txn)
+            self._save_meta(txn)
+        return result
+
+    def ack_many(self, acks: Sequence[tuple[int, str]], txn: Txn) -> list[dict[str, Any] | KnitTransError]:
+        """:meth:`ack` of each ``(rank, plan_id)`` in order, in one transaction (group commit).
+
+        A bad ack (unknown, withdrawn or out-of-order plan) is refused before it changes anything; its
+        error takes its place in the result and the others still apply.
+        """
+        results: list[dict[str, Any] | KnitTransError] = []
+        changed = False
+        for rank, plan_id in acks:
+            try:
+                result = self._ack(rank, plan_id, txn)
+            except KnitTransError as exc:
+                results.append(exc)
+                continue
+            changed |= not result["duplicate"]
+            results.append(result)
+        if changed:
+            self._settle(txn)
+            self._save_meta(txn)
+        return results
+
+    def _ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
         mb = self._current(rank, plan_id)
         n, attempt = mb.n, mb.attempt
         if mb.status == "consumed" or rank in mb.acks:
@@ -164,8 +239,6 @@ class Delivery(JobBase):
         consumed = len(mb.acks) == self.spec.world_size
         if consumed:
             self._consume(mb, txn)
-        self._settle(txn)
-        self._save_meta(txn)
         return {"plan_id": plan_id, "global_index": n, "consumed": consumed, "duplicate": False}
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
@@ -190,7 +263,7 @@ class Delivery(JobBase):
         self.consumed.add(records)
         self.consumed_mini_batches += 1
         self.retire(mb.group_ids)
-        mb.status, mb.layout, mb.rendered = "consumed", [], {}
+        mb.status, mb.layout, mb.rendered, mb.rendered_json = "consumed", [], {}, {}
         mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
         while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
             self.first_unconsumed += 1

@@ -71,6 +71,8 @@ class MiniBatch:
     """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""
     rendered: dict[int, RankPlan] = field(default_factory=dict)
     """Plans already rendered for ranks (not persisted; re-rendered identically after a restart)."""
+    rendered_json: dict[int, bytes] = field(default_factory=dict)
+    """The same plans as the JSON bytes ``next`` answers (rendered once per rank, published to the plan board)."""
     rows: int | None = None
     """Trajectories in the mini-batch, summed over the layout on first use (not persisted)."""
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from knittrans.api.delivery import Answer
 from knittrans.api.jobstate import JobState
 from knittrans.api.records import JOB_KINDS, META_KEY, Kind
 from knittrans.api.restore import restore_job
@@ -185,6 +186,9 @@ class ControlPlane:
         finally:
             if job is not None:  # a failed change may have reloaded the state: wake every rank
                 self.on_plans(job, self._concerns if committed else None)
+            elif not committed:  # a failed node-level change may have reloaded every job
+                for name in list(self.jobs):
+                    self.on_plans(name, None)
 
     def _narrow(self, job: JobState, state_before: str, admitted: Sequence[int], ranks: Collection[int]) -> None:
         """Inside :meth:`_change`: the change concerns only ``ranks``' plans unless it admitted a mini-batch
@@ -241,6 +245,7 @@ class ControlPlane:
         if old is not None and old.endpoint != endpoint:
             for job in self.jobs.values():
                 job.forget_rendered()
+                self.on_plans(job.name, None)  # published plans name the old endpoint
         return node.public(now)
 
     def heartbeat(self, node_id: str) -> dict[str, Any]:
@@ -415,6 +420,27 @@ class ControlPlane:
     def rank_done(self, name: str, rank: int) -> bool:
         """Whether no further plan will come for ``rank``."""
         return self.job(name).rank_done(rank)
+
+    def rank_answers(self, name: str, ranks: Collection[int] | None) -> Iterator[dict[int, Answer]] | None:
+        """What ``next`` answers each of ``ranks`` (None: every rank) now, in chunks of ranks rendered as
+        they are taken; None when the job does not exist."""
+        self._state_thread()
+        job = self.jobs.get(name)
+        return None if job is None else job.answer_chunks(ranks)
+
+    def rank_answer(self, name: str, rank: int) -> Answer:
+        """What ``next`` answers ``rank`` now (NotFound for an unknown job or rank)."""
+        return self.job(name).answer(rank)
+
+    def ack_many(self, name: str, acks: Sequence[tuple[int, str]]) -> list[dict[str, Any] | KnitTransError]:
+        """:meth:`ack` of each ``(rank, plan_id)`` in one transaction; a refused ack's error takes its place."""
+        job = self.job(name)
+        before = job.state
+        with self._change(name) as txn:
+            results = job.ack_many(acks, txn)
+            acked = {rank for (rank, _), result in zip(acks, results, strict=True) if isinstance(result, dict)}
+            self._narrow(job, before, job.admit(txn), acked)
+        return results
 
     def ack(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
         """Ack a plan; at W acks the mini-batch is consumed and staleness recorded."""

@@ -11,12 +11,15 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from knittrans.api.auth import WorkerAuth
+from knittrans.api.delivery import Answer
 from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
-from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
-from knittrans.errors import Unauthenticated
+from knittrans.api.routes.deps import AckBatcher, PlanBoard, Run, Service, StateRunner
+from knittrans.api.service import ControlPlane
+from knittrans.api.settings import Settings
+from knittrans.errors import InvalidRequest, Unauthenticated
 from knittrans.plans import RankPlan
 
-__all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
+__all__ = ["DONE_HEADER", "STATE_HEADER", "router", "serve_next"]
 
 DONE_HEADER = "X-KnitTrans-Done"
 """Set to ``1`` on a 204 when no further plan will ever come for the rank (job drained or completed)."""
@@ -37,31 +40,99 @@ router = APIRouter(
 async def next_plan(
     job: str,
     rank: int,
-    svc: Service,
-    run: Run,
-    board: Board,
-    settings: SettingsDep,
+    request: Request,
     _: WorkerAuth,
     timeout_s: float = Query(30.0, ge=0),
     after: str | None = Query(None, max_length=64),
+    ack: str | None = Query(
+        None,
+        max_length=64,
+        description="the rank's current plan id: ack it (like POST .../ack, without transfer figures), "
+        "then long-poll the next plan, in one request; errors as for the ack (404 unknown plan, 409 out "
+        "of order, 410 withdrawn), and then nothing was acked",
+    ),
 ) -> Response:
     """Long-poll: the plan of the rank's next un-acked mini-batch; the same plan again until it is acked.
+
+    With ``ack=<plan_id>``: ack that plan first (idempotent, so a retried request is safe), then
+    long-poll for the next one: one request per rank per mini-batch instead of an ack and a ``next``.
+    If the ack is refused (404 the plan is not this rank's, 409 an earlier plan is still open, 410
+    it was withdrawn) the request answers that error and does not poll.
 
     With ``after=<plan_id>`` (the rank's current, un-acked plan): the plan of the mini-batch after
     it, so a rank can prefetch while it still trains ``plan_id``; acks stay in order. After
     ``plan_id`` is acked the same as without ``after`` (a poll in flight across the ack goes on).
     409 when ``plan_id`` is neither the rank's current plan nor the one acked just before it, 410
-    when it was (or gets) withdrawn.
+    when it was (or gets) withdrawn. ``ack`` and ``after`` together: 409 ``invalid_request``.
     """
+    if ack is not None and after is not None:
+        raise InvalidRequest("give either 'ack' (ack this plan, then wait for the next) or 'after', not both")
+    if after is None:
+        return await serve_next(request.app.state, job, rank, timeout_s, ack)
+    state = request.app.state
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(timeout_s, state.settings.long_poll_max_s)
+    return await _next_after(job, rank, after, state.service, state.runner, state.board, loop, deadline)
+
+
+async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str | None) -> Response:
+    """``next`` without ``after`` (``ack`` optional), for the route and for :class:`FastNext`.
+
+    The app's parts come from its ``state``, not one injected dependency each (FastAPI's
+    per-dependency cost was a third of the event loop's time at 1,024 ranks). The plan is read from
+    the plan board on the event loop; only a rank's first look goes to the state thread.
+    """
+    svc: ControlPlane = state.service
+    board: PlanBoard = state.board
+    settings: Settings = state.settings
+    if ack is not None:
+        acks: AckBatcher = state.acks
+        acked = await acks.ack(job, rank, ack)
+        state.observed.record_ack(job, rank, acked, None, time.time())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
 
+    def look() -> Answer:
+        found = svc.rank_answer(job, rank)  # 404 for an unknown job or rank
+        board.store(job, rank, found)
+        return found
+
+    while True:
+        found = board.answer(job, rank)  # what the state thread last published, read on the loop
+        event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
+        board.probed(job, rank)
+        if found is None:  # nothing published for this rank yet: ask the state thread (it publishes)
+            runner: StateRunner = state.runner
+            found = await runner(look)
+        raw, job_state, done = found
+        if raw is not None:
+            return Response(raw, media_type="application/json")
+        if done:
+            return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: job_state})
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return Response(status_code=204, headers={STATE_HEADER: job_state})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining)
+
+
+async def _next_after(
+    job: str,
+    rank: int,
+    after: str,
+    svc: ControlPlane,
+    run: StateRunner,
+    board: PlanBoard,
+    loop: asyncio.AbstractEventLoop,
+    deadline: float,
+) -> Response:
+    """``next?after=``: probed on the state thread at each wake-up (it checks ``after`` each time)."""
+
     def probe() -> tuple[RankPlan | None, str, bool]:
-        plan = svc.next_plan(job, rank) if after is None else svc.plan_after(job, rank, after)
+        plan = svc.plan_after(job, rank, after)
         if plan is not None:
             return plan, "", False
-        state = svc.job(job).state
-        return None, state, svc.rank_done(job, rank) if after is None else svc.done_after(job, rank, after)
+        return None, svc.job(job).state, svc.done_after(job, rank, after)
 
     while True:
         event = board.rank_event(job, rank)  # taken before the probe: a change while it runs still wakes us
@@ -89,18 +160,17 @@ async def fetched(job: str, rank: int, body: AckIn, svc: Service, run: Run, _: W
 
 
 @router.post("/{job}/ranks/{rank}/ack", response_model=AckOut)
-async def ack(
-    job: str, rank: int, body: AckIn, svc: Service, run: Run, _: WorkerAuth, request: Request
-) -> dict[str, Any]:
+async def ack(job: str, rank: int, body: AckIn, request: Request, _: WorkerAuth) -> Response:
     """Ack a plan (idempotent); 410 when the plan was withdrawn because its rows were lost.
 
     ``transfer`` (optional): the rank's transfer figures of this mini-batch, summed per rank in
     ``/metrics`` and the dashboard (a repeated ack is not counted twice).
     """
-    result = await run(svc.ack, job, rank, body.plan_id)
+    acks: AckBatcher = request.app.state.acks
+    result = await acks.ack(job, rank, body.plan_id)  # group commit with the acks arriving together
     transfer = body.transfer.model_dump() if body.transfer is not None else None
     request.app.state.observed.record_ack(job, rank, result, transfer, time.time())
-    return result
+    return JSONResponse(result)  # the service's dict is AckOut already: no second validation
 
 
 @router.post("/{job}/versions", response_model=VersionOut)
