@@ -96,6 +96,34 @@ def unit(
     }
 
 
+def one_group_unit_body(**group_changes: Any) -> dict[str, Any]:
+    """Unit ``u0`` of ``job1`` on ``n0`` with one 2-trajectory group ``g0`` whose fields ``group_changes``
+    replace: the body validation tests vary one field of it."""
+    g: dict[str, Any] = {
+        "group_id": "g0",
+        "source": "math",
+        "row_start": 0,
+        "num_trajectories": 2,
+        "trajectory_tokens": [3, 4],
+        "version_start": 1,
+        "version_end": 2,
+        "version_weighted": 1.5,
+        "finished_at": 10.0,
+        "media_hashes": [],
+    }
+    g.update(group_changes)
+    return {
+        "unit_id": "u0",
+        "job": "job1",
+        "node_id": "n0",
+        "endpoint": "grpc://127.0.0.1:1",
+        "num_rows": 2,
+        "num_bytes": 10,
+        "schema_version": 1,
+        "groups": [g],
+    }
+
+
 def single_group_units(
     sources: Sequence[str], *, job: str = "job1", node: str = "n0", size: int = 2, prefix: str = "g", start: int = 0
 ) -> list[dict[str, Any]]:

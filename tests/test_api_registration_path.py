@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import app_client, job_spec, single_group_units
+from api_support import app_client, job_spec, one_group_unit_body, single_group_units
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BeforeValidator, ValidationError
@@ -32,32 +32,6 @@ from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.sched.types import FinishedGroup
 
 JOB = "job1"
-
-
-def _unit(**group_changes: Any) -> dict[str, Any]:
-    g: dict[str, Any] = {
-        "group_id": "g0",
-        "source": "math",
-        "row_start": 0,
-        "num_trajectories": 2,
-        "trajectory_tokens": [3, 4],
-        "version_start": 1,
-        "version_end": 2,
-        "version_weighted": 1.5,
-        "finished_at": 10.0,
-        "media_hashes": [],
-    }
-    g.update(group_changes)
-    return {
-        "unit_id": "u0",
-        "job": JOB,
-        "node_id": "n0",
-        "endpoint": "grpc://127.0.0.1:1",
-        "num_rows": 2,
-        "num_bytes": 10,
-        "schema_version": 1,
-        "groups": [g],
-    }
 
 
 def _plain(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -145,19 +119,23 @@ def test_strict_twin_has_the_models_fields_and_constraints() -> None:
     ],
 )
 def test_hot_parser_accepts_and_refuses_like_units_in(changes: dict[str, Any]) -> None:
-    _same_outcome(json.dumps({"units": [_unit(**changes)]}).encode())
+    _same_outcome(json.dumps({"units": [one_group_unit_body(**changes)]}).encode())
 
 
 @pytest.mark.parametrize(
     "raw",
     [
-        b'{"units": [' + json.dumps(_unit()).encode().replace(b'"finished_at": 10.0', b'"finished_at": NaN') + b"]}",
-        b'{"units": [' + json.dumps(_unit()).encode().replace(b'"num_bytes": 10', b'"num_bytes": true') + b"]}",
         b'{"units": ['
-        + json.dumps(_unit()).encode().replace(b'"schema_version": 1', b'"schema_version": true')
+        + json.dumps(one_group_unit_body()).encode().replace(b'"finished_at": 10.0', b'"finished_at": NaN')
+        + b"]}",
+        b'{"units": ['
+        + json.dumps(one_group_unit_body()).encode().replace(b'"num_bytes": 10', b'"num_bytes": true')
+        + b"]}",
+        b'{"units": ['
+        + json.dumps(one_group_unit_body()).encode().replace(b'"schema_version": 1', b'"schema_version": true')
         + b"]}",
         b'{"units": []}',
-        b'{"units": [' + b",".join([json.dumps(_unit()).encode()] * 513) + b"]}",
+        b'{"units": [' + b",".join([json.dumps(one_group_unit_body()).encode()] * 513) + b"]}",
         b'{"units": 1}',
         b"[]",
         b"{",
@@ -189,7 +167,7 @@ _FIELDS = [*GroupIn.model_fields, *(f"unit.{f}" for f in UnitIn.model_fields if 
 def test_hot_parser_agrees_with_units_in_on_any_field_value(changes: list[tuple[str, Any]]) -> None:
     """Any JSON value in any field: accepted by both with the same values, or refused by both with the
     same errors."""
-    body = _unit()
+    body = one_group_unit_body()
     for field, value in changes:
         if field.startswith("unit."):
             body[field.removeprefix("unit.")] = value
@@ -218,7 +196,7 @@ def test_hot_path_errors_name_the_field_over_http(tmp_path: Path) -> None:
 
 
 def test_descriptor_from_the_twin_equals_the_checked_descriptor() -> None:
-    body = _unit(media_hashes=["0" * 64])
+    body = one_group_unit_body(media_hashes=["0" * 64])
     want = UnitDescriptor.from_dict(body)
     got = descriptor_of(parse_units(json.dumps({"units": [body]}).encode())[0])
     assert to_descriptor(UnitIn.model_validate(body)) == want
@@ -231,7 +209,7 @@ def test_group_view_is_the_finished_group() -> None:
     """``GroupEntry.view`` (built without ``FinishedGroup.__init__``) equals the one ``__init__`` builds."""
     from knittrans.api.entries import GroupEntry
 
-    record = descriptor_of(parse_units(json.dumps({"units": [_unit()]}).encode())[0]).groups[0]
+    record = descriptor_of(parse_units(json.dumps({"units": [one_group_unit_body()]}).encode())[0]).groups[0]
     view = GroupEntry(record=record, unit_id="u0", node_id="n0").view
     want = FinishedGroup(
         group_id="g0",

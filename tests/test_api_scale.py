@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import app_client, single_group_units
+from api_support import app_client, one_group_unit_body, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import consumed
@@ -191,32 +191,6 @@ def test_ledger_keeps_the_latest_steps_only() -> None:
     assert ledger.report("start")["staleness"].count == 6 * RECENT_STEPS
 
 
-def _body(**group_changes: Any) -> dict[str, Any]:
-    g = {
-        "group_id": "g0",
-        "source": "math",
-        "row_start": 0,
-        "num_trajectories": 2,
-        "trajectory_tokens": [3, 4],
-        "version_start": 1,
-        "version_end": 2,
-        "version_weighted": 1.5,
-        "finished_at": 10.0,
-        "media_hashes": [],
-    }
-    g.update(group_changes)
-    return {
-        "unit_id": "u0",
-        "job": "job1",
-        "node_id": "n0",
-        "endpoint": "grpc://127.0.0.1:1",
-        "num_rows": 2,
-        "num_bytes": 10,
-        "schema_version": 1,
-        "groups": [g],
-    }
-
-
 @pytest.mark.parametrize(
     "changes",
     [
@@ -236,7 +210,7 @@ def test_fast_descriptor_accepts_and_rejects_like_the_descriptor(changes: dict[s
     from knittrans.descriptors import UnitDescriptor
     from knittrans.errors import InvalidRequest
 
-    body = _body(**changes)
+    body = one_group_unit_body(**changes)
     try:
         want: UnitDescriptor | None = UnitDescriptor.from_dict(body)
     except InvalidRequest:
