@@ -14,6 +14,7 @@ hosts) can call the control plane and the store nodes from inside their network:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -157,6 +158,10 @@ class Probe:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a write buffer to a dead probe cannot be flushed
+                    pipe.close()
 
 
 def _serve_probe() -> None:

@@ -140,3 +140,5 @@ def test_status_watch_redraws(tmp_path: Path) -> None:
         finally:
             proc.terminate()
             proc.wait(30)
+            if proc.stdout is not None:
+                proc.stdout.close()

@@ -68,6 +68,8 @@ def test_kill9_writer_mid_doput_then_retry_serves_exactly_the_retried_rows(start
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     retried = _unit(2)
     with StoreClient(server.endpoint) as c:
         info = _retry_put(c, retried, "u-g0")
