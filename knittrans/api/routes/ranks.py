@@ -105,15 +105,10 @@ async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str
             runner: StateRunner = state.runner
             found = await runner(look)
         raw, job_state, done = found
-        if raw is not None:
-            return Response(raw, media_type="application/json")
-        if done:
-            return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: job_state})
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return Response(status_code=204, headers={STATE_HEADER: job_state})
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), remaining)
+        plan = None if raw is None else Response(raw, media_type="application/json")
+        reply = await _reply_or_wait(plan, done, job_state, event, loop, deadline)
+        if reply is not None:
+            return reply
 
 
 async def _next_after(
@@ -138,15 +133,33 @@ async def _next_after(
         event = board.rank_event(job, rank)  # taken before the probe: a change while it runs still wakes us
         board.probed(job, rank)
         plan, state, done = await run(probe)
-        if plan is not None:
-            return JSONResponse(plan.to_json())
-        if done:
-            return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: state})
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return Response(status_code=204, headers={STATE_HEADER: state})
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), remaining)
+        reply = await _reply_or_wait(
+            None if plan is None else JSONResponse(plan.to_json()), done, state, event, loop, deadline
+        )
+        if reply is not None:
+            return reply
+
+
+async def _reply_or_wait(
+    plan: Response | None,
+    done: bool,
+    job_state: str,
+    event: asyncio.Event,
+    loop: asyncio.AbstractEventLoop,
+    deadline: float,
+) -> Response | None:
+    """One look's answer: the plan, a 204 (no plan will come, or the time is up), or None once ``event``
+    fired (or the time ran out) while waiting: then the caller looks again."""
+    if plan is not None:
+        return plan
+    if done:
+        return Response(status_code=204, headers={DONE_HEADER: "1", STATE_HEADER: job_state})
+    remaining = deadline - loop.time()
+    if remaining <= 0:
+        return Response(status_code=204, headers={STATE_HEADER: job_state})
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), remaining)
+    return None
 
 
 @router.post("/{job}/ranks/{rank}/fetched", response_model=FetchedOut)
