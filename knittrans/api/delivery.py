@@ -32,13 +32,13 @@ class Delivery(JobBase):
     """Rank plans (rendered once per rank and mini-batch), fetch reports, acks and versions."""
 
     # ------------------------------------------------------------------ plans and acks
-    def next_plan(self, rank: int) -> RankPlan | None:
-        """The plan of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
+    def next_plan(self, rank: int) -> bytes | None:
+        """The plan (JSON) of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
         self._check_rank(rank)
         mb = self.minibatches.get(self.rank_cursor(rank))
         if mb is None or mb.status != "planned":
             return None
-        return self._render(mb, rank)
+        return self._plan_json(mb, rank)
 
     def answer(self, rank: int) -> Answer:
         """:data:`Answer` of ``rank`` (NotFound outside the world size)."""
@@ -67,18 +67,13 @@ class Delivery(JobBase):
             cursor = self.rank_cursor(rank)
             mb = self.minibatches.get(cursor)
             if mb is not None and mb.status == "planned":
-                raw = mb.rendered_json.get(rank)
-                if raw is None:
-                    body = self._render(mb, rank).to_json()
-                    raw = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-                    mb.rendered_json[rank] = raw
-                out[rank] = (raw, self.state, False)
+                out[rank] = (self._plan_json(mb, rank), self.state, False)
             else:
                 out[rank] = (None, self.state, done and cursor >= self.next_n)
         return out
 
-    def plan_after(self, rank: int, plan_id: str) -> RankPlan | None:
-        """The plan of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
+    def plan_after(self, rank: int, plan_id: str) -> bytes | None:
+        """The plan (JSON) of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
 
         Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order. Once
         ``n`` is acked, ``n+1`` is the rank's current mini-batch and this is the same as :meth:`next_plan`
@@ -100,7 +95,7 @@ class Delivery(JobBase):
         nxt = self.minibatches.get(mb.n + 1)
         if nxt is None or nxt.status != "planned":
             return None
-        return self._render(nxt, rank)
+        return self._plan_json(nxt, rank)
 
     def done_after(self, rank: int, plan_id: str) -> bool:
         """Whether no mini-batch will ever follow ``plan_id`` (checked like :meth:`plan_after`)."""
@@ -141,38 +136,43 @@ class Delivery(JobBase):
             raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
         return mb
 
+    def _plan_json(self, mb: MiniBatch, rank: int) -> bytes:
+        """``rank``'s plan of ``mb`` as the JSON bytes ``next`` answers, rendered once per rank and mini-batch."""
+        raw = mb.rendered_json.get(rank)
+        if raw is None:
+            body = self._render(mb, rank).to_json()
+            raw = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+            mb.rendered_json[rank] = raw
+        return raw
+
     def _render(self, mb: MiniBatch, rank: int) -> RankPlan:
-        plan = mb.rendered.get(rank)
-        if plan is None:
-            sign = None
-            if self.ticket_key is not None:
-                key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
-                cols = self.spec.columns
+        sign = None
+        if self.ticket_key is not None:
+            key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
+            cols = self.spec.columns
 
-                def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
-                    return sign_grant(
-                        key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
-                    )
+            def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
+                return sign_grant(
+                    key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
+                )
 
-            if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
-                mb.rows = sum(len(micro) for share in mb.layout for micro in share)
-            plan = render_rank_plan(
-                self.name,
-                mb.layout[rank],
-                rank=rank,
-                n=mb.n,
-                attempt=mb.attempt,
-                step=mb.step,
-                k=mb.k,
-                where=self._where,
-                endpoint=self._endpoint,
-                columns=self.spec.columns,
-                sign=sign,
-                mini_batch_trajectories=mb.rows,
-                admitted_at=mb.admitted_at,
-            )
-            mb.rendered[rank] = plan
-        return plan
+        if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
+            mb.rows = sum(len(micro) for share in mb.layout for micro in share)
+        return render_rank_plan(
+            self.name,
+            mb.layout[rank],
+            rank=rank,
+            n=mb.n,
+            attempt=mb.attempt,
+            step=mb.step,
+            k=mb.k,
+            where=self._where,
+            endpoint=self._endpoint,
+            columns=self.spec.columns,
+            sign=sign,
+            mini_batch_trajectories=mb.rows,
+            admitted_at=mb.admitted_at,
+        )
 
     def _where(self, group_id: str) -> tuple[GroupRecord, str, str]:
         entry = self.groups[group_id]
@@ -181,12 +181,7 @@ class Delivery(JobBase):
     def forget_rendered(self) -> None:
         """Drop rendered plans (a node's endpoint changed: tickets must carry the new one)."""
         for mb in self.minibatches.values():
-            mb.rendered.clear()
             mb.rendered_json.clear()
-
-    def rank_done(self, rank: int) -> bool:
-        """Whether ``rank`` has acked everything and no further mini-batch will come."""
-        return self.done() and self.rank_cursor(rank) >= self.next_n
 
     def fetched(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
         """Record that ``rank`` holds its whole share of ``plan_id`` (before its optimizer step); idempotent.
@@ -263,7 +258,7 @@ class Delivery(JobBase):
         self.consumed.add(records)
         self.consumed_mini_batches += 1
         self.retire(mb.group_ids)
-        mb.status, mb.layout, mb.rendered, mb.rendered_json = "consumed", [], {}, {}
+        mb.status, mb.layout, mb.rendered_json = "consumed", [], {}
         mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
         while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
             self.first_unconsumed += 1

@@ -7,7 +7,6 @@ from typing import Any
 
 from knittrans.descriptors import GroupRecord
 from knittrans.lifecycle import GroupStatus, MiniBatchStatus
-from knittrans.plans import RankPlan
 from knittrans.sched.types import FinishedGroup
 
 __all__ = ["GroupEntry", "MiniBatch"]
@@ -69,10 +68,9 @@ class MiniBatch:
     acks: set[int] = field(default_factory=set)
     fetched: set[int] = field(default_factory=set)
     """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""
-    rendered: dict[int, RankPlan] = field(default_factory=dict)
-    """Plans already rendered for ranks (not persisted; re-rendered identically after a restart)."""
     rendered_json: dict[int, bytes] = field(default_factory=dict)
-    """The same plans as the JSON bytes ``next`` answers (rendered once per rank, published to the plan board)."""
+    """Plans already rendered for ranks, as the JSON bytes ``next`` answers (rendered once per rank and
+    published to the plan board; not persisted: re-rendered identically after a restart)."""
     rows: int | None = None
     """Trajectories in the mini-batch, summed over the layout on first use (not persisted)."""
 

@@ -33,7 +33,6 @@ from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
 from knittrans.lifecycle import JobAction
 from knittrans.names import check_name
-from knittrans.plans import RankPlan
 
 __all__ = ["ControlPlane", "Node"]
 
@@ -399,12 +398,8 @@ class ControlPlane:
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ ranks
-    def next_plan(self, name: str, rank: int) -> RankPlan | None:
-        """The rank's current plan, or None (not admitted yet, or the job is done: see :meth:`rank_done`)."""
-        return self.job(name).next_plan(rank)
-
-    def plan_after(self, name: str, rank: int, plan_id: str) -> RankPlan | None:
-        """The rank's plan of the mini-batch after its current plan ``plan_id``, or None (not admitted yet)."""
+    def plan_after(self, name: str, rank: int, plan_id: str) -> bytes | None:
+        """The rank's plan (JSON) of the mini-batch after its current plan ``plan_id``, or None (not admitted yet)."""
         return self.job(name).plan_after(rank, plan_id)
 
     def done_after(self, name: str, rank: int, plan_id: str) -> bool:
@@ -416,10 +411,6 @@ class ControlPlane:
         job = self.job(name)
         with self._change(None) as txn:
             return job.fetched(rank, plan_id, txn)
-
-    def rank_done(self, name: str, rank: int) -> bool:
-        """Whether no further plan will come for ``rank``."""
-        return self.job(name).rank_done(rank)
 
     def rank_answers(self, name: str, ranks: Collection[int] | None) -> Iterator[dict[int, Answer]] | None:
         """What ``next`` answers each of ``ranks`` (None: every rank) now, in chunks of ranks rendered as

@@ -17,7 +17,6 @@ from knittrans.api.routes.deps import AckBatcher, PlanBoard, Run, Service, State
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.errors import InvalidRequest, Unauthenticated
-from knittrans.plans import RankPlan
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router", "serve_next"]
 
@@ -123,7 +122,7 @@ async def _next_after(
 ) -> Response:
     """``next?after=``: probed on the state thread at each wake-up (it checks ``after`` each time)."""
 
-    def probe() -> tuple[RankPlan | None, str, bool]:
+    def probe() -> tuple[bytes | None, str, bool]:
         plan = svc.plan_after(job, rank, after)
         if plan is not None:
             return plan, "", False
@@ -132,10 +131,9 @@ async def _next_after(
     while True:
         event = board.rank_event(job, rank)  # taken before the probe: a change while it runs still wakes us
         board.probed(job, rank)
-        plan, state, done = await run(probe)
-        reply = await _reply_or_wait(
-            None if plan is None else JSONResponse(plan.to_json()), done, state, event, loop, deadline
-        )
+        raw, state, done = await run(probe)
+        plan = None if raw is None else Response(raw, media_type="application/json")
+        reply = await _reply_or_wait(plan, done, state, event, loop, deadline)
         if reply is not None:
             return reply
 
