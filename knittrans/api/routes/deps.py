@@ -189,10 +189,7 @@ class PlanBoard:
             if wake:
                 self._wake(job, ranks)
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         if running is loop:
             self._apply(job, answers, ranks, wake)
         else:
@@ -219,10 +216,7 @@ class PlanBoard:
                     woken.extend(e for e in (table.pop(r, None) for r in ranks) if e is not None)
         if not woken:
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
         for loop, event in woken:
             if running is loop:
@@ -231,6 +225,14 @@ class PlanBoard:
                 by_loop.setdefault(loop, []).append(event)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop of the calling thread, or None (the state thread has none)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _set_all(events: list[asyncio.Event]) -> None:
