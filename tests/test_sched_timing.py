@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from knittrans.api.spec import JobSpec
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidJobSpec
+from knittrans.plans import RankPlan
 from knittrans.sched.staleness import ConsumedGroup
 from knittrans.sched.timing import (
     AdmissionTiming,
@@ -168,9 +170,10 @@ class _Driver:
 
     def ack(self, rank: int) -> None:
         rank %= self.spec.world_size
-        plan = self.job.next_plan(rank)
-        if plan is None:
+        raw = self.job.next_plan(rank)
+        if raw is None:
             return
+        plan = RankPlan.from_json(json.loads(raw))  # the JSON the rank is answered
         self.job.fetched(rank, str(plan.plan_id), Txn())
         txn = Txn()
         self.job.ack(rank, str(plan.plan_id), txn)
