@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from knittrans.demo.cluster import LocalCluster
-from knittrans.errors import NotFound
+from knittrans.errors import NotFound, Unavailable
 from knittrans.procs import free_port, wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.trainer.client import TrainerClient, TrainerConfig
@@ -122,3 +122,26 @@ def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
         assert len(futures) == 1
         futures[0].result(timeout=30)
         assert not f._warm
+
+
+def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
+    """A warm-up still running when the trainer closes gets a clear error, not a channel that is never closed
+    (CI once saw ``close`` iterate the channel map while a ping thread added to it)."""
+    f = Fetcher(timeout_s=2)
+    gate = threading.Event()
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+
+    def late_connect() -> object:
+        gate.wait(timeout=30)
+        return f._client(endpoint)
+
+    pending = f.pool.submit(late_connect)
+    queued = f.warm({"node-q": endpoint})
+    f.close()
+    gate.set()
+    with pytest.raises(Unavailable, match="fetcher is closed"):
+        pending.result(timeout=30)
+    for q in queued:  # a ping that ran finishes quietly (its error is logged), a queued one was cancelled
+        assert q.cancelled() or q.result(timeout=30) is None
+    assert not f._clients
+    f.close()  # closing twice is harmless

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from knittrans.errors import InvalidRequest, KnitTransError
+from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.store.unit import LocalReader
@@ -104,6 +104,7 @@ class Fetcher:
         self._clients: dict[str, StoreClient] = {}
         self._warm: set[str] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="knittrans-fetch")
 
     @property
@@ -115,6 +116,8 @@ class Fetcher:
         client = self._clients.get(endpoint)
         if client is None:
             with self._lock:  # one channel per endpoint, also when two threads ask at once
+                if self._closed:  # e.g. a warm-up ping still queued when the trainer closed
+                    raise Unavailable(f"fetcher is closed; no new connection to {endpoint}")
                 client = self._clients.get(endpoint)
                 if client is None:
                     client = self._clients[endpoint] = StoreClient(endpoint, token=self.token, timeout_s=self.timeout_s)
@@ -193,10 +196,13 @@ class Fetcher:
 
     def close(self) -> None:
         """Close clients and the worker pool."""
-        self._pool.shutdown(wait=False)
-        for client in self._clients.values():
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # pool threads may still be connecting: no new client after this point
+            self._closed = True
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
             client.close()
-        self._clients.clear()
 
     def __enter__(self) -> Fetcher:
         return self
