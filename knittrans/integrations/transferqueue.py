@@ -384,11 +384,12 @@ class _Core:
         return deleted
 
     def close(self) -> None:
-        for w in self._writers.values():
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        # copies: a pool thread still running may add a client while these loops run
+        for w in list(self._writers.values()):
             w.close()
-        for c in self._clients.values():
+        for c in list(self._clients.values()):
             c.close()
-        self._pool.shutdown(wait=False)
 
 
 def _assemble(parts: list[tuple[list[int], Any]], n: int) -> Any:
