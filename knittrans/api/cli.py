@@ -165,4 +165,13 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, ready_fi
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         tmp.write_text(json.dumps({"url": url, "host": host, "port": port, "pid": os.getpid()}))
         tmp.rename(ready_file)
+    from knittrans.api.stream import close_streams
+
+    # uvicorn's graceful shutdown waits for open responses, and a plan stream never ends by itself:
+    # end the streams as soon as the server is asked to stop (its clients reconnect to the next one)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.2)
+        if server.should_exit:
+            close_streams(server.config.app.state)
+            break
     await task

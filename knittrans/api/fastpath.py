@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from knittrans.api.routes.ranks import serve_next
+from knittrans.api.stream import DEFAULT_KEEPALIVE_S, MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, PlanStream, first_answer
 from knittrans.errors import KnitTransError
 
 __all__ = ["FastNext"]
@@ -31,6 +32,7 @@ __all__ = ["FastNext"]
 logger = logging.getLogger(__name__)
 
 _NEXT = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/next")
+_PLANS = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/plans")
 _MAX_PLAN_ID = 64  # the route's max_length of ``ack``
 
 
@@ -57,6 +59,20 @@ def _query(raw: bytes) -> tuple[float, str | None] | None:
     return timeout_s, ack
 
 
+def _keepalive(raw: bytes) -> float | None:
+    """``keepalive_s`` of a plain plan-stream query, or None (anything else: the route decides)."""
+    pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+    if not pairs:
+        return DEFAULT_KEEPALIVE_S
+    if len(pairs) != 1 or pairs[0][0] != "keepalive_s":
+        return None
+    try:
+        value = float(pairs[0][1])
+    except ValueError:
+        return None
+    return value if MIN_KEEPALIVE_S <= value <= MAX_KEEPALIVE_S else None
+
+
 class FastNext:
     """ASGI middleware: plain ``next`` requests answered without FastAPI's routing (module docstring)."""
 
@@ -64,8 +80,11 @@ class FastNext:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET":
-            match = _NEXT.fullmatch(scope["path"])
+        if scope["type"] == "http" and scope["method"] in ("GET", "POST"):
+            if scope["path"].endswith("/plans"):
+                await self._maybe_stream(scope, receive, send)
+                return
+            match = _NEXT.fullmatch(scope["path"]) if scope["method"] == "GET" else None
             parsed = _query(scope.get("query_string", b"")) if match is not None else None
             if match is not None and parsed is not None:
                 response = await self._serve(scope, match, *parsed)
@@ -73,6 +92,25 @@ class FastNext:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+    async def _maybe_stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A plan stream (``.../plans``) set up here, outside the app (so its body of acks is not counted by
+        the app's body limit); anything else, or any error before the stream starts, goes to the app."""
+        match = _PLANS.fullmatch(scope["path"])
+        keepalive_s = _keepalive(scope.get("query_string", b"")) if match is not None else None
+        if match is None or keepalive_s is None:
+            await self.app(scope, receive, send)
+            return
+        state: Any = scope["app"].state
+        job, rank = match.group(1), int(match.group(2))
+        request = Request({**scope, "path_params": {"job": job, "rank": match.group(2)}})
+        try:
+            state.tokens.check_worker(request)
+            await first_answer(state, job, rank)
+        except KnitTransError:
+            await self.app(scope, receive, send)  # the app answers it (401, 404) the documented way
+            return
+        await PlanStream(state, job, rank, keepalive_s, acks=scope["method"] == "POST")(scope, receive, send)
 
     async def _serve(self, scope: Scope, match: re.Match[str], timeout_s: float, ack: str | None) -> Response | None:
         state: Any = scope["app"].state
