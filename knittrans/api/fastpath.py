@@ -98,10 +98,10 @@ class FastNext:
         the app's body limit); anything else, or any error before the stream starts, goes to the app."""
         match = _PLANS.fullmatch(scope["path"])
         keepalive_s = _keepalive(scope.get("query_string", b"")) if match is not None else None
-        if match is None or keepalive_s is None:
+        state: Any = scope["app"].state
+        if match is None or keepalive_s is None or not state.settings.plan_stream:
             await self.app(scope, receive, send)
             return
-        state: Any = scope["app"].state
         job, rank = match.group(1), int(match.group(2))
         request = Request({**scope, "path_params": {"job": job, "rank": match.group(2)}})
         try:

@@ -84,7 +84,8 @@ class PlanStream:
     def __init__(self, state: Any, job: str, rank: int, keepalive_s: float, *, acks: bool) -> None:
         self.state, self.job, self.rank, self.keepalive_s, self.acks = state, job, rank, keepalive_s, acks
         self._closed = False  # the client went away (our reader saw the disconnect)
-        self._waiting: asyncio.Event | None = None  # what the pusher waits on now (set to wake it at once)
+        self._pusher: asyncio.Task[Any] | None = None
+        self._in_wait = False  # the pusher waits for a board event or the keep-alive (close() cancels that wait)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -100,6 +101,7 @@ class PlanStream:
         )
         streams: set[PlanStream] = self.state.plan_streams
         streams.add(self)
+        self._pusher = asyncio.current_task()
         reader = asyncio.create_task(self._read(receive, send))
         try:
             await self._push(send)
@@ -114,8 +116,8 @@ class PlanStream:
     def close(self) -> None:
         """End the stream now (on the event loop): the response ends after the line being written."""
         self._closed = True
-        if self._waiting is not None:
-            self._waiting.set()  # a board event: whoever else waits on it looks again and finds nothing new
+        if self._in_wait and self._pusher is not None:
+            self._pusher.cancel()  # only its wait (never a write): the pusher sees _closed and ends
 
     async def _push(self, send: Send) -> None:
         """Send the rank's plan whenever it changes; keep-alive lines in between; the done line last."""
@@ -138,7 +140,6 @@ class PlanStream:
                 await send({"type": "http.response.body", "body": line, "more_body": True})
                 return
             deadline = loop.time() + self.keepalive_s
-            self._waiting = event
             while not event.is_set() and not self._closed:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -146,8 +147,19 @@ class PlanStream:
                     await send({"type": "http.response.body", "body": line, "more_body": True})
                     deadline = loop.time() + self.keepalive_s
                     continue
-                with contextlib.suppress(asyncio.TimeoutError):
+                self._in_wait = True
+                try:
                     await asyncio.wait_for(event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                except asyncio.CancelledError:
+                    if not self._closed:
+                        raise  # not our close(): the server is cancelling the request
+                    uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python >= 3.11
+                    if uncancel is not None:
+                        uncancel()
+                finally:
+                    self._in_wait = False
 
     async def _read(self, receive: Receive, send: Send) -> None:
         """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away."""

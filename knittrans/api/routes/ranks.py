@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knittrans.api.auth import WorkerAuth
 from knittrans.api.delivery import Answer
@@ -98,6 +99,8 @@ async def plan_stream(
     404 for an unknown job or rank, before the stream starts.
     """
     state = request.app.state
+    if not state.settings.plan_stream:  # switched off: answered like a path this server does not have
+        raise StarletteHTTPException(status_code=404)
     await first_answer(state, job, rank)  # NotFound (404) before the 200 goes out
     stream = PlanStream(state, job, rank, keepalive_s, acks=request.method == "POST")
     return _AsgiResponse(stream)
