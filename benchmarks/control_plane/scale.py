@@ -352,7 +352,9 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     one = rank_stream if args.ack_mode.startswith("stream") else rank
     tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
     await asyncio.sleep(1.0)  # ranks connected and waiting
+    me = psutil.Process()
     cpu0, t0, requests[0] = server.cpu_s(), time.monotonic(), 0
+    own0 = sum(me.cpu_times()[:2])
     bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
     while time.monotonic() - t0 < args.seconds:
         await asyncio.sleep(min(5.0, args.seconds))
@@ -362,6 +364,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         )
     stop.set()
     elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
+    clients_cpu = sum(me.cpu_times()[:2]) - own0
     for w in streams:  # a rank blocked reading its stream sees the end at once
         w.close()
     await asyncio.wait(tasks + bg, timeout=10)
@@ -386,6 +389,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
         "server_cpu_share": cpu / elapsed,
+        "clients_cpu_share": clients_cpu / elapsed,
         "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
         "requests": made,
         "requests_per_s": made / elapsed,
@@ -615,7 +619,9 @@ def main() -> int:
             f"{d['rows_per_rank']} rows per rank ({d['groups_per_mini_batch']} groups per mini-batch), acks via "
             f"{d['ack_mode']!r}; mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
             f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms; server CPU busy "
-            f"{d['server_cpu_share'] * 100:.0f} % of one core; {d['requests_per_s']:,.0f} requests/s "
+            f"{d['server_cpu_share'] * 100:.0f} % of one core (simulated clients "
+            f"{d['clients_cpu_share'] * 100:.0f} %); "
+            f"{d['requests_per_s']:,.0f} requests/s "
             f"({d['server_cpu_us_per_request'] or float('nan'):.0f} µs server CPU each)\n",
         ]
     if "registration" in result:

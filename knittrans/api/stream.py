@@ -10,7 +10,7 @@ acks it, the next plan once it is admitted; a withdrawn plan's re-plan (its new 
 it is made. A plan that was sent but not acked is sent again on a new stream (reconnect), like
 ``next`` answers it again. Other lines (JSON objects without ``plan_id``):
 
-* ``{"keepalive": true, "state": ...}`` every ``keepalive_s`` seconds without a plan (a dead
+* ``{"keepalive": true, "state": ...}`` after ``keepalive_s`` seconds (at most twice that) without a line (a dead
   client is noticed by the failed write; a client that reads nothing for a few periods knows the
   server or the path to it is gone);
 * ``{"done": true, "state": ...}``: no plan will ever come for this rank (drained or completed);
@@ -85,7 +85,10 @@ class PlanStream:
         self.state, self.job, self.rank, self.keepalive_s, self.acks = state, job, rank, keepalive_s, acks
         self._closed = False  # the client went away (our reader saw the disconnect)
         self._pusher: asyncio.Task[Any] | None = None
-        self._in_wait = False  # the pusher waits for a board event or the keep-alive (close() cancels that wait)
+        self._in_wait = False  # the pusher waits for a board event (close() and _tick cancel that wait)
+        self._timer: asyncio.TimerHandle | None = None
+        self._sent = False  # a line went out since the last tick
+        self._keepalive_due = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -120,46 +123,64 @@ class PlanStream:
             self._pusher.cancel()  # only its wait (never a write): the pusher sees _closed and ends
 
     async def _push(self, send: Send) -> None:
-        """Send the rank's plan whenever it changes; keep-alive lines in between; the done line last."""
+        """Send the rank's plan whenever it changes; keep-alive lines in between; the done line last.
+
+        Waits on the board's event of the rank with no task or timer of its own per wait (at 1,024
+        ranks a ``wait_for`` per rank and mini-batch was a tenth of the loop's time): one repeating
+        timer per stream (:meth:`_tick`) asks for a keep-alive line after a period without any line.
+        """
         state, job, rank = self.state, self.job, self.rank
         board = state.board
         loop = asyncio.get_running_loop()
         last: bytes | None = None
-        while not self._closed:
-            found = board.answer(job, rank)
-            event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
-            if found is None:
-                found = await first_answer(state, job, rank)
-            raw, job_state, done = found
-            if raw is not None and raw != last:
-                await send({"type": "http.response.body", "body": raw + b"\n", "more_body": True})
-                last = raw
-                continue
-            if raw is None and done:
-                line = json.dumps({"done": True, "state": job_state}).encode() + b"\n"
-                await send({"type": "http.response.body", "body": line, "more_body": True})
-                return
-            deadline = loop.time() + self.keepalive_s
-            while not event.is_set() and not self._closed:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
+        self._timer = loop.call_later(self.keepalive_s, self._tick, loop)
+        try:
+            while not self._closed:
+                found = board.answer(job, rank)
+                event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
+                if found is None:
+                    found = await first_answer(state, job, rank)
+                raw, job_state, done = found
+                if raw is not None and raw != last:
+                    await send({"type": "http.response.body", "body": raw + b"\n", "more_body": True})
+                    last, self._sent = raw, True
+                    continue
+                if raw is None and done:
+                    line = json.dumps({"done": True, "state": job_state}).encode() + b"\n"
+                    await send({"type": "http.response.body", "body": line, "more_body": True})
+                    return
+                if self._keepalive_due:
+                    self._keepalive_due = False
                     line = json.dumps({"keepalive": True, "state": job_state}).encode() + b"\n"
                     await send({"type": "http.response.body", "body": line, "more_body": True})
-                    deadline = loop.time() + self.keepalive_s
                     continue
                 self._in_wait = True
                 try:
-                    await asyncio.wait_for(event.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+                    await event.wait()
                 except asyncio.CancelledError:
-                    if not self._closed:
-                        raise  # not our close(): the server is cancelling the request
+                    if not (self._closed or self._keepalive_due):
+                        raise  # not ours (close() or the keep-alive timer): the server cancels the request
                     uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python >= 3.11
                     if uncancel is not None:
                         uncancel()
                 finally:
                     self._in_wait = False
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every ``keepalive_s``: after a period in which nothing was sent, have the pusher send a keep-alive
+        line (so a line goes out at least every two periods)."""
+        if self._closed:
+            return
+        self._timer = loop.call_later(self.keepalive_s, self._tick, loop)
+        if self._sent:
+            self._sent = False
+            return
+        self._keepalive_due = True
+        if self._in_wait and self._pusher is not None:
+            self._pusher.cancel()  # only its wait: it sends the keep-alive line and waits again
 
     async def _read(self, receive: Receive, send: Send) -> None:
         """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away."""
