@@ -340,6 +340,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                 now = time.time()
                 latencies.append(now - max(msg["admitted_at"], ready))
                 ages.append(now - msg["admitted_at"])
+                ready = time.time()  # from its ack on, the rank waits for its next plan
                 if acks is None:
                     line = json.dumps({"ack": msg["plan_id"]}).encode() + b"\n"
                     writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
@@ -347,7 +348,6 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                     await acks.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": msg["plan_id"]})
                     requests[0] += 1
                 consumed[r] = consumed.get(r, 0) + 1
-                ready = time.time()
 
     one = rank_stream if args.ack_mode.startswith("stream") else rank
     tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
