@@ -23,8 +23,9 @@ request's chunked body (``{"ack": "<plan_id>"}`` each, sent while the response s
 chunk each way per mini-batch on the one connection. Such acks join the same group commit
 (:class:`~knittrans.api.routes.deps.AckBatcher`) as the others.
 
-Errors before the stream starts (bad token, unknown job or rank, bad ``keepalive_s``) are answered
-like ``next``'s: 401, 404, 422 with the usual error body.
+A stream ends (without ``done``) after ``plan_stream_max_s`` (setting, default an hour) and at server
+shutdown; the client opens a new one. Errors before the stream starts (bad token, unknown job or
+rank, bad ``keepalive_s``) are answered like ``next``'s: 401, 404, 422 with the usual error body.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class PlanStream:
         self._timer: asyncio.TimerHandle | None = None
         self._sent = False  # a line went out since the last tick
         self._keepalive_due = False
+        self._ends_at = float("inf")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -134,6 +136,7 @@ class PlanStream:
         loop = asyncio.get_running_loop()
         last: bytes | None = None
         self._timer = loop.call_later(self.keepalive_s, self._tick, loop)
+        self._ends_at = loop.time() + state.settings.plan_stream_max_s
         try:
             while not self._closed:
                 found = board.answer(job, rank)
@@ -174,7 +177,10 @@ class PlanStream:
         line (so a line goes out at least every two periods)."""
         if self._closed:
             return
-        self._timer = loop.call_later(self.keepalive_s, self._tick, loop)
+        if loop.time() >= self._ends_at:  # plan_stream_max_s: end it; the client reconnects
+            self.close()
+            return
+        self._timer = loop.call_later(min(self.keepalive_s, max(0.0, self._ends_at - loop.time())), self._tick, loop)
         if self._sent:
             self._sent = False
             return

@@ -76,11 +76,13 @@ async def next_plan(
     return await _next_after(job, rank, after, state.service, state.runner, state.board, loop, deadline)
 
 
-@router.api_route(
-    "/{job}/ranks/{rank}/plans",
-    methods=["GET", "POST"],
-    responses={200: {"content": {"application/x-ndjson": {}}, "description": "one JSON object per line"}},
-)
+_STREAM_200: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/x-ndjson": {}}, "description": "one JSON object per line, until the client leaves"}
+}
+
+
+@router.get("/{job}/ranks/{rank}/plans", responses=_STREAM_200, operation_id="plan_stream")
+@router.post("/{job}/ranks/{rank}/plans", responses=_STREAM_200, operation_id="plan_stream_with_acks")
 async def plan_stream(
     job: str,
     rank: int,
