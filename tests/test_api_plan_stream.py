@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import ServerProcess, job_spec, server, single_group_units
+from api_support import ServerProcess, app_client, job_spec, server, single_group_units
 
 from knittrans.controlclient import ControlClient, JobFinished, StreamUnsupported
 from knittrans.plans import RankPlan
@@ -306,3 +306,53 @@ def test_trainer_client_reads_the_stream_and_skips_acked_lines(srv: ServerProces
             p2 = trainer.next_plan()
             assert p2 is not None and p2.global_index == 2
             assert trainer._stream is not None and trainer._stream.opened == 1
+
+
+def test_fast_path_answers_plain_acks_and_leaves_the_rest_to_the_app(tmp_path: Path) -> None:
+    """A plain ``POST .../ack`` (JSON body, no query) is answered before FastAPI's routing, transfer figures
+    included; a bad token, a refused ack, a bad body or another content type are answered by the app as before."""
+    with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk") as c:
+        c.headers["Authorization"] = "Bearer adm"
+        assert c.post("/v1/jobs", json=job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2)).is_success
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"] * 2)})
+        counts: dict[str, int] = c.app.state.fast_next  # type: ignore[attr-defined]
+        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+        served, to_app = counts["served"], counts["to_app"]
+        transfer = {
+            "exposed_s": 0.5,
+            "fetch_s": 1.0,
+            "row_bytes": 7,
+            "media_logical_bytes": 0,
+            "media_physical_bytes": 0,
+        }
+        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id), "transfer": transfer})
+        assert r.status_code == 200 and r.json() == {
+            "plan_id": str(plan.plan_id),
+            "global_index": 0,
+            "consumed": False,
+            "duplicate": False,
+        }
+        assert (counts["served"], counts["to_app"]) == (served + 1, to_app)
+        metrics = c.get("/metrics").text  # the transfer figures were recorded
+        assert 'knittrans_rank_exposed_transfer_seconds_total{job_name="job1",rank="0"} 0.5' in metrics
+        cases = [
+            (
+                c.post(
+                    "/v1/jobs/job1/ranks/0/ack", json={"plan_id": "n0.a0.r0"}, headers={"Authorization": "Bearer x"}
+                ),
+                401,
+            ),
+            (c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": "n7.a0.r0"}), 404),
+            (c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": "n1.a0.r1"}), 409),  # 1 before 0
+            (c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": ""}), 422),
+            (c.post("/v1/jobs/job1/ranks/0/ack", content=b"{nope", headers={"Content-Type": "application/json"}), 422),
+            (c.post("/v1/jobs/job1/ranks/9/ack", json={"plan_id": "n0.a0.r9"}), 404),
+        ]
+        for response, status in cases:
+            assert response.status_code == status and response.json()["error"], response.text
+        assert counts["to_app"] == to_app + 6 and counts["served"] == served + 1
+        text = c.post("/v1/jobs/job1/ranks/0/ack", content=json.dumps({"plan_id": str(plan.plan_id)}).encode())
+        assert text.status_code == 422  # no JSON content type: never the fast path, and the app refuses it
+        again = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)})
+        assert again.status_code == 200 and again.json()["duplicate"] and counts["served"] == served + 2
