@@ -434,6 +434,7 @@ class PlanStreamReader:
         self._acked: deque[str] = deque(maxlen=16)
         self.opened = 0
         """Streams opened (the first one and each reconnect)."""
+        self.closed = False
 
     def acked(self, plan_id: str) -> None:
         """``plan_id`` was acked: a line of it still in the stream is skipped."""
@@ -449,7 +450,7 @@ class PlanStreamReader:
             Unavailable: the stream could not be reopened within the retry budget.
         """
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not self.closed:
             line = self._line()
             if line is not None and line.strip():
                 body = jsonlib.loads(line)
@@ -459,23 +460,28 @@ class PlanStreamReader:
                     if str(body["plan_id"]) not in self._acked:
                         return RankPlan.from_json(body)
                 elif body.get("done"):
-                    self.close()
+                    self._drop()
                     raise JobFinished(f"job {self.job!r} has no further mini-batch for rank {self.rank}")
                 elif "ack_error" in body:
                     logger.warning("plan stream of rank %d: ack refused: %s", self.rank, body)
             if time.monotonic() >= deadline:
                 return None
+        return None
 
     def _line(self) -> str | None:
-        """One line of the stream (opening it first if needed); None after a broken stream was closed."""
+        """One line of the stream (opening it first if needed); None after a broken stream was dropped, or
+        once the reader is closed."""
         if self._lines is None:
             self._open()
-        assert self._lines is not None
+        lines = self._lines
+        if lines is None:  # closed meanwhile
+            return None
         try:
-            return next(self._lines)
-        except (httpx.TransportError, StopIteration) as exc:
-            logger.info("plan stream of rank %d of job %s broke (%s); reopening", self.rank, self.job, exc)
-            self.close()
+            return next(lines)
+        except (httpx.TransportError, httpx.StreamError, StopIteration) as exc:
+            if not self.closed:
+                logger.info("plan stream of rank %d of job %s broke (%s); reopening", self.rank, self.job, exc)
+            self._drop()
             return None
 
     def _open(self) -> None:
@@ -485,7 +491,7 @@ class PlanStreamReader:
         path = f"/v1/jobs/{self.job}/ranks/{self.rank}/plans"
         # read timeout: three keep-alive periods without a line mean the server (or the path to it) is gone
         timeout = httpx.Timeout(client.timeout_s, read=3 * self.keepalive_s + client.timeout_s)
-        while True:
+        while not self.closed:
             try:
                 request = client._poll_http.build_request(
                     "GET", path, params={"keepalive_s": self.keepalive_s}, timeout=timeout
@@ -497,6 +503,8 @@ class PlanStreamReader:
                 if response.status_code == 200:
                     self._response, self._lines = response, response.iter_lines()
                     self.opened += 1
+                    if self.closed:  # closed by another thread while this one opened it
+                        self._drop()
                     return
                 response.read()
                 response.close()
@@ -512,7 +520,12 @@ class PlanStreamReader:
             time.sleep(pause)
 
     def close(self) -> None:
-        """Close the stream (the next read opens a new one)."""
+        """Close the stream for good (from any thread): a read in progress ends, later reads return None."""
+        self.closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the current stream (the next read opens a new one unless the reader is closed)."""
         response, self._response, self._lines = self._response, None, None
         if response is not None:
             response.close()
