@@ -1,7 +1,7 @@
 """Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
 
 Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
-[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post] [--mini-batches 10000]``. Three phases
+[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post|stream|stream-post] [--mini-batches 10000]``. Three phases
 against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each on its own job:
 
 * ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
@@ -9,7 +9,10 @@ against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each
   every 100 ms) for ``--seconds``. Each mini-batch holds ``--rows-per-rank`` rows per rank (1, the stress
   case: ~8 mini-batches/s at 1,024 ranks; 8: a realistic 8,192-trajectory mini-batch, ~1/s). A rank acks
   its plan as soon as it has it and asks for the next: in one request (``next?ack=<plan_id>``,
-  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``). Reported: plan
+  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``); or each rank holds
+  one plan stream (``.../plans``) for the whole run and reads its plans as lines, acking as lines of the
+  stream's chunked request body (``--ack-mode stream``) or by ``POST .../ack`` (``--ack-mode
+  stream-post``, what the trainer client does). Reported: plan
   delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
   the moment the rank has parsed the plan; same host, same clock), registration request latency,
   mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
