@@ -456,9 +456,10 @@ class PlanStreamReader:
                 body = jsonlib.loads(line)
                 if not isinstance(body, dict):
                     raise InvalidRequest(f"plan stream line is not an object: {line[:200]!r}")
-                if "plan_id" in body:
-                    if str(body["plan_id"]) not in self._acked:
-                        return RankPlan.from_json(body)
+                if "plan_id" in body:  # a plan (the other lines carry no plan id)
+                    plan = RankPlan.from_json(body)
+                    if str(plan.plan_id) not in self._acked:
+                        return plan
                 elif body.get("done"):
                     self._drop()
                     raise JobFinished(f"job {self.job!r} has no further mini-batch for rank {self.rank}")
