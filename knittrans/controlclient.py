@@ -15,7 +15,6 @@ import re
 import ssl
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from knittrans.errors import (
     Unavailable,
     error_of_status,
 )
-from knittrans.plans import RankPlan
+from knittrans.plans import PlanId, RankPlan
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["ControlClient", "JobFinished", "PlanStreamReader", "StreamUnsupported"]
@@ -431,14 +430,16 @@ class PlanStreamReader:
         self.client, self.job, self.rank, self.keepalive_s = client, job, rank, keepalive_s
         self._response: httpx.Response | None = None
         self._lines: Iterator[str] | None = None
-        self._acked: deque[str] = deque(maxlen=16)
+        self._acked_through = -1  # highest global index this rank acked: an acked mini-batch is never withdrawn
         self.opened = 0
         """Streams opened (the first one and each reconnect)."""
         self.closed = False
 
     def acked(self, plan_id: str) -> None:
-        """``plan_id`` was acked: a line of it still in the stream is skipped."""
-        self._acked.append(str(plan_id))
+        """``plan_id`` was acked: lines of it, or of any earlier mini-batch (or attempt), are skipped."""
+        parsed = PlanId.parse(str(plan_id))
+        if parsed is not None:
+            self._acked_through = max(self._acked_through, parsed.n)
 
     def next(self, timeout_s: float = 30.0) -> RankPlan | None:
         """The next plan not acked through this reader; None when none came within about ``timeout_s``
@@ -458,7 +459,7 @@ class PlanStreamReader:
                     raise InvalidRequest(f"plan stream line is not an object: {line[:200]!r}")
                 if "plan_id" in body:  # a plan (the other lines carry no plan id)
                     plan = RankPlan.from_json(body)
-                    if str(plan.plan_id) not in self._acked:
+                    if plan.global_index > self._acked_through:
                         return plan
                 elif body.get("done"):
                     self._drop()

@@ -179,6 +179,18 @@ def test_a_withdrawn_plan_is_followed_by_its_replan(srv: ServerProcess) -> None:
             assert {r.group_id for m in replan.micro_batches for r in m.rows} == {"h0", "h1"}
         finally:
             stream.close()
+        # the client's reader: both attempts' lines come; once the re-plan is acked (taken another way, as
+        # the trainer's re-plan does), neither is handed out any more
+        reader = client.plan_stream("job1", 0, keepalive_s=0.2)
+        got = reader.next(timeout_s=5)
+        assert got == replan
+        client.ack("job1", 0, str(replan.plan_id))
+        reader.acked(str(replan.plan_id))
+        client.register_units("job1", single_group_units(["math", "code"], node="n1", prefix="i"))
+        after = reader.next(timeout_s=5)
+        assert after is not None and after.global_index == 1
+        reader.close()
+        assert reader.next(timeout_s=5) is None  # closed for good
 
 
 def test_done_line_ends_the_stream_and_the_reader(srv: ServerProcess) -> None:
