@@ -8,6 +8,7 @@ is raised. Error answers are raised as the matching :mod:`knittrans.errors` exce
 
 from __future__ import annotations
 
+import json as jsonlib
 import logging
 import os
 import re
@@ -28,10 +29,10 @@ from knittrans.errors import (
     Unavailable,
     error_of_status,
 )
-from knittrans.plans import RankPlan
+from knittrans.plans import PlanId, RankPlan
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
-__all__ = ["ControlClient", "JobFinished"]
+__all__ = ["ControlClient", "JobFinished", "PlanStreamReader", "StreamUnsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ _UNREGISTERED_NODE = re.compile(r"node '([^']+)' is not registered")
 
 class JobFinished(KnitTransError):
     """No further plan will come for this rank: the job was drained or reached ``total_steps``."""
+
+
+class StreamUnsupported(KnitTransError):
+    """The control plane has no plan stream (``.../plans``: a server from before it); use ``next``."""
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -350,6 +355,10 @@ class ControlClient:
             return None
         return RankPlan.from_json(response.json())
 
+    def plan_stream(self, job: str, rank: int, *, keepalive_s: float = 10.0) -> PlanStreamReader:
+        """The rank's plan stream (``GET .../plans``), opened on first read; see :class:`PlanStreamReader`."""
+        return PlanStreamReader(self, job, rank, keepalive_s=keepalive_s)
+
     def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[RankPlan]:
         """Yield the rank's plans until the job is finished; ack each before asking for the next."""
         while True:
@@ -401,3 +410,132 @@ class ControlClient:
     def get_version(self, job: str) -> int:
         """``GET /v1/jobs/{job}/version``: the latest policy version."""
         return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])
+
+
+class PlanStreamReader:
+    """A rank's plan stream (``GET /v1/jobs/{job}/ranks/{rank}/plans``): the plan of its next un-acked
+    mini-batch pushed by the server as one NDJSON line whenever it changes, instead of a long-poll
+    per mini-batch. Acks go by :meth:`ControlClient.ack` as before; tell the reader which plans were
+    acked (:meth:`acked`), since a line of a plan sent before its ack may still be buffered (a plan
+    prefetched with ``next?after=`` is also pushed here once it becomes the current one).
+
+    A broken stream (connection lost, no line within three keep-alive periods) is reopened with the
+    client's retry policy; the server then sends the rank's un-acked plan again. :class:`StreamUnsupported`
+    when the server has no such endpoint (use :meth:`ControlClient.next_plan`).
+    """
+
+    def __init__(self, client: ControlClient, job: str, rank: int, *, keepalive_s: float = 10.0) -> None:
+        if not keepalive_s > 0:
+            raise ValueError("keepalive_s must be > 0")
+        self.client, self.job, self.rank, self.keepalive_s = client, job, rank, keepalive_s
+        self._response: httpx.Response | None = None
+        self._lines: Iterator[str] | None = None
+        self._acked_through = -1  # highest global index this rank acked: an acked mini-batch is never withdrawn
+        self.opened = 0
+        """Streams opened (the first one and each reconnect)."""
+        self.closed = False
+
+    def acked(self, plan_id: str) -> None:
+        """``plan_id`` was acked: lines of it, or of any earlier mini-batch (or attempt), are skipped."""
+        parsed = PlanId.parse(str(plan_id))
+        if parsed is not None:
+            self._acked_through = max(self._acked_through, parsed.n)
+
+    def next(self, timeout_s: float = 30.0) -> RankPlan | None:
+        """The next plan not acked through this reader; None when none came within about ``timeout_s``
+        (checked at each line: up to one keep-alive period later).
+
+        Raises:
+            JobFinished: no further plan will come for this rank.
+            StreamUnsupported: the server has no plan stream.
+            Unavailable: the stream could not be reopened within the retry budget.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.closed:
+            line = self._line()
+            if line is not None and line.strip():
+                body = jsonlib.loads(line)
+                if not isinstance(body, dict):
+                    raise InvalidRequest(f"plan stream line is not an object: {line[:200]!r}")
+                if "plan_id" in body:  # a plan (the other lines carry no plan id)
+                    plan = RankPlan.from_json(body)
+                    if plan.global_index > self._acked_through:
+                        return plan
+                elif body.get("done"):
+                    self._drop()
+                    raise JobFinished(f"job {self.job!r} has no further mini-batch for rank {self.rank}")
+                elif "ack_error" in body:
+                    logger.warning("plan stream of rank %d: ack refused: %s", self.rank, body)
+            if time.monotonic() >= deadline:
+                return None
+        return None
+
+    def _line(self) -> str | None:
+        """One line of the stream (opening it first if needed); None after a broken stream was dropped, or
+        once the reader is closed."""
+        if self._lines is None:
+            self._open()
+        lines = self._lines
+        if lines is None:  # closed meanwhile
+            return None
+        try:
+            return next(lines)
+        except (httpx.TransportError, httpx.StreamError, StopIteration) as exc:
+            if not self.closed:
+                logger.info("plan stream of rank %d of job %s broke (%s); reopening", self.rank, self.job, exc)
+            self._drop()
+            return None
+
+    def _open(self) -> None:
+        client = self.client
+        pauses = client.retry.pauses()
+        attempt = 0
+        path = f"/v1/jobs/{self.job}/ranks/{self.rank}/plans"
+        # read timeout: three keep-alive periods without a line mean the server (or the path to it) is gone
+        timeout = httpx.Timeout(client.timeout_s, read=3 * self.keepalive_s + client.timeout_s)
+        while not self.closed:
+            try:
+                request = client._poll_http.build_request(
+                    "GET", path, params={"keepalive_s": self.keepalive_s}, timeout=timeout
+                )
+                response = client._poll_http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    self._response, self._lines = response, response.iter_lines()
+                    self.opened += 1
+                    if self.closed:  # closed by another thread while this one opened it
+                        self._drop()
+                    return
+                response.read()
+                response.close()
+                if response.status_code == 405 or (response.status_code == 404 and _unknown_route(response)):
+                    raise StreamUnsupported(f"control plane {client.base_url} has no plan stream ({path})")
+                if response.status_code != 503:
+                    _raise_for(response)
+                problem = "503 " + response.text[:200]
+            pause = next(pauses, None) if client.retries is None or attempt < client.retries else None
+            if pause is None:
+                raise Unavailable(f"control plane {client.base_url}: plan stream {path} failed: {problem}")
+            attempt += 1
+            time.sleep(pause)
+
+    def close(self) -> None:
+        """Close the stream for good (from any thread): a read in progress ends, later reads return None."""
+        self.closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the current stream (the next read opens a new one unless the reader is closed)."""
+        response, self._response, self._lines = self._response, None, None
+        if response is not None:
+            response.close()
+
+
+def _unknown_route(response: httpx.Response) -> bool:
+    """A 404 of the server's router (no such path), not of an unknown job or rank."""
+    try:
+        return bool(response.json().get("detail") == "Not Found")
+    except ValueError:
+        return True

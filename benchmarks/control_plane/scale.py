@@ -1,7 +1,7 @@
 """Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
 
 Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
-[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post] [--mini-batches 10000]``. Three phases
+[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post|stream|stream-post] [--mini-batches 10000]``. Three phases
 against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each on its own job:
 
 * ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
@@ -9,7 +9,10 @@ against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each
   every 100 ms) for ``--seconds``. Each mini-batch holds ``--rows-per-rank`` rows per rank (1, the stress
   case: ~8 mini-batches/s at 1,024 ranks; 8: a realistic 8,192-trajectory mini-batch, ~1/s). A rank acks
   its plan as soon as it has it and asks for the next: in one request (``next?ack=<plan_id>``,
-  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``). Reported: plan
+  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``); or each rank holds
+  one plan stream (``.../plans``) for the whole run and reads its plans as lines, acking as lines of the
+  stream's chunked request body (``--ack-mode stream``) or by ``POST .../ack`` (``--ack-mode
+  stream-post``, what the trainer client does). Reported: plan
   delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
   the moment the rank has parsed the plan; same host, same clock), registration request latency,
   mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
@@ -298,9 +301,63 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
             requests[0] += 1
             consumed[r] = consumed.get(r, 0) + 1
 
-    tasks = [asyncio.create_task(rank(r)) for r in range(args.ranks)]
+    streams: list[asyncio.StreamWriter] = []
+
+    async def rank_stream(r: int) -> None:
+        """The rank on its plan stream (``.../plans``): acks as lines of the POST's chunked body
+        (--ack-mode stream) or by ``POST .../ack`` on a second connection (--ack-mode stream-post)."""
+        in_body = args.ack_mode == "stream"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        streams.append(writer)
+        head = (
+            f"{'POST' if in_body else 'GET'} /v1/jobs/{job}/ranks/{r}/plans HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {TOKEN_W}\r\n"
+            + ("Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n" if in_body else "")
+            + "\r\n"
+        )
+        writer.write(head.encode())
+        status = await reader.readline()
+        if not status.startswith(b"HTTP/1.1 200"):
+            errors.append(f"rank {r} plans -> {status!r}")
+            return
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            pass
+        acks = None if in_body else Http("127.0.0.1", port, TOKEN_W)
+        ready = time.time()  # when the rank was ready for its next plan (it had acked the last one)
+        while not stop.is_set():
+            size = await reader.readline()
+            if not size.strip():
+                return  # the stream was closed (end of the run)
+            chunk = await reader.readexactly(int(size, 16) + 2)
+            if int(size, 16) == 0:
+                return
+            for raw in chunk[:-2].split(b"\n"):
+                if not raw.strip():
+                    continue
+                msg = json.loads(raw)
+                if "plan_id" not in msg:
+                    if "ack_error" in msg or "done" in msg:
+                        errors.append(f"rank {r} stream: {msg}")
+                        return
+                    continue  # keep-alive
+                now = time.time()
+                latencies.append(now - max(msg["admitted_at"], ready))
+                ages.append(now - msg["admitted_at"])
+                ready = time.time()  # from its ack on, the rank waits for its next plan
+                if acks is None:
+                    line = json.dumps({"ack": msg["plan_id"]}).encode() + b"\n"
+                    writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                else:
+                    await acks.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": msg["plan_id"]})
+                    requests[0] += 1
+                consumed[r] = consumed.get(r, 0) + 1
+
+    one = rank_stream if args.ack_mode.startswith("stream") else rank
+    tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
     await asyncio.sleep(1.0)  # ranks connected and waiting
+    me = psutil.Process()
     cpu0, t0, requests[0] = server.cpu_s(), time.monotonic(), 0
+    own0 = sum(me.cpu_times()[:2])
     bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
     while time.monotonic() - t0 < args.seconds:
         await asyncio.sleep(min(5.0, args.seconds))
@@ -310,6 +367,9 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         )
     stop.set()
     elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
+    clients_cpu = sum(me.cpu_times()[:2]) - own0
+    for w in streams:  # a rank blocked reading its stream sees the end at once
+        w.close()
     await asyncio.wait(tasks + bg, timeout=10)
     for t in tasks + bg:
         t.cancel()
@@ -332,6 +392,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
         "server_cpu_share": cpu / elapsed,
+        "clients_cpu_share": clients_cpu / elapsed,
         "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
         "requests": made,
         "requests_per_s": made / elapsed,
@@ -478,10 +539,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--ack-mode",
-        choices=["post", "next"],
+        choices=["post", "next", "stream", "stream-post"],
         default="next",
-        help="how a rank acks in the delivery phase: 'post' (POST .../ack, then GET .../next: two requests per "
-        "mini-batch) or 'next' (GET .../next?ack=<plan_id>: one request; servers before issue 18 lack it)",
+        help="how a rank gets its plans and acks in the delivery phase: 'post' (POST .../ack, then GET .../next: "
+        "two requests per mini-batch), 'next' (GET .../next?ack=<plan_id>: one request; servers before issue 18 "
+        "lack it), 'stream' (one POST .../plans per rank for the whole run: plans are lines of its response, acks "
+        "lines of its chunked body) or 'stream-post' (GET .../plans, acks by POST .../ack)",
     )
     parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
     parser.add_argument("--registration-batches", type=int, default=20)
@@ -510,6 +573,7 @@ def main() -> int:
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "load_avg_1m_start": os.getloadavg()[0],
+        "load_avg_1m_end": None,
         "commit": subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
@@ -525,6 +589,7 @@ def main() -> int:
             result["memory"] = asyncio.run(memory(server.port, server, args))
     finally:
         server.stop()
+    result["load_avg_1m_end"] = os.getloadavg()[0]
     targets: dict[str, bool] = {}
     if "delivery" in result and result["delivery"]["plan_delivery_ms"]["p99"] is not None:
         targets["plan_delivery_p99<=50ms"] = result["delivery"]["plan_delivery_ms"]["p99"] <= 50
@@ -557,7 +622,9 @@ def main() -> int:
             f"{d['rows_per_rank']} rows per rank ({d['groups_per_mini_batch']} groups per mini-batch), acks via "
             f"{d['ack_mode']!r}; mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
             f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms; server CPU busy "
-            f"{d['server_cpu_share'] * 100:.0f} % of one core; {d['requests_per_s']:,.0f} requests/s "
+            f"{d['server_cpu_share'] * 100:.0f} % of one core (simulated clients "
+            f"{d['clients_cpu_share'] * 100:.0f} %); "
+            f"{d['requests_per_s']:,.0f} requests/s "
             f"({d['server_cpu_us_per_request'] or float('nan'):.0f} µs server CPU each)\n",
         ]
     if "registration" in result:

@@ -160,6 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
     app.state.fast_next = {"served": 0, "to_app": 0}
+    app.state.plan_streams = set()  # open plan streams (knittrans.api.stream), ended at shutdown
     _document_raw_bodies(app)
     return app
 

@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import uvicorn
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     )
     scheme = "https" if args.tls_cert else "http"
     url = f"{scheme}://{_url_host(args.host)}:{port}"
-    asyncio.run(_serve(server, sock, url, args.ready_file, args.db))
+    asyncio.run(_serve(server, sock, url, args.ready_file, args.db, app.state))
     return 0
 
 
@@ -151,7 +151,9 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str) -> None:
+async def _serve(
+    server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str, state: Any
+) -> None:
     """Serve on ``sock``; once uvicorn reports started, log the URL and write the ready file."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
@@ -165,4 +167,13 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, ready_fi
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         tmp.write_text(json.dumps({"url": url, "host": host, "port": port, "pid": os.getpid()}))
         tmp.rename(ready_file)
+    from knittrans.api.stream import close_streams
+
+    # uvicorn's graceful shutdown waits for open responses, and a plan stream never ends by itself:
+    # end the streams as soon as the server is asked to stop (its clients reconnect to the next one)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.2)
+        if server.should_exit:
+            close_streams(state)
+            break
     await task

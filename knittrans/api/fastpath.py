@@ -9,6 +9,11 @@ after the same auth check. Everything else, and any request the fast path cannot
 token, unknown job or rank, a refused ack, an unexpected error), goes to the FastAPI app unchanged,
 which answers it (and its errors) as documented; nothing was changed by then, so asking the app is
 safe (a refused ack changes nothing; a repeated ack is a no-op).
+
+The same for a rank's plan stream (``.../plans``, :mod:`knittrans.api.stream`), set up here so that its
+body of acks is not counted by the app's body limit, and for a plain ``POST .../ack`` (a JSON body of
+at most 64 KiB, no query): what the trainer client sends once per rank and mini-batch next to its
+plan stream.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from typing import Any
 from urllib.parse import parse_qsl
 
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from knittrans.api.models import AckIn
 from knittrans.api.routes.ranks import serve_next
+from knittrans.api.stream import DEFAULT_KEEPALIVE_S, MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, PlanStream, first_answer
 from knittrans.errors import KnitTransError
 
 __all__ = ["FastNext"]
@@ -31,6 +40,10 @@ __all__ = ["FastNext"]
 logger = logging.getLogger(__name__)
 
 _NEXT = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/next")
+_PLANS = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/plans")
+_ACK = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/ack")
+_ACK_IN = TypeAdapter(AckIn)
+_MAX_ACK_BODY = 64 << 10
 _MAX_PLAN_ID = 64  # the route's max_length of ``ack``
 
 
@@ -57,6 +70,20 @@ def _query(raw: bytes) -> tuple[float, str | None] | None:
     return timeout_s, ack
 
 
+def _keepalive(raw: bytes) -> float | None:
+    """``keepalive_s`` of a plain plan-stream query, or None (anything else: the route decides)."""
+    pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+    if not pairs:
+        return DEFAULT_KEEPALIVE_S
+    if len(pairs) != 1 or pairs[0][0] != "keepalive_s":
+        return None
+    try:
+        value = float(pairs[0][1])
+    except ValueError:
+        return None
+    return value if MIN_KEEPALIVE_S <= value <= MAX_KEEPALIVE_S else None
+
+
 class FastNext:
     """ASGI middleware: plain ``next`` requests answered without FastAPI's routing (module docstring)."""
 
@@ -64,8 +91,14 @@ class FastNext:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET":
-            match = _NEXT.fullmatch(scope["path"])
+        if scope["type"] == "http" and scope["method"] in ("GET", "POST"):
+            if scope["path"].endswith("/plans"):
+                await self._maybe_stream(scope, receive, send)
+                return
+            if scope["method"] == "POST" and scope["path"].endswith("/ack"):
+                await self._maybe_ack(scope, receive, send)
+                return
+            match = _NEXT.fullmatch(scope["path"]) if scope["method"] == "GET" else None
             parsed = _query(scope.get("query_string", b"")) if match is not None else None
             if match is not None and parsed is not None:
                 response = await self._serve(scope, match, *parsed)
@@ -73,6 +106,65 @@ class FastNext:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+    async def _maybe_ack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A plain ``POST .../ack`` answered with the route's own steps; anything else, and every error, by the app
+        (its body replayed: a refused ack changed nothing, a repeated one is a no-op)."""
+        match = _ACK.fullmatch(scope["path"])
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length", b"")
+        plain = (
+            match is not None
+            and not scope.get("query_string")
+            and headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
+            and length.isdigit()
+            and int(length) <= _MAX_ACK_BODY
+        )
+        if not plain or match is None:
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nothing to answer
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        state: Any = scope["app"].state
+        job, rank = match.group(1), int(match.group(2))
+        request = Request({**scope, "path_params": {"job": job, "rank": match.group(2)}})
+        try:
+            state.tokens.check_worker(request)
+            body = _ACK_IN.validate_json(raw)
+            result = await state.acks.ack(job, rank, body.plan_id)
+        except (KnitTransError, ValidationError):
+            state.fast_next["to_app"] += 1
+            await self.app(scope, _replay(raw, receive), send)  # the app answers it (401, 404, 409, 410, 422)
+            return
+        transfer = body.transfer.model_dump() if body.transfer is not None else None
+        state.observed.record_ack(job, rank, result, transfer, time.time())
+        state.fast_next["served"] += 1
+        await JSONResponse(result)(scope, receive, send)
+
+    async def _maybe_stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A plan stream (``.../plans``) set up here, outside the app (so its body of acks is not counted by
+        the app's body limit); anything else, or any error before the stream starts, goes to the app."""
+        match = _PLANS.fullmatch(scope["path"])
+        keepalive_s = _keepalive(scope.get("query_string", b"")) if match is not None else None
+        state: Any = scope["app"].state
+        if match is None or keepalive_s is None or not state.settings.plan_stream:
+            await self.app(scope, receive, send)
+            return
+        job, rank = match.group(1), int(match.group(2))
+        request = Request({**scope, "path_params": {"job": job, "rank": match.group(2)}})
+        try:
+            state.tokens.check_worker(request)
+            await first_answer(state, job, rank)
+        except KnitTransError:
+            await self.app(scope, receive, send)  # the app answers it (401, 404) the documented way
+            return
+        await PlanStream(state, job, rank, keepalive_s, acks=scope["method"] == "POST")(scope, receive, send)
 
     async def _serve(self, scope: Scope, match: re.Match[str], timeout_s: float, ack: str | None) -> Response | None:
         state: Any = scope["app"].state
@@ -91,3 +183,15 @@ class FastNext:
             return None
         counts["served"] += 1
         return response
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that first gives back the request body already read."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Any:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay

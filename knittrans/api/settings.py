@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     """How often the service looks for nodes past their heartbeat timeout."""
     long_poll_max_s: float = Field(default=60.0, gt=0)
     """Upper bound on the ``timeout_s`` of a plan long-poll."""
+    plan_stream: bool = True
+    """Serve the ranks' plan streams (``GET|POST /v1/jobs/{job}/ranks/{rank}/plans``); False: those paths
+    answer 404 like an unknown path (a server without them), and trainer clients long-poll ``next``."""
+    plan_stream_max_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    """A plan stream ends after this long (its client opens a new one and gets its un-acked plan again)."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
     recent_admissions: int = Field(default=RECENT_ADMISSIONS, ge=1)

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient, JobFinished
+from knittrans.controlclient import ControlClient, JobFinished, PlanStreamReader, StreamUnsupported
 from knittrans.errors import InvalidRequest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
@@ -92,6 +92,10 @@ class TrainerClient:
         self._current: MiniBatch | None = None
         self._closed = threading.Event()
         self._first: Future[MiniBatch | None] | None = None
+        self._stream: PlanStreamReader | None = None
+        if config.plan_stream:
+            keepalive = min(10.0, config.poll_timeout_s)
+            self._stream = self.control.plan_stream(config.job, config.rank, keepalive_s=keepalive)
         self.context = RankContext(
             config=config,
             fetcher=self.fetcher,
@@ -145,9 +149,22 @@ class TrainerClient:
         return MiniBatch(self.context, plan)
 
     def next_plan(self) -> RankPlan | None:
-        """The next plan (long-polls until one comes); None when the job is finished."""
+        """The next plan (from the plan stream, else long-polls until one comes); None when the job is finished."""
         cfg = self.config
         while not self._closed.is_set():
+            stream = self._stream
+            if stream is not None:
+                try:
+                    plan = stream.next(cfg.poll_timeout_s)
+                except JobFinished:
+                    return None
+                except StreamUnsupported as exc:
+                    logger.info("rank %d: %s; long-polling 'next' instead", cfg.rank, exc)
+                    self._stream = None
+                    continue
+                if plan is not None:
+                    return plan
+                continue
             try:
                 plan = self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s)
             except JobFinished:
@@ -206,6 +223,8 @@ class TrainerClient:
                 mb.stop()
                 raise InvalidRequest(f"mini-batch {mb.plan_id} was neither fully iterated, abandoned nor acked")
             mb.ack()
+            if self._stream is not None:
+                self._stream.acked(mb.plan_id)  # its line, if still in the stream, is skipped
             nxt = mb.successor.take_after_ack()
             if nxt is None:
                 plan = self.next_plan()
@@ -231,6 +250,8 @@ class TrainerClient:
         if self._current is not None:
             self._current.stop()
         self.media_pool.shutdown(wait=False, cancel_futures=True)
+        if self._stream is not None:
+            self._stream.close()
         self.fetcher.close()
         self.control.close()
 

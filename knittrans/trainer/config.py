@@ -33,6 +33,10 @@ class TrainerConfig:
     """Micro-batches fetched ahead in ``iter`` mode."""
     poll_timeout_s: float = 30.0
     """Long-poll timeout of one ``next`` request."""
+    plan_stream: bool = True
+    """Receive plans on the rank's plan stream (``GET .../plans``: one open response, each plan one line)
+    instead of one ``next`` long-poll per mini-batch; the client falls back to ``next`` by itself when the
+    server has no stream. False: always ``next``."""
     control_retry_s: float = 120.0
     """How long to keep retrying while the control plane is unreachable (e.g. restarting)."""
     local_dirs: Mapping[str, str] = field(default_factory=dict)

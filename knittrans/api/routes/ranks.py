@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knittrans.api.auth import WorkerAuth
 from knittrans.api.delivery import Answer
@@ -16,6 +17,7 @@ from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOu
 from knittrans.api.routes.deps import AckBatcher, PlanBoard, Run, Service, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
+from knittrans.api.stream import DEFAULT_KEEPALIVE_S, MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, PlanStream, first_answer
 from knittrans.errors import InvalidRequest, Unauthenticated
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router", "serve_next"]
@@ -72,6 +74,49 @@ async def next_plan(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, state.settings.long_poll_max_s)
     return await _next_after(job, rank, after, state.service, state.runner, state.board, loop, deadline)
+
+
+_STREAM_200: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/x-ndjson": {}}, "description": "one JSON object per line, until the client leaves"}
+}
+
+
+@router.get("/{job}/ranks/{rank}/plans", responses=_STREAM_200, operation_id="plan_stream")
+@router.post("/{job}/ranks/{rank}/plans", responses=_STREAM_200, operation_id="plan_stream_with_acks")
+async def plan_stream(
+    job: str,
+    rank: int,
+    request: Request,
+    _: WorkerAuth,
+    keepalive_s: float = Query(DEFAULT_KEEPALIVE_S, ge=MIN_KEEPALIVE_S, le=MAX_KEEPALIVE_S),
+) -> Response:
+    """The rank's plans as a stream (NDJSON over one chunked response; :mod:`knittrans.api.stream`).
+
+    Each line is what ``next`` would answer, pushed when it changes: the plan of the rank's next
+    un-acked mini-batch (once per plan; again on a new stream while un-acked), a keep-alive line
+    ``{"keepalive": true, "state": ...}`` every ``keepalive_s`` seconds without a plan, and
+    ``{"done": true, "state": ...}`` last when no plan will ever come. Acks by ``POST .../ack``
+    (or ``next?ack=``), or with ``POST`` as lines ``{"ack": "<plan_id>"}`` of the request's chunked
+    body; a refused one is answered by a line ``{"ack_error": plan_id, "error": kind, "detail": ...}``.
+    404 for an unknown job or rank, before the stream starts.
+    """
+    state = request.app.state
+    if not state.settings.plan_stream:  # switched off: answered like a path this server does not have
+        raise StarletteHTTPException(status_code=404)
+    await first_answer(state, job, rank)  # NotFound (404) before the 200 goes out
+    stream = PlanStream(state, job, rank, keepalive_s, acks=request.method == "POST")
+    return _AsgiResponse(stream)
+
+
+class _AsgiResponse(Response):
+    """A :class:`Response` that runs a raw ASGI callable (the plan stream) when sent."""
+
+    def __init__(self, app: PlanStream) -> None:
+        super().__init__()
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
 
 
 async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str | None) -> Response:

@@ -1,0 +1,236 @@
+"""A rank's plan stream: ``GET|POST /v1/jobs/{job}/ranks/{rank}/plans``, NDJSON over one chunked response.
+
+At 1,024 ranks a long-poll per rank per mini-batch costs a whole HTTP request and response on the
+server's one event loop (~500 µs each). On the stream the server writes each of the rank's plans
+as one line of an open response instead: one chunk per rank per mini-batch.
+
+What the stream sends is what ``next`` would answer, pushed whenever it changes: the plan of the
+rank's next un-acked mini-batch (the same JSON body as ``next``), once per plan; after the rank
+acks it, the next plan once it is admitted; a withdrawn plan's re-plan (its new attempt) as soon as
+it is made. A plan that was sent but not acked is sent again on a new stream (reconnect), like
+``next`` answers it again. Other lines (JSON objects without ``plan_id``):
+
+* ``{"keepalive": true, "state": ...}`` after ``keepalive_s`` seconds (at most twice that) without a line (a dead
+  client is noticed by the failed write; a client that reads nothing for a few periods knows the
+  server or the path to it is gone);
+* ``{"done": true, "state": ...}``: no plan will ever come for this rank (drained or completed);
+  the response ends after it;
+* ``{"ack_error": plan_id, "error": kind, "detail": ...}``: an ack sent on the stream was refused
+  (as ``POST .../ack`` would answer it: not_found, conflict, data_lost).
+
+Acks: by the usual calls (``POST .../ack``, or ``next?ack=``), or, with ``POST``, as lines of the
+request's chunked body (``{"ack": "<plan_id>"}`` each, sent while the response streams): one
+chunk each way per mini-batch on the one connection. Such acks join the same group commit
+(:class:`~knittrans.api.routes.deps.AckBatcher`) as the others.
+
+A stream ends (without ``done``) after ``plan_stream_max_s`` (setting, default an hour) and at server
+shutdown; the client opens a new one. Errors before the stream starts (bad token, unknown job or
+rank, bad ``keepalive_s``) are answered like ``next``'s: 401, 404, 422 with the usual error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from knittrans.api.delivery import Answer
+from knittrans.api.httperrors import error_kind
+from knittrans.errors import KnitTransError
+
+__all__ = ["DEFAULT_KEEPALIVE_S", "MAX_KEEPALIVE_S", "MIN_KEEPALIVE_S", "PlanStream", "close_streams", "first_answer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEPALIVE_S = 10.0
+MIN_KEEPALIVE_S = 0.05
+MAX_KEEPALIVE_S = 300.0
+_MAX_ACK_LINE = 1024  # an ack line is ~40 bytes; a longer one is refused (and the rest of the line skipped)
+
+
+async def first_answer(state: Any, job: str, rank: int) -> Answer:
+    """The rank's answer now (board, else the state thread): raises NotFound for an unknown job or rank,
+    before the stream's 200 goes out. Also how the route checks its input."""
+    found: Answer | None = state.board.answer(job, rank)
+    if found is not None:
+        return found
+    svc, board = state.service, state.board
+
+    def look() -> Answer:
+        got: Answer = svc.rank_answer(job, rank)  # 404 for an unknown job or rank
+        board.store(job, rank, got)
+        return got
+
+    result: Answer = await state.runner(look)
+    return result
+
+
+def close_streams(state: Any) -> int:
+    """End every open plan stream of the app (its server is shutting down: uvicorn waits for open
+    responses to finish, and a stream never does by itself); on the event loop. Returns how many."""
+    streams: set[PlanStream] = state.plan_streams
+    for stream in list(streams):
+        stream.close()
+    return len(streams)
+
+
+class PlanStream:
+    """ASGI response of one rank's plan stream (module docstring); ``acks``: read acks from the request body."""
+
+    def __init__(self, state: Any, job: str, rank: int, keepalive_s: float, *, acks: bool) -> None:
+        self.state, self.job, self.rank, self.keepalive_s, self.acks = state, job, rank, keepalive_s, acks
+        self._closed = False  # the client went away (our reader saw the disconnect)
+        self._pusher: asyncio.Task[Any] | None = None
+        self._in_wait = False  # the pusher waits for a board event (close() and _tick cancel that wait)
+        self._timer: asyncio.TimerHandle | None = None
+        self._sent = False  # a line went out since the last tick
+        self._keepalive_due = False
+        self._ends_at = float("inf")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/x-ndjson"),
+                    (b"cache-control", b"no-store"),
+                    (b"x-knittrans-keepalive-s", f"{self.keepalive_s:g}".encode()),
+                ],
+            }
+        )
+        streams: set[PlanStream] = self.state.plan_streams
+        streams.add(self)
+        self._pusher = asyncio.current_task()
+        reader = asyncio.create_task(self._read(receive, send))
+        try:
+            await self._push(send)
+        finally:
+            streams.discard(self)
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def close(self) -> None:
+        """End the stream now (on the event loop): the response ends after the line being written."""
+        self._closed = True
+        if self._in_wait and self._pusher is not None:
+            self._pusher.cancel()  # only its wait (never a write): the pusher sees _closed and ends
+
+    async def _push(self, send: Send) -> None:
+        """Send the rank's plan whenever it changes; keep-alive lines in between; the done line last.
+
+        Waits on the board's event of the rank with no task or timer of its own per wait (at 1,024
+        ranks a ``wait_for`` per rank and mini-batch was a tenth of the loop's time): one repeating
+        timer per stream (:meth:`_tick`) asks for a keep-alive line after a period without any line.
+        """
+        state, job, rank = self.state, self.job, self.rank
+        board = state.board
+        loop = asyncio.get_running_loop()
+        last: bytes | None = None
+        self._timer = loop.call_later(self.keepalive_s, self._tick, loop)
+        self._ends_at = loop.time() + state.settings.plan_stream_max_s
+        try:
+            while not self._closed:
+                found = board.answer(job, rank)
+                event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
+                if found is None:
+                    found = await first_answer(state, job, rank)
+                raw, job_state, done = found
+                if raw is not None and raw != last:
+                    await send({"type": "http.response.body", "body": raw + b"\n", "more_body": True})
+                    last, self._sent = raw, True
+                    continue
+                if raw is None and done:
+                    line = json.dumps({"done": True, "state": job_state}).encode() + b"\n"
+                    await send({"type": "http.response.body", "body": line, "more_body": True})
+                    return
+                if self._keepalive_due:
+                    self._keepalive_due = False
+                    line = json.dumps({"keepalive": True, "state": job_state}).encode() + b"\n"
+                    await send({"type": "http.response.body", "body": line, "more_body": True})
+                    continue
+                self._in_wait = True
+                try:
+                    await event.wait()
+                except asyncio.CancelledError:
+                    if not (self._closed or self._keepalive_due):
+                        raise  # not ours (close() or the keep-alive timer): the server cancels the request
+                    uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python >= 3.11
+                    if uncancel is not None:
+                        uncancel()
+                finally:
+                    self._in_wait = False
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every ``keepalive_s``: after a period in which nothing was sent, have the pusher send a keep-alive
+        line (so a line goes out at least every two periods)."""
+        if self._closed:
+            return
+        if loop.time() >= self._ends_at:  # plan_stream_max_s: end it; the client reconnects
+            self.close()
+            return
+        self._timer = loop.call_later(min(self.keepalive_s, max(0.0, self._ends_at - loop.time())), self._tick, loop)
+        if self._sent:
+            self._sent = False
+            return
+        self._keepalive_due = True
+        if self._in_wait and self._pusher is not None:
+            self._pusher.cancel()  # only its wait: it sends the keep-alive line and waits again
+
+    async def _read(self, receive: Receive, send: Send) -> None:
+        """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away."""
+        buffer = b""
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+                if not self.acks:
+                    continue
+                buffer += message.get("body", b"")
+                *lines, buffer = buffer.split(b"\n")
+                if len(buffer) > _MAX_ACK_LINE:
+                    lines.append(buffer)
+                    buffer = b""
+                for line in lines:
+                    if line.strip():
+                        task = asyncio.create_task(self._ack(line, send))
+                        pending.add(task)
+                        task.add_done_callback(pending.discard)
+        finally:
+            self.close()
+
+    async def _ack(self, line: bytes, send: Send) -> None:
+        plan_id: Any = None
+        try:
+            try:
+                plan_id = json.loads(line)["ack"] if len(line) <= _MAX_ACK_LINE else None
+            except (ValueError, TypeError, KeyError):
+                plan_id = None
+            if not isinstance(plan_id, str) or not 0 < len(plan_id) <= 64:
+                raise _BadLine(f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}')
+            result = await self.state.acks.ack(self.job, self.rank, plan_id)
+            self.state.observed.record_ack(self.job, self.rank, result, None, time.time())
+        except (KnitTransError, _BadLine) as exc:
+            kind = "invalid_request" if isinstance(exc, _BadLine) else error_kind(exc)
+            body = {"ack_error": plan_id if isinstance(plan_id, str) else None, "error": kind, "detail": str(exc)}
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": json.dumps(body).encode() + b"\n", "more_body": True})
+        except Exception:
+            logger.exception("plan stream of rank %d of job %s: ack %r failed", self.rank, self.job, plan_id)
+
+
+class _BadLine(Exception):
+    """An ack line that is not ``{"ack": "<plan id>"}``."""
