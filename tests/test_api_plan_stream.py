@@ -284,7 +284,13 @@ def test_clients_fall_back_to_next_without_the_stream(tmp_path: Path, monkeypatc
         with pytest.raises(StreamUnsupported):
             client.plan_stream("job1", 0).next(timeout_s=1)
         config = TrainerConfig(
-            control_url=srv.url, job="job1", rank=0, world_size=1, warm_connections=False, poll_early=False
+            control_url=srv.url,
+            job="job1",
+            rank=0,
+            world_size=1,
+            warm_connections=False,
+            poll_early=False,
+            plan_stream=True,
         )
         with TrainerClient(config) as trainer:
             assert trainer._stream is not None
@@ -302,7 +308,13 @@ def test_trainer_client_reads_the_stream_and_skips_acked_lines(srv: ServerProces
         _setup(client, quotas={"math": 3, "code": 3}, mini_batches_per_step=3, world_size=1)
         client.register_units("job1", single_group_units(["math", "code"] * 3))
         config = TrainerConfig(
-            control_url=srv.url, job="job1", rank=0, world_size=1, warm_connections=False, poll_early=False
+            control_url=srv.url,
+            job="job1",
+            rank=0,
+            world_size=1,
+            warm_connections=False,
+            poll_early=False,
+            plan_stream=True,
         )
         with TrainerClient(config) as trainer:
             p0 = trainer.next_plan()
