@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,11 +41,11 @@ import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, KnitTransError, NotFound
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
-from knittrans.store.store import estimate_unit_bytes
+from knittrans.store.store import estimate_unit_bytes, writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
 
@@ -152,6 +153,8 @@ class TrajectoryWriter:
         self.client = StoreClient(endpoint, token=token)
         self.control = control
         """When given, every unit written is registered with it (the caller keeps owning the client)."""
+        self._one_trip = True
+        """Same host: publish in one round trip (``publish_units``); False once the node refused it (older node)."""
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
@@ -216,6 +219,14 @@ class TrajectoryWriter:
         """
         if not units:
             return []
+        if self.store_dir is not None and self._one_trip:
+            try:
+                return self._publish_same_host(units)
+            except InvalidRequest as exc:
+                if "unknown action 'publish_units'" not in str(exc):
+                    raise
+                logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
+                self._one_trip = False
         if self.store_dir is not None:
             wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
             grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
@@ -242,6 +253,28 @@ class TrajectoryWriter:
             return self.client.seal_units(self.job, seals)
         except BaseException:
             self._abort([uid for uid, _ in units])
+            raise
+
+    def _publish_same_host(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
+        """Write each unit into a private temporary of the node's directory, then one ``publish_units``
+        (budget, validation, rename; all or none). A failure removes the temporaries and the units."""
+        assert self.store_dir is not None
+        job_dir = self.store_dir / self.job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        entries: list[dict[str, Any]] = []
+        try:
+            for uid, t in units:
+                tmp = job_dir / writer_temp_name(uid)
+                entries.append({"unit": uid, "dir": str(tmp)})
+                tmp.mkdir()
+                size = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
+                entries[-1].update(rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size)
+            return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
+        except BaseException as exc:
+            for e in entries:
+                shutil.rmtree(e["dir"], ignore_errors=True)
+            if not (isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc)):
+                self._abort([uid for uid, _ in units])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -24,7 +25,15 @@ from knittrans.store.budget import ByteBudget
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
 from knittrans.tickets import Ticket
 
-__all__ = ["DEFAULT_ROOT", "PendingUnit", "SealSpec", "StoreConfig", "UnitStore", "estimate_unit_bytes"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "PendingUnit",
+    "SealSpec",
+    "StoreConfig",
+    "UnitStore",
+    "estimate_unit_bytes",
+    "writer_temp_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +41,14 @@ DEFAULT_ROOT = Path("/dev/shm/knittrans")
 """Default store directory; units live under ``<root>/<job>/<unit>/``."""
 
 _TMP, _DEL, _BAD = ".tmp-", ".del-", ".corrupt-"
+_WRITER = "w"
+"""Marks a writer's own temporary: ``.tmp-<unit>-w<hex>`` (the node's are ``.tmp-<unit>-<hex>``)."""
+
+
+def writer_temp_name(unit_id: str) -> str:
+    """A fresh name for a same-host writer's private temporary of ``unit_id`` in ``<root>/<job>/``
+    (published by :meth:`UnitStore.publish_units`; dropped by the node's rescan when never published)."""
+    return f"{_TMP}{unit_id}-{_WRITER}{secrets.token_hex(8)}"
 _IPC_SLACK = 4096
 
 
@@ -294,6 +311,7 @@ class UnitStore:
         self._pending: dict[tuple[str, str], PendingUnit] = {}
         self.recovered = 0
         self.quarantined = 0
+        self._swept: dict[Path, float] = {}
         config.root.mkdir(parents=True, exist_ok=True)
         if config.spill_dir is not None:
             config.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -511,6 +529,98 @@ class UnitStore:
                 self.abort(job, u.unit_id)
             raise
         return sealed
+
+    def publish_units(
+        self,
+        job: str,
+        units: Sequence[tuple[SealSpec, str | os.PathLike[str]]],
+        *,
+        timeout: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> list[SealedUnit]:
+        """Publish units a same-host writer wrote into its own temporaries, all or none (one round trip).
+
+        Each ``(spec, dir)``: ``dir`` is ``<root>/<job>/.tmp-<unit>-<suffix>`` (a writer's private
+        temporary, see :func:`writer_temp_name`) holding the unit's IPC files. Per unit, in order: the
+        budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
+        spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
+        Unlike ``begin_units`` + ``seal_units`` the files exist before the budget is charged: the
+        store may briefly hold one call's bytes above its budget. When one unit fails, the units this
+        call sealed are deleted and every temporary of the call is removed; the error names the unit.
+        """
+        check_name(job, "job")
+        ids = [spec.unit_id for spec, _ in units]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"unit ids repeat within one publish: {sorted({u for u in ids if ids.count(u) > 1})}")
+        job_dir = (self.config.root / job).resolve()
+        dirs = [self._writer_temp(job, job_dir, spec.unit_id, d) for spec, d in units]
+        self._sweep_writer_temps(job_dir)
+        wait = self.config.wait_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        begun: list[PendingUnit] = []
+        try:
+            for (spec, _), tmp in zip(units, dirs, strict=True):
+                p = self.begin(job, spec.unit_id)
+                begun.append(p)
+                size = sum(f.stat().st_size for f in (tmp / TRAJ_FILE, tmp / MEDIA_FILE) if f.exists())
+                spill = self.config.spill_dir
+                if self.budget.try_reserve(size):
+                    p.reserved = size
+                elif spill is not None:
+                    moved = spill / job / tmp.name
+                    moved.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(tmp), str(moved))
+                    tmp, p.spilled = moved, True
+                    logger.info("budget full: unit %s/%s moved to spill dir %s", job, spec.unit_id, spill)
+                else:
+                    self.budget.reserve(size, max(0.0, deadline - time.monotonic()), abandoned=abandoned)
+                    p.reserved = size
+                p.dir = tmp
+        except BaseException:
+            for p in begun:
+                self.abort(job, p.unit_id, only=p)
+            for tmp in dirs:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            return self.seal_units(job, [spec for spec, _ in units])
+        except BaseException:
+            for tmp in dirs:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _writer_temp(self, job: str, job_dir: Path, unit_id: str, given: str | os.PathLike[str]) -> Path:
+        """The writer's temporary ``given`` of ``unit_id``, checked to be a directory of this job here."""
+        check_name(unit_id, "unit_id")
+        path = Path(given)
+        if (
+            not path.name.startswith(f"{_TMP}{unit_id}-{_WRITER}")
+            or path.is_symlink()
+            or not path.is_dir()
+            or path.parent.resolve() != job_dir
+        ):
+            raise Conflict(
+                f"unit {unit_id!r} of job {job!r}: {str(path)!r} is not a writer's temporary in this node's "
+                f"directory {job_dir} (a directory {_TMP}{unit_id}-{_WRITER}...): is the node on another host? "
+                "(a writer there sends its units over DoPut)"
+            )
+        return job_dir / path.name
+
+    def _sweep_writer_temps(self, job_dir: Path) -> None:
+        """Remove writers' temporaries of this job older than ``pending_ttl_s`` (their writer died);
+        looks at most once every tenth of that time."""
+        now = time.monotonic()
+        if now - self._swept.get(job_dir, -math.inf) < self.config.pending_ttl_s / 10:
+            return
+        self._swept[job_dir] = now
+        horizon = time.time() - self.config.pending_ttl_s
+        with contextlib.suppress(OSError):
+            for entry in job_dir.iterdir():
+                if entry.name.startswith(_TMP) and f"-{_WRITER}" in entry.name:
+                    with contextlib.suppress(OSError):
+                        if entry.stat().st_mtime < horizon:
+                            logger.warning("removing writer temporary %s: unpublished for over %.0fs", entry, self.config.pending_ttl_s)
+                            shutil.rmtree(entry, ignore_errors=True)
 
     def write_unit(
         self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, timeout: float | None = None
