@@ -453,7 +453,7 @@ def test_store_publish_charges_the_budget_and_is_all_or_none(store_dir: Path) ->
         store.publish_units("job", [(s, str(d)) for s, d in units])
     assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b"]  # c undone, d and e removed
     assert store.stats()["pending"] == 0 and store.budget.used == sum(u.num_bytes for u in sealed)
-    (_, d), *_ = units = _written(store_dir / "job", ["f", "a"], seed=9)
+    units = _written(store_dir / "job", ["f", "a"], seed=9)
     with pytest.raises(Conflict, match="unit 'a' of job 'job' already exists"):
         store.publish_units("job", [(s, str(d)) for s, d in units])
     assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b"]

@@ -10,13 +10,16 @@ API::
     writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
     writer.write_groups(groups)                          # one unit, registered
     writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
+    write_units_across([(writer_a, units_a), (writer_b, units_b)])  # several nodes at once, one registration
 
-Same host (``store_dir`` given): the node reserves budget (``reserve_units`` action, waiting for
-space or choosing the spill dir) and hands out a temporary directory per unit; the writer writes
-the two IPC files there itself and asks the node to seal them (``seal_units``: validation, then an
-atomic rename each). Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units``
-publishes them. One call writes all its units with one reserve and one seal round trip, whatever
-their number, and builds their rows as one Arrow table cut into a slice per unit
+Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
+temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
+one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
+(waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
+place, all or none. A node that predates ``publish_units`` gets the former two round trips
+(``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
+over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
+one Arrow table cut into a slice per unit
 (:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
 unit.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,7 +53,7 @@ from knittrans.store.store import estimate_unit_bytes, writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
 
-__all__ = ["TrajectoryWriter", "describe_unit"]
+__all__ = ["TrajectoryWriter", "describe_unit", "write_units_across"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,60 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
+def write_units_across(
+    batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]]]],
+    *,
+    control: ControlClient | None = None,
+) -> list[list[UnitDescriptor]]:
+    """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
+
+    ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. Each writer builds,
+    stores and seals its units in its own thread (the nodes work at the same time; the waits on them
+    overlap), then all the descriptors are registered with ``control`` (default: the first writer's that
+    has one; none at all: not registered) in one request; descriptors per pair, in order.
+
+    Storing is all or none across the nodes: when one writer fails, the units the others stored are
+    removed and the first failure (in ``batches`` order) is raised. Registration is as in
+    ``write_units``: a failure raises and leaves the units sealed but unregistered (not consumable).
+    """
+    if not batches:
+        return []
+    jobs = {w.job for w, _ in batches}
+    if len(jobs) != 1:
+        raise InvalidRequest(f"write_units_across: every writer must write the same job, not {sorted(jobs)}")
+    if len({id(w) for w, _ in batches}) != len(batches):
+        raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
+    if control is None:
+        control = next((w.control for w, _ in batches if w.control is not None), None)
+    results: list[list[UnitDescriptor] | None] = [None] * len(batches)
+    errors: list[BaseException | None] = [None] * len(batches)
+
+    def store(k: int) -> None:
+        writer, units = batches[k]
+        try:
+            results[k] = writer._store(units, [None] * len(units))
+        except BaseException as exc:  # handed to the caller below
+            errors[k] = exc
+
+    threads = [threading.Thread(target=store, args=(k,), name=f"knittrans-write-{k}") for k in range(1, len(batches))]
+    for t in threads:
+        t.start()
+    store(0)
+    for t in threads:
+        t.join()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for (writer, _), descs in zip(batches, results, strict=True):
+            if descs:
+                writer._abort([d.unit_id for d in descs])
+        raise failed
+    out = [r or [] for r in results]
+    every = [d for descs in out for d in descs]
+    if every and control is not None:
+        control.register_units(next(iter(jobs)), every)
+    return out
+
+
 class TrajectoryWriter:
     """Writes units of one job to one store node (same host: shared directory; else ``DoPut``)."""
 
@@ -170,8 +228,8 @@ class TrajectoryWriter:
         descriptors in the order of ``units``.
 
         The units are built together (one Arrow table for all rows, cut into one slice per unit),
-        reserved and sealed in one round trip each (same host; over ``DoPut`` one seal for all), and
-        registered in one request. Storing is all or none: when one unit fails, none stays on the
+        published in one round trip (same host; over ``DoPut`` one seal for all), and registered in
+        one request. Storing is all or none: when one unit fails, none stays on the
         node. Registration is all or none too: a failure leaves the written units sealed but
         unregistered (a retry of the registration with the returned descriptors is a no-op for those
         that made it).
@@ -181,6 +239,15 @@ class TrajectoryWriter:
     def _publish(
         self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
     ) -> list[UnitDescriptor]:
+        descs = self._store(units, unit_ids)
+        if descs and self.control is not None:
+            self.control.register_units(self.job, descs)
+        return descs
+
+    def _store(
+        self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
+    ) -> list[UnitDescriptor]:
+        """Build, store and seal ``units`` (all or none) and describe them; no registration."""
         if not units:
             return []
         ids = [check_name(u or self.new_unit_id(), "unit_id") for u in unit_ids]
@@ -202,8 +269,6 @@ class TrajectoryWriter:
             )
             for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
         ]
-        if self.control is not None:
-            self.control.register_units(self.job, descs)
         return descs
 
     def write_tables(self, unit_id: str, tables: UnitTables) -> dict[str, Any]:

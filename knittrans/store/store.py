@@ -49,6 +49,8 @@ def writer_temp_name(unit_id: str) -> str:
     """A fresh name for a same-host writer's private temporary of ``unit_id`` in ``<root>/<job>/``
     (published by :meth:`UnitStore.publish_units`; dropped by the node's rescan when never published)."""
     return f"{_TMP}{unit_id}-{_WRITER}{secrets.token_hex(8)}"
+
+
 _IPC_SLACK = 4096
 
 
@@ -619,7 +621,11 @@ class UnitStore:
                 if entry.name.startswith(_TMP) and f"-{_WRITER}" in entry.name:
                     with contextlib.suppress(OSError):
                         if entry.stat().st_mtime < horizon:
-                            logger.warning("removing writer temporary %s: unpublished for over %.0fs", entry, self.config.pending_ttl_s)
+                            logger.warning(
+                                "removing writer temporary %s: unpublished for over %.0fs",
+                                entry,
+                                self.config.pending_ttl_s,
+                            )
                             shutil.rmtree(entry, ignore_errors=True)
 
     def write_unit(
