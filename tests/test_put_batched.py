@@ -553,3 +553,32 @@ def test_writer_publish_failure_leaves_nothing(recording: RecordingServer, store
     assert list((store_dir / "job").iterdir()) == [] and recording.store.budget.used == 0
     assert recording.store.stats()["pending"] == 0
     writer.close()
+
+
+def test_published_unit_without_media_has_no_media_file(recording: RecordingServer, store_dir: Path) -> None:
+    """A unit without media is published without a media file; the node and a same-host reader both
+    read its media as none, and a unit with media keeps its file."""
+    from knittrans.store import LocalReader
+
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    bare, rich = writer.write_units([make_groups(2, 3, media=False, prefix="bare"), make_groups(2, 3, prefix="rich")])
+    assert not (store_dir / "job" / bare.unit_id / MEDIA_FILE).exists()
+    assert (store_dir / "job" / rich.unit_id / MEDIA_FILE).exists()
+    unit = recording.store.get("job", bare.unit_id)
+    assert unit.media.num_rows == 0 and unit.num_bytes == (store_dir / "job" / bare.unit_id / TRAJ_FILE).stat().st_size
+    assert bare.num_bytes == unit.num_bytes
+    rows = Ticket(job="job", reads=(UnitRead(unit_id=bare.unit_id),))
+    client = StoreClient(recording.endpoint)
+    assert client.get(rows).equals(LocalReader([store_dir]).read(rows))
+    hashes = list(dict.fromkeys(h for g in rich.groups for h in g.media_hashes))
+    media = Ticket(
+        job="job",
+        reads=(UnitRead(unit_id=bare.unit_id), UnitRead(unit_id=rich.unit_id)),
+        kind="media",
+        media_hashes=tuple(hashes),
+    )
+    assert client.get(media).num_rows == len(hashes) == LocalReader([store_dir]).read(media).num_rows
+    restarted = UnitStore(StoreConfig(root=store_dir))  # rescan recovers it as it is
+    assert restarted.get("job", bare.unit_id).media.num_rows == 0
+    client.close()
+    writer.close()

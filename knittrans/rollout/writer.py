@@ -332,7 +332,9 @@ class TrajectoryWriter:
                 tmp = job_dir / writer_temp_name(uid)
                 entries.append({"unit": uid, "dir": str(tmp)})
                 tmp.mkdir()
-                size = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
+                size = write_table(tmp / TRAJ_FILE, t.traj)
+                if t.media.num_rows:  # no media: no media file (the node reads its absence as none)
+                    size += write_table(tmp / MEDIA_FILE, t.media)
                 entries[-1].update(rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size)
             return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:

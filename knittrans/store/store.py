@@ -475,8 +475,12 @@ class UnitStore:
         rows: int | None = None,
         media_rows: int | None = None,
         num_bytes: int | None = None,
+        media_file: bool = True,
     ) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
+
+        ``media_file``: give a unit without media an empty ``media.arrow`` (False: leave it absent,
+        which readers take as no media, and save writing and opening a file).
 
         ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
         written; otherwise the unit is aborted with :class:`Conflict` and the writer starts over.
@@ -494,7 +498,7 @@ class UnitStore:
                 tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
                 if not (tmp / TRAJ_FILE).exists():
                     raise InvalidRequest(f"unit {unit_id!r} has no trajectory rows; nothing to seal")
-                if not (tmp / MEDIA_FILE).exists():
+                if media_file and not (tmp / MEDIA_FILE).exists():
                     write_table(tmp / MEDIA_FILE, MEDIA_SCHEMA.empty_table())
                 unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
                 _check_expected(unit, rows=rows, media_rows=media_rows, num_bytes=num_bytes)
@@ -513,7 +517,7 @@ class UnitStore:
         logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
         return unit
 
-    def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
+    def seal_units(self, job: str, units: Sequence[SealSpec], *, media_file: bool = True) -> list[SealedUnit]:
         """:meth:`seal` each unit in order, all or none: when one fails, the units this call sealed
         before it are deleted and those after it aborted, then the error (naming the unit) is raised."""
         ids = [u.unit_id for u in units]
@@ -522,7 +526,16 @@ class UnitStore:
         sealed: list[SealedUnit] = []
         try:
             for u in units:
-                sealed.append(self.seal(job, u.unit_id, rows=u.rows, media_rows=u.media_rows, num_bytes=u.num_bytes))
+                sealed.append(
+                    self.seal(
+                        job,
+                        u.unit_id,
+                        rows=u.rows,
+                        media_rows=u.media_rows,
+                        num_bytes=u.num_bytes,
+                        media_file=media_file,
+                    )
+                )
         except BaseException:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
@@ -543,7 +556,8 @@ class UnitStore:
         """Publish units a same-host writer wrote into its own temporaries, all or none (one round trip).
 
         Each ``(spec, dir)``: ``dir`` is ``<root>/<job>/.tmp-<unit>-<suffix>`` (a writer's private
-        temporary, see :func:`writer_temp_name`) holding the unit's IPC files. Per unit, in order: the
+        temporary, see :func:`writer_temp_name`) holding the unit's IPC files (``media.arrow`` may be
+        absent: no media; none is created). Per unit, in order: the
         budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
         spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
         Unlike ``begin_units`` + ``seal_units`` the files exist before the budget is charged: the
@@ -585,7 +599,7 @@ class UnitStore:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            return self.seal_units(job, [spec for spec, _ in units])
+            return self.seal_units(job, [spec for spec, _ in units], media_file=False)
         except BaseException:
             for tmp in dirs:
                 shutil.rmtree(tmp, ignore_errors=True)
