@@ -362,8 +362,10 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
             if kind == "seal":
-                expect = {k: _count(body, k) for k in ("rows", "media_rows", "num_bytes")}
-                return _json(self.store.seal(job, unit_id, **expect).info())
+                rows, media_rows, num_bytes = (_count(body, k) for k in ("rows", "media_rows", "num_bytes"))
+                return _json(
+                    self.store.seal(job, unit_id, rows=rows, media_rows=media_rows, num_bytes=num_bytes).info()
+                )
             if kind == "delete":
                 self.store.delete(job, unit_id)
                 return _json({"deleted": unit_id})
