@@ -19,9 +19,11 @@ Run with ``PYTHONPATH=<another checkout>`` to measure that tree's writer with th
 Where ``writer_units`` spends its time: after the timed runs, ``--runs`` more of it with each phase
 timed (the writer's own functions and calls, wrapped with a clock for that pass only: build,
 size estimate, ``reserve_units``, IPC writes, ``seal_units``, ``publish_units``, descriptors,
-registration), next to
-the round trip of a no-op call to each server (control plane ``GET /v1/health``, store ``health``
-action) as a gauge of this host's scheduling delay during the run.
+registration), next to the round trip of a no-op call to each server (control plane
+``GET /v1/health``, store ``health`` action) as a gauge of this host's scheduling delay during the
+run. Where the writer describes its units while the node stores them (a thread), the IPC writes and
+the store's action overlap ``describe``: the phases then add up to more than the total (``other``
+negative).
 
 Ray: the same bytes (4 per-rank shards packed as numpy columns, as ``benchmarks/vs_baselines``
 does) through ``ray.put`` in a local Ray instance, in a subprocess of the ``.venv-bench``

@@ -31,6 +31,7 @@ end; pass ``TrajectoryGroup.version_weighted`` for the exact token-weighted valu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -256,18 +257,37 @@ class TrajectoryWriter:
                 check_name(g.group_id, "group_id")
                 check_name(g.source, "source")
         tables = build_units_tables(units, user_fields=self.user_fields)
-        infos = self.write_tables_many(list(zip(ids, tables, strict=True)))
+        pairs = list(zip(ids, tables, strict=True))
+        # the node stores the units (file writes, then waiting on its reply: no GIL held) while this
+        # thread describes them; a unit's byte count comes from the node
+        stored: list[list[dict[str, Any]]] = []
+        failed: list[BaseException] = []
+
+        def store() -> None:
+            try:
+                stored.append(self.write_tables_many(pairs))
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                failed.append(exc)
+
+        worker = threading.Thread(target=store, name="knittrans-store")
+        worker.start()
+        try:
+            drafts = [
+                describe_unit(
+                    t, groups, unit_id=uid, job=self.job, node_id=self.node_id, endpoint=self.endpoint, num_bytes=0
+                )
+                for uid, t, groups in zip(ids, tables, units, strict=True)
+            ]
+        except BaseException:
+            worker.join()
+            if stored:  # describing failed: the stored units go too
+                self._abort(ids)
+            raise
+        worker.join()
+        if failed:
+            raise failed[0]
         descs = [
-            describe_unit(
-                t,
-                groups,
-                unit_id=uid,
-                job=self.job,
-                node_id=self.node_id,
-                endpoint=self.endpoint,
-                num_bytes=int(info["num_bytes"]),
-            )
-            for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
+            dataclasses.replace(d, num_bytes=int(info["num_bytes"])) for d, info in zip(drafts, stored[0], strict=True)
         ]
         return descs
 
