@@ -89,7 +89,9 @@ class StoreConfig:
     root: Path = DEFAULT_ROOT
     """Store directory (tmpfs); jobs are subdirectories."""
     budget_bytes: int | None = None
-    """Most bytes of units (sealed + being written) held in ``root``; None means unlimited."""
+    """Most bytes of units (sealed + being written) held in ``root``; None means unlimited. Units a
+    same-host writer publishes (``publish_units``) are charged once written, so the directory may
+    briefly hold a call's bytes above it."""
     spill_dir: Path | None = None
     """Disk directory that takes whole units when the budget is full; None means writers wait."""
     wait_timeout_s: float = 30.0
