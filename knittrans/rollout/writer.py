@@ -138,8 +138,9 @@ def write_units_across(
 ) -> list[list[UnitDescriptor]]:
     """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
 
-    ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. Each writer builds,
-    stores and seals its units in its own thread (the nodes work at the same time; the waits on them
+    ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
+    units are built together (as one ``write_units`` call builds its units); each writer then stores
+    and seals its units in its own thread (the nodes work at the same time; the waits on them
     overlap), then all the descriptors are registered with ``control`` (default: the first writer's that
     has one; none at all: not registered) in one request; descriptors per pair, in order.
 
@@ -158,11 +159,19 @@ def write_units_across(
         control = next((w.control for w, _ in batches if w.control is not None), None)
     results: list[list[UnitDescriptor] | None] = [None] * len(batches)
     errors: list[BaseException | None] = [None] * len(batches)
+    built: list[Sequence[UnitTables] | None] = [None] * len(batches)
+    fields = batches[0][0].user_fields
+    if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
+        tables = build_units_tables([u for _, units in batches for u in units], user_fields=fields)
+        start = 0
+        for k, (_, units) in enumerate(batches):
+            built[k] = tables[start : start + len(units)]
+            start += len(units)
 
     def store(k: int) -> None:
         writer, units = batches[k]
         try:
-            results[k] = writer._store(units, [None] * len(units))
+            results[k] = writer._store(units, [None] * len(units), built[k])
         except BaseException as exc:  # handed to the caller below
             errors[k] = exc
 
@@ -246,9 +255,13 @@ class TrajectoryWriter:
         return descs
 
     def _store(
-        self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
+        self,
+        units: Sequence[Sequence[TrajectoryGroup]],
+        unit_ids: Sequence[str | None],
+        built: Sequence[UnitTables] | None = None,
     ) -> list[UnitDescriptor]:
-        """Build, store and seal ``units`` (all or none) and describe them; no registration."""
+        """Build (unless ``built`` gives the tables), store and seal ``units`` (all or none) and describe
+        them; no registration."""
         if not units:
             return []
         ids = [check_name(u or self.new_unit_id(), "unit_id") for u in unit_ids]
@@ -256,10 +269,24 @@ class TrajectoryWriter:
             for g in groups:
                 check_name(g.group_id, "group_id")
                 check_name(g.source, "source")
-        tables = build_units_tables(units, user_fields=self.user_fields)
+        tables = build_units_tables(units, user_fields=self.user_fields) if built is None else built
         pairs = list(zip(ids, tables, strict=True))
-        # the node stores the units (file writes, then waiting on its reply: no GIL held) while this
-        # thread describes them; a unit's byte count comes from the node
+        if self.store_dir is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
+            infos = self.write_tables_many(pairs)
+            return [
+                describe_unit(
+                    t,
+                    groups,
+                    unit_id=uid,
+                    job=self.job,
+                    node_id=self.node_id,
+                    endpoint=self.endpoint,
+                    num_bytes=int(info["num_bytes"]),
+                )
+                for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
+            ]
+        # same host: a thread writes the files and waits on the node (the GIL mostly free) while this
+        # one describes the units; a unit's byte count comes from the node
         stored: list[list[dict[str, Any]]] = []
         failed: list[BaseException] = []
 
