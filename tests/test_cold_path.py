@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,3 +146,53 @@ def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
         assert q.cancelled() or q.result(timeout=30) is None
     assert not f._clients
     f.close()  # closing twice is harmless
+
+
+def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: LocalCluster, tmp_path: Path) -> None:
+    """``write_units_across`` stores on both nodes at once and registers every unit in one request; a
+    trainer consumes them. When one node fails, the other's units are removed and nothing is registered."""
+    from knittrans.errors import Conflict, InvalidRequest
+    from knittrans.flight.client import StoreClient
+    from knittrans.rollout.writer import write_units_across
+
+    control = cluster.control()
+    control.create_job(job_spec("across", groups=4, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    s0, s1 = cluster.stores
+    calls: list[int] = []
+    register = control.register_units
+
+    def counted(job: str, units: Any, **kw: Any) -> dict[str, Any]:
+        calls.append(len(units))
+        return register(job, units, **kw)
+
+    control.register_units = counted  # type: ignore[method-assign]
+    w0 = TrajectoryWriter(job="across", node_id=s0.node_id, endpoint=s0.endpoint, store_dir=s0.store_dir)
+    w1 = TrajectoryWriter(job="across", node_id=s1.node_id, endpoint=s1.endpoint, control=control)  # DoPut
+    bad = TrajectoryWriter(job="across", node_id=s0.node_id, endpoint=s0.endpoint, store_dir=tmp_path)
+    with pytest.raises(Conflict, match="is the node on another host"):
+        write_units_across([(w1, [mm_groups("x", 1, group_size=2)]), (bad, [mm_groups("y", 1, group_size=2)])])
+    assert calls == [] and control.status("across")["counts"]["units"] == 0
+    for s in (s0, s1):
+        with StoreClient(s.endpoint) as c:
+            assert c.list_units("across") == []
+    with pytest.raises(InvalidRequest, match="every writer must write the same job"):
+        other = TrajectoryWriter(job="other", node_id=s0.node_id, endpoint=s0.endpoint)
+        write_units_across([(w0, [mm_groups("z", 1, group_size=2)]), (other, [mm_groups("z", 1, group_size=2)])])
+    a, b = write_units_across(
+        [
+            (w0, [mm_groups("a", 1, group_size=2), mm_groups("b", 1, group_size=2, seed=1)]),
+            (w1, [mm_groups("c", 1, group_size=2, seed=2), mm_groups("d", 1, group_size=2, seed=3)]),
+        ]
+    )  # control: w0 has none, w1's is used
+    assert calls == [4] and control.status("across")["counts"]["units"] == 4
+    assert {d.node_id for d in a} == {s0.node_id} and {d.node_id for d in b} == {s1.node_id}
+    config = TrainerConfig(control_url=cluster.control_url, job="across", rank=0, world_size=1, poll_timeout_s=5)
+    with TrainerClient(config) as client:
+        seen = []
+        for mb in client.minibatches():
+            seen += [r.group_id for m in mb for r in m.rows]
+            mb.ack()
+    assert sorted(set(seen)) == ["a0", "b0", "c0", "d0"] and len(seen) == 8
+    for w in (w0, w1, bad, other):
+        w.close()
+    control.close()

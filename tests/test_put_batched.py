@@ -26,6 +26,7 @@ from data_support import make_groups
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, PayloadTooLarge, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
+from knittrans.flight.errors import to_flight_error
 from knittrans.rollout.writer import TrajectoryWriter, describe_unit
 from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
 from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
@@ -333,12 +334,13 @@ def test_single_unit_actions_still_work(recording: RecordingServer, store_dir: P
 # --------------------------------------------------------------------------- writer
 
 
-def test_write_units_uses_one_reserve_and_one_seal(recording: RecordingServer, store_dir: Path) -> None:
-    """Same host: one ``reserve_units`` and one ``seal_units`` for the call; every unit is what it holds."""
+def test_write_units_uses_one_publish(recording: RecordingServer, store_dir: Path) -> None:
+    """Same host: one ``publish_units`` round trip for the call; every unit is what it holds."""
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
     units = _units(4)
     descs = writer.write_units(units)
-    assert recording.actions == ["reserve_units", "seal_units"]
+    assert recording.actions == ["publish_units"]
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == sorted(d.unit_id for d in descs)
     assert [d.num_rows for d in descs] == [sum(g.num_responses for g in gs) for gs in units]
     for d, groups in zip(descs, units, strict=True):
         assert UnitDescriptor.from_dict(d.to_dict()) == d
@@ -347,7 +349,8 @@ def test_write_units_uses_one_reserve_and_one_seal(recording: RecordingServer, s
         alone = build_unit_tables(groups)
         assert unit.traj.drop_columns(["finished_at"]).equals(alone.traj.drop_columns(["finished_at"]))
         assert [g.group_id for g in d.groups] == [g.group_id for g in groups]
-    assert writer.write_units([]) == [] and recording.actions == ["reserve_units", "seal_units"]
+    assert writer.write_units([]) == [] and recording.actions == ["publish_units"]
+    assert recording.store.budget.used == sum(d.num_bytes for d in descs)
     writer.close()
 
 
@@ -409,3 +412,173 @@ def test_units_of_a_batch_are_views_of_one_buffer_and_put_as_their_rows(recordin
     got = client.get(Ticket(job="job", reads=(UnitRead(unit_id="mid"),)))
     assert got.equals(middle.traj)
     client.close()
+
+
+# --------------------------------------------------------------------------- publish_units (one round trip)
+
+
+class OldServer(RecordingServer):
+    """A store node from before ``publish_units``: it answers that action as an unknown one."""
+
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        if action.type == "publish_units":
+            self.actions.append(action.type)
+            raise to_flight_error(InvalidRequest(f"unknown action {action.type!r}; known: [...]"))
+        return super().do_action(context, action)
+
+
+def _written(job_dir: Path, ids: list[str], seed: int = 0) -> list[tuple[SealSpec, Path]]:
+    """Units written the way a same-host writer does: into its own temporaries under ``job_dir``."""
+    from knittrans.store import writer_temp_name
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for uid, t in zip(ids, build_units_tables(_units(len(ids), seed=seed)), strict=True):
+        tmp = job_dir / writer_temp_name(uid)
+        tmp.mkdir()
+        size = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
+        out.append((SealSpec(unit_id=uid, rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size), tmp))
+    return out
+
+
+def test_store_publish_charges_the_budget_and_is_all_or_none(store_dir: Path) -> None:
+    """``publish_units`` seals every unit and charges their bytes; one bad unit leaves no unit and no temporary."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30))
+    sealed = store.publish_units("job", [(s, str(d)) for s, d in _written(store_dir / "job", ["a", "b"])])
+    assert [u.unit_id for u in sealed] == ["a", "b"] and store.budget.used == sum(u.num_bytes for u in sealed)
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b"]
+    units = _written(store_dir / "job", ["c", "d", "e"], seed=5)
+    units[1] = (dataclasses.replace(units[1][0], media_rows=99), units[1][1])
+    with pytest.raises(Conflict, match=r"unit 'd' of job 'job' does not hold what its writer sent: media_rows"):
+        store.publish_units("job", [(s, str(d)) for s, d in units])
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b"]  # c undone, d and e removed
+    assert store.stats()["pending"] == 0 and store.budget.used == sum(u.num_bytes for u in sealed)
+    units = _written(store_dir / "job", ["f", "a"], seed=9)
+    with pytest.raises(Conflict, match="unit 'a' of job 'job' already exists"):
+        store.publish_units("job", [(s, str(d)) for s, d in units])
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b"]
+    assert store.get("job", "a").num_rows == sealed[0].num_rows
+
+
+def test_store_publish_refuses_what_is_not_a_writer_temporary(store_dir: Path, tmp_path: Path) -> None:
+    """A directory elsewhere, a symlink, another unit's name or a missing one: refused, nothing sealed."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    ((spec, good),) = _written(store_dir / "job", ["a"])
+    ((_, elsewhere),) = _written(tmp_path / "job", ["a"])
+    link = store_dir / "job" / f"{good.name}x"
+    link.symlink_to(elsewhere)
+    other = store_dir / "job" / good.name.replace(".tmp-a-", ".tmp-b-")
+    for bad in (elsewhere, link, other, store_dir / "job" / ".tmp-a-wmissing", store_dir / "job" / "a"):
+        with pytest.raises(Conflict, match="is not a writer's temporary in this node's directory"):
+            store.publish_units("job", [(spec, str(bad))])
+    assert store.units("job") == [] and store.stats()["pending"] == 0
+    assert store.publish_units("job", [(spec, str(good))])[0].unit_id == "a"
+    with pytest.raises(InvalidRequest, match=r"unit ids repeat within one publish: \['a'\]"):
+        store.publish_units("job", [(spec, str(good)), (spec, str(good))])
+
+
+def test_store_publish_waits_for_budget_or_spills(store_dir: Path, tmp_path: Path) -> None:
+    """A full budget: without a spill dir the publish waits, then fails and removes its temporaries;
+    with one the unit moves there (and is served from it)."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30))
+    units = _written(store_dir / "job", ["a", "b"])
+    room = max(s.num_bytes or 0 for s, _ in units) + 1  # room for either unit, not both
+    store.budget.limit = room
+    with pytest.raises(OverBudget, match="stayed full"):
+        store.publish_units("job", [(s, str(d)) for s, d in units], timeout=0.1)
+    assert list((store_dir / "job").iterdir()) == [] and store.budget.used == 0
+    spill = tmp_path / "spill"
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=room, spill_dir=spill))
+    units = _written(store_dir / "job", ["a", "b"])
+    a, b = store.publish_units("job", [(s, str(d)) for s, d in units], timeout=0)
+    assert not a.spilled and b.spilled and b.path == spill / "job" / "b" and store.budget.used == a.num_bytes
+    assert [p.name for p in (store_dir / "job").iterdir()] == ["a"]
+    assert store.read(Ticket(job="job", reads=(UnitRead(unit_id="b"),))).num_rows == b.num_rows
+
+
+def test_store_publish_sweeps_temporaries_of_dead_writers(store_dir: Path) -> None:
+    """A writer temporary never published (its writer died) goes once it is older than ``pending_ttl_s``."""
+    import os
+    import time
+
+    store = UnitStore(StoreConfig(root=store_dir, pending_ttl_s=60))
+    ((_, stale),) = _written(store_dir / "job", ["dead"])
+    old = time.time() - 120
+    os.utime(stale, (old, old))
+    ((spec, fresh),) = _written(store_dir / "job", ["live"])
+    store.publish_units("job", [(spec, str(fresh))])
+    assert [p.name for p in (store_dir / "job").iterdir()] == ["live"]
+
+
+def test_publish_action_refuses_bad_bodies(recording: RecordingServer, store_dir: Path) -> None:
+    """``publish_units`` names what is wrong with a body; nothing is left behind."""
+    client = StoreClient(recording.endpoint)
+    for units, match in (
+        ([{"unit": "a"}], "'dir' of unit 'a' must be a non-empty string"),
+        ([{"unit": "a", "dir": 5}], "'dir' of unit 'a'"),
+        ([{"unit": "a", "dir": "/x", "rows": "3"}], "'rows' must be a non-negative integer"),
+    ):
+        with pytest.raises(InvalidRequest, match=match):
+            client.publish_units("job", units)
+    with pytest.raises(InvalidRequest, match="'timeout_s' must be a number"):
+        client.publish_units("job", [{"unit": "a", "dir": "/x"}], timeout_s=-1)
+    with pytest.raises(Conflict, match="is the node on another host"):
+        client.publish_units("job", [{"unit": "a", "dir": "/tmp/.tmp-a-wffff"}])
+    assert recording.store.stats()["pending"] == 0 and recording.store.units() == []
+    client.close()
+
+
+def test_writer_falls_back_to_reserve_and_seal_on_an_older_node(store_dir: Path) -> None:
+    """A node without ``publish_units``: the writer's first call falls back (no temporary left) and the
+    next ones reserve and seal at once."""
+    server = OldServer(StoreServerConfig(store=StoreConfig(root=store_dir), node_id="node-0"))
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir)
+    a = writer.write_units(_units(2))
+    assert server.actions == ["publish_units", "reserve_units", "seal_units"]
+    b = writer.write_units(_units(2, seed=3))
+    assert server.actions[3:] == ["reserve_units", "seal_units"]
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == sorted(d.unit_id for d in [*a, *b])
+    writer.close()
+    server.shutdown()
+
+
+def test_writer_publish_failure_leaves_nothing(recording: RecordingServer, store_dir: Path) -> None:
+    """A unit the node cannot take (no budget in time) fails the call: no unit, no temporary, no budget."""
+    recording.store.budget.limit = 1000
+    writer = TrajectoryWriter(
+        job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir, timeout_s=0.1
+    )
+    with pytest.raises(OverBudget):
+        writer.write_units(_units(2))
+    assert list((store_dir / "job").iterdir()) == [] and recording.store.budget.used == 0
+    assert recording.store.stats()["pending"] == 0
+    writer.close()
+
+
+def test_published_unit_without_media_has_no_media_file(recording: RecordingServer, store_dir: Path) -> None:
+    """A unit without media is published without a media file; the node and a same-host reader both
+    read its media as none, and a unit with media keeps its file."""
+    from knittrans.store import LocalReader
+
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    bare, rich = writer.write_units([make_groups(2, 3, media=False, prefix="bare"), make_groups(2, 3, prefix="rich")])
+    assert not (store_dir / "job" / bare.unit_id / MEDIA_FILE).exists()
+    assert (store_dir / "job" / rich.unit_id / MEDIA_FILE).exists()
+    unit = recording.store.get("job", bare.unit_id)
+    assert unit.media.num_rows == 0 and unit.num_bytes == (store_dir / "job" / bare.unit_id / TRAJ_FILE).stat().st_size
+    assert bare.num_bytes == unit.num_bytes
+    rows = Ticket(job="job", reads=(UnitRead(unit_id=bare.unit_id),))
+    client = StoreClient(recording.endpoint)
+    assert client.get(rows).equals(LocalReader([store_dir]).read(rows))
+    hashes = list(dict.fromkeys(h for g in rich.groups for h in g.media_hashes))
+    media = Ticket(
+        job="job",
+        reads=(UnitRead(unit_id=bare.unit_id), UnitRead(unit_id=rich.unit_id)),
+        kind="media",
+        media_hashes=tuple(hashes),
+    )
+    assert client.get(media).num_rows == len(hashes) == LocalReader([store_dir]).read(media).num_rows
+    restarted = UnitStore(StoreConfig(root=store_dir))  # rescan recovers it as it is
+    assert restarted.get("job", bare.unit_id).media.num_rows == 0
+    client.close()
+    writer.close()

@@ -8,13 +8,22 @@ Timed from the groups (Python/numpy objects) until every unit is registered with
 - ``writer_units``: :meth:`TrajectoryWriter.write_units` on a writer with a control client, one per
   store (the units of one store written in one call and registered in one request);
 - ``sequential``: the former path (``write_groups`` per unit, then one ``register_units`` for all);
-- ``doput``: as ``writer_units`` but through ``DoPut`` (a writer on another host, no shared dir).
+- ``doput``: as ``writer_units`` but through ``DoPut`` (a writer on another host, no shared dir);
+- ``across``: :func:`~knittrans.rollout.writer.write_units_across` over the same writers as
+  ``writer_units``: both stores written at once (a thread each), one registration for all the units
+  (absent when the tree measured predates it).
+
+Run with ``PYTHONPATH=<another checkout>`` to measure that tree's writer with this script (the
+``commit`` recorded is then that tree's).
 
 Where ``writer_units`` spends its time: after the timed runs, ``--runs`` more of it with each phase
 timed (the writer's own functions and calls, wrapped with a clock for that pass only: build,
-size estimate, ``reserve_units``, IPC writes, ``seal_units``, descriptors, registration), next to
-the round trip of a no-op call to each server (control plane ``GET /v1/health``, store ``health``
-action) as a gauge of this host's scheduling delay during the run.
+size estimate, ``reserve_units``, IPC writes, ``seal_units``, ``publish_units``, descriptors,
+registration), next to the round trip of a no-op call to each server (control plane
+``GET /v1/health``, store ``health`` action) as a gauge of this host's scheduling delay during the
+run. Where the writer describes its units while the node stores them (a thread), the IPC writes and
+the store's action overlap ``describe``: the phases then add up to more than the total (``other``
+negative).
 
 Ray: the same bytes (4 per-rank shards packed as numpy columns, as ``benchmarks/vs_baselines``
 does) through ``ray.put`` in a local Ray instance, in a subprocess of the ``.venv-bench``
@@ -45,13 +54,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # after PYTHONPATH: a tree given there is the one measured
 
 from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups  # noqa: E402
 from benchmarks.vs_baselines.workload import WorkloadSpec, generate  # noqa: E402
 from knittrans.demo.cluster import ClusterConfig, LocalCluster  # noqa: E402
+from knittrans.flight.client import StoreClient  # noqa: E402
 from knittrans.rollout import writer as writer_module  # noqa: E402
 from knittrans.rollout.writer import TrajectoryWriter  # noqa: E402
+
+write_units_across = getattr(writer_module, "write_units_across", None)  # absent from older trees
 
 JOB = "put"
 
@@ -96,7 +108,7 @@ def ray_put(python: Path, runs: int) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-PHASES = ("build", "estimate", "reserve_units", "write_files", "seal_units", "describe", "register")
+PHASES = ("build", "estimate", "reserve_units", "write_files", "seal_units", "publish_units", "describe", "register")
 
 
 @contextmanager
@@ -123,9 +135,10 @@ def phase_clocks(writers: list[TrajectoryWriter], control: Any) -> Iterator[dict
     saved = {attr: getattr(writer_module, attr) for attr in module_fns}
     for attr, name in module_fns.items():
         setattr(writer_module, attr, clocked(name, saved[attr]))
+    actions = [a for a in ("reserve_units", "seal_units", "publish_units") if hasattr(StoreClient, a)]
     for w in writers:
-        w.client.reserve_units = clocked("reserve_units", w.client.reserve_units)  # type: ignore[method-assign]
-        w.client.seal_units = clocked("seal_units", w.client.seal_units)  # type: ignore[method-assign]
+        for a in actions:
+            setattr(w.client, a, clocked(a, getattr(w.client, a)))
     control.register_units = clocked("register", control.register_units)
     try:
         yield spent
@@ -133,14 +146,19 @@ def phase_clocks(writers: list[TrajectoryWriter], control: Any) -> Iterator[dict
         for attr, fn in saved.items():
             setattr(writer_module, attr, fn)
         for w in writers:
-            del w.client.reserve_units, w.client.seal_units
+            for a in actions:
+                delattr(w.client, a)
         del control.register_units
+
+
+TREE = Path(writer_module.__file__).resolve().parents[2]
+"""The checkout whose ``knittrans`` is measured (this one, or the one first on ``PYTHONPATH``)."""
 
 
 def commit() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=TREE, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -158,6 +176,8 @@ def main() -> None:
     batches = spec.put_batches()
     units = len(batches)
     times: dict[str, list[float]] = {"writer_units": [], "sequential": [], "doput": []}
+    if write_units_across is not None:
+        times["across"] = []
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
         control = cl.control()
         control.create_job(
@@ -188,6 +208,9 @@ def main() -> None:
                 if variant == "sequential":
                     descs = [plain[k % 2].write_groups(c) for k, c in enumerate(chunks)]
                     control.register_units(JOB, descs)
+                elif variant == "across":
+                    assert write_units_across is not None
+                    write_units_across([(w, chunks[k :: len(local)]) for k, w in enumerate(local)])
                 else:
                     writers = local if variant == "writer_units" else remote
                     for k, w in enumerate(writers):
@@ -238,6 +261,7 @@ def main() -> None:
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
             "commit": commit(),
+            "tree": str(TREE),
         },
     }
     if "put_s" in ray:

@@ -9,6 +9,7 @@ API::
         c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
         c.seal(job, unit) / c.delete(job, unit) / c.stats() / c.health()
         c.reserve_units(job, [(unit, nbytes), ...]) / c.seal_units(job, [{"unit": ...}, ...])  # batched
+        c.publish_units(job, [{"unit": ..., "dir": ...}, ...])  # same host: own temporaries, one call
         c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
@@ -179,6 +180,19 @@ class StoreClient:
         plus the optional ``rows``, ``media_rows`` and ``num_bytes`` to check; the sealed units' infos,
         in order. When one fails, the node deletes those of this call it sealed and aborts the rest."""
         return list(self._action("seal_units", {"job": job, "units": [dict(u) for u in units]})["units"])
+
+    def publish_units(
+        self, job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Same-host writers: publish units written into their own temporaries in one round trip, all
+        or none. Each entry is ``{"unit", "dir"}`` (``dir``: ``<root>/<job>/.tmp-<unit>-w<hex>``, see
+        :func:`knittrans.store.writer_temp_name`) plus the optional counts of :meth:`seal_units`; the
+        sealed units' infos, in order (``timeout_s`` bounds the wait for budget). On failure the node
+        removes every temporary of the call and the units it sealed."""
+        body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return list(self._action("publish_units", body)["units"])
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""

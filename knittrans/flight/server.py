@@ -23,7 +23,11 @@ Protocol (all payloads JSON unless noted):
   [{"unit", "bytes"}, ...], "timeout_s"?}`` -> ``{"units": [{"unit", "dir", "spilled"}, ...]}``
   (``timeout_s`` bounds the whole call) and ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
   "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` (a failing unit deletes the
-  ones this call sealed and aborts the rest).
+  ones this call sealed and aborts the rest). ``publish_units`` ``{"job", "units": [{"unit", "dir",
+  "rows"?, "media_rows"?, "num_bytes"?}, ...], "timeout_s"?}`` -> ``{"units": [info, ...]}``: a
+  same-host writer's one round trip per call, for units it wrote into its own temporaries
+  ``<root>/<job>/.tmp-<unit>-w<hex>`` (budget charged, then sealed as ``seal_units``; all or none,
+  the temporaries of a failed call removed; see :meth:`UnitStore.publish_units`).
 
 Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
 stops the server.
@@ -308,22 +312,38 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             ("delete", "delete a sealed or pending unit: {job, unit}"),
             ("reserve", "same-host writer: reserve budget, get a temporary dir: {job, unit, bytes, timeout_s}"),
             ("reserve_units", "reserve for several units, all or none: {job, units: [{unit, bytes}], timeout_s}"),
+            (
+                "publish_units",
+                "same-host writer: publish units written into its temporaries, all or none: "
+                "{job, units: [{unit, dir, ...}], timeout_s}",
+            ),
             ("stats", "counts and bytes of this node"),
             ("health", "liveness and identity of this node"),
         ]
 
     @_mapped
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
-        """Dispatch ``seal``, ``seal_units``, ``delete``, ``reserve``, ``reserve_units``, ``stats`` and ``health``."""
+        """Dispatch ``seal``, ``seal_units``, ``publish_units``, ``delete``, ``reserve``, ``reserve_units``,
+        ``stats`` and ``health``."""
         kind = action.type
         if kind == "health":
             return _json({"ok": True, "node_id": self.config.node_id, "endpoint": self.endpoint})
         if kind == "stats":
             return _json({"node_id": self.config.node_id, **self.store.stats()})
-        if kind in ("reserve_units", "seal_units"):
+        if kind in ("reserve_units", "seal_units", "publish_units"):
             body = _body(action, "job", "units")
             job = check_name(body["job"], "job")
             entries = _unit_entries(kind, body["units"])
+            if kind == "publish_units":
+                timeout = _timeout(kind, body.get("timeout_s"))
+                units = []
+                for uid, e in entries:
+                    if not isinstance(e.get("dir"), str) or not e["dir"]:
+                        raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
+                    counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
+                    units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
+                published = self.store.publish_units(job, units, timeout=timeout, abandoned=context.is_cancelled)
+                return _json({"units": [u.info() for u in published]})
             if kind == "seal_units":
                 specs = [
                     SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
@@ -342,8 +362,10 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
             if kind == "seal":
-                expect = {k: _count(body, k) for k in ("rows", "media_rows", "num_bytes")}
-                return _json(self.store.seal(job, unit_id, **expect).info())
+                rows, media_rows, num_bytes = (_count(body, k) for k in ("rows", "media_rows", "num_bytes"))
+                return _json(
+                    self.store.seal(job, unit_id, rows=rows, media_rows=media_rows, num_bytes=num_bytes).info()
+                )
             if kind == "delete":
                 self.store.delete(job, unit_id)
                 return _json({"deleted": unit_id})

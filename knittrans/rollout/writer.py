@@ -10,13 +10,16 @@ API::
     writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
     writer.write_groups(groups)                          # one unit, registered
     writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
+    write_units_across([(writer_a, units_a), (writer_b, units_b)])  # several nodes at once, one registration
 
-Same host (``store_dir`` given): the node reserves budget (``reserve_units`` action, waiting for
-space or choosing the spill dir) and hands out a temporary directory per unit; the writer writes
-the two IPC files there itself and asks the node to seal them (``seal_units``: validation, then an
-atomic rename each). Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units``
-publishes them. One call writes all its units with one reserve and one seal round trip, whatever
-their number, and builds their rows as one Arrow table cut into a slice per unit
+Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
+temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
+one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
+(waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
+place, all or none. A node that predates ``publish_units`` gets the former two round trips
+(``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
+over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
+one Arrow table cut into a slice per unit
 (:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
 unit.
 
@@ -28,8 +31,11 @@ end; pass ``TrajectoryGroup.version_weighted`` for the exact token-weighted valu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import shutil
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,15 +46,15 @@ import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, KnitTransError, NotFound
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
-from knittrans.store.store import estimate_unit_bytes
+from knittrans.store.store import estimate_unit_bytes, writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
 
-__all__ = ["TrajectoryWriter", "describe_unit"]
+__all__ = ["TrajectoryWriter", "describe_unit", "write_units_across"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +131,69 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
+def write_units_across(
+    batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]]]],
+    *,
+    control: ControlClient | None = None,
+) -> list[list[UnitDescriptor]]:
+    """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
+
+    ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
+    units are built together (as one ``write_units`` call builds its units); each writer then stores
+    and seals its units in its own thread (the nodes work at the same time; the waits on them
+    overlap), then all the descriptors are registered with ``control`` (default: the first writer's that
+    has one; none at all: not registered) in one request; descriptors per pair, in order.
+
+    Storing is all or none across the nodes: when one writer fails, the units the others stored are
+    removed and the first failure (in ``batches`` order) is raised. Registration is as in
+    ``write_units``: a failure raises and leaves the units sealed but unregistered (not consumable).
+    """
+    if not batches:
+        return []
+    jobs = {w.job for w, _ in batches}
+    if len(jobs) != 1:
+        raise InvalidRequest(f"write_units_across: every writer must write the same job, not {sorted(jobs)}")
+    if len({id(w) for w, _ in batches}) != len(batches):
+        raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
+    if control is None:
+        control = next((w.control for w, _ in batches if w.control is not None), None)
+    results: list[list[UnitDescriptor] | None] = [None] * len(batches)
+    errors: list[BaseException | None] = [None] * len(batches)
+    built: list[Sequence[UnitTables] | None] = [None] * len(batches)
+    fields = batches[0][0].user_fields
+    if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
+        tables = build_units_tables([u for _, units in batches for u in units], user_fields=fields)
+        start = 0
+        for k, (_, units) in enumerate(batches):
+            built[k] = tables[start : start + len(units)]
+            start += len(units)
+
+    def store(k: int) -> None:
+        writer, units = batches[k]
+        try:
+            results[k] = writer._store(units, [None] * len(units), built[k])
+        except BaseException as exc:  # handed to the caller below
+            errors[k] = exc
+
+    threads = [threading.Thread(target=store, args=(k,), name=f"knittrans-write-{k}") for k in range(1, len(batches))]
+    for t in threads:
+        t.start()
+    store(0)
+    for t in threads:
+        t.join()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for (writer, _), descs in zip(batches, results, strict=True):
+            if descs:
+                writer._abort([d.unit_id for d in descs])
+        raise failed
+    out = [r or [] for r in results]
+    every = [d for descs in out for d in descs]
+    if every and control is not None:
+        control.register_units(next(iter(jobs)), every)
+    return out
+
+
 class TrajectoryWriter:
     """Writes units of one job to one store node (same host: shared directory; else ``DoPut``)."""
 
@@ -152,6 +221,8 @@ class TrajectoryWriter:
         self.client = StoreClient(endpoint, token=token)
         self.control = control
         """When given, every unit written is registered with it (the caller keeps owning the client)."""
+        self._one_trip = True
+        """Same host: publish in one round trip (``publish_units``); False once the node refused it (older node)."""
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
@@ -167,8 +238,8 @@ class TrajectoryWriter:
         descriptors in the order of ``units``.
 
         The units are built together (one Arrow table for all rows, cut into one slice per unit),
-        reserved and sealed in one round trip each (same host; over ``DoPut`` one seal for all), and
-        registered in one request. Storing is all or none: when one unit fails, none stays on the
+        published in one round trip (same host; over ``DoPut`` one seal for all), and registered in
+        one request. Storing is all or none: when one unit fails, none stays on the
         node. Registration is all or none too: a failure leaves the written units sealed but
         unregistered (a retry of the registration with the returned descriptors is a no-op for those
         that made it).
@@ -178,6 +249,19 @@ class TrajectoryWriter:
     def _publish(
         self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
     ) -> list[UnitDescriptor]:
+        descs = self._store(units, unit_ids)
+        if descs and self.control is not None:
+            self.control.register_units(self.job, descs)
+        return descs
+
+    def _store(
+        self,
+        units: Sequence[Sequence[TrajectoryGroup]],
+        unit_ids: Sequence[str | None],
+        built: Sequence[UnitTables] | None = None,
+    ) -> list[UnitDescriptor]:
+        """Build (unless ``built`` gives the tables), store and seal ``units`` (all or none) and describe
+        them; no registration."""
         if not units:
             return []
         ids = [check_name(u or self.new_unit_id(), "unit_id") for u in unit_ids]
@@ -185,22 +269,53 @@ class TrajectoryWriter:
             for g in groups:
                 check_name(g.group_id, "group_id")
                 check_name(g.source, "source")
-        tables = build_units_tables(units, user_fields=self.user_fields)
-        infos = self.write_tables_many(list(zip(ids, tables, strict=True)))
+        tables = build_units_tables(units, user_fields=self.user_fields) if built is None else built
+        pairs = list(zip(ids, tables, strict=True))
+        if self.store_dir is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
+            infos = self.write_tables_many(pairs)
+            return [
+                describe_unit(
+                    t,
+                    groups,
+                    unit_id=uid,
+                    job=self.job,
+                    node_id=self.node_id,
+                    endpoint=self.endpoint,
+                    num_bytes=int(info["num_bytes"]),
+                )
+                for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
+            ]
+        # same host: a thread writes the files and waits on the node (the GIL mostly free) while this
+        # one describes the units; a unit's byte count comes from the node
+        stored: list[list[dict[str, Any]]] = []
+        failed: list[BaseException] = []
+
+        def store() -> None:
+            try:
+                stored.append(self.write_tables_many(pairs))
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                failed.append(exc)
+
+        worker = threading.Thread(target=store, name="knittrans-store")
+        worker.start()
+        try:
+            drafts = [
+                describe_unit(
+                    t, groups, unit_id=uid, job=self.job, node_id=self.node_id, endpoint=self.endpoint, num_bytes=0
+                )
+                for uid, t, groups in zip(ids, tables, units, strict=True)
+            ]
+        except BaseException:
+            worker.join()
+            if stored:  # describing failed: the stored units go too
+                self._abort(ids)
+            raise
+        worker.join()
+        if failed:
+            raise failed[0]
         descs = [
-            describe_unit(
-                t,
-                groups,
-                unit_id=uid,
-                job=self.job,
-                node_id=self.node_id,
-                endpoint=self.endpoint,
-                num_bytes=int(info["num_bytes"]),
-            )
-            for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
+            dataclasses.replace(d, num_bytes=int(info["num_bytes"])) for d, info in zip(drafts, stored[0], strict=True)
         ]
-        if self.control is not None:
-            self.control.register_units(self.job, descs)
         return descs
 
     def write_tables(self, unit_id: str, tables: UnitTables) -> dict[str, Any]:
@@ -216,6 +331,14 @@ class TrajectoryWriter:
         """
         if not units:
             return []
+        if self.store_dir is not None and self._one_trip:
+            try:
+                return self._publish_same_host(units)
+            except InvalidRequest as exc:
+                if "unknown action 'publish_units'" not in str(exc):
+                    raise
+                logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
+                self._one_trip = False
         if self.store_dir is not None:
             wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
             grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
@@ -242,6 +365,30 @@ class TrajectoryWriter:
             return self.client.seal_units(self.job, seals)
         except BaseException:
             self._abort([uid for uid, _ in units])
+            raise
+
+    def _publish_same_host(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
+        """Write each unit into a private temporary of the node's directory, then one ``publish_units``
+        (budget, validation, rename; all or none). A failure removes the temporaries and the units."""
+        assert self.store_dir is not None
+        job_dir = self.store_dir / self.job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        entries: list[dict[str, Any]] = []
+        try:
+            for uid, t in units:
+                tmp = job_dir / writer_temp_name(uid)
+                entries.append({"unit": uid, "dir": str(tmp)})
+                tmp.mkdir()
+                size = write_table(tmp / TRAJ_FILE, t.traj)
+                if t.media.num_rows:  # no media: no media file (the node reads its absence as none)
+                    size += write_table(tmp / MEDIA_FILE, t.media)
+                entries[-1].update(rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size)
+            return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
+        except BaseException as exc:
+            for e in entries:
+                shutil.rmtree(e["dir"], ignore_errors=True)
+            if not (isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc)):
+                self._abort([uid for uid, _ in units])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:

@@ -1,12 +1,20 @@
 """Node-local storage of sealed trajectory units (memory-mapped Arrow IPC files); no Flight here.
 
 API: ``UnitStore(StoreConfig(root=..., budget_bytes=..., spill_dir=...))`` with ``begin``/``seal``/
-``write_unit``/``delete``/``read(ticket)``/``stats``; ``LocalReader(roots).read(ticket)`` for the
+``write_unit``/``publish_units``/``delete``/``read(ticket)``/``stats``; ``LocalReader(roots).read(ticket)`` for the
 same-host short-circuit; ``ByteBudget`` for backpressure.
 """
 
 from knittrans.store.budget import ByteBudget
-from knittrans.store.store import DEFAULT_ROOT, PendingUnit, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store.store import (
+    DEFAULT_ROOT,
+    PendingUnit,
+    SealSpec,
+    StoreConfig,
+    UnitStore,
+    estimate_unit_bytes,
+    writer_temp_name,
+)
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, LocalReader, SealedUnit, read_media, read_rows
 
 __all__ = [
@@ -23,4 +31,5 @@ __all__ = [
     "estimate_unit_bytes",
     "read_media",
     "read_rows",
+    "writer_temp_name",
 ]

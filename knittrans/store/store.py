@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -24,7 +25,15 @@ from knittrans.store.budget import ByteBudget
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
 from knittrans.tickets import Ticket
 
-__all__ = ["DEFAULT_ROOT", "PendingUnit", "SealSpec", "StoreConfig", "UnitStore", "estimate_unit_bytes"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "PendingUnit",
+    "SealSpec",
+    "StoreConfig",
+    "UnitStore",
+    "estimate_unit_bytes",
+    "writer_temp_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +41,16 @@ DEFAULT_ROOT = Path("/dev/shm/knittrans")
 """Default store directory; units live under ``<root>/<job>/<unit>/``."""
 
 _TMP, _DEL, _BAD = ".tmp-", ".del-", ".corrupt-"
+_WRITER = "w"
+"""Marks a writer's own temporary: ``.tmp-<unit>-w<hex>`` (the node's are ``.tmp-<unit>-<hex>``)."""
+
+
+def writer_temp_name(unit_id: str) -> str:
+    """A fresh name for a same-host writer's private temporary of ``unit_id`` in ``<root>/<job>/``
+    (published by :meth:`UnitStore.publish_units`; dropped by the node's rescan when never published)."""
+    return f"{_TMP}{unit_id}-{_WRITER}{secrets.token_hex(8)}"
+
+
 _IPC_SLACK = 4096
 
 
@@ -70,7 +89,9 @@ class StoreConfig:
     root: Path = DEFAULT_ROOT
     """Store directory (tmpfs); jobs are subdirectories."""
     budget_bytes: int | None = None
-    """Most bytes of units (sealed + being written) held in ``root``; None means unlimited."""
+    """Most bytes of units (sealed + being written) held in ``root``; None means unlimited. Units a
+    same-host writer publishes (``publish_units``) are charged once written, so the directory may
+    briefly hold a call's bytes above it."""
     spill_dir: Path | None = None
     """Disk directory that takes whole units when the budget is full; None means writers wait."""
     wait_timeout_s: float = 30.0
@@ -294,6 +315,7 @@ class UnitStore:
         self._pending: dict[tuple[str, str], PendingUnit] = {}
         self.recovered = 0
         self.quarantined = 0
+        self._swept: dict[Path, float] = {}
         config.root.mkdir(parents=True, exist_ok=True)
         if config.spill_dir is not None:
             config.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -455,8 +477,12 @@ class UnitStore:
         rows: int | None = None,
         media_rows: int | None = None,
         num_bytes: int | None = None,
+        media_file: bool = True,
     ) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
+
+        ``media_file``: give a unit without media an empty ``media.arrow`` (False: leave it absent,
+        which readers take as no media, and save writing and opening a file).
 
         ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
         written; otherwise the unit is aborted with :class:`Conflict` and the writer starts over.
@@ -474,7 +500,7 @@ class UnitStore:
                 tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
                 if not (tmp / TRAJ_FILE).exists():
                     raise InvalidRequest(f"unit {unit_id!r} has no trajectory rows; nothing to seal")
-                if not (tmp / MEDIA_FILE).exists():
+                if media_file and not (tmp / MEDIA_FILE).exists():
                     write_table(tmp / MEDIA_FILE, MEDIA_SCHEMA.empty_table())
                 unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
                 _check_expected(unit, rows=rows, media_rows=media_rows, num_bytes=num_bytes)
@@ -493,7 +519,7 @@ class UnitStore:
         logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
         return unit
 
-    def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
+    def seal_units(self, job: str, units: Sequence[SealSpec], *, media_file: bool = True) -> list[SealedUnit]:
         """:meth:`seal` each unit in order, all or none: when one fails, the units this call sealed
         before it are deleted and those after it aborted, then the error (naming the unit) is raised."""
         ids = [u.unit_id for u in units]
@@ -502,7 +528,16 @@ class UnitStore:
         sealed: list[SealedUnit] = []
         try:
             for u in units:
-                sealed.append(self.seal(job, u.unit_id, rows=u.rows, media_rows=u.media_rows, num_bytes=u.num_bytes))
+                sealed.append(
+                    self.seal(
+                        job,
+                        u.unit_id,
+                        rows=u.rows,
+                        media_rows=u.media_rows,
+                        num_bytes=u.num_bytes,
+                        media_file=media_file,
+                    )
+                )
         except BaseException:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
@@ -511,6 +546,103 @@ class UnitStore:
                 self.abort(job, u.unit_id)
             raise
         return sealed
+
+    def publish_units(
+        self,
+        job: str,
+        units: Sequence[tuple[SealSpec, str | os.PathLike[str]]],
+        *,
+        timeout: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> list[SealedUnit]:
+        """Publish units a same-host writer wrote into its own temporaries, all or none (one round trip).
+
+        Each ``(spec, dir)``: ``dir`` is ``<root>/<job>/.tmp-<unit>-<suffix>`` (a writer's private
+        temporary, see :func:`writer_temp_name`) holding the unit's IPC files (``media.arrow`` may be
+        absent: no media; none is created). Per unit, in order: the
+        budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
+        spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
+        Unlike ``begin_units`` + ``seal_units`` the files exist before the budget is charged: the
+        store may briefly hold one call's bytes above its budget. When one unit fails, the units this
+        call sealed are deleted and every temporary of the call is removed; the error names the unit.
+        """
+        check_name(job, "job")
+        ids = [spec.unit_id for spec, _ in units]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"unit ids repeat within one publish: {sorted({u for u in ids if ids.count(u) > 1})}")
+        job_dir = (self.config.root / job).resolve()
+        dirs = [self._writer_temp(job, job_dir, spec.unit_id, d) for spec, d in units]
+        self._sweep_writer_temps(job_dir)
+        wait = self.config.wait_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        begun: list[PendingUnit] = []
+        try:
+            for (spec, _), tmp in zip(units, dirs, strict=True):
+                p = self.begin(job, spec.unit_id)
+                begun.append(p)
+                size = sum(f.stat().st_size for f in (tmp / TRAJ_FILE, tmp / MEDIA_FILE) if f.exists())
+                spill = self.config.spill_dir
+                if self.budget.try_reserve(size):
+                    p.reserved = size
+                elif spill is not None:
+                    moved = spill / job / tmp.name
+                    moved.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(tmp), str(moved))
+                    tmp, p.spilled = moved, True
+                    logger.info("budget full: unit %s/%s moved to spill dir %s", job, spec.unit_id, spill)
+                else:
+                    self.budget.reserve(size, max(0.0, deadline - time.monotonic()), abandoned=abandoned)
+                    p.reserved = size
+                p.dir = tmp
+        except BaseException:
+            for p in begun:
+                self.abort(job, p.unit_id, only=p)
+            for tmp in dirs:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            return self.seal_units(job, [spec for spec, _ in units], media_file=False)
+        except BaseException:
+            for tmp in dirs:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _writer_temp(self, job: str, job_dir: Path, unit_id: str, given: str | os.PathLike[str]) -> Path:
+        """The writer's temporary ``given`` of ``unit_id``, checked to be a directory of this job here."""
+        check_name(unit_id, "unit_id")
+        path = Path(given)
+        if (
+            not path.name.startswith(f"{_TMP}{unit_id}-{_WRITER}")
+            or path.is_symlink()
+            or not path.is_dir()
+            or path.parent.resolve() != job_dir
+        ):
+            raise Conflict(
+                f"unit {unit_id!r} of job {job!r}: {str(path)!r} is not a writer's temporary in this node's "
+                f"directory {job_dir} (a directory {_TMP}{unit_id}-{_WRITER}...): is the node on another host? "
+                "(a writer there sends its units over DoPut)"
+            )
+        return job_dir / path.name
+
+    def _sweep_writer_temps(self, job_dir: Path) -> None:
+        """Remove writers' temporaries of this job older than ``pending_ttl_s`` (their writer died);
+        looks at most once every tenth of that time."""
+        now = time.monotonic()
+        if now - self._swept.get(job_dir, -math.inf) < self.config.pending_ttl_s / 10:
+            return
+        self._swept[job_dir] = now
+        horizon = time.time() - self.config.pending_ttl_s
+        with contextlib.suppress(OSError):
+            for entry in job_dir.iterdir():
+                if entry.name.startswith(_TMP) and f"-{_WRITER}" in entry.name:
+                    with contextlib.suppress(OSError):
+                        if entry.stat().st_mtime < horizon:
+                            logger.warning(
+                                "removing writer temporary %s: unpublished for over %.0fs",
+                                entry,
+                                self.config.pending_ttl_s,
+                            )
+                            shutil.rmtree(entry, ignore_errors=True)
 
     def write_unit(
         self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, timeout: float | None = None

@@ -3,7 +3,7 @@
 Layout of one unit (a directory, sealed by an atomic rename of ``.tmp-<unit>-<hex>/``)::
 
     <root>/<job>/<unit>/traj.arrow     Arrow IPC file, TRAJECTORY_SCHEMA
-    <root>/<job>/<unit>/media.arrow    Arrow IPC file, MEDIA_SCHEMA (possibly zero rows)
+    <root>/<job>/<unit>/media.arrow    Arrow IPC file, MEDIA_SCHEMA (possibly zero rows; absent: no media)
 
 Reads never copy: tables come from ``pa.memory_map`` + ``ipc.open_file``, row ranges are
 ``Table.slice`` views and column projections ``Table.select`` views of the same pages.
@@ -85,9 +85,15 @@ class SealedUnit:
         """Memory-map a unit directory; raise SchemaMismatch when a file is unreadable or not ours."""
         traj_path = path / TRAJ_FILE
         traj = _open_table(traj_path, "trajectories")
+        st = traj_path.stat()
+        size = st.st_size
         media_path = path / MEDIA_FILE
-        media = _open_table(media_path, "media") if media_path.exists() else MEDIA_SCHEMA.empty_table()
-        size = traj_path.stat().st_size + (media_path.stat().st_size if media_path.exists() else 0)
+        try:
+            size += media_path.stat().st_size
+        except FileNotFoundError:  # a unit without media may have no media file
+            media = MEDIA_SCHEMA.empty_table()
+        else:
+            media = _open_table(media_path, "media")
         return cls(
             job=job,
             unit_id=unit_id,
@@ -96,7 +102,7 @@ class SealedUnit:
             media=media,
             num_bytes=size,
             spilled=spilled,
-            inode=traj_path.stat().st_ino,
+            inode=st.st_ino,
         )
 
     @property
