@@ -272,6 +272,13 @@ def test_server_stops_with_streams_open(tmp_path: Path) -> None:
         srv.stop()
 
 
+def _stream_trainer(url: str) -> TrainerConfig:
+    """Rank 0 of job1 on the plan stream (opt-in), without the early poll and warm-up (deterministic reads)."""
+    return TrainerConfig(
+        control_url=url, job="job1", rank=0, world_size=1, warm_connections=False, poll_early=False, plan_stream=True
+    )
+
+
 def test_clients_fall_back_to_next_without_the_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server without the stream (KNITTRANS_PLAN_STREAM=0) answers 404 as for an unknown path; the reader says
     StreamUnsupported and the trainer client long-polls ``next`` instead, getting the same plans."""
@@ -283,15 +290,7 @@ def test_clients_fall_back_to_next_without_the_stream(tmp_path: Path, monkeypatc
         assert r.status_code == 404 and r.json() == {"error": "not_found", "detail": "Not Found"}
         with pytest.raises(StreamUnsupported):
             client.plan_stream("job1", 0).next(timeout_s=1)
-        config = TrainerConfig(
-            control_url=srv.url,
-            job="job1",
-            rank=0,
-            world_size=1,
-            warm_connections=False,
-            poll_early=False,
-            plan_stream=True,
-        )
+        config = _stream_trainer(srv.url)
         with TrainerClient(config) as trainer:
             assert trainer._stream is not None
             plan = trainer.next_plan()
@@ -307,15 +306,7 @@ def test_trainer_client_reads_the_stream_and_skips_acked_lines(srv: ServerProces
     with ControlClient(srv.url) as client:
         _setup(client, quotas={"math": 3, "code": 3}, mini_batches_per_step=3, world_size=1)
         client.register_units("job1", single_group_units(["math", "code"] * 3))
-        config = TrainerConfig(
-            control_url=srv.url,
-            job="job1",
-            rank=0,
-            world_size=1,
-            warm_connections=False,
-            poll_early=False,
-            plan_stream=True,
-        )
+        config = _stream_trainer(srv.url)
         with TrainerClient(config) as trainer:
             p0 = trainer.next_plan()
             assert p0 is not None and p0.global_index == 0
