@@ -6,7 +6,8 @@ invocation; rounds alternate which tree goes first. The report gives, per tree a
 over rounds of each run's median (and the median of the per-run ratios to that run's Ray), the spread
 (min-max over rounds), and this checkout's phase table (medians over rounds).
 
-    python benchmarks/transfer/put_path_ab.py --baseline /work/main [--rounds 5] [--runs 7] [--tag NAME]
+    git worktree add /tmp/base <commit>   # the baseline checkout
+    python benchmarks/transfer/put_path_ab.py --baseline /tmp/base [--rounds 5] [--runs 7] [--tag NAME]
 
 Writes ``put_path_<tag>.json`` and ``put_path_<tag>.md`` under ``--out`` (default
 benchmarks/transfer/results); the last run of this checkout also becomes ``put_path.json``/``.md``.
