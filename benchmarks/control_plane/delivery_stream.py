@@ -153,8 +153,8 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         "",
         "modes: `next` = `GET .../next?ack=<plan_id>`, one request per rank per mini-batch; `stream` = one "
         "`POST .../plans` per rank for the run, plans as lines of its response, acks as lines of its chunked "
-        "request body; `stream-post` = `GET .../plans`, acks by `POST .../ack` (the trainer client's way); "
-        "`post` = `POST .../ack` then `GET .../next` (the trainer client's way before the stream). Delivery is "
+        "request body; `stream-post` = `GET .../plans`, acks by `POST .../ack` (the trainer client with "
+        "`plan_stream=True`); `post` = `POST .../ack` then `GET .../next` (the trainer client's default). Delivery is "
         "measured from admission, or from when the rank was ready if later: for `next` and the stream modes "
         "from sending the ack, for `post` from the `next` request after the ack returned (its ack round trip "
         "is not in the figure). Server CPU per mini-batch compares across modes; the latencies depend on how "
