@@ -107,9 +107,12 @@ class ControlClient:
         # the connect happens while the poll waits anyway. Measured after the server's TCP_NODELAY fix
         # (benchmarks/trainer/cold_path.py, quiet machine): admission -> first micro-batch 5.4 ms cold / 7.0 ms
         # warm p50 this way, 7.0 / 7.9-9.0 ms with kept-alive poll connections.
+        # ``Connection: close``: a poll's connection closes itself after its response. Without it, a poll
+        # still connecting when ``close()`` ran got its socket after the pool had closed its connections,
+        # and that socket stayed open until the garbage collector found it.
         self._poll_http = httpx.Client(
             base_url=self.base_url,
-            headers=headers,
+            headers={**headers, "Connection": "close"},
             timeout=timeout_s,
             verify=verify,
             limits=httpx.Limits(max_keepalive_connections=0),

@@ -75,9 +75,10 @@ class RawStream:
         self.sock.close()
 
 
-@pytest.fixture
-def srv(tmp_path: Path) -> Iterator[ServerProcess]:
-    with server(tmp_path / "cp.db") as proc:
+@pytest.fixture(params=["h11", "httptools"])
+def srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """A real server with each of uvicorn's HTTP parsers (the stream reads a chunked body while it answers)."""
+    with server(tmp_path / "cp.db", "--http", request.param) as proc:
         yield proc
 
 

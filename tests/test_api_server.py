@@ -125,3 +125,43 @@ def test_iter_plans_ends_when_the_job_completes(tmp_path: Path) -> None:
             client.ack("job1", 0, str(plan.plan_id))
         assert seen == [0, 1]
         assert client.get_job("job1")["state"] == "completed"
+
+
+def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
+    """Long-polls go out with ``Connection: close`` (each poll's connection closes itself after its answer,
+    also one still connecting when the client was closed; without it that socket stayed open until
+    garbage collection), while ordinary calls keep their connection. Seen on the wire by a recording socket."""
+    import socket
+
+    seen: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _addr = listener.accept()
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(4096)
+                seen.append(head.lower())
+                if b"/next" in head:
+                    conn.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+                else:
+                    body = b'{"job": "job1", "version": 3}'
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                        + str(len(body)).encode()
+                        + b"\r\nConnection: close\r\n\r\n"
+                        + body
+                    )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with listener, ControlClient(f"http://127.0.0.1:{port}", retries=0) as client:
+        assert client.next_plan("job1", 0, timeout_s=1) is None
+        assert client.get_version("job1") == 3
+        thread.join(10)
+    poll, plain = seen
+    assert b"get /v1/jobs/job1/ranks/0/next" in poll and b"connection: close" in poll
+    assert b"get /v1/jobs/job1/version" in plain and b"connection: close" not in plain

@@ -159,7 +159,7 @@ def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, 
 class Server:
     """``knittrans control-plane`` in a subprocess on port 0 (ready file), with psutil handles."""
 
-    def __init__(self, work: Path, source: Path | None = None) -> None:
+    def __init__(self, work: Path, source: Path | None = None, http: str | None = None) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
         cmd = [
@@ -178,6 +178,7 @@ class Server:
             str(ready),
             "--node-timeout-s",
             "30",
+            *(["--http", http] if http else []),
         ]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
         if source is not None:  # another checkout's knittrans (the 'before' of a comparison) runs the server
@@ -551,6 +552,12 @@ def main() -> int:
     parser.add_argument("--mini-batches", type=int, default=10_000)
     parser.add_argument("--mb-groups", type=int, default=1, help="groups per mini-batch in the long job (phase 3)")
     parser.add_argument("--server-label", default=None, help="what --server-source is (its commit)")
+    parser.add_argument(
+        "--server-http",
+        choices=["auto", "h11", "httptools"],
+        default=None,
+        help="the server's --http (uvicorn's HTTP parser); default: the server's own default",
+    )
     parser.add_argument("--phases", nargs="+", default=["delivery", "registration", "memory"])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale")
     parser.add_argument(
@@ -566,7 +573,7 @@ def main() -> int:
         args.registration_batches, args.batch = 3, 500
         args.rate = min(args.rate, 100)
     work = Path(tempfile.mkdtemp(prefix="knittrans-scale-"))
-    server = Server(work, args.server_source)
+    server = Server(work, args.server_source, args.server_http)
     log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
     result: dict[str, Any] = {
         "benchmark": "control_plane_scale",
