@@ -19,6 +19,17 @@ from knittrans.trainer.fetch import Fetcher
 from tests.trainer_support import job_spec, mm_groups
 
 
+def _consume_all(cluster: LocalCluster, job: str) -> list[str]:
+    """Every row's group id, consumed (and acked) by a one-rank trainer until the job has no more."""
+    config = TrainerConfig(control_url=cluster.control_url, job=job, rank=0, world_size=1, poll_timeout_s=5)
+    seen: list[str] = []
+    with TrainerClient(config) as client:
+        for mb in client.minibatches():
+            seen += [r.group_id for m in mb for r in m.rows]
+            mb.ack()
+    return seen
+
+
 def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalCluster) -> None:
     """``write_groups`` registers its unit; ``write_units`` writes one unit per list and registers them together;
     the units are the job's and a trainer consumes exactly the groups written."""
@@ -36,12 +47,7 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
         two = w1.write_units([mm_groups("b", 1, group_size=2, seed=1), mm_groups("c", 1, group_size=2, seed=2)])
     assert [d.node_id for d in two] == [s1.node_id, s1.node_id] and one.node_id == s0.node_id
     assert control.status("wr")["counts"]["units"] == 3
-    config = TrainerConfig(control_url=cluster.control_url, job="wr", rank=0, world_size=1, poll_timeout_s=5)
-    with TrainerClient(config) as client:
-        seen = []
-        for mb in client.minibatches():
-            seen += [r.group_id for m in mb for r in m.rows]
-            mb.ack()
+    seen = _consume_all(cluster, "wr")
     assert sorted(set(seen)) == ["a0", "b0", "c0"] and len(seen) == 6
     control.close()
 
@@ -186,12 +192,7 @@ def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: Loc
     )  # control: w0 has none, w1's is used
     assert calls == [4] and control.status("across")["counts"]["units"] == 4
     assert {d.node_id for d in a} == {s0.node_id} and {d.node_id for d in b} == {s1.node_id}
-    config = TrainerConfig(control_url=cluster.control_url, job="across", rank=0, world_size=1, poll_timeout_s=5)
-    with TrainerClient(config) as client:
-        seen = []
-        for mb in client.minibatches():
-            seen += [r.group_id for m in mb for r in m.rows]
-            mb.ack()
+    seen = _consume_all(cluster, "across")
     assert sorted(set(seen)) == ["a0", "b0", "c0", "d0"] and len(seen) == 8
     for w in (w0, w1, bad, other):
         w.close()
