@@ -153,11 +153,7 @@ class ControlClient:
                     _raise_for(response)
                     return response
                 problem = "503 " + response.text[:200]
-            pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
-            if pause is None:
-                raise Unavailable(
-                    f"control plane {self.base_url}: {method} {path} failed after {attempt + 1} attempts: {problem}"
-                )
+            pause = self._retry_pause(pauses, attempt, f"{method} {path}", problem)
             attempt += 1
             # one warning per call once it has failed a few times (a restart in progress), debug before
             level = logging.WARNING if attempt == _WARN_AFTER_ATTEMPTS else logging.DEBUG
@@ -171,6 +167,14 @@ class ControlClient:
                 self.retry.budget_s,
             )
             time.sleep(pause)
+
+    def _retry_pause(self, pauses: Iterator[float], attempt: int, what: str, problem: str) -> float:
+        """The pause before retrying ``what`` after failed attempt ``attempt`` (0-based), by the retry policy
+        and ``retries``; :class:`Unavailable` naming ``problem`` once the budget is spent."""
+        pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
+        if pause is None:
+            raise Unavailable(f"control plane {self.base_url}: {what} failed after {attempt + 1} attempts: {problem}")
+        return pause
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
@@ -518,9 +522,7 @@ class PlanStreamReader:
                 if response.status_code != 503:
                     _raise_for(response)
                 problem = "503 " + response.text[:200]
-            pause = next(pauses, None) if client.retries is None or attempt < client.retries else None
-            if pause is None:
-                raise Unavailable(f"control plane {client.base_url}: plan stream {path} failed: {problem}")
+            pause = client._retry_pause(pauses, attempt, f"plan stream {path}", problem)
             attempt += 1
             time.sleep(pause)
 
