@@ -54,8 +54,9 @@ _MAX_ACK_LINE = 1024  # an ack line is ~40 bytes; a longer one is refused (and t
 
 
 async def first_answer(state: Any, job: str, rank: int) -> Answer:
-    """The rank's answer now (board, else the state thread): raises NotFound for an unknown job or rank,
-    before the stream's 200 goes out. Also how the route checks its input."""
+    """The rank's answer now: the plan board's, else the state thread's (which publishes it to the board).
+    Raises NotFound for an unknown job or rank: the stream's route checks its input with it before the 200,
+    and ``next`` (``serve_next``) reads every answer through it."""
     found: Answer | None = state.board.answer(job, rank)
     if found is not None:
         return found

@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knittrans.api.auth import WorkerAuth
-from knittrans.api.delivery import Answer
 from knittrans.api.models import AckIn, AckOut, ErrorOut, FetchedOut, RankPlanOut, VersionIn, VersionOut
 from knittrans.api.routes.deps import AckBatcher, PlanBoard, Run, Service, StateRunner
 from knittrans.api.service import ControlPlane
@@ -126,7 +125,6 @@ async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str
     per-dependency cost was a third of the event loop's time at 1,024 ranks). The plan is read from
     the plan board on the event loop; only a rank's first look goes to the state thread.
     """
-    svc: ControlPlane = state.service
     board: PlanBoard = state.board
     settings: Settings = state.settings
     if ack is not None:
@@ -136,19 +134,10 @@ async def serve_next(state: Any, job: str, rank: int, timeout_s: float, ack: str
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(timeout_s, settings.long_poll_max_s)
 
-    def look() -> Answer:
-        found = svc.rank_answer(job, rank)  # 404 for an unknown job or rank
-        board.store(job, rank, found)
-        return found
-
     while True:
-        found = board.answer(job, rank)  # what the state thread last published, read on the loop
-        event = board.rank_event(job, rank)  # taken with the read: a later publication wakes us
+        event = board.rank_event(job, rank)  # taken before the read: a later publication wakes us
         board.probed(job, rank)
-        if found is None:  # nothing published for this rank yet: ask the state thread (it publishes)
-            runner: StateRunner = state.runner
-            found = await runner(look)
-        raw, job_state, done = found
+        raw, job_state, done = await first_answer(state, job, rank)  # the board's, else the state thread's
         plan = None if raw is None else Response(raw, media_type="application/json")
         reply = await _reply_or_wait(plan, done, job_state, event, loop, deadline)
         if reply is not None:
