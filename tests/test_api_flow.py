@@ -144,6 +144,33 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
     assert {g for g, _ in rows} == {"g2", "g3", "r0", "r1"}
 
 
+def test_status_pool_lists_waiting_groups_by_node_in_admission_order(tmp_path: Path) -> None:
+    """Status shows which node holds the pool's groups, earliest finished first; a lost node's leave it."""
+    spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=1)
+    with app_client(tmp_path / "cp.db") as c:
+        c.post("/v1/jobs", json=spec)
+        for n in ("n0", "n1"):
+            c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
+        assert c.post("/v1/jobs/job1/pause").status_code == 200  # nothing is admitted: the pool keeps them
+        units = single_group_units(["math", "code"], node="n1", start=3) + single_group_units(
+            ["code", "math", "math"], node="n0"
+        )
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == []
+        pool = c.get("/v1/jobs/job1/status").json()["pool"]
+        assert pool["by_node"] == {"n0": 3, "n1": 2}
+        assert [(g["group_id"], g["source"], g["node_id"]) for g in pool["head"]] == [
+            ("g0", "code", "n0"),
+            ("g1", "math", "n0"),
+            ("g2", "math", "n0"),
+            ("g3", "math", "n1"),
+            ("g4", "code", "n1"),
+        ]
+        assert [g["finished_at"] for g in pool["head"]] == [1000.0 + i for i in range(5)]
+        c.post("/v1/nodes/n0/lost")
+        pool = c.get("/v1/jobs/job1/status").json()["pool"]
+        assert pool["by_node"] == {"n1": 2} and [g["group_id"] for g in pool["head"]] == ["g3", "g4"]
+
+
 def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     """A mini-batch some rank already acked was fully fetched: it is kept; later untouched ones are re-planned."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)

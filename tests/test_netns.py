@@ -299,25 +299,30 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
 
         poll("finished groups in the pool, rollout idle", pool_ready, 180, procs, explain=rollout_logs)
         before = status()
+        # The victim is the node holding the group admission takes first: its rows are in the first plan
+        # after the resume. (Which node that is depends on which worker finished first: under load one
+        # worker can have nothing in the pool, and cutting it would withdraw nothing.)
+        victim = before["pool"]["head"][0]["node_id"]
+        (survivor,) = set(nodes) - {victim}
         t_cut = time.monotonic()
-        # Cut first, then resume: the running ranks get plans with rows on node-1 (not yet declared lost)
-        # and must fail them together (fetch timeout) instead of hanging or stepping on a partial share.
-        netlab.cut("h2")
+        # Cut first, then resume: the running ranks get plans with rows on the victim (not yet declared
+        # lost) and must fail them together (fetch timeout) instead of hanging or stepping on a partial share.
+        netlab.cut(nodes[victim])
         probe.call(control_url, "resume", JOB, token=A_TOKEN)
 
         def lost() -> bool:
-            return any(n["node_id"] == "node-1" and n["state"] == "lost" for n in probe.call(control_url, "list_nodes"))
+            return any(n["node_id"] == victim and n["state"] == "lost" for n in probe.call(control_url, "list_nodes"))
 
-        poll("node-1 declared lost", lost, 30, procs, interval_s=0.05)
+        poll(f"{victim} declared lost", lost, 30, procs, interval_s=0.05)
         timings["cut_to_lost_s"] = time.monotonic() - t_cut
         after = status()
         # the surviving worker may claim them for regeneration at once, which takes them off to_regenerate
-        lost_groups = [r for r in after["lost_groups"] if r["node_id"] == "node-1"]
-        assert lost_groups, f"no group of node-1 reported lost: {after['lost_groups']}"
+        lost_groups = [r for r in after["lost_groups"] if r["node_id"] == victim]
+        assert lost_groups, f"no group of {victim} reported lost: {after['lost_groups']}"
         assert {r["group_id"] for r in after["to_regenerate"]} <= {r["group_id"] for r in after["lost_groups"]}
-        assert all(r["reason"] == "node node-1 lost" for r in after["to_regenerate"] if r["node_id"] == "node-1")
+        assert all(r["reason"] == f"node {victim} lost" for r in after["to_regenerate"] if r["node_id"] == victim)
         log_path = tmp_path / "logs" / "control-plane.log"
-        pattern = re.compile(r"node node-1 lost, withdrew mini-batches \[([0-9, ]+)\]")
+        pattern = re.compile(rf"node {victim} lost, withdrew mini-batches \[([0-9, ]+)\]")
         found = poll("withdrawal in the control-plane log", lambda: pattern.findall(log_path.read_text()), 10, procs)
         withdrawn = [int(x) for x in found[0].split(",")]
         first_withdrawn = withdrawn[0]
@@ -339,7 +344,7 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
             body = probe.call(control_url, "next_plan", JOB, rank, 0.1)
             plan = RankPlan.from_json(body) if body is not None else None
             if plan is not None and plan.global_index >= first_withdrawn:
-                assert {f.node_id for m in plan.micro_batches for f in m.fetches} <= {"node-0"}
+                assert {f.node_id for m in plan.micro_batches for f in m.fetches} <= {survivor}
                 if plan.global_index == first_withdrawn:
                     assert (plan.plan_id.n, plan.plan_id.attempt) == (first_withdrawn, 1), plan.plan_id
 

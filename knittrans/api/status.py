@@ -12,10 +12,13 @@ from knittrans.sched.timing import admitted_ahead
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
 
-__all__ = ["STATUS_STEPS", "job_status", "staleness_report"]
+__all__ = ["POOL_SHOWN", "STATUS_STEPS", "job_status", "staleness_report"]
 
 STATUS_STEPS = 16
 """Per-step staleness summaries in status cover this many most recent consumed steps."""
+
+POOL_SHOWN = 16
+"""Status lists this many of the pool's groups, in the order admission considers them."""
 
 
 def _stats(value: Any) -> Any:
@@ -42,8 +45,11 @@ def job_status(job: JobState) -> dict[str, Any]:
         if count:
             by_status[status] = by_status.get(status, 0) + count
     lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id} for g in job.lost.values()]
-    for g in job.pool():
+    pool = job.pool()
+    by_node: dict[str, int] = {}
+    for g in pool:
         finished[g.record.source] = finished.get(g.record.source, 0) + 1
+        by_node[g.node_id] = by_node.get(g.node_id, 0) + 1
     in_flight = job.in_flight()
     open_step = not job.done() and (job.can_admit() or job.state == "paused")
     deficits = quota_deficit(job.step_state()) if open_step else {}
@@ -73,6 +79,19 @@ def job_status(job: JobState) -> dict[str, Any]:
             "consumed_groups": by_status.get("consumed", 0),
         },
         "deficits": deficits,
+        # what waits for admission, and where: what losing a node would send back for regeneration
+        "pool": {
+            "by_node": dict(sorted(by_node.items())),
+            "head": [
+                {
+                    "group_id": g.record.group_id,
+                    "source": g.record.source,
+                    "node_id": g.node_id,
+                    "finished_at": g.record.finished_at,
+                }
+                for g in pool[:POOL_SHOWN]
+            ],
+        },
         "lost_groups": sorted(lost, key=lambda r: r["group_id"]),  # all of them, claimed for regeneration or not
         "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         "staleness": {
