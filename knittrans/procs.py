@@ -14,7 +14,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ProcessGroup", "free_port", "knittrans_command", "stop_process", "wait_ready", "wait_until"]
+__all__ = [
+    "ProcessGroup",
+    "control_plane_args",
+    "free_port",
+    "knittrans_command",
+    "stop_process",
+    "wait_ready",
+    "wait_until",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 def knittrans_command(*args: str) -> list[str]:
     """``python -m knittrans.cli ARGS`` with this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", "knittrans.cli", *args]
+
+
+def control_plane_args(
+    db: str | Path,
+    *,
+    port: int = 0,
+    host: str | None = None,
+    ready_file: str | Path | None = None,
+    node_timeout_s: float | None = None,
+    log_level: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The arguments of ``knittrans control-plane`` on ``db`` (for :func:`knittrans_command`).
+
+    ``port`` 0 binds a free port, reported in ``ready_file`` (``{url, host, port, pid}``);
+    ``host``/``node_timeout_s``: the server's defaults when None; ``log_level``: the CLI's global
+    ``--log-level``; ``extra``: further ``control-plane`` flags (tokens, TLS, ``--http``). Tokens are
+    better passed in the environment (``KNITTRANS_WORKER_TOKEN``...): a command line is readable by
+    every user of the host.
+    """
+    args = ["--log-level", log_level] if log_level else []
+    args += ["control-plane", "--db", str(db), "--port", str(port)]
+    if host is not None:
+        args += ["--host", host]
+    if ready_file is not None:
+        args += ["--ready-file", str(ready_file)]
+    if node_timeout_s is not None:
+        args += ["--node-timeout-s", f"{node_timeout_s:g}"]
+    return [*args, *extra]
 
 
 def wait_until(check: Callable[[], bool], *, timeout_s: float, what: str, interval_s: float = 0.05) -> None:

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
 from knittrans.plans import RankPlan
-from knittrans.procs import stop_process, wait_ready
+from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
 
@@ -173,19 +172,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> ServerProcess:
-        cmd = [
-            sys.executable,
-            "-m",
-            "knittrans.cli",
-            "--log-level",
-            "WARNING",
-            "control-plane",
-            "--db",
-            str(self.db),
-            "--port",
-            str(self.port),
-            *self.extra,
-        ]
+        cmd = knittrans_command(*control_plane_args(self.db, port=self.port, log_level="WARNING", extra=self.extra))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )

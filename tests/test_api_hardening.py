@@ -11,6 +11,8 @@ import httpx
 import pytest
 from api_support import app_client, group, job_spec, server, single_group_units, unit
 
+from knittrans.procs import control_plane_args, knittrans_command
+
 ADMIN, WORKER = "admin-secret-token", "worker-secret-token"
 
 
@@ -89,7 +91,7 @@ def test_node_endpoint_moves_only_with_admin_token_or_its_own_key(tmp_path: Path
 
 
 def _start_cp(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "knittrans.cli", "control-plane", "--db", str(db), "--port", "0", *extra]
+    cmd = knittrans_command(*control_plane_args(db, extra=extra))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from pathlib import Path
 
 import httpx
 
-from knittrans.procs import ProcessGroup, knittrans_command, wait_until
+from knittrans.api.cli import add_arguments, settings_from_args
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_until
+
+
+def test_control_plane_args_are_the_commands_own_flags(tmp_path: Path) -> None:
+    """The one builder of a control-plane command line (demo, Ray, benchmarks, tests) speaks its parser."""
+    args = control_plane_args(
+        tmp_path / "cp.db",
+        port=8123,
+        host="127.0.0.2",
+        ready_file=tmp_path / "cp.ready",
+        node_timeout_s=7.5,
+        log_level="WARNING",
+        extra=["--http", "h11"],
+    )
+    assert args[:3] == ["--log-level", "WARNING", "control-plane"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(args[3:])
+    assert (parsed.host, parsed.port, parsed.ready_file, parsed.http) == (
+        "127.0.0.2",
+        8123,
+        tmp_path / "cp.ready",
+        "h11",
+    )
+    settings = settings_from_args(parsed)
+    assert (settings.db_path, settings.node_timeout_s) == (str(tmp_path / "cp.db"), 7.5)
+    bare = parser.parse_args(control_plane_args(tmp_path / "x.db")[1:])
+    assert (bare.port, bare.ready_file, bare.node_timeout_s) == (0, None, None)
 
 
 def test_port_zero_reports_the_real_port_in_the_ready_file(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import pytest
 from netns_support import Lab, Probe, lab
 
 from knittrans.plans import RankPlan
-from knittrans.procs import ProcessGroup, knittrans_command
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command
 from knittrans.rollout.models import build_tiny_qwen2
 
 pytestmark = pytest.mark.netns
@@ -101,19 +101,13 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         start(
             "control-plane",
             "cp",
-            "control-plane",
-            "--db",
-            str(tmp_path / "control.db"),
-            "--host",
-            addr["cp"],
-            "--port",
-            "8700",
-            "--node-timeout-s",
-            str(NODE_TIMEOUT_S),
-            "--worker-token",
-            W_TOKEN,
-            "--admin-token",
-            A_TOKEN,
+            *control_plane_args(
+                tmp_path / "control.db",
+                host=addr["cp"],
+                port=8700,
+                node_timeout_s=NODE_TIMEOUT_S,
+                extra=["--worker-token", W_TOKEN, "--admin-token", A_TOKEN],
+            ),
         )
         poll("control plane", lambda: _try(lambda: probe.call(control_url, "health")), 60, procs)
         probe.call(

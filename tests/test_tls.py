@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from data_support import make_groups
 from knittrans.controlclient import ControlClient
 from knittrans.errors import KnitTransError, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
+from knittrans.procs import control_plane_args, knittrans_command
 from knittrans.schema import build_unit_tables
 from knittrans.store import StoreConfig
 from knittrans.tickets import Ticket, UnitRead
@@ -94,22 +94,8 @@ def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path
     ca, cert, key = _make_pki(tmp_path)
     port = free_port()
     url = f"https://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "knittrans.cli",
-        "--log-level",
-        "WARNING",
-        "control-plane",
-        "--db",
-        str(tmp_path / "cp.db"),
-        "--port",
-        str(port),
-        "--tls-cert",
-        str(cert),
-        "--tls-key",
-        str(key),
-    ]
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    cmd = knittrans_command(*control_plane_args(tmp_path / "cp.db", port=port, log_level="WARNING", extra=tls))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with ControlClient(url, tls_ca=ca, retries=0) as client:

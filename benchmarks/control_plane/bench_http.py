@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,33 +39,16 @@ from typing import Any
 import httpx
 import psutil
 
+from knittrans.procs import control_plane_args, free_port, knittrans_command
+
 SOURCES = ("math", "code", "chat", "mm_qa")
 GROUP_SIZE = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _start_server(db: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "knittrans.cli",
-        "--log-level",
-        "WARNING",
-        "control-plane",
-        "--db",
-        str(db),
-        "--port",
-        str(port),
-        "--node-timeout-s",
-        "86400",
-    ]  # the benchmark sends no heartbeats
+    port = free_port()
+    # the benchmark sends no heartbeats
+    cmd = knittrans_command(*control_plane_args(db, port=port, node_timeout_s=86400, log_level="WARNING"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -45,6 +45,8 @@ from typing import Any
 
 import psutil
 
+from knittrans.procs import control_plane_args, knittrans_command
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 TOKEN_W, TOKEN_A = "scale-worker", "scale-admin"
@@ -162,24 +164,14 @@ class Server:
     def __init__(self, work: Path, source: Path | None = None, http: str | None = None) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
-        cmd = [
-            sys.executable,
-            *(["-m", "cProfile", "-o", prof] if prof else []),
-            "-m",
-            "knittrans.cli",
-            "--log-level",
-            "WARNING",
-            "control-plane",
-            "--db",
-            str(work / "cp.db"),
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--node-timeout-s",
-            "30",
-            *(["--http", http] if http else []),
-        ]
+        args = control_plane_args(
+            work / "cp.db",
+            ready_file=ready,
+            node_timeout_s=30,
+            log_level="WARNING",
+            extra=["--http", http] if http else (),
+        )
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), *knittrans_command(*args)[1:]]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
         if source is not None:  # another checkout's knittrans (the 'before' of a comparison) runs the server
             env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])

@@ -11,7 +11,7 @@ from types import TracebackType
 import httpx
 
 from knittrans.controlclient import ControlClient
-from knittrans.procs import ProcessGroup, knittrans_command, wait_until
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_until
 
 __all__ = ["ClusterConfig", "LocalCluster", "StoreNode"]
 
@@ -78,19 +78,9 @@ class LocalCluster:
             port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
         ready = self.work_dir / "control-plane.ready"
         ready.unlink(missing_ok=True)
-        argv = [
-            "control-plane",
-            "--db",
-            str(self._db),
-            "--host",
-            self.config.host,
-            "--port",
-            str(port),
-            "--ready-file",
-            str(ready),
-            "--node-timeout-s",
-            str(self.config.node_timeout_s),
-        ]
+        argv = control_plane_args(
+            self._db, port=port, host=self.config.host, ready_file=ready, node_timeout_s=self.config.node_timeout_s
+        )
         env: dict[str, str] = {}  # tokens travel in the environment, never on a command line (/proc/<pid>/cmdline)
         if self.config.worker_token:
             env["KNITTRANS_WORKER_TOKEN"] = self.config.worker_token

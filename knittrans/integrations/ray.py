@@ -23,14 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knittrans.procs import stop_process, wait_ready
+from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
 
 __all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
@@ -67,7 +66,7 @@ class _KnitTransProcess:
             self._ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "knittrans.cli", *argv],
+                knittrans_command(*argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
@@ -198,17 +197,7 @@ def start_control_plane(
     ray = _ray()
     node = ray_node_id or ray.get_runtime_context().get_node_id()
     ip = next(n["NodeManagerAddress"] for n in _alive_nodes(ray) if n["NodeID"] == node)
-    argv = [
-        "control-plane",
-        "--db",
-        str(Path(work_dir) / "control.db"),
-        "--host",
-        ip,
-        "--port",
-        str(port),
-        "--node-timeout-s",
-        str(node_timeout_s),
-    ]
+    argv = control_plane_args(Path(work_dir) / "control.db", port=port, host=ip, node_timeout_s=node_timeout_s)
     if worker_token:
         argv += ["--worker-token", worker_token]
     if admin_token:
