@@ -53,9 +53,24 @@ def kill_namespace_processes(ns: str) -> None:
             os.kill(int(pid), 9)
 
 
+def _owner_alive(ns: str) -> bool:
+    """Whether the process that made ``ns`` (``kttest-<pid>-...``) still runs: its lab is in use."""
+    pid = ns[len(PREFIX) :].split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def clean_leftovers(prefix: str = PREFIX) -> list[str]:
-    """Remove namespaces (and with them their veths and bridge) of earlier runs; returns their names."""
-    found = our_namespaces(prefix)
+    """Remove namespaces (and with them their veths and bridge) of earlier runs whose process is gone
+    (another run's lab, still in use, is left alone); returns their names."""
+    found = [ns for ns in our_namespaces(prefix) if prefix != PREFIX or not _owner_alive(ns)]
     for ns in found:
         kill_namespace_processes(ns)
         ip("netns", "del", ns, check=False)

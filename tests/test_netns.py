@@ -20,13 +20,15 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from netns_support import Lab, Probe, lab
+from netns_support import PREFIX, Lab, Probe, clean_leftovers, ip, lab, our_namespaces
 
 from knittrans.plans import RankPlan
 from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command
@@ -81,6 +83,24 @@ def _records(work: Path) -> list[dict[str, Any]]:
     for path in sorted(work.glob("rank-*.jsonl")):
         out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return out
+
+
+def test_leftover_cleanup_spares_labs_of_running_processes() -> None:
+    """A new lab removes the namespaces of runs whose process is gone, not those of a run still going
+    (another test session or benchmark using its lab at the same moment)."""
+    assert os.geteuid() == 0, "needs root to create network namespaces (CI runs as root)"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    live, stale = f"{PREFIX}1-probe", f"{PREFIX}{gone.pid}-probe"  # pid 1 always runs
+    for ns in (live, stale):
+        ip("netns", "add", ns)
+    try:
+        removed = clean_leftovers()
+        assert stale in removed and live not in removed
+        assert live in our_namespaces() and stale not in our_namespaces()
+    finally:
+        for ns in (live, stale):
+            ip("netns", "del", ns, check=False)
 
 
 def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
