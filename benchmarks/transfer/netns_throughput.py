@@ -11,16 +11,22 @@ script, which times
 
 for units of 16 and 256 MiB and S = 1 and 4. Every figure is the median of ``--runs`` repetitions,
 measured alternately in one run; the ratio ``doget / tcp`` is the headline (target >= 0.8 with 4
-streams). Writes JSON + markdown to ``benchmarks/transfer/results/netns_throughput.{json,md}``.
+streams). After the timed runs, each method moves ``--cpu-mib`` more MiB per case while the CPU time
+(user + system) of both ends is clocked: the client process (``getrusage``) and the store process or
+the raw sender (``/proc/<pid>/stat``), with the client's minor page faults. Both ends share the
+host's cores, so ``tcp CPU / doget CPU`` is about the throughput ratio the CPU alone allows.
+Writes JSON + markdown to ``benchmarks/transfer/results/netns_throughput.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import struct
@@ -96,6 +102,31 @@ def tcp_receive(host: str, port: int, nbytes: int, streams: int) -> float:
     return dt
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_gb(transfer: Any, nbytes: int, total: int, peer_pid: int) -> dict[str, float]:
+    """CPU seconds per GB of both ends (and the client's minor faults per GB) over ``total`` bytes of ``transfer()``."""
+    reps = max(1, -(-total // nbytes))
+    ru0, peer0 = resource.getrusage(resource.RUSAGE_SELF), proc_cpu_s(peer_pid)
+    for _ in range(reps):
+        transfer()
+    ru1, peer1 = resource.getrusage(resource.RUSAGE_SELF), proc_cpu_s(peer_pid)
+    gb = reps * nbytes / 1e9
+    client = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
+    return {
+        "client_s_per_GB": client / gb,
+        "client_user_s_per_GB": (ru1.ru_utime - ru0.ru_utime) / gb,
+        "server_s_per_GB": (peer1 - peer0) / gb,
+        "total_s_per_GB": (client + peer1 - peer0) / gb,
+        "client_faults_per_GB": (ru1.ru_minflt - ru0.ru_minflt) / gb,
+        "GB": gb,
+    }
+
+
 def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
     """Seconds and payload bytes of reading ``tickets`` in parallel, one client (connection) each."""
     start = threading.Barrier(len(clients) + 1)
@@ -134,6 +165,12 @@ def client_main(args: argparse.Namespace) -> None:
             for _ in range(args.runs):
                 t_get.append(doget(clients, tickets)[0])
                 t_tcp.append(tcp_receive(args.tcp_host, TCP_PORT, nbytes, streams))
+            get_all = functools.partial(doget, clients, tickets)
+            tcp_all = functools.partial(tcp_receive, args.tcp_host, TCP_PORT, nbytes, streams)
+            cpu: dict[str, list[dict[str, float]]] = {"doget": [], "tcp": []}
+            for _ in range(2):  # alternate, like the timed runs
+                cpu["doget"].append(cpu_per_gb(get_all, nbytes, args.cpu_mib * MiB, args.store_pid))
+                cpu["tcp"].append(cpu_per_gb(tcp_all, nbytes, args.cpu_mib * MiB, args.tcp_pid))
             for c in clients:
                 c.close()
             get_gbps = [nbytes / t / 1e9 for t in t_get]
@@ -148,10 +185,17 @@ def client_main(args: argparse.Namespace) -> None:
                 "doget_GBps": get_gbps,
                 "tcp_GBps": tcp_gbps,
                 "ratio_median": statistics.median(get_gbps) / statistics.median(tcp_gbps),
+                "doget_GBps_slowest": min(get_gbps),
+                "tcp_GBps_slowest": min(tcp_gbps),
+                "cpu": {m: {k: statistics.median(x[k] for x in xs) for k in xs[0]} for m, xs in cpu.items()},
             }
+            cpu_get, cpu_tcp = out[key]["cpu"]["doget"], out[key]["cpu"]["tcp"]
+            out[key]["cpu_ratio"] = cpu_tcp["total_s_per_GB"] / cpu_get["total_s_per_GB"]
             print(
                 f"[netns] {key}: DoGet {out[key]['doget_GBps_median']:.2f} GB/s, "
-                f"TCP {out[key]['tcp_GBps_median']:.2f} GB/s",
+                f"TCP {out[key]['tcp_GBps_median']:.2f} GB/s; CPU s/GB client + server: "
+                f"DoGet {cpu_get['client_s_per_GB']:.2f} + {cpu_get['server_s_per_GB']:.2f}, "
+                f"TCP {cpu_tcp['client_s_per_GB']:.2f} + {cpu_tcp['server_s_per_GB']:.2f}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -180,10 +224,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 MiB only, 3 runs")
     parser.add_argument("--runs", type=int, default=None, help="repetitions per figure (default 7, quick 3)")
+    parser.add_argument(
+        "--cpu-mib", type=int, default=None, help="MiB per method and case clocked for CPU (default 1024, quick 256)"
+    )
+    parser.add_argument(
+        "--client-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the client (trainer side) process, e.g. GLIBC_TUNABLES=...; repeatable, recorded",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "netns_throughput")
     args = parser.parse_args()
     runs = args.runs or (3 if args.quick else 7)
     sizes = [16] if args.quick else [16, 256]
+    cpu_mib = args.cpu_mib or (256 if args.quick else 1024)
+    if any("=" not in e or e.startswith("=") for e in args.client_env):
+        parser.error(f"--client-env takes KEY=VALUE, not {args.client_env}")
     if os.geteuid() != 0:
         log("needs root for ip netns; nothing measured")
         return 2
@@ -192,13 +249,14 @@ def main() -> int:
 
     from knittrans.procs import ProcessGroup, knittrans_command, wait_until
 
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="knittrans-netns-", dir="/dev/shm"))
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with lab(["store", "trainer"]) as the_lab, ProcessGroup(work / "logs") as procs:
         store_ip = the_lab.hosts["store"]
         endpoint = f"grpc://{store_ip}:{STORE_PORT}"
         ready = work / "store.ready"
-        procs.start(
+        store = procs.start(
             "store",
             knittrans_command(
                 "--log-level",
@@ -252,6 +310,8 @@ def main() -> int:
         client = subprocess.run(
             [
                 *the_lab.exec_prefix("trainer"),
+                "env",
+                *args.client_env,
                 sys.executable,
                 __file__,
                 "client",
@@ -263,6 +323,12 @@ def main() -> int:
                 json.dumps(units),
                 "--runs",
                 str(runs),
+                "--cpu-mib",
+                str(cpu_mib),
+                "--store-pid",
+                str(store.pid),
+                "--tcp-pid",
+                str(tcp.pid),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -279,6 +345,9 @@ def main() -> int:
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
+        "load_avg_1m_before": load_before,
+        "cpu_mib": cpu_mib,
+        "client_env": args.client_env,
         "commit": _commit(),
         "runs": runs,
         "results": results,
@@ -286,16 +355,36 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    lines = ["| unit | streams | DoGet GB/s | raw TCP GB/s | DoGet / TCP |", "|---|---|---|---|---|"]
+    lines = [
+        "| unit | streams | DoGet GB/s | raw TCP GB/s | DoGet / TCP | slowest run DoGet / TCP GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    cpu_lines = [
+        "| unit | streams | DoGet client | DoGet server | raw TCP client | raw TCP sender | TCP / DoGet total "
+        "| client faults/GB DoGet / TCP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results.values():
+        unit = f"{r['bytes'] / MiB:.0f} MiB"
         lines.append(
-            f"| {r['bytes'] / MiB:.0f} MiB | {r['streams']} | {r['doget_GBps_median']:.2f} | "
-            f"{r['tcp_GBps_median']:.2f} | {r['ratio_median']:.2f} |"
+            f"| {unit} | {r['streams']} | {r['doget_GBps_median']:.2f} | {r['tcp_GBps_median']:.2f} | "
+            f"{r['ratio_median']:.2f} | {r['doget_GBps_slowest']:.2f} / {r['tcp_GBps_slowest']:.2f} |"
+        )
+        g, t = r["cpu"]["doget"], r["cpu"]["tcp"]
+        cpu_lines.append(
+            f"| {unit} | {r['streams']} | {g['client_s_per_GB']:.2f} | {g['server_s_per_GB']:.2f} | "
+            f"{t['client_s_per_GB']:.2f} | {t['server_s_per_GB']:.2f} | {r['cpu_ratio']:.2f} | "
+            f"{g['client_faults_per_GB'] / 1e3:.0f}k / {t['client_faults_per_GB'] / 1e3:.0f}k |"
         )
     md = (
         f"# Cross-host throughput (veth between network namespaces)\n\n{platform.platform()}, "
-        f"{os.cpu_count()} CPUs, load {report['load_avg_1m']:.1f}, commit {report['commit']}, median of {runs} "
-        f"runs\n\n" + "\n".join(lines) + "\n"
+        f"{os.cpu_count()} CPUs, load {report['load_avg_1m']:.1f} (before: {load_before:.1f}), "
+        f"commit {report['commit']}, median of {runs} runs"
+        + (f", client environment `{' '.join(args.client_env)}`" if args.client_env else "")
+        + "\n\n"
+        + "\n".join(lines)
+        + f"\n\nCPU seconds per GB moved (user + system, median of 2 alternating passes of {cpu_mib} MiB per "
+        "method and case):\n\n" + "\n".join(cpu_lines) + "\n"
     )
     args.out.with_suffix(".md").write_text(md)
     print(md)
@@ -320,6 +409,9 @@ if __name__ == "__main__":
         p.add_argument("--tcp-host", required=True)
         p.add_argument("--units", required=True)
         p.add_argument("--runs", type=int, required=True)
+        p.add_argument("--cpu-mib", type=int, required=True)
+        p.add_argument("--store-pid", type=int, required=True)
+        p.add_argument("--tcp-pid", type=int, required=True)
         p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
         client_main(p.parse_args())
     else:
