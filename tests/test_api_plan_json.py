@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from knittrans.api import planjson
 from knittrans.api.planjson import render_rank_plan_json
 from knittrans.api.plans import Signer, render_rank_plan
 from knittrans.descriptors import GroupRecord
@@ -85,9 +86,17 @@ def _args(groups: dict[str, tuple[GroupRecord, str, str]], rank: int, **over: An
 
 @pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("columns", [None, ["prompt_ids", "response_ids", "reward_model_score"]])
-def test_same_bytes_as_the_dataclass_renderer(signed: bool, columns: list[str] | None) -> None:
+def test_same_bytes_as_the_dataclass_renderer(
+    signed: bool, columns: list[str] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ordered layouts (what the scheduler makes): several micro-batches, nodes, units per node, row gaps,
-    media shared between groups and nodes, signed tickets, a projection with a user field, null optionals."""
+    media shared between groups and nodes, signed tickets, a projection with a user field, null optionals,
+    characters JSON escapes; all written by the fast path (never its fallback to the dataclasses)."""
+
+    def no_fallback(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("an ordered layout fell back to the dataclass renderer")
+
+    monkeypatch.setattr(planjson, "render_rank_plan", no_fallback)
     rng = random.Random(18)
     groups = _groups(rng, 24, nodes=3)
     seen_media = seen_grants = False
@@ -104,6 +113,9 @@ def test_same_bytes_as_the_dataclass_renderer(signed: bool, columns: list[str] |
         if rank % 5 == 0:
             over["mini_batch_trajectories"] = None
             over["admitted_at"] = None
+        if rank % 7 == 0:  # characters JSON escapes (the plan is not ASCII-escaped, its tickets are)
+            over["endpoint"] = lambda node: f'grpc://h\u00f4te-"{node}"\\:1\n'
+            over["columns"] = [*(columns or []), 'r\u00e9ward "x"'] if columns else None
         old, new = _both("job1", layout, **_args(groups, rank, **over))
         assert isinstance(old, bytes), old
         assert new == old

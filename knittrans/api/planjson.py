@@ -4,18 +4,20 @@
 fetches, media, :class:`~knittrans.tickets.Ticket` objects, each checked as it is made) that the
 control plane then turns into a dict and JSON. At 1,024 ranks that is done 1,024 times per
 mini-batch on the state thread, on the path from admission to the ranks' plans. Here the same
-JSON value is built from the layout as plain dicts and lists and encoded once, byte for byte what
-``json.dumps(render_rank_plan(...).to_json(), ensure_ascii=False, allow_nan=False,
-separators=(",", ":"))`` gives (a test compares the two on plans with media, columns and signed
-tickets). What the dataclasses would refuse (a row read twice or out of order in one ticket, a
-node's rows not contiguous) cannot come out of the scheduler; should a layout hold it anyway, the
-plan is rendered by the dataclass path, which raises as it always did.
+JSON text is written straight from the layout, strings through the ``json`` encoder's own (C)
+escaping functions: byte for byte what ``json.dumps(render_rank_plan(...).to_json(),
+ensure_ascii=False, allow_nan=False, separators=(",", ":"))`` gives (a test compares the two on
+plans with media, a projection and signed tickets). What the dataclasses would refuse (a row read
+twice or out of order in one ticket, a node's rows not contiguous) cannot come out of the scheduler;
+should a layout hold it anyway, the plan is rendered by the dataclass path, which raises as it
+always did.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any
 
 from knittrans.api.plans import Signer, render_rank_plan
@@ -27,7 +29,9 @@ __all__ = ["PLAN_ENCODER", "render_rank_plan_json"]
 
 PLAN_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 """The encoder of a plan body (what ``json.dumps`` with these arguments makes anew on every call)."""
-_TICKET = json.JSONEncoder(separators=(",", ":")).encode  # Ticket.encode's json.dumps
+_value = PLAN_ENCODER.encode  # a number or null, as the plan's encoder writes it (NaN refused)
+_esc = encode_basestring  # a string as PLAN_ENCODER writes it (ensure_ascii=False)
+_esc_ascii = encode_basestring_ascii  # a string as Ticket.encode's json.dumps writes it
 
 
 class _Unusual(Exception):
@@ -70,13 +74,12 @@ def render_rank_plan_json(
             admitted_at=admitted_at,
         )
         return PLAN_ENCODER.encode(plan.to_json()).encode()
-    body["mini_batch_trajectories"] = mini_batch_trajectories
-    body["admitted_at"] = admitted_at
-    return PLAN_ENCODER.encode(body).encode()
+    tail = f',"mini_batch_trajectories":{_value(mini_batch_trajectories)},"admitted_at":{_value(admitted_at)}}}'
+    return (body + tail).encode()
 
 
-# one micro-batch before its tickets are encoded: rows (JSON), tokens, per node [(unit, ranges)], media
-_Micro = tuple[list[dict[str, Any]], int, dict[str, list[tuple[str, list[list[int]]]]], dict[str, tuple[str, str]]]
+# one micro-batch before its tickets are written: rows (JSON text each), tokens, per node [(unit, ranges)], media
+_Micro = tuple[list[str], int, dict[str, list[tuple[str, list[list[int]]]]], dict[str, tuple[str, str]]]
 
 
 def _body(
@@ -91,9 +94,12 @@ def _body(
     endpoint: Callable[[str], str],
     columns: Sequence[str] | None,
     sign: Signer | None,
-) -> dict[str, Any]:
-    micros = [_micro(pairs, where) for pairs in micro_batches]
-    grants: dict[str, list[str]] = {}
+) -> str:
+    """The plan's JSON text up to (without) ``mini_batch_trajectories``: what ``json.dumps`` writes for
+    ``to_json()``, written piece by piece (strings through the encoder's own escaping functions)."""
+    job_text = _esc(job)
+    micros = [_micro(pairs, where, job_text) for pairs in micro_batches]
+    grants: dict[str, str] = {}
     if sign is not None:  # one grant per node, for all of the rank's reads and media there (plans._sign)
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
         media: dict[str, dict[str, str]] = {}
@@ -104,57 +110,56 @@ def _body(
                     node.setdefault(unit_id, []).extend((start, stop) for start, stop in ranges)
             for h, (node_id, unit_id) in hashes.items():
                 media.setdefault(node_id, {})[h] = unit_id
-        grants = {node: [sign(reads.get(node, {}), media.get(node, {}))] for node in {*reads, *media}}
+        grants = {
+            node: ',"grants":[' + _esc_ascii(sign(reads.get(node, {}), media.get(node, {}))) + "]"
+            for node in {*reads, *media}
+        }
     endpoints: dict[str, str] = {}
 
-    def at(node_id: str) -> str:
+    def at(node_id: str) -> str:  # '"node_id":...,"endpoint":...' of a node
         found = endpoints.get(node_id)
         if found is None:
-            found = endpoints[node_id] = endpoint(node_id)
+            found = endpoints[node_id] = f'"node_id":{_esc(node_id)},"endpoint":{_esc(endpoint(node_id))}'
         return found
 
-    cols = list(columns) if columns else None
-    out = []
+    job_ascii = _esc_ascii(job)
+    cols = "" if not columns else ',"columns":[' + ",".join(map(_esc_ascii, columns)) + "]"
+    parts = []
     total = 0
     for index, (rows, tokens, per_node, hashes) in enumerate(micros):
         total += tokens
         fetches = []
         for node_id, runs in per_node.items():
-            ticket: dict[str, Any] = {
-                "v": TICKET_VERSION,
-                "kind": "rows",
-                "job": job,
-                "reads": [{"unit": unit_id, "rows": ranges} for unit_id, ranges in runs],
-            }
-            if cols is not None:
-                ticket["columns"] = cols
-            if node_id in grants:
-                ticket["grants"] = grants[node_id]
-            fetches.append({"node_id": node_id, "endpoint": at(node_id), "ticket": _TICKET(ticket)})
+            reads_text = ",".join(
+                '{"unit":' + _esc_ascii(unit_id) + ',"rows":[' + ",".join(f"[{a},{b}]" for a, b in ranges) + "]}"
+                for unit_id, ranges in runs
+            )
+            ticket = f'{{"v":{TICKET_VERSION},"kind":"rows","job":{job_ascii},"reads":[{reads_text}]{cols}'
+            ticket += grants.get(node_id, "") + "}"
+            fetches.append(f'{{{at(node_id)},"ticket":{_esc(ticket)}}}')
         media_out = []
         for h, (node_id, unit_id) in hashes.items():
-            ticket = {"v": TICKET_VERSION, "kind": "media", "job": job, "reads": [{"unit": unit_id, "rows": []}]}
-            ticket["media"] = [h]
-            if node_id in grants:
-                ticket["grants"] = grants[node_id]
-            media_out.append({"hash": h, "node_id": node_id, "endpoint": at(node_id), "ticket": _TICKET(ticket)})
-        out.append({"index": index, "num_tokens": tokens, "rows": rows, "fetches": fetches, "media": media_out})
-    return {
-        "plan_id": str(PlanId(n=n, attempt=attempt, rank=rank)),
-        "job": job,
-        "rank": rank,
-        "step": step,
-        "mini_batch_index": k,
-        "global_index": n,
-        "policy_version": n,
-        "num_tokens": total,
-        "micro_batches": out,
-    }
+            ticket = (
+                f'{{"v":{TICKET_VERSION},"kind":"media","job":{job_ascii},"reads":[{{"unit":{_esc_ascii(unit_id)},'
+                f'"rows":[]}}],"media":[{_esc_ascii(h)}]{grants.get(node_id, "")}}}'
+            )
+            media_out.append(f'{{"hash":{_esc(h)},{at(node_id)},"ticket":{_esc(ticket)}}}')
+        parts.append(
+            f'{{"index":{index},"num_tokens":{tokens},"rows":[{",".join(rows)}],"fetches":[{",".join(fetches)}],'
+            f'"media":[{",".join(media_out)}]}}'
+        )
+    plan_id = _esc(str(PlanId(n=n, attempt=attempt, rank=rank)))
+    return (
+        f'{{"plan_id":{plan_id},"job":{job_text},"rank":{rank},"step":{step},"mini_batch_index":{k},'
+        f'"global_index":{n},"policy_version":{n},"num_tokens":{total},"micro_batches":[{",".join(parts)}]'
+    )
 
 
-def _micro(pairs: Sequence[Sequence[Any]], where: Callable[[str], tuple[GroupRecord, str, str]]) -> _Micro:
+def _micro(
+    pairs: Sequence[Sequence[Any]], where: Callable[[str], tuple[GroupRecord, str, str]], job_text: str
+) -> _Micro:
     """One micro-batch's rows, tokens, reads per node (``tickets.node_reads``) and media (first use wins)."""
-    rows: list[dict[str, Any]] = []
+    rows: list[str] = []
     per_node: dict[str, list[tuple[str, list[list[int]]]]] = {}
     media: dict[str, tuple[str, str]] = {}
     tokens = 0
@@ -165,9 +170,12 @@ def _micro(pairs: Sequence[Sequence[Any]], where: Callable[[str], tuple[GroupRec
     for group_id, row in pairs:
         record, unit_id, node_id = where(group_id)
         num_tokens = record.trajectory_tokens[row - record.row_start]
+        if type(row) is not int or type(num_tokens) is not int:
+            raise _Unusual  # written as JSON numbers below only when they are plain ints
         tokens += num_tokens
         rows.append(
-            {"group_id": group_id, "unit_id": unit_id, "node_id": node_id, "row": row, "num_tokens": num_tokens}
+            f'{{"group_id":{_esc(group_id)},"unit_id":{_esc(unit_id)},"node_id":{_esc(node_id)},'
+            f'"row":{row},"num_tokens":{num_tokens}}}'
         )
         for h in record.media_hashes:
             media.setdefault(h, (node_id, unit_id))
