@@ -165,9 +165,9 @@ def write_md(result: dict[str, Any], path: Path) -> None:
 
     def ratio(name: str, key: str) -> float | None:
         m = medians[name]
-        base = medians.get(base_of[name]) if base_of else medians.get(first)
         if base_of and name not in base_of:
-            return None
+            return None  # a baseline configuration itself
+        base = medians.get(base_of[name]) if base_of else medians.get(first)
         return m[key] / base[key] if base and base[key] and m[key] is not None else None
 
     lines = [
