@@ -50,6 +50,8 @@ def one(
         str(args.nodes),
         "--rate",
         str(args.rate),
+        "--rows-per-rank",
+        str(args.rows_per_rank),
         "--think-ms",
         str(think_ms),
         "--out",
@@ -74,6 +76,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--rows-per-rank", type=int, default=1, help="scale.py --rows-per-rank (1 or 8)")
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -171,7 +174,8 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         return m[key] / base[key] if base and base[key] and m[key] is not None else None
 
     lines = [
-        f"# Plan delivery: long-poll vs plan stream ({args.ranks} ranks, {args.nodes} nodes, {args.rate} groups/s)\n",
+        f"# Plan delivery: long-poll vs plan stream ({args.ranks} ranks, {args.nodes} nodes, {args.rate} groups/s, "
+        f"{getattr(args, 'rows_per_rank', 1)} rows per rank)\n",
         f"{result['machine']}, {result['cpus']} CPUs, commit {result['commit']}; {args.runs} runs of "
         f"{args.seconds} s per mode, interleaved; medians over runs.\n",
         f"| configuration | delivery p50 (ms) | delivery p99 (ms) | mean (ms) | p99 vs {base_name} | "

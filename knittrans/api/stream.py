@@ -195,8 +195,8 @@ class PlanStream:
         """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away.
 
         Each ack line is parsed here and queued to the group commit (:meth:`AckBatcher.submit`) with a
-        callback for its outcome: no task per ack (at 1,024 ranks a task per line was a visible part of
-        the loop's time); only a refused ack spawns one, to write its ``ack_error`` line."""
+        callback for its outcome: no task per ack line (1,024 of them per mini-batch at 1,024 ranks); only
+        a refused ack makes one, to write its ``ack_error`` line."""
         buffer = b""
         try:
             while True:
