@@ -50,3 +50,17 @@ def test_scale_smoke_writes_every_figure(tmp_path: Path) -> None:
         "rss_growth_1000_to_end<=10%",
     }
     assert out.with_suffix(".md").read_text().startswith("# Control plane at scale")
+
+
+def test_scale_think_time_paces_the_ranks(tmp_path: Path) -> None:
+    """--think-ms: a rank waits that long on each plan before it acks, so no rank acks more than one plan per
+    think time (an upper bound only: a slow machine consumes fewer), in the long-poll and the stream modes."""
+    for mode in ("next", "stream"):
+        out = tmp_path / f"think_{mode}"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "control_plane" / "scale.py"), "--smoke", "--phases"]
+        cmd += ["delivery", "--ack-mode", mode, "--think-ms", "400", "--rate", "400", "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        d = json.loads(out.with_suffix(".json").read_text())["delivery"]
+        assert d["think_ms"] == 400 and d["ack_mode"] == mode
+        assert 0 < d["mini_batches_consumed"] <= d["seconds"] / 0.4 + 1, d

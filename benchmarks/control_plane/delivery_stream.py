@@ -1,11 +1,14 @@
 """Plan delivery at scale: the rank's long-poll (``next?ack=``) against the plan stream (``.../plans``), interleaved.
 
 Run: ``python benchmarks/control_plane/delivery_stream.py [--runs 3] [--seconds 20] [--ranks 1024]
-[--modes next stream stream-post]``. Each run is one ``scale.py --phases delivery`` (its own server
-process); the modes take turns (next, stream, stream-post, next, ...), so load on the shared
-machine hits them alike. Reported per mode: the median over runs of plan delivery p50/p99 (ms after
-admission), server CPU per mini-batch, mini-batches consumed, the load average around each run,
-and the stream's ratio to ``next``. Results: ``results/delivery_stream.{json,md}`` (``--out``).
+[--modes next stream stream-post] [--think-ms 0 120] [--baseline-source DIR]``. Each run is one
+``scale.py --phases delivery`` (its own server process); the configurations (mode x think time x
+server) take turns (next, stream, stream-post, next, ...), so load on the shared machine hits them
+alike. ``--baseline-source``: a directory holding another checkout's ``knittrans`` package (e.g. main's,
+``git archive main knittrans | tar -x -C DIR``) that runs as a second server for each configuration.
+Reported per configuration: the median over runs of plan delivery p50/p99/mean (ms after admission),
+server CPU per mini-batch, mini-batches consumed, the load average around each run, and the ratio to
+the baseline server (else to the first configuration). Results: ``results/delivery_stream.{json,md}`` (``--out``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def one(spec: str, args: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
-    """One ``scale.py`` run of ``spec``: an ack mode, optionally ``@<parser>`` (the server's ``--http``)."""
+def one(
+    spec: str, think_ms: float, source: Path | None, args: argparse.Namespace, work: Path, i: int
+) -> dict[str, Any]:
+    """One ``scale.py`` run of ``spec`` (an ack mode, optionally ``@<parser>``: the server's ``--http``) with
+    the ranks' think time, the server from ``source`` (None: this checkout)."""
     mode, _, http = spec.partition("@")
-    out = work / f"{mode}_{http or 'default'}_{i}"
+    out = work / f"{mode}_{http or 'default'}_{think_ms:g}_{'base' if source else 'wt'}_{i}"
     cmd = [
         sys.executable,
         str(HERE / "scale.py"),
@@ -44,9 +50,14 @@ def one(spec: str, args: argparse.Namespace, work: Path, i: int) -> dict[str, An
         str(args.nodes),
         "--rate",
         str(args.rate),
+        "--rows-per-rank",
+        str(args.rows_per_rank),
+        "--think-ms",
+        str(think_ms),
         "--out",
         str(out),
         *(["--server-http", http] if http else []),
+        *(["--server-source", str(source)] if source else []),
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
@@ -65,19 +76,37 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--rows-per-rank", type=int, default=1, help="scale.py --rows-per-rank (1 or 8)")
     parser.add_argument(
         "--modes",
         nargs="+",
         default=["next", "stream", "stream-post"],
         help="ack modes of scale.py, each optionally MODE@PARSER (the server's --http: h11, httptools)",
     )
+    parser.add_argument(
+        "--think-ms", type=float, nargs="+", default=[0.0], help="the ranks' think times to run (scale.py --think-ms)"
+    )
+    parser.add_argument(
+        "--baseline-source",
+        type=Path,
+        default=None,
+        help="directory holding another checkout's knittrans package: each configuration also runs on that server",
+    )
+    parser.add_argument("--baseline-label", default="base", help="what --baseline-source is (e.g. main@<commit>)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "delivery_stream")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="knittrans-delivery-stream-"))
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
+    servers: list[Path | None] = [None] + ([args.baseline_source.resolve()] if args.baseline_source else [])
+    configs = [
+        (f"{mode} think {think:g}" + (f" {args.baseline_label}" if source else ""), mode, think, source)
+        for think in args.think_ms
+        for mode in args.modes
+        for source in servers
+    ]
+    runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
     for i in range(args.runs):
-        for mode in args.modes:
-            r = one(mode, args, work, i)
+        for name, mode, think, source in configs:
+            r = one(mode, think, source, args, work, i)
             d = r["delivery"]
             row = {
                 "run": i,
@@ -85,6 +114,7 @@ def main() -> int:
                 "load_avg_1m_end": r["load_avg_1m_end"],
                 "p50_ms": d["plan_delivery_ms"]["p50"],
                 "p99_ms": d["plan_delivery_ms"]["p99"],
+                "mean_ms": d["plan_delivery_ms"]["mean"],
                 "max_ms": d["plan_delivery_ms"]["max"],
                 "mini_batches_consumed": d["mini_batches_consumed"],
                 "server_cpu_ms_per_mini_batch": d["server_cpu_ms_per_mini_batch"],
@@ -92,11 +122,12 @@ def main() -> int:
                 "registration_p99_ms": d["registration_request_ms"]["p99"],
                 "plans_delivered": d["plans_delivered"],
             }
-            runs[mode].append(row)
-            print(f"[delivery_stream] run {i} {mode}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            runs[name].append(row)
+            print(f"[delivery_stream] run {i} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
     keys = [
         "p50_ms",
         "p99_ms",
+        "mean_ms",
         "server_cpu_ms_per_mini_batch",
         "mini_batches_consumed",
         "server_cpu_share",
@@ -113,6 +144,7 @@ def main() -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "runs": runs,
         "medians": medians,
+        "baselines": {c[0]: (f"{c[1]} think {c[2]:g}" if c[3] else None) for c in configs},
         "target_p99_ms": 50.0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,28 +157,38 @@ def write_md(result: dict[str, Any], path: Path) -> None:
     """The table of ``result`` (medians per mode, ratios to ``next``) as Markdown at ``path``."""
     args = argparse.Namespace(**result["args"])
     runs, medians = result["runs"], result["medians"]
-    base_name = "next" if "next" in medians else next(iter(medians))
-    base = medians.get(base_name)
+    first = "next" if "next" in medians else next(iter(medians))
+    baselines: dict[str, str | None] = result.get("baselines") or {}
+    # with a baseline server: each configuration's ratio of this checkout's server to the baseline's
+    base_of = {b: name for name, b in baselines.items() if b}
+    base_name = "baseline server" if base_of else first
 
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "–" if v is None else format(v, fmt)
 
-    def ratio(m: dict[str, Any], key: str) -> float | None:
+    def ratio(name: str, key: str) -> float | None:
+        m = medians[name]
+        if base_of and name not in base_of:
+            return None  # a baseline configuration itself
+        base = medians.get(base_of[name]) if base_of else medians.get(first)
         return m[key] / base[key] if base and base[key] and m[key] is not None else None
 
     lines = [
-        f"# Plan delivery: long-poll vs plan stream ({args.ranks} ranks, {args.nodes} nodes, {args.rate} groups/s)\n",
+        f"# Plan delivery: long-poll vs plan stream ({args.ranks} ranks, {args.nodes} nodes, {args.rate} groups/s, "
+        f"{getattr(args, 'rows_per_rank', 1)} rows per rank)\n",
         f"{result['machine']}, {result['cpus']} CPUs, commit {result['commit']}; {args.runs} runs of "
         f"{args.seconds} s per mode, interleaved; medians over runs.\n",
-        f"| mode | delivery p50 (ms) | delivery p99 (ms) | p99 vs {base_name} | server CPU / mini-batch (ms) | "
-        f"CPU vs {base_name} | mini-batches | server CPU share | load 1m (start of each run) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| configuration | delivery p50 (ms) | delivery p99 (ms) | mean (ms) | p99 vs {base_name} | "
+        f"server CPU / mini-batch (ms) | CPU vs {base_name} | mini-batches | server CPU share | "
+        "load 1m (start of each run) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in medians.items():
         loads = ", ".join(f"{row['load_avg_1m_start']:.1f}" for row in runs[mode])
         lines.append(
-            f"| {mode} | {f(m['p50_ms'])} | {f(m['p99_ms'])} | {f(ratio(m, 'p99_ms'), '.2f')} | "
-            f"{f(m['server_cpu_ms_per_mini_batch'])} | {f(ratio(m, 'server_cpu_ms_per_mini_batch'), '.2f')} | "
+            f"| {mode} | {f(m['p50_ms'])} | {f(m['p99_ms'])} | {f(m.get('mean_ms'))} | "
+            f"{f(ratio(mode, 'p99_ms'), '.2f')} | "
+            f"{f(m['server_cpu_ms_per_mini_batch'])} | {f(ratio(mode, 'server_cpu_ms_per_mini_batch'), '.2f')} | "
             f"{f(m['mini_batches_consumed'], '.0f')} | {f((m['server_cpu_share'] or 0) * 100, '.0f')} % | {loads} |"
         )
     lines += [
@@ -159,7 +201,8 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         "from sending the ack, for `post` from the `next` request after the ack returned (its ack round trip "
         "is not in the figure). Server CPU per mini-batch compares across modes; the latencies depend on how "
         "far each mode saturates the server. `MODE@PARSER`: the server ran with `--http PARSER` (uvicorn's "
-        "HTTP/1.1 implementation). Target: delivery p99 <= 50 ms.",
+        "HTTP/1.1 implementation). `think T`: each rank computes T ms on a plan before it acks and asks "
+        "for the next (scale.py --think-ms). Target: delivery p99 <= 50 ms.",
     ]
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

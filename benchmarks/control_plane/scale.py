@@ -1,7 +1,8 @@
 """Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
 
 Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
-[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post|stream|stream-post] [--mini-batches 10000]``. Three phases
+[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post|stream|stream-post] [--think-ms 0]
+[--mini-batches 10000]``. Three phases
 against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each on its own job:
 
 * ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
@@ -12,7 +13,10 @@ against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each
   ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``); or each rank holds
   one plan stream (``.../plans``) for the whole run and reads its plans as lines, acking as lines of the
   stream's chunked request body (``--ack-mode stream``) or by ``POST .../ack`` (``--ack-mode
-  stream-post``, what the trainer client does). Reported: plan
+  stream-post``, what the trainer client does). ``--think-ms`` (default 0) is the rank's compute time per
+  plan: a rank that has a plan "trains" that long before it acks and asks for the next one, as a
+  trainer does between mini-batches (1,000 groups/s of 128-group mini-batches is ~128 ms each); with 0
+  every rank acks at once and its ack competes with the next admission's plans. Reported: plan
   delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
   the moment the rank has parsed the plan; same host, same clock), registration request latency,
   mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
@@ -235,6 +239,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     consumed: dict[int, int] = {}
     errors: list[str] = []
     requests = [0]  # HTTP requests the ranks, nodes and writer made during the timed window
+    think_s = args.think_ms / 1e3
 
     async def heartbeats() -> None:
         conns = [Http("127.0.0.1", port, TOKEN_W) for _ in range(4)]
@@ -287,6 +292,8 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
             # delivery: from admission, or from the request when the plan was admitted before the rank asked
             latencies.append(now - max(plan["admitted_at"], asked))
             ages.append(now - plan["admitted_at"])
+            if think_s:
+                await asyncio.sleep(think_s)  # the rank trains on its plan before it acks
             if args.ack_mode == "next":
                 acked = plan["plan_id"]
                 continue
@@ -336,6 +343,8 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                 now = time.time()
                 latencies.append(now - max(msg["admitted_at"], ready))
                 ages.append(now - msg["admitted_at"])
+                if think_s:
+                    await asyncio.sleep(think_s)  # the rank trains on its plan before it acks
                 ready = time.time()  # from its ack on, the rank waits for its next plan
                 if acks is None:
                     line = json.dumps({"ack": msg["plan_id"]}).encode() + b"\n"
@@ -376,6 +385,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "rows_per_rank": args.rows_per_rank,
         "groups_per_mini_batch": per_mb,
         "ack_mode": args.ack_mode,
+        "think_ms": args.think_ms,
         "seconds": elapsed,
         "mini_batches_consumed": mbs,
         "plans_delivered": len(latencies),
@@ -539,6 +549,13 @@ def main() -> int:
         "lack it), 'stream' (one POST .../plans per rank for the whole run: plans are lines of its response, acks "
         "lines of its chunked body) or 'stream-post' (GET .../plans, acks by POST .../ack)",
     )
+    parser.add_argument(
+        "--think-ms",
+        type=float,
+        default=0.0,
+        help="delivery phase: how long a rank computes on each plan before it acks and asks for the next "
+        "(0: at once, every rank's ack competes with the next admission's plans)",
+    )
     parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
     parser.add_argument("--registration-batches", type=int, default=20)
     parser.add_argument("--mini-batches", type=int, default=10_000)
@@ -619,7 +636,8 @@ def main() -> int:
             else "| registration request (ms) | – | – | – |",
             "",
             f"{d['rows_per_rank']} rows per rank ({d['groups_per_mini_batch']} groups per mini-batch), acks via "
-            f"{d['ack_mode']!r}; mini-batches consumed: {d['mini_batches_consumed']}; server CPU per mini-batch: "
+            f"{d['ack_mode']!r}, think time {d['think_ms']:g} ms; mini-batches consumed: "
+            f"{d['mini_batches_consumed']}; server CPU per mini-batch: "
             f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms; server CPU busy "
             f"{d['server_cpu_share'] * 100:.0f} % of one core (simulated clients "
             f"{d['clients_cpu_share'] * 100:.0f} %); "

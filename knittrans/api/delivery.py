@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.plans import render_rank_plan
+from knittrans.api.planjson import render_rank_plan_json
 from knittrans.api.records import Kind, mb_key, rank_key, version_key
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, NotFound
 from knittrans.grants import sign_grant
-from knittrans.plans import PlanId, RankPlan
+from knittrans.plans import PlanId
 from knittrans.sched.staleness import ConsumedGroup
 
 __all__ = ["ANSWER_CHUNK", "Answer", "Delivery"]
@@ -137,15 +136,15 @@ class Delivery(JobBase):
         return mb
 
     def _plan_json(self, mb: MiniBatch, rank: int) -> bytes:
-        """``rank``'s plan of ``mb`` as the JSON bytes ``next`` answers, rendered once per rank and mini-batch."""
+        """``rank``'s plan of ``mb`` as the JSON bytes ``next`` answers, rendered once per rank and mini-batch
+        (straight from the layout: :func:`~knittrans.api.planjson.render_rank_plan_json`)."""
         raw = mb.rendered_json.get(rank)
         if raw is None:
-            body = self._render(mb, rank).to_json()
-            raw = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+            raw = render_rank_plan_json(self.name, mb.layout[rank], **self._render_args(mb, rank))
             mb.rendered_json[rank] = raw
         return raw
 
-    def _render(self, mb: MiniBatch, rank: int) -> RankPlan:
+    def _render_args(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
         sign = None
         if self.ticket_key is not None:
             key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
@@ -158,21 +157,19 @@ class Delivery(JobBase):
 
         if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
             mb.rows = sum(len(micro) for share in mb.layout for micro in share)
-        return render_rank_plan(
-            self.name,
-            mb.layout[rank],
-            rank=rank,
-            n=mb.n,
-            attempt=mb.attempt,
-            step=mb.step,
-            k=mb.k,
-            where=self._where,
-            endpoint=self._endpoint,
-            columns=self.spec.columns,
-            sign=sign,
-            mini_batch_trajectories=mb.rows,
-            admitted_at=mb.admitted_at,
-        )
+        return {
+            "rank": rank,
+            "n": mb.n,
+            "attempt": mb.attempt,
+            "step": mb.step,
+            "k": mb.k,
+            "where": self._where,
+            "endpoint": self._endpoint,
+            "columns": self.spec.columns,
+            "sign": sign,
+            "mini_batch_trajectories": mb.rows,
+            "admitted_at": mb.admitted_at,
+        }
 
     def _where(self, group_id: str) -> tuple[GroupRecord, str, str]:
         entry = self.groups[group_id]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -92,6 +93,7 @@ class PlanStream:
         self._sent = False  # a line went out since the last tick
         self._keepalive_due = False
         self._ends_at = float("inf")
+        self._writing: set[asyncio.Task[None]] = set()  # ack_error lines being written
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -190,9 +192,12 @@ class PlanStream:
             self._pusher.cancel()  # only its wait: it sends the keep-alive line and waits again
 
     async def _read(self, receive: Receive, send: Send) -> None:
-        """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away."""
+        """Watch the request: acks from its body (``POST``); cancel the sender when the client goes away.
+
+        Each ack line is parsed here and queued to the group commit (:meth:`AckBatcher.submit`) with a
+        callback for its outcome: no task per ack line (1,024 of them per mini-batch at 1,024 ranks); only
+        a refused ack makes one, to write its ``ack_error`` line."""
         buffer = b""
-        pending: set[asyncio.Task[None]] = set()
         try:
             while True:
                 message = await receive()
@@ -207,31 +212,42 @@ class PlanStream:
                     buffer = b""
                 for line in lines:
                     if line.strip():
-                        task = asyncio.create_task(self._ack(line, send))
-                        pending.add(task)
-                        task.add_done_callback(pending.discard)
+                        self._ack(line, send)
         finally:
             self.close()
 
-    async def _ack(self, line: bytes, send: Send) -> None:
+    def _ack(self, line: bytes, send: Send) -> None:
+        """Queue the ack of one body line; a line that is not an ack is answered with ``ack_error`` at once."""
         plan_id: Any = None
         try:
-            try:
-                plan_id = json.loads(line)["ack"] if len(line) <= _MAX_ACK_LINE else None
-            except (ValueError, TypeError, KeyError):
-                plan_id = None
-            if not isinstance(plan_id, str) or not 0 < len(plan_id) <= 64:
-                raise _BadLine(f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}')
-            result = await self.state.acks.ack(self.job, self.rank, plan_id)
-            self.state.observed.record_ack(self.job, self.rank, result, None, time.time())
-        except (KnitTransError, _BadLine) as exc:
-            kind = "invalid_request" if isinstance(exc, _BadLine) else error_kind(exc)
-            body = {"ack_error": plan_id if isinstance(plan_id, str) else None, "error": kind, "detail": str(exc)}
+            plan_id = json.loads(line)["ack"] if len(line) <= _MAX_ACK_LINE else None
+        except (ValueError, TypeError, KeyError):
+            plan_id = None
+        if not isinstance(plan_id, str) or not 0 < len(plan_id) <= 64:
+            detail = f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}'
+            bad = plan_id if isinstance(plan_id, str) else None
+            self._write_error({"ack_error": bad, "error": "invalid_request", "detail": detail}, send)
+            return
+        future = self.state.acks.submit(self.job, self.rank, plan_id)
+        future.add_done_callback(functools.partial(self._acked, plan_id, send))
+
+    def _acked(self, plan_id: str, send: Send, future: asyncio.Future[dict[str, Any]]) -> None:
+        """The outcome of an ack line (a callback on the loop): recorded, or its ``ack_error`` line written."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            self.state.observed.record_ack(self.job, self.rank, future.result(), None, time.time())
+        elif isinstance(exc, KnitTransError):
+            self._write_error({"ack_error": plan_id, "error": error_kind(exc), "detail": str(exc)}, send)
+        else:
+            logger.error("plan stream of rank %d of job %s: ack %r failed", self.rank, self.job, plan_id, exc_info=exc)
+
+    def _write_error(self, body: dict[str, Any], send: Send) -> None:
+        async def write() -> None:
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": json.dumps(body).encode() + b"\n", "more_body": True})
-        except Exception:
-            logger.exception("plan stream of rank %d of job %s: ack %r failed", self.rank, self.job, plan_id)
 
-
-class _BadLine(Exception):
-    """An ack line that is not ``{"ack": "<plan id>"}``."""
+        task = asyncio.create_task(write())
+        self._writing.add(task)  # held until done (the loop keeps only weak references to tasks)
+        task.add_done_callback(self._writing.discard)

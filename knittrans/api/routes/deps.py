@@ -260,11 +260,16 @@ class AckBatcher:
 
     async def ack(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
         """Ack ``plan_id`` of ``rank``; the service's result, or its error raised."""
+        return await self.submit(job, rank, plan_id)
+
+    def submit(self, job: str, rank: int, plan_id: str) -> asyncio.Future[dict[str, Any]]:
+        """Queue the ack of ``plan_id`` of ``rank`` (on the event loop); the future gets :meth:`ack`'s result
+        or error. For a caller that needs no task of its own per ack (the plan stream's ack lines)."""
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(job, []).append((rank, plan_id, future))
         if self._draining is None or self._draining.done():
             self._draining = asyncio.create_task(self._drain())
-        return await future
+        return future
 
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # acks whose requests the loop is reading now join this batch
