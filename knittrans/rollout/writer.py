@@ -151,11 +151,12 @@ def write_units_across(
     """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
 
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
-    units are built together (as one ``write_units`` call builds its units) and the same-host writers'
-    IPC files written into their temporaries; then every node gets its round trip at the same time (a
-    thread each: ``publish_units``, or the ``DoPut`` upload) while this thread describes all the units,
-    and all the descriptors are registered with ``control`` (default: the first writer's that has one;
-    none at all: not registered) in one request; descriptors per pair, in order.
+    units are built together (as one ``write_units`` call builds its units); then, node by node, a
+    same-host writer's IPC files are written into its temporaries and the node's round trip starts in a
+    thread of its own (``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
+    this thread writes the next node's files and then describes all the units; all the descriptors
+    are registered with ``control`` (default: the first writer's that has one; none at all: not
+    registered) in one request; descriptors per pair, in order.
 
     Storing is all or none across the nodes: when one writer fails, the units the others stored are
     removed and the first failure (in ``batches`` order) is raised. Registration is as in
@@ -179,13 +180,6 @@ def write_units_across(
             built[k] = tables[start : start + len(units)]
             start += len(units)
     staged: list[_Staged] = []
-    try:
-        for (writer, units), tabs in zip(batches, built, strict=True):
-            staged.append(writer._stage(units, [None] * len(units), tabs))
-    except BaseException:
-        for (writer, _), st in zip(batches, staged, strict=False):
-            writer._drop(st)
-        raise
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
     errors: list[BaseException | None] = [None] * len(batches)
 
@@ -195,13 +189,20 @@ def write_units_across(
         except BaseException as exc:  # handed to the caller below
             errors[k] = exc
 
-    threads = [
-        threading.Thread(target=send, args=(k,), name=f"knittrans-write-{k}")
-        for k in range(len(batches))
-        if staged[k].ids
-    ]
-    for t in threads:
-        t.start()
+    threads: list[threading.Thread] = []
+    try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
+        for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
+            staged.append(writer._stage(units, [None] * len(units), tabs))
+            if staged[k].ids:
+                threads.append(threading.Thread(target=send, args=(k,), name=f"knittrans-write-{k}"))
+                threads[-1].start()
+    except BaseException:
+        for t in threads:
+            t.join()
+        for (writer, _), st, info in zip(batches, staged, infos, strict=False):
+            if info:
+                writer._abort(st.ids)
+        raise
     drafts: list[list[UnitDescriptor]] = []
     try:  # while the nodes store the units (the GIL free while this thread describes them)
         drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
@@ -351,11 +352,6 @@ class TrajectoryWriter:
         if staged.entries is None:
             return self.write_tables_many(pairs)
         return self._publish_temps(pairs, staged.entries)
-
-    def _drop(self, staged: _Staged) -> None:
-        """Remove the temporaries of staged units that will not be sent."""
-        for e in staged.entries or ():
-            shutil.rmtree(e["dir"], ignore_errors=True)
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
