@@ -296,3 +296,41 @@ def test_units_record_and_restart_after_bulk_registration(tmp_path: Path) -> Non
         changed["num_bytes"] += 1
         r = c.post(f"/v1/jobs/{JOB}/units", json={"units": [changed]})
         assert r.status_code == 409 and "different descriptor" in r.text
+
+
+def test_fast_path_registers_plain_bodies_and_leaves_the_rest_to_the_app(tmp_path: Path) -> None:
+    """A plain registration is answered before FastAPI's routing with the route's answer; a bad token, an
+    unknown job, a bad body, a conflicting repeat, a query string and an oversized body are answered by the app
+    (documented errors), and a refused registration changes nothing."""
+    with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk", max_body_bytes=4096) as c:
+        c.headers["Authorization"] = "Bearer adm"
+        assert c.post("/v1/jobs", json=job_spec()).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.headers["Authorization"] = "Bearer wrk"
+        counts: dict[str, int] = c.app.state.fast_next  # type: ignore[attr-defined]
+        served, to_app = counts["served"], counts["to_app"]
+        body = {"units": single_group_units(["math", "code"])}
+        r = c.post(f"/v1/jobs/{JOB}/units", json=body)
+        assert r.status_code == 200 and r.json() == {"registered": 2, "duplicates": 0, "admitted": []}, r.text
+        r = c.post(f"/v1/jobs/{JOB}/units", json=body)  # identical repeat: a no-op, still the fast path
+        assert r.json() == {"registered": 0, "duplicates": 2, "admitted": []}
+        assert (counts["served"], counts["to_app"]) == (served + 2, to_app)
+        changed = {"units": single_group_units(["code"])}  # u-g0 again, with another source
+        bad = {"units": single_group_units(["math"], start=5)}
+        bad["units"][0]["groups"][0]["trajectory_tokens"] = [1, True]
+        cases = [
+            (c.post(f"/v1/jobs/{JOB}/units", json=body, headers={"Authorization": "Bearer x"}), 401),
+            (c.post("/v1/jobs/nope/units", json=body), 404),
+            (c.post(f"/v1/jobs/{JOB}/units", json=bad), 422),
+            (c.post(f"/v1/jobs/{JOB}/units", json=changed), 409),
+        ]
+        for response, status in cases:
+            assert response.status_code == status and response.json()["error"], response.text
+        assert counts["to_app"] == to_app + 4 and counts["served"] == served + 2
+        fresh = {"units": single_group_units(["math"], start=7)}
+        assert c.post(f"/v1/jobs/{JOB}/units?x=1", json=fresh).status_code == 200  # a query: the app's
+        big = {"units": single_group_units(["math"] * 40, start=10)}
+        assert c.post(f"/v1/jobs/{JOB}/units", json=big).status_code == 413  # over the body limit: the app's
+        assert counts["served"] == served + 2 and counts["to_app"] == to_app + 4
+        groups = c.app.state.service.jobs[JOB].groups  # type: ignore[attr-defined]  # between requests
+        assert sorted(groups) == ["g0", "g1", "g7"]  # nothing of the refused ones

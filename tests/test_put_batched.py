@@ -582,3 +582,42 @@ def test_published_unit_without_media_has_no_media_file(recording: RecordingServ
     assert restarted.get("job", bare.unit_id).media.num_rows == 0
     client.close()
     writer.close()
+
+
+def test_store_publish_refuses_a_file_that_is_not_the_unit_schema(store_dir: Path) -> None:
+    """A same-host writer cannot publish what the store would not serve: a trajectory file with a column
+    missing, or bytes that are not Arrow IPC, fail the call (naming the file) and leave nothing."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30))
+    units = _written(store_dir / "job", ["a", "b"])
+    traj = build_units_tables(_units(2))[1].traj  # what was written, built again (the file is not mapped)
+    size = write_table(units[1][1] / TRAJ_FILE, traj.drop_columns(["reward"]))
+    size += (units[1][1] / MEDIA_FILE).stat().st_size
+    units[1] = (dataclasses.replace(units[1][0], num_bytes=size), units[1][1])
+    with pytest.raises(SchemaMismatch, match="missing \\['reward'\\]"):
+        store.publish_units("job", [(s, str(d)) for s, d in units])
+    units = _written(store_dir / "job", ["c"], seed=3)
+    (units[0][1] / TRAJ_FILE).write_bytes(b"not arrow")
+    with pytest.raises(SchemaMismatch, match="is not a readable Arrow IPC file"):
+        store.publish_units("job", [(s, str(d)) for s, d in units])
+    assert list((store_dir / "job").iterdir()) == [] and store.budget.used == 0
+    assert store.stats()["pending"] == 0
+
+
+def test_across_failure_while_staging_removes_what_the_earlier_nodes_stored(
+    recording: RecordingServer, store_dir: Path
+) -> None:
+    """``write_units_across`` starts a node's publish as soon as its files are written; when a later
+    writer then fails before its own publish (a bad group id), the units the earlier one published are
+    removed and no temporary is left."""
+    from knittrans.rollout.writer import write_units_across
+
+    w0 = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    w1 = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    bad = _units(2, seed=4)
+    bad[1][0] = _replace(bad[1][0], group_id="no spaces allowed")
+    with pytest.raises(InvalidRequest, match="group_id"):
+        write_units_across([(w0, _units(2)), (w1, bad)])
+    assert "publish_units" in recording.actions  # w0's publish went out before w1 failed
+    assert recording.store.units("job") == [] and list((store_dir / "job").iterdir()) == []
+    w0.close()
+    w1.close()

@@ -33,10 +33,9 @@ SCRIPT = Path(__file__).with_name("put_path.py")
 
 def run_once(tree: Path | None, runs: int, ray_python: Path, out: Path) -> dict[str, Any]:
     env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
-    else:
-        env.pop("PYTHONPATH", None)
+    # the tree's own knittrans, in the script and in the cluster's processes (whatever their working
+    # directory, and ahead of an editable install of another checkout)
+    env["PYTHONPATH"] = str(tree if tree is not None else REPO)
     cmd = [sys.executable, str(SCRIPT), "--runs", str(runs), "--ray-python", str(ray_python), "--out", str(out)]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=1800)
     return dict(json.loads((out / "put_path.json").read_text()))

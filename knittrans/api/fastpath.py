@@ -14,6 +14,13 @@ The same for a rank's plan stream (``.../plans``, :mod:`knittrans.api.stream`), 
 body of acks is not counted by the app's body limit, and for a plain ``POST .../ack`` (a JSON body of
 at most 64 KiB, no query): what the trainer client sends once per rank and mini-batch next to its
 plan stream.
+
+And for a plain ``POST /v1/jobs/{job}/units`` (a JSON body no larger than the app's body limit, no
+query): the registration every rollout writer sends once per ``write_units`` call. The route's own
+steps (:func:`~knittrans.api.routes.units.register_body`) run after the same auth check; FastAPI's
+routing and middleware took about as much of the control plane's CPU per request as the
+registration itself. A refused registration changed nothing (all or none, refused before any
+change), so the app answers it again from the replayed body, with its documented errors.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from typing import Any
 from urllib.parse import parse_qsl
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from knittrans.api.models import AckIn
 from knittrans.api.routes.ranks import serve_next
+from knittrans.api.routes.units import register_body
 from knittrans.api.stream import DEFAULT_KEEPALIVE_S, MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, PlanStream, first_answer
 from knittrans.errors import KnitTransError
 
@@ -42,6 +51,7 @@ logger = logging.getLogger(__name__)
 _NEXT = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/next")
 _PLANS = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/plans")
 _ACK = re.compile(r"/v1/jobs/([^/]+)/ranks/([0-9]{1,9})/ack")
+_UNITS = re.compile(r"/v1/jobs/([^/]+)/units")
 _ACK_IN = TypeAdapter(AckIn)
 _MAX_ACK_BODY = 64 << 10
 _MAX_PLAN_ID = 64  # the route's max_length of ``ack``
@@ -98,6 +108,9 @@ class FastNext:
             if scope["method"] == "POST" and scope["path"].endswith("/ack"):
                 await self._maybe_ack(scope, receive, send)
                 return
+            if scope["method"] == "POST" and scope["path"].endswith("/units"):
+                await self._maybe_register(scope, receive, send)
+                return
             match = _NEXT.fullmatch(scope["path"]) if scope["method"] == "GET" else None
             parsed = _query(scope.get("query_string", b"")) if match is not None else None
             if match is not None and parsed is not None:
@@ -107,30 +120,40 @@ class FastNext:
                     return
         await self.app(scope, receive, send)
 
+    async def _maybe_register(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A plain ``POST .../units`` answered with the route's own steps; anything else, and every error, by the
+        app (its body replayed: a refused registration changed nothing)."""
+        match = _UNITS.fullmatch(scope["path"])
+        state: Any = scope["app"].state
+        try:
+            raw = await _plain_json_body(scope, receive, state.settings.max_body_bytes) if match else None
+        except _ClientGone:
+            return
+        if raw is None or match is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request({**scope, "path_params": {"job": match.group(1)}})
+        try:
+            state.tokens.check_worker(request)
+            result = await state.runner(register_body, state.service, match.group(1), raw)
+        except (KnitTransError, RequestValidationError):
+            state.fast_next["to_app"] += 1
+            await self.app(scope, _replay(raw, receive), send)  # the app answers it (401, 404, 409, 422, 503)
+            return
+        state.fast_next["served"] += 1
+        await JSONResponse(result)(scope, receive, send)
+
     async def _maybe_ack(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A plain ``POST .../ack`` answered with the route's own steps; anything else, and every error, by the app
         (its body replayed: a refused ack changed nothing, a repeated one is a no-op)."""
         match = _ACK.fullmatch(scope["path"])
-        headers = dict(scope.get("headers", ()))
-        length = headers.get(b"content-length", b"")
-        plain = (
-            match is not None
-            and not scope.get("query_string")
-            and headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
-            and length.isdigit()
-            and int(length) <= _MAX_ACK_BODY
-        )
-        if not plain or match is None:
+        try:
+            raw = await _plain_json_body(scope, receive, _MAX_ACK_BODY) if match else None
+        except _ClientGone:
+            return
+        if raw is None or match is None:
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: nothing to answer
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        raw = b"".join(chunks)
         state: Any = scope["app"].state
         job, rank = match.group(1), int(match.group(2))
         request = Request({**scope, "path_params": {"job": job, "rank": match.group(2)}})
@@ -183,6 +206,32 @@ class FastNext:
             return None
         counts["served"] += 1
         return response
+
+
+class _ClientGone(Exception):
+    """The client went away before sending its whole body: nothing to answer."""
+
+
+async def _plain_json_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
+    """The body of a request with no query, a JSON content type and a declared length of at most
+    ``max_bytes``; None (nothing read) for any other request. Raises :class:`_ClientGone`."""
+    headers = dict(scope.get("headers", ()))
+    length = headers.get(b"content-length", b"")
+    if (
+        scope.get("query_string")
+        or headers.get(b"content-type", b"").split(b";")[0].strip() != b"application/json"
+        or not length.isdigit()
+        or int(length) > max_bytes
+    ):
+        return None
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

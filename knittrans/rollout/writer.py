@@ -131,6 +131,18 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A writer's units ready to go to its node: built, names checked, and (same host) their IPC files
+    already written into the writer's temporaries, so that what is left is the node's round trip."""
+
+    ids: list[str]
+    units: Sequence[Sequence[TrajectoryGroup]]
+    tables: Sequence[UnitTables]
+    entries: list[dict[str, Any]] | None
+    """Same host: the ``publish_units`` entries of the temporaries written; None: nothing written yet."""
+
+
 def write_units_across(
     batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]]]],
     *,
@@ -139,10 +151,12 @@ def write_units_across(
     """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
 
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
-    units are built together (as one ``write_units`` call builds its units); each writer then stores
-    and seals its units in its own thread (the nodes work at the same time; the waits on them
-    overlap), then all the descriptors are registered with ``control`` (default: the first writer's that
-    has one; none at all: not registered) in one request; descriptors per pair, in order.
+    units are built together (as one ``write_units`` call builds its units); then, node by node, a
+    same-host writer's IPC files are written into its temporaries and the node's round trip starts in a
+    thread of its own (``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
+    this thread writes the next node's files and then describes all the units; all the descriptors
+    are registered with ``control`` (default: the first writer's that has one; none at all: not
+    registered) in one request; descriptors per pair, in order.
 
     Storing is all or none across the nodes: when one writer fails, the units the others stored are
     removed and the first failure (in ``batches`` order) is raised. Registration is as in
@@ -157,8 +171,6 @@ def write_units_across(
         raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
     if control is None:
         control = next((w.control for w, _ in batches if w.control is not None), None)
-    results: list[list[UnitDescriptor] | None] = [None] * len(batches)
-    errors: list[BaseException | None] = [None] * len(batches)
     built: list[Sequence[UnitTables] | None] = [None] * len(batches)
     fields = batches[0][0].user_fields
     if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
@@ -167,31 +179,54 @@ def write_units_across(
         for k, (_, units) in enumerate(batches):
             built[k] = tables[start : start + len(units)]
             start += len(units)
+    staged: list[_Staged] = []
+    infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
+    errors: list[BaseException | None] = [None] * len(batches)
 
-    def store(k: int) -> None:
-        writer, units = batches[k]
+    def send(k: int) -> None:
         try:
-            results[k] = writer._store(units, [None] * len(units), built[k])
+            infos[k] = batches[k][0]._send(staged[k])
         except BaseException as exc:  # handed to the caller below
             errors[k] = exc
 
-    threads = [threading.Thread(target=store, args=(k,), name=f"knittrans-write-{k}") for k in range(1, len(batches))]
-    for t in threads:
-        t.start()
-    store(0)
-    for t in threads:
-        t.join()
+    threads: list[threading.Thread] = []
+    try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
+        for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
+            staged.append(writer._stage(units, [None] * len(units), tabs))
+            if staged[k].ids:
+                threads.append(threading.Thread(target=send, args=(k,), name=f"knittrans-write-{k}"))
+                threads[-1].start()
+    except BaseException:
+        for t in threads:
+            t.join()
+        for (writer, _), st, info in zip(batches, staged, infos, strict=False):
+            if info:
+                writer._abort(st.ids)
+        raise
+    drafts: list[list[UnitDescriptor]] = []
+    try:  # while the nodes store the units (the GIL free while this thread describes them)
+        drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
+    except BaseException as exc:
+        errors.insert(0, exc)
+    finally:
+        for t in threads:
+            t.join()
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
-        for (writer, _), descs in zip(batches, results, strict=True):
-            if descs:
-                writer._abort([d.unit_id for d in descs])
+        for (writer, _), st, info in zip(batches, staged, infos, strict=True):
+            if info:
+                writer._abort(st.ids)
         raise failed
-    out = [r or [] for r in results]
+    out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
     every = [d for descs in out for d in descs]
     if every and control is not None:
         control.register_units(next(iter(jobs)), every)
     return out
+
+
+def _with_sizes(drafts: Sequence[UnitDescriptor], infos: Sequence[Mapping[str, Any]]) -> list[UnitDescriptor]:
+    """The descriptors with each unit's byte count as its node reported it."""
+    return [dataclasses.replace(d, num_bytes=int(i["num_bytes"])) for d, i in zip(drafts, infos, strict=True)]
 
 
 class TrajectoryWriter:
@@ -264,59 +299,68 @@ class TrajectoryWriter:
         them; no registration."""
         if not units:
             return []
+        staged = self._stage(units, unit_ids, built)
+        if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
+            return _with_sizes(self._describe(staged), self._send(staged))
+        # same host: the files are written; a thread waits on the node (the GIL free) while this one
+        # describes the units; a unit's byte count comes from the node
+        stored: list[list[dict[str, Any]]] = []
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                stored.append(self._send(staged))
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                failed.append(exc)
+
+        worker = threading.Thread(target=send, name="knittrans-store")
+        worker.start()
+        try:
+            drafts = self._describe(staged)
+        except BaseException:
+            worker.join()
+            if stored:  # describing failed: the stored units go too
+                self._abort(staged.ids)
+            raise
+        worker.join()
+        if failed:
+            raise failed[0]
+        return _with_sizes(drafts, stored[0])
+
+    def _stage(
+        self,
+        units: Sequence[Sequence[TrajectoryGroup]],
+        unit_ids: Sequence[str | None],
+        built: Sequence[UnitTables] | None,
+    ) -> _Staged:
+        """Check the names, build the tables (unless ``built``) and, same host, write the IPC files into
+        temporaries (removed again on failure): all but the node's part of storing ``units``."""
         ids = [check_name(u or self.new_unit_id(), "unit_id") for u in unit_ids]
         for groups in units:
             for g in groups:
                 check_name(g.group_id, "group_id")
                 check_name(g.source, "source")
         tables = build_units_tables(units, user_fields=self.user_fields) if built is None else built
-        pairs = list(zip(ids, tables, strict=True))
-        if self.store_dir is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
-            infos = self.write_tables_many(pairs)
-            return [
-                describe_unit(
-                    t,
-                    groups,
-                    unit_id=uid,
-                    job=self.job,
-                    node_id=self.node_id,
-                    endpoint=self.endpoint,
-                    num_bytes=int(info["num_bytes"]),
-                )
-                for uid, t, groups, info in zip(ids, tables, units, infos, strict=True)
-            ]
-        # same host: a thread writes the files and waits on the node (the GIL mostly free) while this
-        # one describes the units; a unit's byte count comes from the node
-        stored: list[list[dict[str, Any]]] = []
-        failed: list[BaseException] = []
+        entries = None
+        if self.store_dir is not None and self._one_trip and ids:
+            entries = self._write_temps(list(zip(ids, tables, strict=True)))
+        return _Staged(ids=ids, units=units, tables=tables, entries=entries)
 
-        def store() -> None:
-            try:
-                stored.append(self.write_tables_many(pairs))
-            except BaseException as exc:  # re-raised below, in the caller's thread
-                failed.append(exc)
+    def _send(self, staged: _Staged) -> list[dict[str, Any]]:
+        """The node's part of storing staged units (all or none); the node's infos, in order."""
+        pairs = list(zip(staged.ids, staged.tables, strict=True))
+        if staged.entries is None:
+            return self.write_tables_many(pairs)
+        return self._publish_temps(pairs, staged.entries)
 
-        worker = threading.Thread(target=store, name="knittrans-store")
-        worker.start()
-        try:
-            drafts = [
-                describe_unit(
-                    t, groups, unit_id=uid, job=self.job, node_id=self.node_id, endpoint=self.endpoint, num_bytes=0
-                )
-                for uid, t, groups in zip(ids, tables, units, strict=True)
-            ]
-        except BaseException:
-            worker.join()
-            if stored:  # describing failed: the stored units go too
-                self._abort(ids)
-            raise
-        worker.join()
-        if failed:
-            raise failed[0]
-        descs = [
-            dataclasses.replace(d, num_bytes=int(info["num_bytes"])) for d, info in zip(drafts, stored[0], strict=True)
+    def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
+        """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
+        return [
+            describe_unit(
+                t, groups, unit_id=uid, job=self.job, node_id=self.node_id, endpoint=self.endpoint, num_bytes=0
+            )
+            for uid, t, groups in zip(staged.ids, staged.tables, staged.units, strict=True)
         ]
-        return descs
 
     def write_tables(self, unit_id: str, tables: UnitTables) -> dict[str, Any]:
         """Store prepared tables as unit ``unit_id``; returns the node's info on the sealed unit."""
@@ -332,13 +376,7 @@ class TrajectoryWriter:
         if not units:
             return []
         if self.store_dir is not None and self._one_trip:
-            try:
-                return self._publish_same_host(units)
-            except InvalidRequest as exc:
-                if "unknown action 'publish_units'" not in str(exc):
-                    raise
-                logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
-                self._one_trip = False
+            return self._publish_temps(units, self._write_temps(units))
         if self.store_dir is not None:
             wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
             grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
@@ -367,9 +405,9 @@ class TrajectoryWriter:
             self._abort([uid for uid, _ in units])
             raise
 
-    def _publish_same_host(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
-        """Write each unit into a private temporary of the node's directory, then one ``publish_units``
-        (budget, validation, rename; all or none). A failure removes the temporaries and the units."""
+    def _write_temps(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
+        """Write each unit into a private temporary of the node's directory; the ``publish_units``
+        entries. A failure removes the temporaries written."""
         assert self.store_dir is not None
         job_dir = self.store_dir / self.job
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -383,12 +421,28 @@ class TrajectoryWriter:
                 if t.media.num_rows:  # no media: no media file (the node reads its absence as none)
                     size += write_table(tmp / MEDIA_FILE, t.media)
                 entries[-1].update(rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size)
+        except BaseException:
+            for e in entries:
+                shutil.rmtree(e["dir"], ignore_errors=True)
+            raise
+        return entries
+
+    def _publish_temps(
+        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """One ``publish_units`` of the temporaries written by :meth:`_write_temps` (budget, validation,
+        rename; all or none). A failure removes the temporaries and the units; a node that predates
+        ``publish_units`` gets the units again by ``reserve_units`` and ``seal_units``."""
+        try:
             return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:
             for e in entries:
                 shutil.rmtree(e["dir"], ignore_errors=True)
-            if not (isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc)):
-                self._abort([uid for uid, _ in units])
+            if isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc):
+                logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
+                self._one_trip = False
+                return self.write_tables_many(units)
+            self._abort([uid for uid, _ in units])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:

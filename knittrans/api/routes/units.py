@@ -30,7 +30,7 @@ from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDe
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
-__all__ = ["descriptor_of", "router", "to_descriptor"]
+__all__ = ["descriptor_of", "register_body", "router", "to_descriptor"]
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -125,11 +125,14 @@ async def register_units(job: str, request: Request, _: WorkerAuth) -> dict[str,
     state = request.app.state
     run: StateRunner = state.runner
     # parsing a large batch stays off the event loop too
-    result: dict[str, Any] = await run(_register, state.service, job, raw)
+    result: dict[str, Any] = await run(register_body, state.service, job, raw)
     return result
 
 
-def _register(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
+def register_body(svc: ControlPlane, job: str, raw: bytes) -> dict[str, Any]:
+    """Parse and register a registration body (``UnitsIn`` as JSON) on the state thread: what the route
+    answers (``UnitsOut``'s fields). Raises ``RequestValidationError`` for a bad body, ``KnitTransError``
+    for a refused registration (nothing changed)."""
     try:
         units = parse_units(raw)
     except ValidationError as exc:

@@ -1,0 +1,246 @@
+"""Put path, paired: two checkouts' ``across`` and Ray's ``put`` alternated put by put, in one session.
+
+``put_path_ab.py`` alternates whole invocations (a cluster start, 7 puts, a Ray start each); on a
+shared host the load moves between invocations by more than a change to the put path saves. Here one
+long-lived worker per tree (its own LocalCluster of 2 stores on ``/dev/shm``, ``PYTHONPATH`` = that
+tree) and one Ray worker (``ray.put`` of the same rows as 4 shards, bench venv) wait for a word on
+stdin; the coordinator asks each in turn for one put (order rotating every round), so the three see
+the same load within tens of milliseconds. Per put: wall time and the CPU time of the worker and its
+cluster's processes (``/proc``, in 10 ms ticks: the mean over the puts; Ray: the driver only, its
+raylet not counted). Reported: medians, p50/p99 over the puts, the
+median of the per-round ratios to Ray's put in the same round, load average.
+
+    python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--tag NAME]
+
+Writes ``put_path_pair_<tag>.json`` and ``.md`` under ``--out`` (default benchmarks/transfer/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+REPO = Path(__file__).resolve().parents[2]
+
+RAY_WORKER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import ray
+from benchmarks.vs_baselines.ray_runner import pack_rows
+from benchmarks.vs_baselines.workload import WorkloadSpec, generate
+workload = generate(WorkloadSpec(kind="text"))
+spec = workload.spec
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+print(json.dumps({"ready": True, "version": ray.__version__}), flush=True)
+for line in sys.stdin:
+    c0, t0 = time.process_time(), time.perf_counter()
+    shards = [pack_rows(workload, list(spec.rank_rows(r)), image="none") for r in range(spec.ranks)]
+    refs = [ray.put(s) for s in shards]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    del refs, shards
+    print(json.dumps({"wall": wall, "cpu": cpu}), flush=True)
+ray.shutdown()
+"""
+
+
+def worker(puts: int) -> None:
+    """One tree's side: a cluster, then one ``write_units_across`` per line read from stdin."""
+    from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups
+    from benchmarks.vs_baselines.workload import WorkloadSpec, generate
+    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+    from knittrans.rollout.writer import TrajectoryWriter, write_units_across
+
+    spec = WorkloadSpec(kind="text")
+    workload = generate(spec)
+    batches = spec.put_batches()
+    tck = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pids: list[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tck
+        return total
+
+    shm = Path("/dev/shm")
+    with (
+        tempfile.TemporaryDirectory(prefix="knittrans_pair_", dir=shm if shm.is_dir() else None) as tmp,
+        LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl,
+    ):
+        control = cl.control()
+        control.create_job(
+            {
+                "name": "put",
+                "group_size": spec.group_size,
+                "quotas": {SOURCE: spec.num_groups},
+                "mini_batches_per_step": 1,
+                "policy": "train_batch",
+                "world_size": 1,
+                "micro_batch_size": spec.micro_batch_size,
+                "total_steps": 1_000_000,
+            }
+        )
+        writers = [
+            TrajectoryWriter(job="put", node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir, control=control)
+            for s in cl.stores
+        ]
+        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+        pids = [os.getpid(), *map(int, children.split())]  # this process, the control plane and the stores
+        groups = [build_groups(workload, f"p{k}") for k in range(puts)]  # fresh ids per put, built up front
+        print(json.dumps({"ready": True}), flush=True)
+        for k, _ in enumerate(sys.stdin):
+            chunks = [groups[k][b.start : b.stop] for b in batches]
+            c0, t0 = cpu(pids), time.perf_counter()
+            write_units_across([(w, chunks[i :: len(writers)]) for i, w in enumerate(writers)])
+            wall = time.perf_counter() - t0
+            print(json.dumps({"wall": wall, "cpu": cpu(pids) - c0}), flush=True)
+        for w in writers:
+            w.close()
+        control.close()
+
+
+def ask(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None
+    stdin.write("go\n")
+    stdin.flush()
+    return read_json(stdout)
+
+
+def read_json(stream: TextIO) -> dict[str, Any]:
+    while True:
+        line = stream.readline()
+        if not line:
+            raise RuntimeError("worker ended early")
+        if line.startswith("{"):
+            return dict(json.loads(line))
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", type=Path, help="checkout whose writer is the baseline")
+    ap.add_argument("--puts", type=int, default=120)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--ray-python", type=Path, default=REPO / ".venv-bench" / "bin" / "python")
+    ap.add_argument("--tag", default="pair")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
+    if args.baseline is None:
+        ap.error("--baseline is required")
+    total = args.puts + args.warmup
+    trees = {"baseline": args.baseline.resolve(), "this": REPO}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    for name, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(tree)}  # this script, that tree's knittrans and workload
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(total)],
+            env=env,
+            cwd=tree,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    procs["ray"] = subprocess.Popen(
+        [str(args.ray_python), "-c", RAY_WORKER, str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    ready = {name: read_json(p.stdout) for name, p in procs.items() if p.stdout is not None}
+    load_start = os.getloadavg()
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in procs}
+    names = list(procs)
+    loads = []
+    for k in range(total):
+        order = names[k % 3 :] + names[: k % 3]
+        for name in order:
+            r = ask(procs[name])
+            if k >= args.warmup:
+                got[name].append(r)
+        loads.append(os.getloadavg()[0])
+    for p in procs.values():
+        if p.stdin is not None:
+            p.stdin.close()
+    for p in procs.values():
+        p.wait(timeout=120)
+    summary: dict[str, Any] = {}
+    for name, rs in got.items():
+        wall = [1e3 * r["wall"] for r in rs]
+        cpu = [1e3 * r["cpu"] for r in rs]
+        summary[name] = {
+            "median_ms": statistics.median(wall),
+            "p50_ms": pct(wall, 0.5),
+            "p99_ms": pct(wall, 0.99),
+            "cpu_mean_ms": statistics.fmean(cpu),  # /proc counts 10 ms ticks: only the mean means anything
+        }
+        if name != "ray":
+            ratios = [a["wall"] / b["wall"] for a, b in zip(rs, got["ray"], strict=True)]
+            summary[name]["ratio_vs_ray_median"] = statistics.median(ratios)
+            summary[name]["ratio_of_medians"] = statistics.median(wall) / statistics.median(
+                [1e3 * r["wall"] for r in got["ray"]]
+            )
+
+    def commit(tree: Path) -> str:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=tree)
+        return out.stdout.strip() or "unknown"
+
+    result = {
+        "puts": args.puts,
+        "summary": summary,
+        "raw": got,
+        "ray_version": ready["ray"].get("version"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "load_median": statistics.median(loads),
+            "commits": {name: commit(tree) for name, tree in trees.items()},
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"put_path_pair_{args.tag}.json").write_text(json.dumps(result, indent=1))
+    m = result["machine"]
+    lines = [
+        f"# Put path, paired: {m['commits']['baseline']} (baseline) vs {m['commits']['this']} (this) vs Ray `put`",
+        "",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, load average {load_start[0]:.1f} at start / "
+        f"{m['loadavg_end'][0]:.1f} at end (median {m['load_median']:.1f}). {args.puts} puts each (after "
+        f"{args.warmup} warm-up), the three workers asked in turn, order rotating. `write_units_across` of the "
+        "text mini-batch (512 trajectories, 8 units over 2 stores on /dev/shm) vs Ray "
+        f"{result['ray_version']} `put` of the same rows (4 shards). CPU: the worker and its cluster's "
+        "processes (Ray: the driver process only).",
+        "",
+        "| who | median ms | p50 / p99 ms | CPU ms (mean) | x Ray (median of per-round ratios) "
+        "| x Ray (ratio of medians) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        label = f"{name} {m['commits'].get(name, '')}".strip() if name != "ray" else "ray.put"
+        r1 = f"{s['ratio_vs_ray_median']:.2f}" if "ratio_vs_ray_median" in s else "1.00"
+        r2 = f"{s['ratio_of_medians']:.2f}" if "ratio_of_medians" in s else "1.00"
+        lines.append(
+            f"| {label} | {s['median_ms']:.1f} | {s['p50_ms']:.1f} / {s['p99_ms']:.1f} | {s['cpu_mean_ms']:.1f} | "
+            f"{r1} | {r2} |"
+        )
+    (args.out / f"put_path_pair_{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
