@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from api_support import app_client, drain_ranks, group, job_spec, single_group_units, unit
@@ -107,13 +108,18 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     assert 'knittrans_staleness_versions{job_name="job1",kind="architectural"' in metrics
 
 
+def _job_on_two_nodes(c: TestClient, spec: dict[str, Any]) -> None:
+    """Create the job of ``spec`` and register store nodes ``n0`` and ``n1``."""
+    assert c.post("/v1/jobs", json=spec).status_code == 201
+    for n in ("n0", "n1"):
+        assert c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+
+
 def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
     """Rows on a lost node: the un-acked mini-batch is withdrawn whole, re-planned without them, never half-used."""
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
     with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=spec)
-        for n in ("n0", "n1"):
-            c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
+        _job_on_two_nodes(c, spec)
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 2, "code": 2}})
         units = single_group_units(["math", "code"], node="n1") + single_group_units(
             ["math", "code"], node="n0", start=2
@@ -148,9 +154,7 @@ def test_status_pool_lists_waiting_groups_by_node_in_admission_order(tmp_path: P
     """Status shows which node holds the pool's groups, earliest finished first; a lost node's leave it."""
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=1)
     with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=spec)
-        for n in ("n0", "n1"):
-            c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
+        _job_on_two_nodes(c, spec)
         assert c.post("/v1/jobs/job1/pause").status_code == 200  # nothing is admitted: the pool keeps them
         units = single_group_units(["math", "code"], node="n1", start=3) + single_group_units(
             ["code", "math", "math"], node="n0"
@@ -175,9 +179,7 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     """A mini-batch some rank already acked was fully fetched: it is kept; later untouched ones are re-planned."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
     with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=spec)
-        for n in ("n0", "n1"):
-            c.post("/v1/nodes", json={"node_id": n, "endpoint": "grpc://127.0.0.1:1"})
+        _job_on_two_nodes(c, spec)
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"], node="n1")})
         p0 = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
         c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(p0.plan_id)})
