@@ -15,6 +15,7 @@ from knittrans.errors import (
     PayloadTooLarge,
     SchemaMismatch,
     Unauthenticated,
+    Unavailable,
 )
 from knittrans.flight import StoreClient, StoreServer
 from knittrans.schema import TRAJECTORY_COLUMNS, UnitTables, build_unit_tables
@@ -138,3 +139,31 @@ def test_delete_over_flight(start_server: Start) -> None:
         assert c.list_units() == []
         with pytest.raises(NotFound):
             c.get(_rows("job", ("u", ())))
+
+
+def test_close_waits_for_calls_in_flight_and_refuses_new_ones(start_server: Start) -> None:
+    """Closing a client under an open stream (a call in flight) defers the channel's close until the stream
+    ends: the stream fails at its next batch with Unavailable, calls after close are refused; the server
+    keeps serving."""
+    server = start_server(batch_bytes=1024)  # several streamed batches
+    t = _unit(1, n=8)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u1", t.traj, t.media)
+    client = StoreClient(server.endpoint)
+    batches = client.stream(_rows("job", ("u1", ())))
+    first = next(batches)
+    assert first.num_rows > 0
+    client.close()
+    assert not client._closed and client._active == 1  # the open stream holds the channel
+    with pytest.raises(Unavailable, match="closed"):
+        client.health()
+    with pytest.raises(Unavailable, match="closed"):
+        list(batches)
+    assert client._closed and client._active == 0  # the stream's end closed it
+    client.close()  # again: nothing to do
+    idle = StoreClient(server.endpoint)
+    assert idle.health()["ok"] is True
+    idle.close()
+    assert idle._closed
+    with StoreClient(server.endpoint) as c:
+        assert c.get(_rows("job", ("u1", ()))).equals(t.traj)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import KnitTransError
+from knittrans.errors import KnitTransError, Unavailable
 from knittrans.flight.auth import auth_headers
 from knittrans.flight.errors import from_flight_error
 from knittrans.tickets import Ticket
@@ -38,7 +39,13 @@ T = TypeVar("T")
 
 
 class StoreClient:
-    """Client of one store node; thread-safe for concurrent calls (gRPC channel shared)."""
+    """Client of one store node; thread-safe for concurrent calls (gRPC channel shared).
+
+    :meth:`close` is safe while other threads are in calls: the channel closes when the last call in
+    flight (an open :meth:`stream` counts until it ends) returns; calls begun after ``close`` raise
+    ``Unavailable``, and an open stream raises it at its next batch. (Closing a Flight client under a
+    call in flight aborted the process: seen with a warm-up ``health`` ping of a fetcher closed meanwhile.)
+    """
 
     def __init__(
         self,
@@ -62,14 +69,35 @@ class StoreClient:
         else:
             self._client = flight.FlightClient(endpoint)
         self._options = flight.FlightCallOptions(headers=auth_headers(token), timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._active = 0  # calls (and open streams) in flight
+        self._closing = False  # close() was called
+        self._closed = False  # the Flight client is closed
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closing:
+                raise Unavailable(f"store client of {self.endpoint} is closed")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            last = self._closing and self._active == 0 and not self._closed
+            self._closed = self._closed or last
+        if last:
+            self._client.close()
 
     def _call(self, fn: Callable[[], T]) -> T:
+        self._enter()
         try:
             return fn()
         except KnitTransError:
             raise
         except (flight.FlightError, pa.ArrowException) as exc:
             raise from_flight_error(exc, self.endpoint) from None
+        finally:
+            self._leave()
 
     def get(self, ticket: Ticket) -> pa.Table:
         """One ``DoGet``: the rows × columns (or media rows) the ticket names."""
@@ -82,7 +110,12 @@ class StoreClient:
         Closing the iterator early (``close()`` or garbage collection) cancels the call.
         """
         raw = flight.Ticket(ticket.encode())
-        reader = self._call(lambda: self._client.do_get(raw, self._options))
+        self._enter()  # the open stream counts as a call in flight until it ends
+        try:
+            reader = self._call(lambda: self._client.do_get(raw, self._options))
+        except BaseException:
+            self._leave()
+            raise
         return self._batches(reader)
 
     def _batches(self, reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
@@ -96,8 +129,11 @@ class StoreClient:
                     return
                 yield chunk.data
         finally:
-            if not done:
-                reader.cancel()
+            try:
+                if not done:
+                    reader.cancel()
+            finally:
+                self._leave()
 
     def _action(self, kind: str, body: dict[str, Any] | None = None) -> Any:
         def run() -> Any:
@@ -227,8 +263,15 @@ class StoreClient:
         return {"job": job, "unit_id": unit, "num_rows": info.total_records, "num_bytes": info.total_bytes}
 
     def close(self) -> None:
-        """Close the channel."""
-        self._client.close()
+        """Close the channel: now, or when the last call in flight returns (class docstring)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            now = self._active == 0
+            self._closed = now
+        if now:
+            self._client.close()
 
     def __enter__(self) -> StoreClient:
         return self
