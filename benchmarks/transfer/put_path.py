@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,17 @@ print(json.dumps({"ray_version": ray.__version__, "put_s": statistics.median(tim
                   "objects": spec.ranks, "bytes": nbytes}))
 ray.shutdown()
 """
+
+
+def phase_table(ph: dict[str, float], names: Sequence[str]) -> list[str]:
+    """Markdown lines of a phase breakdown (ms): the ``names`` phases, what the total leaves ("other"), the total."""
+    return [
+        "| " + " | ".join((*names, "other", "total")) + " |",
+        "|" + "---|" * (len(names) + 2),
+        "| "
+        + " | ".join(f"{ph[p]:.1f}" for p in names)
+        + f" | {ph['total'] - sum(ph[p] for p in names):.1f} | {ph['total']:.1f} |",
+    ]
 
 
 def ray_put(python: Path, runs: int) -> dict[str, Any]:
@@ -302,11 +313,7 @@ def main() -> None:
         f"Where `writer_units` spends its time ({args.runs} more runs, each phase clocked; medians, ms per run of "
         "both writers):",
         "",
-        "| " + " | ".join((*PHASES, "other", "total")) + " |",
-        "|" + "---|" * (len(PHASES) + 2),
-        "| "
-        + " | ".join(f"{ph[p]:.1f}" for p in PHASES)
-        + f" | {ph['total'] - sum(ph[p] for p in PHASES):.1f} | {ph['total']:.1f} |",
+        *phase_table(ph, PHASES),
         "",
         f"No-op round trips in the same pass (the host's scheduling delay): control plane `GET /v1/health` "
         f"{ph['control_rtt']:.2f} ms, store `health` action {ph['store_rtt']:.2f} ms.",

@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from benchmarks.transfer.put_path import phase_table  # noqa: E402
+
 SCRIPT = Path(__file__).with_name("put_path.py")
 
 
@@ -148,11 +153,7 @@ def main() -> None:
             "",
             f"`writer_units` phases, {label} (ms per run of both writers; medians over rounds):",
             "",
-            "| " + " | ".join((*names, "other", "total")) + " |",
-            "|" + "---|" * (len(names) + 2),
-            "| "
-            + " | ".join(f"{ph[p]:.1f}" for p in names)
-            + f" | {ph['total'] - sum(ph[p] for p in names):.1f} | {ph['total']:.1f} |",
+            *phase_table(ph, names),
             "",
             f"No-op round trips: control plane {ph['control_rtt']:.2f} ms, store {ph['store_rtt']:.2f} ms.",
         ]

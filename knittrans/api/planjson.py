@@ -55,8 +55,11 @@ def render_rank_plan_json(
     admitted_at: float | None = None,
 ) -> bytes:
     """``render_rank_plan(...)`` (same arguments) as the JSON bytes of its ``to_json()``."""
+    # The plan's JSON text, piece by piece: what ``json.dumps`` writes for ``to_json()`` (strings through
+    # the encoder's own escaping functions).
+    job_text = _esc(job)
     try:
-        body = _body(job, micro_batches, rank, n, attempt, step, k, where, endpoint, columns, sign)
+        micros = [_micro(pairs, where, job_text) for pairs in micro_batches]
     except _Unusual:
         plan = render_rank_plan(
             job,
@@ -74,31 +77,6 @@ def render_rank_plan_json(
             admitted_at=admitted_at,
         )
         return PLAN_ENCODER.encode(plan.to_json()).encode()
-    tail = f',"mini_batch_trajectories":{_value(mini_batch_trajectories)},"admitted_at":{_value(admitted_at)}}}'
-    return (body + tail).encode()
-
-
-# one micro-batch before its tickets are written: rows (JSON text each), tokens, per node [(unit, ranges)], media
-_Micro = tuple[list[str], int, dict[str, list[tuple[str, list[list[int]]]]], dict[str, tuple[str, str]]]
-
-
-def _body(
-    job: str,
-    micro_batches: Sequence[Sequence[Sequence[Any]]],
-    rank: int,
-    n: int,
-    attempt: int,
-    step: int,
-    k: int,
-    where: Callable[[str], tuple[GroupRecord, str, str]],
-    endpoint: Callable[[str], str],
-    columns: Sequence[str] | None,
-    sign: Signer | None,
-) -> str:
-    """The plan's JSON text up to (without) ``mini_batch_trajectories``: what ``json.dumps`` writes for
-    ``to_json()``, written piece by piece (strings through the encoder's own escaping functions)."""
-    job_text = _esc(job)
-    micros = [_micro(pairs, where, job_text) for pairs in micro_batches]
     grants: dict[str, str] = {}
     if sign is not None:  # one grant per node, for all of the rank's reads and media there (plans._sign)
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
@@ -149,10 +127,16 @@ def _body(
             f'"media":[{",".join(media_out)}]}}'
         )
     plan_id = _esc(str(PlanId(n=n, attempt=attempt, rank=rank)))
-    return (
+    body = (
         f'{{"plan_id":{plan_id},"job":{job_text},"rank":{rank},"step":{step},"mini_batch_index":{k},'
         f'"global_index":{n},"policy_version":{n},"num_tokens":{total},"micro_batches":[{",".join(parts)}]'
     )
+    tail = f',"mini_batch_trajectories":{_value(mini_batch_trajectories)},"admitted_at":{_value(admitted_at)}}}'
+    return (body + tail).encode()
+
+
+# one micro-batch before its tickets are written: rows (JSON text each), tokens, per node [(unit, ranges)], media
+_Micro = tuple[list[str], int, dict[str, list[tuple[str, list[list[int]]]]], dict[str, tuple[str, str]]]
 
 
 def _micro(
