@@ -8,6 +8,7 @@ is raised. Error answers are raised as the matching :mod:`knittrans.errors` exce
 
 from __future__ import annotations
 
+import contextlib
 import json as jsonlib
 import logging
 import os
@@ -110,6 +111,7 @@ class ControlClient:
         # ``Connection: close``: a poll's connection closes itself after its response. Without it, a poll
         # still connecting when ``close()`` ran got its socket after the pool had closed its connections,
         # and that socket stayed open until the garbage collector found it.
+        self._closed = False
         self._poll_http = httpx.Client(
             base_url=self.base_url,
             headers={**headers, "Connection": "close"},
@@ -119,7 +121,9 @@ class ControlClient:
         )
 
     def close(self) -> None:
-        """Close the connection pools."""
+        """Close the connection pools (a request still in flight in another thread closes its own connection
+        when it returns: see :meth:`_request`)."""
+        self._closed = True
         self._http.close()
         self._poll_http.close()
 
@@ -149,6 +153,11 @@ class ControlClient:
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
+                if self._closed:
+                    # closed while this request was in flight: a connection it opened after the pool closed
+                    # went back to that closed pool, which no longer closes anything (its socket would stay
+                    # open until the garbage collector found it)
+                    _close_connection(response)
                 if response.status_code != 503:
                     _raise_for(response)
                     return response
@@ -544,3 +553,11 @@ def _unknown_route(response: httpx.Response) -> bool:
         return bool(response.json().get("detail") == "Not Found")
     except ValueError:
         return True
+
+
+def _close_connection(response: httpx.Response) -> None:
+    """Close the connection ``response`` came on (its body is read)."""
+    stream = response.extensions.get("network_stream")
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            stream.close()

@@ -165,3 +165,51 @@ def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
     poll, plain = seen
     assert b"get /v1/jobs/job1/ranks/0/next" in poll and b"connection: close" in poll
     assert b"get /v1/jobs/job1/version" in plain and b"connection: close" not in plain
+
+
+def test_a_call_that_connects_after_close_closes_its_own_connection() -> None:
+    """``close()`` while a call is already past the client's check but not yet connected (the trainer's
+    early start calls ``list_nodes`` in its own thread): the pool the call connects through is closed and
+    no longer closes anything, so the call closes its kept-alive connection itself. Seen by the server:
+    the connection ends instead of staying open until garbage collection."""
+    import socket
+
+    import httpx
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    ended = threading.Event()
+
+    def serve() -> None:
+        conn, _addr = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            body = b'{"status": "ok"}'
+            head_out = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            conn.sendall(head_out.encode() + body)  # keep-alive: the client decides when it ends
+            conn.settimeout(10)
+            if conn.recv(1) == b"":
+                ended.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with listener:
+        client = ControlClient(f"http://127.0.0.1:{port}", retries=0)
+        inner = client._http._transport
+
+        class CloseFirst(httpx.BaseTransport):
+            """The client is closed between the call's start and its connect."""
+
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                client.close()
+                return inner.handle_request(request)
+
+            def close(self) -> None:
+                inner.close()
+
+        client._http._transport = CloseFirst()
+        assert client.health()["status"] == "ok"
+        assert ended.wait(10), "the connection opened after close() stayed open"
+        thread.join(10)
