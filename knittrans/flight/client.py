@@ -91,13 +91,18 @@ class StoreClient:
     def _call(self, fn: Callable[[], T]) -> T:
         self._enter()
         try:
+            return self._mapped(fn)
+        finally:
+            self._leave()
+
+    def _mapped(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with Flight's errors raised as the server's :mod:`knittrans.errors` types."""
+        try:
             return fn()
         except KnitTransError:
             raise
         except (flight.FlightError, pa.ArrowException) as exc:
             raise from_flight_error(exc, self.endpoint) from None
-        finally:
-            self._leave()
 
     def get(self, ticket: Ticket) -> pa.Table:
         """One ``DoGet``: the rows × columns (or media rows) the ticket names."""
@@ -122,8 +127,10 @@ class StoreClient:
         done = False
         try:
             while True:
+                if self._closing:  # the open stream holds the channel; close() ends it at its next batch
+                    raise Unavailable(f"store client of {self.endpoint} is closed")
                 try:
-                    chunk = self._call(reader.read_chunk)
+                    chunk = self._mapped(reader.read_chunk)  # no lock per batch: the stream is counted once
                 except StopIteration:
                     done = True
                     return
