@@ -125,16 +125,23 @@ class FastNext:
         app (its body replayed: a refused registration changed nothing)."""
         match = _UNITS.fullmatch(scope["path"])
         state: Any = scope["app"].state
-        try:
-            raw = await _plain_json_body(scope, receive, state.settings.max_body_bytes) if match else None
-        except _ClientGone:
-            return
-        if raw is None or match is None:
+        if match is None:
             await self.app(scope, receive, send)
             return
-        request = Request({**scope, "path_params": {"job": match.group(1)}})
+        try:  # the token before the body: an unauthenticated upload is not read here
+            state.tokens.check_worker(Request({**scope, "path_params": {"job": match.group(1)}}))
+        except KnitTransError:
+            state.fast_next["to_app"] += 1
+            await self.app(scope, receive, send)  # the app answers the 401
+            return
         try:
-            state.tokens.check_worker(request)
+            raw = await _plain_json_body(scope, receive, state.settings.max_body_bytes)
+        except _ClientGone:
+            return
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        try:
             result = await state.runner(register_body, state.service, match.group(1), raw)
         except (KnitTransError, RequestValidationError):
             state.fast_next["to_app"] += 1
