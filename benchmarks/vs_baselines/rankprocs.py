@@ -86,6 +86,10 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            for pipe in (proc.stdin, proc.stdout):  # closed here, not by GC (a ResourceWarning)
+                if pipe is not None:
+                    with contextlib.suppress(BrokenPipeError, OSError):
+                        pipe.close()
         self.procs = []
 
 
