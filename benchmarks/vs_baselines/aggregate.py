@@ -103,7 +103,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         window = mem.get("peak_by_role_one_copy", mem["peak_by_role_data_phases"])  # one stored copy at a time
         storage_peak = sum(window.get(role, 0) for role in STORAGE_ROLES.get(family, ()))
         for mode in sorted({r["mode"] for r in res["runs"]}):
-            runs = [r for r in res["runs"] if r["mode"] == mode]
+            runs = sorted((r for r in res["runs"] if r["mode"] == mode), key=lambda r: int(r.get("rep", 0)))
             metrics = [_run_metrics(r) for r in runs]
             checks = [check_run(r, digests, spec) for r in runs]
             row: dict[str, Any] = {"system": res["system"], "kind": res["kind"], "mode": mode, "reps": len(runs)}
@@ -125,6 +125,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
                 rank: {k: statistics.median(m["per_rank"][rank][k] for m in metrics) for k in ("p50_ms", "p99_ms")}
                 for rank in metrics[0]["per_rank"]
             }
+            row["fetch_p50_ms_by_rep"] = [m["fetch_p50_ms"] for m in metrics]  # rep order (rounds if interleaved)
             row["startup_s"] = res["startup_s"]
             row["peak_total_mib"] = mem["peak_by_role_whole_run"].get("total", 0) / 2**20
             row["peak_by_role_mib"] = {k: v / 2**20 for k, v in mem["peak_by_role_whole_run"].items()}

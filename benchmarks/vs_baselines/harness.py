@@ -296,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     machine, load_start = machine_info(), list(os.getloadavg())
+    earlier: dict[str, Any] = {}
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())["raw"]
-        chosen = []
+        loaded = json.loads(Path(args.from_json).read_text())
+        results, earlier, chosen = loaded["raw"], loaded.get("meta", {}), []
     rounds = reps if args.interleave else 1
     round_loads: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="vs_baselines_") as tmp:
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved": args.interleave,
         "loadavg_rounds": round_loads if args.interleave else None,
     }
+    if earlier:  # re-summarised: the run's own machine, load, time and rounds, not this invocation's
+        meta = {**earlier, "resummarised": meta["time"]}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}))
     table = write_markdown(summary, meta, out_dir / "results.md")
     write_png(summary, out_dir / "results.png")

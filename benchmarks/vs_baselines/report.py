@@ -29,6 +29,28 @@ def _load(values: Any) -> str:
     return "/".join(f"{v:.2f}" for v in values) if values else "?"
 
 
+def _rounds(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """Fetch p50 of every system in every round: how much of a median ratio each round shares."""
+    reps = int(meta["reps"])
+    loads = list(meta.get("loadavg_rounds") or [])
+    heads = [
+        f"round {i + 1}" + (f" (load {loads[i][0]:.1f})" if i < len(loads) and loads[i] else "") for i in range(reps)
+    ]
+    lines = [
+        "## Fetch p50 per round (ms)",
+        "",
+        "| workload | compute | system | " + " | ".join(heads) + " |",
+        "|---" * (3 + reps) + "|",
+    ]
+    for r in rows:
+        values = list(r.get("fetch_p50_ms_by_rep") or [])
+        cells = [_fmt(values[i]) if i < len(values) else "–" for i in range(reps)]
+        lines.append(
+            f"| {r['kind']} | {'on' if r['mode'] == 'compute' else 'off'} | {r['system']} | " + " | ".join(cells) + " |"
+        )
+    return [*lines, ""]
+
+
 def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) -> str:
     """Write (and return) one table per workload/mode with ratios to the reference system."""
     rows = summary["rows"]
@@ -93,6 +115,8 @@ def write_markdown(summary: dict[str, Any], meta: dict[str, Any], path: Path) ->
                     f"| {r['system']} | " + " | ".join(cells) + f" | {r['bytes_received'] / 2**20:.1f} | {ok} |"
                 )
             lines.append("")
+    if meta.get("interleaved") and meta["reps"] > 1:
+        lines += _rounds(rows, meta)
     cold = summary.get("cold", [])
     if cold:
         lines += [

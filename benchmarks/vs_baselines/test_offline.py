@@ -6,6 +6,7 @@ Run in the bench venv: ``pytest benchmarks/vs_baselines/test_offline.py``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -125,3 +126,20 @@ def test_local_runner_ranks_deliver_the_canonical_rows() -> None:
     }
     with pytest.raises(ValueError, match="unknown local variant"):
         LocalRunner("disk")
+
+
+def test_resummarising_an_interleaved_run_keeps_its_meta_and_lists_every_round(tmp_path: Path) -> None:
+    """``--from-json`` of a committed interleaved run: the run's own commit and round loads stay, and each
+    system's fetch p50 is listed per round (the values the docs quote for the quiet first round)."""
+    from benchmarks.vs_baselines.harness import main
+
+    run = Path(__file__).parent / "results" / "tq_backend" / "multimodal_interleaved_r3" / "results.json"
+    assert main(["--from-json", str(run), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "commit 53232b8" in md and "0.35/1.08/1.50" in md
+    table = md.split("## Fetch p50 per round (ms)")[1].split("\n\n")[1].splitlines()
+    assert table[0] == "| workload | compute | system | round 1 (load 0.4) | round 2 (load 6.6) | round 3 (load 8.7) |"
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in table[2:]}
+    assert rows[("multimodal", "off", "tq_kv")].split("|")[4].strip() == "135"
+    assert rows[("multimodal", "off", "tq_kt_kv")].split("|")[4].strip() == "33.5"
+    assert len(rows) == 8
