@@ -244,8 +244,11 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
         with _raw(server) as idle:
             idle.settimeout(5)
             assert idle.recv(1) == b""  # closed after idle_timeout_s without a request
-        time.sleep(0.8)  # c's pooled connection is now closed by the lane too
-        assert c.lane_get(good).equals(units["u2"].traj)  # retried on a fresh connection
+        for conn in [c._lane_connection(server.lane.port)[0] for _ in range(2)]:
+            c._lane_release(conn, True)  # two more idle connections in c's pool (three in all)
+        time.sleep(0.8)  # c's pooled connections are now all closed by the lane
+        assert c.lane_get(good).equals(units["u2"].traj)  # stale ones dropped, retried on a fresh connection
+        assert len(c._lane_idle) == 1
         with _raw(server) as a, _raw(server) as b:  # with c's pooled connection: 3 open
             assert _request(a, good.encode()).num_rows == _request(b, good.encode()).num_rows
             with _raw(server) as third, pytest.raises(Unavailable, match="at most 3 connections"):

@@ -161,11 +161,15 @@ class StoreClient:
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
                         raise Unavailable(f"data lane of store {self.endpoint} closed the connection: {exc}") from None
+                    with self._lock:  # the others idled as long or longer: drop them, retry on a fresh one
+                        stale, self._lane_idle = self._lane_idle, []
+                    for old in stale:
+                        old.close()
                 except OSError as exc:
                     raise Unavailable(f"data lane of store {self.endpoint} failed: {exc}") from None
                 finally:
                     self._lane_release(conn, ok)
-            raise AssertionError("unreachable")
+            raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
         finally:
             self._leave()
 

@@ -169,7 +169,8 @@ class LaneServer:
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
         """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
-        self._listener = socket.create_server((host, port), backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
