@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import torch
 from data_support import make_groups
 
+from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, InvalidTicket, NotFound, Unauthenticated, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli, lane
 from knittrans.grants import sign_grant
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
+from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
+from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 Start = Callable[..., StoreServer]
 TOKEN = "lane-token"
@@ -284,3 +289,58 @@ def test_shutdown_closes_the_lane(start_server: Start) -> None:
             c.lane_get(_rows("job", ("u0", ())))
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+@pytest.fixture(scope="module")
+def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Control plane and two store processes with data lanes, signed tickets and a token."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KNITTRANS_TICKET_KEY", "lane-cluster-ticket-key-0123456789")
+    try:
+        config = ClusterConfig(
+            work_dir=tmp_path_factory.mktemp("lane"), num_stores=2, worker_token="lane-worker", data_lane=True
+        )
+        with LocalCluster(config) as c:
+            yield c
+    finally:
+        mp.undo()
+
+
+def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cluster: LocalCluster) -> None:
+    """A rank with ``data_lane`` (eager and iter, share streams and per-micro-batch calls) gets the same
+    tensors and media as one reading through DoGet, from real store processes, over their lanes."""
+    control = lane_cluster.control()
+    control.create_job(job_spec("lane-train", groups=4, group_size=4, k=1, world_size=1, micro_batch_size=3))
+    groups = mm_groups("lane-train", 4, group_size=4)
+    write_and_register(control, "lane-train", lane_cluster.stores, groups, groups_per_unit=2, token="lane-worker")
+    plan = control.next_plan("lane-train", 0, timeout_s=30)
+    assert plan is not None
+    results = {}
+    for lane_on, mode, stream in itertools.product((False, True), ("eager", "iter"), (True, False)):
+        cfg = TrainerConfig(
+            control_url=lane_cluster.control_url,
+            job="lane-train",
+            rank=0,
+            world_size=1,
+            token="lane-worker",
+            store_token="lane-worker",
+            fetch_mode=mode,  # type: ignore[arg-type]
+            stream=stream,
+            poll_timeout_s=5,
+            data_lane=lane_on,
+        )
+        with TrainerClient(cfg) as client:
+            got = list(client.minibatch(plan))
+            ports = {e: c.lane_port() for e, c in client.fetcher._clients.items()}
+        assert len(ports) == 2 and all(p is not None for p in ports.values())  # get/stream -> lane_get (no fallback)
+        assert all(c.data_lane is lane_on for c in client.fetcher._clients.values())
+        results[lane_on, mode, stream] = got
+    want = results[False, "eager", True]
+    assert sum(int(m.batch.num_rows) for m in want) == 16
+    for key, got in results.items():
+        assert len(got) == len(want), key
+        for a, b in zip(got, want, strict=True):
+            for name in ("response_ids", "response_logprobs", "loss_mask", "rewards", "prompt_ids"):
+                x, y = getattr(a.batch, name), getattr(b.batch, name)
+                assert (x is None and y is None) or torch.equal(x, y), (key, name)
+            assert a.media.keys() == b.media.keys() and all(torch.equal(a.media[h], b.media[h]) for h in a.media)
