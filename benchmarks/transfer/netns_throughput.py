@@ -1,4 +1,4 @@
-"""Cross-host throughput: Flight DoGet vs a raw TCP socket over the same veth link, 1 and 4 streams.
+"""Cross-host throughput: Flight DoGet and the store's data lane vs raw TCP over one veth link, 1 and 4 streams.
 
 One command (root, ``ip netns``): ``python benchmarks/transfer/netns_throughput.py [--quick] [--runs N]``.
 Two network namespaces, ``store`` and ``trainer``, joined by veth pairs through a bridge (the lab of
@@ -7,11 +7,15 @@ Two network namespaces, ``store`` and ``trainer``, joined by veth pairs through 
 script, which times
 
 * ``doget``: a whole unit read with S parallel DoGets (contiguous row ranges, one connection each);
+* ``lane``: the same S tickets read over the store's bulk data lane (``knittrans store
+  --data-lane-port``; ``StoreClient.lane_get``, one connection each, no fallback to DoGet): one
+  length-prefixed Arrow IPC stream per ticket received with ``recv_into`` into one buffer;
 * ``tcp``: the same number of bytes received over S raw TCP connections (``sendall`` / ``recv_into``),
 
 for units of 16 and 256 MiB and S = 1 and 4. Every figure is the median of ``--runs`` repetitions,
-measured alternately in one run; the ratio ``doget / tcp`` is the headline (target >= 0.8 with 4
-streams). After the timed runs, each method moves ``--cpu-mib`` more MiB per case while the CPU time
+measured alternately in one run (doget, lane, tcp); the ratios ``doget / tcp`` and ``lane / tcp``
+are the headline (target >= 0.8 with 4 streams). After the timed runs, each method moves
+``--cpu-mib`` more MiB per case while the CPU time
 (user + system) of both ends is clocked: the client process (``getrusage``) and the store process or
 the raw sender (``/proc/<pid>/stat``), with the client's minor page faults. Both ends share the
 host's cores, so ``tcp CPU / doget CPU`` is about the throughput ratio the CPU alone allows.
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
-STORE_PORT, TCP_PORT = 8815, 9000
+STORE_PORT, LANE_PORT, TCP_PORT = 8815, 8816, 9000
 TOKEN = "netns-bench-token"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -143,8 +147,24 @@ def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
         return time.perf_counter() - t0, total
 
 
+def lane(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
+    """Seconds and payload bytes of reading ``tickets`` over the data lane in parallel, one client each."""
+    start = threading.Barrier(len(clients) + 1)
+
+    def read(i: int) -> int:
+        start.wait()
+        return int(clients[i].lane_get(tickets[i]).nbytes)
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = [pool.submit(read, i) for i in range(len(clients))]
+        start.wait()
+        t0 = time.perf_counter()
+        total = sum(f.result() for f in futures)
+        return time.perf_counter() - t0, total
+
+
 def client_main(args: argparse.Namespace) -> None:
-    """Runs in the trainer namespace: alternate DoGet and raw TCP for every size and stream count."""
+    """Runs in the trainer namespace: alternate DoGet, the data lane and raw TCP for every size and stream count."""
     from knittrans.flight.client import StoreClient
     from knittrans.tickets import Ticket, UnitRead
 
@@ -158,22 +178,29 @@ def client_main(args: argparse.Namespace) -> None:
                 for lo, hi in itertools.pairwise(bounds)
             ]
             clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300) for _ in range(streams)]
+            lane_clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300) for _ in range(streams)]
             doget(clients, tickets)  # warm-up: connections, page cache of the store's mmap
             nbytes = doget(clients, tickets)[1]
+            if lane(lane_clients, tickets)[1] != nbytes:
+                raise RuntimeError("the data lane returned other bytes than DoGet")
             tcp_receive(args.tcp_host, TCP_PORT, nbytes, streams)
-            t_get, t_tcp = [], []
+            t_get, t_lane, t_tcp = [], [], []
             for _ in range(args.runs):
                 t_get.append(doget(clients, tickets)[0])
+                t_lane.append(lane(lane_clients, tickets)[0])
                 t_tcp.append(tcp_receive(args.tcp_host, TCP_PORT, nbytes, streams))
             get_all = functools.partial(doget, clients, tickets)
+            lane_all = functools.partial(lane, lane_clients, tickets)
             tcp_all = functools.partial(tcp_receive, args.tcp_host, TCP_PORT, nbytes, streams)
-            cpu: dict[str, list[dict[str, float]]] = {"doget": [], "tcp": []}
+            cpu: dict[str, list[dict[str, float]]] = {"doget": [], "lane": [], "tcp": []}
             for _ in range(2):  # alternate, like the timed runs
                 cpu["doget"].append(cpu_per_gb(get_all, nbytes, args.cpu_mib * MiB, args.store_pid))
+                cpu["lane"].append(cpu_per_gb(lane_all, nbytes, args.cpu_mib * MiB, args.store_pid))
                 cpu["tcp"].append(cpu_per_gb(tcp_all, nbytes, args.cpu_mib * MiB, args.tcp_pid))
-            for c in clients:
+            for c in clients + lane_clients:
                 c.close()
             get_gbps = [nbytes / t / 1e9 for t in t_get]
+            lane_gbps = [nbytes / t / 1e9 for t in t_lane]
             tcp_gbps = [nbytes / t / 1e9 for t in t_tcp]
             key = f"{size}MiB_x{streams}"
             out[key] = {
@@ -181,20 +208,30 @@ def client_main(args: argparse.Namespace) -> None:
                 "streams": streams,
                 "runs": args.runs,
                 "doget_GBps_median": statistics.median(get_gbps),
+                "lane_GBps_median": statistics.median(lane_gbps),
                 "tcp_GBps_median": statistics.median(tcp_gbps),
                 "doget_GBps": get_gbps,
+                "lane_GBps": lane_gbps,
                 "tcp_GBps": tcp_gbps,
                 "ratio_median": statistics.median(get_gbps) / statistics.median(tcp_gbps),
+                "lane_ratio_median": statistics.median(lane_gbps) / statistics.median(tcp_gbps),
                 "doget_GBps_slowest": min(get_gbps),
+                "lane_GBps_slowest": min(lane_gbps),
                 "tcp_GBps_slowest": min(tcp_gbps),
+                "lane_ms_p50_p99": _p50_p99(t_lane),
+                "doget_ms_p50_p99": _p50_p99(t_get),
+                "tcp_ms_p50_p99": _p50_p99(t_tcp),
                 "cpu": {m: {k: statistics.median(x[k] for x in xs) for k in xs[0]} for m, xs in cpu.items()},
             }
-            cpu_get, cpu_tcp = out[key]["cpu"]["doget"], out[key]["cpu"]["tcp"]
+            cpu_get, cpu_lane, cpu_tcp = (out[key]["cpu"][m] for m in ("doget", "lane", "tcp"))
             out[key]["cpu_ratio"] = cpu_tcp["total_s_per_GB"] / cpu_get["total_s_per_GB"]
+            out[key]["lane_cpu_ratio"] = cpu_tcp["total_s_per_GB"] / cpu_lane["total_s_per_GB"]
             print(
                 f"[netns] {key}: DoGet {out[key]['doget_GBps_median']:.2f} GB/s, "
+                f"lane {out[key]['lane_GBps_median']:.2f} GB/s, "
                 f"TCP {out[key]['tcp_GBps_median']:.2f} GB/s; CPU s/GB client + server: "
                 f"DoGet {cpu_get['client_s_per_GB']:.2f} + {cpu_get['server_s_per_GB']:.2f}, "
+                f"lane {cpu_lane['client_s_per_GB']:.2f} + {cpu_lane['server_s_per_GB']:.2f}, "
                 f"TCP {cpu_tcp['client_s_per_GB']:.2f} + {cpu_tcp['server_s_per_GB']:.2f}",
                 file=sys.stderr,
                 flush=True,
@@ -224,6 +261,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 MiB only, 3 runs")
     parser.add_argument("--runs", type=int, default=None, help="repetitions per figure (default 7, quick 3)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="unit sizes in MiB (default 16 256)")
     parser.add_argument(
         "--cpu-mib", type=int, default=None, help="MiB per method and case clocked for CPU (default 1024, quick 256)"
     )
@@ -237,7 +275,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "netns_throughput")
     args = parser.parse_args()
     runs = args.runs or (3 if args.quick else 7)
-    sizes = [16] if args.quick else [16, 256]
+    sizes = args.sizes or ([16] if args.quick else [16, 256])
     cpu_mib = args.cpu_mib or (256 if args.quick else 1024)
     if any("=" not in e or e.startswith("=") for e in args.client_env):
         parser.error(f"--client-env takes KEY=VALUE, not {args.client_env}")
@@ -268,6 +306,8 @@ def main() -> int:
                 store_ip,
                 "--port",
                 str(STORE_PORT),
+                "--data-lane-port",
+                str(LANE_PORT),
                 "--node-id",
                 "store",
                 "--ready-file",
@@ -352,29 +392,37 @@ def main() -> int:
         "runs": runs,
         "results": results,
         "target_4_streams_ratio>=0.8": {k: v["ratio_median"] >= 0.8 for k, v in results.items() if v["streams"] == 4},
+        "target_4_streams_lane_ratio>=0.8": {
+            k: v["lane_ratio_median"] >= 0.8 for k, v in results.items() if v["streams"] == 4
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = [
-        "| unit | streams | DoGet GB/s | raw TCP GB/s | DoGet / TCP | slowest run DoGet / TCP GB/s |",
-        "|---|---|---|---|---|---|",
+        "| unit | streams | DoGet GB/s | lane GB/s | raw TCP GB/s | DoGet / TCP | lane / TCP "
+        "| slowest run DoGet / lane / TCP GB/s | p50 / p99 ms DoGet, lane, TCP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     cpu_lines = [
-        "| unit | streams | DoGet client | DoGet server | raw TCP client | raw TCP sender | TCP / DoGet total "
-        "| client faults/GB DoGet / TCP |",
+        "| unit | streams | DoGet client + server | lane client + server | raw TCP client + sender "
+        "| TCP / DoGet total | TCP / lane total | client faults/GB DoGet / lane / TCP |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         unit = f"{r['bytes'] / MiB:.0f} MiB"
+        lat = ", ".join("{:.0f} / {:.0f}".format(*r[f"{m}_ms_p50_p99"]) for m in ("doget", "lane", "tcp"))
         lines.append(
-            f"| {unit} | {r['streams']} | {r['doget_GBps_median']:.2f} | {r['tcp_GBps_median']:.2f} | "
-            f"{r['ratio_median']:.2f} | {r['doget_GBps_slowest']:.2f} / {r['tcp_GBps_slowest']:.2f} |"
+            f"| {unit} | {r['streams']} | {r['doget_GBps_median']:.2f} | {r['lane_GBps_median']:.2f} | "
+            f"{r['tcp_GBps_median']:.2f} | {r['ratio_median']:.2f} | {r['lane_ratio_median']:.2f} | "
+            f"{r['doget_GBps_slowest']:.2f} / {r['lane_GBps_slowest']:.2f} / {r['tcp_GBps_slowest']:.2f} | {lat} |"
         )
-        g, t = r["cpu"]["doget"], r["cpu"]["tcp"]
+        g, ln, t = r["cpu"]["doget"], r["cpu"]["lane"], r["cpu"]["tcp"]
         cpu_lines.append(
-            f"| {unit} | {r['streams']} | {g['client_s_per_GB']:.2f} | {g['server_s_per_GB']:.2f} | "
-            f"{t['client_s_per_GB']:.2f} | {t['server_s_per_GB']:.2f} | {r['cpu_ratio']:.2f} | "
-            f"{g['client_faults_per_GB'] / 1e3:.0f}k / {t['client_faults_per_GB'] / 1e3:.0f}k |"
+            f"| {unit} | {r['streams']} | {g['client_s_per_GB']:.2f} + {g['server_s_per_GB']:.2f} | "
+            f"{ln['client_s_per_GB']:.2f} + {ln['server_s_per_GB']:.2f} | "
+            f"{t['client_s_per_GB']:.2f} + {t['server_s_per_GB']:.2f} | {r['cpu_ratio']:.2f} | "
+            f"{r['lane_cpu_ratio']:.2f} | {g['client_faults_per_GB'] / 1e3:.0f}k / "
+            f"{ln['client_faults_per_GB'] / 1e3:.0f}k / {t['client_faults_per_GB'] / 1e3:.0f}k |"
         )
     md = (
         f"# Cross-host throughput (veth between network namespaces)\n\n{platform.platform()}, "
@@ -390,6 +438,12 @@ def main() -> int:
     print(md)
     log(f"wrote {args.out.with_suffix('.json')} and .md")
     return 0
+
+
+def _p50_p99(seconds: list[float]) -> list[float]:
+    """p50 and p99 (nearest rank) of run times, in milliseconds."""
+    ms = sorted(x * 1e3 for x in seconds)
+    return [statistics.median(ms), ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]]
 
 
 def _commit() -> str:

@@ -2,6 +2,8 @@
 
 API: ``StoreServer(StoreServerConfig(store=StoreConfig(root=...), host=, port=, token=))`` (listening
 once constructed; ``.endpoint``, ``.serve()``, ``.shutdown()``) and ``StoreClient(endpoint, token=)``.
+Opt-in bulk data lane for reads beside Flight: ``StoreServerConfig(data_lane_port=0)`` and
+``StoreClient(..., data_lane=True)`` (:mod:`knittrans.flight.lane`).
 """
 
 from knittrans.flight.client import StoreClient

@@ -7,6 +7,9 @@ from typing import Any
 
 import pyarrow.flight as flight
 
+from knittrans.errors import Unauthenticated
+from knittrans.flight.errors import to_flight_error
+
 __all__ = ["BearerTokenFactory", "auth_headers"]
 
 
@@ -24,12 +27,19 @@ class BearerTokenFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
             raise ValueError("token must be a non-empty string")
         self._expected = b"Bearer " + token.encode()
 
-    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
-        """Check the header before the call runs; raise FlightUnauthenticatedError otherwise."""
-        values = headers.get("authorization", [])
+    def check(self, values: list[Any]) -> None:
+        """Raise :class:`Unauthenticated` unless one of the ``authorization`` values is ``Bearer <token>``
+        (the store's data lane checks its requests with this too)."""
         for value in values:
             raw = value if isinstance(value, bytes) else str(value).encode()
             if hmac.compare_digest(raw, self._expected):
                 return None
         why = "missing" if not values else "wrong"
-        raise flight.FlightUnauthenticatedError(f"Unauthenticated: {why} bearer token")
+        raise Unauthenticated(f"{why} bearer token")
+
+    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
+        """Check the header before the call runs; raise FlightUnauthenticatedError otherwise."""
+        try:
+            self.check(headers.get("authorization", []))
+        except Unauthenticated as exc:
+            raise to_flight_error(exc) from None

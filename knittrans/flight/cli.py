@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest unit a DoPut may upload (default %(default)s)",
     )
     parser.add_argument(
+        "--data-lane-port",
+        type=int,
+        default=default_of(StoreServerConfig, "data_lane_port"),
+        help="also serve reads on this TCP port as the bulk data lane (0: any free one; default: no lane; "
+        "not with --tls-cert)",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=None,
@@ -113,17 +120,11 @@ def run(args: Any) -> int:
             args.host,
         )
         return 2
-    config = StoreServerConfig(
-        store=StoreConfig(root=args.dir, budget_bytes=args.budget_bytes, spill_dir=args.spill_dir),
-        host=args.host,
-        port=args.port,
-        node_id=args.node_id,
-        token=args.token or None,
-        max_put_bytes=args.max_put_bytes,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
-    )
+    try:
+        config = _config(args)
+    except ValueError as exc:  # e.g. --data-lane-port with --tls-cert
+        logger.error("cannot start the store: %s", exc)
+        return 2
     server = StoreServer(config)
     logger.info(
         "store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint, server.store.recovered
@@ -152,6 +153,22 @@ def run(args: Any) -> int:
     finally:
         stopped.set()
     return 0
+
+
+def _config(args: Any) -> StoreServerConfig:
+    """The server configuration the options ask for (ValueError: options that do not go together)."""
+    return StoreServerConfig(
+        store=StoreConfig(root=args.dir, budget_bytes=args.budget_bytes, spill_dir=args.spill_dir),
+        host=args.host,
+        port=args.port,
+        node_id=args.node_id,
+        token=args.token or None,
+        max_put_bytes=args.max_put_bytes,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        data_lane_port=args.data_lane_port,
+        ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
+    )
 
 
 def _env_path(name: str) -> Path | None:

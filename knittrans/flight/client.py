@@ -3,7 +3,8 @@
 API::
 
     with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
-        c.get(ticket) -> pa.Table                      # one DoGet
+        c.get(ticket) -> pa.Table                      # one DoGet (or a data-lane read, with data_lane=True)
+        c.lane_get(ticket) -> pa.Table                 # one read over the store's data lane (no fallback)
         c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
         c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
         c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
@@ -11,6 +12,10 @@ API::
         c.reserve_units(job, [(unit, nbytes), ...]) / c.seal_units(job, [{"unit": ...}, ...])  # batched
         c.publish_units(job, [{"unit": ..., "dir": ...}, ...])  # same host: own temporaries, one call
         c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
+
+``StoreClient(..., data_lane=True)`` reads :meth:`get` and :meth:`stream` over the store's bulk data
+lane (:mod:`knittrans.flight.lane`; found once with the ``data_lane`` action, cached) when the store
+has one, else through ``DoGet`` as before.
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
 ``Unavailable`` when the node cannot be reached).
@@ -20,15 +25,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import KnitTransError, Unavailable
+from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
+from knittrans.flight import lane
 from knittrans.flight.auth import auth_headers
 from knittrans.flight.errors import from_flight_error
 from knittrans.tickets import Ticket
@@ -36,6 +44,7 @@ from knittrans.tickets import Ticket
 __all__ = ["StoreClient"]
 
 T = TypeVar("T")
+_UNKNOWN = -1  # lane port not asked yet
 
 
 class StoreClient:
@@ -55,13 +64,22 @@ class StoreClient:
         timeout_s: float | None = None,
         batch_bytes: int = 4 << 20,
         tls_ca: str | os.PathLike[str] | None = None,
+        data_lane: bool = False,
     ) -> None:
         """Connect to ``endpoint`` (``grpc://`` or ``grpc+tls://``).
 
         ``tls_ca``: PEM file of the CA that signed the node's certificate (default
         ``$KNITTRANS_TLS_CA``; without either, the system roots verify a ``grpc+tls`` node).
+        ``data_lane``: read :meth:`get` and :meth:`stream` over the store's data lane when it has one
+        (never for ``grpc+tls``: a TLS store opens no lane); ``timeout_s`` then bounds each wait for data.
         """
         self.endpoint = endpoint
+        self.data_lane = data_lane
+        self._timeout_s = timeout_s
+        self._authorization = b"" if token is None else auth_headers(token)[0][1]
+        self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
+        self._lane_host = urlsplit(endpoint).hostname or "127.0.0.1"
+        self._lane_idle: list[socket.socket] = []  # connections to the lane between reads
         self.batch_bytes = batch_bytes
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         if endpoint.startswith("grpc+tls://") and ca:
@@ -105,15 +123,87 @@ class StoreClient:
             raise from_flight_error(exc, self.endpoint) from None
 
     def get(self, ticket: Ticket) -> pa.Table:
-        """One ``DoGet``: the rows × columns (or media rows) the ticket names."""
+        """One ``DoGet``: the rows × columns (or media rows) the ticket names (over the data lane instead
+        when the client has ``data_lane`` and the store a lane)."""
+        if self.data_lane and self.lane_port() is not None:
+            return self.lane_get(ticket)
         raw = flight.Ticket(ticket.encode())
         return self._call(lambda: self._client.do_get(raw, self._options).read_all())
+
+    def lane_port(self) -> int | None:
+        """The store's data-lane port (asked once with the ``data_lane`` action, then cached); None: no lane."""
+        if self._lane_port == _UNKNOWN:
+            try:
+                answer = self._action("data_lane")
+            except InvalidRequest:  # a store from before the lane: "unknown action"
+                answer = None
+            port = answer.get("port") if isinstance(answer, dict) else None
+            self._lane_port = port if isinstance(port, int) and not isinstance(port, bool) else None
+        return self._lane_port
+
+    def lane_get(self, ticket: Ticket) -> pa.Table:
+        """What a ``DoGet`` of ``ticket`` returns, read over the store's data lane into one buffer (zero-copy
+        record batches). No fallback: raises ``Unavailable`` when the store has no lane."""
+        port = self.lane_port()
+        if port is None:
+            raise Unavailable(f"store {self.endpoint} has no data lane")
+        raw = ticket.encode()
+        self._enter()
+        try:
+            for _ in range(2):  # a pooled connection the store closed meanwhile is retried once on a fresh one
+                conn, pooled = self._lane_connection(port)
+                ok = False
+                try:
+                    lane.send_request(conn, self._authorization, raw)
+                    table = lane.read_answer(conn)
+                    ok = True
+                    return table
+                except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
+                    if not pooled:
+                        raise Unavailable(f"data lane of store {self.endpoint} closed the connection: {exc}") from None
+                    with self._lock:  # the others idled as long or longer: drop them, retry on a fresh one
+                        stale, self._lane_idle = self._lane_idle, []
+                    for old in stale:
+                        old.close()
+                except OSError as exc:
+                    raise Unavailable(f"data lane of store {self.endpoint} failed: {exc}") from None
+                finally:
+                    self._lane_release(conn, ok)
+            raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
+        finally:
+            self._leave()
+
+    def _lane_connection(self, port: int) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._lane_idle:
+                return self._lane_idle.pop(), True
+        try:
+            conn = socket.create_connection((self._lane_host, port), timeout=self._timeout_s)
+        except OSError as exc:
+            raise Unavailable(f"data lane of store {self.endpoint} cannot be reached: {exc}") from None
+        conn.settimeout(None)  # blocking; the kernel's per-call timeouts bound each wait
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._timeout_s is not None:
+            lane.socket_timeouts(conn, self._timeout_s)
+        return conn, False
+
+    def _lane_release(self, conn: socket.socket, ok: bool) -> None:
+        if ok:
+            with self._lock:
+                if not self._closing:
+                    self._lane_idle.append(conn)
+                    return
+        conn.close()
 
     def stream(self, ticket: Ticket) -> Iterator[pa.RecordBatch]:
         """One ``DoGet`` read batch by batch: the call is opened here, the data flows in the background.
 
-        Closing the iterator early (``close()`` or garbage collection) cancels the call.
+        Closing the iterator early (``close()`` or garbage collection) cancels the call. With
+        ``data_lane`` (and a store with a lane) the whole answer is read here, over the lane, and its
+        batches returned (the fetcher calls this in its worker pool).
         """
+        if self.data_lane and self.lane_port() is not None:
+            return iter(self.lane_get(ticket).to_batches())
         raw = flight.Ticket(ticket.encode())
         self._enter()  # the open stream counts as a call in flight until it ends
         try:
@@ -277,6 +367,9 @@ class StoreClient:
             self._closing = True
             now = self._active == 0
             self._closed = now
+            idle, self._lane_idle = self._lane_idle, []
+        for conn in idle:
+            conn.close()
         if now:
             self._client.close()
 

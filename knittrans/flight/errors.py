@@ -7,6 +7,8 @@ unavailable, everything else a server error).
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 
 import pyarrow as pa
@@ -14,7 +16,7 @@ import pyarrow.flight as flight
 
 from knittrans import errors
 
-__all__ = ["from_flight_error", "to_flight_error"]
+__all__ = ["error_message", "from_error_message", "from_flight_error", "known_error", "to_flight_error"]
 
 _PREFIX = re.compile(r"^([A-Z][A-Za-z]+): (.*?)(?:\. Detail:.*)?$", re.S)
 _TYPES: dict[str, type[errors.KnitTransError]] = {
@@ -22,9 +24,40 @@ _TYPES: dict[str, type[errors.KnitTransError]] = {
 }
 
 
+def error_message(exc: errors.KnitTransError) -> str:
+    """``<ErrorClass>: <message>``: how a store names an error to its clients (Flight and the data lane)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def from_error_message(text: str) -> errors.KnitTransError | None:
+    """The KnitTrans error an :func:`error_message` names (None when it names none)."""
+    match = _PREFIX.match(text)
+    if match and match.group(1) in _TYPES:
+        return _TYPES[match.group(1)](match.group(2))
+    return None
+
+
+def known_error(what: str, exc: Exception) -> errors.KnitTransError | None:
+    """The KnitTrans error a store call (``what``) that raised ``exc`` answers with; None: an unexpected failure.
+
+    Shared by the Flight calls of the store server and its data lane, so both answer alike.
+    """
+    if isinstance(exc, errors.KnitTransError):
+        return exc
+    if isinstance(exc, pa.ArrowInvalid | pa.ArrowTypeError | pa.ArrowNotImplementedError):
+        # malformed client input the IPC reader found (e.g. a dictionary changed within a DoPut)
+        return errors.InvalidRequest(f"{what}: invalid Arrow data: {exc}")
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return errors.OverBudget(
+            f"{what}: the store directory cannot take the write ({os.strerror(exc.errno)}); "
+            "retry later or on another node"
+        )
+    return None
+
+
 def to_flight_error(exc: errors.KnitTransError) -> flight.FlightError:
     """Typed Flight error whose message names the KnitTrans error class and the problem."""
-    message = f"{type(exc).__name__}: {exc}"
+    message = error_message(exc)
     if isinstance(exc, errors.Unauthenticated):
         return flight.FlightUnauthenticatedError(message)
     if isinstance(exc, errors.Unavailable):
@@ -35,9 +68,9 @@ def to_flight_error(exc: errors.KnitTransError) -> flight.FlightError:
 def from_flight_error(exc: BaseException, endpoint: str) -> errors.KnitTransError:
     """Rebuild the KnitTrans error a store server raised; transport failures become Unavailable."""
     text = str(exc)
-    match = _PREFIX.match(text)
-    if match and match.group(1) in _TYPES:
-        return _TYPES[match.group(1)](match.group(2))
+    known = from_error_message(text)
+    if known is not None:
+        return known
     if isinstance(exc, flight.FlightUnauthenticatedError):
         return errors.Unauthenticated(f"store {endpoint} refused the call: {text.splitlines()[0]}")
     if isinstance(exc, flight.FlightUnavailableError | flight.FlightTimedOutError | pa.ArrowIOError):

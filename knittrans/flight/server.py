@@ -9,6 +9,10 @@ Protocol (all payloads JSON unless noted):
   per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
   limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
   the put's metadata stream. The unit stays invisible until the ``seal`` action.
+* Data lane (opt-in, ``data_lane_port``): the ``data_lane`` action answers ``{"port": N}`` (or
+  ``null``); that TCP port answers a lane request (the bearer token and the same ticket bytes a
+  ``DoGet`` carries) with the same record batches as one length-prefixed Arrow IPC stream, written
+  from the mapped unit files (:mod:`knittrans.flight.lane`).
 * ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
 * Writes are safe to retry and to race: a ``DoPut`` stream owns its part of the pending unit
   while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
@@ -35,12 +39,10 @@ stops the server.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,9 +52,10 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import Conflict, InvalidRequest, KnitTransError, OverBudget, PayloadTooLarge, Unauthenticated
+from knittrans.errors import Conflict, InvalidRequest, OverBudget, PayloadTooLarge, Unauthenticated
 from knittrans.flight.auth import BearerTokenFactory
-from knittrans.flight.errors import to_flight_error
+from knittrans.flight.errors import known_error, to_flight_error
+from knittrans.flight.lane import LaneServer
 from knittrans.grants import check_listing, check_ticket
 from knittrans.names import check_name
 from knittrans.schema import check_schema, validate_part
@@ -94,10 +97,22 @@ class StoreServerConfig:
     """PEM certificate (chain) to serve TLS with (``grpc+tls://``); needs ``tls_key``."""
     tls_key: Path | None = None
     """PEM private key of ``tls_cert``."""
+    data_lane_port: int | None = None
+    """TCP port of the bulk data lane beside Flight (:mod:`knittrans.flight.lane`: ``DoGet``'s answer as one
+    framed Arrow IPC stream over a plain socket, for clients that ask for it); 0 picks a free one, None (the
+    default) opens none. Plain TCP only: a TLS store refuses it (its reads stay on ``grpc+tls``)."""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.data_lane_port is not None:
+            if not 0 <= self.data_lane_port < 65536:
+                raise ValueError(f"data_lane_port must be in [0, 65535] or None, not {self.data_lane_port}")
+            if self.tls_cert is not None:
+                raise ValueError(
+                    "the data lane is plain TCP and this store serves TLS: run it without data_lane_port "
+                    "(reads then stay on grpc+tls) or without TLS"
+                )
         check_name(self.node_id, "node_id")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
@@ -114,29 +129,16 @@ def _mapped(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except KnitTransError as exc:
-            logger.info("%s refused: %s: %s", fn.__name__, type(exc).__name__, exc)
-            raise to_flight_error(exc) from None
         except flight.FlightError:
             raise
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-            # malformed client input the IPC reader found (e.g. a dictionary changed within a DoPut)
-            logger.info("%s refused: invalid Arrow data: %s", fn.__name__, exc)
-            raise to_flight_error(InvalidRequest(f"{fn.__name__}: invalid Arrow data: {exc}")) from None
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-                logger.warning("%s failed: store directory cannot take the write: %s", fn.__name__, exc)
-                raise to_flight_error(
-                    OverBudget(
-                        f"{fn.__name__}: the store directory cannot take the write "
-                        f"({os.strerror(exc.errno)}); retry later or on another node"
-                    )
-                ) from None
-            logger.exception("%s failed", fn.__name__)
-            raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
         except Exception as exc:
-            logger.exception("%s failed", fn.__name__)
-            raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
+            known = known_error(fn.__name__, exc)
+            if known is None:
+                logger.exception("%s failed", fn.__name__)
+                raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
+            log = logger.warning if isinstance(known, OverBudget) and known is not exc else logger.info
+            log("%s refused: %s: %s", fn.__name__, type(known).__name__, known)
+            raise to_flight_error(known) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -197,27 +199,55 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     def __init__(self, config: StoreServerConfig, *, store: UnitStore | None = None) -> None:
         self.config = config
         self.store = store if store is not None else UnitStore(config.store)
-        middleware = {"auth": BearerTokenFactory(config.token)} if config.token else {}
+        self.auth = BearerTokenFactory(config.token) if config.token else None
+        """The bearer-token check of every call (None: no token); the data lane checks with it too."""
+        middleware = {"auth": self.auth} if self.auth is not None else {}
         scheme, tls = "grpc", None
         if config.tls_cert is not None and config.tls_key is not None:
             scheme = "grpc+tls"
             tls = [flight.CertKeyPair(cert=Path(config.tls_cert).read_bytes(), key=Path(config.tls_key).read_bytes())]
         super().__init__(f"{scheme}://{config.host}:{config.port}", middleware=middleware, tls_certificates=tls)
         self.endpoint = f"{scheme}://{config.host}:{self.port}"
-        logger.info("store node %s serving %s at %s", config.node_id, config.store.root, self.endpoint)
+        self.lane: LaneServer | None = None
+        """The bulk data lane, when ``config.data_lane_port`` opens one."""
+        if config.data_lane_port is not None:
+            try:
+                self.lane = LaneServer(config.host, config.data_lane_port, read=self.read_ticket, auth=self.auth)
+            except BaseException:
+                super().shutdown()
+                raise
+        logger.info(
+            "store node %s serving %s at %s%s",
+            config.node_id,
+            config.store.root,
+            self.endpoint,
+            f", data lane on port {self.lane.port}" if self.lane is not None else "",
+        )
+
+    def shutdown(self) -> None:
+        """Stop the data lane (if any) and the Flight server."""
+        if self.lane is not None:
+            self.lane.close()
+        super().shutdown()
 
     # --- reads -------------------------------------------------------------------------------
-    @_mapped
-    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        """Stream the rows × columns (or media rows) a strictly decoded ticket names."""
-        decoded = Ticket.decode(ticket.ticket)
+    def read_ticket(self, raw: bytes) -> pa.Table:
+        """What ``DoGet`` of the ticket bytes ``raw`` answers: decoded strictly, its grants checked (signed
+        mode), read zero-copy and cut into record batches of about ``batch_bytes``. The data lane serves
+        its requests with this too."""
+        decoded = Ticket.decode(raw)
         if self.config.ticket_key:
             check_ticket(self.config.ticket_key.encode(), decoded, now=time.time())
         table = self.store.read(decoded)
         if table.num_rows > 1 and table.nbytes > self.config.batch_bytes:
             rows = max(1, table.num_rows * self.config.batch_bytes // table.nbytes)
             table = pa.Table.from_batches(table.to_batches(max_chunksize=rows), schema=table.schema)
-        return flight.RecordBatchStream(table)
+        return table
+
+    @_mapped
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        """Stream the rows × columns (or media rows) a strictly decoded ticket names."""
+        return flight.RecordBatchStream(self.read_ticket(ticket.ticket))
 
     def _info(self, unit: SealedUnit) -> flight.FlightInfo:
         ticket = Ticket(job=unit.job, reads=(UnitRead(unit_id=unit.unit_id),))
@@ -319,17 +349,20 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             ),
             ("stats", "counts and bytes of this node"),
             ("health", "liveness and identity of this node"),
+            ("data_lane", "the bulk data lane of this node: {port} (null: none)"),
         ]
 
     @_mapped
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
         """Dispatch ``seal``, ``seal_units``, ``publish_units``, ``delete``, ``reserve``, ``reserve_units``,
-        ``stats`` and ``health``."""
+        ``stats``, ``health`` and ``data_lane``."""
         kind = action.type
         if kind == "health":
             return _json({"ok": True, "node_id": self.config.node_id, "endpoint": self.endpoint})
         if kind == "stats":
             return _json({"node_id": self.config.node_id, **self.store.stats()})
+        if kind == "data_lane":
+            return _json({"port": self.lane.port if self.lane is not None else None})
         if kind in ("reserve_units", "seal_units", "publish_units"):
             body = _body(action, "job", "units")
             job = check_name(body["job"], "job")

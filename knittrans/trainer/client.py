@@ -83,7 +83,10 @@ class TrainerClient:
         self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
         """Control-plane client; its retry policy is the rank's only one (``control_retry_s`` by default)."""
         self.fetcher = Fetcher(
-            token=config.store_token, local_dirs=dict(config.local_dirs), timeout_s=config.fetch_timeout_s
+            token=config.store_token,
+            local_dirs=dict(config.local_dirs),
+            timeout_s=config.fetch_timeout_s,
+            data_lane=config.data_lane,
         )
         self.media_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="knittrans-media")
         """Runs a micro-batch's media fetch alongside its row fetch."""

@@ -1,0 +1,354 @@
+"""The store's bulk data lane: ``DoGet``'s answer as one length-prefixed Arrow IPC stream over plain TCP.
+
+Why: a Flight ``DoGet`` client copies every byte twice (kernel -> gRPC read slices, then gRPC merges
+each multi-slice message into one fresh ``malloc`` block whose pages fault in). The lane answers
+the same ticket with the same record batches framed so the client receives them with ``recv_into``
+straight into ONE buffer from Arrow's pool and opens it zero-copy (``pa.ipc.open_stream``); the
+store writes the IPC stream with ``sendmsg`` from the memory-mapped unit files (no user-space copy).
+Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads only.
+
+Wire format (integers big-endian)::
+
+    request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
+    answer:   b"KTL1" | u8 status | u64 length | body
+              status 0: body = Arrow IPC stream of the record batches DoGet would stream
+              status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
+
+``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
+checked by the store's own :class:`~knittrans.flight.auth.BearerTokenFactory`), ``ticket`` the
+bytes of a Flight ticket (decoded and grant-checked by the store's own ``read_ticket``). A
+connection serves requests one after another. Limits, so that a slow or garbage client cannot pin
+the store: ``auth`` <= 4 KiB, ``ticket`` <= :data:`~knittrans.tickets.MAX_TICKET_BYTES`; a request
+must arrive whole within ``request_timeout_s`` of its first byte; an idle connection is closed
+after ``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped; at most
+``max_connections`` connections are served at once. A malformed request (bad magic, a length over
+its limit, a request that does not arrive in time) gets an error frame and the connection is
+closed; any other error (bad ticket, unknown unit, wrong token) gets an error frame and the
+connection stays usable. Plain TCP only: a store with TLS refuses to open a lane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from knittrans.errors import (
+    InvalidRequest,
+    InvalidTicket,
+    KnitTransError,
+    Unavailable,
+)
+from knittrans.flight.auth import BearerTokenFactory
+from knittrans.flight.errors import error_message, from_error_message, known_error
+from knittrans.tickets import MAX_TICKET_BYTES
+
+__all__ = [
+    "MAGIC",
+    "MAX_AUTH_BYTES",
+    "LaneClosed",
+    "LaneServer",
+    "ipc_parts",
+    "read_answer",
+    "send_request",
+    "socket_timeouts",
+]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KTL1"
+"""First four bytes of every lane request and answer (the lane protocol's name and version)."""
+MAX_AUTH_BYTES = 4096
+"""Longest ``authorization`` value a lane request may carry."""
+MAX_ERROR_BYTES = 1 << 16
+"""Longest error message an answer may carry (the client refuses longer ones as malformed)."""
+OK, ERROR = 0, 1
+_REQUEST = struct.Struct("!4sII")
+_ANSWER = struct.Struct("!4sBQ")
+_IOV = 512  # buffers per sendmsg (Linux allows 1024)
+
+
+class LaneClosed(Exception):
+    """The peer closed the connection before the first byte of an answer (a stale pooled connection)."""
+
+
+class _Malformed(Exception):
+    """A request the lane cannot read further: answered, then the connection is closed."""
+
+    def __init__(self, error: KnitTransError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def socket_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel send and receive timeouts of a blocking socket: a call waiting that long without progress fails."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def _sendmsg_all(sock: socket.socket, parts: list[Any]) -> None:
+    """Send every buffer of ``parts`` in order with as few ``sendmsg`` calls as the socket allows."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _IOV])
+        if sent == 0:
+            raise ConnectionError("peer stopped taking data")
+        while sent:
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+class _Collect:
+    """A write-only file for the IPC writer: keeps each buffer it is handed (body buffers arrive as
+    zero-copy :class:`pa.Buffer` views of the mapped unit files), so the total length is known before
+    a byte is sent."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.nbytes = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.parts.append(data)
+        self.nbytes += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def ipc_parts(table: pa.Table) -> tuple[list[Any], int]:
+    """The Arrow IPC stream of ``table``'s record batches as a list of buffers (bodies not copied) and its length."""
+    sink = _Collect()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), table.schema) as writer:
+        for batch in table.to_batches():
+            writer.write_batch(batch)
+    return sink.parts, sink.nbytes
+
+
+class LaneServer:
+    """The data lane of one store server: a listening socket and one thread per connection (module docstring).
+
+    ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
+    (its bearer-token check, or None for a store without a token) checks the request's ``authorization``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        read: Callable[[bytes], pa.Table],
+        auth: BearerTokenFactory | None,
+        request_timeout_s: float = 10.0,
+        idle_timeout_s: float = 60.0,
+        send_timeout_s: float = 30.0,
+        max_connections: int = 128,
+    ) -> None:
+        self._read, self._auth = read, auth
+        self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
+        self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
+        self.served = 0
+        """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="knittrans-lane-accept", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and drop every open connection."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="knittrans-lane", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                socket_timeouts(conn, self.send_timeout_s)
+                msg = f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
+                self._error(conn, Unavailable(msg))
+            except OSError:
+                pass
+
+    def _error(self, conn: socket.socket, exc: KnitTransError) -> None:
+        body = error_message(exc).encode()[:MAX_ERROR_BYTES]
+        conn.sendall(_ANSWER.pack(MAGIC, ERROR, len(body)) + body)
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while self._one(conn):
+                pass
+        except _Malformed as exc:
+            logger.info("data lane request from %s refused, closing: %s", peer, exc.error)
+            try:
+                socket_timeouts(conn, self.send_timeout_s)
+                conn.settimeout(None)
+                self._error(conn, exc.error)
+            except OSError:
+                pass
+        except OSError as exc:  # the client went away or stopped reading
+            logger.debug("data lane connection from %s dropped: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _recv_exact(self, conn: socket.socket, n: int, deadline: float, what: str) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Malformed(InvalidRequest(f"data lane request: {what} did not arrive within the time limit"))
+            conn.settimeout(left)
+            try:
+                k = conn.recv_into(view[got:])
+            except TimeoutError:
+                continue
+            if k == 0:
+                raise _Malformed(InvalidRequest(f"data lane request: connection closed within the {what}"))
+            got += k
+        return bytes(buf)
+
+    def _one(self, conn: socket.socket) -> bool:
+        """Serve one request; False when the client closed the connection (or stayed idle too long)."""
+        conn.settimeout(self.idle_timeout_s)
+        try:
+            first = conn.recv(1)
+        except TimeoutError:
+            return False
+        if not first:
+            return False
+        deadline = time.monotonic() + self.request_timeout_s
+        head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
+        magic, auth_len, ticket_len = _REQUEST.unpack(head)
+        if magic != MAGIC:
+            raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
+        if auth_len > MAX_AUTH_BYTES:
+            raise _Malformed(
+                InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
+            )
+        if ticket_len > MAX_TICKET_BYTES:
+            raise _Malformed(InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed"))
+        auth = self._recv_exact(conn, auth_len, deadline, "authorization")
+        ticket = self._recv_exact(conn, ticket_len, deadline, "ticket")
+        conn.settimeout(None)
+        socket_timeouts(conn, self.send_timeout_s)
+        try:
+            if self._auth is not None:
+                self._auth.check([auth] if auth else [])
+            parts, nbytes = ipc_parts(self._read(ticket))
+        except Exception as exc:
+            known = known_error("data lane read", exc)
+            if known is None:
+                logger.exception("data lane read failed")
+                known = KnitTransError(f"internal error in the data lane: {exc!r}")
+            else:
+                logger.info("data lane read refused: %s: %s", type(known).__name__, known)
+            self._error(conn, known)
+            return True
+        with self._lock:
+            self.served += 1
+        _sendmsg_all(conn, [_ANSWER.pack(MAGIC, OK, nbytes), *parts])
+        return True
+
+
+# ------------------------------------------------------------------------------------------------ client
+def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> None:
+    """Send one lane request (``authorization``: the header value, ``Bearer <token>``, or empty)."""
+    sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
+    got = 0
+    while got < view.nbytes:
+        try:
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO passed without a byte
+            raise Unavailable(f"data lane: no data for the {what} within the timeout") from None
+        if n == 0:
+            raise Unavailable(f"data lane: connection closed after {got} of {view.nbytes} bytes of the {what}")
+        got += n
+
+
+def read_answer(sock: socket.socket) -> pa.Table:
+    """Read one answer: the table (its buffers point into one pyarrow-allocated block), or raise its error.
+
+    Raises :class:`LaneClosed` when the connection closed before the answer began, the error the
+    store named (a :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
+    """
+    head = bytearray(_ANSWER.size)
+    view = memoryview(head)
+    try:
+        first = sock.recv_into(view, 0, socket.MSG_WAITALL)
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise LaneClosed(str(exc)) from None
+    except BlockingIOError:
+        raise Unavailable("data lane: no answer within the timeout") from None
+    if first == 0:
+        raise LaneClosed("connection closed before the answer")
+    _recv_into(sock, view[first:], "answer header")
+    magic, status, length = _ANSWER.unpack(head)
+    if magic != MAGIC or status not in (OK, ERROR):
+        raise Unavailable(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
+    if status == ERROR:
+        if length > MAX_ERROR_BYTES:
+            raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
+        body = bytearray(length)
+        _recv_into(sock, memoryview(body), "error message")
+        text = body.decode(errors="replace")
+        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
+    buf = pa.allocate_buffer(length)
+    _recv_into(sock, memoryview(buf), "record batches")
+    return pa.ipc.open_stream(buf).read_all()
