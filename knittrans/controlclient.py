@@ -4,6 +4,12 @@ Used by rollout writers (units, supply, version), store nodes (register, heartbe
 (next plan, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
 so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
 is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
+
+``register_units`` (a writer's one request per write) goes over a kept-alive ``http.client``
+connection of its own when the control plane is plain http: about 1 ms less client CPU per request
+than httpx. Anything that connection cannot answer (https, a call while another thread holds it, a
+dropped connection, a 503) is sent again through httpx with its retries; a repeated registration is a
+no-op.
 """
 
 from __future__ import annotations
