@@ -4,20 +4,29 @@ Used by rollout writers (units, supply, version), store nodes (register, heartbe
 (next plan, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
 so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
 is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
+
+``register_units`` (a writer's one request per write) goes over a kept-alive ``http.client``
+connection of its own when the control plane is plain http: about 1 ms less client CPU per request
+than httpx. Anything that connection cannot answer (https, a call while another thread holds it, a
+dropped connection, a 503) is sent again through httpx with its retries; a repeated registration is a
+no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json as jsonlib
 import logging
 import os
 import re
 import ssl
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -119,6 +128,15 @@ class ControlClient:
             verify=verify,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
+        # The hot POST (a writer's registration, once per write) over one kept-alive ``http.client``
+        # connection: about 1 ms less client CPU per request than httpx (0.3 vs 1.4 ms, one scratch run).
+        # Plain http only; https, a call while another thread holds it, and anything that goes wrong on
+        # it take the httpx path above (see :meth:`_post_lean`).
+        split = urlsplit(self.base_url)
+        self._lean_at = (split.hostname, split.port or 80, split.path) if split.scheme == "http" else None
+        self._lean_headers = {**headers, "Content-Type": "application/json"}
+        self._lean_conn: http.client.HTTPConnection | None = None
+        self._lean_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connection pools (a request still in flight in another thread closes its own connection
@@ -126,6 +144,11 @@ class ControlClient:
         self._closed = True
         self._http.close()
         self._poll_http.close()
+        if self._lean_lock.acquire(blocking=False):  # else the call holding it closes it when done
+            try:
+                self._drop_lean()
+            finally:
+                self._lean_lock.release()
 
     def __enter__(self) -> ControlClient:
         return self
@@ -187,6 +210,49 @@ class ControlClient:
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
+
+    def _post_lean(self, path: str, body: Any) -> Any:
+        """``POST path`` with JSON ``body`` on the kept-alive ``http.client`` connection; its JSON answer.
+
+        Only for requests whose repeat is a no-op: when the connection fails (a kept-alive connection the
+        server closed, a restart, a timeout) or the answer is 503, the request goes again by
+        :meth:`_json`, with its retries. So does a call while another thread uses the connection, or to
+        an https control plane. Errors are raised as :meth:`_json` raises them.
+        """
+        if self._lean_at is None or self._closed or not self._lean_lock.acquire(blocking=False):
+            return self._json("POST", path, json=body)
+        status, payload = 0, b""
+        try:
+            data = jsonlib.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+            host, port, prefix = self._lean_at
+            try:
+                if self._lean_conn is None:
+                    self._lean_conn = http.client.HTTPConnection(host or "", port, timeout=self.timeout_s)
+                self._lean_conn.request("POST", prefix + path, body=data, headers=self._lean_headers)
+                answer = self._lean_conn.getresponse()
+                payload = answer.read()
+                status = answer.status
+                if answer.will_close:
+                    self._drop_lean()
+            except (OSError, http.client.HTTPException) as exc:
+                logger.debug("control plane %s: POST %s: %s; again by the pooled client", self.base_url, path, exc)
+                self._drop_lean()
+                status = 0
+            if self._closed:  # closed while this call held the connection
+                self._drop_lean()
+        finally:
+            self._lean_lock.release()
+        if status == 0 or status == 503:
+            return self._json("POST", path, json=body)
+        if status >= 400:
+            _raise_for(httpx.Response(status, content=payload))
+        return jsonlib.loads(payload)
+
+    def _drop_lean(self) -> None:
+        """Close the kept-alive ``http.client`` connection (the caller holds its lock)."""
+        if self._lean_conn is not None:
+            self._lean_conn.close()
+            self._lean_conn = None
 
     # ------------------------------------------------------------------ health
     def health(self) -> dict[str, Any]:
@@ -297,7 +363,7 @@ class ControlClient:
         pause = 0.05
         while True:
             try:
-                result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/units", json=body)
+                result: dict[str, Any] = self._post_lean(f"/v1/jobs/{job}/units", body)
                 return result
             except NotFound as exc:
                 missing = _UNREGISTERED_NODE.search(str(exc))

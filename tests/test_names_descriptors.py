@@ -79,3 +79,30 @@ def test_descriptor_rejects_gaps_and_bad_counts() -> None:
         )
     with pytest.raises(InvalidRequest, match="bad unit descriptor"):
         UnitDescriptor.from_dict({"unit_id": "u1"})
+
+
+class _Count(int):
+    """An ``int`` subclass (as an IntEnum member is): accepted as a token count like a plain int."""
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [
+        ((10, 11, True), "True"),
+        ((10, -1, 12), "-1"),
+        ((10, 11, 2**31), str(2**31)),
+        ((10, 11.0, 12), "11.0"),
+        ((10, "11", 12), "'11'"),
+    ],
+)
+def test_group_token_counts_are_checked_and_the_bad_one_named(tokens: tuple[object, ...], bad: str) -> None:
+    """Token counts must be plain non-negative int32 integers (the check runs in C loops first and falls back
+    to one value at a time only to name the bad value)."""
+    with pytest.raises(InvalidRequest, match=rf"trajectory_tokens {bad} must be an integer in \[0, 2147483647\]"):
+        GroupRecord(**{**_group("g1", 0, 3).__dict__, "trajectory_tokens": tokens})
+
+
+def test_group_token_counts_accept_int_subclasses_and_the_int32_bounds() -> None:
+    """0, 2**31 - 1 and an ``int`` subclass pass, as they did value by value."""
+    g = GroupRecord(**{**_group("g1", 0, 3).__dict__, "trajectory_tokens": (0, 2**31 - 1, _Count(5))})
+    assert g.num_tokens == 2**31 + 4

@@ -477,6 +477,20 @@ def test_store_publish_refuses_what_is_not_a_writer_temporary(store_dir: Path, t
         store.publish_units("job", [(spec, str(good)), (spec, str(good))])
 
 
+def test_store_publish_takes_its_own_temporary_however_the_path_is_spelled(store_dir: Path, tmp_path: Path) -> None:
+    """A writer temporary named through a symlinked parent or a ``..`` is still this node's (the parent is
+    resolved when it is not spelled as the node's resolved job directory)."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    alias = tmp_path / "alias"
+    alias.symlink_to(store_dir)
+    ((spec_a, a),) = _written(store_dir / "job", ["a"])
+    ((spec_b, b),) = _written(store_dir / "job", ["b"], seed=3)
+    (store_dir / "job" / "sub").mkdir()
+    spelled = [(spec_a, str(alias / "job" / a.name)), (spec_b, str(store_dir / "job" / "sub" / ".." / b.name))]
+    assert [u.unit_id for u in store.publish_units("job", spelled)] == ["a", "b"]
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["a", "b", "sub"]
+
+
 def test_store_publish_waits_for_budget_or_spills(store_dir: Path, tmp_path: Path) -> None:
     """A full budget: without a spill dir the publish waits, then fails and removes its temporaries;
     with one the unit moves there (and is served from it)."""

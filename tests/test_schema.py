@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -18,7 +20,9 @@ from knittrans.schema import (
     TRAJECTORY_SCHEMA,
     Media,
     TrajectoryGroup,
+    _TrajectoryRows,
     build_unit_tables,
+    build_units_tables,
     check_schema,
     validate_trajectories,
 )
@@ -144,3 +148,78 @@ def test_builder_round_trips_random_shapes(lengths: list[list[int]], data: st.Da
     broken = traj.set_column(5, "response_logprobs", pa.array(lp, type=pa.list_(pa.float32())))
     with pytest.raises(InvalidRequest, match=f"'response_logprobs' .* at row {row}$"):
         validate_trajectories(broken)
+
+
+def _rows_group(i: int, **changes: Any) -> TrajectoryGroup:
+    n = 4
+    fields: dict[str, Any] = {
+        "group_id": f"g{i}",
+        "source": "s",
+        "prompt_ids": np.arange(5, dtype=np.int32),
+        "response_ids": [np.arange(3 + j, dtype=np.int32) for j in range(n)],
+        "response_logprobs": [np.zeros(3 + j, np.float32) for j in range(n)],
+        "rewards": [float(j) for j in range(n)],
+        "version_start": 1,
+        "version_end": 2,
+        "traj_ids": [f"g{i}t{j}" for j in range(n)],
+    }
+    return TrajectoryGroup(**{**fields, **changes})
+
+
+_BAD_SECOND_UNIT: dict[str, tuple[dict[str, Any], str]] = {
+    "negative prompt token": (
+        {"prompt_ids": np.array([1, -2, 3])},
+        "column 'prompt_ids' holds a negative token id at row 0",
+    ),
+    "mask value 2": (
+        {"loss_masks": [np.array([1, 2, 1], np.uint8), *(np.ones(k, np.uint8) for k in (4, 5, 6))]},
+        "column 'loss_mask' holds a value other than 0 or 1",
+    ),
+    "version_weighted outside": (
+        {"version_weighted": [1.5, 7.0, 1.5, 1.5]},
+        r"column 'version_weighted' \(7.0\) is outside \[version_start, version_end\] at row 1",
+    ),
+    "version_weighted NaN": (
+        {"version_weighted": [1.5, float("nan"), 1.5, 1.5]},
+        r"column 'version_weighted' \(nan\) is outside",
+    ),
+    "logprobs length": (
+        {"response_logprobs": [np.zeros(k, np.float32) for k in (3, 9, 5, 6)]},
+        "column 'response_logprobs' has length 9 != response_ids length 4 at row 1",
+    ),
+    "traj_id repeated in the unit": (
+        {"traj_ids": ["a", "b", "a", "c"]},
+        r"column 'traj_id' value 'a' is duplicated \(first at row 0\)",
+    ),
+    "traj_id missing": ({"traj_ids": ["a", None, "c", "d"]}, "column 'traj_id' is null at row 1"),
+    "finished_at NaN": ({"finished_at": [1.0, float("nan"), 2.0, 3.0]}, "column 'finished_at' is null at row 1"),
+    "version_end before start": (
+        {"version_start": [1, 5, 1, 1], "version_end": [2, 4, 2, 2]},
+        r"column 'version_end' \(4\) < version_start \(5\) at row 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_SECOND_UNIT))
+def test_build_units_refuses_a_bad_row_naming_unit_column_and_row(case: str) -> None:
+    """Rows are checked on the numpy buffers first and, when that finds something, by the Arrow checks, which
+    name the unit, the column and the row; each kind of bad row is refused with the same words as before
+    the numpy check existed (and its verdict on those rows is: not plainly valid)."""
+    changes, words = _BAD_SECOND_UNIT[case]
+    units = [[_rows_group(0)], [_rows_group(1, **changes)]]
+    assert not _TrajectoryRows([g for u in units for g in u], 0.0).plainly_valid()
+    with pytest.raises(InvalidRequest, match=rf"^unit 1 \(of 2\): {words}"):
+        build_units_tables(units)
+    with pytest.raises(InvalidRequest, match=rf"^{words}"):
+        build_units_tables(units[1:])
+
+
+def test_build_units_plainly_valid_rows_and_a_traj_id_repeated_across_units() -> None:
+    """Good rows pass the numpy check alone; a ``traj_id`` repeated across units (allowed) is not plainly valid,
+    so the Arrow checks run per unit and accept it."""
+    good = [[_rows_group(0)], [_rows_group(1)]]
+    assert _TrajectoryRows([g for u in good for g in u], 0.0).plainly_valid()
+    assert [t.traj.num_rows for t in build_units_tables(good)] == [4, 4]
+    across = [[_rows_group(0, traj_ids=["a", "b", "c", "d"])], [_rows_group(1, traj_ids=["a", "x", "y", "z"])]]
+    assert not _TrajectoryRows([g for u in across for g in u], 0.0).plainly_valid()
+    assert [t.traj.column("traj_id")[0].as_py() for t in build_units_tables(across)] == ["a", "a"]

@@ -287,6 +287,14 @@ class PendingUnit:
             self.reserved = 0
 
 
+def _file_size(path: Path) -> int:
+    """Size of ``path`` in bytes; 0 when it does not exist (one ``stat``, not ``exists`` and then ``stat``)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None, num_bytes: int | None) -> None:
     got = {"rows": unit.num_rows, "media_rows": unit.media.num_rows, "num_bytes": unit.num_bytes}
     want = {"rows": rows, "media_rows": media_rows, "num_bytes": num_bytes}
@@ -580,7 +588,7 @@ class UnitStore:
             for (spec, _), tmp in zip(units, dirs, strict=True):
                 p = self.begin(job, spec.unit_id)
                 begun.append(p)
-                size = sum(f.stat().st_size for f in (tmp / TRAJ_FILE, tmp / MEDIA_FILE) if f.exists())
+                size = _file_size(tmp / TRAJ_FILE) + _file_size(tmp / MEDIA_FILE)
                 spill = self.config.spill_dir
                 if self.budget.try_reserve(size):
                     p.reserved = size
@@ -615,7 +623,8 @@ class UnitStore:
             not path.name.startswith(f"{_TMP}{unit_id}-{_WRITER}")
             or path.is_symlink()
             or not path.is_dir()
-            or path.parent.resolve() != job_dir
+            # job_dir is resolved: a parent spelled the same is it (resolving looks at every component)
+            or (str(path.parent) != str(job_dir) and path.parent.resolve() != job_dir)
         ):
             raise Conflict(
                 f"unit {unit_id!r} of job {job!r}: {str(path)!r} is not a writer's temporary in this node's "

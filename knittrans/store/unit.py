@@ -22,7 +22,7 @@ import pyarrow.ipc as ipc
 
 from knittrans.errors import InvalidRequest, NotFound, SchemaMismatch
 from knittrans.names import check_name
-from knittrans.schema import MEDIA_SCHEMA, check_schema
+from knittrans.schema import EMPTY_MEDIA, check_schema
 from knittrans.tickets import Ticket, UnitRead
 
 __all__ = [
@@ -91,7 +91,7 @@ class SealedUnit:
         try:
             size += media_path.stat().st_size
         except FileNotFoundError:  # a unit without media may have no media file
-            media = MEDIA_SCHEMA.empty_table()
+            media = EMPTY_MEDIA
         else:
             media = _open_table(media_path, "media")
         return cls(
@@ -173,7 +173,7 @@ def read_media(units: Sequence[SealedUnit], hashes: Iterable[str]) -> pa.Table:
         else:
             names = [u.unit_id for u in units]
             raise NotFound(f"media hash {hex_hash} is in none of the units {names}")
-    return pa.concat_tables(pieces) if pieces else MEDIA_SCHEMA.empty_table()
+    return pa.concat_tables(pieces) if pieces else EMPTY_MEDIA
 
 
 class LocalReader:
