@@ -93,12 +93,16 @@ def markdown(summary: dict[str, Any]) -> str:
     ]
     for c in summary["cases"].values():
         g = c["GBps_pooled"]
-        cells = [
-            f"{g[m]['median']:.2f} / {g[m]['mean']:.2f} GB/s, "
-            f"{g[m]['ms_p50']:.0f} / {g[m]['ms_p99']:.0f} ms (n {g[m]['n']})"
-            for m in METHODS
-        ]
-        out.append(f"| {c['bytes'] / (1 << 20):.0f} MiB | {c['streams']} | " + " | ".join(cells) + " |")
+        out.append(
+            _row(
+                c,
+                [
+                    f"{g[m]['median']:.2f} / {g[m]['mean']:.2f} GB/s, "
+                    f"{g[m]['ms_p50']:.0f} / {g[m]['ms_p99']:.0f} ms (n {g[m]['n']})"
+                    for m in METHODS
+                ],
+            )
+        )
     out += [
         "\nCPU seconds per GB, client + store (or raw sender), and client minor faults per GB; median over rounds:\n",
         "| unit | streams | DoGet | lane | raw TCP |",
@@ -106,13 +110,21 @@ def markdown(summary: dict[str, Any]) -> str:
     ]
     for c in summary["cases"].values():
         u = c["cpu_median_of_rounds"]
-        cells = [
-            f"{u[m]['client_s_per_GB']:.2f} + {u[m]['server_s_per_GB']:.2f} "
-            f"({u[m]['client_faults_per_GB'] / 1e3:.0f}k faults)"
-            for m in METHODS
-        ]
-        out.append(f"| {c['bytes'] / (1 << 20):.0f} MiB | {c['streams']} | " + " | ".join(cells) + " |")
+        out.append(
+            _row(
+                c,
+                [
+                    f"{u[m]['client_s_per_GB']:.2f} + {u[m]['server_s_per_GB']:.2f} "
+                    f"({u[m]['client_faults_per_GB'] / 1e3:.0f}k faults)"
+                    for m in METHODS
+                ],
+            )
+        )
     return "\n".join(out) + "\n"
+
+
+def _row(case: dict[str, Any], cells: list[str]) -> str:
+    return f"| {case['bytes'] / (1 << 20):.0f} MiB | {case['streams']} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:

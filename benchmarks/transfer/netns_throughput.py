@@ -131,13 +131,15 @@ def cpu_per_gb(transfer: Any, nbytes: int, total: int, peer_pid: int) -> dict[st
     }
 
 
-def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
-    """Seconds and payload bytes of reading ``tickets`` in parallel, one client (connection) each."""
+def parallel_reads(clients: list[Any], tickets: list[Any], *, lane: bool = False) -> tuple[float, int]:
+    """Seconds and payload bytes of reading ``tickets`` in parallel, one client (connection) each: by
+    DoGet, or over the data lane with ``lane``."""
     start = threading.Barrier(len(clients) + 1)
 
     def read(i: int) -> int:
         start.wait()
-        return int(clients[i].get(tickets[i]).nbytes)
+        client = clients[i]
+        return int((client.lane_get if lane else client.get)(tickets[i]).nbytes)
 
     with ThreadPoolExecutor(len(clients)) as pool:
         futures = [pool.submit(read, i) for i in range(len(clients))]
@@ -145,22 +147,16 @@ def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
         t0 = time.perf_counter()
         total = sum(f.result() for f in futures)
         return time.perf_counter() - t0, total
+
+
+def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
+    """Seconds and payload bytes of reading ``tickets`` with parallel DoGets."""
+    return parallel_reads(clients, tickets)
 
 
 def lane(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
-    """Seconds and payload bytes of reading ``tickets`` over the data lane in parallel, one client each."""
-    start = threading.Barrier(len(clients) + 1)
-
-    def read(i: int) -> int:
-        start.wait()
-        return int(clients[i].lane_get(tickets[i]).nbytes)
-
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futures = [pool.submit(read, i) for i in range(len(clients))]
-        start.wait()
-        t0 = time.perf_counter()
-        total = sum(f.result() for f in futures)
-        return time.perf_counter() - t0, total
+    """Seconds and payload bytes of reading ``tickets`` over the data lane in parallel."""
+    return parallel_reads(clients, tickets, lane=True)
 
 
 def client_main(args: argparse.Namespace) -> None:
