@@ -20,6 +20,7 @@ from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, InvalidTicket, NotFound, Unauthenticated, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli, lane
 from knittrans.grants import sign_grant
+from knittrans.procs import wait_until
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
@@ -221,6 +222,16 @@ def test_signed_store_checks_the_lane_tickets_grants(start_server: Start) -> Non
         assert c.lane_get(ok).num_rows == 4
 
 
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock`` (end of stream, or a reset, is waiting to be read)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Start) -> None:
     """A request that stalls gets a named error after the request timeout, an idle connection is closed,
     connections over the limit are refused with Unavailable; a good read works after each, and a pooled
@@ -237,6 +248,7 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
         idle_timeout_s=0.5,
         max_connections=3,
     )
+    lane_server = server.lane
     good = _rows("job", ("u2", ()))
     with StoreClient(server.endpoint, token=TOKEN) as c:
         assert c.lane_get(good).equals(units["u2"].traj)
@@ -250,15 +262,19 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
             idle.settimeout(5)
             assert idle.recv(1) == b""  # closed after idle_timeout_s without a request
         for conn in [c._lane_connection(server.lane.port)[0] for _ in range(2)]:
-            c._lane_release(conn, True)  # two more idle connections in c's pool (three in all)
-        time.sleep(0.8)  # c's pooled connections are now all closed by the lane
+            c._lane_release(conn, True)  # the pooled one and a fresh one: two idle connections in c's pool
+        pooled = list(c._lane_idle)
+        assert len(pooled) == 2
+        wait_until(  # the lane closes them after idle_timeout_s
+            lambda: all(_peer_closed(s) for s in pooled), timeout_s=10, what="the lane to close c's idle connections"
+        )
         assert c.lane_get(good).equals(units["u2"].traj)  # stale ones dropped, retried on a fresh connection
         assert len(c._lane_idle) == 1
         with _raw(server) as a, _raw(server) as b:  # with c's pooled connection: 3 open
             assert _request(a, good.encode()).num_rows == _request(b, good.encode()).num_rows
             with _raw(server) as third, pytest.raises(Unavailable, match="at most 3 connections"):
                 lane.read_answer(third)
-        time.sleep(0.2)
+        wait_until(lambda: lane_server.open_connections == 1, timeout_s=10, what="the lane to see a and b close")
         assert c.lane_get(good).equals(units["u2"].traj)
 
 

@@ -178,6 +178,12 @@ class LaneServer:
         self._thread = threading.Thread(target=self._accept, name="knittrans-lane-accept", daemon=True)
         self._thread.start()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (requests in progress and idle ones kept open)."""
+        with self._lock:
+            return len(self._conns)
+
     def close(self) -> None:
         """Stop accepting and drop every open connection."""
         with self._lock:
