@@ -15,9 +15,10 @@ hashes (so each read's row count is known and the result can be split back witho
 anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in ``local_dirs``
 (value: the store dir, or a tuple of store dir and spill dir) are read through
 :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the Flight path.
-With ``data_lane=True``, remote reads go over each node's bulk data lane (one length-prefixed Arrow
-IPC stream per call, received into one buffer; :mod:`knittrans.flight.lane`) where the node has one;
-a streamed read then arrives whole before its first batch is handed out.
+By default (``data_lane=True``) remote reads go over each node's bulk data lane (one length-prefixed
+Arrow IPC stream per call, received into one reused buffer; :mod:`knittrans.flight.lane`) where the
+node has a reachable one, else through ``DoGet``; a streamed read then arrives whole before its
+first batch is handed out.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ class Fetcher:
         local_dirs: LocalDirs | None = None,
         max_workers: int = 8,
         timeout_s: float | None = None,
-        data_lane: bool = False,
+        data_lane: bool = True,
     ) -> None:
-        """``data_lane``: read remote nodes over their bulk data lane when they have one
-        (:class:`~knittrans.flight.StoreClient`'s ``data_lane``), else through ``DoGet``."""
+        """``data_lane``: read remote nodes over their bulk data lane when they have one and it can be
+        reached (:class:`~knittrans.flight.StoreClient`'s ``data_lane``), else through ``DoGet``."""
         self.token, self.timeout_s, self.data_lane = token, timeout_s, data_lane
         self._local = {
             node: LocalReader([d] if isinstance(d, str | os.PathLike) else list(d))
