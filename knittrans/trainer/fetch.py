@@ -136,7 +136,8 @@ class Fetcher:
         """Connect to store nodes ahead of their first read (``{node_id: endpoint}``), in the worker pool.
 
         A Flight channel connects at its first call; a cheap ``health`` action here moves the TCP and
-        HTTP/2 set-up out of the first ``DoGet`` of a plan. The channel is then kept (one per endpoint)
+        HTTP/2 set-up out of the first ``DoGet`` of a plan (with ``data_lane``, the ``data_lane`` action
+        finds the node's lane port here too). The channel is then kept (one per endpoint)
         for every later read. Local nodes and endpoints already connected are skipped; a node that does
         not answer is left alone (its reads report the error where they happen).
         """
@@ -150,7 +151,10 @@ class Fetcher:
 
     def _ping(self, endpoint: str) -> None:
         try:
-            self._client(endpoint).health()
+            client = self._client(endpoint)
+            client.health()
+            if self.data_lane:
+                client.lane_port()  # the data_lane action too, out of the first read
         except KnitTransError as exc:
             self._warm.discard(endpoint)
             logger.debug("store %s not warmed: %s", endpoint, exc)
