@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ import torch
 from data_support import make_groups
 
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli
+from knittrans.flight.client import LANE_RETRY_S
+from knittrans.flight.lane import LaneServer
 from knittrans.flight.recv_pool import ReceivePool, size_class
 from knittrans.schema import build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
@@ -226,3 +229,28 @@ def test_pooled_lane_reads_from_many_threads_keep_their_bytes(start_server: Star
         assert pool.idle_bytes > 0
         arr = np.asarray(c.get(_whole("ua")).column("reward").chunk(0))
         assert pool.reused >= 1 and np.array_equal(arr, units["ua"].column("reward").to_numpy())
+
+
+def test_a_lane_that_comes_back_is_used_again_and_repeated_failures_back_off(start_server: Start) -> None:
+    """Once the wait after a failed connect is over, the next read tries the lane again: a second failure
+    in a row waits longer than the first, and a lane that answers again serves the reads (failures reset)."""
+    server = start_server(token=TOKEN)
+    t = build_unit_tables(make_groups(2, 3, seed=6))
+    assert server.lane is not None
+    port = server.lane.port
+    server.lane.close()
+    with StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        assert c.get(_whole("u0")).equals(t.traj)
+        first_wait = c._lane_down_until - time.monotonic()
+        assert 0 < first_wait <= LANE_RETRY_S
+        c._lane_down_until = 0.0  # the wait is over
+        assert c.get(_whole("u0")).equals(t.traj) and not c.lane_reachable()
+        assert c._lane_down_until - time.monotonic() > LANE_RETRY_S  # doubled
+        reopened = LaneServer("127.0.0.1", port, read=server.read_ticket, auth=server.auth)
+        try:
+            c._lane_down_until = 0.0
+            assert c.get(_whole("u0")).equals(t.traj) and reopened.served == 1
+            assert c._lane_failures == 0 and c.lane_reachable()
+        finally:
+            reopened.close()

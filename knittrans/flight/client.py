@@ -18,7 +18,8 @@ By default (``data_lane=True``) :meth:`get` and :meth:`stream` read over the sto
 one, else through ``DoGet``. A lane that cannot be reached (connection refused, no connection within
 ``LANE_CONNECT_TIMEOUT_S``, or something else than a lane answering on its port: a firewall, a
 container whose Flight port alone is published) is logged once and left alone for
-``LANE_RETRY_S``; its reads go through ``DoGet`` meanwhile, with the same result. Lane answers are
+``LANE_RETRY_S`` (doubled after each further failure in a row, up to ``LANE_RETRY_MAX_S``); its
+reads go through ``DoGet`` meanwhile, with the same result. Lane answers are
 received into buffers reused from read to read (:mod:`knittrans.flight.recv_pool`).
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
@@ -48,7 +49,7 @@ from knittrans.flight.errors import from_flight_error
 from knittrans.flight.recv_pool import ReceivePool, default_pool
 from knittrans.tickets import Ticket
 
-__all__ = ["LANE_CONNECT_TIMEOUT_S", "LANE_RETRY_S", "StoreClient"]
+__all__ = ["LANE_CONNECT_TIMEOUT_S", "LANE_RETRY_MAX_S", "LANE_RETRY_S", "StoreClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ _UNKNOWN = -1  # lane port not asked yet
 LANE_CONNECT_TIMEOUT_S = 2.0
 """Longest wait for a connection to a store's data lane before its reads go through ``DoGet``."""
 LANE_RETRY_S = 60.0
-"""How long a client reads a store through ``DoGet`` after its lane could not be reached."""
+"""How long a client reads a store through ``DoGet`` after its lane could not be reached (doubled after
+each further failure in a row, up to :data:`LANE_RETRY_MAX_S`)."""
+LANE_RETRY_MAX_S = 960.0
+"""Longest wait before a lane that keeps failing is tried again."""
 
 
 class _LaneUnreachable(Unavailable):
@@ -98,7 +102,7 @@ class StoreClient:
         self.data_lane = data_lane
         self._recv_pool = recv_pool if recv_pool is not None else default_pool()
         self._lane_down_until = 0.0  # monotonic time before which reads skip an unreachable lane
-        self._lane_warned = False
+        self._lane_failures = 0  # lane connects failed in a row
         self._timeout_s = timeout_s
         self._authorization = b"" if token is None else auth_headers(token)[0][1]
         self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
@@ -176,13 +180,16 @@ class StoreClient:
         if not self.lane_reachable():
             return None
         try:
-            return self.lane_get(ticket)
+            table = self.lane_get(ticket)
         except _LaneUnreachable as exc:
-            self._lane_down_until = time.monotonic() + LANE_RETRY_S
-            log = logger.debug if self._lane_warned else logger.warning
-            self._lane_warned = True
-            log("%s; reading it through DoGet (lane retried after %.0f s)", exc, LANE_RETRY_S)
+            self._lane_failures += 1
+            wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
+            self._lane_down_until = time.monotonic() + wait
+            log = logger.warning if self._lane_failures == 1 else logger.debug
+            log("%s; reading it through DoGet (lane tried again after %.0f s)", exc, wait)
             return None
+        self._lane_failures = 0
+        return table
 
     def lane_get(self, ticket: Ticket) -> pa.Table:
         """What a ``DoGet`` of ``ticket`` returns, read over the store's data lane into one buffer (zero-copy
