@@ -18,6 +18,7 @@ import pytest
 import torch
 from data_support import make_groups
 
+from knittrans.errors import Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli
 from knittrans.flight.client import LANE_RETRY_S
 from knittrans.flight.lane import LaneServer
@@ -89,7 +90,8 @@ def test_no_data_lane_store_reads_through_doget(start_server: Start) -> None:
 
 @contextlib.contextmanager
 def _squatter(port: int, answer: bytes | None) -> Iterator[None]:
-    """Something else than a lane on ``port``: answers ``answer`` to each connection (None: closes it at once)."""
+    """Something else than a lane on ``port``: answers ``answer`` to each connection (None: closes it at once;
+    empty: keeps it open and says nothing)."""
     srv = socket.create_server(("127.0.0.1", port))
     stop = threading.Event()
 
@@ -103,6 +105,8 @@ def _squatter(port: int, answer: bytes | None) -> Iterator[None]:
                 if answer is not None:
                     conn.recv(1 << 16)
                     conn.sendall(answer)
+                if answer == b"":
+                    stop.wait()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -114,9 +118,9 @@ def _squatter(port: int, answer: bytes | None) -> Iterator[None]:
         thread.join(5)
 
 
-@pytest.mark.parametrize("peer", ["refused", "closes", "http"])
+@pytest.mark.parametrize("peer", ["refused", "closes", "http", "silent"])
 def test_unreachable_lane_falls_back_to_doget_with_the_same_bytes(start_server: Start, peer: str) -> None:
-    """A lane port that refuses connections, closes them, or is another service: reads go through DoGet
+    """A lane port that refuses connections, closes them, is another service or never answers: reads go through DoGet
     with DoGet's bytes, the lane is left alone for a while (no second try), and ``lane_get`` still raises."""
     server = start_server(token=TOKEN, batch_bytes=2048)
     t = build_unit_tables(make_groups(3, 4, seed=3))
@@ -126,15 +130,15 @@ def test_unreachable_lane_falls_back_to_doget_with_the_same_bytes(start_server: 
     assert server.lane is not None
     port = server.lane.port
     server.lane.close()  # the store still advertises the port, as behind a firewall or a published Flight port
-    answer = {"refused": None, "closes": None, "http": b"HTTP/1.1 400 Bad Request\r\n\r\n"}[peer]
+    answer = {"refused": None, "closes": None, "http": b"HTTP/1.1 400 Bad Request\r\n\r\n", "silent": b""}[peer]
     squat = contextlib.nullcontext() if peer == "refused" else _squatter(port, answer)
-    with squat, StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
+    with squat, StoreClient(server.endpoint, token=TOKEN, timeout_s=1 if peer == "silent" else 10) as c:
         assert c.lane_port() == port and c.lane_reachable()
         got = c.get(_whole("u0"))
         assert _ipc(got) == _ipc(want) and got.schema.equals(want.schema, check_metadata=True)
         assert not c.lane_reachable()  # remembered: the next reads do not try the lane
         assert pa.Table.from_batches(list(c.stream(_whole("u0")))).equals(want)
-        with pytest.raises(Exception, match=r"data lane|not its data lane"):
+        with pytest.raises(Unavailable, match="data lane"):
             c.lane_get(_whole("u0"))
     assert server.lane.served == 0
 

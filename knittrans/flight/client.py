@@ -16,11 +16,11 @@ API::
 By default (``data_lane=True``) :meth:`get` and :meth:`stream` read over the store's bulk data lane
 (:mod:`knittrans.flight.lane`; found once with the ``data_lane`` action, cached) when the store has
 one, else through ``DoGet``. A lane that cannot be reached (connection refused, no connection within
-``LANE_CONNECT_TIMEOUT_S``, or something else than a lane answering on its port: a firewall, a
-container whose Flight port alone is published) is logged once and left alone for
-``LANE_RETRY_S`` (doubled after each further failure in a row, up to ``LANE_RETRY_MAX_S``); its
-reads go through ``DoGet`` meanwhile, with the same result. Lane answers are
-received into buffers reused from read to read (:mod:`knittrans.flight.recv_pool`).
+``LANE_CONNECT_TIMEOUT_S``, or on a new connection no lane answer: closed, something else, or nothing
+within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is published) is logged
+once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
+``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Lane answers
+are received into buffers reused from read to read (:mod:`knittrans.flight.recv_pool`).
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
 ``Unavailable`` when the node cannot be reached).
@@ -208,9 +208,9 @@ class StoreClient:
                     table = lane.read_answer(conn, self._recv_pool)
                     ok = True
                     return table
-                except lane.NotALane as exc:
+                except (lane.NotALane, lane.LaneSilent) as exc:  # on a new connection: maybe not the lane at all
                     cls = Unavailable if pooled else _LaneUnreachable
-                    raise cls(f"port {port} of store {self.endpoint} is not its data lane: {exc}") from None
+                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
                         msg = f"data lane of store {self.endpoint} closed a new connection: {exc}"

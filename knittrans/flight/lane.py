@@ -57,6 +57,7 @@ __all__ = [
     "MAX_AUTH_BYTES",
     "LaneClosed",
     "LaneServer",
+    "LaneSilent",
     "NotALane",
     "ipc_parts",
     "read_answer",
@@ -84,6 +85,10 @@ class LaneClosed(Exception):
 
 class NotALane(Exception):
     """The peer answered with something else than a lane answer (e.g. another service on that port)."""
+
+
+class LaneSilent(Exception):
+    """The peer sent no byte of an answer within the socket's timeout."""
 
 
 class _Malformed(Exception):
@@ -339,8 +344,9 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
     """Read one answer: the table (its buffers point into one block: from ``pool`` when given, else
     from Arrow's pool), or raise its error.
 
-    Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`NotALane`
-    when the peer answered something else than a lane answer, the error the store named (a
+    Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`LaneSilent`
+    when no byte of it came within the socket's timeout, :class:`NotALane` when the peer answered
+    something else than a lane answer, the error the store named (a
     :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
     """
     head = bytearray(_ANSWER.size)
@@ -350,7 +356,7 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
     except (ConnectionResetError, BrokenPipeError) as exc:
         raise LaneClosed(str(exc)) from None
     except BlockingIOError:
-        raise Unavailable("data lane: no answer within the timeout") from None
+        raise LaneSilent("data lane: no answer within the timeout") from None
     if first == 0:
         raise LaneClosed("connection closed before the answer")
     _recv_into(sock, view[first:], "answer header")
