@@ -40,7 +40,7 @@ def start_server(store_dir: Path) -> Iterator[Callable[..., StoreServer]]:
     def start(*, root: Path | None = None, token: str | None = None, **store_kw: Any) -> StoreServer:
         server_kw = {
             k: store_kw.pop(k)
-            for k in ("max_put_bytes", "batch_bytes", "node_id", "data_lane_port", "ticket_key")
+            for k in ("max_put_bytes", "batch_bytes", "node_id", "data_lane", "data_lane_port", "ticket_key")
             if k in store_kw
         }
         config = StoreServerConfig(store=StoreConfig(root=root or store_dir, **store_kw), token=token, **server_kw)

@@ -79,7 +79,10 @@ def test_lane_answers_what_doget_answers_byte_for_byte(start_server: Start) -> N
         _rows("job", ("u0", ((0, 12),)), columns=("reward",)),
         Ticket(job="job", kind="media", media_hashes=hashes),
     ]
-    with StoreClient(server.endpoint, token=TOKEN) as c, StoreClient(server.endpoint, token=TOKEN) as lc:
+    with (
+        StoreClient(server.endpoint, token=TOKEN, data_lane=False) as c,
+        StoreClient(server.endpoint, token=TOKEN) as lc,
+    ):
         for i, ticket in enumerate(tickets):
             want, got = c.get(ticket), lc.lane_get(ticket)
             assert got.schema.equals(want.schema, check_metadata=True)
@@ -109,7 +112,7 @@ def test_client_with_data_lane_uses_it_and_falls_back_to_doget_without_one(start
     """``data_lane=True`` reads through the lane when the store has one, through DoGet when it has none;
     ``lane_get`` never falls back."""
     server, units = _filled(start_server)
-    plain = start_server(token=TOKEN, root=tmp_path)
+    plain = start_server(token=TOKEN, root=tmp_path, data_lane=False)
     with StoreClient(plain.endpoint, token=TOKEN) as c:
         c.put_unit("job", "u0", units["u0"].traj, units["u0"].media)
     ticket = _rows("job", ("u0", ((2, 7),)))
@@ -134,7 +137,7 @@ def test_fetcher_with_data_lane_reads_merged_tickets_over_the_lane(start_server:
         FetchRead(node_id="n0", endpoint=server.endpoint, ticket=_rows("job", ("u1", ((0, 4),)))),
         FetchRead(node_id="n0", endpoint=server.endpoint, ticket=_rows("job", ("u0", ((6, 8),)))),
     ]
-    with Fetcher(token=TOKEN) as plain, Fetcher(token=TOKEN, data_lane=True) as fast:
+    with Fetcher(token=TOKEN, data_lane=False) as plain, Fetcher(token=TOKEN) as fast:
         want = plain.fetch(reads)
         assert server.lane is not None and server.lane.served == 0
         assert fast.fetch(reads).equals(want) and server.lane.served == 1
@@ -279,7 +282,8 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
 
 
 def test_tls_store_refuses_a_data_lane(tmp_path: Path) -> None:
-    """The lane is plain TCP: a TLS store configuration with a lane port is refused, and so is the CLI."""
+    """The lane is plain TCP: a TLS store configuration with an explicit lane port is refused, and so is the
+    CLI (without one, a TLS store opens no lane: tests/test_tls.py)."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     with pytest.raises(ValueError, match="data lane is plain TCP and this store serves TLS"):
         StoreServerConfig(tls_cert=cert, tls_key=key, data_lane_port=0)
@@ -314,8 +318,8 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
     mp.setenv("KNITTRANS_TICKET_KEY", "lane-cluster-ticket-key-0123456789")
     try:
         config = ClusterConfig(
-            work_dir=tmp_path_factory.mktemp("lane"), num_stores=2, worker_token="lane-worker", data_lane=True
-        )
+            work_dir=tmp_path_factory.mktemp("lane"), num_stores=2, worker_token="lane-worker"
+        )  # stores open their lanes by default
         with LocalCluster(config) as c:
             yield c
     finally:

@@ -149,7 +149,7 @@ def test_close_waits_for_calls_in_flight_and_refuses_new_ones(start_server: Star
     t = _unit(1, n=8)
     with StoreClient(server.endpoint) as c:
         c.put_unit("job", "u1", t.traj, t.media)
-    client = StoreClient(server.endpoint)
+    client = StoreClient(server.endpoint, data_lane=False)  # a DoGet stream (a lane read arrives whole)
     batches = client.stream(_rows("job", ("u1", ())))
     first = next(batches)
     assert first.num_rows > 0

@@ -258,7 +258,7 @@ def recording(store_dir: Path) -> Any:
 
 def test_reserve_and_seal_actions_round_trip(recording: RecordingServer, store_dir: Path) -> None:
     """``reserve_units`` hands out one directory per unit; ``seal_units`` publishes them, all or none."""
-    client = StoreClient(recording.endpoint)
+    client = StoreClient(recording.endpoint, data_lane=False)  # no data_lane action among the recorded ones
     tables = build_units_tables(_units(3))
     grants = client.reserve_units(
         "job", [(f"u{k}", estimate_unit_bytes(t.traj, t.media)) for k, t in enumerate(tables)]

@@ -70,7 +70,8 @@ def _make_pki(tmp: Path, name: str = "knittrans-test-ca") -> tuple[Path, Path, P
 
 
 def test_store_serves_grpc_tls_to_clients_that_verify_the_ca(tmp_path: Path, store_dir: Path) -> None:
-    """A TLS store round-trips a unit for a client trusting its CA; a client trusting another CA is refused."""
+    """A TLS store round-trips a unit for a client trusting its CA (it opens no data lane, so a default
+    client reads through DoGet); a client trusting another CA is refused."""
     ca, cert, key = _make_pki(tmp_path)
     (tmp_path / "other").mkdir()
     other_ca, _, _ = _make_pki(tmp_path / "other", "other-ca")
@@ -81,6 +82,7 @@ def test_store_serves_grpc_tls_to_clients_that_verify_the_ca(tmp_path: Path, sto
         with StoreClient(srv.endpoint, tls_ca=ca) as c:
             assert c.put_unit("job", "u0", t.traj, t.media)["num_rows"] == 6
             assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0"),))).equals(t.traj)
+            assert srv.lane is None and c.data_lane and c.lane_port() is None
         with StoreClient(srv.endpoint, tls_ca=other_ca, timeout_s=10) as c, pytest.raises(KnitTransError):
             c.health()
         with StoreClient(srv.endpoint.replace("grpc+tls", "grpc"), timeout_s=10) as c, pytest.raises(KnitTransError):

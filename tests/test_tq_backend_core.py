@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow.flight as flight
+import pyarrow as pa
 import pytest
 import torch
 
@@ -18,15 +18,15 @@ from knittrans.store.store import StoreConfig
 
 
 class CountingStore(StoreServer):
-    """A store server that counts the DoGets it serves, by ticket kind."""
+    """A store server that counts the reads it serves (DoGet or its data lane), by ticket kind."""
 
     def __init__(self, config: StoreServerConfig) -> None:
         super().__init__(config)
         self.gets: list[bytes] = []
 
-    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        self.gets.append(ticket.ticket)
-        return super().do_get(context, ticket)
+    def read_ticket(self, raw: bytes) -> pa.Table:
+        self.gets.append(raw)
+        return super().read_ticket(raw)
 
 
 @pytest.fixture()

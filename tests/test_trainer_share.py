@@ -140,7 +140,14 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
     """Stopping after one micro-batch cancels the open calls; the nodes keep serving the next fetch."""
     plan = _plan(cluster, "share-cancel", groups=8, micro=2)
     with TrainerClient(
-        TrainerConfig(control_url=cluster.control_url, job="share-cancel", rank=0, world_size=1, fetch_mode="eager")
+        TrainerConfig(
+            control_url=cluster.control_url,
+            job="share-cancel",
+            rank=0,
+            world_size=1,
+            fetch_mode="eager",
+            data_lane=False,  # DoGet streams (a lane read arrives whole: nothing left open to cancel)
+        )
     ) as client:
         mb = client.minibatch(plan)
         first = mb._load(0)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("doget", "lane", "tcp")
+LABELS = {"doget": "DoGet", "lane": "lane", "tcp": "raw TCP", "nopool": "lane, no receive pool"}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -37,6 +38,10 @@ def summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu tcp/doget": [x["cpu_ratio"] for x in rounds],
         }
         pooled = {m: [g for x in rounds for g in x[f"{m}_GBps"]] for m in METHODS}
+        if all("nopool_ratio_median" in x for x in rounds):  # --pool-ab: lane reads without the receive pool
+            ratio["no pool/tcp"] = [x["nopool_ratio_median"] for x in rounds]
+            ratio["lane/no pool"] = [x["lane_GBps_median"] / x["nopool_GBps_median"] for x in rounds]
+            pooled["nopool"] = [g for x in rounds for g in x["nopool_GBps"]]
         cpu = {
             m: {
                 k: statistics.median(x["cpu"][m][k] for x in rounds)
@@ -79,8 +84,15 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{loads}.\n",
         "Ratios: median over rounds of each round's median (min–max over rounds in brackets); each round "
         "alternates DoGet, lane and raw TCP run by run.\n",
-        "| unit | streams | lane / TCP | DoGet / TCP | lane / DoGet | CPU TCP / lane | CPU TCP / DoGet |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    keys = list(next(iter(summary["cases"].values()))["ratios"])
+    out += [
+        "| unit | streams | "
+        + " | ".join(
+            k.replace("/", " / ").replace("tcp", "TCP").replace("doget", "DoGet").replace("cpu", "CPU") for k in keys
+        )
+        + " |",
+        "|---|---|" + "---|" * len(keys),
     ]
     for c in summary["cases"].values():
         r = c["ratios"]
@@ -88,8 +100,11 @@ def markdown(summary: dict[str, Any]) -> str:
         out.append(f"| {c['bytes'] / (1 << 20):.0f} MiB | {c['streams']} | " + " | ".join(cells) + " |")
     out += [
         "\nEvery run pooled over rounds: GB/s median and mean; time of one whole-unit read, p50 / p99 ms:\n",
-        "| unit | streams | DoGet | lane | raw TCP |",
-        "|---|---|---|---|---|",
+    ]
+    methods = list(next(iter(summary["cases"].values()))["GBps_pooled"])
+    out += [
+        "| unit | streams | " + " | ".join(LABELS[m] for m in methods) + " |",
+        "|---|---|" + "---|" * len(methods),
     ]
     for c in summary["cases"].values():
         g = c["GBps_pooled"]
@@ -99,7 +114,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 [
                     f"{g[m]['median']:.2f} / {g[m]['mean']:.2f} GB/s, "
                     f"{g[m]['ms_p50']:.0f} / {g[m]['ms_p99']:.0f} ms (n {g[m]['n']})"
-                    for m in METHODS
+                    for m in methods
                 ],
             )
         )

@@ -6,10 +6,14 @@ Two network namespaces, ``store`` and ``trainer``, joined by veth pairs through 
 ``knittrans store`` process and a raw TCP sender; the trainer namespace runs the client half of this
 script, which times
 
-* ``doget``: a whole unit read with S parallel DoGets (contiguous row ranges, one connection each);
-* ``lane``: the same S tickets read over the store's bulk data lane (``knittrans store
-  --data-lane-port``; ``StoreClient.lane_get``, one connection each, no fallback to DoGet): one
-  length-prefixed Arrow IPC stream per ticket received with ``recv_into`` into one buffer;
+* ``doget``: a whole unit read with S parallel DoGets (contiguous row ranges, one connection each;
+  ``StoreClient(data_lane=False)``);
+* ``lane``: what a default client does: the same S tickets read with ``StoreClient(...).get`` (no
+  options) from a store started with its defaults, i.e. over the store's bulk data lane (checked:
+  the lane stays reachable, no fallback happened), one connection each: one length-prefixed Arrow
+  IPC stream per ticket received with ``recv_into`` into a pooled, reused buffer;
+* ``nopool`` (with ``--pool-ab``): the same lane reads, each into a fresh buffer from Arrow's pool
+  (the client before the receive pool), for the pool's effect in the same runs;
 * ``tcp``: the same number of bytes received over S raw TCP connections (``sendall`` / ``recv_into``),
 
 for units of 16 and 256 MiB and S = 1 and 4. Every figure is the median of ``--runs`` repetitions,
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
-STORE_PORT, LANE_PORT, TCP_PORT = 8815, 8816, 9000
+STORE_PORT, TCP_PORT = 8815, 9000
 TOKEN = "netns-bench-token"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -131,15 +135,13 @@ def cpu_per_gb(transfer: Any, nbytes: int, total: int, peer_pid: int) -> dict[st
     }
 
 
-def parallel_reads(clients: list[Any], tickets: list[Any], *, lane: bool = False) -> tuple[float, int]:
-    """Seconds and payload bytes of reading ``tickets`` in parallel, one client (connection) each: by
-    DoGet, or over the data lane with ``lane``."""
+def parallel_reads(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
+    """Seconds and payload bytes of reading ``tickets`` in parallel with ``get``, one client (connection) each."""
     start = threading.Barrier(len(clients) + 1)
 
     def read(i: int) -> int:
         start.wait()
-        client = clients[i]
-        return int((client.lane_get if lane else client.get)(tickets[i]).nbytes)
+        return int(clients[i].get(tickets[i]).nbytes)
 
     with ThreadPoolExecutor(len(clients)) as pool:
         futures = [pool.submit(read, i) for i in range(len(clients))]
@@ -149,20 +151,16 @@ def parallel_reads(clients: list[Any], tickets: list[Any], *, lane: bool = False
         return time.perf_counter() - t0, total
 
 
-def doget(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
-    """Seconds and payload bytes of reading ``tickets`` with parallel DoGets."""
-    return parallel_reads(clients, tickets)
-
-
-def lane(clients: list[Any], tickets: list[Any]) -> tuple[float, int]:
-    """Seconds and payload bytes of reading ``tickets`` over the data lane in parallel."""
-    return parallel_reads(clients, tickets, lane=True)
+doget = lane = parallel_reads  # the clients decide: data_lane=False, or a default client
 
 
 def client_main(args: argparse.Namespace) -> None:
     """Runs in the trainer namespace: alternate DoGet, the data lane and raw TCP for every size and stream count."""
     from knittrans.flight.client import StoreClient
+    from knittrans.flight.recv_pool import ReceivePool, default_pool
     from knittrans.tickets import Ticket, UnitRead
+
+    no_pool = ReceivePool(min_bytes=1 << 62)  # every read into a fresh buffer from Arrow's pool
 
     units = json.loads(args.units)  # {size_mib: [unit_id, rows]}
     out: dict[str, Any] = {}
@@ -173,18 +171,28 @@ def client_main(args: argparse.Namespace) -> None:
                 Ticket(job="bench", reads=(UnitRead(unit_id=unit_id, row_ranges=((lo, hi),)),))
                 for lo, hi in itertools.pairwise(bounds)
             ]
-            clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300) for _ in range(streams)]
+            clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300, data_lane=False) for _ in range(streams)]
             lane_clients = [StoreClient(args.endpoint, token=TOKEN, timeout_s=300) for _ in range(streams)]
+            nopool_clients = [
+                StoreClient(args.endpoint, token=TOKEN, timeout_s=300, recv_pool=no_pool)
+                for _ in range(streams if args.pool_ab else 0)
+            ]
             doget(clients, tickets)  # warm-up: connections, page cache of the store's mmap
             nbytes = doget(clients, tickets)[1]
             if lane(lane_clients, tickets)[1] != nbytes:
-                raise RuntimeError("the data lane returned other bytes than DoGet")
+                raise RuntimeError("the default client (data lane) returned other bytes than DoGet")
+            if nopool_clients and lane(nopool_clients, tickets)[1] != nbytes:
+                raise RuntimeError("the unpooled lane client returned other bytes than DoGet")
             tcp_receive(args.tcp_host, TCP_PORT, nbytes, streams)
-            t_get, t_lane, t_tcp = [], [], []
+            t_get, t_lane, t_nopool, t_tcp = [], [], [], []
             for _ in range(args.runs):
                 t_get.append(doget(clients, tickets)[0])
                 t_lane.append(lane(lane_clients, tickets)[0])
+                if nopool_clients:
+                    t_nopool.append(lane(nopool_clients, tickets)[0])
                 t_tcp.append(tcp_receive(args.tcp_host, TCP_PORT, nbytes, streams))
+            if not all(c.lane_reachable() for c in lane_clients + nopool_clients):
+                raise RuntimeError("a default client fell back to DoGet: the lane arm would not measure the lane")
             get_all = functools.partial(doget, clients, tickets)
             lane_all = functools.partial(lane, lane_clients, tickets)
             tcp_all = functools.partial(tcp_receive, args.tcp_host, TCP_PORT, nbytes, streams)
@@ -193,7 +201,7 @@ def client_main(args: argparse.Namespace) -> None:
                 cpu["doget"].append(cpu_per_gb(get_all, nbytes, args.cpu_mib * MiB, args.store_pid))
                 cpu["lane"].append(cpu_per_gb(lane_all, nbytes, args.cpu_mib * MiB, args.store_pid))
                 cpu["tcp"].append(cpu_per_gb(tcp_all, nbytes, args.cpu_mib * MiB, args.tcp_pid))
-            for c in clients + lane_clients:
+            for c in clients + lane_clients + nopool_clients:
                 c.close()
             get_gbps = [nbytes / t / 1e9 for t in t_get]
             lane_gbps = [nbytes / t / 1e9 for t in t_lane]
@@ -218,7 +226,14 @@ def client_main(args: argparse.Namespace) -> None:
                 "doget_ms_p50_p99": _p50_p99(t_get),
                 "tcp_ms_p50_p99": _p50_p99(t_tcp),
                 "cpu": {m: {k: statistics.median(x[k] for x in xs) for k in xs[0]} for m, xs in cpu.items()},
+                "pool": {"mapped": default_pool().mapped, "reused": default_pool().reused},
             }
+            if t_nopool:
+                nopool_gbps = [nbytes / t / 1e9 for t in t_nopool]
+                out[key]["nopool_GBps"] = nopool_gbps
+                out[key]["nopool_GBps_median"] = statistics.median(nopool_gbps)
+                out[key]["nopool_ratio_median"] = statistics.median(nopool_gbps) / statistics.median(tcp_gbps)
+                out[key]["nopool_ms_p50_p99"] = _p50_p99(t_nopool)
             cpu_get, cpu_lane, cpu_tcp = (out[key]["cpu"][m] for m in ("doget", "lane", "tcp"))
             out[key]["cpu_ratio"] = cpu_tcp["total_s_per_GB"] / cpu_get["total_s_per_GB"]
             out[key]["lane_cpu_ratio"] = cpu_tcp["total_s_per_GB"] / cpu_lane["total_s_per_GB"]
@@ -268,6 +283,9 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="environment of the client (trainer side) process, e.g. GLIBC_TUNABLES=...; repeatable, recorded",
     )
+    parser.add_argument(
+        "--pool-ab", action="store_true", help="also time lane reads without the receive pool (fresh buffer per read)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "netns_throughput")
     args = parser.parse_args()
     runs = args.runs or (3 if args.quick else 7)
@@ -302,8 +320,6 @@ def main() -> int:
                 store_ip,
                 "--port",
                 str(STORE_PORT),
-                "--data-lane-port",
-                str(LANE_PORT),
                 "--node-id",
                 "store",
                 "--ready-file",
@@ -365,6 +381,7 @@ def main() -> int:
                 str(store.pid),
                 "--tcp-pid",
                 str(tcp.pid),
+                *(["--pool-ab"] if args.pool_ab else []),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -420,8 +437,18 @@ def main() -> int:
             f"{r['lane_cpu_ratio']:.2f} | {g['client_faults_per_GB'] / 1e3:.0f}k / "
             f"{ln['client_faults_per_GB'] / 1e3:.0f}k / {t['client_faults_per_GB'] / 1e3:.0f}k |"
         )
+    nopool = [
+        f"| {r['bytes'] / MiB:.0f} MiB | {r['streams']} | {r['lane_ratio_median']:.2f} | "
+        f"{r['nopool_ratio_median']:.2f} | "
+        + ", ".join("{:.0f} / {:.0f}".format(*r[f"{m}_ms_p50_p99"]) for m in ("lane", "nopool"))
+        + " |"
+        for r in results.values()
+        if "nopool_ratio_median" in r
+    ]
     md = (
-        f"# Cross-host throughput (veth between network namespaces)\n\n{platform.platform()}, "
+        "# Cross-host throughput (veth between network namespaces)\n\nStore and clients with their defaults "
+        "(lane = what a default `StoreClient` does: the data lane, pooled receive buffers); "
+        f"{platform.platform()}, "
         f"{os.cpu_count()} CPUs, load {report['load_avg_1m']:.1f} (before: {load_before:.1f}), "
         f"commit {report['commit']}, median of {runs} runs"
         + (f", client environment `{' '.join(args.client_env)}`" if args.client_env else "")
@@ -430,6 +457,12 @@ def main() -> int:
         + f"\n\nCPU seconds per GB moved (user + system, median of 2 alternating passes of {cpu_mib} MiB per "
         "method and case):\n\n" + "\n".join(cpu_lines) + "\n"
     )
+    if nopool:
+        md += (
+            "\nReceive pool A/B in the same runs (lane = default client, pooled buffers; no pool = the same lane "
+            "reads into a fresh Arrow buffer each):\n\n| unit | streams | lane / TCP | no pool / TCP "
+            "| p50 / p99 ms lane, no pool |\n|---|---|---|---|---|\n" + "\n".join(nopool) + "\n"
+        )
     args.out.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {args.out.with_suffix('.json')} and .md")
@@ -463,6 +496,7 @@ if __name__ == "__main__":
         p.add_argument("--store-pid", type=int, required=True)
         p.add_argument("--tcp-pid", type=int, required=True)
         p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+        p.add_argument("--pool-ab", action="store_true")
         client_main(p.parse_args())
     else:
         sys.exit(main())

@@ -38,8 +38,8 @@ class ClusterConfig:
     """Byte budget of each store (None: unbounded)."""
     start_timeout_s: float = 60.0
     """How long to wait for each process to come up."""
-    data_lane: bool = False
-    """Start every store with a bulk data lane on a free port (``--data-lane-port 0``)."""
+    data_lane: bool = True
+    """Stores open their bulk data lane (the default of ``knittrans store``); False: ``--no-data-lane``."""
 
     def __post_init__(self) -> None:
         if self.num_stores < 1:
@@ -173,8 +173,8 @@ class LocalCluster:
         env = {"KNITTRANS_STORE_TOKEN": token, "KNITTRANS_WORKER_TOKEN": token} if token else {}
         if self.config.store_budget_bytes:
             argv += ["--budget-bytes", str(self.config.store_budget_bytes)]
-        if self.config.data_lane:
-            argv += ["--data-lane-port", "0"]
+        if not self.config.data_lane:
+            argv += ["--no-data-lane"]
         name = f"store-{index}"
         self.procs.start(name, knittrans_command(*argv), env=env)
 

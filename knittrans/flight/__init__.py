@@ -2,8 +2,9 @@
 
 API: ``StoreServer(StoreServerConfig(store=StoreConfig(root=...), host=, port=, token=))`` (listening
 once constructed; ``.endpoint``, ``.serve()``, ``.shutdown()``) and ``StoreClient(endpoint, token=)``.
-Opt-in bulk data lane for reads beside Flight: ``StoreServerConfig(data_lane_port=0)`` and
-``StoreClient(..., data_lane=True)`` (:mod:`knittrans.flight.lane`).
+Reads go over the bulk data lane beside Flight by default where it can be reached (the store opens
+it unless TLS or ``data_lane=False``; ``StoreClient(..., data_lane=False)`` always uses DoGet;
+:mod:`knittrans.flight.lane`, receive buffers :mod:`knittrans.flight.recv_pool`).
 """
 
 from knittrans.flight.client import StoreClient

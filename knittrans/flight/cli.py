@@ -69,8 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-lane-port",
         type=int,
         default=default_of(StoreServerConfig, "data_lane_port"),
-        help="also serve reads on this TCP port as the bulk data lane (0: any free one; default: no lane; "
-        "not with --tls-cert)",
+        help="TCP port of the bulk data lane that serves reads beside Flight (default: any free one; "
+        "clients find it with the data_lane action; a TLS store opens no lane, and this flag with "
+        "--tls-cert is an error)",
+    )
+    parser.add_argument(
+        "--no-data-lane",
+        dest="data_lane",
+        action="store_false",
+        help="serve reads through Flight DoGet only (no data lane; e.g. where only the Flight port is reachable)",
     )
     parser.add_argument(
         "--ready-file",
@@ -166,6 +173,7 @@ def _config(args: Any) -> StoreServerConfig:
         max_put_bytes=args.max_put_bytes,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        data_lane=args.data_lane,
         data_lane_port=args.data_lane_port,
         ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
     )

@@ -3,7 +3,7 @@
 API::
 
     with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
-        c.get(ticket) -> pa.Table                      # one DoGet (or a data-lane read, with data_lane=True)
+        c.get(ticket) -> pa.Table                      # one read: over the data lane if the store has one, else DoGet
         c.lane_get(ticket) -> pa.Table                 # one read over the store's data lane (no fallback)
         c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
         c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
@@ -13,9 +13,14 @@ API::
         c.publish_units(job, [{"unit": ..., "dir": ...}, ...])  # same host: own temporaries, one call
         c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
 
-``StoreClient(..., data_lane=True)`` reads :meth:`get` and :meth:`stream` over the store's bulk data
-lane (:mod:`knittrans.flight.lane`; found once with the ``data_lane`` action, cached) when the store
-has one, else through ``DoGet`` as before.
+By default (``data_lane=True``) :meth:`get` and :meth:`stream` read over the store's bulk data lane
+(:mod:`knittrans.flight.lane`; found once with the ``data_lane`` action, cached) when the store has
+one, else through ``DoGet``. A lane that cannot be reached (connection refused, no connection within
+``LANE_CONNECT_TIMEOUT_S``, or on a new connection no lane answer: closed, something else, or nothing
+within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is published) is logged
+once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
+``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Lane answers
+are received into buffers reused from read to read (:mod:`knittrans.flight.recv_pool`).
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
 ``Unavailable`` when the node cannot be reached).
@@ -24,9 +29,11 @@ Every failure is re-raised as the :mod:`knittrans.errors` type the server raised
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,12 +46,26 @@ from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
 from knittrans.flight import lane
 from knittrans.flight.auth import auth_headers
 from knittrans.flight.errors import from_flight_error
+from knittrans.flight.recv_pool import ReceivePool, default_pool
 from knittrans.tickets import Ticket
 
-__all__ = ["StoreClient"]
+__all__ = ["LANE_CONNECT_TIMEOUT_S", "LANE_RETRY_MAX_S", "LANE_RETRY_S", "StoreClient"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _UNKNOWN = -1  # lane port not asked yet
+LANE_CONNECT_TIMEOUT_S = 2.0
+"""Longest wait for a connection to a store's data lane before its reads go through ``DoGet``."""
+LANE_RETRY_S = 60.0
+"""How long a client reads a store through ``DoGet`` after its lane could not be reached (doubled after
+each further failure in a row, up to :data:`LANE_RETRY_MAX_S`)."""
+LANE_RETRY_MAX_S = 960.0
+"""Longest wait before a lane that keeps failing is tried again."""
+
+
+class _LaneUnreachable(Unavailable):
+    """The lane's port did not take a connection, or something else than a lane answered there."""
 
 
 class StoreClient:
@@ -64,17 +85,24 @@ class StoreClient:
         timeout_s: float | None = None,
         batch_bytes: int = 4 << 20,
         tls_ca: str | os.PathLike[str] | None = None,
-        data_lane: bool = False,
+        data_lane: bool = True,
+        recv_pool: ReceivePool | None = None,
     ) -> None:
         """Connect to ``endpoint`` (``grpc://`` or ``grpc+tls://``).
 
         ``tls_ca``: PEM file of the CA that signed the node's certificate (default
         ``$KNITTRANS_TLS_CA``; without either, the system roots verify a ``grpc+tls`` node).
         ``data_lane``: read :meth:`get` and :meth:`stream` over the store's data lane when it has one
-        (never for ``grpc+tls``: a TLS store opens no lane); ``timeout_s`` then bounds each wait for data.
+        and it can be reached (module docstring; never for ``grpc+tls``: a TLS store opens no lane);
+        ``timeout_s`` then bounds each wait for data. False: always ``DoGet``.
+        ``recv_pool``: where lane answers are received (default: the process's shared
+        :func:`~knittrans.flight.recv_pool.default_pool`).
         """
         self.endpoint = endpoint
         self.data_lane = data_lane
+        self._recv_pool = recv_pool if recv_pool is not None else default_pool()
+        self._lane_down_until = 0.0  # monotonic time before which reads skip an unreachable lane
+        self._lane_failures = 0  # lane connects failed in a row
         self._timeout_s = timeout_s
         self._authorization = b"" if token is None else auth_headers(token)[0][1]
         self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
@@ -123,10 +151,12 @@ class StoreClient:
             raise from_flight_error(exc, self.endpoint) from None
 
     def get(self, ticket: Ticket) -> pa.Table:
-        """One ``DoGet``: the rows × columns (or media rows) the ticket names (over the data lane instead
-        when the client has ``data_lane`` and the store a lane)."""
-        if self.data_lane and self.lane_port() is not None:
-            return self.lane_get(ticket)
+        """The rows × columns (or media rows) the ticket names: over the store's data lane when the client
+        has ``data_lane`` and the store a reachable lane, else one ``DoGet``."""
+        if self.data_lane:
+            table = self._lane_or_none(ticket)
+            if table is not None:
+                return table
         raw = flight.Ticket(ticket.encode())
         return self._call(lambda: self._client.do_get(raw, self._options).read_all())
 
@@ -140,6 +170,26 @@ class StoreClient:
             port = answer.get("port") if isinstance(answer, dict) else None
             self._lane_port = port if isinstance(port, int) and not isinstance(port, bool) else None
         return self._lane_port
+
+    def lane_reachable(self) -> bool:
+        """Whether reads would go over the data lane now (it exists and did not fail to connect lately)."""
+        return self.lane_port() is not None and time.monotonic() >= self._lane_down_until
+
+    def _lane_or_none(self, ticket: Ticket) -> pa.Table | None:
+        """The lane's answer, or None when the store has no lane or it cannot be reached (then remembered)."""
+        if not self.lane_reachable():
+            return None
+        try:
+            table = self.lane_get(ticket)
+        except _LaneUnreachable as exc:
+            self._lane_failures += 1
+            wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
+            self._lane_down_until = time.monotonic() + wait
+            log = logger.warning if self._lane_failures == 1 else logger.debug
+            log("%s; reading it through DoGet (lane tried again after %.0f s)", exc, wait)
+            return None
+        self._lane_failures = 0
+        return table
 
     def lane_get(self, ticket: Ticket) -> pa.Table:
         """What a ``DoGet`` of ``ticket`` returns, read over the store's data lane into one buffer (zero-copy
@@ -155,12 +205,16 @@ class StoreClient:
                 ok = False
                 try:
                     lane.send_request(conn, self._authorization, raw)
-                    table = lane.read_answer(conn)
+                    table = lane.read_answer(conn, self._recv_pool)
                     ok = True
                     return table
+                except (lane.NotALane, lane.LaneSilent) as exc:  # on a new connection: maybe not the lane at all
+                    cls = Unavailable if pooled else _LaneUnreachable
+                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
-                        raise Unavailable(f"data lane of store {self.endpoint} closed the connection: {exc}") from None
+                        msg = f"data lane of store {self.endpoint} closed a new connection: {exc}"
+                        raise _LaneUnreachable(msg) from None
                     with self._lock:  # the others idled as long or longer: drop them, retry on a fresh one
                         stale, self._lane_idle = self._lane_idle, []
                     for old in stale:
@@ -178,9 +232,11 @@ class StoreClient:
             if self._lane_idle:
                 return self._lane_idle.pop(), True
         try:
-            conn = socket.create_connection((self._lane_host, port), timeout=self._timeout_s)
+            timeout = min(LANE_CONNECT_TIMEOUT_S, self._timeout_s or LANE_CONNECT_TIMEOUT_S)
+            conn = socket.create_connection((self._lane_host, port), timeout=timeout)
         except OSError as exc:
-            raise Unavailable(f"data lane of store {self.endpoint} cannot be reached: {exc}") from None
+            msg = f"data lane of store {self.endpoint} (port {port}) cannot be reached: {exc}"
+            raise _LaneUnreachable(msg) from None
         conn.settimeout(None)  # blocking; the kernel's per-call timeouts bound each wait
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._timeout_s is not None:
@@ -199,11 +255,13 @@ class StoreClient:
         """One ``DoGet`` read batch by batch: the call is opened here, the data flows in the background.
 
         Closing the iterator early (``close()`` or garbage collection) cancels the call. With
-        ``data_lane`` (and a store with a lane) the whole answer is read here, over the lane, and its
-        batches returned (the fetcher calls this in its worker pool).
+        ``data_lane`` (and a store with a reachable lane) the whole answer is read here, over the lane,
+        and its batches returned (the fetcher calls this in its worker pool).
         """
-        if self.data_lane and self.lane_port() is not None:
-            return iter(self.lane_get(ticket).to_batches())
+        if self.data_lane:
+            table = self._lane_or_none(ticket)
+            if table is not None:
+                return iter(table.to_batches())
         raw = flight.Ticket(ticket.encode())
         self._enter()  # the open stream counts as a call in flight until it ends
         try:

@@ -3,7 +3,8 @@
 Why: a Flight ``DoGet`` client copies every byte twice (kernel -> gRPC read slices, then gRPC merges
 each multi-slice message into one fresh ``malloc`` block whose pages fault in). The lane answers
 the same ticket with the same record batches framed so the client receives them with ``recv_into``
-straight into ONE buffer from Arrow's pool and opens it zero-copy (``pa.ipc.open_stream``); the
+straight into ONE buffer (reused from read to read once unreferenced: :mod:`knittrans.flight.recv_pool`)
+and opens it zero-copy (``pa.ipc.open_stream``); the
 store writes the IPC stream with ``sendmsg`` from the memory-mapped unit files (no user-space copy).
 Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads only.
 
@@ -48,6 +49,7 @@ from knittrans.errors import (
 )
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import error_message, from_error_message, known_error
+from knittrans.flight.recv_pool import ReceivePool
 from knittrans.tickets import MAX_TICKET_BYTES
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
     "MAX_AUTH_BYTES",
     "LaneClosed",
     "LaneServer",
+    "LaneSilent",
+    "NotALane",
     "ipc_parts",
     "read_answer",
     "send_request",
@@ -77,6 +81,14 @@ _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 
 class LaneClosed(Exception):
     """The peer closed the connection before the first byte of an answer (a stale pooled connection)."""
+
+
+class NotALane(Exception):
+    """The peer answered with something else than a lane answer (e.g. another service on that port)."""
+
+
+class LaneSilent(Exception):
+    """The peer sent no byte of an answer within the socket's timeout."""
 
 
 class _Malformed(Exception):
@@ -328,11 +340,14 @@ def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
         got += n
 
 
-def read_answer(sock: socket.socket) -> pa.Table:
-    """Read one answer: the table (its buffers point into one pyarrow-allocated block), or raise its error.
+def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Table:
+    """Read one answer: the table (its buffers point into one block: from ``pool`` when given, else
+    from Arrow's pool), or raise its error.
 
-    Raises :class:`LaneClosed` when the connection closed before the answer began, the error the
-    store named (a :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
+    Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`LaneSilent`
+    when no byte of it came within the socket's timeout, :class:`NotALane` when the peer answered
+    something else than a lane answer, the error the store named (a
+    :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
     """
     head = bytearray(_ANSWER.size)
     view = memoryview(head)
@@ -341,13 +356,13 @@ def read_answer(sock: socket.socket) -> pa.Table:
     except (ConnectionResetError, BrokenPipeError) as exc:
         raise LaneClosed(str(exc)) from None
     except BlockingIOError:
-        raise Unavailable("data lane: no answer within the timeout") from None
+        raise LaneSilent("data lane: no answer within the timeout") from None
     if first == 0:
         raise LaneClosed("connection closed before the answer")
     _recv_into(sock, view[first:], "answer header")
     magic, status, length = _ANSWER.unpack(head)
     if magic != MAGIC or status not in (OK, ERROR):
-        raise Unavailable(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
+        raise NotALane(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
     if status == ERROR:
         if length > MAX_ERROR_BYTES:
             raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
@@ -355,6 +370,14 @@ def read_answer(sock: socket.socket) -> pa.Table:
         _recv_into(sock, memoryview(body), "error message")
         text = body.decode(errors="replace")
         raise from_error_message(text) or KnitTransError(f"data lane: {text}")
-    buf = pa.allocate_buffer(length)
-    _recv_into(sock, memoryview(buf), "record batches")
+    if pool is None:
+        buf = pa.allocate_buffer(length)
+        _recv_into(sock, memoryview(buf), "record batches")
+    else:
+        target, buf = pool.buffer(length)
+        try:
+            _recv_into(sock, target, "record batches")
+        finally:
+            target.release()
+            del target
     return pa.ipc.open_stream(buf).read_all()

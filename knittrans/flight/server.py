@@ -9,10 +9,10 @@ Protocol (all payloads JSON unless noted):
   per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
   limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
   the put's metadata stream. The unit stays invisible until the ``seal`` action.
-* Data lane (opt-in, ``data_lane_port``): the ``data_lane`` action answers ``{"port": N}`` (or
-  ``null``); that TCP port answers a lane request (the bearer token and the same ticket bytes a
-  ``DoGet`` carries) with the same record batches as one length-prefixed Arrow IPC stream, written
-  from the mapped unit files (:mod:`knittrans.flight.lane`).
+* Data lane (on by default on a free port unless TLS; ``data_lane=False`` turns it off): the
+  ``data_lane`` action answers ``{"port": N}`` (or ``null``); that TCP port answers a lane request
+  (the bearer token and the same ticket bytes a ``DoGet`` carries) with the same record batches as
+  one length-prefixed Arrow IPC stream, written from the mapped unit files (:mod:`knittrans.flight.lane`).
 * ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
 * Writes are safe to retry and to race: a ``DoPut`` stream owns its part of the pending unit
   while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
@@ -97,21 +97,26 @@ class StoreServerConfig:
     """PEM certificate (chain) to serve TLS with (``grpc+tls://``); needs ``tls_key``."""
     tls_key: Path | None = None
     """PEM private key of ``tls_cert``."""
+    data_lane: bool = True
+    """Serve reads on the bulk data lane beside Flight too (:mod:`knittrans.flight.lane`: ``DoGet``'s answer
+    as one framed Arrow IPC stream over a plain socket; clients find it with the ``data_lane`` action). Plain
+    TCP only: a TLS store opens none (its reads stay on ``grpc+tls``). False: no lane."""
     data_lane_port: int | None = None
-    """TCP port of the bulk data lane beside Flight (:mod:`knittrans.flight.lane`: ``DoGet``'s answer as one
-    framed Arrow IPC stream over a plain socket, for clients that ask for it); 0 picks a free one, None (the
-    default) opens none. Plain TCP only: a TLS store refuses it (its reads stay on ``grpc+tls``)."""
+    """TCP port of the data lane; None (the default) or 0 picks a free one. Giving a port with TLS, or with
+    ``data_lane=False``, is an error."""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.data_lane_port is not None:
+            if not self.data_lane:
+                raise ValueError("data_lane_port given with data_lane=False: give a port or turn the lane off")
             if not 0 <= self.data_lane_port < 65536:
                 raise ValueError(f"data_lane_port must be in [0, 65535] or None, not {self.data_lane_port}")
             if self.tls_cert is not None:
                 raise ValueError(
-                    "the data lane is plain TCP and this store serves TLS: run it without data_lane_port "
-                    "(reads then stay on grpc+tls) or without TLS"
+                    "the data lane is plain TCP and this store serves TLS: run it without a data lane port "
+                    "(it then opens no lane; reads stay on grpc+tls) or without TLS"
                 )
         check_name(self.node_id, "node_id")
         if not 0 <= self.port < 65536:
@@ -209,10 +214,11 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         super().__init__(f"{scheme}://{config.host}:{config.port}", middleware=middleware, tls_certificates=tls)
         self.endpoint = f"{scheme}://{config.host}:{self.port}"
         self.lane: LaneServer | None = None
-        """The bulk data lane, when ``config.data_lane_port`` opens one."""
-        if config.data_lane_port is not None:
+        """The bulk data lane (None with ``data_lane=False`` or TLS)."""
+        if config.data_lane and tls is None:
             try:
-                self.lane = LaneServer(config.host, config.data_lane_port, read=self.read_ticket, auth=self.auth)
+                port = config.data_lane_port or 0
+                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth)
             except BaseException:
                 super().shutdown()
                 raise

@@ -53,12 +53,12 @@ class TrainerConfig:
     """``iter`` only: prefetch mini-batch ``n+1`` (plan via ``next?after=``) while ``n`` finishes."""
     fetch_timeout_s: float | None = 30.0
     """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
-    data_lane: bool = False
-    """Opt-in: read remote store nodes over their bulk data lane (``knittrans store --data-lane-port``; one
-    length-prefixed Arrow IPC stream per call received into one buffer, :mod:`knittrans.flight.lane`) instead
-    of Flight ``DoGet``; nodes without a lane are still read through ``DoGet``. Off by default: new, plain TCP
-    only, and a streamed share then arrives whole per node before its first micro-batch (docs/architecture.md,
-    data lane)."""
+    data_lane: bool = True
+    """Read remote store nodes over their bulk data lane (a store opens one unless TLS or ``--no-data-lane``;
+    one length-prefixed Arrow IPC stream per call received into a reused buffer, :mod:`knittrans.flight.lane`)
+    instead of Flight ``DoGet``; nodes without a lane, or whose lane cannot be reached, are read through
+    ``DoGet``. A streamed share then arrives whole per node before its first micro-batch (docs/architecture.md,
+    data lane). False: ``DoGet`` only."""
     replan_wait_s: float = 60.0
     """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
     warm_connections: bool = True

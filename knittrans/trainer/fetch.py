@@ -15,9 +15,10 @@ hashes (so each read's row count is known and the result can be split back witho
 anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in ``local_dirs``
 (value: the store dir, or a tuple of store dir and spill dir) are read through
 :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the Flight path.
-With ``data_lane=True``, remote reads go over each node's bulk data lane (one length-prefixed Arrow
-IPC stream per call, received into one buffer; :mod:`knittrans.flight.lane`) where the node has one;
-a streamed read then arrives whole before its first batch is handed out.
+By default (``data_lane=True``) remote reads go over each node's bulk data lane (one length-prefixed
+Arrow IPC stream per call, received into one reused buffer; :mod:`knittrans.flight.lane`) where the
+node has a reachable one, else through ``DoGet``; a streamed read then arrives whole before its
+first batch is handed out.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ class Fetcher:
         local_dirs: LocalDirs | None = None,
         max_workers: int = 8,
         timeout_s: float | None = None,
-        data_lane: bool = False,
+        data_lane: bool = True,
     ) -> None:
-        """``data_lane``: read remote nodes over their bulk data lane when they have one
-        (:class:`~knittrans.flight.StoreClient`'s ``data_lane``), else through ``DoGet``."""
+        """``data_lane``: read remote nodes over their bulk data lane when they have one and it can be
+        reached (:class:`~knittrans.flight.StoreClient`'s ``data_lane``), else through ``DoGet``."""
         self.token, self.timeout_s, self.data_lane = token, timeout_s, data_lane
         self._local = {
             node: LocalReader([d] if isinstance(d, str | os.PathLike) else list(d))
@@ -135,7 +136,8 @@ class Fetcher:
         """Connect to store nodes ahead of their first read (``{node_id: endpoint}``), in the worker pool.
 
         A Flight channel connects at its first call; a cheap ``health`` action here moves the TCP and
-        HTTP/2 set-up out of the first ``DoGet`` of a plan. The channel is then kept (one per endpoint)
+        HTTP/2 set-up out of the first ``DoGet`` of a plan (with ``data_lane``, the ``data_lane`` action
+        finds the node's lane port here too). The channel is then kept (one per endpoint)
         for every later read. Local nodes and endpoints already connected are skipped; a node that does
         not answer is left alone (its reads report the error where they happen).
         """
@@ -149,7 +151,10 @@ class Fetcher:
 
     def _ping(self, endpoint: str) -> None:
         try:
-            self._client(endpoint).health()
+            client = self._client(endpoint)
+            client.health()
+            if self.data_lane:
+                client.lane_port()  # the data_lane action too, out of the first read
         except KnitTransError as exc:
             self._warm.discard(endpoint)
             logger.debug("store %s not warmed: %s", endpoint, exc)
