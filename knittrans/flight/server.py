@@ -199,7 +199,6 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     def __init__(self, config: StoreServerConfig, *, store: UnitStore | None = None) -> None:
         self.config = config
         self.store = store if store is not None else UnitStore(config.store)
-        self._owns_store = store is None
         self.auth = BearerTokenFactory(config.token) if config.token else None
         """The bearer-token check of every call (None: no token); the data lane checks with it too."""
         middleware = {"auth": self.auth} if self.auth is not None else {}
@@ -226,12 +225,10 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         )
 
     def shutdown(self) -> None:
-        """Stop the data lane (if any) and the Flight server, then the store's file reserve (a store it made)."""
+        """Stop the data lane (if any) and the Flight server."""
         if self.lane is not None:
             self.lane.close()
         super().shutdown()
-        if self._owns_store:
-            self.store.close()
 
     # --- reads -------------------------------------------------------------------------------
     def read_ticket(self, raw: bytes) -> pa.Table:

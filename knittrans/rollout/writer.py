@@ -50,7 +50,6 @@ from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
-from knittrans.store.reserve import claim_reserved, reserved_names
 from knittrans.store.store import estimate_unit_bytes, writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
@@ -413,20 +412,14 @@ class TrajectoryWriter:
         job_dir = self.store_dir / self.job
         job_dir.mkdir(parents=True, exist_ok=True)
         entries: list[dict[str, Any]] = []
-        store_dir = self.store_dir
-        reserved = reserved_names(store_dir)  # the node's preallocated files, taken one per IPC file
-
-        def write(path: Path, table: pa.Table) -> int:
-            return write_table(path, table, into_empty=claim_reserved(store_dir, reserved, path))
-
         try:
             for uid, t in units:
                 tmp = job_dir / writer_temp_name(uid)
                 entries.append({"unit": uid, "dir": str(tmp)})
                 tmp.mkdir()
-                size = write(tmp / TRAJ_FILE, t.traj)
+                size = write_table(tmp / TRAJ_FILE, t.traj)
                 if t.media.num_rows:  # no media: no media file (the node reads its absence as none)
-                    size += write(tmp / MEDIA_FILE, t.media)
+                    size += write_table(tmp / MEDIA_FILE, t.media)
                 entries[-1].update(rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size)
         except BaseException:
             for e in entries:

@@ -27,9 +27,6 @@ class ByteBudget:
         self._used = 0
         self._waiting = 0
         self._cond = threading.Condition()
-        self.reclaim: Callable[[], bool] | None = None
-        """Gives back bytes held ahead of need (the store's file reserve) when a reservation does not
-        fit; True when it freed any. Called without the budget's lock."""
 
     @property
     def used(self) -> int:
@@ -41,13 +38,8 @@ class ByteBudget:
         """Writers blocked in :meth:`reserve` right now, waiting for space."""
         return self._waiting
 
-    def try_reserve(self, nbytes: int, *, reclaim: bool = True) -> bool:
-        """Reserve ``nbytes`` if they fit now (after ``reclaim``, unless told not to); never waits."""
-        if self._take(nbytes):
-            return True
-        return reclaim and self.reclaim is not None and self.reclaim() and self._take(nbytes)
-
-    def _take(self, nbytes: int) -> bool:
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit now; never waits."""
         with self._cond:
             if self.limit is None or self._used + nbytes <= self.limit:
                 self._used += nbytes
@@ -62,8 +54,6 @@ class ByteBudget:
         """
         if self.limit is not None and nbytes > self.limit:
             raise OverBudget(f"need {nbytes} bytes but the store budget is only {self.limit} bytes in total")
-        if self.reclaim is not None and self.limit is not None and self._used + nbytes > self.limit:
-            self.reclaim()  # bytes held ahead of need go before anyone waits
         deadline = time.monotonic() + timeout
         with self._cond:
             self._waiting += 1

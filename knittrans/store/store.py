@@ -22,7 +22,6 @@ from knittrans.errors import Conflict, InvalidRequest, NotFound, SchemaMismatch
 from knittrans.names import check_name
 from knittrans.schema import MEDIA_SCHEMA, SCHEMA_VERSION, check_schema
 from knittrans.store.budget import ByteBudget
-from knittrans.store.reserve import RESERVE_DIR, FileReserve
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
 from knittrans.tickets import Ticket
 
@@ -99,11 +98,6 @@ class StoreConfig:
     """How long a writer waits for budget before OverBudget."""
     pending_ttl_s: float = 600.0
     """Pending (unsealed) units older than this are aborted when the next unit begins."""
-    reserve_files: int = 8
-    """Empty files with preallocated pages kept in ``<root>/.reserve`` for same-host writers to write
-    into (:mod:`knittrans.store.reserve`; charged to the budget); 0: none."""
-    reserve_max_file_bytes: int = 64 << 20
-    """Largest file of that reserve (its files follow the sizes of recently published files)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -115,10 +109,6 @@ class StoreConfig:
             raise ValueError(f"budget_bytes must be positive or None, not {self.budget_bytes}")
         if self.wait_timeout_s < 0 or self.pending_ttl_s <= 0:
             raise ValueError("wait_timeout_s must be >= 0 and pending_ttl_s > 0")
-        if self.reserve_files < 0:
-            raise ValueError(f"reserve_files must be >= 0, not {self.reserve_files}")
-        if self.reserve_max_file_bytes <= 0:
-            raise ValueError(f"reserve_max_file_bytes must be positive, not {self.reserve_max_file_bytes}")
 
 
 class PendingUnit:
@@ -297,19 +287,12 @@ class PendingUnit:
             self.reserved = 0
 
 
-_PAGE = 4096
-
-
 def _file_size(path: Path) -> int:
-    """Size of ``path`` in bytes; 0 when it does not exist (one ``stat``, not ``exists`` and then ``stat``).
-    Pages allocated past the end (a file from the node's reserve) are given back first."""
+    """Size of ``path`` in bytes; 0 when it does not exist (one ``stat``, not ``exists`` and then ``stat``)."""
     try:
-        st = path.stat()
+        return path.stat().st_size
     except FileNotFoundError:
         return 0
-    if st.st_blocks * 512 > st.st_size + _PAGE:
-        os.truncate(path, st.st_size)  # frees every page past the size; the bytes within stay as written
-    return st.st_size
 
 
 def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None, num_bytes: int | None) -> None:
@@ -341,11 +324,6 @@ class UnitStore:
         self.recovered = 0
         self.quarantined = 0
         self._swept: dict[Path, float] = {}
-        self.reserve = FileReserve(
-            config.root, files=config.reserve_files, max_file_bytes=config.reserve_max_file_bytes, budget=self.budget
-        )
-        """Preallocated files for same-host writers; started by the first ``publish_units``."""
-        self.budget.reclaim = self.reserve.reclaim
         config.root.mkdir(parents=True, exist_ok=True)
         if config.spill_dir is not None:
             config.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -357,9 +335,6 @@ class UnitStore:
             bases.append((self.config.spill_dir, True))
         for base, spilled in bases:
             for job_dir in sorted(p for p in base.iterdir() if p.is_dir()):
-                if not spilled and job_dir.name == RESERVE_DIR:  # a former run's reserve: made again on demand
-                    shutil.rmtree(job_dir, ignore_errors=True)
-                    continue
                 try:
                     job = check_name(job_dir.name, "job")
                 except InvalidRequest:
@@ -606,9 +581,6 @@ class UnitStore:
         job_dir = (self.config.root / job).resolve()
         dirs = [self._writer_temp(job, job_dir, spec.unit_id, d) for spec, d in units]
         self._sweep_writer_temps(job_dir)
-        self.reserve.start()
-        self.reserve.settle()  # the reserve files the writer took are charged as the units' below
-        sizes: list[int] = []
         wait = self.config.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait
         begun: list[PendingUnit] = []
@@ -616,8 +588,7 @@ class UnitStore:
             for (spec, _), tmp in zip(units, dirs, strict=True):
                 p = self.begin(job, spec.unit_id)
                 begun.append(p)
-                sizes += (_file_size(tmp / TRAJ_FILE), _file_size(tmp / MEDIA_FILE))
-                size = sizes[-2] + sizes[-1]
+                size = _file_size(tmp / TRAJ_FILE) + _file_size(tmp / MEDIA_FILE)
                 spill = self.config.spill_dir
                 if self.budget.try_reserve(size):
                     p.reserved = size
@@ -638,15 +609,11 @@ class UnitStore:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            sealed = self.seal_units(job, [spec for spec, _ in units], media_file=False)
+            return self.seal_units(job, [spec for spec, _ in units], media_file=False)
         except BaseException:
             for tmp in dirs:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        finally:
-            self.reserve.note(sizes)
-            self.reserve.wake()
-        return sealed
 
     def _writer_temp(self, job: str, job_dir: Path, unit_id: str, given: str | os.PathLike[str]) -> Path:
         """The writer's temporary ``given`` of ``unit_id``, checked to be a directory of this job here."""
@@ -741,10 +708,6 @@ class UnitStore:
             return read_media(units, ticket.media_hashes)
         return read_rows(self.get, ticket.job, ticket.reads, ticket.columns)
 
-    def close(self) -> None:
-        """Stop the file reserve and remove its files (the units stay)."""
-        self.reserve.close()
-
     def stats(self) -> dict[str, object]:
         """Counts and bytes for the ``stats`` action."""
         units = self.units()
@@ -759,5 +722,4 @@ class UnitStore:
             "pending": len(self._pending),
             "recovered": self.recovered,
             "quarantined": self.quarantined,
-            "reserve_bytes": self.reserve.held_bytes,
         }

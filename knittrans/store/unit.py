@@ -41,12 +41,9 @@ MEDIA_FILE = "media.arrow"
 """Media IPC file inside a unit directory."""
 
 
-def write_table(path: Path, table: pa.Table, *, max_chunk_rows: int | None = None, into_empty: bool = False) -> int:
-    """Write ``table`` as an Arrow IPC file (no fsync: tmpfs) and return its size in bytes.
-
-    ``into_empty``: ``path`` is an existing empty file (one from a store's reserve, pages allocated
-    past its end); it is written without truncating, which would give those pages back."""
-    with pa.OSFile(str(path), "a" if into_empty else "wb") as sink:
+def write_table(path: Path, table: pa.Table, *, max_chunk_rows: int | None = None) -> int:
+    """Write ``table`` as an Arrow IPC file (no fsync: tmpfs) and return its size in bytes."""
+    with pa.OSFile(str(path), "wb") as sink:
         with ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=max_chunk_rows)
         return int(sink.tell())
