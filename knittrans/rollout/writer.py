@@ -202,52 +202,42 @@ def write_units_across(
         for k, (_, units) in enumerate(batches):
             built[k] = tables[start : start + len(units)]
             start += len(units)
-    ids = [[w.new_unit_id() for _ in units] for w, units in batches]
-    staged: list[_Staged | None] = [None] * len(batches)
+    staged: list[_Staged] = []
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
     errors: list[BaseException | None] = [None] * len(batches)
 
-    def store(k: int, stage: bool) -> None:
+    def send(k: int) -> None:
         try:
-            if stage:
-                writer, units = batches[k]
-                staged[k] = writer._stage(units, ids[k], built[k])
-            st = staged[k]
-            if st is not None and st.ids:
-                infos[k] = batches[k][0]._send(st)
+            infos[k] = batches[k][0]._send(staged[k])
         except BaseException as exc:  # handed to the caller below
             errors[k] = exc
 
-    # the other nodes' files are written in sender threads (pyarrow writes without the GIL) while this
-    # thread writes the first node's; each node's round trip follows its files in the same thread
-    tasks = [_send_async(store, k, True) for k in range(1, len(batches))]
-    drafts: list[list[UnitDescriptor]] = []
-    here: BaseException | None = None
-    try:
-        writer, units = batches[0]
-        staged[0] = writer._stage(units, ids[0], built[0])
-        tasks.append(_send_async(store, 0, False))
-        # while the nodes store the units: describe them (tables built here, or by the node's thread)
-        for k, (w, units) in enumerate(batches):
-            tabs = built[k]
-            if tabs is None:
-                if k:
-                    tasks[k - 1].result()
-                st = staged[k]
-                if st is None:  # its thread failed before building: nothing to describe
-                    continue
-                tabs = st.tables
-            drafts.append(w._describe(_Staged(ids=ids[k], units=units, tables=tabs, entries=None)))
-    except BaseException as exc:
-        here = exc
-    finally:
-        for t in tasks:
+    threads: list[Future[None]] = []
+    try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
+        for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
+            staged.append(writer._stage(units, [None] * len(units), tabs))
+            if staged[k].ids:
+                threads.append(_send_async(send, k))
+    except BaseException:
+        for t in threads:
             t.result()
-    failed = next((e for e in (here, *errors) if e is not None), None)
-    if failed is not None:
-        for (writer, _), unit_ids, info in zip(batches, ids, infos, strict=True):
+        for (writer, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
-                writer._abort(unit_ids)
+                writer._abort(st.ids)
+        raise
+    drafts: list[list[UnitDescriptor]] = []
+    try:  # while the nodes store the units (the GIL free while this thread describes them)
+        drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
+    except BaseException as exc:
+        errors.insert(0, exc)
+    finally:
+        for t in threads:
+            t.result()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for (writer, _), st, info in zip(batches, staged, infos, strict=True):
+            if info:
+                writer._abort(st.ids)
         raise failed
     out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
     every = [d for descs in out for d in descs]
