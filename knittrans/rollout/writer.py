@@ -176,7 +176,7 @@ def write_units_across(
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
     units are built together (as one ``write_units`` call builds its units); then, node by node, a
     same-host writer's IPC files are written into its temporaries and the node's round trip starts in a
-    thread of its own (``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
+    sender thread (kept between calls; ``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
     this thread writes the next node's files and then describes all the units; all the descriptors
     are registered with ``control`` (default: the first writer's that has one; none at all: not
     registered) in one request; descriptors per pair, in order.
@@ -324,7 +324,7 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
-        # same host: the files are written; a thread waits on the node (the GIL free) while this one
+        # same host: the files are written; a sender thread waits on the node (the GIL free) while this one
         # describes the units; a unit's byte count comes from the node
         stored: list[list[dict[str, Any]]] = []
         failed: list[BaseException] = []
