@@ -165,6 +165,25 @@ def test_sender_threads_work_in_a_forked_child() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_sender_threads_take_work_from_an_atexit_hook() -> None:
+    """A put from an ``atexit`` hook (executors take no more work by then) runs its round trip in the calling
+    thread instead of failing with "cannot schedule new futures after interpreter shutdown"."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+        from knittrans.rollout.writer import _send_async
+        _send_async(int).result()  # the sender threads exist
+        atexit.register(lambda: print("sent", _send_async(threading.get_ident).result() == threading.get_ident()))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "sent True", done.stderr
+
+
 def test_batch_errors_name_the_unit_and_its_row() -> None:
     """A bad row in the second unit is reported with that unit and the row within it; inputs are checked too."""
     units = _units(3)

@@ -143,7 +143,8 @@ def _send_async(fn: Any, *args: Any) -> Future[Any]:
     A new ``threading.Thread`` per node and put made the caller wait, in ``start()``, until the new
     thread had run, a scheduling delay on the critical path of a put on a busy host; handing work to
     a waiting thread does not wait. The tasks (a node's round trip) never wait on each other; more
-    than 32 at once queue."""
+    than 32 at once queue. Once the interpreter is shutting down (a put from an ``atexit`` hook), when
+    executors take no more work, ``fn`` runs in the caller's thread."""
     global _SENDERS
     senders = _SENDERS
     if senders is None or senders[0] != os.getpid():
@@ -151,7 +152,15 @@ def _send_async(fn: Any, *args: Any) -> Future[Any]:
             senders = _SENDERS
             if senders is None or senders[0] != os.getpid():  # none yet, or a fork's copy without threads
                 senders = _SENDERS = (os.getpid(), ThreadPoolExecutor(32, thread_name_prefix="knittrans-write"))
-    return senders[1].submit(fn, *args)
+    try:
+        return senders[1].submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
 
 
 @dataclasses.dataclass(frozen=True)
