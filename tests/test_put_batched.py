@@ -108,6 +108,82 @@ def test_rows_given_as_lists_tensors_or_mixed_dtypes_build_the_same_columns() ->
             assert got.column(name).equals(want.column(name)), name
 
 
+def test_list_values_cast_as_astype_on_the_pooled_path() -> None:
+    """Rows concatenated into a pooled buffer take ``astype``'s (unsafe) cast: int64 wraps to int32, floats
+    truncate, Python lists and bools convert; a 2-D row still goes row by row; no rows give an empty column."""
+    from knittrans.schema import _list_values
+
+    wide, _ = _list_values(
+        [np.array([1, 2**31 + 5], dtype=np.int64), np.array([-3], dtype=np.int64)], np.dtype(np.int32)
+    )
+    assert wide.dtype == np.int32 and wide.tolist() == [1, -(2**31) + 5, -3]
+    rows: list[Any] = [np.array([2.9, -1.5]), [7, 8, 9], np.array([True])]
+    values, offsets = _list_values(rows, np.dtype(np.int32))
+    assert values.dtype == np.int32 and values.tolist() == [2, -1, 7, 8, 9, 1]
+    assert offsets.tolist() == [0, 2, 5, 6]
+    flat, flat_offsets = _list_values([np.arange(3).reshape(3, 1), np.arange(2)], np.dtype(np.int32))
+    assert flat.tolist() == [0, 1, 2, 0, 1] and flat_offsets.tolist() == [0, 3, 5]
+    empty, empty_offsets = _list_values([], np.dtype(np.float32))
+    assert empty.dtype == np.float32 and len(empty) == 0 and empty_offsets.tolist() == [0]
+
+
+def test_tables_of_a_build_stay_intact_through_later_builds() -> None:
+    """A build's columns live in buffers of Arrow's memory pool: freed pages go to later builds only once no
+    table uses them, so a table kept (and read through a zero-copy view) never changes under later builds."""
+    kept = build_units_tables(_units(3, seed=1))
+    views = [t.traj.column("response_ids").chunk(0).values.to_numpy() for t in kept]  # zero-copy views
+    before = [t.traj.to_pylist() for t in kept]
+    snapshot = [v.copy() for v in views]
+    for seed in range(2, 12):
+        build_units_tables(_units(3, seed=seed))  # built and dropped: its buffers return to the pool
+    assert [t.traj.to_pylist() for t in kept] == before
+    for v, s in zip(views, snapshot, strict=True):
+        np.testing.assert_array_equal(v, s)
+
+
+def test_sender_threads_work_in_a_forked_child() -> None:
+    """The writers' kept sender threads do not survive ``fork``: a child made after a put gets threads of its
+    own (a copy of the parent's pool would take the task and never run it)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from knittrans.rollout.writer import _send_async
+        assert _send_async(os.getpid).result() == os.getpid()  # the parent's threads exist now
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a child stuck on a task that never runs dies of the alarm
+            os._exit(0 if _send_async(os.getpid).result() == os.getpid() else 1)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_sender_threads_take_work_from_an_atexit_hook() -> None:
+    """A put from an ``atexit`` hook (executors take no more work by then) runs its round trip in the calling
+    thread instead of failing with "cannot schedule new futures after interpreter shutdown"."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+        from knittrans.rollout.writer import _send_async
+        _send_async(int).result()  # the sender threads exist
+        atexit.register(lambda: print("sent", _send_async(threading.get_ident).result() == threading.get_ident()))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "sent True", done.stderr
+
+
 def test_batch_errors_name_the_unit_and_its_row() -> None:
     """A bad row in the second unit is reported with that unit and the row within it; inputs are checked too."""
     units = _units(3)

@@ -38,6 +38,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,37 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
+_SENDERS: tuple[int, ThreadPoolExecutor] | None = None
+"""The process id that made the sender threads, and their executor (a forked child makes its own)."""
+_SENDERS_LOCK = threading.Lock()
+
+
+def _send_async(fn: Any, *args: Any) -> Future[Any]:
+    """Run ``fn(*args)`` in the writers' shared sender threads (made on first use, kept for later puts).
+
+    A new ``threading.Thread`` per node and put made the caller wait, in ``start()``, until the new
+    thread had run, a scheduling delay on the critical path of a put on a busy host; handing work to
+    a waiting thread does not wait. The tasks (a node's round trip) never wait on each other; more
+    than 32 at once queue. Once the interpreter is shutting down (a put from an ``atexit`` hook), when
+    executors take no more work, ``fn`` runs in the caller's thread."""
+    global _SENDERS
+    senders = _SENDERS
+    if senders is None or senders[0] != os.getpid():
+        with _SENDERS_LOCK:
+            senders = _SENDERS
+            if senders is None or senders[0] != os.getpid():  # none yet, or a fork's copy without threads
+                senders = _SENDERS = (os.getpid(), ThreadPoolExecutor(32, thread_name_prefix="knittrans-write"))
+    try:
+        return senders[1].submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
 @dataclasses.dataclass(frozen=True)
 class _Staged:
     """A writer's units ready to go to its node: built, names checked, and (same host) their IPC files
@@ -153,7 +185,7 @@ def write_units_across(
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
     units are built together (as one ``write_units`` call builds its units); then, node by node, a
     same-host writer's IPC files are written into its temporaries and the node's round trip starts in a
-    thread of its own (``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
+    sender thread (kept between calls; ``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
     this thread writes the next node's files and then describes all the units; all the descriptors
     are registered with ``control`` (default: the first writer's that has one; none at all: not
     registered) in one request; descriptors per pair, in order.
@@ -189,16 +221,15 @@ def write_units_across(
         except BaseException as exc:  # handed to the caller below
             errors[k] = exc
 
-    threads: list[threading.Thread] = []
+    threads: list[Future[None]] = []
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
         for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, [None] * len(units), tabs))
             if staged[k].ids:
-                threads.append(threading.Thread(target=send, args=(k,), name=f"knittrans-write-{k}"))
-                threads[-1].start()
+                threads.append(_send_async(send, k))
     except BaseException:
         for t in threads:
-            t.join()
+            t.result()
         for (writer, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
                 writer._abort(st.ids)
@@ -210,7 +241,7 @@ def write_units_across(
         errors.insert(0, exc)
     finally:
         for t in threads:
-            t.join()
+            t.result()
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         for (writer, _), st, info in zip(batches, staged, infos, strict=True):
@@ -302,7 +333,7 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
-        # same host: the files are written; a thread waits on the node (the GIL free) while this one
+        # same host: the files are written; a sender thread waits on the node (the GIL free) while this one
         # describes the units; a unit's byte count comes from the node
         stored: list[list[dict[str, Any]]] = []
         failed: list[BaseException] = []
@@ -313,16 +344,15 @@ class TrajectoryWriter:
             except BaseException as exc:  # re-raised below, in the caller's thread
                 failed.append(exc)
 
-        worker = threading.Thread(target=send, name="knittrans-store")
-        worker.start()
+        worker = _send_async(send)
         try:
             drafts = self._describe(staged)
         except BaseException:
-            worker.join()
+            worker.result()
             if stored:  # describing failed: the stored units go too
                 self._abort(staged.ids)
             raise
-        worker.join()
+        worker.result()
         if failed:
             raise failed[0]
         return _with_sizes(drafts, stored[0])
