@@ -129,13 +129,16 @@ def test_the_gateway_checks_tokens_and_input_like_the_server(tmp_path: Path) -> 
 
 def test_a_dead_gateway_is_reported_and_the_server_still_streams(tmp_path: Path) -> None:
     """SIGKILL of the gateway: its streams end, ``GET /v1/plan-gateway`` answers 503 saying it exited, and the
-    server's own stream serves the un-acked plan again; stopping the server stops a running gateway."""
+    server's own stream serves the un-acked plan again (the client's reader moves there by itself); stopping the
+    server stops a running gateway; without one the discovery answers 404 and the reader uses the server."""
     with server(tmp_path / "cp.db", "--plan-gateway-port", "0") as srv, ControlClient(srv.url) as client:
         port, pid = _gateway(srv)
         _setup(client, quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1)
         client.register_units("job1", single_group_units(["math", "code"]))
         gw = RawStream(port, "/v1/jobs/job1/ranks/0/plans")
         held = gw.plan()
+        reader = client.plan_stream("job1", 0, keepalive_s=0.2, gateway=True)
+        assert reader.next(timeout_s=5) == held and reader.source == f"http://127.0.0.1:{port}"
         os.kill(pid, signal.SIGKILL)
         with pytest.raises((ValueError, ConnectionError)):  # the chunk stream ends mid-response
             gw.line()
@@ -151,12 +154,24 @@ def test_a_dead_gateway_is_reported_and_the_server_still_streams(tmp_path: Path)
             assert own.plan() == held
         finally:
             own.close()
+        again = None
+        while again is None:  # the reader's stream broke with the gateway: it reopens on the server
+            again = reader.next(timeout_s=5)
+        assert again == held and reader.opened == 2 and reader.source == srv.url
+        reader.close()
     with server(tmp_path / "cp2.db", "--plan-gateway-port", "0") as srv:
         _, pid = _gateway(srv)
     _wait_gone(pid)
-    with server(tmp_path / "cp3.db") as srv:
+    with server(tmp_path / "cp3.db") as srv, ControlClient(srv.url) as client:
         r = httpx.get(srv.url + "/v1/plan-gateway")
         assert r.status_code == 404 and r.json()["error"] == "not_found"
+        assert client.plan_gateway() is None
+        _setup(client, quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1)
+        client.register_units("job1", single_group_units(["math", "code"]))
+        reader = client.plan_stream("job1", 0, gateway=True)
+        plan = reader.next(timeout_s=5)
+        assert plan is not None and plan.global_index == 0 and reader.source == srv.url
+        reader.close()
 
 
 def test_frames_survive_any_split_and_refuse_garbage() -> None:
