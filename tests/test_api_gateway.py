@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from test_api_plan_stream import RawStream, _setup
 
 from knittrans.api.gatewaywire import FrameReader, frame, pack_index, unpack_index
 from knittrans.controlclient import ControlClient
+from knittrans.procs import control_plane_args, knittrans_command
 
 
 def _gateway(srv: ServerProcess) -> tuple[int, int]:
@@ -190,3 +193,17 @@ def test_frames_survive_any_split_and_refuse_garbage() -> None:
         FrameReader().feed(frame({"no": "type"}))
     with pytest.raises(ValueError, match="cannot hold"):
         unpack_index(b"\x00" * 11, 1)
+
+
+def test_a_gateway_that_cannot_listen_stops_the_server_with_the_reason(tmp_path: Path) -> None:
+    """``--plan-gateway-port`` on a port already taken: the server does not start and says why."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        extra = ["--plan-gateway-port", str(port)]
+        args = control_plane_args(tmp_path / "cp.db", port=0, log_level="WARNING", extra=extra)
+        done = subprocess.run(knittrans_command(*args), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"the plan gateway did not start on 127.0.0.1:{port}" in done.stderr, done.stderr[-2000:]
+    assert "address already in use" in done.stderr

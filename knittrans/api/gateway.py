@@ -383,7 +383,12 @@ async def _serve(fd: int, host: str, port: int) -> None:
     gateway = Gateway(loop)
     link = socket.socket(fileno=fd)
     await loop.connect_accepted_socket(lambda: LinkProtocol(gateway), link)
-    server = await loop.create_server(lambda: StreamConn(gateway), host, port)
+    try:
+        server = await loop.create_server(lambda: StreamConn(gateway), host, port)
+    except OSError as exc:  # the port is taken, the address not ours: the control plane says so and stops
+        gateway.send({"t": "failed", "detail": f"cannot listen on {host}:{port}: {exc.strerror or exc}"})
+        await asyncio.sleep(0.1)  # let the frame leave before the process ends
+        return
     bound = server.sockets[0].getsockname()[1]
     gateway.send({"t": "ready", "port": bound})
     try:

@@ -73,9 +73,9 @@ class GatewayLink(asyncio.Protocol):
         try:
             self.port = await asyncio.wait_for(self._ready, _READY_S)
         except (asyncio.TimeoutError, ConnectionError) as exc:
-            code = self.proc.poll()
             self.stop_now()
-            raise Unavailable(f"the plan gateway did not start on {self.host}:{port} (exit code {code})") from exc
+            why = str(exc) or f"no answer within {_READY_S:g} s"
+            raise Unavailable(f"the plan gateway did not start on {self.host}:{port}: {why}") from exc
         logger.info("plan gateway (pid %d) on %s", self.proc.pid, self.url)
 
     def publish(self, job: str, answers: dict[int, Answer] | None) -> None:
@@ -111,6 +111,8 @@ class GatewayLink(asyncio.Protocol):
             kind = head["t"]
             if kind == "ready" and self._ready is not None and not self._ready.done():
                 self._ready.set_result(int(head["port"]))
+            elif kind == "failed" and self._ready is not None and not self._ready.done():
+                self._ready.set_exception(ConnectionError(head["detail"]))
             elif kind == "open":
                 self._spawn(self._open(head))
             elif kind == "acks":
@@ -119,11 +121,12 @@ class GatewayLink(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         code = None if self.proc is None else self.proc.poll()
+        if self._ready is not None and not self._ready.done():  # during start: start() reports it
+            self._ready.set_exception(ConnectionError(f"it exited (code {code})"))
+            return
         if self.lost is None:
             self.lost = f"the plan gateway exited (code {code})"
             logger.error("%s; ranks fall back to the control plane's own plan stream", self.lost)
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(ConnectionError(self.lost))
 
     # ---------------------------------------------------------------- requests from the gateway
     def _spawn(self, coro: Any) -> None:
