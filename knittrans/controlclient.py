@@ -437,9 +437,20 @@ class ControlClient:
             return None
         return RankPlan.from_json(response.json())
 
-    def plan_stream(self, job: str, rank: int, *, keepalive_s: float = 10.0) -> PlanStreamReader:
-        """The rank's plan stream (``GET .../plans``), opened on first read; see :class:`PlanStreamReader`."""
-        return PlanStreamReader(self, job, rank, keepalive_s=keepalive_s)
+    def plan_stream(self, job: str, rank: int, *, keepalive_s: float = 10.0, gateway: bool = False) -> PlanStreamReader:
+        """The rank's plan stream (``GET .../plans``), opened on first read; see :class:`PlanStreamReader`.
+        ``gateway``: from the server's plan gateway when it runs one (``GET /v1/plan-gateway``), else its own."""
+        return PlanStreamReader(self, job, rank, keepalive_s=keepalive_s, gateway=gateway)
+
+    def plan_gateway(self) -> str | None:
+        """``GET /v1/plan-gateway``: the base URL of the server's plan gateway; None when it runs none, or
+        its gateway exited (404, 503: use the server's own plan stream)."""
+        response = self._http.get("/v1/plan-gateway")
+        if response.status_code in (404, 503, 405):
+            return None
+        _raise_for(response)
+        url: str = response.json()["url"]
+        return url
 
     def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[RankPlan]:
         """Yield the rank's plans until the job is finished; ack each before asking for the next."""
@@ -506,10 +517,17 @@ class PlanStreamReader:
     when the server has no such endpoint (use :meth:`ControlClient.next_plan`).
     """
 
-    def __init__(self, client: ControlClient, job: str, rank: int, *, keepalive_s: float = 10.0) -> None:
+    def __init__(
+        self, client: ControlClient, job: str, rank: int, *, keepalive_s: float = 10.0, gateway: bool = False
+    ) -> None:
         if not keepalive_s > 0:
             raise ValueError("keepalive_s must be > 0")
         self.client, self.job, self.rank, self.keepalive_s = client, job, rank, keepalive_s
+        self.gateway = gateway
+        """Open each stream on the server's plan gateway when it runs one (asked again at each reconnect:
+        a gateway that died is answered 503 and the server's own stream is used)."""
+        self.source: str | None = None
+        """Base URL the current (or last) stream came from."""
         self._response: httpx.Response | None = None
         self._lines: Iterator[str] | None = None
         self._acked_through = -1  # highest global index this rank acked: an acked mini-batch is never withdrawn
@@ -577,8 +595,9 @@ class PlanStreamReader:
         timeout = httpx.Timeout(client.timeout_s, read=3 * self.keepalive_s + client.timeout_s)
         while not self.closed:
             try:
+                base = (client.plan_gateway() if self.gateway else None) or client.base_url
                 request = client._poll_http.build_request(
-                    "GET", path, params={"keepalive_s": self.keepalive_s}, timeout=timeout
+                    "GET", base + path, params={"keepalive_s": self.keepalive_s}, timeout=timeout
                 )
                 response = client._poll_http.send(request, stream=True)
             except httpx.TransportError as exc:
@@ -587,6 +606,7 @@ class PlanStreamReader:
                 if response.status_code == 200:
                     self._response, self._lines = response, response.iter_lines()
                     self.opened += 1
+                    self.source = base
                     if self.closed:  # closed by another thread while this one opened it
                         self._drop()
                     return

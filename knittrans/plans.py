@@ -67,7 +67,13 @@ class PlanId:
             return None
         if min(n, attempt, rank) < 0:
             return None
-        return cls(n=n, attempt=attempt, rank=rank)
+        # what cls(n=..., attempt=..., rank=...) makes, without re-checking what was just checked (int() gives
+        # ints, none negative): every ack at 1,024 ranks parses one on the state thread
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "n", n)
+        object.__setattr__(plan, "attempt", attempt)
+        object.__setattr__(plan, "rank", rank)
+        return plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from knittrans.api import planjson
 from knittrans.api.planjson import render_rank_plan_json
@@ -160,3 +163,26 @@ def test_unusual_layouts_raise_as_before() -> None:
         assert new == old, layout
         raised += not isinstance(old, bytes)
     assert 0 < raised < len(cases)
+
+
+@given(
+    value=st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.sampled_from([0.0, -0.0, 1e300, 5e-324, 1767225600.25]),
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_plan_numbers_are_written_as_the_plan_encoder_writes_them(value: Any) -> None:
+    """The plan's numbers (``admitted_at``, ``mini_batch_trajectories``) are written without the encoder's
+    per-call setup, to the same text; NaN and infinities are still refused."""
+    assert planjson._value(value) == planjson.PLAN_ENCODER.encode(value)
+
+
+def test_plan_numbers_refuse_nan() -> None:
+    """A NaN ``admitted_at`` is refused as the encoder refuses it, not written as invalid JSON."""
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="Out of range float"):
+            planjson._value(bad)

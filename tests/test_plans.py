@@ -138,6 +138,9 @@ def test_from_json_checks_ticket_kinds_and_media_hashes(wire_plans: list[dict[st
 def test_plan_id_format_and_parse() -> None:
     pid = PlanId(n=12, attempt=3, rank=7)
     assert str(pid) == "n12.a3.r7" and PlanId.parse("n12.a3.r7") == pid
+    parsed = PlanId.parse("n12.a3.r7")
+    assert parsed is not None and hash(parsed) == hash(pid) and repr(parsed) == repr(pid)
+    assert (parsed.n, parsed.attempt, parsed.rank) == (12, 3, 7) and type(parsed.n) is int
     for text in ("", "n1.a2", "n1.a2.r3.x", "a1.n2.r3", "n1.ax.r3", "n-1.a0.r0", "bogus"):
         assert PlanId.parse(text) is None, text
     with pytest.raises(InvalidRequest, match="plan id field 'rank'"):

@@ -93,16 +93,33 @@ def main() -> int:
         help="directory holding another checkout's knittrans package: each configuration also runs on that server",
     )
     parser.add_argument("--baseline-label", default="base", help="what --baseline-source is (e.g. main@<commit>)")
+    parser.add_argument(
+        "--baseline-instead",
+        nargs="*",
+        default=["gateway=stream"],
+        help="MODE=OTHER: MODE is new (the baseline server lacks it); compare it with OTHER on the baseline server",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "delivery_stream")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="knittrans-delivery-stream-"))
     servers: list[Path | None] = [None] + ([args.baseline_source.resolve()] if args.baseline_source else [])
+    instead = dict(pair.split("=", 1) for pair in args.baseline_instead)
     configs = [
         (f"{mode} think {think:g}" + (f" {args.baseline_label}" if source else ""), mode, think, source)
         for think in args.think_ms
         for mode in args.modes
         for source in servers
+        if source is None or mode not in instead
     ]
+    for think in args.think_ms:  # a new mode's counterpart on the baseline server, run once per think time
+        for other in {instead[m] for m in args.modes if m in instead and args.baseline_source} - set(args.modes):
+            configs.append((f"{other} think {think:g} {args.baseline_label}", other, think, servers[-1]))
+    names = {c[0] for c in configs}
+    compare_to = {}
+    for name, mode, think, source in configs:
+        base = f"{instead.get(mode, mode)} think {think:g} {args.baseline_label}"
+        if source is None and base in names:
+            compare_to[name] = base
     runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
     for i in range(args.runs):
         for name, mode, think, source in configs:
@@ -119,6 +136,13 @@ def main() -> int:
                 "mini_batches_consumed": d["mini_batches_consumed"],
                 "server_cpu_ms_per_mini_batch": d["server_cpu_ms_per_mini_batch"],
                 "server_cpu_share": d["server_cpu_share"],
+                "state_process_cpu_share": d.get("server_state_process_cpu_share"),
+                "gateway_cpu_share": d.get("gateway_cpu_share"),
+                "state_process_cpu_ms_per_mini_batch": (
+                    d["server_state_process_cpu_share"] * d["seconds"] / d["mini_batches_consumed"] * 1e3
+                    if d.get("server_state_process_cpu_share") is not None and d["mini_batches_consumed"]
+                    else None
+                ),
                 "registration_p99_ms": d["registration_request_ms"]["p99"],
                 "plans_delivered": d["plans_delivered"],
             }
@@ -131,9 +155,12 @@ def main() -> int:
         "server_cpu_ms_per_mini_batch",
         "mini_batches_consumed",
         "server_cpu_share",
+        "state_process_cpu_ms_per_mini_batch",
+        "state_process_cpu_share",
+        "gateway_cpu_share",
         "load_avg_1m_start",
     ]
-    medians = {m: {k: med([row[k] for row in rows]) for k in keys} for m, rows in runs.items()}
+    medians = {m: {k: med([row.get(k) for row in rows]) for k in keys} for m, rows in runs.items()}
     result = {
         "benchmark": "control_plane_delivery_stream",
         "machine": platform.platform(),
@@ -145,6 +172,7 @@ def main() -> int:
         "runs": runs,
         "medians": medians,
         "baselines": {c[0]: (f"{c[1]} think {c[2]:g}" if c[3] else None) for c in configs},
+        "compare_to": compare_to,
         "target_p99_ms": 50.0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,15 +189,20 @@ def write_md(result: dict[str, Any], path: Path) -> None:
     baselines: dict[str, str | None] = result.get("baselines") or {}
     # with a baseline server: each configuration's ratio of this checkout's server to the baseline's
     base_of = {b: name for name, b in baselines.items() if b}
+    if "compare_to" in result:  # which baseline configuration each of this checkout's is compared with
+        base_of = result["compare_to"]
     base_name = "baseline server" if base_of else first
 
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "–" if v is None else format(v, fmt)
 
+    def pct(v: float | None) -> float | None:
+        return None if v is None else v * 100
+
     def ratio(name: str, key: str) -> float | None:
         m = medians[name]
         if base_of and name not in base_of:
-            return None  # a baseline configuration itself
+            return None  # a baseline configuration itself (or one without a counterpart there)
         base = medians.get(base_of[name]) if base_of else medians.get(first)
         return m[key] / base[key] if base and base[key] and m[key] is not None else None
 
@@ -180,8 +213,8 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         f"{args.seconds} s per mode, interleaved; medians over runs.\n",
         f"| configuration | delivery p50 (ms) | delivery p99 (ms) | mean (ms) | p99 vs {base_name} | "
         f"server CPU / mini-batch (ms) | CPU vs {base_name} | mini-batches | server CPU share | "
-        "load 1m (start of each run) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "state process CPU / mini-batch (ms) | state process, gateway CPU share | load 1m (start of each run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in medians.items():
         loads = ", ".join(f"{row['load_avg_1m_start']:.1f}" for row in runs[mode])
@@ -189,7 +222,10 @@ def write_md(result: dict[str, Any], path: Path) -> None:
             f"| {mode} | {f(m['p50_ms'])} | {f(m['p99_ms'])} | {f(m.get('mean_ms'))} | "
             f"{f(ratio(mode, 'p99_ms'), '.2f')} | "
             f"{f(m['server_cpu_ms_per_mini_batch'])} | {f(ratio(mode, 'server_cpu_ms_per_mini_batch'), '.2f')} | "
-            f"{f(m['mini_batches_consumed'], '.0f')} | {f((m['server_cpu_share'] or 0) * 100, '.0f')} % | {loads} |"
+            f"{f(m['mini_batches_consumed'], '.0f')} | {f((m['server_cpu_share'] or 0) * 100, '.0f')} % | "
+            f"{f(m.get('state_process_cpu_ms_per_mini_batch'))} | "
+            f"{f(pct(m.get('state_process_cpu_share')), '.0f')} %, {f(pct(m.get('gateway_cpu_share')), '.0f')} % | "
+            f"{loads} |"
         )
     lines += [
         "",
@@ -202,7 +238,10 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         "is not in the figure). Server CPU per mini-batch compares across modes; the latencies depend on how "
         "far each mode saturates the server. `MODE@PARSER`: the server ran with `--http PARSER` (uvicorn's "
         "HTTP/1.1 implementation). `think T`: each rank computes T ms on a plan before it acks and asks "
-        "for the next (scale.py --think-ms). Target: delivery p99 <= 50 ms.",
+        "for the next (scale.py --think-ms). `gateway` = as `stream`, on the plan gateway's port (the server runs "
+        "with `--plan-gateway-port 0`; its CPU includes the gateway process; compared with `stream` on the baseline "
+        "server, which has no gateway). Server CPU share: of one core (state process + gateway). "
+        "Target: delivery p99 <= 50 ms.",
     ]
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -165,7 +165,7 @@ def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, 
 class Server:
     """``knittrans control-plane`` in a subprocess on port 0 (ready file), with psutil handles."""
 
-    def __init__(self, work: Path, source: Path | None = None, http: str | None = None) -> None:
+    def __init__(self, work: Path, source: Path | None = None, http: str | None = None, gateway: bool = False) -> None:
         ready = work / "cp.ready"
         prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
         args = control_plane_args(
@@ -173,7 +173,7 @@ class Server:
             ready_file=ready,
             node_timeout_s=30,
             log_level="WARNING",
-            extra=["--http", http] if http else (),
+            extra=[*(["--http", http] if http else []), *(["--plan-gateway-port", "0"] if gateway else [])],
         )
         cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), *knittrans_command(*args)[1:]]
         env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
@@ -186,11 +186,28 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"control plane did not start: {(work / 'cp.log').read_text()[-2000:]}")
             time.sleep(0.05)
-        self.port = int(json.loads(ready.read_text())["port"])
+        info = json.loads(ready.read_text())
+        self.port = int(info["port"])
         self.ps = psutil.Process(self.proc.pid)
+        self.gateway_port: int | None = None
+        self.gateway_ps: psutil.Process | None = None
+        if gateway:  # the plan gateway (knittrans.api.gateway), a child process of the server
+            self.gateway_port = int(info["plan_gateway"].rsplit(":", 1)[1])
+            (self.gateway_ps,) = self.ps.children()
 
     def cpu_s(self) -> float:
+        """CPU time of the server, its plan gateway included (``state_cpu_s`` + ``gateway_cpu_s``)."""
+        return self.state_cpu_s() + self.gateway_cpu_s()
+
+    def state_cpu_s(self) -> float:
+        """CPU time of the server's own process (the state thread and its event loop)."""
         t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def gateway_cpu_s(self) -> float:
+        if self.gateway_ps is None:
+            return 0.0
+        t = self.gateway_ps.cpu_times()
         return float(t.user + t.system)
 
     def rss_mib(self) -> float:
@@ -306,8 +323,10 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     async def rank_stream(r: int) -> None:
         """The rank on its plan stream (``.../plans``): acks as lines of the POST's chunked body
         (--ack-mode stream) or by ``POST .../ack`` on a second connection (--ack-mode stream-post)."""
-        in_body = args.ack_mode == "stream"
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        in_body = args.ack_mode in ("stream", "gateway")
+        at = server.gateway_port if args.ack_mode == "gateway" else port
+        assert at is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", at)
         streams.append(writer)
         head = (
             f"{'POST' if in_body else 'GET'} /v1/jobs/{job}/ranks/{r}/plans HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -354,11 +373,12 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                     requests[0] += 1
                 consumed[r] = consumed.get(r, 0) + 1
 
-    one = rank_stream if args.ack_mode.startswith("stream") else rank
+    one = rank_stream if args.ack_mode.startswith("stream") or args.ack_mode == "gateway" else rank
     tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
     await asyncio.sleep(1.0)  # ranks connected and waiting
     me = psutil.Process()
     cpu0, t0, requests[0] = server.cpu_s(), time.monotonic(), 0
+    state0 = server.state_cpu_s()
     own0 = sum(me.cpu_times()[:2])
     bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
     while time.monotonic() - t0 < args.seconds:
@@ -369,6 +389,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         )
     stop.set()
     elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
+    state_cpu = server.state_cpu_s() - state0
     clients_cpu = sum(me.cpu_times()[:2]) - own0
     for w in streams:  # a rank blocked reading its stream sees the end at once
         w.close()
@@ -395,6 +416,8 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
         "server_cpu_share": cpu / elapsed,
+        "server_state_process_cpu_share": state_cpu / elapsed,
+        "gateway_cpu_share": (cpu - state_cpu) / elapsed,
         "clients_cpu_share": clients_cpu / elapsed,
         "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
         "requests": made,
@@ -542,12 +565,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--ack-mode",
-        choices=["post", "next", "stream", "stream-post"],
+        choices=["post", "next", "stream", "stream-post", "gateway"],
         default="next",
         help="how a rank gets its plans and acks in the delivery phase: 'post' (POST .../ack, then GET .../next: "
         "two requests per mini-batch), 'next' (GET .../next?ack=<plan_id>: one request; servers before issue 18 "
         "lack it), 'stream' (one POST .../plans per rank for the whole run: plans are lines of its response, acks "
-        "lines of its chunked body) or 'stream-post' (GET .../plans, acks by POST .../ack)",
+        "lines of its chunked body), 'stream-post' (GET .../plans, acks by POST .../ack) or 'gateway' (as 'stream', "
+        "on the plan gateway's port: the server runs with --plan-gateway-port 0)",
     )
     parser.add_argument(
         "--think-ms",
@@ -582,7 +606,7 @@ def main() -> int:
         args.registration_batches, args.batch = 3, 500
         args.rate = min(args.rate, 100)
     work = Path(tempfile.mkdtemp(prefix="knittrans-scale-"))
-    server = Server(work, args.server_source, args.server_http)
+    server = Server(work, args.server_source, args.server_http, gateway=args.ack_mode == "gateway")
     log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
     result: dict[str, Any] = {
         "benchmark": "control_plane_scale",

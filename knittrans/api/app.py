@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from knittrans import __version__
 from knittrans.api.auth import TokenCheck
 from knittrans.api.fastpath import FastNext
+from knittrans.api.gatewaylink import GatewayLink
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
@@ -130,9 +131,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runner.start()
         board.bind(asyncio.get_running_loop(), service.rank_answers)  # plans published to this loop
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
+        gateway = None
+        if settings.plan_gateway_port is not None:  # the plan streams' socket work in a process of its own
+            gateway = GatewayLink(app.state, settings.plan_gateway_host)
+            await gateway.start(settings.plan_gateway_port)
+            board.listeners.append(gateway.publish)
+        app.state.gateway = gateway
         try:
             yield
         finally:
+            if gateway is not None:
+                board.listeners.remove(gateway.publish)
+                await gateway.stop()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -160,6 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
     app.state.fast_next = {"served": 0, "to_app": 0}
+    app.state.gateway = None  # the plan gateway's link while the app runs with one (lifespan)
     app.state.plan_streams = set()  # open plan streams (knittrans.api.stream), ended at shutdown
     _document_raw_bodies(app)
     return app

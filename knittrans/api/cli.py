@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default $KNITTRANS_HTTP, else auto)",
     )
     parser.add_argument(
+        "--plan-gateway-port",
+        type=int,
+        default=None,
+        help="also serve the ranks' plan streams from a gateway process on this port (0: a free one; "
+        "GET /v1/plan-gateway and the ready file give its URL; default $KNITTRANS_PLAN_GATEWAY_PORT, else none)",
+    )
+    parser.add_argument(
         "--db-synchronous",
         choices=("NORMAL", "FULL"),
         default=None,
@@ -110,6 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "node_timeout_s": args.node_timeout_s,
         "db_synchronous": args.db_synchronous,
         "db_init": args.init,
+        "plan_gateway_port": args.plan_gateway_port,
     }
     return Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
 
@@ -130,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings)
     if (args.tls_cert is None) != (args.tls_key is None):
         logger.error("--tls-cert and --tls-key go together")
+        return 2
+    if args.tls_cert is not None and settings.plan_gateway_port is not None:
+        logger.error("--plan-gateway-port serves plain HTTP; it cannot go with --tls-cert")
         return 2
     # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -180,7 +191,9 @@ async def _serve(
     logger.info("control plane on %s (state %s)", url, db)
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
-        tmp.write_text(json.dumps({"url": url, "host": host, "port": port, "pid": os.getpid()}))
+        gateway = state.gateway.url if state.gateway is not None else None
+        ready = {"url": url, "host": host, "port": port, "pid": os.getpid(), "plan_gateway": gateway}
+        tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
     from knittrans.api.stream import close_streams
 

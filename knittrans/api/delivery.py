@@ -9,8 +9,8 @@ from typing import Any
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
 from knittrans.api.planjson import render_rank_plan_json
-from knittrans.api.records import Kind, mb_key, rank_key, version_key
-from knittrans.api.store import Txn
+from knittrans.api.records import Kind, mb_key, rank_key, rank_keys_prefix, version_key
+from knittrans.api.store import Encoded, Txn
 from knittrans.descriptors import GroupRecord
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, NotFound
 from knittrans.grants import sign_grant
@@ -227,7 +227,7 @@ class Delivery(JobBase):
         if mb.status == "consumed" or rank in mb.acks:
             return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
         mb.acks.add(rank)
-        txn.put(Kind.ACK, self.name, rank_key(n, rank), {"attempt": attempt})
+        txn.put(Kind.ACK, self.name, rank_key(n, rank), Encoded(f'{{"attempt":{attempt}}}'))  # = {"attempt": attempt}
         consumed = len(mb.acks) == self.spec.world_size
         if consumed:
             self._consume(mb, txn)
@@ -262,9 +262,9 @@ class Delivery(JobBase):
         self.evict_consumed()
         txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [asdict(r) for r in records])
-        for rank in range(self.spec.world_size):
-            txn.delete(Kind.ACK, self.name, rank_key(mb.n, rank))
-            txn.delete(Kind.FETCHED, self.name, rank_key(mb.n, rank))
+        prefix = rank_keys_prefix(mb.n)  # W records each: one range delete, not W deletes
+        txn.delete_prefix(Kind.ACK, self.name, prefix)
+        txn.delete_prefix(Kind.FETCHED, self.name, prefix)
 
     def report_version(self, rank: int, version: int, txn: Txn) -> int:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""

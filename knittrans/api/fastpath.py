@@ -44,7 +44,7 @@ from knittrans.api.routes.units import register_body
 from knittrans.api.stream import DEFAULT_KEEPALIVE_S, MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, PlanStream, first_answer
 from knittrans.errors import KnitTransError
 
-__all__ = ["FastNext"]
+__all__ = ["FastNext", "keepalive_query"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _query(raw: bytes) -> tuple[float, str | None] | None:
     return timeout_s, ack
 
 
-def _keepalive(raw: bytes) -> float | None:
+def keepalive_query(raw: bytes) -> float | None:
     """``keepalive_s`` of a plain plan-stream query, or None (anything else: the route decides)."""
     pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
     if not pairs:
@@ -181,7 +181,7 @@ class FastNext:
         """A plan stream (``.../plans``) set up here, outside the app (so its body of acks is not counted by
         the app's body limit); anything else, or any error before the stream starts, goes to the app."""
         match = _PLANS.fullmatch(scope["path"])
-        keepalive_s = _keepalive(scope.get("query_string", b"")) if match is not None else None
+        keepalive_s = keepalive_query(scope.get("query_string", b"")) if match is not None else None
         state: Any = scope["app"].state
         if match is None or keepalive_s is None or not state.settings.plan_stream:
             await self.app(scope, receive, send)

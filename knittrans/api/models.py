@@ -71,6 +71,7 @@ __all__ = [
     "NodePublic",
     "NodeRegister",
     "NodeUsageIn",
+    "PlanGatewayOut",
     "PlanRowOut",
     "QuotasUpdate",
     "RankPlanOut",
@@ -100,6 +101,15 @@ class ErrorOut(BaseModel):
 
     error: str = Field(examples=["invalid_job_spec"])
     detail: str = Field(examples=["mini_batches_per_step: K=8 is larger than the train batch G=4 groups"])
+
+
+class PlanGatewayOut(BaseModel):
+    """Where the plan gateway serves the plan streams (``knittrans control-plane --plan-gateway-port``)."""
+
+    url: str = Field(examples=["http://127.0.0.1:8701"])
+    """Base URL: open ``GET|POST {url}/v1/jobs/{job}/ranks/{rank}/plans`` there, with the usual token."""
+    pid: int
+    """Process id of the gateway."""
 
 
 # ---------------------------------------------------------------- jobs

@@ -16,22 +16,32 @@ always did.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any
 
 from knittrans.api.plans import Signer, render_rank_plan
 from knittrans.descriptors import GroupRecord
-from knittrans.plans import PlanId
 from knittrans.tickets import TICKET_VERSION
 
 __all__ = ["PLAN_ENCODER", "render_rank_plan_json"]
 
 PLAN_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 """The encoder of a plan body (what ``json.dumps`` with these arguments makes anew on every call)."""
-_value = PLAN_ENCODER.encode  # a number or null, as the plan's encoder writes it (NaN refused)
+_encode = PLAN_ENCODER.encode
 _esc = encode_basestring  # a string as PLAN_ENCODER writes it (ensure_ascii=False)
 _esc_ascii = encode_basestring_ascii  # a string as Ticket.encode's json.dumps writes it
+
+
+def _value(x: Any) -> str:
+    """A number or null as the plan's encoder writes it (NaN refused), without the encoder's per-call setup
+    for the plain cases (once per rank and mini-batch: ints and finite floats are their ``repr``)."""
+    if type(x) is int:
+        return int.__repr__(x)
+    if type(x) is float and math.isfinite(x):
+        return float.__repr__(x)
+    return _encode(x)
 
 
 class _Unusual(Exception):
@@ -76,7 +86,7 @@ def render_rank_plan_json(
             mini_batch_trajectories=mini_batch_trajectories,
             admitted_at=admitted_at,
         )
-        return PLAN_ENCODER.encode(plan.to_json()).encode()
+        return _encode(plan.to_json()).encode()
     grants: dict[str, str] = {}
     if sign is not None:  # one grant per node, for all of the rank's reads and media there (plans._sign)
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
@@ -126,7 +136,7 @@ def render_rank_plan_json(
             f'{{"index":{index},"num_tokens":{tokens},"rows":[{",".join(rows)}],"fetches":[{",".join(fetches)}],'
             f'"media":[{",".join(media_out)}]}}'
         )
-    plan_id = _esc(str(PlanId(n=n, attempt=attempt, rank=rank)))
+    plan_id = f'"n{n}.a{attempt}.r{rank}"'  # _esc(str(PlanId(...))) of the scheduler's ints: nothing to escape
     body = (
         f'{{"plan_id":{plan_id},"job":{job_text},"rank":{rank},"step":{step},"mini_batch_index":{k},'
         f'"global_index":{n},"policy_version":{n},"num_tokens":{total},"micro_batches":[{",".join(parts)}]'

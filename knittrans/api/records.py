@@ -37,6 +37,7 @@ __all__ = [
     "parse_rank_key",
     "parse_version_key",
     "rank_key",
+    "rank_keys_prefix",
     "version_key",
 ]
 
@@ -83,6 +84,11 @@ def parse_mb_key(key: str) -> int:
 def rank_key(n: int, rank: int) -> str:
     """Store key of ``rank``'s record about mini-batch ``n`` (acks and fetches): ``<mb_key>.<rank>``."""
     return f"{mb_key(n)}.{rank:06d}"
+
+
+def rank_keys_prefix(n: int) -> str:
+    """The prefix every :func:`rank_key` of mini-batch ``n`` starts with (and no other key of that kind)."""
+    return f"{mb_key(n)}."
 
 
 def parse_rank_key(key: str) -> tuple[int, int]:

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     answer 404 like an unknown path (a server without them), and trainer clients long-poll ``next``."""
     plan_stream_max_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     """A plan stream ends after this long (its client opens a new one and gets its un-acked plan again)."""
+    plan_gateway_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve the plan streams also from a gateway process on this port (0: a free one; None: no gateway);
+    ``GET /v1/plan-gateway`` and the ready file give its URL (``knittrans.api.gateway``)."""
+    plan_gateway_host: str = "127.0.0.1"
+    """Bind address of the plan gateway."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
     recent_admissions: int = Field(default=RECENT_ADMISSIONS, ge=1)

@@ -55,6 +55,7 @@ class Txn:
     def __init__(self) -> None:
         self.puts: dict[tuple[str, str, str], Any] = {}
         self.deletes: set[tuple[str, str, str]] = set()
+        self.prefix_deletes: set[tuple[str, str, str]] = set()
 
     def put(self, kind: Kind, job: str, key: str, value: Any) -> None:
         """Insert or replace the record ``(kind, job, key)`` with the JSON-able ``value`` (or :class:`Encoded`)."""
@@ -68,8 +69,20 @@ class Txn:
         self.puts.pop(address, None)
         self.deletes.add(address)
 
+    def delete_prefix(self, kind: Kind, job: str, prefix: str) -> None:
+        """Remove every record ``(kind, job, key)`` whose key starts with ``prefix`` (one range delete in
+        SQLite instead of one per key: a consumed mini-batch's W ack records). Writes buffered before
+        this call under the prefix are dropped; a later :meth:`put` under it is kept."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        kind_value = kind.value
+        for address in [a for a in self.puts if a[0] == kind_value and a[1] == job and a[2].startswith(prefix)]:
+            del self.puts[address]
+        self.deletes = {a for a in self.deletes if not (a[0] == kind_value and a[1] == job and a[2].startswith(prefix))}
+        self.prefix_deletes.add((kind_value, job, prefix))
+
     def __len__(self) -> int:
-        return len(self.puts) + len(self.deletes)
+        return len(self.puts) + len(self.deletes) + len(self.prefix_deletes)
 
 
 class RecordStore:
@@ -124,6 +137,11 @@ class RecordStore:
             try:
                 cur.execute("BEGIN IMMEDIATE")
                 try:
+                    if txn.prefix_deletes:  # keys from prefix up to (not including) prefix with its last char + 1
+                        cur.executemany(
+                            "DELETE FROM records WHERE kind=? AND job=? AND key>=? AND key<?",
+                            [(k, j, p, p[:-1] + chr(ord(p[-1]) + 1)) for k, j, p in txn.prefix_deletes],
+                        )
                     if txn.deletes:
                         cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
                     if puts:

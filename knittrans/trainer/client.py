@@ -98,7 +98,9 @@ class TrainerClient:
         self._stream: PlanStreamReader | None = None
         if config.plan_stream:
             keepalive = min(10.0, config.poll_timeout_s)
-            self._stream = self.control.plan_stream(config.job, config.rank, keepalive_s=keepalive)
+            self._stream = self.control.plan_stream(
+                config.job, config.rank, keepalive_s=keepalive, gateway=config.plan_gateway
+            )
         self.context = RankContext(
             config=config,
             fetcher=self.fetcher,

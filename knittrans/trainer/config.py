@@ -39,6 +39,10 @@ class TrainerConfig:
     the server has no stream. Off by default: at 1,024 ranks, with this client's acks (``POST .../ack``),
     it took 0.69x the server CPU per mini-batch of the default path but its delivery p99 was higher
     (938 vs 442 ms; docs/api.md, plan stream), and it is new."""
+    plan_gateway: bool = False
+    """With ``plan_stream``: open the stream on the control plane's plan gateway when it runs one
+    (``--plan-gateway-port``; its own process), else on the control plane; a gateway that dies is left
+    for the control plane's own stream at the reconnect."""
     control_retry_s: float = 120.0
     """How long to keep retrying while the control plane is unreachable (e.g. restarting)."""
     local_dirs: Mapping[str, str] = field(default_factory=dict)

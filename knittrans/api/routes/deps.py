@@ -112,6 +112,9 @@ class PlanBoard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._compute: Compute | None = None
         self._answers: dict[str, dict[int, Answer]] = {}  # owned by the loop: read and written only there
+        self.listeners: list[Callable[[str, dict[int, Answer] | None], None]] = []
+        """Called on the loop with each publication (``job``, its answers; None: the job's were dropped):
+        the plan gateway's link forwards them (``knittrans.api.gatewaylink``)."""
 
     def bind(self, loop: asyncio.AbstractEventLoop, compute: Compute) -> None:
         """Publish answers to ``loop`` from now on, computed by ``compute(job, ranks)`` on the state
@@ -201,6 +204,9 @@ class PlanBoard:
             self._answers.pop(job, None)
         elif answers:
             self._answers.setdefault(job, {}).update(answers)
+        if answers is None or answers:
+            for listener in self.listeners:
+                listener(job, answers)
         if wake:
             self._wake(job, ranks)
 

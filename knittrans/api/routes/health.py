@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from knittrans import __version__
+from knittrans.api.models import PlanGatewayOut
 from knittrans.api.routes.deps import Service
 
 __all__ = ["router"]
@@ -19,6 +21,21 @@ router = APIRouter(tags=["health"])
 async def health(svc: Service) -> dict[str, Any]:
     """Liveness: always open."""
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
+
+
+@router.get("/v1/plan-gateway", response_model=PlanGatewayOut)
+async def plan_gateway(request: Request) -> Any:
+    """Where the plan gateway serves the ranks' plan streams (open: it names a port; the gateway checks
+    tokens). 404 when the server runs without one, 503 once it exited (use the server's own stream)."""
+    gateway = request.app.state.gateway
+    if gateway is None:
+        detail = "this control plane runs without a plan gateway; use its own plan stream"
+        return JSONResponse({"error": "not_found", "detail": detail}, status_code=404)
+    url = gateway.url
+    if url is None:
+        detail = f"{gateway.lost}; use the control plane's own plan stream"
+        return JSONResponse({"error": "unavailable", "detail": detail}, status_code=503, headers={"Retry-After": "1"})
+    return {"url": url, "pid": gateway.pid}
 
 
 @router.get(

@@ -1,0 +1,136 @@
+"""The state thread's cheaper paths: the unadmitted pool kept in admission order, range deletes of a
+consumed mini-batch's ack/fetch records, and acks recorded in SQLite exactly as before."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from api_support import app_client, job_spec, single_group_units
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knittrans.api.entries import GroupEntry, Unadmitted, finish_key
+from knittrans.api.records import Kind, rank_key, rank_keys_prefix
+from knittrans.api.store import RecordStore, Txn
+from knittrans.descriptors import GroupRecord
+
+
+def _entry(gid: str, finished_at: float) -> GroupEntry:
+    record = GroupRecord(
+        group_id=gid,
+        source="math",
+        row_start=0,
+        num_trajectories=1,
+        trajectory_tokens=(4,),
+        version_start=0,
+        version_end=0,
+        version_weighted=0.0,
+        finished_at=finished_at,
+        media_hashes=(),
+    )
+    return GroupEntry(record=record, unit_id=f"u-{gid}", node_id="n0")
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.integers(0, 30), st.integers(0, 6)),  # group id, finish time
+        st.tuples(st.just("pop"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("order"), st.just(0), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@given(ops=_OPS, start=st.dictionaries(st.integers(0, 30), st.integers(0, 6), max_size=10))
+@settings(max_examples=300, deadline=None)
+def test_unadmitted_in_order_is_the_sorted_pool(ops: list[tuple[str, int, int]], start: dict[int, int]) -> None:
+    """Whatever the insertions (in order, out of order, replacing a present group) and removals, ``in_order``
+    is the groups sorted by (finished_at, group_id): what ``pool`` sorted on every admission before."""
+    pool = Unadmitted({f"g{i:02d}": _entry(f"g{i:02d}", float(t)) for i, t in start.items()})
+    plain: dict[str, GroupEntry] = dict(pool)
+    for op, i, t in ops:
+        gid = f"g{i:02d}"
+        if op == "set":
+            pool[gid] = plain[gid] = _entry(gid, float(t))
+        elif op == "pop":
+            assert pool.pop(gid, None) is plain.pop(gid, None)
+        else:
+            assert pool.in_order() == sorted(plain.values(), key=finish_key)
+    assert pool.in_order() == sorted(plain.values(), key=finish_key)
+    assert dict(pool) == plain
+
+
+def test_delete_prefix_removes_one_mini_batch_s_records_only(tmp_path: Path) -> None:
+    """A range delete removes the keys under its prefix (not mini-batch 30's under 3's prefix, not another job's,
+    not another kind's), drops writes buffered before it and keeps a write buffered after it."""
+    store = RecordStore(str(tmp_path / "s.db"))
+    txn = Txn()
+    for n in (3, 30, 4):
+        for rank in range(3):
+            txn.put(Kind.ACK, "job1", rank_key(n, rank), {"attempt": 0})
+    txn.put(Kind.ACK, "job2", rank_key(3, 0), {"attempt": 0})
+    txn.put(Kind.FETCHED, "job1", rank_key(3, 0), {"attempt": 0})
+    store.commit(txn)
+    txn = Txn()
+    txn.put(Kind.ACK, "job1", rank_key(3, 7), {"attempt": 1})  # buffered before: dropped
+    txn.delete_prefix(Kind.ACK, "job1", rank_keys_prefix(3))
+    txn.put(Kind.ACK, "job1", rank_key(3, 9), {"attempt": 2})  # buffered after: kept
+    store.commit(txn)
+    acks = {(job, key) for job, key, _ in store.load(Kind.ACK)}
+    assert acks == {
+        *(("job1", rank_key(n, r)) for n in (30, 4) for r in range(3)),
+        ("job2", rank_key(3, 0)),
+        ("job1", rank_key(3, 9)),
+    }
+    assert [key for _, key, _ in store.load(Kind.FETCHED)] == [rank_key(3, 0)]
+    try:
+        txn.delete_prefix(Kind.ACK, "job1", "")
+    except ValueError as exc:
+        assert "non-empty prefix" in str(exc)
+    else:
+        raise AssertionError("an empty prefix deleted the whole kind")
+    store.close()
+
+
+def _rows(db: Path, kind: Kind) -> list[tuple[str, str]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT key, body FROM records WHERE kind=? ORDER BY key", (kind.value,)).fetchall()
+
+
+def _plan_id(c: Any, rank: int) -> str:
+    r = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0})
+    assert r.status_code == 200, r.text
+    return str(r.json()["plan_id"])
+
+
+def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_record(tmp_path: Path) -> None:
+    """An ack is in SQLite (``{"attempt":0}``) before its answer; the last ack consumes the mini-batch and its W
+    ack and fetch records go in the same commit; a restart sees the same acks and positions."""
+    db = tmp_path / "cp.db"
+    spec = job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
+    with app_client(db) as c:
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
+        units = single_group_units(["math", "code", "math", "code"])
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
+        first = [_plan_id(c, rank) for rank in range(2)]
+        r = c.post("/v1/jobs/job1/ranks/1/fetched", json={"plan_id": first[1]})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": first[0]})
+        assert r.status_code == 200 and not r.json()["consumed"], r.text
+        assert _rows(db, Kind.ACK) == [(rank_key(0, 0), '{"attempt":0}')]
+        assert [k for k, _ in _rows(db, Kind.FETCHED)] == [rank_key(0, 1)]
+        second = _plan_id(c, 0)  # rank 0 goes on to mini-batch 1 and acks it before rank 1 acks 0
+        assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": second}).status_code == 200
+        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
+        assert r.status_code == 200 and r.json()["consumed"], r.text
+        assert _rows(db, Kind.ACK) == [(rank_key(1, 0), '{"attempt":0}')]  # mini-batch 1's ack stays
+        assert _rows(db, Kind.FETCHED) == []
+        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
+        assert r.status_code == 200 and r.json()["duplicate"], r.text
+    with app_client(db) as c:
+        job = c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
+        assert job.first_unconsumed == 1 and job.minibatches[1].acks == {0}
+        assert [job.rank_cursor(rank) for rank in range(2)] == [2, 1]
