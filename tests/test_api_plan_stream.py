@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,31 @@ def test_done_line_ends_the_stream_and_the_reader(srv: ServerProcess) -> None:
             raw.close()
 
 
+BAD_STREAMS = [
+    ("/v1/jobs/job1/ranks/0/plans", None, 401, "unauthenticated"),
+    ("/v1/jobs/job1/ranks/0/plans", "nope", 401, "unauthenticated"),
+    ("/v1/jobs/job1/ranks/2/plans", "wt", 404, "not_found"),
+    ("/v1/jobs/ghost/ranks/0/plans", "wt", 404, "not_found"),
+    ("/v1/jobs/job1/ranks/x/plans", "wt", 422, "invalid_request"),
+    ("/v1/jobs/job1/ranks/0/plans?keepalive_s=0", "wt", 422, "invalid_request"),
+    ("/v1/jobs/job1/ranks/0/plans?keepalive_s=abc", "wt", 422, "invalid_request"),
+]
+"""Stream requests refused before the stream starts (path, token, status, error kind), for a job ``job1``
+of 2 ranks with the worker token ``wt``."""
+
+
+def check_refused_streams(port: int, extra: Sequence[tuple[str, str | None, int, str]] = ()) -> None:
+    """Each of :data:`BAD_STREAMS` (and ``extra``), by GET and POST, gets its status and error body."""
+    for method in ("GET", "POST"):
+        for path, token, status, kind in [*BAD_STREAMS, *extra]:
+            raw = RawStream(port, path, method=method, token=token)
+            try:
+                assert raw.status == status, (method, path, raw.status)
+                assert json.loads(raw.body())["error"] == kind, (method, path)
+            finally:
+                raw.close()
+
+
 def test_token_and_bad_input_answered_before_the_stream(tmp_path: Path) -> None:
     """401 without the worker token, 404 for an unknown job or rank, 422 for a bad rank or keep-alive, GET and POST."""
     with (
@@ -224,23 +249,7 @@ def test_token_and_bad_input_answered_before_the_stream(tmp_path: Path) -> None:
         ControlClient(srv.url, token="at") as admin,
     ):
         _setup(admin, world_size=2)
-        cases = [
-            ("/v1/jobs/job1/ranks/0/plans", None, 401, "unauthenticated"),
-            ("/v1/jobs/job1/ranks/0/plans", "nope", 401, "unauthenticated"),
-            ("/v1/jobs/job1/ranks/2/plans", "wt", 404, "not_found"),
-            ("/v1/jobs/ghost/ranks/0/plans", "wt", 404, "not_found"),
-            ("/v1/jobs/job1/ranks/x/plans", "wt", 422, "invalid_request"),
-            ("/v1/jobs/job1/ranks/0/plans?keepalive_s=0", "wt", 422, "invalid_request"),
-            ("/v1/jobs/job1/ranks/0/plans?keepalive_s=abc", "wt", 422, "invalid_request"),
-        ]
-        for method in ("GET", "POST"):
-            for path, token, status, kind in cases:
-                raw = RawStream(srv.port, path, method=method, token=token)
-                try:
-                    assert raw.status == status, (method, path, raw.status)
-                    assert json.loads(raw.body())["error"] == kind, (method, path)
-                finally:
-                    raw.close()
+        check_refused_streams(srv.port)
         ok = RawStream(srv.port, "/v1/jobs/job1/ranks/1/plans?keepalive_s=0.1", token="wt")
         try:
             assert ok.status == 200 and ok.line() == {"keepalive": True, "state": "running"}

@@ -34,7 +34,7 @@ from typing import Any
 
 import httptools
 
-from knittrans.api.gatewaywire import FrameReader, frame, unpack_index
+from knittrans.api.gatewaywire import MAX_ACK_LINE, FrameReader, ack_of_line, frame, unpack_index
 
 __all__ = ["main"]
 
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 _PLANS = re.compile(r"/v1/jobs/([^/]+)/ranks/([^/]+)/plans")
 _RANK = re.compile(r"[0-9]{1,9}")
-_MAX_ACK_LINE = 1024  # as the control plane's stream (knittrans.api.stream)
 _MAX_HEAD = 16 << 10  # request line and headers
 _REASONS = {
     200: "OK",
@@ -322,7 +321,7 @@ class StreamConn(asyncio.Protocol):
 
     def _lines(self) -> None:
         *lines, self.body = self.body.split(b"\n")
-        if len(self.body) > _MAX_ACK_LINE:
+        if len(self.body) > MAX_ACK_LINE:
             lines.append(self.body)
             self.body = b""
         for line in lines:
@@ -330,15 +329,9 @@ class StreamConn(asyncio.Protocol):
                 self._ack_line(line)
 
     def _ack_line(self, line: bytes) -> None:
-        plan_id: Any = None
-        try:
-            plan_id = json.loads(line)["ack"] if len(line) <= _MAX_ACK_LINE else None
-        except (ValueError, TypeError, KeyError):
-            plan_id = None
-        if not isinstance(plan_id, str) or not 0 < len(plan_id) <= 64:
-            detail = f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}'
-            bad = plan_id if isinstance(plan_id, str) else None
-            self.line(json.dumps({"ack_error": bad, "error": "invalid_request", "detail": detail}).encode())
+        plan_id = ack_of_line(line)
+        if isinstance(plan_id, dict):
+            self.line(json.dumps(plan_id).encode())
             return
         self.gateway.ack(self, plan_id)
 

@@ -19,12 +19,29 @@ import json
 import struct
 from typing import Any
 
-__all__ = ["MAX_FRAME", "FrameReader", "frame", "pack_index", "unpack_index"]
+__all__ = ["MAX_ACK_LINE", "MAX_FRAME", "FrameReader", "ack_of_line", "frame", "pack_index", "unpack_index"]
 
 MAX_FRAME = 256 << 20
 """Largest head or blob accepted (a bigger length means the peer is not speaking this protocol)."""
 
 _HEADER = struct.Struct(">II")
+
+MAX_ACK_LINE = 1024
+"""Longest ack line of a plan stream's body (one is ~40 bytes); a longer one is refused, the rest skipped."""
+
+
+def ack_of_line(line: bytes) -> str | dict[str, Any]:
+    """The plan id of a plan stream's ack line (``{"ack": "<plan id>"}``), or the ``ack_error`` line's
+    object that refuses it (the server's stream and the gateway answer a bad line the same way)."""
+    plan_id: Any = None
+    try:
+        plan_id = json.loads(line)["ack"] if len(line) <= MAX_ACK_LINE else None
+    except (ValueError, TypeError, KeyError):
+        plan_id = None
+    if isinstance(plan_id, str) and 0 < len(plan_id) <= 64:
+        return plan_id
+    detail = f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}'
+    return {"ack_error": plan_id if isinstance(plan_id, str) else None, "error": "invalid_request", "detail": detail}
 
 
 def pack_index(index: list[int]) -> bytes:

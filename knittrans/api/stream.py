@@ -41,6 +41,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from knittrans.api.delivery import Answer
+from knittrans.api.gatewaywire import MAX_ACK_LINE, ack_of_line
 from knittrans.api.httperrors import error_kind
 from knittrans.errors import KnitTransError
 
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEEPALIVE_S = 10.0
 MIN_KEEPALIVE_S = 0.05
 MAX_KEEPALIVE_S = 300.0
-_MAX_ACK_LINE = 1024  # an ack line is ~40 bytes; a longer one is refused (and the rest of the line skipped)
 
 
 async def first_answer(state: Any, job: str, rank: int) -> Answer:
@@ -207,7 +207,7 @@ class PlanStream:
                     continue
                 buffer += message.get("body", b"")
                 *lines, buffer = buffer.split(b"\n")
-                if len(buffer) > _MAX_ACK_LINE:
+                if len(buffer) > MAX_ACK_LINE:
                     lines.append(buffer)
                     buffer = b""
                 for line in lines:
@@ -218,15 +218,9 @@ class PlanStream:
 
     def _ack(self, line: bytes, send: Send) -> None:
         """Queue the ack of one body line; a line that is not an ack is answered with ``ack_error`` at once."""
-        plan_id: Any = None
-        try:
-            plan_id = json.loads(line)["ack"] if len(line) <= _MAX_ACK_LINE else None
-        except (ValueError, TypeError, KeyError):
-            plan_id = None
-        if not isinstance(plan_id, str) or not 0 < len(plan_id) <= 64:
-            detail = f'an ack line is {{"ack": "<plan id>"}} (at most 64 characters), got {line[:80]!r}'
-            bad = plan_id if isinstance(plan_id, str) else None
-            self._write_error({"ack_error": bad, "error": "invalid_request", "detail": detail}, send)
+        plan_id = ack_of_line(line)
+        if isinstance(plan_id, dict):
+            self._write_error(plan_id, send)
             return
         future = self.state.acks.submit(self.job, self.rank, plan_id)
         future.add_done_callback(functools.partial(self._acked, plan_id, send))
