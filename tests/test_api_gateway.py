@@ -4,6 +4,7 @@ gateway's death (503 on discovery, the server's own stream still serves), and it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,9 @@ def _gateway(srv: ServerProcess) -> tuple[int, int]:
     assert r.status_code == 200, r.text
     body = r.json()
     return int(body["url"].rsplit(":", 1)[1]), int(body["pid"])
+
+
+_TCP_CLOSE = 7  # tcpi_state of a connection the peer reset (Linux tcp_states.h)
 
 
 def _gone(pid: int) -> bool:
@@ -190,3 +194,38 @@ def test_a_gateway_that_cannot_listen_stops_the_server_with_the_reason(tmp_path:
     assert done.returncode != 0
     assert f"the plan gateway did not start on 127.0.0.1:{port}" in done.stderr, done.stderr[-2000:]
     assert "address already in use" in done.stderr
+
+
+def test_a_client_that_does_not_read_is_dropped_and_the_gateway_keeps_serving(tmp_path: Path) -> None:
+    """A POST stream whose client sends bad ack lines without reading the ``ack_error`` lines they cause is
+    dropped once MAX_UNREAD bytes wait for it (reset, not a read that blocks); the gateway serves the next."""
+    with (
+        server(tmp_path / "cp.db", "--admin-token", "at", "--worker-token", "wt", "--plan-gateway-port", "0") as srv,
+        ControlClient(srv.url, token="at") as admin,
+    ):
+        port, _ = _gateway(srv)
+        _setup(admin, world_size=2)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", port))
+            head = (
+                "POST /v1/jobs/job1/ranks/0/plans HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer wt\r\n"
+                "Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            sock.sendall(head.encode())
+            lines = b"x\n" * 1000  # each answered with a ~130-byte ack_error line
+            chunk = b"%x\r\n%s\r\n" % (len(lines), lines)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for _ in range(200):  # ~26 MB of answers: far past MAX_UNREAD plus both sockets' buffers
+                    sock.sendall(chunk)
+            # nothing read: wait (without reading) for the gateway's reset, TCP state CLOSE in TCP_INFO
+            deadline = time.monotonic() + 60
+            while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] != _TCP_CLOSE:
+                assert time.monotonic() < deadline, "the stream stayed open with megabytes of answers unread"
+                time.sleep(0.05)
+        ok = RawStream(port, "/v1/jobs/job1/ranks/1/plans?keepalive_s=0.1", token="wt")
+        try:
+            assert ok.status == 200 and ok.line() == {"keepalive": True, "state": "running"}
+        finally:
+            ok.close()

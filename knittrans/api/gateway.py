@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import socket
+import struct
 import sys
 from typing import Any
 
@@ -53,6 +54,11 @@ _REASONS = {
     503: "Service Unavailable",
 }
 Answer = tuple[bytes | None, str, bool]
+
+MAX_UNREAD = 4 << 20
+"""Bytes a stream may have waiting in the gateway for a client that does not read them (plans, keep-alives,
+``ack_error`` lines for the ack lines it keeps sending); past this the stream is dropped: its client
+reconnects and gets its un-acked plan again, and the gateway's memory stays bounded."""
 
 
 def _chunk(data: bytes) -> bytes:
@@ -253,6 +259,8 @@ class StreamConn(asyncio.Protocol):
         self.body += body
         if self.streaming:
             self._lines()
+        elif len(self.body) > MAX_UNREAD:  # ack lines before the stream even started: not a rank's client
+            self.refuse(400, "invalid_request", f"more than {MAX_UNREAD} bytes of body before the stream started")
 
     def on_message_complete(self) -> None:
         pass  # a POST stream's body ended: the response goes on until the client closes
@@ -300,6 +308,15 @@ class StreamConn(asyncio.Protocol):
         if self.transport is not None and not self.ended and self.streaming:
             self.transport.write(_chunk(data + b"\n"))
             self.sent = True
+            if self.transport.get_write_buffer_size() > MAX_UNREAD:
+                unread = self.transport.get_write_buffer_size()
+                logger.warning("plan stream of %s rank %s dropped: %d bytes unread", self.job, self.rank, unread)
+                self.ended = True
+                self._forget()
+                sock = self.transport.get_extra_info("socket")
+                if sock is not None:  # a reset: the kernel drops the unsent bytes too (no FIN queued behind them)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.transport.abort()
 
     def _tick(self) -> None:
         """Every ``keepalive_s``: a keep-alive line after a period without any line; the end after ``max_s``."""
