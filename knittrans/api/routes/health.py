@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from knittrans import __version__
 from knittrans.api.models import PlanGatewayOut
 from knittrans.api.routes.deps import Service
+from knittrans.errors import NotFound, Unavailable
 
 __all__ = ["router"]
 
@@ -29,12 +29,10 @@ async def plan_gateway(request: Request) -> Any:
     tokens). 404 when the server runs without one, 503 once it exited (use the server's own stream)."""
     gateway = request.app.state.gateway
     if gateway is None:
-        detail = "this control plane runs without a plan gateway; use its own plan stream"
-        return JSONResponse({"error": "not_found", "detail": detail}, status_code=404)
+        raise NotFound("this control plane runs without a plan gateway; use its own plan stream")
     url = gateway.url
-    if url is None:
-        detail = f"{gateway.lost}; use the control plane's own plan stream"
-        return JSONResponse({"error": "unavailable", "detail": detail}, status_code=503, headers={"Retry-After": "1"})
+    if url is None:  # answered 503 with Retry-After by the app's error handler, as every Unavailable
+        raise Unavailable(f"{gateway.lost}; use the control plane's own plan stream")
     return {"url": url, "pid": gateway.pid}
 
 
