@@ -19,7 +19,7 @@ import torch
 from data_support import make_groups
 
 from knittrans.errors import Unavailable
-from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli
+from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli, lane
 from knittrans.flight.client import LANE_RETRY_S
 from knittrans.flight.lane import LaneServer
 from knittrans.flight.recv_pool import ReceivePool, size_class
@@ -258,3 +258,63 @@ def test_a_lane_that_comes_back_is_used_again_and_repeated_failures_back_off(sta
             assert c._lane_failures == 0 and c.lane_reachable()
         finally:
             reopened.close()
+
+
+def test_a_store_restarted_with_its_lane_on_a_new_port_is_read_over_the_new_lane_at_once(start_server: Start) -> None:
+    """The client knows the lane's old port; the store now advertises another (a restart on the same Flight
+    port opens its lane on a free port): the failed connect makes the client ask again and read over the
+    new lane in the same call, with no DoGet period and no failure remembered."""
+    server = start_server(token=TOKEN)
+    t = build_unit_tables(make_groups(2, 3, seed=7))
+    assert server.lane is not None
+    with StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        old = c.lane_port()
+        server.lane.close()
+        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth)
+        assert server.lane.port != old
+        assert c.get(_whole("u0")).equals(t.traj)
+        assert server.lane.served == 1 and c.lane_port() == server.lane.port
+        assert c._lane_failures == 0 and c.lane_reachable()
+
+
+def test_lane_warm_opens_one_pinged_connection_that_the_first_read_uses(start_server: Start) -> None:
+    """``lane_warm`` opens one connection, checks it with a ping (no read served) and pools it; the next read
+    goes over that very connection; a second warm-up opens nothing more. A lane that is something else,
+    or a client without the lane, is not warmed and its reads still work."""
+    server = start_server(token=TOKEN)
+    t = build_unit_tables(make_groups(2, 3, seed=8))
+    assert server.lane is not None
+    with StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        assert c.lane_warm() and server.lane.served == 0 and server.lane.open_connections == 1
+        (warmed,) = c._lane_idle
+        assert c.lane_warm() and c._lane_idle == [warmed] and server.lane.open_connections == 1
+        assert c.get(_whole("u0")).equals(t.traj) and server.lane.served == 1
+        assert c._lane_idle == [warmed] and server.lane.open_connections == 1  # the same connection, back in the pool
+    with StoreClient(server.endpoint, token=TOKEN, data_lane=False) as plain:
+        assert not plain.lane_warm() and plain.get(_whole("u0")).equals(t.traj)
+    port = server.lane.port
+    server.lane.close()
+    with (
+        _squatter(port, b"HTTP/1.1 400 Bad Request\r\n\r\n"),
+        StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c,
+    ):
+        assert not c.lane_warm() and c._lane_idle == []
+        assert c.get(_whole("u0")).equals(t.traj)
+
+
+def test_a_ping_with_a_wrong_token_or_to_a_store_without_ping_still_shows_a_lane(start_server: Start) -> None:
+    """The ping's answer to a wrong token is an error frame: still a lane (the reads then say what is wrong).
+    A lane that answers the empty ticket with an error frame (a store from before the ping) is a lane too."""
+    server = start_server(token=TOKEN)
+    assert server.lane is not None
+    port = server.lane.port
+    with StoreClient(server.endpoint, token="wrong", timeout_s=10) as c:
+        c._lane_port = port  # the data_lane action itself needs the right token
+        assert c.lane_warm() and len(c._lane_idle) == 1 and server.lane.served == 0
+    server.lane.close()
+    body = b"InvalidTicket: ticket is not valid"
+    error_frame = lane.MAGIC + bytes([1]) + len(body).to_bytes(8, "big") + body
+    with _squatter(port, error_frame), StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
+        assert c.lane_warm() and len(c._lane_idle) == 1

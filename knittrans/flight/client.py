@@ -5,6 +5,7 @@ API::
     with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
         c.get(ticket) -> pa.Table                      # one read: over the data lane if the store has one, else DoGet
         c.lane_get(ticket) -> pa.Table                 # one read over the store's data lane (no fallback)
+        c.lane_warm() -> bool                          # one lane connection opened and pinged ahead of a read
         c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
         c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
         c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
@@ -19,8 +20,11 @@ one, else through ``DoGet``. A lane that cannot be reached (connection refused, 
 ``LANE_CONNECT_TIMEOUT_S``, or on a new connection no lane answer: closed, something else, or nothing
 within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is published) is logged
 once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
-``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Lane answers
-are received into buffers reused from read to read (:mod:`knittrans.flight.recv_pool`).
+``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Before that,
+the store is asked for its lane's port once more: a store restarted on the same Flight port opens its
+lane on a new one, which is then used at once. Lane answers are received into buffers reused from read
+to read (:mod:`knittrans.flight.recv_pool`). :meth:`lane_warm` opens and pings one lane connection
+ahead of the first read (the fetcher's warm-up does).
 
 Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
 ``Unavailable`` when the node cannot be reached).
@@ -182,14 +186,68 @@ class StoreClient:
         try:
             table = self.lane_get(ticket)
         except _LaneUnreachable as exc:
-            self._lane_failures += 1
-            wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
-            self._lane_down_until = time.monotonic() + wait
-            log = logger.warning if self._lane_failures == 1 else logger.debug
-            log("%s; reading it through DoGet (lane tried again after %.0f s)", exc, wait)
-            return None
-        self._lane_failures = 0
-        return table
+            failure = exc
+        else:
+            self._lane_failures = 0
+            return table
+        if self._lane_moved():  # the store came back with its lane on another port: try that one now
+            try:
+                table = self.lane_get(ticket)
+            except _LaneUnreachable as exc:
+                failure = exc
+            else:
+                self._lane_failures = 0
+                return table
+        self._lane_failures += 1
+        wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
+        self._lane_down_until = time.monotonic() + wait
+        log = logger.warning if self._lane_failures == 1 else logger.debug
+        log("%s; reading it through DoGet (lane tried again after %.0f s)", failure, wait)
+        return None
+
+    def _lane_moved(self) -> bool:
+        """Ask the store for its lane's port again (a restarted store opens its lane on a new port);
+        True when it answers another port than the one that just failed."""
+        old = self._lane_port
+        self._lane_port = _UNKNOWN
+        try:
+            port = self.lane_port()
+        except KnitTransError:  # the store itself is not answering: keep the old port, reads say why
+            self._lane_port = old
+            return False
+        return port is not None and port != old
+
+    def lane_warm(self) -> bool:
+        """Open one connection to the store's data lane ahead of the first read, checked with a ping
+        and kept for that read (the TCP handshake and the store's connection thread out of the first
+        read). False when the store has no lane, it failed lately or cannot be reached (reads then go
+        through ``DoGet`` as usual) or the client does not use the lane."""
+        if not self.data_lane or not self.lane_reachable():
+            return False
+        port = self._lane_port
+        assert port is not None and port != _UNKNOWN
+        with self._lock:
+            if self._lane_idle:
+                return True
+        self._enter()
+        try:
+            conn, _ = self._lane_connection(port)
+            ok = False
+            try:
+                lane.ping(conn, self._authorization)
+                ok = True
+            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError) as exc:
+                logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
+            except Unavailable as exc:  # a broken answer
+                logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
+            finally:
+                self._lane_release(conn, ok)
+            return ok
+        except _LaneUnreachable as exc:
+            logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
+            return False
+        finally:
+            self._leave()
 
     def lane_get(self, ticket: Ticket) -> pa.Table:
         """What a ``DoGet`` of ``ticket`` returns, read over the store's data lane into one buffer (zero-copy
@@ -237,6 +295,9 @@ class StoreClient:
         except OSError as exc:
             msg = f"data lane of store {self.endpoint} (port {port}) cannot be reached: {exc}"
             raise _LaneUnreachable(msg) from None
+        if conn.getsockname() == conn.getpeername():  # nothing listens on the port: the kernel joined us to ourselves
+            conn.close()
+            raise _LaneUnreachable(f"data lane of store {self.endpoint} (port {port}): nothing listens there")
         conn.settimeout(None)  # blocking; the kernel's per-call timeouts bound each wait
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._timeout_s is not None:

@@ -13,6 +13,7 @@ Wire format (integers big-endian)::
     request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
     answer:   b"KTL1" | u8 status | u64 length | body
               status 0: body = Arrow IPC stream of the record batches DoGet would stream
+                        (a ping, ticket_len 0: length 0, no body)
               status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
 
 ``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
@@ -25,7 +26,9 @@ after ``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is
 ``max_connections`` connections are served at once. A malformed request (bad magic, a length over
 its limit, a request that does not arrive in time) gets an error frame and the connection is
 closed; any other error (bad ticket, unknown unit, wrong token) gets an error frame and the
-connection stays usable. Plain TCP only: a store with TLS refuses to open a lane.
+connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client opens
+and checks a connection ahead of its first read (a store from before the ping answers it with an
+error frame, which is as good an answer). Plain TCP only: a store with TLS refuses to open a lane.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ __all__ = [
     "LaneSilent",
     "NotALane",
     "ipc_parts",
+    "ping",
     "read_answer",
     "send_request",
     "socket_timeouts",
@@ -306,6 +310,9 @@ class LaneServer:
         try:
             if self._auth is not None:
                 self._auth.check([auth] if auth else [])
+            if not ticket:  # a ping: the connection is checked, nothing read
+                conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
+                return True
             parts, nbytes = ipc_parts(self._read(ticket))
         except Exception as exc:
             known = known_error("data lane read", exc)
@@ -326,6 +333,32 @@ class LaneServer:
 def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> None:
     """Send one lane request (``authorization``: the header value, ``Bearer <token>``, or empty)."""
     sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)
+
+
+def ping(sock: socket.socket, authorization: bytes) -> None:
+    """Check that a (new) connection reaches a data lane: an empty-ticket request and its answer.
+
+    Raises as :func:`read_answer` for an answer that is none (:class:`LaneClosed`, :class:`LaneSilent`,
+    :class:`NotALane`, ``Unavailable``); an error frame (a wrong token, or a store from before the
+    ping) also shows a lane and is not raised.
+    """
+    send_request(sock, authorization, b"")
+    head = bytearray(_ANSWER.size)
+    view = memoryview(head)
+    try:
+        first = sock.recv_into(view, 0, socket.MSG_WAITALL)
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise LaneClosed(str(exc)) from None
+    except BlockingIOError:
+        raise LaneSilent("data lane: no answer to the ping within the timeout") from None
+    if first == 0:
+        raise LaneClosed("connection closed before the answer to the ping")
+    _recv_into(sock, view[first:], "answer header")
+    magic, status, length = _ANSWER.unpack(head)
+    if magic != MAGIC or status not in (OK, ERROR) or (status == OK and length != 0) or length > MAX_ERROR_BYTES:
+        raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
+    if length:
+        _recv_into(sock, memoryview(bytearray(length)), "error message")
 
 
 def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:

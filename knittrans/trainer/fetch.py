@@ -137,7 +137,8 @@ class Fetcher:
 
         A Flight channel connects at its first call; a cheap ``health`` action here moves the TCP and
         HTTP/2 set-up out of the first ``DoGet`` of a plan (with ``data_lane``, the ``data_lane`` action
-        finds the node's lane port here too). The channel is then kept (one per endpoint)
+        finds the node's lane port here too, and one lane connection is opened, pinged and kept for the
+        first read). The channel is then kept (one per endpoint)
         for every later read. Local nodes and endpoints already connected are skipped; a node that does
         not answer is left alone (its reads report the error where they happen).
         """
@@ -154,7 +155,7 @@ class Fetcher:
             client = self._client(endpoint)
             client.health()
             if self.data_lane:
-                client.lane_port()  # the data_lane action too, out of the first read
+                client.lane_warm()  # the data_lane action and a lane connection too, out of the first read
         except KnitTransError as exc:
             self._warm.discard(endpoint)
             logger.debug("store %s not warmed: %s", endpoint, exc)
