@@ -83,8 +83,9 @@ def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: Loca
 
 
 def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
-    """A fresh client connects to every listed store node and has the first plan before ``minibatches()`` is
-    called; its streams are open when the plan arrives. Both off: nothing happens before the loop."""
+    """A fresh client connects to every listed store node (its Flight channel and one pinged data-lane
+    connection) and has the first plan before ``minibatches()`` is called; its streams are open when the
+    plan arrives. Both off: nothing happens before the loop."""
     control = cluster.control()
     control.create_job(job_spec("warm", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
     cold = TrainerClient(
@@ -102,6 +103,8 @@ def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCl
     with TrainerClient(config) as client:
         endpoints = {s.endpoint for s in cluster.stores}
         wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")
+        clients = [client.fetcher._clients[e] for e in endpoints]
+        wait_until(lambda: all(len(c._lane_idle) == 1 for c in clients), timeout_s=20, what="a warm lane connection")
         assert client._first is not None and not client._first.done()  # waiting: nothing admitted yet
         with TrajectoryWriter(
             job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint, control=control
