@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from pathlib import Path
 
 import pytest
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
-from knittrans.errors import InvalidRequest
+from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.procs import knittrans_command, wait_until
+from knittrans.retry import RetryPolicy
 from knittrans.rollout.models import build_tiny_qwen2
 from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile, load_reward, parity_reward
 
@@ -163,3 +166,45 @@ def test_reward_loader_and_source_parsing() -> None:
     assert p.prompt_len == (8, 16) and p.max_new_tokens == (32, 64) and p.image_shape == (4, 16, 16)
     with pytest.raises(InvalidRequest, match="expected NAME"):
         SourceProfile.parse("mm:8")
+
+
+def test_a_store_that_restarts_while_a_unit_is_stored_is_retried_not_fatal(tmp_path: Path, model_dir: Path) -> None:
+    """The worker's store node is down (kill -9) when a unit is stored: the worker retries under ``store_retry``
+    until the store is back on its port and directory, then writes and registers; with a store that never
+    comes back it gives up after the budget with the store's ``Unavailable``."""
+    (tmp_path / "weights").mkdir()
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        port = int(cluster.stores[0].endpoint.rsplit(":", 1)[1])
+        cluster.procs.kill("store-0")
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir))
+        retries: list[str] = []
+
+        class Seen(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                retries.append(record.getMessage())
+
+        seen = Seen(logging.WARNING)
+        logging.getLogger("knittrans.rollout.worker").addHandler(seen)
+        written: list[int] = []
+        try:
+            runner = threading.Thread(target=lambda: written.append(worker.run(max_groups=2)))
+            runner.start()
+            wait_until(lambda: any("retrying" in m for m in retries), timeout_s=60, what="a store retry")
+            cluster.stores[0] = cluster.start_store(0, port=port)
+            runner.join(120)
+            assert not runner.is_alive() and written == [2]
+        finally:
+            logging.getLogger("knittrans.rollout.worker").removeHandler(seen)
+            worker.close()
+        assert sum(control.status(JOB)["counts"]["groups_by_status"].values()) == 2
+        assert "cannot be reached" in retries[0]
+
+        cluster.procs.kill("store-0")
+        quick = RolloutWorker(_config(cluster, tmp_path, model_dir, store_retry=RetryPolicy(budget_s=0.5)))
+        try:
+            with pytest.raises(Unavailable, match="cannot be reached"):
+                quick.run(max_groups=1)
+        finally:
+            quick.close()

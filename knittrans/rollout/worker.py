@@ -21,7 +21,9 @@ before the groups are announced; the descriptor of a sealed unit is written ther
 registered. A restarted worker registers the sealed-but-unregistered units from their saved
 descriptors and regenerates the groups it had announced but not sealed, under the same ids (the
 control plane counts a started id once and refuses a second registration of a group, which the
-worker takes as "already registered").
+worker takes as "already registered"). A store node that cannot be reached while a unit is stored
+(restarting on its port and directory) is retried under ``store_retry`` (120 s by default); a
+unit the dying store had sealed is replaced on the retry (never registered, so never consumed).
 """
 
 from __future__ import annotations
@@ -30,18 +32,21 @@ import importlib
 import json
 import logging
 import os
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from knittrans.controlclient import ControlClient
-from knittrans.errors import Conflict, InvalidRequest
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import Conflict, InvalidRequest, Unavailable
 from knittrans.lifecycle import ADMITTING, TERMINAL
 from knittrans.names import check_name
+from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
 from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
@@ -55,6 +60,7 @@ __all__ = ["RewardFn", "RolloutWorker", "RolloutWorkerConfig", "SourceProfile", 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, np.ndarray, np.ndarray], float]
+T = TypeVar("T")
 """``reward(source, prompt_ids, response_ids) -> float``."""
 
 
@@ -200,6 +206,8 @@ class RolloutWorkerConfig:
     """Store token (DoPut path)."""
     wait_s: float = 5.0
     """Longest single wait on the headroom long-poll while the window is full (it answers as soon as room opens)."""
+    store_retry: RetryPolicy = DEFAULT_RETRY
+    """How long a store node that cannot be reached (restarting) is retried before the worker gives up."""
 
     def __post_init__(self) -> None:
         check_name(self.worker_id, "worker_id")
@@ -373,15 +381,33 @@ class RolloutWorker:
         """Generate, seal, remember the descriptor, register: a crash at any point can be resumed."""
         groups = self.generate(source, group_ids)
         unit_id = f"u-{group_ids[0]}"
-        try:
-            descriptor = self.writer.write_groups(groups, unit_id=unit_id)
-        except Conflict:  # sealed just before a crash, never recorded, so never registered: replace it
-            self.writer.client.delete(self.config.job, unit_id)
-            descriptor = self.writer.write_groups(groups, unit_id=unit_id)
+
+        def store() -> UnitDescriptor:
+            try:
+                return self.writer.write_groups(groups, unit_id=unit_id)
+            except Conflict:  # sealed just before a crash (ours or the store's), never registered: replace it
+                self.writer.client.delete(self.config.job, unit_id)
+                return self.writer.write_groups(groups, unit_id=unit_id)
+
+        descriptor = self._on_store(store)
         self._state.sealed[unit_id] = descriptor.to_dict()
         self._save_state()
         self._register(unit_id)
         self.groups_written += len(group_ids)
+
+    def _on_store(self, call: Callable[[], T]) -> T:
+        """``call()`` against the store node, retried under ``store_retry`` while the node cannot be reached
+        (a store restarting on its port and directory); other errors, and the last ``Unavailable``, raise."""
+        pauses = self.config.store_retry.pauses()
+        while True:
+            try:
+                return call()
+            except Unavailable as exc:
+                pause = next(pauses, None)
+                if pause is None:
+                    raise
+                logger.warning("%s: %s; retrying in %.2f s", self.config.worker_id, exc, pause)
+                time.sleep(pause)
 
     def _register(self, unit_id: str) -> None:
         descriptor = self._state.sealed[unit_id]
@@ -389,7 +415,7 @@ class RolloutWorker:
             self.control.register_units(self.config.job, [descriptor])
         except Conflict as exc:  # a group of it is registered already: the first incarnation stands
             logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
-            self.writer.client.delete(self.config.job, unit_id)
+            self._on_store(lambda: self.writer.client.delete(self.config.job, unit_id))
         for g in descriptor["groups"]:
             self._state.announced.pop(g["group_id"], None)
         del self._state.sealed[unit_id]
