@@ -23,7 +23,7 @@ from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli, l
 from knittrans.flight.client import LANE_RETRY_S
 from knittrans.flight.lane import LaneServer
 from knittrans.flight.recv_pool import ReceivePool, size_class
-from knittrans.schema import build_unit_tables
+from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
 
 Start = Callable[..., StoreServer]
@@ -260,15 +260,22 @@ def test_a_lane_that_comes_back_is_used_again_and_repeated_failures_back_off(sta
             reopened.close()
 
 
+def _server_with_u0(start_server: Start, *, seed: int) -> tuple[StoreServer, UnitTables]:
+    """A store (default lane) holding unit ``u0`` of job ``job``, written with DoPut; and its tables."""
+    server = start_server(token=TOKEN)
+    t = build_unit_tables(make_groups(2, 3, seed=seed))
+    with StoreClient(server.endpoint, token=TOKEN, data_lane=False) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+    return server, t
+
+
 def test_a_store_restarted_with_its_lane_on_a_new_port_is_read_over_the_new_lane_at_once(start_server: Start) -> None:
     """The client knows the lane's old port; the store now advertises another (a restart on the same Flight
     port opens its lane on a free port): the failed connect makes the client ask again and read over the
     new lane in the same call, with no DoGet period and no failure remembered."""
-    server = start_server(token=TOKEN)
-    t = build_unit_tables(make_groups(2, 3, seed=7))
+    server, t = _server_with_u0(start_server, seed=7)
     assert server.lane is not None
     with StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
-        c.put_unit("job", "u0", t.traj, t.media)
         old = c.lane_port()
         server.lane.close()
         server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth)
@@ -282,11 +289,9 @@ def test_lane_warm_opens_one_pinged_connection_that_the_first_read_uses(start_se
     """``lane_warm`` opens one connection, checks it with a ping (no read served) and pools it; the next read
     goes over that very connection; a second warm-up opens nothing more. A lane that is something else,
     or a client without the lane, is not warmed and its reads still work."""
-    server = start_server(token=TOKEN)
-    t = build_unit_tables(make_groups(2, 3, seed=8))
+    server, t = _server_with_u0(start_server, seed=8)
     assert server.lane is not None
     with StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
-        c.put_unit("job", "u0", t.traj, t.media)
         assert c.lane_warm() and server.lane.served == 0 and server.lane.open_connections == 1
         (warmed,) = c._lane_idle
         assert c.lane_warm() and c._lane_idle == [warmed] and server.lane.open_connections == 1

@@ -183,18 +183,13 @@ class StoreClient:
         """The lane's answer, or None when the store has no lane or it cannot be reached (then remembered)."""
         if not self.lane_reachable():
             return None
-        try:
-            table = self.lane_get(ticket)
-        except _LaneUnreachable as exc:
-            failure = exc
-        else:
-            self._lane_failures = 0
-            return table
-        if self._lane_moved():  # the store came back with its lane on another port: try that one now
+        for attempt in range(2):
             try:
                 table = self.lane_get(ticket)
             except _LaneUnreachable as exc:
                 failure = exc
+                if attempt or not self._lane_moved():  # a store back with its lane on another port: try it now
+                    break
             else:
                 self._lane_failures = 0
                 return table

@@ -343,6 +343,15 @@ def ping(sock: socket.socket, authorization: bytes) -> None:
     ping) also shows a lane and is not raised.
     """
     send_request(sock, authorization, b"")
+    head, status, length = _answer_head(sock)
+    if (status == OK and length != 0) or length > MAX_ERROR_BYTES:
+        raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
+    if length:
+        _recv_into(sock, memoryview(bytearray(length)), "error message")
+
+
+def _answer_head(sock: socket.socket) -> tuple[bytearray, int, int]:
+    """An answer's header: its bytes, status and body length (raises as :func:`read_answer` for none)."""
     head = bytearray(_ANSWER.size)
     view = memoryview(head)
     try:
@@ -350,15 +359,14 @@ def ping(sock: socket.socket, authorization: bytes) -> None:
     except (ConnectionResetError, BrokenPipeError) as exc:
         raise LaneClosed(str(exc)) from None
     except BlockingIOError:
-        raise LaneSilent("data lane: no answer to the ping within the timeout") from None
+        raise LaneSilent("data lane: no answer within the timeout") from None
     if first == 0:
-        raise LaneClosed("connection closed before the answer to the ping")
+        raise LaneClosed("connection closed before the answer")
     _recv_into(sock, view[first:], "answer header")
     magic, status, length = _ANSWER.unpack(head)
-    if magic != MAGIC or status not in (OK, ERROR) or (status == OK and length != 0) or length > MAX_ERROR_BYTES:
-        raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
-    if length:
-        _recv_into(sock, memoryview(bytearray(length)), "error message")
+    if magic != MAGIC or status not in (OK, ERROR):
+        raise NotALane(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
+    return head, status, length
 
 
 def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
@@ -382,20 +390,7 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
     something else than a lane answer, the error the store named (a
     :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
     """
-    head = bytearray(_ANSWER.size)
-    view = memoryview(head)
-    try:
-        first = sock.recv_into(view, 0, socket.MSG_WAITALL)
-    except (ConnectionResetError, BrokenPipeError) as exc:
-        raise LaneClosed(str(exc)) from None
-    except BlockingIOError:
-        raise LaneSilent("data lane: no answer within the timeout") from None
-    if first == 0:
-        raise LaneClosed("connection closed before the answer")
-    _recv_into(sock, view[first:], "answer header")
-    magic, status, length = _ANSWER.unpack(head)
-    if magic != MAGIC or status not in (OK, ERROR):
-        raise NotALane(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
+    _, status, length = _answer_head(sock)
     if status == ERROR:
         if length > MAX_ERROR_BYTES:
             raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
