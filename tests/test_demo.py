@@ -92,3 +92,19 @@ def test_demo_cli_slow_trainer_scenario_is_accepted(tmp_path: Path) -> None:
         [sys.executable, "-m", "knittrans.cli", "demo", "--scenario", "fast"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "fast" in bad.stderr
+
+
+def test_rank_records_keep_the_last_record_of_each_mini_batch(tmp_path: Path) -> None:
+    """A rank restarted between writing a mini-batch's record and acking it writes the record again: the
+    report counts it once (the later line), per rank."""
+    from knittrans.demo.report import _rank_records
+
+    lines = {
+        "rank-0.jsonl": [{"rank": 0, "global_index": 0, "attempt": 0, "loss": 1.0}]
+        + [{"rank": 0, "global_index": 1, "attempt": 0, "loss": x} for x in (2.0, 3.0)],
+        "rank-1.jsonl": [{"rank": 1, "global_index": 1, "attempt": 0, "loss": 4.0}],
+    }
+    for name, records in lines.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    got = sorted((r["rank"], r["global_index"], r["loss"]) for r in _rank_records(tmp_path))
+    assert got == [(0, 0, 1.0), (0, 1, 3.0), (1, 1, 4.0)]

@@ -512,13 +512,16 @@ def run_rank(cfg: RankConfig) -> int:
                 if record["step_time_s"] < cfg.min_step_s:
                     time.sleep(cfg.min_step_s - record["step_time_s"])
                     record["step_time_s"] = cfg.min_step_s
-                mb.ack()
                 version = mb.policy_version + 1
+                record.update(rank=cfg.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
+                if out is not None:  # before the ack: a rank killed between the two trains the plan again and
+                    out.write(json.dumps(record) + "\n")  # writes it again (same index), never not at all
+                    out.flush()
+                mb.ack()
                 if cfg.rank == 0:
                     if cfg.weights_dir is not None:
                         save_weights(policy.backbone, cfg.weights_dir, version)
                     client.report_version(version)
-                record.update(rank=cfg.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
                 trained += 1
                 logger.info(
                     "rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)",
@@ -528,9 +531,6 @@ def run_rank(cfg: RankConfig) -> int:
                     record["wait_s"],
                     record["step_time_s"],
                 )
-                if out is not None:
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
     finally:
         if out is not None:
             out.close()

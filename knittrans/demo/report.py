@@ -14,12 +14,15 @@ __all__ = ["collect_results", "format_comparison", "format_table", "plot_results
 
 
 def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
-    records = []
+    """Each rank's records, the last one per mini-batch (a rank restarted between writing a record and
+    its ack trains that plan again and writes it again)."""
+    records: dict[tuple[int, int], dict[str, Any]] = {}
     for path in sorted(run_dir.glob("rank-*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
-                records.append(json.loads(line))
-    return records
+                r = json.loads(line)
+                records[(int(r["rank"]), int(r["global_index"]))] = r
+    return list(records.values())
 
 
 def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
