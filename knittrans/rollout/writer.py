@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from knittrans.controlclient import ControlClient
+from knittrans.controlclient import ControlClient, PreparedUnits
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
@@ -235,8 +235,11 @@ def write_units_across(
                 writer._abort(st.ids)
         raise
     drafts: list[list[UnitDescriptor]] = []
+    prepared: PreparedUnits | None = None
     try:  # while the nodes store the units (the GIL free while this thread describes them)
         drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
+        if control is not None and all(st.entries is not None for st in staged):
+            prepared = _prepare(control, [d for ds, st in zip(drafts, staged, strict=True) for d in _sized(ds, st)])
     except BaseException as exc:
         errors.insert(0, exc)
     finally:
@@ -251,13 +254,41 @@ def write_units_across(
     out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
     every = [d for descs in out for d in descs]
     if every and control is not None:
-        control.register_units(next(iter(jobs)), every)
+        _register(control, next(iter(jobs)), every, prepared)
     return out
 
 
 def _with_sizes(drafts: Sequence[UnitDescriptor], infos: Sequence[Mapping[str, Any]]) -> list[UnitDescriptor]:
     """The descriptors with each unit's byte count as its node reported it."""
     return [dataclasses.replace(d, num_bytes=int(i["num_bytes"])) for d, i in zip(drafts, infos, strict=True)]
+
+
+def _sized(drafts: Sequence[UnitDescriptor], staged: _Staged) -> list[UnitDescriptor]:
+    """Same host: the descriptors with each unit's byte count as this writer wrote it (the size its
+    ``publish_units`` entry declares, which the node checks against the files before it seals)."""
+    assert staged.entries is not None
+    return _with_sizes(drafts, staged.entries)
+
+
+def _prepare(control: ControlClient, descs: Sequence[UnitDescriptor]) -> PreparedUnits | None:
+    """The registration of ``descs`` encoded ahead (while the nodes seal the units), or None when they do
+    not encode: the registration itself then raises, after the units are stored, as it would have."""
+    try:
+        return control.prepare_units(descs)
+    except (TypeError, ValueError):
+        return None
+
+
+def _register(
+    control: ControlClient, job: str, descs: Sequence[UnitDescriptor], prepared: PreparedUnits | None
+) -> None:
+    """Register ``descs`` (as their nodes reported them); the request ``prepared`` ahead goes as it was
+    encoded when its byte counts are those the nodes reported (always so: the node seals a unit only
+    when its files have the declared size), else a fresh one."""
+    if prepared is not None and [d.num_bytes for d in prepared.units] == [d.num_bytes for d in descs]:
+        control.register_units(job, prepared)
+    else:
+        control.register_units(job, descs)
 
 
 class TrajectoryWriter:
@@ -315,9 +346,10 @@ class TrajectoryWriter:
     def _publish(
         self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
     ) -> list[UnitDescriptor]:
-        descs = self._store(units, unit_ids)
+        ahead: list[PreparedUnits | None] = []
+        descs = self._store(units, unit_ids, prepare=ahead)
         if descs and self.control is not None:
-            self.control.register_units(self.job, descs)
+            _register(self.control, self.job, descs, ahead[0] if ahead else None)
         return descs
 
     def _store(
@@ -325,9 +357,12 @@ class TrajectoryWriter:
         units: Sequence[Sequence[TrajectoryGroup]],
         unit_ids: Sequence[str | None],
         built: Sequence[UnitTables] | None = None,
+        *,
+        prepare: list[PreparedUnits | None] | None = None,
     ) -> list[UnitDescriptor]:
         """Build (unless ``built`` gives the tables), store and seal ``units`` (all or none) and describe
-        them; no registration."""
+        them; no registration. ``prepare`` (with a ``control`` client, same host): the registration's
+        request is encoded while the node seals the units and appended to it."""
         if not units:
             return []
         staged = self._stage(units, unit_ids, built)
@@ -347,6 +382,8 @@ class TrajectoryWriter:
         worker = _send_async(send)
         try:
             drafts = self._describe(staged)
+            if prepare is not None and self.control is not None:
+                prepare.append(_prepare(self.control, _sized(drafts, staged)))
         except BaseException:
             worker.result()
             if stored:  # describing failed: the stored units go too
