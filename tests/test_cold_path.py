@@ -3,6 +3,7 @@ registration from the writer, and ``register_units`` for a store node that has n
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -195,5 +196,35 @@ def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: Loc
     seen = _consume_all(cluster, "across")
     assert sorted(set(seen)) == ["a0", "b0", "c0", "d0"] and len(seen) == 8
     for w in (w0, w1, bad, other):
+        w.close()
+    control.close()
+
+
+def test_write_units_across_same_host_registers_the_descriptors_it_returns(cluster: LocalCluster) -> None:
+    """Same host, the registration is encoded while the nodes seal the units: what the control plane holds
+    is what the call returns (a repeat of it is a no-op, a different descriptor would be refused), with the
+    byte counts the nodes report; a request prepared with other byte counts is not the one sent."""
+    from knittrans.flight.client import StoreClient
+    from knittrans.rollout.writer import _register, write_units_across
+
+    control = cluster.control()
+    control.create_job(job_spec("ahead", groups=4, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    s0, s1 = cluster.stores
+    w0 = TrajectoryWriter(job="ahead", node_id=s0.node_id, endpoint=s0.endpoint, store_dir=s0.store_dir)
+    w1 = TrajectoryWriter(job="ahead", node_id=s1.node_id, endpoint=s1.endpoint, store_dir=s1.store_dir)
+    a, b = write_units_across(
+        [(w0, [mm_groups("a", 1, group_size=2)]), (w1, [mm_groups("b", 1, group_size=2, seed=1)])], control=control
+    )
+    assert control.register_units("ahead", [*a, *b])["duplicates"] == 2
+    for s, descs in ((s0, a), (s1, b)):
+        with StoreClient(s.endpoint) as c:
+            sizes = {u["unit_id"]: u["num_bytes"] for u in c.list_units("ahead")}
+        assert sizes == {d.unit_id: d.num_bytes for d in descs} and all(n > 0 for n in sizes.values())
+    (c_desc,) = w0.write_units([mm_groups("c", 1, group_size=2, seed=2)])  # no control on w0: not registered
+    stale = control.prepare_units([dataclasses.replace(c_desc, num_bytes=c_desc.num_bytes + 1)])
+    _register(control, "ahead", [c_desc], stale)
+    assert control.register_units("ahead", [c_desc])["duplicates"] == 1  # the stale one would be a conflict
+    assert control.status("ahead")["counts"]["units"] == 3
+    for w in (w0, w1):
         w.close()
     control.close()

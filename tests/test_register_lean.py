@@ -4,6 +4,7 @@ connection, https and a busy connection falling back to the pooled httpx client.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from api_support import ServerProcess, job_spec, server, single_group_units
 
 from knittrans.controlclient import ControlClient
+from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import InvalidRequest, NotFound, Unauthenticated
 
 
@@ -104,3 +106,28 @@ def test_concurrent_registrations_and_https_take_the_pooled_client(tmp_path: Pat
         assert client.status("job1")["counts"]["units"] == 4 * 5 * 2
     with ControlClient("https://127.0.0.1:1") as tls:
         assert tls._lean_at is None
+
+
+def test_a_prepared_registration_lands_once_and_goes_again_after_a_restart(tmp_path: Path) -> None:
+    """A request encoded ahead (``prepare_units``) registers its units as the plain call does, a repeat is a
+    no-op, and after the server died under the kept-alive connection it is sent again from its body."""
+    srv = ServerProcess(tmp_path / "cp.db").start()
+    try:
+        with ControlClient(srv.url) as client:
+            _setup(client)
+            first = client.prepare_units([UnitDescriptor.from_dict(u) for u in single_group_units(["math", "code"])])
+            assert json.loads(first.data) == json.loads(json.dumps(first.body))
+            assert client.register_units("job1", first)["registered"] == 2
+            assert client.register_units("job1", first) == {"registered": 0, "duplicates": 2, "admitted": []}
+            srv.kill()
+            srv.start()
+            later = single_group_units(["math", "code"], prefix="b")
+            assert (
+                client.register_units("job1", client.prepare_units([UnitDescriptor.from_dict(u) for u in later]))[
+                    "registered"
+                ]
+                == 2
+            )
+            assert client.status("job1")["counts"]["units"] == 4
+    finally:
+        srv.stop()
