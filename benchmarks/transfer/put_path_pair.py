@@ -13,7 +13,7 @@ median of the per-round ratios to Ray's put in the same round, load average.
     python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--tag NAME]
 
 A baseline that is no git checkout (a ``git archive`` of main) is labelled with ``--baseline-commit``
-(default: the commit of ``main`` in this checkout's repository when the baseline has no ``.git``).
+(default: the commit of this repository's ``main`` whose tree the baseline directory holds).
 Ray's side runs in ``--ray-python`` (default: ``.venv-bench`` of this checkout, else of the main
 worktree of its repository, where ``scripts/setup_bench_env.sh`` puts it).
 
@@ -139,14 +139,40 @@ def git(*argv: str, cwd: Path) -> str:
 
 
 def commit(tree: Path, given: str | None) -> str:
-    """Short commit of ``tree``; for a tree that is no git checkout (a ``git archive``): ``given``, else the
-    commit of ``main`` in this checkout's repository (named so), else "unknown"."""
+    """Short commit of ``tree``. A tree that is no git checkout (a ``git archive``): ``given``, else the
+    commit of this repository's ``main`` (its last 500) whose tree is the directory's, else "unknown"."""
     if given:
         return git("rev-parse", "--short", given, cwd=REPO) or given
     if (tree / ".git").exists():
         return git("rev-parse", "--short", "HEAD", cwd=tree) or "unknown"
-    main = git("rev-parse", "--short", "main", cwd=REPO)
-    return f"main {main} (assumed: no .git in {tree})" if main else "unknown"
+    found = archived_commit(tree)
+    return f"main {found}" if found else "unknown"
+
+
+def archived_commit(tree: Path) -> str:
+    """The commit of ``main`` whose tree ``tree`` holds (as ``git archive`` wrote it), or "": the
+    directory is hashed into a temporary index and object directory (this repository's objects are read,
+    never written)."""
+    with tempfile.TemporaryDirectory(prefix="put_pair_tree_") as tmp:
+        objects = git("rev-parse", "--path-format=absolute", "--git-path", "objects", cwd=REPO)
+        env = {
+            **os.environ,
+            "GIT_DIR": git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=REPO),
+            "GIT_INDEX_FILE": str(Path(tmp) / "index"),
+            "GIT_OBJECT_DIRECTORY": str(Path(tmp) / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects,
+        }
+        (Path(tmp) / "objects").mkdir()
+        base = ["git", f"--work-tree={tree}"]
+        if subprocess.run([*base, "add", "-A", "."], cwd=tree, env=env, capture_output=True).returncode:
+            return ""
+        written = subprocess.run([*base, "write-tree"], cwd=tree, env=env, capture_output=True, text=True)
+        want = written.stdout.strip()
+    for line in git("log", "-n", "500", "--format=%h %T", "main", cwd=REPO).splitlines():
+        short, tree_id = line.split()
+        if want and tree_id == want:
+            return short
+    return ""
 
 
 def bench_python() -> Path:
@@ -169,7 +195,7 @@ def main() -> None:
     ap.add_argument("--puts", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--ray-python", type=Path, default=None, help="python of the bench venv (default: see above)")
-    ap.add_argument("--baseline-commit", help="label of a baseline that is no git checkout (default: main's commit)")
+    ap.add_argument("--baseline-commit", help="label of a baseline that is no git checkout (default: by its tree)")
     ap.add_argument("--tag", default="pair")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)

@@ -18,7 +18,9 @@ one ``publish_units`` round trip for the whole call, to take them: the node char
 (waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
 place, all or none. A node that predates ``publish_units`` gets the former two round trips
 (``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
-over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
+over ``DoPut`` (two puts) and one ``seal_units`` publishes them. With a ``control`` client, same host, the
+registration request is encoded while the node seals (the byte counts are those the writer wrote,
+which the node checks): only the request is left once it answers. One call builds its units' rows as
 one Arrow table cut into a slice per unit
 (:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
 unit.
