@@ -194,7 +194,12 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="checkout whose writer is the baseline")
     ap.add_argument("--puts", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--ray-python", type=Path, default=None, help="python of the bench venv (default: see above)")
+    ap.add_argument(
+        "--ray-python",
+        type=Path,
+        default=None,
+        help="python of the bench venv (default: .venv-bench here, else in the main worktree)",
+    )
     ap.add_argument("--baseline-commit", help="label of a baseline that is no git checkout (default: by its tree)")
     ap.add_argument("--tag", default="pair")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
