@@ -12,6 +12,11 @@ median of the per-round ratios to Ray's put in the same round, load average.
 
     python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--tag NAME]
 
+A baseline that is no git checkout (a ``git archive`` of main) is labelled with ``--baseline-commit``
+(default: the commit of this repository's ``main`` whose tree the baseline directory holds).
+Ray's side runs in ``--ray-python`` (default: ``.venv-bench`` of this checkout, else of the main
+worktree of its repository, where ``scripts/setup_bench_env.sh`` puts it).
+
 Writes ``put_path_pair_<tag>.json`` and ``.md`` under ``--out`` (default benchmarks/transfer/results).
 """
 
@@ -127,6 +132,58 @@ def read_json(stream: TextIO) -> dict[str, Any]:
             return dict(json.loads(line))
 
 
+def git(*argv: str, cwd: Path) -> str:
+    """``git argv`` in ``cwd``: its stripped output, or "" when git fails there (not a checkout)."""
+    out = subprocess.run(["git", *argv], capture_output=True, text=True, cwd=cwd)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def commit(tree: Path, given: str | None) -> str:
+    """Short commit of ``tree``. A tree that is no git checkout (a ``git archive``): ``given``, else the
+    commit of this repository's ``main`` (its last 500) whose tree is the directory's, else "unknown"."""
+    if given:
+        return git("rev-parse", "--short", given, cwd=REPO) or given
+    if (tree / ".git").exists():
+        return git("rev-parse", "--short", "HEAD", cwd=tree) or "unknown"
+    found = archived_commit(tree)
+    return f"main {found}" if found else "unknown"
+
+
+def archived_commit(tree: Path) -> str:
+    """The commit of ``main`` whose tree ``tree`` holds (as ``git archive`` wrote it), or "": the
+    directory is hashed into a temporary index and object directory (this repository's objects are read,
+    never written)."""
+    with tempfile.TemporaryDirectory(prefix="put_pair_tree_") as tmp:
+        objects = git("rev-parse", "--path-format=absolute", "--git-path", "objects", cwd=REPO)
+        env = {
+            **os.environ,
+            "GIT_DIR": git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=REPO),
+            "GIT_INDEX_FILE": str(Path(tmp) / "index"),
+            "GIT_OBJECT_DIRECTORY": str(Path(tmp) / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects,
+        }
+        (Path(tmp) / "objects").mkdir()
+        base = ["git", f"--work-tree={tree}"]
+        if subprocess.run([*base, "add", "-A", "."], cwd=tree, env=env, capture_output=True).returncode:
+            return ""
+        written = subprocess.run([*base, "write-tree"], cwd=tree, env=env, capture_output=True, text=True)
+        want = written.stdout.strip()
+    for line in git("log", "-n", "500", "--format=%h %T", "main", cwd=REPO).splitlines():
+        short, tree_id = line.split()
+        if want and tree_id == want:
+            return short
+    return ""
+
+
+def bench_python() -> Path:
+    """The bench venv's python: this checkout's ``.venv-bench``, else the main worktree's."""
+    own = REPO / ".venv-bench" / "bin" / "python"
+    common = git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=REPO)
+    if own.exists() or not common:
+        return own
+    return Path(common).parent / ".venv-bench" / "bin" / "python"
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
@@ -137,7 +194,13 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="checkout whose writer is the baseline")
     ap.add_argument("--puts", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--ray-python", type=Path, default=REPO / ".venv-bench" / "bin" / "python")
+    ap.add_argument(
+        "--ray-python",
+        type=Path,
+        default=None,
+        help="python of the bench venv (default: .venv-bench here, else in the main worktree)",
+    )
+    ap.add_argument("--baseline-commit", help="label of a baseline that is no git checkout (default: by its tree)")
     ap.add_argument("--tag", default="pair")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -147,6 +210,7 @@ def main() -> None:
         return
     if args.baseline is None:
         ap.error("--baseline is required")
+    ray_python = args.ray_python or bench_python()
     total = args.puts + args.warmup
     trees = {"baseline": args.baseline.resolve(), "this": REPO}
     procs: dict[str, subprocess.Popen[str]] = {}
@@ -161,7 +225,7 @@ def main() -> None:
             text=True,
         )
     procs["ray"] = subprocess.Popen(
-        [str(args.ray_python), "-c", RAY_WORKER, str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [str(ray_python), "-c", RAY_WORKER, str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     ready = {name: read_json(p.stdout) for name, p in procs.items() if p.stdout is not None}
     load_start = os.getloadavg()
@@ -199,10 +263,6 @@ def main() -> None:
                 [1e3 * r["wall"] for r in got["ray"]]
             )
 
-    def commit(tree: Path) -> str:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=tree)
-        return out.stdout.strip() or "unknown"
-
     result = {
         "puts": args.puts,
         "summary": summary,
@@ -214,7 +274,10 @@ def main() -> None:
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
             "load_median": statistics.median(loads),
-            "commits": {name: commit(tree) for name, tree in trees.items()},
+            "commits": {
+                "baseline": commit(trees["baseline"], args.baseline_commit),
+                "this": commit(REPO, None),
+            },
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
