@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.api.entries import GroupEntry, Unadmitted, finish_key
-from knittrans.api.records import Kind, rank_key, rank_keys_prefix
+from knittrans.api.records import Kind, ack_batch_key, rank_key, rank_keys_prefix
 from knittrans.api.store import RecordStore, Txn
 from knittrans.descriptors import GroupRecord
 
@@ -106,8 +106,9 @@ def _plan_id(c: Any, rank: int) -> str:
 
 
 def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_record(tmp_path: Path) -> None:
-    """An ack is in SQLite (``{"attempt":0}``) before its answer; the last ack consumes the mini-batch and its W
-    ack and fetch records go in the same commit; a restart sees the same acks and positions."""
+    """An ack is in SQLite (a batch of one: ``{"attempt":0,"ranks":[0]}``) before its answer; the last ack
+    consumes the mini-batch and its W ack and fetch records go in the same commit; a restart sees the same
+    acks and positions."""
     db = tmp_path / "cp.db"
     spec = job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
     with app_client(db) as c:
@@ -120,13 +121,13 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         assert r.status_code == 200, r.text
         r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": first[0]})
         assert r.status_code == 200 and not r.json()["consumed"], r.text
-        assert _rows(db, Kind.ACK) == [(rank_key(0, 0), '{"attempt":0}')]
+        assert _rows(db, Kind.ACK) == [(ack_batch_key(0, 0), '{"attempt":0,"ranks":[0]}')]  # a batch of one
         assert [k for k, _ in _rows(db, Kind.FETCHED)] == [rank_key(0, 1)]
         second = _plan_id(c, 0)  # rank 0 goes on to mini-batch 1 and acks it before rank 1 acks 0
         assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": second}).status_code == 200
         r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
         assert r.status_code == 200 and r.json()["consumed"], r.text
-        assert _rows(db, Kind.ACK) == [(rank_key(1, 0), '{"attempt":0}')]  # mini-batch 1's ack stays
+        assert _rows(db, Kind.ACK) == [(ack_batch_key(1, 0), '{"attempt":0,"ranks":[0]}')]  # mini-batch 1's stays
         assert _rows(db, Kind.FETCHED) == []
         r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
         assert r.status_code == 200 and r.json()["duplicate"], r.text

@@ -9,7 +9,7 @@ from typing import Any
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
 from knittrans.api.planjson import render_rank_plan_json
-from knittrans.api.records import Kind, mb_key, rank_key, rank_keys_prefix, version_key
+from knittrans.api.records import Kind, ack_batch_key, mb_key, rank_key, rank_keys_prefix, version_key
 from knittrans.api.store import Encoded, Txn
 from knittrans.descriptors import GroupRecord
 from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, NotFound
@@ -204,18 +204,36 @@ class Delivery(JobBase):
         """:meth:`ack` of each ``(rank, plan_id)`` in order, in one transaction (group commit).
 
         A bad ack (unknown, withdrawn or out-of-order plan) is refused before it changes anything; its
-        error takes its place in the result and the others still apply.
+        error takes its place in the result and the others still apply. The batch's acks of a mini-batch
+        that stays unconsumed are one record (:func:`ack_batch_key`), not one per rank.
         """
         results: list[dict[str, Any] | KnitTransError] = []
+        batched: dict[int, tuple[MiniBatch, list[int]]] = {}  # per mini-batch: the ranks this batch acked
         changed = False
         for rank, plan_id in acks:
             try:
-                result = self._ack(rank, plan_id, txn)
+                mb = self._current(rank, plan_id)
             except KnitTransError as exc:
                 results.append(exc)
                 continue
-            changed |= not result["duplicate"]
-            results.append(result)
+            n = mb.n
+            if mb.status == "consumed" or rank in mb.acks:
+                results.append(
+                    {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
+                )
+                continue
+            mb.acks.add(rank)
+            changed = True
+            consumed = len(mb.acks) == self.spec.world_size
+            if consumed:
+                batched.pop(n, None)
+                self._consume(mb, txn)  # its ack records go with it, the earlier batches' too
+            else:
+                batched.setdefault(n, (mb, []))[1].append(rank)
+            results.append({"plan_id": plan_id, "global_index": n, "consumed": consumed, "duplicate": False})
+        for n, (mb, ranks) in batched.items():
+            body = f'{{"attempt":{mb.attempt},"ranks":[{",".join(map(str, ranks))}]}}'
+            txn.put(Kind.ACK, self.name, ack_batch_key(n, min(ranks)), Encoded(body))
         if changed:
             self._settle(txn)
             self._save_meta(txn)

@@ -11,6 +11,7 @@ kind                key                           value
 ``group``           group id                      ``{unit_id, status}`` of a lost or expired group
 ``mb``              :func:`mb_key`                 one admitted mini-batch
 ``ack``             :func:`rank_key`               ``{attempt}``: a rank acked the mini-batch
+``ack``             :func:`ack_batch_key`          ``{attempt, ranks}``: ranks acked it in one batch
 ``fetched``         :func:`rank_key`               ``{attempt}``: a rank holds its share of it
 ``version``         :func:`version_key`            a rank's policy version
 ``supply``          source                        groups started, dropped and finished
@@ -26,13 +27,16 @@ The strings are on disk: changing one needs a new ``STORE_FORMAT`` or a reader f
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 __all__ = [
     "JOB_KINDS",
     "META_KEY",
     "Kind",
+    "ack_batch_key",
     "batch_key",
     "mb_key",
+    "parse_ack_key",
     "parse_mb_key",
     "parse_rank_key",
     "parse_version_key",
@@ -95,6 +99,22 @@ def parse_rank_key(key: str) -> tuple[int, int]:
     """``(n, rank)`` of a :func:`rank_key` key."""
     n, rank = key.split(".")
     return int(n), int(rank)
+
+
+def ack_batch_key(n: int, first_rank: int) -> str:
+    """Store key of one batch of acks of mini-batch ``n`` (``<mb_key>.b<rank>``): ``first_rank`` is the
+    batch's lowest rank. A rank acks a mini-batch once, so two batches of ``n`` never share it; the key
+    starts with :func:`rank_keys_prefix` (``n``'s range delete removes both forms)."""
+    return f"{mb_key(n)}.b{first_rank:06d}"
+
+
+def parse_ack_key(key: str, body: dict[str, Any]) -> tuple[int, list[int]]:
+    """``(n, ranks)`` of an ``ack`` record: one rank (:func:`rank_key`, every store format) or a batch
+    (:func:`ack_batch_key`, format 2 on, its ranks in ``body["ranks"]``)."""
+    n, rank = key.split(".")
+    if rank.startswith("b"):
+        return int(n), [int(r) for r in body["ranks"]]
+    return int(n), [int(rank)]
 
 
 def batch_key(batch: int) -> str:

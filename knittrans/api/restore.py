@@ -7,7 +7,7 @@ from typing import Any
 
 from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
 from knittrans.api.jobstate import JobState
-from knittrans.api.records import META_KEY, Kind, parse_rank_key, parse_version_key
+from knittrans.api.records import META_KEY, Kind, parse_ack_key, parse_rank_key, parse_version_key
 from knittrans.descriptors import UnitDescriptor
 from knittrans.sched.staleness import ConsumedGroup
 
@@ -56,9 +56,9 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.first_unconsumed)) is not None and m.status == "consumed":
         job.first_unconsumed += 1
-    for key, _ in records.get(Kind.ACK, ()):
-        n, rank = parse_rank_key(key)
-        job.minibatches[n].acks.add(rank)
+    for key, body in records.get(Kind.ACK, ()):  # one rank's ack, or a batch of them (store format 2)
+        n, ranks = parse_ack_key(key, body)
+        job.minibatches[n].acks.update(ranks)
     for key, body in records.get(Kind.FETCHED, ()):
         n, rank = parse_rank_key(key)
         held = job.minibatches.get(n)

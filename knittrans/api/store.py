@@ -36,8 +36,13 @@ CREATE TABLE IF NOT EXISTS records (
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
-STORE_FORMAT = "1"
-"""Version of the record layout; a database written with another version is refused."""
+STORE_FORMAT = "2"
+"""Version of the record layout; a database written with another version is refused, except the ones
+this version still reads (:data:`READS_FORMATS`), which are marked with this one when opened."""
+
+READS_FORMATS = ("1", "2")
+"""Formats this version loads: 1 has one ``ack`` record per rank only; 2 adds the batch form
+(:func:`~knittrans.api.records.ack_batch_key`), which a format-1 reader would misparse."""
 
 
 class Encoded(str):
@@ -119,10 +124,10 @@ class RecordStore:
             row = self._conn.execute("SELECT value FROM meta WHERE name='format'").fetchone()
         except sqlite3.Error as exc:
             raise StateError(f"{path}: cannot open the state database: {exc}") from exc
-        if row is None:
-            self._conn.execute("INSERT INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
-        elif row[0] != STORE_FORMAT:
-            raise StateError(f"{path}: state format {row[0]!r}, this version reads {STORE_FORMAT!r}")
+        if row is not None and row[0] not in READS_FORMATS:
+            raise StateError(f"{path}: state format {row[0]!r}, this version reads {', '.join(READS_FORMATS)}")
+        if row is None or row[0] != STORE_FORMAT:  # new, or an older format this version reads: mark it ours
+            self._conn.execute("INSERT OR REPLACE INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
 
     def commit(self, txn: Txn) -> None:
         """Write ``txn`` in one SQLite transaction (nothing when it is empty)."""
