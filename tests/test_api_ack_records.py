@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from knittrans.api.routes.deps import AckBatcher
 from knittrans.api.store import STORE_FORMAT, RecordStore
 from knittrans.errors import StateError
 from knittrans.plans import RankPlan
+from knittrans.sched.staleness import ConsumedGroup
 
 JOB = "job1"
 
@@ -62,7 +64,7 @@ def _acks(db: Path) -> list[tuple[str, Any]]:
 def test_a_batch_of_acks_is_one_record_that_a_restart_reads(tmp_path: Path) -> None:
     """Ranks 2 and 0 acked together: one record (key from the lowest rank, ranks in arrival order); a lone
     ack is a batch of one. After a restart, with rank 1's ack in the per-rank form of format 1, all three
-    acks hold, and the last ack consumes the mini-batch and removes both forms."""
+    acks hold, and the last ack consumes the mini-batch, removes both forms and writes its staleness rows."""
     db = tmp_path / "cp.db"
     with app_client(db) as c:
         _setup(c)
@@ -82,6 +84,10 @@ def test_a_batch_of_acks_is_one_record_that_a_restart_reads(tmp_path: Path) -> N
         (last,) = _together(c, [(3, str(plans[3].plan_id))])
         assert last["consumed"] is True
         assert _acks(db) == []
+    with sqlite3.connect(db) as conn:  # the staleness rows of the consumed mini-batch: what asdict writes
+        (body,) = conn.execute("SELECT body FROM records WHERE kind=?", (Kind.CONSUMED.value,)).fetchone()
+    rows = json.loads(body)
+    assert len(rows) == 2 and all(json.dumps(asdict(ConsumedGroup(**row))) == json.dumps(row) for row in rows)
 
 
 def test_a_batch_that_consumes_one_mini_batch_records_only_the_next(tmp_path: Path) -> None:
