@@ -439,6 +439,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "plan_arrival_ms": summary([x * 1e3 for x in arrivals.kernel]) if raw else None,
         "plan_arrival_user_ms": summary([x * 1e3 for x in arrivals.user]) if raw else None,
         "plans_before_ready": arrivals.early if raw else None,
+        "plans_without_kernel_time": arrivals.untimed if raw else None,
         "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
         "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,

@@ -50,6 +50,8 @@ class Arrivals:
     """Parsed time minus ``admitted_at`` (how old the plan was when the rank had it)."""
     early: int = 0
     """Plans whose kernel timestamp was before the rank was ready (counted as 0 ms)."""
+    untimed: int = 0
+    """Plans read without a kernel timestamp (none expected on Linux; the callback time stands in)."""
 
 
 class StreamRank:
@@ -128,7 +130,7 @@ class StreamRank:
             self._fail(f"recv: {e}")
             return
         user = time.time()
-        kernel = user
+        kernel: float | None = None
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
                 sec, nsec = _TIMESPEC.unpack_from(raw)
@@ -139,7 +141,7 @@ class StreamRank:
         self.buf += data
         self._frames(kernel, user)
 
-    def _frames(self, kernel: float, user: float) -> None:
+    def _frames(self, kernel: float | None, user: float) -> None:
         """Consume the response head, then every complete chunk in the buffer."""
         buf = self.buf
         if self.in_head:
@@ -170,7 +172,7 @@ class StreamRank:
             pos = start + size + 2
         del buf[:pos]
 
-    def _line(self, line: bytes, kernel: float, user: float) -> bool:
+    def _line(self, line: bytes, kernel: float | None, user: float) -> bool:
         msg = json.loads(line)
         if "plan_id" not in msg:
             if "ack_error" in msg or "done" in msg:
@@ -180,6 +182,9 @@ class StreamRank:
         parsed = time.time()
         since = max(msg["admitted_at"], self.ready)
         a = self.arrivals
+        if kernel is None:
+            a.untimed += 1
+            kernel = user
         if kernel < since:
             a.early += 1
         a.kernel.append(max(0.0, kernel - since))
