@@ -1,14 +1,16 @@
 """Plan delivery at scale: the rank's long-poll (``next?ack=``) against the plan stream (``.../plans``), interleaved.
 
 Run: ``python benchmarks/control_plane/delivery_stream.py [--runs 3] [--seconds 20] [--ranks 1024]
-[--modes next stream stream-post] [--think-ms 0 120] [--baseline-source DIR]``. Each run is one
-``scale.py --phases delivery`` (its own server process); the configurations (mode x think time x
-server) take turns (next, stream, stream-post, next, ...), so load on the shared machine hits them
-alike. ``--baseline-source``: a directory holding another checkout's ``knittrans`` package (e.g. main's,
-``git archive main knittrans | tar -x -C DIR``) that runs as a second server for each configuration.
-Reported per configuration: the median over runs of plan delivery p50/p99/mean (ms after admission),
-server CPU per mini-batch, mini-batches consumed, the load average around each run, and the ratio to
-the baseline server (else to the first configuration). Results: ``results/delivery_stream.{json,md}`` (``--out``).
+[--modes next stream stream-post] [--think-ms 0 120] [--baseline-source DIR]
+[--stream-client socket|asyncio]``. Each run is one ``scale.py --phases delivery`` (its own server
+process); the configurations (mode x think time x server) take turns (next, stream, stream-post, next,
+...), so load on the shared machine hits them alike. ``--baseline-source``: a directory holding another
+checkout's ``knittrans`` package (e.g. main's, ``git archive main knittrans | tar -x -C DIR``) that runs
+as a second server for each configuration. Reported per configuration: the median over runs of the
+plan's arrival at the rank's socket p50/p99 (the kernel's receive time; stream modes with
+``--stream-client socket``), plan delivery after parsing p50/p99/mean (ms after admission), server CPU
+per mini-batch, mini-batches consumed, the load average around each run, and the ratio to the baseline
+server (else to the first configuration). Results: ``results/delivery_stream.{json,md}`` (``--out``).
 """
 
 from __future__ import annotations

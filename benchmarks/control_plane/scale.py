@@ -18,9 +18,10 @@ against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each
   trainer does between mini-batches (1,000 groups/s of 128-group mini-batches is ~128 ms each); with 0
   every rank acks at once and its ack competes with the next admission's plans. Reported: plan
   delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
-  the moment the rank has parsed the plan; same host, same clock), registration request latency,
-  mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
-  sees whether the server was saturated).
+  the moment the rank has parsed the plan; same host, same clock; for the stream modes with
+  ``--stream-client socket`` also the kernel's receive time at the rank's socket, see ``streamrank.py``),
+  registration request latency, mini-batches consumed, server CPU per mini-batch and its share of one
+  core, requests/s (so a reader sees whether the server was saturated).
 * ``registration``: batches of ``--batch`` one-group units posted back to back to a job with one rank
   that never consumes; units/s (target >= 20,000).
 * ``memory``: one rank, one group per mini-batch, ``--mini-batches`` mini-batches registered, planned,
