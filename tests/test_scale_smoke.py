@@ -64,3 +64,26 @@ def test_scale_think_time_paces_the_ranks(tmp_path: Path) -> None:
         d = json.loads(out.with_suffix(".json").read_text())["delivery"]
         assert d["think_ms"] == 400 and d["ack_mode"] == mode
         assert 0 < d["mini_batches_consumed"] <= d["seconds"] / 0.4 + 1, d
+
+
+def test_scale_stream_clients_report_arrival_at_the_socket(tmp_path: Path) -> None:
+    """--stream-client socket (default): every plan also has its kernel receive time, never later than the time
+    after parsing, and the target is judged on it; --stream-client asyncio (the old client) has no arrival."""
+    for client in ("socket", "asyncio"):
+        out = tmp_path / f"stream_{client}"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "control_plane" / "scale.py"), "--smoke", "--phases"]
+        cmd += ["delivery", "--ack-mode", "stream", "--stream-client", client, "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = json.loads(out.with_suffix(".json").read_text())
+        d = result["delivery"]
+        assert d["stream_client"] == client and d["plans_delivered"] > 0 and d["mini_batches_consumed"] > 0
+        if client == "socket":
+            arrival, parsed = d["plan_arrival_ms"], d["plan_delivery_ms"]
+            assert arrival["count"] == parsed["count"] == d["plans_delivered"] == d["plan_arrival_user_ms"]["count"]
+            assert 0 <= arrival["p50"] <= parsed["p50"] and arrival["max"] <= parsed["max"], d
+            assert d["plans_without_kernel_time"] == 0  # SO_TIMESTAMPNS gave every read its receive time
+            assert set(result["targets"]) == {"plan_arrival_at_rank_socket_p99<=50ms"}
+        else:
+            assert d["plan_arrival_ms"] is None and d["plans_before_ready"] is None
+            assert set(result["targets"]) == {"plan_delivery_p99<=50ms"}

@@ -18,9 +18,10 @@ against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each
   trainer does between mini-batches (1,000 groups/s of 128-group mini-batches is ~128 ms each); with 0
   every rank acks at once and its ack competes with the next admission's plans. Reported: plan
   delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
-  the moment the rank has parsed the plan; same host, same clock), registration request latency,
-  mini-batches consumed, server CPU per mini-batch and its share of one core, requests/s (so a reader
-  sees whether the server was saturated).
+  the moment the rank has parsed the plan; same host, same clock; for the stream modes with
+  ``--stream-client socket`` also the kernel's receive time at the rank's socket, see ``streamrank.py``),
+  registration request latency, mini-batches consumed, server CPU per mini-batch and its share of one
+  core, requests/s (so a reader sees whether the server was saturated).
 * ``registration``: batches of ``--batch`` one-group units posted back to back to a job with one rank
   that never consumes; units/s (target >= 20,000).
 * ``memory``: one rank, one group per mini-batch, ``--mini-batches`` mini-batches registered, planned,
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from streamrank import Arrivals, StreamRank
 
 from knittrans.procs import control_plane_args, knittrans_command
 
@@ -373,7 +375,23 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
                     requests[0] += 1
                 consumed[r] = consumed.get(r, 0) + 1
 
-    one = rank_stream if args.ack_mode.startswith("stream") or args.ack_mode == "gateway" else rank
+    arrivals = Arrivals()
+    raw_ranks: list[StreamRank] = []
+
+    def acked(r: int) -> None:
+        consumed[r] = consumed.get(r, 0) + 1
+
+    async def rank_raw(r: int) -> None:
+        """The rank as a raw socket (streamrank.py): --ack-mode stream or gateway, --stream-client socket."""
+        at = server.gateway_port if args.ack_mode == "gateway" else port
+        assert at is not None
+        path = f"/v1/jobs/{job}/ranks/{r}/plans"
+        one = await StreamRank.open("127.0.0.1", at, path, TOKEN_W, r, think_s, arrivals, acked, errors.append)
+        raw_ranks.append(one)
+        await one.closed.wait()
+
+    raw = args.stream_client == "socket" and args.ack_mode in ("stream", "gateway")
+    one = rank_raw if raw else rank_stream if args.ack_mode.startswith("stream") or args.ack_mode == "gateway" else rank
     tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
     await asyncio.sleep(1.0)  # ranks connected and waiting
     me = psutil.Process()
@@ -385,7 +403,7 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         await asyncio.sleep(min(5.0, args.seconds))
         log(
             f"delivery: {time.monotonic() - t0:.0f}/{args.seconds} s, {min(consumed.values(), default=0)} "
-            f"mini-batches acked by every rank, {len(latencies)} plans delivered"
+            f"mini-batches acked by every rank, {len(latencies) + len(arrivals.parsed)} plans delivered"
         )
     stop.set()
     elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
@@ -393,13 +411,18 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
     clients_cpu = sum(me.cpu_times()[:2]) - own0
     for w in streams:  # a rank blocked reading its stream sees the end at once
         w.close()
+    for raw_rank in raw_ranks:
+        raw_rank.close()
     await asyncio.wait(tasks + bg, timeout=10)
     for t in tasks + bg:
         t.cancel()
     if errors:
         raise RuntimeError(f"{len(errors)} rank errors, first: {errors[0]}")
     mbs = min(consumed.values(), default=0)
+    if raw:  # the raw-socket ranks keep three times per plan; "delivery" is the one after parsing, as before
+        latencies, ages = arrivals.parsed, arrivals.ages
     return {
+        "stream_client": "socket" if raw else "asyncio",
         "ranks": args.ranks,
         "nodes": args.nodes,
         "rate_groups_s": args.rate,
@@ -412,6 +435,12 @@ async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[
         "plans_delivered": len(latencies),
         "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
         "plan_age_ms": summary([x * 1e3 for x in ages]),
+        # --stream-client socket only: the kernel's receive time at the rank's socket, and the rank's read
+        # callback before parsing (see streamrank.py)
+        "plan_arrival_ms": summary([x * 1e3 for x in arrivals.kernel]) if raw else None,
+        "plan_arrival_user_ms": summary([x * 1e3 for x in arrivals.user]) if raw else None,
+        "plans_before_ready": arrivals.early if raw else None,
+        "plans_without_kernel_time": arrivals.untimed if raw else None,
         "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
         "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
         "server_cpu_s": cpu,
@@ -580,6 +609,15 @@ def main() -> int:
         help="delivery phase: how long a rank computes on each plan before it acks and asks for the next "
         "(0: at once, every rank's ack competes with the next admission's plans)",
     )
+    parser.add_argument(
+        "--stream-client",
+        choices=["socket", "asyncio"],
+        default="socket",
+        help="delivery phase, --ack-mode stream or gateway: how a simulated rank reads its stream. 'socket' (a raw "
+        "non-blocking socket with SO_TIMESTAMPNS: the plan's arrival is the kernel's receive time, and the time "
+        "after parsing is reported too; streamrank.py) or 'asyncio' (asyncio streams: readline, readexactly, "
+        "json.loads, then the time; the client before 2026-12-03)",
+    )
     parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
     parser.add_argument("--registration-batches", type=int, default=20)
     parser.add_argument("--mini-batches", type=int, default=10_000)
@@ -631,7 +669,9 @@ def main() -> int:
         server.stop()
     result["load_avg_1m_end"] = os.getloadavg()[0]
     targets: dict[str, bool] = {}
-    if "delivery" in result and result["delivery"]["plan_delivery_ms"]["p99"] is not None:
+    if "delivery" in result and (arrival := result["delivery"]["plan_arrival_ms"]) and arrival["p99"] is not None:
+        targets["plan_arrival_at_rank_socket_p99<=50ms"] = arrival["p99"] <= 50
+    elif "delivery" in result and result["delivery"]["plan_delivery_ms"]["p99"] is not None:
         targets["plan_delivery_p99<=50ms"] = result["delivery"]["plan_delivery_ms"]["p99"] <= 50
     if "registration" in result:
         targets["registration>=20000_units_s"] = result["registration"]["units_per_s_median"] >= 20_000
@@ -652,9 +692,18 @@ def main() -> int:
             f"{d['seconds']:.0f} s\n",
             "| figure | p50 | p99 | max |",
             "|---|---|---|---|",
-            f"| plan delivery after admission (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} | {pdm['max']:.1f} |"
+            f"| plan delivery after admission, rank has parsed it (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} "
+            f"| {pdm['max']:.1f} |"
             if pdm["p50"] is not None
-            else "| plan delivery after admission (ms) | – | – | – |",
+            else "| plan delivery after admission, rank has parsed it (ms) | – | – | – |",
+            *(
+                [
+                    f"| plan arrival at the rank's socket, kernel time (ms) | {arr['p50']:.1f} | {arr['p99']:.1f} "
+                    f"| {arr['max']:.1f} |"
+                ]
+                if (arr := d.get("plan_arrival_ms")) and arr["p50"] is not None
+                else []
+            ),
             f"| registration request (ms) | {reg['p50']:.1f} | {reg['p99']:.1f} | {reg['max']:.1f} |"
             if reg["p50"] is not None
             else "| registration request (ms) | – | – | – |",
