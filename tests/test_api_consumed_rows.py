@@ -6,6 +6,7 @@ import json
 import sqlite3
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from api_support import app_client, job_spec, single_group_units
 from fastapi.testclient import TestClient
@@ -48,3 +49,35 @@ def test_a_consumed_mini_batchs_staleness_rows_are_what_asdict_writes(tmp_path: 
     assert len(rows) == 2 and all(json.dumps(asdict(ConsumedGroup(**row))) == json.dumps(row) for row in rows)
     with app_client(db) as c:  # and a restart reads them
         assert c.app.state.service.jobs[JOB].consumed_mini_batches == 1  # type: ignore[attr-defined]
+
+
+def test_the_consuming_ack_publishes_the_acking_ranks_plans_before_the_admission_it_allows(tmp_path: Path) -> None:
+    """The last ack of a mini-batch: the acking rank's next plan (admitted already) is committed and
+    published first, the admission that the consumption allows comes right after, in a change of its
+    own (every rank's answer published again); the ack's answer comes after both, so ``next`` sees the
+    admission; a restart on the file has the same state."""
+    db = tmp_path / "cp.db"
+    with app_client(db) as c:
+        spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=4, micro_batch_size=1)
+        spec.update(lookahead=1, window=2)
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
+        r = c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "code"] * 6)})
+        assert r.status_code == 200, r.text
+        service = c.app.state.service  # type: ignore[attr-defined]
+        job = service.jobs[JOB]
+        assert job.next_n == 2  # mini-batches 0 and 1 admitted (lookahead 1), 2 waits for 0's consumption
+        plans = [_plan(c, rank) for rank in range(4)]
+        for rank in range(3):
+            assert c.post(f"/v1/jobs/{JOB}/ranks/{rank}/ack", json={"plan_id": str(plans[rank].plan_id)}).is_success
+        published: list[tuple[Any, int]] = []
+        notify = service.on_plans
+        service.on_plans = lambda name, ranks: (published.append((ranks, job.next_n)), notify(name, ranks))
+        r = c.post(f"/v1/jobs/{JOB}/ranks/3/ack", json={"plan_id": str(plans[3].plan_id)})
+        assert r.status_code == 200 and r.json()["consumed"] is True, r.text
+        service.on_plans = notify
+        assert published == [({3}, 2), (None, 3)]  # rank 3's plan of mini-batch 1 first, then the admission of 2
+        assert _plan(c, 3).global_index == 1 and job.next_n == 3
+    with app_client(db) as c:
+        assert c.app.state.service.jobs[JOB].next_n == 3  # type: ignore[attr-defined]
+        assert [_plan(c, rank).global_index for rank in range(4)] == [1, 1, 1, 1]
