@@ -426,25 +426,25 @@ class ControlPlane:
     def ack_many(self, name: str, acks: Sequence[tuple[int, str]]) -> list[dict[str, Any] | KnitTransError]:
         """:meth:`ack` of each ``(rank, plan_id)`` in one transaction; a refused ack's error takes its place."""
         job = self.job(name)
-        before = job.state
+        before, position = job.state, job.position
         with self._change(name) as txn:
             results = job.ack_many(acks, txn)
             acked = {rank for (rank, _), result in zip(acks, results, strict=True) if isinstance(result, dict)}
             self._narrow(job, before, (), acked)
-        self._admit_after_acks(job)
+        self._admit_after_acks(job, position)
         return results
 
     def ack(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
         """Ack a plan; at W acks the mini-batch is consumed and staleness recorded."""
         job = self.job(name)
-        before = job.state
+        before, position = job.state, job.position
         with self._change(name) as txn:
             result = job.ack(rank, plan_id, txn)
             self._narrow(job, before, (), (rank,))
-        self._admit_after_acks(job)
+        self._admit_after_acks(job, position)
         return result
 
-    def _admit_after_acks(self, job: JobState) -> None:
+    def _admit_after_acks(self, job: JobState, position_before: int) -> None:
         """The admission acks allow (a consumed mini-batch moves the trainer's position), in a change of
         its own right after theirs, in the same state-thread call.
 
@@ -452,8 +452,11 @@ class ControlPlane:
         plans, already admitted — so those go out while this admission runs, instead of after it (at
         1,024 ranks an admission costs tens of ms). Nothing else runs in between (one state-thread
         call), so a ``next`` after the ack's answer still sees the admission; a crash between the two
-        commits loses no ack, and the restart admits on load.
+        commits loses no ack, and the restart admits on load. Acks that consumed nothing leave the
+        trainer's position, and so admission, where they were: then there is no second change.
         """
+        if job.position == position_before:
+            return
         before = job.state
         with self._change(job.name) as txn:
             self._narrow(job, before, job.admit(txn), ())
