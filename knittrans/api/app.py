@@ -123,6 +123,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ticket_key=key,
         ticket_ttl_s=settings.ticket_ttl_s,
         state_thread=runner.check,
+        admit_apart=settings.plan_gateway_port is not None,
     )
 
     @contextlib.asynccontextmanager
