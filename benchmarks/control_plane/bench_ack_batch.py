@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from delivery_stream import result_header
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -136,13 +137,7 @@ def main() -> int:
             print(f"[bench_ack_batch] run {i} {name}: {got}", file=sys.stderr, flush=True)
     medians = {name: {b: statistics.median(r[b] for r in rs) for b in rs[0]} for name, rs in runs.items()}
     result = {
-        "benchmark": "control_plane_ack_batch",
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        **result_header("control_plane_ack_batch", args),
         "load_avg_1m": loads,
         "runs": runs,
         "medians_ms_per_mini_batch": medians,

@@ -73,6 +73,18 @@ def med(values: list[float | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
+def result_header(benchmark: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every control-plane result file starts with: benchmark, machine, commit, arguments."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {
+        "benchmark": benchmark,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "commit": commit.stdout.strip(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -184,13 +196,7 @@ def main() -> int:
     ]
     medians = {m: {k: med([row.get(k) for row in rows]) for k in keys} for m, rows in runs.items()}
     result = {
-        "benchmark": "control_plane_delivery_stream",
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        **result_header("control_plane_delivery_stream", args),
         "runs": runs,
         "medians": medians,
         "baselines": {c[0]: (f"{c[1]} think {c[2]:g}" if c[3] else None) for c in configs},
