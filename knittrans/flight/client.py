@@ -231,9 +231,7 @@ class StoreClient:
             try:
                 lane.ping(conn, self._authorization)
                 ok = True
-            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError) as exc:
-                logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
-            except Unavailable as exc:  # a broken answer
+            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError, Unavailable) as exc:  # no lane answer
                 logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
             finally:
                 self._lane_release(conn, ok)

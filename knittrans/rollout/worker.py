@@ -60,8 +60,8 @@ __all__ = ["RewardFn", "RolloutWorker", "RolloutWorkerConfig", "SourceProfile", 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, np.ndarray, np.ndarray], float]
-T = TypeVar("T")
 """``reward(source, prompt_ids, response_ids) -> float``."""
+T = TypeVar("T")
 
 
 def _stable_seed(*parts: object) -> int:
