@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.sched import FinishedGroup, NodeRead, RankPlan, assign_mini_batch, lpt_assign
+from knittrans.sched.assign import assign_layout
 
 
 @st.composite
@@ -80,6 +81,9 @@ def test_assignment_invariants(
     kwargs = {"micro_batch_tokens": value} if kind == "tokens" else {"micro_batch_size": value}
     plans = assign_mini_batch(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
     _check_plans(groups, plans, world_size)
+    # the control plane's compact form is the same assignment, rank by rank, row by row
+    layout = assign_layout(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
+    assert layout == [[[[t.group_id, t.row] for t in m.trajectories] for m in p.micro_batches] for p in plans]
     total = sum(g.num_tokens for g in groups)
     biggest = max((t for g in groups for t in g.trajectory_tokens), default=0)
     ideal = total / world_size

@@ -6,11 +6,10 @@ import time
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.plans import layout_of
 from knittrans.api.records import Kind, mb_key
 from knittrans.api.store import Txn
 from knittrans.sched.admission import expired
-from knittrans.sched.assign import assign_mini_batch
+from knittrans.sched.assign import assign_layout
 from knittrans.sched.timing import admitted_ahead
 from knittrans.sched.types import StepState
 
@@ -38,14 +37,13 @@ class Admission(JobBase):
                 break
             n = self.next_n
             step, k = divmod(n, self.K)
-            plans = assign_mini_batch(
+            layout = assign_layout(
                 decision.groups,
                 self.spec.world_size,
                 micro_batch_tokens=self.spec.micro_batch_tokens,
                 micro_batch_size=self.spec.micro_batch_size,
             )
             attempt = self.attempts.get(n, -1) + 1
-            layout = layout_of(plans)
             seen = [(gid, row) for rank in layout for micro in rank for gid, row in micro]
             assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(
                 g.num_trajectories for g in decision.groups

@@ -1,7 +1,8 @@
 """Rank plans: the compact layout stored per mini-batch, and its rendering into rows and Flight tickets.
 
-At admission the assignment (:func:`knittrans.sched.assign.assign_mini_batch`) is reduced to a
-*layout* — rank → micro-batch → ``[group_id, row]`` pairs in read order — which is what is persisted.
+At admission the assignment is made as a *layout* (:func:`knittrans.sched.assign.assign_layout`:
+rank → micro-batch → ``[group_id, row]`` pairs in read order, the assignment of
+:func:`~knittrans.sched.assign.assign_mini_batch` without its plan objects), which is what is persisted.
 The plan a rank receives (:class:`knittrans.plans.RankPlan`: rows, one rows ticket per node, one
 media ticket per unique hash) is rendered from the layout when the rank asks, with the nodes'
 current endpoints; rendering is deterministic, so asking again returns the same plan.
@@ -16,10 +17,9 @@ from typing import Any
 from knittrans.descriptors import GroupRecord, UnitDescriptor, group_fields, unit_fields
 from knittrans.errors import InvalidTicket
 from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
-from knittrans.sched.types import RankPlan as RankAssignment
 from knittrans.tickets import Ticket, UnitRead, node_reads
 
-__all__ = ["Layout", "layout_of", "render_rank_plan", "unit_json"]
+__all__ = ["Layout", "render_rank_plan", "unit_json"]
 
 Layout = list[list[list[list[Any]]]]
 """rank -> micro-batch -> ``[group_id, row]`` pairs, in the order the rank's reads return rows."""
@@ -35,14 +35,6 @@ def unit_json(u: UnitDescriptor) -> dict[str, Any]:
     body = unit_fields(u)
     body["groups"] = [group_fields(g) for g in u.groups]
     return body
-
-
-def layout_of(plans: Sequence[RankAssignment]) -> Layout:
-    """The compact layout of an assignment (ranks in order)."""
-    return [
-        [[[t.group_id, t.row] for t in m.trajectories] for m in p.micro_batches]
-        for p in sorted(plans, key=lambda p: p.rank)
-    ]
 
 
 def _micro_batch(
