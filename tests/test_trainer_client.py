@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -204,6 +206,36 @@ def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluste
         assert second is not None and second.step == first.step + 1
         assert [m.batch.num_rows for m in second] == [4, 4]
         second.ack()
+
+
+def test_a_finished_mini_batch_is_freed_without_the_cyclic_gc(cluster: LocalCluster) -> None:
+    """Nothing a mini-batch owns (media cache, successor poll, prefetch thread) refers back to it, so once
+    the loop moves on the mini-batch and its micro-batches' tables and tensors are freed by reference
+    counting. With the cyclic GC off they are gone all the same; before, each mini-batch was a cycle of
+    ~450 objects whose collection paused the training thread for milliseconds at random mini-batches."""
+    job = "freed"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=6, group_size=4, k=3, world_size=1, micro_batch_size=4))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 6, group_size=4), groups_per_unit=2)
+    refs: list[tuple[int, weakref.ref[Any]]] = []
+    gc.collect()
+    gc.disable()
+    try:
+        with _client(cluster, job, "iter") as client:
+            for mb in client.minibatches():
+                for m in mb:
+                    tensors = [weakref.ref(t) for t in _tensors(m).values()]
+                    refs += [(mb.global_index, r) for r in [weakref.ref(m.batch.table), *tensors]]
+                refs.append((mb.global_index, weakref.ref(mb)))
+                mb.ack()
+            del mb, m, tensors
+            assert {n for n, _ in refs} == {0, 1, 2}
+            # a mini-batch's prefetch thread (its successor poll) holds it until the thread ends
+            wait_until(
+                lambda: [n for n, r in refs if r() is not None and n < 2] == [], timeout_s=20, what="refcount frees"
+            )
+    finally:
+        gc.enable()
 
 
 @pytest.fixture

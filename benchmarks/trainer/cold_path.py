@@ -130,6 +130,7 @@ def run_once(
                                 "admission_to_plan_s": mb.received_at - mb.admitted_at,
                                 "admission_to_ready_s": ready - mb.admitted_at,
                                 "rows": micro.batch.num_rows,
+                                "admitted_at": mb.admitted_at,
                             }
                         )
                     else:
