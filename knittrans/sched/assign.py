@@ -134,7 +134,7 @@ class _Flat:
     """The admitted trajectories in read order (positions), with each position's cut into ranks and
     micro-batches: what both :func:`assign_mini_batch` and :func:`assign_layout` are made from."""
 
-    __slots__ = ("cuts", "gids", "nodes", "rows", "tokens", "unit_of", "units")
+    __slots__ = ("cuts", "gids", "rows", "tokens", "unit_of", "units")
 
     def __init__(
         self,

@@ -233,7 +233,8 @@ class MiniBatch:
         # No reference back to this object from what it owns (the cache's fetch, the successor poll's
         # callbacks): a finished mini-batch, its plan and its tensors are then freed by reference counting
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such
-        # graphs (~450 objects per mini-batch) paused the training thread 6-9 ms at random mini-batches.
+        # graphs (~160 objects per mini-batch, with httpx's ~150: see controlclient._unbound) paused the
+        # training thread 6-22 ms at random mini-batches (benchmarks/trainer/README.md).
         fetch_media = functools.partial(_fetch_media, ctx.fetcher, self._media_of, self.plan_id)
         self._cache = MediaCache(self._streams.media if self._streams is not None else fetch_media)
         self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
