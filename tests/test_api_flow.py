@@ -194,6 +194,35 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     assert {r.group_id for p in plans for m in p.micro_batches for r in m.rows} == {"r0"}
 
 
+def test_lost_node_withdrawing_back_into_an_earlier_step_keeps_its_quota_count(tmp_path: Path) -> None:
+    """The consumed mini-batches of the step a withdrawal falls back into are still counted.
+
+    With K = 3, once mini-batch 6 (step 2) was admitted and 0..4 consumed, the consumed records of step
+    1 (mini-batch 3) were evicted; losing the node of mini-batch 5 set the next index back to 5, in step
+    1, whose admitted count then missed mini-batch 3: the node loss failed (500, "admitted 1 groups
+    before mini-batch 2, expected 2") at every sweep, and the node was never declared lost (CI's
+    compose test)."""
+    spec = job_spec(quotas={"math": 3}, mini_batches_per_step=3, world_size=1, micro_batch_size=2)
+    with app_client(tmp_path / "cp.db") as c:
+        _job_on_two_nodes(c, spec)
+        units = single_group_units(["math"] * 5, node="n0") + single_group_units(["math"], node="n1", start=5)
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1, 2, 3, 4, 5]
+        for n in range(5):
+            plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+            assert plan.global_index == n
+            assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).json()["consumed"]
+        lost = c.post("/v1/nodes/n1/lost")
+        assert lost.status_code == 200, lost.text
+        assert lost.json()["withdrawn"] == {"job1": [5]}
+        assert c.get("/v1/nodes").json()[1]["state"] == "lost"
+        fill = c.get("/v1/jobs/job1/status").json()["quota_fill"]["math"]
+        assert fill["admitted"] == 2, fill  # step 1: mini-batches 3 and 4
+        regen = single_group_units(["math"], node="n0", prefix="r")
+        assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [5]
+        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
+    assert plan.global_index == 5 and {r.group_id for m in plan.micro_batches for r in m.rows} == {"r0"}
+
+
 def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
     """Groups older than max_staleness are never admitted and are listed to regenerate."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, max_staleness=0)

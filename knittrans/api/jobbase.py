@@ -167,9 +167,14 @@ class JobBase:
 
     def evict_consumed(self) -> None:
         """Drop consumed mini-batches no question needs any more: those before both the one acked just
-        before the trainer's position (``plan_after`` and duplicate acks of it) and the step being formed
-        (:meth:`admitted_in_step`). A plan id of an evicted index is answered as consumed."""
-        keep_from = min(self.first_unconsumed - 1, (self.next_n // self.K) * self.K)
+        before the trainer's position (``plan_after`` and duplicate acks of it) and the step of the
+        trainer's position (:meth:`admitted_in_step`). A plan id of an evicted index is answered as consumed.
+
+        The step of the position, not of the next index: a node loss withdraws the untouched mini-batches
+        from the first one on (never before the position), and admission then counts that step's
+        consumed ones again; they must still be here.
+        """
+        keep_from = min(self.first_unconsumed - 1, (self.first_unconsumed // self.K) * self.K)
         while self.evicted_below < keep_from:
             self.minibatches.pop(self.evicted_below, None)
             self.attempts.pop(self.evicted_below, None)
