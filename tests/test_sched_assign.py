@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.sched import FinishedGroup, NodeRead, RankPlan, assign_mini_batch, lpt_assign
-from knittrans.sched.assign import assign_layout
+from knittrans.sched.assign import Assignment
 
 
 @st.composite
@@ -82,7 +82,8 @@ def test_assignment_invariants(
     plans = assign_mini_batch(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
     _check_plans(groups, plans, world_size)
     # the control plane's compact form is the same assignment, rank by rank, row by row
-    layout = assign_layout(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
+    tokens, size = kwargs.get("micro_batch_tokens"), kwargs.get("micro_batch_size")
+    layout = Assignment(groups, world_size, tokens, size, keep_groups).layout()
     assert layout == [[[[t.group_id, t.row] for t in m.trajectories] for m in p.micro_batches] for p in plans]
     total = sum(g.num_tokens for g in groups)
     biggest = max((t for g in groups for t in g.trajectory_tokens), default=0)

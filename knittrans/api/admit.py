@@ -9,7 +9,7 @@ from knittrans.api.jobbase import JobBase
 from knittrans.api.records import Kind, mb_key
 from knittrans.api.store import Txn
 from knittrans.sched.admission import expired
-from knittrans.sched.assign import assign_layout
+from knittrans.sched.assign import Assignment
 from knittrans.sched.timing import admitted_ahead
 from knittrans.sched.types import StepState
 
@@ -37,12 +37,10 @@ class Admission(JobBase):
                 break
             n = self.next_n
             step, k = divmod(n, self.K)
-            layout = assign_layout(
-                decision.groups,
-                self.spec.world_size,
-                micro_batch_tokens=self.spec.micro_batch_tokens,
-                micro_batch_size=self.spec.micro_batch_size,
-            )
+            spec = self.spec
+            layout = Assignment(
+                decision.groups, spec.world_size, spec.micro_batch_tokens, spec.micro_batch_size
+            ).layout()
             attempt = self.attempts.get(n, -1) + 1
             seen = [(gid, row) for rank in layout for micro in rank for gid, row in micro]
             assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(

@@ -1,6 +1,6 @@
 """Rank plans: the compact layout stored per mini-batch, and its rendering into rows and Flight tickets.
 
-At admission the assignment is made as a *layout* (:func:`knittrans.sched.assign.assign_layout`:
+At admission the assignment is made as a *layout* (:meth:`knittrans.sched.assign.Assignment.layout`:
 rank → micro-batch → ``[group_id, row]`` pairs in read order, the assignment of
 :func:`~knittrans.sched.assign.assign_mini_batch` without its plan objects), which is what is persisted.
 The plan a rank receives (:class:`knittrans.plans.RankPlan`: rows, one rows ticket per node, one

@@ -33,7 +33,7 @@ from typing import Any
 from knittrans.sched.types import FinishedGroup, MicroBatchPlan, NodeRead, RankPlan, TrajectoryRef
 from knittrans.tickets import row_runs
 
-__all__ = ["assign_layout", "assign_mini_batch", "lpt_assign"]
+__all__ = ["Assignment", "assign_mini_batch", "lpt_assign"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +130,10 @@ def _split_to(parts: list[list[int]], target: int, tokens: list[int]) -> list[li
     return done
 
 
-class _Flat:
-    """The admitted trajectories in read order (positions), with each position's cut into ranks and
-    micro-batches: what both :func:`assign_mini_batch` and :func:`assign_layout` are made from."""
+class Assignment:
+    """An admitted mini-batch's trajectories in read order (positions), each cut into its rank and
+    micro-batch: what :func:`assign_mini_batch` builds its plans from, and what the control plane keeps
+    as :meth:`layout`. Arguments and errors as for :func:`assign_mini_batch`."""
 
     __slots__ = ("cuts", "gids", "rows", "tokens", "unit_of", "units")
 
@@ -142,8 +143,8 @@ class _Flat:
         world_size: int,
         micro_batch_tokens: int | None,
         micro_batch_size: int | None,
-        keep_groups: bool,
-        balance_tolerance: float,
+        keep_groups: bool = True,
+        balance_tolerance: float = 0.05,
     ) -> None:
         _check(groups, world_size, micro_batch_tokens, micro_batch_size, balance_tolerance)
         ordered = sorted(groups, key=lambda g: (g.node_id, g.unit_id, g.row_start, g.group_id))
@@ -172,6 +173,14 @@ class _Flat:
         cuts = [_cut(ps, self.tokens, micro_batch_tokens, micro_batch_size) for ps in per_rank]
         target = max((len(c) for c in cuts), default=0)
         self.cuts = [c if len(c) >= target else _split_to(c, target, self.tokens) for c in cuts]
+
+    def layout(self) -> list[list[list[list[Any]]]]:
+        """rank -> micro-batch -> ``[group_id, row]`` pairs in read order: the trajectories of
+        ``assign_mini_batch(...)[rank].micro_batches[i]`` (a test pins it), without plan objects or reads.
+        The control plane keeps this and renders a rank's plan from it when the rank asks; at 1,024 ranks
+        it costs about a third of :func:`assign_mini_batch`."""
+        gids, rows = self.gids, self.rows
+        return [[[[gids[p], rows[p]] for p in part] for part in parts] for parts in self.cuts]
 
 
 def assign_mini_batch(
@@ -202,7 +211,7 @@ def assign_mini_batch(
     Raises:
         ValueError: bad ``world_size``/budgets, duplicate group ids, negative tokens or rows.
     """
-    f = _Flat(groups, world_size, micro_batch_tokens, micro_batch_size, keep_groups, balance_tolerance)
+    f = Assignment(groups, world_size, micro_batch_tokens, micro_batch_size, keep_groups, balance_tolerance)
     units, unit_of, rows = f.units, f.unit_of, f.rows
     refs = []
     for gid, u, row, t in zip(f.gids, unit_of, rows, f.tokens, strict=True):
@@ -219,25 +228,6 @@ def assign_mini_batch(
             )
         plans.append(RankPlan(rank=rank, micro_batches=tuple(micro)))
     return plans
-
-
-def assign_layout(
-    groups: Sequence[FinishedGroup],
-    world_size: int,
-    *,
-    micro_batch_tokens: int | None = None,
-    micro_batch_size: int | None = None,
-    keep_groups: bool = True,
-    balance_tolerance: float = 0.05,
-) -> list[list[list[list[Any]]]]:
-    """The same assignment as :func:`assign_mini_batch`, as the compact layout the control plane keeps:
-    rank -> micro-batch -> ``[group_id, row]`` pairs in read order, the trajectories of
-    ``assign_mini_batch(...)[rank].micro_batches[i]`` (a test pins it). It builds no plan objects and
-    no reads: the control plane renders a rank's plan from the layout when the rank asks. At 1,024
-    ranks this is about a third of ``assign_mini_batch``'s time."""
-    f = _Flat(groups, world_size, micro_batch_tokens, micro_batch_size, keep_groups, balance_tolerance)
-    gids, rows = f.gids, f.rows
-    return [[[[gids[p], rows[p]] for p in part] for part in parts] for parts in f.cuts]
 
 
 _new = object.__new__
