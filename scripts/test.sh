@@ -14,6 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# a fatal signal (a crash in native code) prints every thread's Python stack, even in interpreter finalization
+export PYTHONFAULTHANDLER=1
 step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 step "core environment"

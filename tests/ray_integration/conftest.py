@@ -23,3 +23,41 @@ def pytest_report_header() -> str:
         "tests/ray_integration: Ray not installed here, not collected "
         "(run them with .venv-bench/bin/python -m pytest tests/ray_integration)"
     )
+
+
+if HAVE_RAY:
+    import threading
+    import time
+    from collections.abc import Iterator
+
+    import pytest
+
+    def _named(thread: threading.Thread) -> str:
+        target = getattr(thread, "_target", None)  # what it runs: "Thread-2" alone names nothing
+        where = f"{target.__module__}.{target.__qualname__}" if callable(target) else type(thread).__qualname__
+        return f"{thread.name} ({where})"
+
+    def _ours_to_stop(thread: threading.Thread) -> bool:
+        # pyzmq's zero-copy garbage collector thread is pyzmq's own, stopped by pyzmq's atexit hook
+        return (
+            thread is not threading.main_thread()
+            and thread.is_alive()
+            and type(thread).__qualname__ != "GarbageCollectorThread"
+        )
+
+    @pytest.fixture(scope="session", autouse=True)
+    def no_threads_left_at_exit() -> Iterator[None]:
+        """After the last test, only the main thread may be left (5 s of grace for threads that are ending).
+
+        A TransferQueue client nobody closed keeps an event-loop thread and its storage manager's notify
+        thread, with live ZMQ sockets, until the interpreter's finalization; CI saw that end in a
+        segmentation fault once, after every test had passed. This names such a leak instead.
+        """
+        yield
+        deadline = time.monotonic() + 5.0
+        while True:
+            left = [_named(t) for t in threading.enumerate() if _ours_to_stop(t)]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert not left, f"threads still running after the Ray tests: {left}"

@@ -130,10 +130,17 @@ def _read_all(workloads: dict[str, Workload], conf: Any) -> dict[str, Any]:
         should_check_consumption_status=True,
     )
     streamed: dict[int, dict[str, Any]] = {}
-    for td, _meta in StreamingDataLoader(dataset, num_workers=0):
-        cols = {f: _rows(td[f]) for f in dataset.data_fields}
-        for i, idx in enumerate(cols["traj_index"]):
-            streamed[int(idx)] = {f: cols[f][i] for f in dataset.data_fields}
+    try:
+        for td, _meta in StreamingDataLoader(dataset, num_workers=0):
+            cols = {f: _rows(td[f]) for f in dataset.data_fields}
+            for i, idx in enumerate(cols["traj_index"]):
+                streamed[int(idx)] = {f: cols[f][i] for f in dataset.data_fields}
+    finally:
+        # The dataset makes a TransferQueueClient of its own and never closes it; tq.close() does not know it.
+        # Left open, its loop thread and its storage manager's notify thread keep ZMQ sockets alive until the
+        # interpreter's finalization, which crashed once in CI (exit 139 after every test had passed).
+        if dataset._tq_client is not None:
+            dataset._tq_client.close()
     assert len(streamed) == ROWS
     out["stream/text"] = streamed
     return out
