@@ -11,6 +11,7 @@ import pytest
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.flight.client import StoreClient
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.retry import RetryPolicy
 from knittrans.rollout.models import build_tiny_qwen2
@@ -208,3 +209,39 @@ def test_a_store_that_restarts_while_a_unit_is_stored_is_retried_not_fatal(tmp_p
                 quick.run(max_groups=1)
         finally:
             quick.close()
+
+
+def test_a_unit_left_by_a_killed_predecessor_is_replaced_even_when_it_vanishes_meanwhile(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The node still has the first unit's id pending from a publish of a killed predecessor: the worker's write
+    gets ``Conflict`` and it deletes that unit, but the publish ends (aborted) just before the delete, which then
+    finds nothing. The worker writes the unit anyway and registers it (CI's chaos run once died of the
+    ``NotFound``); with the unit still there, the delete takes it and the write goes through."""
+    (tmp_path / "weights").mkdir()
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        node = cluster.stores[0]
+        predecessor = StoreClient(node.endpoint)
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir, sources=(SourceProfile(name="a"),)))
+        deletes: list[str] = []
+        delete = worker.writer.client.delete
+
+        def predecessor_aborted_first(job: str, unit_id: str) -> None:
+            if not deletes:  # the predecessor's publish ends, aborted, right before the first delete
+                predecessor.delete(job, unit_id)
+            deletes.append(unit_id)
+            delete(job, unit_id)
+
+        worker.writer.client.delete = predecessor_aborted_first  # type: ignore[method-assign]
+        try:
+            predecessor.reserve_units(JOB, [("u-w0-g0", 1 << 16), ("u-w0-g1", 1 << 16)])  # publishes in flight
+            assert worker.run(max_groups=2) == 2
+        finally:
+            worker.close()
+            predecessor.close()
+        assert deletes == ["u-w0-g0", "u-w0-g1"]  # the first found nothing, the second took the pending unit
+        assert sum(control.status(JOB)["counts"]["groups_by_status"].values()) == 2
+        with StoreClient(node.endpoint) as store:
+            assert sorted(u["unit_id"] for u in store.list_units(JOB)) == ["u-w0-g0", "u-w0-g1"]

@@ -61,6 +61,35 @@ def test_writer_refuses_a_store_dir_that_is_not_the_nodes(start_server: Start, t
     assert server.store.stats()["pending"] == 0
 
 
+@pytest.mark.parametrize("shared_dir", [True, False], ids=["publish", "doput"])
+def test_a_unit_id_the_node_has_is_refused_and_the_existing_unit_kept(
+    start_server: Start, store_dir: Path, shared_dir: bool
+) -> None:
+    """Writing a unit id the node already holds gets Conflict and leaves that unit as it was: the refused write
+    must not clean up what is not its own (it deleted it). The units of the same call before the refused one are
+    removed; a pending unit a same-host publish is refused stays too."""
+    server = start_server()
+    kw = {"store_dir": store_dir} if shared_dir else {}
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, **kw)  # type: ignore[arg-type]
+    first = writer.write_groups(make_groups(2, 4, prefix="a"), unit_id="u1")
+    before = fetch([_read(server, "u1")])
+    with pytest.raises(Conflict, match="'u1' of job 'job' already exists"):
+        writer.write_groups(make_groups(2, 4, prefix="b"), unit_id="u1")
+    assert server.store.get("job", "u1").num_bytes == first.num_bytes
+    assert fetch([_read(server, "u1")]).equals(before)
+    units = [(u, build_unit_tables(make_groups(1, 4, prefix=u))) for u in ("u3", "u1")]
+    with pytest.raises(Conflict, match="'u1' of job 'job' already exists"):
+        writer.write_tables_many(units)
+    assert fetch([_read(server, "u1")]).equals(before)
+    assert sorted(u.unit_id for u in server.store.units("job")) == ["u1"]  # u3, before the refused one, is gone
+    assert server.store.stats()["pending"] == 0
+    if shared_dir:  # a same-host publish is refused a pending unit too (a DoPut takes over a pending upload)
+        server.store.begin("job", "u2")  # another writer's unit in the middle of its upload
+        with pytest.raises(Conflict, match="'u2' of job 'job' already exists"):
+            writer.write_groups(make_groups(1, 4, prefix="e"), unit_id="u2")
+        assert server.store.stats()["pending"] == 1  # u2's, still there
+
+
 def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store_dir: Path) -> None:
     """The reserve action applies the node's budget to same-host writers: OverBudget after the timeout."""
     t = build_unit_tables(make_groups(20, 4))

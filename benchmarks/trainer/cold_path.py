@@ -19,6 +19,12 @@ synthetic compute step per micro-batch), which chose the default.
 
     python benchmarks/trainer/cold_path.py [--runs 3] [--warm 8] [--depths 1,2,4,8] [--out DIR]
 
+The rollout side (writing each mini-batch's units, registering them) runs in a process of its own by
+default (``--rollout process``), as it does in a deployment: registered from the rank's own process
+(``--rollout in-process``, what this script did before), the registration's request and answer take
+the GIL from the rank's threads inside the measured window, and the writer's garbage (its units'
+tables and descriptors) starts collections in the rank's process.
+
 Writes ``cold_path.json`` and ``cold_path.md`` under ``--out`` (default benchmarks/trainer/results).
 """
 
@@ -30,6 +36,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -72,8 +79,89 @@ VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "default": (
 """variant -> (warm_connections, poll_early)."""
 
 
+def write_steps(name: str, steps: int, stores: list[dict[str, str]]) -> list[list[Any]]:
+    """Each step's units (one per group, spread over the stores), written and sealed, not registered."""
+    writers = [
+        TrajectoryWriter(job=name, node_id=s["node_id"], endpoint=s["endpoint"], store_dir=s["store_dir"])
+        for s in stores
+    ]
+    try:
+        return [
+            [writers[g % len(writers)].write_groups([grp]) for g, grp in enumerate(groups(f"{name}s{step}", step))]
+            for step in range(steps)
+        ]
+    finally:
+        for w in writers:
+            w.close()
+
+
+class Rollout:
+    """The rollout side of one run: writes every step's units, then registers one step on request.
+
+    ``process``: in a child process (``--rollout-child``), as in a deployment; ``in-process``: here.
+    """
+
+    def __init__(self, mode: str, cluster: LocalCluster, name: str, steps: int) -> None:
+        stores = [{"node_id": s.node_id, "endpoint": s.endpoint, "store_dir": str(s.store_dir)} for s in cluster.stores]
+        self.child: subprocess.Popen[str] | None = None
+        self.control = None
+        if mode == "in-process":
+            self.control = cluster.control()
+            self.descs = write_steps(name, steps, stores)
+            return
+        self.child = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--rollout-child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._ask({"job": name, "steps": steps, "stores": stores, "control_url": cluster.control_url})
+
+    def _ask(self, message: dict[str, Any]) -> None:
+        assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps(message) + "\n")
+        self.child.stdin.flush()
+        answer = self.child.stdout.readline()
+        if answer.strip() != "ok":
+            raise RuntimeError(f"rollout child: {answer!r} (exit {self.child.poll()})")
+
+    def register(self, name: str, step: int) -> None:
+        if self.control is not None:
+            self.control.register_units(name, self.descs[step])
+        else:
+            self._ask({"register": step})
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        if self.child is not None:
+            assert self.child.stdin is not None
+            self.child.stdin.close()
+            self.child.wait(30)
+
+
+def rollout_child() -> None:
+    """``--rollout-child``: the first stdin line writes a run's units, each later one registers a step."""
+    from knittrans.controlclient import ControlClient
+
+    first = json.loads(sys.stdin.readline())
+    descs = write_steps(first["job"], first["steps"], first["stores"])
+    with ControlClient(first["control_url"]) as control:
+        print("ok", flush=True)
+        for line in sys.stdin:
+            control.register_units(first["job"], descs[json.loads(line)["register"]])
+            print("ok", flush=True)
+
+
 def run_once(
-    cluster: LocalCluster, name: str, *, variant: str, warm: int, depth: int = 2, compute_s: float = 0.0
+    cluster: LocalCluster,
+    name: str,
+    *,
+    variant: str,
+    warm: int,
+    depth: int = 2,
+    compute_s: float = 0.0,
+    rollout: str = "process",
 ) -> dict[str, Any]:
     """One fresh job and client: ``1 + warm`` mini-batches, each registered while the loop waits."""
     control = cluster.control()
@@ -90,17 +178,8 @@ def run_once(
             "total_steps": steps,
         }
     )
-    descs = []
-    writers = [
-        TrajectoryWriter(job=name, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir)
-        for s in cluster.stores
-    ]
-    for step in range(steps):  # one unit per group, spread over both stores
-        descs.append(
-            [writers[g % len(writers)].write_groups([grp]) for g, grp in enumerate(groups(f"{name}s{step}", step))]
-        )
-    for w in writers:
-        w.close()
+    control.close()
+    side = Rollout(rollout, cluster, name, steps)
     records: list[dict[str, Any]] = []
     waits: list[float] = []
     done = threading.Event()
@@ -150,14 +229,14 @@ def run_once(
     try:
         for step in range(steps):
             time.sleep(0.4)  # the loop (or its successor poll) is waiting; connections idle
-            control.register_units(name, descs[step])
+            side.register(name, step)
             while not acked.acquire(timeout=0.1):
                 if done.is_set():
                     raise RuntimeError(f"trainer loop ended early: {errors}")
         done.wait(30)
     finally:
         client.close()
-        control.close()
+        side.close()
     if errors:
         raise errors[0]
     for i, r in enumerate(records):
@@ -201,7 +280,17 @@ def main() -> None:
     ap.add_argument("--depths", default="1,2,4,8", help="prefetch_depth values for the steady-state sweep ('' = skip)")
     ap.add_argument("--compute-ms", type=float, default=20.0, help="synthetic compute per micro-batch in the sweep")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument(
+        "--rollout",
+        choices=("process", "in-process"),
+        default="process",
+        help="where the units are written and registered: a process of their own (default) or the rank's",
+    )
+    ap.add_argument("--rollout-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rollout_child:
+        rollout_child()
+        return
     start_load = os.getloadavg()
     result: dict[str, Any] = {
         "workload": {
@@ -214,6 +303,7 @@ def main() -> None:
             "ranks": 1,
             "runs": args.runs,
             "warm_per_run": args.warm,
+            "rollout": args.rollout,
         },
         "variants": {},
         "depth_sweep": {},
@@ -222,7 +312,9 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for r in range(args.runs):  # variants interleaved, so load drifts hit all alike
             for variant in VARIANTS:
-                runs[variant].append(run_once(cl, f"cp-{variant}-{r}", variant=variant, warm=args.warm))
+                runs[variant].append(
+                    run_once(cl, f"cp-{variant}-{r}", variant=variant, warm=args.warm, rollout=args.rollout)
+                )
         for variant, rs in runs.items():
             result["variants"][variant] = {
                 kind: {
@@ -235,7 +327,15 @@ def main() -> None:
         for d in [int(x) for x in args.depths.split(",") if x]:
             per_run = []
             for r in range(args.runs):
-                out = run_once(cl, f"cp-d{d}-{r}", variant="default", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
+                out = run_once(
+                    cl,
+                    f"cp-d{d}-{r}",
+                    variant="default",
+                    warm=3,
+                    depth=d,
+                    compute_s=args.compute_ms / 1e3,
+                    rollout=args.rollout,
+                )
                 per_run.append(1e3 * float(np.mean(out["waits"])) if out["waits"] else 0.0)
             result["depth_sweep"][str(d)] = {
                 "mean_wait_ms_per_micro_batch": statistics.median(per_run),
@@ -250,7 +350,8 @@ def main() -> None:
         f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs, load average "
         f"{start_load[0]:.1f} at start / {result['machine']['loadavg'][0]:.1f} at end; "
         f"OMP_NUM_THREADS={result['machine']['omp_num_threads']}. {args.runs} runs per variant, "
-        f"1 cold + {args.warm} warm mini-batches each (32 text trajectories, 4 micro-batches, 2 stores).",
+        f"1 cold + {args.warm} warm mini-batches each (32 text trajectories, 4 micro-batches, 2 stores); "
+        f"rollout (writes, registrations): {args.rollout}.",
         "",
         "| variant | kind | ready p50 ms | p99 ms | mean ms | median of run p50s | plan delivered p50 ms |",
         "|---|---|---|---|---|---|---|",

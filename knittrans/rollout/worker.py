@@ -28,6 +28,7 @@ unit the dying store had sealed is replaced on the retry (never registered, so n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -43,7 +44,7 @@ import numpy as np
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, Unavailable
+from knittrans.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from knittrans.lifecycle import ADMITTING, TERMINAL
 from knittrans.names import check_name
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[[str, np.ndarray, np.ndarray], float]
 """``reward(source, prompt_ids, response_ids) -> float``."""
 T = TypeVar("T")
+
+_REPLACE_ATTEMPTS = 3
+"""Writes of a unit whose id the node already has (each after deleting that unit), before giving up."""
 
 
 def _stable_seed(*parts: object) -> int:
@@ -382,18 +386,34 @@ class RolloutWorker:
         groups = self.generate(source, group_ids)
         unit_id = f"u-{group_ids[0]}"
 
-        def store() -> UnitDescriptor:
-            try:
-                return self.writer.write_groups(groups, unit_id=unit_id)
-            except Conflict:  # sealed just before a crash (ours or the store's), never registered: replace it
-                self.writer.client.delete(self.config.job, unit_id)
-                return self.writer.write_groups(groups, unit_id=unit_id)
-
-        descriptor = self._on_store(store)
+        descriptor = self._on_store(lambda: self._store_replacing(groups, unit_id))
         self._state.sealed[unit_id] = descriptor.to_dict()
         self._save_state()
         self._register(unit_id)
         self.groups_written += len(group_ids)
+
+    def _store_replacing(self, groups: list[TrajectoryGroup], unit_id: str) -> UnitDescriptor:
+        """Write ``groups`` as ``unit_id``, replacing a unit of that id the node already has.
+
+        Such a unit is what a crash left, never registered (a sealed unit's descriptor is saved in the
+        state file before it is registered, and a restart registers those instead): sealed just before
+        the crash (ours or the store's), or still being published by this worker's killed predecessor,
+        whose publish may end, sealed or aborted, at any moment. So the
+        delete may find nothing (that publish was aborted meanwhile), and the write may meet it once
+        more (it sealed between the delete and the write): both are retried, a few times.
+        """
+        for attempt in range(_REPLACE_ATTEMPTS):
+            try:
+                return self.writer.write_groups(groups, unit_id=unit_id)
+            except Conflict as exc:
+                if attempt == _REPLACE_ATTEMPTS - 1:
+                    raise
+                logger.info(
+                    "%s: unit %s is on the node already (%s): replacing it", self.config.worker_id, unit_id, exc
+                )
+            with contextlib.suppress(NotFound):  # gone meanwhile: the predecessor's publish was aborted
+                self.writer.client.delete(self.config.job, unit_id)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _on_store(self, call: Callable[[], T]) -> T:
         """``call()`` against the store node, retried under ``store_retry`` while the node cannot be reached

@@ -412,11 +412,19 @@ class TrajectoryWriter:
             grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
         seals: list[dict[str, Any]] = []
         parents: dict[str, Path] = {}  # the units' directories share a parent (<root>/<job>): resolve it once
+        # the units this call holds on the node, to remove on failure: all of them once reserved; over DoPut
+        # each one from its upload on, unless the node refused it as a unit it already had (not this call's)
+        owned = [uid for uid, _ in units] if self.store_dir is not None else []
         try:
             for k, (uid, t) in enumerate(units):
                 seal: dict[str, Any] = {"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows}
                 if self.store_dir is None:
-                    self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
+                    owned.append(uid)
+                    try:
+                        self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
+                    except Conflict:
+                        owned.pop()
+                        raise
                 else:
                     granted = Path(grants[k]["dir"])
                     parent = parents.get(str(granted.parent))
@@ -432,7 +440,7 @@ class TrajectoryWriter:
                 seals.append(seal)
             return self.client.seal_units(self.job, seals)
         except BaseException:
-            self._abort([uid for uid, _ in units])
+            self._abort(owned)
             raise
 
     def _write_temps(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
@@ -472,7 +480,11 @@ class TrajectoryWriter:
                 logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
                 self._one_trip = False
                 return self.write_tables_many(units)
-            self._abort([uid for uid, _ in units])
+            if not isinstance(exc, Conflict):
+                # Conflict: the node refused, already holding a unit of one of these ids, which is not
+                # this call's (another writer's, or one a crash left) and must not be deleted here. On any
+                # refusal the node has undone what the call did; what an error in transit left is removed.
+                self._abort([uid for uid, _ in units])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:
