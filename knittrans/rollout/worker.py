@@ -398,9 +398,9 @@ class RolloutWorker:
         Such a unit is what a crash left, never registered (a sealed unit's descriptor is saved in the
         state file before it is registered, and a restart registers those instead): sealed just before
         the crash (ours or the store's), or still being published by this worker's killed predecessor,
-        whose publish may end, sealed or aborted, at any moment. So the
-        delete may find nothing (that publish was aborted meanwhile), and the write may meet it once
-        more (it sealed between the delete and the write): both are retried, a few times.
+        whose publish may end, sealed or aborted, at any moment. So the delete may find nothing (that
+        publish was aborted meanwhile), and the write may meet the unit once more (it was sealed between
+        the delete and the write): both are retried, a few times.
         """
         for attempt in range(_REPLACE_ATTEMPTS):
             try:
@@ -435,7 +435,8 @@ class RolloutWorker:
             self.control.register_units(self.config.job, [descriptor])
         except Conflict as exc:  # a group of it is registered already: the first incarnation stands
             logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
-            self._on_store(lambda: self.writer.client.delete(self.config.job, unit_id))
+            with contextlib.suppress(NotFound):  # ours is gone already: nothing to remove
+                self._on_store(lambda: self.writer.client.delete(self.config.job, unit_id))
         for g in descriptor["groups"]:
             self._state.announced.pop(g["group_id"], None)
         del self._state.sealed[unit_id]
