@@ -402,18 +402,16 @@ class RolloutWorker:
         publish was aborted meanwhile), and the write may meet the unit once more (it was sealed between
         the delete and the write): both are retried, a few times.
         """
-        for attempt in range(_REPLACE_ATTEMPTS):
+        for _ in range(_REPLACE_ATTEMPTS - 1):
             try:
                 return self.writer.write_groups(groups, unit_id=unit_id)
             except Conflict as exc:
-                if attempt == _REPLACE_ATTEMPTS - 1:
-                    raise
                 logger.info(
                     "%s: unit %s is on the node already (%s): replacing it", self.config.worker_id, unit_id, exc
                 )
             with contextlib.suppress(NotFound):  # gone meanwhile: the predecessor's publish was aborted
                 self.writer.client.delete(self.config.job, unit_id)
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self.writer.write_groups(groups, unit_id=unit_id)  # a last Conflict is raised
 
     def _on_store(self, call: Callable[[], T]) -> T:
         """``call()`` against the store node, retried under ``store_retry`` while the node cannot be reached

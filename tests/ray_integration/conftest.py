@@ -55,9 +55,7 @@ if HAVE_RAY:
         """
         yield
         deadline = time.monotonic() + 5.0
-        while True:
-            left = [_named(t) for t in threading.enumerate() if _ours_to_stop(t)]
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        for thread in [t for t in threading.enumerate() if _ours_to_stop(t)]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = [_named(t) for t in threading.enumerate() if _ours_to_stop(t)]
         assert not left, f"threads still running after the Ray tests: {left}"
