@@ -34,7 +34,8 @@ def test_local_and_remote_writers_store_the_same_unit(start_server: Start, store
     groups = make_groups(3, 4)
     local = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir)
     remote = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint)
-    a, b = local.write_groups(groups, unit_id="a"), remote.write_groups(groups, unit_id="b")
+    with local, remote:
+        a, b = local.write_groups(groups, unit_id="a"), remote.write_groups(groups, unit_id="b")
     assert isinstance(a, UnitDescriptor) and a.schema_version == SCHEMA_VERSION
     assert UnitDescriptor.from_dict(a.to_dict()) == a
     assert (store_dir / "job" / "a" / "traj.arrow").exists()
@@ -106,9 +107,9 @@ def test_fetch_across_nodes_keeps_read_order_and_local_equals_flight(start_serve
     servers = [start_server(root=d, node_id=f"node-{i}") for i, d in enumerate(dirs)]
     units = {}
     for i, s in enumerate(servers):
-        w = TrajectoryWriter(job="job", node_id=s.config.node_id, endpoint=s.endpoint, store_dir=dirs[i])
-        for k in range(2):
-            units[(i, k)] = w.write_groups(make_groups(2, 4, seed=10 * i + k, prefix=f"n{i}u{k}g")).unit_id
+        with TrajectoryWriter(job="job", node_id=s.config.node_id, endpoint=s.endpoint, store_dir=dirs[i]) as w:
+            for k in range(2):
+                units[(i, k)] = w.write_groups(make_groups(2, 4, seed=10 * i + k, prefix=f"n{i}u{k}g")).unit_id
     reads = [
         _read(servers[1], units[(1, 0)], ((1, 3),)),
         _read(servers[0], units[(0, 1)], ((0, 2), (6, 8))),

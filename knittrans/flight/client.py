@@ -112,6 +112,7 @@ class StoreClient:
         self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
         self._lane_host = urlsplit(endpoint).hostname or "127.0.0.1"
         self._lane_idle: list[socket.socket] = []  # connections to the lane between reads
+        self._lane_actions = True  # send publish_units on the lane; False once the store's lane refused it
         self.batch_bytes = batch_bytes
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         if endpoint.startswith("grpc+tls://") and ca:
@@ -193,12 +194,17 @@ class StoreClient:
             else:
                 self._lane_failures = 0
                 return table
+        self._lane_down(failure, "reading it through DoGet")
+        return None
+
+    def _lane_down(self, failure: Exception, instead: str) -> None:
+        """Count a failed lane connect: reads and actions skip the lane for a while (doubling up to
+        ``LANE_RETRY_MAX_S`` while it keeps failing)."""
         self._lane_failures += 1
         wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
         self._lane_down_until = time.monotonic() + wait
         log = logger.warning if self._lane_failures == 1 else logger.debug
-        log("%s; reading it through DoGet (lane tried again after %.0f s)", failure, wait)
-        return None
+        log("%s; %s (lane tried again after %.0f s)", failure, instead, wait)
 
     def _lane_moved(self) -> bool:
         """Ask the store for its lane's port again (a restarted store opens its lane on a new port);
@@ -437,7 +443,54 @@ class StoreClient:
         body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        return list(self._action("publish_units", body)["units"])
+        answer = self._lane_action_or_none("publish_units", body) if self.data_lane else None
+        if answer is None:
+            answer = self._action("publish_units", body)
+        return list(answer["units"])
+
+    def _lane_action_or_none(self, kind: str, body: dict[str, Any]) -> Any:
+        """``kind`` sent on the store's data lane: its answer; None when it was not sent or not done there
+        (no lane, one that failed to connect lately or serves reads only, a connection that would not
+        take it): the caller sends it over Flight. Errors the store answered are raised."""
+        if not self._lane_actions or not self.lane_reachable():
+            return None
+        port = self._lane_port
+        assert isinstance(port, int)
+        payload = json.dumps(body).encode()
+        self._enter()
+        try:
+            for _ in range(2):  # a pooled connection the store closed meanwhile is retried once on a fresh one
+                try:
+                    conn, pooled = self._lane_connection(port)
+                except _LaneUnreachable as exc:
+                    self._lane_down(exc, f"sending {kind} over Flight")
+                    return None
+                ok = False
+                try:
+                    lane.send_action(conn, self._authorization, kind, payload)
+                    answer = lane.read_action_answer(conn)
+                    ok = True
+                    return json.loads(answer)
+                except lane.NoLaneActions:
+                    logger.info("data lane of store %s serves no actions: %s over Flight now", self.endpoint, kind)
+                    self._lane_actions = False
+                    return None
+                except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
+                    # closed before any answer: a pooled connection the store dropped as idle (not
+                    # processed: try a fresh one), or a store going away (a fresh connection fails too)
+                    if not pooled:
+                        raise Unavailable(f"data lane of store {self.endpoint} closed during {kind}: {exc}") from None
+                    with self._lock:
+                        stale, self._lane_idle = self._lane_idle, []
+                    for old in stale:
+                        old.close()
+                except (lane.NotALane, lane.LaneSilent, OSError) as exc:
+                    raise Unavailable(f"data lane of store {self.endpoint} failed during {kind}: {exc}") from None
+                finally:
+                    self._lane_release(conn, ok)
+            raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
+        finally:
+            self._leave()
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""

@@ -149,12 +149,16 @@ def _mapped(fn: F) -> F:
 
 
 def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
+    return _body_of(action.type, action.body.to_pybytes(), *keys)
+
+
+def _body_of(kind: str, raw: bytes, *keys: str) -> dict[str, Any]:
     try:
-        body = json.loads(action.body.to_pybytes() or b"{}")
+        body = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidRequest(f"action {action.type!r}: body is not JSON: {exc}") from None
+        raise InvalidRequest(f"action {kind!r}: body is not JSON: {exc}") from None
     if not isinstance(body, dict) or any(k not in body for k in keys):
-        raise InvalidRequest(f"action {action.type!r}: body must be a JSON object with keys {list(keys)}")
+        raise InvalidRequest(f"action {kind!r}: body must be a JSON object with keys {list(keys)}")
     return body
 
 
@@ -218,7 +222,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         if config.data_lane and tls is None:
             try:
                 port = config.data_lane_port or 0
-                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth)
+                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth, act=self.lane_action)
             except BaseException:
                 super().shutdown()
                 raise
@@ -369,20 +373,12 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             return _json({"node_id": self.config.node_id, **self.store.stats()})
         if kind == "data_lane":
             return _json({"port": self.lane.port if self.lane is not None else None})
-        if kind in ("reserve_units", "seal_units", "publish_units"):
+        if kind == "publish_units":
+            return [self._publish_units(action.body.to_pybytes(), context.is_cancelled)]
+        if kind in ("reserve_units", "seal_units"):
             body = _body(action, "job", "units")
             job = check_name(body["job"], "job")
             entries = _unit_entries(kind, body["units"])
-            if kind == "publish_units":
-                timeout = _timeout(kind, body.get("timeout_s"))
-                units = []
-                for uid, e in entries:
-                    if not isinstance(e.get("dir"), str) or not e["dir"]:
-                        raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
-                    counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
-                    units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
-                published = self.store.publish_units(job, units, timeout=timeout, abandoned=context.is_cancelled)
-                return _json({"units": [u.info() for u in published]})
             if kind == "seal_units":
                 specs = [
                     SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
@@ -418,6 +414,29 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 raise Conflict(f"reservation for unit {unit_id!r} abandoned by its caller")
             return _json({"dir": str(pending.dir), "spilled": pending.spilled})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
+
+    def _publish_units(self, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
+        """The ``publish_units`` action (over Flight or the data lane): its JSON body ``raw`` checked,
+        the units published (:meth:`UnitStore.publish_units`); the JSON answer."""
+        kind = "publish_units"
+        body = _body_of(kind, raw, "job", "units")
+        job = check_name(body["job"], "job")
+        timeout = _timeout(kind, body.get("timeout_s"))
+        units = []
+        for uid, e in _unit_entries(kind, body["units"]):
+            if not isinstance(e.get("dir"), str) or not e["dir"]:
+                raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
+            counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
+            units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
+        published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
+        return json.dumps({"units": [u.info() for u in published]}).encode()
+
+    def lane_action(self, kind: str, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
+        """An action sent on the data lane: ``publish_units`` only (every other action is refused, naming
+        Flight); the same checks, work, answer and errors as the Flight action."""
+        if kind != "publish_units":
+            raise InvalidRequest(f"action {kind!r} is not served on the data lane: send it over Flight")
+        return self._publish_units(raw, abandoned)
 
     def _reserve_bytes(self, kind: str, unit_id: str, nbytes: Any) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

@@ -472,6 +472,7 @@ class RolloutWorker:
         return self.groups_written
 
     def close(self) -> None:
-        """Release the engine and clients."""
+        """Release the engine and clients (the writer's Flight channel and data-lane connection too)."""
         self.engine.close()
+        self.writer.close()
         self.control.close()
