@@ -314,15 +314,23 @@ def test_store_reserve_batch_is_all_or_none(store_dir: Path) -> None:
 
 
 class RecordingServer(StoreServer):
-    """A store server that records the action types it is asked for (to count round trips)."""
+    """A store server that records the action types it is asked for, over Flight or its data lane (to
+    count round trips; not ``data_lane``, the lane's lookup, once per client)."""
 
     def __init__(self, config: StoreServerConfig) -> None:
         super().__init__(config)
         self.actions: list[str] = []
+        self.lane_actions: list[str] = []
 
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
-        self.actions.append(action.type)
+        if action.type != "data_lane":
+            self.actions.append(action.type)
         return super().do_action(context, action)  # type: ignore[no-any-return]
+
+    def lane_action(self, kind: str, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
+        self.actions.append(kind)
+        self.lane_actions.append(kind)
+        return super().lane_action(kind, raw, abandoned)
 
 
 @pytest.fixture
@@ -411,11 +419,12 @@ def test_single_unit_actions_still_work(recording: RecordingServer, store_dir: P
 
 
 def test_write_units_uses_one_publish(recording: RecordingServer, store_dir: Path) -> None:
-    """Same host: one ``publish_units`` round trip for the call; every unit is what it holds."""
+    """Same host: one ``publish_units`` round trip for the call (on the node's data lane); every unit is
+    what it holds."""
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
     units = _units(4)
     descs = writer.write_units(units)
-    assert recording.actions == ["publish_units"]
+    assert recording.actions == ["publish_units"] and recording.lane_actions == ["publish_units"]
     assert sorted(p.name for p in (store_dir / "job").iterdir()) == sorted(d.unit_id for d in descs)
     assert [d.num_rows for d in descs] == [sum(g.num_responses for g in gs) for gs in units]
     for d, groups in zip(descs, units, strict=True):
@@ -494,7 +503,13 @@ def test_units_of_a_batch_are_views_of_one_buffer_and_put_as_their_rows(recordin
 
 
 class OldServer(RecordingServer):
-    """A store node from before ``publish_units``: it answers that action as an unknown one."""
+    """A store node from before ``publish_units``: it answers that action as an unknown one (and its
+    data lane, if any, serves no actions)."""
+
+    def __init__(self, config: StoreServerConfig) -> None:
+        super().__init__(config)
+        if self.lane is not None:
+            self.lane._act = None  # the lane as it was before lane actions
 
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
         if action.type == "publish_units":

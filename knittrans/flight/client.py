@@ -32,6 +32,7 @@ Every failure is re-raised as the :mod:`knittrans.errors` type the server raised
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -439,58 +440,102 @@ class StoreClient:
         or none. Each entry is ``{"unit", "dir"}`` (``dir``: ``<root>/<job>/.tmp-<unit>-w<hex>``, see
         :func:`knittrans.store.writer_temp_name`) plus the optional counts of :meth:`seal_units`; the
         sealed units' infos, in order (``timeout_s`` bounds the wait for budget). On failure the node
-        removes every temporary of the call and the units it sealed."""
+        removes every temporary of the call and the units it sealed. Sent over the store's data lane
+        when it has one (:meth:`publish_units_start`), else over Flight."""
+        finish = self.publish_units_start(job, units, timeout_s)
+        if finish is not None:
+            return finish()
         body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        answer = self._lane_action_or_none("publish_units", body) if self.data_lane else None
-        if answer is None:
-            answer = self._action("publish_units", body)
-        return list(answer["units"])
+        return list(self._action("publish_units", body)["units"])
 
-    def _lane_action_or_none(self, kind: str, body: dict[str, Any]) -> Any:
-        """``kind`` sent on the store's data lane: its answer; None when it was not sent or not done there
-        (no lane, one that failed to connect lately or serves reads only, a connection that would not
-        take it): the caller sends it over Flight. Errors the store answered are raised."""
-        if not self._lane_actions or not self.lane_reachable():
+    def publish_units_start(
+        self, job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None = None
+    ) -> Callable[[], list[dict[str, Any]]] | None:
+        """:meth:`publish_units` in two steps, over the store's data lane: the request is sent now and
+        the returned function waits for the answer (the caller works meanwhile, the node too, no thread
+        needed); call it exactly once. None: the client or the store has no lane, or it cannot be
+        reached: nothing was sent (call :meth:`publish_units`, over Flight). A lane that turns out to
+        serve no actions has the returned function make the call over Flight."""
+        body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        answer = self._lane_action_start("publish_units", body) if self.data_lane else None
+        if answer is None:
+            return None
+
+        def finish() -> list[dict[str, Any]]:
+            result = answer()
+            return list((result if result is not None else self._action("publish_units", body))["units"])
+
+        return finish
+
+    def _lane_action_start(self, kind: str, body: dict[str, Any]) -> Callable[[], Any] | None:
+        """Send ``kind`` on the store's data lane now; the returned function reads its answer (exactly once),
+        and returns None when the lane serves no actions (nothing was done: send it over Flight). None
+        here: nothing sent (no lane, one that failed to connect lately or serves no actions, a body
+        over the lane's limit). Errors the store answered are raised by the returned function."""
+        payload = json.dumps(body).encode()
+        if not self._lane_actions or len(payload) + len(kind) + 1 > lane.MAX_ACTION_BYTES or not self.lane_reachable():
             return None
         port = self._lane_port
         assert isinstance(port, int)
-        payload = json.dumps(body).encode()
         self._enter()
         try:
-            for _ in range(2):  # a pooled connection the store closed meanwhile is retried once on a fresh one
-                try:
-                    conn, pooled = self._lane_connection(port)
-                except _LaneUnreachable as exc:
-                    self._lane_down(exc, f"sending {kind} over Flight")
-                    return None
-                ok = False
-                try:
-                    lane.send_action(conn, self._authorization, kind, payload)
-                    answer = lane.read_action_answer(conn)
-                    ok = True
-                    return json.loads(answer)
-                except lane.NoLaneActions:
-                    logger.info("data lane of store %s serves no actions: %s over Flight now", self.endpoint, kind)
-                    self._lane_actions = False
-                    return None
-                except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
-                    # closed before any answer: a pooled connection the store dropped as idle (not
-                    # processed: try a fresh one), or a store going away (a fresh connection fails too)
-                    if not pooled:
-                        raise Unavailable(f"data lane of store {self.endpoint} closed during {kind}: {exc}") from None
-                    with self._lock:
-                        stale, self._lane_idle = self._lane_idle, []
-                    for old in stale:
-                        old.close()
-                except (lane.NotALane, lane.LaneSilent, OSError) as exc:
-                    raise Unavailable(f"data lane of store {self.endpoint} failed during {kind}: {exc}") from None
-                finally:
-                    self._lane_release(conn, ok)
-            raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
-        finally:
+            conn, pooled = self._lane_connection(port)
+        except _LaneUnreachable as exc:
             self._leave()
+            self._lane_down(exc, f"sending {kind} over Flight")
+            return None
+        except BaseException:
+            self._leave()
+            raise
+        with contextlib.suppress(OSError):  # a pooled connection the store closed: the answer's read finds out
+            lane.send_action(conn, self._authorization, kind, payload)
+        finished = False
+
+        def finish() -> Any:
+            nonlocal conn, pooled, finished
+            if finished:
+                raise RuntimeError(f"the answer to {kind} was read already")
+            finished = True
+            try:
+                for attempt in range(2):  # a pooled connection the store closed meanwhile: once more on a fresh one
+                    ok = False
+                    try:
+                        if attempt:
+                            lane.send_action(conn, self._authorization, kind, payload)
+                        answer = lane.read_action_answer(conn)
+                        ok = True
+                        return json.loads(answer)
+                    except lane.NoLaneActions:
+                        logger.info("data lane of store %s serves no actions: %s over Flight now", self.endpoint, kind)
+                        self._lane_actions = False
+                        return None
+                    except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
+                        # closed before any answer: a pooled connection the store dropped as idle (not
+                        # processed: try a fresh one), or a store going away (a fresh connection fails too)
+                        if not pooled:
+                            msg = f"data lane of store {self.endpoint} closed during {kind}: {exc}"
+                            raise Unavailable(msg) from None
+                        with self._lock:
+                            stale, self._lane_idle = self._lane_idle, []
+                        for old in stale:
+                            old.close()
+                    except (lane.NotALane, lane.LaneSilent, OSError) as exc:
+                        raise Unavailable(f"data lane of store {self.endpoint} failed during {kind}: {exc}") from None
+                    finally:
+                        self._lane_release(conn, ok)
+                    try:
+                        conn, pooled = self._lane_connection(port)
+                    except _LaneUnreachable as exc:
+                        raise Unavailable(f"{exc} (during {kind})") from None
+                raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
+            finally:
+                self._leave()
+
+        return finish
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""

@@ -37,7 +37,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -222,12 +222,27 @@ def write_units_across(
             errors[k] = exc
 
     threads: list[Future[None]] = []
+    answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
+
+    def read_answers() -> None:  # the nodes' answers to the requests sent on their lanes, every one read
+        for k, answer in answers.items():
+            try:
+                infos[k] = answer()
+            except BaseException as exc:  # handed to the caller below
+                errors[k] = exc
+        answers.clear()
+
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
         for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, [None] * len(units), tabs))
             if staged[k].ids:
-                threads.append(_send_async(send, k))
+                answer = writer._send_start(staged[k])  # on the node's data lane: the request is out now
+                if answer is not None:
+                    answers[k] = answer
+                else:  # over Flight or DoPut: the call waits in a sender thread
+                    threads.append(_send_async(send, k))
     except BaseException:
+        read_answers()
         for t in threads:
             t.result()
         for (writer, _), st, info in zip(batches, staged, infos, strict=False):
@@ -240,6 +255,7 @@ def write_units_across(
     except BaseException as exc:
         errors.insert(0, exc)
     finally:
+        read_answers()
         for t in threads:
             t.result()
     failed = next((e for e in errors if e is not None), None)
@@ -333,6 +349,19 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
+        answer = self._send_start(staged)
+        if answer is not None:  # sent on the node's data lane: describe while the node works, then read
+            try:
+                drafts = self._describe(staged)
+            except BaseException:
+                try:
+                    answer()
+                except BaseException:
+                    pass  # not stored: its failure handling removed what there was
+                else:
+                    self._abort(staged.ids)  # stored, but describing failed: the units go too
+                raise
+            return _with_sizes(drafts, answer())
         # same host: the files are written; a sender thread waits on the node (the GIL free) while this one
         # describes the units; a unit's byte count comes from the node
         stored: list[list[dict[str, Any]]] = []
@@ -382,6 +411,30 @@ class TrajectoryWriter:
         if staged.entries is None:
             return self.write_tables_many(pairs)
         return self._publish_temps(pairs, staged.entries)
+
+    def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]] | None:
+        """Same host, a node with a data lane: :meth:`_send` in two steps, the ``publish_units`` request
+        sent now; the returned function reads the answer (with :meth:`_publish_temps`'s handling of a
+        failure). None: nothing sent (no written temporaries, or no lane: use :meth:`_send`)."""
+        if staged.entries is None:
+            return None
+        pairs = list(zip(staged.ids, staged.tables, strict=True))
+        entries = staged.entries
+        try:
+            answer = self.client.publish_units_start(self.job, entries, timeout_s=self.timeout_s)
+        except BaseException as exc:
+            failed = exc
+            return lambda: self._publish_failed(pairs, entries, failed)
+        if answer is None:
+            return None
+
+        def read() -> list[dict[str, Any]]:
+            try:
+                return answer()
+            except BaseException as exc:
+                return self._publish_failed(pairs, entries, exc)
+
+        return read
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
@@ -474,18 +527,26 @@ class TrajectoryWriter:
         try:
             return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:
-            for e in entries:
-                shutil.rmtree(e["dir"], ignore_errors=True)
-            if isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc):
-                logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
-                self._one_trip = False
-                return self.write_tables_many(units)
-            if not isinstance(exc, Conflict):
-                # Conflict: the node refused, already holding a unit of one of these ids, which is not
-                # this call's (another writer's, or one a crash left) and must not be deleted here. On any
-                # refusal the node has undone what the call did; what an error in transit left is removed.
-                self._abort([uid for uid, _ in units])
-            raise
+            return self._publish_failed(units, entries, exc)
+
+    def _publish_failed(
+        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]], exc: BaseException
+    ) -> list[dict[str, Any]]:
+        """After ``publish_units`` of the temporaries failed with ``exc``: remove them and the units, and
+        raise ``exc``; for a node that predates ``publish_units``, store the units by ``reserve_units``
+        and ``seal_units`` instead (their infos)."""
+        for e in entries:
+            shutil.rmtree(e["dir"], ignore_errors=True)
+        if isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc):
+            logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
+            self._one_trip = False
+            return self.write_tables_many(units)
+        if not isinstance(exc, Conflict):
+            # Conflict: the node refused, already holding a unit of one of these ids, which is not
+            # this call's (another writer's, or one a crash left) and must not be deleted here. On any
+            # refusal the node has undone what the call did; what an error in transit left is removed.
+            self._abort([uid for uid, _ in units])
+        raise exc
 
     def _abort(self, unit_ids: Sequence[str]) -> None:
         """Remove units of a failed write from the node (sealed or pending; gone already is fine)."""
