@@ -424,16 +424,21 @@ def send_action(sock: socket.socket, authorization: bytes, kind: str, body: byte
     sock.sendall(_REQUEST.pack(ACTION_MAGIC, len(authorization), len(payload)) + authorization + payload)
 
 
+def _error_text(sock: socket.socket, length: int) -> str:
+    """The message of an error answer whose header said ``length`` bytes."""
+    if length > MAX_ERROR_BYTES:
+        raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
+    body = bytearray(length)
+    _recv_into(sock, memoryview(body), "error message")
+    return body.decode(errors="replace")
+
+
 def read_action_answer(sock: socket.socket) -> bytes:
     """Read an action's answer: its result (JSON bytes), or raise: :class:`NoLaneActions` when the lane
     serves reads only (nothing was done), else as :func:`read_answer`."""
     _, status, length = _answer_head(sock)
     if status == ERROR:
-        if length > MAX_ERROR_BYTES:
-            raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
-        body = bytearray(length)
-        _recv_into(sock, memoryview(body), "error message")
-        text = body.decode(errors="replace")
+        text = _error_text(sock, length)
         if f"starts with {ACTION_MAGIC!r}" in text:
             raise NoLaneActions(text)
         raise from_error_message(text) or KnitTransError(f"data lane: {text}")
@@ -501,11 +506,7 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
     """
     _, status, length = _answer_head(sock)
     if status == ERROR:
-        if length > MAX_ERROR_BYTES:
-            raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
-        body = bytearray(length)
-        _recv_into(sock, memoryview(body), "error message")
-        text = body.decode(errors="replace")
+        text = _error_text(sock, length)
         raise from_error_message(text) or KnitTransError(f"data lane: {text}")
     if pool is None:
         buf = pa.allocate_buffer(length)

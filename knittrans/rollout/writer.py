@@ -16,7 +16,9 @@ Same host (``store_dir`` given): the writer writes each unit's two IPC files int
 temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
 one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
 (waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
-place, all or none. A node that predates ``publish_units`` gets the former two round trips
+place, all or none. That request goes over the node's data lane when it has one, sent from the
+caller's thread, its answer read once the units are described (over Flight, a sender thread waits
+on the call meanwhile). A node that predates ``publish_units`` gets the former two round trips
 (``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
 over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
 one Arrow table cut into a slice per unit
@@ -184,9 +186,11 @@ def write_units_across(
 
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
     units are built together (as one ``write_units`` call builds its units); then, node by node, a
-    same-host writer's IPC files are written into its temporaries and the node's round trip starts in a
-    sender thread (kept between calls; ``publish_units``, or the ``DoPut`` upload), so that the nodes work at once while
-    this thread writes the next node's files and then describes all the units; all the descriptors
+    same-host writer's IPC files are written into its temporaries and the node's round trip starts: its
+    ``publish_units`` request sent on the node's data lane, or the call (over Flight, or the ``DoPut``
+    upload) handed to a sender thread (kept between calls), so that the nodes work at once while this
+    thread writes the next node's files and then describes all the units (lane answers are read after
+    that); all the descriptors
     are registered with ``control`` (default: the first writer's that has one; none at all: not
     registered) in one request; descriptors per pair, in order.
 
