@@ -35,13 +35,13 @@ error frame, which is as good an answer). Plain TCP only: a store with TLS refus
 Actions (``KTA1``): the store's ``publish_units``, the same-host writer's one round trip per put, is
 served here too (:func:`send_action`, :func:`read_action_answer`), with the same token check and
 the same result and errors as the Flight action; every other action stays on Flight. Why: on this
-project's 2-core VMs a Flight call to a store that idled for 10 ms or more takes about 1.1 ms
-before any work (about 0.35 ms back to back), a lane request about 0.25 ms: gRPC hands a call across
-several threads, each wake-up a cross-CPU one, where the lane's connection thread is woken straight
-by its socket. A body is at most :data:`MAX_ACTION_BYTES`. A lane without actions (a store from
-before them, or one given no ``act``) refuses ``KTA1`` as a request that is not a lane request,
-naming the magic, and closes the connection; clients then keep to Flight for actions
-(:class:`NoLaneActions`).
+project's 2-core VMs a Flight call to a store that idled for 10 ms takes about 1.4 ms before any
+work (about 0.5 ms back to back), a lane request about 0.3 ms
+(``benchmarks/transfer/results/round_trips.md``): gRPC hands a call across several threads, where
+the lane's connection thread is woken straight by its socket. A body is at most
+:data:`MAX_ACTION_BYTES`. A lane without actions (a store from before them, or one given no ``act``)
+refuses ``KTA1`` as a request that is not a lane request, naming the magic, and closes the
+connection; clients then keep to Flight for actions (:class:`NoLaneActions`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ MAX_AUTH_BYTES = 4096
 """Longest ``authorization`` value a lane request may carry."""
 MAX_ACTION_BYTES = 4 << 20
 """Longest action request (type, separator and JSON body) and action answer."""
-
 MAX_ERROR_BYTES = 1 << 16
 """Longest error message an answer may carry (the client refuses longer ones as malformed)."""
 OK, ERROR = 0, 1
