@@ -15,6 +15,7 @@ from data_support import make_groups
 
 from knittrans.errors import Conflict, InvalidRequest, Unauthenticated
 from knittrans.flight import StoreClient, StoreServer, lane
+from knittrans.flight.lane import LaneServer
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
 from knittrans.tickets import Ticket, UnitRead
@@ -149,3 +150,30 @@ def test_a_pooled_lane_connection_the_store_dropped_is_replaced(start_server: St
         (d,) = w.write_units(_units("b", 1))
     assert server.lane.actions_served == 2
     assert _read_all(server, d.unit_id) == 8
+
+
+def test_a_store_restarted_with_its_lane_on_a_new_port_takes_the_next_publish_there(
+    start_server: Start, store_dir: Path
+) -> None:
+    """A store restarted on its Flight port opens its lane on a new port. The writer's pooled connection
+    to the old lane is closed and the old port refuses: the writer asks the store for the port again
+    and publishes over the new lane in the same call, with no failure and nothing sent over Flight."""
+    server = start_server(token=TOKEN)
+    assert server.lane is not None
+    with _writer(server, store_dir) as w:
+        w.write_units(_units("a", 1))  # the lane connection is now pooled
+        old = server.lane.port
+        server.lane.close()
+        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_action)
+        assert server.lane.port != old
+        (d,) = w.write_units(_units("b", 1))
+        assert server.lane.actions_served == 1 and w.client.lane_port() == server.lane.port
+        for conn in w.client._lane_idle:  # no pooled connection this time, only the port known
+            conn.close()
+        w.client._lane_idle.clear()
+        old = server.lane.port
+        server.lane.close()
+        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_action)
+        (e,) = w.write_units(_units("c", 1))
+        assert server.lane.actions_served == 1 and w.client._lane_failures == 0
+    assert [_read_all(server, u.unit_id) for u in (d, e)] == [8, 8]

@@ -304,6 +304,20 @@ class StoreClient:
             lane.socket_timeouts(conn, self._timeout_s)
         return conn, False
 
+    def _lane_connection_or_moved(self) -> tuple[socket.socket, bool]:
+        """A connection to the lane (pooled or new); when its port cannot be reached, one to the port the
+        store names now, if another (a store restarted on its Flight port opens its lane on a new one)."""
+        port = self._lane_port
+        assert isinstance(port, int)
+        try:
+            return self._lane_connection(port)
+        except _LaneUnreachable:
+            if not self._lane_moved():
+                raise
+        port = self._lane_port
+        assert isinstance(port, int)
+        return self._lane_connection(port)
+
     def _lane_release(self, conn: socket.socket, ok: bool) -> None:
         if ok:
             with self._lock:
@@ -479,11 +493,9 @@ class StoreClient:
         payload = json.dumps(body).encode()
         if not self._lane_actions or len(payload) + len(kind) + 1 > lane.MAX_ACTION_BYTES or not self.lane_reachable():
             return None
-        port = self._lane_port
-        assert isinstance(port, int)
         self._enter()
         try:
-            conn, pooled = self._lane_connection(port)
+            conn, pooled = self._lane_connection_or_moved()
         except _LaneUnreachable as exc:
             self._leave()
             self._lane_down(exc, f"sending {kind} over Flight")
@@ -528,7 +540,7 @@ class StoreClient:
                     finally:
                         self._lane_release(conn, ok)
                     try:
-                        conn, pooled = self._lane_connection(port)
+                        conn, pooled = self._lane_connection_or_moved()
                     except _LaneUnreachable as exc:
                         raise Unavailable(f"{exc} (during {kind})") from None
                 raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
