@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from data_support import make_groups
 from knittrans.errors import Conflict, InvalidRequest, Unauthenticated
 from knittrans.flight import StoreClient, StoreServer, lane
 from knittrans.flight.lane import LaneServer
+from knittrans.procs import wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
 from knittrans.tickets import Ticket, UnitRead
@@ -143,9 +143,10 @@ def test_a_pooled_lane_connection_the_store_dropped_is_replaced(start_server: St
     server.lane.idle_timeout_s = 0.2
     with _writer(server, store_dir) as w:
         w.write_units(_units("a", 1))
-        deadline = time.monotonic() + 10
-        while server.lane.open_connections and time.monotonic() < deadline:
-            time.sleep(0.05)
+        lane_server = server.lane
+        wait_until(
+            lambda: lane_server.open_connections == 0, timeout_s=10, what="the lane dropping the idle connection"
+        )
         assert server.lane.open_connections == 0  # the store dropped it; the writer still holds it pooled
         (d,) = w.write_units(_units("b", 1))
     assert server.lane.actions_served == 2

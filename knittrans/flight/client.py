@@ -459,10 +459,7 @@ class StoreClient:
         finish = self.publish_units_start(job, units, timeout_s)
         if finish is not None:
             return finish()
-        body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        return list(self._action("publish_units", body)["units"])
+        return list(self._action("publish_units", _publish_body(job, units, timeout_s))["units"])
 
     def publish_units_start(
         self, job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None = None
@@ -472,9 +469,7 @@ class StoreClient:
         needed); call it exactly once. None: the client or the store has no lane, or it cannot be
         reached: nothing was sent (call :meth:`publish_units`, over Flight). A lane that turns out to
         serve no actions has the returned function make the call over Flight."""
-        body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
+        body = _publish_body(job, units, timeout_s)
         answer = self._lane_action_start("publish_units", body) if self.data_lane else None
         if answer is None:
             return None
@@ -600,3 +595,11 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _publish_body(job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None) -> dict[str, Any]:
+    """The ``publish_units`` action's body."""
+    body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    return body

@@ -218,17 +218,9 @@ def write_units_across(
     staged: list[_Staged] = []
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
     errors: list[BaseException | None] = [None] * len(batches)
-
-    def send(k: int) -> None:
-        try:
-            infos[k] = batches[k][0]._send(staged[k])
-        except BaseException as exc:  # handed to the caller below
-            errors[k] = exc
-
-    threads: list[Future[None]] = []
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
 
-    def read_answers() -> None:  # the nodes' answers to the requests sent on their lanes, every one read
+    def read_answers() -> None:  # every started node's answer read (on its lane, or from its sender thread)
         for k, answer in answers.items():
             try:
                 infos[k] = answer()
@@ -240,29 +232,22 @@ def write_units_across(
         for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, [None] * len(units), tabs))
             if staged[k].ids:
-                answer = writer._send_start(staged[k])  # on the node's data lane: the request is out now
-                if answer is not None:
-                    answers[k] = answer
-                else:  # over Flight or DoPut: the call waits in a sender thread
-                    threads.append(_send_async(send, k))
+                answers[k] = writer._send_start(staged[k])
     except BaseException:
         read_answers()
-        for t in threads:
-            t.result()
         for (writer, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
                 writer._abort(st.ids)
         raise
     drafts: list[list[UnitDescriptor]] = []
-    try:  # while the nodes store the units (the GIL free while this thread describes them)
+    described: BaseException | None = None
+    try:  # while the nodes store the units
         drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
     except BaseException as exc:
-        errors.insert(0, exc)
+        described = exc
     finally:
         read_answers()
-        for t in threads:
-            t.result()
-    failed = next((e for e in errors if e is not None), None)
+    failed = described or next((e for e in errors if e is not None), None)
     if failed is not None:
         for (writer, _), st, info in zip(batches, staged, infos, strict=True):
             if info:
@@ -353,42 +338,20 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
+        # same host: the files are written; the node works (its request on the lane, or the call in a sender
+        # thread) while this thread describes the units; a unit's byte count comes from the node
         answer = self._send_start(staged)
-        if answer is not None:  # sent on the node's data lane: describe while the node works, then read
-            try:
-                drafts = self._describe(staged)
-            except BaseException:
-                try:
-                    answer()
-                except BaseException:
-                    pass  # not stored: its failure handling removed what there was
-                else:
-                    self._abort(staged.ids)  # stored, but describing failed: the units go too
-                raise
-            return _with_sizes(drafts, answer())
-        # same host: the files are written; a sender thread waits on the node (the GIL free) while this one
-        # describes the units; a unit's byte count comes from the node
-        stored: list[list[dict[str, Any]]] = []
-        failed: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                stored.append(self._send(staged))
-            except BaseException as exc:  # re-raised below, in the caller's thread
-                failed.append(exc)
-
-        worker = _send_async(send)
         try:
             drafts = self._describe(staged)
         except BaseException:
-            worker.result()
-            if stored:  # describing failed: the stored units go too
-                self._abort(staged.ids)
+            try:
+                answer()
+            except BaseException:
+                pass  # not stored: its failure handling removed what there was
+            else:
+                self._abort(staged.ids)  # stored, but describing failed: the units go too
             raise
-        worker.result()
-        if failed:
-            raise failed[0]
-        return _with_sizes(drafts, stored[0])
+        return _with_sizes(drafts, answer())
 
     def _stage(
         self,
@@ -416,21 +379,22 @@ class TrajectoryWriter:
             return self.write_tables_many(pairs)
         return self._publish_temps(pairs, staged.entries)
 
-    def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]] | None:
-        """Same host, a node with a data lane: :meth:`_send` in two steps, the ``publish_units`` request
-        sent now; the returned function reads the answer (with :meth:`_publish_temps`'s handling of a
-        failure). None: nothing sent (no written temporaries, or no lane: use :meth:`_send`)."""
-        if staged.entries is None:
-            return None
-        pairs = list(zip(staged.ids, staged.tables, strict=True))
+    def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]]:
+        """:meth:`_send` in two steps: started now, the returned function waits for the node's infos (call it
+        once). Same host with a data lane: the ``publish_units`` request is sent on it now (the answer read
+        with :meth:`_publish_temps`'s handling of a failure); otherwise :meth:`_send` runs in a sender
+        thread."""
         entries = staged.entries
+        if entries is None:  # over DoPut
+            return _send_async(self._send, staged).result
+        pairs = list(zip(staged.ids, staged.tables, strict=True))
         try:
             answer = self.client.publish_units_start(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:
             failed = exc
             return lambda: self._publish_failed(pairs, entries, failed)
-        if answer is None:
-            return None
+        if answer is None:  # no lane: over Flight
+            return _send_async(self._send, staged).result
 
         def read() -> list[dict[str, Any]]:
             try:
