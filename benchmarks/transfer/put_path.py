@@ -5,7 +5,8 @@ prompts 192-320 and responses 512-1024 tokens), published as 8 units of 8 groups
 store nodes of a real LocalCluster (control plane + 2 ``knittrans store`` processes on 127.0.0.1,
 their directories on ``/dev/shm`` as deployed; on a disk-backed ``/tmp`` the writer's IPC writes cost
 about 1.5x the CPU).
-Timed from the groups (Python/numpy objects) until every unit is registered with the control plane:
+Timed from the groups (Python/numpy objects) until every unit is registered with the control plane
+(each run's units are deleted from the stores afterwards, untimed, as Ray's side drops its objects):
 
 - ``writer_units``: :meth:`TrajectoryWriter.write_units` on a writer with a control client, one per
   store (the units of one store written in one call and registered in one request);
@@ -217,6 +218,14 @@ def main() -> None:
         plain = [
             TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir) for s in cl.stores
         ]
+        by_node = {w.node_id: w.client for w in local}
+
+        def drop(descs: Sequence[Any]) -> None:
+            """Delete a timed run's units (untimed), as Ray's side drops its objects and a job its consumed
+            units: kept, they would make every later run write to fresh tmpfs pages (``tmpfs_pages.py``)."""
+            for d in descs:
+                by_node[d.node_id].delete(JOB, d.unit_id)
+
         for run in range(args.runs + 1):  # run 0 warms every path up and is left out
             for variant in times:
                 groups = build_groups(workload, f"{variant}{run}")  # fresh group ids (outside the timing)
@@ -227,23 +236,27 @@ def main() -> None:
                     control.register_units(JOB, descs)
                 elif variant == "across":
                     assert write_units_across is not None
-                    write_units_across([(w, chunks[k :: len(local)]) for k, w in enumerate(local)])
+                    descs = [
+                        d
+                        for ds in write_units_across([(w, chunks[k :: len(local)]) for k, w in enumerate(local)])
+                        for d in ds
+                    ]
                 else:
                     writers = local if variant == "writer_units" else remote
-                    for k, w in enumerate(writers):
-                        w.write_units(chunks[k :: len(writers)])
+                    descs = [d for k, w in enumerate(writers) for d in w.write_units(chunks[k :: len(writers)])]
                 elapsed = time.perf_counter() - t0
                 if run:
                     times[variant].append(elapsed)
+                drop(descs)
         phases: dict[str, list[float]] = {p: [] for p in (*PHASES, "total", "control_rtt", "store_rtt")}
         for run in range(args.runs):  # the phase breakdown of writer_units (not in the figures above)
             groups = build_groups(workload, f"phases{run}")
             chunks = [groups[b.start : b.stop] for b in batches]
             with phase_clocks(local, control) as spent:
                 t0 = time.perf_counter()
-                for k, w in enumerate(local):
-                    w.write_units(chunks[k :: len(local)])
+                descs = [d for k, w in enumerate(local) for d in w.write_units(chunks[k :: len(local)])]
                 total = time.perf_counter() - t0
+            drop(descs)
             for p in PHASES:
                 phases[p].append(spent[p])
             phases["total"].append(total)

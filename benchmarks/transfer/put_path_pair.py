@@ -10,7 +10,13 @@ cluster's processes (``/proc``, in 10 ms ticks: the mean over the puts; Ray: the
 raylet not counted). Reported: medians, p50/p99 over the puts, the
 median of the per-round ratios to Ray's put in the same round, load average.
 
-    python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--tag NAME]
+After each timed put its units are deleted from the stores (untimed), as Ray's side drops its objects
+(``del refs``) and as a job deletes consumed units: the next put's files take the pages freed. With
+``--keep`` every unit stays, as before 2026-12-04: the stores' tmpfs then grows by 3.5 MiB a put, and
+on a freshly booted VM every put's writes land on pages the guest never touched, about 6x dearer
+(``tmpfs_pages.py``); that measured the machine's uptime more than the put path.
+
+    python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--keep] [--tag NAME]
 
 A baseline that is no git checkout (a ``git archive`` of main) is labelled with ``--baseline-commit``
 (default: the commit of this repository's ``main`` whose tree the baseline directory holds).
@@ -58,8 +64,9 @@ ray.shutdown()
 """
 
 
-def worker(puts: int) -> None:
-    """One tree's side: a cluster, then one ``write_units_across`` per line read from stdin."""
+def worker(puts: int, keep: bool) -> None:
+    """One tree's side: a cluster, then one ``write_units_across`` per line read from stdin; each put's units
+    deleted from their stores after it is timed unless ``keep`` (as Ray's side drops its objects)."""
     from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups
     from benchmarks.vs_baselines.workload import WorkloadSpec, generate
     from knittrans.demo.cluster import ClusterConfig, LocalCluster
@@ -106,10 +113,15 @@ def worker(puts: int) -> None:
         for k, _ in enumerate(sys.stdin):
             chunks = [groups[k][b.start : b.stop] for b in batches]
             f0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, cpu(pids), time.perf_counter()
-            write_units_across([(w, chunks[i :: len(writers)]) for i, w in enumerate(writers)])
+            descs = write_units_across([(w, chunks[i :: len(writers)]) for i, w in enumerate(writers)])
             wall = time.perf_counter() - t0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0  # the writer's fresh pages
-            print(json.dumps({"wall": wall, "cpu": cpu(pids) - c0, "minflt": faults}), flush=True)
+            used = cpu(pids) - c0
+            if not keep:  # untimed, like Ray's `del refs`: the store's pages go back for the next put to reuse
+                for w, ds in zip(writers, descs, strict=True):
+                    for d in ds:
+                        w.client.delete("put", d.unit_id)
+            print(json.dumps({"wall": wall, "cpu": used, "minflt": faults}), flush=True)
         for w in writers:
             w.close()
         control.close()
@@ -203,10 +215,16 @@ def main() -> None:
     ap.add_argument("--baseline-commit", help="label of a baseline that is no git checkout (default: by its tree)")
     ap.add_argument("--tag", default="pair")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep every put's units in the stores (default: delete them after each timed put, as Ray's side "
+        "drops its objects; kept units make every put write to fresh tmpfs pages)",
+    )
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker)
+        worker(args.worker, args.keep)
         return
     if args.baseline is None:
         ap.error("--baseline is required")
@@ -217,7 +235,7 @@ def main() -> None:
     for name, tree in trees.items():
         env = {**os.environ, "PYTHONPATH": str(tree)}  # this script, that tree's knittrans and workload
         procs[name] = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", str(total)],
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(total), *(["--keep"] * args.keep)],
             env=env,
             cwd=tree,
             stdin=subprocess.PIPE,
@@ -265,6 +283,7 @@ def main() -> None:
 
     result = {
         "puts": args.puts,
+        "units_after_put": "kept" if args.keep else "deleted",
         "summary": summary,
         "raw": got,
         "ray_version": ready["ray"].get("version"),
@@ -290,8 +309,13 @@ def main() -> None:
         f"{m['loadavg_end'][0]:.1f} at end (median {m['load_median']:.1f}). {args.puts} puts each (after "
         f"{args.warmup} warm-up), the three workers asked in turn, order rotating. `write_units_across` of the "
         "text mini-batch (512 trajectories, 8 units over 2 stores on /dev/shm) vs Ray "
-        f"{result['ray_version']} `put` of the same rows (4 shards). CPU: the worker and its cluster's "
-        "processes (Ray: the driver process only).",
+        f"{result['ray_version']} `put` of the same rows (4 shards). "
+        + (
+            "Every put's units kept in the stores (`--keep`: each put writes to fresh tmpfs pages). "
+            if args.keep
+            else "Each put's units deleted from the stores after it is timed, as Ray's side drops its objects. "
+        )
+        + "CPU: the worker and its cluster's processes (Ray: the driver process only).",
         "",
         "| who | median ms | p50 / p99 ms | CPU ms (mean) | x Ray (median of per-round ratios) "
         "| x Ray (ratio of medians) | writer minor faults per put |",
