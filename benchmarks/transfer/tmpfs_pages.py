@@ -84,7 +84,6 @@ def main() -> None:
                 old.unlink()
             per_page["recycled"].append(1e6 * write_files(recycled, chunk) / pages)
             per_page["overwrite"].append(1e6 * write_files(kept, chunk, truncate=False) / pages)
-        shutil.rmtree(root, ignore_errors=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     summary = {
         case: {
