@@ -9,10 +9,11 @@ import pyarrow as pa
 import pytest
 from data_support import make_groups
 
-from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget
+from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.procs import wait_until
 from knittrans.schema import build_unit_tables
 from knittrans.store import LocalReader, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, write_table
 from knittrans.tickets import Ticket, UnitRead
 
 
@@ -152,6 +153,35 @@ def test_rescan_recovers_sealed_drops_temporaries_quarantines_corrupt(store_dir:
     assert not any(n.startswith(".tmp-") for n in names)
     assert any(n.startswith(".corrupt-broken-") for n in names) and "broken" not in names
     assert again.stats()["recovered"] == 3 and again.stats()["quarantined"] == 1
+
+
+def test_unit_files_must_be_whole_ipc_files(tmp_path: Path) -> None:
+    """A unit reads as the whole IPC file says; stream-format, cut or foreign files are refused."""
+    t = _tables(n=4)
+    unit_dir = tmp_path / "u"
+    unit_dir.mkdir()
+    write_table(unit_dir / TRAJ_FILE, t.traj, max_chunk_rows=3)
+    write_table(unit_dir / MEDIA_FILE, t.media)
+    whole = (unit_dir / TRAJ_FILE).read_bytes()
+    unit = SealedUnit.open("job", "u", unit_dir)
+    assert unit.traj.equals(pa.ipc.open_file(pa.py_buffer(whole)).read_all()) and unit.traj.equals(t.traj)
+    assert unit.media.equals(t.media) and unit.traj.num_rows == t.traj.num_rows
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.traj.schema) as writer:
+        writer.write_table(t.traj)
+    footer_len = int.from_bytes(whole[-10:-6], "little")
+    broken = {
+        "stream format": sink.getvalue().to_pybytes(),
+        "cut footer": whole[:-3],
+        "bad footer length": whole[:-10] + (len(whole)).to_bytes(4, "little") + whole[-6:],
+        "footer dropped": whole[: -10 - footer_len] + whole[-10:],
+        "too short": whole[:12],
+    }
+    for what, data in broken.items():
+        (unit_dir / TRAJ_FILE).write_bytes(data)
+        with pytest.raises(SchemaMismatch, match=r"traj\.arrow is not a readable Arrow IPC file"):
+            SealedUnit.open("job", "u", unit_dir)
+            pytest.fail(f"{what} was read")
 
 
 def test_media_by_hash_each_once(store_dir: Path) -> None:
