@@ -138,6 +138,9 @@ def main() -> None:
     if args.baseline is None:
         ap.error("--baseline is required")
     trees = {"baseline": args.baseline.resolve(), "this": REPO}
+    from benchmarks.transfer.put_path_pair import compile_trees  # here: a child runs with the baseline tree
+
+    compile_trees(trees.values())
     got: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     load_start = os.getloadavg()
     for r in range(args.rounds):

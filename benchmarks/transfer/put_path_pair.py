@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -201,6 +202,15 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+def compile_trees(trees: Iterable[Path]) -> None:
+    """Byte-compile each tree's ``knittrans`` and ``benchmarks`` first (``compileall`` writes caches even
+    under ``PYTHONDONTWRITEBYTECODE``): an A/A run of one commit, a checkout against a fresh worktree
+    without caches, measured every step 15-25 % slower in the worktree; compiled, 0.93-1.06."""
+    for tree in trees:
+        dirs = [str(tree / d) for d in ("knittrans", "benchmarks") if (tree / d).is_dir()]
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *dirs], check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", type=Path, help="checkout whose writer is the baseline")
@@ -231,6 +241,7 @@ def main() -> None:
     ray_python = args.ray_python or bench_python()
     total = args.puts + args.warmup
     trees = {"baseline": args.baseline.resolve(), "this": REPO}
+    compile_trees(trees.values())
     procs: dict[str, subprocess.Popen[str]] = {}
     for name, tree in trees.items():
         env = {**os.environ, "PYTHONPATH": str(tree)}  # this script, that tree's knittrans and workload
