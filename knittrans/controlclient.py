@@ -5,9 +5,10 @@ Used by rollout writers (units, supply, version), store nodes (register, heartbe
 so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
 is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
 
-``register_units`` (a writer's one request per write) goes over a kept-alive ``http.client``
+``register_units`` (a writer's one request per write) goes over the control plane's registration
+lane when it has one (:mod:`knittrans.controllane`), else over a kept-alive ``http.client``
 connection of its own when the control plane is plain http: about 1 ms less client CPU per request
-than httpx. Anything that connection cannot answer (https, a call while another thread holds it, a
+than httpx. Anything those cannot answer (https, a call while another thread holds them, a
 dropped connection, a 503) is sent again through httpx with its retries; a repeated registration is a
 no-op.
 """
@@ -29,7 +30,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pydantic_core
 
+from knittrans.controllane import LaneRegistrar
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import (
     InvalidJobSpec,
@@ -78,6 +81,20 @@ def _raise_for(response: httpx.Response) -> None:
     raise error(f"{detail}" if error is not KnitTransError else f"HTTP {status}: {detail}")
 
 
+_JSON_CONTENT = {"Content-Type": "application/json"}
+
+
+def _units_json(units: Sequence[UnitDescriptor | Mapping[str, Any]]) -> bytes:
+    """A registration's body (``{"units": [...]}``) as compact JSON: descriptors (checked when made: every
+    number finite) encoded by pydantic-core (about 0.1 ms for 8 units of 8 groups, against 0.3 for
+    ``to_dict`` and ``json.dumps``); anything else by ``json.dumps``, which refuses NaN and infinities
+    (``ValueError``) instead of writing them."""
+    if all(isinstance(u, UnitDescriptor) for u in units):
+        return pydantic_core.to_json({"units": units})
+    body = {"units": [u.to_dict() if isinstance(u, UnitDescriptor) else dict(u) for u in units]}
+    return jsonlib.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 class ControlClient:
     """Synchronous client of one control plane.
 
@@ -90,6 +107,8 @@ class ControlClient:
         retries: optional cap on attempts after the first (tests and probes that must fail fast).
         tls_ca: PEM file of the CA that signed an ``https://`` control plane's certificate (default
             ``$KNITTRANS_TLS_CA``; without either, the system roots verify it).
+        lane: send ``register_units`` over the control plane's registration lane when it has one
+            (:mod:`knittrans.controllane`); False: over HTTP only.
     """
 
     def __init__(
@@ -101,6 +120,7 @@ class ControlClient:
         retry: RetryPolicy = DEFAULT_RETRY,
         retries: int | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        lane: bool = True,
     ) -> None:
         if (retries is not None and retries < 0) or not timeout_s > 0:
             raise ValueError("retries must be >= 0 (or None) and timeout_s > 0")
@@ -137,11 +157,16 @@ class ControlClient:
         self._lean_headers = {**headers, "Content-Type": "application/json"}
         self._lean_conn: http.client.HTTPConnection | None = None
         self._lean_lock = threading.Lock()
+        auth = headers.get("Authorization", "").encode()
+        self.lane = LaneRegistrar(self.base_url, auth, timeout_s=timeout_s, find=self._find_lane) if lane else None
+        """The registration lane's client (None: ``lane=False``)."""
 
     def close(self) -> None:
         """Close the connection pools (a request still in flight in another thread closes its own connection
         when it returns: see :meth:`_request`)."""
         self._closed = True
+        if self.lane is not None:
+            self.lane.close()
         self._http.close()
         self._poll_http.close()
         if self._lean_lock.acquire(blocking=False):  # else the call holding it closes it when done
@@ -163,6 +188,7 @@ class ControlClient:
         path: str,
         *,
         json: Any = None,
+        content: bytes | None = None,
         params: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
         poll: bool = False,
@@ -172,7 +198,16 @@ class ControlClient:
         http = self._poll_http if poll else self._http
         while True:
             try:
-                response = http.request(method, path, json=json, params=params, timeout=timeout_s or self.timeout_s)
+                headers = _JSON_CONTENT if content is not None else None
+                response = http.request(
+                    method,
+                    path,
+                    json=json,
+                    content=content,
+                    headers=headers,
+                    params=params,
+                    timeout=timeout_s or self.timeout_s,
+                )
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
@@ -211,19 +246,18 @@ class ControlClient:
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
 
-    def _post_lean(self, path: str, body: Any) -> Any:
-        """``POST path`` with JSON ``body`` on the kept-alive ``http.client`` connection; its JSON answer.
+    def _post_lean(self, path: str, data: bytes) -> Any:
+        """``POST path`` with the JSON ``data`` on the kept-alive ``http.client`` connection; its JSON answer.
 
         Only for requests whose repeat is a no-op: when the connection fails (a kept-alive connection the
         server closed, a restart, a timeout) or the answer is 503, the request goes again by
-        :meth:`_json`, with its retries. So does a call while another thread uses the connection, or to
+        :meth:`_request`, with its retries. So does a call while another thread uses the connection, or to
         an https control plane. Errors are raised as :meth:`_json` raises them.
         """
         if self._lean_at is None or self._closed or not self._lean_lock.acquire(blocking=False):
-            return self._json("POST", path, json=body)
+            return self._request("POST", path, content=data).json()
         status, payload = 0, b""
         try:
-            data = jsonlib.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
             host, port, prefix = self._lean_at
             try:
                 if self._lean_conn is None:
@@ -243,10 +277,19 @@ class ControlClient:
         finally:
             self._lean_lock.release()
         if status == 0 or status == 503:
-            return self._json("POST", path, json=body)
+            return self._request("POST", path, content=data).json()
         if status >= 400:
             _raise_for(httpx.Response(status, content=payload))
         return jsonlib.loads(payload)
+
+    def _find_lane(self) -> tuple[int, int] | None:
+        """``GET /v1/lane``, one try: ``(port, max_bytes)``, or None when the control plane has no lane."""
+        response = self._http.get("/v1/lane", timeout=min(self.timeout_s, 5.0))
+        if response.status_code == 404:
+            return None
+        _raise_for(response)
+        body = response.json()
+        return int(body["port"]), int(body["max_bytes"])
 
     def _drop_lean(self) -> None:
         """Close the kept-alive ``http.client`` connection (the caller holds its lock)."""
@@ -358,12 +401,14 @@ class ControlClient:
         """
         if node_wait_s < 0:
             raise ValueError("node_wait_s must be >= 0")
-        body = {"units": [u.to_dict() if isinstance(u, UnitDescriptor) else dict(u) for u in units]}
+        data = _units_json(units)
         deadline = time.monotonic() + node_wait_s
         pause = 0.05
         while True:
             try:
-                result: dict[str, Any] = self._post_lean(f"/v1/jobs/{job}/units", body)
+                result = self.lane.register(job, data) if self.lane is not None else None
+                if result is None:
+                    result = self._post_lean(f"/v1/jobs/{job}/units", data)
                 return result
             except NotFound as exc:
                 missing = _UNREGISTERED_NODE.search(str(exc))

@@ -1,6 +1,8 @@
 """A writer's registration on the control client's kept-alive ``http.client`` connection (the put path's
-hot request), against a real control-plane process: reuse, Nagle off, error mapping, a dropped
-connection, https and a busy connection falling back to the pooled httpx client."""
+hot request where the control plane's registration lane is not used: ``ControlClient(lane=False)``
+here; tests/test_register_lane.py has the lane), against a real control-plane process: reuse, Nagle
+off, error mapping, a dropped connection, https and a busy connection falling back to the pooled
+httpx client."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_registrations_ride_one_kept_alive_connection_with_nagle_off(tmp_path: P
     """Consecutive registrations go over the same open connection (no connect per call), with TCP_NODELAY set
     (``http.client`` sets it; the headers and the body are two writes, which with Nagle on would wait for a
     delayed ACK)."""
-    with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
+    with server(tmp_path / "cp.db") as srv, ControlClient(srv.url, lane=False) as client:
         _setup(client)
         client.register_units("job1", single_group_units(["math", "code"], prefix="a"))
         assert client.status("job1")["counts"]["units"] == 2
@@ -43,9 +45,9 @@ def test_registration_errors_keep_their_types_and_the_connection(tmp_path: Path)
     server's words), and the next registration on the same client goes through."""
     with (
         server(tmp_path / "cp.db", "--admin-token", "at", "--worker-token", "wt") as srv,
-        ControlClient(srv.url, token="at") as admin,
-        ControlClient(srv.url, token="wt") as worker,
-        ControlClient(srv.url, token="nope") as stranger,
+        ControlClient(srv.url, token="at", lane=False) as admin,
+        ControlClient(srv.url, token="wt", lane=False) as worker,
+        ControlClient(srv.url, token="nope", lane=False) as stranger,
     ):
         _setup(admin)
         with pytest.raises(Unauthenticated):
@@ -65,7 +67,7 @@ def test_registration_after_a_restart_goes_again_on_a_fresh_connection(tmp_path:
     same port, is sent again by the pooled client (a repeat is a no-op) and succeeds."""
     srv = ServerProcess(tmp_path / "cp.db").start()
     try:
-        with ControlClient(srv.url) as client:
+        with ControlClient(srv.url, lane=False) as client:
             _setup(client)
             client.register_units("job1", single_group_units(["math", "code"], prefix="a"))
             dead = client._lean_conn
@@ -84,7 +86,7 @@ def test_registration_after_a_restart_goes_again_on_a_fresh_connection(tmp_path:
 def test_concurrent_registrations_and_https_take_the_pooled_client(tmp_path: Path) -> None:
     """Registrations from several threads at once all land (the one connection serves one at a time; the others
     go by httpx); an https control plane is never asked over the plain connection."""
-    with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
+    with server(tmp_path / "cp.db") as srv, ControlClient(srv.url, lane=False) as client:
         _setup(client)
         errors: list[BaseException] = []
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knittrans.errors import KnitTransError, http_status
 
-__all__ = ["error_kind", "install_error_handlers"]
+__all__ = ["error_kind", "install_error_handlers", "validation_detail"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,15 @@ def _allowed(spec: dict[str, Any], path: str) -> set[str]:
     return methods
 
 
+def validation_detail(exc: RequestValidationError) -> str:
+    """What a 422 answer says of a body that failed validation: ``loc: msg`` of its first 10 errors."""
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
@@ -50,14 +59,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        parts = []
-        for err in exc.errors()[:10]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
         # a job spec (create, quota update) that breaks the schema is an invalid job spec, like one
         # that breaks a rule across its fields (409): clients map both to InvalidJobSpec
         spec = request.method in ("POST", "PUT") and re.fullmatch(r"/v1/jobs(/[^/]+/quotas)?", request.url.path)
-        return _json(422, "invalid_job_spec" if spec else "invalid_request", "; ".join(parts) or "invalid request")
+        return _json(422, "invalid_job_spec" if spec else "invalid_request", validation_detail(exc))
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -196,7 +196,10 @@ class LaneServer:
     (its bearer-token check, or None for a store without a token) checks the request's ``authorization``;
     ``act(type, body, abandoned) -> result`` answers an action request (the store server's
     ``lane_action``; ``abandoned()`` tells whether the client has closed the connection meanwhile);
-    None: the lane refuses actions as a lane from before them does.
+    None: the lane refuses actions as a lane from before them does. ``authorized_act(type,
+    authorization, body, abandoned) -> result`` instead: an action handler that checks the request's
+    ``authorization`` itself (the control plane's lane, whose tokens are scoped to a job named in the
+    body: :mod:`knittrans.api.lane`).
     """
 
     def __init__(
@@ -207,12 +210,15 @@ class LaneServer:
         read: Callable[[bytes], pa.Table],
         auth: BearerTokenFactory | None,
         act: Callable[[str, bytes, Callable[[], bool]], bytes] | None = None,
+        authorized_act: Callable[[str, bytes, bytes, Callable[[], bool]], bytes] | None = None,
         request_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         send_timeout_s: float = 30.0,
         max_connections: int = 128,
     ) -> None:
-        self._read, self._auth, self._act = read, auth, act
+        if act is not None and authorized_act is not None:
+            raise ValueError("give act or authorized_act, not both")
+        self._read, self._auth, self._act, self._authorized_act = read, auth, act, authorized_act
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
@@ -329,7 +335,7 @@ class LaneServer:
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
         magic, auth_len, ticket_len = _REQUEST.unpack(head)
-        action = magic == ACTION_MAGIC and self._act is not None
+        action = magic == ACTION_MAGIC and (self._act is not None or self._authorized_act is not None)
         if magic != MAGIC and not action:
             raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
         if auth_len > MAX_AUTH_BYTES:
@@ -367,7 +373,6 @@ class LaneServer:
 
     def _one_action(self, conn: socket.socket, auth_len: int, body_len: int, deadline: float) -> bool:
         """Serve one action request whose header has been read (the rest of :meth:`_one`)."""
-        assert self._act is not None
         if body_len > MAX_ACTION_BYTES:
             raise _Malformed(
                 InvalidRequest(f"data lane action of {body_len} bytes, more than the {MAX_ACTION_BYTES} allowed")
@@ -384,7 +389,11 @@ class LaneServer:
             kind = kind_bytes.decode("ascii", errors="replace")
             if not sep:
                 raise InvalidRequest("data lane action: no NUL byte between the action's type and its body")
-            result = self._act(kind, body, lambda: _peer_gone(conn))
+            if self._authorized_act is not None:
+                result = self._authorized_act(kind, auth, body, lambda: _peer_gone(conn))
+            else:
+                assert self._act is not None
+                result = self._act(kind, body, lambda: _peer_gone(conn))
         except Exception as exc:
             known = known_error(f"data lane action {kind}", exc)
             if known is None:

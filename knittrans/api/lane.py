@@ -1,0 +1,104 @@
+"""The control plane's registration lane: a writer's unit registration as one action on plain TCP.
+
+Why: every put ends with one registration, and it waits for it. On this project's 2-core VMs the
+HTTP request to a control plane that idled for 10 ms took 3.5 ms p50 for the text mini-batch's 8
+units, the same registration as a lane action 2.9 ms (``benchmarks/transfer/README.md``, ninth
+pass): uvicorn's parsing, the ASGI layers and the event loop's hand-over to the state thread and
+back cost more than the registration itself. A lane connection's thread is woken straight by its
+socket and hands the registration to the state thread (:meth:`StateRunner.call`).
+
+Wire: the store data lane's action frame (:mod:`knittrans.flight.lane`): type ``register_units``,
+body ``<job> NUL <the UnitsIn JSON of POST /v1/jobs/{job}/units>``, with the ``authorization``
+value that request would carry. The answer is the route's JSON (``UnitsOut``), or an error frame
+``<ErrorClass>: <message>`` with the route's errors and words (a body that fails validation:
+``InvalidRequest`` naming the fields, as the route's 422; a token that does not cover the job:
+``Unauthenticated``). The same limits as the store's lane (a body of at most
+:data:`~knittrans.flight.lane.MAX_ACTION_BYTES`; larger registrations go over HTTP), the same
+time limits and connection cap; a malformed frame gets an error frame and the connection is
+closed; the service's state is only touched on its state thread, so everything else is served
+as before while a lane registration runs.
+
+Found with ``GET /v1/lane`` (its port; 404 when the control plane runs without one: ``--no-lane``,
+or TLS, as the lane is plain TCP). :class:`~knittrans.controlclient.ControlClient` uses it for
+``register_units`` and keeps to HTTP when it cannot (no lane, an unreachable port, a busy
+connection, a body over the limit); a registration repeated over HTTP after a lost answer is a
+no-op, as every repeat is.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+
+from knittrans.api.httperrors import validation_detail
+from knittrans.api.routes.units import register_body
+from knittrans.errors import InvalidRequest
+from knittrans.flight.lane import LaneServer
+from knittrans.names import check_name
+
+__all__ = ["REGISTER", "RegistrationLane"]
+
+REGISTER = "register_units"
+"""The one action type the control plane's lane serves."""
+
+
+def _no_reads(ticket: bytes) -> pa.Table:
+    raise InvalidRequest("the control plane's lane serves unit registrations only, not reads")
+
+
+class RegistrationLane:
+    """The lane of one running app (started and closed by its lifespan): a :class:`LaneServer` whose
+    actions are registrations, checked with the app's tokens and run on its state thread."""
+
+    def __init__(self, state: Any, host: str, port: int) -> None:
+        self._state = state
+        self._lock = threading.Lock()
+        self.served = 0
+        """Registrations answered over the lane (``GET /v1/lane``; tests check that the lane served)."""
+        self._server = LaneServer(host, port, read=_no_reads, auth=None, authorized_act=self._act)
+        self.port = self._server.port
+
+    def _act(self, kind: str, authorization: bytes, body: bytes, abandoned: Callable[[], bool]) -> bytes:
+        if kind != REGISTER:
+            raise InvalidRequest(f"the control plane's lane serves {REGISTER!r} actions only, not {kind!r}")
+        name, sep, raw = body.partition(b"\0")
+        if not sep:
+            raise InvalidRequest(f"{REGISTER} over the lane: no NUL byte between the job's name and the body")
+        job = check_name(name.decode("utf-8", errors="replace"), "job")
+        self._state.tokens.check_worker(_request(job, authorization))
+        try:
+            result = self._state.runner.call(register_body, self._state.service, job, raw)
+        except RequestValidationError as exc:
+            raise InvalidRequest(validation_detail(exc)) from None
+        with self._lock:
+            self.served += 1
+        return json.dumps(result).encode()
+
+    def close(self) -> None:
+        """Stop accepting and drop every connection (registrations in progress finish on the state thread)."""
+        self._server.close()
+
+
+def _request(job: str, authorization: bytes) -> Request:
+    """The request the HTTP route would see, for the token check (path, method, ``authorization``)."""
+    path = f"/v1/jobs/{job}/units"
+    headers = [(b"authorization", authorization)] if authorization else []
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "scheme": "http",
+        "server": None,
+        "query_string": b"",
+        "headers": headers,
+        "path_params": {"job": job},
+    }
+    return Request(scope)
