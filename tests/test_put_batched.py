@@ -24,7 +24,7 @@ import pytest
 import torch
 from data_support import make_groups
 
-from knittrans.descriptors import UnitDescriptor
+from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, PayloadTooLarge, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
 from knittrans.flight.errors import to_flight_error
@@ -112,6 +112,42 @@ def test_rows_given_as_lists_tensors_or_mixed_dtypes_build_the_same_columns() ->
         got = build_unit_tables([variant]).traj
         for name in ("prompt_ids", "response_ids", "response_logprobs", "loss_mask"):
             assert got.column(name).equals(want.column(name)), name
+
+
+def test_per_row_numbers_gathered_at_once_are_the_group_by_group_values() -> None:
+    """Rewards, advantages, versions and finish times of a batch, gathered in a few numpy calls for the usual
+    inputs (every group a scalar, a 1-D array of its size, or None), are what the group-by-group conversion
+    gives for any mix (lists, tensors, bools, numpy scalars, arrays of other dtypes, None beside values);
+    a wrong length still names its group."""
+    from knittrans.schema import _gathered, _row_values
+
+    base = make_groups(4, 3, media=False)
+    sizes = np.array([g.num_responses for g in base])
+    n = int(sizes.sum())
+    default = np.arange(n, dtype=np.float64) / 7
+    by_group: list[list[Any]] = [
+        [1, 2, 3, 4],
+        [0.5, 1.5, -2.0, 3.25],
+        [np.arange(3, dtype=np.float32) + k for k in range(4)],
+        [np.array([k, k + 1, k + 2], dtype=dt) for k, dt in enumerate((np.int8, np.int64, np.uint16, np.float64))],
+        [None, None, None, None],
+        [None, 2, np.array([1.0, 2.0, 3.0]), [4, None, 6]],
+        [True, np.float32(0.25), torch.tensor([1.0, 2.0, 3.0]), (7, 8, 9)],
+    ]
+    for values in by_group:
+        groups = [_replace(g, finished_at=v) for g, v in zip(base, values, strict=True)]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        want = np.concatenate(
+            [
+                _row_values(v, int(k), "finished_at", g.group_id, default[a:b])
+                for v, g, k, a, b in zip(values, groups, sizes, starts[:-1], starts[1:], strict=True)
+            ]
+        )
+        got = _gathered(groups, sizes, "finished_at", default=default)
+        assert got.dtype == np.float64 and np.array_equal(got, want), values
+    wrong = [_replace(g, rewards=np.zeros(2 if k == 2 else 3)) for k, g in enumerate(base)]
+    with pytest.raises(InvalidRequest, match=rf"group {wrong[2].group_id!r}: rewards has 2 entries for 3"):
+        build_unit_tables(wrong)
 
 
 def test_list_values_cast_as_astype_on_the_pooled_path() -> None:
@@ -258,6 +294,21 @@ def test_descriptor_to_dict_is_asdict() -> None:
     d = describe_unit(t, make_groups(2, 3), unit_id="u", job="j", node_id="n", endpoint="grpc://x:1", num_bytes=5)
     assert d.to_dict() == dataclasses.asdict(d)
     assert json.dumps(d.to_dict()) == json.dumps(dataclasses.asdict(d))
+
+
+def test_trusted_descriptors_are_the_checked_ones() -> None:
+    """``describe_unit(trusted=True)`` (the writer's own put: records without their per-field checks) gives
+    records equal, field for field and in their JSON, to the checked ones, media hashes included; and a
+    descriptor made from them checks like any other."""
+    for units in (_units(3), [make_groups(4, 5, seed=7)]):
+        for groups, t in zip(units, build_units_tables(units), strict=True):
+            kw: dict[str, Any] = {"unit_id": "u", "job": "j", "node_id": "n", "endpoint": "grpc://x:1", "num_bytes": 5}
+            trusted, checked = describe_unit(t, groups, trusted=True, **kw), describe_unit(t, groups, **kw)
+            assert trusted == checked and json.dumps(trusted.to_dict()) == json.dumps(checked.to_dict())
+            assert all(type(g) is GroupRecord for g in trusted.groups) and any(g.media_hashes for g in trusted.groups)
+            assert UnitDescriptor.from_dict(trusted.to_dict()) == trusted
+            with pytest.raises(InvalidRequest, match="groups cover"):
+                dataclasses.replace(trusted, num_rows=trusted.num_rows + 1)
 
 
 # --------------------------------------------------------------------------- store

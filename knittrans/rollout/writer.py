@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
-from knittrans.descriptors import GroupRecord, UnitDescriptor
+from knittrans.descriptors import GroupRecord, UnitDescriptor, checked_group
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
@@ -71,9 +71,15 @@ def describe_unit(
     node_id: str,
     endpoint: str,
     num_bytes: int,
+    trusted: bool = False,
 ) -> UnitDescriptor:
     """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column:
-    per-group minima, maxima and sums are segment reductions over the group's rows)."""
+    per-group minima, maxima and sums are segment reductions over the group's rows).
+
+    ``trusted``: the tables are what :func:`build_units_tables` made and validated from ``groups`` (the
+    writer's own put): the group records skip their per-field checks, which cannot fail for such rows
+    (about 0.4 ms of a put of 64 groups); the unit's checks still run, and the control plane checks
+    everything again on registration."""
     traj = tables.traj
     sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
     starts = np.zeros(len(groups), dtype=np.int64)
@@ -97,20 +103,20 @@ def describe_unit(
     for k, g in enumerate(groups):
         n = g.num_responses
         hashes = () if media is None else tuple(dict.fromkeys(h.hex() for hs in media[row : row + n] for h in hs))
-        records.append(
-            GroupRecord(
-                group_id=g.group_id,
-                source=g.source,
-                row_start=row,
-                num_trajectories=n,
-                trajectory_tokens=tuple(tokens[row : row + n]),
-                version_start=vs[k],
-                version_end=ve[k],
-                version_weighted=weighted[k],
-                finished_at=fin[k],
-                media_hashes=hashes,
-            )
-        )
+        record = {
+            "group_id": g.group_id,
+            "source": g.source,
+            "row_start": row,
+            "num_trajectories": n,
+            "trajectory_tokens": tuple(tokens[row : row + n]),
+            "version_start": vs[k],
+            "version_end": ve[k],
+            "version_weighted": weighted[k],
+            "finished_at": fin[k],
+            "media_hashes": hashes,
+        }
+        # the tables passed build_units_tables' checks: every field holds (a test compares with checked records)
+        records.append(checked_group(record) if trusted else GroupRecord(**record))
         row += n
     return UnitDescriptor(
         unit_id=unit_id,
@@ -408,7 +414,14 @@ class TrajectoryWriter:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
         return [
             describe_unit(
-                t, groups, unit_id=uid, job=self.job, node_id=self.node_id, endpoint=self.endpoint, num_bytes=0
+                t,
+                groups,
+                unit_id=uid,
+                job=self.job,
+                node_id=self.node_id,
+                endpoint=self.endpoint,
+                num_bytes=0,
+                trusted=True,
             )
             for uid, t, groups in zip(staged.ids, staged.tables, staged.units, strict=True)
         ]

@@ -26,7 +26,7 @@ from knittrans.api.models import (
 )
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep, StateRunner
 from knittrans.api.service import ControlPlane
-from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
+from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, UnitDescriptor, checked_group, checked_unit
 from knittrans.errors import InvalidRequest
 from knittrans.lifecycle import ADMITTING, TERMINAL
 
@@ -38,9 +38,6 @@ router = APIRouter(
     responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
 )
 
-
-_new = object.__new__
-_setattr = object.__setattr__
 
 # descriptor_of uses the validated dicts as the descriptors' attribute dicts: same fields, same order
 if tuple(GroupIn.model_fields) != GROUP_FIELDS or tuple(UnitIn.model_fields) != UNIT_FIELDS:
@@ -91,15 +88,11 @@ def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
         if type(tokens) is not tuple:
             values["trajectory_tokens"] = tuple(tokens)
         values["media_hashes"] = tuple(values.get("media_hashes", ()))
-        group = _new(GroupRecord)
-        _setattr(group, "__dict__", values)
-        groups.append(group)
+        groups.append(checked_group(values))
     if row != u["num_rows"]:
         raise InvalidRequest(f"unit {u['unit_id']!r}: groups cover {row} rows, unit has {u['num_rows']}")
     u["groups"] = tuple(groups)
-    unit = _new(UnitDescriptor)
-    _setattr(unit, "__dict__", u)
-    return unit
+    return checked_unit(u)
 
 
 @router.post(
