@@ -5,7 +5,7 @@ the steps alone (``time.thread_time`` of the calling thread, medians over ``--re
 process per tree and round, alternating the trees:
 
 * ``build``: ``build_units_tables`` of the text mini-batch as 8 units (512 trajectories);
-* ``describe``: ``describe_unit`` of those 8 units;
+* ``describe``: ``describe_unit`` of those 8 units (``trusted=True`` in a tree whose writer describes so);
 * ``write``: the 4 IPC files of one node's units into fresh writer temporaries on ``/dev/shm``;
 * ``publish``: in-process ``UnitStore.publish_units`` of those 4 units (budget, validation, rename);
 * ``register``: ``ControlClient.register_units`` of 8 units against a real control plane (the
@@ -19,6 +19,7 @@ Writes ``put_components_<tag>.json`` and ``.md`` under ``--out`` (default benchm
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -47,6 +48,8 @@ def measure(reps: int) -> dict[str, float]:
     workload = generate(spec)
     batches = spec.put_batches()
     out: dict[str, list[float]] = {k: [] for k in STEPS[:-1]}
+    # as the tree's writer describes its own units (``trusted`` where the tree has it)
+    as_writer = {"trusted": True} if "trusted" in inspect.signature(describe_unit).parameters else {}
 
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(prefix="knittrans_parts_", dir=shm if shm.is_dir() else None) as tmp:
@@ -91,6 +94,7 @@ def measure(reps: int) -> dict[str, float]:
                         node_id=node.node_id,
                         endpoint=node.endpoint,
                         num_bytes=1,
+                        **as_writer,
                     )
                     for i, (u, t) in enumerate(zip(units, tables, strict=True))
                 ]

@@ -1,11 +1,12 @@
 """The control plane's registration lane: a writer's unit registration as one action on plain TCP.
 
 Why: every put ends with one registration, and it waits for it. On this project's 2-core VMs the
-HTTP request to a control plane that idled for 10 ms took 3.5 ms p50 for the text mini-batch's 8
-units, the same registration as a lane action 2.9 ms (``benchmarks/transfer/README.md``, ninth
-pass): uvicorn's parsing, the ASGI layers and the event loop's hand-over to the state thread and
-back cost more than the registration itself. A lane connection's thread is woken straight by its
-socket and hands the registration to the state thread (:meth:`StateRunner.call`).
+kept-alive HTTP request to a control plane that idled for 10 ms took 3.45 ms p50 for the text
+mini-batch's 8 units, the same registration as a lane action 2.76 ms, with 13 % less control-plane
+CPU (``benchmarks/transfer/results/register_lane.md``): uvicorn's parsing, the ASGI layers and the
+event loop's hand-over to the state thread and back are a large share of a registration's time. A
+lane connection's thread is woken straight by its socket and hands the registration to the state
+thread (:meth:`StateRunner.call`).
 
 Wire: the store data lane's action frame (:mod:`knittrans.flight.lane`): type ``register_units``,
 body ``<job> NUL <the UnitsIn JSON of POST /v1/jobs/{job}/units>``, with the ``authorization``
