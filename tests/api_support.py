@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,26 @@ def single_group_units(
         unit(f"u-{prefix}{i}", [group(f"{prefix}{i}", s, size=size, finished_at=1000.0 + i)], job=job, node=node)
         for i, s in enumerate(sources, start=start)
     ]
+
+
+def register_from_threads(client: Any, *, threads: int = 4, each: int = 5) -> list[BaseException]:
+    """``threads`` threads each registering ``each`` batches of two single-group units of job1 through one
+    ``client`` at once (``single_group_units``, prefixes ``t{k}x{j}x``); the exceptions they raised."""
+    errors: list[BaseException] = []
+
+    def register(k: int) -> None:
+        try:
+            for j in range(each):
+                client.register_units("job1", single_group_units(["math", "code"], prefix=f"t{k}x{j}x"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = [threading.Thread(target=register, args=(k,)) for k in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(60)
+    return errors
 
 
 def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -> list[RankPlan]:

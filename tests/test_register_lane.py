@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import ServerProcess, job_spec, server, single_group_units
+from api_support import ServerProcess, job_spec, register_from_threads, server, single_group_units
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidName, InvalidRequest, NotFound, Unauthenticated
@@ -241,20 +241,6 @@ def test_concurrent_registrations_all_land(tmp_path: Path) -> None:
     others go over HTTP, and every unit lands once."""
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
         _setup(client)
-        errors: list[BaseException] = []
-
-        def register(k: int) -> None:
-            try:
-                for j in range(5):
-                    client.register_units("job1", single_group_units(["math", "code"], prefix=f"t{k}x{j}x"))
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=register, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors
+        assert not register_from_threads(client, threads=4, each=5)
         wait_until(lambda: client.status("job1")["counts"]["units"] == 40, timeout_s=30, what="every unit")
         assert client.lane is not None and 1 <= client.lane.served <= 20

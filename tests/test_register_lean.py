@@ -7,11 +7,10 @@ httpx client."""
 from __future__ import annotations
 
 import socket
-import threading
 from pathlib import Path
 
 import pytest
-from api_support import ServerProcess, job_spec, server, single_group_units
+from api_support import ServerProcess, job_spec, register_from_threads, server, single_group_units
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest, NotFound, Unauthenticated
@@ -88,21 +87,7 @@ def test_concurrent_registrations_and_https_take_the_pooled_client(tmp_path: Pat
     go by httpx); an https control plane is never asked over the plain connection."""
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url, lane=False) as client:
         _setup(client)
-        errors: list[BaseException] = []
-
-        def register(k: int) -> None:
-            try:
-                for j in range(5):
-                    client.register_units("job1", single_group_units(["math", "code"], prefix=f"t{k}x{j}x"))
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=register, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors
+        assert not register_from_threads(client, threads=4, each=5)
         assert client.status("job1")["counts"]["units"] == 4 * 5 * 2
     with ControlClient("https://127.0.0.1:1") as tls:
         assert tls._lean_at is None

@@ -96,6 +96,21 @@ ray.shutdown()
 """
 
 
+def put_job(spec: WorkloadSpec, *, total_steps: int) -> dict[str, Any]:
+    """The job the put benchmarks register into: one source, a train batch of the workload's groups, one rank
+    (nothing consumes: admission stops at the staleness window, as no trainer acks)."""
+    return {
+        "name": JOB,
+        "group_size": spec.group_size,
+        "quotas": {SOURCE: spec.num_groups},
+        "mini_batches_per_step": 1,
+        "policy": "train_batch",
+        "world_size": 1,
+        "micro_batch_size": spec.micro_batch_size,
+        "total_steps": total_steps,
+    }
+
+
 def phase_table(ph: dict[str, float], names: Sequence[str]) -> list[str]:
     """Markdown lines of a phase breakdown (ms): the ``names`` phases, what the total leaves ("other"), the total."""
     return [
@@ -198,18 +213,7 @@ def main() -> None:
         LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl,
     ):
         control = cl.control()
-        control.create_job(
-            {
-                "name": JOB,
-                "group_size": spec.group_size,
-                "quotas": {SOURCE: spec.num_groups},
-                "mini_batches_per_step": 1,
-                "policy": "train_batch",
-                "world_size": 1,
-                "micro_batch_size": spec.micro_batch_size,
-                "total_steps": 10_000,
-            }
-        )
+        control.create_job(put_job(spec, total_steps=10_000))
         local = [
             TrajectoryWriter(job=JOB, node_id=s.node_id, endpoint=s.endpoint, store_dir=s.store_dir, control=control)
             for s in cl.stores

@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
-    from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups
+    from benchmarks.transfer.put_path import put_job
+    from benchmarks.vs_baselines.knittrans_runner import build_groups
     from benchmarks.vs_baselines.workload import WorkloadSpec, generate
     from knittrans.controlclient import ControlClient
     from knittrans.demo.cluster import ClusterConfig, LocalCluster
@@ -67,18 +68,7 @@ def main() -> None:
         LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl,
     ):
         admin = cl.control()
-        admin.create_job(
-            {
-                "name": "put",
-                "group_size": spec.group_size,
-                "quotas": {SOURCE: spec.num_groups},
-                "mini_batches_per_step": 1,
-                "policy": "train_batch",
-                "world_size": 1,
-                "micro_batch_size": spec.micro_batch_size,
-                "total_steps": 1_000_000,
-            }
-        )
+        admin.create_job(put_job(spec, total_steps=1_000_000))
         children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
         pid = int(children.split()[0])
 
