@@ -30,7 +30,7 @@ __all__ = ["REGISTER", "LaneRegistrar"]
 logger = logging.getLogger(__name__)
 
 REGISTER = "register_units"
-"""The lane's action type (:data:`knittrans.api.lane.REGISTER`)."""
+"""The one action type the control plane's lane serves (:mod:`knittrans.api.lane`)."""
 CONNECT_TIMEOUT_S = 2.0
 """Longest wait for a connection to the lane before the registration goes over HTTP."""
 RETRY_S, RETRY_MAX_S = 60.0, 960.0
@@ -135,20 +135,14 @@ class LaneRegistrar:
         for attempt in range(2):
             assert self._host is not None and self._port is not None
             try:
-                sock = socket.create_connection((self._host, self._port), timeout=CONNECT_TIMEOUT_S)
+                self._sock = lane.connect(
+                    self._host, self._port, connect_timeout_s=CONNECT_TIMEOUT_S, timeout_s=self._timeout_s
+                )
             except OSError as exc:
                 if attempt == 0 and self._discover():
                     continue
                 self._down(f"port {self._port} cannot be reached: {exc}")
                 return False
-            if sock.getsockname() == sock.getpeername():  # nothing listens: the kernel joined us to ourselves
-                sock.close()
-                self._down(f"nothing listens on port {self._port}")
-                return False
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            lane.socket_timeouts(sock, self._timeout_s)
-            self._sock = sock
             return True
         return False  # pragma: no cover - the loop returns
 

@@ -165,7 +165,7 @@ def test_a_store_restarted_with_its_lane_on_a_new_port_takes_the_next_publish_th
         w.write_units(_units("a", 1))  # the lane connection is now pooled
         old = server.lane.port
         server.lane.close()
-        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_action)
+        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_act)
         assert server.lane.port != old
         (d,) = w.write_units(_units("b", 1))
         assert server.lane.actions_served == 1 and w.client.lane_port() == server.lane.port
@@ -174,7 +174,7 @@ def test_a_store_restarted_with_its_lane_on_a_new_port_takes_the_next_publish_th
         w.client._lane_idle.clear()
         old = server.lane.port
         server.lane.close()
-        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_action)
+        server.lane = LaneServer("127.0.0.1", 0, read=server.read_ticket, auth=server.auth, act=server.lane_act)
         (e,) = w.write_units(_units("c", 1))
         assert server.lane.actions_served == 1 and w.client._lane_failures == 0
     assert [_read_all(server, u.unit_id) for u in (d, e)] == [8, 8]

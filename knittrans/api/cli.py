@@ -226,9 +226,14 @@ async def _serve(
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         gateway = state.gateway.url if state.gateway is not None else None
-        lane = state.lane.port if state.lane is not None else None
-        ready = {"url": url, "host": host, "port": port, "pid": os.getpid(), "plan_gateway": gateway}
-        ready["lane_port"] = lane
+        ready = {
+            "url": url,
+            "host": host,
+            "port": port,
+            "pid": os.getpid(),
+            "plan_gateway": gateway,
+            "lane_port": state.lane.port if state.lane is not None else None,
+        }
         tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
     from knittrans.api.stream import close_streams

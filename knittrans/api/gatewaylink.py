@@ -20,8 +20,7 @@ import sys
 import time
 from typing import Any
 
-from starlette.requests import Request
-
+from knittrans.api.auth import request_for
 from knittrans.api.delivery import Answer
 from knittrans.api.fastpath import keepalive_query
 from knittrans.api.gatewaywire import FrameReader, frame, pack_index
@@ -145,17 +144,10 @@ class GatewayLink(asyncio.Protocol):
         job, rank = parts[3], int(parts[5])
         reply: dict[str, Any] = {"t": "opened", "id": head["id"]}
         keepalive_s = keepalive_query(head["query"].encode("latin-1"))
-        headers = [] if head["auth"] is None else [(b"authorization", head["auth"].encode("latin-1"))]
-        scope = {
-            "type": "http",
-            "method": head["method"],
-            "path": path,
-            "query_string": head["query"].encode("latin-1"),
-            "headers": headers,
-            "path_params": {"job": job, "rank": parts[5]},
-        }
+        auth = None if head["auth"] is None else head["auth"].encode("latin-1")
+        params = {"job": job, "rank": parts[5]}
         try:
-            state.tokens.check_worker(Request(scope))
+            state.tokens.check_worker(request_for(head["method"], path, auth, params, head["query"].encode("latin-1")))
             if keepalive_s is None:
                 low, high = MIN_KEEPALIVE_S, MAX_KEEPALIVE_S
                 detail = f"query {head['query']!r}: keepalive_s must be a number in [{low}, {high}]"

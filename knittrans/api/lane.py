@@ -29,24 +29,21 @@ no-op, as every repeat is.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 from fastapi.exceptions import RequestValidationError
-from starlette.requests import Request
 
+from knittrans.api.auth import request_for
 from knittrans.api.httperrors import validation_detail
 from knittrans.api.routes.units import register_body
+from knittrans.controllane import REGISTER
 from knittrans.errors import InvalidRequest
 from knittrans.flight.lane import LaneServer
 from knittrans.names import check_name
 
-__all__ = ["REGISTER", "RegistrationLane"]
-
-REGISTER = "register_units"
-"""The one action type the control plane's lane serves."""
+__all__ = ["RegistrationLane"]
 
 
 def _no_reads(ticket: bytes) -> pa.Table:
@@ -59,11 +56,13 @@ class RegistrationLane:
 
     def __init__(self, state: Any, host: str, port: int) -> None:
         self._state = state
-        self._lock = threading.Lock()
-        self.served = 0
-        """Registrations answered over the lane (``GET /v1/lane``; tests check that the lane served)."""
-        self._server = LaneServer(host, port, read=_no_reads, auth=None, authorized_act=self._act)
+        self._server = LaneServer(host, port, read=_no_reads, auth=None, act=self._act)
         self.port = self._server.port
+
+    @property
+    def served(self) -> int:
+        """Registrations answered over the lane (``GET /v1/lane``; tests check that the lane served)."""
+        return self._server.actions_served
 
     def _act(self, kind: str, authorization: bytes, body: bytes, abandoned: Callable[[], bool]) -> bytes:
         if kind != REGISTER:
@@ -72,34 +71,13 @@ class RegistrationLane:
         if not sep:
             raise InvalidRequest(f"{REGISTER} over the lane: no NUL byte between the job's name and the body")
         job = check_name(name.decode("utf-8", errors="replace"), "job")
-        self._state.tokens.check_worker(_request(job, authorization))
+        self._state.tokens.check_worker(request_for("POST", f"/v1/jobs/{job}/units", authorization, {"job": job}))
         try:
             result = self._state.runner.call(register_body, self._state.service, job, raw)
         except RequestValidationError as exc:
             raise InvalidRequest(validation_detail(exc)) from None
-        with self._lock:
-            self.served += 1
         return json.dumps(result).encode()
 
     def close(self) -> None:
         """Stop accepting and drop every connection (registrations in progress finish on the state thread)."""
         self._server.close()
-
-
-def _request(job: str, authorization: bytes) -> Request:
-    """The request the HTTP route would see, for the token check (path, method, ``authorization``)."""
-    path = f"/v1/jobs/{job}/units"
-    headers = [(b"authorization", authorization)] if authorization else []
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "scheme": "http",
-        "server": None,
-        "query_string": b"",
-        "headers": headers,
-        "path_params": {"job": job},
-    }
-    return Request(scope)

@@ -291,17 +291,10 @@ class StoreClient:
                 return self._lane_idle.pop(), True
         try:
             timeout = min(LANE_CONNECT_TIMEOUT_S, self._timeout_s or LANE_CONNECT_TIMEOUT_S)
-            conn = socket.create_connection((self._lane_host, port), timeout=timeout)
+            conn = lane.connect(self._lane_host, port, connect_timeout_s=timeout, timeout_s=self._timeout_s)
         except OSError as exc:
             msg = f"data lane of store {self.endpoint} (port {port}) cannot be reached: {exc}"
             raise _LaneUnreachable(msg) from None
-        if conn.getsockname() == conn.getpeername():  # nothing listens on the port: the kernel joined us to ourselves
-            conn.close()
-            raise _LaneUnreachable(f"data lane of store {self.endpoint} (port {port}): nothing listens there")
-        conn.settimeout(None)  # blocking; the kernel's per-call timeouts bound each wait
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._timeout_s is not None:
-            lane.socket_timeouts(conn, self._timeout_s)
         return conn, False
 
     def _lane_connection_or_moved(self) -> tuple[socket.socket, bool]:

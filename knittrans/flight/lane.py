@@ -79,6 +79,7 @@ __all__ = [
     "LaneSilent",
     "NoLaneActions",
     "NotALane",
+    "connect",
     "ipc_parts",
     "ping",
     "read_action_answer",
@@ -194,12 +195,11 @@ class LaneServer:
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
     (its bearer-token check, or None for a store without a token) checks the request's ``authorization``;
-    ``act(type, body, abandoned) -> result`` answers an action request (the store server's
-    ``lane_action``; ``abandoned()`` tells whether the client has closed the connection meanwhile);
-    None: the lane refuses actions as a lane from before them does. ``authorized_act(type,
-    authorization, body, abandoned) -> result`` instead: an action handler that checks the request's
-    ``authorization`` itself (the control plane's lane, whose tokens are scoped to a job named in the
-    body: :mod:`knittrans.api.lane`).
+    ``act(type, authorization, body, abandoned) -> result`` answers an action request (the store
+    server's ``lane_act``; ``authorization`` is the request's, for a handler whose token check needs the
+    body, as the control plane's lane: :mod:`knittrans.api.lane`; ``abandoned()`` tells whether the
+    client has closed the connection meanwhile); None: the lane refuses actions as a lane from before
+    them does.
     """
 
     def __init__(
@@ -209,16 +209,13 @@ class LaneServer:
         *,
         read: Callable[[bytes], pa.Table],
         auth: BearerTokenFactory | None,
-        act: Callable[[str, bytes, Callable[[], bool]], bytes] | None = None,
-        authorized_act: Callable[[str, bytes, bytes, Callable[[], bool]], bytes] | None = None,
+        act: Callable[[str, bytes, bytes, Callable[[], bool]], bytes] | None = None,
         request_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         send_timeout_s: float = 30.0,
         max_connections: int = 128,
     ) -> None:
-        if act is not None and authorized_act is not None:
-            raise ValueError("give act or authorized_act, not both")
-        self._read, self._auth, self._act, self._authorized_act = read, auth, act, authorized_act
+        self._read, self._auth, self._act = read, auth, act
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
@@ -335,7 +332,7 @@ class LaneServer:
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
         magic, auth_len, ticket_len = _REQUEST.unpack(head)
-        action = magic == ACTION_MAGIC and (self._act is not None or self._authorized_act is not None)
+        action = magic == ACTION_MAGIC and self._act is not None
         if magic != MAGIC and not action:
             raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
         if auth_len > MAX_AUTH_BYTES:
@@ -389,11 +386,8 @@ class LaneServer:
             kind = kind_bytes.decode("ascii", errors="replace")
             if not sep:
                 raise InvalidRequest("data lane action: no NUL byte between the action's type and its body")
-            if self._authorized_act is not None:
-                result = self._authorized_act(kind, auth, body, lambda: _peer_gone(conn))
-            else:
-                assert self._act is not None
-                result = self._act(kind, body, lambda: _peer_gone(conn))
+            assert self._act is not None
+            result = self._act(kind, auth, body, lambda: _peer_gone(conn))
         except Exception as exc:
             known = known_error(f"data lane action {kind}", exc)
             if known is None:
@@ -419,6 +413,21 @@ def _peer_gone(conn: socket.socket) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ client
+def connect(host: str, port: int, *, connect_timeout_s: float, timeout_s: float | None) -> socket.socket:
+    """A new connection to a lane (a store's, or the control plane's): blocking, Nagle off, each send and
+    receive bounded by ``timeout_s`` (the kernel's per-call timeouts; None: unbounded). Raises ``OSError``,
+    also when nothing listens on the port and the kernel joined the connection to itself."""
+    conn = socket.create_connection((host, port), timeout=connect_timeout_s)
+    if conn.getsockname() == conn.getpeername():
+        conn.close()
+        raise ConnectionRefusedError(f"nothing listens on port {port}")
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if timeout_s is not None:
+        socket_timeouts(conn, timeout_s)
+    return conn
+
+
 def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> None:
     """Send one lane request (``authorization``: the header value, ``Bearer <token>``, or empty)."""
     sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)

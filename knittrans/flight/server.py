@@ -222,7 +222,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         if config.data_lane and tls is None:
             try:
                 port = config.data_lane_port or 0
-                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth, act=self.lane_action)
+                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth, act=self.lane_act)
             except BaseException:
                 super().shutdown()
                 raise
@@ -430,6 +430,10 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
         published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
         return json.dumps({"units": [u.info() for u in published]}).encode()
+
+    def lane_act(self, kind: str, authorization: bytes, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
+        """The data lane's action handler: :meth:`lane_action` (the lane checked ``authorization`` already)."""
+        return self.lane_action(kind, raw, abandoned)
 
     def lane_action(self, kind: str, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
         """An action sent on the data lane: ``publish_units`` only (every other action is refused, naming
