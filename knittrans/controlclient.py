@@ -16,6 +16,7 @@ no-op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json as jsonlib
 import logging
@@ -158,7 +159,10 @@ class ControlClient:
         self._lean_conn: http.client.HTTPConnection | None = None
         self._lean_lock = threading.Lock()
         auth = headers.get("Authorization", "").encode()
-        self.lane = LaneRegistrar(self.base_url, auth, timeout_s=timeout_s, find=self._find_lane) if lane else None
+        # the finder holds the pool, not this client: a bound method here would make the client a reference
+        # cycle, left to the cyclic GC when it is dropped (see test_trainer_client's cyclic-GC test)
+        find = functools.partial(_find_lane, self._http, min(timeout_s, 5.0))
+        self.lane = LaneRegistrar(self.base_url, auth, timeout_s=timeout_s, find=find) if lane else None
         """The registration lane's client (None: ``lane=False``)."""
 
     def close(self) -> None:
@@ -281,15 +285,6 @@ class ControlClient:
         if status >= 400:
             _raise_for(httpx.Response(status, content=payload))
         return jsonlib.loads(payload)
-
-    def _find_lane(self) -> tuple[int, int] | None:
-        """``GET /v1/lane``, one try: ``(port, max_bytes)``, or None when the control plane has no lane."""
-        response = self._http.get("/v1/lane", timeout=min(self.timeout_s, 5.0))
-        if response.status_code == 404:
-            return None
-        _raise_for(response)
-        body = response.json()
-        return int(body["port"]), int(body["max_bytes"])
 
     def _drop_lean(self) -> None:
         """Close the kept-alive ``http.client`` connection (the caller holds its lock)."""
@@ -490,7 +485,7 @@ class ControlClient:
     def plan_gateway(self) -> str | None:
         """``GET /v1/plan-gateway``: the base URL of the server's plan gateway; None when it runs none, or
         its gateway exited (404, 503: use the server's own plan stream)."""
-        response = self._http.get("/v1/plan-gateway")
+        response = _unbound(self._http.get("/v1/plan-gateway"))
         if response.status_code in (404, 503, 405):
             return None
         _raise_for(response)
@@ -656,6 +651,7 @@ class PlanStreamReader:
                         self._drop()
                     return
                 response.read()
+                response = _unbound(response)
                 response.close()
                 if response.status_code == 405 or (response.status_code == 404 and _unknown_route(response)):
                     raise StreamUnsupported(f"control plane {client.base_url} has no plan stream ({path})")
@@ -676,6 +672,7 @@ class PlanStreamReader:
         response, self._response, self._lines = self._response, None, None
         if response is not None:
             response.close()
+            response.stream = httpx.ByteStream(b"")  # httpx's wrapper refers back to it (see _unbound)
 
 
 def _unknown_route(response: httpx.Response) -> bool:
@@ -704,3 +701,13 @@ def _close_connection(response: httpx.Response) -> None:
     if stream is not None:
         with contextlib.suppress(Exception):
             stream.close()
+
+
+def _find_lane(http: httpx.Client, timeout_s: float) -> tuple[int, int] | None:
+    """``GET /v1/lane``, one try: ``(port, max_bytes)``, or None when the control plane has no lane."""
+    response = _unbound(http.get("/v1/lane", timeout=timeout_s))
+    if response.status_code == 404:
+        return None
+    _raise_for(response)
+    body = response.json()
+    return int(body["port"]), int(body["max_bytes"])

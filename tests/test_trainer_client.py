@@ -208,6 +208,58 @@ def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluste
         second.ack()
 
 
+def _earlier_ranks_done(wait_s: float = 30.0) -> None:
+    """Wait (up to ``wait_s``, then go on) for earlier tests' prefetch and start threads to end: each may hold
+    a client of its test, which would be freed (cycles and all) during the next test's count of cycles."""
+    names = ("knittrans-prefetch", "knittrans-start")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and [t for t in threading.enumerate() if t.name.startswith(names)]:
+        time.sleep(0.05)
+
+
+def _rows(m: TrainMicroBatch) -> int:
+    return m.batch.num_rows
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"plan_stream": True}, {"fetch_mode": "eager", "transform": _rows}], ids=["iter", "stream", "eager"]
+)
+def test_a_closed_client_is_freed_without_the_cyclic_gc(cluster: LocalCluster, kw: dict[str, Any]) -> None:
+    """A rank's client, once it has served a mini-batch and is closed, is freed by reference counting with
+    all it owns (control client, lane, plan stream, fetcher, media cache): before, its mini-batches' context
+    held the client's bound ``prepare``, and a closed plan stream's response referred back to itself, so
+    every dropped client waited for the cyclic GC, and a test counting cycles failed whenever an earlier
+    test's client was freed during it."""
+    job = f"drop-{len(kw)}-{kw.get('fetch_mode', 'iter')}"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=3, group_size=4, k=3, world_size=1, micro_batch_size=4))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 3, group_size=4), groups_per_unit=1)
+    kw = dict(kw)
+    mode, transform = kw.pop("fetch_mode", "iter"), kw.pop("transform", None)
+    _earlier_ranks_done()
+    gc.collect()
+    gc.disable()
+    try:
+        client = _client(cluster, job, mode, transform=transform, **kw)
+        with client:
+            served = []
+            for mb in client.minibatches():
+                served += [(m.batch.num_rows, m.prepared) for m in mb]
+                mb.ack()
+            assert served == [(4, None if transform is None else 4)] * 3
+        freed = weakref.ref(client)
+        del client, mb
+        wait_until(lambda: freed() is None, timeout_s=20, what="the closed client freed")
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = {f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage}
+        assert not {t for t in cyclic if t.startswith(("knittrans", "httpx", "httpcore"))}, sorted(cyclic)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 def test_a_finished_mini_batch_is_freed_without_the_cyclic_gc(cluster: LocalCluster) -> None:
     """Nothing a mini-batch owns (media cache, successor poll, prefetch thread) refers back to it, so once
     the loop moves on the mini-batch and its micro-batches' tables and tensors are freed by reference
@@ -219,6 +271,7 @@ def test_a_finished_mini_batch_is_freed_without_the_cyclic_gc(cluster: LocalClus
     control.create_job(job_spec(job, groups=6, group_size=4, k=3, world_size=1, micro_batch_size=4))
     write_and_register(control, job, cluster.stores, mm_groups(job, 6, group_size=4), groups_per_unit=2)
     refs: list[tuple[int, weakref.ref[Any]]] = []
+    _earlier_ranks_done()
     gc.collect()
     gc.disable()
     try:

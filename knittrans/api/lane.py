@@ -28,6 +28,7 @@ no-op, as every repeat is.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -55,8 +56,8 @@ class RegistrationLane:
     actions are registrations, checked with the app's tokens and run on its state thread."""
 
     def __init__(self, state: Any, host: str, port: int) -> None:
-        self._state = state
-        self._server = LaneServer(host, port, read=_no_reads, auth=None, act=self._act)
+        # the handler holds the app's state, not this object: a bound method would make the lane a cycle
+        self._server = LaneServer(host, port, read=_no_reads, auth=None, act=functools.partial(_act, state))
         self.port = self._server.port
 
     @property
@@ -64,20 +65,22 @@ class RegistrationLane:
         """Registrations answered over the lane (``GET /v1/lane``; tests check that the lane served)."""
         return self._server.actions_served
 
-    def _act(self, kind: str, authorization: bytes, body: bytes, abandoned: Callable[[], bool]) -> bytes:
-        if kind != REGISTER:
-            raise InvalidRequest(f"the control plane's lane serves {REGISTER!r} actions only, not {kind!r}")
-        name, sep, raw = body.partition(b"\0")
-        if not sep:
-            raise InvalidRequest(f"{REGISTER} over the lane: no NUL byte between the job's name and the body")
-        job = check_name(name.decode("utf-8", errors="replace"), "job")
-        self._state.tokens.check_worker(request_for("POST", f"/v1/jobs/{job}/units", authorization, {"job": job}))
-        try:
-            result = self._state.runner.call(register_body, self._state.service, job, raw)
-        except RequestValidationError as exc:
-            raise InvalidRequest(validation_detail(exc)) from None
-        return json.dumps(result).encode()
-
     def close(self) -> None:
         """Stop accepting and drop every connection (registrations in progress finish on the state thread)."""
         self._server.close()
+
+
+def _act(state: Any, kind: str, authorization: bytes, body: bytes, abandoned: Callable[[], bool]) -> bytes:
+    """One lane action of the app whose state is ``state``: a registration, checked and answered as its route."""
+    if kind != REGISTER:
+        raise InvalidRequest(f"the control plane's lane serves {REGISTER!r} actions only, not {kind!r}")
+    name, sep, raw = body.partition(b"\0")
+    if not sep:
+        raise InvalidRequest(f"{REGISTER} over the lane: no NUL byte between the job's name and the body")
+    job = check_name(name.decode("utf-8", errors="replace"), "job")
+    state.tokens.check_worker(request_for("POST", f"/v1/jobs/{job}/units", authorization, {"job": job}))
+    try:
+        result = state.runner.call(register_body, state.service, job, raw)
+    except RequestValidationError as exc:
+        raise InvalidRequest(validation_detail(exc)) from None
+    return json.dumps(result).encode()

@@ -75,11 +75,7 @@ class TrainerClient:
         transform: Callable[[TrainMicroBatch], Any] | None = None,
     ) -> None:
         self.config = config
-        self.transform = transform
-        """``transform(micro) -> Any``, run right after a micro-batch is loaded — in the prefetch thread
-        in ``iter`` mode — with the result in :attr:`TrainMicroBatch.prepared`: a model-specific
-        collate (padding, image stacking, pinning) then happens off the training thread, like a
-        DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
+        self._prepare = _Prepare(transform)
         self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
         """Control-plane client; its retry policy is the rank's only one (``control_retry_s`` by default)."""
         self.fetcher = Fetcher(
@@ -106,7 +102,7 @@ class TrainerClient:
             fetcher=self.fetcher,
             media_pool=self.media_pool,
             control=self.control,
-            prepare=self.prepare,
+            prepare=self._prepare,
             closed=self._closed,
         )
         """What this rank's mini-batches use of it (a subclass of :class:`MiniBatch` is built with it)."""
@@ -140,14 +136,21 @@ class TrainerClient:
         except BaseException as exc:  # handed to minibatches()
             first.set_exception(exc)
 
+    @property
+    def transform(self) -> Callable[[TrainMicroBatch], Any] | None:
+        """``transform(micro) -> Any``, run right after a micro-batch is loaded — in the prefetch thread
+        in ``iter`` mode — with the result in :attr:`TrainMicroBatch.prepared`: a model-specific
+        collate (padding, image stacking, pinning) then happens off the training thread, like a
+        DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
+        return self._prepare.transform
+
+    @transform.setter
+    def transform(self, transform: Callable[[TrainMicroBatch], Any] | None) -> None:
+        self._prepare.transform = transform
+
     def prepare(self, micro: TrainMicroBatch) -> TrainMicroBatch:
         """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
-        if self.transform is None:
-            return micro
-        t0 = time.perf_counter()
-        prepared = self.transform(micro)
-        micro.timing.transform_s = time.perf_counter() - t0
-        return replace(micro, prepared=prepared)
+        return self._prepare(micro)
 
     def minibatch(self, plan: RankPlan) -> MiniBatch:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once with ``warm_connections``)."""
@@ -265,3 +268,22 @@ class TrainerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Prepare:
+    """A rank's :attr:`TrainerClient.transform`, applied by its mini-batches (:attr:`RankContext.prepare`).
+
+    A callable of its own rather than the client's bound method: the client holds its context, so a
+    bound method there made every client a reference cycle, freed only by the cyclic GC.
+    """
+
+    def __init__(self, transform: Callable[[TrainMicroBatch], Any] | None) -> None:
+        self.transform = transform
+
+    def __call__(self, micro: TrainMicroBatch) -> TrainMicroBatch:
+        if self.transform is None:
+            return micro
+        t0 = time.perf_counter()
+        prepared = self.transform(micro)
+        micro.timing.transform_s = time.perf_counter() - t0
+        return replace(micro, prepared=prepared)
