@@ -6,7 +6,6 @@ on a new lane port, a store node that has not registered yet, and concurrent cal
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import socket
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from api_support import ServerProcess, job_spec, register_from_threads, server, single_group_units
+from gc_support import assert_no_cycles_of_ours, cyclic_gc_off
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidName, InvalidRequest, NotFound, Unauthenticated
@@ -69,25 +69,15 @@ def test_a_dropped_client_is_freed_by_reference_counting(tmp_path: Path) -> None
     """A client that registered over the lane and HTTP, closed and dropped, leaves no reference cycle (one
     held the client through its lane's finder, so every dropped client waited for the cyclic GC, and a
     trainer's test that counts cycles failed when an earlier test's client was freed during it)."""
-    with server(tmp_path / "cp.db") as srv:
-        gc.collect()
-        gc.disable()
-        try:
-            with ControlClient(srv.url) as client:
-                _setup(client)
-                client.register_units("job1", single_group_units(["math", "code"], prefix="a"))
-                assert client.lane is not None and client.lane.served == 1
-            freed = weakref.ref(client)
-            del client
-            assert freed() is None
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            cyclic = {f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage}
-            assert not {t for t in cyclic if t.startswith(("knittrans", "httpx", "httpcore"))}, sorted(cyclic)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+    with server(tmp_path / "cp.db") as srv, cyclic_gc_off():
+        with ControlClient(srv.url) as client:
+            _setup(client)
+            client.register_units("job1", single_group_units(["math", "code"], prefix="a"))
+            assert client.lane is not None and client.lane.served == 1
+        freed = weakref.ref(client)
+        del client
+        assert freed() is None
+        assert_no_cycles_of_ours()
 
 
 def test_lane_refusals_are_the_routes_refusals_and_keep_the_connection(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import weakref
@@ -18,6 +17,7 @@ from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.plans import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
+from tests.gc_support import assert_no_cycles_of_ours, cyclic_gc_off
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 BIG_IMAGE = (4, 256, 256)  # 256 KiB per group
@@ -237,9 +237,7 @@ def test_a_closed_client_is_freed_without_the_cyclic_gc(cluster: LocalCluster, k
     kw = dict(kw)
     mode, transform = kw.pop("fetch_mode", "iter"), kw.pop("transform", None)
     _earlier_ranks_done()
-    gc.collect()
-    gc.disable()
-    try:
+    with cyclic_gc_off():
         client = _client(cluster, job, mode, transform=transform, **kw)
         with client:
             served = []
@@ -250,14 +248,7 @@ def test_a_closed_client_is_freed_without_the_cyclic_gc(cluster: LocalCluster, k
         freed = weakref.ref(client)
         del client, mb
         wait_until(lambda: freed() is None, timeout_s=20, what="the closed client freed")
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        cyclic = {f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage}
-        assert not {t for t in cyclic if t.startswith(("knittrans", "httpx", "httpcore"))}, sorted(cyclic)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+        assert_no_cycles_of_ours()
 
 
 def test_a_finished_mini_batch_is_freed_without_the_cyclic_gc(cluster: LocalCluster) -> None:
@@ -272,31 +263,19 @@ def test_a_finished_mini_batch_is_freed_without_the_cyclic_gc(cluster: LocalClus
     write_and_register(control, job, cluster.stores, mm_groups(job, 6, group_size=4), groups_per_unit=2)
     refs: list[tuple[int, weakref.ref[Any]]] = []
     _earlier_ranks_done()
-    gc.collect()
-    gc.disable()
-    try:
-        with _client(cluster, job, "iter") as client:
-            for mb in client.minibatches():
-                for m in mb:
-                    tensors = [weakref.ref(t) for t in _tensors(m).values()]
-                    refs += [(mb.global_index, r) for r in [weakref.ref(m.batch.table), *tensors]]
-                refs.append((mb.global_index, weakref.ref(mb)))
-                mb.ack()
-            del mb, m, tensors
-            assert {n for n, _ in refs} == {0, 1, 2}
-            # a mini-batch's prefetch thread (its successor poll) holds it until the thread ends
-            wait_until(
-                lambda: [n for n, r in refs if r() is not None and n < 2] == [], timeout_s=20, what="refcount frees"
-            )
-            # and the loop left no cycles of ours or of the HTTP client's (each control-plane response was one)
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            cyclic = {f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage}
-            assert not {t for t in cyclic if t.startswith(("knittrans", "httpx", "httpcore"))}, sorted(cyclic)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+    with cyclic_gc_off(), _client(cluster, job, "iter") as client:
+        for mb in client.minibatches():
+            for m in mb:
+                tensors = [weakref.ref(t) for t in _tensors(m).values()]
+                refs += [(mb.global_index, r) for r in [weakref.ref(m.batch.table), *tensors]]
+            refs.append((mb.global_index, weakref.ref(mb)))
+            mb.ack()
+        del mb, m, tensors
+        assert {n for n, _ in refs} == {0, 1, 2}
+        # a mini-batch's prefetch thread (its successor poll) holds it until the thread ends
+        wait_until(lambda: [n for n, r in refs if r() is not None and n < 2] == [], timeout_s=20, what="refcount frees")
+        # and the loop left no cycles of ours or of the HTTP client's (each control-plane response was one)
+        assert_no_cycles_of_ours()
 
 
 @pytest.fixture
