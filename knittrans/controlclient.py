@@ -650,9 +650,8 @@ class PlanStreamReader:
                     if self.closed:  # closed by another thread while this one opened it
                         self._drop()
                     return
-                response.read()
+                response.read()  # and closed
                 response = _unbound(response)
-                response.close()
                 if response.status_code == 405 or (response.status_code == 404 and _unknown_route(response)):
                     raise StreamUnsupported(f"control plane {client.base_url} has no plan stream ({path})")
                 if response.status_code != 503:
@@ -672,7 +671,7 @@ class PlanStreamReader:
         response, self._response, self._lines = self._response, None, None
         if response is not None:
             response.close()
-            response.stream = httpx.ByteStream(b"")  # httpx's wrapper refers back to it (see _unbound)
+            _unbound(response, b"")
 
 
 def _unknown_route(response: httpx.Response) -> bool:
@@ -683,15 +682,16 @@ def _unknown_route(response: httpx.Response) -> bool:
         return True
 
 
-def _unbound(response: httpx.Response) -> httpx.Response:
-    """``response`` (its body read) without httpx's stream wrapper, which refers back to the response.
+def _unbound(response: httpx.Response, body: bytes | None = None) -> httpx.Response:
+    """``response`` (its body read, or ``body`` in its place: a stream closed unread) without httpx's stream
+    wrapper, which refers back to the response.
 
     That reference made every response a reference cycle of ~50 objects (request, headers, URL, the
     connection pool's request and stream objects) that only the cyclic GC frees: three per mini-batch
     of a trainer rank, enough to trigger collections that pause its thread. The body is kept, so
     ``.content``, ``.json()`` and ``.close()`` work as before.
     """
-    response.stream = httpx.ByteStream(response.content)
+    response.stream = httpx.ByteStream(response.content if body is None else body)
     return response
 
 
