@@ -1,7 +1,7 @@
 """``ControlClient``: a small synchronous client of the control-plane REST API, with retries.
 
 Used by rollout writers (units, supply, version), store nodes (register, heartbeat), trainer ranks
-(next plan, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
+(manifests, fetched, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
 so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
 is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
 
@@ -43,10 +43,10 @@ from knittrans.errors import (
     Unavailable,
     error_of_status,
 )
-from knittrans.plans import PlanId, RankPlan
+from knittrans.manifest import Manifest
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
-__all__ = ["ControlClient", "JobFinished", "PlanStreamReader", "StreamUnsupported"]
+__all__ = ["ControlClient", "JobFinished"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,7 @@ _UNREGISTERED_NODE = re.compile(r"node '([^']+)' is not registered")
 
 
 class JobFinished(KnitTransError):
-    """No further plan will come for this rank: the job was drained or reached ``total_steps``."""
-
-
-class StreamUnsupported(KnitTransError):
-    """The control plane has no plan stream (``.../plans``: a server from before it); use ``next``."""
+    """The mini-batch asked for will never be admitted: the job was drained or reached ``total_steps``."""
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -194,15 +190,17 @@ class ControlClient:
         json: Any = None,
         content: bytes | None = None,
         params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         poll: bool = False,
     ) -> httpx.Response:
         pauses = self.retry.pauses()
         attempt = 0
         http = self._poll_http if poll else self._http
+        if content is not None:
+            headers = {**_JSON_CONTENT, **(headers or {})}
         while True:
             try:
-                headers = _JSON_CONTENT if content is not None else None
                 response = http.request(
                     method,
                     path,
@@ -444,83 +442,73 @@ class ControlClient:
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/supply", json=body)
         return result
 
-    # ------------------------------------------------------------------ ranks
-    def next_plan(
-        self, job: str, rank: int, timeout_s: float = 30.0, *, after: str | None = None, ack: str | None = None
-    ) -> RankPlan | None:
-        """``GET /v1/jobs/{job}/ranks/{rank}/next``: the plan, or None when none came within ``timeout_s``.
+    # ------------------------------------------------------------------ mini-batches
+    def manifest(
+        self, job: str, n: int, timeout_s: float = 30.0, *, etag: str | None = None
+    ) -> tuple[Manifest, str] | None:
+        """``GET /v1/jobs/{job}/minibatches/{n}``: the manifest of mini-batch ``n`` and its ETag, or None when it
+        was not admitted within ``timeout_s``.
 
-        ``after``: the rank's current, un-acked plan id; returns the plan of the mini-batch after it
-        (for prefetching across the ack), Conflict when ``after`` is not the current plan, DataLost
-        when it was withdrawn.
-
-        ``ack``: the rank's current plan id, acked first in the same request (one request per
-        mini-batch instead of :meth:`ack` and ``next``; no transfer figures; safe to retry, the ack
-        is idempotent); NotFound, Conflict or DataLost as for :meth:`ack` when it is refused, and
-        then nothing was acked. Not together with ``after``.
+        ``etag``: the ETag of a manifest of ``n`` already held; the call then waits for a different one (the
+        mini-batch re-planned after a node loss) and returns None if none came within ``timeout_s``.
 
         Raises:
-            JobFinished: the job will plan nothing more for this rank (after ``after``).
-            InvalidRequest: the answer is not a well-formed plan.
+            JobFinished: mini-batch ``n`` will never be admitted (the job drained or completed).
+            Conflict: ``n`` was consumed already (the trainer is past it).
+            InvalidRequest: the answer is not a well-formed manifest.
         """
-        params: dict[str, Any] = {"timeout_s": timeout_s}
-        if after is not None:
-            params["after"] = after
-        if ack is not None:
-            params["ack"] = ack
+        headers = {"If-None-Match": etag} if etag is not None else None
         response = self._request(
-            "GET", f"/v1/jobs/{job}/ranks/{rank}/next", params=params, timeout_s=timeout_s + self.timeout_s, poll=True
+            "GET",
+            f"/v1/jobs/{job}/minibatches/{n}",
+            params={"timeout_s": timeout_s},
+            headers=headers,
+            timeout_s=timeout_s + self.timeout_s,
+            poll=True,
         )
-        if response.status_code == 204:
+        if response.status_code in (204, 304):
             if response.headers.get(_DONE_HEADER) == "1":
-                raise JobFinished(f"job {job!r} has no further mini-batch for rank {rank}")
+                raise JobFinished(f"job {job!r} will admit no mini-batch {n}")
             return None
-        return RankPlan.from_json(response.json())
+        return Manifest.decode(response.content), response.headers.get("etag", "")
 
-    def plan_stream(self, job: str, rank: int, *, keepalive_s: float = 10.0, gateway: bool = False) -> PlanStreamReader:
-        """The rank's plan stream (``GET .../plans``), opened on first read; see :class:`PlanStreamReader`.
-        ``gateway``: from the server's plan gateway when it runs one (``GET /v1/plan-gateway``), else its own."""
-        return PlanStreamReader(self, job, rank, keepalive_s=keepalive_s, gateway=gateway)
-
-    def plan_gateway(self) -> str | None:
-        """``GET /v1/plan-gateway``: the base URL of the server's plan gateway; None when it runs none, or
-        its gateway exited (404, 503: use the server's own plan stream)."""
-        response = _unbound(self._http.get("/v1/plan-gateway"))
-        if response.status_code in (404, 503, 405):
-            return None
-        _raise_for(response)
-        url: str = response.json()["url"]
-        return url
-
-    def iter_plans(self, job: str, rank: int, timeout_s: float = 30.0) -> Iterator[RankPlan]:
-        """Yield the rank's plans until the job is finished; ack each before asking for the next."""
-        while True:
-            try:
-                plan = self.next_plan(job, rank, timeout_s)
-            except JobFinished:
-                return
-            if plan is not None:
-                yield plan
-
-    def fetched(self, job: str, rank: int, plan_id: str) -> dict[str, Any]:
-        """``POST /v1/jobs/{job}/ranks/{rank}/fetched``: this rank holds its whole share (before its step).
-
-        Raises:
-            DataLost: the plan was withdrawn (a store node holding its rows was lost).
-        """
-        body = {"plan_id": plan_id}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/fetched", json=body)
+    def progress(self, job: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}/minibatches``: the trainer's position and the in-flight mini-batches' progress."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/minibatches")
         return result
 
-    def ack(self, job: str, rank: int, plan_id: str, transfer: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """``POST /v1/jobs/{job}/ranks/{rank}/ack`` (DataLost when the plan was withdrawn).
+    def fetched(self, job: str, n: int, attempt: int, ranks: Sequence[int] | None = None) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/minibatches/{n}/fetched``: ``ranks`` (None: every rank) hold their whole share.
 
-        ``transfer``: the rank's transfer figures of the mini-batch (see :class:`~knittrans.api.models.TransferIn`).
+        Raises:
+            DataLost: that attempt was withdrawn (a store node holding its rows was lost).
         """
-        body: dict[str, Any] = {"plan_id": plan_id}
+        body = {"attempt": attempt, "ranks": list(ranks) if ranks is not None else None}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/minibatches/{n}/fetched", json=body)
+        return result
+
+    def ack(
+        self,
+        job: str,
+        n: int,
+        attempt: int,
+        ranks: Sequence[int] | None = None,
+        *,
+        version: int | None = None,
+        transfer: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/minibatches/{n}/ack``: ``ranks`` (None: every rank) finished mini-batch ``n``.
+
+        ``version``: the policy version the optimizer step produced (weights already published); recorded in
+        the same change as the ack. ``transfer``: each rank's transfer figures of the mini-batch, by rank (see
+        :class:`~knittrans.api.models.TransferIn`). DataLost when that attempt was withdrawn.
+        """
+        body: dict[str, Any] = {"attempt": attempt, "ranks": list(ranks) if ranks is not None else None}
+        if version is not None:
+            body["version"] = version
         if transfer is not None:
-            body["transfer"] = dict(transfer)
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/ranks/{rank}/ack", json=body)
+            body["transfer"] = {str(rank): dict(figures) for rank, figures in transfer.items()}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/minibatches/{n}/ack", json=body)
         return result
 
     def report_version(self, job: str, version: int, rank: int = 0) -> dict[str, Any]:
@@ -543,143 +531,6 @@ class ControlClient:
     def get_version(self, job: str) -> int:
         """``GET /v1/jobs/{job}/version``: the latest policy version."""
         return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])
-
-
-class PlanStreamReader:
-    """A rank's plan stream (``GET /v1/jobs/{job}/ranks/{rank}/plans``): the plan of its next un-acked
-    mini-batch pushed by the server as one NDJSON line whenever it changes, instead of a long-poll
-    per mini-batch. Acks go by :meth:`ControlClient.ack` as before; tell the reader which plans were
-    acked (:meth:`acked`), since a line of a plan sent before its ack may still be buffered (a plan
-    prefetched with ``next?after=`` is also pushed here once it becomes the current one).
-
-    A broken stream (connection lost, no line within three keep-alive periods) is reopened with the
-    client's retry policy; the server then sends the rank's un-acked plan again. :class:`StreamUnsupported`
-    when the server has no such endpoint (use :meth:`ControlClient.next_plan`).
-    """
-
-    def __init__(
-        self, client: ControlClient, job: str, rank: int, *, keepalive_s: float = 10.0, gateway: bool = False
-    ) -> None:
-        if not keepalive_s > 0:
-            raise ValueError("keepalive_s must be > 0")
-        self.client, self.job, self.rank, self.keepalive_s = client, job, rank, keepalive_s
-        self.gateway = gateway
-        """Open each stream on the server's plan gateway when it runs one (asked again at each reconnect:
-        a gateway that died is answered 503 and the server's own stream is used)."""
-        self.source: str | None = None
-        """Base URL the current (or last) stream came from."""
-        self._response: httpx.Response | None = None
-        self._lines: Iterator[str] | None = None
-        self._acked_through = -1  # highest global index this rank acked: an acked mini-batch is never withdrawn
-        self.opened = 0
-        """Streams opened (the first one and each reconnect)."""
-        self.closed = False
-
-    def acked(self, plan_id: str) -> None:
-        """``plan_id`` was acked: lines of it, or of any earlier mini-batch (or attempt), are skipped."""
-        parsed = PlanId.parse(str(plan_id))
-        if parsed is not None:
-            self._acked_through = max(self._acked_through, parsed.n)
-
-    def next(self, timeout_s: float = 30.0) -> RankPlan | None:
-        """The next plan not acked through this reader; None when none came within about ``timeout_s``
-        (checked at each line: up to one keep-alive period later).
-
-        Raises:
-            JobFinished: no further plan will come for this rank.
-            StreamUnsupported: the server has no plan stream.
-            Unavailable: the stream could not be reopened within the retry budget.
-        """
-        deadline = time.monotonic() + timeout_s
-        while not self.closed:
-            line = self._line()
-            if line is not None and line.strip():
-                body = jsonlib.loads(line)
-                if not isinstance(body, dict):
-                    raise InvalidRequest(f"plan stream line is not an object: {line[:200]!r}")
-                if "plan_id" in body:  # a plan (the other lines carry no plan id)
-                    plan = RankPlan.from_json(body)
-                    if plan.global_index > self._acked_through:
-                        return plan
-                elif body.get("done"):
-                    self._drop()
-                    raise JobFinished(f"job {self.job!r} has no further mini-batch for rank {self.rank}")
-                elif "ack_error" in body:
-                    logger.warning("plan stream of rank %d: ack refused: %s", self.rank, body)
-            if time.monotonic() >= deadline:
-                return None
-        return None
-
-    def _line(self) -> str | None:
-        """One line of the stream (opening it first if needed); None after a broken stream was dropped, or
-        once the reader is closed."""
-        if self._lines is None:
-            self._open()
-        lines = self._lines
-        if lines is None:  # closed meanwhile
-            return None
-        try:
-            return next(lines)
-        except (httpx.TransportError, httpx.StreamError, StopIteration) as exc:
-            if not self.closed:
-                logger.info("plan stream of rank %d of job %s broke (%s); reopening", self.rank, self.job, exc)
-            self._drop()
-            return None
-
-    def _open(self) -> None:
-        client = self.client
-        pauses = client.retry.pauses()
-        attempt = 0
-        path = f"/v1/jobs/{self.job}/ranks/{self.rank}/plans"
-        # read timeout: three keep-alive periods without a line mean the server (or the path to it) is gone
-        timeout = httpx.Timeout(client.timeout_s, read=3 * self.keepalive_s + client.timeout_s)
-        while not self.closed:
-            try:
-                base = (client.plan_gateway() if self.gateway else None) or client.base_url
-                request = client._poll_http.build_request(
-                    "GET", base + path, params={"keepalive_s": self.keepalive_s}, timeout=timeout
-                )
-                response = client._poll_http.send(request, stream=True)
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code == 200:
-                    self._response, self._lines = response, response.iter_lines()
-                    self.opened += 1
-                    self.source = base
-                    if self.closed:  # closed by another thread while this one opened it
-                        self._drop()
-                    return
-                response.read()  # and closed
-                response = _unbound(response)
-                if response.status_code == 405 or (response.status_code == 404 and _unknown_route(response)):
-                    raise StreamUnsupported(f"control plane {client.base_url} has no plan stream ({path})")
-                if response.status_code != 503:
-                    _raise_for(response)
-                problem = "503 " + response.text[:200]
-            pause = client._retry_pause(pauses, attempt, f"plan stream {path}", problem)
-            attempt += 1
-            time.sleep(pause)
-
-    def close(self) -> None:
-        """Close the stream for good (from any thread): a read in progress ends, later reads return None."""
-        self.closed = True
-        self._drop()
-
-    def _drop(self) -> None:
-        """Close the current stream (the next read opens a new one unless the reader is closed)."""
-        response, self._response, self._lines = self._response, None, None
-        if response is not None:
-            response.close()
-            _unbound(response, b"")
-
-
-def _unknown_route(response: httpx.Response) -> bool:
-    """A 404 of the server's router (no such path), not of an unknown job or rank."""
-    try:
-        return bool(response.json().get("detail") == "Not Found")
-    except ValueError:
-        return True
 
 
 def _unbound(response: httpx.Response, body: bytes | None = None) -> httpx.Response:

@@ -1,16 +1,17 @@
-"""Signed ticket grants: what the control plane allows one rank to read from one store node.
+"""Signed ticket grants: what the control plane allows the trainer to read from one store node.
 
-The control plane signs, per rank plan and node, a *grant*: HMAC-SHA256 (key shared with the
-stores) over job, rank, expiry, the node's units with their row ranges, the projected columns and
-the media hashes the plan needs. Every ticket of that plan to that node carries it
-(:attr:`knittrans.tickets.Ticket.grants`); ranks may regroup their tickets (several micro-batches
-in one ``DoGet``, media deduplicated away) because a store checks *coverage*: each read must lie
-inside the rows and columns of one valid grant, each media hash inside one, and nothing expired or
-of another job passes. A store configured with the key refuses unsigned tickets.
+The control plane signs, per mini-batch manifest and node, a *grant*: HMAC-SHA256 (key shared with
+the stores) over job, expiry, the node's units with the row ranges the mini-batch reads, the
+projected columns and the media hashes it needs. The manifest carries one grant per node and every
+ticket a rank derives for that node carries it (:attr:`knittrans.tickets.Ticket.grants`); ranks
+may regroup their tickets (several micro-batches in one ``DoGet``, media deduplicated away) because
+a store checks *coverage*: each read must lie inside the rows and columns of one valid grant, each
+media hash inside one, and nothing expired or of another job passes. A store configured with the
+key refuses unsigned tickets.
 
 API::
 
-    grant = sign_grant(key, job=, rank=, expires_at=, reads={unit: [(start, stop), ...]},
+    grant = sign_grant(key, job=, expires_at=, reads={unit: [(start, stop), ...]},
                        columns=None | [...], media={hash: unit})
     check_ticket(key, ticket, now=time.time())     # raises Unauthenticated naming what is not covered
     check_listing(key, grant, job=, now=)          # a job's credential to list its own units
@@ -40,7 +41,6 @@ class Grant:
     """A verified grant."""
 
     job: str
-    rank: int
     expires_at: float
     reads: dict[str, list[tuple[int, int]]]
     columns: frozenset[str] | None
@@ -55,17 +55,15 @@ def sign_grant(
     key: bytes,
     *,
     job: str,
-    rank: int,
     expires_at: float,
     reads: Mapping[str, Sequence[tuple[int, int]]],
     columns: Sequence[str] | None,
     media: Mapping[str, str],
 ) -> str:
     """``<base64url payload>.<hex HMAC-SHA256>`` granting ``reads`` (unit -> row ranges) × ``columns``
-    and ``media`` (hash -> unit) of ``job`` to ``rank`` until ``expires_at`` (Unix seconds)."""
+    and ``media`` (hash -> unit) of ``job`` until ``expires_at`` (Unix seconds)."""
     body = {
         "job": job,
-        "rank": rank,
         "exp": expires_at,
         "reads": {u: [list(r) for r in _merge(list(rs))] for u, rs in sorted(reads.items())},
         "columns": sorted(columns) if columns is not None else None,
@@ -93,7 +91,6 @@ def _open(key: bytes, grant: str) -> Grant:
         body: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
         return Grant(
             job=body["job"],
-            rank=int(body["rank"]),
             expires_at=float(body["exp"]),
             reads={u: [(int(a), int(b)) for a, b in rs] for u, rs in body["reads"].items()},
             columns=frozenset(body["columns"]) if body["columns"] is not None else None,
@@ -118,7 +115,7 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
         if g.job != ticket.job:
             raise Unauthenticated(f"ticket grant is for job {g.job!r}, not {ticket.job!r}")
         if g.expires_at < now:
-            raise Unauthenticated(f"ticket grant of rank {g.rank} expired {now - g.expires_at:.0f}s ago")
+            raise Unauthenticated(f"ticket grant of job {g.job!r} expired {now - g.expires_at:.0f}s ago")
     if ticket.kind == "media":
         for h in ticket.media_hashes:
             if not any(h in g.media for g in grants):
@@ -149,7 +146,7 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
 def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str:
     """The job a valid, unexpired ``grant`` lets its holder list (``ListFlights``/``GetFlightInfo``).
 
-    Any grant the control plane issued for a job (one that came with a rank plan) is that job's
+    Any grant the control plane issued for a job (one that came with a mini-batch manifest) is that job's
     credential; it lists only that job's units. ``job``: the job the caller asked for, or None.
     """
     if not grant:

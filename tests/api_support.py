@@ -16,7 +16,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
@@ -154,24 +154,38 @@ def register_from_threads(client: Any, *, threads: int = 4, each: int = 5) -> li
     return errors
 
 
-def drain_ranks(client: Any, job: str, world_size: int, *, rounds: int = 1000) -> list[RankPlan]:
-    """Let every rank fetch (timeout 0) and ack plans until none is ready; returns the plans in delivery order."""
-    delivered: list[RankPlan] = []
+def manifest(client: Any, job: str, n: int, *, timeout_s: float = 0) -> Manifest | None:
+    """``GET .../minibatches/{n}``: the manifest, or None (204: not admitted within ``timeout_s``)."""
+    r = client.get(f"/v1/jobs/{job}/minibatches/{n}", params={"timeout_s": timeout_s})
+    if r.status_code == 204:
+        return None
+    assert r.status_code == 200, r.text
+    return Manifest.decode(r.content)
+
+
+def ack(client: Any, job: str, m: Manifest, *, transfer: dict[str, Any] | None = None, **body: Any) -> dict[str, Any]:
+    """``POST .../minibatches/{n}/ack`` of manifest ``m`` for every rank (``transfer``: every rank's figures)."""
+    payload = {"attempt": m.attempt, **body}
+    if transfer is not None:
+        payload["transfer"] = {str(r): transfer for r in range(m.world_size)}
+    a = client.post(f"/v1/jobs/{job}/minibatches/{m.global_index}/ack", json=payload)
+    assert a.status_code == 200, a.text
+    result: dict[str, Any] = a.json()
+    return result
+
+
+def drain(client: Any, job: str, *, rounds: int = 1000) -> list[Manifest]:
+    """Read and ack (for every rank) each admitted mini-batch from the trainer's position on until none is
+    ready; returns the manifests in order."""
+    delivered: list[Manifest] = []
     for _ in range(rounds):
-        progress = False
-        for rank in range(world_size):
-            r = client.get(f"/v1/jobs/{job}/ranks/{rank}/next", params={"timeout_s": 0})
-            if r.status_code == 204:
-                continue
-            assert r.status_code == 200, r.text
-            plan = RankPlan.from_json(r.json())
-            delivered.append(plan)
-            a = client.post(f"/v1/jobs/{job}/ranks/{rank}/ack", json={"plan_id": str(plan.plan_id)})
-            assert a.status_code == 200, a.text
-            progress = True
-        if not progress:
+        position = client.get(f"/v1/jobs/{job}/minibatches").json()["position"]
+        m = manifest(client, job, position)
+        if m is None:
             return delivered
-    raise AssertionError("ranks never ran out of plans")
+        delivered.append(m)
+        ack(client, job, m)
+    raise AssertionError("the trainer never ran out of mini-batches")
 
 
 def free_port() -> int:
@@ -258,10 +272,11 @@ def populate(c: Any) -> None:
     assert c.post("/v1/nodes/n1/heartbeat").status_code == 200  # no body: still a heartbeat
     units = single_group_units(["math", "code", "math", "code"])
     assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
-    for _ in range(2):  # the first mini-batch of the step, then the second
-        for rank in (0, 1):
-            plan = RankPlan.from_json(c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json())
-            body = {"plan_id": str(plan.plan_id), "transfer": TRANSFER}
-            assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body).status_code == 200
-            again = c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json=body)  # a repeat is not counted twice
+    for n in range(2):  # the first mini-batch of the step, then the second
+        m = manifest(c, "job1", n)
+        assert m is not None
+        for rank in (0, 1):  # each rank for itself, with its figures
+            body = {"attempt": m.attempt, "ranks": [rank], "transfer": {str(rank): TRANSFER}}
+            assert c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body).status_code == 200
+            again = c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body)  # a repeat is not counted twice
             assert again.status_code == 200 and again.json()["duplicate"]

@@ -46,9 +46,9 @@ def _one_rank_plan(c: LocalCluster, job: str, *, groups: int, micro_batch_size: 
     control = c.control()
     control.create_job(job_spec(job, groups=groups, group_size=4, k=1, world_size=1, micro_batch_size=micro_batch_size))
     write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=4), groups_per_unit=groups_per_unit)
-    plan = control.next_plan(job, 0, timeout_s=10)
-    assert plan is not None
-    return plan
+    got = control.manifest(job, 0, timeout_s=10)
+    assert got is not None
+    return got[0].share(0)
 
 
 def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
@@ -185,35 +185,33 @@ def test_every_row_reaches_exactly_one_rank(cluster: LocalCluster) -> None:
     assert control.status(job)["state"] == "completed"
 
 
-def test_plan_admitted_after_the_ack_reaches_the_in_flight_successor_poll(cluster: LocalCluster) -> None:
-    """successor.take(wait_s) lets the prefetch thread's poll return a plan admitted after the ack."""
+def test_mini_batch_admitted_after_the_ack_is_loaded_by_the_waiting_prefetch_thread(cluster: LocalCluster) -> None:
+    """Once a mini-batch is loaded its prefetch thread waits for the next share; a mini-batch admitted only
+    after the ack reaches it through the feed, starts loading there, and is what the loop gets next."""
     job = "late"
     control = cluster.control()
     control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=4, total_steps=2))
     write_and_register(control, job, cluster.stores, mm_groups("late-a", 4, group_size=2))
     with _client(cluster, job, "iter") as client:
-        first = next(iter(client.minibatches()))
+        loop = iter(client.minibatches())
+        first = next(loop)
         assert len(list(first)) == 2
-        wait_until(lambda: first.successor.polling, timeout_s=10, what="the successor poll")
         first.ack()
-        later = threading.Timer(
-            0.3, lambda: write_and_register(control, job, cluster.stores, mm_groups("late-b", 4, group_size=2))
-        )
-        later.start()
-        try:
-            second = first.successor.take(wait_s=5.0)
-        finally:
-            later.join()
-        assert second is not None and second.step == first.step + 1
+        write_and_register(control, job, cluster.stores, mm_groups("late-b", 4, group_size=2))
+        # the prefetch thread of the first mini-batch builds the second (private: no public handle on it)
+        wait_until(lambda: first._successor._mini_batch is not None, timeout_s=20, what="the successor started")
+        second = next(loop)
+        assert second.global_index == 1 and second.step == first.step + 1
         assert [m.batch.num_rows for m in second] == [4, 4]
         second.ack()
+        assert next(loop, None) is None
 
 
 def _earlier_ranks_done() -> None:
     """Wait for earlier tests' prefetch and start threads to end (they take well under a second): each may hold
     a client of its test, which would be freed, cycles and all, during the next test's count of cycles. Only
     isolation, no check: the count goes on after 30 s all the same."""
-    names = ("knittrans-prefetch", "knittrans-start")
+    names = ("knittrans-prefetch", "knittrans-start", "knittrans-feed")
     with contextlib.suppress(TimeoutError):
         wait_until(
             lambda: not [t for t in threading.enumerate() if t.name.startswith(names)],
@@ -226,15 +224,12 @@ def _rows(m: TrainMicroBatch) -> int:
     return m.batch.num_rows
 
 
-@pytest.mark.parametrize(
-    "kw", [{}, {"plan_stream": True}, {"fetch_mode": "eager", "transform": _rows}], ids=["iter", "stream", "eager"]
-)
+@pytest.mark.parametrize("kw", [{}, {"fetch_mode": "eager", "transform": _rows}], ids=["iter", "eager"])
 def test_a_closed_client_is_freed_without_the_cyclic_gc(cluster: LocalCluster, kw: dict[str, Any]) -> None:
     """A rank's client, once it has served a mini-batch and is closed, is freed by reference counting with
-    all it owns (control client, lane, plan stream, fetcher, media cache): before, its mini-batches' context
-    held the client's bound ``prepare``, and a closed plan stream's response referred back to itself, so
-    every dropped client waited for the cyclic GC, and a test counting cycles failed whenever an earlier
-    test's client was freed during it."""
+    all it owns (control client, feed, fetcher, media cache): before, its mini-batches' context held the
+    client's bound ``prepare``, so every dropped client waited for the cyclic GC, and a test counting
+    cycles failed whenever an earlier test's client was freed during it."""
     job = f"drop-{len(kw)}-{kw.get('fetch_mode', 'iter')}"
     control = cluster.control()
     control.create_job(job_spec(job, groups=3, group_size=4, k=3, world_size=1, micro_batch_size=4))
@@ -297,14 +292,11 @@ def test_store_node_killed_mid_mini_batch_names_the_node(own_cluster: LocalClust
     control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=2))
     write_and_register(control, job, c.stores, mm_groups("k", 4, group_size=2))  # round-robin: 2 groups per node
     dead = c.stores[1]
+    c.procs.kill(dead.name)  # before the manifest is read: the node is not declared lost (30 s timeout)
     for mode in ("iter", "eager"):
         got: list[int] = []
-        # Streams opened at plan arrival (warm_connections) would have the dead node's few rows in hand before
-        # the kill; the lazy path keeps the kill ahead of that node's DoGet.
-        with _client(c, job, mode, warm_connections=False, poll_early=False) as client:
+        with _client(c, job, mode) as client:
             mb = next(iter(client.minibatches()))
-            if mode == "iter":
-                c.procs.kill(dead.name)
             with pytest.raises(Unavailable) as info:
                 for m in mb:
                     got.append(m.index)

@@ -13,15 +13,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from knittrans import __version__
 from knittrans.api.auth import TokenCheck
-from knittrans.api.fastpath import FastNext
-from knittrans.api.gatewaylink import GatewayLink
+from knittrans.api.board import ManifestBoard
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.lane import RegistrationLane
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
-from knittrans.api.routes import health, jobs, nodes, ranks, tokens, ui, units
-from knittrans.api.routes.deps import AckBatcher, PlanBoard, StateRunner
+from knittrans.api.routes import health, jobs, minibatches, nodes, tokens, ui, units
+from knittrans.api.routes.deps import StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.api.store import RecordStore
@@ -112,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings: service settings; None reads them from ``KNITTRANS_*`` environment variables.
     """
     settings = settings or Settings()
-    board = PlanBoard()
+    board = ManifestBoard()
     runner = StateRunner()  # the one thread that touches the service's state (its docstring: why no locks)
     store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
     key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
@@ -120,25 +119,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store,
         node_timeout_s=settings.node_timeout_s,
         recent_admissions=settings.recent_admissions,
-        on_plans=board.notify,
+        on_change=board.notify,
         ticket_key=key,
         ticket_ttl_s=settings.ticket_ttl_s,
         state_thread=runner.check,
-        admit_apart=settings.plan_gateway_port is not None,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.reopen()  # an app served again after a shutdown (test clients) reconnects to its state
         runner.start()
-        board.bind(asyncio.get_running_loop(), service.rank_answers)  # plans published to this loop
+        board.bind(asyncio.get_running_loop(), service.published)  # manifests published to this loop
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
-        gateway = None
-        if settings.plan_gateway_port is not None:  # the plan streams' socket work in a process of its own
-            gateway = GatewayLink(app.state, settings.plan_gateway_host)
-            await gateway.start(settings.plan_gateway_port)
-            board.listeners.append(gateway.publish)
-        app.state.gateway = gateway
         if settings.lane_port is not None:  # after the state thread: the lane hands registrations to it
             app.state.lane = RegistrationLane(app.state, settings.lane_host, settings.lane_port)
         try:
@@ -147,9 +139,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if app.state.lane is not None:
                 app.state.lane.close()
                 app.state.lane = None
-            if gateway is not None:
-                board.listeners.remove(gateway.publish)
-                await gateway.stop()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -161,25 +150,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="KnitTrans control plane",
         version=__version__,
         lifespan=lifespan,
-        description="Jobs, store nodes, unit index, admission, rank plans, versions, staleness.",
+        description="Jobs, store nodes, unit index, admission, mini-batch manifests, versions, staleness.",
     )
     app.state.settings = settings
     app.state.service = service
     app.state.board = board
     app.state.runner = runner
-    app.state.acks = AckBatcher(service, runner)
     app.state.tokens = TokenCheck(settings)
     app.state.observed = Observations()
     app.state.registry = make_registry(service, app.state.observed)
     install_error_handlers(app)
-    for module in (health, jobs, nodes, units, ranks, tokens, ui):
+    for module in (health, jobs, nodes, units, minibatches, tokens, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
-    app.state.fast_next = {"served": 0, "to_app": 0}
-    app.state.gateway = None  # the plan gateway's link while the app runs with one (lifespan)
     app.state.lane = None  # the registration lane while the app runs with one (lifespan)
-    app.state.plan_streams = set()  # open plan streams (knittrans.api.stream), ended at shutdown
     _document_raw_bodies(app)
     return app
 

@@ -1,10 +1,10 @@
 """Optional bearer-token auth: a worker token (writers, ranks, stores), an admin token, and scoped tokens.
 
 Scoped tokens narrow what one credential may do: ``kts.<payload>.<mac>`` where the payload names a
-role (``worker``: one job's units, supply, status and version; ``rank``: one rank of one job — its
-plans, fetched reports, acks and version reports only; ``store``: node registration and
-heartbeats) and the MAC is HMAC-SHA256 under the control plane's token secret (the admin token).
-Admins mint them with ``POST /v1/tokens``.
+role (``worker``: one job's units, supply, status and version; ``rank``: the trainer of one job —
+its manifests, progress, fetched reports, acks and version reports; with a rank number, reports for
+that rank only; ``store``: node registration and heartbeats) and the MAC is HMAC-SHA256 under the
+control plane's token secret (the admin token). Admins mint them with ``POST /v1/tokens``.
 """
 
 from __future__ import annotations
@@ -46,12 +46,10 @@ class Scope:
             return True
         if params.get("job") != self.job or not path.startswith("/v1/jobs/"):
             return False
-        ranked = "/ranks/" in path or path.endswith("/versions")
+        trainer = "/minibatches" in path or path.endswith("/versions")
         if self.role == "worker":
-            return not ranked
-        if "rank" in params:
-            return str(params["rank"]) == str(self.rank)
-        return ranked or path.endswith(("/version", f"/jobs/{self.job}", "/status"))
+            return not trainer
+        return trainer or path.endswith(("/version", f"/jobs/{self.job}", "/status"))
 
 
 def _mac(secret: bytes, payload: bytes) -> str:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,13 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "third less server CPU per request than h11, benchmarks/control_plane/README.md), else h11 "
         "(default $KNITTRANS_HTTP, else auto)",
     )
-    parser.add_argument(
-        "--plan-gateway-port",
-        type=int,
-        default=None,
-        help="also serve the ranks' plan streams from a gateway process on this port (0: a free one; "
-        "GET /v1/plan-gateway and the ready file give its URL; default $KNITTRANS_PLAN_GATEWAY_PORT, else none)",
-    )
     lane = parser.add_mutually_exclusive_group()
     lane.add_argument(
         "--lane-port",
@@ -130,7 +121,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "node_timeout_s": args.node_timeout_s,
         "db_synchronous": args.db_synchronous,
         "db_init": args.init,
-        "plan_gateway_port": args.plan_gateway_port,
         "lane_port": args.lane_port,
         "lane_host": args.host,
     }
@@ -148,18 +138,9 @@ def run(args: argparse.Namespace) -> int:
     from knittrans.api.app import create_app
 
     settings = settings_from_args(args)
-    # The event loop shares the GIL with the state thread (admission); a short switch interval lets it
-    # answer health checks and heartbeats between the state thread's bytecodes instead of every 5 ms.
-    sys.setswitchinterval(0.0005)
-    # Unit indexes are large and almost free of reference cycles; rarer full collections keep the
-    # stop-the-world GC pauses (all threads, the event loop included) from adding up during a burst.
-    gc.set_threshold(50_000, 20, 100)
     app = create_app(settings)
     if (args.tls_cert is None) != (args.tls_key is None):
         logger.error("--tls-cert and --tls-key go together")
-        return 2
-    if args.tls_cert is not None and settings.plan_gateway_port is not None:
-        logger.error("--plan-gateway-port serves plain HTTP; it cannot go with --tls-cert")
         return 2
     if args.tls_cert is not None and settings.lane_port is not None:
         logger.error("--lane-port serves plain TCP; it cannot go with --tls-cert (use --no-lane)")
@@ -225,25 +206,14 @@ async def _serve(
     logger.info("control plane on %s (state %s)", url, db)
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
-        gateway = state.gateway.url if state.gateway is not None else None
         ready = {
             "url": url,
             "host": host,
             "port": port,
             "pid": os.getpid(),
-            "plan_gateway": gateway,
             "lane_port": state.lane.port if state.lane is not None else None,
         }
         tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
-    from knittrans.api.stream import close_streams
-
-    # uvicorn's graceful shutdown waits for open responses, and a plan stream never ends by itself:
-    # end the streams as soon as the server is asked to stop (its clients reconnect to the next one)
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.2)
-        if server.should_exit:
-            close_streams(state)
-            break
     await task
     return 0

@@ -1,236 +1,264 @@
-"""Plan delivery to the trainer's ranks: next plan, prefetch (``after``), fetched, ack, policy versions."""
+"""Mini-batch delivery: manifests (built once per admitted mini-batch), fetched and ack per mini-batch, versions.
+
+Every rank of the trainer reads the same manifest of mini-batch ``n``; progress is per mini-batch:
+``fetched`` and ``ack`` name the ranks they report for (all of them when one rank reports for the
+trainer after gathering from the others, or just the caller's own rank), so the server's work per
+mini-batch does not grow with the number of ranks when the trainer reports once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.planjson import render_rank_plan_json
-from knittrans.api.records import Kind, mb_key, rank_key, rank_keys_prefix, version_key
-from knittrans.api.store import Encoded, Txn
-from knittrans.descriptors import GroupRecord
-from knittrans.errors import Conflict, DataLost, InvalidRequest, KnitTransError, NotFound
+from knittrans.api.records import Kind, mb_key, version_key
+from knittrans.api.store import Txn
+from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.grants import sign_grant
-from knittrans.plans import PlanId
+from knittrans.manifest import Manifest, ManifestGroup, ManifestNode, Row, etag_of
 from knittrans.sched.staleness import ConsumedGroup
 
-__all__ = ["ANSWER_CHUNK", "Answer", "Delivery"]
+__all__ = ["Delivery", "Published", "rank_runs", "ranks_of_runs"]
 
-ANSWER_CHUNK = 128
-"""Ranks whose answers the plan board gets in one post (:meth:`Delivery.answer_chunks`)."""
 
-Answer = tuple[bytes | None, str, bool]
-"""What ``next`` (without ``after``) answers a rank now: ``(plan JSON, job state, done)``; the plan is
-None while the rank's next mini-batch is not admitted, and ``done`` says none will ever come."""
+@dataclass(frozen=True)
+class Published:
+    """What a job serves at ``GET .../minibatches/{n}`` now (handed to the event loop after each change)."""
+
+    manifests: dict[int, tuple[str, bytes]]
+    """Planned, not consumed mini-batches: ``n -> (ETag, manifest bytes)``."""
+    position: int
+    """Trainer position: mini-batches below it are consumed."""
+    final: int | None
+    """No mini-batch at or beyond this index will ever be admitted (None: the job goes on)."""
+    state: str
+    """Lifecycle state of the job."""
+
+
+def rank_runs(ranks: set[int]) -> list[list[int]]:
+    """``ranks`` as sorted half-open ``[start, stop)`` runs (what acks and fetches persist: all W ranks are one run)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return runs
+
+
+def ranks_of_runs(runs: Sequence[Sequence[int]]) -> set[int]:
+    """The ranks of :func:`rank_runs`' runs."""
+    return {r for start, stop in runs for r in range(start, stop)}
 
 
 class Delivery(JobBase):
-    """Rank plans (rendered once per rank and mini-batch), fetch reports, acks and versions."""
+    """Manifests, fetch reports, acks and versions of one job."""
 
-    # ------------------------------------------------------------------ plans and acks
-    def next_plan(self, rank: int) -> bytes | None:
-        """The plan (JSON) of ``rank``'s next un-acked mini-batch, or None when it is not admitted yet."""
-        self._check_rank(rank)
-        mb = self.minibatches.get(self.rank_cursor(rank))
-        if mb is None or mb.status != "planned":
-            return None
-        return self._plan_json(mb, rank)
-
-    def answer(self, rank: int) -> Answer:
-        """:data:`Answer` of ``rank`` (NotFound outside the world size)."""
-        self._check_rank(rank)
-        return self.answers((rank,))[rank]
-
-    def answer_chunks(self, ranks: Collection[int] | None, size: int = ANSWER_CHUNK) -> Iterator[dict[int, Answer]]:
-        """:meth:`answers` of ``ranks`` (None: every rank) in chunks of ``size`` ranks, rendered as they are
-        taken: the plan board publishes each chunk at once, so the first ranks of a 1,024-rank
-        admission get their plans while the last ones are still rendered."""
-        todo = list(range(self.spec.world_size)) if ranks is None else list(ranks)
-        for start in range(0, len(todo), size):
-            yield self.answers(todo[start : start + size])
-
-    def answers(self, ranks: Collection[int] | None) -> dict[int, Answer]:
-        """:data:`Answer` of each of ``ranks`` (None: every rank), each plan rendered to JSON once.
-
-        What the plan board publishes to the event loop after a change, so a waiting ``next`` is
-        answered there without a state-thread hop or a second rendering.
-        """
-        out: dict[int, Answer] = {}
-        done = self.done()
-        for rank in range(self.spec.world_size) if ranks is None else ranks:
-            if not 0 <= rank < self.spec.world_size:
-                continue
-            cursor = self.rank_cursor(rank)
-            mb = self.minibatches.get(cursor)
-            if mb is not None and mb.status == "planned":
-                out[rank] = (self._plan_json(mb, rank), self.state, False)
-            else:
-                out[rank] = (None, self.state, done and cursor >= self.next_n)
-        return out
-
-    def plan_after(self, rank: int, plan_id: str) -> bytes | None:
-        """The plan (JSON) of the mini-batch after ``plan_id`` (the rank's current or just-acked plan), or None.
-
-        Lets a rank prefetch mini-batch ``n+1`` while it still trains ``n``; acks stay in order. Once
-        ``n`` is acked, ``n+1`` is the rank's current mini-batch and this is the same as :meth:`next_plan`
-        (a poll for it that was in flight across the ack still gets it).
-
-        Raises:
-            NotFound: ``plan_id`` is not a plan of this rank that was issued.
-            DataLost: ``plan_id`` was withdrawn (its rows were on a lost node).
-            Conflict: ``plan_id`` is neither the rank's current plan nor the one acked just before it
-                (an earlier one is open, or the one after it is acked too).
-        """
-        mb = self._current(rank, plan_id)
-        if rank in mb.acks or mb.status == "consumed":
-            if self.rank_cursor(rank) != mb.n + 1:
-                raise Conflict(
-                    f"plan {plan_id!r} and the one after it are already acked; ask for the next plan without 'after'"
-                )
-            return self.next_plan(rank)
-        nxt = self.minibatches.get(mb.n + 1)
-        if nxt is None or nxt.status != "planned":
-            return None
-        return self._plan_json(nxt, rank)
-
-    def done_after(self, rank: int, plan_id: str) -> bool:
-        """Whether no mini-batch will ever follow ``plan_id`` (checked like :meth:`plan_after`)."""
-        mb = self._current(rank, plan_id)
-        if self.next_n > mb.n + 1:
-            return False
+    # ------------------------------------------------------------------ manifests
+    def published(self) -> Published:
+        """The job's manifests and where the trainer is, for the event loop (each manifest rendered once)."""
+        manifests = {mb.n: self._manifest(mb) for mb in self.in_flight()}
         total = self.spec.total_steps
-        return self.done() or self.drain_closed or (total is not None and self.next_n >= total * self.K)
+        if self.done() or self.drain_closed:
+            final: int | None = self.next_n
+        else:
+            final = total * self.K if total is not None else None
+        return Published(manifests=manifests, position=self.position, final=final, state=self.state)
 
-    def _current(self, rank: int, plan_id: str) -> MiniBatch:
-        """The mini-batch of ``plan_id``, which must be ``rank``'s current one (or already acked by it)."""
-        self._check_rank(rank)
-        parsed = PlanId.parse(plan_id)
-        if parsed is None or parsed.rank != rank:
-            raise NotFound(f"plan {plan_id!r} is not a plan of rank {rank} of job {self.name!r}")
-        n, attempt = parsed.n, parsed.attempt
-        if n < self.evicted_below:  # consumed long ago: its entry left memory (any attempt answers as consumed)
-            return MiniBatch(
-                n=n,
-                step=n // self.K,
-                k=n % self.K,
-                attempt=attempt,
-                group_ids=[],
-                counts={},
-                admitted_at=0.0,
-                layout=[],
-                status="consumed",
-            )
-        mb = self.minibatches.get(n)
-        if mb is None or mb.attempt != attempt:
-            if attempt <= self.attempts.get(n, -1):
-                raise DataLost(f"plan {plan_id!r} was withdrawn (rows on a lost node); ask for the next plan again")
-            raise NotFound(f"plan {plan_id!r} was never issued")
-        if mb.status == "consumed" or rank in mb.acks:
-            return mb
-        cursor = self.rank_cursor(rank)
-        if n != cursor:
-            raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
-        return mb
+    def _manifest(self, mb: MiniBatch) -> tuple[str, bytes]:
+        """``(ETag, bytes)`` of ``mb``'s manifest, built on first use and kept: the same bytes for every
+        rank and every request (rebuilt identically after a restart; anew only when a node moved)."""
+        if mb.manifest is None:
+            raw = self.build_manifest(mb).encode()
+            mb.manifest = (etag_of(raw, mb.n, mb.attempt), raw)
+        return mb.manifest
 
-    def _plan_json(self, mb: MiniBatch, rank: int) -> bytes:
-        """``rank``'s plan of ``mb`` as the JSON bytes ``next`` answers, rendered once per rank and mini-batch
-        (straight from the layout: :func:`~knittrans.api.planjson.render_rank_plan_json`)."""
-        raw = mb.rendered_json.get(rank)
-        if raw is None:
-            raw = render_rank_plan_json(self.name, mb.layout[rank], **self._render_args(mb, rank))
-            mb.rendered_json[rank] = raw
-        return raw
-
-    def _render_args(self, mb: MiniBatch, rank: int) -> dict[str, Any]:
-        sign = None
-        if self.ticket_key is not None:
-            key, expires = self.ticket_key, mb.admitted_at + self.ticket_ttl_s
-            cols = self.spec.columns
-
-            def sign(reads: dict[str, list[tuple[int, int]]], media: dict[str, str]) -> str:
-                return sign_grant(
-                    key, job=self.name, rank=rank, expires_at=expires, reads=reads, columns=cols, media=media
+    def build_manifest(self, mb: MiniBatch) -> Manifest:
+        """The :class:`~knittrans.manifest.Manifest` of ``mb`` from its layout and the groups' records."""
+        node_index: dict[str, int] = {}
+        unit_index: dict[str, int] = {}
+        group_index: dict[str, int] = {}
+        media_index: dict[str, int] = {}
+        nodes: list[str] = []
+        units: list[tuple[str, int]] = []
+        groups: list[ManifestGroup] = []
+        media: list[tuple[str, int]] = []
+        reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
+        media_at: dict[str, dict[str, str]] = {}
+        ranks: list[tuple[tuple[Row, ...], ...]] = []
+        for share in mb.layout:
+            micro_batches = []
+            for micro in share:
+                rows = []
+                for group_id, row in micro:
+                    g = group_index.get(group_id)
+                    entry = self.groups[group_id]
+                    if g is None:
+                        u = unit_index.get(entry.unit_id)
+                        if u is None:
+                            node = node_index.get(entry.node_id)
+                            if node is None:
+                                node = node_index[entry.node_id] = len(nodes)
+                                nodes.append(entry.node_id)
+                            u = unit_index[entry.unit_id] = len(units)
+                            units.append((entry.unit_id, node))
+                        used = []
+                        for h in entry.record.media_hashes:
+                            m = media_index.get(h)
+                            if m is None:
+                                m = media_index[h] = len(media)
+                                media.append((h, u))
+                                media_at.setdefault(entry.node_id, {})[h] = entry.unit_id
+                            used.append(m)
+                        g = group_index[group_id] = len(groups)
+                        groups.append(ManifestGroup(group_id, u, tuple(used)))
+                    record = entry.record
+                    rows.append((g, row, record.trajectory_tokens[row - record.row_start]))
+                    reads.setdefault(entry.node_id, {}).setdefault(entry.unit_id, []).append((row, row + 1))
+                micro_batches.append(tuple(rows))
+            ranks.append(tuple(micro_batches))
+        key, expires, columns = self.ticket_key, mb.admitted_at + self.ticket_ttl_s, self.spec.columns
+        manifest_nodes = []
+        for node_id in nodes:
+            grant = None
+            if key is not None:
+                grant = sign_grant(
+                    key,
+                    job=self.name,
+                    expires_at=expires,
+                    reads=reads.get(node_id, {}),
+                    columns=columns,
+                    media=media_at.get(node_id, {}),
                 )
-
-        if mb.rows is None:  # summed once per mini-batch, not once per rank (W x W at 1,024 ranks)
-            mb.rows = sum(len(micro) for share in mb.layout for micro in share)
-        return {
-            "rank": rank,
-            "n": mb.n,
-            "attempt": mb.attempt,
-            "step": mb.step,
-            "k": mb.k,
-            "where": self._where,
-            "endpoint": self._endpoint,
-            "columns": self.spec.columns,
-            "sign": sign,
-            "mini_batch_trajectories": mb.rows,
-            "admitted_at": mb.admitted_at,
-        }
-
-    def _where(self, group_id: str) -> tuple[GroupRecord, str, str]:
-        entry = self.groups[group_id]
-        return entry.record, entry.unit_id, entry.node_id
+            manifest_nodes.append(ManifestNode(node_id, self._endpoint(node_id), grant))
+        return Manifest(
+            job=self.name,
+            global_index=mb.n,
+            attempt=mb.attempt,
+            step=mb.step,
+            mini_batch_index=mb.k,
+            policy_version=mb.n,
+            admitted_at=mb.admitted_at,
+            columns=tuple(columns) if columns else None,
+            nodes=tuple(manifest_nodes),
+            units=tuple(units),
+            groups=tuple(groups),
+            media=tuple(media),
+            ranks=tuple(ranks),
+        )
 
     def forget_rendered(self) -> None:
-        """Drop rendered plans (a node's endpoint changed: tickets must carry the new one)."""
+        """Drop built manifests (a node's endpoint changed: the manifests must name the new one)."""
         for mb in self.minibatches.values():
-            mb.rendered_json.clear()
+            mb.manifest = None
 
-    def fetched(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
-        """Record that ``rank`` holds its whole share of ``plan_id`` (before its optimizer step); idempotent.
+    def progress(self) -> dict[str, Any]:
+        """Where the trainer is: position, the next index, and each in-flight mini-batch's fetched and acked ranks."""
+        pub = self.published()
+        return {
+            "state": self.state,
+            "position": self.position,
+            "next_global_index": self.next_n,
+            "final": pub.final,
+            "world_size": self.spec.world_size,
+            "in_flight": [
+                {
+                    "global_index": mb.n,
+                    "attempt": mb.attempt,
+                    "admitted_at": mb.admitted_at,
+                    "fetched_ranks": rank_runs(mb.fetched),
+                    "acked_ranks": rank_runs(mb.acks),
+                }
+                for mb in self.in_flight()
+            ],
+        }
 
-        Once every rank reported it, the mini-batch no longer depends on any store node and survives
-        a node loss; until then a node loss withdraws it and this call raises :class:`DataLost`.
+    # ------------------------------------------------------------------ progress
+    def _planned(self, n: int, attempt: int) -> MiniBatch | None:
+        """The planned mini-batch ``n`` at ``attempt``; None when it was consumed (progress on it is a repeat).
+
+        Raises:
+            DataLost: that attempt was withdrawn (its rows were on a lost node).
+            NotFound: it was never issued.
         """
-        mb = self._current(rank, plan_id)
-        if mb.status == "planned" and rank not in mb.acks and rank not in mb.fetched:
-            mb.fetched.add(rank)
-            txn.put(Kind.FETCHED, self.name, rank_key(mb.n, rank), {"attempt": mb.attempt})
-        return {"plan_id": plan_id, "global_index": mb.n, "fetched_ranks": len(mb.fetched | mb.acks)}
+        if n < self.position:
+            return None
+        mb = self.minibatches.get(n)
+        if mb is None or mb.attempt != attempt:
+            if attempt <= self.attempts.get(n, -1):  # node loss keeps the latest attempt of what it withdrew
+                raise DataLost(
+                    f"mini-batch {n} attempt {attempt} was withdrawn (rows on a lost node); "
+                    f"read its manifest again (GET .../minibatches/{n})"
+                )
+            raise NotFound(f"mini-batch {n} attempt {attempt} of job {self.name!r} was never issued")
+        return mb
 
-    def ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
-        """Record that ``rank`` finished plan ``plan_id``; idempotent; consumes the mini-batch at W acks."""
-        result = self._ack(rank, plan_id, txn)
-        if not result["duplicate"]:
-            self._settle(txn)
-            self._save_meta(txn)
-        return result
+    def _ranks(self, ranks: Sequence[int] | None) -> set[int]:
+        if ranks is None:
+            return set(range(self.spec.world_size))
+        bad = [r for r in ranks if not 0 <= r < self.spec.world_size]
+        if bad:
+            raise NotFound(f"ranks {bad} are outside the job's world_size {self.spec.world_size} (0..W-1)")
+        if not ranks:
+            raise InvalidRequest("'ranks' must name at least one rank (or be null for every rank)")
+        return set(ranks)
 
-    def ack_many(self, acks: Sequence[tuple[int, str]], txn: Txn) -> list[dict[str, Any] | KnitTransError]:
-        """:meth:`ack` of each ``(rank, plan_id)`` in order, in one transaction (group commit).
+    def fetched(self, n: int, attempt: int, ranks: Sequence[int] | None, txn: Txn) -> dict[str, Any]:
+        """Record that ``ranks`` (None: every rank) hold their whole share of mini-batch ``n``; idempotent.
 
-        A bad ack (unknown, withdrawn or out-of-order plan) is refused before it changes anything; its
-        error takes its place in the result and the others still apply.
+        Once every rank did, the mini-batch no longer depends on any store node and survives a node loss;
+        until then a node loss withdraws it and this call raises :class:`DataLost`.
         """
-        results: list[dict[str, Any] | KnitTransError] = []
-        changed = False
-        for rank, plan_id in acks:
-            try:
-                result = self._ack(rank, plan_id, txn)
-            except KnitTransError as exc:
-                results.append(exc)
-                continue
-            changed |= not result["duplicate"]
-            results.append(result)
-        if changed:
-            self._settle(txn)
-            self._save_meta(txn)
-        return results
+        who = self._ranks(ranks)
+        mb = self._planned(n, attempt)
+        if mb is None:
+            return {"global_index": n, "attempt": attempt, "fetched_ranks": self.spec.world_size, "held": True}
+        new = who - mb.fetched - mb.acks
+        if new:
+            mb.fetched |= new
+            txn.put(Kind.FETCHED, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
+        held = len(mb.fetched | mb.acks) == self.spec.world_size
+        return {"global_index": n, "attempt": attempt, "fetched_ranks": len(mb.fetched | mb.acks), "held": held}
 
-    def _ack(self, rank: int, plan_id: str, txn: Txn) -> dict[str, Any]:
-        mb = self._current(rank, plan_id)
-        n, attempt = mb.n, mb.attempt
-        if mb.status == "consumed" or rank in mb.acks:
-            return {"plan_id": plan_id, "global_index": n, "consumed": mb.status == "consumed", "duplicate": True}
-        mb.acks.add(rank)
-        txn.put(Kind.ACK, self.name, rank_key(n, rank), Encoded(f'{{"attempt":{attempt}}}'))  # = {"attempt": attempt}
+    def ack(self, n: int, attempt: int, ranks: Sequence[int] | None, version: int | None, txn: Txn) -> dict[str, Any]:
+        """Record that ``ranks`` (None: every rank) finished mini-batch ``n`` (after their optimizer step).
+
+        Idempotent. At ``W`` acked ranks the mini-batch is consumed, which moves the trainer's position
+        and frees rollout's window. ``version``: the policy version the step produced, recorded in the same
+        change (as the lowest acking rank's report), so a launch the freed window allows sees it.
+
+        Raises:
+            DataLost: that attempt was withdrawn. NotFound: never issued.
+            Conflict: a rank acks ``n`` before an earlier mini-batch it has not acked.
+        """
+        who = self._ranks(ranks)
+        mb = self._planned(n, attempt)
+        if version is not None:
+            self._check_version(min(who), version)
+        if mb is None:
+            return {"global_index": n, "attempt": attempt, "consumed": True, "duplicate": True}
+        new = who - mb.acks
+        for rank in sorted(new):
+            cursor = self.rank_cursor(rank)
+            if cursor != n:
+                raise Conflict(f"rank {rank} must ack mini-batch {cursor} before {n}")
+        if version is not None:
+            self._set_version(min(who), version, txn)
+        if not new:
+            return {"global_index": n, "attempt": attempt, "consumed": False, "duplicate": True}
+        mb.acks |= new
+        mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
         if consumed:
             self._consume(mb, txn)
-        return {"plan_id": plan_id, "global_index": n, "consumed": consumed, "duplicate": False}
+        else:
+            txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
+        self._settle(txn)
+        self._save_meta(txn)
+        return {"global_index": n, "attempt": attempt, "consumed": consumed, "duplicate": False}
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []
@@ -254,29 +282,36 @@ class Delivery(JobBase):
         self.consumed.add(records)
         self.consumed_mini_batches += 1
         self.retire(mb.group_ids)
-        mb.status, mb.layout, mb.rendered_json = "consumed", [], {}
-        mb.acks, mb.fetched = set(), set()  # W ints each: a consumed mini-batch needs neither
+        mb.status, mb.layout, mb.manifest = "consumed", [], None
+        mb.acks, mb.fetched = set(), set()  # a consumed mini-batch needs neither
         while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
             self.first_unconsumed += 1
         self.evict_consumed()
         txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
-        # = asdict(r) (flat fields of scalars, in field order) without its recursive copy: 128 records a mini-batch
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])
-        prefix = rank_keys_prefix(mb.n)  # W records each: one range delete, not W deletes
-        txn.delete_prefix(Kind.ACK, self.name, prefix)
-        txn.delete_prefix(Kind.FETCHED, self.name, prefix)
+        for kind in (Kind.ACK, Kind.FETCHED):
+            txn.delete(kind, self.name, mb_key(mb.n))
+            txn.delete_prefix(kind, self.name, mb_key(mb.n) + ".")  # per-rank records of an older database
 
+    # ------------------------------------------------------------------ versions
     def report_version(self, rank: int, version: int, txn: Txn) -> int:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
         self._check_rank(rank)
+        self._check_version(rank, version)
+        self._set_version(rank, version, txn)
+        return self.version
+
+    def _check_version(self, rank: int, version: int) -> None:
         if version < 0:
             raise InvalidRequest(f"version {version} must be >= 0")
         old = self.rank_versions.get(rank, 0)
         if version < old:
             raise Conflict(f"rank {rank} already reported version {old}; versions never decrease")
-        self.rank_versions[rank] = version
-        txn.put(Kind.VERSION, self.name, version_key(rank), version)
-        return self.version
+
+    def _set_version(self, rank: int, version: int, txn: Txn) -> None:
+        if self.rank_versions.get(rank) != version:
+            self.rank_versions[rank] = version
+            txn.put(Kind.VERSION, self.name, version_key(rank), version)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:

@@ -66,13 +66,13 @@ class MiniBatch:
     """rank -> micro-batch -> ``[group_id, row]`` pairs (see :mod:`knittrans.api.plans`); empty once consumed."""
     status: MiniBatchStatus = "planned"
     acks: set[int] = field(default_factory=set)
+    """Ranks that acked the mini-batch (all ``W``: consumed)."""
     fetched: set[int] = field(default_factory=set)
-    """Ranks that reported their share fully fetched (a mini-batch all ranks fetched survives a node loss)."""
-    rendered_json: dict[int, bytes] = field(default_factory=dict)
-    """Plans already rendered for ranks, as the JSON bytes ``next`` answers (rendered once per rank and
-    published to the plan board; not persisted: re-rendered identically after a restart)."""
-    rows: int | None = None
-    """Trajectories in the mini-batch, summed over the layout on first use (not persisted)."""
+    """Ranks that reported their share fully fetched and have not acked yet (a mini-batch every rank
+    fetched or acked survives a node loss)."""
+    manifest: tuple[str, bytes] | None = None
+    """``(ETag, bytes)`` of the mini-batch's manifest once built (not persisted: built identically again
+    after a restart; see :mod:`knittrans.api.delivery`)."""
 
     def to_json(self) -> dict[str, Any]:
         body = {

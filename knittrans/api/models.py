@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import operator
-import typing
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, create_model
-from typing_extensions import NotRequired, TypedDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP
 from knittrans.names import CONTENT_HASH_PATTERN
-from knittrans.plans import MediaFetch, MicroBatchReads, PlanId, PlanRow, RankPlan, RowFetch
-from knittrans.tickets import Ticket
 
 NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
 """``knittrans.names.NAME_RE`` without ``..`` as one JSON-Schema pattern (matched whole)."""
@@ -60,22 +53,19 @@ __all__ = [
     "AckOut",
     "BoundsIn",
     "ErrorOut",
+    "FetchedIn",
     "FetchedOut",
     "GroupIn",
     "HeadroomOut",
     "JobCreate",
     "JobPublic",
-    "MediaFetchOut",
-    "MicroBatchOut",
+    "ManifestOut",
     "NodeLostIn",
     "NodePublic",
     "NodeRegister",
     "NodeUsageIn",
-    "PlanGatewayOut",
-    "PlanRowOut",
+    "ProgressOut",
     "QuotasUpdate",
-    "RankPlanOut",
-    "RowFetchOut",
     "SupplyIn",
     "SupplyOut",
     "TokenIn",
@@ -112,15 +102,6 @@ class LaneOut(BaseModel):
     """Largest action frame (job name, NUL and body) the lane takes; larger registrations go over HTTP."""
     served: int
     """Registrations answered over the lane since the control plane started."""
-
-
-class PlanGatewayOut(BaseModel):
-    """Where the plan gateway serves the plan streams (``knittrans control-plane --plan-gateway-port``)."""
-
-    url: str = Field(examples=["http://127.0.0.1:8701"])
-    """Base URL: open ``GET|POST {url}/v1/jobs/{job}/ranks/{rank}/plans`` there, with the usual token."""
-    pid: int
-    """Process id of the gateway."""
 
 
 # ---------------------------------------------------------------- jobs
@@ -268,75 +249,11 @@ class UnitsIn(_In):
     units: list[UnitIn] = Field(min_length=1, max_length=MAX_UNITS_PER_REQUEST)
 
 
-def _annotated(t: Any, metadata: list[Any]) -> Any:
-    """``Annotated[t, *metadata]`` (``t`` alone without metadata), built at run time."""
-    return operator.getitem(Annotated, (t, *metadata)) if metadata else t
-
-
-def _without_python_checks(t: Any, twins: Mapping[Any, Any], *, as_tuple: bool = False) -> Any:
-    """``t`` without its Python-level validators (``BeforeValidator``), nested models replaced by ``twins``
-    (``as_tuple``: a list type becomes the tuple type of the same items)."""
-    if t in twins:
-        return twins[t]
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin is Annotated:
-        kept = [m for m in t.__metadata__ if not isinstance(m, BeforeValidator)]
-        return _annotated(_without_python_checks(args[0], twins, as_tuple=as_tuple), kept)
-    if origin is list:
-        item = _without_python_checks(args[0], twins)
-        return tuple.__class_getitem__((item, ...)) if as_tuple else list.__class_getitem__(item)
-    return t
-
-
-_TWIN_TUPLES = frozenset(("trajectory_tokens", "media_hashes"))
-"""Fields the twins validate into tuples (what the descriptors hold)."""
-
-
-def _strict_twin(model: type[BaseModel], twins: Mapping[Any, Any]) -> Any:
-    """A ``TypedDict`` of ``model``'s fields in pydantic's strict mode without its Python validators: the
-    same fields, in the same order, with the same constraints, validated entirely in pydantic-core into
-    plain dicts (``trajectory_tokens`` and ``media_hashes`` as tuples; a field with a default is left out
-    when the body leaves it out).
-
-    Strict mode takes a JSON integer only for an integer field (no ``true``, ``8.0`` or ``"8"``) and a JSON
-    number only for a float field, so what the twin accepts the lax model (with :func:`_not_bool`) accepts
-    too, with the same values; anything else the twin refuses is handed to the lax model, which accepts it
-    or names the error exactly as before (see :func:`parse_units`).
-    """
-    fields: dict[str, Any] = {}
-    for name, info in model.model_fields.items():
-        kept = [m for m in info.metadata if not isinstance(m, BeforeValidator)]
-        annotation = _annotated(_without_python_checks(info.annotation, twins, as_tuple=name in _TWIN_TUPLES), kept)
-        fields[name] = annotation if info.is_required() else NotRequired[annotation]
-    make: Any = TypedDict  # the functional form, with fields known only at run time
-    twin = make(f"_Strict{model.__name__}", fields)
-    twin.__pydantic_config__ = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    return twin
-
-
-_StrictGroupIn = _strict_twin(GroupIn, {})
-_StrictUnitIn = _strict_twin(UnitIn, {GroupIn: _StrictGroupIn})
-_StrictUnitsIn = _strict_twin(UnitsIn, {UnitIn: _StrictUnitIn})
-_STRICT_UNITS_IN = TypeAdapter(_StrictUnitsIn)
-
-
 def parse_units(raw: bytes | str) -> list[dict[str, Any]]:
     """The units of a registration body (``UnitsIn`` as JSON), validated, as plain dicts: each unit's
     fields in :class:`UnitIn`'s order, its ``groups`` a list of dicts of :class:`GroupIn`'s fields (the
-    descriptors' fields, in their order; ``media_hashes`` may be missing: its default is empty).
-
-    The registration hot path: the body is first validated by a strict twin of :class:`UnitsIn` (a
-    ``TypedDict``) that runs no Python code per field (most bodies; about 30 % less CPU than the lax
-    model, which calls :func:`_not_bool` for each of a unit's ~16 integers, and no model objects). A body
-    the twin refuses is validated by :class:`UnitsIn` itself, so what is accepted, the values it yields
-    and every error message are those of :class:`UnitsIn`. Raises pydantic's ``ValidationError`` (from
-    :class:`UnitsIn`).
-    """
-    try:
-        units: list[dict[str, Any]] = _STRICT_UNITS_IN.validate_json(raw)["units"]
-    except ValueError:  # pydantic's ValidationError: let the lax model accept it or say why not
-        return [unit_dict(u) for u in UnitsIn.model_validate_json(raw).units]
-    return units
+    descriptors' fields, in their order). Raises pydantic's ``ValidationError``."""
+    return [unit_dict(u) for u in UnitsIn.model_validate_json(raw).units]
 
 
 def unit_dict(unit: UnitIn) -> dict[str, Any]:
@@ -396,38 +313,31 @@ class SupplyOut(BaseModel):
     admitted: list[int]
 
 
-# ---------------------------------------------------------------- plans
-def _wire_type(t: Any, nested: Mapping[Any, type[BaseModel]]) -> Any:
-    """The JSON type of a field of :mod:`knittrans.plans`: ids and tickets are strings, tuples lists."""
-    if t in (PlanId, Ticket):
-        return str
-    if typing.get_origin(t) is tuple:
-        return list.__class_getitem__(_wire_type(typing.get_args(t)[0], nested))
-    return nested.get(t, t)
+# ---------------------------------------------------------------- mini-batches
+class ManifestOut(BaseModel):
+    """The manifest of one admitted mini-batch (:mod:`knittrans.manifest`: its one definition and reader)."""
 
-
-def _wire_model(cls: type[Any], name: str, nested: Mapping[Any, type[BaseModel]] | None = None) -> type[BaseModel]:
-    """The response model of a :mod:`knittrans.plans` dataclass: its fields, in order, as JSON types."""
-    hints = typing.get_type_hints(cls)
-    fields: dict[str, Any] = {
-        f.name: (_wire_type(hints[f.name], nested or {}), ... if f.default is dataclasses.MISSING else f.default)
-        for f in dataclasses.fields(cls)
-    }
-    return create_model(name, __doc__=cls.__doc__, __module__=__name__, **fields)
-
-
-# The plan's OpenAPI description, made from knittrans.plans (its one definition).
-PlanRowOut = _wire_model(PlanRow, "PlanRowOut")
-RowFetchOut = _wire_model(RowFetch, "RowFetchOut")
-MediaFetchOut = _wire_model(MediaFetch, "MediaFetchOut")
-MicroBatchOut = _wire_model(
-    MicroBatchReads, "MicroBatchOut", {PlanRow: PlanRowOut, RowFetch: RowFetchOut, MediaFetch: MediaFetchOut}
-)
-RankPlanOut = _wire_model(RankPlan, "RankPlanOut", {MicroBatchReads: MicroBatchOut})
+    manifest: Literal[1] = Field(description="layout version")
+    job: str
+    global_index: int
+    attempt: int = Field(description="0 first; +1 each time a node loss withdraws the mini-batch")
+    step: int
+    mini_batch_index: int
+    policy_version: int
+    admitted_at: float
+    world_size: int
+    columns: list[str] | None = Field(description="trajectory columns the ranks read; null for all")
+    nodes: list[tuple[str, str, str | None]] = Field(description="[node id, Flight location, signed grant or null]")
+    units: list[tuple[str, int]] = Field(description="[unit id, index into nodes]")
+    groups: list[tuple[str, int, list[int]]] = Field(description="[group id, index into units, indices into media]")
+    media: list[tuple[Hash, int]] = Field(description="[content hash, index into units of a unit holding it]")
+    ranks: list[list[list[tuple[int, int, int]]]] = Field(
+        description="rank -> micro-batch -> rows [index into groups, row in its unit, tokens], in read order"
+    )
 
 
 class TransferIn(_In):
-    """Transfer figures of the mini-batch a rank acks (summed per rank for the dashboard and /metrics)."""
+    """Transfer figures of one rank for the mini-batch it acks (summed per rank for the dashboard and /metrics)."""
 
     exposed_s: Seconds = Field(default=0.0, description="seconds the training loop blocked on data")
     fetch_s: Seconds = Field(default=0.0, description="seconds spent in DoGet calls")
@@ -436,28 +346,65 @@ class TransferIn(_In):
     media_physical_bytes: Count = Field(default=0, description="media bytes actually fetched")
 
 
-class AckIn(_In):
-    """The plan a rank has finished (after its optimizer step), with its transfer figures on acks."""
+RankList = Annotated[list[Int32], Field(min_length=1, max_length=MAX_WORLD_SIZE)]
+RankKey = Annotated[str, Field(pattern=r"^[0-9]{1,5}$")]
 
-    plan_id: str = Field(min_length=1, max_length=512)
-    transfer: TransferIn | None = None
+
+class FetchedIn(_In):
+    """Ranks that hold their whole share of the mini-batch (before the optimizer step)."""
+
+    attempt: Count = Field(description="the manifest's attempt")
+    ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
+
+
+class AckIn(_In):
+    """Ranks that finished the mini-batch (after their optimizer step), with what the step produced."""
+
+    attempt: Count = Field(description="the manifest's attempt")
+    ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
+    version: Int32 | None = Field(default=None, description="policy version the optimizer step produced")
+    transfer: dict[RankKey, TransferIn] | None = Field(
+        default=None, max_length=MAX_WORLD_SIZE, description="each rank's transfer figures, by rank"
+    )
 
 
 class FetchedOut(BaseModel):
-    """A rank's share is fetched; ``fetched_ranks``: ranks that hold their share of the mini-batch so far."""
+    """``fetched_ranks``: ranks holding their share so far; ``held``: all do (a node loss no longer withdraws it)."""
 
-    plan_id: str
     global_index: int
+    attempt: int
     fetched_ranks: int
+    held: bool
 
 
 class AckOut(BaseModel):
     """Ack result; ``consumed`` once all ranks acked; ``duplicate`` for a repeated ack."""
 
-    plan_id: str
     global_index: int
+    attempt: int
     consumed: bool
     duplicate: bool
+
+
+class InFlightOut(BaseModel):
+    """An admitted mini-batch the trainer has not consumed yet."""
+
+    global_index: int
+    attempt: int
+    admitted_at: float
+    fetched_ranks: list[tuple[int, int]] = Field(description="[start, stop) runs of ranks that reported fetched")
+    acked_ranks: list[tuple[int, int]] = Field(description="[start, stop) runs of ranks that acked")
+
+
+class ProgressOut(BaseModel):
+    """Where the trainer is in a job."""
+
+    state: str
+    position: int = Field(description="first mini-batch not acked by every rank")
+    next_global_index: int = Field(description="index the next admission gets")
+    final: int | None = Field(description="no mini-batch at or beyond this index will be admitted (null: open)")
+    world_size: int
+    in_flight: list[InFlightOut]
 
 
 class TokenIn(_In):

@@ -6,7 +6,7 @@ import logging
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, mb_key, rank_key
+from knittrans.api.records import Kind, mb_key
 from knittrans.api.store import Txn
 from knittrans.errors import Conflict, NotFound
 from knittrans.lifecycle import ADMITTED
@@ -21,7 +21,7 @@ class NodeLoss(JobBase):
 
     def _held(self, mb: MiniBatch) -> bool:
         """Whether every rank holds its share of ``mb`` (some rank acked, or all reported it fetched)."""
-        return bool(mb.acks) or len(mb.fetched) == self.spec.world_size
+        return bool(mb.acks) or len(mb.fetched | mb.acks) == self.spec.world_size
 
     # ------------------------------------------------------------------ admin repair
     def remove_unit(self, unit_id: str, reason: str, txn: Txn) -> list[str]:
@@ -86,8 +86,7 @@ class NodeLoss(JobBase):
                 mb = self.minibatches.pop(n)
                 assert not mb.acks, f"mini-batch {n} acked after an untouched earlier one"
                 txn.delete(Kind.MINI_BATCH, self.name, mb_key(n))
-                for rank in mb.fetched:
-                    txn.delete(Kind.FETCHED, self.name, rank_key(n, rank))
+                txn.delete(Kind.FETCHED, self.name, mb_key(n))
                 for gid in mb.group_ids:
                     self._set(self.groups[gid], "finished", txn)
             self.next_n = first

@@ -30,8 +30,8 @@ class RankTransfer:
     """Media bytes the rows reference (what per-trajectory copies would move)."""
     media_physical_bytes: int = 0
     """Media bytes actually fetched (each content hash once)."""
-    last_plan: dict[str, Any] = field(default_factory=dict)
-    """``plan_id``, ``global_index``, ``consumed`` and ``at`` (unix time) of the last ack."""
+    last_ack: dict[str, Any] = field(default_factory=dict)
+    """``manifest_id``, ``global_index``, ``consumed`` and ``at`` (unix time) of the last ack with figures."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,21 +65,25 @@ class Observations:
         self.stores: dict[str, StoreUsage] = {}
 
     def record_ack(
-        self, job: str, rank: int, ack: Mapping[str, Any], transfer: Mapping[str, Any] | None, now: float
+        self,
+        job: str,
+        n: int,
+        attempt: int,
+        ack: Mapping[str, Any],
+        transfer: Mapping[int, Mapping[str, Any]],
+        now: float,
     ) -> None:
-        """Remember ``rank``'s last plan; add ``transfer`` unless the ack was a repeat."""
-        entry = self.ranks.setdefault((job, rank), RankTransfer())
-        entry.last_plan = {
-            "plan_id": ack.get("plan_id"),
-            "global_index": ack.get("global_index"),
-            "consumed": ack.get("consumed"),
-            "at": now,
-        }
-        if transfer is None or ack.get("duplicate"):
-            return
-        entry.mini_batches += 1
-        for name in _TRANSFER_FIELDS:
-            setattr(entry, name, getattr(entry, name) + transfer.get(name, 0))
+        """Remember the ack of mini-batch ``n`` for each rank in ``transfer`` and add its figures, unless the
+        ack was a repeat."""
+        last = {"manifest_id": f"n{n}.a{attempt}", "global_index": n, "consumed": ack.get("consumed"), "at": now}
+        for rank, figures in transfer.items():
+            entry = self.ranks.setdefault((job, rank), RankTransfer())
+            entry.last_ack = last
+            if ack.get("duplicate"):
+                continue
+            entry.mini_batches += 1
+            for name in _TRANSFER_FIELDS:
+                setattr(entry, name, getattr(entry, name) + figures.get(name, 0))
 
     def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
         """Replace ``node_id``'s usage with the figures of its latest heartbeat."""

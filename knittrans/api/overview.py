@@ -41,8 +41,9 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
             "attempt": mb.attempt,
             "groups": len(mb.group_ids),
             "counts": dict(mb.counts),
-            "fetched_ranks": sorted(mb.fetched),
-            "acked_ranks": sorted(mb.acks),
+            "fetched": len(mb.fetched | mb.acks),
+            "acked": len(mb.acks),
+            "world_size": job.spec.world_size,
             "admitted_at": mb.admitted_at,
         }
         for mb in job.in_flight()
@@ -61,7 +62,7 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
             {
                 "rank": rank,
                 "version": job.rank_versions.get(rank),
-                **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_plan": {}}),
+                **(entry.to_dict() if entry is not None else {"mini_batches": 0, "last_ack": {}}),
             }
         )
     return {

@@ -10,8 +10,11 @@ kind                key                           value
 ``units``           batch number (:func:`batch_key`)  the units registered in one request
 ``group``           group id                      ``{unit_id, status}`` of a lost or expired group
 ``mb``              :func:`mb_key`                 one admitted mini-batch
-``ack``             :func:`rank_key`               ``{attempt}``: a rank acked the mini-batch
-``fetched``         :func:`rank_key`               ``{attempt}``: a rank holds its share of it
+``ack``             :func:`mb_key`                 ``{attempt, ranks}``: the ranks (``[start, stop)`` runs)
+                                                  that acked the mini-batch (older databases: one
+                                                  ``{attempt}`` per :func:`rank_key`)
+``fetched``         :func:`mb_key`                 ``{attempt, ranks}``: the ranks that hold their share
+                                                  (older databases: one per :func:`rank_key`)
 ``version``         :func:`version_key`            a rank's policy version
 ``supply``          source                        groups started, dropped and finished
 ``started``         group id                      the source of a group reported started
@@ -37,7 +40,6 @@ __all__ = [
     "parse_rank_key",
     "parse_version_key",
     "rank_key",
-    "rank_keys_prefix",
     "version_key",
 ]
 
@@ -82,13 +84,9 @@ def parse_mb_key(key: str) -> int:
 
 
 def rank_key(n: int, rank: int) -> str:
-    """Store key of ``rank``'s record about mini-batch ``n`` (acks and fetches): ``<mb_key>.<rank>``."""
+    """Key of ``rank``'s ack or fetch record of mini-batch ``n`` in databases from before manifests
+    (``<mb_key>.<rank>``; read on restore, no longer written)."""
     return f"{mb_key(n)}.{rank:06d}"
-
-
-def rank_keys_prefix(n: int) -> str:
-    """The prefix every :func:`rank_key` of mini-batch ``n`` starts with (and no other key of that kind)."""
-    return f"{mb_key(n)}."
 
 
 def parse_rank_key(key: str) -> tuple[int, int]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from knittrans.api.delivery import ranks_of_runs
 from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
 from knittrans.api.jobstate import JobState
-from knittrans.api.records import META_KEY, Kind, parse_rank_key, parse_version_key
+from knittrans.api.records import META_KEY, Kind, parse_mb_key, parse_rank_key, parse_version_key
 from knittrans.descriptors import UnitDescriptor
 from knittrans.sched.staleness import ConsumedGroup
 
@@ -56,14 +57,14 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.first_unconsumed)) is not None and m.status == "consumed":
         job.first_unconsumed += 1
-    for key, _ in records.get(Kind.ACK, ()):
-        n, rank = parse_rank_key(key)
-        job.minibatches[n].acks.add(rank)
-    for key, body in records.get(Kind.FETCHED, ()):
-        n, rank = parse_rank_key(key)
-        held = job.minibatches.get(n)
-        if held is not None and held.attempt == body["attempt"]:
-            held.fetched.add(rank)
+    for kind in (Kind.ACK, Kind.FETCHED):
+        for key, body in records.get(kind, ()):
+            n, ranks = _progress_record(key, body)
+            held = job.minibatches.get(n)
+            if held is not None and held.attempt == body["attempt"]:
+                (held.acks if kind is Kind.ACK else held.fetched).update(ranks)
+    for mb in job.minibatches.values():
+        mb.fetched -= mb.acks
     job.rank_versions = {parse_version_key(r): v for r, v in records.get(Kind.VERSION, ())}
     for s, body in records.get(Kind.SUPPLY, ()):
         job.started[s], job.dropped[s], job.finished_count[s] = body["started"], body["dropped"], body["finished"]
@@ -74,3 +75,12 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
     job.evict_consumed()
     job.to_regenerate = dict(records.get(Kind.TO_REGENERATE, ()))
+
+
+def _progress_record(key: str, body: Any) -> tuple[int, set[int]]:
+    """``(n, ranks)`` of an ``ack`` or ``fetched`` record: one per mini-batch (``{attempt, ranks: runs}``), or
+    one per rank as databases from before manifests wrote them (key ``<mb>.<rank>``)."""
+    if "." in key:
+        n, rank = parse_rank_key(key)
+        return n, {rank}
+    return parse_mb_key(key), ranks_of_runs(body["ranks"])

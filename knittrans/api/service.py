@@ -16,12 +16,12 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from knittrans.api.delivery import Answer
+from knittrans.api.delivery import Published
 from knittrans.api.jobstate import JobState
 from knittrans.api.records import JOB_KINDS, META_KEY, Kind
 from knittrans.api.restore import restore_job
@@ -84,11 +84,10 @@ class ControlPlane:
         node_timeout_s: float = NODE_TIMEOUT_S,
         recent_admissions: int = RECENT_ADMISSIONS,
         clock: Callable[[], float] = time.time,
-        on_plans: Callable[[str, Collection[int] | None], None] | None = None,
+        on_change: Callable[[str], None] | None = None,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
         state_thread: Callable[[], None] | None = None,
-        admit_apart: bool = False,
     ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
@@ -97,15 +96,12 @@ class ControlPlane:
             node_timeout_s: a node without heartbeat this long is declared lost by :meth:`sweep`.
             recent_admissions: admission records kept per job for status.
             clock: wall clock (seconds).
-            on_plans: called with a job name and the ranks whose plans a change may concern (None: every
-                rank; empty: none, only job-wide waiters such as ``/headroom``) after every change of the job.
-            ticket_key: HMAC key (shared with the stores) that signs plan tickets; None: unsigned.
+            on_change: called with a job's name after every change of the job (committed or reloaded).
+            ticket_key: HMAC key (shared with the stores) that signs the manifests' grants; None: unsigned.
             ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
             state_thread: called when a job's state is looked up, a change begins and nodes are swept;
                 raises when the calling thread may not touch the state (the app passes
                 :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
-            admit_apart: run the admission that acks allow in a change of its own after theirs
-                (:meth:`_admit_after_acks`); the app sets it when a plan gateway runs.
         """
         self.store = store
         self.ticket_key = ticket_key
@@ -113,10 +109,8 @@ class ControlPlane:
         self.node_timeout_s = node_timeout_s
         self.recent_admissions = recent_admissions
         self.clock = clock
-        self.on_plans = on_plans or (lambda job, ranks: None)
-        self.admit_apart = admit_apart
+        self.on_change = on_change or (lambda job: None)
         self._state_thread = state_thread or (lambda: None)
-        self._concerns: Collection[int] | None = None
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
         self.units_registered = 0
@@ -169,7 +163,6 @@ class ControlPlane:
     def _change(self, job: str | None) -> Iterator[Txn]:
         self._state_thread()
         txn = Txn()
-        self._concerns = None  # every rank unless the change narrows it (_narrow)
         committed = False
         try:
             yield txn
@@ -187,17 +180,11 @@ class ControlPlane:
             self._load()
             raise
         finally:
-            if job is not None:  # a failed change may have reloaded the state: wake every rank
-                self.on_plans(job, self._concerns if committed else None)
+            if job is not None:
+                self.on_change(job)
             elif not committed:  # a failed node-level change may have reloaded every job
                 for name in list(self.jobs):
-                    self.on_plans(name, None)
-
-    def _narrow(self, job: JobState, state_before: str, admitted: Sequence[int], ranks: Collection[int]) -> None:
-        """Inside :meth:`_change`: the change concerns only ``ranks``' plans unless it admitted a mini-batch
-        or moved the job's lifecycle (then every rank's next answer may differ)."""
-        if not admitted and job.state == state_before:
-            self._concerns = ranks
+                    self.on_change(name)
 
     def job(self, name: str) -> JobState:
         """The job called ``name``; :class:`NotFound` otherwise."""
@@ -248,7 +235,7 @@ class ControlPlane:
         if old is not None and old.endpoint != endpoint:
             for job in self.jobs.values():
                 job.forget_rendered()
-                self.on_plans(job.name, None)  # published plans name the old endpoint
+                self.on_change(job.name)  # its manifests name the old endpoint
         return node.public(now)
 
     def heartbeat(self, node_id: str) -> dict[str, Any]:
@@ -281,7 +268,7 @@ class ControlPlane:
                     withdrawn[job.name] = job.node_lost(node_id, txn)
                     job.admit(txn)
             for name in self.jobs:
-                self.on_plans(name, None)
+                self.on_change(name)
             logger.warning("node %s lost (%s)", node_id, reason)
         return {**node.public(self.clock()), "withdrawn": withdrawn}
 
@@ -356,11 +343,9 @@ class ControlPlane:
             return None if node is None else ("lost" if node.lost else "alive")
 
         job.check_units(units, node_state)
-        before = job.state
         with self._change(name) as txn:
             new = job.add_units(units, txn)
             admitted = job.admit(txn)
-            self._narrow(job, before, admitted, ())
         self.units_registered += new
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
 
@@ -387,7 +372,6 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """Count groups started or dropped per source; runs admission."""
         job = self.job(name)
-        before = job.state
         with self._change(name) as txn:
             applied = job.add_supply(
                 txn,
@@ -398,85 +382,43 @@ class ControlPlane:
                 regenerates=regenerates,
             )
             admitted = job.admit(txn)
-            self._narrow(job, before, admitted, ())
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}
 
-    # ------------------------------------------------------------------ ranks
-    def plan_after(self, name: str, rank: int, plan_id: str) -> bytes | None:
-        """The rank's plan (JSON) of the mini-batch after its current plan ``plan_id``, or None (not admitted yet)."""
-        return self.job(name).plan_after(rank, plan_id)
-
-    def done_after(self, name: str, rank: int, plan_id: str) -> bool:
-        """Whether no mini-batch will ever follow ``plan_id``."""
-        return self.job(name).done_after(rank, plan_id)
-
-    def fetched(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
-        """A rank holds its whole share of ``plan_id`` (DataLost when the plan was withdrawn)."""
-        job = self.job(name)
-        with self._change(None) as txn:
-            return job.fetched(rank, plan_id, txn)
-
-    def rank_answers(self, name: str, ranks: Collection[int] | None) -> Iterator[dict[int, Answer]] | None:
-        """What ``next`` answers each of ``ranks`` (None: every rank) now, in chunks of ranks rendered as
-        they are taken; None when the job does not exist."""
+    # ------------------------------------------------------------------ mini-batches
+    def published(self, name: str) -> Published | None:
+        """What ``GET .../minibatches/{n}`` serves for job ``name`` now; None when the job does not exist."""
         self._state_thread()
         job = self.jobs.get(name)
-        return None if job is None else job.answer_chunks(ranks)
+        return None if job is None else job.published()
 
-    def rank_answer(self, name: str, rank: int) -> Answer:
-        """What ``next`` answers ``rank`` now (NotFound for an unknown job or rank)."""
-        return self.job(name).answer(rank)
+    def progress(self, name: str) -> dict[str, Any]:
+        """Trainer position and the fetched and acked ranks of each in-flight mini-batch."""
+        return self.job(name).progress()
 
-    def ack_many(self, name: str, acks: Sequence[tuple[int, str]]) -> list[dict[str, Any] | KnitTransError]:
-        """:meth:`ack` of each ``(rank, plan_id)`` in one transaction; a refused ack's error takes its place."""
+    def fetched(self, name: str, n: int, attempt: int, ranks: Sequence[int] | None) -> dict[str, Any]:
+        """``ranks`` (None: all) hold their whole share of mini-batch ``n`` (DataLost: that attempt was withdrawn)."""
         job = self.job(name)
-        before, position = job.state, job.position
         with self._change(name) as txn:
-            results = job.ack_many(acks, txn)
-            acked = {rank for (rank, _), result in zip(acks, results, strict=True) if isinstance(result, dict)}
-            self._narrow(job, before, () if self.admit_apart else job.admit(txn), acked)
-        self._admit_after_acks(job, position)
-        return results
+            return job.fetched(n, attempt, ranks, txn)
 
-    def ack(self, name: str, rank: int, plan_id: str) -> dict[str, Any]:
-        """Ack a plan; at W acks the mini-batch is consumed and staleness recorded."""
+    def ack(
+        self, name: str, n: int, attempt: int, ranks: Sequence[int] | None, version: int | None = None
+    ) -> dict[str, Any]:
+        """``ranks`` (None: all) finished mini-batch ``n``; at W acked ranks it is consumed (staleness recorded)
+        and admission runs; ``version``, the policy version the step produced, is recorded in the same change."""
         job = self.job(name)
-        before, position = job.state, job.position
         with self._change(name) as txn:
-            result = job.ack(rank, plan_id, txn)
-            self._narrow(job, before, () if self.admit_apart else job.admit(txn), (rank,))
-        self._admit_after_acks(job, position)
+            result = job.ack(n, attempt, ranks, version, txn)
+            if not result["duplicate"] or version is not None:
+                job.admit(txn)
         return result
-
-    def _admit_after_acks(self, job: JobState, position_before: int) -> None:
-        """With ``admit_apart``: the admission acks allow (a consumed mini-batch moves the trainer's
-        position), in a change of its own right after theirs, in the same state-thread call.
-
-        The acks' change is committed first and publishes only the acking ranks' answers — their next
-        plans, already admitted — so those go out while this admission runs, instead of after it (at
-        1,024 ranks an admission costs tens of ms). Nothing else runs in between (one state-thread
-        call), so a ``next`` after the ack's answer still sees the admission; a crash between the two
-        commits loses no ack, and the restart admits on load. Acks that consumed nothing leave the
-        trainer's position, and so admission, where they were: then there is no second change.
-
-        Only with a plan gateway: there the published lines are written by another process while this
-        admission runs. Without one the event loop that writes them shares this process's GIL with the
-        admission, and on a saturated server the earlier answers only made more, smaller ack batches
-        (measured: plan-stream p99 1.2x worse at 1,024 ranks), so acks and admission stay one change.
-        """
-        if not self.admit_apart or job.position == position_before:
-            return
-        before = job.state
-        with self._change(job.name) as txn:
-            self._narrow(job, before, job.admit(txn), ())
 
     def report_version(self, name: str, rank: int, version: int) -> dict[str, Any]:
         """Record a rank's policy version; runs admission."""
         job = self.job(name)
-        before = job.state
         with self._change(name) as txn:
             latest = job.report_version(rank, version, txn)
-            self._narrow(job, before, job.admit(txn), ())
+            job.admit(txn)
         return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
 
     def headroom(self, name: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     """Bearer token for job and node administration; None falls back to the worker token."""
     ticket_key: SecretStr | None = None
-    """HMAC key shared with the stores: plan tickets carry grants signed with it (``KNITTRANS_TICKET_KEY``)."""
+    """HMAC key shared with the stores: manifests carry grants signed with it (``KNITTRANS_TICKET_KEY``)."""
     ticket_ttl_s: float = Field(default=86400.0, gt=0, allow_inf_nan=False)
     """Grants of a mini-batch stay valid this long after its admission."""
     node_timeout_s: float = Field(default=NODE_TIMEOUT_S, gt=0)
@@ -40,17 +40,7 @@ class Settings(BaseSettings):
     node_sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often the service looks for nodes past their heartbeat timeout."""
     long_poll_max_s: float = Field(default=60.0, gt=0)
-    """Upper bound on the ``timeout_s`` of a plan long-poll."""
-    plan_stream: bool = True
-    """Serve the ranks' plan streams (``GET|POST /v1/jobs/{job}/ranks/{rank}/plans``); False: those paths
-    answer 404 like an unknown path (a server without them), and trainer clients long-poll ``next``."""
-    plan_stream_max_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
-    """A plan stream ends after this long (its client opens a new one and gets its un-acked plan again)."""
-    plan_gateway_port: int | None = Field(default=None, ge=0, le=65535)
-    """Serve the plan streams also from a gateway process on this port (0: a free one; None: no gateway);
-    ``GET /v1/plan-gateway`` and the ready file give its URL (``knittrans.api.gateway``)."""
-    plan_gateway_host: str = "127.0.0.1"
-    """Bind address of the plan gateway."""
+    """Upper bound on the ``timeout_s`` of a long-poll (manifests, headroom)."""
     lane_port: int | None = Field(default=0, ge=0, le=65535)
     """Serve unit registrations also on a plain TCP lane on this port (0: a free one; None: no lane);
     ``GET /v1/lane`` gives the port (``knittrans.api.lane``)."""

@@ -86,7 +86,7 @@ def _job(job: dict[str, Any], now: float) -> list[str]:
         + (
             ": "
             + ", ".join(
-                f"#{m['global_index']} (fetched {len(m['fetched_ranks'])}, acked {len(m['acked_ranks'])})"
+                f"#{m['global_index']} (fetched {m['fetched']}/{m['world_size']}, acked {m['acked']}/{m['world_size']})"
                 for m in in_flight[:8]
             )
             if in_flight
@@ -96,7 +96,7 @@ def _job(job: dict[str, Any], now: float) -> list[str]:
     lines.append(f" lost groups: {job['lost_groups_total']}, waiting for regeneration: {job['to_regenerate_total']}")
     lines.append(" ranks:")
     lines += _table(
-        ["rank", "version", "mini-batches", "exposed", "fetch", "logical", "physical", "last plan"],
+        ["rank", "version", "mini-batches", "exposed", "fetch", "logical", "physical", "last ack"],
         [
             [
                 r["rank"],
@@ -107,8 +107,8 @@ def _job(job: dict[str, Any], now: float) -> list[str]:
                 _bytes(r.get("row_bytes", 0) + r.get("media_logical_bytes", 0)) if "row_bytes" in r else "-",
                 _bytes(r.get("row_bytes", 0) + r.get("media_physical_bytes", 0)) if "row_bytes" in r else "-",
                 (
-                    f"{r['last_plan']['plan_id']} ({_secs(now - r['last_plan']['at'])} ago)"
-                    if r.get("last_plan")
+                    f"{r['last_ack']['manifest_id']} ({_secs(now - r['last_ack']['at'])} ago)"
+                    if r.get("last_ack")
                     else "-"
                 ),
             ]

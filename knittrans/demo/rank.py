@@ -2,23 +2,25 @@
 
 Per mini-batch (one optimizer step)::
 
-    N = trajectories of the mini-batch over all ranks  # from the plan (else one all-reduce)
+    N = trajectories of the mini-batch over all ranks  # from the manifest
     dedup.begin_mini_batch()
     for micro in mini_batch:                           # eager or iter (prefetch) fetch
         loss = grpo_loss(...) / (N / W); loss.backward()   # local gradients only
     dedup.finish()
-    ok = every fetch succeeded and mini_batch.report_fetched()   # control plane: share held
+    ok = mini_batch.report_fetched(ok=every fetch succeeded)   # one request for all ranks; same answer
     ok = all_reduce(ok, MIN)                           # every rank decides the same
-    if ok:  all_reduce_gradients(backbone + encoder); optimizer.step(); mini_batch.ack()
-            rank 0: policy-v{n+1}.safetensors (temp name + rename), report_version(n+1)
+    if ok:  all_reduce_gradients(backbone + encoder); optimizer.step()
+            rank 0: policy-v{n+1}.safetensors (temp name + rename)   # published before the ack
+            mini_batch.ack(version=n+1)                # one request for all ranks, with the new version
     else:   zero_grad; dedup.drop(); mini_batch.abandon()   # client waits for the re-plan, retries
 
 No optimizer step ever sees a partially fetched mini-batch: a store node that dies under a plan
 makes some rank's fetch fail (Flight calls time out after ``fetch_timeout_s``), or the control
-plane withdraws the plan after declaring the node lost (``report_fetched`` is then False). Either
-way the "mini-batch ok" all-reduce is 0 on every rank, all ranks drop their partial gradients and
-ask for the plan of that global index again, which the control plane re-issues with the next
-attempt (``n{n}.a{attempt}.r{rank}``) once the node is declared lost. A mini-batch every rank
+plane withdraws the mini-batch after declaring the node lost (``report_fetched`` is then False).
+Either way the "mini-batch ok" flag is 0 on every rank, all ranks drop their partial gradients and
+ask for the manifest of that global index again, which the control plane re-issues with the next
+attempt once the node is declared lost. The ack carries the new policy version, saved before it,
+so the rollout launches that the ack's freed window allows load the new weights. A mini-batch every rank
 reported fetched survives a node loss (its rows are in the ranks' memory), so the ack after the
 step cannot be refused.
 
@@ -333,17 +335,6 @@ def micro_batch_loss(
     )
 
 
-def _global_trajectories(mb: MiniBatch, world_size: int) -> int:
-    given = mb.mini_batch_trajectories
-    if given is not None:
-        return given
-    if world_size == 1:
-        return mb.local_trajectories
-    count = torch.tensor([mb.local_trajectories], dtype=torch.int64)
-    dist.all_reduce(count)
-    return int(count.item())
-
-
 def _all_ok(ok: bool, world_size: int) -> bool:
     """True only when ``ok`` on every rank (one all-reduce of a flag)."""
     if world_size == 1:
@@ -372,7 +363,7 @@ def train_mini_batch(
     for the same global index (it runs the same collectives on every rank, failed or not).
     """
     t0 = time.perf_counter()
-    total = _global_trajectories(mb, world_size)
+    total = mb.mini_batch_trajectories
     normaliser = max(total, 1) / world_size
     encoder = DedupEncoder(policy.encoder) if dedup else None
     if encoder is not None:
@@ -409,7 +400,8 @@ def train_mini_batch(
         if encoder is not None:
             encoder.drop()
         raise
-    ok = _all_ok(failure is None and mb.report_fetched(), world_size)
+    # every rank reports (with the ranks sharing the control plane this is one collective request)
+    ok = _all_ok(mb.report_fetched(ok=failure is None), world_size)
     if not ok:
         if encoder is not None:
             encoder.drop()
@@ -451,7 +443,7 @@ def train_mini_batch(
         "max_logprob_gap": max(gaps) if gaps else None,
         "loss": loss_sum,
         "step_time_s": time.perf_counter() - t0,
-        "admission_latency_s": (mb.received_at - mb.admitted_at) if mb.admitted_at is not None else None,
+        "admission_latency_s": mb.received_at - mb.admitted_at,
     }
 
 
@@ -517,11 +509,9 @@ def run_rank(cfg: RankConfig) -> int:
                 if out is not None:  # before the ack: a rank killed between the two trains the plan again and
                     out.write(json.dumps(record) + "\n")  # writes it again (same index), never not at all
                     out.flush()
-                mb.ack()
-                if cfg.rank == 0:
-                    if cfg.weights_dir is not None:
-                        save_weights(policy.backbone, cfg.weights_dir, version)
-                    client.report_version(version)
+                if cfg.rank == 0 and cfg.weights_dir is not None:
+                    save_weights(policy.backbone, cfg.weights_dir, version)  # published before the ack frees window
+                mb.ack(version=version)  # the version in the same change as the ack: launches it allows see it
                 trained += 1
                 logger.info(
                     "rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)",

@@ -1,15 +1,24 @@
-"""``TrainerClient``: one data-parallel rank's view of a job — plans in, torch micro-batches out.
+"""``TrainerClient``: one data-parallel rank's view of a job — manifests in, torch micro-batches out.
 
 ::
 
     with TrainerClient(TrainerConfig(control_url=url, job="grpo", rank=r, world_size=w)) as client:
-        for mini_batch in client.minibatches():          # long-polls the control plane
+        for mini_batch in client.minibatches():          # this rank's share of each mini-batch, in order
             for micro in mini_batch:                      # fetched on demand (``iter``: one ahead)
                 loss = step(micro.batch, micro.media)     # MicroBatch + {hash: decoded tensor}
                 loss.backward()
+            if not mini_batch.report_fetched():           # withdrawn (a store node was lost): skip it
+                mini_batch.abandon(); continue
             optimizer.step()
-            mini_batch.ack()                              # all ranks acked -> mini-batch consumed
-            client.report_version(mini_batch.policy_version + 1)
+            publish_weights(mini_batch.policy_version + 1)     # where rollout loads them from
+            mini_batch.ack(version=mini_batch.policy_version + 1)  # every rank acked -> consumed
+
+Every rank reads the same manifest of mini-batch ``n`` (``GET /v1/jobs/{job}/minibatches/{n}``) and
+takes its share (:meth:`knittrans.manifest.Manifest.share`). When ``torch.distributed`` is initialised
+with this rank and world size (``TrainerConfig.group="auto"``), rank 0 reads it for everyone and
+scatters the shares, and ``report_fetched`` / ``ack`` are gathered into one request each
+(:mod:`knittrans.trainer.feed`), so the control plane's work per mini-batch does not grow with the
+number of ranks; every rank must then build its client and make those calls.
 
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to
 ``prefetch_depth`` ahead) while the training thread computes ``i``; an error in that thread is
@@ -18,24 +27,22 @@ re-raised in the training thread at the micro-batch it belongs to. Every micro-b
 ``convert_s`` and ``transform_s``; :attr:`TrainerClient.timings` keeps them all. An optional
 ``transform`` (a collate function) runs where the micro-batch is loaded, off the training thread.
 
-Across mini-batches (``iter`` with ``prefetch_next``, the default): once the prefetch thread has
-fetched the last micro-batch of mini-batch ``n``, it long-polls the control plane for the plan
-*after* ``n`` (``next?after=<plan of n>``: handed out before ``n`` is acked, acks stay in order) and
-starts prefetching mini-batch ``n+1`` (its own queue, ``prefetch_depth`` deep) while the training
-loop finishes ``n``, steps and acks. So the first micro-batch of ``n+1`` is there when the loop
-asks for it, and exactly-once is untouched: ``n`` is acked only after the optimizer step.
+Across mini-batches: a feed thread asks for mini-batch ``n+1`` as soon as ``n`` is handed out, and
+the control plane admits it up to ``L`` ahead of the trainer; once the prefetch thread has loaded
+the last micro-batch of ``n`` it starts loading ``n+1`` (its own queue) while the training loop
+finishes ``n``, steps and acks. Exactly-once is untouched: ``n`` is acked only after the step.
 
-Failure (a store node dies under a plan): a fetch error is raised in the training thread; the
-loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
-step) tells the control plane this rank holds its whole share: False when the plan was withdrawn
-(its rows were on a lost node). A loop that gives a mini-batch up calls :meth:`MiniBatch.abandon`;
-:meth:`TrainerClient.minibatches` then waits (up to ``replan_wait_s``) for the plan of that global
-index to change — the control plane re-plans it with the next attempt once the node is declared
-lost — and yields the new plan. :mod:`knittrans.demo.rank` runs this protocol across ranks.
+Failure (a store node dies under a mini-batch): a fetch error is raised in the training thread;
+the loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
+step) tells the control plane the ranks hold their shares: False when the mini-batch was withdrawn.
+A loop that gives a mini-batch up calls :meth:`MiniBatch.abandon`; :meth:`TrainerClient.minibatches`
+then waits (up to ``replan_wait_s``) for the manifest of that global index to change — the control
+plane re-plans it with the next attempt once the node is declared lost — and yields the new share.
+:mod:`knittrans.demo.rank` runs this protocol across ranks.
 
 Errors: a failed fetch is re-raised in the training thread with the plan, micro-batch and the
-store node(s) (id and endpoint) it involved; control-plane calls (``next``, ``ack``, versions)
-are retried with backoff for ``control_retry_s`` while the control plane is unreachable.
+store node(s) (id and endpoint) it involved; control-plane calls are retried with backoff for
+``control_retry_s`` while the control plane is unreachable.
 """
 
 from __future__ import annotations
@@ -45,16 +52,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient, JobFinished, PlanStreamReader, StreamUnsupported
+from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import InvalidRequest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
+from knittrans.trainer.feed import Collective, ManifestFeed, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch
@@ -65,7 +73,7 @@ logger = logging.getLogger(__name__)
 
 
 class TrainerClient:
-    """One rank: long-polls plans, fetches rows and media on demand, acks, reports versions."""
+    """One rank: reads manifests, fetches rows and media on demand, reports fetched, acks."""
 
     def __init__(
         self,
@@ -73,7 +81,11 @@ class TrainerClient:
         *,
         control: ControlClient | None = None,
         transform: Callable[[TrainMicroBatch], Any] | None = None,
+        collectives: tuple[Collective, Collective] | None = None,
     ) -> None:
+        """``collectives``: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
+        all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s under
+        ``torch.distributed``, else each rank for itself)."""
         self.config = config
         self._prepare = _Prepare(transform)
         self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
@@ -84,54 +96,56 @@ class TrainerClient:
             timeout_s=config.fetch_timeout_s,
             data_lane=config.data_lane,
         )
-        self.media_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="knittrans-media")
-        """Runs a micro-batch's media fetch alongside its row fetch."""
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
         self._closed = threading.Event()
-        self._first: Future[MiniBatch | None] | None = None
-        self._stream: PlanStreamReader | None = None
-        if config.plan_stream:
-            keepalive = min(10.0, config.poll_timeout_s)
-            self._stream = self.control.plan_stream(
-                config.job, config.rank, keepalive_s=keepalive, gateway=config.plan_gateway
-            )
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        if collectives is None and config.group == "auto":
+            collectives = _torch_collectives(config)
+        feed_group: Collective | None = None
+        self.progress: Collective | None = None
+        """The ranks' collective for ``fetched`` and ``ack`` (None: each rank reports for itself)."""
+        if collectives is not None:
+            feed_group, self.progress = collectives
+        self.feed = ManifestFeed(
+            self.control,
+            config.job,
+            config.rank,
+            config.world_size,
+            collective=feed_group,
+            poll_s=config.poll_timeout_s,
+        )
+        """This rank's shares of the mini-batches, asked for ahead of the loop."""
         self.context = RankContext(
             config=config,
             fetcher=self.fetcher,
-            media_pool=self.media_pool,
             control=self.control,
+            feed=self.feed,
+            progress=self.progress,
             prepare=self._prepare,
             closed=self._closed,
         )
-        """What this rank's mini-batches use of it (a subclass of :class:`MiniBatch` is built with it)."""
-        if config.torch_threads is not None:
-            torch.set_num_threads(config.torch_threads)
-        if config.poll_early or config.warm_connections:
-            self._first = Future() if config.poll_early else None
-            threading.Thread(
-                target=self._start_early, args=(self._first,), name=f"knittrans-start-{config.rank}", daemon=True
-            ).start()
+        """What this rank's mini-batches use of it."""
+        self._first: Future[MiniBatch | None] = Future()
+        threading.Thread(
+            target=self._start, args=(self._first,), name=f"knittrans-start-{config.rank}", daemon=True
+        ).start()
 
-    def _start_early(self, first: Future[MiniBatch | None] | None) -> None:
-        """Background start: connect to the store nodes, then long-poll the first plan and start loading it
-        (its :class:`MiniBatch` into ``first``)."""
+    def _start(self, first: Future[MiniBatch | None]) -> None:
+        """Background start: connect to the store nodes, then take the first share and start loading it."""
         try:
-            if self.config.warm_connections:
-                nodes = self.control.list_nodes()
-                self.fetcher.warm(
-                    {n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")}
-                )
+            nodes = self.control.list_nodes()
+            self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")})
         except Exception as exc:  # warming is an optimisation; reads report their own errors
             logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
-        if first is None or not first.set_running_or_notify_cancel():
+        if not first.set_running_or_notify_cancel():
             return
         try:
-            plan = self.next_plan()
-            mb = self.minibatch(plan) if plan is not None else None  # its streams open here, at once
+            mb = self._minibatch(self.feed.share(self.feed.start()))
             if mb is not None and self.config.fetch_mode == "iter":
-                mb.start_prefetch()  # no hop to the loop's thread between the plan and its first fetch
+                mb.start_prefetch()  # no hop to the loop's thread between the share and its first fetch
             first.set_result(mb)
         except BaseException as exc:  # handed to minibatches()
             first.set_exception(exc)
@@ -152,56 +166,38 @@ class TrainerClient:
         """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
         return self._prepare(micro)
 
-    def minibatch(self, plan: RankPlan) -> MiniBatch:
-        """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once with ``warm_connections``)."""
-        return MiniBatch(self.context, plan)
+    def minibatch(self, plan: RankPlan, etag: str = "") -> MiniBatch:
+        """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
+        return MiniBatch(self.context, plan, etag)
 
-    def next_plan(self) -> RankPlan | None:
-        """The next plan (from the plan stream, else long-polls until one comes); None when the job is finished."""
-        cfg = self.config
-        while not self._closed.is_set():
-            stream = self._stream
-            if stream is not None:
+    def _minibatch(self, shared: Shared) -> MiniBatch | None:
+        return MiniBatch(self.context, *shared) if shared is not None else None
+
+    def replan(self, failed: MiniBatch) -> MiniBatch | None:
+        """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
+        after ``replan_wait_s``; None when the job has no such mini-batch any more. Collective with a group."""
+        cfg, n, etag = self.config, failed.global_index, failed.etag
+        feed = self.feed
+        coll = self.progress
+
+        def ask() -> Any:
+            deadline = time.monotonic() + cfg.replan_wait_s
+            while True:
+                late = time.monotonic() > deadline
                 try:
-                    plan = stream.next(cfg.poll_timeout_s)
+                    got = self.control.manifest(cfg.job, n, min(cfg.poll_timeout_s, 2.0), etag=None if late else etag)
                 except JobFinished:
-                    return None
-                except StreamUnsupported as exc:
-                    logger.info("rank %d: %s; long-polling 'next' instead", cfg.rank, exc)
-                    self._stream = None
-                    continue
-                if plan is not None:
-                    return plan
-                continue
-            try:
-                plan = self.control.next_plan(cfg.job, cfg.rank, cfg.poll_timeout_s)
-            except JobFinished:
-                return None
-            if plan is not None:
-                return plan
-        raise InvalidRequest(f"rank {cfg.rank}: the trainer client is closed")
+                    return [None] * coll.size if coll is not None else None
+                if got is not None:
+                    manifest, tag = got
+                    if coll is None:
+                        return manifest.share(cfg.rank), tag
+                    return [(manifest.share(r), tag) for r in range(coll.size)]
 
-    def _first_minibatch(self) -> MiniBatch | None:
-        """The mini-batch of the early poll's plan (waiting for it; already loading), else a new poll's."""
-        first, self._first = self._first, None
-        if first is not None:
-            return first.result()
-        plan = self.next_plan()
-        return self.minibatch(plan) if plan is not None else None
-
-    def replan(self, failed: str) -> RankPlan | None:
-        """The rank's current plan once it differs from ``failed`` (re-planned), or after ``replan_wait_s``."""
-        cfg = self.config
-        deadline = time.monotonic() + cfg.replan_wait_s
-        while True:
-            try:
-                plan = self.control.next_plan(cfg.job, cfg.rank, 1.0)
-            except JobFinished:
-                return None
-            if plan is not None and (str(plan.plan_id) != failed or time.monotonic() > deadline):
-                return plan
-            if plan is not None:
-                time.sleep(0.2)
+        got = leader_call(coll, ask)
+        shared: Shared = got[cfg.rank] if coll is not None else got  # rank 0 asked for every rank
+        feed.release_below(n)
+        return self._minibatch(shared)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
@@ -210,7 +206,9 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        mb = self._first_minibatch()
+        first, self._first = self._first, Future()
+        self._first.cancel()
+        mb = first.result()
         while mb is not None:
             self._current = mb
             if self.config.fetch_mode == "iter":
@@ -224,23 +222,18 @@ class TrainerClient:
                 logger.warning(
                     "rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank, mb.plan_id
                 )
-                plan = self.replan(mb.plan_id)
-                mb = self.minibatch(plan) if plan is not None else None
+                mb = self.replan(mb)
                 continue
             if not mb.acked and not mb.complete:
                 mb.stop()
                 raise InvalidRequest(f"mini-batch {mb.plan_id} was neither fully iterated, abandoned nor acked")
             mb.ack()
-            if self._stream is not None:
-                self._stream.acked(mb.plan_id)  # its line, if still in the stream, is skipped
-            nxt = mb.successor.take_after_ack()
-            if nxt is None:
-                plan = self.next_plan()
-                nxt = self.minibatch(plan) if plan is not None else None
-            mb = nxt
+            nxt = mb.take_successor()
+            self.feed.release_below(mb.global_index + 1)
+            mb = nxt if nxt is not None else self._minibatch(self.feed.share(mb.global_index + 1))
 
     def report_version(self, version: int) -> None:
-        """Report the policy version after an optimizer step (rank 0 is enough); retried like ``next``."""
+        """Report the policy version after an optimizer step (rank 0 is enough; an ack can carry it instead)."""
         self.control.report_version(self.config.job, version, self.config.rank)
 
     def timings_dicts(self) -> list[dict[str, Any]]:
@@ -248,18 +241,16 @@ class TrainerClient:
         return [asdict(t) for t in self.timings]
 
     def close(self) -> None:
-        """Stop prefetching, close the fetcher and the control-plane client."""
+        """Stop prefetching and the feed, close the fetcher and the control-plane client."""
         self._closed.set()
-        if self._first is not None and not self._first.cancel() and self._first.done():
-            with contextlib.suppress(Exception):
+        if not self._first.cancel() and self._first.done():
+            with contextlib.suppress(BaseException):
                 early = self._first.result()
                 if early is not None:
                     early.stop()
         if self._current is not None:
             self._current.stop()
-        self.media_pool.shutdown(wait=False, cancel_futures=True)
-        if self._stream is not None:
-            self._stream.close()
+        self.feed.close()
         self.fetcher.close()
         self.control.close()
 
@@ -268,6 +259,25 @@ class TrainerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _torch_collectives(config: TrainerConfig) -> tuple[Collective, Collective] | None:
+    """Two gloo collectives of the trainer's ``torch.distributed`` job when it is this client's world, else None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() != config.world_size or dist.get_rank() != config.rank:
+        logger.info(
+            "rank %d: torch.distributed is rank %d of %d, not this job's rank %d of %d: each rank reads manifests",
+            config.rank,
+            dist.get_rank(),
+            dist.get_world_size(),
+            config.rank,
+            config.world_size,
+        )
+        return None
+    return TorchCollective(), TorchCollective()
 
 
 class _Prepare:

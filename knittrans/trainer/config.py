@@ -31,48 +31,30 @@ class TrainerConfig:
     """``eager``: fetch the whole share first; ``iter``: fetch micro-batch i+1 while i computes."""
     prefetch_depth: int = 2
     """Micro-batches fetched ahead in ``iter`` mode."""
-    poll_timeout_s: float = 30.0
-    """Long-poll timeout of one ``next`` request."""
-    plan_stream: bool = False
-    """Opt-in: receive plans on the rank's plan stream (``GET .../plans``: one open response, each plan one
-    line) instead of one ``next`` long-poll per mini-batch; the client falls back to ``next`` by itself when
-    the server has no stream. Off by default: at 1,024 ranks, with this client's acks (``POST .../ack``),
-    it took 0.69x the server CPU per mini-batch of the default path but its delivery p99 was higher
-    (938 vs 442 ms; docs/api.md, plan stream), and it is new."""
-    plan_gateway: bool = False
-    """With ``plan_stream``: open the stream on the control plane's plan gateway when it runs one
-    (``--plan-gateway-port``; its own process), else on the control plane; a gateway that dies is left
-    for the control plane's own stream at the reconnect."""
+    poll_timeout_s: float = 2.0
+    """Longest single manifest long-poll (the control plane answers as soon as the mini-batch is admitted;
+    a closed client's feed stops within this)."""
+    group: Literal["auto", "none"] = "auto"
+    """How the ranks share the control plane. ``auto``: when ``torch.distributed`` is initialised with this
+    rank and world size, rank 0 reads each manifest and scatters the ranks' shares, and gathers ``fetched``
+    and ``ack`` into one request each, over two gloo groups of the client's own (so every rank must build
+    its client, at the same point); otherwise as ``none``. ``none``: each rank reads every manifest and
+    reports for itself (``W`` requests per mini-batch and call)."""
     control_retry_s: float = 120.0
     """How long to keep retrying while the control plane is unreachable (e.g. restarting)."""
     local_dirs: Mapping[str, str] = field(default_factory=dict)
     """Store node id -> its store directory, for nodes on this host (memory-mapped reads)."""
     fetch_media: bool = True
     """Fetch and decode the media each micro-batch references (through a per-mini-batch cache)."""
-    stream: bool = True
-    """Read the share through one ``DoGet`` per store node and kind (rows, media), each micro-batch
-    taking its rows as they arrive (:class:`~knittrans.trainer.share.ShareStreams`); False: one
-    ``DoGet`` per micro-batch and kind."""
-    prefetch_next: bool = True
-    """``iter`` only: prefetch mini-batch ``n+1`` (plan via ``next?after=``) while ``n`` finishes."""
     fetch_timeout_s: float | None = 30.0
     """Timeout of one Flight call to a store node (a dead host raises instead of blocking); None: none."""
     data_lane: bool = True
     """Read remote store nodes over their bulk data lane (a store opens one unless TLS or ``--no-data-lane``;
     one length-prefixed Arrow IPC stream per call received into a reused buffer, :mod:`knittrans.flight.lane`)
     instead of Flight ``DoGet``; nodes without a lane, or whose lane cannot be reached, are read through
-    ``DoGet``. A streamed share then arrives whole per node before its first micro-batch (docs/architecture.md,
-    data lane). False: ``DoGet`` only."""
+    ``DoGet``. False: ``DoGet`` only."""
     replan_wait_s: float = 60.0
     """After an abandoned mini-batch: how long to wait for its re-plan before retrying the same plan."""
-    warm_connections: bool = True
-    """Connect to every store node the control plane lists when the client starts (one Flight channel
-    per node, kept for every later read), and open a plan's streams as soon as the plan arrives. False:
-    each node is connected at its first ``DoGet``, a share's streams at its first read (the old cold path)."""
-    poll_early: bool = True
-    """Start the first long-poll (and the first plan's loading) in a background thread when the client
-    is created, so it already waits when the first mini-batch is admitted, instead of at the first
-    ``next`` of :meth:`TrainerClient.minibatches`. False: the previous behaviour."""
     torch_threads: int | None = None
     """When set, the client calls ``torch.set_num_threads`` with it at start. Several ranks (or a rank and
     its rollout) on one host each using every core slow each other down badly: give each rank its share
@@ -91,6 +73,8 @@ class TrainerConfig:
             raise ValueError("replan_wait_s must be >= 0")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1 (or None)")
+        if self.group not in ("auto", "none"):
+            raise ValueError(f"group must be 'auto' or 'none', not {self.group!r}")
         if self.poll_timeout_s <= 0 or self.control_retry_s < 0:
             raise ValueError("poll_timeout_s must be > 0 and control_retry_s >= 0")
 

@@ -170,8 +170,12 @@ class ShareStreams:
 
     @classmethod
     def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams | None:
-        """Streams for ``plan``'s micro-batches; None when a rows ticket has no explicit row ranges or
-        one node's tickets project different columns (those plans are fetched micro-batch by micro-batch)."""
+        """Streams for ``plan``'s micro-batches; None when the share reads nothing.
+
+        Raises:
+            InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
+                columns or name different jobs (a manifest's shares never do).
+        """
         job: str | None = None
         counts: list[list[tuple[str, int]]] = []
         rows: dict[str, list[Ticket]] = {}
@@ -183,7 +187,9 @@ class ShareStreams:
                 n = ticket_rows(ticket) if ticket.kind == "rows" else None
                 mixed = node in rows and rows[node][0].columns != ticket.columns
                 if n is None or mixed or (job is not None and ticket.job != job):
-                    return None
+                    raise InvalidRequest(
+                        f"plan {plan.plan_id}: its rows tickets cannot be streamed (row ranges, columns, job)"
+                    )
                 job = ticket.job
                 endpoints[node] = f.endpoint
                 rows.setdefault(node, []).append(ticket)
@@ -196,7 +202,9 @@ class ShareStreams:
                 if m.hash in media_node:
                     continue
                 if m.ticket.kind != "media" or (job is not None and m.ticket.job != job):
-                    return None
+                    raise InvalidRequest(
+                        f"plan {plan.plan_id}: media ticket of {m.hash} is not a media ticket of its job"
+                    )
                 job = m.ticket.job
                 media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from knittrans import __version__
-from knittrans.api.models import LaneOut, PlanGatewayOut
+from knittrans.api.models import LaneOut
 from knittrans.api.routes.deps import Service
-from knittrans.errors import NotFound, Unavailable
+from knittrans.errors import NotFound
 from knittrans.flight.lane import MAX_ACTION_BYTES
 
 __all__ = ["router"]
@@ -22,19 +22,6 @@ router = APIRouter(tags=["health"])
 async def health(svc: Service) -> dict[str, Any]:
     """Liveness: always open."""
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
-
-
-@router.get("/v1/plan-gateway", response_model=PlanGatewayOut)
-async def plan_gateway(request: Request) -> Any:
-    """Where the plan gateway serves the ranks' plan streams (open: it names a port; the gateway checks
-    tokens). 404 when the server runs without one, 503 once it exited (use the server's own stream)."""
-    gateway = request.app.state.gateway
-    if gateway is None:
-        raise NotFound("this control plane runs without a plan gateway; use its own plan stream")
-    url = gateway.url
-    if url is None:  # answered 503 with Retry-After by the app's error handler, as every Unavailable
-        raise Unavailable(f"{gateway.lost}; use the control plane's own plan stream")
-    return {"url": url, "pid": gateway.pid}
 
 
 @router.get("/v1/lane", response_model=LaneOut)

@@ -55,7 +55,7 @@ def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
     (raises InvalidRequest for a bad row layout or inconsistent fields). Takes ``u`` and its group dicts
     over: they become the descriptors' attribute dicts.
 
-    ``u`` passed :class:`UnitIn`'s validation (or its strict twin's): names, integer ranges, endpoint,
+    ``u`` passed :class:`UnitIn`'s validation: names, integer ranges, endpoint,
     hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only the checks across fields run
     here, and the frozen descriptors are built from the validated fields (in the descriptors' field
     order) without re-running the per-field checks (the registration hot path: they were most of its

@@ -1,0 +1,127 @@
+"""The manifest board: what each job serves at ``GET .../minibatches/{n}``, held on the event loop.
+
+After every committed change of a job the state thread computes the job's :class:`Published` view
+(its manifests, built once each, and where the trainer is) and posts it to the event loop, which
+stores it and wakes the requests waiting on the job. A manifest long-poll is then answered on the
+event loop from the board, with no state-thread hop; the work per change does not depend on how
+many ranks wait.
+
+Two events per job: ``changed`` fires on every change (``/headroom`` waits on it), ``delivery`` only
+when what the manifest long-polls answer changed (a mini-batch admitted, withdrawn or consumed, the
+job finished), so hundreds of waiting ranks are not woken by every registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+from knittrans.api.delivery import Published
+
+__all__ = ["ManifestBoard"]
+
+logger = logging.getLogger(__name__)
+
+Compute = Callable[[str], Published | None]
+"""``ControlPlane.published``: a job's :class:`Published` view; None when the job does not exist."""
+
+
+class ManifestBoard:
+    """Per job: the last :class:`Published` view and the events its waiters wait on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the event loop takes events while the state thread pops them
+        self._waiters: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._compute: Compute | None = None
+        self._views: dict[str, Published] = {}  # owned by the loop: read and written only there
+
+    def bind(self, loop: asyncio.AbstractEventLoop, compute: Compute) -> None:
+        """Publish to ``loop`` from now on, computing views with ``compute(job)`` on the state thread."""
+        self._views = {}
+        self._loop, self._compute = loop, compute
+
+    def unbind(self) -> None:
+        """Stop publishing (the app shut down)."""
+        self._loop, self._compute = None, None
+        self._views = {}
+
+    def view(self, job: str) -> Published | None:
+        """The job's view as last published (on the event loop); None before the first publication."""
+        return self._views.get(job)
+
+    def store(self, job: str, view: Published) -> None:
+        """On the state thread: publish a view computed on a board miss, waking no one."""
+        self._post(job, view, wake=False)
+
+    def event(self, job: str, kind: str = "changed") -> asyncio.Event:
+        """The event the next change of ``job`` sets: ``changed`` (any change) or ``delivery`` (what the
+        manifest long-polls answer changed). Called on the event loop."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            found = self._waiters.get((job, kind))
+            if found is None or found[0] is not loop:
+                found = (loop, asyncio.Event())
+                self._waiters[(job, kind)] = found
+            return found[1]
+
+    def notify(self, job: str) -> None:
+        """After a committed change of ``job`` (state thread): publish its view and wake its waiters."""
+        compute, loop = self._compute, self._loop
+        if compute is None or loop is None or loop.is_closed():
+            self._wake(job, delivery=True)
+            return
+        try:
+            view = compute(job)
+        except Exception:  # the board must not break the change that notifies it: drop the job's view
+            logger.exception("manifest board: the view of job %s could not be computed", job)
+            view = None
+        self._post(job, view, wake=True)
+
+    def _post(self, job: str, view: Published | None, *, wake: bool) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            if wake:
+                self._wake(job, delivery=True)
+            return
+        loop.call_soon_threadsafe(self._apply, job, view, wake)
+
+    def _apply(self, job: str, view: Published | None, wake: bool) -> None:
+        """On the loop: store the view (None: forget it), then wake."""
+        old = self._views.pop(job, None) if view is None else self._views.get(job)
+        if view is not None:
+            self._views[job] = view
+        if wake:
+            self._wake(job, delivery=view is None or old is None or _answers_differ(old, view))
+
+    def _wake(self, job: str, *, delivery: bool) -> None:
+        with self._lock:
+            woken = [self._waiters.pop((job, "changed"), None)]
+            if delivery:
+                woken.append(self._waiters.pop((job, "delivery"), None))
+        for found in woken:
+            if found is None:
+                continue
+            loop, event = found
+            if _running_loop() is loop:
+                event.set()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+
+def _answers_differ(old: Published, new: Published) -> bool:
+    """Whether a manifest long-poll could answer differently under ``new`` than under ``old``."""
+    if (old.position, old.final, old.state) != (new.position, new.final, new.state):
+        return True
+    if old.manifests.keys() != new.manifests.keys():
+        return True
+    return any(old.manifests[n][0] != tag for n, (tag, _) in new.manifests.items())
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,307 @@
+"""Manifests to ranks: each rank's share of every mini-batch, in order, ahead of the training loop.
+
+A :class:`ManifestFeed` runs one thread per rank that asks for mini-batch ``n``, ``n+1``, ... as soon
+as they are admitted (``GET /v1/jobs/{job}/minibatches/{n}``, a long-poll) and keeps this rank's share
+(:meth:`knittrans.manifest.Manifest.share`) until the loop is past it. Two ways to reach the control
+plane, the same everywhere else:
+
+* every rank asks for itself (``collective=None``): ``W`` requests per mini-batch, for small trainers;
+* the trainer's ranks share one request (a :class:`Collective`, e.g. :class:`TorchCollective` over a
+  gloo group of the trainer's own ``torch.distributed`` job): rank 0 asks, cuts the manifest into the
+  ranks' shares and scatters them, so the control plane answers one request per mini-batch however
+  many ranks there are. Progress (``fetched``, ``ack``) is then gathered the same way
+  (:mod:`knittrans.trainer.minibatch`).
+
+Collectives on one group must be called in the same order on every rank, so the feed's thread has a
+collective of its own (the ``feed`` one) and the training loop's progress calls another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from knittrans.controlclient import ControlClient, JobFinished
+from knittrans.errors import KnitTransError
+from knittrans.manifest import Manifest
+from knittrans.plans import RankPlan
+
+__all__ = ["Collective", "ManifestFeed", "Shared", "TorchCollective", "leader_call"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Shared = tuple[RankPlan, str] | None
+"""What the feed holds per mini-batch: this rank's share and the manifest's ETag; None: the job has no such
+mini-batch (finished)."""
+
+
+class Collective(Protocol):
+    """The collectives the ranks of one trainer share manifests and progress over; rank 0 leads."""
+
+    rank: int
+    """This rank in the group (0 leads: it is the one that talks to the control plane)."""
+    size: int
+    """Ranks in the group."""
+
+    def scatter(self, items: list[Any] | None) -> Any:
+        """Rank 0 passes one item per rank; every rank returns its own."""
+
+    def gather(self, item: Any) -> list[Any] | None:
+        """Every rank passes an item; rank 0 returns all of them in rank order, the others None."""
+
+    def broadcast(self, item: Any) -> Any:
+        """Rank 0 passes an item; every rank returns it."""
+
+
+class TorchCollective:
+    """:class:`Collective` over a gloo process group of its own, made from the trainer's ``torch.distributed``
+    default group (``dist.new_group`` is a collective call: every rank must make its collectives in the
+    same order, e.g. when each builds its :class:`~knittrans.trainer.client.TrainerClient`).
+
+    Objects travel pickled (``torch.distributed``'s ``*_object_list`` calls), so a share of a few hundred
+    rows is a few kilobytes on the wire.
+    """
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise KnitTransError("TorchCollective needs torch.distributed initialised (init_process_group)")
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        self._dist = dist
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def scatter(self, items: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, items if self.rank == 0 else None, src=0, group=self._group)
+        return out[0]
+
+    def gather(self, item: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        self._dist.gather_object(item, out, dst=0, group=self._group)
+        return out
+
+    def broadcast(self, item: Any) -> Any:
+        box = [item if self.rank == 0 else None]
+        self._dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+
+def leader_call(collective: Collective | None, call: Callable[[], T]) -> T:
+    """``call()`` on rank 0 (every rank when ``collective`` is None), its result or exception on every rank."""
+    if collective is None:
+        return call()
+    outcome: Any = None
+    if collective.rank == 0:
+        try:
+            outcome = call()
+        except BaseException as exc:  # handed to every rank, raised there
+            outcome = _Raised(exc)
+    got = collective.broadcast(outcome)
+    if isinstance(got, _Raised):
+        raise got.exc
+    result: T = got
+    return result
+
+
+class _Raised:
+    """An exception of the leader's call, on its way to every rank."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class ManifestFeed:
+    """This rank's share of mini-batch ``start``, ``start+1``, ... as soon as each is admitted.
+
+    Args:
+        control: the rank's control-plane client (the leader's is the one used with a collective).
+        job, rank, world_size: who this is.
+        collective: the ranks' shared ``feed`` collective, or None to ask for every rank itself.
+        poll_s: longest single long-poll (the feed checks :meth:`close` between them).
+    """
+
+    def __init__(
+        self,
+        control: ControlClient,
+        job: str,
+        rank: int,
+        world_size: int,
+        *,
+        collective: Collective | None,
+        poll_s: float,
+    ) -> None:
+        if collective is not None and (collective.rank != rank or collective.size != world_size):
+            raise KnitTransError(
+                f"the collective's rank {collective.rank} of {collective.size} is not this client's rank {rank} "
+                f"of world_size {world_size}"
+            )
+        self.control, self.job, self.rank, self.world_size = control, job, rank, world_size
+        self.collective = collective
+        self.poll_s = poll_s
+        self._cond = threading.Condition()
+        self._shares: dict[int, Shared | BaseException] = {}
+        self._end: int | None = None
+        """Index of the first mini-batch the feed will never deliver (finished, failed or closed)."""
+        self._first: int | None = None
+        """The first mini-batch it delivers, once known."""
+        self._closed = threading.Event()
+        self.requests = 0
+        """Manifest requests this rank made (0 on the ranks a leader serves)."""
+        self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the feed's thread
+    def _run(self) -> None:
+        try:
+            n = leader_call(self.collective, self._start_index)
+        except BaseException as exc:
+            self._finish(0, exc)
+            return
+        with self._cond:
+            self._first = n
+            self._cond.notify_all()
+        while True:
+            try:
+                item = self._deliver(n)
+            except BaseException as exc:  # control plane unreachable past its retries, a collective broke
+                self._finish(n, exc)
+                return
+            if isinstance(item, _Closed):
+                self._finish(n, None)
+                return
+            with self._cond:
+                self._shares[n] = item
+                self._cond.notify_all()
+            if item is None or isinstance(item, BaseException):
+                self._finish(n + 1, None)
+                return
+            n += 1
+
+    def _finish(self, end: int, exc: BaseException | None) -> None:
+        with self._cond:
+            if exc is not None:
+                self._shares[end] = exc
+                end += 1
+            self._end = end
+            self._cond.notify_all()
+
+    def _start_index(self) -> int:
+        """The first mini-batch this rank has not acked (a restarted rank resumes where it stopped)."""
+        progress = self.control.progress(self.job)
+        n = int(progress["position"])
+        for mb in progress["in_flight"]:
+            acked = any(start <= self.rank < stop for start, stop in mb["acked_ranks"])
+            if mb["global_index"] != n or not acked:
+                break
+            n += 1
+        return n
+
+    def _deliver(self, n: int) -> Shared | BaseException | _Closed:
+        """This rank's share of ``n`` (None: never; :class:`_Closed`: the leader closed while waiting)."""
+        coll = self.collective
+        if coll is None:
+            own: Shared | _Closed = self._ask(n, lambda m: m.share(self.rank))
+            return own
+        items: list[Any] | None = None
+        if coll.rank == 0:
+            try:
+                got = self._ask(n, lambda m: [m.share(r) for r in range(coll.size)])
+            except BaseException as exc:  # every rank gets it, and ends its feed with it
+                got = exc
+            if got is None or isinstance(got, _Closed | BaseException):
+                items = [got] * coll.size
+            else:
+                shares, etag = got
+                items = [(share, etag) for share in shares]
+        mine: Shared | BaseException | _Closed = coll.scatter(items)
+        return mine
+
+    def _ask(self, n: int, cut: Callable[[Manifest], Any]) -> Any:
+        """Long-poll mini-batch ``n`` until it is admitted: ``(cut(manifest), etag)``; None when it never will
+        be; a :class:`_Closed` once the feed is closed."""
+        while not self._closed.is_set():
+            self.requests += 1
+            try:
+                got = self.control.manifest(self.job, n, self.poll_s)
+            except JobFinished:
+                return None
+            except RuntimeError:  # httpx, once the client was closed under the request
+                if self._closed.is_set():
+                    return _Closed()
+                raise
+            if got is not None:
+                manifest, etag = got
+                return cut(manifest), etag
+        return _Closed()
+
+    # ------------------------------------------------------------------ the loop's side
+    def start(self) -> int:
+        """The first mini-batch this feed delivers: the first one this rank has not acked (waits for it)."""
+        with self._cond:
+            while self._first is None:
+                if self._end is not None:
+                    failed = self._shares.get(0)
+                    raise failed if isinstance(failed, BaseException) else KnitTransError("the feed is closed")
+                self._cond.wait()
+            return self._first
+
+    def share(self, n: int, *, cancel: threading.Event | None = None, timeout_s: float | None = None) -> Shared:
+        """This rank's share of ``n`` and its ETag, waiting for it; None when the job will never have ``n``.
+
+        Raises:
+            KnitTransError: the feed failed (its error), was closed, or ``cancel`` was set / ``timeout_s``
+                passed before ``n`` came (``TimeoutError``).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                found = self._shares.get(n, _MISSING)
+                if isinstance(found, BaseException):
+                    raise found
+                if found is not _MISSING:
+                    shared: Shared = found  # type: ignore[assignment]  # a share or None
+                    return shared
+                if self._end is not None and n >= self._end:
+                    if self._closed.is_set():
+                        raise KnitTransError(f"rank {self.rank}: the trainer client is closed")
+                    return None
+                if cancel is not None and cancel.is_set():
+                    raise TimeoutError(f"mini-batch {n}: no longer wanted")
+                wait = 0.1 if cancel is not None else None
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"mini-batch {n} did not come within {timeout_s} s")
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+
+    def release_below(self, n: int) -> None:
+        """Forget the shares before ``n`` (the loop is past them)."""
+        with self._cond:
+            for m in [m for m in self._shares if m < n]:
+                del self._shares[m]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+class _Closed:
+    """The leader's feed was closed: the end of every rank's feed (a class, so it survives pickling)."""
+
+
+_MISSING = object()
