@@ -495,19 +495,21 @@ class ControlClient:
         ranks: Sequence[int] | None = None,
         *,
         version: int | None = None,
-        transfer: Mapping[int, Mapping[str, Any]] | None = None,
+        transfer: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/minibatches/{n}/ack``: ``ranks`` (None: every rank) finished mini-batch ``n``.
 
         ``version``: the policy version the optimizer step produced (weights already published); recorded in
-        the same change as the ack. ``transfer``: each rank's transfer figures of the mini-batch, by rank (see
-        :class:`~knittrans.api.models.TransferIn`). DataLost when that attempt was withdrawn.
+        the same change as the ack. ``transfer``: each acked rank's transfer figures of the mini-batch, in
+        ``ranks`` order (rank order when None), sent as columns (:class:`~knittrans.api.models.TransferIn`).
+        DataLost when that attempt was withdrawn.
         """
         body: dict[str, Any] = {"attempt": attempt, "ranks": list(ranks) if ranks is not None else None}
         if version is not None:
             body["version"] = version
         if transfer is not None:
-            body["transfer"] = {str(rank): dict(figures) for rank, figures in transfer.items()}
+            names = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+            body["transfer"] = {name: [figures.get(name, 0) for figures in transfer] for name in names}
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/minibatches/{n}/ack", json=body)
         return result
 

@@ -25,6 +25,7 @@ wrong (e.g. ``manifest field ranks[1][0][3]: group index 9 is outside groups (0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -96,7 +97,7 @@ class Manifest:
         """Data-parallel ranks the mini-batch is laid out for."""
         return len(self.ranks)
 
-    @property
+    @functools.cached_property
     def trajectories(self) -> int:
         """Trajectories of the whole mini-batch (the global loss normaliser)."""
         return sum(len(micro) for share in self.ranks for micro in share)
@@ -108,7 +109,7 @@ class Manifest:
 
     # ------------------------------------------------------------------ wire
     def to_json(self) -> dict[str, Any]:
-        """The manifest as sent (see the module docstring for the layout)."""
+        """The manifest as a JSON value (tuples stand for arrays; see the module docstring for the layout)."""
         return {
             "manifest": MANIFEST_VERSION,
             "job": self.job,
@@ -121,10 +122,10 @@ class Manifest:
             "world_size": self.world_size,
             "columns": list(self.columns) if self.columns is not None else None,
             "nodes": [[n.node_id, n.endpoint, n.grant] for n in self.nodes],
-            "units": [list(u) for u in self.units],
-            "groups": [[g.group_id, g.unit, list(g.media)] for g in self.groups],
-            "media": [list(m) for m in self.media],
-            "ranks": [[[list(r) for r in micro] for micro in share] for share in self.ranks],
+            "units": self.units,
+            "groups": [[g.group_id, g.unit, g.media] for g in self.groups],
+            "media": self.media,
+            "ranks": self.ranks,  # tuples: json writes them as arrays
         }
 
     def encode(self) -> bytes:
@@ -210,6 +211,10 @@ class Manifest:
             micro_batches=micro_batches,
         )
 
+    @functools.cached_property
+    def _nodes_by_id(self) -> dict[str, ManifestNode]:
+        return {n.node_id: n for n in self.nodes}
+
     def _micro_batch(self, index: int, rows: Sequence[Row]) -> MicroBatchReads:
         plan_rows = []
         used: dict[int, None] = {}
@@ -232,7 +237,7 @@ class Manifest:
             per_node = node_reads((r.node_id, r.unit_id, r.row) for r in plan_rows)
         except InvalidTicket as exc:
             raise InvalidRequest(f"manifest {self.manifest_id} micro-batch {index}: {exc}") from None
-        by_id = {n.node_id: n for n in self.nodes}
+        by_id = self._nodes_by_id
         fetches = tuple(
             RowFetch(
                 node_id=node_id,

@@ -167,7 +167,7 @@ def ack(client: Any, job: str, m: Manifest, *, transfer: dict[str, Any] | None =
     """``POST .../minibatches/{n}/ack`` of manifest ``m`` for every rank (``transfer``: every rank's figures)."""
     payload = {"attempt": m.attempt, **body}
     if transfer is not None:
-        payload["transfer"] = {str(r): transfer for r in range(m.world_size)}
+        payload["transfer"] = {name: [value] * m.world_size for name, value in transfer.items()}
     a = client.post(f"/v1/jobs/{job}/minibatches/{m.global_index}/ack", json=payload)
     assert a.status_code == 200, a.text
     result: dict[str, Any] = a.json()
@@ -276,7 +276,7 @@ def populate(c: Any) -> None:
         m = manifest(c, "job1", n)
         assert m is not None
         for rank in (0, 1):  # each rank for itself, with its figures
-            body = {"attempt": m.attempt, "ranks": [rank], "transfer": {str(rank): TRANSFER}}
+            body = {"attempt": m.attempt, "ranks": [rank], "transfer": {k: [v] for k, v in TRANSFER.items()}}
             assert c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body).status_code == 200
             again = c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body)  # a repeat is not counted twice
             assert again.status_code == 200 and again.json()["duplicate"]

@@ -182,7 +182,7 @@ class Probe:
 def _serve_probe() -> None:
     from knittrans.controlclient import ControlClient
     from knittrans.flight.client import StoreClient
-    from knittrans.plans import RankPlan
+    from knittrans.manifest import Manifest
 
     clients: dict[tuple[str, str | None], Any] = {}
     for line in sys.stdin:
@@ -197,7 +197,9 @@ def _serve_probe() -> None:
                     client = StoreClient(key[0], token=key[1], timeout_s=5)
                 clients[key] = client
             result = getattr(client, request["method"])(*request["args"], **request["kwargs"])
-            reply: dict[str, Any] = {"result": result.to_json() if isinstance(result, RankPlan) else result}
+            if isinstance(result, tuple) and result and isinstance(result[0], Manifest):
+                result = json.loads(result[0].encode())  # (manifest, etag) of ControlClient.manifest
+            reply: dict[str, Any] = {"result": result}
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(reply, default=str) + "\n")

@@ -84,44 +84,31 @@ def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: Loca
 
 def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
     """A fresh client connects to every listed store node (its Flight channel and one pinged data-lane
-    connection) and has the first plan before ``minibatches()`` is called; its streams are open when the
-    plan arrives. Both off: nothing happens before the loop."""
+    connection) and has the first mini-batch loading before ``minibatches()`` is called; its streams are
+    open when the manifest arrives."""
     control = cluster.control()
     control.create_job(job_spec("warm", groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
-    cold = TrainerClient(
-        TrainerConfig(
-            control_url=cluster.control_url,
-            job="warm",
-            rank=0,
-            world_size=1,
-            warm_connections=False,
-            poll_early=False,
-            poll_timeout_s=5,
-        )
-    )
     config = TrainerConfig(control_url=cluster.control_url, job="warm", rank=0, world_size=1, poll_timeout_s=5)
     with TrainerClient(config) as client:
         endpoints = {s.endpoint for s in cluster.stores}
         wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")
         clients = [client.fetcher._clients[e] for e in endpoints]
         wait_until(lambda: all(len(c._lane_idle) == 1 for c in clients), timeout_s=20, what="a warm lane connection")
-        assert client._first is not None and not client._first.done()  # waiting: nothing admitted yet
+        assert not client._first.done()  # waiting: nothing admitted yet
         with TrajectoryWriter(
             job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint, control=control
         ) as w:
             w.write_units([mm_groups("w", 1, group_size=2), mm_groups("x", 1, group_size=2, seed=3)])
         first = client._first
-        wait_until(first.done, timeout_s=20, what="the early poll's plan")
+        wait_until(first.done, timeout_s=20, what="the first mini-batch")
         mbs = client.minibatches()
         mb = next(mbs)
         early = first.result()
-        assert early is mb  # the early poll's mini-batch, already loading
-        assert mb._streams is not None and mb._streams.calls >= 1  # opened at plan arrival, before the loop
+        assert early is mb  # the background start's mini-batch, already loading
+        assert mb._streams is not None and mb._streams.calls >= 1  # opened at manifest arrival, before the loop
         assert sum(m.batch.num_rows for m in mb) == 4
         mb.ack()
         assert next(mbs, None) is None
-    assert cold._first is None and not cold.fetcher._clients
-    cold.close()
     control.close()
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from netns_support import PREFIX, Lab, Probe, clean_leftovers, ip, lab, our_namespaces
 
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command
 from knittrans.rollout.models import build_tiny_qwen2
 
@@ -267,11 +267,12 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         first_seen = {n: min(t for c, t in consumed_at.items() if c >= n) for n in (K, 2 * K)}
         timings["step_s"] = first_seen[2 * K] - first_seen[K]  # the second train step, polled at 10 Hz
         plan_endpoints = set()
-        # every rank plan's fetch goes to a namespace address, never loopback or a local dir
-        for n in range(RANKS):
-            body = probe.call(control_url, "next_plan", JOB, n, 0.1)
-            for micro in RankPlan.from_json(body).micro_batches if body is not None else ():
-                plan_endpoints |= {f.endpoint for f in micro.fetches}
+        # every manifest's reads go to a namespace address, never loopback or a local dir
+        position = probe.call(control_url, "progress", JOB)["position"]
+        for n in (position, position + 1):
+            body = probe.call(control_url, "manifest", JOB, n, 0.1)
+            if body is not None:
+                plan_endpoints |= {node.endpoint for node in Manifest.from_json(body).nodes}
         assert plan_endpoints <= set(endpoints.values())
 
         # pause: the trainers (kept running) drain what is planned and wait; rollout fills the pool
@@ -353,14 +354,14 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         # re-planned as the ranks reach them, not all at once
         poll("re-plan of the withdrawn mini-batches", lambda: status()["next_global_index"] > withdrawn[-1], 120, procs)
         timings["cut_to_replanned_s"] = time.monotonic() - t_cut
-        # a plan the ranks get from now on for a withdrawn index is a re-plan that never reads the lost node
-        for rank in range(RANKS):
-            body = probe.call(control_url, "next_plan", JOB, rank, 0.1)
-            plan = RankPlan.from_json(body) if body is not None else None
-            if plan is not None and plan.global_index >= first_withdrawn:
-                assert {f.node_id for m in plan.micro_batches for f in m.fetches} <= {survivor}
-                if plan.global_index == first_withdrawn:
-                    assert (plan.plan_id.n, plan.plan_id.attempt) == (first_withdrawn, 1), plan.plan_id
+        # a manifest the ranks get from now on for a withdrawn index is a re-plan that never reads the lost node
+        for mb in probe.call(control_url, "progress", JOB)["in_flight"]:
+            body = probe.call(control_url, "manifest", JOB, mb["global_index"], 0.1)
+            manifest = Manifest.from_json(body) if body is not None else None
+            if manifest is not None and manifest.global_index >= first_withdrawn:
+                assert {node.node_id for node in manifest.nodes} <= {survivor}
+                if manifest.global_index == first_withdrawn:
+                    assert manifest.attempt == 1, manifest.manifest_id
 
         final = poll("job completed", lambda: (s := status())["state"] == "completed" and s, 180, procs, 0.2)
         timings["cut_to_completed_s"] = time.monotonic() - t_cut

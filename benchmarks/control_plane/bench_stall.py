@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_http import SOURCES, _job, _start_server, _unit
+from common import SOURCES, create_job, start_server, unit
 
 from knittrans.api.models import MAX_UNITS_PER_REQUEST
 
@@ -70,12 +70,12 @@ def _window(url: str, work: Any) -> tuple[dict[str, list[float]], float]:
 def run_once(url: str, run: int, units: int) -> dict[str, Any]:
     with httpx.Client(base_url=url, timeout=600) as c:
         job = f"stall{run}"
-        _job(c, job, quotas={s: 256 for s in SOURCES}, k=4, w=8)
+        create_job(c, job, quotas={s: 256 for s in SOURCES}, k=4, w=8)
         c.post(f"/v1/jobs/{job}/supply", json={"started": {s: units for s in SOURCES}}).raise_for_status()
         bodies = [
             {
                 "units": [
-                    _unit(job, i, SOURCES[i % 4], 1000.0 + i) for i in range(lo, min(units, lo + MAX_UNITS_PER_REQUEST))
+                    unit(job, i, SOURCES[i % 4], 1000.0 + i) for i in range(lo, min(units, lo + MAX_UNITS_PER_REQUEST))
                 ]
             }
             for lo in range(0, units, MAX_UNITS_PER_REQUEST)
@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "stall.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = _start_server(Path(tmp) / "cp.db")
+        proc, url = start_server(Path(tmp) / "cp.db")
         try:
             with httpx.Client(base_url=url, timeout=60) as c:
                 for n in range(8):

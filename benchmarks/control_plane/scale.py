@@ -1,62 +1,65 @@
-"""Control plane at cluster scale: a real server, simulated clients (asyncio, one process, loopback).
+"""The control plane at cluster scale, driven by the trainer client's own delivery and progress code.
 
-Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 1024] [--nodes 128] [--rate 1000]
-[--seconds 60] [--rows-per-rank 1] [--ack-mode next|post|stream|stream-post] [--think-ms 0]
-[--mini-batches 10000]``. Three phases
-against one ``knittrans control-plane`` process (SQLite WAL in a temp dir), each on its own job:
+Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 256 1024] [--step-ms 120 2000]
+[--groups per-rank|shared] [--rows-per-rank 1] [--seconds 30] [--runs 3] [--out PATH]``.
 
-* ``delivery``: ``--ranks`` ranks long-poll ``next`` on their own keep-alive connection, ``--nodes`` store
-  nodes heartbeat every 2 s, a rollout writer registers one-group units at ``--rate`` groups/s (batched
-  every 100 ms) for ``--seconds``. Each mini-batch holds ``--rows-per-rank`` rows per rank (1, the stress
-  case: ~8 mini-batches/s at 1,024 ranks; 8: a realistic 8,192-trajectory mini-batch, ~1/s). A rank acks
-  its plan as soon as it has it and asks for the next: in one request (``next?ack=<plan_id>``,
-  ``--ack-mode next``) or two (``POST .../ack`` then ``next``, ``--ack-mode post``); or each rank holds
-  one plan stream (``.../plans``) for the whole run and reads its plans as lines, acking as lines of the
-  stream's chunked request body (``--ack-mode stream``) or by ``POST .../ack`` (``--ack-mode
-  stream-post``, what the trainer client does). ``--think-ms`` (default 0) is the rank's compute time per
-  plan: a rank that has a plan "trains" that long before it acks and asks for the next one, as a
-  trainer does between mini-batches (1,000 groups/s of 128-group mini-batches is ~128 ms each); with 0
-  every rank acks at once and its ack competes with the next admission's plans. Reported: plan
-  delivery latency (the plan's ``admitted_at``, set by the server when it admitted the mini-batch, to
-  the moment the rank has parsed the plan; same host, same clock; for the stream modes with
-  ``--stream-client socket`` also the kernel's receive time at the rank's socket, see ``streamrank.py``),
-  registration request latency, mini-batches consumed, server CPU per mini-batch and its share of one
-  core, requests/s (so a reader sees whether the server was saturated).
-* ``registration``: batches of ``--batch`` one-group units posted back to back to a job with one rank
-  that never consumes; units/s (target >= 20,000).
-* ``memory``: one rank, one group per mini-batch, ``--mini-batches`` mini-batches registered, planned,
-  fetched and acked one after another; the server's RSS and ``/status`` latency sampled along the way
-  (target: RSS growth <= 10 % from mini-batch 1,000 to the end).
+One real ``knittrans control-plane`` process (SQLite WAL in a temp dir) per run. Around it, in this
+process: ``--nodes`` store nodes heartbeating every 2 s, a rollout writer registering one-group units
+as fast as the off-policy window lets it (long-polling ``GET /headroom``), and the trainer's ranks,
+each running what :class:`~knittrans.trainer.client.TrainerClient` runs between the manifest and the
+optimizer step: a :class:`~knittrans.trainer.feed.ManifestFeed` (long-polls ``GET
+.../minibatches/{n}`` and takes the rank's share) and a :class:`~knittrans.trainer.feed.Progress`
+(``fetched`` before the step, ``ack`` with the new version and the ranks' transfer figures after it);
+the training step is a sleep of ``--step-ms``. Rows are not fetched: the stores are not part of this
+measurement (``benchmarks/trainer`` measures the data path).
 
-The clients speak HTTP/1.1 over asyncio streams directly (a small keep-alive client in this file), so
-the client side costs far less CPU than the server it measures. Results:
-``benchmarks/control_plane/results/scale.{json,md,png}`` with machine, load and commit.
+``--groups shared`` (the client's default under ``torch.distributed``): rank 0 reads each manifest
+and broadcasts it over the trainer's gloo group, every rank cuts its own share, and ``fetched`` /
+``ack`` are gathered into one request each. Only rank 0 runs here, as a member of a
+:class:`threadgroup.VirtualGroup` of ``--ranks`` ranks: the control plane sees exactly what a trainer
+of that size sends. The rest of "every rank holds its share" is measured on its own: the gloo
+broadcast among real processes (``gloo_broadcast.py``) and, here, each rank's cut of its share from
+the last manifest (timed for every rank after the window). ``--groups per-rank``
+(``TrainerConfig(group="none")``): every rank is a thread with its own client that asks and reports
+for itself.
+
+Reported per configuration (median over ``--runs``, each run also listed): the server's CPU per
+consumed mini-batch (everything it did in the timed window: manifests, acks, registrations,
+heartbeats, admission) and its share of one core; the time from admission (the manifest's
+``admitted_at``, the server's clock, same host) to the asking rank(s) holding the manifest (p50,
+mean, p99, max); the share cut (p99 over ranks); mini-batches consumed per second; the server's RSS. JSON to
+``--out`` (default ``benchmarks/control_plane/results/scale.json``) and a Markdown table beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
+import multiprocessing
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-from streamrank import Arrivals, StreamRank
+import httpx
 
-from knittrans.procs import control_plane_args, knittrans_command
+sys.path.insert(0, str(Path(__file__).parent))
+from common import GROUP_SIZE, TOKEN_A, TOKEN_W, Server, create_job, register_nodes, unit
+from threadgroup import VirtualGroup
+
+from knittrans.controlclient import ControlClient
+from knittrans.retry import RetryPolicy
+from knittrans.trainer.feed import ManifestFeed, Progress
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-TOKEN_W, TOKEN_A = "scale-worker", "scale-admin"
-GROUP = 8
+JOB = "scale"
+SOURCES = {"math": 2, "code": 1, "chat": 1}  # quota shares (scaled to the mini-batch size)
+RETRY = RetryPolicy(budget_s=60.0, first_backoff_s=0.1, max_backoff_s=2.0)
 
 
 def log(msg: str) -> None:
@@ -73,668 +76,259 @@ def pct(values: list[float], q: float) -> float | None:
 def summary(values: list[float]) -> dict[str, Any]:
     return {
         "count": len(values),
-        "mean": statistics.fmean(values) if values else None,
         "p50": pct(values, 0.5),
+        "mean": statistics.fmean(values) if values else None,
         "p99": pct(values, 0.99),
         "max": max(values) if values else None,
     }
 
 
-class Http:
-    """One keep-alive HTTP/1.1 connection (JSON bodies, Content-Length responses)."""
+class Rank(threading.Thread):
+    """One rank: the client's feed and progress, a sleep for the training step (in a shared group: rank 0 of a
+    :class:`VirtualGroup`)."""
 
-    def __init__(self, host: str, port: int, token: str) -> None:
-        self.host, self.port, self.token = host, port, token
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+    def __init__(
+        self, rank: int, world: int, control: ControlClient, group: VirtualGroup | None, step_ms: int, stop: Any
+    ) -> None:
+        super().__init__(name=f"rank-{rank}", daemon=True)
+        self.rank, self.world, self.step_s, self.group = rank, world, step_ms / 1e3, group
+        self.feed = ManifestFeed(control, JOB, rank, world, collective=group, poll_s=2.0)
+        self.progress = Progress(control, JOB, rank, VirtualGroup(world) if group is not None else None)
+        self.stop = stop
+        self.latencies: list[float] = []
+        self.done = 0
+        self.error: str | None = None
 
-    async def call(self, method: str, path: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int, bytes]:
+    def run(self) -> None:
         try:
-            return await asyncio.wait_for(self._call(method, path, body), timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"{method} {path}: no answer within {timeout_s:g} s") from None
-
-    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        data = b"" if body is None else json.dumps(body).encode()
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-        )
-        for attempt in range(2):
-            if self.writer is None:
-                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-            assert self.reader is not None
-            try:
-                self.writer.write(head.encode() + data)
-                await self.writer.drain()
-                line = await self.reader.readline()
-            except ConnectionError:
-                line = b""
-            if line:
-                break
-            # the server closed the idle keep-alive connection (uvicorn: after 5 s): reconnect once
-            self.close()
-            if attempt:
-                raise RuntimeError(f"{method} {path}: connection closed by the server")
-        status = int(line.split()[1])
-        reader = self.reader
-        assert reader is not None
-        length = 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return status, await reader.readexactly(length) if length else b""
-
-    async def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)) -> Any:
-        status, raw = await self.call(method, path, body)
-        if status not in ok:
-            raise RuntimeError(f"{method} {path} -> {status}: {raw[:300]!r}")
-        return json.loads(raw) if raw else None
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            n = self.feed.start()
+            while not self.stop.is_set():
+                shared = self.feed.share(n)
+                if shared is None:
+                    return
+                plan, _ = shared
+                self.latencies.append(self.feed.arrived[n] - plan.admitted_at)
+                self.progress.fetched(n, plan.attempt)
+                time.sleep(self.step_s)  # the training step
+                figures = {"exposed_s": 0.001, "fetch_s": 0.002, "row_bytes": 4096}
+                self.progress.ack(n, plan.attempt, version=n + 1, transfer=figures)
+                self.feed.release_below(n + 1)
+                self.done += 1
+                n += 1
+        except BaseException as exc:  # reported, not raised: the run's table says which ranks failed
+            if not self.stop.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
 
 
-def unit(job: str, uid: str, node: str, source: str, version: int) -> dict[str, Any]:
-    return {
-        "unit_id": uid,
-        "job": job,
-        "node_id": node,
-        "endpoint": f"grpc://127.0.0.1:{10000 + int(node[1:])}",
-        "num_rows": GROUP,
-        "num_bytes": 4096,
-        "schema_version": 1,
-        "groups": [
-            {
-                "group_id": uid,
-                "source": source,
-                "row_start": 0,
-                "num_trajectories": GROUP,
-                "trajectory_tokens": [100] * GROUP,
-                "version_start": version,
-                "version_end": version,
-                "version_weighted": float(version),
-                "finished_at": time.time(),
-                "media_hashes": [],
-            }
-        ],
-    }
+def _rollout_and_nodes(url: str, nodes: int, stop: Any, registered: Any) -> None:
+    """Rollout as ``knittrans rollout`` paces it (long-poll ``GET /headroom`` until the off-policy window has
+    room, then register that many finished groups, by source, in one request: generation takes no time, so
+    rollout is never what the trainer waits for) and ``nodes`` store nodes heartbeating every 2 s."""
+    done = threading.Event()
 
-
-class Server:
-    """``knittrans control-plane`` in a subprocess on port 0 (ready file), with psutil handles."""
-
-    def __init__(self, work: Path, source: Path | None = None, http: str | None = None, gateway: bool = False) -> None:
-        ready = work / "cp.ready"
-        prof = os.environ.get("KNITTRANS_SCALE_PROFILE")  # cProfile output path for the server, if set
-        args = control_plane_args(
-            work / "cp.db",
-            ready_file=ready,
-            node_timeout_s=30,
-            log_level="WARNING",
-            extra=[*(["--http", http] if http else []), *(["--plan-gateway-port", "0"] if gateway else [])],
-        )
-        cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), *knittrans_command(*args)[1:]]
-        env = {**os.environ, "KNITTRANS_WORKER_TOKEN": TOKEN_W, "KNITTRANS_ADMIN_TOKEN": TOKEN_A}
-        if source is not None:  # another checkout's knittrans (the 'before' of a comparison) runs the server
-            env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
-        log = open(work / "cp.log", "wb")  # noqa: SIM115  # kept open for the server's lifetime
-        self.proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"control plane did not start: {(work / 'cp.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        self.port = int(info["port"])
-        self.ps = psutil.Process(self.proc.pid)
-        self.gateway_port: int | None = None
-        self.gateway_ps: psutil.Process | None = None
-        if gateway:  # the plan gateway (knittrans.api.gateway), a child process of the server
-            self.gateway_port = int(info["plan_gateway"].rsplit(":", 1)[1])
-            (self.gateway_ps,) = self.ps.children()
-
-    def cpu_s(self) -> float:
-        """CPU time of the server, its plan gateway included (``state_cpu_s`` + ``gateway_cpu_s``)."""
-        return self.state_cpu_s() + self.gateway_cpu_s()
-
-    def state_cpu_s(self) -> float:
-        """CPU time of the server's own process (the state thread and its event loop)."""
-        t = self.ps.cpu_times()
-        return float(t.user + t.system)
-
-    def gateway_cpu_s(self) -> float:
-        if self.gateway_ps is None:
-            return 0.0
-        t = self.gateway_ps.cpu_times()
-        return float(t.user + t.system)
-
-    def rss_mib(self) -> float:
-        return float(self.ps.memory_info().rss) / 2**20
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def spec(name: str, world: int, quotas: dict[str, int], k: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "group_size": GROUP,
-        "quotas": quotas,
-        "mini_batches_per_step": k,
-        "policy": "constraint_preserving",
-        "world_size": world,
-        "micro_batch_size": 1,
-    }
-
-
-async def delivery(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 1: many ranks long-polling, nodes heartbeating, a writer at a fixed group rate."""
-    job = "delivery"
-    admin = Http("127.0.0.1", port, TOKEN_A)
-    # --rows-per-rank rows per rank per mini-batch: b = ranks * rows / GROUP groups, K = 2
-    per_mb = max(1, args.ranks * args.rows_per_rank // GROUP)
-    sources = {"math": per_mb, "code": per_mb // 2, "chat": per_mb - per_mb // 2}
-    await admin.json("POST", "/v1/jobs", spec(job, args.ranks, sources, 2))
-    nodes = [f"n{i}" for i in range(args.nodes)]
-    for n in nodes:
-        await admin.json(
-            "POST",
-            "/v1/nodes",
-            {"node_id": n, "endpoint": f"grpc://127.0.0.1:{10000 + int(n[1:])}", "host": f"h{n[1:]}"},
-        )
-    stop = asyncio.Event()
-    latencies: list[float] = []
-    ages: list[float] = []
-    reg_latencies: list[float] = []
-    consumed: dict[int, int] = {}
-    errors: list[str] = []
-    requests = [0]  # HTTP requests the ranks, nodes and writer made during the timed window
-    think_s = args.think_ms / 1e3
-
-    async def heartbeats() -> None:
-        conns = [Http("127.0.0.1", port, TOKEN_W) for _ in range(4)]
+    def heartbeats() -> None:
+        control = ControlClient(url, token=TOKEN_W, retry=RETRY)
         i = 0
-        while not stop.is_set():
+        while not done.is_set():
             t0 = time.monotonic()
-            beats = [
-                conns[j % 4].json("POST", f"/v1/nodes/{n}/heartbeat") for j, n in enumerate(nodes) if j % 4 == i % 4
-            ]
-            requests[0] += len(beats)
-            await asyncio.gather(*beats)
+            for n in range(i % 4, nodes, 4):  # a quarter of the nodes every 0.5 s
+                control._request("POST", f"/v1/nodes/n{n}/heartbeat")
             i += 1
-            await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))  # each node every 2 s
+            time.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))
+        control.close()
 
-    async def writer() -> None:
-        conn = Http("127.0.0.1", port, TOKEN_W)
-        src = [s for s, q in sources.items() for _ in range(q)]
-        per_tick, n = max(1, args.rate // 10), 0
-        next_at = time.monotonic()
-        while not stop.is_set():
-            batch = [
-                unit(job, f"u{n + i}", nodes[(n + i) % len(nodes)], src[(n + i) % len(src)], 0) for i in range(per_tick)
-            ]
-            n += per_tick
-            t0 = time.perf_counter()
-            await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
-            requests[0] += 1
-            reg_latencies.append(time.perf_counter() - t0)
-            next_at += 0.1
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    beats = threading.Thread(target=heartbeats, daemon=True)
+    beats.start()
+    control = ControlClient(url, token=TOKEN_W, retry=RETRY)
+    i = 0
+    while not stop.is_set():
+        try:
+            room = control.headroom(JOB, wait_s=1.0)["headroom"]
+            batch = []
+            for source, count in room.items():
+                for _ in range(min(count, 500 - len(batch))):
+                    batch.append(unit(JOB, i, source, time.time(), nodes=nodes))
+                    i += 1
+            if batch:
+                control.register_units(JOB, batch)
+                registered.value += len(batch)
+        except Exception:  # the server stopping under the last call
+            time.sleep(0.1)
+    done.set()
+    beats.join(5)
+    control.close()
 
-    async def rank(r: int) -> None:
-        conn = Http("127.0.0.1", port, TOKEN_W)
-        acked = ""  # --ack-mode next: the plan to ack on the next long-poll
-        while not stop.is_set():
-            asked = time.time()
-            query = f"&ack={acked}" if acked else ""
-            status, raw = await conn.call("GET", f"/v1/jobs/{job}/ranks/{r}/next?timeout_s=30{query}")
-            requests[0] += 1
-            if acked and status in (200, 204):
-                acked = ""
-                consumed[r] = consumed.get(r, 0) + 1
-            if status == 204:
-                continue
-            if status != 200:
-                errors.append(f"rank {r} next -> {status}: {raw[:200]!r}")
-                return
-            plan = json.loads(raw)
-            now = time.time()
-            # delivery: from admission, or from the request when the plan was admitted before the rank asked
-            latencies.append(now - max(plan["admitted_at"], asked))
-            ages.append(now - plan["admitted_at"])
-            if think_s:
-                await asyncio.sleep(think_s)  # the rank trains on its plan before it acks
-            if args.ack_mode == "next":
-                acked = plan["plan_id"]
-                continue
-            await conn.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": plan["plan_id"]})
-            requests[0] += 1
-            consumed[r] = consumed.get(r, 0) + 1
 
-    streams: list[asyncio.StreamWriter] = []
+def run_once(args: Any, ranks: int, step_ms: int, groups: str) -> dict[str, Any]:
+    """One server, one job, ``args.seconds`` of steady state; the figures of that window."""
+    with tempfile.TemporaryDirectory(prefix="kt-scale-") as tmp:
+        server = Server(Path(tmp), node_timeout_s=30)
+        try:
+            return _drive(server, args, ranks, step_ms, groups)
+        finally:
+            server.stop()
 
-    async def rank_stream(r: int) -> None:
-        """The rank on its plan stream (``.../plans``): acks as lines of the POST's chunked body
-        (--ack-mode stream) or by ``POST .../ack`` on a second connection (--ack-mode stream-post)."""
-        in_body = args.ack_mode in ("stream", "gateway")
-        at = server.gateway_port if args.ack_mode == "gateway" else port
-        assert at is not None
-        reader, writer = await asyncio.open_connection("127.0.0.1", at)
-        streams.append(writer)
-        head = (
-            f"{'POST' if in_body else 'GET'} /v1/jobs/{job}/ranks/{r}/plans HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {TOKEN_W}\r\n"
-            + ("Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n" if in_body else "")
-            + "\r\n"
-        )
-        writer.write(head.encode())
-        status = await reader.readline()
-        if not status.startswith(b"HTTP/1.1 200"):
-            errors.append(f"rank {r} plans -> {status!r}")
-            return
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            pass
-        acks = None if in_body else Http("127.0.0.1", port, TOKEN_W)
-        ready = time.time()  # when the rank was ready for its next plan (it had acked the last one)
-        while not stop.is_set():
-            size = await reader.readline()
-            if not size.strip():
-                return  # the stream was closed (end of the run)
-            chunk = await reader.readexactly(int(size, 16) + 2)
-            if int(size, 16) == 0:
-                return
-            for raw in chunk[:-2].split(b"\n"):
-                if not raw.strip():
-                    continue
-                msg = json.loads(raw)
-                if "plan_id" not in msg:
-                    if "ack_error" in msg or "done" in msg:
-                        errors.append(f"rank {r} stream: {msg}")
-                        return
-                    continue  # keep-alive
-                now = time.time()
-                latencies.append(now - max(msg["admitted_at"], ready))
-                ages.append(now - msg["admitted_at"])
-                if think_s:
-                    await asyncio.sleep(think_s)  # the rank trains on its plan before it acks
-                ready = time.time()  # from its ack on, the rank waits for its next plan
-                if acks is None:
-                    line = json.dumps({"ack": msg["plan_id"]}).encode() + b"\n"
-                    writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                else:
-                    await acks.json("POST", f"/v1/jobs/{job}/ranks/{r}/ack", {"plan_id": msg["plan_id"]})
-                    requests[0] += 1
-                consumed[r] = consumed.get(r, 0) + 1
 
-    arrivals = Arrivals()
-    raw_ranks: list[StreamRank] = []
-
-    def acked(r: int) -> None:
-        consumed[r] = consumed.get(r, 0) + 1
-
-    async def rank_raw(r: int) -> None:
-        """The rank as a raw socket (streamrank.py): --ack-mode stream or gateway, --stream-client socket."""
-        at = server.gateway_port if args.ack_mode == "gateway" else port
-        assert at is not None
-        path = f"/v1/jobs/{job}/ranks/{r}/plans"
-        one = await StreamRank.open("127.0.0.1", at, path, TOKEN_W, r, think_s, arrivals, acked, errors.append)
-        raw_ranks.append(one)
-        await one.closed.wait()
-
-    raw = args.stream_client == "socket" and args.ack_mode in ("stream", "gateway")
-    one = rank_raw if raw else rank_stream if args.ack_mode.startswith("stream") or args.ack_mode == "gateway" else rank
-    tasks = [asyncio.create_task(one(r)) for r in range(args.ranks)]
-    await asyncio.sleep(1.0)  # ranks connected and waiting
-    me = psutil.Process()
-    cpu0, t0, requests[0] = server.cpu_s(), time.monotonic(), 0
-    state0 = server.state_cpu_s()
-    own0 = sum(me.cpu_times()[:2])
-    bg = [asyncio.create_task(heartbeats()), asyncio.create_task(writer())]
-    while time.monotonic() - t0 < args.seconds:
-        await asyncio.sleep(min(5.0, args.seconds))
-        log(
-            f"delivery: {time.monotonic() - t0:.0f}/{args.seconds} s, {min(consumed.values(), default=0)} "
-            f"mini-batches acked by every rank, {len(latencies) + len(arrivals.parsed)} plans delivered"
-        )
+def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> dict[str, Any]:
+    per_mb = max(len(SOURCES), ranks * args.rows_per_rank // GROUP_SIZE)  # groups per mini-batch
+    k = 2
+    total = sum(SOURCES.values())
+    quotas = {s: per_mb * k * q // total for s, q in SOURCES.items()}
+    quotas["math"] += per_mb * k - sum(quotas.values())
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN_A}"}, timeout=60)
+    create_job(admin, JOB, quotas=quotas, k=k, w=ranks, micro_batch_size=args.rows_per_rank, lookahead=1)
+    register_nodes(admin, args.nodes)
+    stop = threading.Event()
+    # rollout and the store nodes in a process of their own: their requests are the server's load, their
+    # Python is not the ranks' (one GIL would put the heartbeats' work inside the measured delivery)
+    ctx = multiprocessing.get_context("spawn")
+    noise_stop, registered = ctx.Event(), ctx.Value("q", 0)
+    noise = ctx.Process(target=_rollout_and_nodes, args=(server.url, args.nodes, noise_stop, registered), daemon=True)
+    noise.start()
+    shared = groups == "shared"
+    # shared: rank 0 of the trainer runs (the others' requests are its); per-rank: every rank, its own client
+    running = 1 if shared else ranks
+    clients = [ControlClient(server.url, token=TOKEN_W, retry=RETRY) for _ in range(running)]
+    group = VirtualGroup(ranks) if shared else None
+    rank_threads = [Rank(r, ranks, clients[r], group, step_ms, stop) for r in range(running)]
+    for t in rank_threads:
+        t.start()
+    # warm-up: until the first few mini-batches are consumed
+    deadline = time.monotonic() + 120
+    while min(t.done for t in rank_threads) < 2 and time.monotonic() < deadline:
+        if any(t.error for t in rank_threads):
+            break
+        time.sleep(0.05)
+    done0 = [t.done for t in rank_threads]
+    lat0 = [len(t.latencies) for t in rank_threads]
+    cpu0, wall0 = server.cpu_s(), time.monotonic()
+    time.sleep(args.seconds)
+    cpu1, wall1 = server.cpu_s(), time.monotonic()
+    consumed = min(t.done - d for t, d in zip(rank_threads, done0, strict=True))
+    latencies = [x * 1e3 for t, n in zip(rank_threads, lat0, strict=True) for x in t.latencies[n:]]
+    rss = server.rss_mib()
     stop.set()
-    elapsed, cpu, made = time.monotonic() - t0, server.cpu_s() - cpu0, requests[0]
-    state_cpu = server.state_cpu_s() - state0
-    clients_cpu = sum(me.cpu_times()[:2]) - own0
-    for w in streams:  # a rank blocked reading its stream sees the end at once
-        w.close()
-    for raw_rank in raw_ranks:
-        raw_rank.close()
-    await asyncio.wait(tasks + bg, timeout=10)
-    for t in tasks + bg:
-        t.cancel()
-    if errors:
-        raise RuntimeError(f"{len(errors)} rank errors, first: {errors[0]}")
-    mbs = min(consumed.values(), default=0)
-    if raw:  # the raw-socket ranks keep three times per plan; "delivery" is the one after parsing, as before
-        latencies, ages = arrivals.parsed, arrivals.ages
+    cuts: list[float] = []  # what each rank does with the broadcast manifest, on its own CPU: cut its share
+    if group is not None and isinstance(group.last, tuple):
+        manifest = group.last[0]
+        for r in range(ranks):
+            c0 = time.perf_counter()
+            manifest.share(r)
+            cuts.append((time.perf_counter() - c0) * 1e3)
+    status = admin.get(f"/v1/jobs/{JOB}/status").json()
+    noise_stop.set()
+    noise.join(10)
+    errors = [f"rank {t.rank}: {t.error}" for t in rank_threads if t.error][:5]
+    server.stop()  # ends the feeds' long-polls; the threads are daemons
+    for c in clients:
+        c.close()
+    admin.close()
+    cpu = cpu1 - cpu0
     return {
-        "stream_client": "socket" if raw else "asyncio",
-        "ranks": args.ranks,
-        "nodes": args.nodes,
-        "rate_groups_s": args.rate,
+        "ranks": ranks,
+        "step_ms": step_ms,
+        "groups": groups,
         "rows_per_rank": args.rows_per_rank,
         "groups_per_mini_batch": per_mb,
-        "ack_mode": args.ack_mode,
-        "think_ms": args.think_ms,
-        "seconds": elapsed,
-        "mini_batches_consumed": mbs,
-        "plans_delivered": len(latencies),
-        "plan_delivery_ms": summary([x * 1e3 for x in latencies]),
-        "plan_age_ms": summary([x * 1e3 for x in ages]),
-        # --stream-client socket only: the kernel's receive time at the rank's socket, and the rank's read
-        # callback before parsing (see streamrank.py)
-        "plan_arrival_ms": summary([x * 1e3 for x in arrivals.kernel]) if raw else None,
-        "plan_arrival_user_ms": summary([x * 1e3 for x in arrivals.user]) if raw else None,
-        "plans_before_ready": arrivals.early if raw else None,
-        "plans_without_kernel_time": arrivals.untimed if raw else None,
-        "registration_request_ms": summary([x * 1e3 for x in reg_latencies]),
-        "groups_registered_per_s": len(reg_latencies) * max(1, args.rate // 10) / elapsed,
+        "groups_registered": registered.value,
+        "window_s": wall1 - wall0,
+        "consumed_mini_batches": consumed,
         "server_cpu_s": cpu,
-        "server_cpu_share": cpu / elapsed,
-        "server_state_process_cpu_share": state_cpu / elapsed,
-        "gateway_cpu_share": (cpu - state_cpu) / elapsed,
-        "clients_cpu_share": clients_cpu / elapsed,
-        "server_cpu_ms_per_mini_batch": cpu / mbs * 1e3 if mbs else None,
-        "requests": made,
-        "requests_per_s": made / elapsed,
-        "server_cpu_us_per_request": cpu / made * 1e6 if made else None,
+        "server_cpu_ms_per_mini_batch": cpu * 1e3 / consumed if consumed else None,
+        "server_core_share": cpu / (wall1 - wall0),
+        "delivery_ms": summary(latencies),
+        "share_cut_ms": summary(cuts),
+        "server_rss_mib": rss,
+        "consumed_total": status["counts"]["consumed_mini_batches"],
+        "errors": errors,
     }
-
-
-async def registration(port: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 2: back-to-back batches of one-group units into a job whose only rank never consumes."""
-    job = "registration"
-    admin = Http("127.0.0.1", port, TOKEN_A)
-    await admin.json("POST", "/v1/jobs", spec(job, 1, {"math": 128, "code": 64, "chat": 64}, 4))
-    await admin.json("POST", "/v1/nodes", {"node_id": "n1000", "endpoint": "grpc://127.0.0.1:11000", "host": "r"})
-    conn = Http("127.0.0.1", port, TOKEN_W)
-    src = ["math"] * 2 + ["code", "chat"]
-    rates, n = [], 0
-    for i in range(args.registration_batches):
-        batch = [unit(job, f"r{n + j}", "n1000", src[(n + j) % 4], 0) for j in range(args.batch)]
-        n += args.batch
-        t0 = time.perf_counter()
-        await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
-        rates.append(args.batch / (time.perf_counter() - t0))
-        if i % 5 == 4:
-            log(f"registration: {n} units, last batch {rates[-1]:,.0f} units/s")
-    return {
-        "batch": args.batch,
-        "batches": args.registration_batches,
-        "units": n,
-        "units_per_s_median": statistics.median(rates),
-        "units_per_s": rates,
-    }
-
-
-async def memory(port: int, server: Server, args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 3, the long job, time-compressed: ``--mini-batches`` mini-batches registered, planned and acked
-    as fast as the server answers (no think time), with the server's RSS, CPU and ``/status`` sampled."""
-    job = "memory"
-    admin = Http("127.0.0.1", port, TOKEN_A)
-    per_mb = args.mb_groups
-    await admin.json("POST", "/v1/jobs", {**spec(job, 1, {"math": per_mb}, 1), "group_size": 1, "lookahead": 64})
-    nodes = [f"m{i}" for i in range(min(args.nodes, 16))]
-    for node_id in nodes:
-        await admin.json(
-            "POST", "/v1/nodes", {"node_id": node_id, "endpoint": "grpc://127.0.0.1:11001", "host": node_id}
-        )
-    conn, rank = Http("127.0.0.1", port, TOKEN_W), Http("127.0.0.1", port, TOKEN_W)
-    beat = time.monotonic()
-    samples: list[dict[str, float]] = []
-    t0, cpu0 = time.monotonic(), server.cpu_s()
-    cpu_at, registered, last_cpu = 0, 0, cpu0
-    every = max(1, args.mini_batches // 20)
-    for n in range(args.mini_batches):
-        if time.monotonic() - beat > 2:
-            for node in nodes:
-                await conn.json("POST", f"/v1/nodes/{node}/heartbeat")
-            beat = time.monotonic()
-        if registered <= n:  # the writer runs ahead in batches of 32 mini-batches' groups
-            batch = []
-            for m in range(n, n + 32):
-                for j in range(per_mb):
-                    u = unit(job, f"m{m}.{j}", nodes[(m + j) % len(nodes)], "math", m)
-                    u["num_rows"], u["groups"][0]["num_trajectories"] = 1, 1
-                    u["groups"][0]["trajectory_tokens"] = [100]
-                    batch.append(u)
-            await conn.json("POST", f"/v1/jobs/{job}/units", {"units": batch})
-            registered = n + 32
-        plan = await rank.json("GET", f"/v1/jobs/{job}/ranks/0/next?timeout_s=10")
-        await rank.json("POST", f"/v1/jobs/{job}/ranks/0/ack", {"plan_id": plan["plan_id"]})
-        done = n + 1
-        if done % every == 0 or done == 1000:
-            s0 = time.perf_counter()
-            raw = (await conn.call("GET", f"/v1/jobs/{job}/status"))[1]
-            status_ms = (time.perf_counter() - s0) * 1e3
-            cpu = server.cpu_s()
-            samples.append(
-                {
-                    "mini_batch": done,
-                    "rss_mib": server.rss_mib(),
-                    "status_ms": status_ms,
-                    "status_bytes": len(raw),
-                    "elapsed_s": time.monotonic() - t0,
-                    "cpu_ms_per_mini_batch": (cpu - last_cpu) / (done - cpu_at) * 1e3,
-                }
-            )
-            cpu_at, last_cpu = done, cpu
-            log(
-                f"memory: {done}/{args.mini_batches} mini-batches, server RSS {samples[-1]['rss_mib']:.1f} MiB, "
-                f"/status {status_ms:.1f} ms"
-            )
-    at_1000 = next((s for s in samples if s["mini_batch"] >= 1000), samples[0])
-    last = samples[-1]
-    return {
-        "mini_batches": args.mini_batches,
-        "groups_per_mini_batch": per_mb,
-        "samples": samples,
-        "seconds": time.monotonic() - t0,
-        "server_cpu_ms_per_mini_batch": (server.cpu_s() - cpu0) / args.mini_batches * 1e3,
-        "rss_mib_at_1000": at_1000["rss_mib"],
-        "rss_mib_at_end": last["rss_mib"],
-        "rss_growth": last["rss_mib"] / at_1000["rss_mib"] - 1,
-        "status_ms_at_1000": at_1000["status_ms"],
-        "status_ms_at_end": last["status_ms"],
-        "status_bytes_at_1000": at_1000["status_bytes"],
-        "status_bytes_at_end": last["status_bytes"],
-    }
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no plot")
-        return
-    samples = result["memory"]["samples"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax[0].plot([s["mini_batch"] for s in samples], [s["rss_mib"] for s in samples], marker=".")
-    ax[0].set(xlabel="mini-batches consumed", ylabel="server RSS (MiB)", title="control-plane memory")
-    ax[1].plot([s["mini_batch"] for s in samples], [s["status_ms"] for s in samples], marker=".")
-    ax[1].set(xlabel="mini-batches consumed", ylabel="GET /status (ms)", title="status cost vs job length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="32 ranks, 8 nodes, 3 s, 300 mini-batches: a run of well under a minute (CI)",
-    )
-    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--step-ms", type=int, nargs="+", default=[120, 2000])
+    parser.add_argument("--groups", nargs="+", choices=("shared", "per-rank"), default=["shared"])
+    parser.add_argument("--rows-per-rank", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=128)
-    parser.add_argument("--rate", type=int, default=1000, help="groups/s the writer registers")
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument(
-        "--rows-per-rank",
-        type=int,
-        default=1,
-        help="rows per rank per mini-batch in the delivery phase (1: the stress case, ~8 mini-batches/s at "
-        "1,024 ranks and 1,000 groups/s; 8: 8,192 trajectories a mini-batch, ~1 mini-batch/s)",
-    )
-    parser.add_argument(
-        "--ack-mode",
-        choices=["post", "next", "stream", "stream-post", "gateway"],
-        default="next",
-        help="how a rank gets its plans and acks in the delivery phase: 'post' (POST .../ack, then GET .../next: "
-        "two requests per mini-batch), 'next' (GET .../next?ack=<plan_id>: one request; servers before issue 18 "
-        "lack it), 'stream' (one POST .../plans per rank for the whole run: plans are lines of its response, acks "
-        "lines of its chunked body), 'stream-post' (GET .../plans, acks by POST .../ack) or 'gateway' (as 'stream', "
-        "on the plan gateway's port: the server runs with --plan-gateway-port 0)",
-    )
-    parser.add_argument(
-        "--think-ms",
-        type=float,
-        default=0.0,
-        help="delivery phase: how long a rank computes on each plan before it acks and asks for the next "
-        "(0: at once, every rank's ack competes with the next admission's plans)",
-    )
-    parser.add_argument(
-        "--stream-client",
-        choices=["socket", "asyncio"],
-        default="socket",
-        help="delivery phase, --ack-mode stream or gateway: how a simulated rank reads its stream. 'socket' (a raw "
-        "non-blocking socket with SO_TIMESTAMPNS: the plan's arrival is the kernel's receive time, and the time "
-        "after parsing is reported too; streamrank.py) or 'asyncio' (asyncio streams: readline, readexactly, "
-        "json.loads, then the time; the client before 2026-12-03)",
-    )
-    parser.add_argument("--batch", type=int, default=500, help="units per registration request (phase 2; at most 512)")
-    parser.add_argument("--registration-batches", type=int, default=20)
-    parser.add_argument("--mini-batches", type=int, default=10_000)
-    parser.add_argument("--mb-groups", type=int, default=1, help="groups per mini-batch in the long job (phase 3)")
-    parser.add_argument("--server-label", default=None, help="what --server-source is (its commit)")
-    parser.add_argument(
-        "--server-http",
-        choices=["auto", "h11", "httptools"],
-        default=None,
-        help="the server's --http (uvicorn's HTTP parser); default: the server's own default",
-    )
-    parser.add_argument("--phases", nargs="+", default=["delivery", "registration", "memory"])
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "scale")
-    parser.add_argument(
-        "--server-source",
-        type=Path,
-        default=None,
-        help="directory holding another checkout's knittrans package to run as the server "
-        "(e.g. `git archive <commit> knittrans | tar -x -C DIR`: the 'before' figures)",
-    )
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one short run of 16 ranks (a check, not a figure)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     args = parser.parse_args()
     if args.smoke:
-        args.ranks, args.nodes, args.seconds, args.mini_batches = 32, 8, 3.0, 300
-        args.registration_batches, args.batch = 3, 500
-        args.rate = min(args.rate, 100)
-    work = Path(tempfile.mkdtemp(prefix="knittrans-scale-"))
-    server = Server(work, args.server_source, args.server_http, gateway=args.ack_mode == "gateway")
-    log(f"control plane pid {server.proc.pid} on port {server.port}; phases {args.phases}")
-    result: dict[str, Any] = {
-        "benchmark": "control_plane_scale",
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_avg_1m_start": os.getloadavg()[0],
-        "load_avg_1m_end": None,
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "server": args.server_label or ("worktree" if args.server_source is None else str(args.server_source)),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        args.ranks, args.step_ms, args.seconds, args.runs, args.nodes = [16], [120], 3.0, 1, 4
+    configs = [(r, s, g) for r in args.ranks for s in args.step_ms for g in args.groups]
+    runs: list[dict[str, Any]] = []
+    for i in range(args.runs):  # configurations interleaved: run 1 of each, then run 2 of each, ...
+        for ranks, step, groups in configs:
+            log(f"run {i + 1}/{args.runs}: {ranks} ranks, {step} ms step, {groups}")
+            result = run_once(args, ranks, step, groups)
+            result["run"] = i + 1
+            runs.append(result)
+            d = result["delivery_ms"]
+            cpu = result["server_cpu_ms_per_mini_batch"] or 0
+            log(
+                f"  {result['consumed_mini_batches']} mini-batches, server {cpu:.1f}"
+                f" ms CPU each ({result['server_core_share']:.0%} of a core); share held p50 {d['p50'] or 0:.1f} /"
+                f" p99 {d['p99'] or 0:.1f} ms{'; errors: ' + str(result['errors']) if result['errors'] else ''}"
+            )
+    table = []
+    for ranks, step, groups in configs:
+        mine = [r for r in runs if (r["ranks"], r["step_ms"], r["groups"]) == (ranks, step, groups)]
+
+        def med(get: Any, rows: list[dict[str, Any]] = mine) -> float | None:
+            values = [v for v in (get(r) for r in rows) if v is not None]
+            return statistics.median(values) if values else None
+
+        table.append(
+            {
+                "ranks": ranks,
+                "step_ms": step,
+                "groups": groups,
+                "runs": len(mine),
+                "server_cpu_ms_per_mini_batch": med(lambda r: r["server_cpu_ms_per_mini_batch"]),
+                "server_core_share": med(lambda r: r["server_core_share"]),
+                "delivery_p50_ms": med(lambda r: r["delivery_ms"]["p50"]),
+                "delivery_mean_ms": med(lambda r: r["delivery_ms"]["mean"]),
+                "delivery_p99_ms": med(lambda r: r["delivery_ms"]["p99"]),
+                "delivery_max_ms": med(lambda r: r["delivery_ms"]["max"]),
+                "share_cut_p99_ms": med(lambda r: r["share_cut_ms"]["p99"]),
+                "mini_batches_per_s": med(lambda r: r["consumed_mini_batches"] / r["window_s"]),
+                "server_rss_mib": med(lambda r: r["server_rss_mib"]),
+            }
+        )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    out = {
+        "commit": commit.strip(),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "load_at_start": __import__("os").getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "table": table,
+        "runs": runs,
     }
-    try:
-        if "delivery" in args.phases:
-            result["delivery"] = asyncio.run(delivery(server.port, server, args))
-        if "registration" in args.phases:
-            result["registration"] = asyncio.run(registration(server.port, args))
-        if "memory" in args.phases:
-            result["memory"] = asyncio.run(memory(server.port, server, args))
-    finally:
-        server.stop()
-    result["load_avg_1m_end"] = os.getloadavg()[0]
-    targets: dict[str, bool] = {}
-    if "delivery" in result and (arrival := result["delivery"]["plan_arrival_ms"]) and arrival["p99"] is not None:
-        targets["plan_arrival_at_rank_socket_p99<=50ms"] = arrival["p99"] <= 50
-    elif "delivery" in result and result["delivery"]["plan_delivery_ms"]["p99"] is not None:
-        targets["plan_delivery_p99<=50ms"] = result["delivery"]["plan_delivery_ms"]["p99"] <= 50
-    if "registration" in result:
-        targets["registration>=20000_units_s"] = result["registration"]["units_per_s_median"] >= 20_000
-    if "memory" in result:
-        targets["rss_growth_1000_to_end<=10%"] = result["memory"]["rss_growth"] <= 0.10
-    result["targets"] = targets
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    lines = [
-        f"# Control plane at scale\n\n{result['machine']}, {result['cpus']} CPUs, load "
-        f"{result['load_avg_1m_start']:.1f} at start, commit {result['commit']}, server {result['server']}\n"
+    args.out.write_text(json.dumps(out, indent=1))
+    md = [
+        "| ranks | step | groups | server CPU / mini-batch | core share | manifest held by the asking rank(s): p50 / "
+        "mean / p99 / max (ms) | share cut, p99 over ranks (ms) | mini-batches/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    if "delivery" in result:
-        d = result["delivery"]
-        pdm, reg = d["plan_delivery_ms"], d["registration_request_ms"]
-        lines += [
-            f"## Delivery: {d['ranks']} ranks, {d['nodes']} nodes, {d['rate_groups_s']} groups/s, "
-            f"{d['seconds']:.0f} s\n",
-            "| figure | p50 | p99 | max |",
-            "|---|---|---|---|",
-            f"| plan delivery after admission, rank has parsed it (ms) | {pdm['p50']:.1f} | {pdm['p99']:.1f} "
-            f"| {pdm['max']:.1f} |"
-            if pdm["p50"] is not None
-            else "| plan delivery after admission, rank has parsed it (ms) | – | – | – |",
-            *(
-                [
-                    f"| plan arrival at the rank's socket, kernel time (ms) | {arr['p50']:.1f} | {arr['p99']:.1f} "
-                    f"| {arr['max']:.1f} |"
-                ]
-                if (arr := d.get("plan_arrival_ms")) and arr["p50"] is not None
-                else []
-            ),
-            f"| registration request (ms) | {reg['p50']:.1f} | {reg['p99']:.1f} | {reg['max']:.1f} |"
-            if reg["p50"] is not None
-            else "| registration request (ms) | – | – | – |",
-            "",
-            f"{d['rows_per_rank']} rows per rank ({d['groups_per_mini_batch']} groups per mini-batch), acks via "
-            f"{d['ack_mode']!r}, think time {d['think_ms']:g} ms; mini-batches consumed: "
-            f"{d['mini_batches_consumed']}; server CPU per mini-batch: "
-            f"{d['server_cpu_ms_per_mini_batch'] or float('nan'):.1f} ms; server CPU busy "
-            f"{d['server_cpu_share'] * 100:.0f} % of one core (simulated clients "
-            f"{d['clients_cpu_share'] * 100:.0f} %); "
-            f"{d['requests_per_s']:,.0f} requests/s "
-            f"({d['server_cpu_us_per_request'] or float('nan'):.0f} µs server CPU each)\n",
-        ]
-    if "registration" in result:
-        r = result["registration"]
-        lines += [
-            f"## Registration\n\n{r['units_per_s_median']:,.0f} units/s (median of {r['batches']} batches of "
-            f"{r['batch']} one-group units)\n"
-        ]
-    if "memory" in result:
-        m = result["memory"]
-        lines += [
-            f"## Memory over {m['mini_batches']} mini-batches\n",
-            f"RSS {m['rss_mib_at_1000']:.1f} MiB at 1,000 -> {m['rss_mib_at_end']:.1f} MiB at the end "
-            f"({m['rss_growth'] * 100:+.1f} %); /status {m['status_ms_at_1000']:.1f} -> "
-            f"{m['status_ms_at_end']:.1f} ms\n",
-        ]
-        plot(result, args.out.with_suffix(".png"))
-    lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for t in table:
+        md.append(
+            f"| {t['ranks']} | {t['step_ms']} ms | {t['groups']} | {t['server_cpu_ms_per_mini_batch'] or 0:.1f} ms | "
+            f"{t['server_core_share'] or 0:.0%} | {t['delivery_p50_ms'] or 0:.1f} / {t['delivery_mean_ms'] or 0:.1f} / "
+            f"{t['delivery_p99_ms'] or 0:.1f} / {t['delivery_max_ms'] or 0:.1f} | "
+            f"{t['share_cut_p99_ms'] if t['share_cut_p99_ms'] is not None else float('nan'):.3f} | "
+            f"{t['mini_batches_per_s'] or 0:.2f} |"
+        )
+    args.out.with_suffix(".md").write_text(
+        f"Commit {out['commit']}, {out['date']}, {out['machine']['cpus']} CPUs, load {out['load_at_start']}\n\n"
+        + "\n".join(md)
+        + "\n"
+    )
+    print("\n".join(md))
     return 0
 
 

@@ -239,7 +239,7 @@ class Delivery(JobBase):
         if version is not None:
             self._check_version(min(who), version)
         if mb is None:
-            return {"global_index": n, "attempt": attempt, "consumed": True, "duplicate": True}
+            return {"global_index": n, "attempt": attempt, "consumed": True, "duplicate": True, **self._world()}
         new = who - mb.acks
         for rank in sorted(new):
             cursor = self.rank_cursor(rank)
@@ -248,7 +248,7 @@ class Delivery(JobBase):
         if version is not None:
             self._set_version(min(who), version, txn)
         if not new:
-            return {"global_index": n, "attempt": attempt, "consumed": False, "duplicate": True}
+            return {"global_index": n, "attempt": attempt, "consumed": False, "duplicate": True, **self._world()}
         mb.acks |= new
         mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
@@ -258,7 +258,10 @@ class Delivery(JobBase):
             txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
         self._settle(txn)
         self._save_meta(txn)
-        return {"global_index": n, "attempt": attempt, "consumed": consumed, "duplicate": False}
+        return {"global_index": n, "attempt": attempt, "consumed": consumed, "duplicate": False, **self._world()}
+
+    def _world(self) -> dict[str, int]:
+        return {"world_size": self.spec.world_size}
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []

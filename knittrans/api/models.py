@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP
+from knittrans.errors import InvalidRequest
 from knittrans.names import CONTENT_HASH_PATTERN
 
 NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
@@ -337,17 +338,30 @@ class ManifestOut(BaseModel):
 
 
 class TransferIn(_In):
-    """Transfer figures of one rank for the mini-batch it acks (summed per rank for the dashboard and /metrics)."""
+    """Transfer figures of the mini-batch, one entry per rank the ack names (in ``ranks`` order; every rank
+    in rank order when ``ranks`` is null): summed per rank for the dashboard and /metrics."""
 
-    exposed_s: Seconds = Field(default=0.0, description="seconds the training loop blocked on data")
-    fetch_s: Seconds = Field(default=0.0, description="seconds spent in DoGet calls")
-    row_bytes: Count = Field(default=0, description="trajectory-row bytes moved")
-    media_logical_bytes: Count = Field(default=0, description="media bytes the rows reference")
-    media_physical_bytes: Count = Field(default=0, description="media bytes actually fetched")
+    exposed_s: list[Seconds] = Field(max_length=MAX_WORLD_SIZE, description="seconds the loop blocked on data")
+    fetch_s: list[Seconds] = Field(max_length=MAX_WORLD_SIZE, description="seconds spent in DoGet calls")
+    row_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="trajectory-row bytes moved")
+    media_logical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes the rows reference")
+    media_physical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes actually fetched")
+
+    def by_rank(self, ranks: list[int]) -> dict[int, dict[str, float]]:
+        """``{rank: {figure: value}}`` for ``ranks``.
+
+        Raises:
+            InvalidRequest: a column does not have one entry per rank.
+        """
+        columns = self.model_dump()
+        bad = [name for name, values in columns.items() if len(values) != len(ranks)]
+        if bad:
+            raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({len(ranks)})")
+        names = list(columns)
+        return {rank: {n: columns[n][i] for n in names} for i, rank in enumerate(ranks)}
 
 
 RankList = Annotated[list[Int32], Field(min_length=1, max_length=MAX_WORLD_SIZE)]
-RankKey = Annotated[str, Field(pattern=r"^[0-9]{1,5}$")]
 
 
 class FetchedIn(_In):
@@ -363,9 +377,7 @@ class AckIn(_In):
     attempt: Count = Field(description="the manifest's attempt")
     ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
     version: Int32 | None = Field(default=None, description="policy version the optimizer step produced")
-    transfer: dict[RankKey, TransferIn] | None = Field(
-        default=None, max_length=MAX_WORLD_SIZE, description="each rank's transfer figures, by rank"
-    )
+    transfer: TransferIn | None = Field(default=None, description="the ranks' transfer figures, one entry per rank")
 
 
 class FetchedOut(BaseModel):
@@ -384,6 +396,7 @@ class AckOut(BaseModel):
     attempt: int
     consumed: bool
     duplicate: bool
+    world_size: int
 
 
 class InFlightOut(BaseModel):

@@ -16,8 +16,8 @@
 Every rank reads the same manifest of mini-batch ``n`` (``GET /v1/jobs/{job}/minibatches/{n}``) and
 takes its share (:meth:`knittrans.manifest.Manifest.share`). When ``torch.distributed`` is initialised
 with this rank and world size (``TrainerConfig.group="auto"``), rank 0 reads it for everyone and
-scatters the shares, and ``report_fetched`` / ``ack`` are gathered into one request each
-(:mod:`knittrans.trainer.feed`), so the control plane's work per mini-batch does not grow with the
+broadcasts it (each rank cuts its own share), and ``report_fetched`` / ``ack`` are gathered into one
+request each (:mod:`knittrans.trainer.feed`), so the control plane's work per mini-batch does not grow with the
 number of ranks; every rank must then build its client and make those calls.
 
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to
@@ -60,9 +60,10 @@ import torch
 
 from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import InvalidRequest
+from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
-from knittrans.trainer.feed import Collective, ManifestFeed, Shared, TorchCollective, leader_call
+from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch
@@ -104,11 +105,9 @@ class TrainerClient:
             torch.set_num_threads(config.torch_threads)
         if collectives is None and config.group == "auto":
             collectives = _torch_collectives(config)
-        feed_group: Collective | None = None
-        self.progress: Collective | None = None
-        """The ranks' collective for ``fetched`` and ``ack`` (None: each rank reports for itself)."""
-        if collectives is not None:
-            feed_group, self.progress = collectives
+        feed_group, progress_group = collectives if collectives is not None else (None, None)
+        self.collective = progress_group
+        """The ranks' collective of the training loop's calls (None: each rank talks to the control plane)."""
         self.feed = ManifestFeed(
             self.control,
             config.job,
@@ -123,7 +122,7 @@ class TrainerClient:
             fetcher=self.fetcher,
             control=self.control,
             feed=self.feed,
-            progress=self.progress,
+            progress=Progress(self.control, config.job, config.rank, progress_group),
             prepare=self._prepare,
             closed=self._closed,
         )
@@ -178,26 +177,22 @@ class TrainerClient:
         after ``replan_wait_s``; None when the job has no such mini-batch any more. Collective with a group."""
         cfg, n, etag = self.config, failed.global_index, failed.etag
         feed = self.feed
-        coll = self.progress
+        coll = self.collective
 
-        def ask() -> Any:
+        def ask() -> tuple[Manifest, str] | None:
             deadline = time.monotonic() + cfg.replan_wait_s
             while True:
                 late = time.monotonic() > deadline
                 try:
-                    got = self.control.manifest(cfg.job, n, min(cfg.poll_timeout_s, 2.0), etag=None if late else etag)
+                    got = self.control.manifest(cfg.job, n, cfg.poll_timeout_s, etag=None if late else etag)
                 except JobFinished:
-                    return [None] * coll.size if coll is not None else None
+                    return None
                 if got is not None:
-                    manifest, tag = got
-                    if coll is None:
-                        return manifest.share(cfg.rank), tag
-                    return [(manifest.share(r), tag) for r in range(coll.size)]
+                    return got
 
-        got = leader_call(coll, ask)
-        shared: Shared = got[cfg.rank] if coll is not None else got  # rank 0 asked for every rank
+        got = leader_call(coll, ask)  # rank 0 asks, every rank gets the manifest
         feed.release_below(n)
-        return self._minibatch(shared)
+        return self._minibatch((got[0].share(cfg.rank), got[1]) if got is not None else None)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.

@@ -36,10 +36,10 @@ class TrainerConfig:
     a closed client's feed stops within this)."""
     group: Literal["auto", "none"] = "auto"
     """How the ranks share the control plane. ``auto``: when ``torch.distributed`` is initialised with this
-    rank and world size, rank 0 reads each manifest and scatters the ranks' shares, and gathers ``fetched``
-    and ``ack`` into one request each, over two gloo groups of the client's own (so every rank must build
-    its client, at the same point); otherwise as ``none``. ``none``: each rank reads every manifest and
-    reports for itself (``W`` requests per mini-batch and call)."""
+    rank and world size, rank 0 reads each manifest and broadcasts it (each rank cuts its share), and
+    gathers ``fetched`` and ``ack`` into one request each, over two gloo groups of the client's own (so
+    every rank must build its client, at the same point); otherwise as ``none``. ``none``: each rank
+    reads every manifest and reports for itself (``W`` requests per mini-batch and call)."""
     control_retry_s: float = 120.0
     """How long to keep retrying while the control plane is unreachable (e.g. restarting)."""
     local_dirs: Mapping[str, str] = field(default_factory=dict)

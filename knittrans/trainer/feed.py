@@ -7,9 +7,9 @@ plane, the same everywhere else:
 
 * every rank asks for itself (``collective=None``): ``W`` requests per mini-batch, for small trainers;
 * the trainer's ranks share one request (a :class:`Collective`, e.g. :class:`TorchCollective` over a
-  gloo group of the trainer's own ``torch.distributed`` job): rank 0 asks, cuts the manifest into the
-  ranks' shares and scatters them, so the control plane answers one request per mini-batch however
-  many ranks there are. Progress (``fetched``, ``ack``) is then gathered the same way
+  gloo group of the trainer's own ``torch.distributed`` job): rank 0 asks, checks the manifest and
+  broadcasts it, and each rank cuts its own share, so the control plane answers one request per
+  mini-batch however many ranks there are. Progress (``fetched``, ``ack``) is then gathered the same way
   (:mod:`knittrans.trainer.minibatch`).
 
 Collectives on one group must be called in the same order on every rank, so the feed's thread has a
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import KnitTransError
+from knittrans.errors import DataLost, KnitTransError
 from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 
@@ -47,9 +47,6 @@ class Collective(Protocol):
     """This rank in the group (0 leads: it is the one that talks to the control plane)."""
     size: int
     """Ranks in the group."""
-
-    def scatter(self, items: list[Any] | None) -> Any:
-        """Rank 0 passes one item per rank; every rank returns its own."""
 
     def gather(self, item: Any) -> list[Any] | None:
         """Every rank passes an item; rank 0 returns all of them in rank order, the others None."""
@@ -79,11 +76,6 @@ class TorchCollective:
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
-
-    def scatter(self, items: list[Any] | None) -> Any:
-        out: list[Any] = [None]
-        self._dist.scatter_object_list(out, items if self.rank == 0 else None, src=0, group=self._group)
-        return out[0]
 
     def gather(self, item: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
@@ -118,6 +110,43 @@ class _Raised:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+class Progress:
+    """A rank's progress reports (``fetched``, ``ack``), collective when the ranks share the control plane:
+    every rank calls, rank 0 sends one request for all (with everyone's transfer figures) and every rank
+    gets the same answer. Without a collective each rank reports for itself."""
+
+    def __init__(self, control: ControlClient, job: str, rank: int, collective: Collective | None) -> None:
+        self.control, self.job, self.rank, self.collective = control, job, rank, collective
+
+    def fetched(self, n: int, attempt: int, ok: bool = True) -> bool:
+        """Whether every rank holds its share of mini-batch ``n`` (``ok``: this rank does) and the control
+        plane took the report; False when some rank is not ok or the mini-batch was withdrawn."""
+        coll = self.collective
+        oks = coll.gather(ok) if coll is not None else [ok]
+
+        def report() -> bool:
+            if oks is None or not all(oks):
+                return False
+            try:
+                self.control.fetched(self.job, n, attempt, [self.rank] if coll is None else None)
+            except DataLost as exc:
+                logger.warning("rank %d: mini-batch %d attempt %d was withdrawn: %s", self.rank, n, attempt, exc)
+                return False
+            return True
+
+        return leader_call(coll, report)
+
+    def ack(self, n: int, attempt: int, *, version: int | None, transfer: dict[str, Any]) -> dict[str, Any]:
+        """Ack mini-batch ``n`` for this rank (every rank, through rank 0, with a collective), with this rank's
+        transfer figures; the control plane's answer."""
+        coll = self.collective
+        figures = coll.gather(transfer) if coll is not None else [transfer]
+        ranks = None if coll is not None else [self.rank]
+        return leader_call(
+            coll, lambda: self.control.ack(self.job, n, attempt, ranks, version=version, transfer=figures)
+        )
 
 
 class ManifestFeed:
@@ -157,6 +186,8 @@ class ManifestFeed:
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
+        self.arrived: dict[int, float] = {}
+        """Wall-clock time each share reached this rank (kept until :meth:`release_below` passes it)."""
         self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
         self._thread.start()
 
@@ -181,6 +212,7 @@ class ManifestFeed:
                 return
             with self._cond:
                 self._shares[n] = item
+                self.arrived[n] = time.time()
                 self._cond.notify_all()
             if item is None or isinstance(item, BaseException):
                 self._finish(n + 1, None)
@@ -207,28 +239,31 @@ class ManifestFeed:
         return n
 
     def _deliver(self, n: int) -> Shared | BaseException | _Closed:
-        """This rank's share of ``n`` (None: never; :class:`_Closed`: the leader closed while waiting)."""
+        """This rank's share of ``n`` (None: never; :class:`_Closed`: the leader closed while waiting).
+
+        With a collective rank 0 reads and checks the manifest and broadcasts it (pickled by the
+        collective: cheaper than the JSON it came as); every rank cuts its own share, so rank 0's work
+        does not grow with the number of ranks."""
         coll = self.collective
-        if coll is None:
-            own: Shared | _Closed = self._ask(n, lambda m: m.share(self.rank))
-            return own
-        items: list[Any] | None = None
-        if coll.rank == 0:
+        got: Any = None
+        if coll is None or coll.rank == 0:
             try:
-                got = self._ask(n, lambda m: [m.share(r) for r in range(coll.size)])
-            except BaseException as exc:  # every rank gets it, and ends its feed with it
+                got = self._ask(n)
+            except BaseException as exc:  # with a collective every rank gets it, and ends its feed with it
+                if coll is None:
+                    raise
                 got = exc
-            if got is None or isinstance(got, _Closed | BaseException):
-                items = [got] * coll.size
-            else:
-                shares, etag = got
-                items = [(share, etag) for share in shares]
-        mine: Shared | BaseException | _Closed = coll.scatter(items)
+        if coll is not None:
+            got = coll.broadcast(got)
+        if isinstance(got, tuple):
+            manifest, etag = got
+            return manifest.share(self.rank), etag
+        mine: BaseException | _Closed | None = got
         return mine
 
-    def _ask(self, n: int, cut: Callable[[Manifest], Any]) -> Any:
-        """Long-poll mini-batch ``n`` until it is admitted: ``(cut(manifest), etag)``; None when it never will
-        be; a :class:`_Closed` once the feed is closed."""
+    def _ask(self, n: int) -> tuple[Manifest, str] | _Closed | None:
+        """Long-poll mini-batch ``n`` until it is admitted: ``(manifest, etag)``; None when it never will be;
+        a :class:`_Closed` once the feed is closed."""
         while not self._closed.is_set():
             self.requests += 1
             try:
@@ -240,8 +275,7 @@ class ManifestFeed:
                     return _Closed()
                 raise
             if got is not None:
-                manifest, etag = got
-                return cut(manifest), etag
+                return got
         return _Closed()
 
     # ------------------------------------------------------------------ the loop's side
@@ -290,6 +324,7 @@ class ManifestFeed:
         with self._cond:
             for m in [m for m in self._shares if m < n]:
                 del self._shares[m]
+                self.arrived.pop(m, None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from knittrans.controlclient import ControlClient
-from knittrans.errors import DataLost, InvalidRequest, KnitTransError
+from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.plans import MicroBatchReads, PlanRow, RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
-from knittrans.trainer.feed import Collective, ManifestFeed, leader_call
+from knittrans.trainer.feed import ManifestFeed, Progress
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
 from knittrans.trainer.share import ShareStreams
@@ -88,8 +88,8 @@ class RankContext:
     """Control-plane calls (``fetched``, ``ack``), retried under its retry policy."""
     feed: ManifestFeed
     """This rank's shares of the mini-batches, in order (the successor's comes from here)."""
-    progress: Collective | None
-    """The ranks' collective for ``fetched`` and ``ack`` (None: this rank reports for itself)."""
+    progress: Progress
+    """This rank's ``fetched`` and ``ack`` reports (collective when the ranks share the control plane)."""
     prepare: Callable[[TrainMicroBatch], TrainMicroBatch]
     """The client's ``transform`` applied to a loaded micro-batch (identity without one)."""
     closed: threading.Event
@@ -306,21 +306,7 @@ class MiniBatch:
         when the mini-batch was withdrawn (a store node with its rows was lost): then no rank may step on
         it. Once every rank is reported, a node loss no longer withdraws the mini-batch.
         """
-        cfg, coll = self._ctx.config, self._ctx.progress
-        control, n, attempt = self._ctx.control, self.global_index, self.attempt
-        oks = coll.gather(ok) if coll is not None else [ok]
-
-        def report() -> bool:
-            if oks is None or not all(oks):
-                return False
-            try:
-                control.fetched(cfg.job, n, attempt, [cfg.rank] if coll is None else None)
-            except DataLost as exc:
-                logger.warning("rank %d: mini-batch %s was withdrawn: %s", cfg.rank, self.plan_id, exc)
-                return False
-            return True
-
-        return leader_call(coll, report)
+        return self._ctx.progress.fetched(self.global_index, self.attempt, ok)
 
     def ack(self, version: int | None = None) -> None:
         """Tell the control plane this rank finished the mini-batch (after its optimizer step).
@@ -332,13 +318,7 @@ class MiniBatch:
         with self._ack_lock:
             if self.acked:
                 return
-            cfg, coll, control = self._ctx.config, self._ctx.progress, self._ctx.control
-            figures = coll.gather(self.transfer()) if coll is not None else [self.transfer()]
-            ranks = None if coll is not None else [cfg.rank]
-            first = 0 if coll is not None else cfg.rank
-            transfer = {first + r: f for r, f in enumerate(figures or [])}
-            n, attempt = self.global_index, self.attempt
-            leader_call(coll, lambda: control.ack(cfg.job, n, attempt, ranks, version=version, transfer=transfer))
+            self._ctx.progress.ack(self.global_index, self.attempt, version=version, transfer=self.transfer())
             self.acked, self.acked_at = True, time.time()
 
     def transfer(self) -> dict[str, Any]:

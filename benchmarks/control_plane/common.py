@@ -1,0 +1,110 @@
+"""Shared pieces of the control-plane benchmarks: a real server process, job specs and unit bodies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from knittrans.procs import control_plane_args, knittrans_command
+
+SOURCES = ("math", "code", "chat", "mm_qa")
+GROUP_SIZE = 8
+TOKEN_W, TOKEN_A = "bench-worker", "bench-admin"
+
+
+class Server:
+    """``knittrans control-plane`` in a subprocess on a free port (its ready file), with a psutil handle."""
+
+    def __init__(self, work: Path, *, node_timeout_s: float = 86400, tokens: bool = True) -> None:
+        ready = work / "cp.ready"
+        args = control_plane_args(work / "cp.db", ready_file=ready, node_timeout_s=node_timeout_s, log_level="WARNING")
+        env = dict(os.environ)
+        if tokens:
+            env.update(KNITTRANS_WORKER_TOKEN=TOKEN_W, KNITTRANS_ADMIN_TOKEN=TOKEN_A)
+        self.log = open(work / "cp.log", "wb")  # noqa: SIM115  # kept open for the server's lifetime
+        self.proc = subprocess.Popen(knittrans_command(*args), env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"control plane did not start: {(work / 'cp.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        self.url = json.loads(ready.read_text())["url"]
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process used so far (user + system, all its threads)."""
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def rss_mib(self) -> float:
+        return float(self.ps.memory_info().rss) / 2**20
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+def start_server(db: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A server without tokens on ``db`` (no heartbeats expected): its process and URL."""
+    server = Server(db.parent, tokens=False)
+    return server.proc, server.url
+
+
+def unit(job: str, i: int, source: str, t: float, *, nodes: int = 8, tokens: int | None = None) -> dict[str, Any]:
+    """Unit ``u{i}`` holding one 8-trajectory group ``g{i}`` of ``source`` on node ``n{i % nodes}``."""
+    toks = [tokens or 200 + (i * 37 + k * 101) % 1800 for k in range(GROUP_SIZE)]
+    return {
+        "unit_id": f"u{i}",
+        "job": job,
+        "node_id": f"n{i % nodes}",
+        "endpoint": f"grpc://127.0.0.1:{9000 + i % nodes}",
+        "num_rows": GROUP_SIZE,
+        "num_bytes": 4096,
+        "schema_version": 1,
+        "groups": [
+            {
+                "group_id": f"g{i}",
+                "source": source,
+                "row_start": 0,
+                "num_trajectories": GROUP_SIZE,
+                "trajectory_tokens": toks,
+                "version_start": 0,
+                "version_end": 0,
+                "version_weighted": 0.0,
+                "finished_at": t,
+                "media_hashes": [],
+            }
+        ],
+    }
+
+
+def create_job(c: httpx.Client, name: str, *, quotas: dict[str, int], k: int, w: int, **extra: Any) -> None:
+    spec = {
+        "name": name,
+        "group_size": GROUP_SIZE,
+        "quotas": quotas,
+        "mini_batches_per_step": k,
+        "policy": "constraint_preserving",
+        "world_size": w,
+        **({} if "micro_batch_size" in extra else {"micro_batch_tokens": 16384}),
+        **extra,
+    }
+    c.post("/v1/jobs", json=spec).raise_for_status()
+
+
+def register_nodes(c: httpx.Client, nodes: int) -> None:
+    for i in range(nodes):
+        body = {"node_id": f"n{i}", "endpoint": f"grpc://127.0.0.1:{9000 + i}", "host": f"h{i}"}
+        c.post("/v1/nodes", json=body).raise_for_status()
