@@ -16,7 +16,6 @@ from knittrans.api.auth import TokenCheck
 from knittrans.api.fastpath import FastNext
 from knittrans.api.gatewaylink import GatewayLink
 from knittrans.api.httperrors import install_error_handlers
-from knittrans.api.lane import RegistrationLane
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
@@ -139,14 +138,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await gateway.start(settings.plan_gateway_port)
             board.listeners.append(gateway.publish)
         app.state.gateway = gateway
-        if settings.lane_port is not None:  # after the state thread: the lane hands registrations to it
-            app.state.lane = RegistrationLane(app.state, settings.lane_host, settings.lane_port)
         try:
             yield
         finally:
-            if app.state.lane is not None:
-                app.state.lane.close()
-                app.state.lane = None
             if gateway is not None:
                 board.listeners.remove(gateway.publish)
                 await gateway.stop()
@@ -178,7 +172,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(FastNext)  # outermost of ours: a plain rank long-poll skips the rest (knittrans.api.fastpath)
     app.state.fast_next = {"served": 0, "to_app": 0}
     app.state.gateway = None  # the plan gateway's link while the app runs with one (lifespan)
-    app.state.lane = None  # the registration lane while the app runs with one (lifespan)
     app.state.plan_streams = set()  # open plan streams (knittrans.api.stream), ended at shutdown
     _document_raw_bodies(app)
     return app

@@ -51,11 +51,6 @@ class Settings(BaseSettings):
     ``GET /v1/plan-gateway`` and the ready file give its URL (``knittrans.api.gateway``)."""
     plan_gateway_host: str = "127.0.0.1"
     """Bind address of the plan gateway."""
-    lane_port: int | None = Field(default=0, ge=0, le=65535)
-    """Serve unit registrations also on a plain TCP lane on this port (0: a free one; None: no lane);
-    ``GET /v1/lane`` gives the port (``knittrans.api.lane``)."""
-    lane_host: str = "127.0.0.1"
-    """Bind address of the lane (``knittrans control-plane`` binds it where it serves HTTP)."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
     recent_admissions: int = Field(default=RECENT_ADMISSIONS, ge=1)

@@ -8,10 +8,9 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from knittrans import __version__
-from knittrans.api.models import LaneOut, PlanGatewayOut
+from knittrans.api.models import PlanGatewayOut
 from knittrans.api.routes.deps import Service
 from knittrans.errors import NotFound, Unavailable
-from knittrans.flight.lane import MAX_ACTION_BYTES
 
 __all__ = ["router"]
 
@@ -35,16 +34,6 @@ async def plan_gateway(request: Request) -> Any:
     if url is None:  # answered 503 with Retry-After by the app's error handler, as every Unavailable
         raise Unavailable(f"{gateway.lost}; use the control plane's own plan stream")
     return {"url": url, "pid": gateway.pid}
-
-
-@router.get("/v1/lane", response_model=LaneOut)
-async def registration_lane(request: Request) -> Any:
-    """Where the control plane serves unit registrations as plain TCP actions (open: it names a port; the
-    lane checks tokens as the route does). 404 when it runs without one (``--no-lane``, TLS)."""
-    lane = request.app.state.lane
-    if lane is None:
-        raise NotFound("this control plane runs without a registration lane; register units over HTTP")
-    return {"port": lane.port, "max_bytes": MAX_ACTION_BYTES, "served": lane.served}
 
 
 @router.get(
