@@ -6,16 +6,14 @@ the same ticket with the same record batches framed so the client receives them 
 straight into ONE buffer (reused from read to read once unreferenced: :mod:`knittrans.flight.recv_pool`)
 and opens it zero-copy (``pa.ipc.open_stream``); the
 store writes the IPC stream with ``sendmsg`` from the memory-mapped unit files (no user-space copy).
-Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads, plus
-one action (``publish_units``, below).
+Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads only.
 
 Wire format (integers big-endian)::
 
     request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
-    action:   b"KTA1" | u32 auth_len | u32 body_len | auth | type | 0x00 | action body (JSON)
     answer:   b"KTL1" | u8 status | u64 length | body
               status 0: body = Arrow IPC stream of the record batches DoGet would stream
-                        (a ping, ticket_len 0: length 0, no body; an action: its JSON result)
+                        (a ping, ticket_len 0: length 0, no body)
               status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
 
 ``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
@@ -29,26 +27,13 @@ after ``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is
 its limit, a request that does not arrive in time) gets an error frame and the connection is
 closed; any other error (bad ticket, unknown unit, wrong token) gets an error frame and the
 connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client opens
-and checks a connection ahead of its first read (a store from before the ping answers it with an
-error frame, which is as good an answer). Plain TCP only: a store with TLS refuses to open a lane.
-
-Actions (``KTA1``): the store's ``publish_units``, the same-host writer's one round trip per put, is
-served here too (:func:`send_action`, :func:`read_action_answer`), with the same token check and
-the same result and errors as the Flight action; every other action stays on Flight. Why: on this
-project's 2-core VMs a Flight call to a store that idled for 10 ms takes about 1.4 ms before any
-work (about 0.5 ms back to back), a lane request about 0.3 ms
-(``benchmarks/transfer/results/round_trips.md``): gRPC hands a call across several threads, where
-the lane's connection thread is woken straight by its socket. A body is at most
-:data:`MAX_ACTION_BYTES`. A lane without actions (a store from before them, or one given no ``act``)
-refuses ``KTA1`` as a request that is not a lane request, naming the magic, and closes the
-connection; clients then keep to Flight for actions (:class:`NoLaneActions`).
+and checks a connection ahead of its first read. Plain TCP only: a store with TLS refuses to open a lane.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import struct
 import threading
@@ -70,21 +55,16 @@ from knittrans.flight.recv_pool import ReceivePool
 from knittrans.tickets import MAX_TICKET_BYTES
 
 __all__ = [
-    "ACTION_MAGIC",
     "MAGIC",
-    "MAX_ACTION_BYTES",
     "MAX_AUTH_BYTES",
     "LaneClosed",
     "LaneServer",
     "LaneSilent",
-    "NoLaneActions",
     "NotALane",
     "connect",
     "ipc_parts",
     "ping",
-    "read_action_answer",
     "read_answer",
-    "send_action",
     "send_request",
     "socket_timeouts",
 ]
@@ -93,12 +73,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KTL1"
 """First four bytes of every lane request and answer (the lane protocol's name and version)."""
-ACTION_MAGIC = b"KTA1"
-"""First four bytes of an action request (its answer starts with :data:`MAGIC`)."""
 MAX_AUTH_BYTES = 4096
 """Longest ``authorization`` value a lane request may carry."""
-MAX_ACTION_BYTES = 4 << 20
-"""Longest action request (type, separator and JSON body) and action answer."""
 MAX_ERROR_BYTES = 1 << 16
 """Longest error message an answer may carry (the client refuses longer ones as malformed)."""
 OK, ERROR = 0, 1
@@ -117,11 +93,6 @@ class NotALane(Exception):
 
 class LaneSilent(Exception):
     """The peer sent no byte of an answer within the socket's timeout."""
-
-
-class NoLaneActions(Exception):
-    """The lane refused an action request as no lane request at all: it serves reads only (a store from
-    before lane actions) and closed the connection. Nothing was done: send the action over Flight."""
 
 
 class _Malformed(Exception):
@@ -194,12 +165,7 @@ class LaneServer:
     """The data lane of one store server: a listening socket and one thread per connection (module docstring).
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
-    (its bearer-token check, or None for a store without a token) checks the request's ``authorization``;
-    ``act(type, authorization, body, abandoned) -> result`` answers an action request (the store
-    server's ``lane_act``; ``authorization`` is the request's, for a handler whose token check needs the
-    body, as the control plane's lane: :mod:`knittrans.api.lane`; ``abandoned()`` tells whether the
-    client has closed the connection meanwhile); None: the lane refuses actions as a lane from before
-    them does.
+    (its bearer-token check, or None for a store without a token) checks the request's ``authorization``.
     """
 
     def __init__(
@@ -209,19 +175,16 @@ class LaneServer:
         *,
         read: Callable[[bytes], pa.Table],
         auth: BearerTokenFactory | None,
-        act: Callable[[str, bytes, bytes, Callable[[], bool]], bytes] | None = None,
         request_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         send_timeout_s: float = 30.0,
         max_connections: int = 128,
     ) -> None:
-        self._read, self._auth, self._act = read, auth, act
+        self._read, self._auth = read, auth
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
         """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
-        self.actions_served = 0
-        """Action requests answered with status OK."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self.port: int = self._listener.getsockname()[1]
@@ -332,15 +295,12 @@ class LaneServer:
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
         magic, auth_len, ticket_len = _REQUEST.unpack(head)
-        action = magic == ACTION_MAGIC and self._act is not None
-        if magic != MAGIC and not action:
+        if magic != MAGIC:
             raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
         if auth_len > MAX_AUTH_BYTES:
             raise _Malformed(
                 InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
             )
-        if action:
-            return self._one_action(conn, auth_len, ticket_len, deadline)
         if ticket_len > MAX_TICKET_BYTES:
             raise _Malformed(InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed"))
         auth = self._recv_exact(conn, auth_len, deadline, "authorization")
@@ -368,49 +328,6 @@ class LaneServer:
         _sendmsg_all(conn, [_ANSWER.pack(MAGIC, OK, nbytes), *parts])
         return True
 
-    def _one_action(self, conn: socket.socket, auth_len: int, body_len: int, deadline: float) -> bool:
-        """Serve one action request whose header has been read (the rest of :meth:`_one`)."""
-        if body_len > MAX_ACTION_BYTES:
-            raise _Malformed(
-                InvalidRequest(f"data lane action of {body_len} bytes, more than the {MAX_ACTION_BYTES} allowed")
-            )
-        auth = self._recv_exact(conn, auth_len, deadline, "authorization")
-        raw = self._recv_exact(conn, body_len, deadline, "action")
-        conn.settimeout(None)
-        socket_timeouts(conn, self.send_timeout_s)
-        kind = "?"
-        try:
-            if self._auth is not None:
-                self._auth.check([auth] if auth else [])
-            kind_bytes, sep, body = raw.partition(b"\0")
-            kind = kind_bytes.decode("ascii", errors="replace")
-            if not sep:
-                raise InvalidRequest("data lane action: no NUL byte between the action's type and its body")
-            assert self._act is not None
-            result = self._act(kind, auth, body, lambda: _peer_gone(conn))
-        except Exception as exc:
-            known = known_error(f"data lane action {kind}", exc)
-            if known is None:
-                logger.exception("data lane action %r failed", kind)
-                known = KnitTransError(f"internal error in the data lane: {exc!r}")
-            else:
-                logger.info("data lane action %r refused: %s: %s", kind, type(known).__name__, known)
-            self._error(conn, known)
-            return True
-        with self._lock:
-            self.actions_served += 1
-        conn.sendall(_ANSWER.pack(MAGIC, OK, len(result)) + result)
-        return True
-
-
-def _peer_gone(conn: socket.socket) -> bool:
-    """Whether the client closed the connection (it sends nothing while it waits for the answer)."""
-    try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (OSError, ValueError):
-        return True
-
 
 # ------------------------------------------------------------------------------------------------ client
 def connect(host: str, port: int, *, connect_timeout_s: float, timeout_s: float | None) -> socket.socket:
@@ -433,14 +350,6 @@ def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> No
     sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)
 
 
-def send_action(sock: socket.socket, authorization: bytes, kind: str, body: bytes) -> None:
-    """Send one action request: ``kind`` (an action the store serves on its lane) and its JSON ``body``."""
-    payload = kind.encode("ascii") + b"\0" + body
-    if len(payload) > MAX_ACTION_BYTES:
-        raise InvalidRequest(f"data lane action of {len(payload)} bytes, more than the {MAX_ACTION_BYTES} allowed")
-    sock.sendall(_REQUEST.pack(ACTION_MAGIC, len(authorization), len(payload)) + authorization + payload)
-
-
 def _error_text(sock: socket.socket, length: int) -> str:
     """The message of an error answer whose header said ``length`` bytes."""
     if length > MAX_ERROR_BYTES:
@@ -450,35 +359,19 @@ def _error_text(sock: socket.socket, length: int) -> str:
     return body.decode(errors="replace")
 
 
-def read_action_answer(sock: socket.socket) -> bytes:
-    """Read an action's answer: its result (JSON bytes), or raise: :class:`NoLaneActions` when the lane
-    serves reads only (nothing was done), else as :func:`read_answer`."""
-    _, status, length = _answer_head(sock)
-    if status == ERROR:
-        text = _error_text(sock, length)
-        if f"starts with {ACTION_MAGIC!r}" in text:
-            raise NoLaneActions(text)
-        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
-    if length > MAX_ACTION_BYTES:
-        raise Unavailable(f"data lane action answer of {length} bytes, more than {MAX_ACTION_BYTES}")
-    answer = bytearray(length)
-    _recv_into(sock, memoryview(answer), "action answer")
-    return bytes(answer)
-
-
 def ping(sock: socket.socket, authorization: bytes) -> None:
     """Check that a (new) connection reaches a data lane: an empty-ticket request and its answer.
 
     Raises as :func:`read_answer` for an answer that is none (:class:`LaneClosed`, :class:`LaneSilent`,
-    :class:`NotALane`, ``Unavailable``); an error frame (a wrong token, or a store from before the
-    ping) also shows a lane and is not raised.
+    :class:`NotALane`, ``Unavailable``), and the error the lane answered (e.g. ``Unauthenticated``).
     """
     send_request(sock, authorization, b"")
     head, status, length = _answer_head(sock)
-    if (status == OK and length != 0) or length > MAX_ERROR_BYTES:
+    if status == ERROR:
+        text = _error_text(sock, length)
+        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
+    if length != 0:
         raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
-    if length:
-        _recv_into(sock, memoryview(bytearray(length)), "error message")
 
 
 def _answer_head(sock: socket.socket) -> tuple[bytearray, int, int]:

@@ -16,12 +16,9 @@ Same host (``store_dir`` given): the writer writes each unit's two IPC files int
 temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
 one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
 (waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
-place, all or none. That request goes over the node's data lane when it has one, sent from the
-caller's thread, its answer read once the units are described (over Flight, a sender thread waits
-on the call meanwhile). A node that predates ``publish_units`` gets the former two round trips
-(``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
-over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
-one Arrow table cut into a slice per unit
+place, all or none; a sender thread waits on that Flight call while the caller describes the units.
+Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call
+builds its units' rows as one Arrow table cut into a slice per unit
 (:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
 unit.
 
@@ -53,7 +50,7 @@ from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
-from knittrans.store.store import estimate_unit_bytes, writer_temp_name
+from knittrans.store.store import writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
 
@@ -192,11 +189,10 @@ def write_units_across(
 
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
     units are built together (as one ``write_units`` call builds its units); then, node by node, a
-    same-host writer's IPC files are written into its temporaries and the node's round trip starts: its
-    ``publish_units`` request sent on the node's data lane, or the call (over Flight, or the ``DoPut``
-    upload) handed to a sender thread (kept between calls), so that the nodes work at once while this
-    thread writes the next node's files and then describes all the units (lane answers are read after
-    that); all the descriptors
+    same-host writer's IPC files are written into its temporaries and the node's round trip (its
+    ``publish_units`` call, or the ``DoPut`` upload) is handed to a sender thread (kept between calls),
+    so that the nodes work at once while this thread writes the next node's files and then describes
+    all the units; all the descriptors
     are registered with ``control`` (default: the first writer's that has one; none at all: not
     registered) in one request; descriptors per pair, in order.
 
@@ -226,7 +222,7 @@ def write_units_across(
     errors: list[BaseException | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
 
-    def read_answers() -> None:  # every started node's answer read (on its lane, or from its sender thread)
+    def read_answers() -> None:  # every started node's answer read from its sender thread
         for k, answer in answers.items():
             try:
                 infos[k] = answer()
@@ -298,8 +294,6 @@ class TrajectoryWriter:
         self.client = StoreClient(endpoint, token=token)
         self.control = control
         """When given, every unit written is registered with it (the caller keeps owning the client)."""
-        self._one_trip = True
-        """Same host: publish in one round trip (``publish_units``); False once the node refused it (older node)."""
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
@@ -344,8 +338,8 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
-        # same host: the files are written; the node works (its request on the lane, or the call in a sender
-        # thread) while this thread describes the units; a unit's byte count comes from the node
+        # same host: the files are written; the node works (its call in a sender thread) while this thread
+        # describes the units; a unit's byte count comes from the node
         answer = self._send_start(staged)
         try:
             drafts = self._describe(staged)
@@ -374,7 +368,7 @@ class TrajectoryWriter:
                 check_name(g.source, "source")
         tables = build_units_tables(units, user_fields=self.user_fields) if built is None else built
         entries = None
-        if self.store_dir is not None and self._one_trip and ids:
+        if self.store_dir is not None and ids:
             entries = self._write_temps(list(zip(ids, tables, strict=True)))
         return _Staged(ids=ids, units=units, tables=tables, entries=entries)
 
@@ -386,29 +380,8 @@ class TrajectoryWriter:
         return self._publish_temps(pairs, staged.entries)
 
     def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]]:
-        """:meth:`_send` in two steps: started now, the returned function waits for the node's infos (call it
-        once). Same host with a data lane: the ``publish_units`` request is sent on it now (the answer read
-        with :meth:`_publish_temps`'s handling of a failure); otherwise :meth:`_send` runs in a sender
-        thread."""
-        entries = staged.entries
-        if entries is None:  # over DoPut
-            return _send_async(self._send, staged).result
-        pairs = list(zip(staged.ids, staged.tables, strict=True))
-        try:
-            answer = self.client.publish_units_start(self.job, entries, timeout_s=self.timeout_s)
-        except BaseException as exc:
-            failed = exc
-            return lambda: self._publish_failed(pairs, entries, failed)
-        if answer is None:  # no lane: over Flight
-            return _send_async(self._send, staged).result
-
-        def read() -> list[dict[str, Any]]:
-            try:
-                return answer()
-            except BaseException as exc:
-                return self._publish_failed(pairs, entries, exc)
-
-        return read
+        """:meth:`_send` started now in a sender thread; the returned function waits for the node's infos."""
+        return _send_async(self._send, staged).result
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
@@ -433,45 +406,27 @@ class TrajectoryWriter:
     def write_tables_many(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
         """Store prepared tables as units ``(unit_id, tables)``, all or none; the node's infos, in order.
 
-        Same host: one ``reserve_units`` round trip for all (budget, memory or spill), the IPC files
-        written straight into the directories it grants, one ``seal_units``. Otherwise: ``DoPut`` calls
-        per unit, then one ``seal_units``. A failure removes every unit of the call from the node.
+        Same host: the IPC files written into the writer's own temporaries, then one ``publish_units``
+        round trip. Otherwise: ``DoPut`` calls per unit, then one ``seal_units``. A failure removes every
+        unit of the call from the node.
         """
         if not units:
             return []
-        if self.store_dir is not None and self._one_trip:
-            return self._publish_temps(units, self._write_temps(units))
         if self.store_dir is not None:
-            wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
-            grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
+            return self._publish_temps(units, self._write_temps(units))
         seals: list[dict[str, Any]] = []
-        parents: dict[str, Path] = {}  # the units' directories share a parent (<root>/<job>): resolve it once
-        # the units this call holds on the node, to remove on failure: all of them once reserved; over DoPut
-        # each one from its upload on, unless the node refused it as a unit it already had (not this call's)
-        owned = [uid for uid, _ in units] if self.store_dir is not None else []
+        # the units this call holds on the node, to remove on failure: each one from its upload on, unless the
+        # node refused it as a unit it already had (not this call's)
+        owned: list[str] = []
         try:
-            for k, (uid, t) in enumerate(units):
-                seal: dict[str, Any] = {"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows}
-                if self.store_dir is None:
-                    owned.append(uid)
-                    try:
-                        self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
-                    except Conflict:
-                        owned.pop()
-                        raise
-                else:
-                    granted = Path(grants[k]["dir"])
-                    parent = parents.get(str(granted.parent))
-                    if parent is None:
-                        parent = parents[str(granted.parent)] = granted.parent.resolve()
-                    tmp = parent / granted.name if granted.name not in ("", ".", "..") else granted.resolve()
-                    if not grants[k]["spilled"] and self.store_dir not in tmp.parents:
-                        raise Conflict(
-                            f"store node {self.endpoint} writes to {tmp}, not under this writer's "
-                            f"store_dir {self.store_dir}: is the node on another host?"
-                        )
-                    seal["num_bytes"] = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
-                seals.append(seal)
+            for uid, t in units:
+                owned.append(uid)
+                try:
+                    self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
+                except Conflict:
+                    owned.pop()
+                    raise
+                seals.append({"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows})
             return self.client.seal_units(self.job, seals)
         except BaseException:
             self._abort(owned)
@@ -503,31 +458,18 @@ class TrajectoryWriter:
         self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]]
     ) -> list[dict[str, Any]]:
         """One ``publish_units`` of the temporaries written by :meth:`_write_temps` (budget, validation,
-        rename; all or none). A failure removes the temporaries and the units; a node that predates
-        ``publish_units`` gets the units again by ``reserve_units`` and ``seal_units``."""
+        rename; all or none). A failure removes the temporaries and the units."""
         try:
             return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:
-            return self._publish_failed(units, entries, exc)
-
-    def _publish_failed(
-        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]], exc: BaseException
-    ) -> list[dict[str, Any]]:
-        """After ``publish_units`` of the temporaries failed with ``exc``: remove them and the units, and
-        raise ``exc``; for a node that predates ``publish_units``, store the units by ``reserve_units``
-        and ``seal_units`` instead (their infos)."""
-        for e in entries:
-            shutil.rmtree(e["dir"], ignore_errors=True)
-        if isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc):
-            logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
-            self._one_trip = False
-            return self.write_tables_many(units)
-        if not isinstance(exc, Conflict):
-            # Conflict: the node refused, already holding a unit of one of these ids, which is not
-            # this call's (another writer's, or one a crash left) and must not be deleted here. On any
-            # refusal the node has undone what the call did; what an error in transit left is removed.
-            self._abort([uid for uid, _ in units])
-        raise exc
+            for e in entries:
+                shutil.rmtree(e["dir"], ignore_errors=True)
+            if not isinstance(exc, Conflict):
+                # Conflict: the node refused, already holding a unit of one of these ids, which is not
+                # this call's (another writer's, or one a crash left) and must not be deleted here. On any
+                # refusal the node has undone what the call did; what an error in transit left is removed.
+                self._abort([uid for uid, _ in units])
+            raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:
         """Remove units of a failed write from the node (sealed or pending; gone already is fine)."""
