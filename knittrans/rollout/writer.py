@@ -6,11 +6,14 @@ API::
                               store_dir="/dev/shm/knittrans")     # None -> always DoPut
     desc: UnitDescriptor = writer.write_groups([TrajectoryGroup(...), ...])
 
-    # with a control-plane client the writer registers what it writes (write -> seal -> register):
+    # with a control-plane client the writer registers what it writes (write -> seal -> register), the
+    # registration in the background (knittrans.rollout.registrar): a put returns once its units are sealed
     writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
-    writer.write_groups(groups)                          # one unit, registered
-    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
+    writer.write_groups(groups)                          # one unit, sealed; registered soon after
+    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration request for all
     write_units_across([(writer_a, units_a), (writer_b, units_b)])  # several nodes at once, one registration
+    writer.flush()                                       # everything written so far is registered (or raises)
+    writer.close()                                       # flushes too
 
 Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
 temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
@@ -49,6 +52,7 @@ from knittrans.descriptors import GroupRecord, UnitDescriptor, checked_group
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
+from knittrans.rollout.registrar import Registrar
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
 from knittrans.store.store import writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
@@ -182,8 +186,6 @@ class _Staged:
 
 def write_units_across(
     batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]]]],
-    *,
-    control: ControlClient | None = None,
 ) -> list[list[UnitDescriptor]]:
     """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
 
@@ -192,13 +194,14 @@ def write_units_across(
     same-host writer's IPC files are written into its temporaries and the node's round trip (its
     ``publish_units`` call, or the ``DoPut`` upload) is handed to a sender thread (kept between calls),
     so that the nodes work at once while this thread writes the next node's files and then describes
-    all the units; all the descriptors
-    are registered with ``control`` (default: the first writer's that has one; none at all: not
-    registered) in one request; descriptors per pair, in order.
+    all the units; all the descriptors are registered in one request, in the background, by the first
+    writer that has a control-plane client (none: not registered); descriptors per pair, in order.
 
     Storing is all or none across the nodes: when one writer fails, the units the others stored are
     removed and the first failure (in ``batches`` order) is raised. Registration is as in
-    ``write_units``: a failure raises and leaves the units sealed but unregistered (not consumable).
+    ``write_units``: its failure is raised by that writer's next call, ``flush`` or ``close`` and leaves
+    the units sealed but unregistered (not consumable). An earlier registration failure of any of the
+    writers is raised first, before anything is written.
     """
     if not batches:
         return []
@@ -207,8 +210,9 @@ def write_units_across(
         raise InvalidRequest(f"write_units_across: every writer must write the same job, not {sorted(jobs)}")
     if len({id(w) for w, _ in batches}) != len(batches):
         raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
-    if control is None:
-        control = next((w.control for w, _ in batches if w.control is not None), None)
+    for w, _ in batches:
+        w.check()
+    registrar = next((w._registrar for w, _ in batches if w._registrar is not None), None)
     built: list[Sequence[UnitTables] | None] = [None] * len(batches)
     fields = batches[0][0].user_fields
     if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
@@ -256,9 +260,8 @@ def write_units_across(
                 writer._abort(st.ids)
         raise failed
     out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
-    every = [d for descs in out for d in descs]
-    if every and control is not None:
-        control.register_units(next(iter(jobs)), every)
+    if registrar is not None:
+        registrar.submit(next(iter(jobs)), [d for descs in out for d in descs])
     return out
 
 
@@ -293,36 +296,50 @@ class TrajectoryWriter:
         self.timeout_s = timeout_s
         self.client = StoreClient(endpoint, token=token)
         self.control = control
-        """When given, every unit written is registered with it (the caller keeps owning the client)."""
+        """When given, every unit written is registered with it, in the background (the caller keeps owning
+        the client; :meth:`flush` waits for the registrations)."""
+        self._registrar = Registrar(control.register_units, _send_async) if control is not None else None
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
         return f"{self.node_id[:100]}-{uuid.uuid4().hex[:16]}"
 
     def write_groups(self, groups: Sequence[TrajectoryGroup], *, unit_id: str | None = None) -> UnitDescriptor:
-        """Build, validate, store and seal ``groups`` as one unit, register it when the writer has a
-        ``control`` client; return its descriptor."""
+        """Build, validate, store and seal ``groups`` as one unit, registered in the background when the writer
+        has a ``control`` client; return its descriptor."""
         return self._publish([groups], [unit_id])[0]
 
     def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
-        """Write each group list as its own unit, then register them all in one call (with ``control``);
-        descriptors in the order of ``units``.
+        """Write each group list as its own unit, then (with ``control``) have them all registered in one
+        request, in the background; descriptors in the order of ``units``.
 
         The units are built together (one Arrow table for all rows, cut into one slice per unit),
         published in one round trip (same host; over ``DoPut`` one seal for all), and registered in
-        one request. Storing is all or none: when one unit fails, none stays on the
-        node. Registration is all or none too: a failure leaves the written units sealed but
-        unregistered (a retry of the registration with the returned descriptors is a no-op for those
-        that made it).
+        one request. Storing is all or none: when one unit fails, none stays on the node.
+        Registration is all or none too: its failure (raised by the next call, :meth:`flush` or
+        :meth:`close`, see :mod:`knittrans.rollout.registrar`) leaves the units sealed but unregistered.
+        An earlier registration failure is raised first, before anything is written.
         """
         return self._publish(units, [None] * len(units))
+
+    def check(self) -> None:
+        """Raise the oldest background registration failure not raised yet (the next call does so too)."""
+        if self._registrar is not None:
+            self._registrar.check()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every unit this writer had registered so far is registered; raise a registration
+        failure (as :meth:`check`). ``Unavailable`` when still registering after ``timeout_s``."""
+        if self._registrar is not None:
+            self._registrar.flush(timeout_s)
 
     def _publish(
         self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
     ) -> list[UnitDescriptor]:
+        self.check()
         descs = self._store(units, unit_ids)
-        if descs and self.control is not None:
-            self.control.register_units(self.job, descs)
+        if self._registrar is not None:
+            self._registrar.submit(self.job, descs)
         return descs
 
     def _store(
@@ -482,8 +499,12 @@ class TrajectoryWriter:
                 logger.warning("could not abort unit %s/%s: %s", self.job, uid, exc)
 
     def close(self) -> None:
-        """Close the connection to the node."""
-        self.client.close()
+        """Wait for the background registrations (:meth:`flush`, raising a failure), close the connection to
+        the node."""
+        try:
+            self.flush()
+        finally:
+            self.client.close()
 
     def __enter__(self) -> TrajectoryWriter:
         return self
