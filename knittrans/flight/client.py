@@ -22,7 +22,10 @@ within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is
 once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
 ``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Before that,
 the store is asked for its lane's port once more: a store restarted on the same Flight port opens its
-lane on a new one, which is then used at once. Lane answers are received into buffers reused from read
+lane on a new one, which is then used at once. A read the lane cannot serve (it is full and says so,
+the connection breaks during the answer) goes through ``DoGet`` too, and the next read tries the lane
+again: a lane never fails a read ``DoGet`` could serve (errors the store answers about the read itself,
+e.g. an unknown unit or a wrong token, are raised as they are). Lane answers are received into buffers reused from read
 to read (:mod:`knittrans.flight.recv_pool`). :meth:`lane_warm` opens and pings one lane connection
 ahead of the first read (the fetcher's warm-up does).
 
@@ -107,6 +110,7 @@ class StoreClient:
         self._recv_pool = recv_pool if recv_pool is not None else default_pool()
         self._lane_down_until = 0.0  # monotonic time before which reads skip an unreachable lane
         self._lane_failures = 0  # lane connects failed in a row
+        self._lane_refusals = 0  # reads the lane could not serve that went through DoGet instead
         self._timeout_s = timeout_s
         self._authorization = b"" if token is None else auth_headers(token)[0][1]
         self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
@@ -177,7 +181,9 @@ class StoreClient:
         return self.lane_port() is not None and time.monotonic() >= self._lane_down_until
 
     def _lane_or_none(self, ticket: Ticket) -> pa.Table | None:
-        """The lane's answer, or None when the store has no lane or it cannot be reached (then remembered)."""
+        """The lane's answer, or None: the store has no lane, it cannot be reached (then remembered), or it could
+        not serve this request (full, closed meanwhile, a broken answer: this request goes through ``DoGet``, the
+        next one tries the lane again)."""
         if not self.lane_reachable():
             return None
         for attempt in range(2):
@@ -187,6 +193,11 @@ class StoreClient:
                 failure = exc
                 if attempt or not self._lane_moved():  # a store back with its lane on another port: try it now
                     break
+            except Unavailable as exc:
+                self._lane_refusals += 1
+                log = logger.warning if self._lane_refusals == 1 else logger.debug
+                log("%s; this read goes through DoGet", exc)
+                return None
             else:
                 self._lane_failures = 0
                 return table

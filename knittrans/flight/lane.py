@@ -19,15 +19,25 @@ Wire format (integers big-endian)::
 ``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
 checked by the store's own :class:`~knittrans.flight.auth.BearerTokenFactory`), ``ticket`` the
 bytes of a Flight ticket (decoded and grant-checked by the store's own ``read_ticket``). A
-connection serves requests one after another. Limits, so that a slow or garbage client cannot pin
-the store: ``auth`` <= 4 KiB, ``ticket`` <= :data:`~knittrans.tickets.MAX_TICKET_BYTES`; a request
-must arrive whole within ``request_timeout_s`` of its first byte; an idle connection is closed
-after ``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped; at most
-``max_connections`` connections are served at once. A malformed request (bad magic, a length over
-its limit, a request that does not arrive in time) gets an error frame and the connection is
-closed; any other error (bad ticket, unknown unit, wrong token) gets an error frame and the
-connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client opens
-and checks a connection ahead of its first read. Plain TCP only: a store with TLS refuses to open a lane.
+connection serves requests one after another.
+
+Authentication first, so that nobody without the token can pin the store: of every request the
+header (12 bytes) and the ``auth`` (<= 4 KiB) are read and the token checked before the ticket
+(<= :data:`~knittrans.tickets.MAX_TICKET_BYTES`) is read or a buffer allocated for it; a refused
+token gets an error frame and the connection is closed. A new connection waits in the
+:class:`~knittrans.flight.lane_gate.Gate` (one thread for all, no buffer beyond those 4 KiB) until
+its first request's header and token are in: within ``auth_timeout_s`` of being accepted, else it
+is closed; at most ``max_unauthenticated`` wait at once (a newer one closes the one waiting
+longest), apart from the ``max_connections`` admitted ones, which they cannot crowd out. An admitted
+connection gets a thread; a further connection past ``max_connections`` is answered ``Unavailable``
+("use DoGet": clients read that request through Flight) and closed. Then: a request must arrive
+whole within ``request_timeout_s`` of its first byte; an idle connection is closed after
+``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped. A malformed
+request (bad magic, a length over its limit, a request that does not arrive in time) gets an error
+frame and the connection is closed; any other error (bad ticket, unknown unit) gets an error frame
+and the connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client
+opens and checks a connection ahead of its first read. Plain TCP only: a store with TLS refuses to
+open a lane.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from knittrans.errors import (
 )
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import error_message, from_error_message, known_error
+from knittrans.flight.lane_gate import Gate
 from knittrans.flight.recv_pool import ReceivePool
 from knittrans.tickets import MAX_TICKET_BYTES
 
@@ -162,10 +173,12 @@ def ipc_parts(table: pa.Table) -> tuple[list[Any], int]:
 
 
 class LaneServer:
-    """The data lane of one store server: a listening socket and one thread per connection (module docstring).
+    """The data lane of one store server: a listening socket, the :class:`~knittrans.flight.lane_gate.Gate` that
+    admits connections once their first request's header and token check out, and one thread per admitted
+    connection (module docstring).
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
-    (its bearer-token check, or None for a store without a token) checks the request's ``authorization``.
+    (its bearer-token check, or None for a store without a token) checks each request's ``authorization``.
     """
 
     def __init__(
@@ -175,10 +188,12 @@ class LaneServer:
         *,
         read: Callable[[bytes], pa.Table],
         auth: BearerTokenFactory | None,
+        auth_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         send_timeout_s: float = 30.0,
         max_connections: int = 128,
+        max_unauthenticated: int = 256,
     ) -> None:
         self._read, self._auth = read, auth
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
@@ -186,17 +201,25 @@ class LaneServer:
         self.served = 0
         """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="knittrans-lane-accept", daemon=True)
-        self._thread.start()
+        self.gate = Gate(
+            self._listener,
+            header_size=_REQUEST.size,
+            parse=_auth_length,
+            admit=self._admit,
+            frame=_error_frame,
+            timeout_s=auth_timeout_s,
+            max_pending=max_unauthenticated,
+        )
+        """Connections that have not shown a token yet wait here (``gate.pending``)."""
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (requests in progress and idle ones kept open)."""
+        """Admitted connections being served now (requests in progress and idle ones kept open)."""
         with self._lock:
             return len(self._conns)
 
@@ -207,48 +230,40 @@ class LaneServer:
                 return
             self._closed = True
             conns = list(self._conns)
+        self.gate.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="knittrans-lane", daemon=True).start()
+    def _check(self, authorization: bytes) -> None:
+        if self._auth is not None:
+            self._auth.check([authorization] if authorization else [])
 
-    def _refuse(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                socket_timeouts(conn, self.send_timeout_s)
-                msg = f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
-                self._error(conn, Unavailable(msg))
-            except OSError:
-                pass
+    def _admit(self, conn: socket.socket, peer: Any, header: bytes, authorization: bytes) -> None:
+        """The gate's hand-over: the first request's header and authorization are in and well formed; check the
+        token (refused: the gate answers and closes), then serve the connection on a thread of its own."""
+        self._check(authorization)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the data lane is closing; use DoGet")
+            if len(self._conns) >= self.max_connections:
+                raise Unavailable(
+                    f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
+                )
+            self._conns.add(conn)
+        _, _, ticket_len = _REQUEST.unpack(header)
+        deadline = time.monotonic() + self.request_timeout_s
+        threading.Thread(
+            target=self._serve, args=(conn, peer, ticket_len, deadline), name="knittrans-lane", daemon=True
+        ).start()
 
-    def _error(self, conn: socket.socket, exc: KnitTransError) -> None:
-        body = error_message(exc).encode()[:MAX_ERROR_BYTES]
-        conn.sendall(_ANSWER.pack(MAGIC, ERROR, len(body)) + body)
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
+    def _serve(self, conn: socket.socket, peer: Any, ticket_len: int, deadline: float) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
             while self._one(conn):
                 pass
         except _Malformed as exc:
@@ -256,7 +271,7 @@ class LaneServer:
             try:
                 socket_timeouts(conn, self.send_timeout_s)
                 conn.settimeout(None)
-                self._error(conn, exc.error)
+                conn.sendall(_error_frame(exc.error))
             except OSError:
                 pass
         except OSError as exc:  # the client went away or stopped reading
@@ -284,7 +299,8 @@ class LaneServer:
         return bytes(buf)
 
     def _one(self, conn: socket.socket) -> bool:
-        """Serve one request; False when the client closed the connection (or stayed idle too long)."""
+        """Serve one further request of an admitted connection; False when the client closed the connection (or
+        stayed idle too long). Its token is checked before its ticket is read; a refused one closes the connection."""
         conn.settimeout(self.idle_timeout_s)
         try:
             first = conn.recv(1)
@@ -294,25 +310,23 @@ class LaneServer:
             return False
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
-        magic, auth_len, ticket_len = _REQUEST.unpack(head)
-        if magic != MAGIC:
-            raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
-        if auth_len > MAX_AUTH_BYTES:
-            raise _Malformed(
-                InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
-            )
-        if ticket_len > MAX_TICKET_BYTES:
-            raise _Malformed(InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed"))
-        auth = self._recv_exact(conn, auth_len, deadline, "authorization")
-        ticket = self._recv_exact(conn, ticket_len, deadline, "ticket")
+        try:
+            auth_len = _auth_length(head)
+            self._check(self._recv_exact(conn, auth_len, deadline, "authorization"))
+        except KnitTransError as exc:
+            raise _Malformed(exc) from None
+        _, _, ticket_len = _REQUEST.unpack(head)
+        self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
+        return True
+
+    def _answer(self, conn: socket.socket, ticket: bytes) -> None:
+        """Answer one authenticated request: the read of ``ticket`` (empty: a ping), or its error."""
         conn.settimeout(None)
         socket_timeouts(conn, self.send_timeout_s)
         try:
-            if self._auth is not None:
-                self._auth.check([auth] if auth else [])
             if not ticket:  # a ping: the connection is checked, nothing read
                 conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
-                return True
+                return
             parts, nbytes = ipc_parts(self._read(ticket))
         except Exception as exc:
             known = known_error("data lane read", exc)
@@ -321,12 +335,30 @@ class LaneServer:
                 known = KnitTransError(f"internal error in the data lane: {exc!r}")
             else:
                 logger.info("data lane read refused: %s: %s", type(known).__name__, known)
-            self._error(conn, known)
-            return True
+            conn.sendall(_error_frame(known))
+            return
         with self._lock:
             self.served += 1
         _sendmsg_all(conn, [_ANSWER.pack(MAGIC, OK, nbytes), *parts])
-        return True
+
+
+def _auth_length(header: bytes) -> int:
+    """The authorization length a request header declares, its magic and lengths checked (before any of
+    the rest is read)."""
+    magic, auth_len, ticket_len = _REQUEST.unpack(header)
+    if magic != MAGIC:
+        raise InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}")
+    if auth_len > MAX_AUTH_BYTES:
+        raise InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
+    if ticket_len > MAX_TICKET_BYTES:
+        raise InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed")
+    return int(auth_len)
+
+
+def _error_frame(exc: KnitTransError) -> bytes:
+    """An answer with status ERROR naming ``exc`` (as over Flight)."""
+    body = error_message(exc).encode()[:MAX_ERROR_BYTES]
+    return _ANSWER.pack(MAGIC, ERROR, len(body)) + body
 
 
 # ------------------------------------------------------------------------------------------------ client
