@@ -4,36 +4,24 @@ Used by rollout writers (units, supply, version), store nodes (register, heartbe
 (manifests, fetched, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
 so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
 is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
-
-``register_units`` (a writer's one request per write) goes over the control plane's registration
-lane when it has one (:mod:`knittrans.controllane`), else over a kept-alive ``http.client``
-connection of its own when the control plane is plain http: about 1 ms less client CPU per request
-than httpx. Anything those cannot answer (https, a call while another thread holds them, a
-dropped connection, a 503) is sent again through httpx with its retries; a repeated registration is a
-no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.client
 import json as jsonlib
 import logging
 import os
 import re
 import ssl
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pydantic_core
 
-from knittrans.controllane import LaneRegistrar
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import (
     InvalidJobSpec,
@@ -104,8 +92,6 @@ class ControlClient:
         retries: optional cap on attempts after the first (tests and probes that must fail fast).
         tls_ca: PEM file of the CA that signed an ``https://`` control plane's certificate (default
             ``$KNITTRANS_TLS_CA``; without either, the system roots verify it).
-        lane: send ``register_units`` over the control plane's registration lane when it has one
-            (:mod:`knittrans.controllane`); False: over HTTP only.
     """
 
     def __init__(
@@ -117,7 +103,6 @@ class ControlClient:
         retry: RetryPolicy = DEFAULT_RETRY,
         retries: int | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
-        lane: bool = True,
     ) -> None:
         if (retries is not None and retries < 0) or not timeout_s > 0:
             raise ValueError("retries must be >= 0 (or None) and timeout_s > 0")
@@ -145,35 +130,13 @@ class ControlClient:
             verify=verify,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
-        # The hot POST (a writer's registration, once per write) over one kept-alive ``http.client``
-        # connection: about 1 ms less client CPU per request than httpx (0.3 vs 1.4 ms, one scratch run).
-        # Plain http only; https, a call while another thread holds it, and anything that goes wrong on
-        # it take the httpx path above (see :meth:`_post_lean`).
-        split = urlsplit(self.base_url)
-        self._lean_at = (split.hostname, split.port or 80, split.path) if split.scheme == "http" else None
-        self._lean_headers = {**headers, "Content-Type": "application/json"}
-        self._lean_conn: http.client.HTTPConnection | None = None
-        self._lean_lock = threading.Lock()
-        auth = headers.get("Authorization", "").encode()
-        # the finder holds the pool, not this client: a bound method here would make the client a reference
-        # cycle, left to the cyclic GC when it is dropped (see test_trainer_client's cyclic-GC test)
-        find = functools.partial(_find_lane, self._http, min(timeout_s, 5.0))
-        self.lane = LaneRegistrar(self.base_url, auth, timeout_s=timeout_s, find=find) if lane else None
-        """The registration lane's client (None: ``lane=False``)."""
 
     def close(self) -> None:
         """Close the connection pools (a request still in flight in another thread closes its own connection
         when it returns: see :meth:`_request`)."""
         self._closed = True
-        if self.lane is not None:
-            self.lane.close()
         self._http.close()
         self._poll_http.close()
-        if self._lean_lock.acquire(blocking=False):  # else the call holding it closes it when done
-            try:
-                self._drop_lean()
-            finally:
-                self._lean_lock.release()
 
     def __enter__(self) -> ControlClient:
         return self
@@ -247,48 +210,6 @@ class ControlClient:
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
-
-    def _post_lean(self, path: str, data: bytes) -> Any:
-        """``POST path`` with the JSON ``data`` on the kept-alive ``http.client`` connection; its JSON answer.
-
-        Only for requests whose repeat is a no-op: when the connection fails (a kept-alive connection the
-        server closed, a restart, a timeout) or the answer is 503, the request goes again by
-        :meth:`_request`, with its retries. So does a call while another thread uses the connection, or to
-        an https control plane. Errors are raised as :meth:`_json` raises them.
-        """
-        if self._lean_at is None or self._closed or not self._lean_lock.acquire(blocking=False):
-            return self._request("POST", path, content=data).json()
-        status, payload = 0, b""
-        try:
-            host, port, prefix = self._lean_at
-            try:
-                if self._lean_conn is None:
-                    self._lean_conn = http.client.HTTPConnection(host or "", port, timeout=self.timeout_s)
-                self._lean_conn.request("POST", prefix + path, body=data, headers=self._lean_headers)
-                answer = self._lean_conn.getresponse()
-                payload = answer.read()
-                status = answer.status
-                if answer.will_close:
-                    self._drop_lean()
-            except (OSError, http.client.HTTPException) as exc:
-                logger.debug("control plane %s: POST %s: %s; again by the pooled client", self.base_url, path, exc)
-                self._drop_lean()
-                status = 0
-            if self._closed:  # closed while this call held the connection
-                self._drop_lean()
-        finally:
-            self._lean_lock.release()
-        if status == 0 or status == 503:
-            return self._request("POST", path, content=data).json()
-        if status >= 400:
-            _raise_for(httpx.Response(status, content=payload))
-        return jsonlib.loads(payload)
-
-    def _drop_lean(self) -> None:
-        """Close the kept-alive ``http.client`` connection (the caller holds its lock)."""
-        if self._lean_conn is not None:
-            self._lean_conn.close()
-            self._lean_conn = None
 
     # ------------------------------------------------------------------ health
     def health(self) -> dict[str, Any]:
@@ -399,9 +320,7 @@ class ControlClient:
         pause = 0.05
         while True:
             try:
-                result = self.lane.register(job, data) if self.lane is not None else None
-                if result is None:
-                    result = self._post_lean(f"/v1/jobs/{job}/units", data)
+                result: dict[str, Any] = self._request("POST", f"/v1/jobs/{job}/units", content=data).json()
                 return result
             except NotFound as exc:
                 missing = _UNREGISTERED_NODE.search(str(exc))
@@ -554,13 +473,3 @@ def _close_connection(response: httpx.Response) -> None:
     if stream is not None:
         with contextlib.suppress(Exception):
             stream.close()
-
-
-def _find_lane(http: httpx.Client, timeout_s: float) -> tuple[int, int] | None:
-    """``GET /v1/lane``, one try: ``(port, max_bytes)``, or None when the control plane has no lane."""
-    response = _unbound(http.get("/v1/lane", timeout=timeout_s))
-    if response.status_code == 404:
-        return None
-    _raise_for(response)
-    body = response.json()
-    return int(body["port"]), int(body["max_bytes"])

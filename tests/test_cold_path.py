@@ -31,8 +31,9 @@ def _consume_all(cluster: LocalCluster, job: str) -> list[str]:
 
 
 def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalCluster) -> None:
-    """``write_groups`` registers its unit; ``write_units`` writes one unit per list and registers them together;
-    the units are the job's and a trainer consumes exactly the groups written."""
+    """``write_groups`` registers its unit (in the background: ``flush`` waits for it); ``write_units`` writes one
+    unit per list and registers them together; ``close`` flushes; the units are the job's and a trainer consumes
+    exactly the groups written."""
     control = cluster.control()
     control.create_job(job_spec("wr", groups=3, group_size=2, k=1, world_size=1, micro_batch_size=2))
     s0, s1 = cluster.stores
@@ -43,6 +44,7 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
         ) as w1,
     ):
         one = w0.write_groups(mm_groups("a", 1, group_size=2))
+        w0.flush()
         assert control.status("wr")["counts"]["units"] == 1
         two = w1.write_units([mm_groups("b", 1, group_size=2, seed=1), mm_groups("c", 1, group_size=2, seed=2)])
     assert [d.node_id for d in two] == [s1.node_id, s1.node_id] and one.node_id == s0.node_id
@@ -145,8 +147,9 @@ def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
 
 
 def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: LocalCluster, tmp_path: Path) -> None:
-    """``write_units_across`` stores on both nodes at once and registers every unit in one request; a
-    trainer consumes them. When one node fails, the other's units are removed and nothing is registered."""
+    """``write_units_across`` stores on both nodes at once and registers every unit in one request (through the
+    first writer with a control client); a trainer consumes them. When one node fails, the other's units are
+    removed and nothing is registered."""
     from knittrans.errors import Conflict, InvalidRequest
     from knittrans.flight.client import StoreClient
     from knittrans.rollout.writer import write_units_across
@@ -180,6 +183,7 @@ def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: Loc
             (w1, [mm_groups("c", 1, group_size=2, seed=2), mm_groups("d", 1, group_size=2, seed=3)]),
         ]
     )  # control: w0 has none, w1's is used
+    w1.flush()
     assert calls == [4] and control.status("across")["counts"]["units"] == 4
     assert {d.node_id for d in a} == {s0.node_id} and {d.node_id for d in b} == {s1.node_id}
     seen = _consume_all(cluster, "across")

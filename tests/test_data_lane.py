@@ -144,9 +144,9 @@ def test_fetcher_with_data_lane_reads_merged_tickets_over_the_lane(start_server:
 
 
 def test_bad_lane_requests_get_named_errors_and_the_lane_keeps_serving(start_server: Start) -> None:
-    """Bad ticket, unknown unit, bad range, wrong or missing token: the error DoGet raises, on a connection
-    that stays usable; bad magic and oversize lengths: a named error, then the connection closes. The store
-    serves a good request after each."""
+    """Bad ticket, unknown unit, bad range: the error DoGet raises, on a connection that stays usable; bad magic
+    and oversize lengths: a named error, then the connection closes (tests/test_data_lane_auth.py: tokens). The
+    store serves a good request after each."""
     server, units = _filled(start_server)
     good = _rows("job", ("u0", ((0, 3),)))
     want = units["u0"].traj.slice(0, 3)
@@ -159,10 +159,6 @@ def test_bad_lane_requests_get_named_errors_and_the_lane_keeps_serving(start_ser
             _request(conn, _rows("job", ("missing", ())).encode())
         with pytest.raises(InvalidRequest, match=r"row range \[0, 99\) is out of range"):
             _request(conn, _rows("job", ("u0", ((0, 99),))).encode())
-        with pytest.raises(Unauthenticated, match="wrong bearer token"):
-            _request(conn, good.encode(), token="not-the-token")
-        with pytest.raises(Unauthenticated, match="missing bearer token"):
-            _request(conn, good.encode(), token=None)
         assert _request(conn, good.encode()).equals(want)  # same connection, still in step
     framing = {
         "bad magic": (b"HTTP" + struct.pack("!II", 0, 0), InvalidRequest, "starts with b'HTTP', not b'KTL1'"),
@@ -236,9 +232,10 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 
 def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Start) -> None:
-    """A request that stalls gets a named error after the request timeout, an idle connection is closed,
-    connections over the limit are refused with Unavailable; a good read works after each, and a pooled
-    connection the lane closed meanwhile is replaced transparently."""
+    """A first request that stalls gets a named error after the token timeout, a later one after the request
+    timeout; a connection that sends nothing is closed; an admitted idle connection is closed; connections over
+    the limit are refused with Unavailable; a good read works after each, and a pooled connection the lane closed
+    meanwhile is replaced transparently."""
     server, units = _filled(start_server)
     assert server.lane is not None
     server.lane.close()
@@ -247,6 +244,7 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
         0,
         read=server.read_ticket,
         auth=server.auth,
+        auth_timeout_s=0.3,
         request_timeout_s=0.3,
         idle_timeout_s=0.5,
         max_connections=3,
@@ -257,15 +255,25 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
         assert c.lane_get(good).equals(units["u2"].traj)
         with _raw(server) as slow:
             slow.sendall(lane.MAGIC + b"\x00")  # then nothing
-            t0 = time.monotonic()
             with pytest.raises(InvalidRequest, match="header did not arrive within the time limit"):
                 lane.read_answer(slow)
-            assert time.monotonic() - t0 < 5
+            assert slow.recv(1) == b""
+        with _raw(server) as slow:
+            _request(slow, good.encode())  # admitted; the next request stalls
+            slow.sendall(lane.MAGIC + b"\x00")
+            with pytest.raises(InvalidRequest, match="header did not arrive within the time limit"):
+                lane.read_answer(slow)
+        with _raw(server) as silent:
+            assert silent.recv(1) == b""  # closed without a word after auth_timeout_s
         with _raw(server) as idle:
-            idle.settimeout(5)
-            assert idle.recv(1) == b""  # closed after idle_timeout_s without a request
-        for conn in [c._lane_connection(server.lane.port)[0] for _ in range(2)]:
-            c._lane_release(conn, True)  # the pooled one and a fresh one: two idle connections in c's pool
+            lane.ping(idle, f"Bearer {TOKEN}".encode())  # admitted
+            assert idle.recv(1) == b""  # closed after idle_timeout_s without a further request
+        old = c._lane_idle.pop()  # c's connection of its first read
+        fresh, pooled = c._lane_connection(server.lane.port)
+        assert not pooled
+        lane.ping(fresh, f"Bearer {TOKEN}".encode())
+        for conn in (old, fresh):
+            c._lane_release(conn, True)  # the first one and a fresh one: two idle connections in c's pool
         pooled = list(c._lane_idle)
         assert len(pooled) == 2
         wait_until(  # the lane closes them after idle_timeout_s
@@ -276,7 +284,7 @@ def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Star
         with _raw(server) as a, _raw(server) as b:  # with c's pooled connection: 3 open
             assert _request(a, good.encode()).num_rows == _request(b, good.encode()).num_rows
             with _raw(server) as third, pytest.raises(Unavailable, match="at most 3 connections"):
-                lane.read_answer(third)
+                _request(third, good.encode())
         wait_until(lambda: lane_server.open_connections == 1, timeout_s=10, what="the lane to see a and b close")
         assert c.lane_get(good).equals(units["u2"].traj)
 

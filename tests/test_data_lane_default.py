@@ -309,17 +309,17 @@ def test_lane_warm_opens_one_pinged_connection_that_the_first_read_uses(start_se
         assert c.get(_whole("u0")).equals(t.traj)
 
 
-def test_a_ping_with_a_wrong_token_or_to_a_store_without_ping_still_shows_a_lane(start_server: Start) -> None:
-    """The ping's answer to a wrong token is an error frame: still a lane (the reads then say what is wrong).
-    A lane that answers the empty ticket with an error frame (a store from before the ping) is a lane too."""
+def test_a_ping_answered_with_an_error_warms_nothing(start_server: Start) -> None:
+    """A ping the lane refuses (a wrong token) or answers with an error frame warms no connection: nothing is
+    pooled, and reads say what is wrong or go through DoGet."""
     server = start_server(token=TOKEN)
     assert server.lane is not None
     port = server.lane.port
     with StoreClient(server.endpoint, token="wrong", timeout_s=10) as c:
         c._lane_port = port  # the data_lane action itself needs the right token
-        assert c.lane_warm() and len(c._lane_idle) == 1 and server.lane.served == 0
+        assert not c.lane_warm() and c._lane_idle == [] and server.lane.served == 0
     server.lane.close()
     body = b"InvalidTicket: ticket is not valid"
     error_frame = lane.MAGIC + bytes([1]) + len(body).to_bytes(8, "big") + body
     with _squatter(port, error_frame), StoreClient(server.endpoint, token=TOKEN, timeout_s=10) as c:
-        assert c.lane_warm() and len(c._lane_idle) == 1
+        assert not c.lane_warm() and c._lane_idle == []

@@ -27,7 +27,6 @@ from data_support import make_groups
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, PayloadTooLarge, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
-from knittrans.flight.errors import to_flight_error
 from knittrans.rollout.writer import TrajectoryWriter, describe_unit
 from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
 from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
@@ -371,23 +370,17 @@ def test_store_reserve_batch_is_all_or_none(store_dir: Path) -> None:
 
 
 class RecordingServer(StoreServer):
-    """A store server that records the action types it is asked for, over Flight or its data lane (to
-    count round trips; not ``data_lane``, the lane's lookup, once per client)."""
+    """A store server that records the action types it is asked for (to count round trips; not
+    ``data_lane``, the lane's lookup, once per client)."""
 
     def __init__(self, config: StoreServerConfig) -> None:
         super().__init__(config)
         self.actions: list[str] = []
-        self.lane_actions: list[str] = []
 
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
         if action.type != "data_lane":
             self.actions.append(action.type)
         return super().do_action(context, action)  # type: ignore[no-any-return]
-
-    def lane_action(self, kind: str, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
-        self.actions.append(kind)
-        self.lane_actions.append(kind)
-        return super().lane_action(kind, raw, abandoned)
 
 
 @pytest.fixture
@@ -476,12 +469,11 @@ def test_single_unit_actions_still_work(recording: RecordingServer, store_dir: P
 
 
 def test_write_units_uses_one_publish(recording: RecordingServer, store_dir: Path) -> None:
-    """Same host: one ``publish_units`` round trip for the call (on the node's data lane); every unit is
-    what it holds."""
+    """Same host: one ``publish_units`` round trip for the call; every unit is what it holds."""
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
     units = _units(4)
     descs = writer.write_units(units)
-    assert recording.actions == ["publish_units"] and recording.lane_actions == ["publish_units"]
+    assert recording.actions == ["publish_units"]
     assert sorted(p.name for p in (store_dir / "job").iterdir()) == sorted(d.unit_id for d in descs)
     assert [d.num_rows for d in descs] == [sum(g.num_responses for g in gs) for gs in units]
     for d, groups in zip(descs, units, strict=True):
@@ -562,22 +554,6 @@ def test_units_of_a_batch_are_views_of_one_buffer_and_put_as_their_rows(recordin
 
 
 # --------------------------------------------------------------------------- publish_units (one round trip)
-
-
-class OldServer(RecordingServer):
-    """A store node from before ``publish_units``: it answers that action as an unknown one (and its
-    data lane, if any, serves no actions)."""
-
-    def __init__(self, config: StoreServerConfig) -> None:
-        super().__init__(config)
-        if self.lane is not None:
-            self.lane._act = None  # the lane as it was before lane actions
-
-    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
-        if action.type == "publish_units":
-            self.actions.append(action.type)
-            raise to_flight_error(InvalidRequest(f"unknown action {action.type!r}; known: [...]"))
-        return super().do_action(context, action)
 
 
 def _written(job_dir: Path, ids: list[str], seed: int = 0) -> list[tuple[SealSpec, Path]]:
@@ -693,20 +669,6 @@ def test_publish_action_refuses_bad_bodies(recording: RecordingServer, store_dir
         client.publish_units("job", [{"unit": "a", "dir": "/tmp/.tmp-a-wffff"}])
     assert recording.store.stats()["pending"] == 0 and recording.store.units() == []
     client.close()
-
-
-def test_writer_falls_back_to_reserve_and_seal_on_an_older_node(store_dir: Path) -> None:
-    """A node without ``publish_units``: the writer's first call falls back (no temporary left) and the
-    next ones reserve and seal at once."""
-    server = OldServer(StoreServerConfig(store=StoreConfig(root=store_dir), node_id="node-0"))
-    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir)
-    a = writer.write_units(_units(2))
-    assert server.actions == ["publish_units", "reserve_units", "seal_units"]
-    b = writer.write_units(_units(2, seed=3))
-    assert server.actions[3:] == ["reserve_units", "seal_units"]
-    assert sorted(p.name for p in (store_dir / "job").iterdir()) == sorted(d.unit_id for d in [*a, *b])
-    writer.close()
-    server.shutdown()
 
 
 def test_writer_publish_failure_leaves_nothing(recording: RecordingServer, store_dir: Path) -> None:

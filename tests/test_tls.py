@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 from data_support import make_groups
 
 from knittrans.controlclient import ControlClient
-from knittrans.errors import KnitTransError, NotFound, Unavailable
+from knittrans.errors import KnitTransError, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
 from knittrans.procs import control_plane_args, knittrans_command
 from knittrans.schema import build_unit_tables
@@ -109,16 +109,8 @@ def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path
                 except Unavailable:
                     assert proc.poll() is None and time.monotonic() < deadline
                     time.sleep(0.1)
-            with pytest.raises(NotFound, match="without a registration lane"):  # plain TCP: none with TLS
-                client._json("GET", "/v1/lane")
-            assert client.lane is not None and client.lane._host is None  # and the client never tries one
         with ControlClient(url, retries=0) as untrusting, pytest.raises(Unavailable, match="CERTIFICATE"):
             untrusting.health()
     finally:
         proc.kill()
         proc.wait()
-    asked = knittrans_command(
-        *control_plane_args(tmp_path / "cp2.db", port=free_port(), extra=[*tls, "--lane-port", "0"])
-    )
-    refused = subprocess.run(asked, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and "--lane-port serves plain TCP" in refused.stderr

@@ -10,18 +10,26 @@ cluster's processes (``/proc``, in 10 ms ticks: the mean over the puts; Ray: the
 raylet not counted). Reported: medians, p50/p99 over the puts, the
 median of the per-round ratios to Ray's put in the same round, load average.
 
+A writer that registers its units in the background (its ``flush()``) returns from the put before
+the control plane has them: the put's wall time is what the rollout loop waits for, and
+``registered`` (untimed by the put, measured apart) is the time from the put's start until its
+units are registered (``flush()`` returned; a tree without ``flush`` registers within the put,
+so there it equals the put). Each worker answers only after its registrations are done, so no
+background work overlaps another worker's put.
+
 After each timed put its units are deleted from the stores (untimed), as Ray's side drops its objects
 (``del refs``) and as a job deletes consumed units: the next put's files take the pages freed. With
 ``--keep`` every unit stays, as before 2026-12-04: the stores' tmpfs then grows by 3.5 MiB a put, and
 on a freshly booted VM every put's writes land on pages the guest never touched, about 6x dearer
 (``tmpfs_pages.py``); that measured the machine's uptime more than the put path.
 
-    python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--keep] [--tag NAME]
+    python benchmarks/transfer/put_path_pair.py --baseline <checkout> [--puts 120] [--keep] [--tag NAME] [--no-ray]
 
 A baseline that is no git checkout (a ``git archive`` of main) is labelled with ``--baseline-commit``
 (default: the commit of this repository's ``main`` whose tree the baseline directory holds).
 Ray's side runs in ``--ray-python`` (default: ``.venv-bench`` of this checkout, else of the main
-worktree of its repository, where ``scripts/setup_bench_env.sh`` puts it).
+worktree of its repository, where ``scripts/setup_bench_env.sh`` puts it); ``--no-ray`` pairs the two
+trees alone.
 
 Writes ``put_path_pair_<tag>.json`` and ``.md`` under ``--out`` (default benchmarks/transfer/results).
 """
@@ -117,12 +125,17 @@ def worker(puts: int, keep: bool) -> None:
             descs = write_units_across([(w, chunks[i :: len(writers)]) for i, w in enumerate(writers)])
             wall = time.perf_counter() - t0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0  # the writer's fresh pages
+            for w in writers:  # a writer that registers in the background: until the control plane has them
+                flush = getattr(w, "flush", None)
+                if flush is not None:
+                    flush()
+            registered = time.perf_counter() - t0
             used = cpu(pids) - c0
             if not keep:  # untimed, like Ray's `del refs`: the store's pages go back for the next put to reuse
                 for w, ds in zip(writers, descs, strict=True):
                     for d in ds:
                         w.client.delete("put", d.unit_id)
-            print(json.dumps({"wall": wall, "cpu": used, "minflt": faults}), flush=True)
+            print(json.dumps({"wall": wall, "registered": registered, "cpu": used, "minflt": faults}), flush=True)
         for w in writers:
             w.close()
         control.close()
@@ -231,6 +244,7 @@ def main() -> None:
         help="keep every put's units in the stores (default: delete them after each timed put, as Ray's side "
         "drops its objects; kept units make every put write to fresh tmpfs pages)",
     )
+    ap.add_argument("--no-ray", action="store_true", help="pair the two trees alone (no Ray worker)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -238,7 +252,7 @@ def main() -> None:
         return
     if args.baseline is None:
         ap.error("--baseline is required")
-    ray_python = args.ray_python or bench_python()
+    ray_python = None if args.no_ray else args.ray_python or bench_python()
     total = args.puts + args.warmup
     trees = {"baseline": args.baseline.resolve(), "this": REPO}
     compile_trees(trees.values())
@@ -253,16 +267,17 @@ def main() -> None:
             stdout=subprocess.PIPE,
             text=True,
         )
-    procs["ray"] = subprocess.Popen(
-        [str(ray_python), "-c", RAY_WORKER, str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    if ray_python is not None:
+        procs["ray"] = subprocess.Popen(
+            [str(ray_python), "-c", RAY_WORKER, str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
     ready = {name: read_json(p.stdout) for name, p in procs.items() if p.stdout is not None}
     load_start = os.getloadavg()
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in procs}
     names = list(procs)
     loads = []
     for k in range(total):
-        order = names[k % 3 :] + names[: k % 3]
+        order = names[k % len(names) :] + names[: k % len(names)]
         for name in order:
             r = ask(procs[name])
             if k >= args.warmup:
@@ -279,13 +294,18 @@ def main() -> None:
         cpu = [1e3 * r["cpu"] for r in rs]
         summary[name] = {
             "median_ms": statistics.median(wall),
+            "mean_ms": statistics.fmean(wall),
             "p50_ms": pct(wall, 0.5),
             "p99_ms": pct(wall, 0.99),
             "cpu_mean_ms": statistics.fmean(cpu),  # /proc counts 10 ms ticks: only the mean means anything
         }
         if name != "ray":
             summary[name]["writer_minflt_median"] = statistics.median(r.get("minflt", 0) for r in rs)
-        if name != "ray":
+            registered = [1e3 * r.get("registered", r["wall"]) for r in rs]
+            summary[name]["registered_median_ms"] = statistics.median(registered)
+            summary[name]["registered_mean_ms"] = statistics.fmean(registered)
+            summary[name]["registered_p99_ms"] = pct(registered, 0.99)
+        if name != "ray" and "ray" in got:
             ratios = [a["wall"] / b["wall"] for a, b in zip(rs, got["ray"], strict=True)]
             summary[name]["ratio_vs_ray_median"] = statistics.median(ratios)
             summary[name]["ratio_of_medians"] = statistics.median(wall) / statistics.median(
@@ -297,7 +317,7 @@ def main() -> None:
         "units_after_put": "kept" if args.keep else "deleted",
         "summary": summary,
         "raw": got,
-        "ray_version": ready["ray"].get("version"),
+        "ray_version": ready["ray"].get("version") if "ray" in ready else None,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -314,13 +334,14 @@ def main() -> None:
     (args.out / f"put_path_pair_{args.tag}.json").write_text(json.dumps(result, indent=1))
     m = result["machine"]
     lines = [
-        f"# Put path, paired: {m['commits']['baseline']} (baseline) vs {m['commits']['this']} (this) vs Ray `put`",
+        f"# Put path, paired: {m['commits']['baseline']} (baseline) vs {m['commits']['this']} (this)"
+        + (" vs Ray `put`" if "ray" in got else ""),
         "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, load average {load_start[0]:.1f} at start / "
         f"{m['loadavg_end'][0]:.1f} at end (median {m['load_median']:.1f}). {args.puts} puts each (after "
-        f"{args.warmup} warm-up), the three workers asked in turn, order rotating. `write_units_across` of the "
-        "text mini-batch (512 trajectories, 8 units over 2 stores on /dev/shm) vs Ray "
-        f"{result['ray_version']} `put` of the same rows (4 shards). "
+        f"{args.warmup} warm-up), the workers asked in turn, order rotating. `write_units_across` of the "
+        "text mini-batch (512 trajectories, 8 units over 2 stores on /dev/shm)"
+        + (f" vs Ray {result['ray_version']} `put` of the same rows (4 shards). " if "ray" in got else ". ")
         + (
             "Every put's units kept in the stores (`--keep`: each put writes to fresh tmpfs pages). "
             if args.keep
@@ -328,22 +349,33 @@ def main() -> None:
         )
         + "CPU: the worker and its cluster's processes (Ray: the driver process only).",
         "",
-        "| who | median ms | p50 / p99 ms | CPU ms (mean) | x Ray (median of per-round ratios) "
-        "| x Ray (ratio of medians) | writer minor faults per put |",
-        "|---|---|---|---|---|---|---|",
+        "| who | put median ms | mean | p50 / p99 ms | registered median / mean / p99 ms | CPU ms (mean) "
+        "| x Ray (median of per-round ratios) | x Ray (ratio of medians) | writer minor faults per put |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         label = f"{name} {m['commits'].get(name, '')}".strip() if name != "ray" else "ray.put"
-        r1 = f"{s['ratio_vs_ray_median']:.2f}" if "ratio_vs_ray_median" in s else "1.00"
-        r2 = f"{s['ratio_of_medians']:.2f}" if "ratio_of_medians" in s else "1.00"
+        r1 = f"{s['ratio_vs_ray_median']:.2f}" if "ratio_vs_ray_median" in s else "-"
+        r2 = f"{s['ratio_of_medians']:.2f}" if "ratio_of_medians" in s else "-"
         faults = f"{s['writer_minflt_median']:.0f}" if "writer_minflt_median" in s else "-"
-        lines.append(
-            f"| {label} | {s['median_ms']:.1f} | {s['p50_ms']:.1f} / {s['p99_ms']:.1f} | {s['cpu_mean_ms']:.1f} | "
-            f"{r1} | {r2} | {faults} |"
+        reg = (
+            f"{s['registered_median_ms']:.1f} / {s['registered_mean_ms']:.1f} / {s['registered_p99_ms']:.1f}"
+            if "registered_median_ms" in s
+            else "-"
         )
-    paired = statistics.median(a["wall"] / b["wall"] for a, b in zip(got["this"], got["baseline"], strict=True))
+        lines.append(
+            f"| {label} | {s['median_ms']:.1f} | {s['mean_ms']:.1f} | {s['p50_ms']:.1f} / {s['p99_ms']:.1f} | {reg} "
+            f"| {s['cpu_mean_ms']:.1f} | {r1} | {r2} | {faults} |"
+        )
+    pairs = list(zip(got["this"], got["baseline"], strict=True))
+    paired = statistics.median(a["wall"] / b["wall"] for a, b in pairs)
+    paired_reg = statistics.median(a.get("registered", a["wall"]) / b.get("registered", b["wall"]) for a, b in pairs)
     summary["this"]["ratio_vs_baseline_median"] = paired
-    lines += ["", f"this / baseline, median of the per-round ratios: {paired:.3f}."]
+    summary["this"]["registered_ratio_vs_baseline_median"] = paired_reg
+    lines += [
+        "",
+        f"this / baseline, median of the per-round ratios: put {paired:.3f}, registered {paired_reg:.3f}.",
+    ]
     (args.out / f"put_path_pair_{args.tag}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"put_path_pair_{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

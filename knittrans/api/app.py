@@ -15,7 +15,6 @@ from knittrans import __version__
 from knittrans.api.auth import TokenCheck
 from knittrans.api.board import ManifestBoard
 from knittrans.api.httperrors import install_error_handlers
-from knittrans.api.lane import RegistrationLane
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
 from knittrans.api.observe import Observations
@@ -131,14 +130,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runner.start()
         board.bind(asyncio.get_running_loop(), service.published)  # manifests published to this loop
         sweeper = asyncio.create_task(_sweep(service, runner, settings.node_sweep_interval_s))
-        if settings.lane_port is not None:  # after the state thread: the lane hands registrations to it
-            app.state.lane = RegistrationLane(app.state, settings.lane_host, settings.lane_port)
         try:
             yield
         finally:
-            if app.state.lane is not None:
-                app.state.lane.close()
-                app.state.lane = None
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -163,7 +157,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, jobs, nodes, units, minibatches, tokens, ui):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.state.lane = None  # the registration lane while the app runs with one (lifespan)
     _document_raw_bodies(app)
     return app
 

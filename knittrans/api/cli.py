@@ -82,19 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "third less server CPU per request than h11, benchmarks/control_plane/README.md), else h11 "
         "(default $KNITTRANS_HTTP, else auto)",
     )
-    lane = parser.add_mutually_exclusive_group()
-    lane.add_argument(
-        "--lane-port",
-        type=int,
-        default=None,
-        help="TCP port of the registration lane that takes writers' unit registrations beside HTTP (default: "
-        "$KNITTRANS_LANE_PORT, else any free one; GET /v1/lane gives it; plain TCP, so none with --tls-cert)",
-    )
-    lane.add_argument(
-        "--no-lane",
-        action="store_true",
-        help="take unit registrations over HTTP only (e.g. where only the HTTP port is reachable)",
-    )
     parser.add_argument(
         "--db-synchronous",
         choices=("NORMAL", "FULL"),
@@ -121,14 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "node_timeout_s": args.node_timeout_s,
         "db_synchronous": args.db_synchronous,
         "db_init": args.init,
-        "lane_port": args.lane_port,
-        "lane_host": args.host,
     }
-    settings = Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
-    if args.no_lane or (args.tls_cert is not None and args.lane_port is None):
-        # the lane is plain TCP: a TLS control plane opens none unless asked to (and then refuses to start)
-        settings = settings.model_copy(update={"lane_port": None})
-    return settings
+    return Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         logger.error("--tls-cert and --tls-key go together")
         return 2
-    if args.tls_cert is not None and settings.lane_port is not None:
-        logger.error("--lane-port serves plain TCP; it cannot go with --tls-cert (use --no-lane)")
         return 2
     # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -160,18 +139,6 @@ def run(args: argparse.Namespace) -> int:
         logger.error("control plane cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 2
     port = int(sock.getsockname()[1])
-    if settings.lane_port:  # a pinned lane port: say so now if it is taken (the app binds it at start-up)
-        try:
-            socket.create_server((args.host, settings.lane_port), family=family).close()
-        except OSError as exc:
-            sock.close()
-            logger.error(
-                "control plane cannot listen on %s:%d for its registration lane: %s (--lane-port, or --no-lane)",
-                args.host,
-                settings.lane_port,
-                exc.strerror or exc,
-            )
-            return 2
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -195,7 +162,7 @@ async def _serve(
     server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str, state: Any
 ) -> int:
     """Serve on ``sock``; once uvicorn reports started, log the URL and write the ready file. The exit status:
-    0, or 2 when start-up failed (e.g. ``--lane-port`` taken; uvicorn logged why)."""
+    0, or 2 when start-up failed (uvicorn logged why)."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():  # start-up failed: surface its exception
@@ -211,7 +178,6 @@ async def _serve(
             "host": host,
             "port": port,
             "pid": os.getpid(),
-            "lane_port": state.lane.port if state.lane is not None else None,
         }
         tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)

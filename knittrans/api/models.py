@@ -94,15 +94,6 @@ class ErrorOut(BaseModel):
     detail: str = Field(examples=["mini_batches_per_step: K=8 is larger than the train batch G=4 groups"])
 
 
-class LaneOut(BaseModel):
-    """Where the control plane serves unit registrations on plain TCP (``knittrans.api.lane``)."""
-
-    port: int = Field(examples=[40713])
-    """TCP port on the control plane's host (the host of its URL)."""
-    max_bytes: int
-    """Largest action frame (job name, NUL and body) the lane takes; larger registrations go over HTTP."""
-    served: int
-    """Registrations answered over the lane since the control plane started."""
 
 
 # ---------------------------------------------------------------- jobs

@@ -41,11 +41,6 @@ class Settings(BaseSettings):
     """How often the service looks for nodes past their heartbeat timeout."""
     long_poll_max_s: float = Field(default=60.0, gt=0)
     """Upper bound on the ``timeout_s`` of a long-poll (manifests, headroom)."""
-    lane_port: int | None = Field(default=0, ge=0, le=65535)
-    """Serve unit registrations also on a plain TCP lane on this port (0: a free one; None: no lane);
-    ``GET /v1/lane`` gives the port (``knittrans.api.lane``)."""
-    lane_host: str = "127.0.0.1"
-    """Bind address of the lane (``knittrans control-plane`` binds it where it serves HTTP)."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
     recent_admissions: int = Field(default=RECENT_ADMISSIONS, ge=1)

@@ -22,7 +22,10 @@ within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is
 once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
 ``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Before that,
 the store is asked for its lane's port once more: a store restarted on the same Flight port opens its
-lane on a new one, which is then used at once. Lane answers are received into buffers reused from read
+lane on a new one, which is then used at once. A read the lane cannot serve (it is full and says so,
+the connection breaks during the answer) goes through ``DoGet`` too, and the next read tries the lane
+again: a lane never fails a read ``DoGet`` could serve (errors the store answers about the read itself,
+e.g. an unknown unit or a wrong token, are raised as they are). Lane answers are received into buffers reused from read
 to read (:mod:`knittrans.flight.recv_pool`). :meth:`lane_warm` opens and pings one lane connection
 ahead of the first read (the fetcher's warm-up does).
 
@@ -32,7 +35,6 @@ Every failure is re-raised as the :mod:`knittrans.errors` type the server raised
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -47,7 +49,7 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import InvalidRequest, KnitTransError, Unavailable
+from knittrans.errors import KnitTransError, Unavailable
 from knittrans.flight import lane
 from knittrans.flight.auth import auth_headers
 from knittrans.flight.errors import from_flight_error
@@ -108,12 +110,12 @@ class StoreClient:
         self._recv_pool = recv_pool if recv_pool is not None else default_pool()
         self._lane_down_until = 0.0  # monotonic time before which reads skip an unreachable lane
         self._lane_failures = 0  # lane connects failed in a row
+        self._lane_refusals = 0  # reads the lane could not serve that went through DoGet instead
         self._timeout_s = timeout_s
         self._authorization = b"" if token is None else auth_headers(token)[0][1]
         self._lane_port = None if endpoint.startswith("grpc+tls://") else _UNKNOWN
         self._lane_host = urlsplit(endpoint).hostname or "127.0.0.1"
         self._lane_idle: list[socket.socket] = []  # connections to the lane between reads
-        self._lane_actions = True  # send publish_units on the lane; False once the store's lane refused it
         self.batch_bytes = batch_bytes
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         if endpoint.startswith("grpc+tls://") and ca:
@@ -169,10 +171,7 @@ class StoreClient:
     def lane_port(self) -> int | None:
         """The store's data-lane port (asked once with the ``data_lane`` action, then cached); None: no lane."""
         if self._lane_port == _UNKNOWN:
-            try:
-                answer = self._action("data_lane")
-            except InvalidRequest:  # a store from before the lane: "unknown action"
-                answer = None
+            answer = self._action("data_lane")
             port = answer.get("port") if isinstance(answer, dict) else None
             self._lane_port = port if isinstance(port, int) and not isinstance(port, bool) else None
         return self._lane_port
@@ -182,7 +181,9 @@ class StoreClient:
         return self.lane_port() is not None and time.monotonic() >= self._lane_down_until
 
     def _lane_or_none(self, ticket: Ticket) -> pa.Table | None:
-        """The lane's answer, or None when the store has no lane or it cannot be reached (then remembered)."""
+        """The lane's answer, or None: the store has no lane, it cannot be reached (then remembered), or it could
+        not serve this request (full, closed meanwhile, a broken answer: this request goes through ``DoGet``, the
+        next one tries the lane again)."""
         if not self.lane_reachable():
             return None
         for attempt in range(2):
@@ -192,6 +193,11 @@ class StoreClient:
                 failure = exc
                 if attempt or not self._lane_moved():  # a store back with its lane on another port: try it now
                     break
+            except Unavailable as exc:
+                self._lane_refusals += 1
+                log = logger.warning if self._lane_refusals == 1 else logger.debug
+                log("%s; this read goes through DoGet", exc)
+                return None
             else:
                 self._lane_failures = 0
                 return table
@@ -238,7 +244,7 @@ class StoreClient:
             try:
                 lane.ping(conn, self._authorization)
                 ok = True
-            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError, Unavailable) as exc:  # no lane answer
+            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError, KnitTransError) as exc:  # no lane answer
                 logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
             finally:
                 self._lane_release(conn, ok)
@@ -296,20 +302,6 @@ class StoreClient:
             msg = f"data lane of store {self.endpoint} (port {port}) cannot be reached: {exc}"
             raise _LaneUnreachable(msg) from None
         return conn, False
-
-    def _lane_connection_or_moved(self) -> tuple[socket.socket, bool]:
-        """A connection to the lane (pooled or new); when its port cannot be reached, one to the port the
-        store names now, if another (a store restarted on its Flight port opens its lane on a new one)."""
-        port = self._lane_port
-        assert isinstance(port, int)
-        try:
-            return self._lane_connection(port)
-        except _LaneUnreachable:
-            if not self._lane_moved():
-                raise
-        port = self._lane_port
-        assert isinstance(port, int)
-        return self._lane_connection(port)
 
     def _lane_release(self, conn: socket.socket, ok: bool) -> None:
         if ok:
@@ -447,95 +439,11 @@ class StoreClient:
         or none. Each entry is ``{"unit", "dir"}`` (``dir``: ``<root>/<job>/.tmp-<unit>-w<hex>``, see
         :func:`knittrans.store.writer_temp_name`) plus the optional counts of :meth:`seal_units`; the
         sealed units' infos, in order (``timeout_s`` bounds the wait for budget). On failure the node
-        removes every temporary of the call and the units it sealed. Sent over the store's data lane
-        when it has one (:meth:`publish_units_start`), else over Flight."""
-        finish = self.publish_units_start(job, units, timeout_s)
-        if finish is not None:
-            return finish()
-        return list(self._action("publish_units", _publish_body(job, units, timeout_s))["units"])
-
-    def publish_units_start(
-        self, job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None = None
-    ) -> Callable[[], list[dict[str, Any]]] | None:
-        """:meth:`publish_units` in two steps, over the store's data lane: the request is sent now and
-        the returned function waits for the answer (the caller works meanwhile, the node too, no thread
-        needed); call it exactly once. None: the client or the store has no lane, or it cannot be
-        reached: nothing was sent (call :meth:`publish_units`, over Flight). A lane that turns out to
-        serve no actions has the returned function make the call over Flight."""
-        body = _publish_body(job, units, timeout_s)
-        answer = self._lane_action_start("publish_units", body) if self.data_lane else None
-        if answer is None:
-            return None
-
-        def finish() -> list[dict[str, Any]]:
-            result = answer()
-            return list((result if result is not None else self._action("publish_units", body))["units"])
-
-        return finish
-
-    def _lane_action_start(self, kind: str, body: dict[str, Any]) -> Callable[[], Any] | None:
-        """Send ``kind`` on the store's data lane now; the returned function reads its answer (exactly once),
-        and returns None when the lane serves no actions (nothing was done: send it over Flight). None
-        here: nothing sent (no lane, one that failed to connect lately or serves no actions, a body
-        over the lane's limit). Errors the store answered are raised by the returned function."""
-        payload = json.dumps(body).encode()
-        if not self._lane_actions or len(payload) + len(kind) + 1 > lane.MAX_ACTION_BYTES or not self.lane_reachable():
-            return None
-        self._enter()
-        try:
-            conn, pooled = self._lane_connection_or_moved()
-        except _LaneUnreachable as exc:
-            self._leave()
-            self._lane_down(exc, f"sending {kind} over Flight")
-            return None
-        except BaseException:
-            self._leave()
-            raise
-        with contextlib.suppress(OSError):  # a pooled connection the store closed: the answer's read finds out
-            lane.send_action(conn, self._authorization, kind, payload)
-        finished = False
-
-        def finish() -> Any:
-            nonlocal conn, pooled, finished
-            if finished:
-                raise RuntimeError(f"the answer to {kind} was read already")
-            finished = True
-            try:
-                for attempt in range(2):  # a pooled connection the store closed meanwhile: once more on a fresh one
-                    ok = False
-                    try:
-                        if attempt:
-                            lane.send_action(conn, self._authorization, kind, payload)
-                        answer = lane.read_action_answer(conn)
-                        ok = True
-                        return json.loads(answer)
-                    except lane.NoLaneActions:
-                        logger.info("data lane of store %s serves no actions: %s over Flight now", self.endpoint, kind)
-                        self._lane_actions = False
-                        return None
-                    except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
-                        # closed before any answer: a pooled connection the store dropped as idle (not
-                        # processed: try a fresh one), or a store going away (a fresh connection fails too)
-                        if not pooled:
-                            msg = f"data lane of store {self.endpoint} closed during {kind}: {exc}"
-                            raise Unavailable(msg) from None
-                        with self._lock:
-                            stale, self._lane_idle = self._lane_idle, []
-                        for old in stale:
-                            old.close()
-                    except (lane.NotALane, lane.LaneSilent, OSError) as exc:
-                        raise Unavailable(f"data lane of store {self.endpoint} failed during {kind}: {exc}") from None
-                    finally:
-                        self._lane_release(conn, ok)
-                    try:
-                        conn, pooled = self._lane_connection_or_moved()
-                    except _LaneUnreachable as exc:
-                        raise Unavailable(f"{exc} (during {kind})") from None
-                raise Unavailable(f"data lane of store {self.endpoint} closed a fresh connection")  # pragma: no cover
-            finally:
-                self._leave()
-
-        return finish
+        removes every temporary of the call and the units it sealed."""
+        body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return list(self._action("publish_units", body)["units"])
 
     def delete(self, job: str, unit_id: str) -> None:
         """Delete a sealed unit or abort a pending one."""
@@ -588,11 +496,3 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _publish_body(job: str, units: Sequence[Mapping[str, Any]], timeout_s: float | None) -> dict[str, Any]:
-    """The ``publish_units`` action's body."""
-    body: dict[str, Any] = {"job": job, "units": [dict(u) for u in units]}
-    if timeout_s is not None:
-        body["timeout_s"] = timeout_s
-    return body

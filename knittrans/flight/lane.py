@@ -6,49 +6,44 @@ the same ticket with the same record batches framed so the client receives them 
 straight into ONE buffer (reused from read to read once unreferenced: :mod:`knittrans.flight.recv_pool`)
 and opens it zero-copy (``pa.ipc.open_stream``); the
 store writes the IPC stream with ``sendmsg`` from the memory-mapped unit files (no user-space copy).
-Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads, plus
-one action (``publish_units``, below).
+Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads only.
 
 Wire format (integers big-endian)::
 
     request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
-    action:   b"KTA1" | u32 auth_len | u32 body_len | auth | type | 0x00 | action body (JSON)
     answer:   b"KTL1" | u8 status | u64 length | body
               status 0: body = Arrow IPC stream of the record batches DoGet would stream
-                        (a ping, ticket_len 0: length 0, no body; an action: its JSON result)
+                        (a ping, ticket_len 0: length 0, no body)
               status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
 
 ``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
 checked by the store's own :class:`~knittrans.flight.auth.BearerTokenFactory`), ``ticket`` the
 bytes of a Flight ticket (decoded and grant-checked by the store's own ``read_ticket``). A
-connection serves requests one after another. Limits, so that a slow or garbage client cannot pin
-the store: ``auth`` <= 4 KiB, ``ticket`` <= :data:`~knittrans.tickets.MAX_TICKET_BYTES`; a request
-must arrive whole within ``request_timeout_s`` of its first byte; an idle connection is closed
-after ``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped; at most
-``max_connections`` connections are served at once. A malformed request (bad magic, a length over
-its limit, a request that does not arrive in time) gets an error frame and the connection is
-closed; any other error (bad ticket, unknown unit, wrong token) gets an error frame and the
-connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client opens
-and checks a connection ahead of its first read (a store from before the ping answers it with an
-error frame, which is as good an answer). Plain TCP only: a store with TLS refuses to open a lane.
+connection serves requests one after another.
 
-Actions (``KTA1``): the store's ``publish_units``, the same-host writer's one round trip per put, is
-served here too (:func:`send_action`, :func:`read_action_answer`), with the same token check and
-the same result and errors as the Flight action; every other action stays on Flight. Why: on this
-project's 2-core VMs a Flight call to a store that idled for 10 ms takes about 1.4 ms before any
-work (about 0.5 ms back to back), a lane request about 0.3 ms
-(``benchmarks/transfer/results/round_trips.md``): gRPC hands a call across several threads, where
-the lane's connection thread is woken straight by its socket. A body is at most
-:data:`MAX_ACTION_BYTES`. A lane without actions (a store from before them, or one given no ``act``)
-refuses ``KTA1`` as a request that is not a lane request, naming the magic, and closes the
-connection; clients then keep to Flight for actions (:class:`NoLaneActions`).
+Authentication first, so that nobody without the token can pin the store: of every request the
+header (12 bytes) and the ``auth`` (<= 4 KiB) are read and the token checked before the ticket
+(<= :data:`~knittrans.tickets.MAX_TICKET_BYTES`) is read or a buffer allocated for it; a refused
+token gets an error frame and the connection is closed. A new connection waits in the
+:class:`~knittrans.flight.lane_gate.Gate` (one thread for all, no buffer beyond those 4 KiB) until
+its first request's header and token are in: within ``auth_timeout_s`` of being accepted, else it
+is closed; at most ``max_unauthenticated`` wait at once (a newer one closes the one waiting
+longest), apart from the ``max_connections`` admitted ones, which they cannot crowd out. An admitted
+connection gets a thread; a further connection past ``max_connections`` is answered ``Unavailable``
+("use DoGet": clients read that request through Flight) and closed. Then: a request must arrive
+whole within ``request_timeout_s`` of its first byte; an idle connection is closed after
+``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped. A malformed
+request (bad magic, a length over its limit, a request that does not arrive in time) gets an error
+frame and the connection is closed; any other error (bad ticket, unknown unit) gets an error frame
+and the connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client
+opens and checks a connection ahead of its first read. Plain TCP only: a store with TLS refuses to
+open a lane.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import struct
 import threading
@@ -66,25 +61,21 @@ from knittrans.errors import (
 )
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import error_message, from_error_message, known_error
+from knittrans.flight.lane_gate import Gate
 from knittrans.flight.recv_pool import ReceivePool
 from knittrans.tickets import MAX_TICKET_BYTES
 
 __all__ = [
-    "ACTION_MAGIC",
     "MAGIC",
-    "MAX_ACTION_BYTES",
     "MAX_AUTH_BYTES",
     "LaneClosed",
     "LaneServer",
     "LaneSilent",
-    "NoLaneActions",
     "NotALane",
     "connect",
     "ipc_parts",
     "ping",
-    "read_action_answer",
     "read_answer",
-    "send_action",
     "send_request",
     "socket_timeouts",
 ]
@@ -93,12 +84,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KTL1"
 """First four bytes of every lane request and answer (the lane protocol's name and version)."""
-ACTION_MAGIC = b"KTA1"
-"""First four bytes of an action request (its answer starts with :data:`MAGIC`)."""
 MAX_AUTH_BYTES = 4096
 """Longest ``authorization`` value a lane request may carry."""
-MAX_ACTION_BYTES = 4 << 20
-"""Longest action request (type, separator and JSON body) and action answer."""
 MAX_ERROR_BYTES = 1 << 16
 """Longest error message an answer may carry (the client refuses longer ones as malformed)."""
 OK, ERROR = 0, 1
@@ -117,11 +104,6 @@ class NotALane(Exception):
 
 class LaneSilent(Exception):
     """The peer sent no byte of an answer within the socket's timeout."""
-
-
-class NoLaneActions(Exception):
-    """The lane refused an action request as no lane request at all: it serves reads only (a store from
-    before lane actions) and closed the connection. Nothing was done: send the action over Flight."""
 
 
 class _Malformed(Exception):
@@ -191,15 +173,12 @@ def ipc_parts(table: pa.Table) -> tuple[list[Any], int]:
 
 
 class LaneServer:
-    """The data lane of one store server: a listening socket and one thread per connection (module docstring).
+    """The data lane of one store server: a listening socket, the :class:`~knittrans.flight.lane_gate.Gate` that
+    admits connections once their first request's header and token check out, and one thread per admitted
+    connection (module docstring).
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
-    (its bearer-token check, or None for a store without a token) checks the request's ``authorization``;
-    ``act(type, authorization, body, abandoned) -> result`` answers an action request (the store
-    server's ``lane_act``; ``authorization`` is the request's, for a handler whose token check needs the
-    body, as the control plane's lane: :mod:`knittrans.api.lane`; ``abandoned()`` tells whether the
-    client has closed the connection meanwhile); None: the lane refuses actions as a lane from before
-    them does.
+    (its bearer-token check, or None for a store without a token) checks each request's ``authorization``.
     """
 
     def __init__(
@@ -209,31 +188,38 @@ class LaneServer:
         *,
         read: Callable[[bytes], pa.Table],
         auth: BearerTokenFactory | None,
-        act: Callable[[str, bytes, bytes, Callable[[], bool]], bytes] | None = None,
+        auth_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         idle_timeout_s: float = 60.0,
         send_timeout_s: float = 30.0,
         max_connections: int = 128,
+        max_unauthenticated: int = 256,
     ) -> None:
-        self._read, self._auth, self._act = read, auth, act
+        self._read, self._auth = read, auth
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
         """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
-        self.actions_served = 0
-        """Action requests answered with status OK."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="knittrans-lane-accept", daemon=True)
-        self._thread.start()
+        self.gate = Gate(
+            self._listener,
+            header_size=_REQUEST.size,
+            parse=_auth_length,
+            admit=self._admit,
+            frame=_error_frame,
+            timeout_s=auth_timeout_s,
+            max_pending=max_unauthenticated,
+        )
+        """Connections that have not shown a token yet wait here (``gate.pending``)."""
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (requests in progress and idle ones kept open)."""
+        """Admitted connections being served now (requests in progress and idle ones kept open)."""
         with self._lock:
             return len(self._conns)
 
@@ -244,48 +230,40 @@ class LaneServer:
                 return
             self._closed = True
             conns = list(self._conns)
+        self.gate.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="knittrans-lane", daemon=True).start()
+    def _check(self, authorization: bytes) -> None:
+        if self._auth is not None:
+            self._auth.check([authorization] if authorization else [])
 
-    def _refuse(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                socket_timeouts(conn, self.send_timeout_s)
-                msg = f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
-                self._error(conn, Unavailable(msg))
-            except OSError:
-                pass
+    def _admit(self, conn: socket.socket, peer: Any, header: bytes, authorization: bytes) -> None:
+        """The gate's hand-over: the first request's header and authorization are in and well formed; check the
+        token (refused: the gate answers and closes), then serve the connection on a thread of its own."""
+        self._check(authorization)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the data lane is closing; use DoGet")
+            if len(self._conns) >= self.max_connections:
+                raise Unavailable(
+                    f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
+                )
+            self._conns.add(conn)
+        _, _, ticket_len = _REQUEST.unpack(header)
+        deadline = time.monotonic() + self.request_timeout_s
+        threading.Thread(
+            target=self._serve, args=(conn, peer, ticket_len, deadline), name="knittrans-lane", daemon=True
+        ).start()
 
-    def _error(self, conn: socket.socket, exc: KnitTransError) -> None:
-        body = error_message(exc).encode()[:MAX_ERROR_BYTES]
-        conn.sendall(_ANSWER.pack(MAGIC, ERROR, len(body)) + body)
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
+    def _serve(self, conn: socket.socket, peer: Any, ticket_len: int, deadline: float) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
             while self._one(conn):
                 pass
         except _Malformed as exc:
@@ -293,7 +271,7 @@ class LaneServer:
             try:
                 socket_timeouts(conn, self.send_timeout_s)
                 conn.settimeout(None)
-                self._error(conn, exc.error)
+                conn.sendall(_error_frame(exc.error))
             except OSError:
                 pass
         except OSError as exc:  # the client went away or stopped reading
@@ -321,7 +299,8 @@ class LaneServer:
         return bytes(buf)
 
     def _one(self, conn: socket.socket) -> bool:
-        """Serve one request; False when the client closed the connection (or stayed idle too long)."""
+        """Serve one further request of an admitted connection; False when the client closed the connection (or
+        stayed idle too long). Its token is checked before its ticket is read; a refused one closes the connection."""
         conn.settimeout(self.idle_timeout_s)
         try:
             first = conn.recv(1)
@@ -331,28 +310,23 @@ class LaneServer:
             return False
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
-        magic, auth_len, ticket_len = _REQUEST.unpack(head)
-        action = magic == ACTION_MAGIC and self._act is not None
-        if magic != MAGIC and not action:
-            raise _Malformed(InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}"))
-        if auth_len > MAX_AUTH_BYTES:
-            raise _Malformed(
-                InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
-            )
-        if action:
-            return self._one_action(conn, auth_len, ticket_len, deadline)
-        if ticket_len > MAX_TICKET_BYTES:
-            raise _Malformed(InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed"))
-        auth = self._recv_exact(conn, auth_len, deadline, "authorization")
-        ticket = self._recv_exact(conn, ticket_len, deadline, "ticket")
+        try:
+            auth_len = _auth_length(head)
+            self._check(self._recv_exact(conn, auth_len, deadline, "authorization"))
+        except KnitTransError as exc:
+            raise _Malformed(exc) from None
+        _, _, ticket_len = _REQUEST.unpack(head)
+        self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
+        return True
+
+    def _answer(self, conn: socket.socket, ticket: bytes) -> None:
+        """Answer one authenticated request: the read of ``ticket`` (empty: a ping), or its error."""
         conn.settimeout(None)
         socket_timeouts(conn, self.send_timeout_s)
         try:
-            if self._auth is not None:
-                self._auth.check([auth] if auth else [])
             if not ticket:  # a ping: the connection is checked, nothing read
                 conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
-                return True
+                return
             parts, nbytes = ipc_parts(self._read(ticket))
         except Exception as exc:
             known = known_error("data lane read", exc)
@@ -361,55 +335,30 @@ class LaneServer:
                 known = KnitTransError(f"internal error in the data lane: {exc!r}")
             else:
                 logger.info("data lane read refused: %s: %s", type(known).__name__, known)
-            self._error(conn, known)
-            return True
+            conn.sendall(_error_frame(known))
+            return
         with self._lock:
             self.served += 1
         _sendmsg_all(conn, [_ANSWER.pack(MAGIC, OK, nbytes), *parts])
-        return True
-
-    def _one_action(self, conn: socket.socket, auth_len: int, body_len: int, deadline: float) -> bool:
-        """Serve one action request whose header has been read (the rest of :meth:`_one`)."""
-        if body_len > MAX_ACTION_BYTES:
-            raise _Malformed(
-                InvalidRequest(f"data lane action of {body_len} bytes, more than the {MAX_ACTION_BYTES} allowed")
-            )
-        auth = self._recv_exact(conn, auth_len, deadline, "authorization")
-        raw = self._recv_exact(conn, body_len, deadline, "action")
-        conn.settimeout(None)
-        socket_timeouts(conn, self.send_timeout_s)
-        kind = "?"
-        try:
-            if self._auth is not None:
-                self._auth.check([auth] if auth else [])
-            kind_bytes, sep, body = raw.partition(b"\0")
-            kind = kind_bytes.decode("ascii", errors="replace")
-            if not sep:
-                raise InvalidRequest("data lane action: no NUL byte between the action's type and its body")
-            assert self._act is not None
-            result = self._act(kind, auth, body, lambda: _peer_gone(conn))
-        except Exception as exc:
-            known = known_error(f"data lane action {kind}", exc)
-            if known is None:
-                logger.exception("data lane action %r failed", kind)
-                known = KnitTransError(f"internal error in the data lane: {exc!r}")
-            else:
-                logger.info("data lane action %r refused: %s: %s", kind, type(known).__name__, known)
-            self._error(conn, known)
-            return True
-        with self._lock:
-            self.actions_served += 1
-        conn.sendall(_ANSWER.pack(MAGIC, OK, len(result)) + result)
-        return True
 
 
-def _peer_gone(conn: socket.socket) -> bool:
-    """Whether the client closed the connection (it sends nothing while it waits for the answer)."""
-    try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (OSError, ValueError):
-        return True
+def _auth_length(header: bytes) -> int:
+    """The authorization length a request header declares, its magic and lengths checked (before any of
+    the rest is read)."""
+    magic, auth_len, ticket_len = _REQUEST.unpack(header)
+    if magic != MAGIC:
+        raise InvalidRequest(f"data lane request starts with {magic!r}, not {MAGIC!r}")
+    if auth_len > MAX_AUTH_BYTES:
+        raise InvalidRequest(f"data lane request: authorization of {auth_len} bytes, more than {MAX_AUTH_BYTES}")
+    if ticket_len > MAX_TICKET_BYTES:
+        raise InvalidTicket(f"ticket is {ticket_len} bytes, more than the {MAX_TICKET_BYTES} allowed")
+    return int(auth_len)
+
+
+def _error_frame(exc: KnitTransError) -> bytes:
+    """An answer with status ERROR naming ``exc`` (as over Flight)."""
+    body = error_message(exc).encode()[:MAX_ERROR_BYTES]
+    return _ANSWER.pack(MAGIC, ERROR, len(body)) + body
 
 
 # ------------------------------------------------------------------------------------------------ client
@@ -433,14 +382,6 @@ def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> No
     sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)
 
 
-def send_action(sock: socket.socket, authorization: bytes, kind: str, body: bytes) -> None:
-    """Send one action request: ``kind`` (an action the store serves on its lane) and its JSON ``body``."""
-    payload = kind.encode("ascii") + b"\0" + body
-    if len(payload) > MAX_ACTION_BYTES:
-        raise InvalidRequest(f"data lane action of {len(payload)} bytes, more than the {MAX_ACTION_BYTES} allowed")
-    sock.sendall(_REQUEST.pack(ACTION_MAGIC, len(authorization), len(payload)) + authorization + payload)
-
-
 def _error_text(sock: socket.socket, length: int) -> str:
     """The message of an error answer whose header said ``length`` bytes."""
     if length > MAX_ERROR_BYTES:
@@ -450,35 +391,19 @@ def _error_text(sock: socket.socket, length: int) -> str:
     return body.decode(errors="replace")
 
 
-def read_action_answer(sock: socket.socket) -> bytes:
-    """Read an action's answer: its result (JSON bytes), or raise: :class:`NoLaneActions` when the lane
-    serves reads only (nothing was done), else as :func:`read_answer`."""
-    _, status, length = _answer_head(sock)
-    if status == ERROR:
-        text = _error_text(sock, length)
-        if f"starts with {ACTION_MAGIC!r}" in text:
-            raise NoLaneActions(text)
-        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
-    if length > MAX_ACTION_BYTES:
-        raise Unavailable(f"data lane action answer of {length} bytes, more than {MAX_ACTION_BYTES}")
-    answer = bytearray(length)
-    _recv_into(sock, memoryview(answer), "action answer")
-    return bytes(answer)
-
-
 def ping(sock: socket.socket, authorization: bytes) -> None:
     """Check that a (new) connection reaches a data lane: an empty-ticket request and its answer.
 
     Raises as :func:`read_answer` for an answer that is none (:class:`LaneClosed`, :class:`LaneSilent`,
-    :class:`NotALane`, ``Unavailable``); an error frame (a wrong token, or a store from before the
-    ping) also shows a lane and is not raised.
+    :class:`NotALane`, ``Unavailable``), and the error the lane answered (e.g. ``Unauthenticated``).
     """
     send_request(sock, authorization, b"")
     head, status, length = _answer_head(sock)
-    if (status == OK and length != 0) or length > MAX_ERROR_BYTES:
+    if status == ERROR:
+        text = _error_text(sock, length)
+        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
+    if length != 0:
         raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
-    if length:
-        _recv_into(sock, memoryview(bytearray(length)), "error message")
 
 
 def _answer_head(sock: socket.socket) -> tuple[bytearray, int, int]:

@@ -149,10 +149,7 @@ def _mapped(fn: F) -> F:
 
 
 def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
-    return _body_of(action.type, action.body.to_pybytes(), *keys)
-
-
-def _body_of(kind: str, raw: bytes, *keys: str) -> dict[str, Any]:
+    kind, raw = action.type, action.body.to_pybytes()
     try:
         body = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -222,7 +219,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         if config.data_lane and tls is None:
             try:
                 port = config.data_lane_port or 0
-                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth, act=self.lane_act)
+                self.lane = LaneServer(config.host, port, read=self.read_ticket, auth=self.auth)
             except BaseException:
                 super().shutdown()
                 raise
@@ -374,7 +371,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         if kind == "data_lane":
             return _json({"port": self.lane.port if self.lane is not None else None})
         if kind == "publish_units":
-            return [self._publish_units(action.body.to_pybytes(), context.is_cancelled)]
+            return self._publish_units(action, context.is_cancelled)
         if kind in ("reserve_units", "seal_units"):
             body = _body(action, "job", "units")
             job = check_name(body["job"], "job")
@@ -415,11 +412,11 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             return _json({"dir": str(pending.dir), "spilled": pending.spilled})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
 
-    def _publish_units(self, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
-        """The ``publish_units`` action (over Flight or the data lane): its JSON body ``raw`` checked,
-        the units published (:meth:`UnitStore.publish_units`); the JSON answer."""
+    def _publish_units(self, action: flight.Action, abandoned: Callable[[], bool]) -> list[bytes]:
+        """The ``publish_units`` action: its JSON body checked, the units published
+        (:meth:`UnitStore.publish_units`); the JSON answer."""
         kind = "publish_units"
-        body = _body_of(kind, raw, "job", "units")
+        body = _body(action, "job", "units")
         job = check_name(body["job"], "job")
         timeout = _timeout(kind, body.get("timeout_s"))
         units = []
@@ -429,18 +426,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
             units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
         published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
-        return json.dumps({"units": [u.info() for u in published]}).encode()
-
-    def lane_act(self, kind: str, authorization: bytes, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
-        """The data lane's action handler: :meth:`lane_action` (the lane checked ``authorization`` already)."""
-        return self.lane_action(kind, raw, abandoned)
-
-    def lane_action(self, kind: str, raw: bytes, abandoned: Callable[[], bool]) -> bytes:
-        """An action sent on the data lane: ``publish_units`` only (every other action is refused, naming
-        Flight); the same checks, work, answer and errors as the Flight action."""
-        if kind != "publish_units":
-            raise InvalidRequest(f"action {kind!r} is not served on the data lane: send it over Flight")
-        return self._publish_units(raw, abandoned)
+        return _json({"units": [u.info() for u in published]})
 
     def _reserve_bytes(self, kind: str, unit_id: str, nbytes: Any) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

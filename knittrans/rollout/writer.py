@@ -6,22 +6,22 @@ API::
                               store_dir="/dev/shm/knittrans")     # None -> always DoPut
     desc: UnitDescriptor = writer.write_groups([TrajectoryGroup(...), ...])
 
-    # with a control-plane client the writer registers what it writes (write -> seal -> register):
+    # with a control-plane client the writer registers what it writes (write -> seal -> register), the
+    # registration in the background (knittrans.rollout.registrar): a put returns once its units are sealed
     writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
-    writer.write_groups(groups)                          # one unit, registered
-    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration call for all
+    writer.write_groups(groups)                          # one unit, sealed; registered soon after
+    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration request for all
     write_units_across([(writer_a, units_a), (writer_b, units_b)])  # several nodes at once, one registration
+    writer.flush()                                       # everything written so far is registered (or raises)
+    writer.close()                                       # flushes too
 
 Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
 temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
 one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
 (waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
-place, all or none. That request goes over the node's data lane when it has one, sent from the
-caller's thread, its answer read once the units are described (over Flight, a sender thread waits
-on the call meanwhile). A node that predates ``publish_units`` gets the former two round trips
-(``reserve_units``, which grants the directories, then ``seal_units``). Otherwise each unit goes
-over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call builds its units' rows as
-one Arrow table cut into a slice per unit
+place, all or none; a sender thread waits on that Flight call while the caller describes the units.
+Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call
+builds its units' rows as one Arrow table cut into a slice per unit
 (:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
 unit.
 
@@ -52,8 +52,9 @@ from knittrans.descriptors import GroupRecord, UnitDescriptor, checked_group
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
+from knittrans.rollout.registrar import Registrar
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
-from knittrans.store.store import estimate_unit_bytes, writer_temp_name
+from knittrans.store.store import writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
 from knittrans.userfields import UserField, parse_user_fields
 
@@ -185,24 +186,22 @@ class _Staged:
 
 def write_units_across(
     batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]]]],
-    *,
-    control: ControlClient | None = None,
 ) -> list[list[UnitDescriptor]]:
     """:meth:`TrajectoryWriter.write_units` on several store nodes at once, registered in one request.
 
     ``batches``: ``(writer, units)`` pairs, one writer per node, all of one job. The rows of all the
     units are built together (as one ``write_units`` call builds its units); then, node by node, a
-    same-host writer's IPC files are written into its temporaries and the node's round trip starts: its
-    ``publish_units`` request sent on the node's data lane, or the call (over Flight, or the ``DoPut``
-    upload) handed to a sender thread (kept between calls), so that the nodes work at once while this
-    thread writes the next node's files and then describes all the units (lane answers are read after
-    that); all the descriptors
-    are registered with ``control`` (default: the first writer's that has one; none at all: not
-    registered) in one request; descriptors per pair, in order.
+    same-host writer's IPC files are written into its temporaries and the node's round trip (its
+    ``publish_units`` call, or the ``DoPut`` upload) is handed to a sender thread (kept between calls),
+    so that the nodes work at once while this thread writes the next node's files and then describes
+    all the units; all the descriptors are registered in one request, in the background, by the first
+    writer that has a control-plane client (none: not registered); descriptors per pair, in order.
 
     Storing is all or none across the nodes: when one writer fails, the units the others stored are
     removed and the first failure (in ``batches`` order) is raised. Registration is as in
-    ``write_units``: a failure raises and leaves the units sealed but unregistered (not consumable).
+    ``write_units``: its failure is raised by that writer's next call, ``flush`` or ``close`` and leaves
+    the units sealed but unregistered (not consumable). An earlier registration failure of any of the
+    writers is raised first, before anything is written.
     """
     if not batches:
         return []
@@ -211,8 +210,9 @@ def write_units_across(
         raise InvalidRequest(f"write_units_across: every writer must write the same job, not {sorted(jobs)}")
     if len({id(w) for w, _ in batches}) != len(batches):
         raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
-    if control is None:
-        control = next((w.control for w, _ in batches if w.control is not None), None)
+    for w, _ in batches:
+        w.check()
+    registrar = next((w._registrar for w, _ in batches if w._registrar is not None), None)
     built: list[Sequence[UnitTables] | None] = [None] * len(batches)
     fields = batches[0][0].user_fields
     if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
@@ -226,7 +226,7 @@ def write_units_across(
     errors: list[BaseException | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
 
-    def read_answers() -> None:  # every started node's answer read (on its lane, or from its sender thread)
+    def read_answers() -> None:  # every started node's answer read from its sender thread
         for k, answer in answers.items():
             try:
                 infos[k] = answer()
@@ -260,9 +260,8 @@ def write_units_across(
                 writer._abort(st.ids)
         raise failed
     out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
-    every = [d for descs in out for d in descs]
-    if every and control is not None:
-        control.register_units(next(iter(jobs)), every)
+    if registrar is not None:
+        registrar.submit(next(iter(jobs)), [d for descs in out for d in descs])
     return out
 
 
@@ -297,38 +296,50 @@ class TrajectoryWriter:
         self.timeout_s = timeout_s
         self.client = StoreClient(endpoint, token=token)
         self.control = control
-        """When given, every unit written is registered with it (the caller keeps owning the client)."""
-        self._one_trip = True
-        """Same host: publish in one round trip (``publish_units``); False once the node refused it (older node)."""
+        """When given, every unit written is registered with it, in the background (the caller keeps owning
+        the client; :meth:`flush` waits for the registrations)."""
+        self._registrar = Registrar(control.register_units, _send_async) if control is not None else None
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
         return f"{self.node_id[:100]}-{uuid.uuid4().hex[:16]}"
 
     def write_groups(self, groups: Sequence[TrajectoryGroup], *, unit_id: str | None = None) -> UnitDescriptor:
-        """Build, validate, store and seal ``groups`` as one unit, register it when the writer has a
-        ``control`` client; return its descriptor."""
+        """Build, validate, store and seal ``groups`` as one unit, registered in the background when the writer
+        has a ``control`` client; return its descriptor."""
         return self._publish([groups], [unit_id])[0]
 
     def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
-        """Write each group list as its own unit, then register them all in one call (with ``control``);
-        descriptors in the order of ``units``.
+        """Write each group list as its own unit, then (with ``control``) have them all registered in one
+        request, in the background; descriptors in the order of ``units``.
 
         The units are built together (one Arrow table for all rows, cut into one slice per unit),
         published in one round trip (same host; over ``DoPut`` one seal for all), and registered in
-        one request. Storing is all or none: when one unit fails, none stays on the
-        node. Registration is all or none too: a failure leaves the written units sealed but
-        unregistered (a retry of the registration with the returned descriptors is a no-op for those
-        that made it).
+        one request. Storing is all or none: when one unit fails, none stays on the node.
+        Registration is all or none too: its failure (raised by the next call, :meth:`flush` or
+        :meth:`close`, see :mod:`knittrans.rollout.registrar`) leaves the units sealed but unregistered.
+        An earlier registration failure is raised first, before anything is written.
         """
         return self._publish(units, [None] * len(units))
+
+    def check(self) -> None:
+        """Raise the oldest background registration failure not raised yet (the next call does so too)."""
+        if self._registrar is not None:
+            self._registrar.check()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every unit this writer had registered so far is registered; raise a registration
+        failure (as :meth:`check`). ``Unavailable`` when still registering after ``timeout_s``."""
+        if self._registrar is not None:
+            self._registrar.flush(timeout_s)
 
     def _publish(
         self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
     ) -> list[UnitDescriptor]:
+        self.check()
         descs = self._store(units, unit_ids)
-        if descs and self.control is not None:
-            self.control.register_units(self.job, descs)
+        if self._registrar is not None:
+            self._registrar.submit(self.job, descs)
         return descs
 
     def _store(
@@ -344,8 +355,8 @@ class TrajectoryWriter:
         staged = self._stage(units, unit_ids, built)
         if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
             return _with_sizes(self._describe(staged), self._send(staged))
-        # same host: the files are written; the node works (its request on the lane, or the call in a sender
-        # thread) while this thread describes the units; a unit's byte count comes from the node
+        # same host: the files are written; the node works (its call in a sender thread) while this thread
+        # describes the units; a unit's byte count comes from the node
         answer = self._send_start(staged)
         try:
             drafts = self._describe(staged)
@@ -374,7 +385,7 @@ class TrajectoryWriter:
                 check_name(g.source, "source")
         tables = build_units_tables(units, user_fields=self.user_fields) if built is None else built
         entries = None
-        if self.store_dir is not None and self._one_trip and ids:
+        if self.store_dir is not None and ids:
             entries = self._write_temps(list(zip(ids, tables, strict=True)))
         return _Staged(ids=ids, units=units, tables=tables, entries=entries)
 
@@ -386,29 +397,8 @@ class TrajectoryWriter:
         return self._publish_temps(pairs, staged.entries)
 
     def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]]:
-        """:meth:`_send` in two steps: started now, the returned function waits for the node's infos (call it
-        once). Same host with a data lane: the ``publish_units`` request is sent on it now (the answer read
-        with :meth:`_publish_temps`'s handling of a failure); otherwise :meth:`_send` runs in a sender
-        thread."""
-        entries = staged.entries
-        if entries is None:  # over DoPut
-            return _send_async(self._send, staged).result
-        pairs = list(zip(staged.ids, staged.tables, strict=True))
-        try:
-            answer = self.client.publish_units_start(self.job, entries, timeout_s=self.timeout_s)
-        except BaseException as exc:
-            failed = exc
-            return lambda: self._publish_failed(pairs, entries, failed)
-        if answer is None:  # no lane: over Flight
-            return _send_async(self._send, staged).result
-
-        def read() -> list[dict[str, Any]]:
-            try:
-                return answer()
-            except BaseException as exc:
-                return self._publish_failed(pairs, entries, exc)
-
-        return read
+        """:meth:`_send` started now in a sender thread; the returned function waits for the node's infos."""
+        return _send_async(self._send, staged).result
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
@@ -433,45 +423,27 @@ class TrajectoryWriter:
     def write_tables_many(self, units: Sequence[tuple[str, UnitTables]]) -> list[dict[str, Any]]:
         """Store prepared tables as units ``(unit_id, tables)``, all or none; the node's infos, in order.
 
-        Same host: one ``reserve_units`` round trip for all (budget, memory or spill), the IPC files
-        written straight into the directories it grants, one ``seal_units``. Otherwise: ``DoPut`` calls
-        per unit, then one ``seal_units``. A failure removes every unit of the call from the node.
+        Same host: the IPC files written into the writer's own temporaries, then one ``publish_units``
+        round trip. Otherwise: ``DoPut`` calls per unit, then one ``seal_units``. A failure removes every
+        unit of the call from the node.
         """
         if not units:
             return []
-        if self.store_dir is not None and self._one_trip:
-            return self._publish_temps(units, self._write_temps(units))
         if self.store_dir is not None:
-            wanted = [(uid, estimate_unit_bytes(t.traj, t.media)) for uid, t in units]
-            grants = self.client.reserve_units(self.job, wanted, timeout_s=self.timeout_s)  # all or none
+            return self._publish_temps(units, self._write_temps(units))
         seals: list[dict[str, Any]] = []
-        parents: dict[str, Path] = {}  # the units' directories share a parent (<root>/<job>): resolve it once
-        # the units this call holds on the node, to remove on failure: all of them once reserved; over DoPut
-        # each one from its upload on, unless the node refused it as a unit it already had (not this call's)
-        owned = [uid for uid, _ in units] if self.store_dir is not None else []
+        # the units this call holds on the node, to remove on failure: each one from its upload on, unless the
+        # node refused it as a unit it already had (not this call's)
+        owned: list[str] = []
         try:
-            for k, (uid, t) in enumerate(units):
-                seal: dict[str, Any] = {"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows}
-                if self.store_dir is None:
-                    owned.append(uid)
-                    try:
-                        self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
-                    except Conflict:
-                        owned.pop()
-                        raise
-                else:
-                    granted = Path(grants[k]["dir"])
-                    parent = parents.get(str(granted.parent))
-                    if parent is None:
-                        parent = parents[str(granted.parent)] = granted.parent.resolve()
-                    tmp = parent / granted.name if granted.name not in ("", ".", "..") else granted.resolve()
-                    if not grants[k]["spilled"] and self.store_dir not in tmp.parents:
-                        raise Conflict(
-                            f"store node {self.endpoint} writes to {tmp}, not under this writer's "
-                            f"store_dir {self.store_dir}: is the node on another host?"
-                        )
-                    seal["num_bytes"] = write_table(tmp / TRAJ_FILE, t.traj) + write_table(tmp / MEDIA_FILE, t.media)
-                seals.append(seal)
+            for uid, t in units:
+                owned.append(uid)
+                try:
+                    self.client.put_unit(self.job, uid, t.traj, t.media, seal=False)
+                except Conflict:
+                    owned.pop()
+                    raise
+                seals.append({"unit": uid, "rows": t.traj.num_rows, "media_rows": t.media.num_rows})
             return self.client.seal_units(self.job, seals)
         except BaseException:
             self._abort(owned)
@@ -503,31 +475,18 @@ class TrajectoryWriter:
         self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]]
     ) -> list[dict[str, Any]]:
         """One ``publish_units`` of the temporaries written by :meth:`_write_temps` (budget, validation,
-        rename; all or none). A failure removes the temporaries and the units; a node that predates
-        ``publish_units`` gets the units again by ``reserve_units`` and ``seal_units``."""
+        rename; all or none). A failure removes the temporaries and the units."""
         try:
             return self.client.publish_units(self.job, entries, timeout_s=self.timeout_s)
         except BaseException as exc:
-            return self._publish_failed(units, entries, exc)
-
-    def _publish_failed(
-        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]], exc: BaseException
-    ) -> list[dict[str, Any]]:
-        """After ``publish_units`` of the temporaries failed with ``exc``: remove them and the units, and
-        raise ``exc``; for a node that predates ``publish_units``, store the units by ``reserve_units``
-        and ``seal_units`` instead (their infos)."""
-        for e in entries:
-            shutil.rmtree(e["dir"], ignore_errors=True)
-        if isinstance(exc, InvalidRequest) and "unknown action 'publish_units'" in str(exc):
-            logger.info("store %s predates publish_units: reserving and sealing instead", self.endpoint)
-            self._one_trip = False
-            return self.write_tables_many(units)
-        if not isinstance(exc, Conflict):
-            # Conflict: the node refused, already holding a unit of one of these ids, which is not
-            # this call's (another writer's, or one a crash left) and must not be deleted here. On any
-            # refusal the node has undone what the call did; what an error in transit left is removed.
-            self._abort([uid for uid, _ in units])
-        raise exc
+            for e in entries:
+                shutil.rmtree(e["dir"], ignore_errors=True)
+            if not isinstance(exc, Conflict):
+                # Conflict: the node refused, already holding a unit of one of these ids, which is not
+                # this call's (another writer's, or one a crash left) and must not be deleted here. On any
+                # refusal the node has undone what the call did; what an error in transit left is removed.
+                self._abort([uid for uid, _ in units])
+            raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:
         """Remove units of a failed write from the node (sealed or pending; gone already is fine)."""
@@ -540,8 +499,12 @@ class TrajectoryWriter:
                 logger.warning("could not abort unit %s/%s: %s", self.job, uid, exc)
 
     def close(self) -> None:
-        """Close the connection to the node."""
-        self.client.close()
+        """Wait for the background registrations (:meth:`flush`, raising a failure), close the connection to
+        the node."""
+        try:
+            self.flush()
+        finally:
+            self.client.close()
 
     def __enter__(self) -> TrajectoryWriter:
         return self

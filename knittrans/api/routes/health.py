@@ -8,10 +8,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from knittrans import __version__
-from knittrans.api.models import LaneOut
 from knittrans.api.routes.deps import Service
-from knittrans.errors import NotFound
-from knittrans.flight.lane import MAX_ACTION_BYTES
 
 __all__ = ["router"]
 
@@ -24,14 +21,6 @@ async def health(svc: Service) -> dict[str, Any]:
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
 
 
-@router.get("/v1/lane", response_model=LaneOut)
-async def registration_lane(request: Request) -> Any:
-    """Where the control plane serves unit registrations as plain TCP actions (open: it names a port; the
-    lane checks tokens as the route does). 404 when it runs without one (``--no-lane``, TLS)."""
-    lane = request.app.state.lane
-    if lane is None:
-        raise NotFound("this control plane runs without a registration lane; register units over HTTP")
-    return {"port": lane.port, "max_bytes": MAX_ACTION_BYTES, "served": lane.served}
 
 
 @router.get(

@@ -1,0 +1,151 @@
+"""``Registrar``: a writer's unit registrations sent in the background, off the put's critical path.
+
+A :class:`~knittrans.rollout.writer.TrajectoryWriter` with a control-plane client hands the
+descriptors of every put to its registrar and returns; the registrar registers them with
+``ControlClient.register_units`` on a sender thread (one of the writers' shared threads: none of its
+own to start or leak). Submissions that queue while a registration is in flight are coalesced into
+one request per job, in submission order. When a coalesced request fails, each of its submissions is
+sent again on its own, so that every submission is registered whole or not at all and a failure
+belongs to the submission that caused it (a repeated registration is a no-op on the control plane:
+exactly once holds).
+
+A failed registration (e.g. ``Conflict``: a group of it is registered already, ``NotFound``: an
+unknown job, ``Unavailable`` after the client's retries) leaves its units sealed on their node but
+unregistered, as a failed synchronous registration did. It is raised, with its type, by the
+writer's next call, by :meth:`Registrar.flush` and by the writer's ``close()`` — each failure once;
+the exception's ``units`` lists the descriptors that were not registered.
+
+API::
+
+    registrar = Registrar(control.register_units, submit)   # submit: run a callable on a sender thread
+    registrar.check()                      # an earlier failure raised (the writer does so at each call)
+    registrar.submit("job", descriptors)   # returns at once
+    registrar.flush()                      # every submitted unit registered, or the failure raised
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from knittrans.descriptors import UnitDescriptor
+from knittrans.errors import KnitTransError, Unavailable
+
+__all__ = ["Registrar"]
+
+logger = logging.getLogger(__name__)
+
+Register = Callable[[str, Sequence[UnitDescriptor]], Any]
+"""``ControlClient.register_units``: register units of a job (all or none; a repeat is a no-op)."""
+Submit = Callable[[Callable[[], None]], Future[Any]]
+"""Run a callable on a sender thread."""
+
+
+@dataclass
+class _Submission:
+    job: str
+    units: list[UnitDescriptor]
+    error: BaseException | None = field(default=None)
+
+
+class Registrar:
+    """Background registrations of one writer (module docstring); thread-safe."""
+
+    def __init__(self, register: Register, submit: Submit) -> None:
+        self._register, self._submit = register, submit
+        self._cond = threading.Condition()
+        self._queue: list[_Submission] = []
+        self._busy = False  # a drain is queued or running
+        self._failed: list[_Submission] = []  # failures not raised yet, oldest first
+        self.requests = 0
+        """Registration requests sent (a coalesced one counts once)."""
+
+    def submit(self, job: str, units: Sequence[UnitDescriptor]) -> None:
+        """Queue ``units`` of ``job`` for registration and return."""
+        if not units:
+            return
+        with self._cond:
+            self._queue.append(_Submission(job, list(units)))
+            if self._busy:
+                return  # the running drain takes it
+            self._busy = True
+        try:
+            self._submit(self._drain)
+        except BaseException:
+            with self._cond:
+                self._busy = False
+            raise
+
+    def check(self) -> None:
+        """Raise the oldest background failure not raised yet (once), with its type; its ``units`` are the
+        descriptors left unregistered."""
+        with self._cond:
+            if not self._failed:
+                return
+            failed = self._failed.pop(0)
+        raise _reported(failed)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every unit submitted so far is registered or has failed, then raise as :meth:`check`.
+
+        Raises:
+            Unavailable: still registering after ``timeout_s`` seconds.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._busy, timeout_s):
+                raise Unavailable(f"unit registrations still in progress after {timeout_s} s")
+        self.check()
+
+    def _drain(self) -> None:
+        """Register what is queued, coalesced per job, until the queue is empty (on a sender thread)."""
+        while True:
+            with self._cond:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._busy = False
+                    self._cond.notify_all()
+                    return
+            jobs: dict[str, list[_Submission]] = {}
+            for s in batch:
+                jobs.setdefault(s.job, []).append(s)
+            for job, subs in jobs.items():
+                self._send(job, subs)
+            with self._cond:
+                self._failed += [s for s in batch if s.error is not None]
+
+    def _send(self, job: str, subs: list[_Submission]) -> None:
+        """One request for ``subs``; when the control plane refuses it and it holds several, each again on
+        its own (a control plane that cannot be reached after the client's retries fails them all)."""
+        try:
+            self.requests += 1
+            self._register(job, [u for s in subs for u in s.units])
+            return
+        except Exception as exc:
+            if len(subs) == 1 or isinstance(exc, Unavailable):
+                units = sum(len(s.units) for s in subs)
+                logger.warning("registering %d units of job %s failed: %s", units, job, exc)
+                for s in subs:
+                    s.error = exc
+                return
+        for s in subs:
+            self._send(job, [s])
+
+
+def _reported(failed: _Submission) -> BaseException:
+    """The failure of ``failed`` as the caller sees it: its type and words, the units named, ``units`` set."""
+    exc = failed.error
+    assert exc is not None
+    ids = [u.unit_id for u in failed.units]
+    shown = ids if len(ids) <= 8 else [*ids[:8], f"... ({len(ids)} units)"]
+    message = f"units {shown} of job {failed.job!r} were stored but not registered: {exc}"
+    try:
+        error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
+    except Exception:  # an exception type that takes other arguments
+        error = KnitTransError(message)
+    error.units = failed.units  # type: ignore[attr-defined]
+    error.__cause__ = exc
+    return error
