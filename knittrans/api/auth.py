@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from knittrans.api.settings import Settings
 from knittrans.errors import Unauthenticated
 
-__all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token", "request_for"]
+__all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token"]
 
 _PREFIX = "kts"
 
@@ -74,23 +74,6 @@ def _parse(secret: bytes, token: bytes) -> Scope | None:
         return Scope(role=body["r"], job=body["j"], rank=body["k"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def request_for(
-    method: str, path: str, authorization: bytes | None, path_params: dict[str, Any], query: bytes = b""
-) -> Request:
-    """The request a route would see, for :meth:`TokenCheck.check_worker` of a request that reached the
-    control plane another way than its HTTP app (a plan stream from the gateway, a registration on the
-    lane): its method, path, path parameters, query and ``Authorization`` header value."""
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "query_string": query,
-        "headers": [(b"authorization", authorization)] if authorization else [],
-        "path_params": path_params,
-    }
-    return Request(scope)
 
 
 class TokenCheck:

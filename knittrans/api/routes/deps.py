@@ -15,7 +15,6 @@ from fastapi import Depends, Request
 from knittrans.api.board import ManifestBoard
 from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
-from knittrans.errors import Unavailable
 
 __all__ = ["Board", "Run", "Service", "SettingsDep", "StateRunner"]
 
@@ -61,21 +60,6 @@ class StateRunner:
         assert self._pool is not None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on the state thread, from a thread of our own that is neither the event
-        loop nor the state thread (the control plane's lane connections, :mod:`knittrans.api.lane`): blocks
-        until it is done; its result or exception. ``Unavailable`` while the thread is not running."""
-        pool = self._pool
-        if threading.get_ident() == self._thread:
-            raise RuntimeError("StateRunner.call from the state thread would wait for itself")
-        try:
-            if pool is None:
-                raise RuntimeError("not started")
-            future = pool.submit(functools.partial(fn, *args, **kwargs))
-        except RuntimeError:  # not started yet, or shutting down
-            raise Unavailable("the control plane is starting or stopping; try again") from None
-        return future.result()
 
     def check(self) -> None:
         """Raise :class:`RuntimeError` unless the caller may touch the state now: on the state thread
