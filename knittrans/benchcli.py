@@ -12,7 +12,7 @@ __all__ = ["BENCHMARKS", "add_arguments", "run"]
 
 BENCHMARKS: dict[str, tuple[str, ...]] = {
     "transfer": ("transfer/run.py",),
-    "control_plane": ("control_plane/bench_sched.py", "control_plane/bench_http.py"),
+    "control_plane": ("control_plane/bench_sched.py", "control_plane/scale.py"),
     "trainer": ("trainer/run.py",),
     "baselines": ("vs_baselines/run.py",),
     "sim_scale": ("sim_scale/run.py",),
