@@ -1,4 +1,4 @@
-"""Rank assignment: exactly-once rows, exact reads, token balance bound, budgets, equal micro-batch counts."""
+"""Rank assignment: exactly-once rows in read order, token balance bound, budgets, equal micro-batch counts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knittrans.sched import FinishedGroup, NodeRead, RankPlan, assign_mini_batch, lpt_assign
+from knittrans.sched import FinishedGroup, assign_mini_batch, lpt_assign
 from knittrans.sched.assign import Assignment
+
+Row = tuple[str, str, int, int, str]
+"""``(node_id, unit_id, row, tokens, group_id)`` of one assigned trajectory."""
 
 
 @st.composite
@@ -37,33 +40,30 @@ def mini_batches(draw: st.DrawFn) -> list[FinishedGroup]:
     return draw(st.permutations(groups))
 
 
-def _rows_of(reads: tuple[NodeRead, ...]) -> list[tuple[str, str, int]]:
-    return [(r.node_id, r.unit_id, row) for r in reads for a, b in r.row_ranges for row in range(a, b)]
+def _micro_batches(a: Assignment) -> list[list[list[Row]]]:
+    """rank -> micro-batch -> its trajectories, in order."""
+    return [
+        [[(*a.units[a.unit_of[p]], a.rows[p], a.tokens[p], a.gids[p]) for p in part] for part in parts]
+        for parts in a.cuts
+    ]
 
 
-def _check_plans(groups: list[FinishedGroup], plans: list[RankPlan], world_size: int) -> None:
-    assert [p.rank for p in plans] == list(range(world_size))
+def _check(groups: list[FinishedGroup], a: Assignment, world_size: int) -> list[list[list[Row]]]:
+    plans = _micro_batches(a)
+    assert len(plans) == world_size
     expected = Counter((g.node_id, g.unit_id, g.row_start + i) for g in groups for i in range(g.num_trajectories))
     got: Counter[tuple[str, str, int]] = Counter()
-    for plan in plans:
-        for index, mb in enumerate(plan.micro_batches):
-            assert mb.index == index
-            rows = _rows_of(mb.reads)
-            assert rows == [(t.node_id, t.unit_id, t.row) for t in mb.trajectories], "order differs from reads"
-            assert [(r.node_id, r.unit_id) for r in mb.reads] == sorted({(r.node_id, r.unit_id) for r in mb.reads})
-            for read in mb.reads:
-                ranges = read.row_ranges
-                assert all(a < b for a, b in ranges)
-                assert all(ranges[i][1] < ranges[i + 1][0] for i in range(len(ranges) - 1)), "unmerged or unsorted"
-            got.update(rows)
-    assert got == expected, "every trajectory exactly once"
     tokens = {(g.node_id, g.unit_id, g.row_start + i): t for g in groups for i, t in enumerate(g.trajectory_tokens)}
     for plan in plans:
-        for mb in plan.micro_batches:
-            assert all(tokens[(t.node_id, t.unit_id, t.row)] == t.num_tokens for t in mb.trajectories)
-    n_traj = sum(expected.values())
-    if n_traj >= world_size:
-        assert all(p.micro_batches for p in plans), "a rank got nothing"
+        for mb in plan:
+            keys = [(node, unit, row) for node, unit, row, _, _ in mb]
+            assert keys == sorted(keys), "a micro-batch's rows are not in read order"
+            assert all(tokens[(node, unit, row)] == t for node, unit, row, t, _ in mb)
+            got.update(keys)
+    assert got == expected, "every trajectory exactly once"
+    if sum(expected.values()) >= world_size:
+        assert all(plans), "a rank got nothing"
+    return plans
 
 
 @settings(max_examples=150, deadline=None)
@@ -79,27 +79,25 @@ def test_assignment_invariants(
     """Exactly-once rows, reads = trajectories, balance bound, budgets respected, equal micro-batch counts."""
     kind, value = budget
     kwargs = {"micro_batch_tokens": value} if kind == "tokens" else {"micro_batch_size": value}
-    plans = assign_mini_batch(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
-    _check_plans(groups, plans, world_size)
+    assignment = assign_mini_batch(groups, world_size, keep_groups=keep_groups, **kwargs)  # type: ignore[arg-type]
+    plans = _check(groups, assignment, world_size)
     # the control plane's compact form is the same assignment, rank by rank, row by row
-    tokens, size = kwargs.get("micro_batch_tokens"), kwargs.get("micro_batch_size")
-    layout = Assignment(groups, world_size, tokens, size, keep_groups).layout()
-    assert layout == [[[[t.group_id, t.row] for t in m.trajectories] for m in p.micro_batches] for p in plans]
+    assert assignment.layout() == [[[[gid, row] for _, _, row, _, gid in mb] for mb in p] for p in plans]
     total = sum(g.num_tokens for g in groups)
     biggest = max((t for g in groups for t in g.trajectory_tokens), default=0)
     ideal = total / world_size
-    assert max(p.num_tokens for p in plans) <= max(ideal * 1.05, ideal + biggest) + 1e-9
+    assert assignment.rank_tokens() == [sum(t for mb in p for *_, t, _ in mb) for p in plans]
+    assert max(assignment.rank_tokens(), default=0) <= max(ideal * 1.05, ideal + biggest) + 1e-9
     for plan in plans:
-        for mb in plan.micro_batches:
+        for mb in plan:
             if kind == "tokens":
-                assert mb.num_tokens <= value or len(mb.trajectories) == 1
+                assert sum(t for *_, t, _ in mb) <= value or len(mb) == 1
             else:
-                assert 1 <= len(mb.trajectories) <= value
-    counts = [len(p.micro_batches) for p in plans]
+                assert 1 <= len(mb) <= value
+    counts = [len(p) for p in plans]
     top = max(counts, default=0)
     for plan, count in zip(plans, counts, strict=True):
-        n_rows = sum(len(mb.trajectories) for mb in plan.micro_batches)
-        assert count in (top, n_rows), "micro-batch counts not equalised where possible"
+        assert count in (top, sum(len(mb) for mb in plan)), "micro-batch counts not equalised where possible"
 
 
 def test_whole_groups_kept_when_balanced() -> None:
@@ -116,10 +114,10 @@ def test_whole_groups_kept_when_balanced() -> None:
         )
         for i in range(4)
     ]
-    plans = assign_mini_batch(groups, 2, micro_batch_size=8)
-    for plan in plans:
-        assert plan.num_tokens == 40
-        ids = [t.group_id for mb in plan.micro_batches for t in mb.trajectories]
+    assignment = assign_mini_batch(groups, 2, micro_batch_size=8)
+    assert assignment.rank_tokens() == [40, 40]
+    for plan in _micro_batches(assignment):
+        ids = [gid for mb in plan for *_, gid in mb]
         assert len(set(ids)) == 2 and all(ids.count(g) == 2 for g in set(ids))
 
 
@@ -128,9 +126,9 @@ def test_groups_split_when_fewer_groups_than_ranks() -> None:
     group = FinishedGroup(
         group_id="g", source="s", trajectory_tokens=(5, 6, 7, 8), finished_at=0, unit_id="u", node_id="n", row_start=3
     )
-    plans = assign_mini_batch([group], 4, micro_batch_tokens=100)
-    assert sorted(t.row for p in plans for mb in p.micro_batches for t in mb.trajectories) == [3, 4, 5, 6]
-    assert all(len(p.micro_batches) == 1 for p in plans)
+    plans = _micro_batches(assign_mini_batch([group], 4, micro_batch_tokens=100))
+    assert sorted(row for p in plans for mb in p for _, _, row, _, _ in mb) == [3, 4, 5, 6]
+    assert all(len(p) == 1 for p in plans)
 
 
 def test_token_budget_and_oversized_trajectory() -> None:
@@ -144,9 +142,8 @@ def test_token_budget_and_oversized_trajectory() -> None:
         node_id="n",
         row_start=0,
     )
-    (plan,) = assign_mini_batch([group], 1, micro_batch_tokens=100)
-    assert [[t.row for t in mb.trajectories] for mb in plan.micro_batches] == [[0, 1], [2], [3, 4, 5]]
-    assert plan.micro_batches[0].reads == (NodeRead(node_id="n", unit_id="u", row_ranges=((0, 2),)),)
+    (plan,) = _micro_batches(assign_mini_batch([group], 1, micro_batch_tokens=100))
+    assert [[row for _, _, row, _, _ in mb] for mb in plan] == [[0, 1], [2], [3, 4, 5]]
 
 
 def test_micro_batch_counts_equalised_by_splitting() -> None:
@@ -167,9 +164,9 @@ def test_micro_batch_counts_equalised_by_splitting() -> None:
         unit_id="u2",
         node_id="n",
     )
-    plans = assign_mini_batch([long, short], 2, micro_batch_tokens=100)
-    assert [len(p.micro_batches) for p in plans] == [3, 3]
-    assert all(mb.num_tokens <= 100 for p in plans for mb in p.micro_batches)
+    plans = _micro_batches(assign_mini_batch([long, short], 2, micro_batch_tokens=100))
+    assert [len(p) for p in plans] == [3, 3]
+    assert all(sum(t for *_, t, _ in mb) <= 100 for p in plans for mb in p)
 
 
 def test_lpt_hand_case() -> None:
@@ -194,4 +191,4 @@ def test_bad_arguments() -> None:
     )
     with pytest.raises(ValueError, match="overlaps"):
         assign_mini_batch([g, h], 1, micro_batch_size=1)
-    assert assign_mini_batch([], 3, micro_batch_size=2) == [RankPlan(rank=r, micro_batches=()) for r in range(3)]
+    assert assign_mini_batch([], 3, micro_batch_size=2).layout() == [[], [], []]

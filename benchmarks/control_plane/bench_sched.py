@@ -25,17 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from knittrans.sched import (
-    FinishedGroup,
-    MicroBatchPlan,
-    NodeRead,
-    RankPlan,
-    SourceBounds,
-    StepState,
-    TrajectoryRef,
-    assign_mini_batch,
-    make_policy,
-)
+from knittrans.sched import FinishedGroup, SourceBounds, StepState, assign_mini_batch, make_policy
+from knittrans.sched.assign import Assignment
+from knittrans.tickets import row_runs
 
 SOURCES = {"math": (300, 1500), "code": (500, 4000), "chat": (100, 600), "mm_qa": (200, 1200)}
 
@@ -73,28 +65,28 @@ def make_state(groups_per_mb: int, group_size: int, nodes: int, seed: int) -> St
     )
 
 
-def naive_assign(groups: tuple[FinishedGroup, ...], world_size: int, micro_batch_size: int) -> list[RankPlan]:
-    """Baseline: trajectory i to rank i mod W, fixed-count micro-batches, one read per trajectory."""
-    per_rank: list[list[TrajectoryRef]] = [[] for _ in range(world_size)]
+Slot = tuple[str, str, int, int]
+"""``(node_id, unit_id, row, tokens)`` of one assigned trajectory."""
+
+
+def naive_assign(groups: tuple[FinishedGroup, ...], world_size: int, micro_batch_size: int) -> list[list[list[Slot]]]:
+    """Baseline: trajectory i to rank i mod W, fixed-count micro-batches (rank -> micro-batch -> slots)."""
+    per_rank: list[list[Slot]] = [[] for _ in range(world_size)]
     i = 0
     for g in groups:
         for j, t in enumerate(g.trajectory_tokens):
-            ref = TrajectoryRef(
-                group_id=g.group_id, unit_id=g.unit_id, node_id=g.node_id, row=g.row_start + j, num_tokens=t
-            )
-            per_rank[i % world_size].append(ref)
+            per_rank[i % world_size].append((g.node_id, g.unit_id, g.row_start + j, t))
             i += 1
-    plans = []
-    for rank, refs in enumerate(per_rank):
-        micro = []
-        for index, start in enumerate(range(0, len(refs), micro_batch_size)):
-            chunk = tuple(refs[start : start + micro_batch_size])
-            reads = tuple(
-                NodeRead(node_id=r.node_id, unit_id=r.unit_id, row_ranges=((r.row, r.row + 1),)) for r in chunk
-            )
-            micro.append(MicroBatchPlan(index=index, trajectories=chunk, reads=reads))
-        plans.append(RankPlan(rank=rank, micro_batches=tuple(micro)))
-    return plans
+    return [[refs[s : s + micro_batch_size] for s in range(0, len(refs), micro_batch_size)] for refs in per_rank]
+
+
+def ours_as_slots(a: Assignment) -> list[list[list[Slot]]]:
+    return [[[(*a.units[a.unit_of[p]], a.rows[p], a.tokens[p]) for p in part] for part in parts] for parts in a.cuts]
+
+
+def reads(micro: list[Slot]) -> int:
+    """``DoGet`` row ranges a micro-batch reads (consecutive rows of a unit merged)."""
+    return len(row_runs((node, unit, row) for node, unit, row, _ in micro))
 
 
 def naive_select(state: StepState, size: int) -> tuple[FinishedGroup, ...]:
@@ -122,8 +114,8 @@ def median_ms(fn: Callable[[], object], runs: int, label: str = "") -> float:
     return statistics.median(wall)
 
 
-def imbalance(plans: list[RankPlan]) -> float:
-    loads = [p.num_tokens for p in plans]
+def imbalance(plans: list[list[list[Slot]]]) -> float:
+    loads = [sum(t for micro in p for *_, t in micro) for p in plans]
     return max(loads) / (sum(loads) / len(loads))
 
 
@@ -153,14 +145,14 @@ def bench(
     row["cp_plus_assign_cpu_ms"] = CPU_MS["ours"]
     row["baseline_cpu_ms"] = CPU_MS["baseline"]
     row["cpu_ratio_vs_baseline"] = CPU_MS["ours"] / CPU_MS["baseline"]
-    ours = assign_mini_batch(groups, world_size, micro_batch_tokens=budget)
+    ours = ours_as_slots(assign_mini_batch(groups, world_size, micro_batch_tokens=budget))
     base = naive_assign(groups, world_size, per_rank_rows)
     row["time_ratio_vs_baseline"] = row["cp_plus_assign_ms"] / row["baseline_ms"]  # type: ignore[operator]
     row["imbalance_ours"] = imbalance(ours)
     row["imbalance_baseline"] = imbalance(base)
-    row["micro_batches_per_rank_ours"] = sorted({len(p.micro_batches) for p in ours})
-    row["reads_per_rank_ours"] = statistics.mean(sum(len(m.reads) for m in p.micro_batches) for p in ours)
-    row["reads_per_rank_baseline"] = statistics.mean(sum(len(m.reads) for m in p.micro_batches) for p in base)
+    row["micro_batches_per_rank_ours"] = sorted({len(p) for p in ours})
+    row["reads_per_rank_ours"] = statistics.mean(sum(reads(m) for m in p) for p in ours)
+    row["reads_per_rank_baseline"] = statistics.mean(sum(reads(m) for m in p) for p in base)
     return row
 
 

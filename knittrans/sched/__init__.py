@@ -36,12 +36,8 @@ from knittrans.sched.timing import (
 from knittrans.sched.types import (
     AdmissionDecision,
     FinishedGroup,
-    MicroBatchPlan,
-    NodeRead,
-    RankPlan,
     SourceBounds,
     StepState,
-    TrajectoryRef,
 )
 
 __all__ = [
@@ -53,13 +49,9 @@ __all__ = [
     "AdmissionTiming",
     "ConsumedGroup",
     "FinishedGroup",
-    "MicroBatchPlan",
-    "NodeRead",
-    "RankPlan",
     "SourceBounds",
     "StalenessStats",
     "StepState",
-    "TrajectoryRef",
     "admitted_ahead",
     "architectural_staleness",
     "assign_mini_batch",

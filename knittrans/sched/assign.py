@@ -30,8 +30,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from knittrans.sched.types import FinishedGroup, MicroBatchPlan, NodeRead, RankPlan, TrajectoryRef
-from knittrans.tickets import row_runs
+from knittrans.sched.types import FinishedGroup
 
 __all__ = ["Assignment", "assign_mini_batch", "lpt_assign"]
 
@@ -131,9 +130,27 @@ def _split_to(parts: list[list[int]], target: int, tokens: list[int]) -> list[li
 
 
 class Assignment:
-    """An admitted mini-batch's trajectories in read order (positions), each cut into its rank and
-    micro-batch: what :func:`assign_mini_batch` builds its plans from, and what the control plane keeps
-    as :meth:`layout`. Arguments and errors as for :func:`assign_mini_batch`."""
+    """An admitted mini-batch split over ``world_size`` ranks and into micro-batches (``assign_mini_batch``).
+
+    The trajectories are numbered in read order (``node_id``, ``unit_id``, row): position ``p`` is row
+    ``rows[p]`` of group ``gids[p]`` in unit ``units[unit_of[p]]`` (``(node_id, unit_id)``) with
+    ``tokens[p]`` tokens, and ``cuts[rank][i]`` lists the positions of micro-batch ``i`` of ``rank`` in read
+    order. Every trajectory is at exactly one position of exactly one rank. The control plane keeps
+    :meth:`layout` and publishes it in the mini-batch's manifest (:mod:`knittrans.manifest`), where
+    each rank reads its rows from.
+
+    Args:
+        groups: the admitted groups (any order); their rows must not overlap.
+        world_size: ``W`` data-parallel ranks.
+        micro_batch_tokens: token budget per micro-batch (dynamic batch size); exclusive with
+            ``micro_batch_size``.
+        micro_batch_size: trajectories per micro-batch.
+        keep_groups: try to keep every group on one rank (see the module docstring).
+        balance_tolerance: how far above the ideal the most-loaded rank may be with whole groups.
+
+    Raises:
+        ValueError: bad ``world_size``/budgets, duplicate group ids, negative tokens, overlapping rows.
+    """
 
     __slots__ = ("cuts", "gids", "rows", "tokens", "unit_of", "units")
 
@@ -141,8 +158,8 @@ class Assignment:
         self,
         groups: Sequence[FinishedGroup],
         world_size: int,
-        micro_batch_tokens: int | None,
-        micro_batch_size: int | None,
+        micro_batch_tokens: int | None = None,
+        micro_batch_size: int | None = None,
         keep_groups: bool = True,
         balance_tolerance: float = 0.05,
     ) -> None:
@@ -175,74 +192,18 @@ class Assignment:
         self.cuts = [c if len(c) >= target else _split_to(c, target, self.tokens) for c in cuts]
 
     def layout(self) -> list[list[list[list[Any]]]]:
-        """rank -> micro-batch -> ``[group_id, row]`` pairs in read order: the trajectories of
-        ``assign_mini_batch(...)[rank].micro_batches[i]`` (a test pins it), without plan objects or reads.
-        The control plane keeps this and renders a rank's plan from it when the rank asks; at 1,024 ranks
-        it costs about a third of :func:`assign_mini_batch`."""
+        """rank -> micro-batch -> ``[group_id, row]`` pairs in read order (what the control plane keeps)."""
         gids, rows = self.gids, self.rows
         return [[[[gids[p], rows[p]] for p in part] for part in parts] for parts in self.cuts]
 
-
-def assign_mini_batch(
-    groups: Sequence[FinishedGroup],
-    world_size: int,
-    *,
-    micro_batch_tokens: int | None = None,
-    micro_batch_size: int | None = None,
-    keep_groups: bool = True,
-    balance_tolerance: float = 0.05,
-) -> list[RankPlan]:
-    """Split an admitted mini-batch over ``world_size`` ranks and into micro-batches with their reads.
-
-    Args:
-        groups: the admitted groups (any order); their rows must not overlap.
-        world_size: ``W`` data-parallel ranks.
-        micro_batch_tokens: token budget per micro-batch (dynamic batch size); exclusive with
-            ``micro_batch_size``.
-        micro_batch_size: trajectories per micro-batch.
-        keep_groups: try to keep every group on one rank (see the module docstring).
-        balance_tolerance: how far above the ideal the most-loaded rank may be with whole groups.
-
-    Returns:
-        ``W`` rank plans, rank ``0..W-1``. Every trajectory appears exactly once. Reads of a micro-batch
-        are sorted by ``(node_id, unit_id)`` with merged, sorted, half-open row ranges, and its
-        ``trajectories`` are in exactly the order those reads return rows.
-
-    Raises:
-        ValueError: bad ``world_size``/budgets, duplicate group ids, negative tokens or rows.
-    """
-    f = Assignment(groups, world_size, micro_batch_tokens, micro_batch_size, keep_groups, balance_tolerance)
-    units, unit_of, rows = f.units, f.unit_of, f.rows
-    refs = []
-    for gid, u, row, t in zip(f.gids, unit_of, rows, f.tokens, strict=True):
-        node_id, unit_id = units[u]
-        refs.append(_ref(gid, unit_id, node_id, row, t))
-    plans = []
-    for rank, parts in enumerate(f.cuts):
-        micro = []
-        for index, part in enumerate(parts):
-            runs = row_runs((*units[unit_of[p]], rows[p]) for p in part)
-            reads = [NodeRead(node_id=node_id, unit_id=unit_id, row_ranges=r) for node_id, unit_id, r in runs]
-            micro.append(
-                MicroBatchPlan(index=index, trajectories=tuple(map(refs.__getitem__, part)), reads=tuple(reads))
-            )
-        plans.append(RankPlan(rank=rank, micro_batches=tuple(micro)))
-    return plans
+    def rank_tokens(self) -> list[int]:
+        """Tokens assigned to each rank."""
+        tokens = self.tokens
+        return [sum(tokens[p] for part in parts for p in part) for parts in self.cuts]
 
 
-_new = object.__new__
-_set = object.__setattr__
-
-
-def _ref(group_id: str, unit_id: str, node_id: str, row: int, num_tokens: int) -> TrajectoryRef:
-    """Build a TrajectoryRef without the frozen-dataclass ``__init__`` (hot path, identical result)."""
-    ref: TrajectoryRef = _new(TrajectoryRef)
-    _set(
-        ref,
-        "__dict__",
-        {"group_id": group_id, "unit_id": unit_id, "node_id": node_id, "row": row, "num_tokens": num_tokens},
-    )
-    return ref
+assign_mini_batch = Assignment
+"""The scheduling core's name for splitting a mini-batch: ``assign_mini_batch(groups, W, micro_batch_tokens=...)``."""
 
 
 def _balance(

@@ -8,12 +8,8 @@ from dataclasses import dataclass, field
 __all__ = [
     "AdmissionDecision",
     "FinishedGroup",
-    "MicroBatchPlan",
-    "NodeRead",
-    "RankPlan",
     "SourceBounds",
     "StepState",
-    "TrajectoryRef",
 ]
 
 
@@ -109,54 +105,3 @@ class AdmissionDecision:
     """Admitted groups, in the order the policy chose them."""
     counts: Mapping[str, int]
     """``x[s]``: admitted groups per source (zero entries included for every quota source)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrajectoryRef:
-    """One trajectory row of an admitted mini-batch."""
-
-    group_id: str
-    unit_id: str
-    node_id: str
-    row: int
-    """Row inside the unit."""
-    num_tokens: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeRead:
-    """Rows one micro-batch reads from one unit on one node: half-open, sorted, merged ranges."""
-
-    node_id: str
-    unit_id: str
-    row_ranges: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MicroBatchPlan:
-    """One micro-batch of one rank: its trajectories and the reads that fetch them."""
-
-    index: int
-    """Micro-batch index within the rank's share of the mini-batch."""
-    trajectories: tuple[TrajectoryRef, ...]
-    """Rows in the order the trainer will see them (equal to the order the reads return them)."""
-    reads: tuple[NodeRead, ...]
-    """Reads sorted by ``(node_id, unit_id)``; one ``DoGet`` per node covers all of a node's reads."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the micro-batch."""
-        return sum(t.num_tokens for t in self.trajectories)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankPlan:
-    """A rank's whole share of one mini-batch."""
-
-    rank: int
-    micro_batches: tuple[MicroBatchPlan, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens assigned to the rank."""
-        return sum(m.num_tokens for m in self.micro_batches)

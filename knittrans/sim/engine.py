@@ -269,8 +269,8 @@ class _Simulation:
         assert len(groups) == self.b, f"policy admitted {len(groups)} groups, mini-batch holds {self.b}"
         taken = {g.group_id for g in groups}
         self.finished = [g for g in self.finished if g.group_id not in taken]
-        plans = assign_mini_batch(groups, self.w.world_size, micro_batch_tokens=self.w.micro_batch_tokens)
-        rank_tokens = max(p.num_tokens for p in plans)
+        assignment = assign_mini_batch(groups, self.w.world_size, micro_batch_tokens=self.w.micro_batch_tokens)
+        rank_tokens = max(assignment.rank_tokens())
         duration = self.w.trainer_overhead_s + rank_tokens * self.w.trainer_s_per_token
         counts = dict.fromkeys(self.names, 0)
         wait = gen = 0.0
