@@ -75,6 +75,8 @@ __all__ = [
     "PlanRowOut",
     "QuotasUpdate",
     "RankPlanOut",
+    "RolloutWeightsIn",
+    "RolloutWeightsOut",
     "RowFetchOut",
     "SupplyIn",
     "SupplyOut",
@@ -211,6 +213,27 @@ class NodeUsageIn(_In):
     bytes_spilled: Count = 0
     budget_bytes: Count | None = None
     budget_used: Count = 0
+
+
+class RolloutWeightsIn(_In):
+    """A rollout worker's weights: the version it generates with and its cumulative load counters."""
+
+    version: Count = Field(description="policy version of the weights the worker generates with")
+    told: Count = Field(0, description="newest version the control plane had reported to the worker")
+    loads: Count = Field(0, description="weights files loaded so far")
+    late: Count = Field(0, description="versions whose weights file was not there within the worker's wait")
+    wait_s: Seconds = Field(0.0, description="seconds spent waiting for weights files")
+
+
+class RolloutWeightsOut(BaseModel):
+    """A rollout worker's weights as the control plane recorded them."""
+
+    version: int
+    told: int
+    loads: int
+    late: int
+    wait_s: float
+    at: float = Field(description="unix time of the report")
 
 
 class NodeLostIn(_In):
