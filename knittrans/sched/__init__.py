@@ -3,6 +3,7 @@
 from knittrans.sched.admission import (
     POLICIES,
     AdmissionPolicy,
+    VersionAwarePolicy,
     composition_plan,
     expired,
     make_policy,
@@ -60,6 +61,7 @@ __all__ = [
     "StalenessStats",
     "StepState",
     "TrajectoryRef",
+    "VersionAwarePolicy",
     "admitted_ahead",
     "architectural_staleness",
     "assign_mini_batch",
