@@ -87,8 +87,19 @@ class Workload:
     for every policy; training frees it, admission does not: ``knittrans.sched.timing``)."""
     rollout_slots: int = 64
     """Groups that can be generated at the same time."""
+    publish_delay_s: float = 0.0
+    """Seconds the trainer takes after an optimizer step to save the new weights before it acks the
+    mini-batch (the ack carries the new version, so the window opens and the version is known at the same
+    instant); the trainer starts nothing else meanwhile."""
     sync_delay_s: float = 0.0
-    """Seconds from the end of an optimizer step until rollout generates with the new weights."""
+    """Seconds from the ack until the new weights reach the rollout hosts (0: a filesystem they share)."""
+    load_s: float = 0.0
+    """Seconds a rollout engine is blocked loading new weights (``knittrans rollout`` loads them between two
+    groups, and between two chunks of generation with in-flight updates)."""
+    groups_per_call: int = 1
+    """Groups of one source a rollout engine generates one after the other and publishes together as one
+    unit (``knittrans rollout --groups-per-call``): a finished group stays invisible, holding the window,
+    until its partners finish."""
     in_flight_updates: bool = False
     """Partial rollout: running groups switch to new weights when they arrive (else keep start weights)."""
     launch_weights: str = "published"
@@ -132,6 +143,7 @@ class Workload:
             ("mini_batches_per_step", self.mini_batches_per_step),
             ("window", self.window),
             ("rollout_slots", self.rollout_slots),
+            ("groups_per_call", self.groups_per_call),
             ("world_size", self.world_size),
             ("micro_batch_tokens", self.micro_batch_tokens),
             ("steps", self.steps),
@@ -143,7 +155,10 @@ class Workload:
                 f"workload {self.name!r}: mini_batches_per_step={self.mini_batches_per_step} must divide "
                 f"the train batch G={self.train_batch_groups} (sum of quotas)"
             )
-        if self.sync_delay_s < 0 or self.trainer_overhead_s < 0 or self.trainer_s_per_token < 0:
+        if (
+            min(self.sync_delay_s, self.publish_delay_s, self.load_s, self.trainer_overhead_s, self.trainer_s_per_token)
+            < 0
+        ):
             raise ValueError(f"workload {self.name!r}: times must be >= 0")
         if self.trainer_overhead_s == 0 and self.trainer_s_per_token == 0:
             raise ValueError(f"workload {self.name!r}: training must take some time")
