@@ -306,3 +306,14 @@ def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureF
     assert rows["train_batch"]["start_arch_mean"] == rows["train_batch_paced"]["start_arch_mean"]
     with pytest.raises(SystemExit):
         main(["sim", "--tb-handover", "batch", "--no-progress"])
+
+
+def test_launch_lead_prototype_keeps_quotas_and_freshens_the_token_weighted_reading() -> None:
+    """skewed3 with duration-aware launches (``launch_lead: 1``): every train batch exactly at quota, and a lower
+    mean token-weighted architectural staleness than quota-share launches on the same draws (more steps/h too)."""
+    w = load_workload("skewed3").with_overrides(steps=12)
+    plain = compute_metrics(simulate(w, "constraint_preserving", seed=0))
+    led = compute_metrics(simulate(w.with_overrides(launch_lead=1.0), "constraint_preserving", seed=0))
+    assert led.quota_violations == 0
+    assert led.readings["weighted"].architectural.mean < 0.9 * plain.readings["weighted"].architectural.mean
+    assert led.steps_per_hour > plain.steps_per_hour

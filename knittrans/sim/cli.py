@@ -143,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(wait for the newest published weights, as knittrans rollout does)",
     )
     parser.add_argument(
+        "--launch-lead",
+        type=float,
+        default=None,
+        help="prototype: duration-aware launches, this fraction of the lead of knittrans.sched.timing.launch_lead "
+        "(0 off, 1 whole)",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="also run the colocated reference (zero architectural staleness by construction)",
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             ("sync_delay", "sync_delay_s"),
             ("load_s", "load_s"),
             ("groups_per_call", "groups_per_call"),
+            ("launch_lead", "launch_lead"),
         ):
             if getattr(args, flag) is not None:
                 overrides[name] = getattr(args, flag)

@@ -17,6 +17,7 @@ from knittrans.sched.timing import (
     AdmissionTiming,
     admitted_ahead,
     launch_headroom,
+    launch_lead,
     launch_order,
     launchable,
     released_at_start,
@@ -135,6 +136,7 @@ class _Simulation:
         self.pending = dict.fromkeys(self.names, 0)
         self.untaken = dict.fromkeys(self.names, 0)  # launched, not dropped, not in a started mini-batch
         self.launch_time: dict[str, float] = {}
+        self.generation: dict[str, tuple[float, int]] = {}  # per source: seconds from launch to finish, groups
         self.finished: list[FinishedGroup] = []
         # colocated: which batch is being generated and how much of it
         self.gen_open = True
@@ -169,8 +171,11 @@ class _Simulation:
         launches (``knittrans rollout``'s worker asks for that many when the headroom allows).
         """
         per_call = self.w.groups_per_call
+        lead = self.lead() if self.w.launch_lead > 0 else None
         while self.pool.idle_slots > 0:
-            launched = dict(zip(self.names, self.useful, strict=True))
+            launched: dict[str, float] = dict(zip(self.names, self.useful, strict=True))
+            if lead is not None:
+                launched = {s: n - lead[s] for s, n in launched.items()}
             order = launch_order(self.quotas, launched)
             if self.colocated:
                 if not self.gen_open or self.gen_launched >= self.G:
@@ -203,7 +208,15 @@ class _Simulation:
             self.trace.peak_untaken_total = max(self.trace.peak_untaken_total, sum(self.untaken.values()))
             self.pool.launch(call, self.now)
 
-    def headroom(self, launched: dict[str, int]) -> dict[str, int]:
+    def lead(self) -> dict[str, float]:
+        """Per-source launch lead (``launch_lead``) from what ran so far: mean generation time per source and
+        groups admitted per second."""
+        durations = {s: total / n for s, (total, n) in self.generation.items() if n}
+        admitted = len(self.trace.consumed)
+        rate = admitted / self.now if self.now > 0 else 0.0
+        return {s: self.w.launch_lead * x for s, x in launch_lead(self.quotas, durations, rate).items()}
+
+    def headroom(self, launched: dict[str, float]) -> dict[str, int]:
         """Groups each source may launch now: the control plane's rule (``knittrans.sched.timing``), with its
         deadlock guard (an idle trainer lets a source launch what its open step misses even in a full window,
         which a call of several groups of one source can bring about)."""
@@ -242,6 +255,8 @@ class _Simulation:
                 )
             )
             self.pending[g.source] -= 1
+            total, n = self.generation.get(g.source, (0.0, 0))
+            self.generation[g.source] = (total + self.now - g.launched_at, n + 1)
         self.gen_finished += len(call)
 
     def try_admit(self) -> None:

@@ -108,6 +108,11 @@ class Workload:
     weights); ``published`` — the newest version the trainer has published: a launch waits for weights still
     on their way (at most ``sync_delay_s``), as ``knittrans rollout``'s worker does (it loads the newest
     published weights before it starts each group)."""
+    launch_lead: float = 0.0
+    """Duration-aware launches (a prototype; the control plane does not do it): sources run ahead of or behind
+    their quota share of launches by this fraction of ``knittrans.sched.timing.launch_lead`` (0: off, 1: the
+    whole lead), estimated from the groups finished so far (mean generation time per source, groups admitted per
+    second), so every source's groups finish about as long before they are needed."""
     trainer_overhead_s: float = 1.0
     """Fixed seconds per mini-batch (optimizer step, launch costs)."""
     trainer_s_per_token: float = 1e-5
@@ -174,6 +179,8 @@ class Workload:
                 f"workload {self.name!r}: launch_weights must be one of {', '.join(LAUNCH_WEIGHTS)}, "
                 f"got {self.launch_weights!r}"
             )
+        if not 0.0 <= self.launch_lead <= 2.0:
+            raise ValueError(f"workload {self.name!r}: launch_lead must be in [0, 2], got {self.launch_lead}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
 
