@@ -449,6 +449,15 @@ class ControlClient:
         )
         return result
 
+    def report_rollout_weights(
+        self, job: str, worker: str, *, version: int, told: int, loads: int, late: int, wait_s: float
+    ) -> dict[str, Any]:
+        """``POST /v1/jobs/{job}/rollout/{worker}/weights``: the weights a rollout worker generates with, and its
+        cumulative counters (files loaded, versions whose file came late, seconds waited)."""
+        body = {"version": version, "told": told, "loads": loads, "late": late, "wait_s": wait_s}
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/rollout/{worker}/weights", json=body)
+        return result
+
     def get_version(self, job: str) -> int:
         """``GET /v1/jobs/{job}/version``: the latest policy version."""
         return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])

@@ -19,7 +19,7 @@ from knittrans.api import Settings, create_app
 
 _APP = create_app(Settings(db_path=":memory:"))
 _SCHEMA = _APP.openapi()
-_PARAMS = {"job": "job1", "node": "n0", "rank": "0"}
+_PARAMS = {"job": "job1", "node": "n0", "rank": "0", "worker": "w0"}
 
 JSON = st.recursive(
     st.none()

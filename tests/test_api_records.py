@@ -49,8 +49,9 @@ def _old_database(tmp_path: Path) -> str:
     return db
 
 
-STATUS_ADDED = {"pool"}
-"""Status fields newer than ``state_v1_status.json`` (checked against the rest of the status instead)."""
+STATUS_ADDED = {"pool", "rollout_weights"}
+"""Status fields newer than ``state_v1_status.json`` (``pool`` is checked against the rest of the status instead;
+``rollout_weights`` lives in memory only, like admission peaks)."""
 
 
 def _persisted(status: dict[str, Any]) -> dict[str, Any]:

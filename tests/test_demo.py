@@ -108,3 +108,38 @@ def test_rank_records_keep_the_last_record_of_each_mini_batch(tmp_path: Path) ->
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
     got = sorted((r["rank"], r["global_index"], r["loss"]) for r in _rank_records(tmp_path))
     assert got == [(0, 0, 1.0), (0, 1, 3.0), (1, 1, 4.0)]
+
+
+def test_compare_reports_both_train_batch_baselines() -> None:
+    """`--compare`'s report: constraint_preserving against the whole-step and the paced train_batch, mean and
+    positive part of every reading, pace ratio; the end reading's max beside its derived bound."""
+    from knittrans.demo.report import compare_runs, format_comparison
+
+    def run(label: str, mean: float, pos: float, mini_batches: int) -> dict[str, object]:
+        reading = {"architectural": {"mean": mean, "pos_mean": pos, "max": pos * 2}}
+        return {
+            "label": label,
+            "staleness": dict.fromkeys(("start", "end", "weighted"), reading),
+            "config": {"quotas": {"math": 4, "mm_qa": 4}, "mini_batches_per_step": 4, "window": 1, "lookahead": 1},
+            "timing": {"peak_admitted_ahead": 1, "peak_untaken": 8},
+            "steps": [{"mini_batches": mini_batches}],
+            "wall_s": 60.0,
+        }
+
+    results = {
+        "train_batch": run("train_batch", 4.0, 4.0, 6),
+        "train_batch_paced": run("train_batch_paced", 2.0, 2.5, 5),
+        "constraint_preserving": run("constraint_preserving", 1.0, 2.0, 12),
+    }
+    got = compare_runs(results)
+    assert set(got) == {"constraint_preserving"}
+    vs_step, vs_paced = (
+        got["constraint_preserving"]["vs_train_batch"],
+        got["constraint_preserving"]["vs_train_batch_paced"],
+    )
+    assert vs_step["start_mean"] == 0.75 and vs_step["end_pos"] == 0.5 and vs_step["pace_ratio"] == 2.0
+    assert vs_paced["weighted_mean"] == 0.5 and vs_paced["end_pos"] == pytest.approx(0.2)
+    assert vs_paced["pace_ratio"] == pytest.approx(2.4)
+    text = format_comparison(results)
+    assert "train_batch_paced" in text and "4.0 / 9" in text  # max end 4.0 against ceil(8/4)·4 + 1
+    assert "75%/50%" in text  # start: mean / positive part against the whole-step baseline

@@ -7,6 +7,7 @@ import logging
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
@@ -245,3 +246,89 @@ def test_a_unit_left_by_a_killed_predecessor_is_replaced_even_when_it_vanishes_m
         assert sum(control.status(JOB)["counts"]["groups_by_status"].values()) == 2
         with StoreClient(node.endpoint) as store:
             assert sorted(u["unit_id"] for u in store.list_units(JOB)) == ["u-w0-g0", "u-w0-g1"]
+
+
+def _versions_on_disk(job_dir: Path) -> dict[str, tuple[int, int]]:
+    """group id -> (version_start, largest version_end) of the trajectories in the node's sealed units."""
+    import pyarrow as pa
+
+    found: dict[str, tuple[int, int]] = {}
+    for traj in sorted(job_dir.glob("*/traj.arrow")):
+        if traj.parent.name.startswith("."):
+            continue
+        with pa.memory_map(str(traj)) as source:
+            table = pa.ipc.open_file(source).read_all().to_pydict()
+        for gid, v0, v1 in zip(table["group_id"], table["version_start"], table["version_end"], strict=True):
+            old = found.get(gid, (v0, v1))
+            found[gid] = (min(old[0], v0), max(old[1], v1))
+    return found
+
+
+def _save_policy(model: Path, path: Path) -> None:
+    """The initial policy's weights as a trainer would publish them (HF names, safetensors, temp name + rename)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    tmp = path.with_name("." + path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    tmp.rename(path)
+
+
+def _metric(text: str, name: str, worker: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + "{") and f'worker="{worker}"' in ln)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_reported_version_whose_file_comes_late_is_waited_for_then_counted_late(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Told of version 1 with no file: the worker waits ``weights_wait_s``, generates with version 0 (its rows say
+    0), logs and counts the version late (status and /metrics); a file that appears during the wait is loaded and
+    the rows say 1."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job(_spec({"a": 2}, steps=2))
+        cluster.control(admin=True).report_version(JOB, 1, rank=0)
+        one = (SourceProfile(name="a", max_new_tokens=(2, 3)),)
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir, sources=one, weights_wait_s=0.3))
+        warned: list[str] = []
+
+        class Seen(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                warned.append(record.getMessage())
+
+        seen = Seen(logging.WARNING)
+        logging.getLogger("knittrans.rollout.worker").addHandler(seen)
+        try:
+            assert worker.run(max_groups=1) == 1
+        finally:
+            logging.getLogger("knittrans.rollout.worker").removeHandler(seen)
+        assert worker.version == 0 and worker.weights.late == 1 and worker.weights.loads == 0
+        assert worker.weights.wait_s >= 0.3
+        assert any("version 1 was reported" in m and "generating with version 0" in m for m in warned)
+        assert _versions_on_disk(cluster.stores[0].store_dir / JOB) == {"w0-g0": (0, 0)}
+        late = control.status(JOB)["rollout_weights"]["w0"]
+        assert (late["version"], late["told"], late["late"], late["loads"]) == (0, 1, 1, 0)
+        scrape = httpx.get(f"{cluster.control_url}/metrics").text
+        assert _metric(scrape, "knittrans_rollout_weights_late_total", "w0") == 1.0
+        assert _metric(scrape, "knittrans_rollout_weights_version", "w0") == 0.0
+
+        # version 2 is reported; its file is written while the worker waits for it (a slow shared filesystem)
+        cluster.control(admin=True).report_version(JOB, 2, rank=0)
+        writer = threading.Timer(0.5, _save_policy, args=(model_dir, weights / "policy-v2.safetensors"))
+        patient = RolloutWorker(_config(cluster, tmp_path, model_dir, sources=one, weights_wait_s=60.0))
+        writer.start()
+        try:
+            assert patient.run(max_groups=1) == 1
+        finally:
+            writer.join()
+            patient.close()
+            worker.close()
+        assert patient.version == 2 and patient.weights.loads == 1 and patient.weights.late == 0
+        assert patient.weights.wait_s > 0
+        assert _versions_on_disk(cluster.stores[0].store_dir / JOB)["w0-g1"] == (2, 2)
+        loaded = control.status(JOB)["rollout_weights"]["w0"]
+        assert (loaded["version"], loaded["told"], loaded["late"], loaded["loads"]) == (2, 2, 0, 1)

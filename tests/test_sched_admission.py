@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -16,6 +17,7 @@ from knittrans.sched import (
     FinishedGroup,
     SourceBounds,
     StepState,
+    VersionAwarePolicy,
     composition_plan,
     expired,
     make_policy,
@@ -48,8 +50,14 @@ def run_step(
     k_total: int,
     bounds: Mapping[str, SourceBounds],
     arrivals: list[str],
+    *,
+    versions: Sequence[tuple[int, int, float]] = (),
+    current_version: int = 0,
 ) -> StepRun:
-    """Feed arrivals one by one (supply = the whole arrival list) and call select until it waits."""
+    """Feed arrivals one by one (supply = the whole arrival list) and call select until it waits.
+
+    ``versions[i]``: (start, end, weighted) of the i-th arrival (default all 0); the trainer is at ``current_version``.
+    """
     policy = make_policy(policy_name)
     supply = {s: arrivals.count(s) for s in quotas}
     arrived = dict.fromkeys(quotas, 0)
@@ -57,7 +65,11 @@ def run_step(
     run = StepRun(admitted=dict.fromkeys(quotas, 0))
     for n, source in enumerate(arrivals, 1):
         arrived[source] += 1
-        finished.append(_group(n, source))
+        group = _group(n, source)
+        if versions:
+            v0, v1, vw = versions[n - 1]
+            group = dataclasses.replace(group, version_start=v0, version_end=v1, version_weighted=vw)
+        finished.append(group)
         while len(run.decisions) < k_total:
             state = StepState(
                 quotas=quotas,
@@ -67,6 +79,7 @@ def run_step(
                 mini_batch_index=len(run.decisions),
                 mini_batches_per_step=k_total,
                 bounds=bounds,
+                current_version=current_version,
             )
             decision = policy.select(state)
             if decision is None:
@@ -216,6 +229,64 @@ def test_constraint_preserving_matches_brute_force(case: tuple) -> None:  # type
             bounds=bounds,
         )
         assert policy.select(earlier) is None and _brute_force_earliest(earlier) is None
+
+
+@st.composite
+def versioned(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
+    """A random workload whose groups carry random versions (start <= weighted <= end), a trainer version and
+    an age cap."""
+    quotas, k_total, bounds, arrivals = draw(workloads())
+    versions = []
+    for _ in arrivals:
+        v0 = draw(st.integers(0, 12))
+        v1 = draw(st.integers(v0, v0 + 4))
+        versions.append((v0, v1, draw(st.floats(v0, v1))))
+    return quotas, k_total, bounds, arrivals, versions, draw(st.integers(0, 20)), draw(st.integers(0, 10))
+
+
+@settings(max_examples=150, deadline=None)
+@given(versioned())
+def test_version_aware_keeps_quotas_and_takes_due_then_newest(case: tuple) -> None:  # type: ignore[type-arg]
+    """version_aware: train batch exactly q, mini-batch sizes and bounds, constraint_preserving's counts for the
+    same state; within a source, groups at the age cap before any other, then the newest (weighted version)."""
+    quotas, k_total, bounds, arrivals, versions, now, cap = case
+    sizes = mini_batch_sizes(sum(quotas.values()), k_total)
+    cp = make_policy("constraint_preserving")
+    policy = VersionAwarePolicy(age_cap=cap)
+    run = run_step("version_aware", quotas, k_total, bounds, arrivals, versions=versions, current_version=now)
+    assert len(run.decisions) == k_total, "version_aware stalled with all supply finished"
+    assert run.admitted == dict(quotas)
+    for k, state in enumerate(run.states):
+        decision = policy.select(state)  # the run's own decisions used the default cap; redo with ``cap``
+        assert decision is not None
+        assert decision.counts == run.decisions[k].counts == cp.select(state).counts  # type: ignore[union-attr]
+        assert sum(decision.counts.values()) == len(decision.groups) == sizes[k]
+        assert remainder_feasible(state, decision.counts)
+        for s, c in decision.counts.items():
+            b = bounds.get(s, SourceBounds())
+            assert b.lo <= c and (b.hi is None or c <= b.hi)
+            mine = [g for g in decision.groups if g.source == s]
+            left = [g for g in state.finished if g.source == s and g not in mine]
+            due = lambda g: now - g.version_start >= cap  # noqa: E731
+            if any(due(g) for g in left):
+                assert all(due(g) for g in mine), "a newer group went before a due one"
+                assert all(a.finished_at <= b.finished_at for a in mine for b in left if due(b)), "due: finish order"
+            else:
+                fresh_left = [g.version_weighted for g in left if not due(g)]
+                taken = [g.version_weighted for g in mine if not due(g)]
+                assert not fresh_left or not taken or min(taken) >= max(fresh_left), "an older group went first"
+
+
+def test_version_aware_age_cap_defaults() -> None:
+    """The age cap: η - K with a staleness bound η, 2·K without; a negative cap is refused."""
+    state = StepState(
+        quotas={"a": 2}, admitted={}, finished=(), pending={"a": 2}, mini_batch_index=0, mini_batches_per_step=2
+    )
+    assert VersionAwarePolicy().cap(state) == 4
+    assert VersionAwarePolicy().cap(dataclasses.replace(state, max_staleness=7)) == 5
+    assert VersionAwarePolicy(age_cap=3).cap(state) == 3
+    with pytest.raises(ValueError, match="age_cap must be >= 0"):
+        VersionAwarePolicy(age_cap=-1)
 
 
 def test_mini_batch_sizes_hand_cases() -> None:

@@ -19,6 +19,7 @@ from knittrans.sched.staleness import ConsumedGroup
 from knittrans.sched.timing import (
     AdmissionTiming,
     admitted_ahead,
+    launch_lead,
     launch_order,
     may_admit,
     released_at_start,
@@ -277,3 +278,17 @@ def test_released_at_start_per_handover() -> None:
         released_at_start({}, mini_batch_index=0, quotas=q, handover="batch")
     with pytest.raises(ValueError, match="mini_batch_index"):
         released_at_start({}, mini_batch_index=-1, quotas=q, handover="step")
+
+
+def test_launch_lead_shifts_launches_from_fast_to_slow_sources() -> None:
+    """λ·q[s]/G·(D[s] - D̄): a (10 s) runs 0.5 launches behind, b (30 s) 0.5 ahead at 0.1 groups/s; the leads sum
+    to 0, a source without an estimate gets none, and the lead moves a slow source up the launch order."""
+    quotas = {"a": 2, "b": 2}
+    lead = launch_lead(quotas, {"a": 10.0, "b": 30.0}, 0.1)
+    assert lead == pytest.approx({"a": -0.5, "b": 0.5})
+    assert launch_lead({"a": 2, "b": 2, "c": 4}, {"a": 10.0}, 0.1) == {"a": 0.0, "b": 0.0, "c": 0.0}
+    launched = {"a": 3, "b": 3}
+    assert launch_order(quotas, launched) == ["a", "b"]
+    assert launch_order(quotas, {s: n - lead[s] for s, n in launched.items()}) == ["b", "a"]
+    with pytest.raises(ValueError, match=">= 0"):
+        launch_lead(quotas, {"a": -1.0}, 0.1)

@@ -226,7 +226,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "%" in captured.err  # the progress bar
     payload = json.loads(out.read_text())
     assert len(payload["configs"]) == 2
-    assert len(payload["runs"]) == 2 * 4 * 2
+    assert len(payload["runs"]) == 2 * (len(POLICIES) + 2) * 2  # + colocated and the paced baseline
     assert all(r["quota_violations"] == 0 for r in payload["runs"])
     pngs = sorted(p.name for p in plots.glob("*.png"))
     assert len(pngs) == 8 and all(p.startswith("code_agent_skew_K") for p in pngs)
@@ -257,7 +257,7 @@ def test_train_batch_handed_whole_batches_is_exactly_one_batch_off_policy(name: 
 
 
 def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`--paced-baseline` adds the train_batch_paced row and reductions against it; `--tb-handover mini_batch`
+    """Every run has the train_batch_paced row and reductions against both baselines; `--tb-handover mini_batch`
     makes train_batch itself the paced baseline (both rows then agree); a bad handover exits 2."""
     out = tmp_path / "res.json"
     rc = main(
@@ -269,14 +269,14 @@ def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureF
             "1",
             "--steps",
             "3",
-            "--paced-baseline",
             "--json",
             str(out),
             "--no-progress",
         ]
     )
     assert rc == 0
-    assert "train_batch_paced" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "train_batch_paced" in table and "vs paced s / e+ / w" in table
     rows = json.loads(out.read_text())["configs"][0]["policies"]
     assert set(rows) == {*POLICIES, "train_batch_paced"}
     assert rows["train_batch"]["start_arch_mean"] == 16.0
@@ -294,7 +294,6 @@ def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureF
             "1",
             "--steps",
             "3",
-            "--paced-baseline",
             "--tb-handover",
             "mini_batch",
             "--json",
@@ -307,3 +306,14 @@ def test_cli_paced_baseline_and_handover(tmp_path: Path, capsys: pytest.CaptureF
     assert rows["train_batch"]["start_arch_mean"] == rows["train_batch_paced"]["start_arch_mean"]
     with pytest.raises(SystemExit):
         main(["sim", "--tb-handover", "batch", "--no-progress"])
+
+
+def test_launch_lead_prototype_keeps_quotas_and_freshens_the_token_weighted_reading() -> None:
+    """skewed3 with duration-aware launches (``launch_lead: 1``): every train batch exactly at quota, and a lower
+    mean token-weighted architectural staleness than quota-share launches on the same draws (more steps/h too)."""
+    w = load_workload("skewed3").with_overrides(steps=12)
+    plain = compute_metrics(simulate(w, "constraint_preserving", seed=0))
+    led = compute_metrics(simulate(w.with_overrides(launch_lead=1.0), "constraint_preserving", seed=0))
+    assert led.quota_violations == 0
+    assert led.readings["weighted"].architectural.mean < 0.9 * plain.readings["weighted"].architectural.mean
+    assert led.steps_per_hour > plain.steps_per_hour

@@ -272,3 +272,62 @@ def test_unknown_launch_weights_is_rejected() -> None:
     """launch_weights other than "arrived" / "published" is a clear error naming both."""
     with pytest.raises(ValueError, match="launch_weights must be one of arrived, published"):
         sync_workload("latest")
+
+
+def live_workload(**changes: object) -> Workload:
+    """One source a (1 s per group), quota 2: G = 2, K = 2, 2 slots, W = 1, L = 1, 1 s of training per mini-batch,
+    no sync delay; ``changes`` set the live loop's publish delay, load time or groups per call."""
+    return hand_workload().with_overrides(
+        name="live",
+        sources=(SourceProfile(name="a", quota=2, duration_mean_s=1.0, tokens_mean=100),),
+        rollout_slots=2,
+        **changes,
+    )
+
+
+# Publish delay 0.5 s (the rank saves the weights, then acks with the new version). t=0 a-0, a-1 (v0) end at 1:
+#  mb0 = {a-0} computes 1..2, publishes 2..2.5 and frees a window slot when it starts: a-2 (v0) runs 1..2;
+#  mb1 = {a-1} is admitted ahead. t=2.5 the ack: v1 is usable at once (shared filesystem), mb1 starts (its
+#  ack at 4) and frees the window: a-3 starts with v1, 2.5..3.5: (1, 1, 1.0). mb2 = {a-2} is admitted at the ack
+#  (L = 1) and trains 4..5.5; mb3 = {a-3} 5.5..7.
+PUBLISH = {"a-0": (0, 0, 0, 0, 0.0), "a-1": (1, 1, 0, 0, 0.0), "a-2": (2, 0, 0, 0, 0.0), "a-3": (3, 1, 1, 1, 1.0)}
+# Load time 0.5 s, in-flight updates. a-0..a-2 as without loads (a-2 runs 1..2 on v0, which its slot holds).
+#  t=2 v1 (mb0's ack; a-2 ends at that instant and is not stopped); mb1 starts and frees the window: a-3 takes
+#  the slot holding v0, loads v1 2..2.5 and generates from 2.5; t=3 v2 arrives (mb1's ack): a-3 stops after
+#  0.5 s on v1, loads v2 3..3.5, generates its last 0.5 s on v2 and ends at 4: (1, 2, 1.5). mb3 trains 4..5.
+LOAD = {"a-0": (0, 0, 0, 0, 0.0), "a-1": (1, 1, 0, 0, 0.0), "a-2": (2, 0, 0, 0, 0.0), "a-3": (3, 1, 1, 2, 1.5)}
+# The same without in-flight updates: a-3 loads v1 2..2.5 and keeps it to its end at 3.5: (1, 1, 1.0).
+LOAD_NO_IN_FLIGHT = {**LOAD, "a-3": (3, 1, 1, 1, 1.0)}
+# Two groups per call: the window's two groups go to one slot as one call, a-0 0..1 then a-1 1..2, both
+#  published at 2 (the other slot idles: no room). mb0 = {a-0} trains 2..3 and frees one slot: a-2 (v0) 2..3;
+#  mb1 = {a-1} ahead. t=3 v1, mb1 trains 3..4: a-3 (v1) 3..4 ends as v2 arrives: (1, 1, 1.0). mb2 4..5, mb3 5..6.
+CALLS = {"a-0": (0, 0, 0, 0, 0.0), "a-1": (1, 1, 0, 0, 0.0), "a-2": (2, 0, 0, 0, 0.0), "a-3": (3, 1, 1, 1, 1.0)}
+LIVE = {
+    "publish": (dict(publish_delay_s=0.5), PUBLISH, 7.0),
+    "load": (dict(load_s=0.5), LOAD, 5.0),
+    "load_no_in_flight": (dict(load_s=0.5, in_flight_updates=False), LOAD_NO_IN_FLIGHT, 5.0),
+    "calls": (dict(groups_per_call=2), CALLS, 6.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIVE))
+def test_live_loop_timings(case: str) -> None:
+    """Publish delay before the ack, blocking weight loads (with and without in-flight updates) and calls of two
+    groups give the hand-derived versions and makespan."""
+    changes, expected, makespan = LIVE[case]
+    trace = simulate(live_workload(**changes), "constraint_preserving", seed=0)
+    got = _by_group(trace)
+    assert set(got) == set(expected)
+    for gid, (n, k, v0, v1, vw) in expected.items():
+        assert got[gid][:4] == (n, k, v0, v1), gid
+        assert got[gid][4] == pytest.approx(vw), gid
+    assert trace.makespan_s == pytest.approx(makespan)
+
+
+def test_publish_delay_keeps_the_trainer_busy_and_loads_are_counted() -> None:
+    """The publish delay is trainer time (busy = 4 x 1.5 s); every timed load is counted with its duration."""
+    trace = simulate(live_workload(publish_delay_s=0.5), "constraint_preserving", seed=0)
+    assert trace.trainer_busy_s == pytest.approx(4 * 1.5)
+    assert trace.weight_loads == 0
+    loaded = simulate(live_workload(load_s=0.5), "constraint_preserving", seed=0)
+    assert loaded.weight_loads >= 2 and loaded.load_s == pytest.approx(0.5 * loaded.weight_loads)

@@ -1,13 +1,12 @@
-"""Cross-check: ``knittrans sim`` against the independent simulator (``independent_sim.py``) on issue 13's figures.
+"""Cross-check: ``knittrans sim`` against the independent simulator (``independent_sim.py``) on the headline figures.
 
 Run: ``.venv/bin/python benchmarks/sim_report/cross_check.py [--seeds 3] [--steps 40]``.
-For ``skewed3`` and ``balanced`` at K = 16, W = 1, L in {0, 1} (launches with the newest published weights,
-the default; also L = 1 with ``launch_weights: arrived``), and both ``train_batch`` baselines (``step``:
-handed whole train batches; ``mini_batch``: paced by the project's window rule), it prints and writes
-``results/cross_check.{json,md}``: the constraint_preserving-vs-train_batch reduction of mean architectural
-staleness (start, token-weighted), of the end reading's positive part, and the steps/h ratio, from both
-simulators. The two share no code and no random draws; they agree to within seed noise. The independent
-simulator also runs the issue's wording "per source" literally (each source's untaken groups <= W·q[s]).
+For ``skewed3``, ``balanced`` and ``code_agent_skew`` at K = 16, W = 1, L in {0, 1}, with the workloads' live-loop
+timings (publish delay before the ack, blocking loads, in-flight updates), and both ``train_batch`` baselines
+(``step``: handed whole train batches; ``mini_batch``: paced by the project's window rule), it prints and
+writes ``results/cross_check.{json,md}``: the constraint_preserving-vs-train_batch reduction of mean
+architectural staleness (start, token-weighted), of the end reading's positive part, and the steps/h ratio,
+from both simulators. The two share no code and no random draws.
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ import independent_sim  # noqa: E402
 FIGURES = ("start_mean", "end_pos", "weighted_mean")
 
 
-def project(
-    name: str, lookahead: int, handover: str, seeds: int, steps: int, launch_weights: str = "published"
-) -> dict[str, float]:
+def project(name: str, lookahead: int, handover: str, *, seeds: int, steps: int) -> dict[str, float]:
     """Reductions and steps/h ratio from ``knittrans sim``."""
     w = load_workload(name).with_overrides(
         mini_batches_per_step=16,
@@ -44,7 +41,6 @@ def project(
         lookahead=lookahead,
         train_batch_handover=handover,
         steps=steps,
-        launch_weights=launch_weights,
     )
     avg: dict[str, dict[str, float]] = {}
     for policy in ("train_batch", "constraint_preserving"):
@@ -61,9 +57,7 @@ def project(
     return out
 
 
-def independent(
-    name: str, lookahead: int, handover: str, scope: str, seeds: int, steps: int, launch_weights: str = "published"
-) -> dict[str, float]:
+def independent(name: str, lookahead: int, handover: str, *, scope: str, seeds: int, steps: int) -> dict[str, float]:
     """The same figures from the independent simulator."""
     cfg = replace(
         independent_sim.load(name),
@@ -73,7 +67,6 @@ def independent(
         steps=steps,
         scope=scope,
         tb_takes="train_batch" if handover == "step" else "mini_batch",
-        launch_weights=launch_weights,
     )
     res = independent_sim.compare(cfg, seeds)
     out = {f: res["reduction"][f] for f in FIGURES}
@@ -88,55 +81,20 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for name in ("skewed3", "balanced"):
+    for name in ("skewed3", "balanced", "code_agent_skew"):
         for handover in ("step", "mini_batch"):
             for lookahead in (0, 1):
-                rows.append(
-                    {
-                        "workload": name,
-                        "baseline": handover,
-                        "L": lookahead,
-                        "simulator": "knittrans sim",
-                        **project(name, lookahead, handover, args.seeds, args.steps),
-                    }
-                )
-                rows.append(
-                    {
-                        "workload": name,
-                        "baseline": handover,
-                        "L": lookahead,
-                        "simulator": "independent",
-                        **independent(name, lookahead, handover, "global", args.seeds, args.steps),
-                    }
-                )
-            rows.append(
-                {
-                    "workload": name,
-                    "baseline": handover,
-                    "L": 1,
-                    "simulator": "independent, per-source W·q[s]",
-                    **independent(name, 1, handover, "source", args.seeds, args.steps),
-                }
-            )
-            # launches with the weights that have reached rollout (background sync) instead of the newest published
-            rows.append(
-                {
-                    "workload": name,
-                    "baseline": handover,
-                    "L": 1,
-                    "simulator": "knittrans sim, launch_weights arrived",
-                    **project(name, 1, handover, args.seeds, args.steps, "arrived"),
-                }
-            )
-            rows.append(
-                {
-                    "workload": name,
-                    "baseline": handover,
-                    "L": 1,
-                    "simulator": "independent, launch_weights arrived",
-                    **independent(name, 1, handover, "global", args.seeds, args.steps, "arrived"),
-                }
-            )
+                for simulator, fn in (("knittrans sim", project), ("independent", independent)):
+                    extra = {"scope": "global"} if fn is independent else {}
+                    rows.append(
+                        {
+                            "workload": name,
+                            "baseline": handover,
+                            "L": lookahead,
+                            "simulator": simulator,
+                            **fn(name, lookahead, handover, seeds=args.seeds, steps=args.steps, **extra),
+                        }
+                    )
     lines = [
         "| workload | train_batch baseline | L | simulator | red. mean start | red. pos. part end "
         "| red. mean weighted | steps/h x TB |",

@@ -26,6 +26,16 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
   exceeds its finished + generating groups (otherwise it waits).
   ``tb_takes="train_batch"`` makes ``train_batch`` take its whole train batch when the trainer starts
   the step's first mini-batch (a conventional one-step-off-policy trainer that is handed the batch).
+* **Issue 33's live loop** (``publish_s``, ``load_s``): rank 0 saves the new weights before it acks, so
+  the trainer is busy ``publish_s`` after each optimizer step and version ``n + 1`` exists (and the
+  window frees) only at the ack; a rollout slot that must switch weights is blocked ``load_s`` (before a
+  group starts, and, with in-flight updates, each time a version arrives while it generates: it stops,
+  loads, and goes on with the new weights; tokens are made only while it generates).
+* **Straggler tails**: with probability ``tail_prob`` a group's duration is multiplied by
+  ``tail_scale x Pareto(tail_alpha)``.
+* ``version_aware`` (issue 33): the same counts per source as ``constraint_preserving``, but within a
+  source it takes the groups whose age (trainer version minus start version) reached ``2K`` first,
+  earliest finished first, then the groups with the newest time-weighted version.
 * **Architectural staleness** of a group in mini-batch ``k`` of a step, trained at version ``n``:
   ``n - v_gen - k``. Aggregates skip the first ``W`` steps; every group has the same number of
   trajectories, so group means are trajectory means.
@@ -70,6 +80,9 @@ class Source:
     cv: float
     tokens_mean: float
     tokens_cv: float
+    tail_prob: float = 0.0
+    tail_scale: float = 1.0
+    tail_alpha: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,8 @@ class Config:
     L: int = 1
     slots: int = 64
     sync_s: float = 5.0
+    publish_s: float = 0.0
+    load_s: float = 0.0
     overhead_s: float = 1.0
     s_per_token: float = 2.0e-4
     world: int = 8
@@ -98,13 +113,22 @@ class Config:
 def load(name: str) -> Config:
     path = Path(name) if name.endswith(".yaml") else WORKLOADS / f"{name}.yaml"
     raw = yaml.safe_load(path.read_text())
-    for key in ("tail_prob",):
-        if any(s.get(key, 0) for s in raw["sources"]):
-            raise SystemExit(f"{name}: straggler tails are not modelled here")
+    if raw.get("groups_per_call", 1) != 1:
+        raise SystemExit(f"{name}: only one group per call is modelled here")
     if not raw.get("in_flight_updates", True):
         raise SystemExit(f"{name}: only in-flight updates are modelled here")
     sources = tuple(
-        Source(s["name"], s["quota"], s["duration_mean_s"], s["duration_cv"], s["tokens_mean"], s["tokens_cv"])
+        Source(
+            s["name"],
+            s["quota"],
+            s["duration_mean_s"],
+            s["duration_cv"],
+            s["tokens_mean"],
+            s["tokens_cv"],
+            s.get("tail_prob", 0.0),
+            s.get("tail_scale", 1.0),
+            s.get("tail_alpha", 2.0),
+        )
         for s in raw["sources"]
     )
     return Config(
@@ -115,6 +139,8 @@ def load(name: str) -> Config:
         L=raw.get("lookahead", 1),
         slots=raw["rollout_slots"],
         sync_s=raw["sync_delay_s"],
+        publish_s=raw.get("publish_delay_s", 0.0),
+        load_s=raw.get("load_s", 0.0),
         overhead_s=raw["trainer_overhead_s"],
         s_per_token=raw["trainer_s_per_token"],
         world=raw["world_size"],
@@ -138,6 +164,14 @@ class Group:
     duration: float
     tokens: list[int]
     finished_at: float = math.nan
+    # timed loads: the slot's weights, generation left, when it (re)started generating, (version, seconds) made
+    version: int = 0
+    left: float = 0.0
+    gen_since: float = math.nan
+    loading_from: float = math.inf
+    made: list[tuple[int, float]] = field(default_factory=list)
+    token: int = 0
+    vs: tuple[int, int, float] | None = None
 
 
 @dataclass
@@ -200,6 +234,9 @@ class Sim:
         self.seq = 0
         self.now = 0.0
         self.idle_slots = cfg.slots
+        self.idle_versions = [0] * cfg.slots  # weights held by each idle slot (timed loads only)
+        self.running: set[int] = set()  # gids of generating groups (timed loads only)
+        self.by_gid: dict[int, Group] = {}
         self.untaken = [0] * self.S
         self.launched = [0] * self.S
         self.pending = [0] * self.S
@@ -218,6 +255,8 @@ class Sim:
     def draw(self, s: int) -> tuple[float, list[int]]:
         src, rng = self.c.sources[s], self.rngs[s]
         duration = lognormal(rng, src.mean_s, src.cv)
+        if src.tail_prob > 0 and rng.random() < src.tail_prob:
+            duration *= src.tail_scale * (1.0 - rng.random()) ** (-1.0 / src.tail_alpha)
         tokens = [max(1, round(lognormal(rng, src.tokens_mean, src.tokens_cv))) for _ in range(self.c.group_size)]
         return duration, tokens
 
@@ -263,12 +302,55 @@ class Sim:
             self.launched[s] += 1
             self.pending[s] += 1
             self.res.peak_untaken[s] = max(self.res.peak_untaken[s], self.untaken[s])
-            self.push(start + duration, 1, g)
+            if self.c.load_s <= 0:
+                self.push(start + duration, 1, (g, 0))
+                continue
+            # timed loads: the idle slot with the newest weights; it loads the target version if it is older
+            held = max(self.idle_versions)
+            self.idle_versions.remove(held)
+            target = len(self.avail) - 1 if self.c.launch_weights == "published" else self.version_at(self.now)
+            g.version, g.left, g.gen_since = max(held, target), duration, start
+            if held < target:
+                g.loading_from, g.gen_since = start, start + self.c.load_s
+            self.by_gid[g.gid] = g
+            self.running.add(g.gid)
+            self.push(g.gen_since + g.left, 1, (g, g.token))
+
+    def version_at(self, t: float) -> int:
+        return bisect.bisect_right(self.avail, t) - 1
+
+    def arrive(self, version: int) -> None:
+        """Timed loads with in-flight updates: every running slot on older weights stops and loads ``version``."""
+        for gid in list(self.running):
+            g = self.by_gid[gid]
+            if g.version >= version or g.gen_since + g.left <= self.now:
+                continue
+            if g.gen_since <= self.now:  # generating: account what it made, then load
+                g.made.append((g.version, self.now - g.gen_since))
+                g.left -= self.now - g.gen_since
+                g.loading_from, g.gen_since = self.now, self.now + self.c.load_s
+            elif g.loading_from <= self.now:  # loading: load the new one right after
+                g.gen_since += self.c.load_s
+            else:
+                continue  # still waiting for its start weights
+            g.version = version
+            g.token += 1
+            self.push(g.gen_since + g.left, 1, (g, g.token))
 
     def finish(self, g: Group) -> None:
         g.finished_at = self.now
         self.idle_slots += 1
         self.pending[g.src] -= 1
+        if self.c.load_s > 0:
+            g.made.append((g.version, self.now - g.gen_since))
+            made = [(v, d) for v, d in g.made if d > 0] or g.made[:1]
+            total = sum(d for _, d in made)
+            g.vs = (made[0][0], max(v for v, _ in made), sum(v * d for v, d in made) / total if total else made[0][0])
+            self.running.discard(g.gid)
+            del self.by_gid[g.gid]
+            self.idle_versions.append(g.version)
+        else:
+            g.vs = self.versions(g.launched_at, g.finished_at)
         self.pool.append(g)
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -291,8 +373,19 @@ class Sim:
                 taken[g.src] += 1
                 out.append(g)
                 if len(out) == self.b[k]:
-                    return out
-        return None
+                    break
+        if len(out) < self.b[k]:
+            return None
+        if self.policy == "version_aware":  # same counts; within a source: due (age >= 2K) first, then newest
+            out = []
+            for s in range(self.S):
+                due = [g for g in by_src[s] if self.trained - g.vs[0] >= 2 * self.c.K]  # type: ignore[index]
+                rest = sorted(
+                    (g for g in by_src[s] if self.trained - g.vs[0] < 2 * self.c.K),  # type: ignore[index]
+                    key=lambda g: (-g.vs[2], -g.vs[1], g.finished_at, g.gid),  # type: ignore[index]
+                )
+                out += (due + rest)[: taken[s]]
+        return out
 
     def try_admit(self) -> None:
         K = self.c.K
@@ -309,7 +402,8 @@ class Sim:
             loads = [0] * self.c.world
             for t in sorted((t for g in groups for t in g.tokens), reverse=True):
                 loads[loads.index(min(loads))] += t
-            duration = self.c.overhead_s + self.c.s_per_token * max(loads)
+            # rank 0 saves the new weights before it acks: the publish keeps the trainer busy
+            duration = self.c.overhead_s + self.c.s_per_token * max(loads) + self.c.publish_s
             mb = MiniBatch(n=self.adm_n, step=step, k=k, groups=groups, duration=duration)
             self.res.peak_ahead = max(self.res.peak_ahead, self.adm_n - self.trained)
             if self.c.free_on == "admit":
@@ -337,7 +431,7 @@ class Sim:
                 self.free(mb.groups)
         self.busy = True
         for g in mb.groups:
-            v0, v1, vw = self.versions(g.launched_at, g.finished_at)
+            v0, v1, vw = g.vs if g.vs is not None else self.versions(g.launched_at, g.finished_at)
             self.res.consumed.append(Consumed(mb.step, mb.k, mb.n, g.src, v0, v1, vw))
         self.push(self.now + mb.duration, 0, mb)
 
@@ -345,6 +439,11 @@ class Sim:
         self.busy = False
         self.trained += 1
         self.avail.append(self.now + self.c.sync_s)
+        if self.c.load_s > 0:
+            if self.c.sync_s > 0:
+                self.push(self.now + self.c.sync_s, 2, len(self.avail) - 1)
+            else:
+                self.arrive(len(self.avail) - 1)
 
     def run(self) -> Result:
         self.launch()
@@ -358,8 +457,13 @@ class Sim:
             self.now = t
             if kind == 0:
                 self.train_done(data)
+            elif kind == 2:
+                self.arrive(data)
             else:
-                self.finish(data)
+                g, token = data
+                if token != g.token:
+                    continue  # rescheduled by an in-flight load
+                self.finish(g)
             self.try_admit()
             self.launch()
         self.res.makespan = self.now
@@ -374,15 +478,21 @@ def summary(cfg: Config, res: Result) -> dict[str, float]:
         out[f"{reading}_mean"] = statistics.fmean(vals)
         out[f"{reading}_pos"] = statistics.fmean(max(0.0, v) for v in vals)
         out[f"{reading}_max"] = max(vals)
+        ordered = sorted(vals)
+        out[f"{reading}_p99"] = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
     out["steps_per_h"] = cfg.steps / (res.makespan / 3600.0)
     return out
 
 
-def compare(cfg: Config, seeds: int) -> dict[str, Any]:
+def compare(
+    cfg: Config, seeds: int, policies: tuple[str, ...] = ("train_batch", "constraint_preserving")
+) -> dict[str, Any]:
     avg: dict[str, dict[str, float]] = {}
-    for policy in ("train_batch", "constraint_preserving"):
+    for policy in policies:
         runs = [summary(cfg, Sim(cfg, policy, seed).run()) for seed in range(seeds)]
         avg[policy] = {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
+    if "train_batch" not in avg:
+        return avg
     tb, cp = avg["train_batch"], avg["constraint_preserving"]
 
     def red(key: str) -> float:

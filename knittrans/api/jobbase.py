@@ -215,7 +215,28 @@ class JobBase:
             if mb is not None and mb.status == "planned":
                 for source, count in mb.counts.items():
                     out[source] = out.get(source, 0) + count
+        if self.spec.train_batch_handover == "step":
+            self._hand_over_step(out)
         return out
+
+    def _hand_over_step(self, untaken: dict[str, int]) -> None:
+        """``train_batch_handover: step``: once the trainer has started a step, the step's groups not in a started
+        mini-batch left the window too (the trainer was handed the whole train batch; ``train_batch`` admits a
+        step's first mini-batch only when all of it has finished, so they are in the pool or admitted ahead)."""
+        p = self.position
+        step = p // self.K
+        if p == self.next_n and p % self.K == 0:
+            return  # the step's first mini-batch is not admitted yet: the trainer has not started the step
+        end = min(self.next_n, (step + 1) * self.K)
+        admitted = self.admitted_in_step(step)
+        for source, quota in self.quotas_for_step(step).items():
+            ahead = sum(
+                mb.counts.get(source, 0)
+                for n in range(p + 1, end)
+                if (mb := self.minibatches.get(n)) is not None and mb.status == "planned"
+            )
+            released = quota - admitted.get(source, 0) + ahead
+            untaken[source] = max(0, untaken.get(source, 0) - released)
 
     def headroom(self) -> dict[str, Any]:
         """What rollout may launch now under the window ``W`` (trainer progress, not admission, frees it)."""

@@ -49,6 +49,10 @@ METRICS: dict[str, str] = {
     "knittrans_rank_fetch_seconds": "counter",
     "knittrans_rank_logical_bytes": "counter",
     "knittrans_rank_physical_bytes": "counter",
+    "knittrans_rollout_weights_version": "gauge",
+    "knittrans_rollout_weight_loads": "counter",
+    "knittrans_rollout_weights_late": "counter",
+    "knittrans_rollout_weights_wait_seconds": "counter",
 }
 """Every metric family exported, by name as declared (counters are exposed with a ``_total`` suffix)."""
 
@@ -181,6 +185,7 @@ class ServiceCollector(Collector):
             stale,
         )
         yield from self._ranks()
+        yield from self._rollout()
 
     def _ranks(self) -> Iterator[CounterMetricFamily]:
         labels = ["job_name", "rank"]
@@ -215,6 +220,28 @@ class ServiceCollector(Collector):
             logical.add_metric(key, t.row_bytes + t.media_logical_bytes)
             physical.add_metric(key, t.row_bytes + t.media_physical_bytes)
         yield from (mbs, exposed, fetch, logical, physical)
+
+    def _rollout(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["job_name", "worker"]
+        version = GaugeMetricFamily(
+            "knittrans_rollout_weights_version", "Policy version the rollout worker generates with", labels=labels
+        )
+        loads = CounterMetricFamily("knittrans_rollout_weight_loads", "Weights files the worker loaded", labels=labels)
+        late = CounterMetricFamily(
+            "knittrans_rollout_weights_late",
+            "Versions whose weights file was not there within the worker's wait (it generated with older weights)",
+            labels=labels,
+        )
+        wait = CounterMetricFamily(
+            "knittrans_rollout_weights_wait_seconds", "Seconds the worker waited for weights files", labels=labels
+        )
+        for (job, worker), r in sorted(list(self.observed.rollout.items())):
+            key = [job, worker]
+            version.add_metric(key, r.version)
+            loads.add_metric(key, r.loads)
+            late.add_metric(key, r.late)
+            wait.add_metric(key, r.wait_s)
+        yield from (version, loads, late, wait)
 
 
 def make_registry(service: ControlPlane, observed: Observations | None = None) -> CollectorRegistry:

@@ -67,6 +67,8 @@ __all__ = [
     "NodeUsageIn",
     "ProgressOut",
     "QuotasUpdate",
+    "RolloutWeightsIn",
+    "RolloutWeightsOut",
     "SupplyIn",
     "SupplyOut",
     "TokenIn",
@@ -122,7 +124,7 @@ class JobCreate(_In):
     group_size: Positive
     quotas: dict[Name, Int32] = Field(min_length=1)
     mini_batches_per_step: Annotated[int, Field(ge=1, le=MAX_MINI_BATCHES_PER_STEP), BeforeValidator(_not_bool)]
-    policy: Literal["train_batch", "linear_target", "constraint_preserving"] = "constraint_preserving"
+    policy: Literal["train_batch", "linear_target", "constraint_preserving", "version_aware"] = "constraint_preserving"
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE), BeforeValidator(_not_bool)]
     micro_batch_tokens: Positive | None = None
     micro_batch_size: Positive | None = None
@@ -134,6 +136,11 @@ class JobCreate(_In):
     )
     lookahead: Int32 = Field(default=1, description="L: mini-batches admitted beyond the trainer's position")
     window: Positive = Field(default=1, description="W: launched groups not in a started mini-batch <= W·G")
+    train_batch_handover: Literal["mini_batch", "step"] = Field(
+        default="mini_batch",
+        description="train_batch only: 'step' frees the whole train batch from the window when the step's first "
+        "mini-batch starts (the conventional baseline); 'mini_batch' frees each mini-batch's groups as it starts",
+    )
     user_fields: (
         dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(min_length=1, max_length=256)]]
         | None
@@ -184,6 +191,27 @@ class NodeUsageIn(_In):
     bytes_spilled: Count = 0
     budget_bytes: Count | None = None
     budget_used: Count = 0
+
+
+class RolloutWeightsIn(_In):
+    """A rollout worker's weights: the version it generates with and its cumulative load counters."""
+
+    version: Count = Field(description="policy version of the weights the worker generates with")
+    told: Count = Field(0, description="newest version the control plane had reported to the worker")
+    loads: Count = Field(0, description="weights files loaded so far")
+    late: Count = Field(0, description="versions whose weights file was not there within the worker's wait")
+    wait_s: Seconds = Field(0.0, description="seconds spent waiting for weights files")
+
+
+class RolloutWeightsOut(BaseModel):
+    """A rollout worker's weights as the control plane recorded them."""
+
+    version: int
+    told: int
+    loads: int
+    late: int
+    wait_s: float
+    at: float = Field(description="unix time of the report")
 
 
 class NodeLostIn(_In):

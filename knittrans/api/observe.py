@@ -1,8 +1,10 @@
-"""What the control plane observes but does not persist: store usage from heartbeats, ranks' transfer counters.
+"""What the control plane observes but does not persist: store usage from heartbeats, ranks' transfer counters,
+rollout workers' weight loads.
 
-Both are reported by the processes themselves (a store's heartbeat carries its ``stats``; a rank's
-ack carries the transfer figures of the mini-batch it trained) and kept in memory only: after a
-restart of the control plane they start again from zero, which is how Prometheus counters behave.
+All are reported by the processes themselves (a store's heartbeat carries its ``stats``; a rank's
+ack carries the transfer figures of the mini-batch it trained; a rollout worker reports the weights it
+loaded and the versions whose file came late) and kept in memory only: after a restart of the control
+plane they start again from zero, which is how Prometheus counters behave.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-__all__ = ["Observations", "RankTransfer", "StoreUsage"]
+__all__ = ["Observations", "RankTransfer", "RolloutWeights", "StoreUsage"]
 
 
 @dataclass
@@ -54,6 +56,27 @@ class StoreUsage:
         return asdict(self)
 
 
+@dataclass
+class RolloutWeights:
+    """A rollout worker's weights, as its latest report gave them (its counters are cumulative)."""
+
+    version: int = 0
+    """Policy version of the weights the worker generates with."""
+    told: int = 0
+    """Newest version the control plane had reported to the worker."""
+    loads: int = 0
+    """Weight files loaded."""
+    late: int = 0
+    """Versions whose weights file was not there within the worker's wait: it went on with older weights."""
+    wait_s: float = 0.0
+    """Seconds spent waiting for weights files."""
+    at: float = 0.0
+    """Unix time of the report."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 _TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
 
 
@@ -63,6 +86,7 @@ class Observations:
     def __init__(self) -> None:
         self.ranks: dict[tuple[str, int], RankTransfer] = {}
         self.stores: dict[str, StoreUsage] = {}
+        self.rollout: dict[tuple[str, str], RolloutWeights] = {}
 
     def record_ack(
         self,
@@ -97,6 +121,23 @@ class Observations:
             at=now,
         )
 
+    def record_rollout(self, job: str, worker: str, report: Mapping[str, Any], now: float) -> RolloutWeights:
+        """Replace ``worker``'s weights figures with those of its latest report."""
+        entry = RolloutWeights(
+            version=int(report.get("version", 0)),
+            told=int(report.get("told", 0)),
+            loads=int(report.get("loads", 0)),
+            late=int(report.get("late", 0)),
+            wait_s=float(report.get("wait_s", 0.0)),
+            at=now,
+        )
+        self.rollout[(job, worker)] = entry
+        return entry
+
+    def job_rollout(self, job: str) -> dict[str, dict[str, Any]]:
+        """The rollout workers of ``job`` that reported their weights, by worker id."""
+        return {worker: e.to_dict() for (name, worker), e in sorted(list(self.rollout.items())) if name == job}
+
     def snapshot(self) -> Observations:
         """A copy whose maps the event loop no longer changes (for readers on the state thread).
 
@@ -105,6 +146,7 @@ class Observations:
         copy = Observations()
         copy.ranks = {key: replace(entry) for key, entry in list(self.ranks.items())}
         copy.stores = dict(list(self.stores.items()))
+        copy.rollout = dict(list(self.rollout.items()))
         return copy
 
     def job_ranks(self, job: str) -> dict[int, RankTransfer]:

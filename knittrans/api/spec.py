@@ -9,7 +9,7 @@ from typing import Any
 from knittrans.errors import InvalidJobSpec
 from knittrans.names import check_name
 from knittrans.sched.admission import POLICIES, mini_batch_sizes
-from knittrans.sched.timing import DEFAULT_LOOKAHEAD, AdmissionTiming
+from knittrans.sched.timing import DEFAULT_LOOKAHEAD, HANDOVERS, AdmissionTiming
 from knittrans.sched.types import SourceBounds
 from knittrans.schema import TRAJECTORY_COLUMNS
 from knittrans.userfields import UserField, parse_user_fields
@@ -104,6 +104,10 @@ class JobSpec:
     """``L``: mini-batches admitted beyond the trainer's position (0 = when the trainer asks for one)."""
     window: int = 1
     """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
+    train_batch_handover: str = "mini_batch"
+    """How a started mini-batch frees the window (``knittrans.sched.timing.released_at_start``): ``mini_batch``
+    (its own groups; every policy) or ``step`` (only with ``train_batch``: the step's first mini-batch frees the
+    whole train batch, as a conventional trainer handed the whole batch would; a baseline to compare with)."""
     user_fields: Mapping[str, str] = field(default_factory=dict)
     """Per-job user fields ``{name: Arrow type string}`` written after the fixed columns (see
     :mod:`knittrans.userfields`); writers must give each of them for every group."""
@@ -135,6 +139,15 @@ class JobSpec:
             _positive(self.total_steps, "total_steps")
         _positive(self.lookahead, "lookahead", minimum=0)
         _positive(self.window, "window")
+        if self.train_batch_handover not in HANDOVERS:
+            raise InvalidJobSpec(
+                f"train_batch_handover: {self.train_batch_handover!r} is not one of {', '.join(HANDOVERS)}"
+            )
+        if self.train_batch_handover == "step" and self.policy != "train_batch":
+            raise InvalidJobSpec(
+                f"train_batch_handover: 'step' is the train_batch baseline's; policy {self.policy!r} hands the "
+                "trainer one mini-batch at a time"
+            )
         if self.columns is not None and (
             not self.columns or len(set(self.columns)) != len(self.columns) or not all(self.columns)
         ):
@@ -184,6 +197,7 @@ class JobSpec:
             "columns": list(self.columns) if self.columns is not None else None,
             "lookahead": self.lookahead,
             "window": self.window,
+            "train_batch_handover": self.train_batch_handover,
             "user_fields": dict(self.user_fields),
         }
 

@@ -17,7 +17,7 @@ class DemoConfig:
     out_dir: Path = Path("demo-results")
     """Where JSON, plots and process logs go."""
     policy: str = "constraint_preserving"
-    """Admission policy: train_batch, linear_target or constraint_preserving."""
+    """Admission policy: train_batch, linear_target, constraint_preserving or version_aware."""
     engine: str = "hf"
     """Rollout engine: hf (transformers) or vllm."""
     steps: int = 3
@@ -59,8 +59,12 @@ class DemoConfig:
     rollout, which is what separates the admission policies (see docs/demo.md)."""
     layers: int = 4
     """Text decoder layers of the policy."""
-    groups_per_call: int = 2
-    """Prompts per generate call of a rollout worker (one unit each call)."""
+    groups_per_call: int = 1
+    """Groups a rollout worker generates per call and writes as one unit (a finished group is invisible until its
+    partners finish: docs/simulator.md)."""
+    train_batch_handover: str = "mini_batch"
+    """``train_batch`` only: ``step`` frees the whole train batch from the window when the trainer starts a step
+    (the conventional baseline), ``mini_batch`` each mini-batch's groups as it starts (the paced baseline)."""
     lr: float = 1e-3
     """Learning rate of the tiny policy."""
     seed: int = 0
@@ -87,3 +91,15 @@ class DemoConfig:
             raise ValueError("hidden must be a positive multiple of 64 (head_dim 64) and layers >= 1")
         if self.fetch_mode not in ("iter", "eager"):
             raise ValueError("fetch_mode must be iter or eager")
+        if self.train_batch_handover not in ("mini_batch", "step"):
+            raise ValueError(f"train_batch_handover must be mini_batch or step, not {self.train_batch_handover!r}")
+        if self.train_batch_handover == "step" and self.policy != "train_batch":
+            raise ValueError("train_batch_handover 'step' is the train_batch baseline's")
+
+    @property
+    def label(self) -> str:
+        """Name of the run: the policy, ``train_batch`` for the whole-step baseline, ``train_batch_paced`` for the
+        paced one (the simulator's row names)."""
+        if self.policy == "train_batch" and self.train_batch_handover == "mini_batch":
+            return "train_batch_paced"
+        return self.policy

@@ -10,7 +10,11 @@ from typing import Any
 
 from knittrans.demo.config import DemoConfig
 
-__all__ = ["collect_results", "format_comparison", "format_table", "plot_results"]
+__all__ = ["BASELINES", "collect_results", "compare_runs", "format_comparison", "format_table", "plot_results"]
+
+BASELINES = ("train_batch", "train_batch_paced")
+"""The two train_batch baselines ``--compare`` runs: handed whole train batches, and paced mini-batch by mini-batch."""
+READINGS = ("start", "end", "weighted")
 
 
 def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -66,6 +70,7 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         for step, rep in staleness_by_step.items()
     }
     return {
+        "label": config.label,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "wall_s": wall_s,
         "steps": steps,
@@ -125,25 +130,23 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any] | None = None) -> Path:
-    """Staleness, transfer and bytes per step in one PNG (``compare``: another run drawn beside it)."""
+def plot_results(results: dict[str, Any], path: Path, *, others: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Staleness, transfer and bytes per step in one PNG (``others``: runs drawn beside it, by label)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {results["config"]["policy"]: results}
-    if compare is not None:
-        runs[compare["config"]["policy"]] = compare
+    runs = {**(others or {}), results["label"]: results}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for policy, res in runs.items():
+    for label, res in runs.items():
         steps = [s["step"] for s in res["steps"]]
-        axes[0][0].plot(steps, [s["arch_staleness_end"] or 0 for s in res["steps"]], marker="o", label=policy)
-        axes[0][1].plot(steps, [s["admission_wait_s"] or 0 for s in res["steps"]], marker="o", label=policy)
+        axes[0][0].plot(steps, [s["arch_staleness_end"] or 0 for s in res["steps"]], marker="o", label=label)
+        axes[0][1].plot(steps, [s["admission_wait_s"] or 0 for s in res["steps"]], marker="o", label=label)
         axes[1][0].plot(
-            steps, [s["exposed_transfer_s"] * 1e3 for s in res["steps"]], marker="o", label=f"{policy} exposed"
+            steps, [s["exposed_transfer_s"] * 1e3 for s in res["steps"]], marker="o", label=f"{label} exposed"
         )
-        axes[1][0].plot(steps, [s["fetch_s"] * 1e3 for s in res["steps"]], linestyle="--", label=f"{policy} fetch")
+        axes[1][0].plot(steps, [s["fetch_s"] * 1e3 for s in res["steps"]], linestyle="--", label=f"{label} fetch")
     main = results["steps"]
     x = range(len(main))
     axes[1][1].bar([i - 0.2 for i in x], [s["media_logical_bytes"] / 2**20 for s in main], 0.4, label="logical")
@@ -151,7 +154,7 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
     axes[0][0].set_title("mean architectural staleness per step (end reading)")
     axes[0][1].set_title("mean admission wait per mini-batch (s)")
     axes[1][0].set_title("transfer per step (ms): exposed vs fetch time")
-    axes[1][1].set_title(f"media MiB per step ({results['config']['policy']})")
+    axes[1][1].set_title(f"media MiB per step ({results['label']})")
     from matplotlib.ticker import MaxNLocator
 
     for ax in axes.flat:
@@ -165,23 +168,82 @@ def plot_results(results: dict[str, Any], path: Path, *, compare: dict[str, Any]
     return path
 
 
+def _pace(res: dict[str, Any]) -> float:
+    """Mini-batches trained per minute of the run."""
+    return 60.0 * sum(int(s["mini_batches"]) for s in res["steps"]) / float(res["wall_s"])
+
+
+def compare_runs(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Every non-baseline run against each baseline run present: ``1 - run / baseline`` of the mean and of the
+    positive part of architectural staleness under every reading, and the ratio of mini-batches per minute."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for label, res in results.items():
+        if label in BASELINES:
+            continue
+        for base in BASELINES:
+            if base not in results:
+                continue
+            row: dict[str, float | None] = {}
+            for reading in READINGS:
+                for stat, key in (("mean", "mean"), ("pos", "pos_mean")):
+                    mine = res["staleness"][reading]["architectural"][key]
+                    theirs = results[base]["staleness"][reading]["architectural"][key]
+                    row[f"{reading}_{stat}"] = None if mine is None or not theirs else 1.0 - mine / theirs
+            row["pace_ratio"] = _pace(res) / _pace(results[base])
+            out.setdefault(label, {})[f"vs_{base}"] = row
+    return out
+
+
 def format_comparison(results: dict[str, dict[str, Any]]) -> str:
-    """Policies side by side: staleness per reading, tails, admission-timing peaks and throughput."""
+    """Runs side by side (staleness per reading, the end reading's tail against its derived bound, timing peaks,
+    pace), then every policy's reductions against both train_batch baselines."""
+    from knittrans.sched.timing import staleness_bound
+
     head = (
-        f"{'policy':<22} {'arch mean s/e/w':>20} {'arch max e':>10} {'peak ahead/L':>12} "
+        f"{'run':<22} {'arch mean s/e/w':>20} {'pos part s/e/w':>20} {'max e / bound':>13} {'peak ahead/L':>12} "
         f"{'peak untaken/WG':>15} {'mini-batches/min':>16}"
     )
     lines = [head, "-" * len(head)]
-    for policy, res in results.items():
+    for label, res in results.items():
         st = res["staleness"]
-        means = "/".join(_fmt(st[r]["architectural"]["mean"], ".2f") for r in ("start", "end", "weighted"))
+        means = "/".join(_fmt(st[r]["architectural"]["mean"], ".2f") for r in READINGS)
+        pos = "/".join(_fmt(st[r]["architectural"]["pos_mean"], ".2f") for r in READINGS)
         cfg, timing = res["config"], res.get("timing") or {}
         g = sum(cfg["quotas"].values())
-        trained = sum(s["mini_batches"] for s in res["steps"])
+        bound = max(  # one optimizer step may end during a group's last chunk: sync lag 1
+            staleness_bound(
+                mini_batches_per_step=cfg["mini_batches_per_step"],
+                window=cfg["window"],
+                train_batch_groups=g,
+                quota=q,
+                sync_lag=1,
+            )
+            for q in cfg["quotas"].values()
+        )
+        tail = f"{_fmt(st['end']['architectural']['max'], '.1f')} / {bound}"
         lines.append(
-            f"{policy:<22} {means:>20} {_fmt(st['end']['architectural']['max'], '.1f'):>10} "
+            f"{label:<22} {means:>20} {pos:>20} {tail:>13} "
             f"{str(timing.get('peak_admitted_ahead', '-')) + '/' + str(cfg['lookahead']):>12} "
             f"{str(timing.get('peak_untaken', '-')) + '/' + str(cfg['window'] * g):>15} "
-            f"{60 * trained / res['wall_s']:>16.1f}"
+            f"{_pace(res):>16.1f}"
         )
+    reductions = compare_runs(results)
+    if reductions:
+        lines += ["", "reduction of architectural staleness (1 - run / baseline): mean and positive part per reading"]
+        head = (
+            f"{'run':<22} {'baseline':<18} {'start mean/pos':>15} {'end mean/pos':>15} {'wtd mean/pos':>15} "
+            f"{'pace x':>7}"
+        )
+        lines += [head, "-" * len(head)]
+        for label, by_base in reductions.items():
+            for base, row in by_base.items():
+                cells = [f"{_pct(row[f'{r}_mean'])}/{_pct(row[f'{r}_pos'])}" for r in READINGS]
+                lines.append(
+                    f"{label:<22} {base[3:]:<18} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} "
+                    f"{_fmt(row['pace_ratio'], '.2f'):>7}"
+                )
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"

@@ -42,6 +42,7 @@ def _job_spec(config: DemoConfig) -> dict[str, Any]:
         "total_steps": config.steps,
         "window": config.window,
         "lookahead": config.lookahead,
+        "train_batch_handover": config.train_batch_handover,
     }
 
 
@@ -115,12 +116,12 @@ def _progress_line(status: dict[str, Any], total: int, started: float) -> str:
 
 
 def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the demo once; return (and write to ``<out_dir>/<policy>/results.json``) its results."""
+    """Run the demo once; return (and write to ``<out_dir>/<label>/results.json``) its results."""
     from knittrans.demo.report import collect_results
     from knittrans.rollout.vlm import TinyVLMSpec, build_tiny_vlm
 
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    run_dir = Path(config.out_dir) / config.policy
+    run_dir = Path(config.out_dir) / config.label
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "weights").mkdir(parents=True)
     # One tiny VLM for every source: mm_qa prompts carry images, math prompts are text only.
@@ -131,7 +132,8 @@ def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = Non
     started = time.monotonic()
     cluster_config = ClusterConfig(work_dir=run_dir, num_stores=config.stores)
     say(
-        f"demo: policy={config.policy} engine={config.engine} steps={config.steps} K={config.mini_batches_per_step} "
+        f"demo: {config.label}: policy={config.policy} engine={config.engine} steps={config.steps} "
+        f"K={config.mini_batches_per_step} "
         f"ranks={config.ranks} stores={config.stores} sources={list(config.quotas)}; logs in {run_dir / 'logs'}"
     )
     with LocalCluster(cluster_config) as cluster:

@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-tokens", type=int, default=default("chunk_tokens"), help="partial rollout chunk (tokens)"
     )
+    parser.add_argument(
+        "--weights-wait-s",
+        type=float,
+        default=default("weights_wait_s"),
+        help="longest wait for a reported version's weights file before generating with older weights "
+        "(counted as late on the control plane; default %(default)s)",
+    )
     parser.add_argument("--vocab-size", type=int, default=default("vocab_size"))
     parser.add_argument("--reward", default=default("reward"), help="'parity' or package.module:function")
     parser.add_argument("--seed", type=int, default=default("seed"))
@@ -78,6 +85,7 @@ def run(args: Any) -> int:
         groups_per_call=args.groups_per_call,
         temperature=args.temperature,
         chunk_tokens=args.chunk_tokens,
+        weights_wait_s=args.weights_wait_s,
         vocab_size=args.vocab_size,
         reward=args.reward,
         seed=args.seed,

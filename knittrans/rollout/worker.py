@@ -6,10 +6,15 @@ progress frees room; the rule is ``knittrans.sched.timing``, the same for every 
 policy), picking the source furthest behind its quota share of launches. It tags every trajectory
 with the policy version at its start and end and the token-weighted version, and picks up new
 policy weights when the trainer publishes a version: rank 0 writes
-``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) and reports version ``N`` to
-the control plane; the worker polls the version before every chunk of
-generation and loads that file. With ``chunk_tokens`` set, generation proceeds in chunks of that
-many tokens and new weights are picked up between chunks (partial rollout across an update).
+``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) before it reports version ``N`` to
+the control plane; the worker asks for the version before every group (and every chunk of
+generation) and loads that file. A file that is not there yet (a filesystem that shows it late) is
+waited for, up to ``weights_wait_s``; past that the worker goes on with the weights it has, logs a
+warning and counts the version as late, and its trajectories say the version they were really
+generated with. The worker reports its weights (version, loads, late versions, seconds waited) to
+the control plane, which shows them on ``/metrics`` and in job status. With ``chunk_tokens`` set,
+generation proceeds in chunks of that many tokens and new weights are picked up between chunks
+(partial rollout across an update).
 
 With a tiny VLM checkpoint (:func:`knittrans.rollout.vlm.is_vlm`), a source with images puts one
 image block per image in front of the prompt text (:func:`~knittrans.rollout.vlm.image_prompt_ids`)
@@ -56,7 +61,15 @@ from knittrans.rollout.vlm import VLMLayout, image_prompt_ids, is_vlm
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup
 
-__all__ = ["RewardFn", "RolloutWorker", "RolloutWorkerConfig", "SourceProfile", "load_reward", "parity_reward"]
+__all__ = [
+    "RewardFn",
+    "RolloutWorker",
+    "RolloutWorkerConfig",
+    "SourceProfile",
+    "WeightLoads",
+    "load_reward",
+    "parity_reward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +205,10 @@ class RolloutWorkerConfig:
     """``hf`` (transformers) or ``vllm``."""
     group_size: int = 4
     """Responses per prompt (must equal the job's group size)."""
-    groups_per_call: int = 2
-    """Prompts per generate call, written together as one unit."""
+    groups_per_call: int = 1
+    """Groups generated one after the other and written together as one unit (one registration for several
+    groups, but a finished group stays invisible to admission, and holds the window, until its partners
+    finish: ``docs/simulator.md`` measures what 2 costs)."""
     temperature: float = 1.0
     """Sampling temperature."""
     chunk_tokens: int | None = None
@@ -208,6 +223,10 @@ class RolloutWorkerConfig:
     """Control-plane worker token."""
     store_token: str | None = None
     """Store token (DoPut path)."""
+    weights_wait_s: float = 30.0
+    """Longest wait for the weights file of a version the control plane reported (the trainer saves it before it
+    reports the version, so on a shared filesystem it is there at once); past it the worker generates with the
+    weights it has and counts the version as late."""
     wait_s: float = 5.0
     """Longest single wait on the headroom long-poll while the window is full (it answers as soon as room opens)."""
     store_retry: RetryPolicy = DEFAULT_RETRY
@@ -221,8 +240,23 @@ class RolloutWorkerConfig:
             raise ValueError("group_size and groups_per_call must be >= 1")
         if self.wait_s <= 0:
             raise ValueError(f"wait_s must be > 0, got {self.wait_s}")
+        if not self.weights_wait_s >= 0:
+            raise ValueError(f"weights_wait_s must be >= 0, got {self.weights_wait_s}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
+
+
+@dataclass
+class WeightLoads:
+    """A worker's cumulative weight-loading counters."""
+
+    loads: int = 0
+    """Weights files loaded."""
+    late: int = 0
+    """Reported versions whose file did not appear within ``weights_wait_s`` (generation went on with older
+    weights)."""
+    wait_s: float = 0.0
+    """Seconds spent waiting for weights files."""
 
 
 @dataclass
@@ -250,6 +284,9 @@ class RolloutWorker:
         )
         self.reward = load_reward(config.reward)
         self.version = 0
+        self.weights = WeightLoads()
+        """Weights files loaded, versions found late and seconds waited (reported to the control plane)."""
+        self._late: set[int] = set()
         self.groups_written = 0
         self._sources = {s.name: s for s in config.sources}
         self._layout: VLMLayout | None = VLMLayout.from_dir(config.model_dir) if is_vlm(config.model_dir) else None
@@ -277,15 +314,65 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ weights
     def maybe_update_weights(self) -> int:
-        """Load the newest published weights if the trainer reported a newer version; return the version."""
+        """Load the weights of the newest version the control plane reports, if newer than ours; return the
+        version generation now uses (the one loaded, or the old one when the file came too late)."""
         latest = self.control.get_version(self.config.job)
-        if latest > self.version:
-            path = Path(self.config.weights_dir) / f"policy-v{latest}.safetensors"
-            if path.exists():
-                self.engine.load_weights(path)
-                logger.info("%s: loaded policy version %d", self.config.worker_id, latest)
-                self.version = latest
+        if latest <= self.version:
+            return self.version
+        path = Path(self.config.weights_dir) / f"policy-v{latest}.safetensors"
+        waited = 0.0
+        if latest not in self._late:  # a version already found late is not waited for again
+            waited = self._wait_for(path)
+            self.weights.wait_s += waited
+        if not path.exists():
+            if latest not in self._late:
+                self._late.add(latest)
+                self.weights.late += 1
+                logger.warning(
+                    "%s: version %d was reported but %s did not appear within %.1f s; generating with version %d",
+                    self.config.worker_id,
+                    latest,
+                    path,
+                    waited,
+                    self.version,
+                )
+                self._report_weights(latest)
+            return self.version
+        self.engine.load_weights(path)
+        self.version = latest
+        self.weights.loads += 1
+        self._late.discard(latest)
+        logger.info("%s: loaded policy version %d (waited %.3f s)", self.config.worker_id, latest, waited)
+        self._report_weights(latest)
         return self.version
+
+    def _wait_for(self, path: Path) -> float:
+        """Poll for ``path`` up to ``weights_wait_s`` (short sleeps growing to 0.2 s); return the seconds waited."""
+        start = time.monotonic()
+        pause = 0.005
+        while not path.exists():
+            left = self.config.weights_wait_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.2)
+        return time.monotonic() - start
+
+    def _report_weights(self, told: int) -> None:
+        """Tell the control plane which weights we generate with (best effort: a failure is only logged)."""
+        w = self.weights
+        try:
+            self.control.report_rollout_weights(
+                self.config.job,
+                self.config.worker_id,
+                version=self.version,
+                told=told,
+                loads=w.loads,
+                late=w.late,
+                wait_s=w.wait_s,
+            )
+        except (Unavailable, NotFound, InvalidRequest) as exc:
+            logger.warning("%s: could not report its weights: %s", self.config.worker_id, exc)
 
     # ------------------------------------------------------------------ generation
     def _prompt(self, group_id: str, profile: SourceProfile) -> PromptRequest:

@@ -3,6 +3,7 @@
 from knittrans.sched.admission import (
     POLICIES,
     AdmissionPolicy,
+    VersionAwarePolicy,
     composition_plan,
     expired,
     make_policy,
@@ -52,6 +53,7 @@ __all__ = [
     "SourceBounds",
     "StalenessStats",
     "StepState",
+    "VersionAwarePolicy",
     "admitted_ahead",
     "architectural_staleness",
     "assign_mini_batch",

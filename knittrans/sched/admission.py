@@ -1,15 +1,16 @@
 """Admission policies: when finished groups may form the next PPO mini-batch of a train step.
 
-Three policies share one interface (:class:`AdmissionPolicy`): ``select(state)`` returns the next
+Four policies share one interface (:class:`AdmissionPolicy`): ``select(state)`` returns the next
 mini-batch as an :class:`~knittrans.sched.types.AdmissionDecision`, or ``None`` to wait for more
 finished groups. Every policy is group-atomic, takes earliest-finished groups first (``finished_at``,
-then ``group_id``), skips groups past the staleness bound, and never breaks ``a[s] + x[s] <= q[s]``,
-so every train batch has exactly the per-source composition ``q``.
+then ``group_id``; ``version_aware`` only for the counts), skips groups past the staleness bound, and
+never breaks ``a[s] + x[s] <= q[s]``, so every train batch has exactly the per-source composition ``q``.
 
 Mini-batch ``k`` holds ``b_k`` groups (:func:`mini_batch_sizes`: sizes differ by at most one, larger
 first). ``train_batch`` and ``linear_target`` follow a fixed per-mini-batch composition plan
 (:func:`composition_plan`); ``constraint_preserving`` chooses the mix freely inside the feasibility
-conditions of DESIGN.md (:func:`remainder_feasible`).
+conditions of DESIGN.md (:func:`remainder_feasible`); ``version_aware`` takes ``constraint_preserving``'s counts
+and, within each source, prefers the groups generated with newer weights (:class:`VersionAwarePolicy`).
 
 Why the ``O(|S|)`` remainder check is exact with uniform bounds (the same ``lo[s]``/``hi[s]`` in every
 mini-batch). Let ``r[s] = q[s] - a[s] - x[s]`` be what is left for the ``R' = R - 1`` later
@@ -48,6 +49,7 @@ __all__ = [
     "ConstraintPreservingPolicy",
     "LinearTargetPolicy",
     "TrainBatchPolicy",
+    "VersionAwarePolicy",
     "composition_plan",
     "expired",
     "make_policy",
@@ -58,7 +60,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POLICIES: tuple[str, ...] = ("train_batch", "linear_target", "constraint_preserving")
+POLICIES: tuple[str, ...] = ("train_batch", "linear_target", "constraint_preserving", "version_aware")
 
 _NO_BOUNDS = SourceBounds()
 
@@ -317,6 +319,54 @@ class LinearTargetPolicy:
         return _decision(state, [g for s, n in counts.items() for g in usable[s][:n]])
 
 
+def _feasible_counts(state: StepState) -> tuple[dict[str, int], dict[str, list[FinishedGroup]]] | None:
+    """``constraint_preserving``'s counts ``x[s]`` for the next mini-batch, and the usable groups per source.
+
+    The greedy earliest-first fill of the feasible count box (module docstring): it takes a finish-order prefix
+    of each source, and its counts are those of the earliest-finished feasible mini-batch. None: wait.
+    """
+    sizes = _check_state(state)
+    size = sizes[state.mini_batch_index]
+    usable = _usable(state)
+    for s, q in state.quotas.items():
+        if q - state.admitted.get(s, 0) > len(usable[s]) + state.pending.get(s, 0):
+            return None  # a quota deficit: wait (and let the control plane report it)
+    r_after = state.mini_batches_left - 1
+    low: dict[str, int] = {}
+    high: dict[str, int] = {}
+    for s, q in state.quotas.items():
+        rest = q - state.admitted.get(s, 0)
+        b = _bounds(state, s)
+        low[s] = b.lo if b.hi is None else max(b.lo, rest - r_after * b.hi)
+        high[s] = min(rest - r_after * b.lo, len(usable[s]))
+        if b.hi is not None:
+            high[s] = min(high[s], b.hi)
+        if low[s] > high[s]:
+            return None
+    need = sum(low.values())
+    if need > size or sum(high.values()) < size:
+        return None
+    taken = dict.fromkeys(state.quotas, 0)
+    candidates = [g for bucket in usable.values() for g in bucket]
+    candidates.sort(key=_finish_key)
+    slots = size
+    for group in candidates:
+        s = group.source
+        x = taken[s]
+        if x >= high[s]:
+            continue
+        if x < low[s]:
+            need -= 1
+        elif slots - 1 < need:
+            continue
+        taken[s] = x + 1
+        slots -= 1
+        if slots == 0:
+            break
+    assert slots == 0, "greedy fill left slots although the count box admits a mini-batch"
+    return taken, usable
+
+
 class ConstraintPreservingPolicy:
     """``constraint_preserving``: the earliest-finished groups that keep the rest of the step feasible."""
 
@@ -324,57 +374,74 @@ class ConstraintPreservingPolicy:
 
     def select(self, state: StepState) -> AdmissionDecision | None:
         """Greedy earliest-first fill of the feasible count box (see the module docstring)."""
-        sizes = _check_state(state)
-        k = state.mini_batch_index
-        size = sizes[k]
-        usable = _usable(state)
-        for s, q in state.quotas.items():
-            if q - state.admitted.get(s, 0) > len(usable[s]) + state.pending.get(s, 0):
-                return None  # a quota deficit: wait (and let the control plane report it)
-        r_after = state.mini_batches_left - 1
-        low: dict[str, int] = {}
-        high: dict[str, int] = {}
-        for s, q in state.quotas.items():
-            rest = q - state.admitted.get(s, 0)
-            b = _bounds(state, s)
-            low[s] = b.lo if b.hi is None else max(b.lo, rest - r_after * b.hi)
-            high[s] = min(rest - r_after * b.lo, len(usable[s]))
-            if b.hi is not None:
-                high[s] = min(high[s], b.hi)
-            if low[s] > high[s]:
-                return None
-        need = sum(low.values())
-        if need > size or sum(high.values()) < size:
+        found = _feasible_counts(state)
+        if found is None:
             return None
-        taken = dict.fromkeys(state.quotas, 0)
+        counts, usable = found
+        decision = _decision(state, [g for s, x in counts.items() for g in usable[s][:x]])
+        assert remainder_feasible(state, decision.counts), "admitted a mini-batch that breaks the remainder"
+        return decision
+
+
+class VersionAwarePolicy:
+    """``version_aware``: ``constraint_preserving``'s counts, and within each source the groups generated with
+    the newest weights first, except groups at the age cap, which go first, oldest first.
+
+    The counts ``x[s]`` (hence when each mini-batch is admitted and every quota) are exactly
+    ``constraint_preserving``'s; only which ``x[s]`` groups of source ``s`` are taken differs. A group is *due*
+    when its age ``current_version - version_start`` reaches the age cap; due groups are taken before any other
+    group of their source, in finish order, so no group waits behind newer ones once it is due, and a group is
+    never admitted past the staleness bound ``η`` (expired groups are not usable, as for every policy). Newer
+    means a larger token-weighted version (then the end version, then finish order).
+    """
+
+    name = "version_aware"
+
+    def __init__(self, age_cap: int | None = None) -> None:
+        if age_cap is not None and age_cap < 0:
+            raise ValueError(f"age_cap must be >= 0, got {age_cap}")
+        self.age_cap = age_cap
+        """Age in versions at which a group is due; None: ``η - K`` with a staleness bound ``η``, else ``2·K``."""
+
+    def cap(self, state: StepState) -> int:
+        """The age cap in force for ``state``."""
+        if self.age_cap is not None:
+            return self.age_cap
+        k = state.mini_batches_per_step
+        return max(0, state.max_staleness - k) if state.max_staleness is not None else 2 * k
+
+    def select(self, state: StepState) -> AdmissionDecision | None:
+        """Feasible counts as ``constraint_preserving``; per source, due groups oldest first, then newest first."""
+        found = _feasible_counts(state)
+        if found is None:
+            return None
+        counts, usable = found
+        cap = self.cap(state)
         picked: list[FinishedGroup] = []
-        candidates = [g for bucket in usable.values() for g in bucket]
-        candidates.sort(key=_finish_key)
-        slots = size
-        for group in candidates:
-            s = group.source
-            x = taken[s]
-            if x >= high[s]:
+        for s, x in counts.items():
+            if x == 0:
                 continue
-            if x < low[s]:
-                need -= 1
-            elif slots - 1 < need:
-                continue
-            taken[s] = x + 1
-            picked.append(group)
-            slots -= 1
-            if slots == 0:
-                break
-        assert slots == 0, "greedy fill left slots although the count box admits a mini-batch"
+            due = [g for g in usable[s] if state.current_version - g.version_start >= cap]
+            rest = [g for g in usable[s] if state.current_version - g.version_start < cap]
+            rest.sort(key=_newest_key)
+            picked += (due + rest)[:x]
         decision = _decision(state, picked)
         assert remainder_feasible(state, decision.counts), "admitted a mini-batch that breaks the remainder"
         return decision
 
 
-_POLICY_TYPES: dict[str, type[TrainBatchPolicy] | type[LinearTargetPolicy] | type[ConstraintPreservingPolicy]] = {
+def _newest_key(group: FinishedGroup) -> tuple[float, int, float, str]:
+    return (-group.version_weighted, -group.version_end, group.finished_at, group.group_id)
+
+
+_POLICY_TYPES: dict[
+    str,
+    type[TrainBatchPolicy] | type[LinearTargetPolicy] | type[ConstraintPreservingPolicy] | type[VersionAwarePolicy],
+] = {
     "train_batch": TrainBatchPolicy,
     "linear_target": LinearTargetPolicy,
     "constraint_preserving": ConstraintPreservingPolicy,
+    "version_aware": VersionAwarePolicy,
 }
 
 

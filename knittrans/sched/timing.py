@@ -54,6 +54,8 @@ __all__ = [
     "HANDOVERS",
     "AdmissionTiming",
     "admitted_ahead",
+    "launch_headroom",
+    "launch_lead",
     "launch_order",
     "launchable",
     "may_admit",
@@ -172,7 +174,7 @@ def launch_headroom(
     return headroom
 
 
-def launchable(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:
+def launchable(quotas: Mapping[str, int], launched: Mapping[str, float]) -> list[str]:
     """The sources that may launch next: those furthest behind their quota share of launches (all tied ones).
 
     Launching only these keeps every source's launches proportional to its quota, so the window ``W·G``
@@ -187,12 +189,41 @@ def launchable(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[s
     return [s for s in order if launched.get(s, 0) / quotas[s] <= first]
 
 
-def launch_order(quotas: Mapping[str, int], launched: Mapping[str, int]) -> list[str]:
+def launch_order(quotas: Mapping[str, int], launched: Mapping[str, float]) -> list[str]:
     """Quota sources, the one furthest behind its quota share of launches first (``launched[s] / q[s]``;
     ties in ``quotas`` order). ``launched[s]`` counts groups started and not dropped."""
     order = {s: i for i, s in enumerate(quotas)}
     live = [s for s, q in quotas.items() if q > 0]
     return sorted(live, key=lambda s: (launched.get(s, 0) / quotas[s], order[s]))
+
+
+def launch_lead(
+    quotas: Mapping[str, int], mean_duration_s: Mapping[str, float], groups_per_s: float
+) -> dict[str, float]:
+    """Groups each source should run ahead of (> 0) or behind (< 0) its quota share of launches so that its
+    groups finish about as long before they are needed as every other source's: ``λ·q[s]/G·(D[s] - D̄)``.
+
+    Little's law per source: a source consumed at ``λ_s = λ·q[s]/G`` groups per second whose groups take
+    ``D[s]`` to generate needs ``λ_s·D[s]`` of them in flight. Quota-share launches (:func:`launch_order` with no
+    lead) keep about ``W·q[s]`` untaken groups of every source, so each source's groups spend the same time in
+    the window: fast sources' groups finish early and wait (their end reading ages), slow sources' groups arrive
+    late and hold up their step. Shifting ``λ_s·(D[s] - D̄)`` launches (``D̄`` the quota-weighted mean duration;
+    the leads sum to 0, so the window's total is unchanged) gives every source the same slack. Pass
+    ``launched[s] - lead[s]`` to :func:`launch_order` and :func:`launchable`. A source without a duration
+    estimate gets no lead.
+
+    Raises:
+        ValueError: a negative rate or duration.
+    """
+    if groups_per_s < 0 or any(d < 0 for d in mean_duration_s.values()):
+        raise ValueError("groups_per_s and mean durations must be >= 0")
+    g = sum(quotas.values())
+    known = {s: d for s, d in mean_duration_s.items() if s in quotas and quotas[s] > 0}
+    if g <= 0 or not known:
+        return dict.fromkeys(quotas, 0.0)
+    weight = sum(quotas[s] for s in known)
+    mean = sum(quotas[s] * d for s, d in known.items()) / weight
+    return {s: groups_per_s * quotas[s] / g * (known[s] - mean) if s in known else 0.0 for s in quotas}
 
 
 def staleness_bound(

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
-from knittrans.sim.sweep import COLOCATED, format_table, run_grid
+from knittrans.sim.sweep import LEGEND, format_table, run_grid
 from knittrans.sim.workload import bundled_workloads, load_workload
 
 __all__ = ["ProgressBar", "add_arguments", "run"]
@@ -114,7 +114,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sweep L, mini-batches admitted beyond the trainer's position, e.g. 0,1,2,K "
         "(K: one train batch; default: the workload's)",
     )
-    parser.add_argument("--sync-delay", type=float, default=None, help="override the weight sync delay (s)")
+    parser.add_argument(
+        "--publish-delay",
+        type=float,
+        default=None,
+        help="override the trainer's publish delay (s): weights saved after each optimizer step, before its ack",
+    )
+    parser.add_argument(
+        "--sync-delay", type=float, default=None, help="override the delay (s) from the ack until weights reach rollout"
+    )
+    parser.add_argument(
+        "--load-s", type=float, default=None, help="override the time (s) a rollout engine is blocked loading weights"
+    )
+    parser.add_argument(
+        "--groups-per-call",
+        type=int,
+        default=None,
+        help="override the groups a rollout engine generates one after the other and publishes as one unit",
+    )
     parser.add_argument(
         "--in-flight", choices=("on", "off"), default=None, help="override in-flight weight updates (partial rollout)"
     )
@@ -124,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override which weights a new group starts with: arrived (background sync) or published "
         "(wait for the newest published weights, as knittrans rollout does)",
+    )
+    parser.add_argument(
+        "--launch-lead",
+        type=float,
+        default=None,
+        help="prototype: duration-aware launches, this fraction of the lead of knittrans.sched.timing.launch_lead "
+        "(0 off, 1 whole)",
     )
     parser.add_argument(
         "--colocated",
@@ -136,11 +160,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how train_batch's groups leave the window: step (default: a conventional trainer "
         "handed the whole train batch) or mini_batch (the project's rule: the paced baseline)",
-    )
-    parser.add_argument(
-        "--paced-baseline",
-        action="store_true",
-        help="also run train_batch with handover mini_batch (row train_batch_paced)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write summaries and per-run metrics here")
     parser.add_argument("--per-step", action="store_true", help="include per-step metrics in the JSON")
@@ -158,8 +177,15 @@ def run(args: argparse.Namespace) -> int:
             names = bundled_workloads() + [n for n in names if n != "all"]
         workloads = [load_workload(n) for n in names]
         overrides: dict[str, Any] = {}
-        if args.sync_delay is not None:
-            overrides["sync_delay_s"] = args.sync_delay
+        for flag, name in (
+            ("publish_delay", "publish_delay_s"),
+            ("sync_delay", "sync_delay_s"),
+            ("load_s", "load_s"),
+            ("groups_per_call", "groups_per_call"),
+            ("launch_lead", "launch_lead"),
+        ):
+            if getattr(args, flag) is not None:
+                overrides[name] = getattr(args, flag)
         if args.in_flight is not None:
             overrides["in_flight_updates"] = args.in_flight == "on"
         if args.tb_handover is not None:
@@ -191,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"knittrans sim: {exc}", file=sys.stderr)
         return 2
-    modes = len(policies) + (1 if args.colocated else 0) + (1 if args.paced_baseline else 0)
+    modes = len(policies) + (1 if args.colocated else 0) + 1  # + the paced baseline
     total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * len(ls) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
@@ -203,18 +229,12 @@ def run(args: argparse.Namespace) -> int:
         windows=ws,
         lookaheads=ls,
         colocated=args.colocated,
-        paced_baseline=args.paced_baseline,
         progress=None if bar is None else (lambda done, label: bar.advance(label)),
     )
     if bar is not None:
         bar.close()
     print(format_table(results))
-    print(
-        "arch s/e/w: mean architectural staleness (versions) under the start/end/weighted readings; "
-        f"red: reduction vs train_batch at the same K and W; pos red e: reduction of the positive part "
-        f"(end reading); p99/max e: architectural staleness tails (end reading). '{COLOCATED}' is the "
-        "colocated reference."
-    )
+    print(LEGEND)
     if args.json is not None:
         payload = {
             "configs": [c.summary() for c in results],

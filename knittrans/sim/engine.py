@@ -10,22 +10,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from knittrans.errors import KnitTransError
-from knittrans.sched.admission import expired, make_policy
+from knittrans.sched.admission import expired, make_policy, quota_deficit
 from knittrans.sched.assign import assign_mini_batch
 from knittrans.sched.staleness import ConsumedGroup
-from knittrans.sched.timing import AdmissionTiming, admitted_ahead, launch_order, released_at_start
+from knittrans.sched.timing import (
+    AdmissionTiming,
+    admitted_ahead,
+    launch_headroom,
+    launch_lead,
+    launch_order,
+    launchable,
+    released_at_start,
+)
 from knittrans.sched.types import AdmissionDecision, FinishedGroup, StepState
 from knittrans.sim.model import SourceStream, VersionTimeline
+from knittrans.sim.rollout import CallGroup, RolloutPool
 from knittrans.sim.workload import Workload
 
 __all__ = ["MiniBatchRecord", "RunTrace", "SimulationStalled", "simulate"]
 
 logger = logging.getLogger(__name__)
 
-# Event kinds, in the order events at the same instant are handled: a finished optimizer step first
-# (so a group launched or finishing at the instant new weights arrive sees them), then wake-ups, then
-# finished groups.
-_TRAIN_DONE, _WAKE, _FINISH = 0, 1, 2
+# Event kinds, in the order events at the same instant are handled: an acked optimizer step first, then
+# weights reaching rollout (so a group launched or started at that instant uses them), then wake-ups, then
+# the rollout slots' phases (loads and groups ending).
+_TRAIN_DONE, _ARRIVE, _WAKE, _SLOT = 0, 1, 2, 3
 
 
 class SimulationStalled(KnitTransError):
@@ -77,9 +86,13 @@ class RunTrace:
     peak_admitted_ahead: int = 0
     """Most mini-batches admitted beyond the trainer's position at any admission (<= the lookahead ``L``)."""
     peak_untaken: dict[str, int] = field(default_factory=dict)
+    """Per source, most groups launched but not in a started mini-batch (their sum stays <= ``W·G``)."""
     peak_untaken_total: int = 0
     """Most groups launched but not in a started mini-batch, all sources (<= ``W·G`` off colocated)."""
-    """Per source, most groups launched but not in a started mini-batch (their sum stays <= ``W·G``)."""
+    weight_loads: int = 0
+    """Weight loads of the rollout slots that took time (``load_s > 0``)."""
+    load_s: float = 0.0
+    """Slot-seconds spent loading weights."""
 
 
 class _Simulation:
@@ -111,11 +124,11 @@ class _Simulation:
         self.b = workload.mini_batch_groups
         self.timing = AdmissionTiming(lookahead=self.K if colocated else workload.lookahead, window=workload.window)
         self.timeline = VersionTimeline()
+        self.pool = RolloutPool(workload, self.timeline, lambda t, payload: self.push(t, _SLOT, payload))
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.now = 0.0
         # rollout state
-        self.idle_slots = workload.rollout_slots
         self.launched = [0] * len(self.names)
         self.useful = [0] * len(self.names)  # launched minus dropped: drives the quota-proportional launch
         self.index_of = {name: i for i, name in enumerate(self.names)}
@@ -123,6 +136,7 @@ class _Simulation:
         self.pending = dict.fromkeys(self.names, 0)
         self.untaken = dict.fromkeys(self.names, 0)  # launched, not dropped, not in a started mini-batch
         self.launch_time: dict[str, float] = {}
+        self.generation: dict[str, tuple[float, int]] = {}  # per source: seconds from launch to finish, groups
         self.finished: list[FinishedGroup] = []
         # colocated: which batch is being generated and how much of it
         self.gen_open = True
@@ -151,61 +165,99 @@ class _Simulation:
         heapq.heappush(self.heap, (t, kind, self.seq, payload))
 
     def launch(self) -> None:
-        """Start groups on idle slots while the window (or the colocated batch) allows."""
-        while self.idle_slots > 0:
+        """Start calls on idle slots while the window (or the colocated batch) allows.
+
+        A call takes up to ``groups_per_call`` groups of the source furthest behind its quota share of
+        launches (``knittrans rollout``'s worker asks for that many when the headroom allows).
+        """
+        per_call = self.w.groups_per_call
+        lead = self.lead() if self.w.launch_lead > 0 else None
+        while self.pool.idle_slots > 0:
+            launched: dict[str, float] = dict(zip(self.names, self.useful, strict=True))
+            if lead is not None:
+                launched = {s: n - lead[s] for s, n in launched.items()}
+            order = launch_order(self.quotas, launched)
             if self.colocated:
                 if not self.gen_open or self.gen_launched >= self.G:
                     return
-                self.gen_launched += 1
+                name, count = order[0], min(per_call, self.G - self.gen_launched)
+                self.gen_launched += count
             else:
-                if self.timing.room(self.quotas, self.untaken) <= 0:
+                headroom = self.headroom(launched)
+                mine = [s for s in order if headroom.get(s, 0) > 0]
+                if not mine:
                     return
-            # the source furthest behind its quota share of launches goes next (ties: workload order)
-            s = self.index_of[launch_order(self.quotas, dict(zip(self.names, self.useful, strict=True)))[0]]
-            idx = self.launched[s]
-            self.launched[s] += 1
-            self.useful[s] += 1
-            duration, tokens = self.streams[s].next_group()
-            name = self.names[s]
-            gid = f"{name}-{idx}"
-            self.idle_slots -= 1
-            self.untaken[name] += 1
+                name = mine[0]
+                count = min(per_call, headroom[name])
+            s = self.index_of[name]
+            call = []
+            for _ in range(count):
+                idx = self.launched[s]
+                self.launched[s] += 1
+                self.useful[s] += 1
+                duration, tokens = self.streams[s].next_group()
+                gid = f"{name}-{idx}"
+                call.append(
+                    CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens, launched_at=self.now)
+                )
+                self.launch_time[gid] = self.now
+            self.untaken[name] += count
+            self.pending[name] += count
+            self.trace.launched += count
             self.trace.peak_untaken[name] = max(self.trace.peak_untaken.get(name, 0), self.untaken[name])
             self.trace.peak_untaken_total = max(self.trace.peak_untaken_total, sum(self.untaken.values()))
-            self.pending[name] += 1
-            self.launch_time[gid] = self.now
-            self.trace.launched += 1
-            # ``launch_weights: published``: the slot first loads the newest published weights, so
-            # generation starts once they reach rollout (the version it starts with is that one)
-            start = self.now
-            if self.w.launch_weights == "published":
-                start = max(start, self.timeline.available_at[self.timeline.latest])
-            self.push(start + duration, _FINISH, (name, gid, start, tokens))
+            self.pool.launch(call, self.now)
 
-    def on_finish(self, payload: tuple[str, str, float, tuple[int, ...]]) -> None:
-        name, gid, start, tokens = payload
-        if self.w.in_flight_updates:
-            v0, v1, vw = self.timeline.span(start, self.now)
-        else:
-            v0 = self.timeline.version_at(start)
-            v1, vw = v0, float(v0)
-        self.finished.append(
-            FinishedGroup(
-                group_id=gid,
-                source=name,
-                trajectory_tokens=tokens,
-                finished_at=self.now,
-                version_start=v0,
-                version_end=v1,
-                version_weighted=vw,
-                unit_id=gid,
-                node_id="sim",
-            )
+    def lead(self) -> dict[str, float]:
+        """Per-source launch lead (``launch_lead``) from what ran so far: mean generation time per source and
+        groups admitted per second."""
+        durations = {s: total / n for s, (total, n) in self.generation.items() if n}
+        admitted = len(self.trace.consumed)
+        rate = admitted / self.now if self.now > 0 else 0.0
+        return {s: self.w.launch_lead * x for s, x in launch_lead(self.quotas, durations, rate).items()}
+
+    def headroom(self, launched: dict[str, float]) -> dict[str, int]:
+        """Groups each source may launch now: the control plane's rule (``knittrans.sched.timing``), with its
+        deadlock guard (an idle trainer lets a source launch what its open step misses even in a full window,
+        which a call of several groups of one source can bring about)."""
+        room = self.timing.room(self.quotas, self.untaken)
+        idle = self.adm_n <= self.n
+        deficit = quota_deficit(self.step_state()) if idle and room <= 0 and self.adm_step < self.steps else {}
+        return launch_headroom(self.quotas, room, launchable(self.quotas, launched), deficit=deficit, trainer_idle=idle)
+
+    def step_state(self) -> StepState:
+        """The open step as the admission policy sees it."""
+        return StepState(
+            quotas=self.quotas,
+            admitted=self.admitted,
+            finished=self.finished,
+            pending=self.pending,
+            mini_batch_index=self.adm_k,
+            mini_batches_per_step=self.K,
+            current_version=self.n,
+            max_staleness=self.w.max_staleness,
         )
-        self.pending[name] -= 1
-        self.idle_slots += 1
-        self.trace.rollout_busy_s += self.now - start
-        self.gen_finished += 1
+
+    def on_call_done(self, call: list[CallGroup]) -> None:
+        """A call's groups are published together as one unit: all of them finish now."""
+        for g in call:
+            self.finished.append(
+                FinishedGroup(
+                    group_id=g.group_id,
+                    source=g.source,
+                    trajectory_tokens=g.tokens,
+                    finished_at=self.now,
+                    version_start=g.version_start,
+                    version_end=g.version_end,
+                    version_weighted=g.version_weighted,
+                    unit_id=g.group_id,
+                    node_id="sim",
+                )
+            )
+            self.pending[g.source] -= 1
+            total, n = self.generation.get(g.source, (0.0, 0))
+            self.generation[g.source] = (total + self.now - g.launched_at, n + 1)
+        self.gen_finished += len(call)
 
     def try_admit(self) -> None:
         """Ask the policy for mini-batches while the lookahead allows; start training if idle.
@@ -218,18 +270,8 @@ class _Simulation:
                 break
             if self.w.max_staleness is not None and self.purged_at != self.n:
                 self.drop_expired()
-            state = StepState(
-                quotas=self.quotas,
-                admitted=self.admitted,
-                finished=self.finished,
-                pending=self.pending,
-                mini_batch_index=self.adm_k,
-                mini_batches_per_step=self.K,
-                current_version=self.n,
-                max_staleness=self.w.max_staleness,
-            )
             self.trace.select_calls += 1
-            decision = self.policy.select(state)
+            decision = self.policy.select(self.step_state())
             if decision is None:
                 break
             self.admit(decision)
@@ -271,7 +313,8 @@ class _Simulation:
         self.finished = [g for g in self.finished if g.group_id not in taken]
         assignment = assign_mini_batch(groups, self.w.world_size, micro_batch_tokens=self.w.micro_batch_tokens)
         rank_tokens = max(assignment.rank_tokens())
-        duration = self.w.trainer_overhead_s + rank_tokens * self.w.trainer_s_per_token
+        # the rank saves the new weights before its ack: the publish delay keeps the trainer busy too
+        duration = self.w.trainer_overhead_s + rank_tokens * self.w.trainer_s_per_token + self.w.publish_delay_s
         counts = dict.fromkeys(self.names, 0)
         wait = gen = 0.0
         for g in groups:
@@ -356,7 +399,12 @@ class _Simulation:
     def on_train_done(self) -> None:
         self.trainer_idle = True
         self.n += 1
-        self.timeline.publish(self.now + self.w.sync_delay_s)
+        version = self.timeline.publish(self.now + self.w.sync_delay_s)
+        if self.pool.switches_in_flight:
+            if self.w.sync_delay_s > 0:
+                self.push(self.now + self.w.sync_delay_s, _ARRIVE, version)
+            else:
+                self.pool.on_arrive(version, self.now)
         if self.n % self.K == 0:
             self.trained_steps += 1
             if self.on_step is not None:
@@ -379,21 +427,25 @@ class _Simulation:
             t, kind, _, payload = heapq.heappop(heap)
             self.now = t
             self.trace.events += 1
-            if kind == _FINISH:
-                self.on_finish(payload)  # type: ignore[arg-type]
+            if kind == _SLOT:
+                call = self.pool.on_slot(payload, t)  # type: ignore[arg-type]
+                if call is None:
+                    continue  # a load ended or a group of a call: nothing became visible
+                self.on_call_done(call)
                 self.try_admit()
             elif kind == _TRAIN_DONE:
                 self.on_train_done()
                 self.try_admit()
+            elif kind == _ARRIVE:
+                self.pool.on_arrive(payload, t)  # type: ignore[arg-type]
             else:
                 self.gen_open, self.gen_launched, self.gen_finished = True, 0, 0
             self.launch()
         self.trace.makespan_s = self.now
-        # groups still running at the end count as busy only up to the end of the run
-        for _t, kind, _, payload in heap:
-            if kind == _FINISH:
-                start = payload[2]  # type: ignore[index]
-                self.trace.rollout_busy_s += max(0.0, self.now - start)
+        # loads and groups still running at the end count as busy only up to the end of the run
+        self.trace.rollout_busy_s = self.pool.busy_s + self.pool.busy_at_end(self.now)
+        self.trace.weight_loads = self.pool.loads
+        self.trace.load_s = self.pool.load_s_total
         return self.trace
 
 

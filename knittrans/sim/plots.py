@@ -107,7 +107,10 @@ def write_plots(
     out_dir.mkdir(parents=True, exist_ok=True)
     first = next(iter(traces.values()))
     w = first.workload
-    title = f"{w.name}, K={w.mini_batches_per_step}, W={w.window}, sync {w.sync_delay_s:g}s"
+    title = (
+        f"{w.name}, K={w.mini_batches_per_step}, W={w.window}, publish {w.publish_delay_s:g}s, "
+        f"sync {w.sync_delay_s:g}s, load {w.load_s:g}s"
+    )
     warmup = next(iter(metrics.values())).warmup_steps
     paths = [
         out_dir / f"{prefix}_{name}.png"

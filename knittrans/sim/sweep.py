@@ -12,7 +12,7 @@ from knittrans.sim.engine import RunTrace, simulate
 from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
 from knittrans.sim.workload import Workload
 
-__all__ = ["BASELINE", "COLOCATED", "PACED_BASELINE", "ConfigResult", "format_table", "run_grid"]
+__all__ = ["BASELINE", "COLOCATED", "LEGEND", "PACED_BASELINE", "ConfigResult", "format_table", "run_grid"]
 
 BASELINE = "train_batch"
 """The policy reductions are measured against (with the workload's ``train_batch_handover``, default ``step``:
@@ -52,7 +52,10 @@ class ConfigResult:
             "mini_batches_per_step": self.workload.mini_batches_per_step,
             "window": self.workload.window,
             "lookahead": self.workload.lookahead,
+            "publish_delay_s": self.workload.publish_delay_s,
             "sync_delay_s": self.workload.sync_delay_s,
+            "load_s": self.workload.load_s,
+            "groups_per_call": self.workload.groups_per_call,
             "in_flight_updates": self.workload.in_flight_updates,
             "launch_weights": self.workload.launch_weights,
             "policies": {},
@@ -72,6 +75,14 @@ class ConfigResult:
                     row[f"{r}_arch_pos_reduction_vs_paced"] = self.reduction(
                         policy, _stat_getter(r, "architectural", "pos_mean"), PACED_BASELINE
                     )
+            if PACED_BASELINE in self.runs:
+                row["steps_per_hour_vs_paced"] = self.mean(policy, _run_getter("steps_per_hour")) / self.mean(
+                    PACED_BASELINE, _run_getter("steps_per_hour")
+                )
+            if BASELINE in self.runs:
+                row["steps_per_hour_vs_train_batch"] = self.mean(policy, _run_getter("steps_per_hour")) / self.mean(
+                    BASELINE, _run_getter("steps_per_hour")
+                )
             for key in (
                 "steps_per_hour",
                 "trajectories_per_hour",
@@ -110,14 +121,15 @@ def run_grid(
     windows: Iterable[int | None] = (None,),
     lookaheads: Iterable[int | str | None] = (None,),
     colocated: bool = False,
-    paced_baseline: bool = False,
+    paced_baseline: bool = True,
     progress: Callable[[int, str], None] | None = None,
 ) -> list[ConfigResult]:
-    """Run every policy (and optionally the colocated reference and the paced baseline) for every configuration
-    and seed.
+    """Run every policy, the paced baseline and optionally the colocated reference for every configuration and
+    seed.
 
     ``paced_baseline`` adds ``train_batch`` with ``train_batch_handover: mini_batch`` as row
-    :data:`PACED_BASELINE`; summaries then also give every policy's reductions against it (``*_vs_paced``).
+    :data:`PACED_BASELINE`; summaries then give every policy's reductions against both ``train_batch`` baselines
+    (``*_reduction`` against the workload's handover, by default the whole step; ``*_vs_paced`` against it).
 
     ``lookaheads`` may hold ``"K"``: the lookahead equal to the configuration's ``K`` (one train batch).
     ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
@@ -161,25 +173,54 @@ def _pct(x: float) -> str:
     return "   -  " if math.isnan(x) else f"{100 * x:5.1f}%"
 
 
+LEGEND = (
+    "arch s/e/w: mean architectural staleness (versions) under the start/end/weighted readings. Reductions at the "
+    f"same K, W and L against both baselines: '{BASELINE}' (handed whole train batches) and '{PACED_BASELINE}' (each "
+    "group leaves the window when its mini-batch starts, as the control plane runs it): s = mean start, e+ = "
+    "positive part of the end reading, w = mean weighted. p99/max e: end-reading tails. steps/h x: ratio to each "
+    f"baseline. '{COLOCATED}' is the colocated reference."
+)
+"""What the columns of :func:`format_table` mean."""
+
+
 def format_table(results: Sequence[ConfigResult]) -> str:
-    """Plain-text comparison table: architectural staleness per reading, reductions, tails, throughput."""
+    """Plain-text comparison table: architectural staleness per reading, reductions against both baselines,
+    tails, idle time and throughput."""
     head = (
-        f"{'workload':<16} {'K':>3} {'W':>2} {'L':>2} {'policy':<22} "
-        f"{'arch s/e/w':>17} {'red start':>9} {'red end':>8} {'red wtd':>8} {'pos red e':>9} "
-        f"{'p99 e':>6} {'max e':>6} {'tr idle':>7} {'ro idle':>7} {'steps/h':>8} {'viol':>4}"
+        f"{'workload':<16} {'K':>3} {'W':>2} {'L':>2} {'policy':<22} {'arch s/e/w':>17} "
+        f"{'vs TB s / e+ / w':>21} {'vs paced s / e+ / w':>21} {'p99/max e':>11} {'tr idle':>7} {'ro idle':>7} "
+        f"{'steps/h':>7} {'x TB/paced':>11} {'viol':>4}"
     )
     lines = [head, "-" * len(head)]
     for config in results:
         s = config.summary()
         for policy, row in s["policies"].items():
             arch = "/".join(f"{row[f'{r}_arch_mean']:.2f}" for r in READINGS)
+            vs_tb = " ".join(
+                _pct(row.get(key, math.nan))
+                for key in ("start_arch_reduction", "end_arch_pos_reduction", "weighted_arch_reduction")
+            )
+            vs_paced = " ".join(
+                _pct(row.get(key, math.nan))
+                for key in (
+                    "start_arch_reduction_vs_paced",
+                    "end_arch_pos_reduction_vs_paced",
+                    "weighted_arch_reduction_vs_paced",
+                )
+            )
+            ratios = "/".join(
+                "-" if math.isnan(x) else f"{x:.2f}"
+                for x in (
+                    row.get("steps_per_hour_vs_train_batch", math.nan),
+                    row.get("steps_per_hour_vs_paced", math.nan),
+                )
+            )
             lines.append(
                 f"{s['workload']:<16} {s['mini_batches_per_step']:>3} {s['window']:>2} {s['lookahead']:>2} "
-                f"{policy:<22} {arch:>17} "
-                f"{_pct(row['start_arch_reduction']):>9} {_pct(row['end_arch_reduction']):>8} "
-                f"{_pct(row['weighted_arch_reduction']):>8} {_pct(row['end_arch_pos_reduction']):>9} "
-                f"{row['end_arch_p99']:6.1f} {row['end_arch_max']:6.1f} {100 * row['trainer_idle']:6.1f}% "
-                f"{100 * row['rollout_idle']:6.1f}% {row['steps_per_hour']:8.1f} {row['quota_violations']:>4}"
+                f"{policy:<22} {arch:>17} {vs_tb:>21} {vs_paced:>21} "
+                f"{row['end_arch_p99']:5.1f}/{row['end_arch_max']:5.1f} {100 * row['trainer_idle']:6.1f}% "
+                f"{100 * row['rollout_idle']:6.1f}% {row['steps_per_hour']:7.1f} {ratios:>11} "
+                f"{row['quota_violations']:>4}"
             )
         lines.append("")
     return "\n".join(lines)

@@ -87,8 +87,19 @@ class Workload:
     for every policy; training frees it, admission does not: ``knittrans.sched.timing``)."""
     rollout_slots: int = 64
     """Groups that can be generated at the same time."""
+    publish_delay_s: float = 0.0
+    """Seconds the trainer takes after an optimizer step to save the new weights before it acks the
+    mini-batch (the ack carries the new version, so the window opens and the version is known at the same
+    instant); the trainer starts nothing else meanwhile."""
     sync_delay_s: float = 0.0
-    """Seconds from the end of an optimizer step until rollout generates with the new weights."""
+    """Seconds from the ack until the new weights reach the rollout hosts (0: a filesystem they share)."""
+    load_s: float = 0.0
+    """Seconds a rollout engine is blocked loading new weights (``knittrans rollout`` loads them between two
+    groups, and between two chunks of generation with in-flight updates)."""
+    groups_per_call: int = 1
+    """Groups of one source a rollout engine generates one after the other and publishes together as one
+    unit (``knittrans rollout --groups-per-call``): a finished group stays invisible, holding the window,
+    until its partners finish."""
     in_flight_updates: bool = False
     """Partial rollout: running groups switch to new weights when they arrive (else keep start weights)."""
     launch_weights: str = "published"
@@ -97,6 +108,11 @@ class Workload:
     weights); ``published`` — the newest version the trainer has published: a launch waits for weights still
     on their way (at most ``sync_delay_s``), as ``knittrans rollout``'s worker does (it loads the newest
     published weights before it starts each group)."""
+    launch_lead: float = 0.0
+    """Duration-aware launches (a prototype; the control plane does not do it): sources run ahead of or behind
+    their quota share of launches by this fraction of ``knittrans.sched.timing.launch_lead`` (0: off, 1: the
+    whole lead), estimated from the groups finished so far (mean generation time per source, groups admitted per
+    second), so every source's groups finish about as long before they are needed."""
     trainer_overhead_s: float = 1.0
     """Fixed seconds per mini-batch (optimizer step, launch costs)."""
     trainer_s_per_token: float = 1e-5
@@ -132,6 +148,7 @@ class Workload:
             ("mini_batches_per_step", self.mini_batches_per_step),
             ("window", self.window),
             ("rollout_slots", self.rollout_slots),
+            ("groups_per_call", self.groups_per_call),
             ("world_size", self.world_size),
             ("micro_batch_tokens", self.micro_batch_tokens),
             ("steps", self.steps),
@@ -143,7 +160,10 @@ class Workload:
                 f"workload {self.name!r}: mini_batches_per_step={self.mini_batches_per_step} must divide "
                 f"the train batch G={self.train_batch_groups} (sum of quotas)"
             )
-        if self.sync_delay_s < 0 or self.trainer_overhead_s < 0 or self.trainer_s_per_token < 0:
+        if (
+            min(self.sync_delay_s, self.publish_delay_s, self.load_s, self.trainer_overhead_s, self.trainer_s_per_token)
+            < 0
+        ):
             raise ValueError(f"workload {self.name!r}: times must be >= 0")
         if self.trainer_overhead_s == 0 and self.trainer_s_per_token == 0:
             raise ValueError(f"workload {self.name!r}: training must take some time")
@@ -159,6 +179,8 @@ class Workload:
                 f"workload {self.name!r}: launch_weights must be one of {', '.join(LAUNCH_WEIGHTS)}, "
                 f"got {self.launch_weights!r}"
             )
+        if not 0.0 <= self.launch_lead <= 2.0:
+            raise ValueError(f"workload {self.name!r}: launch_lead must be in [0, 2], got {self.launch_lead}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"workload {self.name!r}: max_staleness must be >= 0 or null")
 

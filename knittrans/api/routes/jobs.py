@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
 from knittrans.api.models import ErrorOut, JobCreate, JobPublic, QuotasUpdate
@@ -66,6 +66,9 @@ async def drain(job: str, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any
 
 
 @router.get("/{job}/status")
-async def status(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
-    """Step, quota fill, group counts, deficits, groups to regenerate, staleness, admission times."""
-    return await run(svc.status, job)
+async def status(job: str, svc: Service, run: Run, request: Request, _: WorkerAuth) -> dict[str, Any]:
+    """Step, quota fill, group counts, deficits, groups to regenerate, staleness, admission times, and the
+    rollout workers' weights (``rollout_weights``: version, loads, late versions, as they reported them)."""
+    result: dict[str, Any] = await run(svc.status, job)
+    result["rollout_weights"] = request.app.state.observed.job_rollout(job)
+    return result

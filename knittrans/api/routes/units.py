@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -16,6 +17,8 @@ from knittrans.api.models import (
     ErrorOut,
     GroupIn,
     HeadroomOut,
+    RolloutWeightsIn,
+    RolloutWeightsOut,
     SupplyIn,
     SupplyOut,
     UnitIn,
@@ -27,8 +30,9 @@ from knittrans.api.models import (
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep, StateRunner
 from knittrans.api.service import ControlPlane
 from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, UnitDescriptor, checked_group, checked_unit
-from knittrans.errors import InvalidRequest
+from knittrans.errors import InvalidRequest, NotFound
 from knittrans.lifecycle import ADMITTING, TERMINAL
+from knittrans.names import check_name
 
 __all__ = ["descriptor_of", "register_body", "router", "to_descriptor"]
 
@@ -159,6 +163,20 @@ async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: Wor
         request_id=body.request_id,
         regenerates=body.regenerates,
     )
+
+
+@router.post("/{job}/rollout/{worker}/weights", response_model=RolloutWeightsOut)
+async def report_rollout_weights(
+    job: str, worker: str, body: RolloutWeightsIn, svc: Service, request: Request, _: WorkerAuth
+) -> dict[str, Any]:
+    """A rollout worker's weights: the version it generates with, loads, and versions whose file came late.
+
+    Kept in memory (``/metrics`` and job status ``rollout_weights``), like store usage."""
+    check_name(worker, "worker")
+    if job not in svc.jobs:
+        raise NotFound(f"job {job!r} does not exist")
+    entry = request.app.state.observed.record_rollout(job, worker, body.model_dump(), time.time())
+    return entry.to_dict()  # type: ignore[no-any-return]
 
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
