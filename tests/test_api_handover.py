@@ -6,10 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from api_support import app_client, job_spec, single_group_units
+from api_support import ack, app_client, job_spec, manifest, single_group_units
 from fastapi.testclient import TestClient
-
-from knittrans.plans import RankPlan
 
 
 def _untaken(c: TestClient) -> int:
@@ -17,8 +15,9 @@ def _untaken(c: TestClient) -> int:
 
 
 def _ack_next(c: TestClient) -> None:
-    plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-    assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
+    m = manifest(c, "job1", c.get("/v1/jobs/job1/minibatches").json()["position"])
+    assert m is not None
+    ack(c, "job1", m)
 
 
 @pytest.mark.parametrize(("handover", "expected"), [("step", (3, 0)), ("mini_batch", (5, 2))])
