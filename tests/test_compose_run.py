@@ -27,6 +27,8 @@ import httpx
 import pytest
 from api_support import free_port
 
+from knittrans.sched.timing import staleness_bound
+
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(2700)]  # image builds take minutes on a busy machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,6 +302,16 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
         by_source = final["staleness"]["by_step"][str(step)]["end"]["by_source"]
         counts = {s: v["staleness"]["count"] // GROUP for s, v in by_source.items()}
         assert counts == QUOTAS, f"step {step}: consumed {counts}, quotas {QUOTAS}"
+    # fresh in the live loop: every group's end-reading architectural staleness within the bound the
+    # timing rule derives (window 1 of the compose job; the ranks publish before they ack, so one step at
+    # most may end during a group's last chunk)
+    bound = max(
+        staleness_bound(mini_batches_per_step=K, window=1, train_batch_groups=sum(QUOTAS.values()), quota=q, sync_lag=1)
+        for q in QUOTAS.values()
+    )
+    end = final["staleness"]["overall"]["end"]["architectural"]
+    assert end["max"] <= bound, f"end-reading architectural staleness {end} above the bound {bound}"
+    timings["end_staleness_max"], timings["end_staleness_bound"] = end["max"], bound
     records = stack.records(tmp_path)
     by_index: dict[int, list[dict[str, Any]]] = {}
     for r in records:

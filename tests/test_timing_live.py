@@ -16,10 +16,10 @@ from knittrans.sched.timing import staleness_bound
 JOB = "live"
 QUOTAS = {"a": 2, "b": 2}
 K, W, L, STEPS, GROUP = 2, 1, 1, 4, 2
-SYNC_LAG = 2
-"""Versions that may be on their way to rollout when a group makes its last token: a rank acks (moving the
-trainer's position) before it publishes the new weights (1), and at most one more optimizer step ends during
-a group's last chunk because a step is slower than a chunk (1)."""
+SYNC_LAG = 1
+"""Versions that may be on their way to rollout when a group makes its last token: the rank publishes its
+weights before the ack that moves the trainer's position, so only one optimizer step may end during a group's
+last chunk (a step is slower than a chunk)."""
 
 
 @pytest.mark.slow
