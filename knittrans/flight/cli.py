@@ -16,6 +16,7 @@ from typing import Any
 from knittrans.cliargs import default_of
 from knittrans.errors import KnitTransError
 from knittrans.flight.server import StoreServer, StoreServerConfig
+from knittrans.rlimits import raise_open_files_limit
 from knittrans.store import StoreConfig
 
 __all__ = ["add_arguments", "run"]
@@ -132,6 +133,7 @@ def run(args: Any) -> int:
     except ValueError as exc:  # e.g. --data-lane-port with --tls-cert
         logger.error("cannot start the store: %s", exc)
         return 2
+    raise_open_files_limit()  # every connection (Flight and the data lane) is a descriptor
     server = StoreServer(config)
     logger.info(
         "store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint, server.store.recovered
