@@ -8,9 +8,10 @@ What gRPC does not let us enforce (``pyarrow.flight`` passes no gRPC channel arg
 runs per call, after the request message): a unary request (a ``DoGet`` ticket, an action body) is received
 whole before the token is checked (Arrow lifts gRPC's 4 MiB message limit: a 256 MiB action body without a
 token took 7.7 s and 120 MiB of the store's memory before its refusal); an idle or half-open TCP connection
-is closed by gRPC after 60 s (measured: idle, preface only, half a preface), not 10 s; an unauthenticated gRPC client that completed
-the HTTP/2 handshake keeps its connection as long as it likes (130 s and counting in a measurement); there is
-no cap on unauthenticated connections (each costs gRPC a descriptor and a little memory, no thread).
+is closed by gRPC after 60 s (measured: idle, preface only, half a preface), not 10 s; an unauthenticated
+gRPC client that completed the HTTP/2 handshake keeps its connection as long as it likes (130 s and counting
+in a measurement); there is no cap on unauthenticated connections (each costs gRPC a descriptor and a little
+memory, no thread).
 """
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ def test_json_nested_too_deep_is_refused_before_parsing_naming_the_limit(tmp_pat
 
 def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Path) -> None:
     """The paths served without a token are health, metrics, the dashboard page, the lookups of optional
-    listeners and the OpenAPI documents; every other documented operation without a token is a 401 that
-    closes the connection, whatever its body."""
+    listeners and the OpenAPI documents; without a token, any request with a body is a 401 before its body
+    is read, and every other documented operation is a 401 too; each 401 closes its connection."""
     app = create_app(Settings(db_path=str(tmp_path / "cp.db"), worker_token=WORKER, admin_token=ADMIN))
     gate = next(m for m in app.user_middleware if m.cls.__name__ == "RequestGate")
     allowed = {"/v1/health", "/metrics", "/ui", "/v1/lane", "/v1/plan-gateway"}
@@ -304,6 +304,9 @@ def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Pa
             concrete = concrete.replace("{unit}", "u0")
             for method in ops:
                 r = client.request(method, concrete, content=b"[" * 1000)
+                assert r.status_code == 401 and r.headers["connection"] == "close", (method, path, r.text)
+                assert "needs the worker (or admin) bearer token" in r.json()["detail"]
+                r = client.request(method, concrete)
                 if path in gate.kwargs["open_paths"]:
                     assert r.status_code != 401, (method, path)
                 else:

@@ -17,7 +17,8 @@ connection has presented a valid token (:class:`~knittrans.api.gate.RequestGate`
 
 With TLS the guard starts once asyncio finished the handshake (asyncio bounds handshakes to 60 s itself).
 The request a connection serves learns its connection from :data:`CONNECTION` (a context variable set while
-uvicorn parses the connection's bytes, so the request's task inherits it).
+uvicorn parses the connection's bytes, so the request's task inherits it; uvicorn's opt-in
+``reset_contextvars`` would hide it, and every connection would then close at its deadline).
 """
 
 from __future__ import annotations
@@ -67,15 +68,6 @@ class ConnectionGuard:
         self.config = config
         self._waiting: dict[GuardedConnection, None] = {}  # insertion order: oldest first
         self._trim_timer: asyncio.TimerHandle | None = None
-        self.timed_out = 0
-        """Connections closed for not authenticating within ``timeout_s``."""
-        self.evicted = 0
-        """Connections closed to keep the unauthenticated ones within ``max_unauthenticated``."""
-
-    @property
-    def unauthenticated(self) -> int:
-        """Open connections that have not authenticated."""
-        return len(self._waiting)
 
     def protocol(self, http: str = "auto") -> type[GuardedConnection]:
         """The protocol class to pass as ``uvicorn.Config(http=...)``: uvicorn's ``http`` implementation
@@ -101,7 +93,6 @@ class ConnectionGuard:
                 if self._trim_timer is None:
                     self._trim_timer = asyncio.get_running_loop().call_later(_EVICT_AFTER_S - age, self._timer_trim)
                 return
-            self.evicted += 1
             oldest.close(abort=True)  # out of _waiting at once
 
     def _timer_trim(self) -> None:
@@ -249,5 +240,4 @@ class GuardedConnection(asyncio.Protocol):
             self._expired = True
             self._timer = asyncio.get_running_loop().call_later(self.guard.config.timeout_s, self._expire)
             return
-        self.guard.timed_out += 1
         self.close(abort=True)

@@ -1,11 +1,11 @@
 """``RequestGate``: the control plane's outermost ASGI layer: the token first, then the body's size and JSON depth.
 
 Before a byte of the body is received, the ``Authorization`` header is checked: a request with a body but
-without a token of this server (:meth:`~knittrans.api.auth.TokenCheck.authenticates`) to a path that needs
-one is answered 401 and its connection closed, its body unread; one without a body is refused by its route
-(which names the token it needs), and its connection closed too. A request with a token of this server marks
-its connection authenticated (:mod:`knittrans.api.connguard`). The routes still check what the token may do
-(admin, scopes).
+without a token of this server (:meth:`~knittrans.api.auth.TokenCheck.authenticates`) is answered 401 and
+its connection closed, its body unread (the open paths take no body); one without a body to a path that
+needs a token is refused by its route (which names the token it needs), and its connection closed too.
+A request with a token of this server marks its connection authenticated (:mod:`knittrans.api.connguard`).
+The routes still check what the token may do (admin, scopes).
 
 Then the body: more than ``max_body_bytes`` (declared or received) is a 413; a JSON body is received whole
 and refused with 422 when it nests deeper than ``max_json_depth`` (:func:`knittrans.jsonlimits.nesting_over`),
@@ -88,11 +88,11 @@ class RequestGate:
             conn = CONNECTION.get()
             if conn is not None:
                 conn.authenticate()
+        elif has_body:  # refused before a byte of it is received (the open paths take no body)
+            why = why or "this endpoint needs the worker (or admin) bearer token"
+            await _answer(send, 401, "unauthenticated", why, [(b"www-authenticate", b"Bearer")])
+            return
         elif scope["path"] not in self.open_paths:
-            if has_body:  # refused before a byte of it is received
-                why = why or "this endpoint needs the worker (or admin) bearer token"
-                await _answer(send, 401, "unauthenticated", why, [(b"www-authenticate", b"Bearer")])
-                return
             send = _closing_on_401(send)  # no body: the route answers, naming the token it needs
         if not has_body:
             await self.app(scope, receive, send)
