@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from knittrans.errors import InvalidTicket
+from knittrans.jsonlimits import nesting_over
 from knittrans.names import check_name, is_content_hash
 
 __all__ = [
     "MAX_TICKET_BYTES",
+    "MAX_TICKET_DEPTH",
     "TICKET_VERSION",
     "RowRun",
     "Ticket",
@@ -27,6 +29,8 @@ TICKET_VERSION = 1
 
 MAX_TICKET_BYTES = 1 << 20
 """Largest ticket accepted (1 MiB): enough for thousands of row ranges."""
+MAX_TICKET_DEPTH = 8
+"""Deepest JSON nesting a ticket may have (a well-formed one has 4: object, reads, read, row range)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +137,8 @@ class Ticket:
         """Decode ticket bytes strictly; raise :class:`InvalidTicket` naming what is wrong."""
         if len(raw) > MAX_TICKET_BYTES:
             raise InvalidTicket(f"ticket is {len(raw)} bytes, more than the {MAX_TICKET_BYTES} allowed")
+        if nesting_over(raw, MAX_TICKET_DEPTH):
+            raise InvalidTicket(f"ticket JSON nests deeper than the {MAX_TICKET_DEPTH} levels allowed")
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -3,7 +3,6 @@ consumed mini-batch's ack/fetch records, and acks recorded in SQLite exactly as 
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +93,10 @@ def test_delete_prefix_removes_one_mini_batch_s_records_only(tmp_path: Path) -> 
     store.close()
 
 
-def _rows(db: Path, kind: Kind) -> list[tuple[str, str]]:
-    with sqlite3.connect(db) as conn:
-        return conn.execute("SELECT key, body FROM records WHERE kind=? ORDER BY key", (kind.value,)).fetchall()
+def _rows(c: Any, kind: Kind) -> list[tuple[str, Any]]:
+    """The ``(key, value)`` records of ``kind`` in the app's SQLite file, read through the app's own connection
+    (a serving control plane holds its state file exclusively)."""
+    return [(key, value) for _, key, value in c.app.state.service.store.load(kind)]
 
 
 def _plan_id(c: Any, rank: int) -> str:
@@ -120,14 +120,14 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         assert r.status_code == 200, r.text
         r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": first[0]})
         assert r.status_code == 200 and not r.json()["consumed"], r.text
-        assert _rows(db, Kind.ACK) == [(rank_key(0, 0), '{"attempt":0}')]
-        assert [k for k, _ in _rows(db, Kind.FETCHED)] == [rank_key(0, 1)]
+        assert _rows(c, Kind.ACK) == [(rank_key(0, 0), {"attempt": 0})]
+        assert [k for k, _ in _rows(c, Kind.FETCHED)] == [rank_key(0, 1)]
         second = _plan_id(c, 0)  # rank 0 goes on to mini-batch 1 and acks it before rank 1 acks 0
         assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": second}).status_code == 200
         r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
         assert r.status_code == 200 and r.json()["consumed"], r.text
-        assert _rows(db, Kind.ACK) == [(rank_key(1, 0), '{"attempt":0}')]  # mini-batch 1's ack stays
-        assert _rows(db, Kind.FETCHED) == []
+        assert _rows(c, Kind.ACK) == [(rank_key(1, 0), {"attempt": 0})]  # mini-batch 1's ack stays
+        assert _rows(c, Kind.FETCHED) == []
         r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
         assert r.status_code == 200 and r.json()["duplicate"], r.text
     with app_client(db) as c:

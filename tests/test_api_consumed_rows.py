@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from dataclasses import asdict
@@ -44,7 +45,7 @@ def test_a_consumed_mini_batchs_staleness_rows_are_what_asdict_writes(tmp_path: 
             r = c.post(f"/v1/jobs/{JOB}/ranks/{rank}/ack", json={"plan_id": str(_plan(c, rank).plan_id)})
             assert r.status_code == 200, r.text
         assert r.json()["consumed"] is True
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # closed: the next app takes the file alone
         (body,) = conn.execute("SELECT body FROM records WHERE kind=?", (Kind.CONSUMED.value,)).fetchone()
     rows = json.loads(body)
     assert len(rows) == 2 and all(json.dumps(asdict(ConsumedGroup(**row))) == json.dumps(row) for row in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -132,6 +133,46 @@ def test_database_write_failure_answers_503_with_cause_and_state_stays_consisten
         assert client.get("/v1/jobs/job1/status").json()["counts"]["units"] == 0
         conn.execute("PRAGMA max_page_count=1073741823" if pragma == "max_page_count" else "PRAGMA query_only=0")
         assert client.post("/v1/jobs/job1/units", json={"units": units}).json()["registered"] == len(units)
+
+
+def test_immutable_state_files_answer_503_naming_them_and_the_control_plane_recovers(tmp_path: Path) -> None:
+    """The database and its WAL made immutable (``chattr +i``, root) while a real control plane serves:
+    a write is a 503 naming the files it cannot write (it used to die of SIGBUS on the mapped -shm file,
+    logging nothing), the process keeps serving, and once the files are writable again writes succeed."""
+    assert os.geteuid() == 0, "chattr +i needs root (CI runs as root)"
+    db = tmp_path / "cp.db"
+    with server(db, *_tokens()) as srv:
+        assert _post(srv.url, "/v1/jobs", job_spec(), ADMIN).status_code == 201
+        assert _post(srv.url, "/v1/nodes", {"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+        files = sorted(str(p) for p in tmp_path.iterdir())
+        subprocess.run(["chattr", "+i", *files], check=True)
+        try:
+            for i in range(3):
+                r = _post(srv.url, "/v1/jobs/job1/units", {"units": single_group_units(["math"] * 20, prefix=f"i{i}x")})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "not writable (read-only or immutable)" in r.json()["detail"] and f"{db}-wal" in r.text
+        finally:
+            subprocess.run(["chattr", "-i", *files], check=True)
+        assert srv.proc is not None and srv.proc.poll() is None
+        r = _post(srv.url, "/v1/jobs/job1/units", {"units": single_group_units(["math"] * 20, prefix="ok")})
+        assert r.status_code == 200 and r.json()["registered"] == 20, r.text
+        auth = {"authorization": f"Bearer {WORKER}"}
+        assert httpx.get(srv.url + "/v1/jobs/job1/status", headers=auth).json()["counts"]["units"] == 20
+    assert files == [str(db), f"{db}-wal"]  # no -shm file: the WAL index lives in the process's memory
+
+
+def test_a_state_file_in_use_is_refused_to_a_second_control_plane(tmp_path: Path) -> None:
+    """The control plane holds its state file alone (SQLite exclusive locking: no shared -shm mapping): a
+    second store on the same file is refused at start-up, naming why; once the first closes it opens."""
+    from knittrans.api.store import RecordStore
+    from knittrans.errors import StateError
+
+    first = RecordStore(str(tmp_path / "cp.db"))
+    with pytest.raises(StateError, match="another process holds it: one control plane per state file"):
+        RecordStore(str(tmp_path / "cp.db"))
+    assert not (tmp_path / "cp.db-shm").exists()
+    first.close()
+    RecordStore(str(tmp_path / "cp.db")).close()
 
 
 @pytest.mark.slow  # ~30 s: waits out a slow control-plane restart by design

@@ -3,6 +3,7 @@ before the schema had its own module (tests/data/state_v1.sql) restores to the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from pathlib import Path
@@ -96,7 +97,7 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
         assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
         assert c.get("/v1/jobs/job1/version").json()["by_rank"] == {"0": 1}
         status = c.get("/v1/jobs/job1/status").json()
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # closed: the next app takes the file alone
         kinds = {k for (k,) in conn.execute("SELECT DISTINCT kind FROM records")}
         acks = [k for (k,) in conn.execute("SELECT key FROM records WHERE kind='ack'")]
     assert kinds <= OLD_KINDS and not acks  # consumed: its acks are gone

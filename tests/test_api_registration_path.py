@@ -326,11 +326,12 @@ def test_fast_path_registers_plain_bodies_and_leaves_the_rest_to_the_app(tmp_pat
         ]
         for response, status in cases:
             assert response.status_code == status and response.json()["error"], response.text
-        assert counts["to_app"] == to_app + 4 and counts["served"] == served + 2
+        # the wrong token never reaches the fast path: the request gate in front of it answers 401
+        assert counts["to_app"] == to_app + 3 and counts["served"] == served + 2
         fresh = {"units": single_group_units(["math"], start=7)}
         assert c.post(f"/v1/jobs/{JOB}/units?x=1", json=fresh).status_code == 200  # a query: the app's
         big = {"units": single_group_units(["math"] * 40, start=10)}
-        assert c.post(f"/v1/jobs/{JOB}/units", json=big).status_code == 413  # over the body limit: the app's
-        assert counts["served"] == served + 2 and counts["to_app"] == to_app + 4
+        assert c.post(f"/v1/jobs/{JOB}/units", json=big).status_code == 413  # over the body limit: the gate's
+        assert counts["served"] == served + 2 and counts["to_app"] == to_app + 3
         groups = c.app.state.service.jobs[JOB].groups  # type: ignore[attr-defined]  # between requests
         assert sorted(groups) == ["g0", "g1", "g7"]  # nothing of the refused ones

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from knittrans.errors import InvalidTicket
-from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
+from knittrans.tickets import MAX_TICKET_BYTES, MAX_TICKET_DEPTH, Ticket, UnitRead
 
 names = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,15}", fullmatch=True)
 
@@ -76,3 +76,24 @@ def test_oversized_ticket_is_refused() -> None:
     raw = json.dumps({"v": 1, "job": "j", "reads": [], "pad": "x" * MAX_TICKET_BYTES}).encode()
     with pytest.raises(InvalidTicket, match="more than"):
         Ticket.decode(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[[[[[[0, 1]]]]]]]}]}',
+        b'{"v": 1, "job": "j", "reads": ' + b"[" * 500_000,
+    ],
+)
+def test_deeply_nested_ticket_is_refused_before_parsing(raw: bytes) -> None:
+    """A ticket nesting deeper than MAX_TICKET_DEPTH (100,000 levels, 9 levels, or only opening brackets) is
+    refused by its depth, naming the limit, before the JSON parser sees it."""
+    with pytest.raises(InvalidTicket, match=f"nests deeper than the {MAX_TICKET_DEPTH} levels allowed"):
+        Ticket.decode(raw)
+
+
+def test_a_ticket_at_the_depth_limit_with_brackets_in_strings_decodes() -> None:
+    """Brackets inside strings do not count: a valid ticket whose column names are brackets decodes."""
+    t = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((0, 1),)),), columns=("[[[[[[[[[", "{{{{{{{{"))
+    assert Ticket.decode(t.encode()) == t

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from knittrans import __version__
 from knittrans.api.auth import TokenCheck
 from knittrans.api.board import ManifestBoard
+from knittrans.api.gate import RequestGate, open_paths
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
 from knittrans.api.models import ErrorOut, UnitsIn
@@ -24,67 +24,9 @@ from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 from knittrans.api.store import RecordStore
 
-__all__ = ["BodyLimit", "create_app"]
+__all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
-
-
-class BodyLimit:
-    """ASGI middleware answering 413 for request bodies above ``max_bytes`` (declared or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def _reject(self, send: Send) -> None:
-        body = (
-            '{"error":"payload_too_large","detail":"request body is larger than the '
-            f'{self.max_bytes} bytes allowed; send smaller batches"}}'
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
-                return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await self._reject(send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _sweep(service: ControlPlane, runner: StateRunner, interval: float) -> None:
@@ -154,10 +96,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.observed = Observations()
     app.state.registry = make_registry(service, app.state.observed)
     install_error_handlers(app)
-    for module in (health, jobs, nodes, units, minibatches, tokens, ui):
-        app.include_router(module.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    routers = [module.router for module in (health, jobs, nodes, units, minibatches, tokens, ui)]
+    for router in routers:
+        app.include_router(router)
     _document_raw_bodies(app)
+    app.add_middleware(  # outermost: the token before any byte of the body, then the body's size and depth
+        RequestGate,
+        tokens=app.state.tokens,
+        open_paths=open_paths([*app.routes, *(route for router in routers for route in router.routes)]),
+        max_body_bytes=settings.max_body_bytes,
+        max_json_depth=settings.max_json_depth,
+    )
     return app
 
 

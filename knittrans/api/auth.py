@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from knittrans.api.settings import Settings
 from knittrans.errors import Unauthenticated
 
-__all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token"]
+__all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token", "needs_token"]
 
 _PREFIX = "kts"
 
@@ -103,6 +103,26 @@ class TokenCheck:
                 ok |= hmac.compare_digest(token, want)  # no short-circuit: both compares always run
         return ok
 
+    def authenticates(self, header: bytes | None) -> bool:
+        """Whether the ``Authorization`` header value ``header`` carries a token of this server (the worker or
+        admin token, or a scoped token it signed), whatever that token may do; a server without a worker
+        token takes every request (its worker endpoints are open; routes still check the admin token).
+
+        Raises:
+            Unauthenticated: a header that is not ``Bearer <token>``.
+        """
+        if self.worker is None:
+            return True
+        if not header:
+            return False
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            raise Unauthenticated("Authorization header must be 'Bearer <token>'")
+        if self._matches(token, self.worker, self.admin):
+            return True
+        return self.secret is not None and _parse(self.secret, token) is not None
+
     def check_worker(self, request: Request) -> None:
         """Worker endpoints: open without a worker token; else the worker or the admin token, or a
         scoped token whose scope covers the request (its scope is left in ``request.state.scope``)."""
@@ -137,6 +157,18 @@ class TokenCheck:
             return
         if not self._matches(self._presented(request), self.admin):
             raise Unauthenticated("this endpoint needs the admin bearer token")
+
+
+def needs_token(route: Any) -> bool:
+    """Whether a FastAPI route (an ``APIRoute``) checks a token: it depends on :data:`WorkerAuth` or
+    :data:`AdminAuth`, directly or through another dependency."""
+    pending = [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        if dependant.call in (_worker, _admin):
+            return True
+        pending.extend(dependant.dependencies)
+    return False
 
 
 async def _worker(request: Request) -> None:  # async: a plain def would hop to a worker thread

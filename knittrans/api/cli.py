@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from knittrans.api.app import create_app
+    from knittrans.api.connguard import ConnectionGuard, GuardConfig
+    from knittrans.rlimits import raise_open_files_limit
 
     settings = settings_from_args(args)
     app = create_app(settings)
@@ -139,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
         logger.error("control plane cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 2
     port = int(sock.getsockname()[1])
+    # every connection is a descriptor: unauthenticated ones may take at most half of them
+    open_files = raise_open_files_limit()
+    cap = settings.max_unauthenticated_connections
+    if open_files > 0 and cap > open_files // 2:
+        cap = max(1, open_files // 2)
+        logger.info("at most %d unauthenticated connections: half the open-files limit of %d", cap, open_files)
+    guard = ConnectionGuard(GuardConfig(timeout_s=settings.unauthenticated_timeout_s, max_unauthenticated=cap))
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -146,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             access_log=False,
             ssl_certfile=args.tls_cert,
             ssl_keyfile=args.tls_key,
-            http=args.http,
+            http=guard.protocol(args.http),
         )
     )
     scheme = "https" if args.tls_cert else "http"

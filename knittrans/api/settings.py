@@ -43,5 +43,13 @@ class Settings(BaseSettings):
     """Upper bound on the ``timeout_s`` of a long-poll (manifests, headroom)."""
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted (413 above it)."""
+    max_json_depth: int = Field(default=32, ge=1)
+    """Deepest nesting of a JSON request body (422 above it, before anything parses it)."""
+    unauthenticated_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    """An HTTP connection that has not authenticated (a request with a valid token) this long after it
+    opened is closed (``knittrans.api.connguard``; ``knittrans control-plane`` serves with the guard)."""
+    max_unauthenticated_connections: int = Field(default=1024, ge=1)
+    """Most HTTP connections open without having authenticated (at most half the process's open-files limit);
+    beyond it the oldest of them is closed."""
     recent_admissions: int = Field(default=RECENT_ADMISSIONS, ge=1)
     """Admission records kept for status (time, duration, mini-batch)."""

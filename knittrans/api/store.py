@@ -107,7 +107,7 @@ class RecordStore:
                 "control plane; pass --init to initialise it on purpose"
             )
         try:
-            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._conn = _connect(path)
             tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if existed and not init and os.path.getsize(path) > 0 and "meta" not in tables:
                 raise StateError(
@@ -118,7 +118,10 @@ class RecordStore:
             self._conn.executescript(_SCHEMA)
             row = self._conn.execute("SELECT value FROM meta WHERE name='format'").fetchone()
         except sqlite3.Error as exc:
-            raise StateError(f"{path}: cannot open the state database: {exc}") from exc
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._conn.close()
+            held = " (another process holds it: one control plane per state file)" if "locked" in str(exc) else ""
+            raise StateError(f"{path}: cannot open the state database: {_cause(exc, path)}{held}") from exc
         if row is None:
             self._conn.execute("INSERT INTO meta(name, value) VALUES ('format', ?)", (STORE_FORMAT,))
         elif row[0] != STORE_FORMAT:
@@ -153,7 +156,7 @@ class RecordStore:
                             cur.execute("ROLLBACK")
                     raise
             except sqlite3.Error as exc:
-                raise Unavailable(f"state database {self.path} refused the write: {exc}") from exc
+                raise Unavailable(f"state database {self.path} refused the write: {_cause(exc, self.path)}") from exc
 
     def load(self, kind: Kind) -> list[tuple[str, str, Any]]:
         """Every ``(job, key, value)`` of ``kind``, ordered by job then key."""
@@ -173,6 +176,31 @@ class RecordStore:
         """Connect again after :meth:`close`; a no-op while open."""
         with self._lock:
             if getattr(self, "_closed", False):
-                self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+                self._conn = _connect(self.path)
                 self._conn.execute(f"PRAGMA synchronous={self.synchronous}")
                 self._closed = False
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    """A connection to ``path`` in exclusive locking mode, set before its first read.
+
+    In WAL mode SQLite otherwise keeps its WAL index in a ``-shm`` file mapped into memory and shared with
+    other processes; a write to that mapping that the file system refuses (the file made immutable, its
+    disk gone) is a SIGBUS that kills the process without a word. Exclusive mode keeps the index in the
+    process's own memory (no ``-shm`` file), so such a fault is an I/O error: a 503 naming the cause, and
+    the next write after the fault is repaired succeeds. It also holds the file for this process alone:
+    a second control plane on the same state file is refused at start-up.
+    """
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    return conn
+
+
+def _cause(exc: sqlite3.Error, path: str) -> str:
+    """What SQLite said, its error code, and which of the state's files cannot be written (if any)."""
+    code = getattr(exc, "sqlite_errorname", None)
+    text = f"{exc} ({code})" if code else str(exc)
+    blocked = [p for p in (path, path + "-wal") if os.path.exists(p) and not os.access(p, os.W_OK)]
+    if blocked:
+        text += f"; not writable (read-only or immutable): {', '.join(blocked)}"
+    return text

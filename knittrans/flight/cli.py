@@ -6,7 +6,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import resource
 import secrets
 import signal
 import threading
@@ -17,6 +16,7 @@ from typing import Any
 from knittrans.cliargs import default_of
 from knittrans.errors import KnitTransError
 from knittrans.flight.server import StoreServer, StoreServerConfig
+from knittrans.rlimits import raise_open_files_limit
 from knittrans.store import StoreConfig
 
 __all__ = ["add_arguments", "run"]
@@ -133,7 +133,7 @@ def run(args: Any) -> int:
     except ValueError as exc:  # e.g. --data-lane-port with --tls-cert
         logger.error("cannot start the store: %s", exc)
         return 2
-    _raise_open_files_limit()
+    raise_open_files_limit()  # every connection (Flight and the data lane) is a descriptor
     server = StoreServer(config)
     logger.info(
         "store node %s ready at %s (%s units recovered)", config.node_id, server.endpoint, server.store.recovered
@@ -179,18 +179,6 @@ def _config(args: Any) -> StoreServerConfig:
         data_lane_port=args.data_lane_port,
         ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
     )
-
-
-def _raise_open_files_limit() -> None:
-    """Raise this process's soft limit of open files to its hard limit: every connection to the data lane,
-    admitted or still waiting for its token, holds a descriptor, and the lane must keep accepting while
-    hundreds of idle ones wait (:mod:`knittrans.flight.lane_gate`)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError) as exc:
-            logger.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
 
 
 def _env_path(name: str) -> Path | None:

@@ -54,6 +54,7 @@ from knittrans.flight import lane
 from knittrans.flight.auth import auth_headers
 from knittrans.flight.errors import from_flight_error
 from knittrans.flight.recv_pool import ReceivePool, default_pool
+from knittrans.names import check_name
 from knittrans.tickets import Ticket
 
 __all__ = ["LANE_CONNECT_TIMEOUT_S", "LANE_RETRY_MAX_S", "LANE_RETRY_S", "StoreClient"]
@@ -359,7 +360,10 @@ class StoreClient:
         return self._call(run)
 
     def put_part(self, job: str, unit_id: str, part: str, table: pa.Table) -> int:
-        """Upload one part (``traj`` or ``media``) of a pending unit; returns acknowledged batches."""
+        """Upload one part (``traj`` or ``media``) of a pending unit; returns acknowledged batches (names
+        checked first, as in :meth:`unit_info`)."""
+        check_name(job, "job")
+        check_name(unit_id, "unit_id")
         rows = max(1, table.num_rows * self.batch_bytes // max(1, table.nbytes))
         batches = table.to_batches(max_chunksize=rows)
         descriptor = flight.FlightDescriptor.for_path(job, unit_id, part)
@@ -468,7 +472,14 @@ class StoreClient:
         return [self._describe(i) for i in infos]
 
     def unit_info(self, job: str, unit_id: str, *, grant: str | None = None) -> dict[str, Any]:
-        """One sealed unit's job, unit_id, num_rows and num_bytes (``grant``: as in :meth:`list_units`)."""
+        """One sealed unit's job, unit_id, num_rows and num_bytes (``grant``: as in :meth:`list_units`).
+
+        Raises:
+            InvalidName: ``job`` or ``unit_id`` is not a valid name (checked here: gRPC would refuse a path
+                that is not UTF-8 with an untyped error before the store could name the problem).
+        """
+        check_name(job, "job")
+        check_name(unit_id, "unit_id")
         d = flight.FlightDescriptor.for_path(job, unit_id, *([grant] if grant else []))
         return self._describe(self._call(lambda: self._client.get_flight_info(d, self._options)))
 

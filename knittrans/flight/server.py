@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -57,6 +57,7 @@ from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import known_error, to_flight_error
 from knittrans.flight.lane import LaneServer
 from knittrans.grants import check_listing, check_ticket
+from knittrans.jsonlimits import nesting_over
 from knittrans.names import check_name
 from knittrans.schema import check_schema, validate_part
 from knittrans.store import SealedUnit, SealSpec, StoreConfig, UnitStore
@@ -69,6 +70,10 @@ MAX_RESERVE_WAIT_S = 3600.0
 """Longest ``timeout_s`` a ``reserve`` call may ask to wait for budget."""
 MAX_BATCH_UNITS = 4096
 """Most units one ``reserve_units`` or ``seal_units`` call may name."""
+MAX_ACTION_BODY_BYTES = 4 << 20
+"""Longest JSON body of an action (``publish_units`` of :data:`MAX_BATCH_UNITS` units fits)."""
+MAX_ACTION_DEPTH = 8
+"""Deepest JSON nesting of an action body (a batched one has 3: body, units, unit)."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -150,6 +155,12 @@ def _mapped(fn: F) -> F:
 
 def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     kind, raw = action.type, action.body.to_pybytes()
+    if len(raw) > MAX_ACTION_BODY_BYTES:
+        raise PayloadTooLarge(
+            f"action {kind!r}: body is {len(raw)} bytes, more than the {MAX_ACTION_BODY_BYTES} allowed"
+        )
+    if nesting_over(raw, MAX_ACTION_DEPTH):
+        raise InvalidRequest(f"action {kind!r}: body JSON nests deeper than the {MAX_ACTION_DEPTH} levels allowed")
     try:
         body = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -189,6 +200,18 @@ def _unit_entries(kind: str, units: Any) -> list[tuple[str, dict[str, Any]]]:
             raise InvalidRequest(f"action {kind!r}: every entry of 'units' must be an object with a 'unit' key")
         out.append((check_name(e["unit"], "unit_id"), e))
     return out
+
+
+def _path(descriptor: flight.FlightDescriptor) -> list[str]:
+    """A descriptor's path as text; a part that is not UTF-8 is an :class:`InvalidRequest` naming it.
+
+    gRPC itself refuses a path that is not UTF-8 (a protobuf ``string`` field) before any of the server's
+    code runs: such a call ends in an untyped ``FlightInternalError`` with an empty message that no code
+    of ours sees. :class:`~knittrans.flight.client.StoreClient` checks names before it sends them."""
+    try:
+        return [p.decode() for p in (descriptor.path or [])]
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"descriptor path {descriptor.path!r} is not UTF-8 text") from None
 
 
 def _json(obj: object) -> list[bytes]:
@@ -290,7 +313,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         """FlightInfo of the unit named by descriptor path ``[job, unit]`` (signed mode:
         ``[job, unit, grant]`` with a grant of that job)."""
-        path = [p.decode() for p in (descriptor.path or [])]
+        path = _path(descriptor)
         if self.config.ticket_key:
             if len(path) != 3:
                 raise Unauthenticated(
@@ -311,13 +334,15 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         concurrent stream to the same part is refused, a later one replaces it, and a failing
         stream drops only its own rows.
         """
-        path = [p.decode() for p in (descriptor.path or [])]
+        path = _path(descriptor)
         if len(path) != 3 or path[2] not in ("traj", "media"):
             raise InvalidRequest(f"DoPut descriptor path must be [job, unit, 'traj'|'media'], got {path}")
-        job, unit_id, part = check_name(path[0], "job"), check_name(path[1], "unit_id"), path[2]
+        job, unit_id = check_name(path[0], "job"), check_name(path[1], "unit_id")
+        part: Literal["traj", "media"] = "traj" if path[2] == "traj" else "media"
         check_schema(reader.schema, "trajectories" if part == "traj" else "media")
         pending, token = self.store.open_part(job, unit_id, part)
         ok = False
+        refused: Exception | None = None
         try:
             while True:
                 try:
@@ -337,8 +362,13 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 pending.write(part, batch, token=token, abandoned=context.is_cancelled)
                 writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
             ok = True
+        except (OverBudget, PayloadTooLarge) as exc:
+            refused = exc
+            raise
         finally:
             self.store.close_part(pending, part, token, ok=ok)
+            if refused is not None:  # the unit cannot be completed: its other part gives its budget back now
+                self.store.abort(job, unit_id, only=pending)
 
     # --- actions -----------------------------------------------------------------------------
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
