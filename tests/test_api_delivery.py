@@ -1,13 +1,13 @@
-"""Plan delivery at scale: plans published to the event loop, acks in one batch, ``next?ack=``.
+"""Manifest delivery: manifests published to the event loop (the board), per-request progress errors, the
+long-poll's documented parameters, and the control client against a real server.
 
 Real app (TestClient, real SQLite, the real state thread). No timings: what is checked is what each
-request answers, that acks arriving together go to the state thread as one batch, and that the
-plans the loop serves follow every change of the state (withdrawal, a node's new endpoint, restart).
+request answers, and that the manifests the loop serves follow every change of the state (admission,
+withdrawal, a node's new endpoint, restart).
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,10 @@ import pytest
 from api_support import app_client, job_spec, server, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api.routes.deps import AckBatcher, PlanBoard
+from knittrans.api.board import ManifestBoard
 from knittrans.controlclient import ControlClient, JobFinished
-from knittrans.errors import Conflict, NotFound
-from knittrans.plans import RankPlan
+from knittrans.errors import Conflict, DataLost, NotFound
+from knittrans.manifest import Manifest
 
 JOB = "job1"
 
@@ -38,238 +38,220 @@ def _setup(c: TestClient, *, world: int, sources: list[str], node: str = "n0", k
     assert r.status_code == 200 and r.json()["admitted"], r.text
 
 
-def _next(c: TestClient, rank: int, **params: Any) -> Any:
-    return c.get(f"/v1/jobs/{JOB}/ranks/{rank}/next", params={"timeout_s": 0, **params})
+def _get(c: TestClient, n: int, **params: Any) -> Any:
+    return c.get(f"/v1/jobs/{JOB}/minibatches/{n}", params={"timeout_s": 0, **params})
 
 
-def _plan(c: TestClient, rank: int, **params: Any) -> RankPlan:
-    r = _next(c, rank, **params)
+def _manifest(c: TestClient, n: int) -> Manifest:
+    r = _get(c, n)
     assert r.status_code == 200, r.text
-    return RankPlan.from_json(r.json())
+    return Manifest.decode(r.content)
 
 
-def test_acks_arriving_together_are_one_batch_and_answer_each(tmp_path: Path) -> None:
-    """Four acks in flight at once (one with another rank's plan, one out of order): one state-thread
-    call; the good ones apply, the bad ones get their own error, and what was applied is persisted."""
-    db = tmp_path / "cp.db"
-    with app_client(db) as c:
-        _setup(c, world=4, sources=["math", "code"] * 4)  # 4 rows per mini-batch: one per rank, two mini-batches
-        p0 = [_plan(c, r) for r in range(4)]
-        p1_rank3 = _plan(c, 3, after=str(p0[3].plan_id))
-        acks: AckBatcher = c.app.state.acks  # type: ignore[attr-defined]
-        batches = acks.batches
-
-        async def together() -> list[Any]:
-            return await asyncio.gather(
-                acks.ack(JOB, 0, str(p0[0].plan_id)),
-                acks.ack(JOB, 1, str(p0[0].plan_id)),  # rank 0's plan: not rank 1's
-                acks.ack(JOB, 2, str(p0[2].plan_id)),
-                acks.ack(JOB, 3, str(p1_rank3.plan_id)),  # mini-batch 1 before 0
-                return_exceptions=True,
-            )
-
-        assert c.portal is not None
-        got = c.portal.call(together)
-        assert acks.batches == batches + 1  # one state-thread call, one transaction
-        assert got[0] == {"plan_id": str(p0[0].plan_id), "global_index": 0, "consumed": False, "duplicate": False}
-        assert isinstance(got[1], NotFound) and "not a plan of rank 1" in str(got[1])
-        assert got[2]["duplicate"] is False and got[2]["consumed"] is False
-        assert isinstance(got[3], Conflict) and "mini-batch 0 before 1" in str(got[3])
-        # ranks 1 and 3 still owe mini-batch 0; the refused acks changed nothing
-        assert _plan(c, 1).plan_id == p0[1].plan_id and _plan(c, 3).plan_id == p0[3].plan_id
-        assert _plan(c, 0).global_index == 1  # rank 0's ack moved it on
-    with app_client(db) as c:  # restarted: the applied acks were committed, the refused ones were not
-        assert _plan(c, 0).global_index == 1 and _plan(c, 2).global_index == 1
-        assert _plan(c, 1).global_index == 0 and _plan(c, 3).global_index == 0
-        for r in (1, 3):
-            a = c.post(f"/v1/jobs/{JOB}/ranks/{r}/ack", json={"plan_id": str(p0[r].plan_id)})
-            assert a.status_code == 200 and a.json()["consumed"] == (r == 3), a.text
-
-
-def test_ack_errors_over_http_are_per_request(tmp_path: Path) -> None:
-    """POST .../ack answers each request with its own status (200, 404, 409, 410, duplicate)."""
+def test_progress_errors_over_http_are_per_request(tmp_path: Path) -> None:
+    """POST .../ack answers each request with its own status (200, 404, 409, 410, duplicate), and a refused
+    request applies nothing of what it names."""
     with app_client(tmp_path / "cp.db") as c:
         _setup(c, world=2, sources=["math", "code", "math", "code"], node="n1")
-        p0 = [_plan(c, r) for r in range(2)]
-        p1 = _plan(c, 0, after=str(p0[0].plan_id))
-        url = f"/v1/jobs/{JOB}/ranks/{{}}/ack"
-        r = c.post(url.format(0), json={"plan_id": str(p1.plan_id)})
+        url = f"/v1/jobs/{JOB}/minibatches/{{}}/ack"
+        r = c.post(url.format(1), json={"attempt": 0, "ranks": [1]})
         assert r.status_code == 409 and r.json()["error"] == "conflict", r.text
-        r = c.post(url.format(1), json={"plan_id": str(p0[0].plan_id)})
+        r = c.post(url.format(0), json={"attempt": 1})
         assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
-        # no rank holds mini-batch 0 (none fetched or acked it): the node loss withdraws it
-        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {JOB: [0, 1]}
-        for rank in range(2):
-            r = c.post(url.format(rank), json={"plan_id": str(p0[rank].plan_id)})
-            assert r.status_code == 410 and r.json()["error"] == "data_lost", r.text
-        c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "code"] * 2, prefix="h")})
-        again = _plan(c, 0)
-        assert (again.global_index, again.plan_id.attempt) == (0, 1)  # re-planned on n0
-        r = c.post(url.format(0), json={"plan_id": str(again.plan_id)})
-        assert r.status_code == 200 and r.json()["duplicate"] is False
-        r = c.post(url.format(0), json={"plan_id": str(again.plan_id)})
-        assert r.status_code == 200 and r.json()["duplicate"] is True
-
-
-def test_next_with_ack_acks_then_long_polls(tmp_path: Path) -> None:
-    """``next?ack=<current plan>`` acks it and answers the next plan; a retry of the same request is safe;
-    a refused ack answers its error (404, 409, 410) and acks nothing; ``ack`` with ``after`` is refused."""
-    with app_client(tmp_path / "cp.db") as c:
-        _setup(c, world=2, sources=["math", "code"] * 4, node="n1", k=4)
-        p0 = [_plan(c, r) for r in range(2)]
-        p1 = _plan(c, 0, after=str(p0[0].plan_id))
-        r = _next(c, 0, ack=str(p1.plan_id))  # mini-batch 1 before 0
-        assert r.status_code == 409 and "mini-batch 0 before 1" in r.json()["detail"], r.text
-        r = _next(c, 0, ack=str(p0[1].plan_id))  # rank 1's plan
-        assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
-        r = _next(c, 0, ack="bogus")
-        assert r.status_code == 404, r.text
-        assert _plan(c, 0).plan_id == p0[0].plan_id  # nothing was acked
-        r = _next(c, 0, ack=str(p0[0].plan_id), after=str(p0[0].plan_id))
-        assert r.status_code == 409 and r.json()["error"] == "invalid_request" and "not both" in r.json()["detail"]
-        assert _plan(c, 0, ack=str(p0[0].plan_id)) == p1  # acked 0, got 1
-        assert _plan(c, 0, ack=str(p0[0].plan_id)) == p1  # the same request retried: a duplicate ack, same plan
-        assert _plan(c, 1, ack=str(p0[1].plan_id)).global_index == 1  # rank 1's ack consumed mini-batch 0
-        # rank 1 holds mini-batch 1 and never reported it fetched: the node loss withdraws it
-        withdrawn = c.post("/v1/nodes/n1/lost").json()["withdrawn"][JOB]
-        assert 1 in withdrawn
-        r = _next(c, 0, ack=str(p1.plan_id))
+        assert c.post(url.format(0), json={"attempt": 0, "ranks": [0]}).json()["consumed"] is False
+        # rank 0 acked mini-batch 0, rank 1 did not: a request for both on 1 is refused whole (rank 1 owes 0)
+        r = c.post(url.format(1), json={"attempt": 0})
+        assert r.status_code == 409 and "rank 1 must ack mini-batch 0 before 1" in r.json()["detail"], r.text
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").json()["in_flight"][1]["acked_ranks"] == []
+        # rank 1 holds nothing of mini-batch 1 (none fetched or acked it): the node loss withdraws it
+        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {JOB: [1]}
+        r = c.post(url.format(1), json={"attempt": 0, "ranks": [0]})
         assert r.status_code == 410 and r.json()["error"] == "data_lost", r.text
+        assert c.post(url.format(0), json={"attempt": 0, "ranks": [1]}).json()["consumed"] is True
+        c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "code"], prefix="h")})
+        again = _manifest(c, 1)
+        assert (again.global_index, again.attempt) == (1, 1)  # re-planned on n0
+        r = c.post(url.format(1), json={"attempt": 1})
+        assert r.status_code == 200 and r.json() == {
+            "global_index": 1,
+            "attempt": 1,
+            "consumed": True,
+            "duplicate": False,
+        }
+        r = c.post(url.format(1), json={"attempt": 1})
+        assert r.status_code == 200 and r.json()["duplicate"] is True and r.json()["consumed"] is True
 
 
-def test_next_with_ack_waits_for_the_next_admission(tmp_path: Path) -> None:
-    """After the ack, ``next?ack=`` long-polls: 204 when nothing comes in time, the job-done header once
-    the job is done (the ack itself still applied)."""
-    with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=1, total_steps=2))
-        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
-        c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math"])})
-        p0 = _plan(c, 0)
-        r = _next(c, 0, ack=str(p0.plan_id), timeout_s=0.2)
-        assert r.status_code == 204 and "x-knittrans-done" not in r.headers
-        c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math"], start=1)})
-        p1 = _plan(c, 0)
-        assert p1.global_index == 1
-        r = _next(c, 0, ack=str(p1.plan_id), timeout_s=5)
-        assert r.status_code == 204 and r.headers["x-knittrans-done"] == "1", r.headers
-        assert c.get(f"/v1/jobs/{JOB}").json()["state"] == "completed"
+@pytest.mark.parametrize("each", [True, False], ids=["each-rank", "one-request"])
+def test_fetched_and_ack_are_idempotent_from_every_rank_or_one_request(tmp_path: Path, each: bool) -> None:
+    """Every rank reporting ``ranks: [r]`` for itself, or one request for all (``ranks: null``), each repeated:
+    the same progress, the same records after a restart, one consumption and the next mini-batch's turn."""
+    db = tmp_path / "cp.db"
+    with app_client(db) as c:
+        _setup(c, world=4, sources=["math", "code"] * 4)
+        calls = [[r] for r in range(4)] if each else [None]
+        for what in ("fetched", "ack"):
+            answers = []
+            for _ in range(2):
+                for ranks in calls:
+                    r = c.post(f"/v1/jobs/{JOB}/minibatches/0/{what}", json={"attempt": 0, "ranks": ranks})
+                    assert r.status_code == 200, r.text
+                    answers.append(r.json())
+            if what == "fetched":
+                assert answers[len(calls) - 1]["fetched_ranks"] == 4 and answers[len(calls) - 1]["held"]
+                assert answers[-1] == answers[len(calls) - 1]  # a repeat: the same answer
+                progress = c.get(f"/v1/jobs/{JOB}/minibatches").json()
+                assert progress["in_flight"][0]["fetched_ranks"] == [[0, 4]]
+            else:
+                assert [a["consumed"] for a in answers] == [i >= len(calls) - 1 for i in range(len(answers))]
+                assert [a["duplicate"] for a in answers] == [i >= len(calls) for i in range(len(answers))]
+        progress = c.get(f"/v1/jobs/{JOB}/minibatches").json()
+        assert progress["position"] == 1 and [f["global_index"] for f in progress["in_flight"]] == [1]
+    with app_client(db) as c:
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").json() == progress
+        assert c.app.state.service.jobs[JOB].consumed_mini_batches == 1  # type: ignore[attr-defined]
 
 
-def test_published_plans_follow_the_state(tmp_path: Path) -> None:
-    """What the loop serves changes with the state: a node's new endpoint is in the next answer, a
-    withdrawn plan is replaced by its next attempt, and a restarted app (nothing published yet)
-    answers byte for byte what the running one did."""
+def test_published_manifests_follow_the_state(tmp_path: Path) -> None:
+    """What the loop serves changes with the state: a node's new endpoint is in the next answer (same
+    attempt, new ETag), a withdrawn manifest is replaced by its next attempt, and a restarted app (nothing
+    published yet) answers byte for byte what the running one did."""
     db = tmp_path / "cp.db"
     with app_client(db, admin_token="adm", worker_token="wrk") as c:
         c.headers["Authorization"] = "Bearer adm"
         _setup(c, world=2, sources=["math", "code", "math", "code"], node="n1")
-        board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
-        first = _next(c, 0).content
-        assert board.answer(JOB, 0) is not None and board.answer(JOB, 0)[0] == first  # type: ignore[index]
-        assert _next(c, 0).content == first  # served again from the board, the same bytes
+        board: ManifestBoard = c.app.state.board  # type: ignore[attr-defined]
+        first = _get(c, 0)
+        view = board.view(JOB)
+        assert view is not None and view.manifests[0] == (first.headers["etag"], first.content)
+        assert _get(c, 0).content == first.content  # served again from the board, the same bytes
         r = c.post("/v1/nodes", json={"node_id": "n1", "endpoint": "grpc://127.0.0.1:9999"})
         assert r.status_code == 200, r.text
-        moved = RankPlan.from_json(_next(c, 0).json())
-        assert {f.endpoint for m in moved.micro_batches for f in m.fetches} == {"grpc://127.0.0.1:9999"}
-        before_restart = _next(c, 1).content
+        moved = _get(c, 0)
+        assert moved.headers["etag"] != first.headers["etag"] and moved.headers["etag"].startswith('"n0.a0.')
+        assert [n.endpoint for n in Manifest.decode(moved.content).nodes] == ["grpc://127.0.0.1:9999"]
+        before_restart = _get(c, 1)
     with app_client(db, admin_token="adm", worker_token="wrk") as c:
         c.headers["Authorization"] = "Bearer adm"
         board = c.app.state.board  # type: ignore[attr-defined]
-        assert board.answer(JOB, 1) is None  # a fresh board: the first look goes to the state thread
-        assert _next(c, 1).content == before_restart
+        assert board.view(JOB) is None  # a fresh board: the first look goes to the state thread
+        again = _get(c, 1)
+        assert again.content == before_restart.content and again.headers["etag"] == before_restart.headers["etag"]
         assert c.post("/v1/nodes/n1/lost").status_code == 200
-        r = _next(c, 1)
-        assert r.status_code == 204  # withdrawn; nothing to plan until the groups are regenerated
+        assert _get(c, 0).status_code == 204  # withdrawn; nothing to plan until the groups are regenerated
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
         c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "code"] * 2, prefix="h")})
-        again = _plan(c, 1)
-        assert (again.global_index, again.plan_id.attempt) == (0, 1)
+        m = _manifest(c, 0)
+        assert (m.global_index, m.attempt) == (0, 1)
 
 
-def test_next_ack_is_in_the_openapi_schema(tmp_path: Path) -> None:
-    """``ack`` is a documented query parameter of ``next``, with the errors it may answer."""
+def test_admission_publishes_the_manifest_before_the_registration_answers(tmp_path: Path) -> None:
+    """An admission renders the manifest once and publishes it before anyone asks (the registration's answer
+    comes after the board has it); every long-poll is those bytes."""
     with app_client(tmp_path / "cp.db") as c:
-        op = c.get("/openapi.json").json()["paths"]["/v1/jobs/{job}/ranks/{rank}/next"]["get"]
+        _setup(c, world=5, sources=["math", "code"] * 5)  # two rows per rank per mini-batch
+        board: ManifestBoard = c.app.state.board  # type: ignore[attr-defined]
+        view = board.view(JOB)
+        assert view is not None and sorted(view.manifests) == [0, 1]
+        for n, (etag, raw) in view.manifests.items():
+            r = _get(c, n)
+            assert r.content == raw and r.headers["etag"] == etag
+            assert Manifest.decode(raw).world_size == 5
+
+
+def test_manifest_long_poll_is_in_the_openapi_schema(tmp_path: Path) -> None:
+    """``timeout_s`` and ``If-None-Match`` are documented parameters of the long-poll, with the answers it may
+    give (200 with the manifest's schema, 204, 304, 409)."""
+    with app_client(tmp_path / "cp.db") as c:
+        op = c.get("/openapi.json").json()["paths"]["/v1/jobs/{job}/minibatches/{n}"]["get"]
     params = {p["name"]: p for p in op["parameters"]}
-    assert {"ack", "after", "timeout_s"} <= set(params)
-    assert "ack it" in params["ack"]["description"]
-    assert {"404", "409", "410"} <= set(op["responses"])
+    assert {"job", "n", "timeout_s", "if-none-match"} <= set(params)
+    assert params["if-none-match"]["in"] == "header"
+    assert {"200", "204", "304", "404", "409"} <= set(op["responses"])
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ManifestOut")
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 65])
-def test_next_ack_bad_values_are_refused(tmp_path: Path, bad: str) -> None:
-    """An empty plan id is an unknown plan (404); one longer than 64 characters fails validation (422)."""
+@pytest.mark.parametrize(
+    ("n", "params", "headers"),
+    [
+        ("-1", {}, {}),
+        (str(1 << 53), {}, {}),
+        ("x", {}, {}),
+        ("0", {"timeout_s": "-1"}, {}),
+        ("0", {"timeout_s": "x"}, {}),
+        ("0", {}, {"If-None-Match": "x" * 257}),
+    ],
+)
+def test_manifest_long_poll_bad_values_are_refused(
+    tmp_path: Path, n: str, params: dict[str, str], headers: dict[str, str]
+) -> None:
+    """A negative, too large or non-numeric index, a bad timeout and an oversized If-None-Match are 422s."""
     with app_client(tmp_path / "cp.db") as c:
         _setup(c, world=2, sources=["math", "code", "math", "code"])
-        r = _next(c, 0, ack=bad)
-        assert r.status_code == (404 if bad == "" else 422), r.text
+        r = c.get(f"/v1/jobs/{JOB}/minibatches/{n}", params={"timeout_s": 0, **params}, headers=headers)
+        assert r.status_code == 422 and r.json()["error"], r.text
 
 
-def test_client_next_with_ack_against_a_real_server(tmp_path: Path) -> None:
-    """The control client's ``next_plan(ack=...)`` on a real server process (uvicorn, loopback): one
-    request acks and returns the next plan; a refused ack raises the client's error; the job runs out."""
+def test_control_client_against_a_real_server(tmp_path: Path) -> None:
+    """The control client's ``manifest``/``fetched``/``ack``/``progress`` on a real server process (uvicorn,
+    loopback): the manifest and its ETag, None for a wait that got nothing, a refused ack raises the
+    client's error, a withdrawn attempt raises DataLost, and the job runs out (JobFinished)."""
     with server(tmp_path / "cp.db") as proc, ControlClient(proc.url, retries=0) as client:
         with httpx.Client(base_url=proc.url) as c:
             c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
-            c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
-            c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "math"])})
-        p0 = client.next_plan(JOB, 0, 5)
-        assert p0 is not None and p0.global_index == 0
-        p1 = client.next_plan(JOB, 0, 5, after=str(p0.plan_id))
-        assert p1 is not None and p1.global_index == 1
+            for node in ("n0", "n1"):
+                c.post("/v1/nodes", json={"node_id": node, "endpoint": "grpc://127.0.0.1:1"})
+            c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math"])})
+            c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math"], node="n1", start=1)})
+        got = client.manifest(JOB, 0, 5)
+        assert got is not None
+        m0, tag = got
+        assert m0.global_index == 0 and tag.startswith('"n0.a0.')
+        assert client.manifest(JOB, 0, 0.2, etag=tag) is None  # unchanged within the wait
+        m1 = client.manifest(JOB, 1, 5)
+        assert m1 is not None
         with pytest.raises(Conflict, match="mini-batch 0 before 1"):
-            client.next_plan(JOB, 0, 5, ack=str(p1.plan_id))
-        assert client.next_plan(JOB, 0, 5, ack=str(p0.plan_id)) == p1
+            client.ack(JOB, 1, m1[0].attempt)
+        with pytest.raises(NotFound, match="never issued"):
+            client.fetched(JOB, 0, 3)
+        assert client.fetched(JOB, 0, m0.attempt, [0])["held"]
+        assert client.ack(JOB, 0, m0.attempt, version=1)["consumed"]
+        assert client.get_version(JOB) == 1
+        with pytest.raises(Conflict, match="consumed"):
+            client.manifest(JOB, 0, 0)
+        assert client.progress(JOB)["position"] == 1
+        client.declare_lost("n1")  # mini-batch 1 reads g1 on n1: withdrawn
+        with pytest.raises(DataLost):
+            client.ack(JOB, 1, m1[0].attempt)
+        client.register_units(JOB, single_group_units(["math"], prefix="r"))
+        again = client.manifest(JOB, 1, 5, etag=m1[1])
+        assert again is not None and again[0].attempt == 1
+        assert client.ack(JOB, 1, again[0].attempt)["consumed"]
         with pytest.raises(JobFinished):
-            client.next_plan(JOB, 0, 5, ack=str(p1.plan_id))
+            client.manifest(JOB, 2, 5)
         assert client.get_job(JOB)["state"] == "completed"
 
 
-def test_fast_path_serves_plain_next_and_leaves_the_rest_to_the_app(tmp_path: Path) -> None:
-    """Plain ``next`` (``timeout_s``, ``ack``) is answered by the fast path; a bad token, an unknown job
-    or rank, a refused ack, a malformed query and ``after`` are answered by the app, as documented."""
+def test_a_rank_token_reports_for_its_own_rank_only(tmp_path: Path) -> None:
+    """A token scoped to rank 1 reads the manifest and the progress, and reports fetched and ack only as
+    ``ranks: [1]`` (not for another rank, not for every rank, not for several); its figures are its own."""
     with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk") as c:
         c.headers["Authorization"] = "Bearer adm"
-        _setup(c, world=2, sources=["math", "code"] * 4)
-        counts: dict[str, int] = c.app.state.fast_next  # type: ignore[attr-defined]
-        served, to_app = counts["served"], counts["to_app"]
-        p0 = _plan(c, 0)
-        assert _plan(c, 0, ack=str(p0.plan_id)).global_index == 1
-        assert (counts["served"], counts["to_app"]) == (served + 2, to_app)
-        cases = [
-            (c.get(f"/v1/jobs/{JOB}/ranks/0/next", headers={"Authorization": "Bearer x"}), 401),
-            (c.get("/v1/jobs/nope/ranks/0/next", params={"timeout_s": 0}), 404),
-            (_next(c, 5), 404),
-            (_next(c, 1, ack="n1.a0.r1"), 409),  # mini-batch 1 before 0
-        ]
-        for response, status in cases:
-            assert response.status_code == status and response.json()["error"], response.text
-        assert counts["to_app"] == to_app + 4 and counts["served"] == served + 2
-        for params in ({"timeout_s": "-1"}, {"timeout_s": "x"}, {"ack": "y" * 65}, {"zzz": "1"}):
-            r = c.get(f"/v1/jobs/{JOB}/ranks/1/next", params={"timeout_s": 0, **params})
-            assert r.status_code in (200, 422), r.text  # never the fast path: the app validates
-        assert counts["served"] == served + 2
-        assert _next(c, 1, after=str(p0.plan_id)).status_code == 404  # rank 0's plan; after= is the app's
-        assert counts["served"] == served + 2
-
-
-def test_admission_publishes_every_rank_in_chunks(tmp_path: Path) -> None:
-    """An admission renders and publishes every rank's plan before anyone asks (the registration's
-    answer comes after the board has them), chunk by chunk; a rank's ``next`` is those bytes."""
-    with app_client(tmp_path / "cp.db") as c:
-        _setup(c, world=5, sources=["math", "code"] * 5)  # two rows per rank per mini-batch
-        board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
-        published = {r: board.answer(JOB, r) for r in range(5)}
-        assert all(a is not None and a[0] is not None for a in published.values()), published
-        svc = c.app.state.service  # type: ignore[attr-defined]
-
-        async def chunks() -> list[dict[int, Any]]:
-            return await c.app.state.runner(lambda: list(svc.jobs[JOB].answer_chunks(None, size=2)))  # type: ignore[attr-defined]
-
-        assert c.portal is not None
-        got = c.portal.call(chunks)
-        assert [sorted(chunk) for chunk in got] == [[0, 1], [2, 3], [4]]
-        for chunk in got:
-            for rank, answer in chunk.items():
-                assert answer == published[rank]  # rendered once: the same bytes again
-                assert _next(c, rank).content == answer[0]
+        _setup(c, world=2, sources=["math", "code", "math", "code"])
+        token = c.post("/v1/tokens", json={"role": "rank", "job": JOB, "rank": 1}).json()["token"]
+        c.headers["Authorization"] = f"Bearer {token}"
+        assert _manifest(c, 0).world_size == 2
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").status_code == 200
+        url = f"/v1/jobs/{JOB}/minibatches/0/{{}}"
+        for what in ("fetched", "ack"):
+            for ranks in ([0], None, [0, 1], [1, 1]):
+                r = c.post(url.format(what), json={"attempt": 0, "ranks": ranks})
+                assert r.status_code == 401 and "scoped to rank 1" in r.json()["detail"], (what, ranks, r.text)
+        assert c.post(url.format("fetched"), json={"attempt": 0, "ranks": [1]}).json()["fetched_ranks"] == 1
+        r = c.post(url.format("ack"), json={"attempt": 0, "ranks": [1], "transfer": {"1": {"row_bytes": 5}}})
+        assert r.status_code == 200 and r.json()["consumed"] is False, r.text
+        c.headers["Authorization"] = "Bearer adm"
+        progress = c.get(f"/v1/jobs/{JOB}/minibatches").json()["in_flight"][0]
+        assert progress["acked_ranks"] == [[1, 2]] and progress["fetched_ranks"] == []
+        ranks = {r["rank"]: r for r in c.get("/v1/overview").json()["jobs"][0]["ranks"]}
+        assert ranks[1]["row_bytes"] == 5 and ranks.get(0, {}).get("row_bytes", 0) == 0
