@@ -255,3 +255,31 @@ def test_a_rank_token_reports_for_its_own_rank_only(tmp_path: Path) -> None:
         assert progress["acked_ranks"] == [[1, 2]] and progress["fetched_ranks"] == []
         ranks = {r["rank"]: r for r in c.get("/v1/overview").json()["jobs"][0]["ranks"]}
         assert ranks[1]["row_bytes"] == 5 and ranks.get(0, {}).get("row_bytes", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("token_rank", "ranks", "figures"),
+    [(1, [1], ["0"]), (None, [0], ["0", "1"]), (None, None, ["0", "7"])],
+    ids=["rank-token-for-another", "figures-beyond-ranks", "figures-beyond-world"],
+)
+def test_transfer_figures_only_for_the_ranks_the_ack_reports(
+    tmp_path: Path, token_rank: int | None, ranks: list[int] | None, figures: list[str]
+) -> None:
+    """An ack carries transfer figures of the ranks it reports for only: figures of another rank (a rank token
+    naming a rank not its own, or any ack naming a rank beyond ``ranks`` or the world size) refuse the whole
+    ack, naming the ranks, and neither the ack nor any figure is recorded."""
+    with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk") as c:
+        c.headers["Authorization"] = "Bearer adm"
+        _setup(c, world=2, sources=["math", "code", "math", "code"])
+        if token_rank is not None:
+            token = c.post("/v1/tokens", json={"role": "rank", "job": JOB, "rank": token_rank}).json()["token"]
+            c.headers["Authorization"] = f"Bearer {token}"
+        body = {"attempt": 0, "ranks": ranks, "transfer": {r: {"row_bytes": 5} for r in figures}}
+        r = c.post(f"/v1/jobs/{JOB}/minibatches/0/ack", json=body)
+        assert r.status_code == 409 and r.json()["error"] == "invalid_request", r.text
+        stray = sorted(int(x) for x in figures if int(x) not in (ranks if ranks is not None else (0, 1)))
+        assert f"ranks {stray}" in r.json()["detail"], r.text
+        c.headers["Authorization"] = "Bearer adm"
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").json()["in_flight"][0]["acked_ranks"] == []
+        assert all(rank["mini_batches"] == 0 for rank in c.get("/v1/overview").json()["jobs"][0]["ranks"])
+        assert "knittrans_rank_logical_bytes_total{" not in c.get("/metrics").text

@@ -143,12 +143,13 @@ async def ack(
     opens and the next admission may run. ``version``: the policy version the step produced, recorded
     in the same change, so a launch the freed window allows already sees it (save the weights first).
     ``transfer``: each rank's transfer figures of the mini-batch, by rank, summed in ``/metrics`` and
-    the dashboard (a repeated ack is not counted twice). 410 when that attempt was withdrawn.
+    the dashboard (a repeated ack is not counted twice); only of ranks the ack reports for (else 409, and
+    nothing is recorded). 410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
-    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version)
-    if body.transfer:
-        figures = {int(rank): t.model_dump() for rank, t in body.transfer.items()}
+    figures = {int(rank): t.model_dump() for rank, t in (body.transfer or {}).items()}
+    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version, figures=tuple(figures))
+    if figures:
         request.app.state.observed.record_ack(job, n, body.attempt, result, figures, time.time())
     return result
 
