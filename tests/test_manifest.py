@@ -137,6 +137,14 @@ def _duplicate_row(body: dict[str, Any]) -> None:
     body["ranks"][1][0].append(list(body["ranks"][0][0][0]))
 
 
+def _same_unit_row(body: dict[str, Any]) -> None:
+    """Rank 1's first row: the unit row of rank 0's first row, named through another group of that unit."""
+    g, row, tokens = body["ranks"][0][0][0]
+    unit = body["groups"][g][1]
+    other = next(i for i, x in enumerate(body["groups"]) if x[1] == unit and i != g)
+    body["ranks"][1][0][0] = [other, row, tokens]
+
+
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
@@ -173,7 +181,12 @@ def _duplicate_row(body: dict[str, Any]) -> None:
         (_set("ranks.0.0.0.0", -1), r"field 'ranks\[0\]\[0\]\[0\]\[0\]': -1 is not an index into groups"),
         (_set("ranks.1.0.1.1", -1), r"field 'ranks\[1\]\[0\]\[1\]\[1\]' must be an integer >= 0, not -1"),
         (_set("ranks.0.0.0.2", 1.5), r"field 'ranks\[0\]\[0\]\[0\]\[2\]' must be an integer >= 0, not 1.5"),
-        (_duplicate_row, r"field 'ranks\[1\]\[0\]\[\d+\]': row \d+ of group \d+ is assigned twice"),
+        (_duplicate_row, r"field 'ranks\[1\]\[0\]\[\d+\]': row \d+ of unit 'u\d' is assigned twice"),
+        (_same_unit_row, r"field 'ranks\[1\]\[0\]\[0\]': row \d+ of unit 'u\d' is assigned twice"),
+        (_set("nodes.1.0", "n0"), r"field 'nodes\[1\]\[0\]': node 'n0' is also nodes\[0\]"),
+        (_set("units.1.0", "u0"), r"field 'units\[1\]\[0\]': unit 'u0' is also units\[0\]"),
+        (_set("groups.3.0", "g0"), r"field 'groups\[3\]\[0\]': group 'g0' is also groups\[0\]"),
+        (_set("media.2.0", _hash(0)), r"field 'media\[2\]\[0\]': content hash '[0-9a-f]{64}' is also media\[0\]"),
     ],
 )
 def test_decode_names_the_bad_field(wire: bytes, mutate: Callable[[dict[str, Any]], None], match: str) -> None:
