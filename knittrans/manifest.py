@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +161,11 @@ class Manifest:
         groups = tuple(
             _group(v, f"groups[{i}]", len(units), len(media)) for i, v in enumerate(_list(d["groups"], "groups"))
         )
-        ranks = _ranks(d["ranks"], len(groups))
+        _unique((n.node_id for n in nodes), "nodes", "node")
+        _unique((u for u, _ in units), "units", "unit")
+        _unique((g.group_id for g in groups), "groups", "group")
+        _unique((h for h, _ in media), "media", "content hash")
+        ranks = _ranks(d["ranks"], [g.unit for g in groups], [u for u, _ in units])
         admitted = d["admitted_at"]
         if not isinstance(admitted, int | float) or isinstance(admitted, bool):
             raise InvalidRequest(f"manifest field 'admitted_at' must be a number, not {admitted!r}")
@@ -322,8 +326,8 @@ def _column(value: object, where: str) -> str:
     return value
 
 
-def _list(value: object, where: str, length: int | None = None) -> list[Any]:
-    if not isinstance(value, list):
+def _list(value: object, where: str, length: int | None = None) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):  # a tuple: from_json of to_json's own output
         raise InvalidRequest(f"manifest field {where!r} must be a list, not {type(value).__name__}")
     if length is not None and len(value) != length:
         raise InvalidRequest(f"manifest field {where!r} must have {length} items, not {len(value)}")
@@ -366,8 +370,19 @@ def _group(value: object, where: str, units: int, media: int) -> ManifestGroup:
     )
 
 
-def _ranks(value: object, groups: int) -> tuple[tuple[tuple[Row, ...], ...], ...]:
-    """Rank → micro-batch → rows, each ``(group, row)`` at most once in the whole mini-batch."""
+def _unique(names: Iterable[str], where: str, what: str) -> None:
+    """Each of ``names`` (the ids of a table's rows) at most once."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name, i)
+        if j != i:
+            raise InvalidRequest(f"manifest field '{where}[{i}][0]': {what} {name!r} is also {where}[{j}]")
+
+
+def _ranks(value: object, unit_of: list[int], unit_ids: list[str]) -> tuple[tuple[tuple[Row, ...], ...], ...]:
+    """Rank → micro-batch → rows, each row of a unit at most once in the whole mini-batch (whichever group of
+    the unit names it). ``unit_of``: each group's index into the units; ``unit_ids``: the units' ids."""
+    groups = len(unit_of)
     out = []
     seen: set[tuple[int, int]] = set()
     for r, share in enumerate(_list(value, "ranks")):
@@ -386,11 +401,13 @@ def _ranks(value: object, groups: int) -> tuple[tuple[tuple[Row, ...], ...], ...
                     _index(g, f"{where}[0]", groups, "groups")
                     _int(unit_row, f"{where}[1]")
                     _int(tokens, f"{where}[2]")
-                if (g, unit_row) in seen:
+                key = (unit_of[g], unit_row)
+                if key in seen:
                     raise InvalidRequest(
-                        f"manifest field 'ranks[{r}][{m}][{i}]': row {unit_row} of group {g} is assigned twice"
+                        f"manifest field 'ranks[{r}][{m}][{i}]': row {unit_row} of unit {unit_ids[key[0]]!r} "
+                        "is assigned twice"
                     )
-                seen.add((g, unit_row))
+                seen.add(key)
                 rows.append((g, unit_row, tokens))
             micro_batches.append(tuple(rows))
         out.append(tuple(micro_batches))

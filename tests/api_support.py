@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
 from knittrans.manifest import Manifest
+from knittrans.plans import RankPlan
 from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"
@@ -174,6 +175,16 @@ def ack(client: Any, job: str, m: Manifest, *, transfer: dict[str, Any] | None =
     return result
 
 
+def shares(m: Manifest) -> list[RankPlan]:
+    """Every rank's share of ``m``, by rank."""
+    return [m.share(rank) for rank in range(m.world_size)]
+
+
+def rows_of(plans: Sequence[RankPlan]) -> list[tuple[str, int]]:
+    """``(group id, row)`` of every row of ``plans``, in order."""
+    return [(r.group_id, r.row) for p in plans for micro in p.micro_batches for r in micro.rows]
+
+
 def drain(client: Any, job: str, *, rounds: int = 1000) -> list[Manifest]:
     """Read and ack (for every rank) each admitted mini-batch from the trainer's position on until none is
     ready; returns the manifests in order."""
@@ -263,8 +274,9 @@ TRANSFER = {
 }
 
 
-def populate(c: Any) -> None:
-    """Two nodes (one with usage), one job with a consumed step and acks carrying transfer figures."""
+def populate(c: Any, *, gathered: bool = False) -> None:
+    """Two nodes (one with usage), one job with a consumed step and acks carrying transfer figures: each rank
+    acks for itself, or (``gathered``) one ack per mini-batch carries every rank's figures."""
     assert c.post("/v1/jobs", json=job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2)).status_code == 201
     for node in ("n0", "n1"):
         assert c.post("/v1/nodes", json={"node_id": node, "endpoint": ENDPOINT.format(port=1)}).status_code == 200
@@ -275,8 +287,10 @@ def populate(c: Any) -> None:
     for n in range(2):  # the first mini-batch of the step, then the second
         m = manifest(c, "job1", n)
         assert m is not None
-        for rank in (0, 1):  # each rank for itself, with its figures
-            body = {"attempt": m.attempt, "ranks": [rank], "transfer": {k: [v] for k, v in TRANSFER.items()}}
+        reports = [None] if gathered else [[0], [1]]
+        for ranks in reports:
+            width = len(ranks or (0, 1))  # one column entry per rank the ack reports for
+            body = {"attempt": m.attempt, "ranks": ranks, "transfer": {k: [v] * width for k, v in TRANSFER.items()}}
             assert c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body).status_code == 200
             again = c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json=body)  # a repeat is not counted twice
             assert again.status_code == 200 and again.json()["duplicate"]

@@ -1,5 +1,6 @@
 """The state thread's cheaper paths: the unadmitted pool kept in admission order, range deletes of a
-consumed mini-batch's ack/fetch records, and acks recorded in SQLite exactly as before."""
+consumed mini-batch's per-rank ack/fetch records of older databases, and acks recorded in SQLite as one
+record per mini-batch (rank runs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.api.entries import GroupEntry, Unadmitted, finish_key
-from knittrans.api.records import Kind, rank_key, rank_keys_prefix
+from knittrans.api.records import Kind, mb_key, rank_key
 from knittrans.api.store import RecordStore, Txn
 from knittrans.descriptors import GroupRecord
 
@@ -74,7 +75,7 @@ def test_delete_prefix_removes_one_mini_batch_s_records_only(tmp_path: Path) -> 
     store.commit(txn)
     txn = Txn()
     txn.put(Kind.ACK, "job1", rank_key(3, 7), {"attempt": 1})  # buffered before: dropped
-    txn.delete_prefix(Kind.ACK, "job1", rank_keys_prefix(3))
+    txn.delete_prefix(Kind.ACK, "job1", mb_key(3) + ".")
     txn.put(Kind.ACK, "job1", rank_key(3, 9), {"attempt": 2})  # buffered after: kept
     store.commit(txn)
     acks = {(job, key) for job, key, _ in store.load(Kind.ACK)}
@@ -94,20 +95,22 @@ def test_delete_prefix_removes_one_mini_batch_s_records_only(tmp_path: Path) -> 
 
 
 def _rows(c: Any, kind: Kind) -> list[tuple[str, Any]]:
-    """The ``(key, value)`` records of ``kind`` in the app's SQLite file, read through the app's own connection
-    (a serving control plane holds its state file exclusively)."""
+    """The committed records of ``kind``, read through the running app's own connection (the database is
+    opened in exclusive locking mode, so a second connection cannot read it meanwhile)."""
     return [(key, value) for _, key, value in c.app.state.service.store.load(kind)]
 
 
-def _plan_id(c: Any, rank: int) -> str:
-    r = c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0})
+def _report(c: Any, what: str, n: int, ranks: list[int] | None) -> dict[str, Any]:
+    r = c.post(f"/v1/jobs/job1/minibatches/{n}/{what}", json={"attempt": 0, "ranks": ranks})
     assert r.status_code == 200, r.text
-    return str(r.json()["plan_id"])
+    result: dict[str, Any] = r.json()
+    return result
 
 
 def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_record(tmp_path: Path) -> None:
-    """An ack is in SQLite (``{"attempt":0}``) before its answer; the last ack consumes the mini-batch and its W
-    ack and fetch records go in the same commit; a restart sees the same acks and positions."""
+    """An ack is in SQLite (one record per mini-batch: its attempt and acked rank runs) before its answer; the
+    last ack consumes the mini-batch and its ack and fetch records go in the same commit; a restart sees the
+    same acks and positions."""
     db = tmp_path / "cp.db"
     spec = job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=2, world_size=2, micro_batch_size=1)
     with app_client(db) as c:
@@ -115,22 +118,42 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
         units = single_group_units(["math", "code", "math", "code"])
         assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
-        first = [_plan_id(c, rank) for rank in range(2)]
-        r = c.post("/v1/jobs/job1/ranks/1/fetched", json={"plan_id": first[1]})
-        assert r.status_code == 200, r.text
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": first[0]})
-        assert r.status_code == 200 and not r.json()["consumed"], r.text
-        assert _rows(c, Kind.ACK) == [(rank_key(0, 0), {"attempt": 0})]
-        assert [k for k, _ in _rows(c, Kind.FETCHED)] == [rank_key(0, 1)]
-        second = _plan_id(c, 0)  # rank 0 goes on to mini-batch 1 and acks it before rank 1 acks 0
-        assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": second}).status_code == 200
-        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
-        assert r.status_code == 200 and r.json()["consumed"], r.text
-        assert _rows(c, Kind.ACK) == [(rank_key(1, 0), {"attempt": 0})]  # mini-batch 1's ack stays
+        assert _report(c, "fetched", 0, [1])["fetched_ranks"] == 1
+        assert not _report(c, "ack", 0, [0])["consumed"]
+        assert _rows(c, Kind.ACK) == [(mb_key(0), {"attempt": 0, "ranks": [[0, 1]]})]
+        assert _rows(c, Kind.FETCHED) == [(mb_key(0), {"attempt": 0, "ranks": [[1, 2]]})]
+        assert not _report(c, "ack", 1, [0])["consumed"]  # rank 0 goes on to mini-batch 1 before rank 1 acks 0
+        assert _report(c, "ack", 0, [1])["consumed"]
+        assert _rows(c, Kind.ACK) == [(mb_key(1), {"attempt": 0, "ranks": [[0, 1]]})]  # mini-batch 1's ack stays
         assert _rows(c, Kind.FETCHED) == []
-        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": first[1]})
-        assert r.status_code == 200 and r.json()["duplicate"], r.text
+        assert _report(c, "ack", 0, [1])["duplicate"]
     with app_client(db) as c:
         job = c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
         assert job.first_unconsumed == 1 and job.minibatches[1].acks == {0}
         assert [job.rank_cursor(rank) for rank in range(2)] == [2, 1]
+
+
+def test_per_rank_records_of_an_older_database_are_read_and_removed_with_their_mini_batch(tmp_path: Path) -> None:
+    """Ack and fetch records written one per rank (``<mb>.<rank>``, before manifests) are restored beside the
+    per-mini-batch ones, and the ack that consumes the mini-batch removes both kinds."""
+    db = tmp_path / "cp.db"
+    spec = job_spec(quotas={"math": 1, "code": 2}, mini_batches_per_step=1, world_size=3, micro_batch_size=1)
+    with app_client(db) as c:
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
+        assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code", "code"])}).json()[
+            "admitted"
+        ] == [0]
+        _report(c, "ack", 0, [2])
+    store = RecordStore(str(db))
+    txn = Txn()
+    txn.put(Kind.ACK, "job1", rank_key(0, 0), {"attempt": 0})
+    txn.put(Kind.FETCHED, "job1", rank_key(0, 1), {"attempt": 0})
+    store.commit(txn)
+    store.close()
+    with app_client(db) as c:
+        progress = c.get("/v1/jobs/job1/minibatches").json()["in_flight"]
+        assert [(f["acked_ranks"], f["fetched_ranks"]) for f in progress] == [([[0, 1], [2, 3]], [[1, 2]])]
+        assert _report(c, "ack", 0, [0, 2])["duplicate"]
+        assert _report(c, "ack", 0, [1])["consumed"]
+        assert _rows(c, Kind.ACK) == [] and _rows(c, Kind.FETCHED) == []

@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import app_client, drain_ranks, group, job_spec, single_group_units, unit
+from api_support import ack, app_client, drain, group, job_spec, manifest, rows_of, shares, single_group_units, unit
 from fastapi.testclient import TestClient
 
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 from knittrans.sched.admission import POLICIES
 
 QUOTAS = {"math": 4, "code": 2, "mm": 2}
 
 
-def _rows_of(plans: list[RankPlan]) -> list[tuple[str, int]]:
-    return [(r.group_id, r.row) for p in plans for m in p.micro_batches for r in m.rows]
-
-
-def _groups_per_step(plans: list[RankPlan], source_of: dict[str, str]) -> dict[int, Counter[str]]:
+def _groups_per_step(manifests: list[Manifest], source_of: dict[str, str]) -> dict[int, Counter[str]]:
     seen: dict[int, set[str]] = {}
-    for p in plans:
-        for m in p.micro_batches:
-            seen.setdefault(p.step, set()).update(r.group_id for r in m.rows)
+    for m in manifests:
+        seen.setdefault(m.step, set()).update(g.group_id for g in m.groups)
     return {step: Counter(source_of[g] for g in gids) for step, gids in seen.items()}
 
 
@@ -55,7 +51,7 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
         for n in range(3):
             c.post("/v1/nodes", json={"node_id": f"n{n}", "endpoint": f"grpc://127.0.0.1:{9000 + n}"})
         c.post("/v1/jobs/job1/supply", json={"started": {s: q * steps for s, q in QUOTAS.items()}})
-        plans: list[RankPlan] = []
+        manifests: list[Manifest] = []
         i = 0
         while i < len(finish):
             batch = []
@@ -76,30 +72,34 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
                     batch.append(unit(f"u{i}", groups, node=f"n{rng.randrange(3)}"))
             r = c.post("/v1/jobs/job1/units", json={"units": batch})
             assert r.status_code == 200, r.text
-            plans += drain_ranks(c, "job1", world)
-            for p in plans[-world:]:
-                c.post("/v1/jobs/job1/versions", json={"version": p.global_index + 1, "rank": p.rank})
+            new = drain(c, "job1")
+            manifests += new
+            for m in new:
+                for rank in range(world):
+                    c.post("/v1/jobs/job1/versions", json={"version": m.global_index + 1, "rank": rank})
         status = c.get("/v1/jobs/job1/status").json()
         metrics = c.get("/metrics").text
     total_mb = steps * 4
-    assert sorted(Counter(p.global_index for p in plans).items()) == [(n, world) for n in range(total_mb)]
-    assert len({str(p.plan_id) for p in plans}) == total_mb * world
-    rows = _rows_of(plans)
+    assert [m.global_index for m in manifests] == list(range(total_mb))
+    assert all(m.world_size == world and m.attempt == 0 for m in manifests)
+    plans = [p for m in manifests for p in shares(m)]
+    assert len({p.plan_id for p in plans}) == total_mb * world
+    rows = rows_of(plans)
     assert len(rows) == len(set(rows)) == len(finish) * 2  # every trajectory exactly once
-    assert _groups_per_step(plans, source_of) == {s: Counter(QUOTAS) for s in range(steps)}
+    assert _groups_per_step(manifests, source_of) == {s: Counter(QUOTAS) for s in range(steps)}
     for p in plans:
         assert p.policy_version == p.global_index and p.step == p.global_index // 4
-        for m in p.micro_batches:
+        for micro in p.micro_batches:
             fetched = [
                 (f.node_id, read.unit_id, row)
-                for f in m.fetches
+                for f in micro.fetches
                 for read in f.ticket.reads
                 for a, b in read.row_ranges
                 for row in range(a, b)
             ]
-            assert fetched == [(r.node_id, r.unit_id, r.row) for r in m.rows]
-            want = {h for r in m.rows for h in hashes.get(r.group_id, ())}
-            assert {x.hash for x in m.media} == want
+            assert fetched == [(r.node_id, r.unit_id, r.row) for r in micro.rows]
+            want = {h for r in micro.rows for h in hashes.get(r.group_id, ())}
+            assert {x.hash for x in micro.media} == want
     assert status["state"] == "completed"
     assert status["counts"]["consumed_groups"] == len(finish)
     for reading in ("start", "end", "weighted"):
@@ -116,7 +116,8 @@ def _job_on_two_nodes(c: TestClient, spec: dict[str, Any]) -> None:
 
 
 def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
-    """Rows on a lost node: the un-acked mini-batch is withdrawn whole, re-planned without them, never half-used."""
+    """Rows on a lost node: the un-acked mini-batch is withdrawn whole, re-planned without them as the next
+    attempt, never half-used."""
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
     with app_client(tmp_path / "cp.db") as c:
         _job_on_two_nodes(c, spec)
@@ -125,12 +126,14 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
             ["math", "code"], node="n0", start=2
         )
         assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
-        old = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-        assert {r.node_id for m in old.micro_batches for r in m.rows} == {"n1"}
+        old = manifest(c, "job1", 0)
+        assert old is not None and old.attempt == 0
+        assert {n.node_id for n in old.nodes} == {"n1"}
         lost = c.post("/v1/nodes/n1/lost").json()
         assert lost["withdrawn"] == {"job1": [0, 1]}
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(old.plan_id)})
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": old.attempt})
         assert r.status_code == 410 and r.json()["error"] == "data_lost"
+        assert manifest(c, "job1", 0) is None  # withdrawn: nothing to serve until it is planned again
         status = c.get("/v1/jobs/job1/status").json()
         assert sorted(x["group_id"] for x in status["to_regenerate"]) == ["g0", "g1"]
         assert status["deficits"] == {"math": 1, "code": 1}
@@ -141,13 +144,51 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
         assert supply["admitted"] == [0]  # the surviving groups can go once regeneration is under way
         regen = single_group_units(["math", "code"], node="n0", prefix="r")
         assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [1]
-        plans = drain_ranks(c, "job1", 2)
+        manifests = drain(c, "job1")
         assert c.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
-    assert all(r.node_id == "n0" for p in plans for m in p.micro_batches for r in m.rows)
-    assert str(plans[0].plan_id) != str(old.plan_id) and plans[0].global_index == 0
-    rows = _rows_of(plans)
+    plans = [p for m in manifests for p in shares(m)]
+    assert all(r.node_id == "n0" for p in plans for micro in p.micro_batches for r in micro.rows)
+    assert [(m.global_index, m.attempt) for m in manifests] == [(0, 1), (1, 1)]
+    assert plans[0].plan_id != old.share(0).plan_id
+    rows = rows_of(plans)
     assert len(rows) == len(set(rows)) == 8
     assert {g for g, _ in rows} == {"g2", "g3", "r0", "r1"}
+
+
+def test_if_none_match_waits_for_the_re_plan_of_a_withdrawn_mini_batch(tmp_path: Path) -> None:
+    """A rank that failed to fetch asks again with the manifest's ETag: it is answered 304 while the
+    mini-batch is unchanged, and the re-planned attempt (new ETag) as soon as a registration admits it."""
+    spec = job_spec(quotas={"math": 2}, mini_batches_per_step=1, world_size=1)
+    with app_client(tmp_path / "cp.db") as c:
+        _job_on_two_nodes(c, spec)
+        assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"] * 2, node="n1")}).json()[
+            "admitted"
+        ] == [0]
+        first = c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0})
+        tag = first.headers["etag"]
+        assert first.status_code == 200 and tag.startswith('"n0.a0.')
+        again = c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0})
+        assert again.content == first.content and again.headers["etag"] == tag  # immutable: the same bytes
+        r = c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0.2}, headers={"If-None-Match": tag})
+        assert r.status_code == 304 and r.headers["x-knittrans-job-state"] == "running" and not r.content
+        r = c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0}, headers={"If-None-Match": '"other"'})
+        assert r.status_code == 200 and r.content == first.content  # another tag: answered at once
+        got: dict[str, Any] = {}
+
+        def wait() -> None:
+            r = c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 60}, headers={"If-None-Match": tag})
+            got["status"], got["etag"], got["body"] = r.status_code, r.headers.get("etag"), r.content
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [0]}
+        regen = single_group_units(["math"] * 2, node="n0", prefix="r")
+        assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [0]
+        waiter.join(60)
+        assert not waiter.is_alive()
+    assert got["status"] == 200 and got["etag"] != tag and got["etag"].startswith('"n0.a1.')
+    m = Manifest.decode(got["body"])
+    assert (m.global_index, m.attempt) == (0, 1) and {g.group_id for g in m.groups} == {"r0", "r1"}
 
 
 def test_status_pool_lists_waiting_groups_by_node_in_admission_order(tmp_path: Path) -> None:
@@ -181,17 +222,20 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     with app_client(tmp_path / "cp.db") as c:
         _job_on_two_nodes(c, spec)
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"], node="n1")})
-        p0 = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-        c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(p0.plan_id)})
+        m0 = manifest(c, "job1", 0)
+        assert m0 is not None
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": m0.attempt, "ranks": [0]})
+        assert r.status_code == 200 and not r.json()["consumed"], r.text
         assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [1]}
-        p1 = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
-        assert p1.global_index == 0
-        assert c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": str(p1.plan_id)}).json()["consumed"]
-        assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
+        kept = manifest(c, "job1", 0)
+        assert kept == m0  # the same manifest, attempt 0
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": m0.attempt, "ranks": [1]})
+        assert r.json()["consumed"]
+        assert manifest(c, "job1", 1) is None  # withdrawn: nothing until its groups are regenerated
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"], node="n0", prefix="r")})
-        plans = drain_ranks(c, "job1", 2)
-    assert [p.global_index for p in plans] == [1, 1]
-    assert {r.group_id for p in plans for m in p.micro_batches for r in m.rows} == {"r0"}
+        manifests = drain(c, "job1")
+    assert [(m.global_index, m.attempt) for m in manifests] == [(1, 1)]
+    assert {g.group_id for m in manifests for g in m.groups} == {"r0"}
 
 
 def test_lost_node_withdrawing_back_into_an_earlier_step_keeps_its_quota_count(tmp_path: Path) -> None:
@@ -208,9 +252,9 @@ def test_lost_node_withdrawing_back_into_an_earlier_step_keeps_its_quota_count(t
         units = single_group_units(["math"] * 5, node="n0") + single_group_units(["math"], node="n1", start=5)
         assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1, 2, 3, 4, 5]
         for n in range(5):
-            plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-            assert plan.global_index == n
-            assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).json()["consumed"]
+            m = manifest(c, "job1", n)
+            assert m is not None and m.global_index == n
+            assert ack(c, "job1", m)["consumed"]
         lost = c.post("/v1/nodes/n1/lost")
         assert lost.status_code == 200, lost.text
         assert lost.json()["withdrawn"] == {"job1": [5]}
@@ -219,8 +263,8 @@ def test_lost_node_withdrawing_back_into_an_earlier_step_keeps_its_quota_count(t
         assert fill["admitted"] == 2, fill  # step 1: mini-batches 3 and 4
         regen = single_group_units(["math"], node="n0", prefix="r")
         assert c.post("/v1/jobs/job1/units", json={"units": regen}).json()["admitted"] == [5]
-        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-    assert plan.global_index == 5 and {r.group_id for m in plan.micro_batches for r in m.rows} == {"r0"}
+        m = manifest(c, "job1", 5)
+    assert m is not None and m.attempt == 1 and {g.group_id for g in m.groups} == {"r0"}
 
 
 def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
@@ -241,14 +285,16 @@ def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
 
 
 def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
-    """A new app on the same SQLite file re-delivers only un-acked plans and admits nothing twice."""
+    """A new app on the same SQLite file serves the same bytes for un-consumed mini-batches, keeps which
+    ranks acked them, and admits nothing twice."""
     db = str(tmp_path / "cp.db")
     spec = job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2, world_size=2)
 
-    def take(c: TestClient, rank: int) -> RankPlan:
-        plan = RankPlan.from_json(c.get(f"/v1/jobs/job1/ranks/{rank}/next", params={"timeout_s": 0}).json())
-        assert c.post(f"/v1/jobs/job1/ranks/{rank}/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
-        return plan
+    def rank_ack(c: TestClient, n: int, rank: int) -> dict[str, Any]:
+        r = c.post(f"/v1/jobs/job1/minibatches/{n}/ack", json={"attempt": 0, "ranks": [rank]})
+        assert r.status_code == 200, r.text
+        result: dict[str, Any] = r.json()
+        return result
 
     with app_client(db) as c:
         c.post("/v1/jobs", json=spec)
@@ -256,24 +302,34 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
         c.post("/v1/jobs/job1/supply", json={"started": {"math": 4, "code": 4}})
         r = c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code", "math", "code"])})
         assert r.json()["admitted"] == [0, 1]
-        first = [take(c, 0), take(c, 1), take(c, 0)]  # mini-batch 0 consumed, rank 0 also done with 1
+        first = [manifest(c, "job1", n) for n in (0, 1)]
+        held = c.get("/v1/jobs/job1/minibatches/1", params={"timeout_s": 0})
+        rank_ack(c, 0, 0)
+        assert rank_ack(c, 0, 1)["consumed"]
+        rank_ack(c, 1, 0)  # mini-batch 0 consumed, rank 0 also done with 1
         c.post("/v1/jobs/job1/versions", json={"version": 2, "rank": 0})
     with app_client(db) as c:
         assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2
         assert c.get("/v1/jobs/job1/version").json()["version"] == 2
-        assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
-        again = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
-        assert again.global_index == 1 and str(again.plan_id) == str(first[2].plan_id).replace("r0", "r1")
+        progress = c.get("/v1/jobs/job1/minibatches").json()
+        assert progress["position"] == 1
+        assert [(f["global_index"], f["acked_ranks"]) for f in progress["in_flight"]] == [(1, [[0, 1]])]
+        assert c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0}).status_code == 409  # consumed
+        again = c.get("/v1/jobs/job1/minibatches/1", params={"timeout_s": 0})
+        assert again.content == held.content and again.headers["etag"] == held.headers["etag"]  # byte for byte
+        assert rank_ack(c, 1, 0)["duplicate"]  # rank 0's ack survived the restart
+        assert rank_ack(c, 1, 1)["consumed"]
         r = c.post("/v1/jobs/job1/units", json={"units": single_group_units(["code", "math", "code", "math"], start=4)})
         assert r.json()["admitted"] == [2, 3]
-        rest = drain_ranks(c, "job1", 2)
-    assert sorted((p.global_index, p.rank) for p in rest) == [(1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
-    rows = _rows_of(first + rest)
+        rest = drain(c, "job1")
+    assert [m.global_index for m in rest] == [2, 3]
+    rows = rows_of([p for m in [*first, *rest] if m is not None for p in shares(m)])
     assert len(rows) == len(set(rows)) == 16
 
 
 def test_ack_and_version_rules(tmp_path: Path) -> None:
-    """Acks go in order per rank, unknown ranks are 404, and policy versions never go back."""
+    """Acks go in order per rank, unknown mini-batches, attempts and ranks are 404, and policy versions never
+    go back (nor through an ack)."""
     spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1)
     with app_client(tmp_path / "cp.db") as c:
         c.post("/v1/jobs", json=spec)
@@ -281,11 +337,21 @@ def test_ack_and_version_rules(tmp_path: Path) -> None:
         assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"])}).json()[
             "admitted"
         ] == [0, 1]
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": "n1.a0.r0"})
+        r = c.post("/v1/jobs/job1/minibatches/1/ack", json={"attempt": 0})
         assert r.status_code == 409 and "mini-batch 0 before 1" in r.json()["detail"]
-        assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": "garbage"}).status_code == 404
-        assert c.get("/v1/jobs/job1/ranks/3/next", params={"timeout_s": 0}).status_code == 404
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": 3})
+        assert r.status_code == 404 and "never issued" in r.json()["detail"]
+        assert c.post("/v1/jobs/job1/minibatches/7/ack", json={"attempt": 0}).status_code == 404
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": 0, "ranks": [3]})
+        assert r.status_code == 404 and "world_size" in r.json()["detail"]
+        assert c.post("/v1/jobs/job1/minibatches/0/fetched", json={"attempt": 0, "ranks": [1]}).status_code == 404
+        assert c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": 0, "ranks": []}).status_code == 422
+        assert c.get("/v1/jobs/nope/minibatches/0", params={"timeout_s": 0}).status_code == 404
+        assert c.get("/v1/jobs/nope/minibatches").status_code == 404
         assert c.post("/v1/jobs/job1/versions", json={"version": 2, "rank": 0}).json()["version"] == 2
         r = c.post("/v1/jobs/job1/versions", json={"version": 1, "rank": 0})
         assert r.status_code == 409 and "never decrease" in r.json()["detail"]
+        r = c.post("/v1/jobs/job1/minibatches/0/ack", json={"attempt": 0, "version": 1})
+        assert r.status_code == 409 and "never decrease" in r.json()["detail"]
+        assert c.get("/v1/jobs/job1/minibatches").json()["in_flight"][0]["acked_ranks"] == []  # nothing applied
         assert c.post("/v1/jobs/job1/versions", json={"version": 1, "rank": 5}).status_code == 404

@@ -19,7 +19,7 @@ from knittrans.api import Settings, create_app
 
 _APP = create_app(Settings(db_path=":memory:"))
 _SCHEMA = _APP.openapi()
-_PARAMS = {"job": "job1", "node": "n0", "rank": "0", "worker": "w0"}
+_PARAMS = {"job": "job1", "node": "n0", "n": "0", "rank": "0", "worker": "w0"}
 
 JSON = st.recursive(
     st.none()
@@ -73,7 +73,7 @@ def test_every_mutating_endpoint_is_fuzzed() -> None:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Any:
     db = Path(tmp_path_factory.mktemp("fuzz")) / "cp.db"
-    with app_client(db, plan_stream_max_s=0.5) as c:  # a fuzzed POST .../plans streams; it ends after 0.5 s
+    with app_client(db) as c:
         c.post("/v1/jobs", json=job_spec())
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"])})

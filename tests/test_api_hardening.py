@@ -274,22 +274,23 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
             with pytest.raises(Unauthenticated, match="scoped to worker of job 'job1'"):
                 c.register_units("job2", single_group_units(["math"], job="job2"))
             with pytest.raises(Unauthenticated):
-                c.next_plan("job1", 0, timeout_s=0)
+                c.manifest("job1", 0, timeout_s=0)
         with ControlClient(srv.url, token=rank0, retries=0) as c:
             assert [n["node_id"] for n in c.list_nodes()] == ["n0"]  # to warm its Flight connections
             with pytest.raises(Unauthenticated):
                 c.register_node("n9", "grpc://127.0.0.1:9")
-            plan = c.next_plan("job1", 0, timeout_s=5)
-            assert plan is not None and plan.rank == 0
+            got = c.manifest("job1", 0, timeout_s=5)
+            assert got is not None and got[0].share(0).rank == 0
             with pytest.raises(Unauthenticated):
-                c.next_plan("job1", 1, timeout_s=0)
+                c.ack("job1", 0, got[0].attempt, [1])
             with pytest.raises(Unauthenticated):
-                c.ack("job1", 1, str(plan.plan_id).replace(".r000000", ".r000001"))
+                c.ack("job1", 0, got[0].attempt)  # every rank: more than its own
+            assert c.fetched("job1", 0, got[0].attempt, [0])["fetched_ranks"] == 1
             with pytest.raises(Unauthenticated, match="cannot report for rank 1"):
                 c.report_version("job1", 3, rank=1)
             assert c.report_version("job1", 3, rank=0)["version"] == 3
             with pytest.raises(Unauthenticated):
-                c.next_plan("job2", 0, timeout_s=0)
+                c.manifest("job2", 0, timeout_s=0)
         forged = worker[:-4] + ("0000" if not worker.endswith("0000") else "1111")
         with ControlClient(srv.url, token=forged, retries=0) as c, pytest.raises(Unauthenticated):
             c.status("job1")

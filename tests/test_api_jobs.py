@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import app_client, drain_ranks, job_spec, single_group_units
+from api_support import app_client, drain, job_spec, manifest, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
@@ -121,15 +121,15 @@ def test_quota_update_takes_effect_at_the_next_step(client: TestClient, node: st
     assert upd.json()["quotas"] == {"math": 2, "code": 2}  # step 0 still runs on the old quotas
     more = single_group_units(["math", "code", "math", "math", "math", "code"], start=2)
     client.post("/v1/jobs/job1/units", json={"units": more})
-    plans = drain_ranks(client, "job1", 2)
     by_step: dict[int, dict[str, int]] = {}
     src = {f"g{i}": s for i, s in enumerate(["math", "code", "math", "code", "math", "math", "math", "code"])}
-    for p in plans:
-        for m in p.micro_batches:
-            for row in m.rows:
-                if row.row == 0:
-                    by_step.setdefault(p.step, {}).setdefault(src[row.group_id], 0)
-                    by_step[p.step][src[row.group_id]] += 1
+    for m in drain(client, "job1"):
+        for rank in range(m.world_size):
+            for micro in m.share(rank).micro_batches:
+                for row in micro.rows:
+                    if row.row == 0:
+                        by_step.setdefault(m.step, {}).setdefault(src[row.group_id], 0)
+                        by_step[m.step][src[row.group_id]] += 1
     assert by_step == {0: {"math": 2, "code": 2}, 1: {"math": 3, "code": 1}}
 
 
@@ -148,9 +148,12 @@ def test_pause_blocks_admission_and_resume_restarts_it(client: TestClient, node:
     assert client.post("/v1/jobs/job1/pause").json()["state"] == "paused"
     r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code"])})
     assert r.json()["admitted"] == []
-    assert client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
+    r = client.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0})
+    assert (
+        r.status_code == 204 and r.headers["X-KnitTrans-Job-State"] == "paused" and "X-KnitTrans-Done" not in r.headers
+    )
     assert client.post("/v1/jobs/job1/resume").json()["next_global_index"] == 1
-    assert client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 200
+    assert manifest(client, "job1", 0) is not None
 
 
 def test_drain_finishes_the_step_and_cannot_be_resumed(client: TestClient, node: str) -> None:
@@ -160,11 +163,11 @@ def test_drain_finishes_the_step_and_cannot_be_resumed(client: TestClient, node:
     assert client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])}).json()["admitted"] == [0]
     assert client.post("/v1/jobs/job1/drain").json()["state"] == "draining"
     client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"] * 4, start=1)})
-    plans = drain_ranks(client, "job1", 1)
-    assert [p.global_index for p in plans] == [0, 1]
+    assert [m.global_index for m in drain(client, "job1")] == [0, 1]
     assert client.get("/v1/jobs/job1").json()["state"] == "drained"
-    r = client.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 5})
+    r = client.get("/v1/jobs/job1/minibatches/2", params={"timeout_s": 5})
     assert r.status_code == 204 and r.headers["X-KnitTrans-Done"] == "1"
+    assert r.headers["X-KnitTrans-Job-State"] == "drained"
     r = client.post("/v1/jobs/job1/resume")
     assert r.status_code == 409 and "drained" in r.json()["detail"]
 

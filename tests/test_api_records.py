@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from api_support import app_client
+from api_support import ack, app_client, manifest
 
 from knittrans.api.records import (
     JOB_KINDS,
@@ -22,7 +22,6 @@ from knittrans.api.records import (
     rank_key,
     version_key,
 )
-from knittrans.plans import RankPlan
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_KINDS = {
@@ -89,12 +88,17 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
         assert sum(status["pool"]["by_node"].values()) == sum(status["counts"]["finished"].values())
         reasons = {r["group_id"]: r["reason"] for r in status["to_regenerate"]}
         assert reasons["late"] == "expired" and reasons["g2"] == "node n2 lost"  # both kept under kind "lost"
-        # mini-batch 1: rank 0 acked (an "ack" record), rank 1 only fetched; its ack consumes it
-        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/1/next", params={"timeout_s": 0}).json())
-        assert plan.global_index == 1
-        r = c.post("/v1/jobs/job1/ranks/1/ack", json={"plan_id": str(plan.plan_id)})
-        assert r.status_code == 200 and r.json()["consumed"], r.text
-        assert c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).status_code == 204
+        # mini-batch 1: rank 0 acked (a per-rank "ack" record), both ranks fetched (per-rank "fetched" records)
+        progress = c.get("/v1/jobs/job1/minibatches").json()
+        assert progress["position"] == 1
+        assert [(f["global_index"], f["acked_ranks"], f["fetched_ranks"]) for f in progress["in_flight"]] == [
+            (1, [[0, 1]], [[1, 2]])
+        ]
+        m = manifest(c, "job1", 1)
+        assert m is not None and m.global_index == 1
+        assert ack(c, "job1", m, ranks=[0])["duplicate"]  # rank 0's old ack record still counts
+        assert ack(c, "job1", m, ranks=[1])["consumed"]  # rank 1's ack consumes it
+        assert manifest(c, "job1", 2) is None
         assert c.get("/v1/jobs/job1/version").json()["by_rank"] == {"0": 1}
         status = c.get("/v1/jobs/job1/status").json()
     with contextlib.closing(sqlite3.connect(db)) as conn:  # closed: the next app takes the file alone

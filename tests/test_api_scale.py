@@ -1,7 +1,7 @@
-"""Control plane at scale, structurally: per-rank long-poll wake-ups and a status that does not grow with the job.
+"""Control plane at scale, structurally: manifest long-poll wake-ups and a status that does not grow with the job.
 
-Real app (TestClient, real SQLite). No timings: what is checked is who gets woken (a probe counter on the
-plan board) and what the status holds (the ledger's footprint, exact counts after a restart).
+Real app (TestClient, real SQLite). No timings: what is checked is who gets woken (the board's events) and
+what the status holds (the ledger's footprint, exact counts after a restart).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import app_client, one_group_unit_body, single_group_units
+from api_support import ack, app_client, manifest, one_group_unit_body, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import consumed
+from knittrans.api.board import ManifestBoard
 from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger, RunningSummary
-from knittrans.api.routes.deps import PlanBoard
-from knittrans.plans import RankPlan
-from knittrans.procs import wait_until
 from knittrans.sched.staleness import ConsumedGroup, summarize_weighted
 
 JOB = "job1"
@@ -42,51 +40,62 @@ def _spec(**overrides: Any) -> dict[str, Any]:
     return spec
 
 
-def test_only_concerned_ranks_are_woken(tmp_path: Path) -> None:
-    """A registration that admits nothing, another rank's ack and a version report do not wake a rank
-    waiting for its next plan; the admission of its next mini-batch does, once."""
+def test_only_changes_of_what_long_polls_answer_wake_them(tmp_path: Path) -> None:
+    """A registration that admits nothing, one rank's ack and a version report do not wake the ranks waiting
+    for the next manifest (the board keeps their event unset); the admission of that mini-batch does, and
+    the waiting long-poll gets it."""
     with app_client(tmp_path / "cp.db") as c:
-        board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
+        board: ManifestBoard = c.app.state.board  # type: ignore[attr-defined]
+        portal = c.portal
+        assert portal is not None
         assert c.post("/v1/jobs", json=_spec()).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         units = single_group_units(["math"] * 4, size=1)
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": units[:2]}).json()["admitted"] == [0]
-        plans = [
-            RankPlan.from_json(c.get(f"/v1/jobs/{JOB}/ranks/{r}/next", params={"timeout_s": 0}).json()) for r in (0, 1)
-        ]
-        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": str(plans[0].plan_id)}).status_code == 200
+        m0 = manifest(c, JOB, 0)
+        assert m0 is not None
 
+        async def delivery_event() -> Any:
+            return board.event(JOB, "delivery")
+
+        async def flush() -> None:  # runs after every publication the state thread posted before it
+            return None
+
+        event = portal.call(delivery_event)  # what every long-poll of the job waits on now
         got: dict[str, Any] = {}
 
-        def wait_rank0() -> None:
-            r = c.get(f"/v1/jobs/{JOB}/ranks/0/next", params={"timeout_s": 20})
-            got["status"], got["body"] = r.status_code, r.json() if r.status_code == 200 else None
+        def wait_for_1() -> None:
+            r = c.get(f"/v1/jobs/{JOB}/minibatches/1", params={"timeout_s": 20})
+            got["status"], got["body"] = r.status_code, r.content
 
-        before = board.probes[(JOB, 0)]
-        waiter = threading.Thread(target=wait_rank0)
+        waiter = threading.Thread(target=wait_for_1)
         waiter.start()
-        # its first look: nothing yet, it waits
-        wait_until(lambda: board.probes[(JOB, 0)] == before + 1, timeout_s=10, what="rank 0's first probe")
-        # three changes of the job that do not change rank 0's next plan
+        # three changes of the job that do not change what a manifest long-poll answers
         r = c.post(f"/v1/jobs/{JOB}/units", json={"units": units[2:3]})
         assert r.status_code == 200 and r.json()["admitted"] == [], r.text
-        assert c.post(f"/v1/jobs/{JOB}/ranks/1/ack", json={"plan_id": str(plans[1].plan_id)}).json()["consumed"]
+        r = c.post(f"/v1/jobs/{JOB}/minibatches/0/ack", json={"attempt": 0, "ranks": [1]})
+        assert r.status_code == 200 and not r.json()["consumed"], r.text
         assert c.post(f"/v1/jobs/{JOB}/versions", json={"rank": 1, "version": 1}).status_code == 200
-        # no wait needed here: a spurious wake-up is counted whenever it happens, and the count after the
-        # admission below (exactly one more probe) would include it
-        assert board.probes[(JOB, 0)] == before + 1
+        portal.call(flush)
+        assert not event.is_set() and portal.call(delivery_event) is event
         assert waiter.is_alive()
-        # the admission of mini-batch 1 concerns every rank: rank 0 is woken and gets it
+        # rank 0's ack consumes mini-batch 0: the position moves (a poll of n = 0 would now be answered 409)
+        assert ack(c, JOB, m0, ranks=[0])["consumed"]
+        portal.call(flush)
+        assert event.is_set()
+        event = portal.call(delivery_event)
+        # the admission of mini-batch 1 wakes the waiting poll, which gets its manifest
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": units[3:]}).json()["admitted"] == [1]
         waiter.join(10)
-        assert got["status"] == 200 and RankPlan.from_json(got["body"]).global_index == 1
-        assert board.probes[(JOB, 0)] == before + 2
+        assert not waiter.is_alive() and event.is_set()
+        assert got["status"] == 200 and manifest(c, JOB, 1) is not None
+        assert got["body"] == c.get(f"/v1/jobs/{JOB}/minibatches/1", params={"timeout_s": 0}).content
 
 
 def test_job_wide_waiters_still_see_every_change(tmp_path: Path) -> None:
     """``/headroom?wait_s`` waits on the job-wide event: a registration that admits nothing still wakes it."""
     with app_client(tmp_path / "cp.db") as c:
-        board: PlanBoard = c.app.state.board  # type: ignore[attr-defined]
+        board: ManifestBoard = c.app.state.board  # type: ignore[attr-defined]
         assert c.post("/v1/jobs", json=_spec()).status_code == 201
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9000"})
         woken = threading.Event()
@@ -116,8 +125,8 @@ def _run(c: TestClient, n: int, start: int) -> None:
         u["groups"][0]["version_start"] = u["groups"][0]["version_end"] = i
         u["groups"][0]["version_weighted"] = float(i)
         assert c.post(f"/v1/jobs/{JOB}/units", json={"units": [u]}).json()["admitted"] == [i]
-        plan = RankPlan.from_json(c.get(f"/v1/jobs/{JOB}/ranks/0/next", params={"timeout_s": 0}).json())
-        assert c.post(f"/v1/jobs/{JOB}/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).json()["consumed"]
+        m = manifest(c, JOB, i)
+        assert m is not None and ack(c, JOB, m)["consumed"]
 
 
 def test_status_does_not_grow_with_consumed_mini_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,10 +14,9 @@ from hypothesis import HealthCheck, settings
 from knittrans.api import Settings, create_app
 
 _DB = Path(tempfile.mkdtemp(prefix="knittrans-schemathesis-")) / "cp.db"
-# long-polls end within 1 s: a generated ``next`` for a job schemathesis created (no plan ever comes) would
-# otherwise wait the default 30 s, past the client's 10 s read timeout
-# and a plan stream (``.../plans``, which never ends by itself) ends after 1 s: the test client reads whole bodies
-_APP = create_app(Settings(db_path=str(_DB), long_poll_max_s=1.0, plan_stream_max_s=1.0))
+# long-polls end within 1 s: a generated manifest long-poll for a job schemathesis created (no mini-batch ever
+# comes) would otherwise wait the default 30 s, past the client's 10 s read timeout
+_APP = create_app(Settings(db_path=str(_DB), long_poll_max_s=1.0))
 _c = TestClient(_APP)  # no lifespan: leaving it would close the state database schemathesis then uses
 _c.post("/v1/jobs", json=job_spec())
 _c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})

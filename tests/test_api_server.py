@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import ServerProcess, job_spec, server, single_group_units
+from api_support import ServerProcess, job_spec, rows_of, server, single_group_units
 
-from knittrans.controlclient import ControlClient
+from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import Conflict, InvalidJobSpec, NotFound, Unauthenticated, Unavailable
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 from knittrans.retry import RetryPolicy
 
 
@@ -21,21 +21,21 @@ def _setup(admin: ControlClient, **spec: Any) -> None:
 
 
 def test_long_poll_wakes_when_a_mini_batch_is_admitted(tmp_path: Path) -> None:
-    """A rank waiting in next() gets its plan when a registration admits the mini-batch; 204 -> None on timeout."""
+    """A rank waiting for a manifest gets it when a registration admits the mini-batch; 204 -> None on timeout."""
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
         _setup(client, quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1)
-        assert client.next_plan("job1", 0, timeout_s=0.1) is None
-        got: list[RankPlan | None] = []
-        waiter = threading.Thread(target=lambda: got.append(client.next_plan("job1", 0, timeout_s=20)))
+        assert client.manifest("job1", 0, timeout_s=0.1) is None
+        got: list[tuple[Manifest, str] | None] = []
+        waiter = threading.Thread(target=lambda: got.append(client.manifest("job1", 0, timeout_s=20)))
         with ControlClient(srv.url) as writer:
             waiter.start()
             threading.Event().wait(0.3)
             assert not got  # still waiting
             writer.register_units("job1", single_group_units(["math", "code"]))
         waiter.join(10)
-        plan = got[0]
-        assert plan is not None and plan.global_index == 0
-        assert {r.group_id for m in plan.micro_batches for r in m.rows} == {"g0", "g1"}
+        found = got[0]
+        assert found is not None and found[0].global_index == 0
+        assert {g.group_id for g in found[0].groups} == {"g0", "g1"}
 
 
 def test_client_maps_errors_to_knittrans_exceptions(tmp_path: Path) -> None:
@@ -56,13 +56,14 @@ def test_client_maps_errors_to_knittrans_exceptions(tmp_path: Path) -> None:
         with pytest.raises(Conflict):
             worker.heartbeat("n0")
         with pytest.raises(NotFound, match="never issued"):
-            worker.ack("job1", 0, "n5.a0.r0")
+            worker.ack("job1", 5, 0)
     with ControlClient(srv.url, retries=2, retry=RetryPolicy(first_backoff_s=0.01)) as gone, pytest.raises(Unavailable):
         gone.health()
 
 
 def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
-    """After SIGKILL and a restart on the same db: acked plans are not re-delivered, nothing is admitted twice."""
+    """After SIGKILL and a restart on the same db: a rank's ack is kept, the un-consumed manifest is the same
+    bytes, a waiting rank retries until the server is back, and nothing is admitted twice."""
     db = tmp_path / "cp.db"
     srv = ServerProcess(db).start()
     try:
@@ -71,58 +72,59 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
             client.report_supply("job1", started={"math": 4, "code": 4})
             out = client.register_units("job1", single_group_units(["math", "code", "math", "code"]))
             assert out["admitted"] == [0, 1]
-            delivered: list[RankPlan] = []
-            for rank in (0, 1):
-                plan = client.next_plan("job1", rank, timeout_s=1)
-                assert plan is not None
-                client.ack("job1", rank, str(plan.plan_id))
-                delivered.append(plan)
-            held = client.next_plan("job1", 0, timeout_s=1)  # rank 0 holds mini-batch 1, un-acked
-            assert held is not None and held.global_index == 1
-            client.report_version("job1", 1, rank=0)
+            delivered: list[Manifest] = []
+            got = client.manifest("job1", 0, timeout_s=1)
+            assert got is not None
+            for rank in (0, 1):  # each rank for itself
+                client.ack("job1", 0, got[0].attempt, [rank])
+            delivered.append(got[0])
+            held = client.manifest("job1", 1, timeout_s=1)  # mini-batch 1: rank 0 acked it, rank 1 not yet
+            assert held is not None and held[0].global_index == 1
+            client.ack("job1", 1, held[0].attempt, [0], version=1)
             srv.kill()
-            result: list[RankPlan | None] = []
+            result: list[tuple[Manifest, str] | None] = []
             # a rank asking while the control plane is down retries until it is back
-            asker = threading.Thread(target=lambda: result.append(client.next_plan("job1", 1, timeout_s=5)))
+            asker = threading.Thread(target=lambda: result.append(client.manifest("job1", 1, timeout_s=5)))
             asker.start()
             threading.Event().wait(0.3)
             srv.start()
             asker.join(30)
-            again = client.next_plan("job1", 0, timeout_s=1)
-            assert again == held  # the same un-acked plan, byte for byte
-            assert result[0] is not None and result[0].global_index == 1
+            assert result[0] == held  # the same manifest, the same ETag
             assert client.get_version("job1") == 1
             assert client.status("job1")["next_global_index"] == 2
-            client.ack("job1", 0, str(held.plan_id))
-            assert client.ack("job1", 1, str(result[0].plan_id))["consumed"]
-            assert client.ack("job1", 1, str(result[0].plan_id))["duplicate"]  # a retried ack is a no-op
-            delivered += [held, result[0]]
+            assert client.progress("job1")["in_flight"][0]["acked_ranks"] == [[0, 1]]
+            assert client.ack("job1", 1, held[0].attempt, [0])["duplicate"]
+            assert client.ack("job1", 1, held[0].attempt, [1])["consumed"]
+            assert client.ack("job1", 1, held[0].attempt, [1])["duplicate"]  # a retried ack is a no-op
+            delivered.append(held[0])
             out = client.register_units("job1", single_group_units(["code", "math", "math", "code"], start=4))
             assert out["admitted"] == [2, 3]
-            for _ in range(2):
-                for rank in (0, 1):
-                    plan = client.next_plan("job1", rank, timeout_s=1)
-                    assert plan is not None
-                    client.ack("job1", rank, str(plan.plan_id))
-                    delivered.append(plan)
-            assert client.next_plan("job1", 0, timeout_s=0.1) is None
+            for n in (2, 3):
+                got = client.manifest("job1", n, timeout_s=1)
+                assert got is not None
+                assert client.ack("job1", n, got[0].attempt)["consumed"]
+                delivered.append(got[0])
+            assert client.manifest("job1", 4, timeout_s=0.1) is None
     finally:
         srv.stop()
-    indices = sorted((p.global_index, p.rank) for p in delivered)
-    assert indices == [(n, r) for n in range(4) for r in (0, 1)]
-    rows = [(r.group_id, r.row) for p in delivered for m in p.micro_batches for r in m.rows]
+    assert [m.global_index for m in delivered] == [0, 1, 2, 3]
+    rows = rows_of([m.share(rank) for m in delivered for rank in (0, 1)])
     assert len(rows) == len(set(rows)) == 16
 
 
-def test_iter_plans_ends_when_the_job_completes(tmp_path: Path) -> None:
-    """iter_plans yields every plan of a job with total_steps and stops when it is complete."""
+def test_manifests_end_when_the_job_completes(tmp_path: Path) -> None:
+    """Reading and acking mini-batch after mini-batch of a job with total_steps ends in JobFinished once it is
+    complete."""
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
         _setup(client, quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1)
         client.register_units("job1", single_group_units(["math", "math", "math"]))
         seen = []
-        for plan in client.iter_plans("job1", 0, timeout_s=2):
-            seen.append(plan.global_index)
-            client.ack("job1", 0, str(plan.plan_id))
+        with pytest.raises(JobFinished):
+            for n in range(10):
+                got = client.manifest("job1", n, timeout_s=2)
+                assert got is not None
+                seen.append(got[0].global_index)
+                client.ack("job1", n, got[0].attempt)
         assert seen == [0, 1]
         assert client.get_job("job1")["state"] == "completed"
 
@@ -145,7 +147,7 @@ def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
                 while b"\r\n\r\n" not in head:
                     head += conn.recv(4096)
                 seen.append(head.lower())
-                if b"/next" in head:
+                if b"/minibatches/" in head:
                     conn.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
                 else:
                     body = b'{"job": "job1", "version": 3}'
@@ -159,11 +161,11 @@ def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     with listener, ControlClient(f"http://127.0.0.1:{port}", retries=0) as client:
-        assert client.next_plan("job1", 0, timeout_s=1) is None
+        assert client.manifest("job1", 0, timeout_s=1) is None
         assert client.get_version("job1") == 3
         thread.join(10)
     poll, plain = seen
-    assert b"get /v1/jobs/job1/ranks/0/next" in poll and b"connection: close" in poll
+    assert b"get /v1/jobs/job1/minibatches/0" in poll and b"connection: close" in poll
     assert b"get /v1/jobs/job1/version" in plain and b"connection: close" not in plain
 
 

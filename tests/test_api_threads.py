@@ -38,7 +38,7 @@ def test_every_route_is_async(tmp_path: Path) -> None:
     app = create_app(Settings(db_path=str(tmp_path / "cp.db")))
     routes = list(_api_routes(app.routes))
     paths = {r.path for r in routes}
-    assert {"/v1/jobs/{job}/ranks/{rank}/next", "/v1/jobs/{job}/units", "/v1/nodes/{node}/heartbeat"} <= paths
+    assert {"/v1/jobs/{job}/minibatches/{n}", "/v1/jobs/{job}/units", "/v1/nodes/{node}/heartbeat"} <= paths
     plain = sorted(f"{sorted(r.methods)} {r.path}" for r in routes if not inspect.iscoroutinefunction(r.endpoint))
     assert plain == [], f"routes that are plain `def` (make them `async def` and use `await run(...)`): {plain}"
 

@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api_support import app_client, job_spec, single_group_units
+from api_support import ack, app_client, job_spec, manifest, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 
 
 def _setup(c: TestClient, *, lookahead: int, k: int = 3, steps: int = 10, window: int = 1) -> None:
@@ -26,10 +26,12 @@ def _setup(c: TestClient, *, lookahead: int, k: int = 3, steps: int = 10, window
     c.registered = r.json()  # type: ignore[attr-defined]
 
 
-def _ack_next(c: TestClient) -> RankPlan:
-    plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-    assert c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)}).status_code == 200
-    return plan
+def _ack_next(c: TestClient) -> Manifest:
+    """Read the manifest at the trainer's position and ack it."""
+    m = manifest(c, "job1", c.get("/v1/jobs/job1/minibatches").json()["position"])
+    assert m is not None
+    ack(c, "job1", m)
+    return m
 
 
 def test_registration_admits_only_up_to_the_lookahead(tmp_path: Path) -> None:
@@ -53,12 +55,12 @@ def test_lookahead_zero_admits_when_the_trainer_asks(tmp_path: Path) -> None:
     with app_client(tmp_path / "cp.db") as c:
         _setup(c, lookahead=0)
         assert c.registered["admitted"] == [0]  # type: ignore[attr-defined]
-        plan = RankPlan.from_json(c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0}).json())
-        after = c.get("/v1/jobs/job1/ranks/0/next", params={"timeout_s": 0, "after": str(plan.plan_id)})
-        assert after.status_code == 204  # nothing to prefetch with L = 0
-        r = c.post("/v1/jobs/job1/ranks/0/ack", json={"plan_id": str(plan.plan_id)})
-        assert r.status_code == 200
+        m = manifest(c, "job1", 0)
+        assert m is not None
+        assert manifest(c, "job1", 1) is None  # nothing to prefetch with L = 0
+        ack(c, "job1", m)
         assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2
+        assert manifest(c, "job1", 1) is not None
 
 
 def test_headroom_counts_untaken_groups_and_opens_with_progress(tmp_path: Path) -> None:
@@ -131,3 +133,33 @@ def test_a_source_in_deficit_may_launch_when_the_window_is_full(tmp_path: Path) 
         assert view["headroom"] == {"math": 0, "code": 2}
         assert c.post("/v1/jobs/job1/supply", json={"started": {"code": 2}}).status_code == 200
         assert c.get("/v1/jobs/job1/headroom").json()["headroom"]["code"] == 0  # deficit now covered by pending
+
+
+def test_the_version_an_ack_carries_is_recorded_with_the_window_it_frees(tmp_path: Path) -> None:
+    """A rollout worker woken by the ack that frees the window already reads the policy version that ack
+    carried (recorded in the same change, before the admission it allows); a repeated ack carries it again
+    harmlessly, and a restart has both."""
+    db = tmp_path / "cp.db"
+    with app_client(db) as c:
+        _setup(c, lookahead=1, steps=1)
+        c.post("/v1/jobs/job1/supply", json={"started": {"math": 1}})  # fill the window: room 0
+        assert c.get("/v1/jobs/job1/headroom").json()["room"] == 0
+        seen: dict[str, Any] = {}
+
+        def rollout() -> None:
+            seen["room"] = c.get("/v1/jobs/job1/headroom", params={"wait_s": 60}).json()["room"]
+            seen["version"] = c.get("/v1/jobs/job1/version").json()["version"]
+
+        waiter = threading.Thread(target=rollout)
+        waiter.start()
+        m = manifest(c, "job1", 0)
+        assert m is not None
+        assert ack(c, "job1", m, version=3)["consumed"]
+        waiter.join(60)
+        assert not waiter.is_alive() and seen == {"room": 1, "version": 3}
+        assert ack(c, "job1", m, version=3)["duplicate"]
+        status = c.get("/v1/jobs/job1/status").json()
+        assert status["next_global_index"] == 3 and status["timing"]["position"] == 1
+    with app_client(db) as c:
+        assert c.get("/v1/jobs/job1/version").json() == {"version": 3, "by_rank": {"0": 3}}
+        assert c.get("/v1/jobs/job1/minibatches").json()["position"] == 1

@@ -207,7 +207,7 @@ def test_signed_store_checks_the_lane_tickets_grants(start_server: Start) -> Non
     key = "lane-key"
     server, units = _filled(start_server, ticket_key=key)
     grant = sign_grant(
-        key.encode(), job="job", rank=0, expires_at=time.time() + 60, reads={"u1": [(0, 6)]}, columns=None, media={}
+        key.encode(), job="job", expires_at=time.time() + 60, reads={"u1": [(0, 6)]}, columns=None, media={}
     )
     ok = Ticket(job="job", reads=(UnitRead(unit_id="u1", row_ranges=((1, 5),)),), grants=(grant,))
     with StoreClient(server.endpoint, token=TOKEN) as c:
@@ -335,16 +335,17 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
 
 
 def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cluster: LocalCluster) -> None:
-    """A rank with ``data_lane`` (eager and iter, share streams and per-micro-batch calls) gets the same
+    """A rank with ``data_lane`` (eager and iter, through share streams) gets the same
     tensors and media as one reading through DoGet, from real store processes, over their lanes."""
     control = lane_cluster.control()
     control.create_job(job_spec("lane-train", groups=4, group_size=4, k=1, world_size=1, micro_batch_size=3))
     groups = mm_groups("lane-train", 4, group_size=4)
     write_and_register(control, "lane-train", lane_cluster.stores, groups, groups_per_unit=2, token="lane-worker")
-    plan = control.next_plan("lane-train", 0, timeout_s=30)
-    assert plan is not None
+    got_manifest = control.manifest("lane-train", 0, timeout_s=30)
+    assert got_manifest is not None
+    plan = got_manifest[0].share(0)
     results = {}
-    for lane_on, mode, stream in itertools.product((False, True), ("eager", "iter"), (True, False)):
+    for lane_on, mode in itertools.product((False, True), ("eager", "iter")):
         cfg = TrainerConfig(
             control_url=lane_cluster.control_url,
             job="lane-train",
@@ -353,7 +354,6 @@ def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cl
             token="lane-worker",
             store_token="lane-worker",
             fetch_mode=mode,  # type: ignore[arg-type]
-            stream=stream,
             poll_timeout_s=5,
             data_lane=lane_on,
         )
@@ -362,8 +362,8 @@ def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cl
             ports = {e: c.lane_port() for e, c in client.fetcher._clients.items()}
         assert len(ports) == 2 and all(p is not None for p in ports.values())  # get/stream -> lane_get (no fallback)
         assert all(c.data_lane is lane_on for c in client.fetcher._clients.values())
-        results[lane_on, mode, stream] = got
-    want = results[False, "eager", True]
+        results[lane_on, mode] = got
+    want = results[False, "eager"]
     assert sum(int(m.batch.num_rows) for m in want) == 16
     for key, got in results.items():
         assert len(got) == len(want), key

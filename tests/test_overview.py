@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from api_support import ENDPOINT, USAGE, job_spec, populate, server
 from fastapi.testclient import TestClient
 
@@ -35,10 +36,12 @@ def test_overview_needs_admin_token(tmp_path: Path) -> None:
         assert ADMIN not in page.text
 
 
-def test_overview_reports_jobs_nodes_ranks(tmp_path: Path) -> None:
-    """Quota fill, staleness per step, consumed mini-batches, node usage and per-rank transfer sums."""
+@pytest.mark.parametrize("gathered", [False, True], ids=["each-rank", "gathered"])
+def test_overview_reports_jobs_nodes_ranks(tmp_path: Path, gathered: bool) -> None:
+    """Quota fill, staleness per step, consumed mini-batches, node usage and per-rank transfer sums, the same
+    whether each rank acked with its own figures or one ack per mini-batch carried every rank's."""
     with _client(tmp_path) as c:
-        populate(c)
+        populate(c, gathered=gathered)
         view = c.get("/v1/overview").json()
     (job,) = view["jobs"]
     assert job["job"] == "job1" and job["state"] == "running" and job["step"] == 1
@@ -50,16 +53,17 @@ def test_overview_reports_jobs_nodes_ranks(tmp_path: Path) -> None:
     for rank in job["ranks"]:
         assert rank["mini_batches"] == 2
         assert rank["exposed_s"] == 0.5 and rank["row_bytes"] == 2000 and rank["media_physical_bytes"] == 400
-        assert rank["last_plan"]["global_index"] == 1
+        assert rank["last_ack"]["global_index"] == 1 and rank["last_ack"]["manifest_id"] == "n1.a0"
     nodes = {n["node_id"]: n for n in view["nodes"]}
     assert nodes["n0"]["usage"]["budget_used"] == 5000 and nodes["n0"]["usage"]["budget_bytes"] == 1 << 20
     assert nodes["n1"]["usage"] is None and nodes["n1"]["state"] == "alive"
 
 
-def test_metrics_carry_usage_and_transfer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gathered", [False, True], ids=["each-rank", "gathered"])
+def test_metrics_carry_usage_and_transfer(tmp_path: Path, gathered: bool) -> None:
     """/metrics exports the store usage and the rank transfer counters the overview shows."""
     with _client(tmp_path) as c:
-        populate(c)
+        populate(c, gathered=gathered)
         text = c.get("/metrics").text
     assert 'knittrans_store_budget_used_bytes{node="n0"} 5000.0' in text
     assert 'knittrans_store_budget_bytes{node="n0"} 1.048576e+06' in text
@@ -76,8 +80,10 @@ def test_heartbeat_usage_is_validated(tmp_path: Path) -> None:
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": ENDPOINT.format(port=1)})
         bad = c.post("/v1/nodes/n0/heartbeat", json={**USAGE, "budget_used": -1})
         assert bad.status_code == 422 and "budget_used" in bad.text
-        bad = c.post("/v1/jobs/x/ranks/0/ack", json={"plan_id": "p", "transfer": {"row_bytes": -5}})
+        bad = c.post("/v1/jobs/x/minibatches/0/ack", json={"attempt": 0, "transfer": {"row_bytes": [-5]}})
         assert bad.status_code == 422 and "row_bytes" in bad.text
+        bad = c.post("/v1/jobs/x/minibatches/0/ack", json={"attempt": 0, "transfer": {"r0": {"row_bytes": 5}}})
+        assert bad.status_code == 422 and "transfer" in bad.text
         assert c.get("/v1/nodes").json()[0]["state"] == "alive"
 
 
@@ -89,7 +95,7 @@ def test_render_shows_the_facts(tmp_path: Path) -> None:
     text = render(view)
     assert "job job1: RUNNING" in text and "math" in text and "code" in text
     assert "lost groups: 0" in text and "n0" in text and "ALIVE" in text and "4.9 KiB/1.0 MiB" in text
-    assert "n1.a0.r0" in text  # rank 0's last plan
+    assert "n1.a0" in text  # the ranks' last acked mini-batch
     assert "no job 'other'" in render(view, "other")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
@@ -14,7 +13,7 @@ from knittrans.api.spec import JobSpec
 from knittrans.api.store import Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidJobSpec
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest
 from knittrans.sched.staleness import ConsumedGroup
 from knittrans.sched.timing import (
     AdmissionTiming,
@@ -171,13 +170,14 @@ class _Driver:
 
     def ack(self, rank: int) -> None:
         rank %= self.spec.world_size
-        raw = self.job.next_plan(rank)
-        if raw is None:
+        found = self.job.published().manifests.get(self.job.rank_cursor(rank))
+        if found is None:
             return
-        plan = RankPlan.from_json(json.loads(raw))  # the JSON the rank is answered
-        self.job.fetched(rank, str(plan.plan_id), Txn())
+        m = Manifest.decode(found[1])  # the bytes every rank is answered
+        assert m.share(rank).rank == rank
+        self.job.fetched(m.global_index, m.attempt, [rank], Txn())
         txn = Txn()
-        self.job.ack(rank, str(plan.plan_id), txn)
+        self.job.ack(m.global_index, m.attempt, [rank], None, txn)
         self.consumed += [
             ConsumedGroup(**r) for (kind, _, _), rows in txn.puts.items() if kind == "consumed" for r in rows
         ]  # the records the service would persist

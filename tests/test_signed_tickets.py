@@ -1,4 +1,5 @@
-"""Signed ticket grants: plans carry HMAC grants; stores with the key serve only what the grants cover."""
+"""Signed ticket grants: each manifest carries one HMAC grant per store node; stores with the key serve only
+what the grants cover."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
 from knittrans.grants import check_ticket, sign_grant
+from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
@@ -34,13 +36,17 @@ def signed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
         mp.undo()
 
 
-def _plan(c: LocalCluster, job: str, world: int = 1) -> RankPlan:
+def _manifest(c: LocalCluster, job: str, world: int = 1) -> Manifest:
     control = c.control()
     control.create_job(job_spec(job, groups=4, group_size=4, k=1, world_size=world, micro_batch_size=3))
     write_and_register(control, job, c.stores, mm_groups(job, 4, group_size=4), groups_per_unit=2)
-    plan = control.next_plan(job, 0, timeout_s=30)
-    assert plan is not None
-    return plan
+    got = control.manifest(job, 0, timeout_s=30)
+    assert got is not None
+    return got[0]
+
+
+def _plan(c: LocalCluster, job: str, world: int = 1) -> RankPlan:
+    return _manifest(c, job, world).share(0)
 
 
 def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_cluster: LocalCluster) -> None:
@@ -61,6 +67,28 @@ def test_trainer_fetches_a_signed_plan_through_merged_and_shared_tickets(signed_
             got = list(client.minibatch(plan))
         assert sum(int(m.batch.rewards.numel()) for m in got) == 16
         assert all(isinstance(t, torch.Tensor) for m in got for t in m.media.values())
+
+
+def test_one_grant_per_node_serves_every_ranks_share_and_only_that_node(signed_cluster: LocalCluster) -> None:
+    """A two-rank manifest has one grant per node; every rank's tickets to a node carry that node's grant, each
+    rank reads its rows with it, and a grant of one node does not cover the rows on the other."""
+    m = _manifest(signed_cluster, "signed-world", world=2)
+    grants = {n.node_id: n.grant for n in m.nodes}
+    assert len(grants) == 2 and all(grants.values()) and len(set(grants.values())) == 2
+    rows = 0
+    for rank in range(2):
+        for micro in m.share(rank).micro_batches:
+            for f in micro.fetches:
+                assert f.ticket.grants == (grants[f.node_id],)
+                with StoreClient(f.endpoint) as c:
+                    rows += c.get(f.ticket).num_rows
+            assert all(x.ticket.grants == (grants[x.node_id],) for x in micro.media)
+    assert rows == m.trajectories == 16
+    fetch = m.share(0).micro_batches[0].fetches[0]
+    other = next(g for node, g in grants.items() if node != fetch.node_id)
+    assert other is not None
+    with StoreClient(fetch.endpoint) as c, pytest.raises(Unauthenticated, match="not granted"):
+        c.get(dataclasses.replace(fetch.ticket, grants=(other,)))
 
 
 def test_store_refuses_unsigned_forged_widened_and_foreign_tickets(signed_cluster: LocalCluster) -> None:
@@ -90,9 +118,7 @@ def test_store_refuses_unsigned_forged_widened_and_foreign_tickets(signed_cluste
 def test_grants_expire_and_bind_columns() -> None:
     """A grant past its expiry, or a ticket asking for columns outside the grant, is refused."""
     key = KEY.encode()
-    grant = sign_grant(
-        key, job="j", rank=0, expires_at=time.time() + 60, reads={"u": [(0, 4)]}, columns=["reward"], media={}
-    )
+    grant = sign_grant(key, job="j", expires_at=time.time() + 60, reads={"u": [(0, 4)]}, columns=["reward"], media={})
     ok = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((1, 3),)),), columns=("reward",), grants=(grant,))
     check_ticket(key, ok, now=time.time())
     with pytest.raises(Unauthenticated, match="not granted"):

@@ -9,7 +9,7 @@ import pytest
 
 from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import DataLost, InvalidRequest, NotFound
-from knittrans.plans import MicroBatchReads, PlanId, RankPlan, RowFetch
+from knittrans.plans import MicroBatchReads, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher, FetchRead
@@ -21,10 +21,9 @@ def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: i
     control = c.control()
     control.create_job(job_spec(job, groups=groups, group_size=2, k=1, world_size=1, micro_batch_size=micro))
     write_and_register(control, job, c.stores, mm_groups(job, groups, group_size=2), groups_per_unit=unit)
-    with TrainerClient(TrainerConfig(control_url=c.control_url, job=job, rank=0, world_size=1)) as client:
-        plan = client.next_plan()
-    assert plan is not None
-    return plan
+    got = control.manifest(job, 0, timeout_s=30)
+    assert got is not None
+    return got[0].share(0)
 
 
 def _per_micro(fetcher: Fetcher, micro: MicroBatchReads) -> pa.Table:
@@ -72,8 +71,9 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
         streams.close()
 
 
-def test_unstreamable_plan_falls_back() -> None:
-    """A rows ticket without explicit row ranges cannot be split per micro-batch: no streams for that plan."""
+def test_unstreamable_plan_is_refused() -> None:
+    """A rows ticket without explicit row ranges cannot be split per micro-batch (a manifest's shares never
+    have one): the share is refused, naming the plan, instead of being read some other way."""
     whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
     micro = MicroBatchReads(
         index=0,
@@ -83,18 +83,22 @@ def test_unstreamable_plan_falls_back() -> None:
         media=(),
     )
     plan = RankPlan(
-        plan_id=PlanId(n=0, attempt=0, rank=0),
         job="j",
         rank=0,
+        global_index=0,
+        attempt=0,
         step=0,
         mini_batch_index=0,
-        global_index=0,
         policy_version=0,
-        num_tokens=0,
+        admitted_at=0.0,
+        mini_batch_trajectories=0,
         micro_batches=(micro,),
     )
-    with Fetcher() as fetcher:
-        assert ShareStreams.from_plan(fetcher, plan) is None
+    with (
+        Fetcher() as fetcher,
+        pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),
+    ):
+        ShareStreams.from_plan(fetcher, plan)
 
 
 def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:

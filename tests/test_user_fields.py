@@ -144,10 +144,10 @@ def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalClus
     config = TrainerConfig(
         control_url=cluster.control_url, job="ufe2e", rank=0, world_size=1, fetch_mode="eager", poll_timeout_s=5
     )
+    got = control.manifest("ufe2e", 0, timeout_s=30)
+    assert got is not None
     with TrainerClient(config) as client:
-        plan = client.next_plan()
-        assert plan is not None
-        [mb] = list(client.minibatch(plan))
+        [mb] = list(client.minibatch(got[0].share(0)))
     batch = mb.batch
     assert batch.table is not None and batch.table.column_names == spec["columns"]
     assert set(batch.user) == {"ref_logprobs", "values", "uid", "old_lp_bf16"}

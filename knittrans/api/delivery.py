@@ -8,7 +8,7 @@ mini-batch does not grow with the number of ranks when the trainer reports once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,18 +223,35 @@ class Delivery(JobBase):
         held = len(mb.fetched | mb.acks) == self.spec.world_size
         return {"global_index": n, "attempt": attempt, "fetched_ranks": len(mb.fetched | mb.acks), "held": held}
 
-    def ack(self, n: int, attempt: int, ranks: Sequence[int] | None, version: int | None, txn: Txn) -> dict[str, Any]:
+    def ack(
+        self,
+        n: int,
+        attempt: int,
+        ranks: Sequence[int] | None,
+        version: int | None,
+        txn: Txn,
+        *,
+        figures: Collection[int] = (),
+    ) -> dict[str, Any]:
         """Record that ``ranks`` (None: every rank) finished mini-batch ``n`` (after their optimizer step).
 
         Idempotent. At ``W`` acked ranks the mini-batch is consumed, which moves the trainer's position
         and frees rollout's window. ``version``: the policy version the step produced, recorded in the same
         change (as the lowest acking rank's report), so a launch the freed window allows sees it.
+        ``figures``: the ranks whose transfer figures the ack carries; each must be one it reports for.
 
         Raises:
             DataLost: that attempt was withdrawn. NotFound: never issued.
             Conflict: a rank acks ``n`` before an earlier mini-batch it has not acked.
+            InvalidRequest: figures of a rank the ack does not report for.
         """
         who = self._ranks(ranks)
+        stray = sorted(set(figures) - who)
+        if stray:
+            raise InvalidRequest(
+                f"'transfer' has figures of ranks {stray} that this ack does not report for "
+                f"(ranks {rank_runs(who)} as [start, stop) runs); each rank reports its own"
+            )
         mb = self._planned(n, attempt)
         if version is not None:
             self._check_version(min(who), version)

@@ -96,8 +96,6 @@ class ErrorOut(BaseModel):
     detail: str = Field(examples=["mini_batches_per_step: K=8 is larger than the train batch G=4 groups"])
 
 
-
-
 # ---------------------------------------------------------------- jobs
 class BoundsIn(_In):
     """Per-mini-batch bounds of one source."""

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -402,13 +402,21 @@ class ControlPlane:
             return job.fetched(n, attempt, ranks, txn)
 
     def ack(
-        self, name: str, n: int, attempt: int, ranks: Sequence[int] | None, version: int | None = None
+        self,
+        name: str,
+        n: int,
+        attempt: int,
+        ranks: Sequence[int] | None,
+        version: int | None = None,
+        *,
+        figures: Collection[int] = (),
     ) -> dict[str, Any]:
         """``ranks`` (None: all) finished mini-batch ``n``; at W acked ranks it is consumed (staleness recorded)
-        and admission runs; ``version``, the policy version the step produced, is recorded in the same change."""
+        and admission runs; ``version``, the policy version the step produced, is recorded in the same change;
+        ``figures``: the ranks whose transfer figures the ack carries (each one of ``ranks``)."""
         job = self.job(name)
         with self._change(name) as txn:
-            result = job.ack(n, attempt, ranks, version, txn)
+            result = job.ack(n, attempt, ranks, version, txn, figures=figures)
             if not result["duplicate"] or version is not None:
                 job.admit(txn)
         return result

@@ -18,7 +18,7 @@ from knittrans.names import is_content_hash
 __all__ = ["Supply"]
 
 _UNITS_JSON = TypeAdapter(list[UnitDescriptor])
-"""Encodes a registration's units record: the JSON of ``[unit_json(u) for u in units]`` (same fields, same
+"""Encodes a registration's units record: the JSON of ``[u.to_dict() for u in units]`` (same fields, same
 order; a number that is an int where the descriptor says float, e.g. ``version_weighted=1``, reads back as
 ``1.0``, an equal value)."""
 
@@ -92,7 +92,7 @@ class Supply(JobBase):
                 groups[gid] = unadmitted[gid] = entry  # what _set(entry, "finished") does, without its no-op recount
                 self.count_group(entry, 1)
                 finished[g.source] = finished.get(g.source, 0) + 1
-        if fresh:  # [unit_json(u) ...] encoded by pydantic-core from the descriptors (~10x faster than json.dumps)
+        if fresh:  # [u.to_dict() ...] encoded by pydantic-core from the descriptors (~10x faster than json.dumps)
             encoded = Encoded(_UNITS_JSON.dump_json(fresh, warnings=False).decode())
             txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), encoded)
             self.unit_batches += 1

@@ -21,8 +21,6 @@ async def health(svc: Service) -> dict[str, Any]:
     return {"status": "ok", "version": __version__, "jobs": len(svc.jobs), "nodes": len(svc.nodes)}
 
 
-
-
 @router.get(
     "/metrics",
     response_class=Response,

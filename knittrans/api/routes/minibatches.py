@@ -142,17 +142,19 @@ async def ack(
     At every rank acked the mini-batch is consumed: the trainer's position moves, rollout's window
     opens and the next admission may run. ``version``: the policy version the step produced, recorded
     in the same change, so a launch the freed window allows already sees it (save the weights first).
-    ``transfer``: the ranks' transfer figures of the mini-batch, one column entry per rank, summed in
-    ``/metrics`` and the dashboard (a repeated ack is not counted twice). 410 when that attempt was withdrawn.
+    ``transfer``: the ranks' transfer figures of the mini-batch, one column entry per rank the ack reports
+    for (every rank when ``ranks`` is null), summed in ``/metrics`` and the dashboard (a repeated ack is not
+    counted twice); figures of ranks the ack does not report for are refused (409, nothing recorded).
+    410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
     ranks = body.ranks
+    figures: dict[int, dict[str, float]] = {}
     if body.transfer is not None:  # checked before the ack: a refused body changes nothing
         width = len(ranks) if ranks is not None else len(body.transfer.exposed_s)
-        body.transfer.by_rank(list(range(width)))
-    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, ranks, body.version)
-    if body.transfer is not None:
-        figures = body.transfer.by_rank(ranks if ranks is not None else list(range(result["world_size"])))
+        figures = body.transfer.by_rank(ranks if ranks is not None else list(range(width)))
+    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, ranks, body.version, figures=tuple(figures))
+    if figures:
         request.app.state.observed.record_ack(job, n, body.attempt, result, figures, time.time())
     return result
 
