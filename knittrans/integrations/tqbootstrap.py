@@ -67,7 +67,7 @@ class KnitTransStoreActor:
 def bootstrap(conf: Any) -> dict[str, Any]:
     """TransferQueue bootstrap provider: start a store per alive Ray node unless ``stores`` are given.
 
-    Writes ``stores``, ``ray_nodes`` and ``store_dirs`` back into ``conf.backend.KnitTrans`` so every
+    Writes ``stores``, ``ray_nodes``, ``store_dirs`` and ``spill_dirs`` back into ``conf.backend.KnitTrans`` so every
     client (created from the controller's stored config) sees them. Returns the actor handles.
     """
     import ray
@@ -83,7 +83,7 @@ def bootstrap(conf: Any) -> dict[str, Any]:
         return {}
     actor_cls = ray.remote(num_cpus=0)(KnitTransStoreActor)
     run = uuid.uuid4().hex[:8]
-    handles, stores, ray_nodes, dirs = {}, {}, {}, {}
+    handles, stores, ray_nodes, dirs, spills = {}, {}, {}, {}, {}
     for i, node_info in enumerate(n for n in ray.nodes() if n.get("Alive")):
         node = f"tq-node-{i}"
         root = str(Path(config.store_root) / run / node)
@@ -95,11 +95,14 @@ def bootstrap(conf: Any) -> dict[str, Any]:
         stores[node] = ray.get(actor.endpoint.remote())
         ray_nodes[node_info["NodeID"]] = node
         dirs[node] = root
+        if spill:
+            spills[node] = spill
         handles[node] = actor
     from omegaconf import OmegaConf
 
     merged = OmegaConf.merge(
-        section if section is not None else {}, {"stores": stores, "ray_nodes": ray_nodes, "store_dirs": dirs}
+        section if section is not None else {},
+        {"stores": stores, "ray_nodes": ray_nodes, "store_dirs": dirs, "spill_dirs": spills},
     )
     conf.backend[BACKEND_NAME] = merged
     _OWNED.update(handles)

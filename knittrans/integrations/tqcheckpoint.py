@@ -1,8 +1,9 @@
 """Checkpoint and restore of the KnitTrans TransferQueue backend's units (``tq.save_checkpoint`` / ``load``).
 
 Save: every unit of the job on every store node goes into ``<checkpoint>/knittrans/<node>/<unit>/``
-as its two Arrow IPC files: hard links of the node's own files when its directory is on this host
-(copies across file systems), else the unit read through ``DoGet`` and written out. A manifest
+as its two Arrow IPC files: hard links of the node's own files when its directory (or spill
+directory) is on this host (copies across file systems), else the unit read through ``DoGet`` and
+written out. A manifest
 (``knittrans/manifest.json``) lists the units. Restore: each unit the manifest lists is written back
 to the store node of the same name under the same unit id (files when the node is on this host, else
 ``DoPut``), so the locations TransferQueue's restored controller holds find their rows again.
@@ -68,18 +69,18 @@ def save_units(core: TQStoreCore, checkpoint_dir: str | Path) -> dict[str, Any]:
     job = core.config.job
     units: list[dict[str, Any]] = []
     for node in sorted(core.config.stores):
-        local = core.local_dir(node)
+        local = core.local_dirs(node)
         for info in core.client(node).list_units(job):
             unit_id = str(info["unit_id"])
             dest = root / node / unit_id
             dest.mkdir(parents=True, exist_ok=True)
-            src = local / job / unit_id if local is not None else None
+            src = next((d / job / unit_id for d in local if (d / job / unit_id / TRAJ_FILE).is_file()), None)
             try:
-                if src is not None and (src / TRAJ_FILE).is_file():
+                if src is not None:
                     files = [f for f in (TRAJ_FILE, MEDIA_FILE) if (src / f).is_file()]
                     for f in files:
                         _link_or_copy(src / f, dest / f)
-                else:  # another host, or spilled to disk: through the node
+                else:  # another host: through the node
                     tables = _read_unit(core, node, unit_id)
                     write_table(dest / TRAJ_FILE, tables.traj)
                     write_table(dest / MEDIA_FILE, tables.media)

@@ -51,6 +51,8 @@ class TQBackendConfig:
     """Ray node id -> store node name (filled by the bootstrap)."""
     store_dirs: Mapping[str, str] = field(default_factory=dict)
     """Store node name -> its directory; a producer on that host writes files there (no DoPut)."""
+    spill_dirs: Mapping[str, str] = field(default_factory=dict)
+    """Store node name -> its spill directory (filled by the bootstrap when ``spill_dir`` is set)."""
     store_root: str = "/dev/shm/knittrans-tq"
     """Root under which the bootstrap's stores keep ``<run>/<node>/`` directories."""
     budget_bytes: int | None = None
@@ -269,10 +271,17 @@ class TQStoreCore:
         nodes = {loc[0] for meta in backend_meta for loc in meta.values() if _is_loc(loc)}
         return all(self._is_local(str(node)) for node in nodes)
 
+    def local_dirs(self, node: str) -> list[Path]:
+        """The directories that may hold ``node``'s units (its store directory, then its spill directory)
+        when they are on this host; empty otherwise."""
+        local = self.local_dir(node)
+        spill = self.config.spill_dirs.get(node)
+        return [local, *([Path(spill)] if spill and Path(spill).is_dir() else [])] if local is not None else []
+
     def _is_local(self, node: str) -> bool:
         if node not in self._local:
-            local = self.local_dir(node)
-            self._local[node] = LocalReader([str(local)]) if local is not None else None
+            roots = self.local_dirs(node)
+            self._local[node] = LocalReader([str(r) for r in roots]) if roots else None
         return self._local[node] is not None
 
     def _fetch(

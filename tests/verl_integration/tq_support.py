@@ -109,9 +109,47 @@ def same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def verl_rows(n: int, group: int = 2) -> Iterator[tuple[str, TensorDict, dict[str, Any]]]:
+    """``n`` trajectories as verl 0.9.1's v1 agent loop puts them (``AgentLoopWorkerTQ._agent_loop_postprocess``):
+    key ``{uid}_{session}_0``, one ``list_of_dict_to_tensordict([fields])`` per call, the tag it writes.
+    Trajectories of a group share their image (``multi_modal_inputs``); prompt and response lengths differ."""
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    for i in range(n):
+        uid, session = f"p{i // group}", i % group
+        g = torch.Generator().manual_seed(i)
+        prompts = torch.randint(0, 1000, (5 + i % 3,), generator=g)
+        responses = torch.randint(0, 1000, (3 + i,), generator=g)
+        input_ids = torch.cat([prompts, responses])
+        pixels = torch.Generator().manual_seed(1000 + i // group)
+        field = {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": torch.ones_like(responses),
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.arange(len(input_ids)),
+            "rm_scores": torch.tensor(float(i) / 3),
+            "multi_modal_inputs": {
+                "pixel_values": torch.randn(16, 12, generator=pixels),
+                "image_grid_thw": torch.tensor([[1, 4, 4]]),
+            },
+            "data_source": "geo3k" if i % 3 else "mathvista",
+            "uid": uid,
+            "raw_prompt": [{"role": "user", "content": f"<image>question {i}"}],
+            "extra_fields": {"min_global_steps": 3, "max_global_steps": 3, "turn_scores": []},
+            "num_turns": 2,
+            "reward_score": float(i) / 3,
+        }
+        field["loss_mask"] = field["response_mask"]
+        tag = {"status": "success", "prompt_len": len(prompts), "response_len": len(responses),
+               "global_steps": 3, "min_global_steps": 3, "max_global_steps": 3}  # fmt: skip
+        yield f"{uid}_{session}_0", list_of_dict_to_tensordict([field]), tag
+
+
 def shm_dir() -> str | None:
     """``/dev/shm`` when this host has it (stores keep units on tmpfs), else None (the default tmp)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-__all__ = ["client_of", "kv_get", "kv_put", "ray_session", "same", "shm_dir", "tq", "tq_conf"]
+__all__ = ["client_of", "kv_get", "kv_put", "ray_session", "same", "shm_dir", "tq", "tq_conf", "verl_rows"]
