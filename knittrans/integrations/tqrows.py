@@ -21,7 +21,16 @@ import torch
 from knittrans.errors import InvalidRequest
 from knittrans.integrations.tqcodec import NO_MEDIA, field_meta
 
-__all__ = ["DenseRows", "MediaRows", "RaggedRows", "assemble", "decode_field", "decode_media", "pack_rows"]
+__all__ = [
+    "DenseRows",
+    "MediaRows",
+    "RaggedRows",
+    "assemble",
+    "decode_field",
+    "decode_media",
+    "pack_rows",
+    "row_list",
+]
 
 MediaRows = Mapping[bytes, tuple[np.ndarray, str, tuple[int, ...]]]
 """Per content hash: the stored bytes (uint8 view), torch dtype name and shape."""
@@ -120,7 +129,7 @@ def _object_rows(
             h = hashes[k][i]
             if h != NO_MEDIA:
                 got = _media_rows([h], media, f"{name}.{key}")
-                value[key] = got.values[0] if isinstance(got, DenseRows) else _row_list(got)[0]
+                value[key] = got.values[0] if isinstance(got, DenseRows) else row_list(got)[0]
         rows.append(value)
     return rows
 
@@ -199,7 +208,8 @@ def _as_ragged(rows: Rows) -> RaggedRows | None:
     return None
 
 
-def _row_list(rows: Rows) -> list[Any]:
+def row_list(rows: Rows) -> list[Any]:
+    """The rows of a decoded part, one value each (tensor rows as views of the part's buffer)."""
     if isinstance(rows, DenseRows):
         return list(rows.values.unbind(0))
     if isinstance(rows, RaggedRows):
@@ -233,6 +243,6 @@ def assemble(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> Any:
         return torch.nested.nested_tensor_from_jagged(cat, offs)
     rows: list[Any] = [None] * n
     for positions, part in parts:
-        for p, v in zip(positions, _row_list(part), strict=True):
+        for p, v in zip(positions, row_list(part), strict=True):
             rows[p] = v
     return pack_rows(rows)

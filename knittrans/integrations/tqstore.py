@@ -241,7 +241,29 @@ class TQStoreCore:
         """``{field: rows packed as SimpleStorage packs them}`` for the rows, in ``global_indexes`` order."""
         from knittrans.integrations.tqrows import assemble
 
-        n = len(global_indexes)
+        parts = self._read(field_names, global_indexes, backend_meta)
+        return {f: assemble(parts[f], len(global_indexes)) for f in field_names}
+
+    def get_rows(
+        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
+    ) -> dict[str, list[Any]]:
+        """``{field: one value per row}`` (tensors, or what was put), in ``global_indexes`` order; no packing."""
+        from knittrans.integrations.tqrows import row_list
+
+        parts = self._read(field_names, global_indexes, backend_meta)
+        out: dict[str, list[Any]] = {}
+        for f in field_names:
+            rows: list[Any] = [None] * len(global_indexes)
+            for positions, part in parts[f]:
+                for p, v in zip(positions, row_list(part), strict=True):
+                    rows[p] = v
+            out[f] = rows
+        return out
+
+    def _read(
+        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
+    ) -> dict[str, list[tuple[list[int], Any]]]:
+        """Per field, ``(batch positions, decoded rows)`` of each DoGet that served it."""
         # (node, unit) -> {field: [(position, row)]}
         where: dict[tuple[str, str], dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
         layout: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
@@ -263,7 +285,7 @@ class TQStoreCore:
         for per_field in results:
             for f, part in per_field.items():
                 parts[f].append(part)
-        return {f: assemble(parts[f], n) for f in field_names}
+        return parts
 
     def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
