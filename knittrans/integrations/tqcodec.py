@@ -23,6 +23,7 @@ row keeps its other keys. :mod:`knittrans.integrations.tqrows` decodes and assem
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -36,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from knittrans.errors import InvalidRequest
-from knittrans.schema import MEDIA_SCHEMA, TRAJECTORY_SCHEMA, Media, UnitTables, build_media_table
+from knittrans.schema import MEDIA_SCHEMA, TRAJECTORY_SCHEMA, Media, UnitTables
 
 __all__ = ["COLUMN_PREFIX", "NO_MEDIA", "column_name", "encode_put", "field_meta", "layout_columns", "raw_bytes"]
 
@@ -50,6 +51,7 @@ _SAFE = re.compile(r"[A-Za-z0-9_.-]")
 _MAX_COLUMN = 120  # the store's user column names have at most 128 characters; suffixes need the rest
 
 
+@functools.lru_cache(maxsize=4096)
 def column_name(field: str) -> str:
     """User column of a TransferQueue field (refused when too long once escaped)."""
     escaped = "".join(c if _SAFE.fullmatch(c) else "".join(f":{b:02x}" for b in c.encode()) for c in field)
@@ -102,12 +104,36 @@ class TensorMedia(Media):
         return h.digest()
 
 
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat uint8 arrays hold the same bytes (compared 8 bytes at a time when they can be)."""
+    if a.size != b.size:
+        return False
+    if a.size % 8 == 0:
+        return bool(np.array_equal(a.view(np.uint64), b.view(np.uint64)))
+    return bool(np.array_equal(a, b))
+
+
+def media_table(items: Sequence[TensorMedia]) -> pa.Table:
+    """The media table of ``items`` (unique hashes), one record batch per item over the tensor's own bytes:
+    written to the unit file straight from the put's tensors, no copy before."""
+    batches = []
+    for m in items:
+        raw = m._raw
+        data = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, raw.size], np.int64)), pa.py_buffer(raw)]
+        )
+        shape = pa.array([list(m.data.shape)], type=MEDIA_SCHEMA.field("shape").type)
+        columns = [pa.array([m.hash], _HASH), pa.array([m.kind]), shape, pa.array([_dtype_name(m.data)]), data]
+        batches.append(pa.RecordBatch.from_arrays(columns, schema=MEDIA_SCHEMA))
+    return pa.Table.from_batches(batches, schema=MEDIA_SCHEMA)
+
+
 class _MediaRows:
     """Media of one put: a row equal to an earlier one (same tensor, or the previous row's bytes) is
     hashed once."""
 
     def __init__(self) -> None:
-        self.items: list[Media] = []
+        self.items: list[TensorMedia] = []
         self._seen: dict[tuple[Any, ...], TensorMedia] = {}
         self._last: TensorMedia | None = None
 
@@ -122,7 +148,7 @@ class _MediaRows:
                 and last.kind == kind
                 and last.data.dtype == t.dtype
                 and last.data.shape == t.shape
-                and np.array_equal(last._raw, raw_bytes(t))
+                and _same_bytes(last._raw, raw_bytes(t))
             ):
                 m = last
             else:
@@ -135,24 +161,30 @@ class _MediaRows:
 
 def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[list[pa.Field], list[pa.Array]]:
     """Row bytes (``large_binary``) and row shapes (``list<int64>``) of a dense or nested tensor column."""
-    if not t.is_nested:  # rows are t[i]: their bytes are slices of the tensor's own (no copy)
-        data = raw_bytes(t)
-        byte_offsets = np.arange(n + 1, dtype=np.int64) * (data.size // n if n else 0)
-        tail = list(t.shape[1:])
-        shapes = np.tile(np.asarray(tail, dtype=np.int64), n)
-        dims = np.full(n, len(tail), dtype=np.int64)
-    elif t.layout == torch.jagged and getattr(t, "_ragged_idx", 1) == 1 and getattr(t, "_lengths", None) is None:
-        values, offsets = t.values(), t.offsets().cpu().numpy().astype(np.int64)  # type: ignore[attr-defined]
-        tail = list(values.shape[1:])
-        per_row = int(np.prod(tail, dtype=np.int64)) * t.dtype.itemsize
-        data = raw_bytes(values)[int(offsets[0]) * per_row : int(offsets[-1]) * per_row]
-        byte_offsets = (offsets - offsets[0]) * per_row
-        table = np.empty((n, 1 + len(tail)), dtype=np.int64)
-        table[:, 0] = np.diff(offsets)
-        table[:, 1:] = tail
-        shapes = table.reshape(-1)
-        dims = np.full(n, 1 + len(tail), dtype=np.int64)
-    else:
+    # a jagged tensor's attributes dispatch through Python: its own buffers are read with that off
+    with torch._C.DisableTorchFunctionSubclass():
+        nested = t.is_nested
+        njt: Any = t  # a jagged tensor's fields (torch.nested._internal.nested_tensor.NestedTensor)
+        jagged = nested and t.layout == torch.jagged and njt._ragged_idx == 1 and njt._lengths is None
+        if not nested:  # rows are t[i]: their bytes are slices of the tensor's own (no copy)
+            data = raw_bytes(t)
+            byte_offsets = np.arange(n + 1, dtype=np.int64) * (data.size // n if n else 0)
+            tail = list(t.shape[1:])
+            shapes = np.tile(np.asarray(tail, dtype=np.int64), n)
+            dims = np.full(n, len(tail), dtype=np.int64)
+        elif jagged:
+            values: torch.Tensor = njt._values
+            offsets = njt._offsets.cpu().numpy().astype(np.int64)
+            tail = list(values.shape[1:])
+            per_row = int(np.prod(tail, dtype=np.int64)) * t.dtype.itemsize
+            data = raw_bytes(values)[int(offsets[0]) * per_row : int(offsets[-1]) * per_row]
+            byte_offsets = (offsets - offsets[0]) * per_row
+            table = np.empty((n, 1 + len(tail)), dtype=np.int64)
+            table[:, 0] = np.diff(offsets)
+            table[:, 1:] = tail
+            shapes = table.reshape(-1)
+            dims = np.full(n, 1 + len(tail), dtype=np.int64)
+    if nested and not jagged:  # strided, or jagged with holes: row by row
         rows = list(t.unbind())
         parts = [raw_bytes(r) for r in rows]
         data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -236,7 +268,7 @@ def encode_put(
         if isinstance(value, torch.Tensor) and field in media_fields:
             fs, arrs = _media_column(name, field, value, media)
         elif isinstance(value, torch.Tensor):
-            if value.dim() == 0 or (value.size(0) if not value.is_nested else len(value.unbind())) != n:
+            if value.dim() == 0 or value.size(0) != n:
                 raise InvalidRequest(f"TransferQueue field {field!r} has shape {tuple(value.shape)}, not {n} rows")
             fs, arrs = _tensor_column(name, value, n)
         else:
@@ -251,7 +283,7 @@ def encode_put(
     fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
-    tables = UnitTables(traj=traj, media=build_media_table(media.items) if media.items else MEDIA_SCHEMA.empty_table())
+    tables = UnitTables(traj=traj, media=media_table(media.items) if media.items else MEDIA_SCHEMA.empty_table())
     return tables, columns
 
 
