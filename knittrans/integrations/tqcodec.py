@@ -77,10 +77,15 @@ def _field(name: str, type_: pa.DataType, meta: Mapping[str, Any]) -> pa.Field:
 
 
 def field_meta(f: pa.Field) -> dict[str, Any]:
-    """The codec's description of a column (kind, dtype, shape, media keys)."""
+    """The codec's description of a column (kind, dtype, shape, media keys); do not modify it (cached)."""
     raw = (f.metadata or {}).get(_META)
     if raw is None:
         raise InvalidRequest(f"column {f.name!r} is not a TransferQueue field column")
+    return _parse_meta(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_meta(raw: bytes) -> dict[str, Any]:
     meta: dict[str, Any] = json.loads(raw)
     return meta
 

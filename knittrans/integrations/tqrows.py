@@ -169,7 +169,8 @@ def decode_field(table: pa.Table, name: str, idx: np.ndarray, media: MediaRows |
     if kind == "tensor":
         return _tensor_rows(table, name, col, meta["dtype"], idx)
     if kind == "media":
-        return _media_rows(col.take(pa.array(idx)).to_pylist(), media, name)
+        hashes = col.to_pylist()
+        return _media_rows([hashes[i] for i in idx.tolist()], media, name)
     if kind == "str":
         values = col.to_pylist()
         return [values[i] for i in idx.tolist()]
@@ -217,6 +218,18 @@ def row_list(rows: Rows) -> list[Any]:
     return rows
 
 
+def _jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The jagged nested tensor of ``values`` cut at ``offsets`` (ragged dimension 1), as
+    ``torch.nested.nested_tensor_from_jagged`` makes it; built by the class itself where torch has it
+    (the public function adds a view and a dispatch round that cost several times the construction)."""
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor
+
+        return NestedTensor(values, offsets)
+    except (ImportError, TypeError):  # pragma: no cover - a torch without that constructor
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
 def assemble(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> Any:
     """One field's rows from several DoGets (``(batch positions, rows)`` each) as SimpleStorage returns them."""
     order = np.concatenate([np.asarray(p, dtype=np.int64) for p, _ in parts]) if parts else np.zeros(0, np.int64)
@@ -238,9 +251,9 @@ def assemble(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> Any:
             perm = np.argsort(order, kind="stable")
             flat, lengths = _spans(offsets, perm)
             cat = cat[torch.from_numpy(flat)]
-        offs = torch.zeros(n + 1, dtype=torch.int64)
-        torch.cumsum(torch.from_numpy(lengths), 0, out=offs[1:])
-        return torch.nested.nested_tensor_from_jagged(cat, offs)
+        offs = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offs[1:])
+        return _jagged(cat, torch.from_numpy(offs))
     rows: list[Any] = [None] * n
     for positions, part in parts:
         for p, v in zip(positions, row_list(part), strict=True):
