@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the separate benchmark venv with the baselines of benchmarks/vs_baselines:
-# TransferQueue 0.1.11 (PyPI) and Ray, next to an editable install of knittrans.
+# TransferQueue 0.1.11 (PyPI) and Ray, next to an editable install of knittrans; AReaL 1.0.4's RTensor
+# module for the AReaL adapter's test.
 # Idempotent: re-running only installs what is missing. Fails loudly on any error.
 #
 #   scripts/setup_bench_env.sh                # venv at <repo>/.venv-bench
@@ -51,11 +52,24 @@ for spec in "$TORCH_SPEC" "$TQ_SPEC" "$RAY_SPEC" "psutil>=5.9" "matplotlib>=3.8"
     "${PIP[@]}" "$spec"
   fi
 done
+# AReaL 1.0.4 for tests/ray_integration/test_areal_rtensor.py: its RTensor module and what that module imports,
+# without AReaL's dependency set (it pins torch<2.11 and pulls agent SDKs, inference servers, ...)
+AREAL_SPECS=("areal==1.0.4" colorlog tenacity flask werkzeug blinker itsdangerous torchdata lark uvloop numba llvmlite
+  orjson einops aiofiles openai sniffio jiter)
+if "$PY" -c "import areal.infra.rpc.rtensor" >/dev/null 2>&1; then
+  say "areal (RTensor) already importable"
+else
+  say "installing ${AREAL_SPECS[*]} (--no-deps)"
+  "${PIP[@]}" -q --no-deps "${AREAL_SPECS[@]}"
+fi
 say "installing knittrans[demo] (editable) from $REPO: the model stack the baselines and Ray tests run"
 "${PIP[@]}" -q -e "$REPO[demo]"
 
 say "checking imports and dependency consistency"
-"$PY" -m pip check
+# AReaL's own requirements are left out on purpose (above); any other broken requirement fails the setup
+problems=$("$PY" -m pip check 2>&1 | grep -v -e '^areal ' -e '^No broken requirements' || true)
+if [[ -n "$problems" ]]; then echo "$problems" >&2; exit 1; fi
+"$PY" -c "import areal.infra.rpc.rtensor"
 "$PY" - <<'PYEOF'
 import importlib.metadata as md
 for name in ["torch", "transfer_queue", "ray", "pyarrow", "numpy", "fastapi", "pydantic", "knittrans"]:

@@ -12,8 +12,8 @@ set -Eeuo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VERL_VENV:-$REPO/.venv-verl}"
 PYTHON="${PYTHON:-python3}"
-SPECS=("torch==2.13.0" "transferqueue==0.1.11" "verl==0.9.1" "cachetools" "pytest>=8" "pytest-timeout>=2.3")
-STAMP="$VENV/.knittrans-verl-0.9.1"
+SPECS=("torch==2.13.0" "transferqueue==0.1.11" "verl==0.9.1" "cachetools" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100")
+STAMP="$VENV/.knittrans-verl-0.9.1-h"  # -h: hypothesis added (the TransferQueue contract's property test)
 trap 'rc=$?; printf "[setup_verl_env] FAILED (exit %d) at line %d: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2; exit $rc' ERR
 
 t0=$(date +%s)

@@ -8,9 +8,12 @@
 #   3. Docker engine (docker.io, started here) -> pytest -m compose (builds the image, runs the
 #      compose stack: a job to completion and a store container killed). Its failure (also an
 #      engine that cannot start) does not stop the other steps; the script still fails at the end.
-#   4. .venv-bench  ray + transferqueue       -> tests/ray_integration (incl. the TransferQueue backend)
-#                                                and the baselines benchmark smoke run
-#   5. .venv-verl   verl 0.9.1 + transferqueue -> tests/verl_integration (KnitTransQuotaSampler in verl)
+#   4. .venv-bench  ray + transferqueue       -> tests/ray_integration (incl. the TransferQueue backend vs
+#                   + AReaL's RTensor module     SimpleStorage, the AReaL RTensor backend) and the baselines
+#                                                benchmark smoke run
+#   5. .venv-verl   verl 0.9.1 + transferqueue -> tests/verl_integration: the KnitTrans TransferQueue backend
+#                                                (property test against SimpleStorage, checkpoint after a killed
+#                                                process, verl's own trainer code on it, KnitTransQuotaSampler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -70,7 +73,7 @@ fi
 if [[ "${KNITTRANS_SKIP_VERL:-0}" != 1 ]]; then
   step "verl environment (verl 0.9.1, transferqueue)"
   bash scripts/setup_verl_env.sh
-  step "verl sampler tests"
+  step "verl tests (KnitTrans TransferQueue backend, verl code on it, KnitTransQuotaSampler)"
   .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/verl_integration -W default -W ignore::DeprecationWarning
 fi
 if [ ${#failed[@]} -gt 0 ]; then

@@ -32,10 +32,11 @@ from benchmarks.vs_baselines.workload import TrainBatch, Workload, WorkloadSpec,
 
 __all__ = ["VARIANTS", "TQRunner", "make_runner"]
 
-VARIANTS = ("kv", "sampler", "kt_kv", "kt_sampler")
+VARIANTS = ("kv", "sampler", "kt_kv", "kt_sampler", "kt_kv_nodedup", "kt_sampler_nodedup")
 """``kt_*``: the same client calls with TransferQueue's storage backend switched to KnitTrans
 (``knittrans.integrations.transferqueue``: node-local Arrow units, one DoGet per node, the group's
-image stored once per content hash)."""
+image stored once per content hash); ``*_nodedup``: the same without ``media_fields`` (every row's
+image stored, as SimpleStorage stores it)."""
 SETUP_HOOK = "knittrans.integrations.transferqueue.register"
 TASK = "train"
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
@@ -107,7 +108,7 @@ class TQConsumer:
         return os.getpid()
 
     def run(self, variant: str, partition: str, fields: list[str], compute: bool) -> dict[str, Any]:
-        batches = self._kv(partition) if variant.endswith("kv") else self._sampler(partition, fields)
+        batches = self._kv(partition) if "kv" in variant.split("_") else self._sampler(partition, fields)
         return rank_loop(self.rank, self.spec, batches, compute=compute, hidden=self.hidden)
 
     def _kv(self, partition: str) -> Iterator[TrainBatch]:
@@ -163,7 +164,11 @@ class TQRunner:
             self._store_root = tempfile.mkdtemp(prefix="knittrans_tq_bench_", dir=shm if shm.is_dir() else None)
             backend = {
                 "storage_backend": "KnitTrans",
-                "KnitTrans": {"media_fields": ["image"], "store_root": self._store_root, "host": options.loopback},
+                "KnitTrans": {
+                    "media_fields": [] if self.variant.endswith("_nodedup") else ["image"],
+                    "store_root": self._store_root,
+                    "host": options.loopback,
+                },
             }
         else:
             backend = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
@@ -183,7 +188,7 @@ class TQRunner:
             keys, fields = group_fields(workload, groups)
             self.tq.kv_batch_put(keys=keys, partition_id=tag, fields=fields)
         put_s = time.perf_counter() - t0
-        dedup = self.variant.startswith("kt_")
+        dedup = self.variant.startswith("kt_") and not self.variant.endswith("_nodedup")
         return {"put_s": put_s, "stored_bytes": float(workload.payload_bytes(image_per_row=not dedup))}
 
     def consume(self, tag: str, compute: bool) -> list[dict[str, Any]]:

@@ -1,31 +1,35 @@
-"""TransferQueue fields <-> KnitTrans units: any TensorDict column as user columns of a unit, and back.
+"""TransferQueue puts -> KnitTrans units: every TensorDict column SimpleStorage takes, as user columns.
 
-A TransferQueue put is a ``TensorDict`` of ``n`` rows whose columns are dense tensors, nested
-(jagged) tensors or non-tensor stacks. :func:`encode_put` turns one put into the two tables of a
-storage unit: the fixed trajectory columns (cheap placeholders: ``traj_id`` is the global index,
-token lists are empty) followed by one user column per field, named ``tq.<field>``:
+A TransferQueue put is a ``TensorDict`` of ``n`` rows. :func:`encode_put` turns one put into the
+two tables of a storage unit: the fixed trajectory columns (cheap placeholders: ``traj_id`` is the
+global index, token lists are empty) followed by the user columns of each field, ``tq.<field>``
+(characters outside ``[A-Za-z0-9_.-]`` escaped as ``:xx``):
 
-=============================  ==============================================  ===========================
-TransferQueue column           Arrow user column(s)                            row comes back as
-=============================  ==============================================  ===========================
-dense ``[n]``                  primitive                                       0-d tensor
-dense ``[n, *s]``              ``fixed_shape_tensor<T>[s]``                    tensor of shape ``s``
-nested ``[n, j, ...]``         ``large_list<T>`` + ``tq.<field>#shape``        tensor of its own shape
-media field (config)           ``binary(32)`` content hash; payload once in    tensor (copied from the
-                               the unit's media table                          fetched media row)
-non-tensor, all ``str``        ``string``                                      ``str``
-non-tensor, JSON values        ``string`` holding JSON (exact round trip only)  the value
-=============================  ==============================================  ===========================
+==============================  ================================================  =====================
+column of the put               Arrow user column(s)                              row kept as
+==============================  ================================================  =====================
+tensor, dense or nested         ``large_binary`` row bytes + ``#shape`` column    its own shape
+media field (config)            ``binary(32)`` content hash; bytes once per unit  the media row
+non-tensor, all ``str``         ``string``                                        ``str``
+anything else                   ``large_binary``: the row through TransferQueue's  what SimpleStorage
+                                own serializer (msgpack, pickle for the rest)     would hold
+==============================  ================================================  =====================
 
-``bfloat16`` is stored as its ``int16`` bits and ``bool`` as ``uint8``; the torch dtype travels in
-the field metadata (``knittrans.tq``), so every row comes back with its dtype, shape and bytes.
+Tensors of every dtype travel as their bytes, the torch dtype in the field metadata
+(``knittrans.tq``). A media field may also be a path into dict rows, ``<field>.<key>`` (verl's
+``multi_modal_inputs.pixel_values``): that key's tensor is stored once per content hash and the
+row keeps its other keys. :mod:`knittrans.integrations.tqrows` decodes and assembles rows.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import re
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,150 +37,281 @@ import pyarrow as pa
 import torch
 
 from knittrans.errors import InvalidRequest
-from knittrans.schema import MEDIA_SCHEMA, TRAJECTORY_SCHEMA, Media, UnitTables, build_media_table
+from knittrans.schema import MEDIA_SCHEMA, TRAJECTORY_SCHEMA, Media, UnitTables
 
-__all__ = ["COLUMN_PREFIX", "column_name", "decode_column", "decode_media", "encode_put", "field_columns"]
+__all__ = ["COLUMN_PREFIX", "NO_MEDIA", "column_name", "encode_put", "field_meta", "layout_columns", "raw_bytes"]
 
 COLUMN_PREFIX = "tq."
 """User columns of TransferQueue fields are ``tq.<field>``."""
+NO_MEDIA = bytes(32)
+"""Hash column value of a dict row whose media key holds no tensor (the row keeps its own value)."""
 _META = b"knittrans.tq"
 _HASH = pa.binary(32)
-_STORAGE_DTYPES: dict[str, np.dtype[Any]] = {"bfloat16": np.dtype(np.int16), "bool": np.dtype(np.uint8)}
-_SPECIAL = {torch.bfloat16: (np.dtype(np.int16), "bfloat16"), torch.bool: (np.dtype(np.uint8), "bool")}
+_SAFE = re.compile(r"[A-Za-z0-9_.-]")
+_MAX_COLUMN = 120  # the store's user column names have at most 128 characters; suffixes need the rest
 
 
+@functools.lru_cache(maxsize=4096)
 def column_name(field: str) -> str:
-    """User column of a TransferQueue field."""
-    return COLUMN_PREFIX + field
+    """User column of a TransferQueue field (refused when too long once escaped)."""
+    escaped = "".join(c if _SAFE.fullmatch(c) else "".join(f":{b:02x}" for b in c.encode()) for c in field)
+    if not field or len(escaped) > _MAX_COLUMN:
+        raise InvalidRequest(f"TransferQueue field name {field!r} is empty or too long for a KnitTrans column")
+    return COLUMN_PREFIX + escaped
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidRequest(f"unknown torch dtype {name!r} in a stored TransferQueue field")
-    return dtype
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a dense CPU tensor, C order, as a flat uint8 array (no copy when contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _np_view(t: torch.Tensor, field: str) -> tuple[np.ndarray, str]:
-    """numpy view of a CPU tensor's bytes and the torch dtype name to restore it."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype in _SPECIAL:
-        np_dtype, name = _SPECIAL[t.dtype]
-        view = torch.int16 if np_dtype == np.int16 else torch.uint8
-        return t.view(view).numpy(), name
-    try:
-        return t.numpy(), str(t.dtype).removeprefix("torch.")
-    except TypeError as exc:
-        raise InvalidRequest(f"TransferQueue field {field!r}: dtype {t.dtype} cannot be stored ({exc})") from None
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
-def _restore(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """Tensor of ``dtype_name`` from a numpy array of its storage bytes (copies once to own memory)."""
-    t = torch.from_numpy(np.array(arr, copy=True))
-    if dtype_name == "bfloat16":
-        return t.view(torch.bfloat16)
-    if dtype_name == "bool":
-        return t.view(torch.bool)
-    return t
+def _field(name: str, type_: pa.DataType, meta: Mapping[str, Any]) -> pa.Field:
+    return pa.field(name, type_, nullable=False, metadata={_META: json.dumps(dict(meta)).encode()})
 
 
-def _field(name: str, type_: pa.DataType, kind: str, dtype: str | None = None) -> pa.Field:
-    meta = {"kind": kind} | ({"dtype": dtype} if dtype else {})
-    return pa.field(name, type_, nullable=False, metadata={_META: json.dumps(meta).encode()})
-
-
-def _field_meta(f: pa.Field) -> dict[str, str]:
+def field_meta(f: pa.Field) -> dict[str, Any]:
+    """The codec's description of a column (kind, dtype, shape, media keys); do not modify it (cached)."""
     raw = (f.metadata or {}).get(_META)
     if raw is None:
         raise InvalidRequest(f"column {f.name!r} is not a TransferQueue field column")
-    meta: dict[str, str] = json.loads(raw)
+    return _parse_meta(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_meta(raw: bytes) -> dict[str, Any]:
+    meta: dict[str, Any] = json.loads(raw)
     return meta
 
 
-def _encode_tensor(field: str, value: torch.Tensor, n: int) -> tuple[list[pa.Field], list[pa.Array]]:
-    name = column_name(field)
-    if value.is_nested:
-        rows = list(value.unbind())
-        parts = [_np_view(r, field) for r in rows]
-        dtype = parts[0][1] if parts else "float32"
-        flat = [p[0].reshape(-1) for p in parts]
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([f.shape[0] for f in flat], out=offsets[1:])
-        values = np.concatenate(flat) if flat else np.zeros(0, np.float32)
-        arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-        shapes = pa.array([list(r.shape) for r in rows], type=pa.list_(pa.int32()))
-        return ([_field(name, arr.type, "jagged", dtype), _field(name + "#shape", shapes.type, "shape")], [arr, shapes])
-    data, dtype = _np_view(value, field)
-    if data.ndim == 1:
-        arr1 = pa.array(data)
-        return [_field(name, arr1.type, "scalar", dtype)], [arr1]
-    tensor = pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(data))
-    return [_field(name, tensor.type, "dense", dtype)], [tensor]
+class TensorMedia(Media):
+    """A media row of any torch dtype: hashed over its bytes in place, payload copied only when stored."""
+
+    @cached_property
+    def _raw(self) -> np.ndarray:
+        return raw_bytes(self.data)
+
+    @cached_property
+    def _parts(self) -> tuple[str, tuple[int, ...], bytes]:
+        return _dtype_name(self.data), tuple(self.data.shape), self._raw.tobytes()
+
+    @cached_property
+    def hash(self) -> bytes:
+        """SHA-256 over ``kind|dtype|shape`` and the bytes (as :class:`Media`), without copying them."""
+        h = hashlib.sha256(f"{self.kind}|{_dtype_name(self.data)}|{list(self.data.shape)}\n".encode())
+        h.update(self._raw.data)
+        return h.digest()
 
 
-def _encode_objects(field: str, values: list[Any]) -> tuple[pa.Field, pa.Array]:
-    name = column_name(field)
-    if all(isinstance(v, str) for v in values):
-        return _field(name, pa.string(), "str"), pa.array(values, type=pa.string())
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat uint8 arrays hold the same bytes (compared 8 bytes at a time when they can be)."""
+    if a.size != b.size:
+        return False
+    if a.size % 8 == 0:
+        return bool(np.array_equal(a.view(np.uint64), b.view(np.uint64)))
+    return bool(np.array_equal(a, b))
+
+
+def media_table(items: Sequence[TensorMedia]) -> pa.Table:
+    """The media table of ``items`` (unique hashes), one record batch per item over the tensor's own bytes:
+    written to the unit file straight from the put's tensors, no copy before."""
+    batches = []
+    for m in items:
+        raw = m._raw
+        data = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, raw.size], np.int64)), pa.py_buffer(raw)]
+        )
+        shape = pa.array([list(m.data.shape)], type=MEDIA_SCHEMA.field("shape").type)
+        columns = [pa.array([m.hash], _HASH), pa.array([m.kind]), shape, pa.array([_dtype_name(m.data)]), data]
+        batches.append(pa.RecordBatch.from_arrays(columns, schema=MEDIA_SCHEMA))
+    return pa.Table.from_batches(batches, schema=MEDIA_SCHEMA)
+
+
+class _MediaRows:
+    """Media of one put: a row equal to an earlier one (same tensor, or the previous row's bytes) is
+    hashed once."""
+
+    def __init__(self) -> None:
+        self.items: list[TensorMedia] = []
+        self._seen: dict[tuple[Any, ...], TensorMedia] = {}
+        self._last: TensorMedia | None = None
+
+    def add(self, kind: str, t: torch.Tensor) -> bytes:
+        t = t.detach().cpu()
+        key = (kind, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        m = self._seen.get(key)
+        if m is None:
+            last = self._last
+            if (
+                last is not None
+                and last.kind == kind
+                and last.data.dtype == t.dtype
+                and last.data.shape == t.shape
+                and _same_bytes(last._raw, raw_bytes(t))
+            ):
+                m = last
+            else:
+                m = TensorMedia(kind=kind, data=t)
+                self.items.append(m)
+            self._seen[key] = m
+        self._last = m
+        return m.hash
+
+
+def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[list[pa.Field], list[pa.Array]]:
+    """Row bytes (``large_binary``) and row shapes (``list<int64>``) of a dense or nested tensor column."""
+    # a jagged tensor's attributes dispatch through Python: its own buffers are read with that off
+    with torch._C.DisableTorchFunctionSubclass():
+        nested = t.is_nested
+        njt: Any = t  # a jagged tensor's fields (torch.nested._internal.nested_tensor.NestedTensor)
+        jagged = nested and t.layout == torch.jagged and njt._ragged_idx == 1 and njt._lengths is None
+        if not nested:  # rows are t[i]: their bytes are slices of the tensor's own (no copy)
+            data = raw_bytes(t)
+            byte_offsets = np.arange(n + 1, dtype=np.int64) * (data.size // n if n else 0)
+            tail = list(t.shape[1:])
+            shapes = np.tile(np.asarray(tail, dtype=np.int64), n)
+            dims = np.full(n, len(tail), dtype=np.int64)
+        elif jagged:
+            values: torch.Tensor = njt._values
+            offsets = njt._offsets.cpu().numpy().astype(np.int64)
+            tail = list(values.shape[1:])
+            per_row = int(np.prod(tail, dtype=np.int64)) * t.dtype.itemsize
+            data = raw_bytes(values)[int(offsets[0]) * per_row : int(offsets[-1]) * per_row]
+            byte_offsets = (offsets - offsets[0]) * per_row
+            table = np.empty((n, 1 + len(tail)), dtype=np.int64)
+            table[:, 0] = np.diff(offsets)
+            table[:, 1:] = tail
+            shapes = table.reshape(-1)
+            dims = np.full(n, 1 + len(tail), dtype=np.int64)
+    if nested and not jagged:  # strided, or jagged with holes: row by row
+        rows = list(t.unbind())
+        parts = [raw_bytes(r) for r in rows]
+        data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+        byte_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([p.size for p in parts], out=byte_offsets[1:])
+        shapes = np.array([d for r in rows for d in r.shape], dtype=np.int64)
+        dims = np.array([r.dim() for r in rows], dtype=np.int64)
+    arr = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(byte_offsets), pa.py_buffer(data)])
+    dim_offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(dims, out=dim_offsets[1:])
+    shape_arr = pa.ListArray.from_arrays(pa.array(dim_offsets), pa.array(shapes, type=pa.int64()))
+    meta = {"kind": "tensor", "dtype": _dtype_name(t)}
+    return (
+        [_field(name, arr.type, meta), _field(name + "#shape", shape_arr.type, {"kind": "shape"})],
+        [arr, shape_arr],
+    )
+
+
+def _media_column(name: str, field: str, t: torch.Tensor, media: _MediaRows) -> tuple[list[pa.Field], list[pa.Array]]:
+    rows = list(t.unbind()) if t.is_nested else list(t.unbind(0))
+    hashes = [media.add(field, r) for r in rows]
+    return [_field(name, _HASH, {"kind": "media"})], [pa.array(hashes, type=_HASH)]
+
+
+def _rows_of(field: str, value: Any, n: int) -> list[Any]:
+    """Row values of a non-tensor column (NonTensorStack, NonTensorData, a TensorDict, a list)."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+    if isinstance(value, NonTensorStack | NonTensorData):
+        rows = value.tolist()
+        return list(rows) if isinstance(rows, list) else [rows] * n
+    if isinstance(value, TensorDictBase):
+        return list(value.unbind(0))
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return list(value)
+    raise InvalidRequest(f"TransferQueue field {field!r}: cannot take rows of a {type(value).__name__}")
+
+
+def _objects(
+    name: str, field: str, rows: list[Any], keys: Sequence[str], media: _MediaRows
+) -> tuple[list[pa.Field], list[pa.Array]]:
+    """Row values through TransferQueue's own serializer; tensors under media ``keys`` of dict rows apart."""
+    if not keys and all(type(v) is str for v in rows):
+        return [_field(name, pa.string(), {"kind": "str"})], [pa.array(rows, type=pa.string())]
+    from transfer_queue.utils.serial_utils import calc_packed_size, encode, pack_into
+
+    hashes: dict[str, list[bytes]] = {k: [] for k in keys}
     encoded = []
-    for i, v in enumerate(values):
-        try:
-            text = json.dumps(v)
-        except (TypeError, ValueError):
-            text = None
-        if text is None or json.loads(text) != v or type(json.loads(text)) is not type(v):
-            raise InvalidRequest(
-                f"TransferQueue field {field!r} row {i}: a {type(v).__name__} value that JSON does not round-trip "
-                "exactly; store tensors, strings or JSON-compatible values (dict/list/int/float/bool/None)"
-            )
-        encoded.append(text)
-    return _field(name, pa.string(), "json"), pa.array(encoded, type=pa.string())
-
-
-def _rows_of(value: Any) -> list[Any]:
-    if hasattr(value, "tolist") and not isinstance(value, torch.Tensor):
-        return list(value.tolist())  # NonTensorStack / NonTensorData
-    return list(value)
+    for v in rows:
+        for k in keys:
+            if isinstance(v, dict) and isinstance(v.get(k), torch.Tensor):
+                hashes[k].append(media.add(f"{field}.{k}", v[k]))
+                v = {**v, k: None}
+            else:
+                hashes[k].append(NO_MEDIA)
+        frames = encode(v)
+        buf = bytearray(calc_packed_size(frames))
+        pack_into(buf, frames)
+        encoded.append(bytes(buf))
+    fields = [_field(name, pa.large_binary(), {"kind": "obj", "media_keys": list(keys)})]
+    arrays: list[pa.Array] = [pa.array(encoded, type=pa.large_binary())]
+    for i, k in enumerate(keys):
+        fields.append(_field(f"{name}#m{i}", _HASH, {"kind": "media_key", "key": k}))
+        arrays.append(pa.array(hashes[k], type=_HASH))
+    return fields, arrays
 
 
 def encode_put(
     data: Mapping[str, Any], n: int, *, global_indexes: Sequence[int], partition: str, media_fields: Sequence[str] = ()
-) -> UnitTables:
-    """The unit tables of one TransferQueue put of ``n`` rows (``data``: field -> column)."""
+) -> tuple[UnitTables, dict[str, str]]:
+    """The unit tables of one TransferQueue put of ``n`` rows (``data``: field -> column), and per field
+    its layout (:func:`layout_columns` names its columns from it)."""
     if len(global_indexes) != n:
         raise InvalidRequest(f"{len(global_indexes)} global indexes for {n} rows")
     fields: list[pa.Field] = []
     arrays: list[pa.Array] = []
-    media: list[Media] = []
-    row_hashes: list[list[bytes]] = [[] for _ in range(n)]
+    columns: dict[str, str] = {}
+    media = _MediaRows()
     for field in sorted(data):
-        value = data[field]
-        if not field or "#" in field:
-            raise InvalidRequest(f"TransferQueue field name {field!r} is empty or contains '#'")
-        if field in media_fields:
-            if not isinstance(value, torch.Tensor):
-                raise InvalidRequest(f"media field {field!r} must be a tensor column, got {type(value).__name__}")
-            rows = list(value.unbind()) if value.is_nested else list(value.unbind(0))
-            items = [Media(kind=field, data=r) for r in rows]
-            media += items
-            for i, m in enumerate(items):
-                row_hashes[i].append(m.hash)
-            fields.append(_field(column_name(field), _HASH, "media"))
-            arrays.append(pa.array([m.hash for m in items], type=_HASH))
+        value, name = data[field], column_name(field)
+        if isinstance(value, torch.Tensor) and field in media_fields:
+            fs, arrs = _media_column(name, field, value, media)
         elif isinstance(value, torch.Tensor):
-            fs, arrs = _encode_tensor(field, value, n)
-            fields += fs
-            arrays += arrs
+            if value.dim() == 0 or value.size(0) != n:
+                raise InvalidRequest(f"TransferQueue field {field!r} has shape {tuple(value.shape)}, not {n} rows")
+            fs, arrs = _tensor_column(name, value, n)
         else:
-            f, arr = _encode_objects(field, _rows_of(value))
-            fields.append(f)
-            arrays.append(arr)
-        if len(arrays[-1]) != n:
-            raise InvalidRequest(f"TransferQueue field {field!r} has {len(arrays[-1])} rows, expected {n}")
-    fixed = _fixed_columns(n, global_indexes, partition, row_hashes)
+            keys = [m[len(field) + 1 :] for m in media_fields if m.startswith(field + ".") and m not in data]
+            fs, arrs = _objects(name, field, _rows_of(field, value, n), keys, media)
+        if len(arrs[0]) != n:
+            raise InvalidRequest(f"TransferQueue field {field!r} has {len(arrs[0])} rows, expected {n}")
+        fields += fs
+        arrays += arrs
+        columns[field] = _layout(fs)
+    hashes = [[h for h in row if h != NO_MEDIA] for row in _row_hashes(arrays, fields, n)]
+    fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
-    return UnitTables(traj=traj, media=build_media_table(media) if media else MEDIA_SCHEMA.empty_table())
+    tables = UnitTables(traj=traj, media=media_table(media.items) if media.items else MEDIA_SCHEMA.empty_table())
+    return tables, columns
+
+
+def _layout(fields: Sequence[pa.Field]) -> str:
+    """A field's layout: a digest of its columns' types and metadata, then their suffixes past ``tq.<field>``
+    (``"3fa2c1d0|#shape"``). Puts of one layout are read in one DoGet; rows of a dense field keep their shape
+    per row, so puts whose widths differ share a layout."""
+    digest = hashlib.sha1(usedforsecurity=False)
+    for f in fields:
+        digest.update(f"{f.type}|{(f.metadata or {}).get(_META, b'').decode()}\n".encode())
+    return "|".join([digest.hexdigest()[:8], *(f.name[len(fields[0].name) :] for f in fields[1:])])
+
+
+def layout_columns(field: str, layout: str) -> list[str]:
+    """The columns of ``field`` stored with ``layout``."""
+    name = column_name(field)
+    return [name, *(name + s for s in layout.split("|")[1:])]
+
+
+def _row_hashes(arrays: Sequence[pa.Array], fields: Sequence[pa.Field], n: int) -> list[list[bytes]]:
+    """Per row, the media hashes its columns hold (the fixed ``media`` column)."""
+    cols = [a.to_pylist() for a, f in zip(arrays, fields, strict=True) if f.type == _HASH]
+    return [[c[i] for c in cols] for i in range(n)] if cols else [[] for _ in range(n)]
 
 
 def _fixed_columns(
@@ -186,10 +321,11 @@ def _fixed_columns(
     empty = pa.array(np.zeros(n + 1, np.int32))
     zeros_f = pa.array(np.zeros(n, np.float32))
     zeros_i = pa.array(np.zeros(n, np.int32))
+    part = pa.array([partition] * n, type=pa.string())
     return [
         pa.array([str(g) for g in global_indexes], type=pa.string()),
-        pa.array([partition] * n, type=pa.string()),
-        pa.array([partition] * n, type=pa.string()).dictionary_encode(),
+        part,
+        part.dictionary_encode(),
         pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
         pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
         pa.ListArray.from_arrays(empty, pa.array([], pa.float32())),
@@ -202,95 +338,3 @@ def _fixed_columns(
         pa.array(row_hashes, type=pa.list_(_HASH)),
         pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
     ]
-
-
-def decode_media(table: pa.Table) -> dict[bytes, tuple[np.ndarray, str]]:
-    """Media rows (as a ``media`` DoGet returns them) -> per content hash, a read-only numpy view of its
-    storage bytes (no copy: the view keeps the DoGet's buffer alive) and its torch dtype name."""
-    out: dict[bytes, tuple[np.ndarray, str]] = {}
-    hashes = table.column("media_hash").to_pylist()
-    shapes = table.column("shape").to_pylist()
-    dtypes = table.column("dtype").to_pylist()
-    data = table.column("data")
-    for i, h in enumerate(hashes):
-        name = dtypes[i]
-        np_dtype = _STORAGE_DTYPES.get(name) or np.dtype(name)
-        out[h] = (np.frombuffer(data[i].as_buffer(), dtype=np_dtype).reshape(shapes[i]), name)
-    return out
-
-
-def _as_torch(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """Tensor of ``dtype_name`` over ``arr`` (which must own writable memory): no copy."""
-    t = torch.from_numpy(arr)
-    if dtype_name == "bfloat16":
-        return t.view(torch.bfloat16)
-    if dtype_name == "bool":
-        return t.view(torch.bool)
-    return t
-
-
-def _decode_media_rows(
-    hashes: list[bytes], media: Mapping[bytes, tuple[np.ndarray, str]], field: str
-) -> torch.Tensor | list[torch.Tensor]:
-    """Rows of a media column: one memcpy per row straight from the media buffers into the result."""
-    try:
-        unique = {h: media[h] for h in dict.fromkeys(hashes)}
-    except KeyError as exc:
-        raise InvalidRequest(f"media field {field!r}: hash {exc.args[0].hex()} is not in the media rows") from None
-    kinds = {(a.shape, a.dtype, name) for a, name in unique.values()}
-    if len(kinds) == 1:
-        shape, np_dtype, name = next(iter(kinds))
-        out = np.empty((len(hashes), *shape), dtype=np_dtype)
-        for i, h in enumerate(hashes):
-            out[i] = unique[h][0]
-        return _as_torch(out, name)
-    return [_restore(unique[h][0], unique[h][1]) for h in hashes]
-
-
-def _decode_jagged(col: pa.Array, shapes: list[list[int]], dtype: str) -> torch.Tensor | list[torch.Tensor]:
-    """A jagged column: one jagged nested tensor when every row is 1-D (values copied once), else one
-    tensor per row."""
-    offsets = col.offsets.to_numpy()
-    values = col.values.to_numpy(zero_copy_only=False)
-    if len(col) and all(len(s) == 1 for s in shapes):
-        base = int(offsets[0])
-        flat = _as_torch(np.array(values[base : int(offsets[-1])], copy=True), dtype)
-        offs = torch.from_numpy(offsets.astype(np.int64) - base)
-        return torch.nested.nested_tensor_from_jagged(flat, offs)
-    return [_restore(values[offsets[i] : offsets[i + 1]], dtype).reshape(shapes[i]) for i in range(len(col))]
-
-
-def decode_column(
-    table: pa.Table, field: str, media: Mapping[bytes, tuple[np.ndarray, str]] | None = None
-) -> torch.Tensor | list[Any]:
-    """Values of ``field`` for every row of ``table`` (a DoGet result holding its column(s)).
-
-    A batched tensor ``[rows, ...]`` when every row has one shape and dtype (scalar, dense and
-    uniform media fields), a jagged nested tensor for a jagged field of 1-D rows, else a list with
-    one value per row.
-    """
-    name = column_name(field)
-    col = table.column(name).combine_chunks()
-    meta = _field_meta(table.schema.field(name))
-    kind, dtype = meta["kind"], meta.get("dtype", "")
-    if kind == "scalar":
-        return _restore(col.to_numpy(zero_copy_only=False), dtype)
-    if kind == "dense":
-        return _restore(col.to_numpy_ndarray(), dtype)
-    if kind == "jagged":
-        return _decode_jagged(col, table.column(name + "#shape").to_pylist(), dtype)
-    if kind == "media":
-        if media is None:
-            raise InvalidRequest(f"media field {field!r} needs its media rows")
-        return _decode_media_rows(col.to_pylist(), media, field)
-    if kind == "str":
-        return list(col.to_pylist())
-    if kind == "json":
-        return [json.loads(v) for v in col.to_pylist()]
-    raise InvalidRequest(f"column {name!r} has unknown TransferQueue kind {kind!r}")
-
-
-def field_columns(names: Collection[str], field: str) -> list[str]:
-    """The column names a field occupies in a unit (``tq.<field>`` and, for jagged, its shapes)."""
-    name = column_name(field)
-    return [name, name + "#shape"] if name + "#shape" in names else [name]

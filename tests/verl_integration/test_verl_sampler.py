@@ -1,5 +1,5 @@
 """KnitTransQuotaSampler inside verl 0.9.1: loaded the way verl's trainer loads a custom sampler, over a real
-TransferQueue (SimpleStorage on Ray) holding prompts and trajectories tagged the way verl's agent loop tags them."""
+TransferQueue on the KnitTrans backend holding prompts and trajectories tagged the way verl's agent loop tags them."""
 
 from __future__ import annotations
 
@@ -8,33 +8,34 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
 from tensordict import NonTensorStack, TensorDict
+from tq_support import ray_session, tq_conf
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.utils.import_utils import load_extern_type
 
 N = 2  # trajectories per group
 
 
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One Ray and one TransferQueue on the KnitTrans backend for the module."""
+    root = tmp_path_factory.mktemp("kt-sampler")
+    with ray_session(num_cpus=2):
+        tq.init(tq_conf({"storage_backend": "KnitTrans", "KnitTrans": {"store_root": str(root)}}))
+        try:
+            yield
+        finally:
+            tq.close()
+
+
 @pytest.fixture()
-def queue() -> Iterator[None]:
-    ray.init(
-        num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False, _node_ip_address="127.0.0.1"
-    )
-    try:
-        tq.init(
-            OmegaConf.create(
-                {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 1}}},
-                flags={"allow_objects": True},
-            )
-        )
-        yield
-    finally:
-        tq.close()
-        ray.shutdown()
+def queue(session: None) -> Iterator[None]:
+    """An empty ``train`` partition (the previous test's rows cleared)."""
+    yield
+    tq.get_client().clear_partition("train")
 
 
 def _finish(uid: str, source: str, step: int, min_step: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The TransferQueue backend's storage logic without TransferQueue: real store servers, counted DoGets."""
+"""The TransferQueue backend's storage logic without TransferQueue's client: real store servers, counted DoGets."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from knittrans.errors import InvalidRequest
 from knittrans.flight.server import StoreServer, StoreServerConfig
-from knittrans.integrations.transferqueue import NODE_ENV, StoreNodeLost, TQBackendConfig, _Core
+from knittrans.integrations.tqstore import NODE_ENV, StoreNodeLost, TQBackendConfig
+from knittrans.integrations.tqstore import TQStoreCore as _Core
 from knittrans.store.store import StoreConfig
 
 
@@ -74,8 +75,9 @@ def test_get_is_one_rows_and_one_media_doget_per_node(stores: dict[str, Counting
         assert b"tq.logp" not in s.gets[0] and b"tq.reward" in s.gets[0]
     ref = {i: _put_values(i) for i in want}
     assert torch.equal(got["reward"], torch.stack([ref[i]["reward"] for i in want]))
-    assert torch.equal(got["image"], torch.stack([ref[i]["image"] for i in want]))
-    assert got["uid"] == [f"u{i}" for i in want]
+    assert got["image"].is_nested  # SimpleStorage's container: rows of one shape in a jagged nested tensor
+    assert torch.equal(torch.stack(got["image"].unbind()), torch.stack([ref[i]["image"] for i in want]))
+    assert got["uid"].tolist() == [f"u{i}" for i in want]
     assert [t.tolist() for t in got["tokens"]] == [list(range(i % 8 % 7 + 1)) for i in want]
     core.close()
 
@@ -101,19 +103,20 @@ def test_lost_node_and_unknown_location_are_named(stores: dict[str, CountingStor
     core.close()
 
 
-def test_values_json_cannot_round_trip_are_refused(stores: dict[str, CountingStore]) -> None:
-    """A non-tensor value that JSON would change (a tuple) is refused naming the field and row."""
+def test_a_column_of_the_wrong_length_is_refused_by_name(stores: dict[str, CountingStore]) -> None:
+    """A put whose field holds fewer rows than the put is refused naming the field (nothing is stored)."""
     core = _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint}))
-    with pytest.raises(InvalidRequest, match=r"field 'extra' row 1: a tuple value"):
-        core.put({"extra": [{"a": 1}, (1, 2)]}, 2, [0, 1], "p")
+    with pytest.raises(InvalidRequest, match=r"field 'extra' has 1 rows, expected 2"):
+        core.put({"extra": ["a"], "ok": torch.zeros(2)}, 2, [0, 1], "p")
+    assert stores["node-a"].store.units("transferqueue") == []
     core.close()
 
 
 def test_same_host_batch_in_order_is_served_from_the_units_as_batched_tensors(
     stores: dict[str, CountingStore], tmp_path: Path
 ) -> None:
-    """With the node's directory on this host, a whole put read in order touches no server; 1-D jagged
-    rows come back as one jagged nested tensor and media rows as one dense tensor, both equal to the put."""
+    """With the node's directory on this host, a whole put read in order touches no server; jagged rows and
+    media rows come back as jagged nested tensors (SimpleStorage's containers), scalars as a dense tensor."""
     store_dir = str(tmp_path / "node-a")
     core = _Core(
         TQBackendConfig(
@@ -129,11 +132,11 @@ def test_same_host_batch_in_order_is_served_from_the_units_as_batched_tensors(
     assert stores["node-a"].gets == []
     assert got["tokens"].is_nested and got["tokens"].layout == torch.jagged
     assert [t.tolist() for t in got["tokens"].unbind(0)] == [list(range(i % 7 + 1)) for i in range(8)]
-    assert not got["image"].is_nested and got["image"].shape == (8, 8, 8)
-    assert torch.equal(got["image"], torch.stack([_put_values(i)["image"] for i in range(8)]))
-    assert got["logp"].dtype == torch.bfloat16 and got["logp"].shape == (8, 5)
+    assert got["image"].layout == torch.jagged and got["image"].values().shape == (64, 8)
+    assert torch.equal(torch.stack(got["image"].unbind()), torch.stack([_put_values(i)["image"] for i in range(8)]))
+    assert got["logp"].dtype == torch.bfloat16 and [r.shape for r in got["logp"].unbind()] == [(5,)] * 8
     # out of order: same rows, reordered, as a list of rows for the jagged field
     back = core.get(["tokens", "image"], [5, 3], [meta[5], meta[3]])
     assert [t.tolist() for t in back["tokens"].unbind(0)] == [list(range(6)), list(range(4))]
-    assert torch.equal(back["image"], got["image"][[5, 3]])
+    assert [r.tolist() for r in back["image"].unbind()] == [got["image"][5].tolist(), got["image"][3].tolist()]
     core.close()

@@ -1,0 +1,93 @@
+"""An AReaL ``RTensorBackend`` whose shards live in KnitTrans stores (AReaL 1.0.4, ``areal.infra.rpc.rtensor``).
+
+AReaL moves trajectory tensors between its rollout and training processes as ``RTensor`` handles:
+``RTensor.remotize`` calls the process-wide backend's ``store(tensor)`` for each tensor and keeps a
+``TensorShardInfo(shard_id, node_addr)``; ``RTensor.localize`` batches the shards it misses into one
+``fetch(shards)``; ``RTensor.clear_node`` ends with ``delete(node_addr, shard_ids)``. AReaL ships an
+HTTP backend (shards in the storing process's memory) and a Ray object-store backend; this one keeps
+each shard as a one-row storage unit on this host's KnitTrans store node (tmpfs, off the process
+heap, the same codec as the TransferQueue backend: any dtype, dense or nested) and fetches a batch
+of shards with one ``DoGet`` per node (memory-mapped units when the node's directory is on the
+fetching host)::
+
+    from areal.infra.rpc import rtensor
+    from knittrans.integrations.areal import KnitTransRTensorBackend
+    rtensor.set_backend(KnitTransRTensorBackend(stores={"node-a": "grpc://10.0.0.1:8815"},
+                                                store_dirs={"node-a": "/dev/shm/knittrans"}))
+
+Set it in every AReaL process that stores or fetches shards (the storing process writes to the
+store named by ``KNITTRANS_TQ_NODE``, or the only store given). A shard id is a string
+``"<node>|<unit>|<layout>"``; ``node_addr`` (AReaL's worker address) is not used to find it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knittrans.errors import InvalidRequest
+from knittrans.integrations.tqstore import TQBackendConfig, TQStoreCore
+
+__all__ = ["KnitTransRTensorBackend"]
+
+_FIELD = "tensor"
+_PARTITION = "areal"
+
+
+class KnitTransRTensorBackend:
+    """AReaL ``RTensorBackend`` (``fetch`` / ``store`` / ``delete``) over KnitTrans store nodes."""
+
+    def __init__(
+        self,
+        *,
+        stores: Mapping[str, str],
+        store_dirs: Mapping[str, str] | None = None,
+        job: str = "areal",
+        token: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Args:
+        stores: store node name -> Flight endpoint.
+        store_dirs: store node name -> its directory, for the nodes on this host (files, no DoPut).
+        job: job directory of the shards on every node.
+        token: the stores' bearer token, None for none.
+        timeout_s: deadline of one store call.
+        """
+        config = TQBackendConfig(
+            job=job, stores=dict(stores), store_dirs=dict(store_dirs or {}), token=token, timeout_s=timeout_s
+        )
+        self.core = TQStoreCore(config)
+        self._next = 0
+
+    def store(self, tensor: Any) -> str:
+        """Write ``tensor`` (on CPU) as a one-row unit on this host's node; its shard id."""
+        self._next += 1
+        (loc,) = self.core.put({_FIELD: tensor.detach().cpu().unsqueeze(0)}, 1, [self._next], _PARTITION)
+        node, unit, _, _, layout = loc[_FIELD]
+        return f"{node}|{unit}|{layout}"
+
+    def fetch(self, shards: Sequence[Any]) -> list[Any]:
+        """The tensors of ``shards`` (AReaL ``TensorShardInfo``), in order: one DoGet per node and layout."""
+        if not shards:
+            return []
+        metas = [{_FIELD: (*_parse(s.shard_id)[:2], 0, 1, _parse(s.shard_id)[2])} for s in shards]
+        return self.core.get_rows([_FIELD], list(range(len(shards))), metas)[_FIELD]
+
+    async def delete(self, node_addr: str, shard_ids: list[Any]) -> None:
+        """Delete the units of ``shard_ids`` (``node_addr`` is AReaL's worker address; the ids name the node)."""
+        metas = [{_FIELD: (*_parse(s)[:2], 0, 1, _parse(s)[2])} for s in shard_ids]
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.core.clear, [_FIELD], list(range(len(metas))), metas
+        )
+
+    def close(self) -> None:
+        """Close the store clients."""
+        self.core.close()
+
+
+def _parse(shard_id: Any) -> tuple[str, str, str]:
+    parts = str(shard_id).split("|", 2)
+    if len(parts) != 3:
+        raise InvalidRequest(f"{shard_id!r} is not a KnitTrans shard id ('<node>|<unit>|<layout>')")
+    return parts[0], parts[1], parts[2]
