@@ -15,7 +15,7 @@ Two parts, each printing a table and writing ``gloo_teardown.json`` under ``--ou
   counts passes and failures (a rank that aborts fails its test).
 
     python benchmarks/trainer/gloo_teardown.py mechanism [--repeats 5]
-    python benchmarks/trainer/gloo_teardown.py stress --runs 50
+    python benchmarks/trainer/gloo_teardown.py stress --runs 50 [--accumulate]
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", choices=("mechanism", "stress"))
     ap.add_argument("--runs", type=int, default=50, help="stress: runs of the 2-process tests")
     ap.add_argument("--repeats", type=int, default=5, help="mechanism: two-rank runs per import order")
+    ap.add_argument("--accumulate", action="store_true", help="stress: add to the runs already in the JSON")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args(argv)
     result = mechanism(args.repeats) if args.part == "mechanism" else stress(args.runs)
@@ -154,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gloo_teardown.json"
     merged = json.loads(path.read_text()) if path.exists() else {}
+    earlier = merged.get("stress") if args.part == "stress" and args.accumulate else None
+    if earlier is not None:  # chunks of runs add up (e.g. one chunk per turn of a shared benchmark lock)
+        result["runs"] += earlier["runs"]
+        for name, count in result["counts"].items():
+            for key in count:
+                count[key] += earlier["counts"][name][key]
+        result["failures"] = earlier["failures"] + result["failures"]
+        result["run_seconds"] = earlier["run_seconds"] + result["run_seconds"]
+        result["chunks"] = earlier.get("chunks", 1) + 1
     merged[args.part] = result
     path.write_text(json.dumps(merged, indent=2))
     ok = (
