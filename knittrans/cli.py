@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "store": ("knittrans.flight.cli", "serve a node-local store over Arrow Flight"),
     "control-plane": ("knittrans.api.cli", "serve the control plane (FastAPI + uvicorn, SQLite state)"),
     "rollout": ("knittrans.rollout.cli", "run a rollout worker: generate groups, write units, register them"),
-    "train": ("knittrans.demo.traincli", "run one trainer rank (GRPO on a tiny policy, DDP over gloo)"),
+    "train": ("knittrans.demo.traincli", "run one trainer rank (GRPO on a tiny policy, gloo all-reduce)"),
     "token": ("knittrans.api.tokencli", "mint a scoped bearer token offline (admin token from the environment)"),
     "status": ("knittrans.api.statusview", "show jobs, store nodes and ranks of a control plane (--watch redraws)"),
     "sim": ("knittrans.sim.cli", "simulate admission policies under rollout skew"),

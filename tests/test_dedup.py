@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from knittrans.errors import InvalidRequest, NotFound
+from knittrans.errors import Conflict, InvalidRequest, NotFound
 from knittrans.trainer.dedup import DedupEncoder, DedupStateError
 
 DIM = 8
@@ -427,4 +427,39 @@ def test_encoder_changing_its_input_in_place_is_refused(mode: str) -> None:
     dedup.begin_mini_batch()
     with pytest.raises(InvalidRequest, match="in place"):
         dedup.add_media(_images(2))
+    dedup.drop()
+
+
+@pytest.mark.parametrize("mode", ["keep_graph", "recompute"])
+def test_same_hash_with_other_pixels_is_refused(mode: str) -> None:
+    """A hash handed in again with an augmented copy of its image raises Conflict (no silently wrong grads)."""
+    images = make_images({"A": (6, 6)})
+    augmented = images["A"].flip(-1).contiguous()  # per-row augmentation under the same hash
+    enc, lm = models()
+    dedup = DedupEncoder(enc, mode=mode)  # type: ignore[arg-type]
+    assert dedup.verify_content  # on by default while Python runs without -O (tests do)
+    mbs = make_micro_batches([[("A",)], [("A",)]])
+    dedup.begin_mini_batch()
+    feats = dedup.features(["A"], media={"A": images["A"]})
+    micro_batch_loss(lm, feats, mbs[0]).backward()
+    dedup.features(["A"], media={"A": images["A"].clone()})  # the same pixels again: fine
+    with pytest.raises(Conflict, match=r"'A' is given with other content.*function of the hash"):
+        dedup.features(["A"], media={"A": augmented})
+    dedup.drop()
+    dedup.begin_mini_batch({"A": augmented})  # a new mini-batch starts from nothing
+    dedup.drop()
+
+
+def test_same_hash_with_other_shape_or_dtype_is_refused_without_content_check() -> None:
+    """Shape and dtype are always checked; verify_content=False only skips the digest of the bytes."""
+    images = make_images({"A": (6, 6)})
+    enc, _ = models()
+    dedup = DedupEncoder(enc, verify_content=False)
+    dedup.begin_mini_batch(images)
+    with pytest.raises(Conflict, match=r"torch\.uint8 tensor of shape \[3, 6, 6\].*torch\.float64 of shape"):
+        dedup.add_media({"A": images["A"].double()})
+    with pytest.raises(Conflict, match=r"shape \[3, 8, 4\]"):
+        dedup.add_media({"A": make_images({"A": (8, 4)})["A"]})
+    dedup.add_media({"A": 255 - images["A"]})  # same shape and dtype, other bytes: not digested
+    assert dedup.cached_media == 1
     dedup.drop()

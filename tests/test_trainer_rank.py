@@ -1,4 +1,4 @@
-"""``knittrans train``: two real rank processes (DDP over gloo) train a multimodal job to completion."""
+"""``knittrans train``: two real rank processes (gloo all-reduce) train a multimodal job to completion."""
 
 from __future__ import annotations
 

@@ -192,6 +192,50 @@ def test_dedup_gradients_equal_per_row_encoding_in_float64(vlm_dir: Path, mode: 
     assert max(float(g.abs().max()) for g in got) > 1e-6  # the gradients are not trivially zero
 
 
+def test_packed_logprobs_equal_the_models_own_forward_in_float64(vlm_dir: Path) -> None:
+    """float64 VLM: padded, batched logprobs with VisionTower features equal Idefics3's own per-row forward to 1e-12."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(str(vlm_dir), dtype=torch.float64).eval()
+    layout = VLMLayout.from_dir(vlm_dir)
+    processor = load_image_processor(vlm_dir)
+    rng = np.random.default_rng(4)
+    allowed = np.array([t for t in range(256) if t not in set(layout.suppressed_token_ids)])
+    rows = []  # (prompt ids, response ids, images): two images, text only, one image
+    for count, text, resp in ((2, 4, 7), (0, 6, 3), (1, 2, 5)):
+        images = [_image(rng, 96 + 8 * i, 112) for i in range(count)]
+        prompt = image_prompt_ids(layout, rng.integers(0, 255, text), count) if count else rng.integers(0, 255, text)
+        rows.append((np.asarray(prompt, dtype=np.int64), rng.choice(allowed, resp), images))
+    width = max(len(p) + len(r) for p, r, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r, _) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.from_numpy(np.concatenate([p, r]))
+        mask[i, : len(p) + len(r)] = 1
+    pixels = [pixel_values(processor, images).double() for _, _, images in rows if images]
+    with torch.no_grad():
+        feats = VisionTower(model)(torch.cat(pixels))
+        got = packed_response_logprobs(
+            model,
+            ids,
+            mask,
+            torch.tensor([len(p) for p, _, _ in rows]),
+            torch.tensor([len(r) for _, r, _ in rows]),
+            image_features=feats,
+            layout=layout,
+        )
+        expected = []
+        for p, r, images in rows:
+            row = torch.from_numpy(np.concatenate([p, r]))[None]
+            extra = {"pixel_values": pixel_values(processor, images).double()[None]} if images else {}
+            logits = model(input_ids=row, attention_mask=torch.ones_like(row), **extra).logits[0]
+            logits[:, list(layout.suppressed_token_ids)] = float("-inf")
+            logp = torch.log_softmax(logits, dim=-1)
+            expected.append(logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), torch.from_numpy(r)])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.cat(expected), rtol=0, atol=1e-12)
+
+
 def test_source_profile_images_per_prompt_and_size_ranges() -> None:
     """``image=3x64-160x80:images=2``: two images per prompt, heights drawn from a range."""
     p = SourceProfile.parse("mm:4-8:8-16:image=3x64-160x80:images=2")

@@ -38,7 +38,7 @@ class DemoConfig:
     group_size: int = 4
     """Responses per prompt (GRPO group)."""
     ranks: int = 2
-    """Trainer ranks (gloo DDP)."""
+    """Trainer ranks (a gloo process group; one gradient all-reduce per mini-batch)."""
     stores: int = 2
     """Store nodes; rollout worker ``i`` writes to node ``i % stores``."""
     micro_batch_size: int = 2

@@ -70,6 +70,8 @@ def packed_response_logprobs(
     ...) replace the prompts' ``<image>`` token embeddings, and the image-structure tokens are
     masked out of the softmax exactly as the rollout engines mask them. Without one, ``features``
     and ``has_media`` are the text path's side-encoder prefix (:func:`prefix_embeddings`).
+    The log-softmax runs in the logits' dtype, upcast to float32 when narrower (float64 stays
+    float64), and so does the result.
     """
     embed = model.get_input_embeddings()  # type: ignore[operator]
     embeds = embed(input_ids)
@@ -79,7 +81,8 @@ def packed_response_logprobs(
     else:
         embeds = prefix_embeddings(embeds, features, has_media)
     logits = model(inputs_embeds=embeds, attention_mask=attention_mask).logits
-    logits = logits.float() / temperature
+    # the softmax in the model's dtype, at least float32 (a bf16/fp16 model's logits are upcast)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     if layout is not None:
         banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         banned[list(layout.suppressed_token_ids)] = True

@@ -29,7 +29,11 @@ flag, not by a DDP wrapper: DDP reduces inside the last backward, before the ran
 to step (and its per-forward buffer broadcasts would mismatch when one rank stops early). The
 result is DDP's: every rank divides its summed token loss by ``N / W`` and gradients are averaged
 over ``W`` ranks, so the gradient is exactly that of ``sum(token losses) / N`` over the whole
-mini-batch, whatever the split. Initial weights are broadcast from rank 0.
+mini-batch, whatever the split. Initial weights are broadcast from rank 0. There is no DDP wrapper
+option either: with the VLM the vision tower is part of the model, and its backward runs in
+``DedupEncoder.finish()`` after the last backbone backward, outside DDP's hooks (a rank without
+images would leave its parameters unreduced or mismatch the collectives); the manual all-reduce
+covers every parameter once, whatever media a rank had.
 
 Media: with the tiny VLM (:mod:`knittrans.rollout.vlm`, the demo's policy) the encoder is the
 policy's own vision tower (vision transformer + connector): each unique image of the mini-batch
@@ -49,7 +53,6 @@ import json
 import logging
 import os
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,14 +141,12 @@ def _count_rows(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
 
 @dataclass
 class Policy:
-    """The trainable policy of one rank: LM backbone (maybe DDP-wrapped) + vision encoder."""
+    """The trainable policy of one rank: LM backbone + vision encoder (no DDP wrapper; see module doc)."""
 
     backbone: nn.Module
-    """The transformers causal LM itself (unwrapped)."""
+    """The transformers causal LM itself."""
     encoder: nn.Module
-    """Vision encoder (kept outside DDP)."""
-    ddp: nn.Module | None = None
-    """A DDP wrapper of ``backbone`` to run forwards through (``knittrans train`` uses none; see module doc)."""
+    """Vision encoder: the VLM's own vision tower (its parameters are the backbone's), else a side encoder."""
     layout: VLMLayout | None = None
     """Token layout of a VLM backbone (then ``encoder`` is its own vision tower); None: text-only backbone."""
     image_processor: Any = None
@@ -168,11 +169,6 @@ class Policy:
         """Wall seconds spent in the encoder's forward so far (both hooks time it)."""
         return float(getattr(self.encoder, _SECONDS))
 
-    @property
-    def forward_module(self) -> nn.Module:
-        """What micro-batches run through: the DDP wrapper, else the backbone."""
-        return self.ddp if self.ddp is not None else self.backbone
-
     def parameters(self) -> list[nn.Parameter]:
         """Backbone and encoder parameters, each once (a VLM's vision tower is part of the backbone)."""
         seen: set[int] = set()
@@ -190,19 +186,6 @@ class Policy:
         unique = list(dict.fromkeys(hashes))
         pixels = pixel_values(self.image_processor, [media[h] for h in unique])
         return dict(zip(unique, pixels, strict=True))
-
-
-class _Forward:
-    """What ``packed_response_logprobs`` needs of a model, routing the call through DDP."""
-
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self._policy.backbone.get_input_embeddings()  # type: ignore[operator,no-any-return]
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return self._policy.forward_module(**kwargs)
 
 
 def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Policy:
@@ -231,9 +214,9 @@ def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: t
 
 
 def _zero_loss(policy: Policy) -> torch.Tensor:
-    """A zero loss through every backbone parameter (one dummy token), so DDP's reducer fires."""
+    """A zero loss through every backbone parameter (one dummy token): an empty micro-batch backpropagates too."""
     ids = torch.zeros((1, 1), dtype=torch.long)
-    logits: torch.Tensor = policy.forward_module(input_ids=ids).logits
+    logits: torch.Tensor = policy.backbone(input_ids=ids).logits
     return logits.sum() * 0.0
 
 
@@ -308,7 +291,7 @@ def micro_batch_loss(
         prompts = [ids[i, : int(starts[i + 1] - starts[i])] for i in range(b.num_rows)]
         image_features = _image_features(policy, dedup, micro, prompts)
         logprobs = packed_response_logprobs(
-            _Forward(policy),  # type: ignore[arg-type]
+            policy.backbone,
             ids.long(),
             mask.long(),
             prompt_lens,
@@ -319,7 +302,7 @@ def micro_batch_loss(
     else:
         features, has_media = _row_features(policy, dedup, micro)
         logprobs = packed_response_logprobs(
-            _Forward(policy),  # type: ignore[arg-type]
+            policy.backbone,
             ids.long(),
             mask.long(),
             prompt_lens,
@@ -376,17 +359,12 @@ def train_mini_batch(
     traj_ids: list[str] = []
     failure: KnitTransError | None = None
     stats = None
-    last = mb.num_micro_batches - 1
     try:
-        for i, micro in enumerate(mb):
-            sync: AbstractContextManager[Any] = nullcontext()
-            if policy.ddp is not None and i != last:
-                sync = policy.ddp.no_sync()  # type: ignore[operator]
-            with sync:
-                loss = micro_batch_loss(
-                    policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps, pad_id=pad_id, gaps=gaps
-                )
-                loss.backward()  # type: ignore[no-untyped-call]
+        for micro in mb:
+            loss = micro_batch_loss(
+                policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps, pad_id=pad_id, gaps=gaps
+            )
+            loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
             image_rows += sum(1 for hashes in micro.batch.media_hex() if hashes)
             table = micro.batch.table
@@ -462,6 +440,11 @@ def save_weights(backbone: nn.Module, weights_dir: Path, version: int) -> Path:
 
 def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
     from datetime import timedelta
+
+    # Imported after init_process_group, this module's default arguments would hold the default group, so
+    # destroy_process_group() could not free it and gloo's threads would outlive it into interpreter shutdown,
+    # where one of them can abort the process (see tests/test_dedup_ddp.py). Imported first, they hold None.
+    import torch.distributed.nn.functional
 
     dist.init_process_group(
         "gloo",

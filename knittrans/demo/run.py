@@ -2,7 +2,7 @@
 
 Processes: the control plane (SQLite in the run directory), ``stores`` store nodes, one rollout
 worker per source (transformers or vLLM engine, writing to the node ``i % stores``), and
-``ranks`` trainer ranks (gloo DDP) that fetch their rows on demand and take GRPO steps. Every
+``ranks`` trainer ranks (one gloo process group) that fetch their rows on demand and take GRPO steps. Every
 process is a child in its own session and is stopped on exit, on error and on Ctrl-C.
 """
 

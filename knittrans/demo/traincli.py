@@ -1,4 +1,4 @@
-"""``knittrans train``: one data-parallel trainer rank of the demo (GRPO on a tiny multimodal policy, DDP over gloo)."""
+"""``knittrans train``: one data-parallel trainer rank of the demo (GRPO on a tiny VLM, gloo gradient all-reduce)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,14 @@ Shapes: unique media are grouped by (shape, dtype) in first-seen order and each 
 in one call (or in chunks of ``encode_batch_size``); ``features()`` stacks rows, so every media a
 micro-batch asks for must yield the same feature shape (use ``feature_list()`` otherwise).
 
+Contract: a media hash names one encoder input. The tensor handed in for a hash must be a function
+of the hash alone: per-row augmentation, or a processor that differs by source, needs a hash of its
+own (e.g. the hash of the processed tensor), because the first tensor seen for a hash is encoded
+and every later use of the hash reads its features. A hash handed in again within the mini-batch
+with a tensor of another shape or dtype raises :class:`~knittrans.errors.Conflict`; with
+``verify_content`` (on by default unless Python runs with ``-O``) a CRC-32 digest of each tensor's
+bytes is kept per hash and a tensor with other content raises ``Conflict`` as well.
+
 Grad mode: media encoded while autograd is off (``torch.no_grad()``/``inference_mode``, e.g. an
 evaluation pass) are encoded without a graph in either mode and ``finish()`` has nothing to do for
 them. A frozen encoder (no parameter requires grad) is never re-run by ``finish()`` in
@@ -57,6 +65,7 @@ docs/dedup.md for FSDP.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,7 +74,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from knittrans.errors import DedupStateError, InvalidRequest, NotFound
+from knittrans.errors import Conflict, DedupStateError, InvalidRequest, NotFound
 
 __all__ = [
     "DedupEncoder",
@@ -104,6 +113,15 @@ class _RngState:
     device_state: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _Fingerprint:
+    """What was encoded for one hash: the input's shape and dtype, and its content digest when verifying."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    digest: int | None
+
+
 @dataclass
 class _Chunk:
     """One encoder call: its inputs (recompute), output (keep_graph) and the detached leaf."""
@@ -127,6 +145,11 @@ class DedupEncoder:
         encode_batch_size: most media per encoder call; ``None`` encodes each (shape, dtype)
             group of a ``begin_mini_batch``/``add_media`` call in one call.
         device: where stacked inputs go before the encoder (``None``: leave them where they are).
+        verify_content: keep a CRC-32 digest of each media tensor's bytes and refuse a hash handed in
+            again with other content (:class:`~knittrans.errors.Conflict`). ``None`` (default): on
+            unless Python runs with ``-O`` (``__debug__``), the switch that also turns ``assert`` off.
+            Shape and dtype are checked either way. A tensor off the CPU is copied to the host to be
+            digested (a device sync), so turn it off for device-resident inputs in production.
     """
 
     def __init__(
@@ -136,6 +159,7 @@ class DedupEncoder:
         mode: Mode = "keep_graph",
         encode_batch_size: int | None = None,
         device: torch.device | str | None = None,
+        verify_content: bool | None = None,
     ) -> None:
         if mode not in ("keep_graph", "recompute"):
             raise ValueError(f"mode must be 'keep_graph' or 'recompute', got {mode!r}")
@@ -145,9 +169,11 @@ class DedupEncoder:
         self.mode: Mode = mode
         self.encode_batch_size = encode_batch_size
         self.device = torch.device(device) if device is not None else None
+        self.verify_content: bool = __debug__ if verify_content is None else verify_content
         self._active = False
         self._chunks: list[_Chunk] = []
         self._index: dict[str, tuple[int, int]] = {}
+        self._inputs: dict[str, _Fingerprint] = {}
         self._uses = 0
         self._encoder_calls = 0
 
@@ -181,17 +207,33 @@ class DedupEncoder:
             self.add_media(media)
 
     def add_media(self, media: Mapping[str, torch.Tensor]) -> None:
-        """Encode the media of ``media`` not encoded yet in this mini-batch (lazy, per micro-batch)."""
+        """Encode the media of ``media`` not encoded yet in this mini-batch (lazy, per micro-batch).
+
+        A hash encoded before in this mini-batch is not encoded again; its tensor is checked
+        against the one encoded (shape and dtype, and content with ``verify_content``).
+
+        Raises:
+            DedupStateError: no mini-batch is active.
+            InvalidRequest: a hash that is not a non-empty str, or a value that is not a tensor.
+            Conflict: a hash encoded before with a tensor of another shape, dtype or content.
+        """
         self._require_active("add_media")
-        new: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        new: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor, _Fingerprint]]] = {}
         for media_hash, tensor in media.items():
             if not isinstance(media_hash, str) or not media_hash:
                 raise InvalidRequest(f"media hash must be a non-empty str, got {media_hash!r}")
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidRequest(f"media {media_hash}: expected a torch.Tensor, got {type(tensor).__name__}")
-            if media_hash in self._index:
+            fingerprint = _Fingerprint(
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                digest=_content_digest(tensor) if self.verify_content else None,
+            )
+            encoded = self._inputs.get(media_hash)
+            if encoded is not None:
+                _check_same_input(media_hash, encoded, fingerprint)
                 continue
-            new.setdefault((tuple(tensor.shape), tensor.dtype), []).append((media_hash, tensor))
+            new.setdefault((fingerprint.shape, fingerprint.dtype), []).append((media_hash, tensor, fingerprint))
         for group in new.values():
             step = self.encode_batch_size or len(group)
             for start in range(0, len(group), step):
@@ -302,6 +344,7 @@ class DedupEncoder:
         """Forget the current mini-batch without a backward (e.g. on an exception); idempotent."""
         self._chunks = []
         self._index = {}
+        self._inputs = {}
         self._active = False
 
     # ------------------------------------------------------------------ internals
@@ -317,8 +360,8 @@ class DedupEncoder:
                 f"media {media_hash!r} was not given to begin_mini_batch()/add_media() in this mini-batch"
             ) from None
 
-    def _encode(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        inputs = torch.stack([t for _, t in items])
+    def _encode(self, items: list[tuple[str, torch.Tensor, _Fingerprint]]) -> None:
+        inputs = torch.stack([t for _, t, _ in items])
         if self.device is not None:
             inputs = inputs.to(self.device, non_blocking=True)
         rng_state = None
@@ -350,8 +393,33 @@ class DedupEncoder:
                 input_version=inputs._version,
             )
         )
-        for row, (media_hash, _) in enumerate(items):
+        for row, (media_hash, _, fingerprint) in enumerate(items):
             self._index[media_hash] = (chunk_id, row)
+            self._inputs[media_hash] = fingerprint
+
+
+def _content_digest(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes in row-major order (a copy to the host first for a device tensor)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
+
+
+def _check_same_input(media_hash: str, encoded: _Fingerprint, given: _Fingerprint) -> None:
+    """Refuse a tensor for ``media_hash`` that is not the one encoded for it in this mini-batch."""
+    remedy = (
+        "the tensor for a media hash must be a function of the hash (per-row augmentation or a "
+        "per-source processor needs a hash of its own)"
+    )
+    if (given.shape, given.dtype) != (encoded.shape, encoded.dtype):
+        raise Conflict(
+            f"media {media_hash!r} was encoded from a {encoded.dtype} tensor of shape {list(encoded.shape)} in "
+            f"this mini-batch and is now given as {given.dtype} of shape {list(given.shape)}; {remedy}"
+        )
+    if given.digest is not None and encoded.digest is not None and given.digest != encoded.digest:
+        raise Conflict(
+            f"media {media_hash!r} is given with other content than the tensor encoded for it in this mini-batch "
+            f"(CRC-32 {given.digest:08x} vs {encoded.digest:08x}); {remedy}"
+        )
 
 
 def _capture_rng(device: torch.device) -> _RngState:
