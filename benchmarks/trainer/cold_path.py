@@ -1,57 +1,49 @@
-"""Cold path: admission -> first micro-batch ready, for a fresh client and for later mini-batches.
+"""Cold path: admission -> first micro-batch ready, for a fresh client process and for later mini-batches.
 
 A real control plane and two store processes (LocalCluster) on 127.0.0.1; one rank. Every
 mini-batch's units are written beforehand and registered one mini-batch at a time while the
 trainer loop already waits, so admission happens at a known moment (the control plane stamps
-``admitted_at`` in the plan). Measured, per mini-batch: ``admitted_at`` -> the plan reached the
-client (``received_at``) -> the training loop holds micro-batch 0 (wall clock, same host).
+``admitted_at`` in the manifest). Measured, per mini-batch: ``admitted_at`` -> the rank's share
+reached the client (``received_at``) -> the training loop holds micro-batch 0 (wall clock, same host).
 
-- ``cold``: the first mini-batch of a fresh :class:`TrainerClient` (new process-level objects,
-  no Flight channel yet): what every job start and every un-prefetched mini-batch pays.
-- ``warm``: mini-batches 2.. of the same client (channels open, the successor poll waiting).
+- ``cold``: the first mini-batch of a fresh rank process (imports done, its :class:`TrainerClient` made
+  0.4 s before the admission, nothing of it used yet): what every job start pays.
+- ``warm``: mini-batches 2.. of the same client.
 
-Variants: ``default`` (the client's defaults: ``warm_connections`` and ``poll_early``),
-``warm_only`` (``poll_early=False``) and ``baseline`` (both off: the client flags before issue 18).
-Each variant runs ``--runs`` times (fresh job and client each run); the report gives p50/p99/mean
-over all mini-batches of a kind and the median over runs of each run's p50. ``--depths`` also
-measures the steady-state exposed wait per micro-batch for several ``prefetch_depth`` values (a
-synthetic compute step per micro-batch), which chose the default.
+The client runs with its shipped defaults. Each run is a fresh job, a fresh rank process and a fresh
+rollout process (which writes each mini-batch's units and registers them on request, as a rollout
+worker does). The report gives p50 / mean / p99 over all mini-batches of a kind and the median over
+runs of each run's p50. ``--depths`` also measures the steady-state exposed wait per micro-batch for
+several ``prefetch_depth`` values (a synthetic compute step per micro-batch), which chose its default.
 
-    python benchmarks/trainer/cold_path.py [--runs 3] [--warm 8] [--depths 1,2,4,8] [--out DIR]
-
-The rollout side (writing each mini-batch's units, registering them) runs in a process of its own by
-default (``--rollout process``), as it does in a deployment: registered from the rank's own process
-(``--rollout in-process``, what this script did before), the registration's request and answer take
-the GIL from the rank's threads inside the measured window, and the writer's garbage (its units'
-tables and descriptors) starts collections in the rank's process.
+    python benchmarks/trainer/cold_path.py [--runs 5] [--warm 8] [--depths 1,2,4,8] [--out DIR]
 
 Writes ``cold_path.json`` and ``cold_path.md`` under ``--out`` (default benchmarks/trainer/results).
+``pair.py cold`` runs the same runs against another checkout, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import distribution, machine
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
-from knittrans.trainer.client import TrainerClient, TrainerConfig
 
 GROUP_SIZE, GROUPS, MICRO = 8, 4, 8  # 32 trajectories per mini-batch, 4 micro-batches of 8
 PROMPT, RESPONSE = 128, 256
+SCRIPT = str(Path(__file__).resolve())
 
 
 def groups(prefix: str, seed: int) -> list[TrajectoryGroup]:
@@ -65,18 +57,12 @@ def groups(prefix: str, seed: int) -> list[TrajectoryGroup]:
             response_ids=[rng.integers(0, 32000, RESPONSE).astype(np.int32) for _ in range(GROUP_SIZE)],
             response_logprobs=[np.full(RESPONSE, -1.0, np.float32) for _ in range(GROUP_SIZE)],
             rewards=rng.random(GROUP_SIZE).astype(np.float32),
+            version_start=0,
+            version_end=0,
             finished_at=time.time(),
         )
         for g in range(GROUPS)
     ]
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
-VARIANTS = {"baseline": (False, False), "warm_only": (True, False), "default": (True, True)}
-"""variant -> (warm_connections, poll_early)."""
 
 
 def write_steps(name: str, steps: int, stores: list[dict[str, str]]) -> list[list[Any]]:
@@ -95,49 +81,39 @@ def write_steps(name: str, steps: int, stores: list[dict[str, str]]) -> list[lis
             w.close()
 
 
-class Rollout:
-    """The rollout side of one run: writes every step's units, then registers one step on request.
+class Child:
+    """A process of this script (``--rollout-child`` or ``--rank-child``) talking JSON lines over its pipes."""
 
-    ``process``: in a child process (``--rollout-child``), as in a deployment; ``in-process``: here.
-    """
-
-    def __init__(self, mode: str, cluster: LocalCluster, name: str, steps: int) -> None:
-        stores = [{"node_id": s.node_id, "endpoint": s.endpoint, "store_dir": str(s.store_dir)} for s in cluster.stores]
-        self.child: subprocess.Popen[str] | None = None
-        self.control = None
-        if mode == "in-process":
-            self.control = cluster.control()
-            self.descs = write_steps(name, steps, stores)
-            return
-        self.child = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--rollout-child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+    def __init__(self, role: str, first: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, SCRIPT, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        self._ask({"job": name, "steps": steps, "stores": stores, "control_url": cluster.control_url})
+        self.role = role
+        self.send(first)
 
-    def _ask(self, message: dict[str, Any]) -> None:
-        assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None
-        self.child.stdin.write(json.dumps(message) + "\n")
-        self.child.stdin.flush()
-        answer = self.child.stdout.readline()
-        if answer.strip() != "ok":
-            raise RuntimeError(f"rollout child: {answer!r} (exit {self.child.poll()})")
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
 
-    def register(self, name: str, step: int) -> None:
-        if self.control is not None:
-            self.control.register_units(name, self.descs[step])
-        else:
-            self._ask({"register": step})
+    def receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.role} ended (exit {self.proc.wait(30)})")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{self.role}: {answer['error']}")
+        return answer
 
     def close(self) -> None:
-        if self.control is not None:
-            self.control.close()
-        if self.child is not None:
-            assert self.child.stdin is not None
-            self.child.stdin.close()
-            self.child.wait(30)
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def rollout_child() -> None:
@@ -147,23 +123,66 @@ def rollout_child() -> None:
     first = json.loads(sys.stdin.readline())
     descs = write_steps(first["job"], first["steps"], first["stores"])
     with ControlClient(first["control_url"]) as control:
-        print("ok", flush=True)
+        print(json.dumps({"ok": True}), flush=True)
         for line in sys.stdin:
             control.register_units(first["job"], descs[json.loads(line)["register"]])
-            print("ok", flush=True)
+            print(json.dumps({"ok": True}), flush=True)
+
+
+def rank_child() -> None:
+    """``--rank-child``: a fresh rank process. Makes its client (default settings but ``prefetch_depth``), says
+    ready, then trains every mini-batch of the job; one line per ack with the mini-batch's record, then the
+    waits of the micro-batches after the first."""
+    from knittrans.trainer.client import TrainerClient, TrainerConfig
+
+    first = json.loads(sys.stdin.readline())
+    depth = first.get("depth")
+    config = TrainerConfig(
+        control_url=first["control_url"],
+        job=first["job"],
+        rank=0,
+        world_size=1,
+        **({"prefetch_depth": depth} if depth is not None else {}),
+    )
+    compute_s = float(first.get("compute_s", 0.0))
+    waits: list[float] = []
+    try:
+        with TrainerClient(config) as client:
+            print(json.dumps({"ready": True}), flush=True)
+            for mb in client.minibatches():
+                record: dict[str, Any] = {}
+                for i, micro in enumerate(mb):
+                    if i == 0:
+                        ready = time.time()
+                        record = {
+                            "admission_to_plan_s": mb.received_at - mb.admitted_at,
+                            "admission_to_ready_s": ready - mb.admitted_at,
+                            "rows": micro.batch.num_rows,
+                            "admitted_at": mb.admitted_at,
+                        }
+                    else:
+                        waits.append(micro.timing.wait_s)
+                    if compute_s:
+                        time.sleep(compute_s)
+                mb.ack()
+                client.report_version(mb.policy_version + 1)
+                print(json.dumps({"acked": record}), flush=True)
+    except BaseException as exc:
+        print(json.dumps({"error": repr(exc)}), flush=True)
+        raise
+    print(json.dumps({"done": True, "waits": waits}), flush=True)
 
 
 def run_once(
     cluster: LocalCluster,
     name: str,
     *,
-    variant: str,
     warm: int,
-    depth: int = 2,
+    depth: int | None = None,
     compute_s: float = 0.0,
-    rollout: str = "process",
 ) -> dict[str, Any]:
-    """One fresh job and client: ``1 + warm`` mini-batches, each registered while the loop waits."""
+    """One fresh job, rank process and rollout process: ``1 + warm`` mini-batches, each registered while the
+    loop waits. Only the client API every tree since 7fe2783 has (``pair.py`` runs it with other checkouts)."""
     control = cluster.control()
     steps = 1 + warm
     control.create_job(
@@ -179,120 +198,102 @@ def run_once(
         }
     )
     control.close()
-    side = Rollout(rollout, cluster, name, steps)
-    records: list[dict[str, Any]] = []
-    waits: list[float] = []
-    done = threading.Event()
-    acked = threading.Semaphore(0)
-    errors: list[BaseException] = []
-    config = TrainerConfig(
-        control_url=cluster.control_url,
-        job=name,
-        rank=0,
-        world_size=1,
-        poll_timeout_s=5,
-        prefetch_depth=depth,
-        warm_connections=VARIANTS[variant][0],
-        poll_early=VARIANTS[variant][1],
+    stores = [{"node_id": s.node_id, "endpoint": s.endpoint, "store_dir": str(s.store_dir)} for s in cluster.stores]
+    rollout = Child(
+        "--rollout-child", {"job": name, "steps": steps, "stores": stores, "control_url": cluster.control_url}
     )
-    client = TrainerClient(config)
-
-    def loop() -> None:
-        try:
-            for mb in client.minibatches():
-                for i, micro in enumerate(mb):
-                    if i == 0:
-                        ready = time.time()
-                        assert mb.admitted_at is not None
-                        records.append(
-                            {
-                                "admission_to_plan_s": mb.received_at - mb.admitted_at,
-                                "admission_to_ready_s": ready - mb.admitted_at,
-                                "rows": micro.batch.num_rows,
-                                "admitted_at": mb.admitted_at,
-                            }
-                        )
-                    else:
-                        waits.append(micro.timing.wait_s)
-                    if compute_s:
-                        time.sleep(compute_s)
-                mb.ack()
-                client.report_version(mb.policy_version + 1)
-                acked.release()
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    rank: Child | None = None
+    records: list[dict[str, Any]] = []
     try:
+        rollout.receive()
+        rank = Child(
+            "--rank-child",
+            {"control_url": cluster.control_url, "job": name, "depth": depth, "compute_s": compute_s},
+        )
+        rank.receive()  # ready: its client is made and waiting for mini-batch 0
         for step in range(steps):
-            time.sleep(0.4)  # the loop (or its successor poll) is waiting; connections idle
-            side.register(name, step)
-            while not acked.acquire(timeout=0.1):
-                if done.is_set():
-                    raise RuntimeError(f"trainer loop ended early: {errors}")
-        done.wait(30)
+            time.sleep(0.4)  # the loop (or its successor) is waiting; connections idle
+            rollout.send({"register": step})
+            rollout.receive()
+            records.append(rank.receive()["acked"])
+        waits = rank.receive()["waits"]
     finally:
-        client.close()
-        side.close()
-    if errors:
-        raise errors[0]
+        if rank is not None:
+            rank.close()
+        rollout.close()
     for i, r in enumerate(records):
         r["kind"] = "cold" if i == 0 else "warm"
     return {"records": records, "waits": waits}
 
 
 def summarise(runs: list[dict[str, Any]], kind: str, key: str = "admission_to_ready_s") -> dict[str, float]:
+    """p50 / mean / p99 (ms) of ``key`` over every mini-batch of ``kind``, and the median of each run's p50."""
     values = [r[key] * 1e3 for run in runs for r in run["records"] if r["kind"] == kind]
     per_run = [statistics.median([r[key] * 1e3 for r in run["records"] if r["kind"] == kind]) for run in runs]
+    d = distribution(values)
     return {
-        "p50_ms": pct(values, 50),
-        "p99_ms": pct(values, 99),
-        "mean_ms": float(np.mean(values)),
+        "p50_ms": d["p50"],
+        "mean_ms": d["mean"],
+        "p99_ms": d["p99"],
+        "max_ms": d["max"],
+        "over_10ms": sum(v > 10 for v in values),
         "median_of_run_p50_ms": statistics.median(per_run),
-        "n": len(values),
+        "n": d["n"],
     }
 
 
-def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "loadavg": os.getloadavg(),
-        "commit": commit,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
+def report(result: dict[str, Any]) -> str:
+    """The result as markdown: machine, then the cold / warm table and the depth sweep."""
+    m = result["machine"]
+    w = result["workload"]
+    lines = [
+        f"# Cold path: admission -> first micro-batch ready (commit {m['commit']})",
+        "",
+        f"{m['date']}; {m['platform']}, {m['cpus']} CPUs {m['cpu_model']}, load average {m['loadavg'][0]:.1f} "
+        f"at start / {m['loadavg_end'][0]:.1f} at end; OMP_NUM_THREADS={m['omp_num_threads']}. {w['runs']} runs, "
+        f"each a fresh rank process: 1 cold + {w['warm_per_run']} warm mini-batches (32 text trajectories, "
+        "4 micro-batches, 2 stores); the client's default settings.",
+        "",
+        "| kind | ready p50 ms | mean ms | p99 ms | over 10 ms | median of run p50s | share arrived p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in ("cold", "warm"):
+        s, p = result[kind]["admission_to_ready"], result[kind]["admission_to_plan"]
+        lines.append(
+            f"| {kind} | {s['p50_ms']:.1f} | {s['mean_ms']:.1f} | {s['p99_ms']:.1f} | {s['over_10ms']} of {s['n']} | "
+            f"{s['median_of_run_p50_ms']:.1f} | {p['p50_ms']:.1f} |"
+        )
+    if result["depth_sweep"]:
+        lines += [
+            "",
+            f"Steady state, {w['compute_ms']:.0f} ms compute per micro-batch: mean exposed wait per "
+            "micro-batch (after the first), median over runs",
+            "",
+            "| prefetch_depth | wait ms |",
+            "|---|---|",
+        ]
+        lines += [f"| {d} | {v['mean_wait_ms_per_micro_batch']:.2f} |" for d, v in result["depth_sweep"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--warm", type=int, default=8, help="mini-batches after the first, per run")
-    ap.add_argument("--depths", default="1,2,4,8", help="prefetch_depth values for the steady-state sweep ('' = skip)")
+    ap.add_argument("--depths", default="", help="prefetch_depth values for a steady-state sweep, e.g. 1,2,4,8")
     ap.add_argument("--compute-ms", type=float, default=20.0, help="synthetic compute per micro-batch in the sweep")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument(
-        "--rollout",
-        choices=("process", "in-process"),
-        default="process",
-        help="where the units are written and registered: a process of their own (default) or the rank's",
-    )
-    ap.add_argument("--rollout-child", action="store_true", help=argparse.SUPPRESS)
+    for role in ("--rollout-child", "--rank-child"):
+        ap.add_argument(role, action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rollout_child:
         rollout_child()
         return
-    start_load = os.getloadavg()
+    if args.rank_child:
+        rank_child()
+        return
     result: dict[str, Any] = {
+        "machine": machine(),
         "workload": {
             "group_size": GROUP_SIZE,
             "groups": GROUPS,
@@ -303,78 +304,33 @@ def main() -> None:
             "ranks": 1,
             "runs": args.runs,
             "warm_per_run": args.warm,
-            "rollout": args.rollout,
+            "compute_ms": args.compute_ms,
         },
-        "variants": {},
         "depth_sweep": {},
     }
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
-        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-        for r in range(args.runs):  # variants interleaved, so load drifts hit all alike
-            for variant in VARIANTS:
-                runs[variant].append(
-                    run_once(cl, f"cp-{variant}-{r}", variant=variant, warm=args.warm, rollout=args.rollout)
-                )
-        for variant, rs in runs.items():
-            result["variants"][variant] = {
-                kind: {
-                    "admission_to_ready": summarise(rs, kind),
-                    "admission_to_plan": summarise(rs, kind, "admission_to_plan_s"),
-                }
-                for kind in ("cold", "warm")
+        runs = [run_once(cl, f"cp-{r}", warm=args.warm) for r in range(args.runs)]
+        for kind in ("cold", "warm"):
+            result[kind] = {
+                "admission_to_ready": summarise(runs, kind),
+                "admission_to_plan": summarise(runs, kind, "admission_to_plan_s"),
             }
-            result["variants"][variant]["raw"] = [run["records"] for run in rs]
+        result["raw"] = [run["records"] for run in runs]
         for d in [int(x) for x in args.depths.split(",") if x]:
             per_run = []
             for r in range(args.runs):
-                out = run_once(
-                    cl,
-                    f"cp-d{d}-{r}",
-                    variant="default",
-                    warm=3,
-                    depth=d,
-                    compute_s=args.compute_ms / 1e3,
-                    rollout=args.rollout,
-                )
+                out = run_once(cl, f"cp-d{d}-{r}", warm=3, depth=d, compute_s=args.compute_ms / 1e3)
                 per_run.append(1e3 * float(np.mean(out["waits"])) if out["waits"] else 0.0)
             result["depth_sweep"][str(d)] = {
                 "mean_wait_ms_per_micro_batch": statistics.median(per_run),
                 "runs": per_run,
             }
-    result["machine"] = {**machine(), "loadavg_start": start_load}
+    result["machine"]["loadavg_end"] = machine()["loadavg"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cold_path.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"# Cold path: admission -> first micro-batch ready (commit {result['machine']['commit']})",
-        "",
-        f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs, load average "
-        f"{start_load[0]:.1f} at start / {result['machine']['loadavg'][0]:.1f} at end; "
-        f"OMP_NUM_THREADS={result['machine']['omp_num_threads']}. {args.runs} runs per variant, "
-        f"1 cold + {args.warm} warm mini-batches each (32 text trajectories, 4 micro-batches, 2 stores); "
-        f"rollout (writes, registrations): {args.rollout}.",
-        "",
-        "| variant | kind | ready p50 ms | p99 ms | mean ms | median of run p50s | plan delivered p50 ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for variant, v in result["variants"].items():
-        for kind in ("cold", "warm"):
-            s, p = v[kind]["admission_to_ready"], v[kind]["admission_to_plan"]
-            lines.append(
-                f"| {variant} | {kind} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['mean_ms']:.1f} | "
-                f"{s['median_of_run_p50_ms']:.1f} | {p['p50_ms']:.1f} |"
-            )
-    if result["depth_sweep"]:
-        lines += [
-            "",
-            f"Steady state, {args.compute_ms:.0f} ms compute per micro-batch: mean exposed wait per "
-            "micro-batch (after the first), median over runs",
-            "",
-            "| prefetch_depth | wait ms |",
-            "|---|---|",
-        ]
-        lines += [f"| {d} | {v['mean_wait_ms_per_micro_batch']:.2f} |" for d, v in result["depth_sweep"].items()]
-    (args.out / "cold_path.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = report(result)
+    (args.out / "cold_path.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ batches alternating between the two nodes; one job for the whole run, one train 
 ranks read their share through share streams, one rows and one media ``DoGet`` per node, with
 ``prefetch_depth`` = the share's micro-batches):
 
-* ``flight`` — ranks fetch rows and media with Arrow Flight ``DoGet`` over loopback, what a trainer
-  on another host does; ``fetch_mode="iter"`` (micro-batch ``i+1`` prefetched while ``i`` trains).
+* ``flight`` — ranks fetch rows and media from the store nodes over loopback (the data lane, else
+  Flight ``DoGet``), what a trainer on another host does; ``fetch_mode="iter"``, the default
+  (micro-batch ``i+1`` loaded while ``i`` trains, and the next mini-batch's manifest taken and its
+  loading started while the current one finishes, before the ack).
 * ``flight_eager`` — the same with ``fetch_mode="eager"`` (the whole share fetched before the first).
-  ``iter`` also long-polls the *next* plan (``next?after=``) once the current one is fetched and
-  prefetches its first micro-batches before the ack (``prefetch_next``, on by default).
 * ``mmap`` — same-host short-circuit: ``local_dirs`` makes ranks memory-map the units (no Flight);
   ``iter`` mode.  Only valid when trainer and store share a host; labelled separately for that reason.
 
@@ -23,8 +23,9 @@ groups differs from the baselines' fixed plan, so KnitTrans is compared row by r
 Consumer ranks are 4 persistent subprocesses (``python -m ...knittrans_runner knittrans_consumer``),
 like the baselines' 4 Ray actor processes: one process per rank, started and warmed up in ``setup``.
 They take commands as JSON lines on stdin and answer one JSON line on stdout.  Each consume is one
-mini-batch: the plan long-poll is inside the first micro-batch's wait, the ack after the optimizer
-step is added to the rank's transfer+train time.
+mini-batch: waiting for its manifest is inside the first micro-batch's wait, the ack after the
+optimizer step is added to the rank's transfer+train time. Every client setting is the default but
+``fetch_mode``, ``local_dirs`` and ``prefetch_depth``.
 """
 
 from __future__ import annotations
@@ -164,7 +165,6 @@ class KnitTransRunner:
             "job": JOB,
             "world_size": spec.ranks,
             "fetch_mode": "eager" if self.variant == "flight_eager" else "iter",
-            "endpoints": [] if self.variant == "mmap" else [s.endpoint for s in self._cluster.stores],
             "local_dirs": {s.node_id: str(s.store_dir) for s in self._cluster.stores} if self.variant == "mmap" else {},
             "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
             "hidden": options.compute_hidden,
@@ -242,7 +242,7 @@ def make_runner(variant: str) -> KnitTransRunner:
 
 # ---------------------------------------------------------------------- consumer rank (subprocess)
 def _rank_batches(mbs: Iterator[Any], state: dict[str, Any]) -> Iterator[TrainBatch]:
-    mb = next(mbs)  # plan long-poll: part of the first micro-batch's wait
+    mb = next(mbs)  # waiting for the manifest: part of the first micro-batch's wait
     state["mb"] = mb
     for micro in mb:
         yield micro.prepared  # to_train_batch, run by the client where it loaded the micro-batch
@@ -264,12 +264,9 @@ def _serve(rank: int, inp: IO[str], out: IO[str]) -> None:
     )
     # The conversion to the workload's TrainBatch is the client's transform (its collate function):
     # it runs in the prefetch thread, off the training loop, as a DataLoader's collate_fn would.
+    # The client connects to the control plane and every store node when it starts, as the baselines'
+    # consumers attach at start-up (the harness's warm-up mini-batch follows before any measured one).
     with TrainerClient(cfg, transform=to_train_batch) as client:
-        # Attach like the baselines' consumers do at start-up: open the control-plane connection and the
-        # Flight channels to every store now, not inside the first measured fetch.
-        client.control.health()
-        for endpoint in config["endpoints"]:
-            client.fetcher._client(endpoint).health()  # the fetcher's own (cached) client per endpoint
         mbs = client.minibatches()
 
         def run(cmd: dict[str, Any]) -> dict[str, Any]:
