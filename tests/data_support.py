@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pyarrow as pa
 
-from knittrans.schema import Media, TrajectoryGroup
+from knittrans.schema import Media, TrajectoryGroup, UnitTables
 
-__all__ = ["make_groups"]
+__all__ = ["make_groups", "store_unit", "unit_bytes"]
 
 
 def make_groups(
@@ -37,3 +40,29 @@ def make_groups(
             )
         )
     return groups
+
+
+def unit_bytes(tables: UnitTables) -> int:
+    """Bytes of a unit's IPC files as a writer writes them (a unit without media has no media file)."""
+    total = 0
+    for table in (tables.traj, tables.media) if tables.media.num_rows else (tables.traj,):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        total += sink.getvalue().size
+    return total
+
+
+def store_unit(store: Any, job: str, unit_id: str, tables: UnitTables) -> Any:
+    """Write a unit into ``store`` (a :class:`~knittrans.store.UnitStore`) as a same-host writer does: its
+    files into a writer temporary, then ``publish_units``; the sealed unit."""
+    from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, writer_temp_name
+    from knittrans.store.unit import write_table
+
+    tmp = store.config.root / job / writer_temp_name(unit_id)
+    tmp.mkdir(parents=True)
+    size = write_table(tmp / TRAJ_FILE, tables.traj)
+    if tables.media.num_rows:
+        size += write_table(tmp / MEDIA_FILE, tables.media)
+    spec = SealSpec(unit_id=unit_id, rows=tables.traj.num_rows, media_rows=tables.media.num_rows, num_bytes=size)
+    return store.publish_units(job, [(spec, tmp)])[0]

@@ -1,9 +1,9 @@
-"""The batched put path: several units built as one table, reserved and sealed in one round trip each.
+"""The batched put path: several units built as one table and published in one round trip.
 
 Covers :func:`knittrans.schema.build_units_tables` (each unit equals the unit built alone, errors name
-the unit and row), :meth:`UnitStore.begin_units` / :meth:`UnitStore.seal_units` (all or none), the
-``reserve_units`` / ``seal_units`` Flight actions (bad bodies refused with clear errors, the single-unit
-actions unchanged) and :meth:`TrajectoryWriter.write_units` over a shared directory and over ``DoPut``.
+the unit and row), :meth:`UnitStore.seal_units` / :meth:`UnitStore.publish_units` (all or none), the
+``seal_units`` / ``publish_units`` Flight actions (bad bodies refused with clear errors) and
+:meth:`TrajectoryWriter.write_units` over a shared directory and over ``DoPut``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import pyarrow.flight as flight
 import pyarrow.ipc as ipc
 import pytest
 import torch
-from data_support import make_groups
+from data_support import make_groups, unit_bytes
 
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, PayloadTooLarge, SchemaMismatch
+from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
 from knittrans.rollout.writer import TrajectoryWriter, describe_unit
 from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
-from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore
 from knittrans.store.unit import write_table
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.userfields import parse_user_fields
@@ -111,42 +111,6 @@ def test_rows_given_as_lists_tensors_or_mixed_dtypes_build_the_same_columns() ->
         got = build_unit_tables([variant]).traj
         for name in ("prompt_ids", "response_ids", "response_logprobs", "loss_mask"):
             assert got.column(name).equals(want.column(name)), name
-
-
-def test_per_row_numbers_gathered_at_once_are_the_group_by_group_values() -> None:
-    """Rewards, advantages, versions and finish times of a batch, gathered in a few numpy calls for the usual
-    inputs (every group a scalar, a 1-D array of its size, or None), are what the group-by-group conversion
-    gives for any mix (lists, tensors, bools, numpy scalars, arrays of other dtypes, None beside values);
-    a wrong length still names its group."""
-    from knittrans.schema import _gathered, _row_values
-
-    base = make_groups(4, 3, media=False)
-    sizes = np.array([g.num_responses for g in base])
-    n = int(sizes.sum())
-    default = np.arange(n, dtype=np.float64) / 7
-    by_group: list[list[Any]] = [
-        [1, 2, 3, 4],
-        [0.5, 1.5, -2.0, 3.25],
-        [np.arange(3, dtype=np.float32) + k for k in range(4)],
-        [np.array([k, k + 1, k + 2], dtype=dt) for k, dt in enumerate((np.int8, np.int64, np.uint16, np.float64))],
-        [None, None, None, None],
-        [None, 2, np.array([1.0, 2.0, 3.0]), [4, None, 6]],
-        [True, np.float32(0.25), torch.tensor([1.0, 2.0, 3.0]), (7, 8, 9)],
-    ]
-    for values in by_group:
-        groups = [_replace(g, finished_at=v) for g, v in zip(base, values, strict=True)]
-        starts = np.concatenate([[0], np.cumsum(sizes)])
-        want = np.concatenate(
-            [
-                _row_values(v, int(k), "finished_at", g.group_id, default[a:b])
-                for v, g, k, a, b in zip(values, groups, sizes, starts[:-1], starts[1:], strict=True)
-            ]
-        )
-        got = _gathered(groups, sizes, "finished_at", default=default)
-        assert got.dtype == np.float64 and np.array_equal(got, want), values
-    wrong = [_replace(g, rewards=np.zeros(2 if k == 2 else 3)) for k, g in enumerate(base)]
-    with pytest.raises(InvalidRequest, match=rf"group {wrong[2].group_id!r}: rewards has 2 entries for 3"):
-        build_unit_tables(wrong)
 
 
 def test_list_values_cast_as_astype_on_the_pooled_path() -> None:
@@ -314,20 +278,19 @@ def test_trusted_descriptors_are_the_checked_ones() -> None:
 
 
 def _begin_and_write(store: UnitStore, ids: list[str], seed: int = 0) -> list[SealSpec]:
-    tables = build_units_tables(_units(len(ids), seed=seed))
-    pending = store.begin_units(
-        "job", [(u, estimate_unit_bytes(t.traj, t.media)) for u, t in zip(ids, tables, strict=True)]
-    )
+    """Units written the way ``DoPut`` writes them: begun, then each part written into the pending unit."""
     specs = []
-    for p, t in zip(pending, tables, strict=True):
-        assert p.dir is not None
-        size = write_table(p.dir / TRAJ_FILE, t.traj) + write_table(p.dir / MEDIA_FILE, t.media)
-        specs.append(SealSpec(unit_id=p.unit_id, rows=t.traj.num_rows, media_rows=t.media.num_rows, num_bytes=size))
+    for uid, t in zip(ids, build_units_tables(_units(len(ids), seed=seed)), strict=True):
+        pending = store.begin("job", uid)
+        for part, table in (("traj", t.traj), ("media", t.media)):
+            for batch in table.to_batches():
+                pending.write(part, batch)  # type: ignore[arg-type]
+        specs.append(SealSpec(unit_id=uid, rows=t.traj.num_rows, media_rows=t.media.num_rows))
     return specs
 
 
 def test_store_seals_a_batch_and_checks_every_unit(store_dir: Path) -> None:
-    """``begin_units`` + ``seal_units`` publish every unit; the counts of each are checked."""
+    """``seal_units`` publishes every pending unit; the counts of each are checked."""
     store = UnitStore(StoreConfig(root=store_dir))
     specs = _begin_and_write(store, ["a", "b", "c"])
     sealed = store.seal_units("job", specs)
@@ -348,22 +311,6 @@ def test_store_seal_batch_is_all_or_none(store_dir: Path) -> None:
     assert list((store_dir / "job").iterdir()) == []
     with pytest.raises(InvalidRequest, match=r"unit ids repeat within one seal: \['x'\]"):
         store.seal_units("job", [SealSpec(unit_id="x"), SealSpec(unit_id="x")])
-
-
-def test_store_reserve_batch_is_all_or_none(store_dir: Path) -> None:
-    """A unit that cannot begin (exists already, or no budget in time) aborts the units begun before it."""
-    t = build_unit_tables(make_groups(3, 4))
-    need = estimate_unit_bytes(t.traj, t.media)
-    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=int(need * 2.5)))
-    store.write_unit("job", "taken", t.traj, t.media)
-    with pytest.raises(Conflict, match="unit 'taken' of job 'job' already exists"):
-        store.begin_units("job", [("fresh", need), ("taken", need)])
-    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "taken").num_bytes
-    with pytest.raises(OverBudget):
-        store.begin_units("job", [("a", need), ("b", need)], timeout=0.1)  # room for one more, not two
-    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "taken").num_bytes
-    with pytest.raises(InvalidRequest, match=r"unit ids repeat within one reservation: \['a'\]"):
-        store.begin_units("job", [("a", 1), ("a", 1)])
 
 
 # --------------------------------------------------------------------------- Flight actions
@@ -390,54 +337,14 @@ def recording(store_dir: Path) -> Any:
     server.shutdown()
 
 
-def test_reserve_and_seal_actions_round_trip(recording: RecordingServer, store_dir: Path) -> None:
-    """``reserve_units`` hands out one directory per unit; ``seal_units`` publishes them, all or none."""
-    client = StoreClient(recording.endpoint, data_lane=False)  # no data_lane action among the recorded ones
-    tables = build_units_tables(_units(3))
-    grants = client.reserve_units(
-        "job", [(f"u{k}", estimate_unit_bytes(t.traj, t.media)) for k, t in enumerate(tables)]
-    )
-    assert [g["unit"] for g in grants] == ["u0", "u1", "u2"] and not any(g["spilled"] for g in grants)
-    seals = []
-    for g, t in zip(grants, tables, strict=True):
-        d = Path(g["dir"])
-        assert store_dir in d.parents
-        size = write_table(d / TRAJ_FILE, t.traj) + write_table(d / MEDIA_FILE, t.media)
-        seals.append({"unit": g["unit"], "rows": t.traj.num_rows, "media_rows": t.media.num_rows, "num_bytes": size})
-    (Path(grants[2]["dir"]) / TRAJ_FILE).write_bytes(b"not arrow")
-    with pytest.raises(SchemaMismatch, match="is not a readable Arrow IPC file"):
-        client.seal_units("job", seals)
-    assert recording.store.units("job") == [] and recording.store.stats()["pending"] == 0
-    # again, intact: all three sealed and readable
-    grants = client.reserve_units("job", [(s["unit"], 1 << 20) for s in seals], timeout_s=5)
-    for g, t in zip(grants, tables, strict=True):
-        write_table(Path(g["dir"]) / TRAJ_FILE, t.traj)
-        write_table(Path(g["dir"]) / MEDIA_FILE, t.media)
-    infos = client.seal_units("job", [{k: v for k, v in s.items() if k != "num_bytes"} for s in seals])
-    assert [i["unit_id"] for i in infos] == ["u0", "u1", "u2"]
-    got = client.get(Ticket(job="job", reads=(UnitRead(unit_id="u1"),)))
-    assert got.equals(tables[1].traj)
-    assert recording.actions == ["reserve_units", "seal_units", "reserve_units", "seal_units"]
-    client.close()
-
-
 @pytest.mark.parametrize(
     ("kind", "body", "error", "match"),
     [
-        ("reserve_units", {"job": "job"}, InvalidRequest, r"body must be a JSON object with keys \['job', 'units'\]"),
-        ("reserve_units", {"job": "job", "units": []}, InvalidRequest, "'units' must be a list of 1 to 4096 objects"),
-        ("reserve_units", {"job": "job", "units": {"unit": "a"}}, InvalidRequest, "'units' must be a list"),
-        ("reserve_units", {"job": "job", "units": [["a", 5]]}, InvalidRequest, "an object with a 'unit' key"),
-        ("reserve_units", {"job": "job", "units": [{"unit": "../x", "bytes": 1}]}, InvalidRequest, "unit_id"),
-        ("reserve_units", {"job": "job", "units": [{"unit": "a"}]}, InvalidRequest, "'bytes' of unit 'a' must be"),
-        ("reserve_units", {"job": "job", "units": [{"unit": "a", "bytes": True}]}, InvalidRequest, "'bytes'"),
-        ("reserve_units", {"job": "job", "units": [{"unit": "a", "bytes": 1 << 40}]}, PayloadTooLarge, "above"),
-        (
-            "reserve_units",
-            {"job": "job", "units": [{"unit": "a", "bytes": 1}], "timeout_s": -1},
-            InvalidRequest,
-            "'timeout_s' must be a number of seconds",
-        ),
+        ("seal_units", {"job": "job"}, InvalidRequest, r"body must be a JSON object with keys \['job', 'units'\]"),
+        ("seal_units", {"job": "job", "units": []}, InvalidRequest, "'units' must be a list of 1 to 4096 objects"),
+        ("seal_units", {"job": "job", "units": {"unit": "a"}}, InvalidRequest, "'units' must be a list"),
+        ("seal_units", {"job": "job", "units": [["a", 5]]}, InvalidRequest, "an object with a 'unit' key"),
+        ("seal_units", {"job": "job", "units": [{"unit": "../x"}]}, InvalidRequest, "unit_id"),
         ("seal_units", {"job": "job", "units": [{"unit": "a", "rows": -1}]}, InvalidRequest, "'rows' must be a non"),
         ("seal_units", {"job": "job", "units": [{"unit": "nope"}]}, NotFound, "no unit 'nope' of job 'job'"),
         ("seal_units", {"job": "job", "units": [{"unit": "a"}] * 5000}, InvalidRequest, "1 to 4096"),
@@ -451,17 +358,6 @@ def test_batched_actions_refuse_bad_bodies(
     with pytest.raises(error, match=match):
         client._action(kind, body)
     assert recording.store.stats()["pending"] == 0
-    client.close()
-
-
-def test_single_unit_actions_still_work(recording: RecordingServer, store_dir: Path) -> None:
-    """Writers of the former protocol (``reserve`` and ``seal`` per unit) are still served."""
-    client = StoreClient(recording.endpoint)
-    t = build_unit_tables(make_groups(2, 3))
-    grant = client.reserve("job", "old", estimate_unit_bytes(t.traj, t.media))
-    write_table(Path(grant["dir"]) / TRAJ_FILE, t.traj)
-    info = client.seal("job", "old", rows=t.traj.num_rows)
-    assert info["num_rows"] == t.traj.num_rows and recording.actions == ["reserve", "seal"]
     client.close()
 
 
@@ -520,9 +416,9 @@ def test_write_units_failure_leaves_nothing_on_the_node(recording: RecordingServ
 
 
 def test_write_units_waits_for_budget_for_the_whole_batch(start_server: Start, store_dir: Path) -> None:
-    """The batch reserves all its units or none: with room for one unit only, a batch of two times out."""
+    """The batch stores all its units or none: with room for one unit only, a batch of two times out."""
     t = build_unit_tables(make_groups(20, 4))
-    server = start_server(budget_bytes=int(estimate_unit_bytes(t.traj, t.media) * 1.5))
+    server = start_server(budget_bytes=int(unit_bytes(t) * 1.5))
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir, timeout_s=0.2)
     with pytest.raises(OverBudget, match="stayed full"):
         writer.write_units([make_groups(20, 4, prefix="a"), make_groups(20, 4, prefix="b")])

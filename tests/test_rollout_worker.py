@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from data_support import make_groups
 
 from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unavailable
@@ -17,6 +18,7 @@ from knittrans.procs import knittrans_command, wait_until
 from knittrans.retry import RetryPolicy
 from knittrans.rollout.models import build_tiny_qwen2
 from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile, load_reward, parity_reward
+from knittrans.schema import build_unit_tables
 
 JOB = "rw"
 
@@ -237,7 +239,9 @@ def test_a_unit_left_by_a_killed_predecessor_is_replaced_even_when_it_vanishes_m
 
         worker.writer.client.delete = predecessor_aborted_first  # type: ignore[method-assign]
         try:
-            predecessor.reserve_units(JOB, [("u-w0-g0", 1 << 16), ("u-w0-g1", 1 << 16)])  # publishes in flight
+            traj = build_unit_tables(make_groups(1, 2)).traj
+            for unit_id in ("u-w0-g0", "u-w0-g1"):  # the predecessor's uploads in flight: pending, never sealed
+                predecessor.put_part(JOB, unit_id, "traj", traj)
             assert worker.run(max_groups=2) == 2
         finally:
             worker.close()

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from data_support import make_groups
+from data_support import make_groups, store_unit, unit_bytes
 
 from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.procs import wait_until
 from knittrans.schema import build_unit_tables
-from knittrans.store import LocalReader, StoreConfig, UnitStore, estimate_unit_bytes
+from knittrans.store import LocalReader, StoreConfig, UnitStore
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, write_table
 from knittrans.tickets import Ticket, UnitRead
 
@@ -30,7 +30,7 @@ def test_reads_are_zero_copy_slices_of_the_memory_map(store_dir: Path) -> None:
     """Row ranges and projections point into the unit's mapped file and equal the source rows."""
     store = UnitStore(StoreConfig(root=store_dir))
     t = _tables()
-    unit = store.write_unit("job", "u1", t.traj, t.media)
+    unit = store_unit(store, "job", "u1", t)
     assert (store_dir / "job" / "u1" / "traj.arrow").exists()
     lo, hi = _buffer_span(unit.traj)
     got = store.read(
@@ -54,25 +54,25 @@ def test_names_are_validated_and_duplicates_refused(store_dir: Path) -> None:
     store = UnitStore(StoreConfig(root=store_dir))
     t = _tables()
     with pytest.raises(InvalidName):
-        store.write_unit("job", "../evil", t.traj, t.media)
+        store.begin("job", "../evil")
     with pytest.raises(InvalidName):
-        store.write_unit("../job", "u", t.traj, t.media)
-    store.write_unit("job", "u", t.traj, t.media)
+        store.begin("../job", "u")
+    store_unit(store, "job", "u", t)
     with pytest.raises(Conflict, match="already exists"):
-        store.write_unit("job", "u", t.traj, t.media)
+        store_unit(store, "job", "u", t)
     assert not any(p.name.startswith(".") for p in (store_dir / "job").iterdir())
 
 
 def test_waiting_writer_proceeds_when_space_is_freed(store_dir: Path) -> None:
     """With a full budget a writer blocks; deleting a unit wakes it and its unit is sealed."""
     t = _tables(n=20)
-    need = estimate_unit_bytes(t.traj, t.media)
+    need = unit_bytes(t)
     store = UnitStore(StoreConfig(root=store_dir, budget_bytes=int(need * 1.5), wait_timeout_s=20))
-    store.write_unit("job", "a", t.traj, t.media)
+    store_unit(store, "job", "a", t)
     done = threading.Event()
 
     def second() -> None:
-        store.write_unit("job", "b", t.traj, t.media)
+        store_unit(store, "job", "b", t)
         done.set()
 
     thread = threading.Thread(target=second)
@@ -89,14 +89,14 @@ def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
     """Without free space the writer gets OverBudget naming budget, use and need; nothing is left behind."""
     t = _tables()
     store = UnitStore(StoreConfig(root=store_dir, budget_bytes=200_000, wait_timeout_s=0.2))
-    store.write_unit("job", "a", t.traj, t.media)
+    store_unit(store, "job", "a", t)
     big = _tables(seed=1, n=200)
     with pytest.raises(OverBudget, match="budget is only 200000 bytes"):
-        store.write_unit("job", "huge", big.traj, big.media)
+        store_unit(store, "job", "huge", big)
     mid = _tables(seed=2, n=30)
     with pytest.raises(OverBudget, match=r"budget of 200000 bytes stayed full for 0\.2s.*need \d+ more"):
         for i in range(10):
-            store.write_unit("job", f"m{i}", mid.traj, mid.media)
+            store_unit(store, "job", f"m{i}", mid)
     assert store.stats()["pending"] == 0
     assert not [p for p in (store_dir / "job").iterdir() if p.name.startswith(".")]
 
@@ -104,11 +104,11 @@ def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
 def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -> None:
     """With a spill dir a unit that does not fit goes there, is readable and survives a rescan."""
     t = _tables(n=20)
-    budget = int(estimate_unit_bytes(t.traj, t.media) * 1.5)
+    budget = int(unit_bytes(t) * 1.5)
     cfg = StoreConfig(root=store_dir, budget_bytes=budget, spill_dir=tmp_path / "spill", wait_timeout_s=0)
     store = UnitStore(cfg)
-    store.write_unit("job", "a", t.traj, t.media)
-    spilled = store.write_unit("job", "b", t.traj, t.media)
+    store_unit(store, "job", "a", t)
+    spilled = store_unit(store, "job", "b", t)
     assert spilled.spilled and spilled.path == tmp_path / "spill" / "job" / "b"
     assert store.read(Ticket(job="job", reads=(UnitRead(unit_id="b"),))).equals(t.traj)
     stats = store.stats()
@@ -126,7 +126,7 @@ def test_delete_removes_unit_and_frees_budget(store_dir: Path) -> None:
     """A deleted unit is gone from reads, disk and the budget; deleting it again is NotFound."""
     t = _tables()
     store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
-    store.write_unit("job", "u", t.traj, t.media)
+    store_unit(store, "job", "u", t)
     store.delete("job", "u")
     assert store.budget.used == 0 and not (store_dir / "job" / "u").exists()
     with pytest.raises(NotFound, match="unit 'u' of job 'job' is not on this node"):
@@ -140,7 +140,7 @@ def test_rescan_recovers_sealed_drops_temporaries_quarantines_corrupt(store_dir:
     store = UnitStore(StoreConfig(root=store_dir))
     tables = {f"u{i}": _tables(seed=i) for i in range(3)}
     for uid, t in tables.items():
-        store.write_unit("job", uid, t.traj, t.media)
+        store_unit(store, "job", uid, t)
     half = store.begin("job", "half")
     half.write("traj", tables["u0"].traj.to_batches()[0])  # never sealed
     (store_dir / "job" / "broken").mkdir()
@@ -188,7 +188,7 @@ def test_media_by_hash_each_once(store_dir: Path) -> None:
     """A media ticket returns each requested hash once, from whichever unit holds it."""
     store = UnitStore(StoreConfig(root=store_dir))
     t = _tables()
-    store.write_unit("job", "u", t.traj, t.media)
+    store_unit(store, "job", "u", t)
     hashes = [h.hex() for h in t.media.column("media_hash").to_pylist()]
     got = store.read(Ticket(job="job", kind="media", media_hashes=(hashes[1], hashes[0], hashes[1])))
     assert got.column("media_hash").to_pylist() == [bytes.fromhex(hashes[1]), bytes.fromhex(hashes[0])]

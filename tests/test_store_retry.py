@@ -103,33 +103,31 @@ def test_concurrent_doput_to_one_part_is_refused_and_does_not_abort_the_owner(st
     with StoreClient(server.endpoint) as c:
         with pytest.raises(Conflict, match="being written by another stream"):
             c.put_part("job", "u0", "traj", _unit(2).traj)
-        with pytest.raises(Conflict, match="still being written"):
-            c.seal("job", "u0")
         for b in batches[1:]:
             w1.write_batch(b)
         w1.done_writing()
         while r1.read() is not None:
             pass
         w1.close()
-        assert c.seal("job", "u0", rows=12)["num_rows"] == 12
+        assert c.seal_units("job", [{"unit": "u0", "rows": 12}])[0]["num_rows"] == 12
         assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0"),))).equals(t.traj)
     owner.close()
 
 
 def test_seal_checks_expected_rows_and_bytes(start_server: Start) -> None:
-    """seal with counts that differ from what was written drops the unit with a clear Conflict."""
+    """seal_units with counts that differ from what was written drops the unit with a clear Conflict."""
     server = start_server()
     t = _unit(1)
     with StoreClient(server.endpoint) as c:
         c.put_part("job", "u0", "traj", t.traj)
         with pytest.raises(Conflict, match=r"rows 12 \(expected 16\)"):
-            c.seal("job", "u0", rows=16)
+            c.seal_units("job", [{"unit": "u0", "rows": 16}])
         assert c.stats()["pending"] == 0 and c.list_units("job") == []
         c.put_part("job", "u0", "traj", t.traj)
         with pytest.raises(Conflict, match="num_bytes"):
-            c.seal("job", "u0", rows=12, num_bytes=1)
+            c.seal_units("job", [{"unit": "u0", "rows": 12, "num_bytes": 1}])
         with pytest.raises(InvalidRequest, match="'rows' must be a non-negative integer"):
-            c._action("seal", {"job": "job", "unit": "u0", "rows": -1})
+            c.seal_units("job", [{"unit": "u0", "rows": -1}])
 
 
 def _bad_traj(column: str, mutate: Callable[[list[object]], object]) -> pa.Table:
@@ -188,24 +186,28 @@ def test_tickets_are_bounded(start_server: Start) -> None:
         assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0", row_ranges=((0, 2), (5, 7))),))).num_rows == 4
 
 
-def test_reserve_validates_timeout_and_drops_abandoned_reservations(start_server: Start) -> None:
-    """timeout_s NaN/Infinity/negative is refused; a reservation whose caller gave up is never granted."""
-    server = start_server(budget_bytes=1 << 20)
-    with StoreClient(server.endpoint) as c:
+def test_publish_validates_timeout_and_a_put_abandoned_while_waiting_for_budget_is_dropped(
+    start_server: Start,
+) -> None:
+    """timeout_s NaN/Infinity/negative is refused; an upload whose caller gave up waiting for budget is dropped."""
+    server = start_server(budget_bytes=1 << 30)
+    t = _unit(1)
+    with StoreClient(server.endpoint, data_lane=False) as c:
         for bad in (float("nan"), float("inf"), -1.0, True):
             with pytest.raises(InvalidRequest, match="timeout_s"):
-                c._action("reserve", {"job": "job", "unit": "u0", "bytes": 10, "timeout_s": bad})
-        c.reserve("job", "hog", 1 << 20)  # the whole budget
-        impatient = StoreClient(server.endpoint, timeout_s=0.5)
+                c.publish_units("job", [{"unit": "u0", "dir": "/x"}], timeout_s=bad)
+        c.put_part("job", "hog", "traj", t.traj)
+        server.store.budget.limit = server.store.budget.used  # the hog holds the whole budget
+        impatient = StoreClient(server.endpoint, timeout_s=0.5, data_lane=False)
         with pytest.raises(Exception):  # noqa: B017 - the client's deadline: any transport error
-            impatient.reserve("job", "late", 4096, timeout_s=600)
+            impatient.put_part("job", "late", "traj", t.traj)
         impatient.close()
         c.delete("job", "hog")  # budget frees up after the caller has left
         deadline = time.monotonic() + 60
         while c.stats()["pending"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.stats()["pending"] == 0 and c.stats()["budget_used"] == 0
-        assert c.reserve("job", "next", 1 << 20)["spilled"] is False
+        assert c.put_unit("job", "next", t.traj)["num_rows"] == t.traj.num_rows
 
 
 def test_same_host_writer_seals_with_counts(start_server: Start, store_dir: Path) -> None:

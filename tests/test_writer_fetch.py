@@ -13,7 +13,6 @@ from knittrans.errors import Conflict, InvalidRequest, OverBudget
 from knittrans.flight import StoreServer
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import SCHEMA_VERSION, build_unit_tables
-from knittrans.store import estimate_unit_bytes
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.fetch import Fetcher, FetchRead, _plan, fetch
 
@@ -92,9 +91,9 @@ def test_a_unit_id_the_node_has_is_refused_and_the_existing_unit_kept(
 
 
 def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store_dir: Path) -> None:
-    """The reserve action applies the node's budget to same-host writers: OverBudget after the timeout."""
+    """publish_units applies the node's budget to same-host writers: OverBudget after the timeout."""
     t = build_unit_tables(make_groups(20, 4))
-    server = start_server(budget_bytes=int(estimate_unit_bytes(t.traj, t.media) * 1.5))
+    server = start_server(budget_bytes=int((t.traj.nbytes + t.media.nbytes) * 1.5))
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir, timeout_s=0.2)
     writer.write_groups(make_groups(20, 4, prefix="a"))
     with pytest.raises(OverBudget, match="stayed full"):

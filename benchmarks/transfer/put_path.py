@@ -157,14 +157,13 @@ def phase_clocks(writers: list[TrajectoryWriter], control: Any) -> Iterator[dict
 
     module_fns = {
         "build_units_tables": "build",
-        "estimate_unit_bytes": "estimate",
         "write_table": "write_files",
         "describe_unit": "describe",
     }
     saved = {attr: getattr(writer_module, attr) for attr in module_fns}
     for attr, name in module_fns.items():
         setattr(writer_module, attr, clocked(name, saved[attr]))
-    actions = [a for a in ("reserve_units", "seal_units", "publish_units") if hasattr(StoreClient, a)]
+    actions = [a for a in ("seal_units", "publish_units") if hasattr(StoreClient, a)]
     for w in writers:
         for a in actions:
             setattr(w.client, a, clocked(a, getattr(w.client, a)))

@@ -7,11 +7,10 @@ API::
         c.lane_get(ticket) -> pa.Table                 # one read over the store's data lane (no fallback)
         c.lane_warm() -> bool                          # one lane connection opened and pinged ahead of a read
         c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
-        c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal
-        c.reserve(job, unit, nbytes) -> dict           # same-host writers: {"dir", "spilled"}
-        c.seal(job, unit) / c.delete(job, unit) / c.stats() / c.health()
-        c.reserve_units(job, [(unit, nbytes), ...]) / c.seal_units(job, [{"unit": ...}, ...])  # batched
+        c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal_units
+        c.seal_units(job, [{"unit": ...}, ...])        # units put with DoPut, all or none
         c.publish_units(job, [{"unit": ..., "dir": ...}, ...])  # same host: own temporaries, one call
+        c.delete(job, unit) / c.stats() / c.health()
         c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
 
 By default (``data_lane=True``) :meth:`get` and :meth:`stream` read over the store's bulk data lane
@@ -387,53 +386,20 @@ class StoreClient:
     def put_unit(
         self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, seal: bool = True
     ) -> dict[str, Any]:
-        """Upload a whole unit through ``DoPut`` and seal it; returns the sealed unit's info."""
+        """Upload a whole unit through ``DoPut`` and (``seal``) seal it; returns the sealed unit's info."""
         self.put_part(job, unit_id, "traj", traj)
         media_rows = media.num_rows if media is not None else 0
         if media is not None and media.num_rows:
             self.put_part(job, unit_id, "media", media)
-        return self.seal(job, unit_id, rows=traj.num_rows, media_rows=media_rows) if seal else {}
-
-    def reserve(self, job: str, unit_id: str, nbytes: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """Reserve budget for a same-host write; returns ``{"dir": ..., "spilled": bool}``."""
-        body: dict[str, Any] = {"job": job, "unit": unit_id, "bytes": nbytes}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        return dict(self._action("reserve", body))
-
-    def seal(
-        self,
-        job: str,
-        unit_id: str,
-        *,
-        rows: int | None = None,
-        media_rows: int | None = None,
-        num_bytes: int | None = None,
-    ) -> dict[str, Any]:
-        """Publish a pending unit; returns its info (rows, bytes, spilled).
-
-        The counts given must match what the node holds, else it drops the unit (``Conflict``).
-        """
-        body: dict[str, Any] = {"job": job, "unit": unit_id}
-        for key, value in (("rows", rows), ("media_rows", media_rows), ("num_bytes", num_bytes)):
-            if value is not None:
-                body[key] = value
-        return dict(self._action("seal", body))
-
-    def reserve_units(
-        self, job: str, units: Sequence[tuple[str, int]], timeout_s: float | None = None
-    ) -> list[dict[str, Any]]:
-        """:meth:`reserve` for several ``(unit_id, nbytes)`` in one round trip, all or none; one
-        ``{"unit", "dir", "spilled"}`` per unit, in order (``timeout_s`` bounds the whole call)."""
-        body: dict[str, Any] = {"job": job, "units": [{"unit": u, "bytes": n} for u, n in units]}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
-        return list(self._action("reserve_units", body)["units"])
+        if not seal:
+            return {}
+        return self.seal_units(job, [{"unit": unit_id, "rows": traj.num_rows, "media_rows": media_rows}])[0]
 
     def seal_units(self, job: str, units: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """:meth:`seal` for several units in one round trip, all or none: each entry is ``{"unit"}``
-        plus the optional ``rows``, ``media_rows`` and ``num_bytes`` to check; the sealed units' infos,
-        in order. When one fails, the node deletes those of this call it sealed and aborts the rest."""
+        """Publish units uploaded with :meth:`put_part` in one round trip, all or none: each entry is
+        ``{"unit"}`` plus the optional ``rows``, ``media_rows`` and ``num_bytes`` the node checks (a
+        mismatch drops the unit: ``Conflict``); the sealed units' infos, in order. When one fails, the
+        node deletes those of this call it sealed and aborts the rest."""
         return list(self._action("seal_units", {"job": job, "units": [dict(u) for u in units]})["units"])
 
     def publish_units(

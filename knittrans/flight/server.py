@@ -8,7 +8,7 @@ Protocol (all payloads JSON unless noted):
 * ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (two puts
   per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
   limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
-  the put's metadata stream. The unit stays invisible until the ``seal`` action.
+  the put's metadata stream. The unit stays invisible until ``seal_units`` names it.
 * Data lane (on by default on a free port unless TLS; ``data_lane=False`` turns it off): the
   ``data_lane`` action answers ``{"port": N}`` (or ``null``); that TCP port answers a lane request
   (the bearer token and the same ticket bytes a ``DoGet`` carries) with the same record batches as
@@ -18,20 +18,15 @@ Protocol (all payloads JSON unless noted):
   while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
   the part instead of appending; a failing stream drops only its own rows). Every batch's
   content is validated (:func:`knittrans.schema.validate_part`).
-* Actions: ``seal`` ``{"job", "unit", "rows"?, "media_rows"?, "num_bytes"?}`` (the optional
-  counts must match what was written, else the unit is dropped with ``Conflict``) / ``delete``
-  ``{"job", "unit"}``; ``reserve`` ``{"job", "unit", "bytes",
-  "timeout_s"}`` (same-host writers: reserves budget and returns the temporary ``dir`` to write
-  the IPC files into); ``stats``; ``health``. Batched forms for a writer's several units, each
-  all or none (one round trip instead of one per unit): ``reserve_units`` ``{"job", "units":
-  [{"unit", "bytes"}, ...], "timeout_s"?}`` -> ``{"units": [{"unit", "dir", "spilled"}, ...]}``
-  (``timeout_s`` bounds the whole call) and ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
-  "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` (a failing unit deletes the
-  ones this call sealed and aborts the rest). ``publish_units`` ``{"job", "units": [{"unit", "dir",
-  "rows"?, "media_rows"?, "num_bytes"?}, ...], "timeout_s"?}`` -> ``{"units": [info, ...]}``: a
-  same-host writer's one round trip per call, for units it wrote into its own temporaries
+* Actions: ``seal_units`` ``{"job", "units": [{"unit", "rows"?, "media_rows"?, "num_bytes"?}, ...]}``
+  -> ``{"units": [info, ...]}`` publishes units written with ``DoPut``, all or none (the optional
+  counts must match what was written, else the unit is dropped with ``Conflict``; a failing unit
+  deletes the ones this call sealed and aborts the rest). ``publish_units`` ``{"job", "units":
+  [{"unit", "dir", "rows"?, "media_rows"?, "num_bytes"?}, ...], "timeout_s"?}`` -> ``{"units": [info,
+  ...]}``: a same-host writer's one round trip per call, for units it wrote into its own temporaries
   ``<root>/<job>/.tmp-<unit>-w<hex>`` (budget charged, then sealed as ``seal_units``; all or none,
-  the temporaries of a failed call removed; see :meth:`UnitStore.publish_units`).
+  the temporaries of a failed call removed; see :meth:`UnitStore.publish_units`). ``delete``
+  ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
 
 Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
 stops the server.
@@ -52,7 +47,7 @@ from typing import Any, Literal, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from knittrans.errors import Conflict, InvalidRequest, OverBudget, PayloadTooLarge, Unauthenticated
+from knittrans.errors import InvalidRequest, OverBudget, PayloadTooLarge, Unauthenticated
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import known_error, to_flight_error
 from knittrans.flight.lane import LaneServer
@@ -66,10 +61,10 @@ from knittrans.tickets import Ticket, UnitRead
 __all__ = ["StoreServer", "StoreServerConfig"]
 
 logger = logging.getLogger(__name__)
-MAX_RESERVE_WAIT_S = 3600.0
-"""Longest ``timeout_s`` a ``reserve`` call may ask to wait for budget."""
+MAX_WAIT_S = 3600.0
+"""Longest ``timeout_s`` a ``publish_units`` call may ask to wait for budget."""
 MAX_BATCH_UNITS = 4096
-"""Most units one ``reserve_units`` or ``seal_units`` call may name."""
+"""Most units one ``seal_units`` or ``publish_units`` call may name."""
 MAX_ACTION_BODY_BYTES = 4 << 20
 """Longest JSON body of an action (``publish_units`` of :data:`MAX_BATCH_UNITS` units fits)."""
 MAX_ACTION_DEPTH = 8
@@ -170,7 +165,7 @@ def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     return body
 
 
-def _count(body: dict[str, Any], key: str, kind: str = "seal") -> int | None:
+def _count(body: dict[str, Any], key: str, kind: str) -> int | None:
     value = body.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
@@ -182,10 +177,10 @@ def _timeout(kind: str, timeout: Any) -> float | None:
         not isinstance(timeout, int | float)
         or isinstance(timeout, bool)
         or not math.isfinite(timeout)
-        or not 0 <= timeout <= MAX_RESERVE_WAIT_S
+        or not 0 <= timeout <= MAX_WAIT_S
     ):
         raise InvalidRequest(
-            f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_RESERVE_WAIT_S}], not {timeout!r}"
+            f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_WAIT_S}], not {timeout!r}"
         )
     return timeout
 
@@ -374,16 +369,13 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         """The actions this server understands."""
         return [
-            ("seal", "publish a pending unit: {job, unit}"),
-            ("seal_units", "publish several pending units, all or none: {job, units: [{unit, ...}]}"),
-            ("delete", "delete a sealed or pending unit: {job, unit}"),
-            ("reserve", "same-host writer: reserve budget, get a temporary dir: {job, unit, bytes, timeout_s}"),
-            ("reserve_units", "reserve for several units, all or none: {job, units: [{unit, bytes}], timeout_s}"),
+            ("seal_units", "publish pending units written with DoPut, all or none: {job, units: [{unit, ...}]}"),
             (
                 "publish_units",
                 "same-host writer: publish units written into its temporaries, all or none: "
                 "{job, units: [{unit, dir, ...}], timeout_s}",
             ),
+            ("delete", "delete a sealed or pending unit: {job, unit}"),
             ("stats", "counts and bytes of this node"),
             ("health", "liveness and identity of this node"),
             ("data_lane", "the bulk data lane of this node: {port} (null: none)"),
@@ -391,8 +383,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
 
     @_mapped
     def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
-        """Dispatch ``seal``, ``seal_units``, ``publish_units``, ``delete``, ``reserve``, ``reserve_units``,
-        ``stats``, ``health`` and ``data_lane``."""
+        """Dispatch ``seal_units``, ``publish_units``, ``delete``, ``stats``, ``health`` and ``data_lane``."""
         kind = action.type
         if kind == "health":
             return _json({"ok": True, "node_id": self.config.node_id, "endpoint": self.endpoint})
@@ -402,44 +393,19 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             return _json({"port": self.lane.port if self.lane is not None else None})
         if kind == "publish_units":
             return self._publish_units(action, context.is_cancelled)
-        if kind in ("reserve_units", "seal_units"):
+        if kind == "seal_units":
             body = _body(action, "job", "units")
             job = check_name(body["job"], "job")
-            entries = _unit_entries(kind, body["units"])
-            if kind == "seal_units":
-                specs = [
-                    SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
-                    for uid, e in entries
-                ]
-                return _json({"units": [u.info() for u in self.store.seal_units(job, specs)]})
-            timeout = _timeout(kind, body.get("timeout_s"))
-            wanted = [(uid, self._reserve_bytes(kind, uid, e.get("bytes"))) for uid, e in entries]
-            begun = self.store.begin_units(job, wanted, timeout=timeout, abandoned=context.is_cancelled)
-            if context.is_cancelled():  # the caller gave up while we waited: nobody will use the grants
-                for p in begun:
-                    self.store.abort(job, p.unit_id, only=p)
-                raise Conflict(f"reservation for units {[u for u, _ in wanted]} abandoned by its caller")
-            return _json({"units": [{"unit": p.unit_id, "dir": str(p.dir), "spilled": p.spilled} for p in begun]})
-        if kind in ("seal", "delete", "reserve"):
+            specs = [
+                SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
+                for uid, e in _unit_entries(kind, body["units"])
+            ]
+            return _json({"units": [u.info() for u in self.store.seal_units(job, specs)]})
+        if kind == "delete":
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
-            if kind == "seal":
-                rows, media_rows, num_bytes = (_count(body, k) for k in ("rows", "media_rows", "num_bytes"))
-                return _json(
-                    self.store.seal(job, unit_id, rows=rows, media_rows=media_rows, num_bytes=num_bytes).info()
-                )
-            if kind == "delete":
-                self.store.delete(job, unit_id)
-                return _json({"deleted": unit_id})
-            nbytes = self._reserve_bytes(kind, unit_id, body.get("bytes"))
-            timeout = _timeout(kind, body.get("timeout_s"))
-            pending = self.store.begin(
-                job, unit_id, reserve_bytes=nbytes, timeout=timeout, abandoned=context.is_cancelled
-            )
-            if context.is_cancelled():  # the caller gave up while we waited: nobody will use the grant
-                self.store.abort(job, unit_id, only=pending)
-                raise Conflict(f"reservation for unit {unit_id!r} abandoned by its caller")
-            return _json({"dir": str(pending.dir), "spilled": pending.spilled})
+            self.store.delete(job, unit_id)
+            return _json({"deleted": unit_id})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
 
     def _publish_units(self, action: flight.Action, abandoned: Callable[[], bool]) -> list[bytes]:
@@ -457,12 +423,3 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
         published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
         return _json({"units": [u.info() for u in published]})
-
-    def _reserve_bytes(self, kind: str, unit_id: str, nbytes: Any) -> int:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise InvalidRequest(f"action {kind!r}: 'bytes' of unit {unit_id!r} must be a non-negative integer")
-        if nbytes > self.config.max_put_bytes:
-            raise PayloadTooLarge(
-                f"unit {unit_id!r} needs {nbytes} bytes, above the limit of {self.config.max_put_bytes} bytes"
-            )
-        return nbytes

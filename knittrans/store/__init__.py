@@ -1,8 +1,8 @@
 """Node-local storage of sealed trajectory units (memory-mapped Arrow IPC files); no Flight here.
 
-API: ``UnitStore(StoreConfig(root=..., budget_bytes=..., spill_dir=...))`` with ``begin``/``seal``/
-``write_unit``/``publish_units``/``delete``/``read(ticket)``/``stats``; ``LocalReader(roots).read(ticket)`` for the
-same-host short-circuit; ``ByteBudget`` for backpressure.
+API: ``UnitStore(StoreConfig(root=..., budget_bytes=..., spill_dir=...))`` with ``begin``/``seal_units``/
+``publish_units``/``delete``/``read(ticket)``/``stats``; ``LocalReader(roots).read(ticket)`` for the same-host
+short-circuit; ``ByteBudget`` for backpressure.
 """
 
 from knittrans.store.budget import ByteBudget
@@ -12,7 +12,6 @@ from knittrans.store.store import (
     SealSpec,
     StoreConfig,
     UnitStore,
-    estimate_unit_bytes,
     writer_temp_name,
 )
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, LocalReader, SealedUnit, read_media, read_rows
@@ -28,7 +27,6 @@ __all__ = [
     "SealedUnit",
     "StoreConfig",
     "UnitStore",
-    "estimate_unit_bytes",
     "read_media",
     "read_rows",
     "writer_temp_name",

@@ -20,9 +20,9 @@ import pyarrow.ipc as ipc
 
 from knittrans.errors import Conflict, InvalidRequest, NotFound, SchemaMismatch
 from knittrans.names import check_name
-from knittrans.schema import MEDIA_SCHEMA, SCHEMA_VERSION, check_schema
+from knittrans.schema import SCHEMA_VERSION, check_schema
 from knittrans.store.budget import ByteBudget
-from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows, write_table
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows
 from knittrans.tickets import Ticket
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "SealSpec",
     "StoreConfig",
     "UnitStore",
-    "estimate_unit_bytes",
     "writer_temp_name",
 ]
 
@@ -51,18 +50,9 @@ def writer_temp_name(unit_id: str) -> str:
     return f"{_TMP}{unit_id}-{_WRITER}{secrets.token_hex(8)}"
 
 
-_IPC_SLACK = 4096
-
-
 def ipc_overhead(schema: pa.Schema) -> int:
     """Bytes an IPC file adds around its record batches: schema twice (header, footer), dictionaries."""
-    return int(2 * schema.serialize().size + _IPC_SLACK)
-
-
-def estimate_unit_bytes(traj: pa.Table, media: pa.Table) -> int:
-    """Upper estimate of a unit's two IPC files, used to reserve budget before writing."""
-    batches = sum(int(ipc.get_record_batch_size(b)) for t in (traj, media) for b in t.to_batches())
-    return batches + sum(ipc_overhead(t.schema) for t in (traj, media))
+    return int(2 * schema.serialize().size + 4096)
 
 
 Part = Literal["traj", "media"]
@@ -70,7 +60,8 @@ Part = Literal["traj", "media"]
 
 @dataclass(frozen=True, kw_only=True)
 class SealSpec:
-    """One unit of :meth:`UnitStore.seal_units` and what its writer says it holds (None: not checked)."""
+    """One unit of :meth:`UnitStore.seal_units` / :meth:`UnitStore.publish_units` and what its writer says it
+    holds (None: not checked)."""
 
     unit_id: str
     """Unit to seal."""
@@ -127,7 +118,6 @@ class PendingUnit:
         self.created = time.monotonic()
         self.spilled = False
         self.reserved = 0
-        self.prepaid = 0
         self.dir: Path | None = None
         self.discarded = False
         self._writers: dict[str, tuple[pa.OSFile, ipc.RecordBatchFileWriter, pa.Schema]] = {}
@@ -139,16 +129,7 @@ class PendingUnit:
         self.lock = threading.RLock()
 
     def reserve(self, nbytes: int, timeout: float | None = None, abandoned: Callable[[], bool] | None = None) -> Path:
-        """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir.
-
-        Bytes reserved ahead (``begin(reserve_bytes=...)``) are consumed first by later writes.
-        """
-        if self.dir is not None and self.prepaid:
-            used = min(nbytes, self.prepaid)
-            self.prepaid -= used
-            nbytes -= used
-            if not nbytes:
-                return self.dir
+        """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir."""
         wait = self.store.config.wait_timeout_s if timeout is None else timeout
         budget, spill = self.store.budget, self.store.config.spill_dir
         if self.dir is None:
@@ -309,10 +290,9 @@ def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | Non
 class UnitStore:
     """Units of every job on one node. Thread-safe; never imports ``pyarrow.flight``.
 
-    API: ``begin(job, unit, reserve_bytes=None) -> PendingUnit``; ``seal(job, unit) -> SealedUnit``;
-    ``begin_units``/``seal_units`` (several units in one call, all or none);
-    ``write_unit(job, unit, traj, media) -> SealedUnit`` (begin + write + seal); ``abort``;
-    ``delete``; ``get``; ``units(job)``; ``read(ticket) -> pa.Table``; ``stats()``.
+    API: ``begin(job, unit) -> PendingUnit`` (``DoPut`` writes into it); ``seal(job, unit) -> SealedUnit``;
+    ``seal_units`` (several units, all or none); ``publish_units`` (a same-host writer's own temporaries);
+    ``abort``; ``delete``; ``get``; ``units(job)``; ``read(ticket) -> pa.Table``; ``stats()``.
     """
 
     def __init__(self, config: StoreConfig) -> None:
@@ -365,19 +345,8 @@ class UnitStore:
             "rescan: recovered unit %s/%s (%s rows, %s bytes)", job, unit.unit_id, unit.num_rows, unit.num_bytes
         )
 
-    def begin(
-        self,
-        job: str,
-        unit_id: str,
-        *,
-        reserve_bytes: int | None = None,
-        timeout: float | None = None,
-        abandoned: Callable[[], bool] | None = None,
-    ) -> PendingUnit:
-        """Start a unit; with ``reserve_bytes`` reserve budget now and create its directory.
-
-        ``abandoned`` (polled while waiting for budget) ends the wait once the caller gave up.
-        """
+    def begin(self, job: str, unit_id: str) -> PendingUnit:
+        """Start a unit (its directory and budget come with its first write); Conflict when it exists."""
         check_name(job, "job")
         check_name(unit_id, "unit_id")
         now = time.monotonic()
@@ -391,46 +360,7 @@ class UnitStore:
                 raise Conflict(f"unit {unit_id!r} of job {job!r} already exists")
             pending = PendingUnit(self, job, unit_id)
             self._pending[(job, unit_id)] = pending
-        if reserve_bytes is not None:
-            try:
-                pending.reserve(reserve_bytes, timeout, abandoned)
-                pending.prepaid = reserve_bytes
-            except BaseException:
-                self.abort(job, unit_id, only=pending)
-                raise
         return pending
-
-    def begin_units(
-        self,
-        job: str,
-        reservations: Sequence[tuple[str, int]],
-        *,
-        timeout: float | None = None,
-        abandoned: Callable[[], bool] | None = None,
-    ) -> list[PendingUnit]:
-        """:meth:`begin` each ``(unit_id, reserve_bytes)`` in order, all or none.
-
-        ``timeout`` bounds the whole call (each unit waits for budget at most what is left of it);
-        when one unit cannot begin, the units begun before it are aborted and the error is raised.
-        """
-        check_name(job, "job")
-        ids = [unit_id for unit_id, _ in reservations]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest(
-                f"unit ids repeat within one reservation: {sorted({u for u in ids if ids.count(u) > 1})}"
-            )
-        wait = self.config.wait_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + wait
-        begun: list[PendingUnit] = []
-        try:
-            for unit_id, nbytes in reservations:
-                left = max(0.0, deadline - time.monotonic())
-                begun.append(self.begin(job, unit_id, reserve_bytes=nbytes, timeout=left, abandoned=abandoned))
-        except BaseException:
-            for p in begun:
-                self.abort(job, p.unit_id, only=p)
-            raise
-        return begun
 
     def pending(self, job: str, unit_id: str) -> PendingUnit:
         """The unsealed unit ``job/unit_id``; NotFound otherwise."""
@@ -473,7 +403,7 @@ class UnitStore:
         pending.release(part, token, ok=ok)
         if not ok:
             with pending.lock:
-                empty = pending.idle_and_empty and not pending.prepaid
+                empty = pending.idle_and_empty
             if empty:
                 self.abort(pending.job, pending.unit_id, only=pending)
 
@@ -485,13 +415,10 @@ class UnitStore:
         rows: int | None = None,
         media_rows: int | None = None,
         num_bytes: int | None = None,
-        media_file: bool = True,
     ) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
 
-        ``media_file``: give a unit without media an empty ``media.arrow`` (False: leave it absent,
-        which readers take as no media, and save writing and opening a file).
-
+        A unit without media has no ``media.arrow`` (readers take its absence as no media).
         ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
         written; otherwise the unit is aborted with :class:`Conflict` and the writer starts over.
         A unit with a part still being written is refused (:class:`Conflict`) and left as is.
@@ -505,11 +432,9 @@ class UnitStore:
                 )
             try:
                 p.close_files()
-                tmp = p.dir if p.dir is not None else p.reserve(_IPC_SLACK)
-                if not (tmp / TRAJ_FILE).exists():
+                tmp = p.dir
+                if tmp is None or not (tmp / TRAJ_FILE).exists():
                     raise InvalidRequest(f"unit {unit_id!r} has no trajectory rows; nothing to seal")
-                if media_file and not (tmp / MEDIA_FILE).exists():
-                    write_table(tmp / MEDIA_FILE, MEDIA_SCHEMA.empty_table())
                 unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
                 _check_expected(unit, rows=rows, media_rows=media_rows, num_bytes=num_bytes)
                 final = tmp.parent / unit_id
@@ -527,7 +452,7 @@ class UnitStore:
         logger.debug("sealed unit %s/%s: %s rows, %s bytes", job, unit_id, unit.num_rows, unit.num_bytes)
         return unit
 
-    def seal_units(self, job: str, units: Sequence[SealSpec], *, media_file: bool = True) -> list[SealedUnit]:
+    def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
         """:meth:`seal` each unit in order, all or none: when one fails, the units this call sealed
         before it are deleted and those after it aborted, then the error (naming the unit) is raised."""
         ids = [u.unit_id for u in units]
@@ -536,16 +461,7 @@ class UnitStore:
         sealed: list[SealedUnit] = []
         try:
             for u in units:
-                sealed.append(
-                    self.seal(
-                        job,
-                        u.unit_id,
-                        rows=u.rows,
-                        media_rows=u.media_rows,
-                        num_bytes=u.num_bytes,
-                        media_file=media_file,
-                    )
-                )
+                sealed.append(self.seal(job, u.unit_id, rows=u.rows, media_rows=u.media_rows, num_bytes=u.num_bytes))
         except BaseException:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
@@ -570,8 +486,8 @@ class UnitStore:
         absent: no media; none is created). Per unit, in order: the
         budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
         spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
-        Unlike ``begin_units`` + ``seal_units`` the files exist before the budget is charged: the
-        store may briefly hold one call's bytes above its budget. When one unit fails, the units this
+        The files exist before the budget is charged: the store may briefly hold one call's bytes above
+        its budget. When one unit fails, the units this
         call sealed are deleted and every temporary of the call is removed; the error names the unit.
         """
         check_name(job, "job")
@@ -609,7 +525,7 @@ class UnitStore:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            return self.seal_units(job, [spec for spec, _ in units], media_file=False)
+            return self.seal_units(job, [spec for spec, _ in units])
         except BaseException:
             for tmp in dirs:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -652,23 +568,6 @@ class UnitStore:
                                 self.config.pending_ttl_s,
                             )
                             shutil.rmtree(entry, ignore_errors=True)
-
-    def write_unit(
-        self, job: str, unit_id: str, traj: pa.Table, media: pa.Table | None = None, *, timeout: float | None = None
-    ) -> SealedUnit:
-        """Write and seal a whole unit (reserving its full size first, so spill is decided once)."""
-        check_schema(traj.schema, "trajectories")
-        media = MEDIA_SCHEMA.empty_table() if media is None else media
-        check_schema(media.schema, "media")
-        p = self.begin(job, unit_id, reserve_bytes=estimate_unit_bytes(traj, media), timeout=timeout)
-        try:
-            for part, table in (("traj", traj), ("media", media)):
-                for batch in table.to_batches():
-                    p.write(part, batch)  # type: ignore[arg-type]
-        except BaseException:
-            self.abort(job, unit_id, only=p)
-            raise
-        return self.seal(job, unit_id, rows=traj.num_rows, media_rows=media.num_rows)
 
     def get(self, job: str, unit_id: str) -> SealedUnit:
         """A sealed unit; NotFound (naming job and unit) otherwise."""
