@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
 from knittrans.trainer.client import TrainerClient, TrainerConfig
