@@ -16,7 +16,7 @@ from knittrans.flight import StoreServer, StoreServerConfig
 from knittrans.store import StoreConfig
 
 if TYPE_CHECKING:
-    from knittrans.demo.cluster import LocalCluster
+    from knittrans.local import LocalCluster
 
 # The vLLM suite runs in its own venv (scripts/setup_vllm_env.sh); elsewhere it is not even collected,
 # so `pytest -m vllm` without vLLM fails with "no tests ran" instead of passing.
@@ -72,7 +72,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 
     Tests that break a node (kill it, restart the control plane) start a cluster of their own instead.
     """
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+    from knittrans.local import ClusterConfig, LocalCluster
 
     name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     with LocalCluster(ClusterConfig(work_dir=tmp_path_factory.mktemp(name), num_stores=2)) as c:

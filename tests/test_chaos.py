@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import knittrans_command
 from knittrans.rollout.models import build_tiny_qwen2
 

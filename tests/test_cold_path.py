@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import NotFound, Unavailable
+from knittrans.local import LocalCluster
 from knittrans.procs import free_port, wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.trainer.client import TrainerClient, TrainerConfig

@@ -16,10 +16,10 @@ import pytest
 import torch
 from data_support import make_groups
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, InvalidTicket, NotFound, Unauthenticated, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig, cli, lane
 from knittrans.grants import sign_grant
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import wait_until
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead

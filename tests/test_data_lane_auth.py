@@ -16,9 +16,9 @@ import pyarrow as pa
 import pytest
 from data_support import make_groups
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unauthenticated, Unavailable
 from knittrans.flight import StoreClient, StoreServer, lane
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import build_unit_tables

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from data_support import make_groups
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.flight.client import StoreClient
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.retry import RetryPolicy
 from knittrans.rollout.models import build_tiny_qwen2

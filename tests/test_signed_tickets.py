@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
 from knittrans.grants import check_ticket, sign_grant
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.tickets import Ticket, UnitRead

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.rollout.models import build_tiny_qwen2
 from knittrans.sched.timing import staleness_bound

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.plans import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch

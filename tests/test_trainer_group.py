@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from knittrans.demo.cluster import LocalCluster
+from knittrans.local import LocalCluster
 from knittrans.procs import free_port
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 

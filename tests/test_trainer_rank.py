@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import free_port, knittrans_command, wait_until
 from knittrans.rollout.models import build_tiny_qwen2
 from tests.trainer_support import job_spec, mm_groups, write_and_register

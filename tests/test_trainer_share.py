@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pytest
 
-from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import DataLost, InvalidRequest, NotFound
+from knittrans.local import LocalCluster
 from knittrans.plans import MicroBatchReads, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from knittrans.api.spec import JobSpec
-from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
+from knittrans.local import LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, check_schema
 from knittrans.store.store import StoreConfig, UnitStore

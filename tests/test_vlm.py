@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from knittrans.demo.cluster import LocalCluster
 from knittrans.demo.policy import packed_response_logprobs
 from knittrans.errors import InvalidRequest
+from knittrans.local import LocalCluster
 from knittrans.procs import free_port, knittrans_command, wait_until
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import HFEngine

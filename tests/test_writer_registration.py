@@ -16,9 +16,9 @@ from trainer_support import job_spec as trainer_job_spec
 from trainer_support import mm_groups
 
 from knittrans.controlclient import ControlClient
-from knittrans.demo.cluster import LocalCluster
 from knittrans.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from knittrans.flight.client import StoreClient
+from knittrans.local import LocalCluster
 from knittrans.procs import wait_until
 from knittrans.rollout.writer import TrajectoryWriter
 

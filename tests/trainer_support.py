@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from knittrans.controlclient import ControlClient
-from knittrans.demo.cluster import StoreNode
+from knittrans.local import StoreNode
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup
 

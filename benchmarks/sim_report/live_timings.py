@@ -53,8 +53,8 @@ def _commit() -> str:
 
 def measure(engine_kind: str, repeats: int, groups: int) -> dict[str, Any]:
     """Run every measurement on one engine; return the JSON document."""
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
     from knittrans.demo.rank import load_policy, save_weights
+    from knittrans.local import ClusterConfig, LocalCluster
     from knittrans.rollout.engines import open_engine
     from knittrans.rollout.vlm import TinyVLMSpec, build_tiny_vlm
     from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from common import distribution, machine
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
 

@@ -63,8 +63,8 @@ def _worker_trainer(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dict[
         sys.modules["knittrans.demo.rank"] = moved
     from run import GROUP_SIZE, IMAGE, VARIANTS, delete_job, train_rank, write_job
 
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
     from knittrans.demo.rank import load_policy
+    from knittrans.local import ClusterConfig, LocalCluster
     from knittrans.rollout.models import build_tiny_qwen2
 
     variant = next(v for v in VARIANTS if v.name == opts["variant"])
@@ -144,7 +144,7 @@ def _worker_baselines(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dic
 def _worker_cold(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
     from cold_path import run_once
 
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+    from knittrans.local import ClusterConfig, LocalCluster
 
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(ClusterConfig(work_dir=Path(tmp), num_stores=2)) as cl:
 

@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from common import distribution, machine
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.demo.rank import Policy, load_policy, train_mini_batch
 from knittrans.errors import KnitTransError
 from knittrans.flight.client import StoreClient
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.rollout.models import build_tiny_qwen2
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup

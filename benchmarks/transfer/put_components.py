@@ -38,7 +38,7 @@ def measure(reps: int) -> dict[str, float]:
     """One tree's medians (ms); runs in a child process with that tree on ``PYTHONPATH``."""
     from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups
     from benchmarks.vs_baselines.workload import WorkloadSpec, generate
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+    from knittrans.local import ClusterConfig, LocalCluster
     from knittrans.rollout.writer import describe_unit
     from knittrans.schema import build_units_tables
     from knittrans.store.store import SealSpec, StoreConfig, UnitStore, writer_temp_name

@@ -61,8 +61,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups  # noqa: E402
 from benchmarks.vs_baselines.workload import WorkloadSpec, generate  # noqa: E402
-from knittrans.demo.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from knittrans.flight.client import StoreClient  # noqa: E402
+from knittrans.local import ClusterConfig, LocalCluster  # noqa: E402
 from knittrans.rollout import writer as writer_module  # noqa: E402
 from knittrans.rollout.writer import TrajectoryWriter  # noqa: E402
 

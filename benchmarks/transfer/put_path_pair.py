@@ -78,7 +78,7 @@ def worker(puts: int, keep: bool) -> None:
     deleted from their stores after it is timed unless ``keep`` (as Ray's side drops its objects)."""
     from benchmarks.vs_baselines.knittrans_runner import SOURCE, build_groups
     from benchmarks.vs_baselines.workload import WorkloadSpec, generate
-    from knittrans.demo.cluster import ClusterConfig, LocalCluster
+    from knittrans.local import ClusterConfig, LocalCluster
     from knittrans.rollout.writer import TrajectoryWriter, write_units_across
 
     spec = WorkloadSpec(kind="text")

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.flight import StoreClient, lane
+from knittrans.local import ClusterConfig, LocalCluster
 
 ECHO = r"""
 import socket, sys

@@ -135,7 +135,7 @@ class KnitTransRunner:
         self._cluster: Any = None
 
     def setup(self, spec: WorkloadSpec, options: RunnerOptions) -> None:
-        from knittrans.demo.cluster import ClusterConfig, LocalCluster
+        from knittrans.local import ClusterConfig, LocalCluster
         from knittrans.rollout.writer import TrajectoryWriter
 
         self.spec = spec

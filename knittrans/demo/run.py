@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from knittrans.demo.cluster import ClusterConfig, LocalCluster
 from knittrans.demo.config import DemoConfig
+from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import free_port, knittrans_command
 from knittrans.rollout.worker import SourceProfile
 

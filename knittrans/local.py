@@ -1,4 +1,30 @@
-"""``LocalCluster``: a control plane and store nodes as real processes on loopback, for the demo and tests."""
+"""A whole KnitTrans stack on this machine: a control plane and store nodes as real processes on loopback.
+
+:class:`LocalCluster` starts ``knittrans control-plane`` (its SQLite database is ``work_dir/control.db``)
+and ``num_stores`` ``knittrans store`` nodes (``node-0``, ``node-1``, ..., data under
+``work_dir/stores/``), each a real subprocess bound to 127.0.0.1 on a free port, and waits until every
+store has registered. Each process logs to ``work_dir/logs/<name>.log``. Leaving the ``with`` block (or
+:meth:`LocalCluster.stop`) stops them all, on errors too.
+
+Example::
+
+    from knittrans.local import ClusterConfig, LocalCluster
+    from knittrans.rollout.writer import TrajectoryWriter
+    from knittrans.trainer.client import TrainerClient, TrainerConfig
+
+    with LocalCluster(ClusterConfig(work_dir=Path("run"), num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job({"name": "my-job", ...})
+        store = cluster.stores[0]
+        with TrajectoryWriter(job="my-job", node_id=store.node_id, endpoint=store.endpoint, control=control) as writer:
+            writer.write_units([[group] for group in my_groups])
+        config = TrainerConfig(control_url=cluster.control_url, job="my-job", rank=0, world_size=1)
+        with TrainerClient(config) as trainer:
+            for mini_batch in trainer.minibatches():
+                ...
+
+``examples/byo_data.py`` is this, complete, with two trainer ranks.
+"""
 
 from __future__ import annotations
 
@@ -48,17 +74,30 @@ class ClusterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StoreNode:
-    """One running store node."""
+    """One running store node: what a :class:`~knittrans.rollout.writer.TrajectoryWriter` needs to write to it."""
 
     node_id: str
+    """Its node id (``node-<index>``)."""
     endpoint: str
+    """Its Flight endpoint, ``grpc://127.0.0.1:<port>``."""
     store_dir: Path
+    """Its data directory (a writer on this host may pass it as ``store_dir`` to write there directly)."""
     name: str = field(default="")
     """Child process name in the cluster's :class:`ProcessGroup`."""
 
 
 class LocalCluster:
-    """Start with ``with LocalCluster(config) as cluster:``; every process stops on exit."""
+    """A control plane and store nodes running as child processes of this one.
+
+    Start it with ``with LocalCluster(config) as cluster:`` (or :meth:`start`); every process stops when the
+    block exits (or on :meth:`stop`).
+
+    Attributes:
+        control_url: The control plane's base URL (``http://127.0.0.1:<port>``), for
+            :class:`~knittrans.trainer.client.TrainerConfig` and :class:`~knittrans.controlclient.ControlClient`.
+        stores: The running store nodes, in index order.
+        procs: The child processes; their logs are in ``work_dir/logs``.
+    """
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
