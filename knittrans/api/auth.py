@@ -37,8 +37,8 @@ class Scope:
     def allows(self, path: str, params: dict[str, Any], method: str = "GET") -> bool:
         """Whether a ``method`` request to ``path`` (with path parameters ``params``) is within this scope.
 
-        Every role may list the store nodes (``GET /v1/nodes``: ids and endpoints, which plans name
-        anyway); ranks use it to open their Flight connections before the first plan.
+        Every role may list the store nodes (``GET /v1/nodes``: ids and endpoints, which manifests name
+        anyway); ranks use it to open their Flight connections before the first manifest.
         """
         if self.role == "store":
             return path.startswith("/v1/nodes")

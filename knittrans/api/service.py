@@ -203,7 +203,7 @@ class ControlPlane:
         Authority: the first registration binds the node's own credential ``node_key`` (kept as a
         SHA-256 hash). Moving a registered node to another endpoint needs that same key or
         ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
-        so a worker-token holder cannot point plans, and the store token, at a server of theirs.
+        so a worker-token holder cannot point manifests, and the store token, at a server of theirs.
         """
         check_name(node_id, "node_id")
         if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
