@@ -409,19 +409,17 @@ class UnitTables:
     """Unique media, :data:`MEDIA_SCHEMA` (possibly empty)."""
 
 
-def build_unit_tables(
-    groups: Sequence[TrajectoryGroup], *, validate: bool = True, user_fields: Sequence[UserField] = ()
-) -> UnitTables:
+def build_unit_tables(groups: Sequence[TrajectoryGroup], *, user_fields: Sequence[UserField] = ()) -> UnitTables:
     """Build (and validate) the trajectory and media tables for whole groups, rows in group order.
 
     ``user_fields`` are the job's declared extra columns; every group must give each of them
     (:attr:`TrajectoryGroup.user_fields`) and nothing else.
     """
-    return build_units_tables([groups], validate=validate, user_fields=user_fields)[0]
+    return build_units_tables([groups], user_fields=user_fields)[0]
 
 
 def build_units_tables(
-    units: Sequence[Sequence[TrajectoryGroup]], *, validate: bool = True, user_fields: Sequence[UserField] = ()
+    units: Sequence[Sequence[TrajectoryGroup]], *, user_fields: Sequence[UserField] = ()
 ) -> list[UnitTables]:
     """:func:`build_unit_tables` for several units at once (one per group list), in order.
 
@@ -458,8 +456,7 @@ def build_units_tables(
         media = build_media_table([m for ms in rows.media[start:stop] for m in ms])
         out.append(UnitTables(traj=traj, media=media))
         start = stop
-    if validate:
-        _validate_units(out, rows)
+    _validate_units(out, rows)
     return out
 
 
