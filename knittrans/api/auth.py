@@ -86,14 +86,20 @@ class TokenCheck:
         """Key of scoped tokens (the admin token; none without one)."""
 
     @staticmethod
-    def _presented(request: Request) -> bytes | None:
-        header = request.headers.get("authorization")
+    def _bearer(header: bytes | None) -> bytes | None:
+        """The token of an ``Authorization`` header value (None without one); raises on another scheme."""
         if not header:
             return None
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
             raise Unauthenticated("Authorization header must be 'Bearer <token>'")
-        return token.strip().encode()
+        return token
+
+    @classmethod
+    def _presented(cls, request: Request) -> bytes | None:
+        header = request.headers.get("authorization")
+        return cls._bearer(header.encode() if header else None)
 
     @staticmethod
     def _matches(token: bytes | None, *expected: bytes | None) -> bool:
@@ -113,12 +119,9 @@ class TokenCheck:
         """
         if self.worker is None:
             return True
-        if not header:
+        token = self._bearer(header)
+        if token is None:
             return False
-        scheme, _, token = header.partition(b" ")
-        token = token.strip()
-        if scheme.lower() != b"bearer" or not token:
-            raise Unauthenticated("Authorization header must be 'Bearer <token>'")
         if self._matches(token, self.worker, self.admin):
             return True
         return self.secret is not None and _parse(self.secret, token) is not None

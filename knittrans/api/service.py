@@ -425,9 +425,9 @@ class ControlPlane:
         """Record a rank's policy version; runs admission."""
         job = self.job(name)
         with self._change(name) as txn:
-            latest = job.report_version(rank, version, txn)
+            job.report_version(rank, version, txn)
             job.admit(txn)
-        return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
+        return self.get_version(name)
 
     def headroom(self, name: str) -> dict[str, Any]:
         """What rollout may launch now: room under the window, untaken groups, launch order."""
