@@ -71,8 +71,7 @@ _JSON_CONTENT = {"Content-Type": "application/json"}
 
 def _units_json(units: Sequence[UnitDescriptor | Mapping[str, Any]]) -> bytes:
     """A registration's body (``{"units": [...]}``) as compact JSON: descriptors (checked when made: every
-    number finite) encoded by pydantic-core (about 0.1 ms for 8 units of 8 groups, against 0.3 for
-    ``to_dict`` and ``json.dumps``); anything else by ``json.dumps``, which refuses NaN and infinities
+    number finite) encoded by pydantic-core; anything else by ``json.dumps``, which refuses NaN and infinities
     (``ValueError``) instead of writing them."""
     if all(isinstance(u, UnitDescriptor) for u in units):
         return pydantic_core.to_json({"units": units})
@@ -116,12 +115,9 @@ class ControlClient:
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
         # Long-polls use a pool of their own, each poll on a new connection: a poll waiting in another
         # thread (the early poll, the successor poll) never holds the connection ordinary requests use, and
-        # the connect happens while the poll waits anyway. Measured after the server's TCP_NODELAY fix
-        # (benchmarks/trainer/cold_path.py, quiet machine): admission -> first micro-batch 5.4 ms cold / 7.0 ms
-        # warm p50 this way, 7.0 / 7.9-9.0 ms with kept-alive poll connections.
-        # ``Connection: close``: a poll's connection closes itself after its response. Without it, a poll
-        # still connecting when ``close()`` ran got its socket after the pool had closed its connections,
-        # and that socket stayed open until the garbage collector found it.
+        # the connect happens while the poll waits anyway.
+        # ``Connection: close``: a poll's connection closes itself after its response, so a poll still
+        # connecting when ``close()`` runs does not leave a socket open after the pool closed.
         self._closed = False
         self._poll_http = httpx.Client(
             base_url=self.base_url,

@@ -74,8 +74,7 @@ __all__ = [
 
 _SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
 EMPTY_MEDIA: pa.Table = MEDIA_SCHEMA.empty_table()
-"""The media table of a unit without media (Arrow tables are immutable: one shared instance; building one
-took about 40 us, paid per unit by the writer and per seal by the store)."""
+"""The media table of a unit without media (Arrow tables are immutable: one shared instance)."""
 _INT32 = np.dtype(np.int32)
 _MEDIA_REFS = TRAJECTORY_SCHEMA.field("media").type
 
@@ -88,7 +87,7 @@ def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "tr
     declares their types; see :func:`knittrans.userfields.check_user_columns`).
     """
     expected = _SCHEMAS[kind]
-    if schema.equals(expected, check_metadata=True):  # the common case, in C++ (the checks below: ~20 us)
+    if schema.equals(expected, check_metadata=True):  # the common case, in C++
         return
     meta = schema.metadata or {}
     version = meta.get(SCHEMA_VERSION_KEY)
@@ -218,9 +217,8 @@ def _pooled(n: int, dtype: np.dtype[Any]) -> np.ndarray:
     """An uninitialised 1-D array of ``n`` values from Arrow's memory pool.
 
     glibc gives back the freed top of its heap once it passes its trim threshold, so the few MB a
-    build concatenates would land on fresh pages every time (about 700 page faults, 2 ms of a 5 ms
-    build of the text mini-batch); Arrow's allocator keeps freed pages for the next build. The
-    array keeps its buffer alive."""
+    build concatenates would land on fresh pages every time; Arrow's allocator keeps freed pages for
+    the next build. The array keeps its buffer alive."""
     return np.frombuffer(pa.allocate_buffer(n * dtype.itemsize), dtype=dtype)
 
 
@@ -411,19 +409,17 @@ class UnitTables:
     """Unique media, :data:`MEDIA_SCHEMA` (possibly empty)."""
 
 
-def build_unit_tables(
-    groups: Sequence[TrajectoryGroup], *, validate: bool = True, user_fields: Sequence[UserField] = ()
-) -> UnitTables:
+def build_unit_tables(groups: Sequence[TrajectoryGroup], *, user_fields: Sequence[UserField] = ()) -> UnitTables:
     """Build (and validate) the trajectory and media tables for whole groups, rows in group order.
 
     ``user_fields`` are the job's declared extra columns; every group must give each of them
     (:attr:`TrajectoryGroup.user_fields`) and nothing else.
     """
-    return build_units_tables([groups], validate=validate, user_fields=user_fields)[0]
+    return build_units_tables([groups], user_fields=user_fields)[0]
 
 
 def build_units_tables(
-    units: Sequence[Sequence[TrajectoryGroup]], *, validate: bool = True, user_fields: Sequence[UserField] = ()
+    units: Sequence[Sequence[TrajectoryGroup]], *, user_fields: Sequence[UserField] = ()
 ) -> list[UnitTables]:
     """:func:`build_unit_tables` for several units at once (one per group list), in order.
 
@@ -441,7 +437,7 @@ def build_units_tables(
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
     rows = _TrajectoryRows([g for groups in units for g in groups], time.time())
-    whole = rows.arrays(0, rows.num_rows, strings=False)  # once, not per unit: about 50 us a unit less
+    whole = rows.arrays(0, rows.num_rows, strings=False)  # once, not per unit
     out: list[UnitTables] = []
     start = 0
     for groups in units:
@@ -460,15 +456,13 @@ def build_units_tables(
         media = build_media_table([m for ms in rows.media[start:stop] for m in ms])
         out.append(UnitTables(traj=traj, media=media))
         start = stop
-    if validate:
-        _validate_units(out, rows)
+    _validate_units(out, rows)
     return out
 
 
 def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
     """Validate every unit: first on the numpy buffers the tables are views of
-    (:meth:`_TrajectoryRows.plainly_valid`, about 0.1 ms for 512 rows instead of about 1 ms for building the
-    whole table again and checking it with Arrow compute calls); only rows that may fail a check go through
+    (:meth:`_TrajectoryRows.plainly_valid`); only rows that may fail a check go through
     the Arrow checks (:func:`_check_rows`), whose errors name the column, unit and row."""
     if not rows.plainly_valid() or _user_column_nulls(units):
         _check_rows(units, rows)

@@ -131,7 +131,7 @@ def _document_raw_bodies(app: FastAPI) -> None:
 _ERRORS = {
     "400": "bad input the models cannot express (names, row layout, job-level rules)",
     "401": "missing or wrong bearer token",
-    "404": "unknown job, node, rank or plan",
+    "404": "unknown job, node, rank or mini-batch",
     "409": "contradicts the current state",
     "413": "request body above the configured limit",
     "422": "request does not match the documented schema (or an invalid job spec)",

@@ -37,8 +37,8 @@ class Scope:
     def allows(self, path: str, params: dict[str, Any], method: str = "GET") -> bool:
         """Whether a ``method`` request to ``path`` (with path parameters ``params``) is within this scope.
 
-        Every role may list the store nodes (``GET /v1/nodes``: ids and endpoints, which plans name
-        anyway); ranks use it to open their Flight connections before the first plan.
+        Every role may list the store nodes (``GET /v1/nodes``: ids and endpoints, which manifests name
+        anyway); ranks use it to open their Flight connections before the first manifest.
         """
         if self.role == "store":
             return path.startswith("/v1/nodes")
@@ -86,14 +86,20 @@ class TokenCheck:
         """Key of scoped tokens (the admin token; none without one)."""
 
     @staticmethod
-    def _presented(request: Request) -> bytes | None:
-        header = request.headers.get("authorization")
+    def _bearer(header: bytes | None) -> bytes | None:
+        """The token of an ``Authorization`` header value (None without one); raises on another scheme."""
         if not header:
             return None
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
             raise Unauthenticated("Authorization header must be 'Bearer <token>'")
-        return token.strip().encode()
+        return token
+
+    @classmethod
+    def _presented(cls, request: Request) -> bytes | None:
+        header = request.headers.get("authorization")
+        return cls._bearer(header.encode() if header else None)
 
     @staticmethod
     def _matches(token: bytes | None, *expected: bytes | None) -> bool:
@@ -113,12 +119,9 @@ class TokenCheck:
         """
         if self.worker is None:
             return True
-        if not header:
+        token = self._bearer(header)
+        if token is None:
             return False
-        scheme, _, token = header.partition(b" ")
-        token = token.strip()
-        if scheme.lower() != b"bearer" or not token:
-            raise Unauthenticated("Authorization header must be 'Bearer <token>'")
         if self._matches(token, self.worker, self.admin):
             return True
         return self.secret is not None and _parse(self.secret, token) is not None

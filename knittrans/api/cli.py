@@ -78,8 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http",
         choices=("auto", "h11", "httptools"),
         default=os.environ.get("KNITTRANS_HTTP") or "auto",
-        help="uvicorn's HTTP/1.1 implementation: auto = httptools when installed (a dependency; about a "
-        "third less server CPU per request than h11, benchmarks/control_plane/README.md), else h11 "
+        help="uvicorn's HTTP/1.1 implementation: auto = httptools when installed, else h11 "
         "(default $KNITTRANS_HTTP, else auto)",
     )
     parser.add_argument(
@@ -129,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
     # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the socket says it
-    # is TCP. Without it every response waited ~40 ms for the client's delayed ACK (Nagle), on keep-alive
-    # and fresh connections alike. NODELAY on the listening socket is inherited by accepted ones too.
+    # is TCP (otherwise responses wait for the client's delayed ACK). Accepted sockets inherit NODELAY.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,8 +1,7 @@
 """Consumed groups of a job, compacted: exact running staleness summaries plus a bounded recent window.
 
-A long job consumes millions of groups. Keeping every :class:`ConsumedGroup` and summarising all of
-them on each ``/status``, ``/metrics`` and ``/v1/overview`` made those calls (and the control
-plane's memory) grow with the job's length. :class:`ConsumedLedger` keeps instead:
+A long job consumes millions of groups; so that ``/status``, ``/metrics``, ``/v1/overview`` and the
+control plane's memory do not grow with the job's length, :class:`ConsumedLedger` keeps:
 
 * per reading, overall and per source, a weighted histogram of staleness and of architectural
   staleness plus exact running sums: count, mean and ``pos_mean`` are exact; ``p50``/``p99``/``max``
@@ -13,8 +12,7 @@ plane's memory) grow with the job's length. :class:`ConsumedLedger` keeps instea
 * a per-step ``(count, sum, max)`` series of architectural staleness for the last
   :data:`SERIES_STEPS` steps (the dashboard chart).
 
-The SQLite records are unchanged: a restart replays them through :meth:`ConsumedLedger.add`, so the
-counts after a restart are the same as before it.
+A restart replays the SQLite records through :meth:`ConsumedLedger.add`.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, staleness, version_of
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, staleness, summary_of, version_of
 
 __all__ = ["RECENT_STEPS", "RESOLUTION", "SERIES_STEPS", "ConsumedLedger", "RunningSummary"]
 
@@ -33,8 +31,6 @@ RECENT_STEPS = 16
 """Consumed steps whose groups are kept as they are (``/status`` staleness by step)."""
 SERIES_STEPS = 512
 """Consumed steps kept in the per-step series (the dashboard's staleness chart)."""
-
-_EMPTY = StalenessStats(count=0, mean=math.nan, p50=math.nan, p99=math.nan, max=math.nan, pos_mean=math.nan)
 
 
 class RunningSummary:
@@ -60,27 +56,7 @@ class RunningSummary:
 
     def stats(self) -> StalenessStats:
         """The summary, nearest-rank percentiles (like :func:`knittrans.sched.staleness.summarize_weighted`)."""
-        if self.total == 0:
-            return _EMPTY
-        ordered = sorted(self.hist.items())
-
-        def nearest_rank(fraction: float) -> float:
-            need = max(1, math.ceil(fraction * self.total))
-            seen = 0
-            for value, weight in ordered:
-                seen += weight
-                if seen >= need:
-                    return value
-            return ordered[-1][0]
-
-        return StalenessStats(
-            count=self.total,
-            mean=self.acc / self.total,
-            p50=nearest_rank(0.5),
-            p99=nearest_rank(0.99),
-            max=ordered[-1][0],
-            pos_mean=self.pos / self.total,
-        )
+        return summary_of(sorted(self.hist.items()), total=self.total, acc=self.acc, pos=self.pos)
 
 
 class _Reading:

@@ -63,7 +63,7 @@ class MiniBatch:
     counts: dict[str, int]
     admitted_at: float
     layout: list[Any]
-    """rank -> micro-batch -> ``[group_id, row]`` pairs (see :mod:`knittrans.api.plans`); empty once consumed."""
+    """rank -> micro-batch -> ``[group_id, row]`` pairs; empty once consumed."""
     status: MiniBatchStatus = "planned"
     acks: set[int] = field(default_factory=set)
     """Ranks that acked the mini-batch (all ``W``: consumed)."""

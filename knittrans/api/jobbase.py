@@ -56,7 +56,7 @@ class JobBase:
     ) -> None:
         self.spec = spec
         self.ticket_key = ticket_key
-        """Key that signs plan tickets (shared with the stores); None leaves them unsigned."""
+        """Key that signs the manifests' grants (shared with the stores); None leaves them unsigned."""
         self.ticket_ttl_s = ticket_ttl_s
         """Grants expire this long after their mini-batch was admitted (stable across restarts)."""
         self.name = spec.name
@@ -167,8 +167,8 @@ class JobBase:
 
     def evict_consumed(self) -> None:
         """Drop consumed mini-batches no question needs any more: those before both the one acked just
-        before the trainer's position (``plan_after`` and duplicate acks of it) and the step of the
-        trainer's position (:meth:`admitted_in_step`). A plan id of an evicted index is answered as consumed.
+        before the trainer's position (duplicate acks of it) and the step of the trainer's position
+        (:meth:`admitted_in_step`). Progress on an evicted index is answered as consumed.
 
         The step of the position, not of the next index: a node loss withdraws the untouched mini-batches
         from the first one on (never before the position), and admission then counts that step's

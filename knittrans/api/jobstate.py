@@ -1,4 +1,4 @@
-"""Plain-Python state of one job: unit index, supply, admission, rank plans, acks, versions, staleness.
+"""Plain-Python state of one job: unit index, supply, admission, manifests, acks, versions, staleness.
 
 No HTTP and no SQL here: every method that changes state records its writes in a :class:`Txn`
 that the service commits before answering. Methods validate first and mutate after, so a
@@ -10,7 +10,7 @@ Where each part lives (:class:`JobState` is their union):
   headroom), the lifecycle (pause/resume/drain, settling) and the record writes the parts share.
 * :mod:`~knittrans.api.supply`: units registered and groups started or dropped.
 * :mod:`~knittrans.api.admit`: admission of mini-batches, expiry of stale groups.
-* :mod:`~knittrans.api.delivery`: next plan, ``after``, fetched, ack, policy versions.
+* :mod:`~knittrans.api.delivery`: manifests, fetched, ack, policy versions.
 * :mod:`~knittrans.api.nodeloss`: a lost store node, an admin's unit removal.
 * :mod:`~knittrans.api.records` names the records written; :mod:`~knittrans.api.restore` reads
   them back; :mod:`knittrans.lifecycle` holds the statuses and their one transition table.

@@ -10,8 +10,8 @@ plane they start again from zero, which is how Prometheus counters behave.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 __all__ = ["Observations", "RankTransfer", "RolloutWeights", "StoreUsage"]
 
@@ -77,7 +77,14 @@ class RolloutWeights:
         return asdict(self)
 
 
+_Report = TypeVar("_Report", StoreUsage, RolloutWeights)
 _TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+
+
+def _from_report(cls: type[_Report], report: Mapping[str, Any], now: float) -> _Report:
+    """``cls`` from the fields of a validated report (absent ones at their defaults), stamped ``now``."""
+    names = {f.name for f in fields(cls)} - {"at"}
+    return cls(**{k: v for k, v in report.items() if k in names}, at=now)
 
 
 class Observations:
@@ -111,27 +118,11 @@ class Observations:
 
     def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
         """Replace ``node_id``'s usage with the figures of its latest heartbeat."""
-        self.stores[node_id] = StoreUsage(
-            units=int(usage.get("units", 0)),
-            rows=int(usage.get("rows", 0)),
-            bytes_in_memory=int(usage.get("bytes_in_memory", 0)),
-            bytes_spilled=int(usage.get("bytes_spilled", 0)),
-            budget_bytes=usage.get("budget_bytes"),
-            budget_used=int(usage.get("budget_used", 0)),
-            at=now,
-        )
+        self.stores[node_id] = _from_report(StoreUsage, usage, now)
 
     def record_rollout(self, job: str, worker: str, report: Mapping[str, Any], now: float) -> RolloutWeights:
         """Replace ``worker``'s weights figures with those of its latest report."""
-        entry = RolloutWeights(
-            version=int(report.get("version", 0)),
-            told=int(report.get("told", 0)),
-            loads=int(report.get("loads", 0)),
-            late=int(report.get("late", 0)),
-            wait_s=float(report.get("wait_s", 0.0)),
-            at=now,
-        )
-        self.rollout[(job, worker)] = entry
+        entry = self.rollout[(job, worker)] = _from_report(RolloutWeights, report, now)
         return entry
 
     def job_rollout(self, job: str) -> dict[str, dict[str, Any]]:

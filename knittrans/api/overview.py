@@ -11,23 +11,12 @@ if TYPE_CHECKING:
     from knittrans.api.observe import Observations
     from knittrans.api.service import ControlPlane
 
-__all__ = ["LOST_SHOWN", "RANKS_SHOWN", "overview", "staleness_series"]
+__all__ = ["LOST_SHOWN", "RANKS_SHOWN", "overview"]
 
 LOST_SHOWN = 50
 """At most this many lost groups and groups to regenerate are listed per job (the counts are exact)."""
-
-
 RANKS_SHOWN = 256
 """Ranks listed per job even before they report (ranks that reported are always listed)."""
-
-
-def staleness_series(job: JobState) -> dict[str, dict[str, list[dict[str, float]]]]:
-    """``{reading: {source: [{step, mean, max, count}]}}``: architectural staleness of each consumed step.
-
-    ``source`` ``"all"`` is every source together. Steps are the latest ones consumed
-    (:data:`knittrans.api.consumed.SERIES_STEPS` at most), in order.
-    """
-    return job.consumed.series()
 
 
 def _job(job: JobState, observed: Observations) -> dict[str, Any]:
@@ -90,7 +79,7 @@ def _job(job: JobState, observed: Observations) -> dict[str, Any]:
         "to_regenerate_total": len(status["to_regenerate"]),
         "to_regenerate": status["to_regenerate"][:LOST_SHOWN],
         "admissions": status["recent_admissions"],
-        "staleness": staleness_series(job),
+        "staleness": job.consumed.series(),
         "ranks": ranks,
     }
 

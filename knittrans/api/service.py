@@ -203,7 +203,7 @@ class ControlPlane:
         Authority: the first registration binds the node's own credential ``node_key`` (kept as a
         SHA-256 hash). Moving a registered node to another endpoint needs that same key or
         ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
-        so a worker-token holder cannot point plans, and the store token, at a server of theirs.
+        so a worker-token holder cannot point manifests, and the store token, at a server of theirs.
         """
         check_name(node_id, "node_id")
         if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
@@ -425,9 +425,9 @@ class ControlPlane:
         """Record a rank's policy version; runs admission."""
         job = self.job(name)
         with self._change(name) as txn:
-            latest = job.report_version(rank, version, txn)
+            job.report_version(rank, version, txn)
             job.admit(txn)
-        return {"version": latest, "by_rank": {str(r): v for r, v in sorted(job.rank_versions.items())}}
+        return self.get_version(name)
 
     def headroom(self, name: str) -> dict[str, Any]:
         """What rollout may launch now: room under the window, untaken groups, launch order."""

@@ -12,9 +12,9 @@ from knittrans.sched.admission import POLICIES, mini_batch_sizes
 from knittrans.sched.timing import DEFAULT_LOOKAHEAD, HANDOVERS, AdmissionTiming
 from knittrans.sched.types import SourceBounds
 from knittrans.schema import TRAJECTORY_COLUMNS
-from knittrans.userfields import UserField, parse_user_fields
+from knittrans.userfields import parse_user_fields
 
-__all__ = ["MAX_MINI_BATCHES_PER_STEP", "JobSpec", "check_quotas", "declared_user_fields"]
+__all__ = ["MAX_MINI_BATCHES_PER_STEP", "JobSpec", "check_quotas"]
 
 
 def check_quotas(quotas: Mapping[str, int], *, mini_batches_per_step: int, bounds: Mapping[str, SourceBounds]) -> None:
@@ -221,8 +221,3 @@ class JobSpec:
             )
         except TypeError as exc:
             raise InvalidJobSpec(f"job spec: {exc}") from None
-
-
-def declared_user_fields(spec: JobSpec) -> tuple[UserField, ...]:
-    """The job's user fields as parsed :class:`~knittrans.userfields.UserField` objects, in order."""
-    return parse_user_fields(spec.user_fields)

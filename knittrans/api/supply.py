@@ -92,7 +92,7 @@ class Supply(JobBase):
                 groups[gid] = unadmitted[gid] = entry  # what _set(entry, "finished") does, without its no-op recount
                 self.count_group(entry, 1)
                 finished[g.source] = finished.get(g.source, 0) + 1
-        if fresh:  # [u.to_dict() ...] encoded by pydantic-core from the descriptors (~10x faster than json.dumps)
+        if fresh:  # [u.to_dict() ...], encoded by pydantic-core straight from the descriptors
             encoded = Encoded(_UNITS_JSON.dump_json(fresh, warnings=False).decode())
             txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), encoded)
             self.unit_batches += 1

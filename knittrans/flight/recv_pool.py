@@ -2,8 +2,8 @@
 
 Why: a lane read receives a whole answer (megabytes to gigabytes) into one buffer. A fresh buffer
 from Arrow's pool (mimalloc) comes back to the process as new pages when a freed big block was
-handed back to the kernel meanwhile (mimalloc purges after 10 ms), so every read paid a page fault
-and a page zeroing per 4 KiB; raw TCP into a reused buffer pays neither. A :class:`ReceivePool`
+handed back to the kernel meanwhile, so every read would pay a page fault and a page zeroing per
+4 KiB; raw TCP into a reused buffer pays neither. A :class:`ReceivePool`
 keeps the anonymous mappings of earlier reads and hands one out again, already faulted in.
 
 Safety: a region goes back to the pool only when nothing can see its bytes any more. Each lease is a

@@ -3,7 +3,7 @@
 Rank balance. Trajectories are balanced by tokens with greedy LPT (largest first onto the least-loaded
 rank; ties go to the rank with fewer items, then the lower rank). Whole groups stay on one rank when
 balance allows: LPT runs over groups first and that assignment is kept when its most-loaded rank is at
-most ``(1 + balance_tolerance)`` times the ideal ``total / W`` and there are at least ``W`` groups.
+most ``(1 +`` :data:`BALANCE_TOLERANCE` ``)`` times the ideal ``total / W`` and there are at least ``W`` groups.
 Otherwise LPT runs over single trajectories and the better of the two (smaller maximum) is used.
 Guarantee (tested): ``max rank tokens <= max((1 + tol)·ideal, ideal + largest trajectory)``, since a
 kept group assignment meets the first bound and LPT's last item onto the fullest rank landed on a rank
@@ -32,9 +32,12 @@ from typing import Any
 
 from knittrans.sched.types import FinishedGroup
 
-__all__ = ["Assignment", "assign_mini_batch", "lpt_assign"]
+__all__ = ["BALANCE_TOLERANCE", "Assignment", "assign_mini_batch", "lpt_assign"]
 
 logger = logging.getLogger(__name__)
+
+BALANCE_TOLERANCE = 0.05
+"""How far above the ideal ``total / W`` the most-loaded rank may be when whole groups stay on one rank."""
 
 
 def lpt_assign(weights: Sequence[int], bins: int) -> tuple[list[int], list[int]]:
@@ -59,7 +62,6 @@ def _check(
     world_size: int,
     micro_batch_tokens: int | None,
     micro_batch_size: int | None,
-    balance_tolerance: float,
 ) -> None:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -69,8 +71,6 @@ def _check(
     if budget is not None and budget < 1:
         name = "micro_batch_tokens" if micro_batch_tokens is not None else "micro_batch_size"
         raise ValueError(f"{name} must be >= 1, got {budget}")
-    if balance_tolerance < 0:
-        raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
     seen: set[str] = set()
     for group in groups:
         if group.group_id in seen:
@@ -146,7 +146,6 @@ class Assignment:
             ``micro_batch_size``.
         micro_batch_size: trajectories per micro-batch.
         keep_groups: try to keep every group on one rank (see the module docstring).
-        balance_tolerance: how far above the ideal the most-loaded rank may be with whole groups.
 
     Raises:
         ValueError: bad ``world_size``/budgets, duplicate group ids, negative tokens, overlapping rows.
@@ -161,9 +160,8 @@ class Assignment:
         micro_batch_tokens: int | None = None,
         micro_batch_size: int | None = None,
         keep_groups: bool = True,
-        balance_tolerance: float = 0.05,
     ) -> None:
-        _check(groups, world_size, micro_batch_tokens, micro_batch_size, balance_tolerance)
+        _check(groups, world_size, micro_batch_tokens, micro_batch_size)
         ordered = sorted(groups, key=lambda g: (g.node_id, g.unit_id, g.row_start, g.group_id))
         self.gids: list[str] = []
         self.tokens: list[int] = []
@@ -186,7 +184,7 @@ class Assignment:
             self.rows.extend(range(g.row_start, g.row_start + n))
             last_row = g.row_start + n - 1
             spans.append((first, first + n))
-        per_rank = _balance(spans, self.tokens, world_size, keep_groups, balance_tolerance)
+        per_rank = _balance(spans, self.tokens, world_size, keep_groups, BALANCE_TOLERANCE)
         cuts = [_cut(ps, self.tokens, micro_batch_tokens, micro_batch_size) for ps in per_rank]
         target = max((len(c) for c in cuts), default=0)
         self.cuts = [c if len(c) >= target else _split_to(c, target, self.tokens) for c in cuts]

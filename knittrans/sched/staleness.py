@@ -29,6 +29,7 @@ __all__ = [
     "step_report",
     "summarize",
     "summarize_weighted",
+    "summary_of",
     "version_of",
 ]
 
@@ -119,9 +120,14 @@ def summarize_weighted(pairs: Sequence[tuple[float, int]]) -> StalenessStats:
         total += weight
         acc += value * weight
         pos += max(value, 0.0) * weight
+    return summary_of(sorted((v, w) for v, w in pairs if w > 0), total=total, acc=acc, pos=pos)
+
+
+def summary_of(ordered: Sequence[tuple[float, int]], *, total: int, acc: float, pos: float) -> StalenessStats:
+    """Stats of ascending ``(value, weight)`` pairs of positive weights summing to ``total``, given the
+    weighted sum ``acc`` and the weighted sum of positive parts ``pos``; nearest-rank percentiles."""
     if total == 0:
         return _EMPTY
-    ordered = sorted((v, w) for v, w in pairs if w > 0)
 
     def nearest_rank(fraction: float) -> float:
         need = max(1, math.ceil(fraction * total))

@@ -15,7 +15,7 @@ from knittrans.sim.workload import Workload
 __all__ = ["BASELINE", "COLOCATED", "LEGEND", "PACED_BASELINE", "ConfigResult", "format_table", "run_grid"]
 
 BASELINE = "train_batch"
-"""The policy reductions are measured against (with the workload's ``train_batch_handover``, default ``step``:
+"""The policy the other policies are compared with (with the workload's ``train_batch_handover``, default ``step``:
 a conventional trainer handed whole train batches)."""
 PACED_BASELINE = "train_batch_paced"
 """Row label of ``train_batch`` with ``train_batch_handover: mini_batch``: the project's window rule applied to

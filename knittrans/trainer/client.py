@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -230,10 +230,6 @@ class TrainerClient:
     def report_version(self, version: int) -> None:
         """Report the policy version after an optimizer step (rank 0 is enough; an ack can carry it instead)."""
         self.control.report_version(self.config.job, version, self.config.rank)
-
-    def timings_dicts(self) -> list[dict[str, Any]]:
-        """Recorded per-micro-batch timings as plain dicts (for JSON export)."""
-        return [asdict(t) for t in self.timings]
 
     def close(self) -> None:
         """Stop prefetching and the feed, close the fetcher and the control-plane client."""

@@ -131,7 +131,7 @@ def _pack_cpu(
     prompt: torch.Tensor, p_cu_t: torch.Tensor, response: torch.Tensor, r_cu_t: torch.Tensor
 ) -> PackedSequence:
     """:meth:`MicroBatch.pack` on CPU with numpy: the same scatters, without torch's intra-op thread
-    pool, whose wake-ups cost milliseconds per call on a busy host (0.2 ms vs 19 ms measured here)."""
+    pool, whose wake-ups are slow on a busy host."""
     p_cu, r_cu = p_cu_t.numpy().astype(np.int64), r_cu_t.numpy().astype(np.int64)
     plen, rlen = np.diff(p_cu), np.diff(r_cu)
     cu = np.zeros(len(p_cu), dtype=np.int64)
@@ -152,7 +152,7 @@ def _pack_cpu(
 def _per_token(row_values: torch.Tensor, cu: torch.Tensor, n: int) -> torch.Tensor:
     """``row_values[i]`` repeated over row ``i``'s tokens: a scatter of steps and a cumsum.
 
-    Equivalent to ``repeat_interleave(row_values, lengths)`` but several times faster on CPU.
+    Equivalent to ``repeat_interleave(row_values, lengths)``, without its per-row overhead on CPU.
     """
     steps = torch.zeros(n + 1, dtype=row_values.dtype, device=row_values.device)
     steps.index_add_(0, cu[:-1], torch.diff(row_values, prepend=row_values.new_zeros(1)))

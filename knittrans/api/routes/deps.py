@@ -79,8 +79,8 @@ class StateRunner:
         self._thread = None
 
 
-# The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a thread
-# hop (two context switches) per dependency and request, the largest cost of a ``next`` or ``ack`` at scale.
+# The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool (a thread
+# hop per dependency and request).
 
 
 async def _service(request: Request) -> ControlPlane:

@@ -50,5 +50,5 @@ async def heartbeat(
 
 @router.post("/{node}/lost", response_model=NodePublic)
 async def lost(node: str, svc: Service, run: Run, _: AdminAuth, body: NodeLostIn | None = None) -> dict[str, Any]:
-    """Declare a node lost: its unadmitted groups are dropped, untouched plans with its rows re-planned."""
+    """Declare a node lost: its unadmitted groups are dropped, untouched mini-batches with its rows re-planned."""
     return await run(svc.declare_lost, node, (body or NodeLostIn()).reason)

@@ -59,11 +59,8 @@ def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
     (raises InvalidRequest for a bad row layout or inconsistent fields). Takes ``u`` and its group dicts
     over: they become the descriptors' attribute dicts.
 
-    ``u`` passed :class:`UnitIn`'s validation: names, integer ranges, endpoint,
-    hashes, the same rules as :class:`UnitDescriptor`'s own checks. So only the checks across fields run
-    here, and the frozen descriptors are built from the validated fields (in the descriptors' field
-    order) without re-running the per-field checks (the registration hot path: they were most of its
-    CPU). A test pins that both reject the same bodies.
+    ``u`` passed :class:`UnitIn`'s validation (the same per-field rules as :class:`UnitDescriptor`'s), so
+    only the checks across fields run here.
     """
     groups = []
     row = 0
@@ -110,14 +107,8 @@ def descriptor_of(u: dict[str, Any]) -> UnitDescriptor:
     },
 )
 async def register_units(job: str, request: Request, _: WorkerAuth) -> dict[str, Any]:
-    """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409.
-
-    The body (``UnitsIn``) is parsed and validated in one pass by pydantic's JSON parser
-    (:func:`~knittrans.api.models.parse_units`): this is the hot path of every rollout writer. The service
-    and the state runner come from the app's state, not from (plain ``def``) dependencies, which FastAPI
-    would run in its thread pool: a thread hop per dependency and request, each a wait for the GIL and the
-    scheduler (the auth dependency is ``async``).
-    """
+    """Register sealed units (all or none); identical repeats are no-ops, a changed repeat is a 409."""
+    # the body (UnitsIn) is parsed and validated in one pass by pydantic's JSON parser (parse_units)
     raw = await request.body()
     state = request.app.state
     run: StateRunner = state.runner
