@@ -54,6 +54,7 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
     control.close()
 
 
+@pytest.mark.timing
 def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: LocalCluster, tmp_path: Path) -> None:
     """A unit on a node the control plane does not know: the call waits up to ``node_wait_s`` and then raises
     NotFound naming the node and the fix; when the node registers meanwhile, the call succeeds."""
@@ -84,6 +85,7 @@ def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: Loca
     control.close()
 
 
+@pytest.mark.timing
 def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
     """A fresh client connects to every listed store node (its Flight channel and one pinged data-lane
     connection) and has the first mini-batch loading before ``minibatches()`` is called; its streams are
@@ -114,6 +116,7 @@ def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCl
     control.close()
 
 
+@pytest.mark.timing
 def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
     """Warming a node that does not answer is not an error (its reads report it); local nodes need no channel."""
     with Fetcher(local_dirs={"node-local": str(tmp_path)}, timeout_s=2) as f:
@@ -123,6 +126,7 @@ def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
         assert not f._warm
 
 
+@pytest.mark.timing
 def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
     """A warm-up still running when the trainer closes gets a clear error, not a channel that is never closed
     (CI once saw ``close`` iterate the channel map while a ping thread added to it)."""
