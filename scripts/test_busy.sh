@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The core suite with two busy-loop processes beside it (tests must wait on conditions, not time).
-# Left out: slow end-to-end runs (run once in the plain step) and `timing` tests, which compare
-# measured durations (a speed property that belongs in benchmarks/).
+# The core tests that touch wall-clock timing (marker `timing`: deadlines, sleeps against timeouts,
+# heartbeats, long-poll and idle-connection timeouts) again, with two busy-loop processes beside them:
+# they must wait on conditions, not on time, and still pass on a saturated 2-core machine. The rest of
+# the suite does not depend on the clock and already ran in the plain step.
 # Usage: bash scripts/test_busy.sh [pytest args...]   (after scripts/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,4 @@ for _ in 1 2; do
 done
 trap 'kill "${busy[@]}" 2>/dev/null || true' EXIT
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
-  -m "not vllm and not compose and not netns and not schemathesis and not slow and not timing" "$@"
+  -m "timing and not vllm and not compose and not netns" "$@"

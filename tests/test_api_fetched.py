@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from api_support import app_client, drain, job_spec, manifest, rows_of, shares, single_group_units
 from fastapi.testclient import TestClient
 
@@ -30,6 +31,7 @@ def _post(c: TestClient, what: str, n: int, attempt: int, ranks: list[int] | Non
     return c.post(f"/v1/jobs/job1/minibatches/{n}/{what}", json={"attempt": attempt, "ranks": ranks})
 
 
+@pytest.mark.timing
 def test_the_next_manifest_is_served_before_the_current_one_is_acked(tmp_path: Path) -> None:
     """Mini-batch n+1's manifest is there while n is un-acked (what prefetch reads), asking again gives the
     same bytes, it cannot be acked before n, and after the last one the job is done (204 + X-KnitTrans-Done)."""
@@ -49,6 +51,7 @@ def test_the_next_manifest_is_served_before_the_current_one_is_acked(tmp_path: P
         assert r.status_code == 409 and r.json()["error"] == "conflict" and "consumed" in r.json()["detail"]
 
 
+@pytest.mark.timing
 def test_the_next_manifest_waits_for_admission(tmp_path: Path) -> None:
     """Mini-batch n+1 answers 204 (not done) while it is not admitted, and its manifest once it is."""
     with app_client(tmp_path / "cp.db") as c:

@@ -155,6 +155,7 @@ def test_lost_node_replans_untouched_mini_batch(tmp_path: Path) -> None:
     assert {g for g, _ in rows} == {"g2", "g3", "r0", "r1"}
 
 
+@pytest.mark.timing
 def test_if_none_match_waits_for_the_re_plan_of_a_withdrawn_mini_batch(tmp_path: Path) -> None:
     """A rank that failed to fetch asks again with the manifest's ETag: it is answered 304 while the
     mini-batch is unchanged, and the re-planned attempt (new ETag) as soon as a registration admits it."""
@@ -284,6 +285,7 @@ def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
         assert c.post("/v1/jobs/job1/units", json={"units": [fresh]}).json()["admitted"] == [1]
 
 
+@pytest.mark.timing
 def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
     """A new app on the same SQLite file serves the same bytes for un-consumed mini-batches, keeps which
     ranks acked them, and admits nothing twice."""
@@ -327,6 +329,7 @@ def test_restart_on_same_db_continues_exactly(tmp_path: Path) -> None:
     assert len(rows) == len(set(rows)) == 16
 
 
+@pytest.mark.timing
 def test_ack_and_version_rules(tmp_path: Path) -> None:
     """Acks go in order per rank, unknown mini-batches, attempts and ranks are 404, and policy versions never
     go back (nor through an ack)."""

@@ -175,6 +175,7 @@ def test_a_state_file_in_use_is_refused_to_a_second_control_plane(tmp_path: Path
     RecordStore(str(tmp_path / "cp.db")).close()
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # ~30 s: waits out a slow control-plane restart by design
 def test_default_retry_policy_outlasts_a_slow_control_plane_restart(tmp_path: Path) -> None:
     """D6: a ControlClient with the shared default policy (what rollout workers use) survives a 15 s outage."""

@@ -142,6 +142,7 @@ def test_quota_update_is_validated(client: TestClient) -> None:
     assert r.status_code == 422 and "quotas.math" in r.json()["detail"]
 
 
+@pytest.mark.timing
 def test_pause_blocks_admission_and_resume_restarts_it(client: TestClient, node: str) -> None:
     """A paused job admits nothing; resuming admits what became possible meanwhile."""
     client.post("/v1/jobs", json=job_spec(quotas={"math": 1, "code": 1}, mini_batches_per_step=1, world_size=1))
@@ -156,6 +157,7 @@ def test_pause_blocks_admission_and_resume_restarts_it(client: TestClient, node:
     assert manifest(client, "job1", 0) is not None
 
 
+@pytest.mark.timing
 def test_drain_finishes_the_step_and_cannot_be_resumed(client: TestClient, node: str) -> None:
     """Drain admits the rest of the current step, nothing after it; resume is then a 409."""
     client.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from api_support import app_client, drain, job_spec, single_group_units
 from fastapi.testclient import TestClient
 
@@ -25,6 +26,7 @@ def _job(c: TestClient) -> Any:
     return c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
 
 
+@pytest.mark.timing
 def test_consumed_mini_batches_leave_memory_and_old_acks_still_answer(tmp_path: Path) -> None:
     """After 40 steps only the mini-batches a question can still need stay in memory (and their attempts);
     an ack or fetched of a long-consumed mini-batch is a duplicate, its manifest a conflict, and the job goes

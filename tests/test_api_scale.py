@@ -40,6 +40,7 @@ def _spec(**overrides: Any) -> dict[str, Any]:
     return spec
 
 
+@pytest.mark.timing
 def test_only_changes_of_what_long_polls_answer_wake_them(tmp_path: Path) -> None:
     """A registration that admits nothing, one rank's ack and a version report do not wake the ranks waiting
     for the next manifest (the board keeps their event unset); the admission of that mini-batch does, and
@@ -92,6 +93,7 @@ def test_only_changes_of_what_long_polls_answer_wake_them(tmp_path: Path) -> Non
         assert got["body"] == c.get(f"/v1/jobs/{JOB}/minibatches/1", params={"timeout_s": 0}).content
 
 
+@pytest.mark.timing
 def test_job_wide_waiters_still_see_every_change(tmp_path: Path) -> None:
     """``/headroom?wait_s`` waits on the job-wide event: a registration that admits nothing still wakes it."""
     with app_client(tmp_path / "cp.db") as c:

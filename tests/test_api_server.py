@@ -20,6 +20,7 @@ def _setup(admin: ControlClient, **spec: Any) -> None:
     admin.register_node("n0", "grpc://127.0.0.1:1", host="h0")
 
 
+@pytest.mark.timing
 def test_long_poll_wakes_when_a_mini_batch_is_admitted(tmp_path: Path) -> None:
     """A rank waiting for a manifest gets it when a registration admits the mini-batch; 204 -> None on timeout."""
     with server(tmp_path / "cp.db") as srv, ControlClient(srv.url) as client:
@@ -61,6 +62,7 @@ def test_client_maps_errors_to_knittrans_exceptions(tmp_path: Path) -> None:
         gone.health()
 
 
+@pytest.mark.timing
 def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
     """After SIGKILL and a restart on the same db: a rank's ack is kept, the un-consumed manifest is the same
     bytes, a waiting rank retries until the server is back, and nothing is admitted twice."""
@@ -112,6 +114,7 @@ def test_kill_9_and_restart_continue_the_job(tmp_path: Path) -> None:
     assert len(rows) == len(set(rows)) == 16
 
 
+@pytest.mark.timing
 def test_manifests_end_when_the_job_completes(tmp_path: Path) -> None:
     """Reading and acking mini-batch after mini-batch of a job with total_steps ends in JobFinished once it is
     complete."""
@@ -129,6 +132,7 @@ def test_manifests_end_when_the_job_completes(tmp_path: Path) -> None:
         assert client.get_job("job1")["state"] == "completed"
 
 
+@pytest.mark.timing
 def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
     """Long-polls go out with ``Connection: close`` (each poll's connection closes itself after its answer,
     also one still connecting when the client was closed; without it that socket stayed open until

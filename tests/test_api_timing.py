@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from api_support import ack, app_client, job_spec, manifest, single_group_units
 from fastapi.testclient import TestClient
 
@@ -81,6 +82,7 @@ def test_headroom_counts_untaken_groups_and_opens_with_progress(tmp_path: Path) 
         assert sum(view["untaken"].values()) == 0 and view["room"] == 6
 
 
+@pytest.mark.timing
 def test_headroom_long_poll_answers_when_an_ack_frees_room(tmp_path: Path) -> None:
     """A rollout worker waiting on a full window is answered by the ack that frees room, not by a timeout."""
     with app_client(tmp_path / "cp.db") as c:
@@ -135,6 +137,7 @@ def test_a_source_in_deficit_may_launch_when_the_window_is_full(tmp_path: Path) 
         assert c.get("/v1/jobs/job1/headroom").json()["headroom"]["code"] == 0  # deficit now covered by pending
 
 
+@pytest.mark.timing
 def test_the_version_an_ack_carries_is_recorded_with_the_window_it_frees(tmp_path: Path) -> None:
     """A rollout worker woken by the ack that frees the window already reads the policy version that ack
     carried (recorded in the same change, before the admission it allows); a repeated ack carries it again

@@ -22,6 +22,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         yield c
 
 
+@pytest.mark.timing
 def test_nodes_register_heartbeat_list(client: TestClient) -> None:
     """Registered nodes are listed alive; heartbeats of unknown nodes are 404; bad endpoints 422."""
     assert client.post("/v1/nodes/n0/heartbeat").json()["state"] == "alive"
@@ -33,6 +34,7 @@ def test_nodes_register_heartbeat_list(client: TestClient) -> None:
     assert [n["node_id"] for n in client.get("/v1/nodes").json()] == ["n0"]
 
 
+@pytest.mark.timing
 def test_lost_node_needs_reregistration(client: TestClient) -> None:
     """A node declared lost answers 409 to heartbeats until it registers again."""
     r = client.post("/v1/nodes/n0/lost", json={"reason": "host died"})
@@ -44,6 +46,7 @@ def test_lost_node_needs_reregistration(client: TestClient) -> None:
     assert client.post("/v1/nodes/n0/heartbeat").status_code == 200
 
 
+@pytest.mark.timing
 def test_node_without_heartbeat_times_out(tmp_path: Path) -> None:
     """A node silent for longer than node_timeout_s is declared lost by the background sweeper.
 

@@ -74,6 +74,7 @@ def _report(c: LocalCluster, run: Path) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(900)
 def test_random_kill9_of_every_process_kind_keeps_exactly_once_and_exact_quotas(tmp_path: Path) -> None:
     """>= 20 random kill -9 + restart during a 50-step job: completion, exact quotas, 0 lost/duplicated."""

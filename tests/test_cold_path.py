@@ -3,6 +3,9 @@ registration from the writer, and ``register_units`` for a store node that has n
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -54,6 +57,7 @@ def test_writer_with_a_control_client_registers_what_it_writes(cluster: LocalClu
     control.close()
 
 
+@pytest.mark.timing
 def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: LocalCluster, tmp_path: Path) -> None:
     """A unit on a node the control plane does not know: the call waits up to ``node_wait_s`` and then raises
     NotFound naming the node and the fix; when the node registers meanwhile, the call succeeds."""
@@ -84,6 +88,7 @@ def test_register_units_of_an_unregistered_node_waits_then_says_so(cluster: Loca
     control.close()
 
 
+@pytest.mark.timing
 def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCluster) -> None:
     """A fresh client connects to every listed store node (its Flight channel and one pinged data-lane
     connection) and has the first mini-batch loading before ``minibatches()`` is called; its streams are
@@ -114,6 +119,7 @@ def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCl
     control.close()
 
 
+@pytest.mark.timing
 def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
     """Warming a node that does not answer is not an error (its reads report it); local nodes need no channel."""
     with Fetcher(local_dirs={"node-local": str(tmp_path)}, timeout_s=2) as f:
@@ -123,6 +129,7 @@ def test_fetcher_warm_skips_unreachable_and_local_nodes(tmp_path: Path) -> None:
         assert not f._warm
 
 
+@pytest.mark.timing
 def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
     """A warm-up still running when the trainer closes gets a clear error, not a channel that is never closed
     (CI once saw ``close`` iterate the channel map while a ping thread added to it)."""
@@ -191,3 +198,22 @@ def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: Loc
     for w in (w0, w1, bad, other):
         w.close()
     control.close()
+
+
+def test_cold_path_benchmark_smoke_writes_every_figure(tmp_path: Path) -> None:
+    """benchmarks/trainer/cold_path.py at its smallest (1 run, 1 warm mini-batch, depth 1): every figure present,
+    one cold and one warm reading with the plan no later than the micro-batch it made ready."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer" / "cold_path.py"
+    cmd = [sys.executable, str(script), "--runs", "1", "--warm", "1", "--depths", "1", "--compute-ms", "1"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "cold_path.json").read_text())
+    assert result["workload"]["runs"] == 1 and result["workload"]["warm_per_run"] == 1
+    assert result["machine"]["cpus"] >= 1 and len(result["machine"]["loadavg"]) == 3
+    assert list(result["depth_sweep"]) == ["1"] and result["depth_sweep"]["1"]["mean_wait_ms_per_micro_batch"] >= 0
+    for kind in ("cold", "warm"):
+        ready, plan = result[kind]["admission_to_ready"], result[kind]["admission_to_plan"]
+        assert ready["n"] == plan["n"] == 1 and ready["p50_ms"] >= plan["p50_ms"] >= 0, (kind, ready, plan)
+    [run] = result["raw"]
+    assert [r["kind"] for r in run] == ["cold", "warm"] and all(r["rows"] > 0 for r in run), run
+    assert (tmp_path / "cold_path.md").read_text().startswith("# Cold path")

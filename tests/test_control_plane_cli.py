@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 
 from knittrans.api.cli import add_arguments, settings_from_args
 from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_until
@@ -40,6 +41,7 @@ def test_control_plane_args_are_the_commands_own_flags(tmp_path: Path) -> None:
     assert (bare.port, bare.ready_file, bare.node_timeout_s) == (0, None, None)
 
 
+@pytest.mark.timing
 def test_port_zero_reports_the_real_port_in_the_ready_file(tmp_path: Path) -> None:
     """With --port 0 the ready file names the bound port, the server answers there, and a second server on that
     port exits with an error naming the address instead of a traceback."""

@@ -231,6 +231,7 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.timing
 def test_slow_idle_and_excess_connections_cannot_pin_the_lane(start_server: Start) -> None:
     """A first request that stalls gets a named error after the token timeout, a later one after the request
     timeout; a connection that sends nothing is closed; an admitted idle connection is closed; connections over
@@ -305,6 +306,7 @@ def test_tls_store_refuses_a_data_lane(tmp_path: Path) -> None:
     assert cli.run(args) == 2
 
 
+@pytest.mark.timing
 def test_shutdown_closes_the_lane(start_server: Start) -> None:
     """Stopping the store stops its lane: a client then gets Unavailable, not a hang."""
     server, _ = _filled(start_server)
@@ -334,6 +336,7 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
         mp.undo()
 
 
+@pytest.mark.timing
 def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cluster: LocalCluster) -> None:
     """A rank with ``data_lane`` (eager and iter, through share streams) gets the same
     tensors and media as one reading through DoGet, from real store processes, over their lanes."""

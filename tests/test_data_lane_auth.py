@@ -113,6 +113,7 @@ def test_unauthenticated_connections_are_closed_within_ten_seconds(start_server:
         conn.close()
 
 
+@pytest.mark.timing
 def test_a_full_lane_sends_reads_through_doget_and_later_ones_back_to_the_lane(start_server: Start) -> None:
     """While every admitted connection slot is taken, ``get``, ``stream`` and a Fetcher's reads are answered by
     DoGet (same bytes; ``lane_get`` says the lane is full); once a slot is free reads go over the lane again."""
@@ -202,6 +203,7 @@ def flooded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClu
             flood.stop()
 
 
+@pytest.mark.timing
 def test_500_idle_unauthenticated_connections_leave_the_lane_to_a_reader_and_a_writer(
     flooded: tuple[LocalCluster, _Flood], tmp_path: Path
 ) -> None:
@@ -220,6 +222,7 @@ def test_500_idle_unauthenticated_connections_leave_the_lane_to_a_reader_and_a_w
     assert got.num_rows == 8 and got.column("group_id").to_pylist()[0] == "flood-w0"
 
 
+@pytest.mark.timing
 def test_a_trainer_and_a_writer_finish_their_work_while_the_lanes_are_flooded(
     flooded: tuple[LocalCluster, _Flood],
 ) -> None:

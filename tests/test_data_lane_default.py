@@ -118,6 +118,7 @@ def _squatter(port: int, answer: bytes | None) -> Iterator[None]:
         thread.join(5)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("peer", ["refused", "closes", "http", "silent"])
 def test_unreachable_lane_falls_back_to_doget_with_the_same_bytes(start_server: Start, peer: str) -> None:
     """A lane port that refuses connections, closes them, is another service or never answers: reads go through DoGet
@@ -143,6 +144,7 @@ def test_unreachable_lane_falls_back_to_doget_with_the_same_bytes(start_server: 
     assert server.lane.served == 0
 
 
+@pytest.mark.timing
 def test_pool_sizes_bound_and_reuse() -> None:
     """Size classes stay within 1/8 of the read (a 16 MiB read never takes a 256 MiB region), idle regions
     are reused per class, and idle bytes stay under the cap (least recently returned dropped first)."""
@@ -207,6 +209,7 @@ def test_pooled_lane_buffers_are_not_reused_while_a_table_or_tensor_lives(start_
     assert server.lane is not None and server.lane.served == 8
 
 
+@pytest.mark.timing
 def test_pooled_lane_reads_from_many_threads_keep_their_bytes(start_server: Start) -> None:
     """Eight threads read two units of one size over one client and keep every table: none is overwritten."""
     server = start_server(token=TOKEN)
@@ -235,6 +238,7 @@ def test_pooled_lane_reads_from_many_threads_keep_their_bytes(start_server: Star
         assert pool.reused >= 1 and np.array_equal(arr, units["ua"].column("reward").to_numpy())
 
 
+@pytest.mark.timing
 def test_a_lane_that_comes_back_is_used_again_and_repeated_failures_back_off(start_server: Start) -> None:
     """Once the wait after a failed connect is over, the next read tries the lane again: a second failure
     in a row waits longer than the first, and a lane that answers again serves the reads (failures reset)."""
@@ -269,6 +273,7 @@ def _server_with_u0(start_server: Start, *, seed: int) -> tuple[StoreServer, Uni
     return server, t
 
 
+@pytest.mark.timing
 def test_a_store_restarted_with_its_lane_on_a_new_port_is_read_over_the_new_lane_at_once(start_server: Start) -> None:
     """The client knows the lane's old port; the store now advertises another (a restart on the same Flight
     port opens its lane on a free port): the failed connect makes the client ask again and read over the
@@ -285,6 +290,7 @@ def test_a_store_restarted_with_its_lane_on_a_new_port_is_read_over_the_new_lane
         assert c._lane_failures == 0 and c.lane_reachable()
 
 
+@pytest.mark.timing
 def test_lane_warm_opens_one_pinged_connection_that_the_first_read_uses(start_server: Start) -> None:
     """``lane_warm`` opens one connection, checks it with a ping (no read served) and pools it; the next read
     goes over that very connection; a second warm-up opens nothing more. A lane that is something else,
@@ -309,6 +315,7 @@ def test_lane_warm_opens_one_pinged_connection_that_the_first_read_uses(start_se
         assert c.get(_whole("u0")).equals(t.traj)
 
 
+@pytest.mark.timing
 def test_a_ping_answered_with_an_error_warms_nothing(start_server: Start) -> None:
     """A ping the lane refuses (a wrong token) or answers with an error frame warms no connection: nothing is
     pooled, and reads say what is wrong or go through DoGet."""

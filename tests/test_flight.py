@@ -139,6 +139,7 @@ def test_delete_over_flight(start_server: Start) -> None:
             c.get(_rows("job", ("u", ())))
 
 
+@pytest.mark.timing
 def test_close_waits_for_calls_in_flight_and_refuses_new_ones(start_server: Start) -> None:
     """Closing a client under an open stream (a call in flight) defers the channel's close until the stream
     ends: the stream fails at its next batch with Unavailable, calls after close are refused; the server

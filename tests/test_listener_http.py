@@ -93,6 +93,7 @@ def _job(url: str) -> None:
     assert httpx.post(url + "/v1/nodes", json=NODE, headers=AUTH).status_code == 200
 
 
+@pytest.mark.timing
 def test_500_unauthenticated_connections_leave_writers_and_readers_served_and_close_after_10_s(tmp_path: Path) -> None:
     """Default settings: 500 idle or half-sent unauthenticated connections held open; a writer and a reader
     (job, status, manifest long-poll) are still served, and the server closes all 500 (10 s after each opened)."""
@@ -105,6 +106,7 @@ def test_500_unauthenticated_connections_leave_writers_and_readers_served_and_cl
         _writer_and_reader(srv.url, "b")
 
 
+@pytest.mark.timing
 def test_unauthenticated_connections_cannot_take_every_descriptor(tmp_path: Path) -> None:
     """A control plane limited to 400 open files, sent 1,000 unauthenticated connections at once, still
     accepts and serves a writer and a reader: unauthenticated connections may hold at most half its
@@ -141,6 +143,7 @@ def test_the_control_plane_raises_its_open_files_limit_to_the_hard_limit(tmp_pat
     assert soft == hard, line
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_idle_and_slow_connections_close_after_the_timeout_authenticated_ones_stay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, http: str
@@ -173,6 +176,7 @@ def test_idle_and_slow_connections_close_after_the_timeout_authenticated_ones_st
             sock.close()
 
 
+@pytest.mark.timing
 def test_unauthenticated_connections_beyond_the_cap_close_the_oldest_never_an_authenticated_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,6 +238,7 @@ def test_a_body_is_read_only_after_its_token_is_checked(
         big.close()
 
 
+@pytest.mark.timing
 def test_headers_without_end_are_not_buffered_past_64_kib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """40 connections each sending 4 MiB of one header line (httptools, which sets no header limit of its
     own): the server reads about 64 KiB of each and pauses them, so its memory grows by far less than the

@@ -104,6 +104,7 @@ def test_leftover_cleanup_spares_labs_of_running_processes() -> None:
             ip("netns", "del", ns, check=False)
 
 
+@pytest.mark.timing
 def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
     """Quotas exact, exactly-once, staleness, remote fetch; a cut store host is lost, re-planned, regenerated."""
     addr = netlab.hosts

@@ -415,6 +415,7 @@ def test_write_units_failure_leaves_nothing_on_the_node(recording: RecordingServ
     writer.close()
 
 
+@pytest.mark.timing
 def test_write_units_waits_for_budget_for_the_whole_batch(start_server: Start, store_dir: Path) -> None:
     """The batch stores all its units or none: with room for one unit only, a batch of two times out."""
     t = build_unit_tables(make_groups(20, 4))
@@ -535,6 +536,7 @@ def test_store_publish_waits_for_budget_or_spills(store_dir: Path, tmp_path: Pat
     assert store.read(Ticket(job="job", reads=(UnitRead(unit_id="b"),))).num_rows == b.num_rows
 
 
+@pytest.mark.timing
 def test_store_publish_sweeps_temporaries_of_dead_writers(store_dir: Path) -> None:
     """A writer temporary never published (its writer died) goes once it is older than ``pending_ttl_s``."""
     import os
@@ -567,6 +569,7 @@ def test_publish_action_refuses_bad_bodies(recording: RecordingServer, store_dir
     client.close()
 
 
+@pytest.mark.timing
 def test_writer_publish_failure_leaves_nothing(recording: RecordingServer, store_dir: Path) -> None:
     """A unit the node cannot take (no budget in time) fails the call: no unit, no temporary, no budget."""
     recording.store.budget.limit = 1000

@@ -82,6 +82,7 @@ def test_worker_fills_the_window_and_tags_versions(tmp_path: Path, model_dir: Pa
         assert units["announced"] == {} and units["next_seq"] == 4
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # ~60 s: two worker processes, a kill and a restart
 def test_restart_mid_step_neither_duplicates_nor_loses(tmp_path: Path, model_dir: Path) -> None:
     """kill -9 while groups are announced but unregistered; the restarted worker completes them under the same ids."""
@@ -172,6 +173,7 @@ def test_reward_loader_and_source_parsing() -> None:
         SourceProfile.parse("mm:8")
 
 
+@pytest.mark.timing
 def test_a_store_that_restarts_while_a_unit_is_stored_is_retried_not_fatal(tmp_path: Path, model_dir: Path) -> None:
     """The worker's store node is down (kill -9) when a unit is stored: the worker retries under ``store_retry``
     until the store is back on its port and directory, then writes and registers; with a store that never
@@ -284,6 +286,7 @@ def _metric(text: str, name: str, worker: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+@pytest.mark.timing
 def test_a_reported_version_whose_file_comes_late_is_waited_for_then_counted_late(
     tmp_path: Path, model_dir: Path
 ) -> None:

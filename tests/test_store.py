@@ -63,6 +63,7 @@ def test_names_are_validated_and_duplicates_refused(store_dir: Path) -> None:
     assert not any(p.name.startswith(".") for p in (store_dir / "job").iterdir())
 
 
+@pytest.mark.timing
 def test_waiting_writer_proceeds_when_space_is_freed(store_dir: Path) -> None:
     """With a full budget a writer blocks; deleting a unit wakes it and its unit is sealed."""
     t = _tables(n=20)
@@ -85,6 +86,7 @@ def test_waiting_writer_proceeds_when_space_is_freed(store_dir: Path) -> None:
     assert store.budget.used == store.get("job", "b").num_bytes
 
 
+@pytest.mark.timing
 def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
     """Without free space the writer gets OverBudget naming budget, use and need; nothing is left behind."""
     t = _tables()
@@ -101,6 +103,7 @@ def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
     assert not [p for p in (store_dir / "job").iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.timing
 def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -> None:
     """With a spill dir a unit that does not fit goes there, is readable and survives a rescan."""
     t = _tables(n=20)

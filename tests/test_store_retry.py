@@ -186,6 +186,7 @@ def test_tickets_are_bounded(start_server: Start) -> None:
         assert c.get(Ticket(job="job", reads=(UnitRead(unit_id="u0", row_ranges=((0, 2), (5, 7))),))).num_rows == 4
 
 
+@pytest.mark.timing
 def test_publish_validates_timeout_and_a_put_abandoned_while_waiting_for_budget_is_dropped(
     start_server: Start,
 ) -> None:

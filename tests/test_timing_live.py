@@ -22,6 +22,7 @@ weights before the ack that moves the trainer's position, so only one optimizer 
 last chunk (a step is slower than a chunk)."""
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_slow_trainer_keeps_lookahead_window_and_staleness_bounds(tmp_path: Path) -> None:
     """From the records of a real run: admitted-ahead <= L at every admission, untaken <= W·G (and the window

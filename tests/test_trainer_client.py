@@ -123,6 +123,7 @@ def _train(client: TrainerClient, cost: int) -> list[MiniBatch]:
     return done
 
 
+@pytest.mark.timing
 def test_iter_prefetches_and_plans_ahead(cluster: LocalCluster) -> None:
     """Eager, iter and plan-ahead modes deliver every micro-batch; eager waits for all its fetches before
     the first micro-batch; with prefetch_next (default) the next mini-batch's plan arrives (via
@@ -185,6 +186,7 @@ def test_every_row_reaches_exactly_one_rank(cluster: LocalCluster) -> None:
     assert control.status(job)["state"] == "completed"
 
 
+@pytest.mark.timing
 def test_mini_batch_admitted_after_the_ack_is_loaded_by_the_waiting_prefetch_thread(cluster: LocalCluster) -> None:
     """Once a mini-batch is loaded its prefetch thread waits for the next share; a mini-batch admitted only
     after the ack reaches it through the feed, starts loading there, and is what the loop gets next."""
@@ -305,6 +307,7 @@ def test_store_node_killed_mid_mini_batch_names_the_node(own_cluster: LocalClust
         assert got == ([0, 1] if mode == "iter" else [])  # node-0's micro-batches come first in read order
 
 
+@pytest.mark.timing
 def test_control_plane_restart_mid_job(own_cluster: LocalCluster) -> None:
     """The control plane is killed after the first mini-batch is fetched; ack and next retry until it is back."""
     c, job = own_cluster, "restart"

@@ -53,6 +53,7 @@ def _wait_ranks(c: LocalCluster) -> None:
         assert p.returncode == 0, c.procs.log_tail(f"rank-{r}", 60)
 
 
+@pytest.mark.timing
 def test_two_ranks_train_job_to_completion(cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
     """Two gloo ranks finish the job: weights published per step, versions reported, dedup counters consistent."""
     job = "rankjob"
@@ -121,6 +122,7 @@ def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.mark.timing
 def test_store_killed_under_a_plan_no_partial_step(own_cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
     """A store node is SIGKILLed while the ranks hold plans with its rows: no rank steps on them, the plans are
     re-issued (next attempt) once the node is declared lost and its groups regenerated, and the job completes

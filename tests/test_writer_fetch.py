@@ -90,6 +90,7 @@ def test_a_unit_id_the_node_has_is_refused_and_the_existing_unit_kept(
         assert server.store.stats()["pending"] == 1  # u2's, still there
 
 
+@pytest.mark.timing
 def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store_dir: Path) -> None:
     """publish_units applies the node's budget to same-host writers: OverBudget after the timeout."""
     t = build_unit_tables(make_groups(20, 4))

@@ -99,6 +99,7 @@ def test_a_refused_registration_is_raised_once_with_its_units_and_the_rest_of_it
     control.close()
 
 
+@pytest.mark.timing
 def test_an_earlier_failure_is_raised_by_the_next_write_before_it_writes(cluster: LocalCluster) -> None:
     """A background failure is raised by the writer's next write, which then stores nothing; the one after works.
     The failure carries the descriptors left unregistered."""
