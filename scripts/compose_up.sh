@@ -53,7 +53,8 @@ tokens() {
   # one scoped credential per process (the shared worker token stays valid for tools and tests)
   local mint=("$PY" -m knittrans.cli token)
   KNITTRANS_ROLLOUT_TOKEN=$("${mint[@]}" --role worker --job demo)
-  KNITTRANS_RANK0_TOKEN=$("${mint[@]}" --role rank --job demo --rank 0)
+  # rank 0 leads the ranks' collective progress: it reports fetched and acks for every rank of the job
+  KNITTRANS_RANK0_TOKEN=$("${mint[@]}" --role rank --job demo)
   KNITTRANS_RANK1_TOKEN=$("${mint[@]}" --role rank --job demo --rank 1)
   KNITTRANS_NODE_TOKEN=$("${mint[@]}" --role store)
   export KNITTRANS_ROLLOUT_TOKEN KNITTRANS_RANK0_TOKEN KNITTRANS_RANK1_TOKEN KNITTRANS_NODE_TOKEN

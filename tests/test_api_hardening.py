@@ -298,8 +298,9 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
 
 
 def test_token_command_mints_offline_what_the_control_plane_mints(tmp_path: Path) -> None:
-    """`knittrans token` (admin token from the environment) gives the same token as POST /v1/tokens;
-    without the admin token, or a rank token without --rank, it exits 2 naming what is missing."""
+    """`knittrans token` (admin token from the environment) gives the same token as POST /v1/tokens; a rank
+    token without --rank is the job's trainer (rank 0 of a collective group acks for every rank with it);
+    without the admin token, or --rank on another role, it exits 2 naming what is wrong."""
     import os
 
     from knittrans.controlclient import ControlClient
@@ -325,5 +326,16 @@ def test_token_command_mints_offline_what_the_control_plane_mints(tmp_path: Path
             assert c.report_version("job1", 2, rank=1)["version"] == 2
     missing = cli("--role", "store", admin=None)
     assert missing.returncode == 2 and "KNITTRANS_ADMIN_TOKEN" in missing.stderr
-    no_rank = cli("--role", "rank", "--job", "job1")
-    assert no_rank.returncode == 2 and "--rank" in no_rank.stderr
+    trainer = cli("--role", "rank", "--job", "job1")
+    assert trainer.returncode == 0, trainer.stderr
+    with server(tmp_path / "cp2.db", *_tokens()) as srv, ControlClient(srv.url, token=ADMIN) as admin:
+        admin.create_job(job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=2))
+        assert trainer.stdout.strip() == admin.mint_token("rank", job="job1")
+        admin.register_node("n0", "grpc://127.0.0.1:1")
+        admin.register_units("job1", single_group_units(["math"]))
+        with ControlClient(srv.url, token=trainer.stdout.strip(), retries=0) as c:
+            got = c.manifest("job1", 0, timeout_s=5)
+            assert got is not None
+            assert c.fetched("job1", 0, got[0].attempt)["fetched_ranks"] == 2  # every rank, as the leader reports
+    wrong = cli("--role", "worker", "--job", "job1", "--rank", "0")
+    assert wrong.returncode == 2 and "--rank" in wrong.stderr

@@ -24,10 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--role",
         required=True,
         choices=("worker", "rank", "store"),
-        help="worker: one job's rollout; rank: one rank of one job; store: node registration",
+        help="worker: one job's rollout; rank: one job's trainer (one rank with --rank); store: node registration",
     )
     parser.add_argument("--job", default=None, help="the job (worker and rank tokens)")
-    parser.add_argument("--rank", type=int, default=None, help="the rank (rank tokens)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the one rank a rank token reports for (without it: every rank, as rank 0 of a collective group does)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.role in ("worker", "rank") and not args.job:
         print(f"knittrans token: a {args.role} token needs --job", file=sys.stderr)
         return 2
-    if (args.role == "rank") != (args.rank is not None) or (args.rank is not None and args.rank < 0):
-        print("knittrans token: --rank (>= 0) is given exactly for rank tokens", file=sys.stderr)
+    if args.rank is not None and (args.role != "rank" or args.rank < 0):
+        print("knittrans token: --rank (>= 0) is given only for rank tokens", file=sys.stderr)
         return 2
     job = check_name(args.job, "job") if args.role != "store" else None
     print(mint_token(secret.encode(), Scope(role=args.role, job=job, rank=args.rank)))

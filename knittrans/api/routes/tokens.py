@@ -21,7 +21,8 @@ router = APIRouter(
 
 @router.post("", response_model=TokenOut)
 async def mint(body: TokenIn, request: Request, _: AdminAuth) -> dict[str, Any]:
-    """A bearer token limited to one role: ``worker`` of a job, ``rank`` r of a job, or ``store``.
+    """A bearer token limited to one role: ``worker`` of a job, ``rank`` (a job's trainer: rank r only
+    when ``rank`` is given, else every rank, as rank 0 of a collective group reports), or ``store``.
 
     Needs an admin token configured (it is the key the scoped tokens are signed with): 409 otherwise.
     """
@@ -30,7 +31,7 @@ async def mint(body: TokenIn, request: Request, _: AdminAuth) -> dict[str, Any]:
         raise Conflict("scoped tokens need an admin token on the control plane (it signs them)")
     if body.role in ("worker", "rank") and body.job is None:
         raise InvalidRequest(f"a {body.role} token needs 'job'")
-    if (body.role == "rank") != (body.rank is not None):
-        raise InvalidRequest("'rank' is given exactly for rank tokens")
+    if body.rank is not None and body.role != "rank":
+        raise InvalidRequest("'rank' is given only for rank tokens")
     scope = Scope(role=body.role, job=body.job if body.role != "store" else None, rank=body.rank)
     return {"token": mint_token(secret, scope), "role": scope.role, "job": scope.job, "rank": scope.rank}
