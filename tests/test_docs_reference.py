@@ -55,11 +55,11 @@ def test_every_cli_flag_is_in_the_cli_reference(command: str) -> None:
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*/README.md"))]
 
 
 def test_every_relative_link_resolves() -> None:
-    """Each relative link in README.md and docs/**/*.md points at a file or folder that exists."""
+    """Each relative link in README.md, docs/**/*.md and the benchmark READMEs points at an existing path."""
     broken = []
     for md in _markdown_files():
         text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)  # links inside code are code

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "h11", "httptools"),
         default=os.environ.get("KNITTRANS_HTTP") or "auto",
         help="uvicorn's HTTP/1.1 implementation: auto = httptools when installed (a dependency; about a "
-        "third less server CPU per request than h11, benchmarks/control_plane/README.md), else h11 "
+        "third less server CPU per request than h11, docs/decisions/0006-dependencies.md), else h11 "
         "(default $KNITTRANS_HTTP, else auto)",
     )
     parser.add_argument(
