@@ -61,7 +61,7 @@ class DemoConfig:
     """Text decoder layers of the policy."""
     groups_per_call: int = 1
     """Groups a rollout worker generates per call and writes as one unit (a finished group is invisible until its
-    partners finish: docs/how-to/simulator.md)."""
+    partners finish: benchmarks/sim_report/README.md)."""
     train_batch_handover: str = "mini_batch"
     """``train_batch`` only: ``step`` frees the whole train batch from the window when the trainer starts a step
     (the conventional baseline), ``mini_batch`` each mini-batch's groups as it starts (the paced baseline)."""
