@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import re
 from pathlib import Path
 
 import pytest
 
+from knittrans import errors
 from knittrans.api.app import create_app
 from knittrans.api.settings import Settings
+from knittrans.api.spec import JobSpec
 from knittrans.cli import SUBCOMMANDS
+from knittrans.rollout.worker import RolloutWorkerConfig
+from knittrans.trainer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -52,6 +57,23 @@ def test_every_cli_flag_is_in_the_cli_reference(command: str) -> None:
         if f"`{flag}`" not in section
     ]
     assert not missing, f"`knittrans {command}` flags missing from docs/reference/cli.md: {missing}"
+
+
+@pytest.mark.parametrize("config", [TrainerConfig, JobSpec, RolloutWorkerConfig, Settings], ids=lambda c: c.__name__)
+def test_every_config_field_is_in_the_config_reference(config: type) -> None:
+    """Each field of a public config has a row in its section of docs/reference/config.md."""
+    fields = Settings.model_fields if config is Settings else {f.name: f for f in dataclasses.fields(config)}
+    section = _section((DOCS / "reference" / "config.md").read_text(), config.__name__)
+    missing = [name for name in fields if f"| `{name}` |" not in section]
+    assert not missing, f"{config.__name__} fields missing from docs/reference/config.md: {missing}"
+
+
+def test_every_error_is_in_the_errors_reference() -> None:
+    """Each exception class knittrans.errors exports is named in docs/reference/errors.md."""
+    text = (DOCS / "reference" / "errors.md").read_text()
+    classes = [name for name in errors.__all__ if isinstance(getattr(errors, name), type)]
+    missing = [name for name in classes if name not in text]
+    assert not missing, f"errors missing from docs/reference/errors.md: {missing}"
 
 
 def _markdown_files() -> list[Path]:
