@@ -86,7 +86,7 @@ def _fields(cls: type) -> dict[str, tuple[str, str, str | None]]:
             value = ast.unparse(node.value) if node.value else None
             found[last] = ("", ast.unparse(node.annotation), value)
         elif last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            doc, annotation, value = found[last]
+            _doc, annotation, value = found[last]
             found[last] = (" ".join(str(node.value.value).split()), annotation, value)
             last = None
         else:
