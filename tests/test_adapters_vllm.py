@@ -30,7 +30,7 @@ VOCAB = 256
 EOS = VOCAB - 1
 SCRIPT = Path(__file__).with_name("vllm_rollout_script.py")
 # vLLM's CPU kernels (paged attention, fused RMSNorm/SiLU, its own rotary code) vs transformers'
-# eager float32 forward: measured max |Δlogprob| 1.5e-5 .. 3.4e-5 over ~900 tokens (docs/rollout.md);
+# eager float32 forward: measured max |Δlogprob| 1.5e-5 .. 3.4e-5 over ~900 tokens (docs/explanation/rollout.md);
 # 5e-4 leaves a 15x margin and is still 200x below what a weight or temperature mix-up
 # produces (> 0.1, asserted below).
 TOL = 5e-4

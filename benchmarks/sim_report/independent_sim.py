@@ -8,7 +8,7 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
   ``<= W·q[s]`` per source (``scope="source"``, the issue's "per source, as today's quota-based room"),
   or ``<= W·G`` in total with the source furthest behind its quota share of launches going first
   (``scope="global"``, what ``knittrans.sched.timing`` implements, argued for in
-  ``docs/architecture.md``). ``free_on="admit"`` frees the window at admission instead (the pre-issue
+  ``docs/explanation/architecture.md``). ``free_on="admit"`` frees the window at admission instead (the pre-issue
   model).
 * **Lookahead** ``L``: mini-batch ``n`` is admitted only when ``n <= p + L``, ``p`` = mini-batches
   trained (``L = 0``: admitted when the trainer is ready to start it).

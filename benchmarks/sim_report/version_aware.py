@@ -11,7 +11,8 @@ constraint_preserving (``1 - VA / CP``, positive = fresher). Writes ``results/ve
 Issue 33's target: token-weighted staleness >= 15 % lower on skewed3 and code_agent_skew with p99 and max no
 worse and no quota violation. Within a step every group's architectural staleness is ``step·K - v_gen`` (the
 ``k`` of its mini-batch cancels), so a policy that only chooses *which* groups of a source go first, at the
-same admission times, cannot move the mean; it moves the tails (docs/simulator.md, "A version-aware policy").
+same admission times, cannot move the mean; it moves the tails (benchmarks/sim_report/README.md,
+"A version-aware admission policy").
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class BoundsIn(_In):
 
 
 class JobCreate(_In):
-    """A job spec (see docs/api.md for what each field means and which values are refused)."""
+    """A job spec (see docs/reference/rest.md for what each field means and which values are refused)."""
 
     model_config = ConfigDict(
         extra="forbid",

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("default", "slow-trainer"),
         default="default",
         help="slow-trainer: every mini-batch takes >= --min-step-s (3 s unless given), about 3x "
-        "rollout's pace, so the window, not rollout, sets the pace (docs/demo.md)",
+        "rollout's pace, so the window, not rollout, sets the pace (docs/getting-started/local-stack.md)",
     )
     parser.add_argument(
         "--min-step-s",

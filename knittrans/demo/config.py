@@ -56,12 +56,12 @@ class DemoConfig:
     """Trainer fetch mode: iter (prefetch) or eager."""
     hidden: int = 512
     """Text hidden size of the tiny VLM policy (``heads * 64``); bigger makes training heavier relative to
-    rollout, which is what separates the admission policies (see docs/demo.md)."""
+    rollout, which is what separates the admission policies (see docs/getting-started/local-stack.md)."""
     layers: int = 4
     """Text decoder layers of the policy."""
     groups_per_call: int = 1
     """Groups a rollout worker generates per call and writes as one unit (a finished group is invisible until its
-    partners finish: docs/simulator.md)."""
+    partners finish: benchmarks/sim_report/README.md)."""
     train_batch_handover: str = "mini_batch"
     """``train_batch`` only: ``step`` frees the whole train batch from the window when the trainer starts a step
     (the conventional baseline), ``mini_batch`` each mini-batch's groups as it starts (the paced baseline)."""

@@ -208,7 +208,7 @@ class RolloutWorkerConfig:
     groups_per_call: int = 1
     """Groups generated one after the other and written together as one unit (one registration for several
     groups, but a finished group stays invisible to admission, and holds the window, until its partners
-    finish: ``docs/simulator.md`` measures what 2 costs)."""
+    finish: ``benchmarks/sim_report/README.md`` measures what 2 costs)."""
     temperature: float = 1.0
     """Sampling temperature."""
     chunk_tokens: int | None = None

@@ -31,7 +31,7 @@ Definitions (global mini-batch indices ``n = step·K + k`` count from 0):
   starts (``"step"``), and rollout refills the whole window at once — one train batch off-policy
   (:func:`released_at_start`). Applying ``"mini_batch"`` to ``train_batch`` too (the "paced" baseline)
   gives it the project's trainer-paced launches, which is most of the start-reading gain
-  (``docs/simulator.md``, "What drives each figure").
+  (``benchmarks/sim_report/README.md``, "What drives each figure").
 
 Staleness bound (end reading). Policies take a source's finished groups in finish order. When a
 group ``g`` of source ``s`` finishes, the trainer is at ``p`` (step ``p // K``) and fewer than ``W·G``

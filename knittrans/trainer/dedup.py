@@ -59,7 +59,7 @@ collectives always match. Alternatively keep encoder and backbone in one DDP mod
 micro-batch under ``no_sync()``, call ``finish()``, then ``all_reduce_gradients`` over the whole
 model. Do not wrap the encoder alone in DDP: ranks run different numbers of encoder forwards and
 a rank with no media never runs a backward, so DDP's reducer would hang or raise. See
-docs/dedup.md for FSDP.
+docs/explanation/dedup.md for FSDP.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""The reference in docs/ covers the real interfaces: every REST route, every CLI flag, every relative link."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from knittrans import errors
+from knittrans.api.app import create_app
+from knittrans.api.settings import Settings
+from knittrans.api.spec import JobSpec
+from knittrans.cli import SUBCOMMANDS
+from knittrans.rollout.worker import RolloutWorkerConfig
+from knittrans.trainer.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section of a Markdown file (up to the next ``## ``)."""
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_every_openapi_route_is_in_the_rest_reference(tmp_path: Path) -> None:
+    """Each method + path of the app's OpenAPI has a row in docs/reference/rest.md's endpoint table."""
+    spec = create_app(Settings(db_path=str(tmp_path / "cp.db"))).openapi()
+    table = _section((DOCS / "reference" / "rest.md").read_text(), "Endpoints")
+    missing = [
+        f"{method.upper()} {path}"
+        for path, operations in spec["paths"].items()
+        for method in operations
+        if f"`{method.upper()} {path}`" not in table
+    ]
+    assert not missing, f"routes missing from docs/reference/rest.md: {missing}"
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_cli_flag_is_in_the_cli_reference(command: str) -> None:
+    """Each flag of ``knittrans <command>`` appears in its section of docs/reference/cli.md."""
+    parser = argparse.ArgumentParser(prog=f"knittrans {command}")
+    importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+    section = _section((DOCS / "reference" / "cli.md").read_text(), f"`knittrans {command}`")
+    missing = [
+        flag
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction)
+        for flag in (action.option_strings or [action.dest])
+        if f"`{flag}`" not in section
+    ]
+    assert not missing, f"`knittrans {command}` flags missing from docs/reference/cli.md: {missing}"
+
+
+@pytest.mark.parametrize("config", [TrainerConfig, JobSpec, RolloutWorkerConfig, Settings], ids=lambda c: c.__name__)
+def test_every_config_field_is_in_the_config_reference(config: type) -> None:
+    """Each field of a public config has a row in its section of docs/reference/config.md."""
+    fields = Settings.model_fields if config is Settings else {f.name: f for f in dataclasses.fields(config)}
+    section = _section((DOCS / "reference" / "config.md").read_text(), config.__name__)
+    missing = [name for name in fields if f"| `{name}` |" not in section]
+    assert not missing, f"{config.__name__} fields missing from docs/reference/config.md: {missing}"
+
+
+def test_every_error_is_in_the_errors_reference() -> None:
+    """Each exception class knittrans.errors exports is named in docs/reference/errors.md."""
+    text = (DOCS / "reference" / "errors.md").read_text()
+    classes = [name for name in errors.__all__ if isinstance(getattr(errors, name), type)]
+    missing = [name for name in classes if name not in text]
+    assert not missing, f"errors missing from docs/reference/errors.md: {missing}"
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*/README.md"))]
+
+
+def test_every_relative_link_resolves() -> None:
+    """Each relative link in README.md, docs/**/*.md and the benchmark READMEs points at an existing path."""
+    broken = []
+    for md in _markdown_files():
+        text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)  # links inside code are code
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = target.split("#", 1)[0]
+            if not (md.parent / path).exists():
+                broken.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
