@@ -14,7 +14,7 @@ from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
 from knittrans.local import LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, check_schema
-from knittrans.store.store import StoreConfig, UnitStore
+from knittrans.store.store import SealSpec, StoreConfig, UnitStore
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.convert import to_micro_batch
 from knittrans.userfields import check_user_columns, parse_arrow_type, parse_user_fields
@@ -120,11 +120,18 @@ def test_store_keeps_user_columns_and_refuses_a_user_column_before_the_fixed_one
     """A unit with user columns after the fixed ones is stored and re-read; one that reorders them is not."""
     store = UnitStore(StoreConfig(root=tmp_path / "s"))
     tables = build_unit_tables(_with_user(mm_groups("s", 1, group_size=2)), user_fields=parse_user_fields(USER))
-    store.write_unit("j", "u1", tables.traj, tables.media)
+
+    def put(unit_id: str, traj: pa.Table) -> None:  # as DoPut does: begun, each part written, then sealed
+        pending = store.begin("j", unit_id)
+        for part, table in (("traj", traj), ("media", tables.media)):
+            for batch in table.to_batches():
+                pending.write(part, batch)  # type: ignore[arg-type]
+        store.seal_units("j", [SealSpec(unit_id=unit_id)])
+
+    put("u1", tables.traj)
     assert store.get("j", "u1").traj.equals(tables.traj)
-    bad = tables.traj.select(["values", *TRAJECTORY_COLUMNS])
     with pytest.raises(SchemaMismatch, match="columns differ"):
-        store.write_unit("j", "u2", bad, tables.media)
+        put("u2", tables.traj.select(["values", *TRAJECTORY_COLUMNS]))
 
 
 def test_user_fields_reach_the_trainer_projected_and_as_torch(cluster: LocalCluster) -> None:
