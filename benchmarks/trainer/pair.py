@@ -31,6 +31,7 @@ and ``.md`` under ``--out`` (default benchmarks/trainer/results) and prints the 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -54,13 +55,19 @@ METRICS = {
 
 
 # ---------------------------------------------------------------------------------------------- workers
-def _worker_trainer(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
-    try:
-        import knittrans.demo.rank  # noqa: F401
-    except ImportError:  # a tree from before the demo's rank module moved (7fe2783 kept it in knittrans.trainer)
-        import knittrans.trainer.rank as moved
+def _alias_moved_modules() -> None:
+    """Point the modules that moved since 7fe2783 at their old homes when the tree measured is that old:
+    ``knittrans.demo.rank`` (was ``knittrans.trainer.rank``), ``knittrans.local`` (was ``knittrans.demo.cluster``)."""
+    import knittrans
 
-        sys.modules["knittrans.demo.rank"] = moved
+    package = Path(next(iter(knittrans.__path__)))
+    for new, old in (("demo/rank.py", "knittrans.trainer.rank"), ("local.py", "knittrans.demo.cluster")):
+        if not (package / new).exists():
+            sys.modules["knittrans." + new[:-3].replace("/", ".")] = importlib.import_module(old)
+
+
+def _worker_trainer(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
+    _alias_moved_modules()
     from run import GROUP_SIZE, IMAGE, VARIANTS, delete_job, train_rank, write_job
 
     from knittrans.demo.rank import load_policy
@@ -142,6 +149,7 @@ def _worker_baselines(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dic
 
 
 def _worker_cold(opts: dict[str, Any]) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
+    _alias_moved_modules()
     from cold_path import run_once
 
     from knittrans.local import ClusterConfig, LocalCluster
