@@ -27,15 +27,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from vlm_dedup import add_tower_args, load_tower
 
-from knittrans.rollout.vlm import TinyVLMSpec, VisionTower, build_tiny_vlm, load_image_processor, pixel_values
+from knittrans.rollout.vlm import VisionTower, pixel_values
 from knittrans.trainer.dedup import DedupEncoder, _content_digest
 
 PATTERNS = ("fresh", "every_micro_batch")
@@ -82,26 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch")
     ap.add_argument("--group-sizes", default="8")
     ap.add_argument("--images", default="1,2", help="images per prompt")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--vision-hidden", type=int, default=128)
-    ap.add_argument("--vision-layers", type=int, default=4)
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    add_tower_args(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from transformers import Idefics3ForConditionalGeneration
-
-    spec = TinyVLMSpec(
-        vision_hidden=args.vision_hidden,
-        vision_layers=args.vision_layers,
-        vision_heads=max(1, args.vision_hidden // 64),
-        image_size=args.image_size,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_vlm(Path(tmp) / "vlm", spec, seed=0)
-        model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-        processor = load_image_processor(model_dir)
-    tower = VisionTower(model).train()
+    tower, processor, spec = load_tower(args)
     rng = np.random.default_rng(0)
     most = args.groups * max(int(x) for x in args.images.split(","))
     raw = [rng.integers(0, 256, (3, 128, 128), dtype=np.uint8) for _ in range(most)]

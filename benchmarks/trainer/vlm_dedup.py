@@ -130,20 +130,17 @@ def _run(
     return seconds, meter.peak, forwards
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every (G, I, mode) cell and write JSON, markdown and PNG."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--groups", type=int, default=4, help="prompts (groups) per mini-batch")
-    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch")
-    ap.add_argument("--group-sizes", default="4,8,16")
-    ap.add_argument("--images", default="1,2", help="images per prompt")
+def add_tower_args(ap: argparse.ArgumentParser) -> None:
+    """The tiny VLM's vision-tower options and ``--out`` (shared with ``dedup_verify.py``)."""
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--vision-hidden", type=int, default=128, help="vision transformer width")
     ap.add_argument("--vision-layers", type=int, default=4, help="vision transformer layers")
     ap.add_argument("--image-size", type=int, default=224, help="image side (a multiple of 28; 224: 64 tokens)")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
-    args = ap.parse_args(argv)
+
+
+def load_tower(args: argparse.Namespace) -> tuple[VisionTower, Any, TinyVLMSpec]:
+    """The tiny VLM of :func:`add_tower_args`' options: its vision tower (train mode), image processor, spec."""
     torch.set_num_threads(args.threads)
     from transformers import Idefics3ForConditionalGeneration
 
@@ -157,7 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_tiny_vlm(Path(tmp) / "vlm", spec, seed=0)
         model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
         processor = load_image_processor(model_dir)
-    tower = VisionTower(model).train()
+    return VisionTower(model).train(), processor, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every (G, I, mode) cell and write JSON, markdown and PNG."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--groups", type=int, default=4, help="prompts (groups) per mini-batch")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch")
+    ap.add_argument("--group-sizes", default="4,8,16")
+    ap.add_argument("--images", default="1,2", help="images per prompt")
+    add_tower_args(ap)
+    args = ap.parse_args(argv)
+    tower, processor, spec = load_tower(args)
     group_sizes = [int(x) for x in args.group_sizes.split(",")]
     image_counts = [int(x) for x in args.images.split(",")]
     rng = np.random.default_rng(0)
