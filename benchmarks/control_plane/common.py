@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -108,3 +109,24 @@ def register_nodes(c: httpx.Client, nodes: int) -> None:
     for i in range(nodes):
         body = {"node_id": f"n{i}", "endpoint": f"grpc://127.0.0.1:{9000 + i}", "host": f"h{i}"}
         c.post("/v1/nodes", json=body).raise_for_status()
+
+
+def write_results(out: Path, fields: dict[str, Any], table_lines: list[str]) -> dict[str, Any]:
+    """Write ``out`` (JSON: commit, date, machine, load at start, then ``fields``) and ``out`` with ``.md``
+    (a line naming those, then ``table_lines``); print the table. Returns the JSON document."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    )
+    doc = {
+        "commit": commit.stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "load_at_start": os.getloadavg(),
+        **fields,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    header = f"Commit {doc['commit']}, {doc['date']}, {os.cpu_count()} CPUs, load {doc['load_at_start']}"
+    out.with_suffix(".md").write_text(header + "\n\n" + "\n".join(table_lines) + "\n")
+    print("\n".join(table_lines))
+    return doc

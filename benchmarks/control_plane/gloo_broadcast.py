@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
-import os
 import pickle
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from common import write_results
 
 from knittrans.manifest import Manifest, ManifestGroup, ManifestNode
 from knittrans.procs import free_port
@@ -136,16 +134,6 @@ def main() -> int:
         for world in args.procs:
             print(f"[gloo] {world} processes, manifest of {args.manifest_ranks} ranks x {rows} rows", file=sys.stderr)
             results.append(run(world, args.manifest_ranks, rows, args.repeats))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
-    doc = {
-        "commit": commit.stdout.strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "load_at_start": os.getloadavg(),
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
     lines = [
         "| processes | manifest | pickled | every rank holds the manifest p50 / p99 (ms) "
         "| ... and its share p50 / p99 |",
@@ -158,12 +146,7 @@ def main() -> int:
             f"| {r['pickled_bytes'] / 1024:.0f} KiB | {h['p50']:.2f} / {h['p99']:.2f} "
             f"| {c['p50']:.2f} / {c['p99']:.2f} |"
         )
-    args.out.with_suffix(".md").write_text(
-        f"Commit {doc['commit']}, {doc['date']}, {doc['machine']['cpus']} CPUs, load {doc['load_at_start']}\n\n"
-        + "\n".join(lines)
-        + "\n"
-    )
-    print("\n".join(lines))
+    write_results(args.out, {"results": results}, lines)
     return 0
 
 

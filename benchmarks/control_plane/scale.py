@@ -34,11 +34,8 @@ mean, p99, max); the share cut (p99 over ranks); mini-batches consumed per secon
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,7 +46,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import GROUP_SIZE, TOKEN_A, TOKEN_W, Server, create_job, register_nodes, unit
+from common import GROUP_SIZE, TOKEN_A, TOKEN_W, Server, create_job, register_nodes, unit, write_results
 from threadgroup import VirtualGroup
 
 from knittrans.controlclient import ControlClient
@@ -298,18 +295,6 @@ def main() -> int:
                 "server_rss_mib": med(lambda r: r["server_rss_mib"]),
             }
         )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
-    out = {
-        "commit": commit.strip(),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-        "load_at_start": __import__("os").getloadavg(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "table": table,
-        "runs": runs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
     md = [
         "| ranks | step | groups | server CPU / mini-batch | core share | manifest held by the asking rank(s): p50 / "
         "mean / p99 / max (ms) | share cut, p99 over ranks (ms) | mini-batches/s |",
@@ -323,12 +308,9 @@ def main() -> int:
             f"{t['share_cut_p99_ms'] if t['share_cut_p99_ms'] is not None else float('nan'):.3f} | "
             f"{t['mini_batches_per_s'] or 0:.2f} |"
         )
-    args.out.with_suffix(".md").write_text(
-        f"Commit {out['commit']}, {out['date']}, {out['machine']['cpus']} CPUs, load {out['load_at_start']}\n\n"
-        + "\n".join(md)
-        + "\n"
+    write_results(
+        args.out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "table": table, "runs": runs}, md
     )
-    print("\n".join(md))
     return 0
 
 
