@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -93,3 +95,17 @@ def test_every_relative_link_resolves() -> None:
             if not (md.parent / path).exists():
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_generated_reference_pages_are_up_to_date(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/reference/cli.md and config.md equal what scripts/docs_reference.py makes from the parsers and
+    config classes (rerun the script after changing a flag, a help text or a config field)."""
+    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    for key in [k for k in os.environ if k.startswith("KNITTRANS_")]:
+        monkeypatch.delenv(key)
+    for page, make in (("cli.md", generator.cli_md), ("config.md", generator.config_md)):
+        committed = (ROOT / "docs" / "reference" / page).read_text()
+        assert make() == committed, f"docs/reference/{page} is stale: run .venv/bin/python scripts/docs_reference.py"
