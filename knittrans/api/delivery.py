@@ -311,7 +311,6 @@ class Delivery(JobBase):
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])
         for kind in (Kind.ACK, Kind.FETCHED):
             txn.delete(kind, self.name, mb_key(mb.n))
-            txn.delete_prefix(kind, self.name, mb_key(mb.n) + ".")  # per-rank records of an older database
 
     # ------------------------------------------------------------------ versions
     def report_version(self, rank: int, version: int, txn: Txn) -> int:

@@ -80,8 +80,6 @@ __all__ = [
     "UnitsOut",
     "VersionIn",
     "VersionOut",
-    "parse_units",
-    "unit_dict",
 ]
 
 
@@ -265,18 +263,6 @@ class UnitsIn(_In):
     """A batch of units, registered all or none."""
 
     units: list[UnitIn] = Field(min_length=1, max_length=MAX_UNITS_PER_REQUEST)
-
-
-def parse_units(raw: bytes | str) -> list[dict[str, Any]]:
-    """The units of a registration body (``UnitsIn`` as JSON), validated, as plain dicts: each unit's
-    fields in :class:`UnitIn`'s order, its ``groups`` a list of dicts of :class:`GroupIn`'s fields (the
-    descriptors' fields, in their order). Raises pydantic's ``ValidationError``."""
-    return [unit_dict(u) for u in UnitsIn.model_validate_json(raw).units]
-
-
-def unit_dict(unit: UnitIn) -> dict[str, Any]:
-    """A validated :class:`UnitIn` as :func:`parse_units` gives it (fields in order, groups as dicts)."""
-    return {**unit.__dict__, "groups": [dict(g.__dict__) for g in unit.groups]}
 
 
 class UnitsOut(BaseModel):
