@@ -123,7 +123,7 @@ class ServiceCollector(Collector):
             f["knittrans_store_budget_used_bytes"].add_metric([node_id], usage.budget_used)
         f["knittrans_units_registered"].add_metric([], svc.units_registered)
         for job in svc.jobs.values():
-            name = [job.name]
+            one = [job.name]
             step = job.next_n // job.K
             for st in JOB_STATES:
                 f["knittrans_job_state"].add_metric([job.name, st], 1 if job.state == st else 0)
@@ -135,22 +135,22 @@ class ServiceCollector(Collector):
                     f["knittrans_groups"].add_metric([job.name, s, status], c)
             for s, p in job.pending().items():
                 f["knittrans_pending_groups"].add_metric([job.name, s], p)
-            f["knittrans_groups_to_regenerate"].add_metric(name, len(job.to_regenerate))
-            f["knittrans_policy_version"].add_metric(name, job.version)
-            f["knittrans_next_global_index"].add_metric(name, job.next_n)
-            f["knittrans_in_flight_mini_batches"].add_metric(name, len(job.in_flight()))
-            f["knittrans_consumed_mini_batches"].add_metric(name, job.consumed_mini_batches)
+            f["knittrans_groups_to_regenerate"].add_metric(one, len(job.to_regenerate))
+            f["knittrans_policy_version"].add_metric(one, job.version)
+            f["knittrans_next_global_index"].add_metric(one, job.next_n)
+            f["knittrans_in_flight_mini_batches"].add_metric(one, len(job.in_flight()))
+            f["knittrans_consumed_mini_batches"].add_metric(one, job.consumed_mini_batches)
             if job.admissions:
-                f["knittrans_last_admission_seconds"].add_metric(name, job.admissions[-1]["seconds"])
-                f["knittrans_last_admission_wait_seconds"].add_metric(name, job.admissions[-1].get("wait_s") or 0.0)
+                f["knittrans_last_admission_seconds"].add_metric(one, job.admissions[-1]["seconds"])
+                f["knittrans_last_admission_wait_seconds"].add_metric(one, job.admissions[-1].get("wait_s") or 0.0)
             for reading in READINGS:
                 report = job.consumed.report(reading)
                 for source, part in [("all", report), *report["by_source"].items()]:
                     for kind in ("staleness", "architectural"):
                         stats = part[kind].to_dict()
                         for stat in ("mean", "p50", "p99", "max", "pos_mean") if stats["count"] else ():
-                            labels = [job.name, source, reading, kind, stat]
-                            f["knittrans_staleness_versions"].add_metric(labels, float(stats[stat]))
+                            key = [job.name, source, reading, kind, stat]
+                            f["knittrans_staleness_versions"].add_metric(key, float(stats[stat]))
         for (job_name, rank), t in sorted(observed.ranks.items()):
             key = [job_name, str(rank)]
             f["knittrans_rank_mini_batches"].add_metric(key, t.mini_batches)
