@@ -12,8 +12,8 @@ from fastapi.responses import HTMLResponse
 
 from knittrans.api.auth import AdminAuth
 from knittrans.api.models import ErrorOut
-from knittrans.api.overview import overview
 from knittrans.api.routes.deps import Run, Service
+from knittrans.api.status import overview
 
 __all__ = ["CSP", "router"]
 
