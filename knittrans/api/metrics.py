@@ -115,12 +115,12 @@ class ServiceCollector(Collector):
             f["knittrans_node_up"].add_metric([n.node_id], 0 if n.lost else 1)
             f["knittrans_node_heartbeat_age_seconds"].add_metric([n.node_id], max(0.0, now - n.last_heartbeat))
         for node_id, usage in sorted(observed.stores.items()):
-            f["knittrans_store_units"].add_metric([node_id], usage.units)
-            f["knittrans_store_bytes"].add_metric([node_id, "memory"], usage.bytes_in_memory)
-            f["knittrans_store_bytes"].add_metric([node_id, "spill"], usage.bytes_spilled)
-            if usage.budget_bytes is not None:
-                f["knittrans_store_budget_bytes"].add_metric([node_id], usage.budget_bytes)
-            f["knittrans_store_budget_used_bytes"].add_metric([node_id], usage.budget_used)
+            f["knittrans_store_units"].add_metric([node_id], usage["units"])
+            f["knittrans_store_bytes"].add_metric([node_id, "memory"], usage["bytes_in_memory"])
+            f["knittrans_store_bytes"].add_metric([node_id, "spill"], usage["bytes_spilled"])
+            if usage["budget_bytes"] is not None:
+                f["knittrans_store_budget_bytes"].add_metric([node_id], usage["budget_bytes"])
+            f["knittrans_store_budget_used_bytes"].add_metric([node_id], usage["budget_used"])
         f["knittrans_units_registered"].add_metric([], svc.units_registered)
         for job in svc.jobs.values():
             one = [job.name]
@@ -160,10 +160,10 @@ class ServiceCollector(Collector):
             f["knittrans_rank_physical_bytes"].add_metric(key, t.row_bytes + t.media_physical_bytes)
         for (job_name, worker), r in sorted(list(observed.rollout.items())):
             key = [job_name, worker]
-            f["knittrans_rollout_weights_version"].add_metric(key, r.version)
-            f["knittrans_rollout_weight_loads"].add_metric(key, r.loads)
-            f["knittrans_rollout_weights_late"].add_metric(key, r.late)
-            f["knittrans_rollout_weights_wait_seconds"].add_metric(key, r.wait_s)
+            f["knittrans_rollout_weights_version"].add_metric(key, r["version"])
+            f["knittrans_rollout_weight_loads"].add_metric(key, r["loads"])
+            f["knittrans_rollout_weights_late"].add_metric(key, r["late"])
+            f["knittrans_rollout_weights_wait_seconds"].add_metric(key, r["wait_s"])
         yield from f.values()
 
 

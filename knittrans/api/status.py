@@ -173,9 +173,6 @@ def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
 
 def overview(service: ControlPlane, observed: Observations, now: float) -> dict[str, Any]:
     """Jobs (state, quota fill, admissions, staleness, mini-batches, lost groups, ranks) and store nodes."""
-    nodes = []
-    for node in service.list_nodes():
-        usage = observed.stores.get(node["node_id"])
-        nodes.append({**node, "usage": usage.to_dict() if usage is not None else None})
+    nodes = [{**node, "usage": observed.stores.get(node["node_id"])} for node in service.list_nodes()]
     jobs = [_overview_job(job, observed) for _, job in sorted(service.jobs.items())]
     return {"at": now, "jobs": jobs, "nodes": nodes}

@@ -80,8 +80,7 @@ async def report_rollout_weights(
     check_name(worker, "worker")
     if job not in svc.jobs:
         raise NotFound(f"job {job!r} does not exist")
-    entry = request.app.state.observed.record_rollout(job, worker, body.model_dump(), time.time())
-    return entry.to_dict()  # type: ignore[no-any-return]
+    return request.app.state.observed.record_rollout(job, worker, body.model_dump(), time.time())  # type: ignore[no-any-return]
 
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
