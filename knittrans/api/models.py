@@ -199,14 +199,9 @@ class RolloutWeightsIn(_In):
     wait_s: Seconds = Field(0.0, description="seconds spent waiting for weights files")
 
 
-class RolloutWeightsOut(BaseModel):
+class RolloutWeightsOut(RolloutWeightsIn):
     """A rollout worker's weights as the control plane recorded them."""
 
-    version: int
-    told: int
-    loads: int
-    late: int
-    wait_s: float
     at: float = Field(description="unix time of the report")
 
 
@@ -374,11 +369,9 @@ class FetchedIn(_In):
     ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
 
 
-class AckIn(_In):
+class AckIn(FetchedIn):
     """Ranks that finished the mini-batch (after their optimizer step), with what the step produced."""
 
-    attempt: Count = Field(description="the manifest's attempt")
-    ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
     version: Int32 | None = Field(default=None, description="policy version the optimizer step produced")
     transfer: TransferIn | None = Field(default=None, description="the ranks' transfer figures, one entry per rank")
 
