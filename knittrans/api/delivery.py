@@ -307,8 +307,6 @@ class Delivery(JobBase):
         return self.version
 
     def _check_version(self, rank: int, version: int) -> None:
-        if version < 0:
-            raise InvalidRequest(f"version {version} must be >= 0")
         old = self.rank_versions.get(rank, 0)
         if version < old:
             raise Conflict(f"rank {rank} already reported version {old}; versions never decrease")

@@ -11,7 +11,6 @@ from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
 from knittrans.lifecycle import REPLACEABLE
-from knittrans.names import is_content_hash
 
 __all__ = ["Supply"]
 
@@ -54,9 +53,6 @@ class Supply(JobBase):
                         f"unit {u.unit_id!r}: group {g.group_id!r} has {g.num_trajectories} "
                         f"trajectories, the job's group_size is {self.spec.group_size}"
                     )
-                for h in g.media_hashes:
-                    if not is_content_hash(h):
-                        raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
                 prior = self.groups.get(g.group_id)
                 if (
                     g.group_id in seen_groups
@@ -102,15 +98,12 @@ class Supply(JobBase):
         request_id: str | None,
         regenerates: Sequence[str] = (),
     ) -> bool:
-        """Count groups started (and dropped) per source; returns False for a repeated ``request_id``.
+        """Count groups started (and dropped) per source (counts >= 0, as ``SupplyIn`` checks); returns False
+        for a repeated ``request_id``.
 
         ``regenerates`` names lost or expired groups whose replacements this report starts: they leave
         the list of groups to regenerate.
         """
-        for what, counts in (("started", started), ("dropped", dropped)):
-            for s, c in counts.items():
-                if c < 0:
-                    raise InvalidRequest(f"{what}.{s}: {c} must be >= 0")
         quotas = set().union(*(q for _, q in self.quota_changes))
         for what, per_source in (("started", started), ("dropped", dropped), ("group_ids", group_ids)):
             for s in per_source:
