@@ -4,7 +4,7 @@ admission times) and the admin overview built from it (every job, node and rank,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from knittrans.sched.admission import quota_deficit
@@ -14,7 +14,6 @@ from knittrans.sched.timing import admitted_ahead
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
     from knittrans.api.observe import Observations
-    from knittrans.api.service import ControlPlane
 
 __all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "STATUS_STEPS", "job_status", "overview", "staleness_report"]
 
@@ -171,8 +170,10 @@ def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
     }
 
 
-def overview(service: ControlPlane, observed: Observations, now: float) -> dict[str, Any]:
-    """Jobs (state, quota fill, admissions, staleness, mini-batches, lost groups, ranks) and store nodes."""
-    nodes = [{**node, "usage": observed.stores.get(node["node_id"])} for node in service.list_nodes()]
-    jobs = [_overview_job(job, observed) for _, job in sorted(service.jobs.items())]
-    return {"at": now, "jobs": jobs, "nodes": nodes}
+def overview(
+    jobs: Mapping[str, JobState], list_nodes: Callable[[], list[dict[str, Any]]], observed: Observations, now: float
+) -> dict[str, Any]:
+    """Jobs (state, quota fill, admissions, staleness, mini-batches, lost groups, ranks) and store nodes
+    (``list_nodes``: the service's, called here, on the state thread)."""
+    nodes = [{**node, "usage": observed.stores.get(node["node_id"])} for node in list_nodes()]
+    return {"at": now, "jobs": [_overview_job(job, observed) for _, job in sorted(jobs.items())], "nodes": nodes}
