@@ -232,6 +232,17 @@ class Delivery(JobBase):
             InvalidRequest: figures of a rank the ack does not report for.
         """
         who = self._ranks(ranks)
+        world = self.spec.world_size
+
+        def answer(consumed: bool, duplicate: bool) -> dict[str, Any]:
+            return {
+                "global_index": n,
+                "attempt": attempt,
+                "consumed": consumed,
+                "duplicate": duplicate,
+                "world_size": world,
+            }
+
         stray = sorted(set(figures) - who)
         if stray:
             raise InvalidRequest(
@@ -242,7 +253,7 @@ class Delivery(JobBase):
         if version is not None:
             self._check_version(min(who), version)
         if mb is None:
-            return {"global_index": n, "attempt": attempt, "consumed": True, "duplicate": True, **self._world()}
+            return answer(True, True)
         new = who - mb.acks
         for rank in sorted(new):
             cursor = self.rank_cursor(rank)
@@ -251,7 +262,7 @@ class Delivery(JobBase):
         if version is not None:
             self._set_version(min(who), version, txn)
         if not new:
-            return {"global_index": n, "attempt": attempt, "consumed": False, "duplicate": True, **self._world()}
+            return answer(False, True)
         mb.acks |= new
         mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
@@ -261,10 +272,7 @@ class Delivery(JobBase):
             txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
         self._settle(txn)
         self._save_meta(txn)
-        return {"global_index": n, "attempt": attempt, "consumed": consumed, "duplicate": False, **self._world()}
-
-    def _world(self) -> dict[str, int]:
-        return {"world_size": self.spec.world_size}
+        return answer(consumed, False)
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []
@@ -301,7 +309,7 @@ class Delivery(JobBase):
     # ------------------------------------------------------------------ versions
     def report_version(self, rank: int, version: int, txn: Txn) -> int:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
-        self._check_rank(rank)
+        self._ranks([rank])
         self._check_version(rank, version)
         self._set_version(rank, version, txn)
         return self.version
@@ -315,7 +323,3 @@ class Delivery(JobBase):
         if self.rank_versions.get(rank) != version:
             self.rank_versions[rank] = version
             txn.put(Kind.VERSION, self.name, version_key(rank), version)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.spec.world_size:
-            raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")
