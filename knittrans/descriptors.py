@@ -200,16 +200,7 @@ _setattr = object.__setattr__
 def checked_group(values: dict[str, Any]) -> GroupRecord:
     """A :class:`GroupRecord` whose ``values`` (every field of :data:`GROUP_FIELDS`, in that order, with
     tuples where it has tuples) the caller has already checked, without its per-field checks: the
-    control plane after ``GroupIn``'s validation, the writer describing the tables it built and
-    validated. Takes ``values`` over as the record's fields."""
+    writer describing the tables it built and validated. Takes ``values`` over as the record's fields."""
     group = _new(GroupRecord)
     _setattr(group, "__dict__", values)
     return group
-
-
-def checked_unit(values: dict[str, Any]) -> UnitDescriptor:
-    """:func:`checked_group` for a :class:`UnitDescriptor` (``values`` in :data:`UNIT_FIELDS` order, its
-    ``groups`` a tuple of records)."""
-    unit = _new(UnitDescriptor)
-    _setattr(unit, "__dict__", values)
-    return unit

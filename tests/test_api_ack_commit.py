@@ -1,6 +1,5 @@
-"""The state thread's cheaper paths: the unadmitted pool kept in admission order, range deletes of a
-consumed mini-batch's per-rank ack/fetch records of older databases, and acks recorded in SQLite as one
-record per mini-batch (rank runs)."""
+"""The state thread's cheaper paths: the unadmitted pool kept in admission order, and acks recorded in
+SQLite as one record per mini-batch (rank runs)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.api.entries import GroupEntry, Unadmitted, finish_key
-from knittrans.api.records import Kind, mb_key, rank_key
-from knittrans.api.store import RecordStore, Txn
+from knittrans.api.records import Kind, mb_key
 from knittrans.descriptors import GroupRecord
 
 
@@ -62,38 +60,6 @@ def test_unadmitted_in_order_is_the_sorted_pool(ops: list[tuple[str, int, int]],
     assert dict(pool) == plain
 
 
-def test_delete_prefix_removes_one_mini_batch_s_records_only(tmp_path: Path) -> None:
-    """A range delete removes the keys under its prefix (not mini-batch 30's under 3's prefix, not another job's,
-    not another kind's), drops writes buffered before it and keeps a write buffered after it."""
-    store = RecordStore(str(tmp_path / "s.db"))
-    txn = Txn()
-    for n in (3, 30, 4):
-        for rank in range(3):
-            txn.put(Kind.ACK, "job1", rank_key(n, rank), {"attempt": 0})
-    txn.put(Kind.ACK, "job2", rank_key(3, 0), {"attempt": 0})
-    txn.put(Kind.FETCHED, "job1", rank_key(3, 0), {"attempt": 0})
-    store.commit(txn)
-    txn = Txn()
-    txn.put(Kind.ACK, "job1", rank_key(3, 7), {"attempt": 1})  # buffered before: dropped
-    txn.delete_prefix(Kind.ACK, "job1", mb_key(3) + ".")
-    txn.put(Kind.ACK, "job1", rank_key(3, 9), {"attempt": 2})  # buffered after: kept
-    store.commit(txn)
-    acks = {(job, key) for job, key, _ in store.load(Kind.ACK)}
-    assert acks == {
-        *(("job1", rank_key(n, r)) for n in (30, 4) for r in range(3)),
-        ("job2", rank_key(3, 0)),
-        ("job1", rank_key(3, 9)),
-    }
-    assert [key for _, key, _ in store.load(Kind.FETCHED)] == [rank_key(3, 0)]
-    try:
-        txn.delete_prefix(Kind.ACK, "job1", "")
-    except ValueError as exc:
-        assert "non-empty prefix" in str(exc)
-    else:
-        raise AssertionError("an empty prefix deleted the whole kind")
-    store.close()
-
-
 def _rows(c: Any, kind: Kind) -> list[tuple[str, Any]]:
     """The committed records of ``kind``, read through the running app's own connection (the database is
     opened in exclusive locking mode, so a second connection cannot read it meanwhile)."""
@@ -131,29 +97,3 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         job = c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
         assert job.first_unconsumed == 1 and job.minibatches[1].acks == {0}
         assert [job.rank_cursor(rank) for rank in range(2)] == [2, 1]
-
-
-def test_per_rank_records_of_an_older_database_are_read_and_removed_with_their_mini_batch(tmp_path: Path) -> None:
-    """Ack and fetch records written one per rank (``<mb>.<rank>``, before manifests) are restored beside the
-    per-mini-batch ones, and the ack that consumes the mini-batch removes both kinds."""
-    db = tmp_path / "cp.db"
-    spec = job_spec(quotas={"math": 1, "code": 2}, mini_batches_per_step=1, world_size=3, micro_batch_size=1)
-    with app_client(db) as c:
-        assert c.post("/v1/jobs", json=spec).status_code == 201
-        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:9100"})
-        assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "code", "code"])}).json()[
-            "admitted"
-        ] == [0]
-        _report(c, "ack", 0, [2])
-    store = RecordStore(str(db))
-    txn = Txn()
-    txn.put(Kind.ACK, "job1", rank_key(0, 0), {"attempt": 0})
-    txn.put(Kind.FETCHED, "job1", rank_key(0, 1), {"attempt": 0})
-    store.commit(txn)
-    store.close()
-    with app_client(db) as c:
-        progress = c.get("/v1/jobs/job1/minibatches").json()["in_flight"]
-        assert [(f["acked_ranks"], f["fetched_ranks"]) for f in progress] == [([[0, 1], [2, 3]], [[1, 2]])]
-        assert _report(c, "ack", 0, [0, 2])["duplicate"]
-        assert _report(c, "ack", 0, [1])["consumed"]
-        assert _rows(c, Kind.ACK) == [] and _rows(c, Kind.FETCHED) == []

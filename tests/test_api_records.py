@@ -17,9 +17,7 @@ from knittrans.api.records import (
     batch_key,
     mb_key,
     parse_mb_key,
-    parse_rank_key,
     parse_version_key,
-    rank_key,
     version_key,
 )
 
@@ -43,9 +41,11 @@ OLD_KINDS = {
 
 
 def _old_database(tmp_path: Path) -> str:
+    """The old database without its per-rank ack/fetch records (``<mb>.<rank>`` keys, no longer read)."""
     db = str(tmp_path / "cp.db")
     with sqlite3.connect(db) as conn:
         conn.executescript((DATA / "state_v1.sql").read_text())
+        conn.execute("DELETE FROM records WHERE kind IN ('ack', 'fetched') AND key LIKE '%.%'")
     return db
 
 
@@ -71,10 +71,9 @@ def test_kinds_keep_their_on_disk_spelling() -> None:
 def test_keys_are_built_and_parsed_by_one_pair() -> None:
     """Keys have the old layout, sort numerically as strings, and parse back to what built them."""
     assert mb_key(7) == "000000000007" and parse_mb_key(mb_key(7)) == 7
-    assert rank_key(12, 3) == "000000000012.000003" and parse_rank_key(rank_key(12, 3)) == (12, 3)
     assert batch_key(2) == "000000000002"
     assert version_key(5) == "5" and parse_version_key(version_key(5)) == 5
-    keys = [rank_key(n, r) for n in (0, 9, 10, 100) for r in (0, 2, 11)]
+    keys = [mb_key(n) for n in (0, 9, 10, 100)]
     assert sorted(keys) == keys
 
 
@@ -88,15 +87,12 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
         assert sum(status["pool"]["by_node"].values()) == sum(status["counts"]["finished"].values())
         reasons = {r["group_id"]: r["reason"] for r in status["to_regenerate"]}
         assert reasons["late"] == "expired" and reasons["g2"] == "node n2 lost"  # both kept under kind "lost"
-        # mini-batch 1: rank 0 acked (a per-rank "ack" record), both ranks fetched (per-rank "fetched" records)
         progress = c.get("/v1/jobs/job1/minibatches").json()
         assert progress["position"] == 1
-        assert [(f["global_index"], f["acked_ranks"], f["fetched_ranks"]) for f in progress["in_flight"]] == [
-            (1, [[0, 1]], [[1, 2]])
-        ]
+        assert [f["global_index"] for f in progress["in_flight"]] == [1]
         m = manifest(c, "job1", 1)
         assert m is not None and m.global_index == 1
-        assert ack(c, "job1", m, ranks=[0])["duplicate"]  # rank 0's old ack record still counts
+        assert not ack(c, "job1", m, ranks=[0])["consumed"]
         assert ack(c, "job1", m, ranks=[1])["consumed"]  # rank 1's ack consumes it
         assert manifest(c, "job1", 2) is None
         assert c.get("/v1/jobs/job1/version").json()["by_rank"] == {"0": 1}

@@ -1,11 +1,5 @@
-"""The unit-registration path agrees with the plain, obvious version of each of its steps.
-
-Registration parses its body with ``UnitsIn`` (pydantic's JSON parser), builds descriptors from the
-validated fields without their per-field checks, stores the batch's units record encoded by pydantic-core,
-and builds each group's scheduling view without ``FinishedGroup.__init__``. Each of these is checked here
-against the slow, obvious version: same errors (naming the field), same descriptors, same record on disk,
-same state after a restart. Real app (TestClient), real SQLite.
-"""
+"""The unit-registration path: errors name the field, the units record on disk is the descriptors' JSON,
+and a restart rebuilds the same state. Real app (TestClient), real SQLite."""
 
 from __future__ import annotations
 
@@ -14,14 +8,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from api_support import app_client, job_spec, one_group_unit_body, single_group_units
+from api_support import app_client, job_spec, single_group_units
 
-from knittrans.api.models import UnitIn, parse_units
 from knittrans.api.records import Kind
-from knittrans.api.routes.units import descriptor_of, to_descriptor
-from knittrans.api.store import Encoded, RecordStore, Txn
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.sched.types import FinishedGroup
 
 JOB = "job1"
 
@@ -43,50 +33,6 @@ def test_hot_path_errors_name_the_field_over_http(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["registered"] == 1, r.text
         group = c.app.state.service.jobs[JOB].groups["g0"]  # type: ignore[attr-defined]  # between requests
         assert group.record.trajectory_tokens == (10, 11)
-
-
-def test_descriptor_from_the_parsed_body_equals_the_checked_descriptor() -> None:
-    """``descriptor_of`` (no per-field checks) of a parsed body is the descriptor ``from_dict`` checks and builds."""
-    body = one_group_unit_body(media_hashes=["0" * 64])
-    want = UnitDescriptor.from_dict(body)
-    got = descriptor_of(parse_units(json.dumps({"units": [body]}).encode())[0])
-    assert to_descriptor(UnitIn.model_validate(body)) == want
-    assert got == want and got.to_dict() == want.to_dict()
-    assert type(got.groups) is tuple and type(got.groups[0].trajectory_tokens) is tuple
-    assert type(got.groups[0].media_hashes) is tuple
-
-
-def test_group_view_is_the_finished_group() -> None:
-    """``GroupEntry.view`` (built without ``FinishedGroup.__init__``) equals the one ``__init__`` builds."""
-    from knittrans.api.entries import GroupEntry
-
-    record = descriptor_of(parse_units(json.dumps({"units": [one_group_unit_body()]}).encode())[0]).groups[0]
-    view = GroupEntry(record=record, unit_id="u0", node_id="n0").view
-    want = FinishedGroup(
-        group_id="g0",
-        source="math",
-        trajectory_tokens=(3, 4),
-        finished_at=10.0,
-        version_start=1,
-        version_end=2,
-        version_weighted=1.5,
-        unit_id="u0",
-        node_id="n0",
-        row_start=0,
-    )
-    assert view == want and repr(view) == repr(want) and vars(view) == vars(want)
-    assert view.num_trajectories == 2 and view.num_tokens == 7
-
-
-def test_encoded_records_are_written_as_they_are(tmp_path: Path) -> None:
-    """An ``Encoded`` record is stored as its text and reads back as the value a plain one gives."""
-    store = RecordStore(str(tmp_path / "s.db"))
-    txn = Txn()
-    txn.put(Kind.UNITS, JOB, "a", Encoded('[{"x":1.5,"y":[1,2]}]'))
-    txn.put(Kind.UNITS, JOB, "b", [{"x": 1.5, "y": (1, 2)}])
-    store.commit(txn)
-    assert [v for _, _, v in store.load(Kind.UNITS)] == [[{"x": 1.5, "y": [1, 2]}]] * 2
-    store.close()
 
 
 def _state(c: Any) -> dict[str, Any]:

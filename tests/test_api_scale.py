@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import ack, app_client, manifest, one_group_unit_body, single_group_units
+from api_support import ack, app_client, manifest, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api import consumed
@@ -200,38 +200,6 @@ def test_ledger_keeps_the_latest_steps_only() -> None:
     assert sorted(ledger.recent_steps()) == list(range(2 * RECENT_STEPS, 3 * RECENT_STEPS))
     assert ledger.groups == 3 * RECENT_STEPS and ledger.trajectories == 6 * RECENT_STEPS
     assert ledger.report("start")["staleness"].count == 6 * RECENT_STEPS
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {},
-        {"trajectory_tokens": [3]},
-        {"version_end": 0},
-        {"version_weighted": 2.5},
-        {"row_start": 1},
-        {"num_trajectories": 3, "trajectory_tokens": [1, 2, 3]},
-    ],
-)
-def test_fast_descriptor_accepts_and_rejects_like_the_descriptor(changes: dict[str, Any]) -> None:
-    """The registration hot path builds descriptors without their per-field checks (pydantic ran them):
-    it must accept exactly what :class:`UnitDescriptor` accepts, and build the same descriptor."""
-    from knittrans.api.models import UnitIn
-    from knittrans.api.routes.units import to_descriptor
-    from knittrans.descriptors import UnitDescriptor
-    from knittrans.errors import InvalidRequest
-
-    body = one_group_unit_body(**changes)
-    try:
-        want: UnitDescriptor | None = UnitDescriptor.from_dict(body)
-    except InvalidRequest:
-        want = None
-    if want is None:
-        with pytest.raises(InvalidRequest):
-            to_descriptor(UnitIn.model_validate(body))
-    else:
-        got = to_descriptor(UnitIn.model_validate(body))
-        assert got == want and got.to_dict() == want.to_dict()
 
 
 def test_consumed_units_are_forgotten_but_their_ids_are_not(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from knittrans.api.board import ManifestBoard
 from knittrans.api.gate import RequestGate, open_paths
 from knittrans.api.httperrors import install_error_handlers
 from knittrans.api.metrics import make_registry
-from knittrans.api.models import ErrorOut, UnitsIn
+from knittrans.api.models import ErrorOut
 from knittrans.api.observe import Observations
 from knittrans.api.routes import health, jobs, minibatches, nodes, tokens, ui, units
 from knittrans.api.routes.deps import StateRunner
@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     routers = [module.router for module in (health, jobs, nodes, units, minibatches, tokens, ui)]
     for router in routers:
         app.include_router(router)
-    _document_raw_bodies(app)
+    _document_errors(app)
     app.add_middleware(  # outermost: the token before any byte of the body, then the body's size and depth
         RequestGate,
         tokens=app.state.tokens,
@@ -108,24 +108,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_json_depth=settings.max_json_depth,
     )
     return app
-
-
-def _document_raw_bodies(app: FastAPI) -> None:
-    """Add the models of bodies that routes parse themselves (``UnitsIn``) to the OpenAPI components."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            extra = UnitsIn.model_json_schema(ref_template="#/components/schemas/{model}")
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(extra.pop("$defs", {}))
-            components["UnitsIn"] = extra
-            _document_errors(schema)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
 _ERRORS = {
@@ -139,8 +121,20 @@ _ERRORS = {
 }
 
 
-def _document_errors(schema: dict[str, Any]) -> None:
+def _document_errors(app: FastAPI) -> None:
     """State the error body every route really returns (``ErrorOut``) for each error status it may answer."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build()
+            _add_errors(app.openapi_schema)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+
+
+def _add_errors(schema: dict[str, Any]) -> None:
     ref = {"$ref": "#/components/schemas/ErrorOut"}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorOut"] = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Request
 
 from knittrans.api.settings import Settings
-from knittrans.errors import Unauthenticated
+from knittrans.errors import InvalidRequest, Unauthenticated
 
 __all__ = ["AdminAuth", "Scope", "TokenCheck", "WorkerAuth", "mint_token", "needs_token"]
 
@@ -33,6 +33,12 @@ class Scope:
     role: Literal["worker", "rank", "store"]
     job: str | None = None
     rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role != "store" and self.job is None:
+            raise InvalidRequest(f"a {self.role} token needs a job")
+        if self.rank is not None and (self.role != "rank" or self.rank < 0):
+            raise InvalidRequest("a rank (>= 0) is given only for rank tokens")
 
     def allows(self, path: str, params: dict[str, Any], method: str = "GET") -> bool:
         """Whether a ``method`` request to ``path`` (with path parameters ``params``) is within this scope.
@@ -72,7 +78,7 @@ def _parse(secret: bytes, token: bytes) -> Scope | None:
     try:
         body = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
         return Scope(role=body["r"], job=body["j"], rank=body["k"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, InvalidRequest):
         return None
 
 

@@ -124,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         logger.error("--tls-cert and --tls-key go together")
         return 2
-        return 2
     # Bind here, not in uvicorn, so that --port 0 gives a port we can report before serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the socket says it
@@ -157,12 +156,8 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     scheme = "https" if args.tls_cert else "http"
-    url = f"{scheme}://{_url_host(args.host)}:{port}"
+    url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{port}"
     return asyncio.run(_serve(server, sock, url, args.ready_file, args.db, app.state))
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 async def _serve(
@@ -180,13 +175,7 @@ async def _serve(
     logger.info("control plane on %s (state %s)", url, db)
     if ready_file is not None:
         tmp = ready_file.with_name(ready_file.name + ".tmp")
-        ready = {
-            "url": url,
-            "host": host,
-            "port": port,
-            "pid": os.getpid(),
-        }
-        tmp.write_text(json.dumps(ready))
+        tmp.write_text(json.dumps({"url": url, "host": host, "port": port, "pid": os.getpid()}))
         tmp.rename(ready_file)
     await task
     return 0

@@ -61,12 +61,13 @@ class Delivery(JobBase):
     def published(self) -> Published:
         """The job's manifests and where the trainer is, for the event loop (each manifest rendered once)."""
         manifests = {mb.n: self._manifest(mb) for mb in self.in_flight()}
-        total = self.spec.total_steps
+        return Published(manifests=manifests, position=self.position, final=self._final(), state=self.state)
+
+    def _final(self) -> int | None:
+        """No mini-batch at or beyond this index will be admitted (None: the job goes on)."""
         if self.done() or self.drain_closed:
-            final: int | None = self.next_n
-        else:
-            final = total * self.K if total is not None else None
-        return Published(manifests=manifests, position=self.position, final=final, state=self.state)
+            return self.next_n
+        return None if self.spec.total_steps is None else self.spec.total_steps * self.K
 
     def _manifest(self, mb: MiniBatch) -> tuple[str, bytes]:
         """``(ETag, bytes)`` of ``mb``'s manifest, built on first use and kept: the same bytes for every
@@ -78,14 +79,11 @@ class Delivery(JobBase):
 
     def build_manifest(self, mb: MiniBatch) -> Manifest:
         """The :class:`~knittrans.manifest.Manifest` of ``mb`` from its layout and the groups' records."""
-        node_index: dict[str, int] = {}
-        unit_index: dict[str, int] = {}
-        group_index: dict[str, int] = {}
-        media_index: dict[str, int] = {}
-        nodes: list[str] = []
-        units: list[tuple[str, int]] = []
-        groups: list[ManifestGroup] = []
-        media: list[tuple[str, int]] = []
+        # ids -> indices in order of first appearance (a dict's order is its list's)
+        nodes: dict[str, int] = {}
+        units: dict[str, tuple[int, int]] = {}  # unit id -> (index, node index)
+        groups: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # group id -> (index, unit index, media indices)
+        media: dict[str, tuple[int, int]] = {}  # content hash -> (index, unit index)
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
         media_at: dict[str, dict[str, str]] = {}
         ranks: list[tuple[tuple[Row, ...], ...]] = []
@@ -94,29 +92,18 @@ class Delivery(JobBase):
             for micro in share:
                 rows = []
                 for group_id, row in micro:
-                    g = group_index.get(group_id)
                     entry = self.groups[group_id]
-                    if g is None:
-                        u = unit_index.get(entry.unit_id)
-                        if u is None:
-                            node = node_index.get(entry.node_id)
-                            if node is None:
-                                node = node_index[entry.node_id] = len(nodes)
-                                nodes.append(entry.node_id)
-                            u = unit_index[entry.unit_id] = len(units)
-                            units.append((entry.unit_id, node))
-                        used = []
-                        for h in entry.record.media_hashes:
-                            m = media_index.get(h)
-                            if m is None:
-                                m = media_index[h] = len(media)
-                                media.append((h, u))
-                                media_at.setdefault(entry.node_id, {})[h] = entry.unit_id
-                            used.append(m)
-                        g = group_index[group_id] = len(groups)
-                        groups.append(ManifestGroup(group_id, u, tuple(used)))
                     record = entry.record
-                    rows.append((g, row, record.trajectory_tokens[row - record.row_start]))
+                    if group_id not in groups:
+                        u = units.setdefault(entry.unit_id, (len(units), nodes.setdefault(entry.node_id, len(nodes))))[
+                            0
+                        ]
+                        for h in record.media_hashes:
+                            if h not in media:
+                                media[h] = (len(media), u)
+                                media_at.setdefault(entry.node_id, {})[h] = entry.unit_id
+                        groups[group_id] = (len(groups), u, tuple(media[h][0] for h in record.media_hashes))
+                    rows.append((groups[group_id][0], row, record.trajectory_tokens[row - record.row_start]))
                     reads.setdefault(entry.node_id, {}).setdefault(entry.unit_id, []).append((row, row + 1))
                 micro_batches.append(tuple(rows))
             ranks.append(tuple(micro_batches))
@@ -144,9 +131,9 @@ class Delivery(JobBase):
             admitted_at=mb.admitted_at,
             columns=tuple(columns) if columns else None,
             nodes=tuple(manifest_nodes),
-            units=tuple(units),
-            groups=tuple(groups),
-            media=tuple(media),
+            units=tuple((unit_id, node) for unit_id, (_, node) in units.items()),
+            groups=tuple(ManifestGroup(group_id, u, used) for group_id, (_, u, used) in groups.items()),
+            media=tuple((h, u) for h, (_, u) in media.items()),
             ranks=tuple(ranks),
         )
 
@@ -157,12 +144,11 @@ class Delivery(JobBase):
 
     def progress(self) -> dict[str, Any]:
         """Where the trainer is: position, the next index, and each in-flight mini-batch's fetched and acked ranks."""
-        pub = self.published()
         return {
             "state": self.state,
             "position": self.position,
             "next_global_index": self.next_n,
-            "final": pub.final,
+            "final": self._final(),
             "world_size": self.spec.world_size,
             "in_flight": [
                 {
@@ -246,6 +232,17 @@ class Delivery(JobBase):
             InvalidRequest: figures of a rank the ack does not report for.
         """
         who = self._ranks(ranks)
+        world = self.spec.world_size
+
+        def answer(consumed: bool, duplicate: bool) -> dict[str, Any]:
+            return {
+                "global_index": n,
+                "attempt": attempt,
+                "consumed": consumed,
+                "duplicate": duplicate,
+                "world_size": world,
+            }
+
         stray = sorted(set(figures) - who)
         if stray:
             raise InvalidRequest(
@@ -256,7 +253,7 @@ class Delivery(JobBase):
         if version is not None:
             self._check_version(min(who), version)
         if mb is None:
-            return {"global_index": n, "attempt": attempt, "consumed": True, "duplicate": True, **self._world()}
+            return answer(True, True)
         new = who - mb.acks
         for rank in sorted(new):
             cursor = self.rank_cursor(rank)
@@ -265,7 +262,7 @@ class Delivery(JobBase):
         if version is not None:
             self._set_version(min(who), version, txn)
         if not new:
-            return {"global_index": n, "attempt": attempt, "consumed": False, "duplicate": True, **self._world()}
+            return answer(False, True)
         mb.acks |= new
         mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
@@ -275,10 +272,7 @@ class Delivery(JobBase):
             txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
         self._settle(txn)
         self._save_meta(txn)
-        return {"global_index": n, "attempt": attempt, "consumed": consumed, "duplicate": False, **self._world()}
-
-    def _world(self) -> dict[str, int]:
-        return {"world_size": self.spec.world_size}
+        return answer(consumed, False)
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []
@@ -311,19 +305,16 @@ class Delivery(JobBase):
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])
         for kind in (Kind.ACK, Kind.FETCHED):
             txn.delete(kind, self.name, mb_key(mb.n))
-            txn.delete_prefix(kind, self.name, mb_key(mb.n) + ".")  # per-rank records of an older database
 
     # ------------------------------------------------------------------ versions
     def report_version(self, rank: int, version: int, txn: Txn) -> int:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
-        self._check_rank(rank)
+        self._ranks([rank])
         self._check_version(rank, version)
         self._set_version(rank, version, txn)
         return self.version
 
     def _check_version(self, rank: int, version: int) -> None:
-        if version < 0:
-            raise InvalidRequest(f"version {version} must be >= 0")
         old = self.rank_versions.get(rank, 0)
         if version < old:
             raise Conflict(f"rank {rank} already reported version {old}; versions never decrease")
@@ -332,7 +323,3 @@ class Delivery(JobBase):
         if self.rank_versions.get(rank) != version:
             self.rank_versions[rank] = version
             txn.put(Kind.VERSION, self.name, version_key(rank), version)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.spec.world_size:
-            raise NotFound(f"rank {rank} is outside the job's world_size {self.spec.world_size} (0..W-1)")

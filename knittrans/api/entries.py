@@ -11,9 +11,6 @@ from knittrans.sched.types import FinishedGroup
 
 __all__ = ["GroupEntry", "MiniBatch", "Unadmitted"]
 
-_new = object.__new__
-_setattr = object.__setattr__
-
 
 @dataclass
 class GroupEntry:
@@ -29,26 +26,18 @@ class GroupEntry:
 
     def __post_init__(self) -> None:
         r = self.record
-        # FinishedGroup(...) with these fields, built without its generated __init__ (it has no checks):
-        # one of these per registered group, on the registration hot path
-        view = _new(FinishedGroup)
-        _setattr(
-            view,
-            "__dict__",
-            {
-                "group_id": r.group_id,
-                "source": r.source,
-                "trajectory_tokens": r.trajectory_tokens,
-                "finished_at": r.finished_at,
-                "version_start": r.version_start,
-                "version_end": r.version_end,
-                "version_weighted": r.version_weighted,
-                "unit_id": self.unit_id,
-                "node_id": self.node_id,
-                "row_start": r.row_start,
-            },
+        self.view = FinishedGroup(
+            group_id=r.group_id,
+            source=r.source,
+            trajectory_tokens=r.trajectory_tokens,
+            finished_at=r.finished_at,
+            version_start=r.version_start,
+            version_end=r.version_end,
+            version_weighted=r.version_weighted,
+            unit_id=self.unit_id,
+            node_id=self.node_id,
+            row_start=r.row_start,
         )
-        self.view = view
 
 
 @dataclass

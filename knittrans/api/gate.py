@@ -9,7 +9,7 @@ The routes still check what the token may do (admin, scopes).
 
 Then the body: more than ``max_body_bytes`` (declared or received) is a 413; a JSON body is received whole
 and refused with 422 when it nests deeper than ``max_json_depth`` (:func:`knittrans.jsonlimits.nesting_over`),
-before anything parses it, then handed on unchanged. A streamed NDJSON body is passed through, counted.
+before anything parses it, then handed on unchanged.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from knittrans.errors import Unauthenticated
 from knittrans.jsonlimits import nesting_over
 
 __all__ = ["RequestGate", "open_paths"]
-
-_STREAMED = (b"application/x-ndjson",)
-"""Body types passed through as they arrive (one JSON value per line, each parsed by its reader)."""
 
 
 def open_paths(routes: Iterable[BaseRoute]) -> frozenset[str]:
@@ -100,9 +97,6 @@ class RequestGate:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await self._too_large(send)
             return
-        if headers.get(b"content-type", b"").split(b";")[0].strip().lower() in _STREAMED:
-            await self._streamed(scope, receive, send)
-            return
         try:
             body = await self._body(receive)
         except _TooLarge:
@@ -139,30 +133,6 @@ class RequestGate:
             parts.append(part)
             if not message.get("more_body", False):
                 return b"".join(parts)
-
-    async def _streamed(self, scope: Scope, receive: Receive, send: Send) -> None:
-        seen = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await self._too_large(send)
 
     async def _too_large(self, send: Send) -> None:
         detail = f"request body is larger than the {self.max_body_bytes} bytes allowed; send smaller batches"

@@ -80,8 +80,6 @@ __all__ = [
     "UnitsOut",
     "VersionIn",
     "VersionOut",
-    "parse_units",
-    "unit_dict",
 ]
 
 
@@ -201,14 +199,9 @@ class RolloutWeightsIn(_In):
     wait_s: Seconds = Field(0.0, description="seconds spent waiting for weights files")
 
 
-class RolloutWeightsOut(BaseModel):
+class RolloutWeightsOut(RolloutWeightsIn):
     """A rollout worker's weights as the control plane recorded them."""
 
-    version: int
-    told: int
-    loads: int
-    late: int
-    wait_s: float
     at: float = Field(description="unix time of the report")
 
 
@@ -265,18 +258,6 @@ class UnitsIn(_In):
     """A batch of units, registered all or none."""
 
     units: list[UnitIn] = Field(min_length=1, max_length=MAX_UNITS_PER_REQUEST)
-
-
-def parse_units(raw: bytes | str) -> list[dict[str, Any]]:
-    """The units of a registration body (``UnitsIn`` as JSON), validated, as plain dicts: each unit's
-    fields in :class:`UnitIn`'s order, its ``groups`` a list of dicts of :class:`GroupIn`'s fields (the
-    descriptors' fields, in their order). Raises pydantic's ``ValidationError``."""
-    return [unit_dict(u) for u in UnitsIn.model_validate_json(raw).units]
-
-
-def unit_dict(unit: UnitIn) -> dict[str, Any]:
-    """A validated :class:`UnitIn` as :func:`parse_units` gives it (fields in order, groups as dicts)."""
-    return {**unit.__dict__, "groups": [dict(g.__dict__) for g in unit.groups]}
 
 
 class UnitsOut(BaseModel):
@@ -388,11 +369,9 @@ class FetchedIn(_In):
     ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
 
 
-class AckIn(_In):
+class AckIn(FetchedIn):
     """Ranks that finished the mini-batch (after their optimizer step), with what the step produced."""
 
-    attempt: Count = Field(description="the manifest's attempt")
-    ranks: RankList | None = Field(default=None, description="the ranks reported for; null: every rank")
     version: Int32 | None = Field(default=None, description="policy version the optimizer step produced")
     transfer: TransferIn | None = Field(default=None, description="the ranks' transfer figures, one entry per rank")
 

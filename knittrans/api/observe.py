@@ -10,10 +10,10 @@ plane they start again from zero, which is how Prometheus counters behave.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-__all__ = ["Observations", "RankTransfer", "RolloutWeights", "StoreUsage"]
+__all__ = ["Observations", "RankTransfer"]
 
 
 @dataclass
@@ -39,52 +39,7 @@ class RankTransfer:
         return asdict(self)
 
 
-@dataclass
-class StoreUsage:
-    """A store node's own figures, as its last heartbeat reported them."""
-
-    units: int = 0
-    rows: int = 0
-    bytes_in_memory: int = 0
-    bytes_spilled: int = 0
-    budget_bytes: int | None = None
-    budget_used: int = 0
-    at: float = 0.0
-    """Unix time of the heartbeat that carried them."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class RolloutWeights:
-    """A rollout worker's weights, as its latest report gave them (its counters are cumulative)."""
-
-    version: int = 0
-    """Policy version of the weights the worker generates with."""
-    told: int = 0
-    """Newest version the control plane had reported to the worker."""
-    loads: int = 0
-    """Weight files loaded."""
-    late: int = 0
-    """Versions whose weights file was not there within the worker's wait: it went on with older weights."""
-    wait_s: float = 0.0
-    """Seconds spent waiting for weights files."""
-    at: float = 0.0
-    """Unix time of the report."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_Report = TypeVar("_Report", StoreUsage, RolloutWeights)
 _TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
-
-
-def _from_report(cls: type[_Report], report: Mapping[str, Any], now: float) -> _Report:
-    """``cls`` from the fields of a validated report (absent ones at their defaults), stamped ``now``."""
-    names = {f.name for f in fields(cls)} - {"at"}
-    return cls(**{k: v for k, v in report.items() if k in names}, at=now)
 
 
 class Observations:
@@ -92,8 +47,10 @@ class Observations:
 
     def __init__(self) -> None:
         self.ranks: dict[tuple[str, int], RankTransfer] = {}
-        self.stores: dict[str, StoreUsage] = {}
-        self.rollout: dict[tuple[str, str], RolloutWeights] = {}
+        self.stores: dict[str, dict[str, Any]] = {}
+        """Per node: its latest heartbeat's figures (``NodeUsageIn``'s fields) and ``at``, the unix time."""
+        self.rollout: dict[tuple[str, str], dict[str, Any]] = {}
+        """Per (job, worker): its latest weights report (``RolloutWeightsIn``'s fields) and ``at``."""
 
     def record_ack(
         self,
@@ -118,16 +75,16 @@ class Observations:
 
     def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
         """Replace ``node_id``'s usage with the figures of its latest heartbeat."""
-        self.stores[node_id] = _from_report(StoreUsage, usage, now)
+        self.stores[node_id] = {**usage, "at": now}
 
-    def record_rollout(self, job: str, worker: str, report: Mapping[str, Any], now: float) -> RolloutWeights:
+    def record_rollout(self, job: str, worker: str, report: Mapping[str, Any], now: float) -> dict[str, Any]:
         """Replace ``worker``'s weights figures with those of its latest report."""
-        entry = self.rollout[(job, worker)] = _from_report(RolloutWeights, report, now)
+        entry = self.rollout[(job, worker)] = {**report, "at": now}
         return entry
 
     def job_rollout(self, job: str) -> dict[str, dict[str, Any]]:
         """The rollout workers of ``job`` that reported their weights, by worker id."""
-        return {worker: e.to_dict() for (name, worker), e in sorted(list(self.rollout.items())) if name == job}
+        return {worker: e for (name, worker), e in sorted(list(self.rollout.items())) if name == job}
 
     def snapshot(self) -> Observations:
         """A copy whose maps the event loop no longer changes (for readers on the state thread).

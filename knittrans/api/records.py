@@ -11,10 +11,8 @@ kind                key                           value
 ``group``           group id                      ``{unit_id, status}`` of a lost or expired group
 ``mb``              :func:`mb_key`                 one admitted mini-batch
 ``ack``             :func:`mb_key`                 ``{attempt, ranks}``: the ranks (``[start, stop)`` runs)
-                                                  that acked the mini-batch (older databases: one
-                                                  ``{attempt}`` per :func:`rank_key`)
+                                                  that acked the mini-batch
 ``fetched``         :func:`mb_key`                 ``{attempt, ranks}``: the ranks that hold their share
-                                                  (older databases: one per :func:`rank_key`)
 ``version``         :func:`version_key`            a rank's policy version
 ``supply``          source                        groups started, dropped and finished
 ``started``         group id                      the source of a group reported started
@@ -37,9 +35,7 @@ __all__ = [
     "batch_key",
     "mb_key",
     "parse_mb_key",
-    "parse_rank_key",
     "parse_version_key",
-    "rank_key",
     "version_key",
 ]
 
@@ -81,18 +77,6 @@ def mb_key(n: int) -> str:
 def parse_mb_key(key: str) -> int:
     """The mini-batch index of an :func:`mb_key` key."""
     return int(key)
-
-
-def rank_key(n: int, rank: int) -> str:
-    """Key of ``rank``'s ack or fetch record of mini-batch ``n`` in databases from before manifests
-    (``<mb_key>.<rank>``; read on restore, no longer written)."""
-    return f"{mb_key(n)}.{rank:06d}"
-
-
-def parse_rank_key(key: str) -> tuple[int, int]:
-    """``(n, rank)`` of a :func:`rank_key` key."""
-    n, rank = key.split(".")
-    return int(n), int(rank)
 
 
 def batch_key(batch: int) -> str:

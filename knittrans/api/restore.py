@@ -8,7 +8,7 @@ from typing import Any
 from knittrans.api.delivery import ranks_of_runs
 from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
 from knittrans.api.jobstate import JobState
-from knittrans.api.records import META_KEY, Kind, parse_mb_key, parse_rank_key, parse_version_key
+from knittrans.api.records import META_KEY, Kind, parse_mb_key, parse_version_key
 from knittrans.descriptors import UnitDescriptor
 from knittrans.sched.staleness import ConsumedGroup
 
@@ -59,10 +59,9 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
         job.first_unconsumed += 1
     for kind in (Kind.ACK, Kind.FETCHED):
         for key, body in records.get(kind, ()):
-            n, ranks = _progress_record(key, body)
-            held = job.minibatches.get(n)
+            held = job.minibatches.get(parse_mb_key(key))
             if held is not None and held.attempt == body["attempt"]:
-                (held.acks if kind is Kind.ACK else held.fetched).update(ranks)
+                (held.acks if kind is Kind.ACK else held.fetched).update(ranks_of_runs(body["ranks"]))
     for mb in job.minibatches.values():
         mb.fetched -= mb.acks
     job.rank_versions = {parse_version_key(r): v for r, v in records.get(Kind.VERSION, ())}
@@ -75,12 +74,3 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
     job.evict_consumed()
     job.to_regenerate = dict(records.get(Kind.TO_REGENERATE, ()))
-
-
-def _progress_record(key: str, body: Any) -> tuple[int, set[int]]:
-    """``(n, ranks)`` of an ``ack`` or ``fetched`` record: one per mini-batch (``{attempt, ranks: runs}``), or
-    one per rank as databases from before manifests wrote them (key ``<mb>.<rank>``)."""
-    if "." in key:
-        n, rank = parse_rank_key(key)
-        return n, {rank}
-    return parse_mb_key(key), ranks_of_runs(body["ranks"])

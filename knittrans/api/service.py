@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from knittrans.api.delivery import Published
@@ -54,19 +54,13 @@ class Node:
     """SHA-256 hex of the node's own credential (``node_key``); empty when it registered without one."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "endpoint": self.endpoint,
-            "host": self.host,
-            "registered_at": self.registered_at,
-            "lost": self.lost,
-            "lost_reason": self.lost_reason,
-            "key_hash": self.key_hash,
-        }
+        """The persisted record (the heartbeat is not: a restart gives every node a fresh one)."""
+        body = asdict(self)
+        del body["last_heartbeat"]
+        return body
 
     def public(self, now: float) -> dict[str, Any]:
-        body = self.to_json()
-        del body["key_hash"]
+        body = {k: v for k, v in self.to_json().items() if k != "key_hash"}
         return {
             **body,
             "state": "lost" if self.lost else "alive",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from knittrans.errors import InvalidJobSpec
@@ -182,24 +182,7 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (inverse of :meth:`from_dict`)."""
-        return {
-            "name": self.name,
-            "group_size": self.group_size,
-            "quotas": dict(self.quotas),
-            "mini_batches_per_step": self.mini_batches_per_step,
-            "policy": self.policy,
-            "world_size": self.world_size,
-            "micro_batch_tokens": self.micro_batch_tokens,
-            "micro_batch_size": self.micro_batch_size,
-            "bounds": {s: {"lo": b.lo, "hi": b.hi} for s, b in self.bounds.items()},
-            "max_staleness": self.max_staleness,
-            "total_steps": self.total_steps,
-            "columns": list(self.columns) if self.columns is not None else None,
-            "lookahead": self.lookahead,
-            "window": self.window,
-            "train_batch_handover": self.train_batch_handover,
-            "user_fields": dict(self.user_fields),
-        }
+        return {**asdict(self), "columns": list(self.columns) if self.columns is not None else None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:

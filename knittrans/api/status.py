@@ -1,8 +1,10 @@
-"""Job status: quota fill, group counts, deficits, groups to regenerate, staleness and admission times."""
+"""Views of a job's state: its status (quota fill, group counts, deficits, groups to regenerate, staleness,
+admission times) and the admin overview built from it (every job, node and rank, for ``/ui`` and
+``knittrans status``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from knittrans.sched.admission import quota_deficit
@@ -11,14 +13,19 @@ from knittrans.sched.timing import admitted_ahead
 
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
+    from knittrans.api.observe import Observations
 
-__all__ = ["POOL_SHOWN", "STATUS_STEPS", "job_status", "staleness_report"]
+__all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "STATUS_STEPS", "job_status", "overview", "staleness_report"]
 
 STATUS_STEPS = 16
 """Per-step staleness summaries in status cover this many most recent consumed steps."""
 
 POOL_SHOWN = 16
 """Status lists this many of the pool's groups, in the order admission considers them."""
+LOST_SHOWN = 50
+"""The overview lists at most this many lost groups and groups to regenerate per job (the counts are exact)."""
+RANKS_SHOWN = 256
+"""Ranks the overview lists per job even before they report (ranks that reported are always listed)."""
 
 
 def _stats(value: Any) -> Any:
@@ -109,3 +116,64 @@ def job_status(job: JobState) -> dict[str, Any]:
         },
         "recent_admissions": list(job.admissions),
     }
+
+
+def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
+    status = job_status(job)
+    counts = status["counts"]
+    in_flight = [
+        {
+            "global_index": mb.n,
+            "step": mb.step,
+            "k": mb.k,
+            "attempt": mb.attempt,
+            "groups": len(mb.group_ids),
+            "counts": dict(mb.counts),
+            "fetched": len(mb.fetched | mb.acks),
+            "acked": len(mb.acks),
+            "world_size": job.spec.world_size,
+            "admitted_at": mb.admitted_at,
+        }
+        for mb in job.in_flight()
+    ]
+    pool_by_node: dict[str, dict[str, int]] = {}
+    for g in job.pool():
+        per_source = pool_by_node.setdefault(g.node_id, {})
+        per_source[g.record.source] = per_source.get(g.record.source, 0) + 1
+    transfers = observed.job_ranks(job.name)
+    # the first RANKS_SHOWN ranks and every rank that reported (acks or versions): O(ranks seen), not O(world_size)
+    shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)
+    empty = {"mini_batches": 0, "last_ack": {}}
+    ranks = [
+        {"rank": r, "version": job.rank_versions.get(r), **(t.to_dict() if (t := transfers.get(r)) else empty)}
+        for r in sorted(shown)
+    ]
+    shared = ("job", "state", "step", "mini_batch_index", "next_global_index", "version", "quota_fill", "deficits")
+    return {
+        **{key: status[key] for key in shared},
+        **{key: counts[key] for key in ("pending", "finished", "groups_by_status")},
+        "policy": job.spec.policy,
+        "world_size": job.spec.world_size,
+        "total_steps": job.spec.total_steps,
+        "mini_batches_per_step": job.K,
+        "pool_by_node": pool_by_node,
+        "in_flight_mini_batches": in_flight,
+        "consumed_mini_batches": counts["consumed_mini_batches"],
+        "consumed_groups": counts["consumed_groups"],
+        "lost_groups_total": len(status["lost_groups"]),
+        "lost_groups": status["lost_groups"][:LOST_SHOWN],
+        "to_regenerate_total": len(status["to_regenerate"]),
+        "to_regenerate": status["to_regenerate"][:LOST_SHOWN],
+        "admissions": status["recent_admissions"],
+        "staleness": job.consumed.series(),
+        "ranks": ranks,
+    }
+
+
+def overview(
+    jobs: Mapping[str, JobState], list_nodes: Callable[[], list[dict[str, Any]]], observed: Observations, now: float
+) -> dict[str, Any]:
+    """Jobs (state, quota fill, admissions, staleness, mini-batches, lost groups, ranks) and store nodes
+    (``list_nodes``: the service's, called here, on the state thread)."""
+    nodes = [{**node, "usage": observed.stores.get(node["node_id"])} for node in list_nodes()]
+    return {"at": now, "jobs": [_overview_job(job, observed) for _, job in sorted(jobs.items())], "nodes": nodes}

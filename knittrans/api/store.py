@@ -21,7 +21,7 @@ from typing import Any
 from knittrans.api.records import Kind
 from knittrans.errors import StateError, Unavailable
 
-__all__ = ["Encoded", "RecordStore", "StateError", "Txn"]
+__all__ = ["RecordStore", "StateError", "Txn"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +40,15 @@ STORE_FORMAT = "1"
 """Version of the record layout; a database written with another version is refused."""
 
 
-class Encoded(str):
-    """A record value already encoded as compact JSON text (:meth:`RecordStore.commit` writes it as it is).
-
-    For large records built on a hot path (a registration's units), encoded by a faster encoder than
-    :func:`json.dumps`; what :meth:`RecordStore.load` reads back is the same JSON value."""
-
-    __slots__ = ()
-
-
 class Txn:
     """Buffered writes of one state change; applied atomically by :meth:`RecordStore.commit`."""
 
     def __init__(self) -> None:
         self.puts: dict[tuple[str, str, str], Any] = {}
         self.deletes: set[tuple[str, str, str]] = set()
-        self.prefix_deletes: set[tuple[str, str, str]] = set()
 
     def put(self, kind: Kind, job: str, key: str, value: Any) -> None:
-        """Insert or replace the record ``(kind, job, key)`` with the JSON-able ``value`` (or :class:`Encoded`)."""
+        """Insert or replace the record ``(kind, job, key)`` with the JSON-able ``value``."""
         address = (kind.value, job, key)
         self.deletes.discard(address)
         self.puts[address] = value
@@ -69,20 +59,8 @@ class Txn:
         self.puts.pop(address, None)
         self.deletes.add(address)
 
-    def delete_prefix(self, kind: Kind, job: str, prefix: str) -> None:
-        """Remove every record ``(kind, job, key)`` whose key starts with ``prefix`` (one range delete in
-        SQLite instead of one per key: a consumed mini-batch's W ack records). Writes buffered before
-        this call under the prefix are dropped; a later :meth:`put` under it is kept."""
-        if not prefix:
-            raise ValueError("delete_prefix needs a non-empty prefix")
-        kind_value = kind.value
-        for address in [a for a in self.puts if a[0] == kind_value and a[1] == job and a[2].startswith(prefix)]:
-            del self.puts[address]
-        self.deletes = {a for a in self.deletes if not (a[0] == kind_value and a[1] == job and a[2].startswith(prefix))}
-        self.prefix_deletes.add((kind_value, job, prefix))
-
     def __len__(self) -> int:
-        return len(self.puts) + len(self.deletes) + len(self.prefix_deletes)
+        return len(self.puts) + len(self.deletes)
 
 
 class RecordStore:
@@ -131,20 +109,12 @@ class RecordStore:
         """Write ``txn`` in one SQLite transaction (nothing when it is empty)."""
         if not len(txn):
             return
-        puts = [
-            (k, j, key, str(v) if type(v) is Encoded else json.dumps(v, separators=(",", ":")))
-            for (k, j, key), v in txn.puts.items()
-        ]
+        puts = [(k, j, key, json.dumps(v, separators=(",", ":"))) for (k, j, key), v in txn.puts.items()]
         with self._lock:
             cur = self._conn.cursor()
             try:
                 cur.execute("BEGIN IMMEDIATE")
                 try:
-                    if txn.prefix_deletes:  # keys from prefix up to (not including) prefix with its last char + 1
-                        cur.executemany(
-                            "DELETE FROM records WHERE kind=? AND job=? AND key>=? AND key<?",
-                            [(k, j, p, p[:-1] + chr(ord(p[-1]) + 1)) for k, j, p in txn.prefix_deletes],
-                        )
                     if txn.deletes:
                         cur.executemany("DELETE FROM records WHERE kind=? AND job=? AND key=?", list(txn.deletes))
                     if puts:

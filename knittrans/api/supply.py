@@ -4,23 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from pydantic import TypeAdapter
-
 from knittrans.api.entries import GroupEntry
 from knittrans.api.jobbase import JobBase
 from knittrans.api.records import Kind, batch_key
-from knittrans.api.store import Encoded, Txn
+from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
 from knittrans.lifecycle import REPLACEABLE
-from knittrans.names import is_content_hash
 
 __all__ = ["Supply"]
-
-_UNITS_JSON = TypeAdapter(list[UnitDescriptor])
-"""Encodes a registration's units record: the JSON of ``[u.to_dict() for u in units]`` (same fields, same
-order; a number that is an int where the descriptor says float, e.g. ``version_weighted=1``, reads back as
-``1.0``, an equal value)."""
 
 
 class Supply(JobBase):
@@ -61,9 +53,6 @@ class Supply(JobBase):
                         f"unit {u.unit_id!r}: group {g.group_id!r} has {g.num_trajectories} "
                         f"trajectories, the job's group_size is {self.spec.group_size}"
                     )
-                for h in g.media_hashes:
-                    if not is_content_hash(h):
-                        raise InvalidRequest(f"group {g.group_id!r}: media hash {h!r} is not 64 lower-case hex")
                 prior = self.groups.get(g.group_id)
                 if (
                     g.group_id in seen_groups
@@ -92,9 +81,8 @@ class Supply(JobBase):
                 groups[gid] = unadmitted[gid] = entry  # what _set(entry, "finished") does, without its no-op recount
                 self.count_group(entry, 1)
                 finished[g.source] = finished.get(g.source, 0) + 1
-        if fresh:  # [u.to_dict() ...], encoded by pydantic-core straight from the descriptors
-            encoded = Encoded(_UNITS_JSON.dump_json(fresh, warnings=False).decode())
-            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), encoded)
+        if fresh:
+            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), [u.to_dict() for u in fresh])
             self.unit_batches += 1
         for s in {g.source for u in units for g in u.groups}:
             self._save_supply(txn, s)
@@ -110,15 +98,12 @@ class Supply(JobBase):
         request_id: str | None,
         regenerates: Sequence[str] = (),
     ) -> bool:
-        """Count groups started (and dropped) per source; returns False for a repeated ``request_id``.
+        """Count groups started (and dropped) per source (counts >= 0, as ``SupplyIn`` checks); returns False
+        for a repeated ``request_id``.
 
         ``regenerates`` names lost or expired groups whose replacements this report starts: they leave
         the list of groups to regenerate.
         """
-        for what, counts in (("started", started), ("dropped", dropped)):
-            for s, c in counts.items():
-                if c < 0:
-                    raise InvalidRequest(f"{what}.{s}: {c} must be >= 0")
         quotas = set().union(*(q for _, q in self.quota_changes))
         for what, per_source in (("started", started), ("dropped", dropped), ("group_ids", group_ids)):
             for s in per_source:

@@ -13,6 +13,7 @@ import os
 import sys
 
 from knittrans.api.auth import Scope, mint_token
+from knittrans.errors import InvalidRequest
 from knittrans.names import check_name
 
 __all__ = ["add_arguments", "run"]
@@ -44,12 +45,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.role in ("worker", "rank") and not args.job:
-        print(f"knittrans token: a {args.role} token needs --job", file=sys.stderr)
+    try:
+        job = check_name(args.job, "job") if args.role != "store" and args.job else None
+        print(mint_token(secret.encode(), Scope(role=args.role, job=job, rank=args.rank)))
+    except InvalidRequest as exc:
+        print(f"knittrans token: {exc} (--job, --rank)", file=sys.stderr)
         return 2
-    if args.rank is not None and (args.role != "rank" or args.rank < 0):
-        print("knittrans token: --rank (>= 0) is given only for rank tokens", file=sys.stderr)
-        return 2
-    job = check_name(args.job, "job") if args.role != "store" else None
-    print(mint_token(secret.encode(), Scope(role=args.role, job=job, rank=args.rank)))
     return 0

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -79,35 +79,21 @@ class StateRunner:
         self._thread = None
 
 
-# The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool (a thread
-# hop per dependency and request).
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency giving ``request.app.state.<name>`` (``async def``: FastAPI runs a plain ``def``
+    dependency in its thread pool, a thread hop per dependency and request)."""
+
+    async def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return get
 
 
-async def _service(request: Request) -> ControlPlane:
-    service: ControlPlane = request.app.state.service
-    return service
-
-
-async def _board(request: Request) -> ManifestBoard:
-    board: ManifestBoard = request.app.state.board
-    return board
-
-
-async def _runner(request: Request) -> StateRunner:
-    runner: StateRunner = request.app.state.runner
-    return runner
-
-
-async def _settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
-Service = Annotated[ControlPlane, Depends(_service)]
+Service = Annotated[ControlPlane, Depends(_app_state("service"))]
 """The app's :class:`ControlPlane`."""
-Board = Annotated[ManifestBoard, Depends(_board)]
+Board = Annotated[ManifestBoard, Depends(_app_state("board"))]
 """The app's :class:`~knittrans.api.board.ManifestBoard`."""
-SettingsDep = Annotated[Settings, Depends(_settings)]
+SettingsDep = Annotated[Settings, Depends(_app_state("settings"))]
 """The app's settings."""
-Run = Annotated[StateRunner, Depends(_runner)]
+Run = Annotated[StateRunner, Depends(_app_state("runner"))]
 """The app's :class:`StateRunner`: ``await run(svc.method, ...)``."""

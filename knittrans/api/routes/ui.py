@@ -12,8 +12,8 @@ from fastapi.responses import HTMLResponse
 
 from knittrans.api.auth import AdminAuth
 from knittrans.api.models import ErrorOut
-from knittrans.api.overview import overview
 from knittrans.api.routes.deps import Run, Service
+from knittrans.api.status import overview
 
 __all__ = ["CSP", "router"]
 
@@ -35,7 +35,7 @@ def _page() -> str:
 async def get_overview(request: Request, svc: Service, run: Run, _: AdminAuth) -> dict[str, Any]:
     """Jobs, store nodes and ranks in one document: what the dashboard and ``knittrans status`` show."""
     # The service's state belongs to the state thread; the rank/store figures to the event loop.
-    return await run(overview, svc, request.app.state.observed.snapshot(), time.time())
+    return await run(overview, svc.jobs, svc.list_nodes, request.app.state.observed.snapshot(), time.time())
 
 
 @router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
