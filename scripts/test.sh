@@ -14,6 +14,10 @@
 #   5. .venv-verl   verl 0.9.1 + transferqueue -> tests/verl_integration: the KnitTrans TransferQueue backend
 #                                                (property test against SimpleStorage, checkpoint after a killed
 #                                                process, verl's own trainer code on it, KnitTransQuotaSampler)
+# The venvs of 2, 4 and 5 are built in the background, one after another, from the end of step 0 on: pip
+# mostly copies and unpacks wheels, which overlaps the core suite, the busy-loop pass and the compose test.
+# Each suite's "environment" step waits for its venv and prints its setup log (a failed setup fails that step
+# with the log's last lines); the final table also lists each background build's own duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -39,11 +43,55 @@ step() {
 }
 # a step whose failure does not stop the others: recorded here, the script fails at the end
 fail() { failed+=("$1"); cur_result=FAIL; }
+# The background builds of the extra venvs (see the header): one process group, ended with the script.
+env_dir=$(mktemp -d /tmp/knittrans-ci-envs.XXXXXX) env_builder=""
+envs=()
+[[ "${KNITTRANS_SKIP_VLLM:-0}" == 1 ]] || envs+=(vllm)
+[[ "${KNITTRANS_SKIP_BENCH:-0}" == 1 ]] || envs+=(bench)
+[[ "${KNITTRANS_SKIP_VERL:-0}" == 1 ]] || envs+=(verl)
+start_env_builds() {
+  [[ ${#envs[@]} -gt 0 ]] || return 0
+  printf '==> [%s] building in the background: %s (logs: %s)\n' "$(date +%H:%M:%S)" "${envs[*]}" "$env_dir"
+  # each build's result: "<exit code> <start> <end>", written once it is complete
+  setsid bash -c 'dir=$1; shift
+    for e in "$@"; do
+      s=$(date +%s); rc=0
+      bash "scripts/setup_${e}_env.sh" >"$dir/$e.log" 2>&1 </dev/null || rc=$?
+      echo "$rc $s $(date +%s)" >"$dir/$e.tmp" && mv "$dir/$e.tmp" "$dir/$e.done"
+    done' _ "$env_dir" "${envs[@]}" &
+  env_builder=$!
+}
+# Wait for one background build ($1: vllm, bench or verl), print its log; fail (with the log's end) if it failed.
+wait_env() {
+  local e=$1 waited=$SECONDS rc s t
+  while [[ ! -f $env_dir/$e.done ]]; do
+    if ! kill -0 "$env_builder" 2>/dev/null && [[ ! -f $env_dir/$e.done ]]; then
+      printf '\nERROR: the background build of the %s venv ended without a result; its log ends:\n' "$e" >&2
+      tail -n 40 "$env_dir/$e.log" >&2 || true
+      return 1
+    fi
+    sleep 2
+  done
+  read -r rc s t <"$env_dir/$e.done"
+  cat "$env_dir/$e.log"
+  names+=("$e venv build (in the background from $(date -d "@$s" +%H:%M:%S))") secs+=($((t - s)))
+  printf '==> the %s venv was built in the background in %d s (%s to %s); waited %d s for it\n' \
+    "$e" $((t - s)) "$(date -d "@$s" +%H:%M:%S)" "$(date -d "@$t" +%H:%M:%S)" $((SECONDS - waited))
+  if [[ $rc != 0 ]]; then
+    results+=(FAIL)
+    printf '\nERROR: scripts/setup_%s_env.sh failed (exit %s); the last lines of its log:\n' "$e" "$rc" >&2
+    tail -n 30 "$env_dir/$e.log" >&2
+    return 1
+  fi
+  results+=(bg)
+}
 summary() {
   local rc=$? i
   [[ $rc == 0 ]] || cur_result=FAIL
   end_step
-  printf '\n==> step durations (total %d s)\n' $(($(date +%s) - t0))
+  if [[ -n $env_builder ]] && kill -0 "$env_builder" 2>/dev/null; then kill -- -"$env_builder" 2>/dev/null || true; fi
+  rm -rf "$env_dir"
+  printf '\n==> step durations (total %d s; "bg" rows ran beside the steps, not in the total)\n' $(($(date +%s) - t0))
   for i in "${!names[@]}"; do printf '%6d s  %-4s  %s\n' "${secs[$i]}" "${results[$i]}" "${names[$i]}"; done
 }
 trap summary EXIT
@@ -59,6 +107,7 @@ step "lint, format and types (ruff check, ruff format --check, mypy --strict)"
 .venv/bin/ruff check knittrans tests benchmarks examples
 .venv/bin/ruff format --check .   # also the Python blocks in docs/
 .venv/bin/mypy
+start_env_builds
 step "core test suite"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/ray_integration \
   -m "not vllm and not compose"
@@ -78,16 +127,16 @@ if [[ "${KNITTRANS_SKIP_COMPOSE:-0}" != 1 ]]; then
 fi
 
 if [[ "${KNITTRANS_SKIP_VLLM:-0}" != 1 ]]; then
-  step "vLLM environment"
-  bash scripts/setup_vllm_env.sh
+  step "vLLM environment (wait for its background build)"
+  wait_env vllm
   step "vLLM test suite"
   # -W default: vLLM's own stack warns on import (not ours to fix); its warnings stay visible, not fatal
   .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -W default tests -m vllm --ignore=tests/ray_integration
 fi
 
 if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
-  step "bench environment (ray, transferqueue)"
-  bash scripts/setup_bench_env.sh
+  step "bench environment (ray, transferqueue; wait for its background build)"
+  wait_env bench
   step "Ray integration tests"
   # -W default: Ray and TransferQueue warn on import (not ours to fix); visible, not fatal
   .venv-bench/bin/python -m pytest -q -p no:cacheprovider -W default tests/ray_integration \
@@ -97,8 +146,8 @@ if [[ "${KNITTRANS_SKIP_BENCH:-0}" != 1 ]]; then
 fi
 
 if [[ "${KNITTRANS_SKIP_VERL:-0}" != 1 ]]; then
-  step "verl environment (verl 0.9.1, transferqueue)"
-  bash scripts/setup_verl_env.sh
+  step "verl environment (verl 0.9.1, transferqueue; wait for its background build)"
+  wait_env verl
   step "verl tests (KnitTrans TransferQueue backend, verl code on it, KnitTransQuotaSampler)"
   .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/verl_integration -W default -W ignore::DeprecationWarning
 fi
