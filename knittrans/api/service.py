@@ -121,9 +121,20 @@ class ControlPlane:
             # a restarted control plane gives every live node a fresh heartbeat grace period
             self.nodes[node_id] = Node(**body, last_heartbeat=now)
         per_job: dict[str, dict[Kind, list[tuple[str, Any]]]] = {}
+        previous_release = Txn()
         for kind in JOB_KINDS:
             for job, key, value in self.store.load(kind):
+                if kind in (Kind.ACK, Kind.FETCHED) and "." in key:  # per-rank, from before manifests
+                    previous_release.delete(kind, job, key)
+                    continue
                 per_job.setdefault(job, {}).setdefault(kind, []).append((key, value))
+        if len(previous_release):
+            logger.warning(
+                "removed %d per-rank ack/fetched records of a previous release: a trainer of that release cannot "
+                "resume its mini-batch (the manifest client acks per mini-batch)",
+                len(previous_release),
+            )
+            self.store.commit(previous_release)
         self.jobs = {}
         for name, records in per_job.items():
             try:
