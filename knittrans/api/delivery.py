@@ -95,9 +95,9 @@ class Delivery(JobBase):
                     entry = self.groups[group_id]
                     record = entry.record
                     if group_id not in groups:
-                        u = units.setdefault(entry.unit_id, (len(units), nodes.setdefault(entry.node_id, len(nodes))))[
-                            0
-                        ]
+                        if entry.unit_id not in units:
+                            units[entry.unit_id] = (len(units), nodes.setdefault(entry.node_id, len(nodes)))
+                        u = units[entry.unit_id][0]
                         for h in record.media_hashes:
                             if h not in media:
                                 media[h] = (len(media), u)
