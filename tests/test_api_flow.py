@@ -12,6 +12,10 @@ import pytest
 from api_support import ack, app_client, drain, group, job_spec, manifest, rows_of, shares, single_group_units, unit
 from fastapi.testclient import TestClient
 
+from knittrans.api.service import ControlPlane
+from knittrans.api.spec import JobSpec
+from knittrans.api.store import RecordStore
+from knittrans.descriptors import UnitDescriptor
 from knittrans.manifest import Manifest
 from knittrans.sched.admission import POLICIES
 
@@ -358,3 +362,18 @@ def test_ack_and_version_rules(tmp_path: Path) -> None:
         assert r.status_code == 409 and "never decrease" in r.json()["detail"]
         assert c.get("/v1/jobs/job1/minibatches").json()["in_flight"][0]["acked_ranks"] == []  # nothing applied
         assert c.post("/v1/jobs/job1/versions", json={"version": 1, "rank": 5}).status_code == 404
+
+
+def test_each_admitted_mini_batch_is_published_before_the_next_is_formed(tmp_path: Path) -> None:
+    """Units enough for two mini-batches in one registration: the change that admits mini-batch 0 commits and
+    publishes it on its own, before mini-batch 1 is formed (the ranks waiting for 0 do not wait for 1)."""
+    seen: list[list[int]] = []
+    store = RecordStore(str(tmp_path / "cp.db"))
+    svc = ControlPlane(store, on_change=lambda job: seen.append(sorted(svc.published(job).manifests)))
+    svc.create_job(JobSpec.from_dict(job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1)))
+    svc.register_node("n0", "grpc://127.0.0.1:9000", "127.0.0.1")
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math", "math"])]
+    seen.clear()
+    assert svc.register_units("job1", units)["admitted"] == [0, 1]
+    assert seen[:2] == [[0], [0, 1]], seen
+    store.close()

@@ -414,7 +414,7 @@ def test_every_row_of_a_built_manifest_goes_to_exactly_one_ranks_share(w: dict[s
     units = _units(w)
     job.check_units(units, lambda node: "alive")
     job.add_units(units, Txn())
-    job.admit(Txn())
+    job.admit_all(Txn())
     published = job.published()
     assert sorted(published.manifests) == list(range(job.next_n)) and job.next_n >= 1
     records = {g.group_id: g for u in units for g in u.groups}

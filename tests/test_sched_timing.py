@@ -132,7 +132,7 @@ class _Driver:
                 Txn(), started={}, group_ids={source: [gid]}, dropped={}, request_id=None, regenerates=claims
             )
             self.running.append((gid, source))
-            self.job.admit(Txn())
+            self.job.admit_all(Txn())
             self.check()
 
     def finish(self, index: int, node: str) -> None:
@@ -165,7 +165,7 @@ class _Driver:
         )
         self.job.check_units([unit], lambda n: "alive" if self.alive[n] else "lost")
         self.job.add_units([unit], Txn())
-        self.job.admit(Txn())
+        self.job.admit_all(Txn())
         self.check()
 
     def ack(self, rank: int) -> None:
@@ -181,7 +181,7 @@ class _Driver:
         self.consumed += [
             ConsumedGroup(**r) for (kind, _, _), rows in txn.puts.items() if kind == "consumed" for r in rows
         ]  # the records the service would persist
-        self.job.admit(Txn())
+        self.job.admit_all(Txn())
         self.check()
 
     def lose(self, node: str) -> None:
@@ -190,7 +190,7 @@ class _Driver:
         self.alive[node] = False
         self.losses += 1
         self.job.node_lost(node, Txn())
-        self.job.admit(Txn())
+        self.job.admit_all(Txn())
         self.check()
 
 

@@ -111,7 +111,7 @@ class ControlPlane:
         self._load()
         with self._change(None) as txn:
             for job in self.jobs.values():
-                job.admit(txn)
+                job.admit_all(txn)
 
     # ------------------------------------------------------------------ plumbing
     def _load(self) -> None:
@@ -190,6 +190,18 @@ class ControlPlane:
             elif not committed:  # a failed node-level change may have reloaded every job
                 for name in list(self.jobs):
                     self.on_change(name)
+
+    def _admit_rest(self, name: str, admitted: list[int]) -> list[int]:
+        """``admitted`` (what the change just committed admitted: at most one mini-batch) and those the job admits
+        after it, one change each: every manifest is committed and published before the next one is formed, so
+        the ranks waiting for the first do not wait for the others' admission."""
+        admitted = list(admitted)
+        more = admitted
+        while more:
+            with self._change(name) as txn:
+                more = self.jobs[name].admit(txn)
+            admitted += more
+        return admitted
 
     def job(self, name: str) -> JobState:
         """The job called ``name``; :class:`NotFound` otherwise."""
@@ -271,7 +283,7 @@ class ControlPlane:
                 txn.put(Kind.NODE, "", node_id, node.to_json())
                 for job in self.jobs.values():
                     withdrawn[job.name] = job.node_lost(node_id, txn)
-                    job.admit(txn)
+                    job.admit_all(txn)  # the withdrawn mini-batches' new attempts, published together
             for name in self.jobs:
                 self.on_change(name)
             logger.warning("node %s lost (%s)", node_id, reason)
@@ -306,7 +318,8 @@ class ControlPlane:
         with self._change(spec.name) as txn:
             job = self._new_job(spec)
             self.jobs[spec.name] = job
-            job.admit(txn)
+            admitted = job.admit(txn)
+        self._admit_rest(spec.name, admitted)
         return self.get_job(spec.name), True
 
     def get_job(self, name: str) -> dict[str, Any]:
@@ -327,7 +340,8 @@ class ControlPlane:
         job = self.job(name)
         with self._change(name) as txn:
             from_step = job.update_quotas(quotas, txn)
-            job.admit(txn)
+            admitted = job.admit(txn)
+        self._admit_rest(name, admitted)
         return {**self.get_job(name), "effective_from_step": from_step}
 
     def set_state(self, name: str, action: JobAction) -> dict[str, Any]:
@@ -335,7 +349,8 @@ class ControlPlane:
         job = self.job(name)
         with self._change(name) as txn:
             job.set_state(action, txn)
-            job.admit(txn)
+            admitted = job.admit(txn)
+        self._admit_rest(name, admitted)
         return self.get_job(name)
 
     # ------------------------------------------------------------------ units, supply
@@ -352,6 +367,7 @@ class ControlPlane:
             new = job.add_units(units, txn)
             admitted = job.admit(txn)
         self.units_registered += new
+        admitted = self._admit_rest(name, admitted)
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
 
     def remove_unit(self, name: str, unit_id: str, reason: str) -> dict[str, Any]:
@@ -360,6 +376,7 @@ class ControlPlane:
         with self._change(name) as txn:
             removed = job.remove_unit(unit_id, reason, txn)
             admitted = job.admit(txn)
+        admitted = self._admit_rest(name, admitted)
         logger.warning(
             "job %s: unit %s removed by an admin (%s); groups to regenerate: %s", name, unit_id, reason, removed
         )
@@ -387,6 +404,7 @@ class ControlPlane:
                 regenerates=regenerates,
             )
             admitted = job.admit(txn)
+        admitted = self._admit_rest(name, admitted)
         return {"applied": applied, "pending": job.pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ mini-batches
@@ -422,8 +440,8 @@ class ControlPlane:
         job = self.job(name)
         with self._change(name) as txn:
             result = job.ack(n, attempt, ranks, version, txn, figures=figures)
-            if not result["duplicate"] or version is not None:
-                job.admit(txn)
+            admitted = job.admit(txn) if not result["duplicate"] or version is not None else []
+        self._admit_rest(name, admitted)
         return result
 
     def report_version(self, name: str, rank: int, version: int) -> dict[str, Any]:
@@ -431,7 +449,8 @@ class ControlPlane:
         job = self.job(name)
         with self._change(name) as txn:
             job.report_version(rank, version, txn)
-            job.admit(txn)
+            admitted = job.admit(txn)
+        self._admit_rest(name, admitted)
         return self.get_version(name)
 
     def headroom(self, name: str) -> dict[str, Any]:
