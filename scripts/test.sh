@@ -96,6 +96,15 @@ summary() {
 }
 trap summary EXIT
 
+# Every venv, the Docker image and the tests' temporary files take ~15 GiB: too little free space fails tests
+# late with ENOSPC, so say so first.
+for d in . "${TMPDIR:-/tmp}"; do
+  free_gib=$(($(df -Pk "$d" | awk 'NR == 2 {print $4}') / 1048576))
+  if ((free_gib < 16)); then
+    printf 'WARNING: %s has %d GiB free; a full run needs about 15 GiB (venvs, Docker image, test files)\n' \
+      "$(cd "$d" && pwd)" "$free_gib" >&2
+  fi
+done
 step "core environment"
 bash scripts/setup.sh
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from knittrans.api import Settings, create_app
 
 _DB = Path(tempfile.mkdtemp(prefix="knittrans-schemathesis-")) / "cp.db"
+atexit.register(shutil.rmtree, _DB.parent, ignore_errors=True)
 # long-polls end within 1 s: a generated manifest long-poll for a job schemathesis created (no mini-batch ever
 # comes) would otherwise wait the default 30 s, past the client's 10 s read timeout
 _APP = create_app(Settings(db_path=str(_DB), long_poll_max_s=1.0))
