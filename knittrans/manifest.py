@@ -326,8 +326,11 @@ def _column(value: object, where: str) -> str:
     return value
 
 
+_ARRAYS = (list, tuple)  # a tuple: from_json of to_json's own output
+
+
 def _list(value: object, where: str, length: int | None = None) -> list[Any] | tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):  # a tuple: from_json of to_json's own output
+    if not isinstance(value, _ARRAYS):
         raise InvalidRequest(f"manifest field {where!r} must be a list, not {type(value).__name__}")
     if length is not None and len(value) != length:
         raise InvalidRequest(f"manifest field {where!r} must have {length} items, not {len(value)}")
@@ -385,17 +388,19 @@ def _ranks(value: object, unit_of: list[int], unit_ids: list[str]) -> tuple[tupl
     groups = len(unit_of)
     out = []
     seen: set[tuple[int, int]] = set()
+    # the usual case is checked inline; the field's own error (and its path string) only where it fails
     for r, share in enumerate(_list(value, "ranks")):
         micro_batches = []
-        for m, micro in enumerate(_list(share, f"ranks[{r}]")):
+        for m, micro in enumerate(share if type(share) in _ARRAYS else _list(share, f"ranks[{r}]")):
             rows = []
-            for i, row in enumerate(_list(micro, f"ranks[{r}][{m}]")):
-                # the usual case (one check per trajectory) at once; else the field's own error
-                if type(row) is list and len(row) == 3 and all(type(x) is int and x >= 0 for x in row):
+            for i, row in enumerate(micro if type(micro) in _ARRAYS else _list(micro, f"ranks[{r}][{m}]")):
+                if type(row) in _ARRAYS and len(row) == 3:
                     g, unit_row, tokens = row
-                    if g >= groups:
-                        _index(g, f"ranks[{r}][{m}][{i}][0]", groups, "groups")
+                    usual = type(g) is type(unit_row) is type(tokens) is int and 0 <= g < groups
+                    usual = usual and unit_row >= 0 and tokens >= 0
                 else:
+                    usual = False
+                if not usual:
                     where = f"ranks[{r}][{m}][{i}]"
                     g, unit_row, tokens = _list(row, where, 3)
                     _index(g, f"{where}[0]", groups, "groups")
