@@ -11,12 +11,7 @@ from both simulators. The two share no code and no random draws.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +24,7 @@ from knittrans.sim.workload import load_workload
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import independent_sim  # noqa: E402
+import report  # noqa: E402
 
 FIGURES = ("start_mean", "end_pos", "weighted_mean")
 
@@ -75,11 +71,7 @@ def independent(name: str, lookahead: int, handover: str, *, scope: str, seeds: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
+    args = report.parser(__doc__).parse_args()
     rows: list[dict[str, Any]] = []
     for name in ("skewed3", "balanced", "code_agent_skew"):
         for handover in ("step", "mini_batch"):
@@ -106,22 +98,7 @@ def main() -> int:
             f"| {100 * r['end_pos']:.1f}% | {100 * r['weighted_mean']:.1f}% | {r['steps_ratio']:.2f} |"
         )
     md = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    meta = {
-        "seeds": args.seeds,
-        "steps": args.steps,
-        "K": 16,
-        "W": 1,
-        "command": "python benchmarks/sim_report/cross_check.py " + " ".join(sys.argv[1:]),
-        "machine": platform.node(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "git_commit": commit,
-    }
-    (args.out / "cross_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (args.out / "cross_check.md").write_text(md)
-    print(md)
+    report.write(args.out, "cross_check", md, {"seeds": args.seeds, "steps": args.steps, "K": 16, "W": 1}, rows=rows)
     return 0
 
 

@@ -13,15 +13,12 @@ the token-weighted mean against ``constraint_preserving`` without a lead; writes
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import report
 
 from knittrans.sim.engine import simulate
 from knittrans.sim.metrics import compute_metrics
@@ -45,11 +42,7 @@ def figures(w: Workload, policy: str, seeds: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
+    args = report.parser(__doc__).parse_args()
     rows: list[dict[str, Any]] = []
     for name in WORKLOADS:
         w = load_workload(name).with_overrides(mini_batches_per_step=16, window=1, lookahead=1, steps=args.steps)
@@ -94,23 +87,8 @@ def main() -> int:
             f"{tp['steps_ratio']:.2f}x | {int(r['violations'])} |"
         )
     md = "\n".join(lines) + "\n"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    meta = {
-        "seeds": args.seeds,
-        "steps": args.steps,
-        "K": 16,
-        "W": 1,
-        "L": 1,
-        "command": "python benchmarks/sim_report/launch_lead.py " + " ".join(sys.argv[1:]),
-        "machine": platform.node(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "git_commit": commit,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "launch_lead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (args.out / "launch_lead.md").write_text(md)
-    print(md)
+    meta = {"seeds": args.seeds, "steps": args.steps, "K": 16, "W": 1, "L": 1}
+    report.write(args.out, "launch_lead", md, meta, rows=rows)
     return 0
 
 

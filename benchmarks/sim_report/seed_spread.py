@@ -15,15 +15,12 @@ issue 33's targets: against ``step`` >= 38 % start, >= 54 % weighted, >= 50 % en
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import report
 
 from knittrans.sched.staleness import READINGS
 from knittrans.sim.engine import simulate
@@ -52,10 +49,7 @@ def reductions(cp: dict[str, float], base: dict[str, float]) -> dict[str, float]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser = report.parser(__doc__, seeds=12)
     parser.add_argument("--stem", default="seed_spread")
     parser.add_argument("--publish-delay", type=float, default=None)
     parser.add_argument("--load-s", type=float, default=None)
@@ -131,7 +125,6 @@ def main() -> int:
                 f"| {fmt(s['min'], k)} | {fmt(s['max'], k)} | {meeting} |"
             )
     md = "\n".join(lines) + "\n"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     meta = {
         "workload": "skewed3",
         "K": 16,
@@ -144,17 +137,8 @@ def main() -> int:
         "groups_per_call": w.groups_per_call,
         "seeds": args.seeds,
         "steps": args.steps,
-        "command": "python benchmarks/sim_report/seed_spread.py " + " ".join(sys.argv[1:]),
-        "machine": platform.node(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "git_commit": commit,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": meta, "stats": stats, "pooled_means": pooled_means, "rows": rows}
-    (args.out / f"{args.stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (args.out / f"{args.stem}.md").write_text(md)
-    print(md)
+    report.write(args.out, args.stem, md, meta, stats=stats, pooled_means=pooled_means, rows=rows)
     return 0
 
 

@@ -17,12 +17,7 @@ same admission times, cannot move the mean; it moves the tails (benchmarks/sim_r
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +30,7 @@ from knittrans.sim.workload import load_workload
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import independent_sim  # noqa: E402
+import report  # noqa: E402
 
 WORKLOADS = ("skewed3", "code_agent_skew", "multimodal", "balanced")
 POLICIES = ("constraint_preserving", "version_aware")
@@ -93,11 +89,7 @@ def change(cp: dict[str, float], va: dict[str, float]) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args()
+    args = report.parser(__doc__).parse_args()
     rows: list[dict[str, Any]] = []
     for name in WORKLOADS:
         for k in (4, 8, 16):
@@ -132,21 +124,7 @@ def main() -> int:
             f"| {ch['steps_per_h']:.3f} | {va.get('violations', '-')} |"
         )
     md = "\n".join(lines) + "\n"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    meta = {
-        "seeds": args.seeds,
-        "steps": args.steps,
-        "L": 1,
-        "command": "python benchmarks/sim_report/version_aware.py " + " ".join(sys.argv[1:]),
-        "machine": platform.node(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "git_commit": commit,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "version_aware.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (args.out / "version_aware.md").write_text(md)
-    print(md)
+    report.write(args.out, "version_aware", md, {"seeds": args.seeds, "steps": args.steps, "L": 1}, rows=rows)
     return 0
 
 
