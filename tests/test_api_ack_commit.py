@@ -95,5 +95,5 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         assert _report(c, "ack", 0, [1])["duplicate"]
     with app_client(db) as c:
         job = c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
-        assert job.first_unconsumed == 1 and job.minibatches[1].acks == {0}
+        assert job.position == 1 and job.minibatches[1].acks == {0}
         assert [job.rank_cursor(rank) for rank in range(2)] == [2, 1]

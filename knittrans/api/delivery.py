@@ -188,8 +188,6 @@ class Delivery(JobBase):
         bad = [r for r in ranks if not 0 <= r < self.spec.world_size]
         if bad:
             raise NotFound(f"ranks {bad} are outside the job's world_size {self.spec.world_size} (0..W-1)")
-        if not ranks:
-            raise InvalidRequest("'ranks' must name at least one rank (or be null for every rank)")
         return set(ranks)
 
     def fetched(self, n: int, attempt: int, ranks: Sequence[int] | None, txn: Txn) -> dict[str, Any]:
@@ -298,8 +296,8 @@ class Delivery(JobBase):
         self.retire(mb.group_ids)
         mb.status, mb.layout, mb.manifest = "consumed", [], None
         mb.acks, mb.fetched = set(), set()  # a consumed mini-batch needs neither
-        while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
-            self.first_unconsumed += 1
+        while (m := self.minibatches.get(self.position)) is not None and m.status == "consumed":
+            self.position += 1
         self.evict_consumed()
         txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])

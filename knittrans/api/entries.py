@@ -40,6 +40,9 @@ class GroupEntry:
         )
 
 
+_PERSISTED = ("n", "step", "k", "attempt", "group_ids", "counts", "admitted_at", "status")
+
+
 @dataclass
 class MiniBatch:
     """One admitted mini-batch ``n`` (global index; trained at policy version ``n``)."""
@@ -64,16 +67,8 @@ class MiniBatch:
     after a restart; see :mod:`knittrans.api.delivery`)."""
 
     def to_json(self) -> dict[str, Any]:
-        body = {
-            "n": self.n,
-            "step": self.step,
-            "k": self.k,
-            "attempt": self.attempt,
-            "group_ids": self.group_ids,
-            "counts": self.counts,
-            "admitted_at": self.admitted_at,
-            "status": self.status,
-        }
+        """The persisted record (the layout only while planned)."""
+        body = {name: getattr(self, name) for name in _PERSISTED}
         if self.status == "planned":
             body["layout"] = self.layout
         return body

@@ -1,10 +1,7 @@
 """The state of one job, the views every part reads and the record writes every part shares.
 
-:class:`JobBase` holds what :class:`~knittrans.api.jobstate.JobState` knows of a job: units and groups,
-supply counts, admitted mini-batches and their acks, versions, staleness. The parts that change it
-(:mod:`~knittrans.api.supply`, :mod:`~knittrans.api.admit`, :mod:`~knittrans.api.delivery`,
-:mod:`~knittrans.api.nodeloss`) build on it; the lifecycle moves follow the table in
-:mod:`knittrans.lifecycle`. Threading: see :class:`~knittrans.api.jobstate.JobState`.
+The parts that change it build on :class:`JobBase` (see :mod:`knittrans.api.jobstate`); the lifecycle moves
+follow the table in :mod:`knittrans.lifecycle`.
 """
 
 from __future__ import annotations
@@ -78,7 +75,8 @@ class JobBase:
         self.retired_units: set[str] = set()
         """Ids of units whose every group was consumed: dropped from :attr:`units`; registering one again is
         a duplicate (a no-op), like for a unit still held."""
-        self.first_unconsumed = 0
+        self.position = 0
+        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
         self.minibatches: dict[int, MiniBatch] = {}
         """Admitted mini-batches by global index, from :attr:`evicted_below` on (see :meth:`evict_consumed`)."""
         self.evicted_below = 0
@@ -174,7 +172,7 @@ class JobBase:
         from the first one on (never before the position), and admission then counts that step's
         consumed ones again; they must still be here.
         """
-        keep_from = min(self.first_unconsumed - 1, (self.first_unconsumed // self.K) * self.K)
+        keep_from = min(self.position - 1, (self.position // self.K) * self.K)
         while self.evicted_below < keep_from:
             self.minibatches.pop(self.evicted_below, None)
             self.attempts.pop(self.evicted_below, None)
@@ -182,7 +180,7 @@ class JobBase:
 
     def rank_cursor(self, rank: int) -> int:
         """Lowest mini-batch index ``rank`` has not acked."""
-        n = self.first_unconsumed
+        n = self.position
         while True:
             mb = self.minibatches.get(n)
             if mb is None or (mb.status != "consumed" and rank not in mb.acks):
@@ -191,14 +189,7 @@ class JobBase:
 
     def in_flight(self) -> list[MiniBatch]:
         """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
-        return [
-            mb for n in range(self.first_unconsumed, self.next_n) if (mb := self.minibatches[n]).status == "planned"
-        ]
-
-    @property
-    def position(self) -> int:
-        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
-        return self.first_unconsumed
+        return [mb for n in range(self.position, self.next_n) if (mb := self.minibatches[n]).status == "planned"]
 
     def untaken(self) -> dict[str, int]:
         """Per source: groups launched, not dropped, and not in a mini-batch the trainer has started.
@@ -321,17 +312,15 @@ class JobBase:
         if status in REPLACEABLE:  # planned/consumed follow from the mini-batch records
             txn.put(Kind.GROUP, self.name, gid, {"unit_id": entry.unit_id, "status": status})
 
-    def meta_json(self) -> dict[str, Any]:
-        return {
+    def _save_meta(self, txn: Txn) -> None:
+        meta = {
             "spec": self.spec.to_dict(),
             "state": self.state,
             "next_n": self.next_n,
             "attempts": {str(n): a for n, a in self.attempts.items()},
             "quota_changes": [[s, q] for s, q in self.quota_changes],
         }
-
-    def _save_meta(self, txn: Txn) -> None:
-        txn.put(Kind.JOB, self.name, META_KEY, self.meta_json())
+        txn.put(Kind.JOB, self.name, META_KEY, meta)
 
     def _save_supply(self, txn: Txn, source: str) -> None:
         txn.put(
@@ -394,7 +383,7 @@ class JobBase:
 
     def _settle(self, txn: Txn) -> None:
         """Move draining -> drained and running -> completed once nothing is left to train."""
-        idle = self.first_unconsumed >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
+        idle = self.position >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
         if self.next_n % self.K == 0 and idle:
             self.state = job_move(self.state, "drained") or self.state  # only a draining job drains
         total = self.spec.total_steps

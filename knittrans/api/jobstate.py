@@ -29,12 +29,6 @@ __all__ = ["JobState"]
 class JobState(Supply, Admission, Delivery, NodeLoss):
     """State and rules of one job; the service owns persistence and the node registry.
 
-    Threading: a ``JobState`` has no locks and needs none, because one thread at a time touches
-    it. In the app every call (state change or read) goes through the
-    :class:`~knittrans.api.routes.deps.StateRunner`, one worker thread that runs calls in arrival
-    order; route handlers are ``async def`` and hand their work to it (a plain ``def`` handler
-    would run in FastAPI's thread pool, beside the state thread). The service checks the thread
-    at every entry (:meth:`~knittrans.api.service.ControlPlane.job`); ``tests/test_api_threads.py``
-    fails if a route or a call breaks the rule. Outside an app (tests, simulations) the caller's
-    one thread plays the state thread.
+    No locks: one thread touches it (:class:`~knittrans.api.routes.deps.StateRunner` in the app, the
+    caller's one thread outside it).
     """

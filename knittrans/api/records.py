@@ -34,8 +34,6 @@ __all__ = [
     "Kind",
     "batch_key",
     "mb_key",
-    "parse_mb_key",
-    "parse_version_key",
     "version_key",
 ]
 
@@ -74,11 +72,6 @@ def mb_key(n: int) -> str:
     return f"{n:012d}"
 
 
-def parse_mb_key(key: str) -> int:
-    """The mini-batch index of an :func:`mb_key` key."""
-    return int(key)
-
-
 def batch_key(batch: int) -> str:
     """Store key of the ``batch``-th registration of units of a job (zero-padded: keys sort in order)."""
     return f"{batch:012d}"
@@ -87,8 +80,3 @@ def batch_key(batch: int) -> str:
 def version_key(rank: int) -> str:
     """Store key of ``rank``'s policy version."""
     return str(rank)
-
-
-def parse_version_key(key: str) -> int:
-    """The rank of a :func:`version_key` key."""
-    return int(key)

@@ -3,10 +3,7 @@
 Every public method is one state change (or a read): it validates, mutates the in-memory state,
 runs admission where state changed, and commits the writes to the store before returning. If an
 unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
-memory never runs ahead of what was committed.
-
-The service and its jobs take no lock: in the app, one thread (the
-:class:`~knittrans.api.routes.deps.StateRunner`) makes every call, and ``state_thread`` checks it.
+memory never runs ahead of what was committed. No locks: see :class:`~knittrans.api.routes.deps.StateRunner`.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
 from knittrans.api.store import RecordStore, StateError, Txn
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
+from knittrans.errors import Conflict, KnitTransError, NotFound, Unauthenticated, Unavailable
 from knittrans.lifecycle import JobAction
-from knittrans.names import check_name
 
 __all__ = ["ControlPlane", "Node"]
 
@@ -153,16 +149,17 @@ class ControlPlane:
         return JobState(
             spec,
             endpoint=lambda n: self.nodes[n].endpoint,
-            node_alive=self._alive,
+            node_alive=lambda n: self._node_state(n) == "alive",
             recent_admissions=self.recent_admissions,
             clock=self.clock,
             ticket_key=self.ticket_key,
             ticket_ttl_s=self.ticket_ttl_s,
         )
 
-    def _alive(self, node_id: str) -> bool:
+    def _node_state(self, node_id: str) -> str | None:
+        """``alive`` or ``lost``; None for a node that never registered."""
         node = self.nodes.get(node_id)
-        return node is not None and not node.lost
+        return None if node is None else ("lost" if node.lost else "alive")
 
     @contextmanager
     def _change(self, job: str | None) -> Iterator[Txn]:
@@ -222,9 +219,6 @@ class ControlPlane:
         ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
         so a worker-token holder cannot point manifests, and the store token, at a server of theirs.
         """
-        check_name(node_id, "node_id")
-        if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
-            raise InvalidRequest(f"endpoint {endpoint!r} must be a Flight location like grpc://host:port")
         now = self.clock()
         old = self.nodes.get(node_id)
         presented = hashlib.sha256(node_key.encode()).hexdigest() if node_key else ""
@@ -357,12 +351,7 @@ class ControlPlane:
     def register_units(self, name: str, units: Sequence[UnitDescriptor]) -> dict[str, Any]:
         """Register a batch of units atomically (all or none); runs admission."""
         job = self.job(name)
-
-        def node_state(node_id: str) -> str | None:
-            node = self.nodes.get(node_id)
-            return None if node is None else ("lost" if node.lost else "alive")
-
-        job.check_units(units, node_state)
+        job.check_units(units, self._node_state)
         with self._change(name) as txn:
             new = job.add_units(units, txn)
             admitted = job.admit(txn)
@@ -419,7 +408,7 @@ class ControlPlane:
         return self.job(name).progress()
 
     def fetched(self, name: str, n: int, attempt: int, ranks: Sequence[int] | None) -> dict[str, Any]:
-        """``ranks`` (None: all) hold their whole share of mini-batch ``n`` (DataLost: that attempt was withdrawn)."""
+        """Report ``ranks`` fetched (:meth:`~knittrans.api.delivery.Delivery.fetched`)."""
         job = self.job(name)
         with self._change(name) as txn:
             return job.fetched(n, attempt, ranks, txn)
@@ -434,9 +423,7 @@ class ControlPlane:
         *,
         figures: Collection[int] = (),
     ) -> dict[str, Any]:
-        """``ranks`` (None: all) finished mini-batch ``n``; at W acked ranks it is consumed (staleness recorded)
-        and admission runs; ``version``, the policy version the step produced, is recorded in the same change;
-        ``figures``: the ranks whose transfer figures the ack carries (each one of ``ranks``)."""
+        """Ack mini-batch ``n`` (:meth:`~knittrans.api.delivery.Delivery.ack`), then run admission."""
         job = self.job(name)
         with self._change(name) as txn:
             result = job.ack(n, attempt, ranks, version, txn, figures=figures)

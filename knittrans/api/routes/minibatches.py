@@ -115,9 +115,8 @@ async def progress(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str,
 def _check_ranks(request: Request, ranks: list[int] | None) -> None:
     scope = request.state.scope
     if scope is not None and scope.rank is not None and ranks != [scope.rank]:
-        raise Unauthenticated(
-            f"this token is scoped to rank {scope.rank}; it reports for that rank only (ranks: [{scope.rank}])"
-        )
+        who = "every rank" if ranks is None else f"ranks {ranks}"
+        raise Unauthenticated(f"this token is scoped to rank {scope.rank}; it reports for that rank only, not {who}")
 
 
 @router.post("/{job}/minibatches/{n}/fetched", response_model=FetchedOut)
@@ -164,9 +163,7 @@ async def report_version(
     job: str, body: VersionIn, svc: Service, run: Run, _: WorkerAuth, request: Request
 ) -> dict[str, Any]:
     """A rank's policy version after an optimizer step (never decreasing); an ack may carry it instead."""
-    scope = request.state.scope
-    if scope is not None and scope.rank is not None and scope.rank != body.rank:
-        raise Unauthenticated(f"this token is scoped to rank {scope.rank}; it cannot report for rank {body.rank}")
+    _check_ranks(request, [body.rank])
     return await run(svc.report_version, job, body.rank, body.version)
 
 
