@@ -144,10 +144,7 @@ def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
     # the first RANKS_SHOWN ranks and every rank that reported (acks or versions): O(ranks seen), not O(world_size)
     shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)
     empty = {"mini_batches": 0, "last_ack": {}}
-    ranks = [
-        {"rank": r, "version": job.rank_versions.get(r), **(t.to_dict() if (t := transfers.get(r)) else empty)}
-        for r in sorted(shown)
-    ]
+    ranks = [{"rank": r, "version": job.rank_versions.get(r), **transfers.get(r, empty)} for r in sorted(shown)]
     shared = ("job", "state", "step", "mini_batch_index", "next_global_index", "version", "quota_fill", "deficits")
     return {
         **{key: status[key] for key in shared},
