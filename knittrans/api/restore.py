@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from knittrans.api.delivery import ranks_of_runs
-from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
+from knittrans.api.entries import GroupEntry, MiniBatch
 from knittrans.api.jobstate import JobState
 from knittrans.api.records import META_KEY, Kind
 from knittrans.descriptors import UnitDescriptor
@@ -42,7 +42,7 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
         job.minibatches[mb.n] = mb
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n
-    job.unadmitted = Unadmitted({gid: g for gid, g in job.groups.items() if g.status == "finished"})
+    job.unadmitted = {gid: g for gid, g in job.groups.items() if g.status == "finished"}
     job.recount_groups()
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.position)) is not None and m.status == "consumed":
