@@ -53,9 +53,7 @@ class JobBase:
     ) -> None:
         self.spec = spec
         self.ticket_key = ticket_key
-        """Key that signs the manifests' grants (shared with the stores); None leaves them unsigned."""
         self.ticket_ttl_s = ticket_ttl_s
-        """Grants expire this long after their mini-batch was admitted (stable across restarts)."""
         self.name = spec.name
         self.state: JobStatus = "running"
         self.next_n = 0
@@ -360,14 +358,13 @@ class JobBase:
         self.state = target
         self._save_meta(txn)
 
-    def update_quotas(self, quotas: Mapping[str, int], txn: Txn) -> int:
+    def update_quotas(self, quotas: Mapping[str, int]) -> int:
         """Set quotas from the next train step on; returns that step."""
         check_quotas(quotas, mini_batches_per_step=self.K, bounds=self.spec.bounds)
         if self.done():
             raise Conflict(f"job {self.name!r} is {self.state}; its quotas can no longer change")
         from_step = -(-self.next_n // self.K)
         self.quota_changes = [c for c in self.quota_changes if c[0] < from_step] + [(from_step, dict(quotas))]
-        self._save_meta(txn)
         return from_step
 
     @property

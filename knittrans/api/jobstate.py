@@ -1,8 +1,9 @@
 """Plain-Python state of one job: unit index, supply, admission, manifests, acks, versions, staleness.
 
 No HTTP and no SQL here: every method that changes state records its writes in a :class:`Txn`
-that the service commits before answering. Methods validate first and mutate after, so a
-rejected request leaves the state untouched.
+that the service commits before answering, after running :meth:`~knittrans.api.admit.Admission.admit`
+(which also settles the lifecycle and writes the job's meta record). Methods validate first and mutate
+after, so a rejected request leaves the state untouched.
 
 Where each part lives (:class:`JobState` is their union):
 

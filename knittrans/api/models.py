@@ -107,9 +107,7 @@ class BoundsIn(_In):
 class JobCreate(_In):
     """A job spec (see docs/reference/rest.md for what each field means and which values are refused)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        allow_inf_nan=False,
+    model_config = ConfigDict(  # merged with _In's
         json_schema_extra={
             "oneOf": [
                 {"required": ["micro_batch_tokens"], "properties": {"micro_batch_size": {"type": "null"}}},

@@ -60,7 +60,6 @@ class NodeLoss(JobBase):
                 self._set(g, "lost", txn)
                 self._regenerate(txn, g, f"unit {unit_id} removed by an admin: {reason}")
                 removed.append(g.record.group_id)
-        self._save_meta(txn)
         return removed
 
     # ------------------------------------------------------------------ node loss
@@ -96,5 +95,4 @@ class NodeLoss(JobBase):
         for g in [g for g in self.unadmitted.values() if g.node_id == node_id]:
             self._set(g, "lost", txn)
             self._regenerate(txn, g, f"node {node_id} lost")
-        self._save_meta(txn)
         return withdrawn

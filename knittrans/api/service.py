@@ -333,7 +333,7 @@ class ControlPlane:
         """New quotas from the next train step on."""
         job = self.job(name)
         with self._change(name) as txn:
-            from_step = job.update_quotas(quotas, txn)
+            from_step = job.update_quotas(quotas)
             admitted = job.admit(txn)
         self._admit_rest(name, admitted)
         return {**self.get_job(name), "effective_from_step": from_step}
