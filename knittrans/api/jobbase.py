@@ -47,7 +47,6 @@ class JobBase:
         endpoint: Callable[[str], str],
         node_alive: Callable[[str], bool],
         recent_admissions: int = RECENT_ADMISSIONS,
-        clock: Callable[[], float] = time.time,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
     ) -> None:
@@ -93,7 +92,6 @@ class JobBase:
         self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
         self._endpoint = endpoint
         self._node_alive = node_alive
-        self._clock = clock
         self._policy = make_policy(spec.policy)
         self._timing = spec.timing
         self.peak_admitted_ahead = 0
@@ -341,7 +339,7 @@ class JobBase:
             "reason": reason,
             "unit_id": entry.unit_id,
             "node_id": entry.node_id,
-            "at": self._clock(),
+            "at": time.time(),
         }
         self.to_regenerate[entry.record.group_id] = body
         txn.put(Kind.TO_REGENERATE, self.name, entry.record.group_id, body)

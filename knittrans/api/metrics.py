@@ -10,6 +10,7 @@ and ``instance`` belong to the scraper (Prometheus would rename a scraped ``job`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
@@ -103,7 +104,7 @@ class ServiceCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         svc, observed = self.service, self.observed
-        now = svc.clock()
+        now = time.time()
         f: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for name, (kind, text, labels) in _FAMILIES.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily

@@ -424,13 +424,10 @@ class TokenIn(_In):
     rank: Int32 | None = None
 
 
-class TokenOut(BaseModel):
+class TokenOut(TokenIn):
     """A scoped bearer token and what it may do."""
 
     token: str
-    role: str
-    job: str | None
-    rank: int | None
 
 
 class VersionIn(_In):

@@ -73,7 +73,6 @@ class ControlPlane:
         *,
         node_timeout_s: float = NODE_TIMEOUT_S,
         recent_admissions: int = RECENT_ADMISSIONS,
-        clock: Callable[[], float] = time.time,
         on_change: Callable[[str], None] | None = None,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
@@ -83,12 +82,8 @@ class ControlPlane:
 
         Args:
             store: the record store (SQLite file) holding the state.
-            node_timeout_s: a node without heartbeat this long is declared lost by :meth:`sweep`.
-            recent_admissions: admission records kept per job for status.
-            clock: wall clock (seconds).
+            node_timeout_s, recent_admissions, ticket_key, ticket_ttl_s: as in :mod:`knittrans.api.settings`.
             on_change: called with a job's name after every change of the job (committed or reloaded).
-            ticket_key: HMAC key (shared with the stores) that signs the manifests' grants; None: unsigned.
-            ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
             state_thread: called when a job's state is looked up, a change begins and nodes are swept;
                 raises when the calling thread may not touch the state (the app passes
                 :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
@@ -98,7 +93,6 @@ class ControlPlane:
         self.ticket_ttl_s = ticket_ttl_s
         self.node_timeout_s = node_timeout_s
         self.recent_admissions = recent_admissions
-        self.clock = clock
         self.on_change = on_change or (lambda job: None)
         self._state_thread = state_thread or (lambda: None)
         self.nodes: dict[str, Node] = {}
@@ -111,7 +105,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ plumbing
     def _load(self) -> None:
-        now = self.clock()
+        now = time.time()
         self.nodes = {}
         for _, node_id, body in self.store.load(Kind.NODE):
             # a restarted control plane gives every live node a fresh heartbeat grace period
@@ -151,7 +145,6 @@ class ControlPlane:
             endpoint=lambda n: self.nodes[n].endpoint,
             node_alive=lambda n: self._node_state(n) == "alive",
             recent_admissions=self.recent_admissions,
-            clock=self.clock,
             ticket_key=self.ticket_key,
             ticket_ttl_s=self.ticket_ttl_s,
         )
@@ -219,7 +212,7 @@ class ControlPlane:
         ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
         so a worker-token holder cannot point manifests, and the store token, at a server of theirs.
         """
-        now = self.clock()
+        now = time.time()
         old = self.nodes.get(node_id)
         presented = hashlib.sha256(node_key.encode()).hexdigest() if node_key else ""
         key_hash = presented
@@ -256,13 +249,13 @@ class ControlPlane:
             raise NotFound(f"node {node_id!r} is not registered; POST /v1/nodes first")
         if node.lost:
             raise Conflict(f"node {node_id!r} was declared lost ({node.lost_reason}); register it again")
-        node.last_heartbeat = self.clock()
+        node.last_heartbeat = time.time()
         return node.public(node.last_heartbeat)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """Every node, after declaring timed-out ones lost."""
         self.sweep()
-        now = self.clock()
+        now = time.time()
         return [n.public(now) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
 
     def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
@@ -281,7 +274,7 @@ class ControlPlane:
             for name in self.jobs:
                 self.on_change(name)
             logger.warning("node %s lost (%s)", node_id, reason)
-        return {**node.public(self.clock()), "withdrawn": withdrawn}
+        return {**node.public(time.time()), "withdrawn": withdrawn}
 
     def sweep(self, *, paused_s: float = 0.0) -> list[str]:
         """Declare lost every node whose last heartbeat is older than ``node_timeout_s``.
@@ -290,7 +283,7 @@ class ControlPlane:
         behind the pause, so every node gets a fresh grace period instead of being judged now.
         """
         self._state_thread()
-        now = self.clock()
+        now = time.time()
         if paused_s > 0:
             logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
             for n in self.nodes.values():

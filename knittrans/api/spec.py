@@ -41,10 +41,8 @@ def check_quotas(quotas: Mapping[str, int], *, mini_batches_per_step: int, bound
                 f"bounds.{source}.hi: at most {b.hi} groups in each of K={k} mini-batches cannot reach quota {q}"
             )
     lo_sum = sum(b.lo for b in bounds.values())
-    hi_sum = 0
-    for s, q in quotas.items():
-        hi = bounds[s].hi if s in bounds else None
-        hi_sum += q if hi is None else min(q, hi)
+    his = {s: b.hi for s, b in bounds.items() if b.hi is not None}
+    hi_sum = sum(min(q, his.get(s, q)) for s, q in quotas.items())
     for index, size in enumerate(mini_batch_sizes(total, k)):
         if lo_sum > size:
             raise InvalidJobSpec(
@@ -144,7 +142,8 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
-        """Build from a plain dict; raises :class:`InvalidJobSpec` naming a bad field."""
+        """Build from a plain dict (the checked ``JobCreate`` body, or the stored spec); raises
+        :class:`InvalidJobSpec` naming a bad field."""
         body = dict(d)
         bounds = {}
         for source, b in (body.pop("bounds", None) or {}).items():
@@ -154,11 +153,4 @@ class JobSpec:
                 raise InvalidJobSpec(f"bounds.{source}: {exc}") from None
         columns = body.pop("columns", None)
         body["user_fields"] = body.pop("user_fields", None) or {}
-        try:
-            return cls(
-                **body,
-                bounds=bounds,
-                columns=tuple(columns) if columns is not None else None,
-            )
-        except TypeError as exc:
-            raise InvalidJobSpec(f"job spec: {exc}") from None
+        return cls(**body, bounds=bounds, columns=tuple(columns) if columns is not None else None)
