@@ -55,16 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     board = ManifestBoard()
     runner = StateRunner()  # the one thread that touches the service's state (its docstring: why no locks)
     store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
-    key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
-    service = ControlPlane(
-        store,
-        node_timeout_s=settings.node_timeout_s,
-        recent_admissions=settings.recent_admissions,
-        on_change=board.notify,
-        ticket_key=key,
-        ticket_ttl_s=settings.ticket_ttl_s,
-        state_thread=runner.check,
-    )
+    service = ControlPlane(store, settings, on_change=board.notify, state_thread=runner.check)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

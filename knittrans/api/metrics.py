@@ -98,9 +98,9 @@ METRICS: dict[str, str] = {name: kind for name, (kind, _, _) in _FAMILIES.items(
 class ServiceCollector(Collector):
     """Turns the service state into gauges and counters at scrape time (no state of its own)."""
 
-    def __init__(self, service: ControlPlane, observed: Observations | None = None) -> None:
+    def __init__(self, service: ControlPlane, observed: Observations) -> None:
         self.service = service
-        self.observed = observed or Observations()
+        self.observed = observed
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         svc, observed = self.service, self.observed
@@ -168,8 +168,8 @@ class ServiceCollector(Collector):
         yield from f.values()
 
 
-def make_registry(service: ControlPlane, observed: Observations | None = None) -> CollectorRegistry:
-    """A fresh registry holding only this service's collector (with ``observed``: store usage, rank transfer)."""
+def make_registry(service: ControlPlane, observed: Observations) -> CollectorRegistry:
+    """A fresh registry holding only this service's collector (and ``observed``: store usage, rank transfer)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service, observed))
     return registry

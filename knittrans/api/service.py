@@ -22,7 +22,7 @@ from knittrans.api.delivery import Published
 from knittrans.api.jobstate import JobState
 from knittrans.api.records import JOB_KINDS, META_KEY, Kind
 from knittrans.api.restore import restore_job
-from knittrans.api.settings import NODE_TIMEOUT_S, RECENT_ADMISSIONS
+from knittrans.api.settings import Settings
 from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
 from knittrans.api.store import RecordStore, StateError, Txn
@@ -70,31 +70,26 @@ class ControlPlane:
     def __init__(
         self,
         store: RecordStore,
+        settings: Settings,
         *,
-        node_timeout_s: float = NODE_TIMEOUT_S,
-        recent_admissions: int = RECENT_ADMISSIONS,
-        on_change: Callable[[str], None] | None = None,
-        ticket_key: bytes | None = None,
-        ticket_ttl_s: float = 86400.0,
-        state_thread: Callable[[], None] | None = None,
+        on_change: Callable[[str], None],
+        state_thread: Callable[[], None],
     ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
         Args:
             store: the record store (SQLite file) holding the state.
-            node_timeout_s, recent_admissions, ticket_key, ticket_ttl_s: as in :mod:`knittrans.api.settings`.
+            settings: the node timeout, admission records kept per job, the ticket key and the grants' lifetime.
             on_change: called with a job's name after every change of the job (committed or reloaded).
             state_thread: called when a job's state is looked up, a change begins and nodes are swept;
                 raises when the calling thread may not touch the state (the app passes
-                :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
+                :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`).
         """
         self.store = store
-        self.ticket_key = ticket_key
-        self.ticket_ttl_s = ticket_ttl_s
-        self.node_timeout_s = node_timeout_s
-        self.recent_admissions = recent_admissions
-        self.on_change = on_change or (lambda job: None)
-        self._state_thread = state_thread or (lambda: None)
+        self.settings = settings
+        self.ticket_key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
+        self.on_change = on_change
+        self._state_thread = state_thread
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
         self.units_registered = 0
@@ -144,9 +139,9 @@ class ControlPlane:
             spec,
             endpoint=lambda n: self.nodes[n].endpoint,
             node_alive=lambda n: self._node_state(n) == "alive",
-            recent_admissions=self.recent_admissions,
+            recent_admissions=self.settings.recent_admissions,
             ticket_key=self.ticket_key,
-            ticket_ttl_s=self.ticket_ttl_s,
+            ticket_ttl_s=self.settings.ticket_ttl_s,
         )
 
     def _node_state(self, node_id: str) -> str | None:
@@ -289,9 +284,10 @@ class ControlPlane:
             for n in self.nodes.values():
                 n.last_heartbeat = max(n.last_heartbeat, now)
             return []
-        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
+        timeout = self.settings.node_timeout_s
+        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > timeout]
         for node_id in late:
-            self.declare_lost(node_id, f"no heartbeat for {self.node_timeout_s:g}s")
+            self.declare_lost(node_id, f"no heartbeat for {timeout:g}s")
         return late
 
     # ------------------------------------------------------------------ jobs

@@ -147,12 +147,10 @@ async def ack(
     410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
-    ranks = body.ranks
     figures: dict[int, dict[str, float]] = {}
-    if body.transfer is not None:  # checked before the ack: a refused body changes nothing
-        width = len(ranks) if ranks is not None else len(body.transfer.exposed_s)
-        figures = body.transfer.by_rank(ranks if ranks is not None else list(range(width)))
-    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, ranks, body.version, figures=tuple(figures))
+    if (transfer := body.transfer) is not None:  # checked before the ack: a refused body changes nothing
+        figures = transfer.by_rank(body.ranks if body.ranks is not None else list(range(len(transfer.exposed_s))))
+    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version, figures=tuple(figures))
     if figures:
         request.app.state.observed.record_ack(job, n, body.attempt, result, figures, time.time())
     return result
