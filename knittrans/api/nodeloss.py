@@ -70,12 +70,12 @@ class NodeLoss(JobBase):
         withdrawn: list[int] = []
         held = [n for n in touched if self._held(self.minibatches[n])]
         untouched = [n for n in touched if n not in held]
-        for n in held:
+        if held:
             logger.warning(
-                "job %s: mini-batch %d has rows on lost node %s but every rank already holds its share "
-                "(fetched or acked); it is kept",
+                "job %s: mini-batches %s have rows on lost node %s but every rank holds its share (fetched or "
+                "acked); they are kept",
                 self.name,
-                n,
+                held,
                 node_id,
             )
         if untouched:
