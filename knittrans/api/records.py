@@ -54,10 +54,7 @@ class Kind(str, Enum):
     REQUEST = "request"
     CONSUMED = "consumed"
     TO_REGENERATE = "lost"
-    """Groups offered for regeneration: lost ones *and* expired ones (the body's ``reason`` says which).
-
-    Spelled ``"lost"`` on disk because it held only lost groups when the format was fixed; databases
-    written since keep that spelling, so the name here says what the records are."""
+    """Lost *and* expired groups offered for regeneration (``reason`` says which); ``"lost"``: the format's spelling."""
 
 
 JOB_KINDS: tuple[Kind, ...] = tuple(k for k in Kind if k is not Kind.NODE)
