@@ -73,7 +73,7 @@ class ControlPlane:
         settings: Settings,
         *,
         on_change: Callable[[str], None],
-        state_thread: Callable[[], None],
+        state_thread: Callable[[], None] | None = None,
     ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
@@ -83,13 +83,13 @@ class ControlPlane:
             on_change: called with a job's name after every change of the job (committed or reloaded).
             state_thread: called when a job's state is looked up, a change begins and nodes are swept;
                 raises when the calling thread may not touch the state (the app passes
-                :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`).
+                :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
         """
         self.store = store
         self.settings = settings
         self.ticket_key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
         self.on_change = on_change
-        self._state_thread = state_thread
+        self._state_thread = state_thread or (lambda: None)
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
         self.units_registered = 0
