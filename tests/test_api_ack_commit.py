@@ -1,5 +1,4 @@
-"""The state thread's cheaper paths: the unadmitted pool kept in admission order, and acks recorded in
-SQLite as one record per mini-batch (rank runs)."""
+"""The state thread's cheaper paths: acks recorded in SQLite as one record per mini-batch (rank runs)."""
 
 from __future__ import annotations
 
@@ -7,57 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from api_support import app_client, job_spec, single_group_units
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from knittrans.api.entries import GroupEntry, Unadmitted, finish_key
 from knittrans.api.records import Kind, mb_key
-from knittrans.descriptors import GroupRecord
-
-
-def _entry(gid: str, finished_at: float) -> GroupEntry:
-    record = GroupRecord(
-        group_id=gid,
-        source="math",
-        row_start=0,
-        num_trajectories=1,
-        trajectory_tokens=(4,),
-        version_start=0,
-        version_end=0,
-        version_weighted=0.0,
-        finished_at=finished_at,
-        media_hashes=(),
-    )
-    return GroupEntry(record=record, unit_id=f"u-{gid}", node_id="n0")
-
-
-_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("set"), st.integers(0, 30), st.integers(0, 6)),  # group id, finish time
-        st.tuples(st.just("pop"), st.integers(0, 30), st.just(0)),
-        st.tuples(st.just("order"), st.just(0), st.just(0)),
-    ),
-    max_size=60,
-)
-
-
-@given(ops=_OPS, start=st.dictionaries(st.integers(0, 30), st.integers(0, 6), max_size=10))
-@settings(max_examples=300, deadline=None)
-def test_unadmitted_in_order_is_the_sorted_pool(ops: list[tuple[str, int, int]], start: dict[int, int]) -> None:
-    """Whatever the insertions (in order, out of order, replacing a present group) and removals, ``in_order``
-    is the groups sorted by (finished_at, group_id): what ``pool`` sorted on every admission before."""
-    pool = Unadmitted({f"g{i:02d}": _entry(f"g{i:02d}", float(t)) for i, t in start.items()})
-    plain: dict[str, GroupEntry] = dict(pool)
-    for op, i, t in ops:
-        gid = f"g{i:02d}"
-        if op == "set":
-            pool[gid] = plain[gid] = _entry(gid, float(t))
-        elif op == "pop":
-            assert pool.pop(gid, None) is plain.pop(gid, None)
-        else:
-            assert pool.in_order() == sorted(plain.values(), key=finish_key)
-    assert pool.in_order() == sorted(plain.values(), key=finish_key)
-    assert dict(pool) == plain
 
 
 def _rows(c: Any, kind: Kind) -> list[tuple[str, Any]]:
@@ -95,5 +45,5 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         assert _report(c, "ack", 0, [1])["duplicate"]
     with app_client(db) as c:
         job = c.app.state.service.jobs["job1"]  # type: ignore[attr-defined]
-        assert job.first_unconsumed == 1 and job.minibatches[1].acks == {0}
+        assert job.position == 1 and job.minibatches[1].acks == {0}
         assert [job.rank_cursor(rank) for rank in range(2)] == [2, 1]

@@ -13,6 +13,7 @@ from api_support import ack, app_client, drain, group, job_spec, manifest, rows_
 from fastapi.testclient import TestClient
 
 from knittrans.api.service import ControlPlane
+from knittrans.api.settings import Settings
 from knittrans.api.spec import JobSpec
 from knittrans.api.store import RecordStore
 from knittrans.descriptors import UnitDescriptor
@@ -369,7 +370,8 @@ def test_each_admitted_mini_batch_is_published_before_the_next_is_formed(tmp_pat
     publishes it on its own, before mini-batch 1 is formed (the ranks waiting for 0 do not wait for 1)."""
     seen: list[list[int]] = []
     store = RecordStore(str(tmp_path / "cp.db"))
-    svc = ControlPlane(store, on_change=lambda job: seen.append(sorted(svc.published(job).manifests)))
+    settings = Settings(db_path=store.path)
+    svc = ControlPlane(store, settings, on_change=lambda job: seen.append(sorted(svc.published(job).manifests)))
     svc.create_job(JobSpec.from_dict(job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1)))
     svc.register_node("n0", "grpc://127.0.0.1:9000", "127.0.0.1")
     units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math", "math"])]

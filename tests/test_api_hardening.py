@@ -287,7 +287,7 @@ def test_scoped_tokens_limit_a_credential_to_its_job_and_rank(tmp_path: Path) ->
             with pytest.raises(Unauthenticated):
                 c.ack("job1", 0, got[0].attempt)  # every rank: more than its own
             assert c.fetched("job1", 0, got[0].attempt, [0])["fetched_ranks"] == 1
-            with pytest.raises(Unauthenticated, match="cannot report for rank 1"):
+            with pytest.raises(Unauthenticated, match=r"that rank only, not ranks \[1\]"):
                 c.report_version("job1", 3, rank=1)
             assert c.report_version("job1", 3, rank=0)["version"] == 3
             with pytest.raises(Unauthenticated):

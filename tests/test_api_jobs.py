@@ -11,8 +11,7 @@ from api_support import app_client, drain, job_spec, manifest, single_group_unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
-from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP, JobSpec
-from knittrans.errors import InvalidJobSpec
+from knittrans.api.models import MAX_MINI_BATCHES_PER_STEP
 
 
 @pytest.fixture
@@ -65,6 +64,8 @@ def test_create_is_idempotent_for_the_same_spec_only(client: TestClient) -> None
         ({"group_size": 0}, 422, "group_size"),
         ({"name": "../etc"}, 422, "name"),
         ({"max_staleness": -1}, 422, "max_staleness"),
+        ({"lookahead": -1}, 422, "lookahead"),
+        ({"window": 0}, 422, "window"),
         ({"columns": []}, 422, "columns"),
         ({"quotas": {"math": "many"}}, 422, "quotas.math"),
         ({"surprise": 1}, 422, "surprise"),
@@ -84,14 +85,13 @@ def test_invalid_specs_are_refused_naming_the_field(
     assert client.get("/v1/jobs/job1").status_code == 404
 
 
-def test_job_spec_refuses_more_mini_batches_than_the_maximum() -> None:
-    """``JobSpec`` (also built from YAML and the CLI) caps K at MAX_MINI_BATCHES_PER_STEP, naming the field."""
+def test_job_spec_refuses_more_mini_batches_than_the_maximum(client: TestClient) -> None:
+    """K is capped at MAX_MINI_BATCHES_PER_STEP at the HTTP edge: the maximum is created, one more is a 422."""
     spec = job_spec(quotas={"math": 10_000, "code": 0}, world_size=1)
-    assert JobSpec.from_dict({**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP}).mini_batches_per_step == (
-        MAX_MINI_BATCHES_PER_STEP
-    )
-    with pytest.raises(InvalidJobSpec, match=r"mini_batches_per_step: K=4097 is above the maximum 4096"):
-        JobSpec.from_dict({**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP + 1})
+    r = client.post("/v1/jobs", json={**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP + 1})
+    assert r.status_code == 422 and "mini_batches_per_step" in r.json()["detail"], r.text
+    r = client.post("/v1/jobs", json={**spec, "mini_batches_per_step": MAX_MINI_BATCHES_PER_STEP})
+    assert r.status_code == 201 and r.json()["spec"]["mini_batches_per_step"] == MAX_MINI_BATCHES_PER_STEP
 
 
 def test_missing_field_is_named(client: TestClient) -> None:

@@ -64,7 +64,7 @@ class Admission(JobBase):
             attempt=attempt,
             group_ids=[g.group_id for g in decision.groups],
             counts={s: c for s, c in decision.counts.items() if c},
-            admitted_at=self._clock(),
+            admitted_at=time.time(),
             layout=layout,
         )
         for g in decision.groups:

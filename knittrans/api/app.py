@@ -55,16 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     board = ManifestBoard()
     runner = StateRunner()  # the one thread that touches the service's state (its docstring: why no locks)
     store = RecordStore(settings.db_path, synchronous=settings.db_synchronous, init=settings.db_init)
-    key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
-    service = ControlPlane(
-        store,
-        node_timeout_s=settings.node_timeout_s,
-        recent_admissions=settings.recent_admissions,
-        on_change=board.notify,
-        ticket_key=key,
-        ticket_ttl_s=settings.ticket_ttl_s,
-        state_thread=runner.check,
-    )
+    service = ControlPlane(store, settings, on_change=board.notify, state_thread=runner.check)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +105,7 @@ _ERRORS = {
     "400": "bad input the models cannot express (names, row layout, job-level rules)",
     "401": "missing or wrong bearer token",
     "404": "unknown job, node, rank or mini-batch",
+    "405": "method not allowed on this path",
     "409": "contradicts the current state",
     "413": "request body above the configured limit",
     "422": "request does not match the documented schema (or an invalid job spec)",
@@ -142,16 +134,11 @@ def _add_errors(schema: dict[str, Any]) -> None:
         components.pop(name, None)
     _close_maps(components)
     for path, ops in schema.get("paths", {}).items():
-        for method, op in ops.items():
+        for op in ops.values():
             responses = op.setdefault("responses", {})
-            statuses = ["413", "422", "503"] if path in ("/v1/health", "/metrics") else list(_ERRORS)
+            statuses = ["405", "413", "422", "503"] if path in ("/v1/health", "/metrics") else list(_ERRORS)
             for status in statuses:
                 responses[status] = {"description": _ERRORS[status], "content": {"application/json": {"schema": ref}}}
-            if method in ("get", "post", "put", "delete"):
-                responses["405"] = {
-                    "description": "method not allowed on this path",
-                    "content": {"application/json": {"schema": ref}},
-                }
 
 
 def _close_maps(node: Any) -> None:

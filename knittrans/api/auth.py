@@ -88,8 +88,7 @@ class TokenCheck:
     def __init__(self, settings: Settings) -> None:
         self.worker = settings.worker_token.get_secret_value().encode() if settings.worker_token else None
         self.admin = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
-        self.secret = self.admin
-        """Key of scoped tokens (the admin token; none without one)."""
+        """The admin token, also the key of scoped tokens (none without one)."""
 
     @staticmethod
     def _bearer(header: bytes | None) -> bytes | None:
@@ -126,11 +125,11 @@ class TokenCheck:
         if self.worker is None:
             return True
         token = self._bearer(header)
-        if token is None:
-            return False
-        if self._matches(token, self.worker, self.admin):
-            return True
-        return self.secret is not None and _parse(self.secret, token) is not None
+        return self._matches(token, self.worker, self.admin) or self._scope(token) is not None
+
+    def _scope(self, token: bytes | None) -> Scope | None:
+        """The scope of a scoped token this server signed; None for any other token."""
+        return _parse(self.admin, token) if self.admin is not None and token else None
 
     def check_worker(self, request: Request) -> None:
         """Worker endpoints: open without a worker token; else the worker or the admin token, or a
@@ -141,7 +140,7 @@ class TokenCheck:
         presented = self._presented(request)
         if self._matches(presented, self.worker, self.admin):
             return
-        scope = _parse(self.secret, presented) if self.secret and presented else None
+        scope = self._scope(presented)
         if scope is None:
             raise Unauthenticated("this endpoint needs the worker (or admin) bearer token")
         if not scope.allows(request.url.path, dict(request.path_params), request.method):

@@ -69,15 +69,11 @@ class ManifestBoard:
 
     def notify(self, job: str) -> None:
         """After a committed change of ``job`` (state thread): publish its view and wake its waiters."""
-        compute, loop = self._compute, self._loop
-        if compute is None or loop is None or loop.is_closed():
-            self._wake(job, delivery=True)
-            return
+        view = None
         try:
-            view = compute(job)
+            view = self._compute(job) if self._compute is not None else None
         except Exception:  # the board must not break the change that notifies it: drop the job's view
             logger.exception("manifest board: the view of job %s could not be computed", job)
-            view = None
         self._post(job, view, wake=True)
 
     def _post(self, job: str, view: Published | None, *, wake: bool) -> None:

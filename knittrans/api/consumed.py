@@ -59,15 +59,6 @@ class RunningSummary:
         return summary_of(sorted(self.hist.items()), total=self.total, acc=self.acc, pos=self.pos)
 
 
-class _Reading:
-    __slots__ = ("arch", "by_source", "plain")
-
-    def __init__(self) -> None:
-        self.plain = RunningSummary()
-        self.arch = RunningSummary()
-        self.by_source: dict[str, tuple[RunningSummary, RunningSummary]] = {}
-
-
 class ConsumedLedger:
     """What the control plane remembers of consumed groups (see the module docstring)."""
 
@@ -76,7 +67,8 @@ class ConsumedLedger:
         """Consumed groups so far."""
         self.trajectories = 0
         """Consumed trajectories so far."""
-        self._readings = {r: _Reading() for r in READINGS}
+        self._readings: dict[str, dict[str | None, tuple[RunningSummary, RunningSummary]]] = {r: {} for r in READINGS}
+        """Per reading, per source (None: every source): summaries of staleness and architectural staleness."""
         self._recent: dict[int, list[ConsumedGroup]] = {}
         self._series: dict[int, dict[str, dict[str, list[float]]]] = {}
 
@@ -87,16 +79,14 @@ class ConsumedLedger:
             self.trajectories += c.num_trajectories
             self._recent.setdefault(c.step, []).append(c)
             series = self._series.setdefault(c.step, {r: {} for r in READINGS})
-            for reading, acc in self._readings.items():
+            for reading, summaries in self._readings.items():
                 value = staleness(c.v_train, version_of(c, reading))
                 extra = value - c.mini_batch_index
-                acc.plain.add(value, c.num_trajectories)
-                acc.arch.add(extra, c.num_trajectories)
-                mine = acc.by_source.get(c.source)
-                if mine is None:
-                    mine = acc.by_source[c.source] = (RunningSummary(), RunningSummary())
-                mine[0].add(value, c.num_trajectories)
-                mine[1].add(extra, c.num_trajectories)
+                for key in (None, c.source):
+                    if key not in summaries:
+                        summaries[key] = (RunningSummary(), RunningSummary())
+                    summaries[key][0].add(value, c.num_trajectories)
+                    summaries[key][1].add(extra, c.num_trajectories)
                 if c.num_trajectories > 0:
                     per_step = series[reading]
                     for key in ("all", c.source):
@@ -115,25 +105,21 @@ class ConsumedLedger:
 
     def footprint(self) -> int:
         """Items held (histogram bins, recent groups, series cells): bounded, whatever the job's length."""
-        bins = sum(
-            len(s.hist)
-            for acc in self._readings.values()
-            for s in (acc.plain, acc.arch, *(x for pair in acc.by_source.values() for x in pair))
-        )
+        bins = sum(len(s.hist) for summaries in self._readings.values() for pair in summaries.values() for s in pair)
         recent = sum(len(groups) for groups in self._recent.values())
         cells = sum(len(per_source) for per_step in self._series.values() for per_source in per_step.values())
         return bins + recent + cells
 
     def report(self, reading: str) -> dict[str, Any]:
         """Like :func:`knittrans.sched.staleness.step_report` over every group consumed so far."""
-        acc = self._readings[reading]
+        summaries = self._readings[reading]
+        plain, arch = summaries.get(None) or (RunningSummary(), RunningSummary())
+        by_source = sorted((s, pair) for s, pair in summaries.items() if s is not None)
         return {
             "reading": reading,
-            "staleness": acc.plain.stats(),
-            "architectural": acc.arch.stats(),
-            "by_source": {
-                s: {"staleness": p.stats(), "architectural": a.stats()} for s, (p, a) in sorted(acc.by_source.items())
-            },
+            "staleness": plain.stats(),
+            "architectural": arch.stats(),
+            "by_source": {s: {"staleness": p.stats(), "architectural": a.stats()} for s, (p, a) in by_source},
         }
 
     def recent_steps(self) -> dict[int, Sequence[ConsumedGroup]]:

@@ -188,16 +188,11 @@ class Delivery(JobBase):
         bad = [r for r in ranks if not 0 <= r < self.spec.world_size]
         if bad:
             raise NotFound(f"ranks {bad} are outside the job's world_size {self.spec.world_size} (0..W-1)")
-        if not ranks:
-            raise InvalidRequest("'ranks' must name at least one rank (or be null for every rank)")
         return set(ranks)
 
     def fetched(self, n: int, attempt: int, ranks: Sequence[int] | None, txn: Txn) -> dict[str, Any]:
-        """Record that ``ranks`` (None: every rank) hold their whole share of mini-batch ``n``; idempotent.
-
-        Once every rank did, the mini-batch no longer depends on any store node and survives a node loss;
-        until then a node loss withdraws it and this call raises :class:`DataLost`.
-        """
+        """Record that ``ranks`` (None: every rank) hold their whole share of mini-batch ``n``; idempotent (the
+        contract: the fetched route)."""
         who = self._ranks(ranks)
         mb = self._planned(n, attempt)
         if mb is None:
@@ -219,12 +214,10 @@ class Delivery(JobBase):
         *,
         figures: Collection[int] = (),
     ) -> dict[str, Any]:
-        """Record that ``ranks`` (None: every rank) finished mini-batch ``n`` (after their optimizer step).
+        """Record that ``ranks`` (None: every rank) finished mini-batch ``n``; idempotent (the contract: the ack route).
 
-        Idempotent. At ``W`` acked ranks the mini-batch is consumed, which moves the trainer's position
-        and frees rollout's window. ``version``: the policy version the step produced, recorded in the same
-        change (as the lowest acking rank's report), so a launch the freed window allows sees it.
-        ``figures``: the ranks whose transfer figures the ack carries; each must be one it reports for.
+        At ``W`` acked ranks the mini-batch is consumed (:meth:`admit` then settles the lifecycle). ``version`` is
+        recorded as the lowest acking rank's report; ``figures``: the ranks whose transfer figures the ack carries.
 
         Raises:
             DataLost: that attempt was withdrawn. NotFound: never issued.
@@ -270,8 +263,6 @@ class Delivery(JobBase):
             self._consume(mb, txn)
         else:
             txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
-        self._settle(txn)
-        self._save_meta(txn)
         return answer(consumed, False)
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
@@ -298,8 +289,8 @@ class Delivery(JobBase):
         self.retire(mb.group_ids)
         mb.status, mb.layout, mb.manifest = "consumed", [], None
         mb.acks, mb.fetched = set(), set()  # a consumed mini-batch needs neither
-        while (m := self.minibatches.get(self.first_unconsumed)) is not None and m.status == "consumed":
-            self.first_unconsumed += 1
+        while (m := self.minibatches.get(self.position)) is not None and m.status == "consumed":
+            self.position += 1
         self.evict_consumed()
         txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
         txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])

@@ -9,7 +9,7 @@ from knittrans.descriptors import GroupRecord
 from knittrans.lifecycle import GroupStatus, MiniBatchStatus
 from knittrans.sched.types import FinishedGroup
 
-__all__ = ["GroupEntry", "MiniBatch", "Unadmitted"]
+__all__ = ["GroupEntry", "MiniBatch"]
 
 
 @dataclass
@@ -40,6 +40,9 @@ class GroupEntry:
         )
 
 
+_PERSISTED = ("n", "step", "k", "attempt", "group_ids", "counts", "admitted_at", "status")
+
+
 @dataclass
 class MiniBatch:
     """One admitted mini-batch ``n`` (global index; trained at policy version ``n``)."""
@@ -64,61 +67,8 @@ class MiniBatch:
     after a restart; see :mod:`knittrans.api.delivery`)."""
 
     def to_json(self) -> dict[str, Any]:
-        body = {
-            "n": self.n,
-            "step": self.step,
-            "k": self.k,
-            "attempt": self.attempt,
-            "group_ids": self.group_ids,
-            "counts": self.counts,
-            "admitted_at": self.admitted_at,
-            "status": self.status,
-        }
+        """The persisted record (the layout only while planned)."""
+        body = {name: getattr(self, name) for name in _PERSISTED}
         if self.status == "planned":
             body["layout"] = self.layout
         return body
-
-
-def finish_key(entry: GroupEntry) -> tuple[float, str]:
-    """Admission order of a finished group: earliest finished first, ties by group id."""
-    return (entry.record.finished_at, entry.record.group_id)
-
-
-class Unadmitted(dict[str, GroupEntry]):
-    """Finished, unadmitted groups by id, kept in admission order (:func:`finish_key`) without a sort per admission.
-
-    Groups nearly always arrive in finish order (a registration batch is the groups that just
-    finished), so the dict's insertion order is the admission order: :meth:`in_order` sorts (and
-    re-inserts) only when a group arrived out of order or replaced a present one since the last call.
-    Removing groups keeps the order. Only ``d[gid] = entry`` and ``pop`` / ``del`` change it (no
-    ``update``/``setdefault``: those would bypass the check).
-    """
-
-    __slots__ = ("_last", "_ordered")
-
-    def __init__(self, entries: dict[str, GroupEntry] | None = None) -> None:
-        super().__init__()
-        self._ordered = True
-        self._last: tuple[float, str] | None = None
-        """Key of the latest insertion while ordered: no present key is above it."""
-        for gid, entry in (entries or {}).items():
-            self[gid] = entry
-
-    def __setitem__(self, gid: str, entry: GroupEntry) -> None:
-        if self._ordered:
-            key = finish_key(entry)
-            if gid in self or (self._last is not None and key < self._last):
-                self._ordered = False
-            else:
-                self._last = key
-        super().__setitem__(gid, entry)
-
-    def in_order(self) -> list[GroupEntry]:
-        """The groups, earliest finished first (ties by group id)."""
-        if not self._ordered:
-            items = sorted(self.items(), key=lambda item: finish_key(item[1]))
-            self.clear()
-            for gid, entry in items:
-                super().__setitem__(gid, entry)
-            self._ordered, self._last = True, (finish_key(items[-1][1]) if items else None)
-        return list(self.values())

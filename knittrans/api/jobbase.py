@@ -1,10 +1,7 @@
 """The state of one job, the views every part reads and the record writes every part shares.
 
-:class:`JobBase` holds what :class:`~knittrans.api.jobstate.JobState` knows of a job: units and groups,
-supply counts, admitted mini-batches and their acks, versions, staleness. The parts that change it
-(:mod:`~knittrans.api.supply`, :mod:`~knittrans.api.admit`, :mod:`~knittrans.api.delivery`,
-:mod:`~knittrans.api.nodeloss`) build on it; the lifecycle moves follow the table in
-:mod:`knittrans.lifecycle`. Threading: see :class:`~knittrans.api.jobstate.JobState`.
+The parts that change it build on :class:`JobBase` (see :mod:`knittrans.api.jobstate`); the lifecycle moves
+follow the table in :mod:`knittrans.lifecycle`.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from knittrans.api.consumed import ConsumedLedger
-from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
+from knittrans.api.entries import GroupEntry, MiniBatch
 from knittrans.api.records import META_KEY, Kind
 from knittrans.api.settings import RECENT_ADMISSIONS
 from knittrans.api.spec import JobSpec, check_quotas
@@ -50,15 +47,12 @@ class JobBase:
         endpoint: Callable[[str], str],
         node_alive: Callable[[str], bool],
         recent_admissions: int = RECENT_ADMISSIONS,
-        clock: Callable[[], float] = time.time,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
     ) -> None:
         self.spec = spec
         self.ticket_key = ticket_key
-        """Key that signs the manifests' grants (shared with the stores); None leaves them unsigned."""
         self.ticket_ttl_s = ticket_ttl_s
-        """Grants expire this long after their mini-batch was admitted (stable across restarts)."""
         self.name = spec.name
         self.state: JobStatus = "running"
         self.next_n = 0
@@ -67,8 +61,8 @@ class JobBase:
         self.units: dict[str, UnitDescriptor] = {}
         self.unit_batches = 0
         self.groups: dict[str, GroupEntry] = {}
-        self.unadmitted = Unadmitted()
-        """Finished, unadmitted groups (live node or not), in admission order."""
+        self.unadmitted: dict[str, GroupEntry] = {}
+        """Finished, unadmitted groups (live node or not)."""
         self.group_counts: dict[tuple[str, GroupStatus], int] = {}
         """Groups per ``(source, status)``, kept in step with :attr:`groups` (status and metrics in O(1))."""
         self.lost: dict[str, GroupEntry] = {}
@@ -78,7 +72,8 @@ class JobBase:
         self.retired_units: set[str] = set()
         """Ids of units whose every group was consumed: dropped from :attr:`units`; registering one again is
         a duplicate (a no-op), like for a unit still held."""
-        self.first_unconsumed = 0
+        self.position = 0
+        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
         self.minibatches: dict[int, MiniBatch] = {}
         """Admitted mini-batches by global index, from :attr:`evicted_below` on (see :meth:`evict_consumed`)."""
         self.evicted_below = 0
@@ -97,7 +92,6 @@ class JobBase:
         self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
         self._endpoint = endpoint
         self._node_alive = node_alive
-        self._clock = clock
         self._policy = make_policy(spec.policy)
         self._timing = spec.timing
         self.peak_admitted_ahead = 0
@@ -140,7 +134,8 @@ class JobBase:
         """Finished, unadmitted groups on live nodes, earliest finished first (ties by group id)."""
         alive: dict[str, bool] = {}  # one liveness check per node, not per group
         live = []
-        for g in self.unadmitted.in_order():  # kept in this order: no sort per admission
+        by_finish = sorted(self.unadmitted.values(), key=lambda g: (g.record.finished_at, g.record.group_id))
+        for g in by_finish:  # groups arrive nearly in finish order: the sort is close to linear
             ok = alive.get(g.node_id)
             if ok is None:
                 ok = alive[g.node_id] = self._node_alive(g.node_id)
@@ -174,7 +169,7 @@ class JobBase:
         from the first one on (never before the position), and admission then counts that step's
         consumed ones again; they must still be here.
         """
-        keep_from = min(self.first_unconsumed - 1, (self.first_unconsumed // self.K) * self.K)
+        keep_from = min(self.position - 1, (self.position // self.K) * self.K)
         while self.evicted_below < keep_from:
             self.minibatches.pop(self.evicted_below, None)
             self.attempts.pop(self.evicted_below, None)
@@ -182,7 +177,7 @@ class JobBase:
 
     def rank_cursor(self, rank: int) -> int:
         """Lowest mini-batch index ``rank`` has not acked."""
-        n = self.first_unconsumed
+        n = self.position
         while True:
             mb = self.minibatches.get(n)
             if mb is None or (mb.status != "consumed" and rank not in mb.acks):
@@ -191,14 +186,7 @@ class JobBase:
 
     def in_flight(self) -> list[MiniBatch]:
         """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
-        return [
-            mb for n in range(self.first_unconsumed, self.next_n) if (mb := self.minibatches[n]).status == "planned"
-        ]
-
-    @property
-    def position(self) -> int:
-        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
-        return self.first_unconsumed
+        return [mb for n in range(self.position, self.next_n) if (mb := self.minibatches[n]).status == "planned"]
 
     def untaken(self) -> dict[str, int]:
         """Per source: groups launched, not dropped, and not in a mini-batch the trainer has started.
@@ -321,17 +309,15 @@ class JobBase:
         if status in REPLACEABLE:  # planned/consumed follow from the mini-batch records
             txn.put(Kind.GROUP, self.name, gid, {"unit_id": entry.unit_id, "status": status})
 
-    def meta_json(self) -> dict[str, Any]:
-        return {
+    def _save_meta(self, txn: Txn) -> None:
+        meta = {
             "spec": self.spec.to_dict(),
             "state": self.state,
             "next_n": self.next_n,
             "attempts": {str(n): a for n, a in self.attempts.items()},
             "quota_changes": [[s, q] for s, q in self.quota_changes],
         }
-
-    def _save_meta(self, txn: Txn) -> None:
-        txn.put(Kind.JOB, self.name, META_KEY, self.meta_json())
+        txn.put(Kind.JOB, self.name, META_KEY, meta)
 
     def _save_supply(self, txn: Txn, source: str) -> None:
         txn.put(
@@ -353,7 +339,7 @@ class JobBase:
             "reason": reason,
             "unit_id": entry.unit_id,
             "node_id": entry.node_id,
-            "at": self._clock(),
+            "at": time.time(),
         }
         self.to_regenerate[entry.record.group_id] = body
         txn.put(Kind.TO_REGENERATE, self.name, entry.record.group_id, body)
@@ -370,14 +356,13 @@ class JobBase:
         self.state = target
         self._save_meta(txn)
 
-    def update_quotas(self, quotas: Mapping[str, int], txn: Txn) -> int:
+    def update_quotas(self, quotas: Mapping[str, int]) -> int:
         """Set quotas from the next train step on; returns that step."""
         check_quotas(quotas, mini_batches_per_step=self.K, bounds=self.spec.bounds)
         if self.done():
             raise Conflict(f"job {self.name!r} is {self.state}; its quotas can no longer change")
         from_step = -(-self.next_n // self.K)
         self.quota_changes = [c for c in self.quota_changes if c[0] < from_step] + [(from_step, dict(quotas))]
-        self._save_meta(txn)
         return from_step
 
     @property
@@ -394,7 +379,7 @@ class JobBase:
 
     def _settle(self, txn: Txn) -> None:
         """Move draining -> drained and running -> completed once nothing is left to train."""
-        idle = self.first_unconsumed >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
+        idle = self.position >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
         if self.next_n % self.K == 0 and idle:
             self.state = job_move(self.state, "drained") or self.state  # only a draining job drains
         total = self.spec.total_steps

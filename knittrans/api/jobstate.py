@@ -1,8 +1,9 @@
 """Plain-Python state of one job: unit index, supply, admission, manifests, acks, versions, staleness.
 
 No HTTP and no SQL here: every method that changes state records its writes in a :class:`Txn`
-that the service commits before answering. Methods validate first and mutate after, so a
-rejected request leaves the state untouched.
+that the service commits before answering, after running :meth:`~knittrans.api.admit.Admission.admit`
+(which also settles the lifecycle and writes the job's meta record). Methods validate first and mutate
+after, so a rejected request leaves the state untouched.
 
 Where each part lives (:class:`JobState` is their union):
 
@@ -29,12 +30,6 @@ __all__ = ["JobState"]
 class JobState(Supply, Admission, Delivery, NodeLoss):
     """State and rules of one job; the service owns persistence and the node registry.
 
-    Threading: a ``JobState`` has no locks and needs none, because one thread at a time touches
-    it. In the app every call (state change or read) goes through the
-    :class:`~knittrans.api.routes.deps.StateRunner`, one worker thread that runs calls in arrival
-    order; route handlers are ``async def`` and hand their work to it (a plain ``def`` handler
-    would run in FastAPI's thread pool, beside the state thread). The service checks the thread
-    at every entry (:meth:`~knittrans.api.service.ControlPlane.job`); ``tests/test_api_threads.py``
-    fails if a route or a call breaks the rule. Outside an app (tests, simulations) the caller's
-    one thread plays the state thread.
+    No locks: one thread touches it (:class:`~knittrans.api.routes.deps.StateRunner` in the app, the
+    caller's one thread outside it).
     """

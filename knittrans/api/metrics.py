@@ -10,6 +10,7 @@ and ``instance`` belong to the scraper (Prometheus would rename a scraped ``job`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
@@ -97,13 +98,13 @@ METRICS: dict[str, str] = {name: kind for name, (kind, _, _) in _FAMILIES.items(
 class ServiceCollector(Collector):
     """Turns the service state into gauges and counters at scrape time (no state of its own)."""
 
-    def __init__(self, service: ControlPlane, observed: Observations | None = None) -> None:
+    def __init__(self, service: ControlPlane, observed: Observations) -> None:
         self.service = service
-        self.observed = observed or Observations()
+        self.observed = observed
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         svc, observed = self.service, self.observed
-        now = svc.clock()
+        now = time.time()
         f: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for name, (kind, text, labels) in _FAMILIES.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
@@ -153,11 +154,11 @@ class ServiceCollector(Collector):
                             f["knittrans_staleness_versions"].add_metric(key, float(stats[stat]))
         for (job_name, rank), t in sorted(observed.ranks.items()):
             key = [job_name, str(rank)]
-            f["knittrans_rank_mini_batches"].add_metric(key, t.mini_batches)
-            f["knittrans_rank_exposed_transfer_seconds"].add_metric(key, t.exposed_s)
-            f["knittrans_rank_fetch_seconds"].add_metric(key, t.fetch_s)
-            f["knittrans_rank_logical_bytes"].add_metric(key, t.row_bytes + t.media_logical_bytes)
-            f["knittrans_rank_physical_bytes"].add_metric(key, t.row_bytes + t.media_physical_bytes)
+            f["knittrans_rank_mini_batches"].add_metric(key, t["mini_batches"])
+            f["knittrans_rank_exposed_transfer_seconds"].add_metric(key, t["exposed_s"])
+            f["knittrans_rank_fetch_seconds"].add_metric(key, t["fetch_s"])
+            f["knittrans_rank_logical_bytes"].add_metric(key, t["row_bytes"] + t["media_logical_bytes"])
+            f["knittrans_rank_physical_bytes"].add_metric(key, t["row_bytes"] + t["media_physical_bytes"])
         for (job_name, worker), r in sorted(list(observed.rollout.items())):
             key = [job_name, worker]
             f["knittrans_rollout_weights_version"].add_metric(key, r["version"])
@@ -167,8 +168,8 @@ class ServiceCollector(Collector):
         yield from f.values()
 
 
-def make_registry(service: ControlPlane, observed: Observations | None = None) -> CollectorRegistry:
-    """A fresh registry holding only this service's collector (with ``observed``: store usage, rank transfer)."""
+def make_registry(service: ControlPlane, observed: Observations) -> CollectorRegistry:
+    """A fresh registry holding only this service's collector (and ``observed``: store usage, rank transfer)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service, observed))
     return registry

@@ -6,7 +6,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from knittrans.api.spec import MAX_MINI_BATCHES_PER_STEP
 from knittrans.errors import InvalidRequest
 from knittrans.names import CONTENT_HASH_PATTERN
 
@@ -44,6 +43,9 @@ Endpoint = Annotated[
         examples=["grpc://127.0.0.1:8815"],
     ),
 ]
+MAX_MINI_BATCHES_PER_STEP = 4096
+"""Largest ``K`` a job may have: per-step work (mini-batch sizes, composition plans) is ``O(K)``, so an
+absurd ``K`` (a typo, a fuzzer) would stall the control plane for minutes while it plans one step."""
 MAX_WORLD_SIZE = 65_536
 """Most trainer ranks one job may have."""
 MAX_UNITS_PER_REQUEST = 512
@@ -105,9 +107,7 @@ class BoundsIn(_In):
 class JobCreate(_In):
     """A job spec (see docs/reference/rest.md for what each field means and which values are refused)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        allow_inf_nan=False,
+    model_config = ConfigDict(  # merged with _In's
         json_schema_extra={
             "oneOf": [
                 {"required": ["micro_batch_tokens"], "properties": {"micro_batch_size": {"type": "null"}}},
@@ -424,13 +424,10 @@ class TokenIn(_In):
     rank: Int32 | None = None
 
 
-class TokenOut(BaseModel):
+class TokenOut(TokenIn):
     """A scoped bearer token and what it may do."""
 
     token: str
-    role: str
-    job: str | None
-    rank: int | None
 
 
 class VersionIn(_In):

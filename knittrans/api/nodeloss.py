@@ -60,7 +60,6 @@ class NodeLoss(JobBase):
                 self._set(g, "lost", txn)
                 self._regenerate(txn, g, f"unit {unit_id} removed by an admin: {reason}")
                 removed.append(g.record.group_id)
-        self._save_meta(txn)
         return removed
 
     # ------------------------------------------------------------------ node loss
@@ -71,12 +70,12 @@ class NodeLoss(JobBase):
         withdrawn: list[int] = []
         held = [n for n in touched if self._held(self.minibatches[n])]
         untouched = [n for n in touched if n not in held]
-        for n in held:
+        if held:
             logger.warning(
-                "job %s: mini-batch %d has rows on lost node %s but every rank already holds its share "
-                "(fetched or acked); it is kept",
+                "job %s: mini-batches %s have rows on lost node %s but every rank holds its share (fetched or "
+                "acked); they are kept",
                 self.name,
-                n,
+                held,
                 node_id,
             )
         if untouched:
@@ -96,5 +95,4 @@ class NodeLoss(JobBase):
         for g in [g for g in self.unadmitted.values() if g.node_id == node_id]:
             self._set(g, "lost", txn)
             self._regenerate(txn, g, f"node {node_id} lost")
-        self._save_meta(txn)
         return withdrawn

@@ -10,43 +10,22 @@ plane they start again from zero, which is how Prometheus counters behave.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-__all__ = ["Observations", "RankTransfer"]
+__all__ = ["TRANSFER_FIELDS", "Observations"]
 
 
-@dataclass
-class RankTransfer:
-    """Cumulative transfer figures of one rank of one job, summed over its acked mini-batches."""
-
-    mini_batches: int = 0
-    """Mini-batches this rank acked with transfer figures."""
-    exposed_s: float = 0.0
-    """Seconds the training loop blocked waiting for rows (the transfer time not hidden by compute)."""
-    fetch_s: float = 0.0
-    """Seconds spent in ``DoGet`` calls (overlapped with compute where prefetch works)."""
-    row_bytes: int = 0
-    """Trajectory-row bytes moved to this rank."""
-    media_logical_bytes: int = 0
-    """Media bytes the rows reference (what per-trajectory copies would move)."""
-    media_physical_bytes: int = 0
-    """Media bytes actually fetched (each content hash once)."""
-    last_ack: dict[str, Any] = field(default_factory=dict)
-    """``manifest_id``, ``global_index``, ``consumed`` and ``at`` (unix time) of the last ack with figures."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+"""The per-rank figures an ack carries (:class:`~knittrans.api.models.TransferIn`'s columns), summed per rank."""
 
 
 class Observations:
     """Per-rank transfer counters and per-node store usage of one control-plane instance."""
 
     def __init__(self) -> None:
-        self.ranks: dict[tuple[str, int], RankTransfer] = {}
+        self.ranks: dict[tuple[str, int], dict[str, Any]] = {}
+        """Per (job, rank): ``mini_batches`` acked with figures, the sums of :data:`TRANSFER_FIELDS` and
+        ``last_ack`` (``manifest_id``, ``global_index``, ``consumed`` and ``at`` of the last ack with figures)."""
         self.stores: dict[str, dict[str, Any]] = {}
         """Per node: its latest heartbeat's figures (``NodeUsageIn``'s fields) and ``at``, the unix time."""
         self.rollout: dict[tuple[str, str], dict[str, Any]] = {}
@@ -65,13 +44,15 @@ class Observations:
         ack was a repeat."""
         last = {"manifest_id": f"n{n}.a{attempt}", "global_index": n, "consumed": ack.get("consumed"), "at": now}
         for rank, figures in transfer.items():
-            entry = self.ranks.setdefault((job, rank), RankTransfer())
-            entry.last_ack = last
+            entry = self.ranks.get((job, rank))
+            if entry is None:
+                entry = self.ranks[(job, rank)] = {"mini_batches": 0, **dict.fromkeys(TRANSFER_FIELDS, 0)}
+            entry["last_ack"] = last
             if ack.get("duplicate"):
                 continue
-            entry.mini_batches += 1
-            for name in _TRANSFER_FIELDS:
-                setattr(entry, name, getattr(entry, name) + figures.get(name, 0))
+            entry["mini_batches"] += 1
+            for name in TRANSFER_FIELDS:
+                entry[name] += figures.get(name, 0)
 
     def record_store(self, node_id: str, usage: Mapping[str, Any], now: float) -> None:
         """Replace ``node_id``'s usage with the figures of its latest heartbeat."""
@@ -92,11 +73,11 @@ class Observations:
         ``list(d.items())`` copies in one C call, so the event loop cannot add an entry halfway.
         """
         copy = Observations()
-        copy.ranks = {key: replace(entry) for key, entry in list(self.ranks.items())}
+        copy.ranks = {key: dict(entry) for key, entry in list(self.ranks.items())}
         copy.stores = dict(list(self.stores.items()))
         copy.rollout = dict(list(self.rollout.items()))
         return copy
 
-    def job_ranks(self, job: str) -> dict[int, RankTransfer]:
+    def job_ranks(self, job: str) -> dict[int, dict[str, Any]]:
         """The ranks of ``job`` seen so far, by rank."""
         return {rank: entry for (name, rank), entry in sorted(self.ranks.items()) if name == job}

@@ -34,8 +34,6 @@ __all__ = [
     "Kind",
     "batch_key",
     "mb_key",
-    "parse_mb_key",
-    "parse_version_key",
     "version_key",
 ]
 
@@ -56,10 +54,7 @@ class Kind(str, Enum):
     REQUEST = "request"
     CONSUMED = "consumed"
     TO_REGENERATE = "lost"
-    """Groups offered for regeneration: lost ones *and* expired ones (the body's ``reason`` says which).
-
-    Spelled ``"lost"`` on disk because it held only lost groups when the format was fixed; databases
-    written since keep that spelling, so the name here says what the records are."""
+    """Lost *and* expired groups offered for regeneration (``reason`` says which); ``"lost"``: the format's spelling."""
 
 
 JOB_KINDS: tuple[Kind, ...] = tuple(k for k in Kind if k is not Kind.NODE)
@@ -74,11 +69,6 @@ def mb_key(n: int) -> str:
     return f"{n:012d}"
 
 
-def parse_mb_key(key: str) -> int:
-    """The mini-batch index of an :func:`mb_key` key."""
-    return int(key)
-
-
 def batch_key(batch: int) -> str:
     """Store key of the ``batch``-th registration of units of a job (zero-padded: keys sort in order)."""
     return f"{batch:012d}"
@@ -87,8 +77,3 @@ def batch_key(batch: int) -> str:
 def version_key(rank: int) -> str:
     """Store key of ``rank``'s policy version."""
     return str(rank)
-
-
-def parse_version_key(key: str) -> int:
-    """The rank of a :func:`version_key` key."""
-    return int(key)

@@ -6,9 +6,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from knittrans.api.delivery import ranks_of_runs
-from knittrans.api.entries import GroupEntry, MiniBatch, Unadmitted
+from knittrans.api.entries import GroupEntry, MiniBatch
 from knittrans.api.jobstate import JobState
-from knittrans.api.records import META_KEY, Kind, parse_mb_key, parse_version_key
+from knittrans.api.records import META_KEY, Kind
 from knittrans.descriptors import UnitDescriptor
 from knittrans.sched.staleness import ConsumedGroup
 
@@ -38,33 +38,23 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
         if entry.unit_id == body["unit_id"]:
             entry.status = body["status"]
     for _, body in records.get(Kind.MINI_BATCH, ()):
-        mb = MiniBatch(
-            n=body["n"],
-            step=body["step"],
-            k=body["k"],
-            attempt=body["attempt"],
-            group_ids=body["group_ids"],
-            counts=body["counts"],
-            admitted_at=body["admitted_at"],
-            layout=body.get("layout", []),
-            status=body["status"],
-        )
+        mb = MiniBatch(**{"layout": [], **body})  # a consumed one's record has no layout
         job.minibatches[mb.n] = mb
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n
-    job.unadmitted = Unadmitted({gid: g for gid, g in job.groups.items() if g.status == "finished"})
+    job.unadmitted = {gid: g for gid, g in job.groups.items() if g.status == "finished"}
     job.recount_groups()
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
-    while (m := job.minibatches.get(job.first_unconsumed)) is not None and m.status == "consumed":
-        job.first_unconsumed += 1
+    while (m := job.minibatches.get(job.position)) is not None and m.status == "consumed":
+        job.position += 1
     for kind in (Kind.ACK, Kind.FETCHED):
         for key, body in records.get(kind, ()):
-            held = job.minibatches.get(parse_mb_key(key))
+            held = job.minibatches.get(int(key))
             if held is not None and held.attempt == body["attempt"]:
                 (held.acks if kind is Kind.ACK else held.fetched).update(ranks_of_runs(body["ranks"]))
     for mb in job.minibatches.values():
         mb.fetched -= mb.acks
-    job.rank_versions = {parse_version_key(r): v for r, v in records.get(Kind.VERSION, ())}
+    job.rank_versions = {int(r): v for r, v in records.get(Kind.VERSION, ())}
     for s, body in records.get(Kind.SUPPLY, ()):
         job.started[s], job.dropped[s], job.finished_count[s] = body["started"], body["dropped"], body["finished"]
     job.started_ids = {gid for gid, _ in records.get(Kind.STARTED, ())}

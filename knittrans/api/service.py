@@ -3,10 +3,7 @@
 Every public method is one state change (or a read): it validates, mutates the in-memory state,
 runs admission where state changed, and commits the writes to the store before returning. If an
 unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
-memory never runs ahead of what was committed.
-
-The service and its jobs take no lock: in the app, one thread (the
-:class:`~knittrans.api.routes.deps.StateRunner`) makes every call, and ``state_thread`` checks it.
+memory never runs ahead of what was committed. No locks: see :class:`~knittrans.api.routes.deps.StateRunner`.
 """
 
 from __future__ import annotations
@@ -25,14 +22,13 @@ from knittrans.api.delivery import Published
 from knittrans.api.jobstate import JobState
 from knittrans.api.records import JOB_KINDS, META_KEY, Kind
 from knittrans.api.restore import restore_job
-from knittrans.api.settings import NODE_TIMEOUT_S, RECENT_ADMISSIONS
+from knittrans.api.settings import Settings
 from knittrans.api.spec import JobSpec
 from knittrans.api.status import job_status
 from knittrans.api.store import RecordStore, StateError, Txn
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unauthenticated, Unavailable
+from knittrans.errors import Conflict, KnitTransError, NotFound, Unauthenticated, Unavailable
 from knittrans.lifecycle import JobAction
-from knittrans.names import check_name
 
 __all__ = ["ControlPlane", "Node"]
 
@@ -74,36 +70,25 @@ class ControlPlane:
     def __init__(
         self,
         store: RecordStore,
+        settings: Settings,
         *,
-        node_timeout_s: float = NODE_TIMEOUT_S,
-        recent_admissions: int = RECENT_ADMISSIONS,
-        clock: Callable[[], float] = time.time,
-        on_change: Callable[[str], None] | None = None,
-        ticket_key: bytes | None = None,
-        ticket_ttl_s: float = 86400.0,
+        on_change: Callable[[str], None],
         state_thread: Callable[[], None] | None = None,
     ) -> None:
         """Load all state from ``store`` and run admission once for every job.
 
         Args:
             store: the record store (SQLite file) holding the state.
-            node_timeout_s: a node without heartbeat this long is declared lost by :meth:`sweep`.
-            recent_admissions: admission records kept per job for status.
-            clock: wall clock (seconds).
+            settings: the node timeout, admission records kept per job, the ticket key and the grants' lifetime.
             on_change: called with a job's name after every change of the job (committed or reloaded).
-            ticket_key: HMAC key (shared with the stores) that signs the manifests' grants; None: unsigned.
-            ticket_ttl_s: how long after admission a mini-batch's ticket grants stay valid.
             state_thread: called when a job's state is looked up, a change begins and nodes are swept;
                 raises when the calling thread may not touch the state (the app passes
                 :meth:`StateRunner.check <knittrans.api.routes.deps.StateRunner.check>`); None: no check.
         """
         self.store = store
-        self.ticket_key = ticket_key
-        self.ticket_ttl_s = ticket_ttl_s
-        self.node_timeout_s = node_timeout_s
-        self.recent_admissions = recent_admissions
-        self.clock = clock
-        self.on_change = on_change or (lambda job: None)
+        self.settings = settings
+        self.ticket_key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
+        self.on_change = on_change
         self._state_thread = state_thread or (lambda: None)
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, JobState] = {}
@@ -115,7 +100,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ plumbing
     def _load(self) -> None:
-        now = self.clock()
+        now = time.time()
         self.nodes = {}
         for _, node_id, body in self.store.load(Kind.NODE):
             # a restarted control plane gives every live node a fresh heartbeat grace period
@@ -153,16 +138,16 @@ class ControlPlane:
         return JobState(
             spec,
             endpoint=lambda n: self.nodes[n].endpoint,
-            node_alive=self._alive,
-            recent_admissions=self.recent_admissions,
-            clock=self.clock,
+            node_alive=lambda n: self._node_state(n) == "alive",
+            recent_admissions=self.settings.recent_admissions,
             ticket_key=self.ticket_key,
-            ticket_ttl_s=self.ticket_ttl_s,
+            ticket_ttl_s=self.settings.ticket_ttl_s,
         )
 
-    def _alive(self, node_id: str) -> bool:
+    def _node_state(self, node_id: str) -> str | None:
+        """``alive`` or ``lost``; None for a node that never registered."""
         node = self.nodes.get(node_id)
-        return node is not None and not node.lost
+        return None if node is None else ("lost" if node.lost else "alive")
 
     @contextmanager
     def _change(self, job: str | None) -> Iterator[Txn]:
@@ -222,10 +207,7 @@ class ControlPlane:
         ``admin`` (the request carried the admin token); anyone else gets :class:`Unauthenticated`,
         so a worker-token holder cannot point manifests, and the store token, at a server of theirs.
         """
-        check_name(node_id, "node_id")
-        if not endpoint.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
-            raise InvalidRequest(f"endpoint {endpoint!r} must be a Flight location like grpc://host:port")
-        now = self.clock()
+        now = time.time()
         old = self.nodes.get(node_id)
         presented = hashlib.sha256(node_key.encode()).hexdigest() if node_key else ""
         key_hash = presented
@@ -262,13 +244,13 @@ class ControlPlane:
             raise NotFound(f"node {node_id!r} is not registered; POST /v1/nodes first")
         if node.lost:
             raise Conflict(f"node {node_id!r} was declared lost ({node.lost_reason}); register it again")
-        node.last_heartbeat = self.clock()
+        node.last_heartbeat = time.time()
         return node.public(node.last_heartbeat)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """Every node, after declaring timed-out ones lost."""
         self.sweep()
-        now = self.clock()
+        now = time.time()
         return [n.public(now) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
 
     def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
@@ -287,7 +269,7 @@ class ControlPlane:
             for name in self.jobs:
                 self.on_change(name)
             logger.warning("node %s lost (%s)", node_id, reason)
-        return {**node.public(self.clock()), "withdrawn": withdrawn}
+        return {**node.public(time.time()), "withdrawn": withdrawn}
 
     def sweep(self, *, paused_s: float = 0.0) -> list[str]:
         """Declare lost every node whose last heartbeat is older than ``node_timeout_s``.
@@ -296,15 +278,16 @@ class ControlPlane:
         behind the pause, so every node gets a fresh grace period instead of being judged now.
         """
         self._state_thread()
-        now = self.clock()
+        now = time.time()
         if paused_s > 0:
             logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
             for n in self.nodes.values():
                 n.last_heartbeat = max(n.last_heartbeat, now)
             return []
-        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > self.node_timeout_s]
+        timeout = self.settings.node_timeout_s
+        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > timeout]
         for node_id in late:
-            self.declare_lost(node_id, f"no heartbeat for {self.node_timeout_s:g}s")
+            self.declare_lost(node_id, f"no heartbeat for {timeout:g}s")
         return late
 
     # ------------------------------------------------------------------ jobs
@@ -339,7 +322,7 @@ class ControlPlane:
         """New quotas from the next train step on."""
         job = self.job(name)
         with self._change(name) as txn:
-            from_step = job.update_quotas(quotas, txn)
+            from_step = job.update_quotas(quotas)
             admitted = job.admit(txn)
         self._admit_rest(name, admitted)
         return {**self.get_job(name), "effective_from_step": from_step}
@@ -357,12 +340,7 @@ class ControlPlane:
     def register_units(self, name: str, units: Sequence[UnitDescriptor]) -> dict[str, Any]:
         """Register a batch of units atomically (all or none); runs admission."""
         job = self.job(name)
-
-        def node_state(node_id: str) -> str | None:
-            node = self.nodes.get(node_id)
-            return None if node is None else ("lost" if node.lost else "alive")
-
-        job.check_units(units, node_state)
+        job.check_units(units, self._node_state)
         with self._change(name) as txn:
             new = job.add_units(units, txn)
             admitted = job.admit(txn)
@@ -419,7 +397,7 @@ class ControlPlane:
         return self.job(name).progress()
 
     def fetched(self, name: str, n: int, attempt: int, ranks: Sequence[int] | None) -> dict[str, Any]:
-        """``ranks`` (None: all) hold their whole share of mini-batch ``n`` (DataLost: that attempt was withdrawn)."""
+        """Report ``ranks`` fetched (:meth:`~knittrans.api.delivery.Delivery.fetched`)."""
         job = self.job(name)
         with self._change(name) as txn:
             return job.fetched(n, attempt, ranks, txn)
@@ -434,9 +412,7 @@ class ControlPlane:
         *,
         figures: Collection[int] = (),
     ) -> dict[str, Any]:
-        """``ranks`` (None: all) finished mini-batch ``n``; at W acked ranks it is consumed (staleness recorded)
-        and admission runs; ``version``, the policy version the step produced, is recorded in the same change;
-        ``figures``: the ranks whose transfer figures the ack carries (each one of ``ranks``)."""
+        """Ack mini-batch ``n`` (:meth:`~knittrans.api.delivery.Delivery.ack`), then run admission."""
         job = self.job(name)
         with self._change(name) as txn:
             result = job.ack(n, attempt, ranks, version, txn, figures=figures)

@@ -7,11 +7,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["NODE_TIMEOUT_S", "RECENT_ADMISSIONS", "Settings"]
+__all__ = ["RECENT_ADMISSIONS", "Settings"]
 
 
-NODE_TIMEOUT_S = 30.0
-"""Default heartbeat timeout of store nodes (the service's and the settings' one default)."""
 RECENT_ADMISSIONS = 256
 """Default number of admission records kept per job for status."""
 
@@ -35,7 +33,7 @@ class Settings(BaseSettings):
     """HMAC key shared with the stores: manifests carry grants signed with it (``KNITTRANS_TICKET_KEY``)."""
     ticket_ttl_s: float = Field(default=86400.0, gt=0, allow_inf_nan=False)
     """Grants of a mini-batch stay valid this long after its admission."""
-    node_timeout_s: float = Field(default=NODE_TIMEOUT_S, gt=0)
+    node_timeout_s: float = Field(default=30.0, gt=0)
     """A node without heartbeat for this long is declared lost."""
     node_sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often the service looks for nodes past their heartbeat timeout."""

@@ -4,18 +4,18 @@ admission times) and the admin overview built from it (every job, node and rank,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from knittrans.sched.admission import quota_deficit
-from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, step_report
+from knittrans.sched.staleness import READINGS, StalenessStats, step_report
 from knittrans.sched.timing import admitted_ahead
 
 if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
     from knittrans.api.observe import Observations
 
-__all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "STATUS_STEPS", "job_status", "overview", "staleness_report"]
+__all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "STATUS_STEPS", "job_status", "overview"]
 
 STATUS_STEPS = 16
 """Per-step staleness summaries in status cover this many most recent consumed steps."""
@@ -34,11 +34,6 @@ def _stats(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _stats(v) for k, v in value.items()}
     return value
-
-
-def staleness_report(consumed: Sequence[ConsumedGroup]) -> dict[str, Any]:
-    """``{reading: {staleness, architectural, by_source}}`` for every reading, JSON-ready."""
-    return {reading: _stats(step_report(consumed, reading)) for reading in READINGS}
 
 
 def job_status(job: JobState) -> dict[str, Any]:
@@ -103,7 +98,7 @@ def job_status(job: JobState) -> dict[str, Any]:
         "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         "staleness": {
             "overall": {reading: _stats(job.consumed.report(reading)) for reading in READINGS},
-            "by_step": {str(s): staleness_report(recent[s]) for s in steps},
+            "by_step": {str(s): {r: _stats(step_report(recent[s], r)) for r in READINGS} for s in steps},
         },
         "timing": {
             "position": job.position,
@@ -144,10 +139,7 @@ def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
     # the first RANKS_SHOWN ranks and every rank that reported (acks or versions): O(ranks seen), not O(world_size)
     shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)
     empty = {"mini_batches": 0, "last_ack": {}}
-    ranks = [
-        {"rank": r, "version": job.rank_versions.get(r), **(t.to_dict() if (t := transfers.get(r)) else empty)}
-        for r in sorted(shown)
-    ]
+    ranks = [{"rank": r, "version": job.rank_versions.get(r), **transfers.get(r, empty)} for r in sorted(shown)]
     shared = ("job", "state", "step", "mini_batch_index", "next_global_index", "version", "quota_fill", "deficits")
     return {
         **{key: status[key] for key in shared},

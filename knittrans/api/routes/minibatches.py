@@ -115,9 +115,8 @@ async def progress(job: str, svc: Service, run: Run, _: WorkerAuth) -> dict[str,
 def _check_ranks(request: Request, ranks: list[int] | None) -> None:
     scope = request.state.scope
     if scope is not None and scope.rank is not None and ranks != [scope.rank]:
-        raise Unauthenticated(
-            f"this token is scoped to rank {scope.rank}; it reports for that rank only (ranks: [{scope.rank}])"
-        )
+        who = "every rank" if ranks is None else f"ranks {ranks}"
+        raise Unauthenticated(f"this token is scoped to rank {scope.rank}; it reports for that rank only, not {who}")
 
 
 @router.post("/{job}/minibatches/{n}/fetched", response_model=FetchedOut)
@@ -148,12 +147,10 @@ async def ack(
     410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
-    ranks = body.ranks
     figures: dict[int, dict[str, float]] = {}
-    if body.transfer is not None:  # checked before the ack: a refused body changes nothing
-        width = len(ranks) if ranks is not None else len(body.transfer.exposed_s)
-        figures = body.transfer.by_rank(ranks if ranks is not None else list(range(width)))
-    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, ranks, body.version, figures=tuple(figures))
+    if (transfer := body.transfer) is not None:  # checked before the ack: a refused body changes nothing
+        figures = transfer.by_rank(body.ranks if body.ranks is not None else list(range(len(transfer.exposed_s))))
+    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version, figures=tuple(figures))
     if figures:
         request.app.state.observed.record_ack(job, n, body.attempt, result, figures, time.time())
     return result
@@ -164,9 +161,7 @@ async def report_version(
     job: str, body: VersionIn, svc: Service, run: Run, _: WorkerAuth, request: Request
 ) -> dict[str, Any]:
     """A rank's policy version after an optimizer step (never decreasing); an ack may carry it instead."""
-    scope = request.state.scope
-    if scope is not None and scope.rank is not None and scope.rank != body.rank:
-        raise Unauthenticated(f"this token is scoped to rank {scope.rank}; it cannot report for rank {body.rank}")
+    _check_ranks(request, [body.rank])
     return await run(svc.report_version, job, body.rank, body.version)
 
 

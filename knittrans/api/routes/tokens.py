@@ -26,7 +26,7 @@ async def mint(body: TokenIn, request: Request, _: AdminAuth) -> dict[str, Any]:
 
     Needs an admin token configured (it is the key the scoped tokens are signed with): 409 otherwise.
     """
-    secret = request.app.state.tokens.secret
+    secret = request.app.state.tokens.admin
     if secret is None:
         raise Conflict("scoped tokens need an admin token on the control plane (it signs them)")
     scope = Scope(role=body.role, job=body.job if body.role != "store" else None, rank=body.rank)
