@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("knittrans.rollout.cli", "run a rollout worker: generate groups, write units, register them"),
     "train": ("knittrans.demo.traincli", "run one trainer rank (GRPO on a tiny policy, gloo all-reduce)"),
     "token": ("knittrans.api.tokencli", "mint a scoped bearer token offline (admin token from the environment)"),
-    "status": ("knittrans.api.statusview", "show jobs, store nodes and ranks of a control plane (--watch redraws)"),
+    "status": ("knittrans.statusview", "show jobs, store nodes and ranks of a control plane (--watch redraws)"),
     "sim": ("knittrans.sim.cli", "simulate admission policies under rollout skew"),
     "bench": ("knittrans.benchcli", "run a benchmark from benchmarks/ (transfer, control_plane, trainer, baselines)"),
 }

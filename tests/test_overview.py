@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from knittrans.api.app import create_app
 from knittrans.api.settings import Settings
-from knittrans.api.statusview import render
 from knittrans.controlclient import ControlClient
+from knittrans.statusview import render
 
 ADMIN, WORKER = "admin-secret", "worker-secret"
 
