@@ -379,3 +379,21 @@ def test_each_admitted_mini_batch_is_published_before_the_next_is_formed(tmp_pat
     assert svc.register_units("job1", units)["admitted"] == [0, 1]
     assert seen[:2] == [[0], [0, 1]], seen
     store.close()
+
+
+def test_admission_opens_no_extra_change_once_the_lookahead_is_reached(tmp_path: Path) -> None:
+    """With L = 1 the registration admits mini-batches 0 and 1 in two changes and stops there: no third change
+    (a commit and a wake-up of every headroom poll) only to find the lookahead reached."""
+    seen: list[list[int]] = []
+    store = RecordStore(str(tmp_path / "cp.db"))
+    svc = ControlPlane(
+        store, Settings(db_path=store.path), on_change=lambda job: seen.append(sorted(svc.published(job).manifests))
+    )
+    spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, lookahead=1, total_steps=3)
+    svc.create_job(JobSpec.from_dict(spec))
+    svc.register_node("n0", "grpc://127.0.0.1:9000", "127.0.0.1")
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 4)]
+    seen.clear()
+    assert svc.register_units("job1", units)["admitted"] == [0, 1]
+    assert seen == [[0], [0, 1]], seen
+    store.close()

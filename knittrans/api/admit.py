@@ -27,10 +27,15 @@ class Admission(JobBase):
         or move the trainer's position (ack); returns the admitted global index (``[]``: none). One at a
         time: the control plane commits and publishes each manifest before it forms the next one.
         """
-        n = self._admit_next(txn) if self.can_admit() and self._timing.may_admit(self.next_n, self.position) else None
+        n = self._admit_next(txn) if self.may_admit_next() else None
         self._settle(txn)
         self._save_meta(txn)
         return [] if n is None else [n]
+
+    def may_admit_next(self) -> bool:
+        """Whether the lifecycle and the lookahead let the next mini-batch be admitted now (the policy may still
+        find no mini-batch to form)."""
+        return self.can_admit() and self._timing.may_admit(self.next_n, self.position)
 
     def admit_all(self, txn: Txn) -> list[int]:
         """Every mini-batch the policy allows now, in ``txn`` (start-up, node loss: published together)."""

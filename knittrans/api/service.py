@@ -180,11 +180,11 @@ class ControlPlane:
         """``admitted`` (what the change just committed admitted: at most one mini-batch) and those the job admits
         after it, one change each: every manifest is committed and published before the next one is formed, so
         the ranks waiting for the first do not wait for the others' admission."""
-        admitted = list(admitted)
+        admitted, job = list(admitted), self.jobs[name]
         more = admitted
-        while more:
+        while more and job.may_admit_next():  # no change at all when the lookahead is reached (the usual case)
             with self._change(name) as txn:
-                more = self.jobs[name].admit(txn)
+                more = job.admit(txn)
             admitted += more
         return admitted
 
