@@ -166,3 +166,19 @@ def test_the_version_an_ack_carries_is_recorded_with_the_window_it_frees(tmp_pat
     with app_client(db) as c:
         assert c.get("/v1/jobs/job1/version").json() == {"version": 3, "by_rank": {"0": 3}}
         assert c.get("/v1/jobs/job1/minibatches").json()["position"] == 1
+
+
+@pytest.mark.timing
+def test_a_paused_job_keeps_its_room_and_the_long_poll_answers_at_once(tmp_path: Path) -> None:
+    """Pause stops admission, not rollout: the headroom long-poll of a paused job with room answers at once
+    (it waited for the resume before), and launches while paused count against the window as always."""
+    with app_client(tmp_path / "cp.db") as c:
+        _setup(c, lookahead=1, steps=1, window=2)  # room 6 - 2 = 4, as in the test above
+        assert c.post("/v1/jobs/job1/pause").json()["state"] == "paused"
+        t0 = time.monotonic()
+        view = c.get("/v1/jobs/job1/headroom", params={"wait_s": 60, "sources": "math"}).json()
+        assert time.monotonic() - t0 < 30, "the paused job's long-poll waited instead of answering"
+        assert view["state"] == "paused" and view["room"] == 4 and view["headroom"]["math"] == 4
+        c.post("/v1/jobs/job1/supply", json={"started": {"math": 4}})  # launched while paused: the window is full
+        assert c.get("/v1/jobs/job1/headroom").json()["room"] == 0
+        assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 2  # and nothing more was admitted

@@ -288,7 +288,7 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
                 plan_endpoints |= {node.endpoint for node in Manifest.from_json(body).nodes}
         assert plan_endpoints <= set(endpoints.values())
 
-        # pause: the trainers (kept running) drain what is planned and wait; rollout fills the pool
+        # pause: the trainers (kept running) drain what is planned and wait; rollout fills the pool (window)
         probe.call(control_url, "pause", JOB, token=A_TOKEN)
         paused_at = status()
         assert paused_at["next_global_index"] < STEPS * K, "phase 1 ran to the end; give the job more steps"
@@ -310,16 +310,12 @@ def test_multihost_run_and_store_host_loss(netlab: Lab, tmp_path: Path) -> None:
         last: dict[str, Any] = {}
 
         def pool_ready() -> bool:
-            """A train step of finished groups in the pool, or, once nothing generates any more, what the
-            groups launched before the pause added (a paused job's rollout launches nothing, whatever the
-            window's room: the pool cannot grow further, and the share rule can leave one source short)."""
+            """A train step of finished groups in the pool and rollout idle: a paused job keeps its window's
+            room (W·G = 8 groups), so rollout fills the pool while nothing is admitted."""
             st = status()
-            finished = st["counts"]["finished"]
             last.update(counts=st["counts"])
-            if all(finished.get(s, 0) >= q for s, q in QUOTAS.items()):
-                return True
-            idle = not any(st["counts"]["pending"].values())
-            return idle and sum(finished.values()) >= sum(QUOTAS.values()) // 2
+            finished, idle = st["counts"]["finished"], not any(st["counts"]["pending"].values())
+            return idle and all(finished.get(s, 0) >= q for s, q in QUOTAS.items())
 
         def rollout_logs() -> str:
             tails = "\n".join(f"--- {n}\n{procs.log_tail(n, 10)}" for n in procs.children if n.startswith("rollout"))

@@ -50,7 +50,7 @@ import numpy as np
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound, Unavailable
-from knittrans.lifecycle import ADMITTING, TERMINAL
+from knittrans.lifecycle import TERMINAL
 from knittrans.names import check_name
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
@@ -545,8 +545,8 @@ class RolloutWorker:
             if view["state"] in TERMINAL:
                 break
             mine = [s for s in view["launch_order"] if s in self._sources and view["headroom"].get(s, 0) > 0]
-            if view["state"] not in ADMITTING or not mine:
-                continue  # the long-poll already waited (paused, or no room for our sources yet)
+            if not mine:
+                continue  # the long-poll already waited (no room for our sources yet)
             source = mine[0]
             count = min(cfg.groups_per_call, int(view["headroom"][source]))
             ids = [f"{cfg.worker_id}-g{self._state.next_seq + i}" for i in range(count)]

@@ -24,7 +24,7 @@ from knittrans.api.models import (
 from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import NotFound
-from knittrans.lifecycle import ADMITTING, TERMINAL
+from knittrans.lifecycle import TERMINAL
 from knittrans.names import check_name
 
 __all__ = ["router"]
@@ -96,6 +96,10 @@ async def headroom(
 ) -> dict[str, Any]:
     """Room rollout has under the off-policy window, and which sources may launch now.
 
+    A paused job keeps its room: rollout fills the window while admission waits, so a resume trains
+    at once. The window bounds those groups as it always does; staleness counts policy versions, and
+    none follows the mini-batches admitted before the pause until the resume.
+
     With ``wait_s``: long-poll until one of ``sources`` (default: any) has headroom (trainer
     progress frees room; other sources' launches make a source the one furthest behind), the job
     can no longer use groups, or ``wait_s`` passed; the answer is the same either way.
@@ -108,7 +112,7 @@ async def headroom(
         view = await run(svc.headroom, job)
         remaining = deadline - loop.time()
         open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
-        if (open_now and view["state"] in ADMITTING) or view["state"] in TERMINAL or remaining <= 0:
+        if open_now or view["state"] in TERMINAL or remaining <= 0:
             return view
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), remaining)
