@@ -251,14 +251,18 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
     timings["first_mini_batch_s"] = time.monotonic() - t0
     poll("one train step consumed", lambda: consumed(K), 300)
 
-    # pause; once the rollout workers idle, kill the store container holding finished, unadmitted groups
+    # pause; once the rollout workers filled the window and idle, kill the store container holding finished,
+    # unadmitted groups
     assert stack.api.post("/v1/jobs/demo/pause").status_code == 200
     poll("nothing in flight after pause", lambda: stack.status()["counts"]["in_flight_mini_batches"] == 0, 120)
 
     def settled_pool() -> dict[str, dict[str, int]]:
+        """The pool once rollout filled the window (a paused job keeps its room) and nothing generates:
+        nothing can join it before the kill."""
+        full = not any(stack.get("/v1/jobs/demo/headroom")["headroom"].values())
         st = stack.status()
         pool = stack.get("/v1/overview")["jobs"][0]["pool_by_node"]
-        return pool if not any(st["counts"]["pending"].values()) and pool else {}
+        return pool if full and not any(st["counts"]["pending"].values()) and pool else {}
 
     pool = poll("finished groups in the pool, workers idle", settled_pool, 180)
     node = "node-a" if "node-a" in pool else "node-b"
