@@ -58,6 +58,8 @@ class JobBase:
         self.next_n = 0
         self.attempts: dict[int, int] = {}
         self.quota_changes: list[tuple[int, dict[str, int]]] = [(0, dict(spec.quotas))]
+        self.meta_saved: dict[str, Any] | None = None
+        """The meta record as last put in a change (None: write it with the next one)."""
         self.units: dict[str, UnitDescriptor] = {}
         self.unit_batches = 0
         self.groups: dict[str, GroupEntry] = {}
@@ -317,7 +319,9 @@ class JobBase:
             "attempts": {str(n): a for n, a in self.attempts.items()},
             "quota_changes": [[s, q] for s, q in self.quota_changes],
         }
-        txn.put(Kind.JOB, self.name, META_KEY, meta)
+        if meta != self.meta_saved:  # an admission attempt that changed nothing writes nothing
+            txn.put(Kind.JOB, self.name, META_KEY, meta)
+            self.meta_saved = meta
 
     def _save_supply(self, txn: Txn, source: str) -> None:
         txn.put(

@@ -150,7 +150,9 @@ class ControlPlane:
         return None if node is None else ("lost" if node.lost else "alive")
 
     @contextmanager
-    def _change(self, job: str | None) -> Iterator[Txn]:
+    def _change(self, job: str | None, *, quiet: bool = False) -> Iterator[Txn]:
+        """One change: ``txn`` committed after the block, then ``on_change(job)`` (``quiet``: not when the change
+        wrote nothing)."""
         self._state_thread()
         txn = Txn()
         committed = False
@@ -160,6 +162,8 @@ class ControlPlane:
             committed = True
         except Unavailable:  # the database refused the write: memory is ahead of it, reload
             logger.warning("state write failed; reloading state from %s", self.store.path)
+            for state in self.jobs.values():  # should the reload fail too, the next change writes the meta again
+                state.meta_saved = None
             with contextlib.suppress(Exception):
                 self._load()
             raise
@@ -170,7 +174,7 @@ class ControlPlane:
             self._load()
             raise
         finally:
-            if job is not None:
+            if job is not None and not (quiet and committed and not len(txn)):
                 self.on_change(job)
             elif not committed:  # a failed node-level change may have reloaded every job
                 for name in list(self.jobs):
@@ -183,7 +187,7 @@ class ControlPlane:
         admitted, job = list(admitted), self.jobs[name]
         more = admitted
         while more and job.may_admit_next():  # no change at all when the lookahead is reached (the usual case)
-            with self._change(name) as txn:
+            with self._change(name, quiet=True) as txn:  # forming nothing changes nothing: no commit, no wake
                 more = job.admit(txn)
             admitted += more
         return admitted
