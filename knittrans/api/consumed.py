@@ -103,13 +103,6 @@ class ConsumedLedger:
             for step in sorted(table)[:-keep]:
                 del table[step]
 
-    def footprint(self) -> int:
-        """Items held (histogram bins, recent groups, series cells): bounded, whatever the job's length."""
-        bins = sum(len(s.hist) for summaries in self._readings.values() for pair in summaries.values() for s in pair)
-        recent = sum(len(groups) for groups in self._recent.values())
-        cells = sum(len(per_source) for per_step in self._series.values() for per_source in per_step.values())
-        return bins + recent + cells
-
     def report(self, reading: str) -> dict[str, Any]:
         """Like :func:`knittrans.sched.staleness.step_report` over every group consumed so far."""
         summaries = self._readings[reading]

@@ -151,8 +151,7 @@ class ControlPlane:
 
     @contextmanager
     def _change(self, job: str | None, *, quiet: bool = False) -> Iterator[Txn]:
-        """One change: ``txn`` committed after the block, then ``on_change(job)`` (``quiet``: not when the change
-        wrote nothing)."""
+        """One change: ``txn`` committed, then ``on_change(job)`` (``quiet``: not for a change that wrote nothing)."""
         self._state_thread()
         txn = Txn()
         committed = False

@@ -94,11 +94,7 @@ async def headroom(
     wait_s: float = Query(0.0, ge=0),
     sources: str | None = Query(None, max_length=4096, description="comma-separated sources the caller generates"),
 ) -> dict[str, Any]:
-    """Room rollout has under the off-policy window, and which sources may launch now.
-
-    A paused job keeps its room: rollout fills the window while admission waits, so a resume trains
-    at once. The window bounds those groups as it always does; staleness counts policy versions, and
-    none follows the mini-batches admitted before the pause until the resume.
+    """Room rollout has under the off-policy window (a paused job keeps it), and which sources may launch now.
 
     With ``wait_s``: long-poll until one of ``sources`` (default: any) has headroom (trainer
     progress frees room; other sources' launches make a source the one furthest behind), the job
