@@ -381,19 +381,26 @@ def test_each_admitted_mini_batch_is_published_before_the_next_is_formed(tmp_pat
     store.close()
 
 
-def test_admission_opens_no_extra_change_once_the_lookahead_is_reached(tmp_path: Path) -> None:
-    """With L = 1 the registration admits mini-batches 0 and 1 in two changes and stops there: no third change
-    (a commit and a wake-up of every headroom poll) only to find the lookahead reached."""
+def _watched_one_rank_job(tmp_path: Path, k: int) -> tuple[ControlPlane, RecordStore, list[list[int]]]:
+    """A control plane with job1 (math 2 per step, ``k`` mini-batches per step, L = 1) and a node, and the
+    in-flight manifests it publishes at each notification (the list, cleared)."""
     seen: list[list[int]] = []
     store = RecordStore(str(tmp_path / "cp.db"))
     svc = ControlPlane(
         store, Settings(db_path=store.path), on_change=lambda job: seen.append(sorted(svc.published(job).manifests))
     )
-    spec = job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, lookahead=1, total_steps=3)
+    spec = job_spec(quotas={"math": 2}, mini_batches_per_step=k, world_size=1, lookahead=1, total_steps=3)
     svc.create_job(JobSpec.from_dict(spec))
     svc.register_node("n0", "grpc://127.0.0.1:9000", "127.0.0.1")
-    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 4)]
     seen.clear()
+    return svc, store, seen
+
+
+def test_admission_opens_no_extra_change_once_the_lookahead_is_reached(tmp_path: Path) -> None:
+    """With L = 1 the registration admits mini-batches 0 and 1 in two changes and stops there: no third change
+    (a commit and a wake-up of every headroom poll) only to find the lookahead reached."""
+    svc, store, seen = _watched_one_rank_job(tmp_path, k=2)
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 4)]
     assert svc.register_units("job1", units)["admitted"] == [0, 1]
     assert seen == [[0], [0, 1]], seen
     store.close()
@@ -402,19 +409,11 @@ def test_admission_opens_no_extra_change_once_the_lookahead_is_reached(tmp_path:
 def test_an_admission_attempt_that_forms_nothing_writes_and_wakes_nothing(tmp_path: Path) -> None:
     """After mini-batch 0 is admitted, the attempt at mini-batch 1 (lookahead open, pool empty) forms nothing:
     it commits no record and notifies nobody (a headroom long-poll would wake for nothing)."""
-    seen: list[list[int]] = []
-    store = RecordStore(str(tmp_path / "cp.db"))
-    svc = ControlPlane(
-        store, Settings(db_path=store.path), on_change=lambda job: seen.append(sorted(svc.published(job).manifests))
-    )
-    spec = job_spec(quotas={"math": 2}, mini_batches_per_step=1, world_size=1, lookahead=1, total_steps=3)
-    svc.create_job(JobSpec.from_dict(spec))
-    svc.register_node("n0", "grpc://127.0.0.1:9000", "127.0.0.1")
+    svc, store, seen = _watched_one_rank_job(tmp_path, k=1)
     units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 2)]
     commits: list[int] = []
     commit = store.commit
     store.commit = lambda txn: (commits.append(len(txn)), commit(txn))[1]  # type: ignore[method-assign]
-    seen.clear()
     assert svc.register_units("job1", units)["admitted"] == [0]
     assert seen == [[0]], seen  # one notification: the registration's change
     assert commits[1:] == [0], commits  # the attempt at mini-batch 1 wrote nothing
