@@ -150,8 +150,8 @@ class ControlPlane:
         return None if node is None else ("lost" if node.lost else "alive")
 
     @contextmanager
-    def _change(self, job: str | None, *, quiet: bool = False) -> Iterator[Txn]:
-        """One change: ``txn`` committed, then ``on_change(job)`` (``quiet``: not for a change that wrote nothing)."""
+    def _change(self, job: str | None) -> Iterator[Txn]:
+        """One change: ``txn`` committed, then ``on_change(job)`` unless it wrote nothing (nothing changed)."""
         self._state_thread()
         txn = Txn()
         committed = False
@@ -161,8 +161,6 @@ class ControlPlane:
             committed = True
         except Unavailable:  # the database refused the write: memory is ahead of it, reload
             logger.warning("state write failed; reloading state from %s", self.store.path)
-            for state in self.jobs.values():  # should the reload fail too, the next change writes the meta again
-                state.meta_saved = None
             with contextlib.suppress(Exception):
                 self._load()
             raise
@@ -173,7 +171,10 @@ class ControlPlane:
             self._load()
             raise
         finally:
-            if job is not None and not (quiet and committed and not len(txn)):
+            if not committed:  # a meta record put in the failed change was never written
+                for state in self.jobs.values():
+                    state.meta_saved = None
+            if job is not None and (len(txn) or not committed):
                 self.on_change(job)
             elif not committed:  # a failed node-level change may have reloaded every job
                 for name in list(self.jobs):
@@ -186,7 +187,7 @@ class ControlPlane:
         admitted, job = list(admitted), self.jobs[name]
         more = admitted
         while more and job.may_admit_next():  # no change at all when the lookahead is reached (the usual case)
-            with self._change(name, quiet=True) as txn:  # forming nothing changes nothing: no commit, no wake
+            with self._change(name) as txn:
                 more = job.admit(txn)
             admitted += more
         return admitted
