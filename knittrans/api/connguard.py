@@ -142,7 +142,7 @@ class GuardedConnection(asyncio.Protocol):
                     logger.info("closing a connection that sent too much before authenticating")
                     self.close(abort=True)
                     return
-                self._pause()
+                self._reading(False)
             self._fed += len(data)
             if not data:
                 return
@@ -205,25 +205,15 @@ class GuardedConnection(asyncio.Protocol):
         held, self._held = b"".join(self._held), []
         if self.transport is None or self.transport.is_closing():
             return
-        self._resume()
+        self._reading(True)
         self._feed(held)
 
-    def _flow(self) -> Any:
-        return getattr(self.inner, "flow", None)  # uvicorn's FlowControl: one pause flag shared with it
-
-    def _pause(self) -> None:
-        flow = self._flow()
-        if flow is not None:
-            flow.pause_reading()
-        elif self.transport is not None:
-            self.transport.pause_reading()
-
-    def _resume(self) -> None:
-        flow = self._flow()
-        if flow is not None:
-            flow.resume_reading()
-        elif self.transport is not None:
-            self.transport.resume_reading()
+    def _reading(self, on: bool) -> None:
+        """Resume (``on``) or pause reading, through uvicorn's FlowControl when it has one (one pause flag
+        shared with it), else on the transport."""
+        target = getattr(self.inner, "flow", None) or self.transport
+        if target is not None:
+            (target.resume_reading if on else target.pause_reading)()
 
     def _settle(self) -> None:
         """Out of the guard's count and timer (authenticated, closed or lost)."""

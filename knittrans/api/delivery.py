@@ -14,7 +14,7 @@ from typing import Any
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, mb_key, version_key
+from knittrans.api.records import Kind, index_key, version_key
 from knittrans.api.store import Txn
 from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.grants import sign_grant
@@ -200,7 +200,7 @@ class Delivery(JobBase):
         new = who - mb.fetched - mb.acks
         if new:
             mb.fetched |= new
-            txn.put(Kind.FETCHED, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
+            txn.put(Kind.FETCHED, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
         held = len(mb.fetched | mb.acks) == self.spec.world_size
         return {"global_index": n, "attempt": attempt, "fetched_ranks": len(mb.fetched | mb.acks), "held": held}
 
@@ -262,7 +262,7 @@ class Delivery(JobBase):
         if consumed:
             self._consume(mb, txn)
         else:
-            txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
+            txn.put(Kind.ACK, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
         return answer(consumed, False)
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
@@ -292,18 +292,17 @@ class Delivery(JobBase):
         while (m := self.minibatches.get(self.position)) is not None and m.status == "consumed":
             self.position += 1
         self.evict_consumed()
-        txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
-        txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])
+        txn.put(Kind.MINI_BATCH, self.name, index_key(mb.n), mb.to_json())
+        txn.put(Kind.CONSUMED, self.name, index_key(mb.n), [dict(vars(r)) for r in records])
         for kind in (Kind.ACK, Kind.FETCHED):
-            txn.delete(kind, self.name, mb_key(mb.n))
+            txn.delete(kind, self.name, index_key(mb.n))
 
     # ------------------------------------------------------------------ versions
-    def report_version(self, rank: int, version: int, txn: Txn) -> int:
+    def report_version(self, rank: int, version: int, txn: Txn) -> None:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
         self._ranks([rank])
         self._check_version(rank, version)
         self._set_version(rank, version, txn)
-        return self.version
 
     def _check_version(self, rank: int, version: int) -> None:
         old = self.rank_versions.get(rank, 0)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from knittrans.api.entries import GroupEntry
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, batch_key
+from knittrans.api.records import Kind, index_key
 from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
@@ -82,7 +82,7 @@ class Supply(JobBase):
                 self.count_group(entry, 1)
                 finished[g.source] = finished.get(g.source, 0) + 1
         if fresh:
-            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), [u.to_dict() for u in fresh])
+            txn.put(Kind.UNITS, self.name, index_key(self.unit_batches), [u.to_dict() for u in fresh])
             self.unit_batches += 1
         for s in {g.source for u in units for g in u.groups}:
             self._save_supply(txn, s)
