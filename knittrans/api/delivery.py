@@ -195,14 +195,12 @@ class Delivery(JobBase):
         contract: the fetched route)."""
         who = self._ranks(ranks)
         mb = self._planned(n, attempt)
-        if mb is None:
-            return {"global_index": n, "attempt": attempt, "fetched_ranks": self.spec.world_size, "held": True}
-        new = who - mb.fetched - mb.acks
-        if new:
+        if mb is not None and (new := who - mb.fetched - mb.acks):
             mb.fetched |= new
             txn.put(Kind.FETCHED, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
-        held = len(mb.fetched | mb.acks) == self.spec.world_size
-        return {"global_index": n, "attempt": attempt, "fetched_ranks": len(mb.fetched | mb.acks), "held": held}
+        world = self.spec.world_size
+        holding = world if mb is None else len(mb.fetched | mb.acks)
+        return {"global_index": n, "attempt": attempt, "fetched_ranks": holding, "held": holding == world}
 
     def ack(
         self,
@@ -225,17 +223,7 @@ class Delivery(JobBase):
             InvalidRequest: figures of a rank the ack does not report for.
         """
         who = self._ranks(ranks)
-        world = self.spec.world_size
-
-        def answer(consumed: bool, duplicate: bool) -> dict[str, Any]:
-            return {
-                "global_index": n,
-                "attempt": attempt,
-                "consumed": consumed,
-                "duplicate": duplicate,
-                "world_size": world,
-            }
-
+        answer = {"global_index": n, "attempt": attempt, "world_size": self.spec.world_size}
         stray = sorted(set(figures) - who)
         if stray:
             raise InvalidRequest(
@@ -246,7 +234,7 @@ class Delivery(JobBase):
         if version is not None:
             self._check_version(min(who), version)
         if mb is None:
-            return answer(True, True)
+            return {**answer, "consumed": True, "duplicate": True}
         new = who - mb.acks
         for rank in sorted(new):
             cursor = self.rank_cursor(rank)
@@ -255,7 +243,7 @@ class Delivery(JobBase):
         if version is not None:
             self._set_version(min(who), version, txn)
         if not new:
-            return answer(False, True)
+            return {**answer, "consumed": False, "duplicate": True}
         mb.acks |= new
         mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
@@ -263,7 +251,7 @@ class Delivery(JobBase):
             self._consume(mb, txn)
         else:
             txn.put(Kind.ACK, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
-        return answer(consumed, False)
+        return {**answer, "consumed": consumed, "duplicate": False}
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []
