@@ -271,12 +271,6 @@ class JobBase:
             else:
                 self.lost.pop(entry.record.group_id, None)
 
-    def recount_groups(self) -> None:
-        """Rebuild :attr:`group_counts` and :attr:`lost` from :attr:`groups` (after a restore)."""
-        self.group_counts, self.lost = {}, {}
-        for entry in self.groups.values():
-            self.count_group(entry, 1)
-
     def retire(self, group_ids: Sequence[str]) -> None:
         """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.
 
