@@ -318,16 +318,8 @@ class JobBase:
             self.meta_saved = meta
 
     def _save_supply(self, txn: Txn, source: str) -> None:
-        txn.put(
-            Kind.SUPPLY,
-            self.name,
-            source,
-            {
-                "started": self.started.get(source, 0),
-                "dropped": self.dropped.get(source, 0),
-                "finished": self.finished_count.get(source, 0),
-            },
-        )
+        counts = {"started": self.started, "dropped": self.dropped, "finished": self.finished_count}
+        txn.put(Kind.SUPPLY, self.name, source, {k: per_source.get(source, 0) for k, per_source in counts.items()})
 
     def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
         """Offer a lost or expired group for regeneration (``reason`` says why)."""
