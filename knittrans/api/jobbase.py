@@ -7,7 +7,7 @@ follow the table in :mod:`knittrans.lifecycle`.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -82,9 +82,9 @@ class JobBase:
         """Mini-batches below this index were consumed and their entries (and attempts) dropped from memory;
         their records stay in the database. Keeps a long job's memory flat."""
         self.rank_versions: dict[int, int] = {}
-        self.started: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-        self.finished_count: dict[str, int] = {}
+        self.started: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.finished_count: Counter[str] = Counter()
         self.started_ids: set[str] = set()
         self.request_ids: set[str] = set()
         self.consumed = ConsumedLedger()
@@ -127,10 +127,7 @@ class JobBase:
     def pending(self) -> dict[str, int]:
         """``P[s]``: groups started and neither finished nor dropped."""
         sources = set(self.started) | set(self.quotas_for_step(self.next_n // self.K))
-        return {
-            s: max(0, self.started.get(s, 0) - self.finished_count.get(s, 0) - self.dropped.get(s, 0))
-            for s in sorted(sources)
-        }
+        return {s: max(0, self.started[s] - self.finished_count[s] - self.dropped[s]) for s in sorted(sources)}
 
     def pool(self) -> list[GroupEntry]:
         """Finished, unadmitted groups on live nodes, earliest finished first (ties by group id)."""
@@ -232,7 +229,7 @@ class JobBase:
         """What rollout may launch now under the window ``W`` (trainer progress, not admission, frees it)."""
         quotas = self.quotas_for_step(self.next_n // self.K)
         untaken = self.untaken()
-        launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
+        launched = {s: self.started[s] - self.dropped[s] for s in quotas}
         room = self._timing.room(quotas, untaken)
         allowed = launchable(quotas, launched)
         idle = self.next_n <= self.position  # every admitted mini-batch acked: the trainer waits on rollout
@@ -319,7 +316,7 @@ class JobBase:
 
     def _save_supply(self, txn: Txn, source: str) -> None:
         counts = {"started": self.started, "dropped": self.dropped, "finished": self.finished_count}
-        txn.put(Kind.SUPPLY, self.name, source, {k: per_source.get(source, 0) for k, per_source in counts.items()})
+        txn.put(Kind.SUPPLY, self.name, source, {k: per_source[source] for k, per_source in counts.items()})
 
     def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
         """Offer a lost or expired group for regeneration (``reason`` says why)."""
