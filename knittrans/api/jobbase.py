@@ -193,15 +193,14 @@ class JobBase:
         That is pending (generating) + finished unadmitted on live nodes + in admitted mini-batches beyond
         the trainer's position. Lost and expired groups left the count when they were retired.
         """
-        out = dict(self.pending())
+        out = Counter(self.pending())
         for g in self.unadmitted.values():
             if self._node_alive(g.node_id):
-                out[g.record.source] = out.get(g.record.source, 0) + 1
+                out[g.record.source] += 1
         for n in range(self.position + 1, self.next_n):
             mb = self.minibatches.get(n)
             if mb is not None and mb.status == "planned":
-                for source, count in mb.counts.items():
-                    out[source] = out.get(source, 0) + count
+                out.update(mb.counts)
         if self.spec.train_batch_handover == "step":
             self._hand_over_step(out)
         return out
