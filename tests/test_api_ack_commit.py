@@ -7,7 +7,7 @@ from typing import Any
 
 from api_support import app_client, job_spec, single_group_units
 
-from knittrans.api.records import Kind, mb_key
+from knittrans.api.records import Kind, index_key
 
 
 def _rows(c: Any, kind: Kind) -> list[tuple[str, Any]]:
@@ -36,11 +36,11 @@ def test_acks_are_recorded_and_a_consumed_mini_batch_leaves_no_ack_or_fetch_reco
         assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
         assert _report(c, "fetched", 0, [1])["fetched_ranks"] == 1
         assert not _report(c, "ack", 0, [0])["consumed"]
-        assert _rows(c, Kind.ACK) == [(mb_key(0), {"attempt": 0, "ranks": [[0, 1]]})]
-        assert _rows(c, Kind.FETCHED) == [(mb_key(0), {"attempt": 0, "ranks": [[1, 2]]})]
+        assert _rows(c, Kind.ACK) == [(index_key(0), {"attempt": 0, "ranks": [[0, 1]]})]
+        assert _rows(c, Kind.FETCHED) == [(index_key(0), {"attempt": 0, "ranks": [[1, 2]]})]
         assert not _report(c, "ack", 1, [0])["consumed"]  # rank 0 goes on to mini-batch 1 before rank 1 acks 0
         assert _report(c, "ack", 0, [1])["consumed"]
-        assert _rows(c, Kind.ACK) == [(mb_key(1), {"attempt": 0, "ranks": [[0, 1]]})]  # mini-batch 1's ack stays
+        assert _rows(c, Kind.ACK) == [(index_key(1), {"attempt": 0, "ranks": [[0, 1]]})]  # mini-batch 1's ack stays
         assert _rows(c, Kind.FETCHED) == []
         assert _report(c, "ack", 0, [1])["duplicate"]
     with app_client(db) as c:

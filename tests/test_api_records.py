@@ -11,13 +11,7 @@ from typing import Any
 
 from api_support import ack, app_client, manifest
 
-from knittrans.api.records import (
-    JOB_KINDS,
-    Kind,
-    batch_key,
-    mb_key,
-    version_key,
-)
+from knittrans.api.records import JOB_KINDS, Kind, index_key, version_key
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_KINDS = {
@@ -68,10 +62,9 @@ def test_kinds_keep_their_on_disk_spelling() -> None:
 
 def test_keys_are_built_and_parsed_by_one_pair() -> None:
     """Keys have the old layout, sort numerically as strings, and read back as integers (what restore does)."""
-    assert mb_key(7) == "000000000007" and int(mb_key(7)) == 7
-    assert batch_key(2) == "000000000002"
+    assert index_key(7) == "000000000007" and int(index_key(7)) == 7
     assert version_key(5) == "5" and int(version_key(5)) == 5
-    keys = [mb_key(n) for n in (0, 9, 10, 100)]
+    keys = [index_key(n) for n in (0, 9, 10, 100)]
     assert sorted(keys) == keys
 
 

@@ -6,7 +6,7 @@ import time
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, mb_key
+from knittrans.api.records import Kind, index_key
 from knittrans.api.store import Txn
 from knittrans.sched.admission import expired
 from knittrans.sched.assign import Assignment
@@ -79,7 +79,7 @@ class Admission(JobBase):
         self.minibatches[n] = mb
         self.attempts[n] = attempt
         self.next_n = n + 1
-        txn.put(Kind.MINI_BATCH, self.name, mb_key(n), mb.to_json())
+        txn.put(Kind.MINI_BATCH, self.name, index_key(n), mb.to_json())
         if (k + 1) == self.K:
             a, q = self.admitted_in_step(step), self.quotas_for_step(step)
             assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from knittrans.api.app import create_app
-    from knittrans.api.connguard import ConnectionGuard, GuardConfig
+    from knittrans.api.connguard import ConnectionGuard
     from knittrans.rlimits import raise_open_files_limit
 
     settings = settings_from_args(args)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if open_files > 0 and cap > open_files // 2:
         cap = max(1, open_files // 2)
         logger.info("at most %d unauthenticated connections: half the open-files limit of %d", cap, open_files)
-    guard = ConnectionGuard(GuardConfig(timeout_s=settings.unauthenticated_timeout_s, max_unauthenticated=cap))
+    guard = ConnectionGuard(timeout_s=settings.unauthenticated_timeout_s, max_unauthenticated=cap)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -6,9 +6,9 @@ and buffers whatever headers it is sent. :class:`ConnectionGuard` wraps each con
 connection has presented a valid token (:class:`~knittrans.api.gate.RequestGate` calls
 :meth:`GuardedConnection.authenticate`):
 
-* hands uvicorn at most ``preauth_bytes`` of it and reads it in pieces of that size (asyncio's socket
+* hands uvicorn at most :data:`PREAUTH_BYTES` of it and reads it in pieces of that size (asyncio's socket
   transport); what arrives beyond is held, reading pauses until a request authenticates, and a connection
-  that still sends more than twice ``preauth_bytes`` is closed;
+  that still sends more than twice that is closed;
 * closes it ``timeout_s`` after it opened (a request to an open path still running then gets one more
   ``timeout_s`` to finish);
 * counts it among at most ``max_unauthenticated`` such connections: beyond that the oldest unauthenticated
@@ -27,10 +27,9 @@ import asyncio
 import contextvars
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
-__all__ = ["CONNECTION", "ConnectionGuard", "GuardConfig", "GuardedConnection"]
+__all__ = ["CONNECTION", "PREAUTH_BYTES", "ConnectionGuard", "GuardedConnection"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,31 +40,21 @@ CONNECTION: contextvars.ContextVar[GuardedConnection | None] = contextvars.Conte
 
 _EVICT_AFTER_S = 1.0
 """Youngest unauthenticated connection the cap closes (seconds open)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GuardConfig:
-    """Limits on connections that have not authenticated."""
-
-    timeout_s: float = 10.0
-    """Close a connection this long after it opened unless a request on it authenticated by then."""
-    max_unauthenticated: int = 1024
-    """Most connections not yet authenticated; beyond it the oldest of them is closed."""
-    preauth_bytes: int = 64 << 10
-    """Bytes of a connection handed to the HTTP parser before it authenticated."""
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, not {self.timeout_s}")
-        if self.max_unauthenticated < 1 or self.preauth_bytes < 1:
-            raise ValueError("max_unauthenticated and preauth_bytes must be at least 1")
+PREAUTH_BYTES = 64 << 10
+"""Bytes of a connection handed to the HTTP parser before it authenticated."""
 
 
 class ConnectionGuard:
-    """The unauthenticated connections of one server, oldest first."""
+    """The unauthenticated connections of one server, oldest first.
 
-    def __init__(self, config: GuardConfig) -> None:
-        self.config = config
+    Args:
+        timeout_s: close a connection this long after it opened unless a request on it authenticated by then.
+        max_unauthenticated: most connections not yet authenticated; beyond it the oldest of them is closed.
+    """
+
+    def __init__(self, *, timeout_s: float, max_unauthenticated: int) -> None:
+        self.timeout_s = timeout_s
+        self.max_unauthenticated = max_unauthenticated
         self._waiting: dict[GuardedConnection, None] = {}  # insertion order: oldest first
         self._trim_timer: asyncio.TimerHandle | None = None
 
@@ -86,7 +75,7 @@ class ConnectionGuard:
     def _trim(self) -> None:
         """Close the oldest unauthenticated connections beyond the cap; those open less than a second wait for
         a timer (a burst of new clients is read before any of them is closed)."""
-        while len(self._waiting) > self.config.max_unauthenticated:
+        while len(self._waiting) > self.max_unauthenticated:
             oldest = next(iter(self._waiting))
             age = time.monotonic() - oldest.opened_at
             if age < _EVICT_AFTER_S:
@@ -126,23 +115,23 @@ class GuardedConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         if isinstance(getattr(type(transport), "max_size", None), int):  # asyncio's socket transport
-            transport.max_size = self.guard.config.preauth_bytes  # type: ignore[attr-defined]  # its read size
+            transport.max_size = PREAUTH_BYTES  # type: ignore[attr-defined]  # its read size
         self.inner.connection_made(transport)
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.guard.config.timeout_s, self._expire)
+        self._timer = loop.call_later(self.guard.timeout_s, self._expire)
         self.guard._opened(self)
 
     def data_received(self, data: bytes) -> None:
         if not self.authenticated:
-            room = max(0, self.guard.config.preauth_bytes - self._fed)
+            room = max(0, PREAUTH_BYTES - self._fed)
             if len(data) > room:
                 self._held.append(data[room:])
                 data = data[:room]
-                if sum(len(d) for d in self._held) > self.guard.config.preauth_bytes:
+                if sum(len(d) for d in self._held) > PREAUTH_BYTES:
                     logger.info("closing a connection that sent too much before authenticating")
                     self.close(abort=True)
                     return
-                self._pause()
+                self._reading(False)
             self._fed += len(data)
             if not data:
                 return
@@ -205,25 +194,15 @@ class GuardedConnection(asyncio.Protocol):
         held, self._held = b"".join(self._held), []
         if self.transport is None or self.transport.is_closing():
             return
-        self._resume()
+        self._reading(True)
         self._feed(held)
 
-    def _flow(self) -> Any:
-        return getattr(self.inner, "flow", None)  # uvicorn's FlowControl: one pause flag shared with it
-
-    def _pause(self) -> None:
-        flow = self._flow()
-        if flow is not None:
-            flow.pause_reading()
-        elif self.transport is not None:
-            self.transport.pause_reading()
-
-    def _resume(self) -> None:
-        flow = self._flow()
-        if flow is not None:
-            flow.resume_reading()
-        elif self.transport is not None:
-            self.transport.resume_reading()
+    def _reading(self, on: bool) -> None:
+        """Resume (``on``) or pause reading, through uvicorn's FlowControl when it has one (one pause flag
+        shared with it), else on the transport."""
+        target = getattr(self.inner, "flow", None) or self.transport
+        if target is not None:
+            (target.resume_reading if on else target.pause_reading)()
 
     def _settle(self) -> None:
         """Out of the guard's count and timer (authenticated, closed or lost)."""
@@ -238,6 +217,6 @@ class GuardedConnection(asyncio.Protocol):
             return
         if self.active and not self._expired:  # a request to an open path: one more period to finish
             self._expired = True
-            self._timer = asyncio.get_running_loop().call_later(self.guard.config.timeout_s, self._expire)
+            self._timer = asyncio.get_running_loop().call_later(self.guard.timeout_s, self._expire)
             return
         self.close(abort=True)

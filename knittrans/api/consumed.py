@@ -63,10 +63,6 @@ class ConsumedLedger:
     """What the control plane remembers of consumed groups (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.groups = 0
-        """Consumed groups so far."""
-        self.trajectories = 0
-        """Consumed trajectories so far."""
         self._readings: dict[str, dict[str | None, tuple[RunningSummary, RunningSummary]]] = {r: {} for r in READINGS}
         """Per reading, per source (None: every source): summaries of staleness and architectural staleness."""
         self._recent: dict[int, list[ConsumedGroup]] = {}
@@ -75,8 +71,6 @@ class ConsumedLedger:
     def add(self, records: Iterable[ConsumedGroup]) -> None:
         """Account for newly consumed groups (one mini-batch's, or a restart's replay)."""
         for c in records:
-            self.groups += 1
-            self.trajectories += c.num_trajectories
             self._recent.setdefault(c.step, []).append(c)
             series = self._series.setdefault(c.step, {r: {} for r in READINGS})
             for reading, summaries in self._readings.items():

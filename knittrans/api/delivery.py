@@ -14,7 +14,7 @@ from typing import Any
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, mb_key, version_key
+from knittrans.api.records import Kind, index_key, version_key
 from knittrans.api.store import Txn
 from knittrans.errors import Conflict, DataLost, InvalidRequest, NotFound
 from knittrans.grants import sign_grant
@@ -195,14 +195,12 @@ class Delivery(JobBase):
         contract: the fetched route)."""
         who = self._ranks(ranks)
         mb = self._planned(n, attempt)
-        if mb is None:
-            return {"global_index": n, "attempt": attempt, "fetched_ranks": self.spec.world_size, "held": True}
-        new = who - mb.fetched - mb.acks
-        if new:
+        if mb is not None and (new := who - mb.fetched - mb.acks):
             mb.fetched |= new
-            txn.put(Kind.FETCHED, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
-        held = len(mb.fetched | mb.acks) == self.spec.world_size
-        return {"global_index": n, "attempt": attempt, "fetched_ranks": len(mb.fetched | mb.acks), "held": held}
+            txn.put(Kind.FETCHED, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.fetched)})
+        world = self.spec.world_size
+        holding = world if mb is None else len(mb.fetched | mb.acks)
+        return {"global_index": n, "attempt": attempt, "fetched_ranks": holding, "held": holding == world}
 
     def ack(
         self,
@@ -225,17 +223,7 @@ class Delivery(JobBase):
             InvalidRequest: figures of a rank the ack does not report for.
         """
         who = self._ranks(ranks)
-        world = self.spec.world_size
-
-        def answer(consumed: bool, duplicate: bool) -> dict[str, Any]:
-            return {
-                "global_index": n,
-                "attempt": attempt,
-                "consumed": consumed,
-                "duplicate": duplicate,
-                "world_size": world,
-            }
-
+        answer = {"global_index": n, "attempt": attempt, "world_size": self.spec.world_size}
         stray = sorted(set(figures) - who)
         if stray:
             raise InvalidRequest(
@@ -246,7 +234,7 @@ class Delivery(JobBase):
         if version is not None:
             self._check_version(min(who), version)
         if mb is None:
-            return answer(True, True)
+            return {**answer, "consumed": True, "duplicate": True}
         new = who - mb.acks
         for rank in sorted(new):
             cursor = self.rank_cursor(rank)
@@ -255,15 +243,15 @@ class Delivery(JobBase):
         if version is not None:
             self._set_version(min(who), version, txn)
         if not new:
-            return answer(False, True)
+            return {**answer, "consumed": False, "duplicate": True}
         mb.acks |= new
         mb.fetched -= new
         consumed = len(mb.acks) == self.spec.world_size
         if consumed:
             self._consume(mb, txn)
         else:
-            txn.put(Kind.ACK, self.name, mb_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
-        return answer(consumed, False)
+            txn.put(Kind.ACK, self.name, index_key(n), {"attempt": mb.attempt, "ranks": rank_runs(mb.acks)})
+        return {**answer, "consumed": consumed, "duplicate": False}
 
     def _consume(self, mb: MiniBatch, txn: Txn) -> None:
         records = []
@@ -292,18 +280,17 @@ class Delivery(JobBase):
         while (m := self.minibatches.get(self.position)) is not None and m.status == "consumed":
             self.position += 1
         self.evict_consumed()
-        txn.put(Kind.MINI_BATCH, self.name, mb_key(mb.n), mb.to_json())
-        txn.put(Kind.CONSUMED, self.name, mb_key(mb.n), [dict(vars(r)) for r in records])
+        txn.put(Kind.MINI_BATCH, self.name, index_key(mb.n), mb.to_json())
+        txn.put(Kind.CONSUMED, self.name, index_key(mb.n), [dict(vars(r)) for r in records])
         for kind in (Kind.ACK, Kind.FETCHED):
-            txn.delete(kind, self.name, mb_key(mb.n))
+            txn.delete(kind, self.name, index_key(mb.n))
 
     # ------------------------------------------------------------------ versions
-    def report_version(self, rank: int, version: int, txn: Txn) -> int:
+    def report_version(self, rank: int, version: int, txn: Txn) -> None:
         """Record ``rank``'s policy version after an optimizer step; versions never go back."""
         self._ranks([rank])
         self._check_version(rank, version)
         self._set_version(rank, version, txn)
-        return self.version
 
     def _check_version(self, rank: int, version: int) -> None:
         old = self.rank_versions.get(rank, 0)

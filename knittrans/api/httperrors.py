@@ -52,9 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def knittrans_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, KnitTransError)
         status = http_status(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        if status == 503:
-            headers = {"Retry-After": "1"}
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(status)
         return _json(status, error_kind(exc), str(exc), headers)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:

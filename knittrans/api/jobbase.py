@@ -7,7 +7,7 @@ follow the table in :mod:`knittrans.lifecycle`.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -82,9 +82,9 @@ class JobBase:
         """Mini-batches below this index were consumed and their entries (and attempts) dropped from memory;
         their records stay in the database. Keeps a long job's memory flat."""
         self.rank_versions: dict[int, int] = {}
-        self.started: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-        self.finished_count: dict[str, int] = {}
+        self.started: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.finished_count: Counter[str] = Counter()
         self.started_ids: set[str] = set()
         self.request_ids: set[str] = set()
         self.consumed = ConsumedLedger()
@@ -127,10 +127,7 @@ class JobBase:
     def pending(self) -> dict[str, int]:
         """``P[s]``: groups started and neither finished nor dropped."""
         sources = set(self.started) | set(self.quotas_for_step(self.next_n // self.K))
-        return {
-            s: max(0, self.started.get(s, 0) - self.finished_count.get(s, 0) - self.dropped.get(s, 0))
-            for s in sorted(sources)
-        }
+        return {s: max(0, self.started[s] - self.finished_count[s] - self.dropped[s]) for s in sorted(sources)}
 
     def pool(self) -> list[GroupEntry]:
         """Finished, unadmitted groups on live nodes, earliest finished first (ties by group id)."""
@@ -196,15 +193,14 @@ class JobBase:
         That is pending (generating) + finished unadmitted on live nodes + in admitted mini-batches beyond
         the trainer's position. Lost and expired groups left the count when they were retired.
         """
-        out = dict(self.pending())
+        out = Counter(self.pending())
         for g in self.unadmitted.values():
             if self._node_alive(g.node_id):
-                out[g.record.source] = out.get(g.record.source, 0) + 1
+                out[g.record.source] += 1
         for n in range(self.position + 1, self.next_n):
             mb = self.minibatches.get(n)
             if mb is not None and mb.status == "planned":
-                for source, count in mb.counts.items():
-                    out[source] = out.get(source, 0) + count
+                out.update(mb.counts)
         if self.spec.train_batch_handover == "step":
             self._hand_over_step(out)
         return out
@@ -232,7 +228,7 @@ class JobBase:
         """What rollout may launch now under the window ``W`` (trainer progress, not admission, frees it)."""
         quotas = self.quotas_for_step(self.next_n // self.K)
         untaken = self.untaken()
-        launched = {s: self.started.get(s, 0) - self.dropped.get(s, 0) for s in quotas}
+        launched = {s: self.started[s] - self.dropped[s] for s in quotas}
         room = self._timing.room(quotas, untaken)
         allowed = launchable(quotas, launched)
         idle = self.next_n <= self.position  # every admitted mini-batch acked: the trainer waits on rollout
@@ -270,12 +266,6 @@ class JobBase:
                 self.lost[entry.record.group_id] = entry
             else:
                 self.lost.pop(entry.record.group_id, None)
-
-    def recount_groups(self) -> None:
-        """Rebuild :attr:`group_counts` and :attr:`lost` from :attr:`groups` (after a restore)."""
-        self.group_counts, self.lost = {}, {}
-        for entry in self.groups.values():
-            self.count_group(entry, 1)
 
     def retire(self, group_ids: Sequence[str]) -> None:
         """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.
@@ -324,16 +314,8 @@ class JobBase:
             self.meta_saved = meta
 
     def _save_supply(self, txn: Txn, source: str) -> None:
-        txn.put(
-            Kind.SUPPLY,
-            self.name,
-            source,
-            {
-                "started": self.started.get(source, 0),
-                "dropped": self.dropped.get(source, 0),
-                "finished": self.finished_count.get(source, 0),
-            },
-        )
+        counts = {"started": self.started, "dropped": self.dropped, "finished": self.finished_count}
+        txn.put(Kind.SUPPLY, self.name, source, {k: per_source[source] for k, per_source in counts.items()})
 
     def _regenerate(self, txn: Txn, entry: GroupEntry, reason: str) -> None:
         """Offer a lost or expired group for regeneration (``reason`` says why)."""

@@ -355,8 +355,7 @@ class TransferIn(_In):
         bad = [name for name, values in columns.items() if len(values) != len(ranks)]
         if bad:
             raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({len(ranks)})")
-        names = list(columns)
-        return {rank: {n: columns[n][i] for n in names} for i, rank in enumerate(ranks)}
+        return {rank: {name: values[i] for name, values in columns.items()} for i, rank in enumerate(ranks)}
 
 
 RankList = Annotated[list[Int32], Field(min_length=1, max_length=MAX_WORLD_SIZE)]

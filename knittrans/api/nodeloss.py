@@ -6,7 +6,7 @@ import logging
 
 from knittrans.api.entries import MiniBatch
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, mb_key
+from knittrans.api.records import Kind, index_key
 from knittrans.api.store import Txn
 from knittrans.errors import Conflict, NotFound
 from knittrans.lifecycle import ADMITTED
@@ -84,8 +84,8 @@ class NodeLoss(JobBase):
             for n in withdrawn:
                 mb = self.minibatches.pop(n)
                 assert not mb.acks, f"mini-batch {n} acked after an untouched earlier one"
-                txn.delete(Kind.MINI_BATCH, self.name, mb_key(n))
-                txn.delete(Kind.FETCHED, self.name, mb_key(n))
+                txn.delete(Kind.MINI_BATCH, self.name, index_key(n))
+                txn.delete(Kind.FETCHED, self.name, index_key(n))
                 for gid in mb.group_ids:
                     self._set(self.groups[gid], "finished", txn)
             self.next_n = first

@@ -7,17 +7,17 @@ kind                key                           value
 ==================  ============================  ====================================================
 ``node``            node id (job ``""``)          the node's registration (:class:`~knittrans.api.service.Node`)
 ``job``             ``meta``                      spec, lifecycle state, next index, attempts, quotas
-``units``           batch number (:func:`batch_key`)  the units registered in one request
+``units``           :func:`index_key`             the units registered in one request
 ``group``           group id                      ``{unit_id, status}`` of a lost or expired group
-``mb``              :func:`mb_key`                 one admitted mini-batch
-``ack``             :func:`mb_key`                 ``{attempt, ranks}``: the ranks (``[start, stop)`` runs)
+``mb``              :func:`index_key`             one admitted mini-batch
+``ack``             :func:`index_key`             ``{attempt, ranks}``: the ranks (``[start, stop)`` runs)
                                                   that acked the mini-batch
-``fetched``         :func:`mb_key`                 ``{attempt, ranks}``: the ranks that hold their share
-``version``         :func:`version_key`            a rank's policy version
+``fetched``         :func:`index_key`             ``{attempt, ranks}``: the ranks that hold their share
+``version``         :func:`version_key`           a rank's policy version
 ``supply``          source                        groups started, dropped and finished
 ``started``         group id                      the source of a group reported started
 ``request``         request id                    ``1``: a supply report already applied
-``consumed``        :func:`mb_key`                 staleness rows of a consumed mini-batch
+``consumed``        :func:`index_key`             staleness rows of a consumed mini-batch
 ``lost``            group id                      a group to regenerate (see :attr:`Kind.TO_REGENERATE`)
 ==================  ============================  ====================================================
 
@@ -32,8 +32,7 @@ __all__ = [
     "JOB_KINDS",
     "META_KEY",
     "Kind",
-    "batch_key",
-    "mb_key",
+    "index_key",
     "version_key",
 ]
 
@@ -64,14 +63,10 @@ META_KEY = "meta"
 """Key of a job's one ``job`` record."""
 
 
-def mb_key(n: int) -> str:
-    """Store key of mini-batch ``n`` (zero-padded so keys sort numerically)."""
+def index_key(n: int) -> str:
+    """Store key of mini-batch ``n`` or of a job's ``n``-th registration of units (zero-padded: keys sort
+    numerically)."""
     return f"{n:012d}"
-
-
-def batch_key(batch: int) -> str:
-    """Store key of the ``batch``-th registration of units of a job (zero-padded: keys sort in order)."""
-    return f"{batch:012d}"
 
 
 def version_key(rank: int) -> str:

@@ -43,7 +43,8 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n
     job.unadmitted = {gid: g for gid, g in job.groups.items() if g.status == "finished"}
-    job.recount_groups()
+    for entry in job.groups.values():
+        job.count_group(entry, 1)
     job.retire([gid for mb in job.minibatches.values() if mb.status == "consumed" for gid in mb.group_ids])
     while (m := job.minibatches.get(job.position)) is not None and m.status == "consumed":
         job.position += 1

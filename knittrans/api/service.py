@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from knittrans.api.delivery import Published
 from knittrans.api.jobstate import JobState
@@ -33,6 +33,8 @@ from knittrans.lifecycle import JobAction
 __all__ = ["ControlPlane", "Node"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -180,6 +182,15 @@ class ControlPlane:
                 for name in list(self.jobs):
                     self.on_change(name)
 
+    def _apply(self, name: str, change: Callable[[JobState, Txn], T]) -> tuple[T, list[int]]:
+        """``change(job, txn)`` and the admission it allows in one change, then what the job admits after it
+        (:meth:`_admit_rest`); returns the change's result and every mini-batch admitted."""
+        job = self.job(name)
+        with self._change(name) as txn:
+            result = change(job, txn)
+            admitted = job.admit(txn)
+        return result, self._admit_rest(name, admitted)
+
     def _admit_rest(self, name: str, admitted: list[int]) -> list[int]:
         """``admitted`` (what the change just committed admitted: at most one mini-batch) and those the job admits
         after it, one change each: every manifest is committed and published before the next one is formed, so
@@ -324,41 +335,25 @@ class ControlPlane:
 
     def update_quotas(self, name: str, quotas: Mapping[str, int]) -> dict[str, Any]:
         """New quotas from the next train step on."""
-        job = self.job(name)
-        with self._change(name) as txn:
-            from_step = job.update_quotas(quotas)
-            admitted = job.admit(txn)
-        self._admit_rest(name, admitted)
+        from_step, _ = self._apply(name, lambda job, txn: job.update_quotas(quotas))
         return {**self.get_job(name), "effective_from_step": from_step}
 
     def set_state(self, name: str, action: JobAction) -> dict[str, Any]:
         """``pause``, ``resume`` or ``drain`` a job."""
-        job = self.job(name)
-        with self._change(name) as txn:
-            job.set_state(action, txn)
-            admitted = job.admit(txn)
-        self._admit_rest(name, admitted)
+        self._apply(name, lambda job, txn: job.set_state(action, txn))
         return self.get_job(name)
 
     # ------------------------------------------------------------------ units, supply
     def register_units(self, name: str, units: Sequence[UnitDescriptor]) -> dict[str, Any]:
         """Register a batch of units atomically (all or none); runs admission."""
-        job = self.job(name)
-        job.check_units(units, self._node_state)
-        with self._change(name) as txn:
-            new = job.add_units(units, txn)
-            admitted = job.admit(txn)
+        self.job(name).check_units(units, self._node_state)
+        new, admitted = self._apply(name, lambda job, txn: job.add_units(units, txn))
         self.units_registered += new
-        admitted = self._admit_rest(name, admitted)
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}
 
     def remove_unit(self, name: str, unit_id: str, reason: str) -> dict[str, Any]:
         """Admin repair: take a bad unit out of scheduling (its unadmitted groups are regenerated)."""
-        job = self.job(name)
-        with self._change(name) as txn:
-            removed = job.remove_unit(unit_id, reason, txn)
-            admitted = job.admit(txn)
-        admitted = self._admit_rest(name, admitted)
+        removed, admitted = self._apply(name, lambda job, txn: job.remove_unit(unit_id, reason, txn))
         logger.warning(
             "job %s: unit %s removed by an admin (%s); groups to regenerate: %s", name, unit_id, reason, removed
         )
@@ -375,19 +370,18 @@ class ControlPlane:
         regenerates: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Count groups started or dropped per source; runs admission."""
-        job = self.job(name)
-        with self._change(name) as txn:
-            applied = job.add_supply(
+        applied, admitted = self._apply(
+            name,
+            lambda job, txn: job.add_supply(
                 txn,
                 started=started,
                 group_ids=group_ids,
                 dropped=dropped,
                 request_id=request_id,
                 regenerates=regenerates,
-            )
-            admitted = job.admit(txn)
-        admitted = self._admit_rest(name, admitted)
-        return {"applied": applied, "pending": job.pending(), "admitted": admitted}
+            ),
+        )
+        return {"applied": applied, "pending": self.jobs[name].pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ mini-batches
     def published(self, name: str) -> Published | None:
@@ -426,11 +420,7 @@ class ControlPlane:
 
     def report_version(self, name: str, rank: int, version: int) -> dict[str, Any]:
         """Record a rank's policy version; runs admission."""
-        job = self.job(name)
-        with self._change(name) as txn:
-            job.report_version(rank, version, txn)
-            admitted = job.admit(txn)
-        self._admit_rest(name, admitted)
+        self._apply(name, lambda job, txn: job.report_version(rank, version, txn))
         return self.get_version(name)
 
     def headroom(self, name: str) -> dict[str, Any]:

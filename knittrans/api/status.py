@@ -4,6 +4,7 @@ admission times) and the admin overview built from it (every job, node and rank,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -41,17 +42,14 @@ def job_status(job: JobState) -> dict[str, Any]:
     step, k = divmod(job.next_n, job.K)
     quotas = job.quotas_for_step(step)
     admitted = job.admitted_in_step(step)
-    finished: dict[str, int] = {}
     by_status: dict[str, int] = {}
     for (_, status), count in job.group_counts.items():
         if count:
             by_status[status] = by_status.get(status, 0) + count
     lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id} for g in job.lost.values()]
     pool = job.pool()
-    by_node: dict[str, int] = {}
-    for g in pool:
-        finished[g.record.source] = finished.get(g.record.source, 0) + 1
-        by_node[g.node_id] = by_node.get(g.node_id, 0) + 1
+    finished = Counter(g.record.source for g in pool)
+    by_node = Counter(g.node_id for g in pool)
     in_flight = job.in_flight()
     open_step = not job.done() and (job.can_admit() or job.state == "paused")
     deficits = quota_deficit(job.step_state()) if open_step else {}
@@ -71,7 +69,7 @@ def job_status(job: JobState) -> dict[str, Any]:
         },
         "counts": {
             "units": len(job.units) + len(job.retired_units),
-            "finished": finished,
+            "finished": dict(finished),
             "pending": job.pending(),
             "admitted_in_step": admitted,
             "groups_by_status": by_status,
@@ -131,10 +129,9 @@ def _overview_job(job: JobState, observed: Observations) -> dict[str, Any]:
         }
         for mb in job.in_flight()
     ]
-    pool_by_node: dict[str, dict[str, int]] = {}
+    pool_by_node: dict[str, Counter[str]] = {}
     for g in job.pool():
-        per_source = pool_by_node.setdefault(g.node_id, {})
-        per_source[g.record.source] = per_source.get(g.record.source, 0) + 1
+        pool_by_node.setdefault(g.node_id, Counter())[g.record.source] += 1
     transfers = observed.job_ranks(job.name)
     # the first RANKS_SHOWN ranks and every rank that reported (acks or versions): O(ranks seen), not O(world_size)
     shown = set(range(min(job.spec.world_size, RANKS_SHOWN))) | set(transfers) | set(job.rank_versions)

@@ -145,7 +145,7 @@ class RecordStore:
     def reopen(self) -> None:
         """Connect again after :meth:`close`; a no-op while open."""
         with self._lock:
-            if getattr(self, "_closed", False):
+            if self._closed:
                 self._conn = _connect(self.path)
                 self._conn.execute(f"PRAGMA synchronous={self.synchronous}")
                 self._closed = False

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from knittrans.api.entries import GroupEntry
 from knittrans.api.jobbase import JobBase
-from knittrans.api.records import Kind, batch_key
+from knittrans.api.records import Kind, index_key
 from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict, InvalidRequest, NotFound
@@ -80,9 +80,9 @@ class Supply(JobBase):
                 entry = GroupEntry(record=g, unit_id=u.unit_id, node_id=u.node_id)  # status "finished"
                 groups[gid] = unadmitted[gid] = entry  # what _set(entry, "finished") does, without its no-op recount
                 self.count_group(entry, 1)
-                finished[g.source] = finished.get(g.source, 0) + 1
+                finished[g.source] += 1
         if fresh:
-            txn.put(Kind.UNITS, self.name, batch_key(self.unit_batches), [u.to_dict() for u in fresh])
+            txn.put(Kind.UNITS, self.name, index_key(self.unit_batches), [u.to_dict() for u in fresh])
             self.unit_batches += 1
         for s in {g.source for u in units for g in u.groups}:
             self._save_supply(txn, s)
@@ -118,16 +118,14 @@ class Supply(JobBase):
             del self.to_regenerate[gid]
             txn.delete(Kind.TO_REGENERATE, self.name, gid)
         touched = set(started) | set(dropped)
-        for s, c in started.items():
-            self.started[s] = self.started.get(s, 0) + c
-        for s, c in dropped.items():
-            self.dropped[s] = self.dropped.get(s, 0) + c
+        self.started.update(started)
+        self.dropped.update(dropped)
         for s, ids in group_ids.items():
             fresh = [i for i in dict.fromkeys(ids) if i not in self.started_ids]
             self.started_ids.update(fresh)
             for i in fresh:
                 txn.put(Kind.STARTED, self.name, i, s)
-            self.started[s] = self.started.get(s, 0) + len(fresh)
+            self.started[s] += len(fresh)
             touched.add(s)
         for s in touched:
             self._save_supply(txn, s)

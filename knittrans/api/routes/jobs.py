@@ -7,17 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
-from knittrans.api.models import ErrorOut, JobCreate, JobPublic, QuotasUpdate
+from knittrans.api.models import JobCreate, JobPublic, QuotasUpdate
 from knittrans.api.routes.deps import Run, Service
 from knittrans.api.spec import JobSpec
 
 __all__ = ["router"]
 
-router = APIRouter(
-    prefix="/v1/jobs",
-    tags=["jobs"],
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut}},
-)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 @router.post(

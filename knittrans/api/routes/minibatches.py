@@ -32,11 +32,7 @@ DONE_HEADER = "X-KnitTrans-Done"
 STATE_HEADER = "X-KnitTrans-Job-State"
 """Lifecycle state of the job, on every 204 and 304 of the long-poll."""
 
-router = APIRouter(
-    prefix="/v1/jobs",
-    tags=["mini-batches"],
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut}},
-)
+router = APIRouter(prefix="/v1/jobs", tags=["mini-batches"], responses={410: {"model": ErrorOut}})
 
 Index = Path(ge=0, le=(1 << 53) - 1, description="global index of the mini-batch (step * K + k)")
 

@@ -8,16 +8,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
-from knittrans.api.models import ErrorOut, NodeLostIn, NodePublic, NodeRegister, NodeUsageIn
+from knittrans.api.models import NodeLostIn, NodePublic, NodeRegister, NodeUsageIn
 from knittrans.api.routes.deps import Run, Service
 
 __all__ = ["router"]
 
-router = APIRouter(
-    prefix="/v1/nodes",
-    tags=["nodes"],
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
-)
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 
 
 @router.post("", response_model=NodePublic)

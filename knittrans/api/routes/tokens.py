@@ -7,16 +7,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from knittrans.api.auth import AdminAuth, Scope, mint_token
-from knittrans.api.models import ErrorOut, TokenIn, TokenOut
+from knittrans.api.models import TokenIn, TokenOut
 from knittrans.errors import Conflict
 
 __all__ = ["router"]
 
-router = APIRouter(
-    prefix="/v1/tokens",
-    tags=["tokens"],
-    responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 409: {"model": ErrorOut}},
-)
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 
 @router.post("", response_model=TokenOut)

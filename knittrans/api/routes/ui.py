@@ -11,13 +11,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from knittrans.api.auth import AdminAuth
-from knittrans.api.models import ErrorOut
 from knittrans.api.routes.deps import Run, Service
 from knittrans.api.status import overview
 
 __all__ = ["CSP", "router"]
 
-router = APIRouter(tags=["ui"], responses={401: {"model": ErrorOut}})
+router = APIRouter(tags=["ui"])
 
 CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "

@@ -11,7 +11,6 @@ from fastapi import APIRouter, Query, Request
 
 from knittrans.api.auth import AdminAuth, WorkerAuth
 from knittrans.api.models import (
-    ErrorOut,
     HeadroomOut,
     RolloutWeightsIn,
     RolloutWeightsOut,
@@ -29,11 +28,7 @@ from knittrans.names import check_name
 
 __all__ = ["router"]
 
-router = APIRouter(
-    prefix="/v1/jobs",
-    tags=["units"],
-    responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 409: {"model": ErrorOut}},
-)
+router = APIRouter(prefix="/v1/jobs", tags=["units"])
 
 
 @router.post("/{job}/units", response_model=UnitsOut)
