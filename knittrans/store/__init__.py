@@ -14,7 +14,7 @@ from knittrans.store.store import (
     UnitStore,
     writer_temp_name,
 )
-from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, LocalReader, SealedUnit, read_media, read_rows
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, LocalReader, SealedUnit
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -27,7 +27,5 @@ __all__ = [
     "SealedUnit",
     "StoreConfig",
     "UnitStore",
-    "read_media",
-    "read_rows",
     "writer_temp_name",
 ]
