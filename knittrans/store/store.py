@@ -166,8 +166,6 @@ class PendingUnit:
 
     def claim(self, part: Part) -> object:
         """Make the calling stream the only writer of ``part``; an earlier stream's rows are dropped."""
-        if part not in ("traj", "media"):
-            raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
         with self.lock:
             if self.discarded:
                 raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted; start it again")
@@ -228,8 +226,6 @@ class PendingUnit:
         With ``token`` (streams from :meth:`claim`) the write is refused once the stream lost the part.
         """
         with self.lock:
-            if part not in ("traj", "media"):
-                raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
             if self.discarded:
                 raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted while being written")
             if token is not None and self._owners.get(part) is not token:
