@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,35 +164,24 @@ def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     return body
 
 
-def _count(body: dict[str, Any], key: str, kind: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
-    return value
-
-
-def _timeout(kind: str, timeout: Any) -> float | None:
-    if timeout is not None and (
-        not isinstance(timeout, int | float)
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or not 0 <= timeout <= MAX_WAIT_S
-    ):
-        raise InvalidRequest(
-            f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_WAIT_S}], not {timeout!r}"
-        )
-    return timeout
-
-
-def _unit_entries(kind: str, units: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``(unit_id, entry)`` of a batched action's ``units``: 1 to :data:`MAX_BATCH_UNITS` objects naming a unit."""
+def _unit_specs(kind: str, body: dict[str, Any]) -> list[tuple[SealSpec, dict[str, Any]]]:
+    """The ``units`` of a batched action (1 to :data:`MAX_BATCH_UNITS` objects naming a unit, each with the
+    optional counts of a :class:`SealSpec`) as specs beside their entries."""
+    units = body["units"]
     if not isinstance(units, list) or not 1 <= len(units) <= MAX_BATCH_UNITS:
         raise InvalidRequest(f"action {kind!r}: 'units' must be a list of 1 to {MAX_BATCH_UNITS} objects")
     out = []
     for e in units:
         if not isinstance(e, dict) or "unit" not in e:
             raise InvalidRequest(f"action {kind!r}: every entry of 'units' must be an object with a 'unit' key")
-        out.append((check_name(e["unit"], "unit_id"), e))
+        uid = check_name(e["unit"], "unit_id")
+        if kind == "publish_units" and (not isinstance(e.get("dir"), str) or not e["dir"]):
+            raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
+        counts = {k: e.get(k) for k in ("rows", "media_rows", "num_bytes")}
+        for key, value in counts.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
+        out.append((SealSpec(unit_id=uid, **counts), e))
     return out
 
 
@@ -391,35 +379,25 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             return _json({"node_id": self.config.node_id, **self.store.stats()})
         if kind == "data_lane":
             return _json({"port": self.lane.port if self.lane is not None else None})
-        if kind == "publish_units":
-            return self._publish_units(action, context.is_cancelled)
-        if kind == "seal_units":
+        if kind in ("seal_units", "publish_units"):
             body = _body(action, "job", "units")
-            job = check_name(body["job"], "job")
-            specs = [
-                SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
-                for uid, e in _unit_entries(kind, body["units"])
-            ]
-            return _json({"units": [u.info() for u in self.store.seal_units(job, specs)]})
+            job, specs = check_name(body["job"], "job"), _unit_specs(kind, body)
+            if kind == "seal_units":
+                sealed = self.store.seal_units(job, [spec for spec, _ in specs])
+            else:
+                timeout = body.get("timeout_s")
+                number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+                if timeout is not None and not (number and 0 <= timeout <= MAX_WAIT_S):
+                    raise InvalidRequest(
+                        f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_WAIT_S}], "
+                        f"not {timeout!r}"
+                    )
+                units = [(spec, e["dir"]) for spec, e in specs]
+                sealed = self.store.publish_units(job, units, timeout=timeout, abandoned=context.is_cancelled)
+            return _json({"units": [u.info() for u in sealed]})
         if kind == "delete":
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
             self.store.delete(job, unit_id)
             return _json({"deleted": unit_id})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
-
-    def _publish_units(self, action: flight.Action, abandoned: Callable[[], bool]) -> list[bytes]:
-        """The ``publish_units`` action: its JSON body checked, the units published
-        (:meth:`UnitStore.publish_units`); the JSON answer."""
-        kind = "publish_units"
-        body = _body(action, "job", "units")
-        job = check_name(body["job"], "job")
-        timeout = _timeout(kind, body.get("timeout_s"))
-        units = []
-        for uid, e in _unit_entries(kind, body["units"]):
-            if not isinstance(e.get("dir"), str) or not e["dir"]:
-                raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
-            counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
-            units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
-        published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
-        return _json({"units": [u.info() for u in published]})
