@@ -244,7 +244,7 @@ class StoreClient:
             try:
                 lane.ping(conn, self._authorization)
                 ok = True
-            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError, KnitTransError) as exc:  # no lane answer
+            except (lane.NotALane, OSError, KnitTransError) as exc:  # no lane answer
                 logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
             finally:
                 self._lane_release(conn, ok)
@@ -272,9 +272,6 @@ class StoreClient:
                     table = lane.read_answer(conn, self._recv_pool)
                     ok = True
                     return table
-                except (lane.NotALane, lane.LaneSilent) as exc:  # on a new connection: maybe not the lane at all
-                    cls = Unavailable if pooled else _LaneUnreachable
-                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
                         msg = f"data lane of store {self.endpoint} closed a new connection: {exc}"
@@ -283,6 +280,9 @@ class StoreClient:
                         stale, self._lane_idle = self._lane_idle, []
                     for old in stale:
                         old.close()
+                except lane.NotALane as exc:  # on a new connection: maybe not the lane at all
+                    cls = Unavailable if pooled else _LaneUnreachable
+                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except OSError as exc:
                     raise Unavailable(f"data lane of store {self.endpoint} failed: {exc}") from None
                 finally:

@@ -73,8 +73,6 @@ class Gate:
         self._listener, self._header_size = listener, header_size
         self._parse, self._admit, self._frame = parse, admit, frame
         self.timeout_s, self.max_pending = timeout_s, max_pending
-        self.closed_unauthenticated = 0
-        """Connections closed before they were admitted (timed out, pushed out by newer ones, refused)."""
         self._waiting: dict[socket.socket, _Waiting] = {}  # insertion order: oldest first
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -84,11 +82,6 @@ class Gate:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="knittrans-lane-gate", daemon=True)
         self._thread.start()
-
-    @property
-    def pending(self) -> int:
-        """Connections accepted that have not sent their header and authorization yet."""
-        return len(self._waiting)
 
     def close(self) -> None:
         """Stop accepting; close every connection still waiting (the listener is the caller's)."""
@@ -203,5 +196,4 @@ class Gate:
     def _drop(self, conn: socket.socket) -> None:
         if conn in self._waiting:
             self._release(conn)
-        self.closed_unauthenticated += 1
         conn.close()
