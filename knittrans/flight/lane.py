@@ -62,7 +62,6 @@ __all__ = [
     "ping",
     "read_answer",
     "send_request",
-    "socket_timeouts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class LaneClosed(NotALane):
     """The peer closed the connection before the first byte of an answer (a stale pooled connection)."""
 
 
-def socket_timeouts(sock: socket.socket, seconds: float) -> None:
+def _socket_timeouts(sock: socket.socket, seconds: float) -> None:
     """Kernel send and receive timeouts of a blocking socket: a call waiting that long without progress fails."""
     whole = int(seconds)
     tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -242,7 +241,7 @@ class LaneServer:
         except KnitTransError as exc:  # a request the lane cannot read further: answered, then closed
             logger.info("data lane request from %s refused, closing: %s", peer, exc)
             try:
-                socket_timeouts(conn, self.send_timeout_s)
+                _socket_timeouts(conn, self.send_timeout_s)
                 conn.settimeout(None)
                 conn.sendall(_error_frame(exc))
             except OSError:
@@ -291,7 +290,7 @@ class LaneServer:
     def _answer(self, conn: socket.socket, ticket: bytes) -> None:
         """Answer one authenticated request: the read of ``ticket`` (empty: a ping), or its error."""
         conn.settimeout(None)
-        socket_timeouts(conn, self.send_timeout_s)
+        _socket_timeouts(conn, self.send_timeout_s)
         try:
             if not ticket:  # a ping: the connection is checked, nothing read
                 conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
@@ -342,7 +341,7 @@ def connect(host: str, port: int, *, connect_timeout_s: float, timeout_s: float 
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if timeout_s is not None:
-        socket_timeouts(conn, timeout_s)
+        _socket_timeouts(conn, timeout_s)
     return conn
 
 

@@ -2,31 +2,21 @@
 
 Protocol (all payloads JSON unless noted):
 
-* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly. ``rows`` tickets
-  stream rows × columns of one or many units of this node, in read order, as record batches
-  sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
-* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (two puts
-  per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
-  limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
-  the put's metadata stream. The unit stays invisible until ``seal_units`` names it.
-* Data lane (on by default on a free port unless TLS; ``data_lane=False`` turns it off): the
-  ``data_lane`` action answers ``{"port": N}`` (or ``null``); that TCP port answers a lane request
-  (the bearer token and the same ticket bytes a ``DoGet`` carries) with the same record batches as
-  one length-prefixed Arrow IPC stream, written from the mapped unit files (:mod:`knittrans.flight.lane`).
+* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly (signed mode: its grants
+  checked). ``rows`` tickets stream rows × columns of one or many units of this node, in read order, as
+  record batches sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
+* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (media may be
+  omitted); the stream's schema must be ours, every batch's content is validated and acknowledged with
+  ``{"rows": n, "bytes": b}``, the unit's total bytes are limited (``PayloadTooLarge``). The unit stays
+  invisible until ``seal_units`` names it. Retries and races: :class:`~knittrans.store.PendingUnit`.
+* Data lane (on unless TLS or ``data_lane=False``): the ``data_lane`` action answers ``{"port": N}`` (or
+  ``null``); that TCP port serves the same reads (:mod:`knittrans.flight.lane`).
 * ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
-* Writes are safe to retry and to race: a ``DoPut`` stream owns its part of the pending unit
-  while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
-  the part instead of appending; a failing stream drops only its own rows). Every batch's
-  content is validated (:func:`knittrans.schema.validate_part`).
-* Actions: ``seal_units`` ``{"job", "units": [{"unit", "rows"?, "media_rows"?, "num_bytes"?}, ...]}``
-  -> ``{"units": [info, ...]}`` publishes units written with ``DoPut``, all or none (the optional
-  counts must match what was written, else the unit is dropped with ``Conflict``; a failing unit
-  deletes the ones this call sealed and aborts the rest). ``publish_units`` ``{"job", "units":
-  [{"unit", "dir", "rows"?, "media_rows"?, "num_bytes"?}, ...], "timeout_s"?}`` -> ``{"units": [info,
-  ...]}``: a same-host writer's one round trip per call, for units it wrote into its own temporaries
-  ``<root>/<job>/.tmp-<unit>-w<hex>`` (budget charged, then sealed as ``seal_units``; all or none,
-  the temporaries of a failed call removed; see :meth:`UnitStore.publish_units`). ``delete``
-  ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
+* Actions (:meth:`StoreServer.list_actions`): ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
+  "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` publishes units written with
+  ``DoPut``, all or none (:meth:`UnitStore.seal_units`); ``publish_units`` (the same plus ``"dir"`` per
+  unit and ``"timeout_s"``): a same-host writer's units written into its own temporaries, all or none
+  (:meth:`UnitStore.publish_units`); ``delete`` ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
 
 Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
 stops the server.
