@@ -33,13 +33,13 @@ MEDIA_FILE = "media.arrow"
 """Media IPC file inside a unit directory."""
 
 
-def write_table(path: Path, table: pa.Table, *, max_chunk_rows: int | None = None) -> int:
+def write_table(path: Path, table: pa.Table) -> int:
     """Write ``table`` as an Arrow IPC file (no fsync: tmpfs) and return its size in bytes.
 
     Through a 64 KiB buffer: the IPC writer writes each buffer of each column and its padding apart."""
     with pa.OSFile(str(path), "wb") as raw, pa.BufferedOutputStream(raw, buffer_size=_WRITE_BUFFER) as sink:
         with ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table, max_chunksize=max_chunk_rows)
+            writer.write_table(table)
         return int(sink.tell())
 
 
