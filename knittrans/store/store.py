@@ -472,14 +472,11 @@ class UnitStore:
     ) -> list[SealedUnit]:
         """Publish units a same-host writer wrote into its own temporaries, all or none (one round trip).
 
-        Each ``(spec, dir)``: ``dir`` is ``<root>/<job>/.tmp-<unit>-<suffix>`` (a writer's private
-        temporary, see :func:`writer_temp_name`) holding the unit's IPC files (``media.arrow`` may be
-        absent: no media; none is created). Per unit, in order: the
-        budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
-        spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
-        The files exist before the budget is charged: the store may briefly hold one call's bytes above
-        its budget. When one unit fails, the units this
-        call sealed are deleted and every temporary of the call is removed; the error names the unit.
+        Each ``(spec, dir)``: ``dir`` is a writer's temporary (:func:`writer_temp_name`) in ``<root>/<job>/``
+        holding the unit's IPC files (no ``media.arrow``: no media). Per unit, in order, the budget is charged
+        the files' size (waiting up to what is left of ``timeout``; with a spill dir the unit moves there
+        instead), then :meth:`seal_units` seals them. When one unit fails, the units this call sealed are
+        deleted and every temporary of the call is removed; the error names the unit.
         """
         check_name(job, "job")
         ids = [spec.unit_id for spec, _ in units]
