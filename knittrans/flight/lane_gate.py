@@ -1,10 +1,9 @@
 """The data lane's front door: accepts connections and reads each one's first header and credentials on one
 thread, before the connection gets a thread or a buffer of its own.
 
-Why: a listener that gives every accepted connection a thread and reads a request's declared lengths
-before checking its token can be pinned by anyone who can connect (idle connections filling the
-connection cap, declared bodies allocated before the token is checked). The gate holds connections
-that have not shown a token yet in one ``selectors`` loop: per connection a socket and at most
+Why (decision 0005): otherwise anyone who can connect pins the listener (idle connections filling the
+connection cap, declared bodies allocated before the token is checked). The gate holds connections that
+have not shown a token yet in one ``selectors`` loop: per connection a socket and at most
 ``header_size + max_auth`` bytes (the lane: 12 + 4096). Each one must send its header and its
 authorization within ``timeout_s`` of being accepted, else it is closed. At most ``max_pending`` wait
 at once; a further connection closes the one that has waited longest (a client that sends its request
