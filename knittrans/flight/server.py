@@ -314,8 +314,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         part: Literal["traj", "media"] = "traj" if path[2] == "traj" else "media"
         check_schema(reader.schema, "trajectories" if part == "traj" else "media")
         pending, token = self.store.open_part(job, unit_id, part)
-        ok = False
-        refused: Exception | None = None
+        ok = refused = False
         try:
             while True:
                 try:
@@ -335,12 +334,12 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 pending.write(part, batch, token=token, abandoned=context.is_cancelled)
                 writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
             ok = True
-        except (OverBudget, PayloadTooLarge) as exc:
-            refused = exc
+        except (OverBudget, PayloadTooLarge):
+            refused = True
             raise
         finally:
             self.store.close_part(pending, part, token, ok=ok)
-            if refused is not None:  # the unit cannot be completed: its other part gives its budget back now
+            if refused:  # the unit cannot be completed: its other part gives its budget back now
                 self.store.abort(job, unit_id, only=pending)
 
     # --- actions -----------------------------------------------------------------------------

@@ -187,19 +187,15 @@ class PendingUnit:
             self._owners[part] = token
             return token
 
-    def release(self, part: Part, token: object, *, ok: bool) -> None:
-        """End the stream holding ``token``; a failed stream's rows of ``part`` are dropped."""
+    def release(self, part: Part, token: object, *, ok: bool) -> bool:
+        """End the stream holding ``token``; a failed stream's rows of ``part`` are dropped. True when a failed
+        stream leaves no stream writing and no rows kept (a failed first upload)."""
         with self.lock:
-            if self._owners.get(part) is not token:
-                return
-            del self._owners[part]
-            if not ok:
-                self._reset(part)
-
-    @property
-    def idle_and_empty(self) -> bool:
-        """No stream is writing and no rows were kept (a failed first upload leaves this)."""
-        return not self._owners and not any(self.rows.values()) and not self._writers
+            if self._owners.get(part) is token:
+                del self._owners[part]
+                if not ok:
+                    self._reset(part)
+            return not ok and not self._owners and not any(self.rows.values()) and not self._writers
 
     def _reset(self, part: str) -> None:
         entry = self._writers.pop(part, None)
@@ -397,12 +393,8 @@ class UnitStore:
 
     def close_part(self, pending: PendingUnit, part: Part, token: object, *, ok: bool) -> None:
         """End an upload stream; a failed first upload that left nothing behind drops its pending unit."""
-        pending.release(part, token, ok=ok)
-        if not ok:
-            with pending.lock:
-                empty = pending.idle_and_empty
-            if empty:
-                self.abort(pending.job, pending.unit_id, only=pending)
+        if pending.release(part, token, ok=ok):
+            self.abort(pending.job, pending.unit_id, only=pending)
 
     def _seal(self, job: str, spec: SealSpec) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
