@@ -163,7 +163,7 @@ def test_unit_files_must_be_whole_ipc_files(tmp_path: Path) -> None:
     t = _tables(n=4)
     unit_dir = tmp_path / "u"
     unit_dir.mkdir()
-    write_table(unit_dir / TRAJ_FILE, t.traj, max_chunk_rows=3)
+    write_table(unit_dir / TRAJ_FILE, pa.Table.from_batches(t.traj.to_batches(max_chunksize=3)))
     write_table(unit_dir / MEDIA_FILE, t.media)
     whole = (unit_dir / TRAJ_FILE).read_bytes()
     unit = SealedUnit.open("job", "u", unit_dir)

@@ -1,35 +1,18 @@
 """``StoreClient``: a small typed client of one store node (used by the writer and the fetcher).
 
-API::
+Reads (:meth:`~StoreClient.get`, :meth:`~StoreClient.stream`) go over the store's bulk data lane
+(:mod:`knittrans.flight.lane`; its port asked once with the ``data_lane`` action) when the client has
+``data_lane`` and the store a lane, else through ``DoGet``, with the same result. A lane that cannot be
+reached (refused, no connection within ``LANE_CONNECT_TIMEOUT_S``, or no lane answer on a new connection:
+a firewall, a container with only its Flight port published) is logged once and skipped for
+``LANE_RETRY_S`` (doubled after each further failure in a row, up to ``LANE_RETRY_MAX_S``), once the store
+was asked for its lane's port again (a restarted store opens its lane on a new one, used at once). A read
+the lane cannot serve (full, a broken answer) goes through ``DoGet`` and the next read tries the lane
+again: a lane never fails a read ``DoGet`` could serve (errors about the read itself, e.g. an unknown unit
+or a wrong token, are raised as they are).
 
-    with StoreClient("grpc://127.0.0.1:8815", token=None) as c:
-        c.get(ticket) -> pa.Table                      # one read: over the data lane if the store has one, else DoGet
-        c.lane_get(ticket) -> pa.Table                 # one read over the store's data lane (no fallback)
-        c.lane_warm() -> bool                          # one lane connection opened and pinged ahead of a read
-        c.stream(ticket) -> Iterator[pa.RecordBatch]   # one DoGet, batch by batch as it arrives
-        c.put_unit(job, unit, traj, media) -> dict     # two DoPuts + seal_units
-        c.seal_units(job, [{"unit": ...}, ...])        # units put with DoPut, all or none
-        c.publish_units(job, [{"unit": ..., "dir": ...}, ...])  # same host: own temporaries, one call
-        c.delete(job, unit) / c.stats() / c.health()
-        c.list_units(job=None) -> list[dict]; c.unit_info(job, unit) -> dict
-
-By default (``data_lane=True``) :meth:`get` and :meth:`stream` read over the store's bulk data lane
-(:mod:`knittrans.flight.lane`; found once with the ``data_lane`` action, cached) when the store has
-one, else through ``DoGet``. A lane that cannot be reached (connection refused, no connection within
-``LANE_CONNECT_TIMEOUT_S``, or on a new connection no lane answer: closed, something else, or nothing
-within ``timeout_s``; e.g. a firewall, or a container whose Flight port alone is published) is logged
-once and left alone for ``LANE_RETRY_S`` (doubled after each further failure in a row, up to
-``LANE_RETRY_MAX_S``); its reads go through ``DoGet`` meanwhile, with the same result. Before that,
-the store is asked for its lane's port once more: a store restarted on the same Flight port opens its
-lane on a new one, which is then used at once. A read the lane cannot serve (it is full and says so,
-the connection breaks during the answer) goes through ``DoGet`` too, and the next read tries the lane
-again: a lane never fails a read ``DoGet`` could serve (errors the store answers about the read itself,
-e.g. an unknown unit or a wrong token, are raised as they are). Lane answers are received into buffers reused from read
-to read (:mod:`knittrans.flight.recv_pool`). :meth:`lane_warm` opens and pings one lane connection
-ahead of the first read (the fetcher's warm-up does).
-
-Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or
-``Unavailable`` when the node cannot be reached).
+Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or ``Unavailable``
+when the node cannot be reached).
 """
 
 from __future__ import annotations
@@ -161,10 +144,9 @@ class StoreClient:
     def get(self, ticket: Ticket) -> pa.Table:
         """The rows × columns (or media rows) the ticket names: over the store's data lane when the client
         has ``data_lane`` and the store a reachable lane, else one ``DoGet``."""
-        if self.data_lane:
-            table = self._lane_or_none(ticket)
-            if table is not None:
-                return table
+        table = self._lane_or_none(ticket)
+        if table is not None:
+            return table
         raw = flight.Ticket(ticket.encode())
         return self._call(lambda: self._client.do_get(raw, self._options).read_all())
 
@@ -181,10 +163,10 @@ class StoreClient:
         return self.lane_port() is not None and time.monotonic() >= self._lane_down_until
 
     def _lane_or_none(self, ticket: Ticket) -> pa.Table | None:
-        """The lane's answer, or None: the store has no lane, it cannot be reached (then remembered), or it could
-        not serve this request (full, closed meanwhile, a broken answer: this request goes through ``DoGet``, the
-        next one tries the lane again)."""
-        if not self.lane_reachable():
+        """The lane's answer, or None: the client does not use the lane, the store has none, it cannot be reached
+        (then remembered), or it could not serve this request (full, closed meanwhile, a broken answer: this
+        request goes through ``DoGet``, the next one tries the lane again)."""
+        if not self.data_lane or not self.lane_reachable():
             return None
         for attempt in range(2):
             try:
@@ -201,17 +183,12 @@ class StoreClient:
             else:
                 self._lane_failures = 0
                 return table
-        self._lane_down(failure, "reading it through DoGet")
-        return None
-
-    def _lane_down(self, failure: Exception, instead: str) -> None:
-        """Count a failed lane connect: reads and actions skip the lane for a while (doubling up to
-        ``LANE_RETRY_MAX_S`` while it keeps failing)."""
-        self._lane_failures += 1
+        self._lane_failures += 1  # reads skip the lane for a while, doubling while it keeps failing
         wait = min(LANE_RETRY_MAX_S, LANE_RETRY_S * 2 ** (self._lane_failures - 1))
         self._lane_down_until = time.monotonic() + wait
         log = logger.warning if self._lane_failures == 1 else logger.debug
-        log("%s; %s (lane tried again after %.0f s)", failure, instead, wait)
+        log("%s; reading it through DoGet (lane tried again after %.0f s)", failure, wait)
+        return None
 
     def _lane_moved(self) -> bool:
         """Ask the store for its lane's port again (a restarted store opens its lane on a new port);
@@ -234,22 +211,17 @@ class StoreClient:
             return False
         port = self._lane_port
         assert port is not None and port != _UNKNOWN
-        with self._lock:
-            if self._lane_idle:
-                return True
         self._enter()
         try:
-            conn, _ = self._lane_connection(port)
-            ok = False
+            conn, ok = self._lane_connection(port)  # a pooled connection is warm already
             try:
-                lane.ping(conn, self._authorization)
-                ok = True
-            except (lane.NotALane, lane.LaneSilent, lane.LaneClosed, OSError, KnitTransError) as exc:  # no lane answer
-                logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
+                if not ok:
+                    lane.ping(conn, self._authorization)
+                    ok = True
             finally:
                 self._lane_release(conn, ok)
-            return ok
-        except _LaneUnreachable as exc:
+            return True
+        except (lane.NotALane, OSError, KnitTransError) as exc:  # no lane answer, or no connection (_LaneUnreachable)
             logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
             return False
         finally:
@@ -272,9 +244,6 @@ class StoreClient:
                     table = lane.read_answer(conn, self._recv_pool)
                     ok = True
                     return table
-                except (lane.NotALane, lane.LaneSilent) as exc:  # on a new connection: maybe not the lane at all
-                    cls = Unavailable if pooled else _LaneUnreachable
-                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
                         msg = f"data lane of store {self.endpoint} closed a new connection: {exc}"
@@ -283,6 +252,9 @@ class StoreClient:
                         stale, self._lane_idle = self._lane_idle, []
                     for old in stale:
                         old.close()
+                except lane.NotALane as exc:  # on a new connection: maybe not the lane at all
+                    cls = Unavailable if pooled else _LaneUnreachable
+                    raise cls(f"port {port} of store {self.endpoint}: {exc}") from None
                 except OSError as exc:
                     raise Unavailable(f"data lane of store {self.endpoint} failed: {exc}") from None
                 finally:
@@ -318,10 +290,9 @@ class StoreClient:
         ``data_lane`` (and a store with a reachable lane) the whole answer is read here, over the lane,
         and its batches returned (the fetcher calls this in its worker pool).
         """
-        if self.data_lane:
-            table = self._lane_or_none(ticket)
-            if table is not None:
-                return iter(table.to_batches())
+        table = self._lane_or_none(ticket)
+        if table is not None:
+            return iter(table.to_batches())
         raw = flight.Ticket(ticket.encode())
         self._enter()  # the open stream counts as a call in flight until it ends
         try:

@@ -1,14 +1,12 @@
 """The store's bulk data lane: ``DoGet``'s answer as one length-prefixed Arrow IPC stream over plain TCP.
 
-Why: a Flight ``DoGet`` client copies every byte twice (kernel -> gRPC read slices, then gRPC merges
-each multi-slice message into one fresh ``malloc`` block whose pages fault in). The lane answers
-the same ticket with the same record batches framed so the client receives them with ``recv_into``
-straight into ONE buffer (reused from read to read once unreferenced: :mod:`knittrans.flight.recv_pool`)
-and opens it zero-copy (``pa.ipc.open_stream``); the
-store writes the IPC stream with ``sendmsg`` from the memory-mapped unit files (no user-space copy).
-Flight stays the control path: the lane is found with the ``data_lane`` action and serves reads only.
+Why (decision 0003): a Flight ``DoGet`` client copies every byte twice (kernel -> gRPC read slices, then
+one fresh ``malloc`` block per message). The lane frames the same record batches so that the client
+receives them with ``recv_into`` into one reused buffer (:mod:`knittrans.flight.recv_pool`) and opens it
+zero-copy; the store sends them with ``sendmsg`` from the memory-mapped unit files. Flight stays the
+control path: the lane is found with the ``data_lane`` action and serves reads only; TLS stores open none.
 
-Wire format (integers big-endian)::
+Wire format (integers big-endian; docs/reference/wire.md)::
 
     request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
     answer:   b"KTL1" | u8 status | u64 length | body
@@ -16,28 +14,16 @@ Wire format (integers big-endian)::
                         (a ping, ticket_len 0: length 0, no body)
               status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
 
-``auth`` is the value of the ``authorization`` header a Flight call carries (``Bearer <token>``,
-checked by the store's own :class:`~knittrans.flight.auth.BearerTokenFactory`), ``ticket`` the
-bytes of a Flight ticket (decoded and grant-checked by the store's own ``read_ticket``). A
-connection serves requests one after another.
-
-Authentication first, so that nobody without the token can pin the store: of every request the
-header (12 bytes) and the ``auth`` (<= 4 KiB) are read and the token checked before the ticket
-(<= :data:`~knittrans.tickets.MAX_TICKET_BYTES`) is read or a buffer allocated for it; a refused
-token gets an error frame and the connection is closed. A new connection waits in the
-:class:`~knittrans.flight.lane_gate.Gate` (one thread for all, no buffer beyond those 4 KiB) until
-its first request's header and token are in: within ``auth_timeout_s`` of being accepted, else it
-is closed; at most ``max_unauthenticated`` wait at once (a newer one closes the one waiting
-longest), apart from the ``max_connections`` admitted ones, which they cannot crowd out. An admitted
-connection gets a thread; a further connection past ``max_connections`` is answered ``Unavailable``
-("use DoGet": clients read that request through Flight) and closed. Then: a request must arrive
-whole within ``request_timeout_s`` of its first byte; an idle connection is closed after
-``idle_timeout_s``; a client that takes no bytes for ``send_timeout_s`` is dropped. A malformed
-request (bad magic, a length over its limit, a request that does not arrive in time) gets an error
-frame and the connection is closed; any other error (bad ticket, unknown unit) gets an error frame
-and the connection stays usable. A request with an empty ticket is a ping (:func:`ping`): a client
-opens and checks a connection ahead of its first read. Plain TCP only: a store with TLS refuses to
-open a lane.
+``auth`` is the ``authorization`` value of a Flight call, checked by the store's own
+:class:`~knittrans.flight.auth.BearerTokenFactory` before the ticket is read or a buffer allocated for
+it; ``ticket`` is served by the store's own ``read_ticket``. A new connection waits in the
+:class:`~knittrans.flight.lane_gate.Gate` until its first request's token is in; at most
+``max_connections`` are then served, a thread each, one request after another (a further one is
+answered ``Unavailable``: its client reads through ``DoGet``). A request must arrive whole within
+``request_timeout_s`` of its first byte, an idle connection is closed after ``idle_timeout_s``, a
+client that takes no bytes for ``send_timeout_s`` is dropped. A malformed request (bad magic or token,
+a length over its limit, late) gets an error frame and the connection is closed; any other error (bad
+ticket, unknown unit) gets an error frame and the connection stays usable.
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ from knittrans.errors import (
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import error_message, from_error_message, known_error
 from knittrans.flight.lane_gate import Gate
-from knittrans.flight.recv_pool import ReceivePool
+from knittrans.flight.recv_pool import ReceivePool, default_pool
 from knittrans.tickets import MAX_TICKET_BYTES
 
 __all__ = [
@@ -70,14 +56,12 @@ __all__ = [
     "MAX_AUTH_BYTES",
     "LaneClosed",
     "LaneServer",
-    "LaneSilent",
     "NotALane",
     "connect",
     "ipc_parts",
     "ping",
     "read_answer",
     "send_request",
-    "socket_timeouts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,27 +78,16 @@ _ANSWER = struct.Struct("!4sBQ")
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 
 
-class LaneClosed(Exception):
+class NotALane(Exception):
+    """No lane answer: the peer answered something else (e.g. another service on that port), or nothing within
+    the socket's timeout."""
+
+
+class LaneClosed(NotALane):
     """The peer closed the connection before the first byte of an answer (a stale pooled connection)."""
 
 
-class NotALane(Exception):
-    """The peer answered with something else than a lane answer (e.g. another service on that port)."""
-
-
-class LaneSilent(Exception):
-    """The peer sent no byte of an answer within the socket's timeout."""
-
-
-class _Malformed(Exception):
-    """A request the lane cannot read further: answered, then the connection is closed."""
-
-    def __init__(self, error: KnitTransError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def socket_timeouts(sock: socket.socket, seconds: float) -> None:
+def _socket_timeouts(sock: socket.socket, seconds: float) -> None:
     """Kernel send and receive timeouts of a blocking socket: a call waiting that long without progress fails."""
     whole = int(seconds)
     tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -206,7 +179,7 @@ class LaneServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self.gate = Gate(
+        self._gate = Gate(
             self._listener,
             header_size=_REQUEST.size,
             parse=_auth_length,
@@ -215,7 +188,6 @@ class LaneServer:
             timeout_s=auth_timeout_s,
             max_pending=max_unauthenticated,
         )
-        """Connections that have not shown a token yet wait here (``gate.pending``)."""
 
     @property
     def open_connections(self) -> int:
@@ -230,7 +202,7 @@ class LaneServer:
                 return
             self._closed = True
             conns = list(self._conns)
-        self.gate.close()
+        self._gate.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -266,12 +238,12 @@ class LaneServer:
             self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
             while self._one(conn):
                 pass
-        except _Malformed as exc:
-            logger.info("data lane request from %s refused, closing: %s", peer, exc.error)
+        except KnitTransError as exc:  # a request the lane cannot read further: answered, then closed
+            logger.info("data lane request from %s refused, closing: %s", peer, exc)
             try:
-                socket_timeouts(conn, self.send_timeout_s)
+                _socket_timeouts(conn, self.send_timeout_s)
                 conn.settimeout(None)
-                conn.sendall(_error_frame(exc.error))
+                conn.sendall(_error_frame(exc))
             except OSError:
                 pass
         except OSError as exc:  # the client went away or stopped reading
@@ -287,14 +259,14 @@ class LaneServer:
         while got < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _Malformed(InvalidRequest(f"data lane request: {what} did not arrive within the time limit"))
+                raise InvalidRequest(f"data lane request: {what} did not arrive within the time limit")
             conn.settimeout(left)
             try:
                 k = conn.recv_into(view[got:])
             except TimeoutError:
                 continue
             if k == 0:
-                raise _Malformed(InvalidRequest(f"data lane request: connection closed within the {what}"))
+                raise InvalidRequest(f"data lane request: connection closed within the {what}")
             got += k
         return bytes(buf)
 
@@ -310,11 +282,7 @@ class LaneServer:
             return False
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
-        try:
-            auth_len = _auth_length(head)
-            self._check(self._recv_exact(conn, auth_len, deadline, "authorization"))
-        except KnitTransError as exc:
-            raise _Malformed(exc) from None
+        self._check(self._recv_exact(conn, _auth_length(head), deadline, "authorization"))
         _, _, ticket_len = _REQUEST.unpack(head)
         self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
         return True
@@ -322,7 +290,7 @@ class LaneServer:
     def _answer(self, conn: socket.socket, ticket: bytes) -> None:
         """Answer one authenticated request: the read of ``ticket`` (empty: a ping), or its error."""
         conn.settimeout(None)
-        socket_timeouts(conn, self.send_timeout_s)
+        _socket_timeouts(conn, self.send_timeout_s)
         try:
             if not ticket:  # a ping: the connection is checked, nothing read
                 conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
@@ -373,7 +341,7 @@ def connect(host: str, port: int, *, connect_timeout_s: float, timeout_s: float 
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if timeout_s is not None:
-        socket_timeouts(conn, timeout_s)
+        _socket_timeouts(conn, timeout_s)
     return conn
 
 
@@ -382,32 +350,20 @@ def send_request(sock: socket.socket, authorization: bytes, ticket: bytes) -> No
     sock.sendall(_REQUEST.pack(MAGIC, len(authorization), len(ticket)) + authorization + ticket)
 
 
-def _error_text(sock: socket.socket, length: int) -> str:
-    """The message of an error answer whose header said ``length`` bytes."""
-    if length > MAX_ERROR_BYTES:
-        raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
-    body = bytearray(length)
-    _recv_into(sock, memoryview(body), "error message")
-    return body.decode(errors="replace")
-
-
 def ping(sock: socket.socket, authorization: bytes) -> None:
     """Check that a (new) connection reaches a data lane: an empty-ticket request and its answer.
 
-    Raises as :func:`read_answer` for an answer that is none (:class:`LaneClosed`, :class:`LaneSilent`,
-    :class:`NotALane`, ``Unavailable``), and the error the lane answered (e.g. ``Unauthenticated``).
+    Raises as :func:`read_answer` for an answer that is none, and the error the lane answered
+    (e.g. ``Unauthenticated``).
     """
     send_request(sock, authorization, b"")
-    head, status, length = _answer_head(sock)
-    if status == ERROR:
-        text = _error_text(sock, length)
-        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
+    length = _answer_length(sock)
     if length != 0:
-        raise NotALane(f"data lane answered the ping with {bytes(head)!r}, not a lane answer")
+        raise NotALane(f"data lane answered the ping with a {length}-byte body, not a lane answer")
 
 
-def _answer_head(sock: socket.socket) -> tuple[bytearray, int, int]:
-    """An answer's header: its bytes, status and body length (raises as :func:`read_answer` for none)."""
+def _answer_length(sock: socket.socket) -> int:
+    """The body length of an OK answer, once its header is in; raises as :func:`read_answer`."""
     head = bytearray(_ANSWER.size)
     view = memoryview(head)
     try:
@@ -415,14 +371,21 @@ def _answer_head(sock: socket.socket) -> tuple[bytearray, int, int]:
     except (ConnectionResetError, BrokenPipeError) as exc:
         raise LaneClosed(str(exc)) from None
     except BlockingIOError:
-        raise LaneSilent("data lane: no answer within the timeout") from None
+        raise NotALane("data lane: no answer within the timeout") from None
     if first == 0:
         raise LaneClosed("connection closed before the answer")
     _recv_into(sock, view[first:], "answer header")
     magic, status, length = _ANSWER.unpack(head)
     if magic != MAGIC or status not in (OK, ERROR):
         raise NotALane(f"data lane answered {bytes(head[:5])!r}, not a lane answer")
-    return head, status, length
+    if status == ERROR:
+        if length > MAX_ERROR_BYTES:
+            raise Unavailable(f"data lane error message of {length} bytes, more than {MAX_ERROR_BYTES}")
+        body = bytearray(length)
+        _recv_into(sock, memoryview(body), "error message")
+        text = body.decode(errors="replace")
+        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
+    return int(length)
 
 
 def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
@@ -438,26 +401,17 @@ def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
 
 
 def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Table:
-    """Read one answer: the table (its buffers point into one block: from ``pool`` when given, else
-    from Arrow's pool), or raise its error.
+    """Read one answer: the table (its buffers point into one block of ``pool``, default the process's shared
+    :func:`~knittrans.flight.recv_pool.default_pool`), or raise its error.
 
-    Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`LaneSilent`
-    when no byte of it came within the socket's timeout, :class:`NotALane` when the peer answered
-    something else than a lane answer, the error the store named (a
-    :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
+    Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`NotALane` when no
+    byte of it came within the socket's timeout or the peer answered something else than a lane answer, the
+    error the store named (a :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
     """
-    _, status, length = _answer_head(sock)
-    if status == ERROR:
-        text = _error_text(sock, length)
-        raise from_error_message(text) or KnitTransError(f"data lane: {text}")
-    if pool is None:
-        buf = pa.allocate_buffer(length)
-        _recv_into(sock, memoryview(buf), "record batches")
-    else:
-        target, buf = pool.buffer(length)
-        try:
-            _recv_into(sock, target, "record batches")
-        finally:
-            target.release()
-            del target
+    target, buf = (pool or default_pool()).buffer(_answer_length(sock))
+    try:
+        _recv_into(sock, target, "record batches")
+    finally:
+        target.release()
+        del target
     return pa.ipc.open_stream(buf).read_all()

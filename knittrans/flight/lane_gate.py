@@ -1,10 +1,9 @@
 """The data lane's front door: accepts connections and reads each one's first header and credentials on one
 thread, before the connection gets a thread or a buffer of its own.
 
-Why: a listener that gives every accepted connection a thread and reads a request's declared lengths
-before checking its token can be pinned by anyone who can connect (idle connections filling the
-connection cap, declared bodies allocated before the token is checked). The gate holds connections
-that have not shown a token yet in one ``selectors`` loop: per connection a socket and at most
+Why (decision 0005): otherwise anyone who can connect pins the listener (idle connections filling the
+connection cap, declared bodies allocated before the token is checked). The gate holds connections that
+have not shown a token yet in one ``selectors`` loop: per connection a socket and at most
 ``header_size + max_auth`` bytes (the lane: 12 + 4096). Each one must send its header and its
 authorization within ``timeout_s`` of being accepted, else it is closed. At most ``max_pending`` wait
 at once; a further connection closes the one that has waited longest (a client that sends its request
@@ -73,8 +72,6 @@ class Gate:
         self._listener, self._header_size = listener, header_size
         self._parse, self._admit, self._frame = parse, admit, frame
         self.timeout_s, self.max_pending = timeout_s, max_pending
-        self.closed_unauthenticated = 0
-        """Connections closed before they were admitted (timed out, pushed out by newer ones, refused)."""
         self._waiting: dict[socket.socket, _Waiting] = {}  # insertion order: oldest first
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -84,11 +81,6 @@ class Gate:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="knittrans-lane-gate", daemon=True)
         self._thread.start()
-
-    @property
-    def pending(self) -> int:
-        """Connections accepted that have not sent their header and authorization yet."""
-        return len(self._waiting)
 
     def close(self) -> None:
         """Stop accepting; close every connection still waiting (the listener is the caller's)."""
@@ -203,5 +195,4 @@ class Gate:
     def _drop(self, conn: socket.socket) -> None:
         if conn in self._waiting:
             self._release(conn)
-        self.closed_unauthenticated += 1
         conn.close()

@@ -99,11 +99,6 @@ class ReceivePool:
             self._idle.append(region)
             self._idle_bytes += n
 
-    def clear(self) -> None:
-        """Drop every idle region (regions in use come back as usual when released)."""
-        with self._lock:
-            self._idle, self._idle_bytes = [], 0
-
 
 _default: ReceivePool | None = None
 _default_lock = threading.Lock()

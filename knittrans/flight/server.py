@@ -2,31 +2,21 @@
 
 Protocol (all payloads JSON unless noted):
 
-* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly. ``rows`` tickets
-  stream rows × columns of one or many units of this node, in read order, as record batches
-  sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
-* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (two puts
-  per unit; media may be omitted); the stream's schema must be ours; the unit's total bytes are
-  limited (``PayloadTooLarge``); each batch is acknowledged with ``{"rows": n, "bytes": b}`` in
-  the put's metadata stream. The unit stays invisible until ``seal_units`` names it.
-* Data lane (on by default on a free port unless TLS; ``data_lane=False`` turns it off): the
-  ``data_lane`` action answers ``{"port": N}`` (or ``null``); that TCP port answers a lane request
-  (the bearer token and the same ticket bytes a ``DoGet`` carries) with the same record batches as
-  one length-prefixed Arrow IPC stream, written from the mapped unit files (:mod:`knittrans.flight.lane`).
+* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly (signed mode: its grants
+  checked). ``rows`` tickets stream rows × columns of one or many units of this node, in read order, as
+  record batches sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
+* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (media may be
+  omitted); the stream's schema must be ours, every batch's content is validated and acknowledged with
+  ``{"rows": n, "bytes": b}``, the unit's total bytes are limited (``PayloadTooLarge``). The unit stays
+  invisible until ``seal_units`` names it. Retries and races: :class:`~knittrans.store.PendingUnit`.
+* Data lane (on unless TLS or ``data_lane=False``): the ``data_lane`` action answers ``{"port": N}`` (or
+  ``null``); that TCP port serves the same reads (:mod:`knittrans.flight.lane`).
 * ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
-* Writes are safe to retry and to race: a ``DoPut`` stream owns its part of the pending unit
-  while it runs (a concurrent stream to that part gets ``Conflict``; a later stream *replaces*
-  the part instead of appending; a failing stream drops only its own rows). Every batch's
-  content is validated (:func:`knittrans.schema.validate_part`).
-* Actions: ``seal_units`` ``{"job", "units": [{"unit", "rows"?, "media_rows"?, "num_bytes"?}, ...]}``
-  -> ``{"units": [info, ...]}`` publishes units written with ``DoPut``, all or none (the optional
-  counts must match what was written, else the unit is dropped with ``Conflict``; a failing unit
-  deletes the ones this call sealed and aborts the rest). ``publish_units`` ``{"job", "units":
-  [{"unit", "dir", "rows"?, "media_rows"?, "num_bytes"?}, ...], "timeout_s"?}`` -> ``{"units": [info,
-  ...]}``: a same-host writer's one round trip per call, for units it wrote into its own temporaries
-  ``<root>/<job>/.tmp-<unit>-w<hex>`` (budget charged, then sealed as ``seal_units``; all or none,
-  the temporaries of a failed call removed; see :meth:`UnitStore.publish_units`). ``delete``
-  ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
+* Actions (:meth:`StoreServer.list_actions`): ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
+  "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` publishes units written with
+  ``DoPut``, all or none (:meth:`UnitStore.seal_units`); ``publish_units`` (the same plus ``"dir"`` per
+  unit and ``"timeout_s"``): a same-host writer's units written into its own temporaries, all or none
+  (:meth:`UnitStore.publish_units`); ``delete`` ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
 
 Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
 stops the server.
@@ -37,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,35 +154,24 @@ def _body(action: flight.Action, *keys: str) -> dict[str, Any]:
     return body
 
 
-def _count(body: dict[str, Any], key: str, kind: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
-    return value
-
-
-def _timeout(kind: str, timeout: Any) -> float | None:
-    if timeout is not None and (
-        not isinstance(timeout, int | float)
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or not 0 <= timeout <= MAX_WAIT_S
-    ):
-        raise InvalidRequest(
-            f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_WAIT_S}], not {timeout!r}"
-        )
-    return timeout
-
-
-def _unit_entries(kind: str, units: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``(unit_id, entry)`` of a batched action's ``units``: 1 to :data:`MAX_BATCH_UNITS` objects naming a unit."""
+def _unit_specs(kind: str, body: dict[str, Any]) -> list[tuple[SealSpec, dict[str, Any]]]:
+    """The ``units`` of a batched action (1 to :data:`MAX_BATCH_UNITS` objects naming a unit, each with the
+    optional counts of a :class:`SealSpec`) as specs beside their entries."""
+    units = body["units"]
     if not isinstance(units, list) or not 1 <= len(units) <= MAX_BATCH_UNITS:
         raise InvalidRequest(f"action {kind!r}: 'units' must be a list of 1 to {MAX_BATCH_UNITS} objects")
     out = []
     for e in units:
         if not isinstance(e, dict) or "unit" not in e:
             raise InvalidRequest(f"action {kind!r}: every entry of 'units' must be an object with a 'unit' key")
-        out.append((check_name(e["unit"], "unit_id"), e))
+        uid = check_name(e["unit"], "unit_id")
+        if kind == "publish_units" and (not isinstance(e.get("dir"), str) or not e["dir"]):
+            raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
+        counts = {k: e.get(k) for k in ("rows", "media_rows", "num_bytes")}
+        for key, value in counts.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InvalidRequest(f"action {kind!r}: {key!r} must be a non-negative integer, not {value!r}")
+        out.append((SealSpec(unit_id=uid, **counts), e))
     return out
 
 
@@ -336,8 +314,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         part: Literal["traj", "media"] = "traj" if path[2] == "traj" else "media"
         check_schema(reader.schema, "trajectories" if part == "traj" else "media")
         pending, token = self.store.open_part(job, unit_id, part)
-        ok = False
-        refused: Exception | None = None
+        ok = refused = False
         try:
             while True:
                 try:
@@ -357,12 +334,12 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
                 pending.write(part, batch, token=token, abandoned=context.is_cancelled)
                 writer.write(pa.py_buffer(json.dumps({"rows": batch.num_rows, "bytes": total}).encode()))
             ok = True
-        except (OverBudget, PayloadTooLarge) as exc:
-            refused = exc
+        except (OverBudget, PayloadTooLarge):
+            refused = True
             raise
         finally:
             self.store.close_part(pending, part, token, ok=ok)
-            if refused is not None:  # the unit cannot be completed: its other part gives its budget back now
+            if refused:  # the unit cannot be completed: its other part gives its budget back now
                 self.store.abort(job, unit_id, only=pending)
 
     # --- actions -----------------------------------------------------------------------------
@@ -391,35 +368,25 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
             return _json({"node_id": self.config.node_id, **self.store.stats()})
         if kind == "data_lane":
             return _json({"port": self.lane.port if self.lane is not None else None})
-        if kind == "publish_units":
-            return self._publish_units(action, context.is_cancelled)
-        if kind == "seal_units":
+        if kind in ("seal_units", "publish_units"):
             body = _body(action, "job", "units")
-            job = check_name(body["job"], "job")
-            specs = [
-                SealSpec(unit_id=uid, **{k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")})
-                for uid, e in _unit_entries(kind, body["units"])
-            ]
-            return _json({"units": [u.info() for u in self.store.seal_units(job, specs)]})
+            job, specs = check_name(body["job"], "job"), _unit_specs(kind, body)
+            if kind == "seal_units":
+                sealed = self.store.seal_units(job, [spec for spec, _ in specs])
+            else:
+                timeout = body.get("timeout_s")
+                number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+                if timeout is not None and not (number and 0 <= timeout <= MAX_WAIT_S):
+                    raise InvalidRequest(
+                        f"action {kind!r}: 'timeout_s' must be a number of seconds in [0, {MAX_WAIT_S}], "
+                        f"not {timeout!r}"
+                    )
+                units = [(spec, e["dir"]) for spec, e in specs]
+                sealed = self.store.publish_units(job, units, timeout=timeout, abandoned=context.is_cancelled)
+            return _json({"units": [u.info() for u in sealed]})
         if kind == "delete":
             body = _body(action, "job", "unit")
             job, unit_id = check_name(body["job"], "job"), check_name(body["unit"], "unit_id")
             self.store.delete(job, unit_id)
             return _json({"deleted": unit_id})
         raise InvalidRequest(f"unknown action {kind!r}; known: {[a for a, _ in self.list_actions(None)]}")
-
-    def _publish_units(self, action: flight.Action, abandoned: Callable[[], bool]) -> list[bytes]:
-        """The ``publish_units`` action: its JSON body checked, the units published
-        (:meth:`UnitStore.publish_units`); the JSON answer."""
-        kind = "publish_units"
-        body = _body(action, "job", "units")
-        job = check_name(body["job"], "job")
-        timeout = _timeout(kind, body.get("timeout_s"))
-        units = []
-        for uid, e in _unit_entries(kind, body["units"]):
-            if not isinstance(e.get("dir"), str) or not e["dir"]:
-                raise InvalidRequest(f"action {kind!r}: 'dir' of unit {uid!r} must be a non-empty string")
-            counts = {k: _count(e, k, kind) for k in ("rows", "media_rows", "num_bytes")}
-            units.append((SealSpec(unit_id=uid, **counts), e["dir"]))
-        published = self.store.publish_units(job, units, timeout=timeout, abandoned=abandoned)
-        return _json({"units": [u.info() for u in published]})

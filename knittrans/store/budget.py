@@ -58,20 +58,20 @@ class ByteBudget:
         with self._cond:
             self._waiting += 1
             try:
-                while self.limit is not None and self._used + nbytes > self.limit:
+                while True:
+                    if abandoned is not None and abandoned():
+                        raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
+                    if self.limit is None or self._used + nbytes <= self.limit:
+                        break
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise OverBudget(
                             f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
                             f"{self._used} bytes in use, need {nbytes} more"
                         )
-                    if abandoned is not None and abandoned():
-                        raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
                     self._cond.wait(min(left, _POLL_S) if abandoned is not None else left)
             finally:
                 self._waiting -= 1
-            if abandoned is not None and abandoned():
-                raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
             self._used += nbytes
 
     def force(self, nbytes: int) -> None:

@@ -22,7 +22,7 @@ from knittrans.errors import Conflict, InvalidRequest, NotFound, SchemaMismatch
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, check_schema
 from knittrans.store.budget import ByteBudget
-from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_media, read_rows
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, read_ticket
 from knittrans.tickets import Ticket
 
 __all__ = [
@@ -56,6 +56,8 @@ def ipc_overhead(schema: pa.Schema) -> int:
 
 
 Part = Literal["traj", "media"]
+Abandoned = Callable[[], bool]
+"""Polled while waiting for budget: True once the caller's call was cancelled."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,38 +130,42 @@ class PendingUnit:
         """Payload bytes received per part (``RecordBatch.nbytes``), for the upload limit."""
         self.lock = threading.RLock()
 
-    def reserve(self, nbytes: int, timeout: float | None = None, abandoned: Callable[[], bool] | None = None) -> Path:
-        """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir."""
-        wait = self.store.config.wait_timeout_s if timeout is None else timeout
+    def charge(self, nbytes: int, timeout: float, abandoned: Abandoned | None) -> None:
+        """Charge the unit's first ``nbytes`` to the budget (waiting up to ``timeout``), or mark it spilled when
+        the budget is full and the store has a spill dir."""
         budget, spill = self.store.budget, self.store.config.spill_dir
+        if budget.try_reserve(nbytes):
+            self.reserved += nbytes
+        elif spill is not None:
+            self.spilled = True
+            logger.info(
+                "budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
+                budget.used,
+                budget.limit,
+                self.job,
+                self.unit_id,
+                spill,
+            )
+        else:
+            budget.reserve(nbytes, timeout, abandoned=abandoned)
+            self.reserved += nbytes
+
+    def reserve(self, nbytes: int, abandoned: Abandoned | None = None) -> Path:
+        """Reserve budget for ``nbytes`` more bytes; the first call picks memory or spill. Returns the dir."""
+        wait = self.store.config.wait_timeout_s
         if self.dir is None:
-            if budget.try_reserve(nbytes):
-                self.reserved += nbytes
-            elif spill is not None:
-                self.spilled = True
-                logger.info(
-                    "budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
-                    budget.used,
-                    budget.limit,
-                    self.job,
-                    self.unit_id,
-                    spill,
-                )
-            else:
-                budget.reserve(nbytes, wait, abandoned=abandoned)
-                self.reserved += nbytes
+            self.charge(nbytes, wait, abandoned)
+            spill = self.store.config.spill_dir
             base = spill if self.spilled and spill is not None else self.store.config.root
             self.dir = base / self.job / f"{_TMP}{self.unit_id}-{secrets.token_hex(4)}"
             self.dir.mkdir(parents=True)
         elif not self.spilled:
-            budget.reserve(nbytes, wait, abandoned=abandoned)
+            self.store.budget.reserve(nbytes, wait, abandoned=abandoned)
             self.reserved += nbytes
         return self.dir
 
     def claim(self, part: Part) -> object:
         """Make the calling stream the only writer of ``part``; an earlier stream's rows are dropped."""
-        if part not in ("traj", "media"):
-            raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
         with self.lock:
             if self.discarded:
                 raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted; start it again")
@@ -181,19 +187,15 @@ class PendingUnit:
             self._owners[part] = token
             return token
 
-    def release(self, part: Part, token: object, *, ok: bool) -> None:
-        """End the stream holding ``token``; a failed stream's rows of ``part`` are dropped."""
+    def release(self, part: Part, token: object, *, ok: bool) -> bool:
+        """End the stream holding ``token``; a failed stream's rows of ``part`` are dropped. True when a failed
+        stream leaves no stream writing and no rows kept (a failed first upload)."""
         with self.lock:
-            if self._owners.get(part) is not token:
-                return
-            del self._owners[part]
-            if not ok:
-                self._reset(part)
-
-    @property
-    def idle_and_empty(self) -> bool:
-        """No stream is writing and no rows were kept (a failed first upload leaves this)."""
-        return not self._owners and not any(self.rows.values()) and not self._writers
+            if self._owners.get(part) is token:
+                del self._owners[part]
+                if not ok:
+                    self._reset(part)
+            return not ok and not self._owners and not any(self.rows.values()) and not self._writers
 
     def _reset(self, part: str) -> None:
         entry = self._writers.pop(part, None)
@@ -213,21 +215,13 @@ class PendingUnit:
         self.received[part] = 0
 
     def write(
-        self,
-        part: Part,
-        batch: pa.RecordBatch,
-        timeout: float | None = None,
-        *,
-        token: object | None = None,
-        abandoned: Callable[[], bool] | None = None,
+        self, part: Part, batch: pa.RecordBatch, *, token: object | None = None, abandoned: Abandoned | None = None
     ) -> None:
         """Append one record batch to ``traj`` or ``media`` (schema-checked, budget-reserved).
 
         With ``token`` (streams from :meth:`claim`) the write is refused once the stream lost the part.
         """
         with self.lock:
-            if part not in ("traj", "media"):
-                raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
             if self.discarded:
                 raise Conflict(f"unit {self.unit_id!r} of job {self.job!r} was aborted while being written")
             if token is not None and self._owners.get(part) is not token:
@@ -239,7 +233,7 @@ class PendingUnit:
                 raise SchemaMismatch(f"unit {self.unit_id!r}: batch schema changed within part {part!r}")
             extra = ipc_overhead(batch.schema) if entry is None else 0
             before = self.reserved
-            path = self.reserve(ipc.get_record_batch_size(batch) + extra, timeout, abandoned)
+            path = self.reserve(ipc.get_record_batch_size(batch) + extra, abandoned)
             self._part_reserved[part] += self.reserved - before
             if entry is None:
                 sink = pa.OSFile(str(path / (TRAJ_FILE if part == "traj" else MEDIA_FILE)), "wb")
@@ -276,10 +270,9 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | None, num_bytes: int | None) -> None:
+def _check_expected(unit: SealedUnit, spec: SealSpec) -> None:
     got = {"rows": unit.num_rows, "media_rows": unit.media.num_rows, "num_bytes": unit.num_bytes}
-    want = {"rows": rows, "media_rows": media_rows, "num_bytes": num_bytes}
-    bad = [f"{k} {got[k]} (expected {v})" for k, v in want.items() if v is not None and got[k] != v]
+    bad = [f"{k} {n} (expected {v})" for k, n in got.items() if (v := getattr(spec, k)) is not None and v != n]
     if bad:
         raise Conflict(
             f"unit {unit.unit_id!r} of job {unit.job!r} does not hold what its writer sent: "
@@ -290,9 +283,9 @@ def _check_expected(unit: SealedUnit, *, rows: int | None, media_rows: int | Non
 class UnitStore:
     """Units of every job on one node. Thread-safe; never imports ``pyarrow.flight``.
 
-    API: ``begin(job, unit) -> PendingUnit`` (``DoPut`` writes into it); ``seal(job, unit) -> SealedUnit``;
-    ``seal_units`` (several units, all or none); ``publish_units`` (a same-host writer's own temporaries);
-    ``abort``; ``delete``; ``get``; ``units(job)``; ``read(ticket) -> pa.Table``; ``stats()``.
+    API: ``begin(job, unit) -> PendingUnit`` (``DoPut`` writes into it); ``seal_units`` (all or none);
+    ``publish_units`` (a same-host writer's own temporaries); ``abort``; ``delete``; ``get``; ``units(job)``;
+    ``read(ticket) -> pa.Table``; ``stats()``.
     """
 
     def __init__(self, config: StoreConfig) -> None:
@@ -400,29 +393,18 @@ class UnitStore:
 
     def close_part(self, pending: PendingUnit, part: Part, token: object, *, ok: bool) -> None:
         """End an upload stream; a failed first upload that left nothing behind drops its pending unit."""
-        pending.release(part, token, ok=ok)
-        if not ok:
-            with pending.lock:
-                empty = pending.idle_and_empty
-            if empty:
-                self.abort(pending.job, pending.unit_id, only=pending)
+        if pending.release(part, token, ok=ok):
+            self.abort(pending.job, pending.unit_id, only=pending)
 
-    def seal(
-        self,
-        job: str,
-        unit_id: str,
-        *,
-        rows: int | None = None,
-        media_rows: int | None = None,
-        num_bytes: int | None = None,
-    ) -> SealedUnit:
+    def _seal(self, job: str, spec: SealSpec) -> SealedUnit:
         """Validate the pending unit's files and publish them by an atomic directory rename.
 
         A unit without media has no ``media.arrow`` (readers take its absence as no media).
-        ``rows``, ``media_rows`` and ``num_bytes`` (file bytes), when given, must match what was
-        written; otherwise the unit is aborted with :class:`Conflict` and the writer starts over.
-        A unit with a part still being written is refused (:class:`Conflict`) and left as is.
+        The counts ``spec`` gives must match what was written; otherwise the unit is aborted with
+        :class:`Conflict` and the writer starts over. A unit with a part still being written is
+        refused (:class:`Conflict`) and left as is.
         """
+        unit_id = spec.unit_id
         p = self.pending(job, unit_id)
         with p.lock:
             if p._owners:
@@ -436,7 +418,7 @@ class UnitStore:
                 if tmp is None or not (tmp / TRAJ_FILE).exists():
                     raise InvalidRequest(f"unit {unit_id!r} has no trajectory rows; nothing to seal")
                 unit = SealedUnit.open(job, unit_id, tmp, spilled=p.spilled)
-                _check_expected(unit, rows=rows, media_rows=media_rows, num_bytes=num_bytes)
+                _check_expected(unit, spec)
                 final = tmp.parent / unit_id
                 os.rename(tmp, final)
             except BaseException:
@@ -453,15 +435,16 @@ class UnitStore:
         return unit
 
     def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
-        """:meth:`seal` each unit in order, all or none: when one fails, the units this call sealed
-        before it are deleted and those after it aborted, then the error (naming the unit) is raised."""
+        """Seal each unit in order (validated, then renamed into place), all or none: when one fails, the units
+        this call sealed before it are deleted and those after it aborted, then the error (naming the unit) is
+        raised."""
         ids = [u.unit_id for u in units]
         if len(set(ids)) != len(ids):
             raise InvalidRequest(f"unit ids repeat within one seal: {sorted({u for u in ids if ids.count(u) > 1})}")
         sealed: list[SealedUnit] = []
         try:
             for u in units:
-                sealed.append(self.seal(job, u.unit_id, rows=u.rows, media_rows=u.media_rows, num_bytes=u.num_bytes))
+                sealed.append(self._seal(job, u))
         except BaseException:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
@@ -477,18 +460,15 @@ class UnitStore:
         units: Sequence[tuple[SealSpec, str | os.PathLike[str]]],
         *,
         timeout: float | None = None,
-        abandoned: Callable[[], bool] | None = None,
+        abandoned: Abandoned | None = None,
     ) -> list[SealedUnit]:
         """Publish units a same-host writer wrote into its own temporaries, all or none (one round trip).
 
-        Each ``(spec, dir)``: ``dir`` is ``<root>/<job>/.tmp-<unit>-<suffix>`` (a writer's private
-        temporary, see :func:`writer_temp_name`) holding the unit's IPC files (``media.arrow`` may be
-        absent: no media; none is created). Per unit, in order: the
-        budget is charged the files' size (waiting up to what is left of ``timeout`` when full; with a
-        spill dir the unit moves there instead), then :meth:`seal_units` validates and renames them.
-        The files exist before the budget is charged: the store may briefly hold one call's bytes above
-        its budget. When one unit fails, the units this
-        call sealed are deleted and every temporary of the call is removed; the error names the unit.
+        Each ``(spec, dir)``: ``dir`` is a writer's temporary (:func:`writer_temp_name`) in ``<root>/<job>/``
+        holding the unit's IPC files (no ``media.arrow``: no media). Per unit, in order, the budget is charged
+        the files' size (waiting up to what is left of ``timeout``; with a spill dir the unit moves there
+        instead), then :meth:`seal_units` seals them. When one unit fails, the units this call sealed are
+        deleted and every temporary of the call is removed; the error names the unit.
         """
         check_name(job, "job")
         ids = [spec.unit_id for spec, _ in units]
@@ -505,18 +485,12 @@ class UnitStore:
                 p = self.begin(job, spec.unit_id)
                 begun.append(p)
                 size = _file_size(tmp / TRAJ_FILE) + _file_size(tmp / MEDIA_FILE)
-                spill = self.config.spill_dir
-                if self.budget.try_reserve(size):
-                    p.reserved = size
-                elif spill is not None:
-                    moved = spill / job / tmp.name
+                p.charge(size, max(0.0, deadline - time.monotonic()), abandoned)
+                if p.spilled and self.config.spill_dir is not None:
+                    moved = self.config.spill_dir / job / tmp.name
                     moved.parent.mkdir(parents=True, exist_ok=True)
                     shutil.move(str(tmp), str(moved))
-                    tmp, p.spilled = moved, True
-                    logger.info("budget full: unit %s/%s moved to spill dir %s", job, spec.unit_id, spill)
-                else:
-                    self.budget.reserve(size, max(0.0, deadline - time.monotonic()), abandoned=abandoned)
-                    p.reserved = size
+                    tmp = moved
                 p.dir = tmp
         except BaseException:
             for p in begun:
@@ -602,10 +576,7 @@ class UnitStore:
 
     def read(self, ticket: Ticket) -> pa.Table:
         """Rows × columns (``rows`` ticket) or media rows (``media`` ticket) as zero-copy slices."""
-        if ticket.kind == "media":
-            units = [self.get(ticket.job, r.unit_id) for r in ticket.reads] or self.units(ticket.job)
-            return read_media(units, ticket.media_hashes)
-        return read_rows(self.get, ticket.job, ticket.reads, ticket.columns)
+        return read_ticket(ticket, self.get, self.units)
 
     def stats(self) -> dict[str, object]:
         """Counts and bytes for the ``stats`` action."""

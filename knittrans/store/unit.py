@@ -25,15 +25,7 @@ from knittrans.names import check_name
 from knittrans.schema import EMPTY_MEDIA, check_schema
 from knittrans.tickets import Ticket, UnitRead
 
-__all__ = [
-    "MEDIA_FILE",
-    "TRAJ_FILE",
-    "LocalReader",
-    "SealedUnit",
-    "read_media",
-    "read_rows",
-    "write_table",
-]
+__all__ = ["MEDIA_FILE", "TRAJ_FILE", "LocalReader", "SealedUnit", "read_ticket", "write_table"]
 
 TRAJ_FILE = "traj.arrow"
 """Trajectory IPC file inside a unit directory."""
@@ -41,13 +33,13 @@ MEDIA_FILE = "media.arrow"
 """Media IPC file inside a unit directory."""
 
 
-def write_table(path: Path, table: pa.Table, *, max_chunk_rows: int | None = None) -> int:
+def write_table(path: Path, table: pa.Table) -> int:
     """Write ``table`` as an Arrow IPC file (no fsync: tmpfs) and return its size in bytes.
 
     Through a 64 KiB buffer: the IPC writer writes each buffer of each column and its padding apart."""
     with pa.OSFile(str(path), "wb") as raw, pa.BufferedOutputStream(raw, buffer_size=_WRITE_BUFFER) as sink:
         with ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table, max_chunksize=max_chunk_rows)
+            writer.write_table(table)
         return int(sink.tell())
 
 
@@ -165,10 +157,21 @@ def _project(table: pa.Table, columns: Sequence[str] | None, unit_id: str) -> pa
     return table.select(list(columns))
 
 
-def read_rows(
+def read_ticket(
+    ticket: Ticket, lookup: Callable[[str, str], SealedUnit], job_units: Callable[[str], Sequence[SealedUnit]]
+) -> pa.Table:
+    """What a store's ``DoGet`` answers for ``ticket``, as zero-copy slices: rows × columns in read order, or the
+    media rows it names (``lookup(job, unit_id)``: a sealed unit; ``job_units(job)``: all of a media ticket's job
+    when it names no units)."""
+    if ticket.kind == "media":
+        units = [lookup(ticket.job, r.unit_id) for r in ticket.reads] or job_units(ticket.job)
+        return _read_media(units, ticket.media_hashes)
+    return _read_rows(lookup, ticket.job, ticket.reads, ticket.columns)
+
+
+def _read_rows(
     lookup: Callable[[str, str], SealedUnit], job: str, reads: Iterable[UnitRead], columns: Sequence[str] | None
 ) -> pa.Table:
-    """Concatenate zero-copy slices of the requested rows × columns, in read order."""
     pieces: list[pa.Table] = []
     for read in reads:
         unit = lookup(job, read.unit_id)
@@ -185,8 +188,8 @@ def read_rows(
     return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
 
 
-def read_media(units: Sequence[SealedUnit], hashes: Iterable[str]) -> pa.Table:
-    """Rows of the media tables for ``hashes`` (each once, in first-seen order), as zero-copy slices."""
+def _read_media(units: Sequence[SealedUnit], hashes: Iterable[str]) -> pa.Table:
+    """Rows of the media tables for ``hashes`` (each once, in first-seen order)."""
     pieces: list[pa.Table] = []
     seen: set[str] = set()
     for hex_hash in hashes:
@@ -237,15 +240,8 @@ class LocalReader:
 
     def read(self, ticket: Ticket) -> pa.Table:
         """Exactly what the store server's ``DoGet`` returns for ``ticket``."""
-        if ticket.kind == "media":
-            ids = [r.unit_id for r in ticket.reads] or sorted(
-                {
-                    p.name
-                    for root in self.roots
-                    if (root / ticket.job).is_dir()
-                    for p in (root / ticket.job).iterdir()
-                    if not p.name.startswith(".")
-                }
-            )
-            return read_media([self.unit(ticket.job, u) for u in ids], ticket.media_hashes)
-        return read_rows(self.unit, ticket.job, ticket.reads, ticket.columns)
+        return read_ticket(ticket, self.unit, self._job_units)
+
+    def _job_units(self, job: str) -> list[SealedUnit]:
+        names = {p.name for root in self.roots if (root / job).is_dir() for p in (root / job).iterdir()}
+        return [self.unit(job, u) for u in sorted(names) if not u.startswith(".")]
