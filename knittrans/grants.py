@@ -104,7 +104,7 @@ def _covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
     return any(a <= start and stop <= b for a, b in ranges)
 
 
-def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
+def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> None:
     """Raise :class:`Unauthenticated` unless valid grants of ``ticket.job`` cover all it reads."""
     if not ticket.grants:
         raise Unauthenticated("this store only serves tickets signed by the control plane (no grant)")
@@ -124,23 +124,20 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
         for r in ticket.reads:
             if r.unit_id not in units:
                 raise Unauthenticated(f"unit {r.unit_id!r} is not granted for media reads")
-        return grants
+        return
     want_cols = frozenset(ticket.columns) if ticket.columns is not None else None
     for r in ticket.reads:
-        ok = False
         for g in grants:
             if g.columns is not None and (want_cols is None or not want_cols <= g.columns):
                 continue
             ranges = g.reads.get(r.unit_id)
             if ranges is not None and r.row_ranges and all(_covered(ranges, a, b) for a, b in r.row_ranges):
-                ok = True
                 break
-        if not ok:
+        else:  # no grant covers the read
             raise Unauthenticated(
                 f"rows {list(r.row_ranges) or 'all'} of unit {r.unit_id!r} (columns "
                 f"{sorted(want_cols) if want_cols is not None else 'all'}) are not granted"
             )
-    return grants
 
 
 def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str:
