@@ -97,11 +97,6 @@ class GroupRecord:
             if not is_content_hash(h):
                 raise InvalidRequest(f"group {self.group_id!r}: media hash {h!r} is not 64 lower-case hex characters")
 
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens of the group."""
-        return sum(self.trajectory_tokens)
-
 
 @dataclass(frozen=True, kw_only=True)
 class UnitDescriptor:
