@@ -650,10 +650,6 @@ def _row_values(value: Any, n: int, what: str, group_id: str, default: np.ndarra
         return default
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
         value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
-        if value.shape[0] != n:
-            raise InvalidRequest(f"group {group_id!r}: {what} has {value.shape[0]} entries for {n} responses")
-        return value.astype(np.float64)
     seq = _per_row(value, n, what, group_id)
     if default is not None and any(v is None for v in seq):
         seq = [d if v is None else v for v, d in zip(seq, default.tolist(), strict=True)]
