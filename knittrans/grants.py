@@ -65,7 +65,7 @@ def sign_grant(
     body = {
         "job": job,
         "exp": expires_at,
-        "reads": {u: [list(r) for r in _merge(list(rs))] for u, rs in sorted(reads.items())},
+        "reads": {u: [list(r) for r in _merge(rs)] for u, rs in sorted(reads.items())},
         "columns": sorted(columns) if columns is not None else None,
         "media": dict(sorted(media.items())),
     }
@@ -73,7 +73,7 @@ def sign_grant(
     return f"{payload}.{_mac(key, payload.encode())}"
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for start, stop in sorted(tuple(r) for r in ranges):
         if out and start <= out[-1][1]:
