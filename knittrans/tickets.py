@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from knittrans.errors import InvalidTicket
@@ -90,7 +90,7 @@ class Ticket:
     """Units and row ranges, streamed in this order (``rows``) or searched (``media``)."""
     columns: tuple[str, ...] | None = None
     """Trajectory columns to project; None means all (``rows`` only)."""
-    media_hashes: tuple[str, ...] = field(default=())
+    media_hashes: tuple[str, ...] = ()
     """Lower-case hex content hashes to serve, each once (``media`` only)."""
     grants: tuple[str, ...] = ()
     """Signed grants (:mod:`knittrans.grants`) a store with a ticket key checks the reads against."""
