@@ -438,17 +438,11 @@ def build_units_tables(
         media = build_media_table([m for ms in rows.media[start:stop] for m in ms])
         out.append(UnitTables(traj=traj, media=media))
         start = stop
-    _validate_units(out, rows)
+    # checked on the numpy buffers the tables are views of; only rows that may fail a check go through the
+    # Arrow checks, whose errors name the column, unit and row (media tables are built one row per hash)
+    if not rows.plainly_valid() or _user_column_nulls(out):
+        _check_rows(out, rows)
     return out
-
-
-def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
-    """Validate every unit's rows: first on the numpy buffers the tables are views of
-    (:meth:`_TrajectoryRows.plainly_valid`); only rows that may fail a check go through
-    the Arrow checks (:func:`_check_rows`), whose errors name the column, unit and row. (Media tables
-    need no check: :func:`build_media_table` makes them, one row per hash.)"""
-    if not rows.plainly_valid() or _user_column_nulls(units):
-        _check_rows(units, rows)
 
 
 def _user_column_nulls(units: list[UnitTables]) -> bool:
