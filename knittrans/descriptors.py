@@ -10,7 +10,7 @@ from typing import Any
 from knittrans.errors import InvalidRequest
 from knittrans.names import check_name, is_content_hash
 
-__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields", "unit_fields"]
+__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields"]
 
 
 SCHEMA_VERSION = 1
@@ -28,9 +28,8 @@ def _check_int(value: object, what: str, *, limit: int = MAX_INT32) -> None:
 
 
 def _plain_counts(values: tuple[object, ...]) -> bool:
-    """True when every value is a plain ``int`` in ``[0, MAX_INT32]`` (what :func:`_check_int` accepts, but
-    checked in C loops: one call per value took about a tenth of a writer's descriptor time); False also for
-    values it would accept but this does not look at (``int`` subclasses), which then go value by value."""
+    """True when every value is a plain ``int`` in ``[0, MAX_INT32]``, checked in C loops; False also for ``int``
+    subclasses, which :func:`_check_int` then takes value by value."""
     if not values:
         return True
     if set(map(type, values)) != {int}:
@@ -71,13 +70,10 @@ class GroupRecord:
                 f"group {self.group_id!r}: num_trajectories={self.num_trajectories} but "
                 f"{len(self.trajectory_tokens)} token counts"
             )
-        if self.row_start < 0:
-            raise InvalidRequest(f"group {self.group_id!r}: row_start {self.row_start} is negative")
         if self.version_end < self.version_start:
             raise InvalidRequest(f"group {self.group_id!r}: version_end < version_start")
-        _check_int(self.row_start, f"group {self.group_id!r}: row_start")
-        _check_int(self.version_start, f"group {self.group_id!r}: version_start")
-        _check_int(self.version_end, f"group {self.group_id!r}: version_end")
+        for name in ("row_start", "version_start", "version_end"):
+            _check_int(getattr(self, name), f"group {self.group_id!r}: {name}")
         tokens = self.trajectory_tokens
         if not _plain_counts(tokens):  # find and name the bad one
             for t in tokens:
@@ -99,11 +95,6 @@ class GroupRecord:
         for h in self.media_hashes:
             if not is_content_hash(h):
                 raise InvalidRequest(f"group {self.group_id!r}: media hash {h!r} is not 64 lower-case hex characters")
-
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens of the group."""
-        return sum(self.trajectory_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +140,7 @@ class UnitDescriptor:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (what :func:`dataclasses.asdict` gives, without its deep copy)."""
-        values = unit_fields(self)
+        values = dict(zip(UNIT_FIELDS, _unit_values(self), strict=True))
         values["groups"] = tuple(group_fields(g) for g in self.groups)
         return values
 
@@ -186,11 +177,6 @@ def group_fields(group: object) -> dict[str, Any]:
     """``{field: value}`` of :data:`GROUP_FIELDS` read from ``group`` (a :class:`GroupRecord` or anything
     with the same attributes, e.g. the API's ``GroupIn``), without :func:`dataclasses.asdict`'s deep copy."""
     return dict(zip(GROUP_FIELDS, _group_values(group), strict=True))
-
-
-def unit_fields(unit: object) -> dict[str, Any]:
-    """``{field: value}`` of :data:`UNIT_FIELDS` read from ``unit`` (``groups`` as they are there)."""
-    return dict(zip(UNIT_FIELDS, _unit_values(unit), strict=True))
 
 
 _new = object.__new__

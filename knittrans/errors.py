@@ -108,8 +108,7 @@ class Unavailable(KnitTransError):
 # that says "your request is malformed". The error kind (``invalid_job_spec``, ``invalid_request``)
 # still names what was wrong.
 HTTP_STATUS: tuple[tuple[type[KnitTransError], int], ...] = (
-    (InvalidJobSpec, 409),
-    (InvalidRequest, 409),
+    (InvalidRequest, 409),  # and its subclasses (InvalidJobSpec, SchemaMismatch, ...)
     (NotFound, 404),
     (Conflict, 409),
     (PayloadTooLarge, 413),

@@ -65,7 +65,7 @@ def sign_grant(
     body = {
         "job": job,
         "exp": expires_at,
-        "reads": {u: [list(r) for r in _merge(list(rs))] for u, rs in sorted(reads.items())},
+        "reads": {u: [list(r) for r in _merge(rs)] for u, rs in sorted(reads.items())},
         "columns": sorted(columns) if columns is not None else None,
         "media": dict(sorted(media.items())),
     }
@@ -73,7 +73,7 @@ def sign_grant(
     return f"{payload}.{_mac(key, payload.encode())}"
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for start, stop in sorted(tuple(r) for r in ranges):
         if out and start <= out[-1][1]:
@@ -104,7 +104,7 @@ def _covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
     return any(a <= start and stop <= b for a, b in ranges)
 
 
-def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
+def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> None:
     """Raise :class:`Unauthenticated` unless valid grants of ``ticket.job`` cover all it reads."""
     if not ticket.grants:
         raise Unauthenticated("this store only serves tickets signed by the control plane (no grant)")
@@ -124,23 +124,20 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> list[Grant]:
         for r in ticket.reads:
             if r.unit_id not in units:
                 raise Unauthenticated(f"unit {r.unit_id!r} is not granted for media reads")
-        return grants
+        return
     want_cols = frozenset(ticket.columns) if ticket.columns is not None else None
     for r in ticket.reads:
-        ok = False
         for g in grants:
             if g.columns is not None and (want_cols is None or not want_cols <= g.columns):
                 continue
             ranges = g.reads.get(r.unit_id)
             if ranges is not None and r.row_ranges and all(_covered(ranges, a, b) for a, b in r.row_ranges):
-                ok = True
                 break
-        if not ok:
+        else:  # no grant covers the read
             raise Unauthenticated(
                 f"rows {list(r.row_ranges) or 'all'} of unit {r.unit_id!r} (columns "
                 f"{sorted(want_cols) if want_cols is not None else 'all'}) are not granted"
             )
-    return grants
 
 
 def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str:

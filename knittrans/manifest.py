@@ -29,7 +29,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from knittrans.errors import InvalidRequest, InvalidTicket
@@ -279,23 +279,8 @@ def _grants(node: ManifestNode) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------- strict readers
-_FIELDS = (
-    "manifest",
-    "job",
-    "global_index",
-    "attempt",
-    "step",
-    "mini_batch_index",
-    "policy_version",
-    "admitted_at",
-    "world_size",
-    "columns",
-    "nodes",
-    "units",
-    "groups",
-    "media",
-    "ranks",
-)
+_FIELDS = ("manifest", *(f.name for f in fields(Manifest)), "world_size")
+"""The keys of a manifest's JSON object: its version, the :class:`Manifest` fields and ``world_size``."""
 _FIELD_SET = frozenset(_FIELDS)
 
 

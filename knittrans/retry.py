@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_RETRY", "RetryPolicy"]
@@ -37,13 +37,13 @@ class RetryPolicy:
         if not 0 <= self.jitter <= 1:
             raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
 
-    def pauses(self, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+    def pauses(self) -> Iterator[float]:
         """Pauses to sleep between attempts; ends when the next pause would pass the budget."""
-        deadline = clock() + self.budget_s
+        deadline = time.monotonic() + self.budget_s
         delay = self.first_backoff_s
         while True:
             pause = delay * (1 + self.jitter * (2 * random.random() - 1))
-            left = deadline - clock()
+            left = deadline - time.monotonic()
             if left <= 0:
                 return
             yield min(pause, left)

@@ -65,12 +65,9 @@ __all__ = [
     "build_units_tables",
     "check_schema",
     "validate_media",
-    "validate_media_hashes",
     "validate_part",
     "validate_trajectories",
 ]
-
-"""Trajectory column names in schema order."""
 
 _SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
 EMPTY_MEDIA: pa.Table = MEDIA_SCHEMA.empty_table()
@@ -161,22 +158,16 @@ def validate_trajectories(table: pa.Table) -> None:
 
 
 def validate_media(table: pa.Table) -> None:
-    """Check the media schema and that every hash is unique; errors name the row."""
+    """Check the media schema, that every hash is unique and that each is the SHA-256 :attr:`Media.hash` of its
+    row's content; errors name the row."""
     check_schema(table.schema, "media")
-    hashes = table.column("media_hash")
-    if pc.count_distinct(hashes).as_py() != len(hashes):
-        seen: set[bytes] = set()
-        for row, h in enumerate(hashes.to_pylist()):
-            if h in seen:
-                raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
-            seen.add(h)
-
-
-def validate_media_hashes(table: pa.Table) -> None:
-    """Check that each media row's ``media_hash`` is the SHA-256 :attr:`Media.hash` of its content."""
     cols = [table.column(c).to_pylist() for c in ("media_hash", "kind", "dtype", "shape")]
     data = table.column("data")
+    seen: set[bytes] = set()
     for row, (want, kind, dtype, shape) in enumerate(zip(*cols, strict=True)):
+        if want in seen:
+            raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
+        seen.add(want)
         h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
         h.update(memoryview(data[row].as_buffer()))
         if h.digest() != want:
@@ -196,11 +187,8 @@ def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media
     table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
     if part == "traj":
         validate_trajectories(table)
-    elif part == "media":
-        validate_media(table)
-        validate_media_hashes(table)
     else:
-        raise InvalidRequest(f"unit part must be 'traj' or 'media', not {part!r}")
+        validate_media(table)
 
 
 def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
@@ -242,12 +230,6 @@ def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray,
     if offsets[-1] >= 2**31:
         raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
     return (values if values.dtype == dtype else values.astype(dtype)), offsets
-
-
-def _list_array(rows: Sequence[Any], dtype: np.dtype[Any], value_type: pa.DataType) -> pa.ListArray:
-    """ListArray from per-row sequences: one concatenate plus an offsets cumsum."""
-    values, offsets = _list_values(rows, dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +298,7 @@ def build_media_table(media: Sequence[Media]) -> pa.Table:
         [
             pa.array([m.hash for m in items], type=_HASH),
             pa.array([m.kind for m in items], type=pa.string()),
-            _list_array([np.asarray(m.shape, dtype=np.int32) for m in items], np.dtype(np.int32), pa.int32()),
+            pa.array([m.shape for m in items], type=pa.list_(pa.int32())),
             pa.array([m.dtype for m in items], type=pa.string()),
             pa.array([m.payload for m in items], type=pa.large_binary()),
         ],
@@ -437,7 +419,7 @@ def build_units_tables(
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
     rows = _TrajectoryRows([g for groups in units for g in groups], time.time())
-    whole = rows.arrays(0, rows.num_rows, strings=False)  # once, not per unit
+    whole = rows.arrays(0, rows.num_rows)  # once, not per unit
     out: list[UnitTables] = []
     start = 0
     for groups in units:
@@ -456,19 +438,11 @@ def build_units_tables(
         media = build_media_table([m for ms in rows.media[start:stop] for m in ms])
         out.append(UnitTables(traj=traj, media=media))
         start = stop
-    _validate_units(out, rows)
+    # checked on the numpy buffers the tables are views of; only rows that may fail a check go through the
+    # Arrow checks, whose errors name the column, unit and row (media tables are built one row per hash)
+    if not rows.plainly_valid() or _user_column_nulls(out):
+        _check_rows(out, rows)
     return out
-
-
-def _validate_units(units: list[UnitTables], rows: _TrajectoryRows) -> None:
-    """Validate every unit: first on the numpy buffers the tables are views of
-    (:meth:`_TrajectoryRows.plainly_valid`); only rows that may fail a check go through
-    the Arrow checks (:func:`_check_rows`), whose errors name the column, unit and row."""
-    if not rows.plainly_valid() or _user_column_nulls(units):
-        _check_rows(units, rows)
-    for u in units:
-        if u.media.num_rows:  # an empty one is EMPTY_MEDIA: nothing to check
-            validate_media(u.media)
 
 
 def _user_column_nulls(units: list[UnitTables]) -> bool:
@@ -485,7 +459,8 @@ def _check_rows(units: list[UnitTables], rows: _TrajectoryRows) -> None:
         return
     try:
         # the fixed columns of all rows at once; user-field columns (built per unit) are checked below
-        validate_trajectories(pa.Table.from_arrays(rows.arrays(0, rows.num_rows), schema=TRAJECTORY_SCHEMA))
+        whole = [*rows.string_arrays(0, rows.num_rows), *rows.arrays(0, rows.num_rows)]
+        validate_trajectories(pa.Table.from_arrays(whole, schema=TRAJECTORY_SCHEMA))
         for u in units:
             if _user_column_nulls([u]):
                 validate_trajectories(u.traj)  # raises, naming the column and row
@@ -612,7 +587,7 @@ class _TrajectoryRows:
 
     def string_arrays(self, start: int, stop: int) -> list[pa.Array]:
         """The string columns (``traj_id``, ``group_id``, ``source`` with its own dictionary) of rows
-        ``[start, stop)``: the first :data:`_STRINGS` columns of :data:`TRAJECTORY_SCHEMA`."""
+        ``[start, stop)``: the first three columns of :data:`TRAJECTORY_SCHEMA`."""
         traj_ids, group_ids, sources = self.strings
         return [
             pa.array(traj_ids[start:stop], type=pa.string()),
@@ -620,10 +595,10 @@ class _TrajectoryRows:
             _dictionary(sources[start:stop]),
         ]
 
-    def arrays(self, start: int, stop: int, *, strings: bool = True) -> list[pa.Array]:
-        """Rows ``[start, stop)`` as arrays in :data:`TRAJECTORY_SCHEMA` order (views of the buffers); without
-        ``strings``, the columns after the string ones only."""
-        out = self.string_arrays(start, stop) if strings else []
+    def arrays(self, start: int, stop: int) -> list[pa.Array]:
+        """Rows ``[start, stop)`` of the columns after the :meth:`string_arrays`, in :data:`TRAJECTORY_SCHEMA`
+        order (views of the buffers)."""
+        out: list[pa.Array] = []
         for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
             out.append(_list_range(values, offsets, start, stop, value_type))
         out += [pa.array(x[start:stop]) for x in self.numbers]
@@ -651,10 +626,6 @@ def _dictionary(values: list[str]) -> pa.DictionaryArray:
 
 _LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
 """Value types of ``prompt_ids``, ``response_ids``, ``response_logprobs`` and ``loss_mask``."""
-_STRINGS = 3
-"""The string columns (``traj_id``, ``group_id``, ``source``) come first in :data:`TRAJECTORY_SCHEMA`."""
-if TRAJECTORY_SCHEMA.names[:_STRINGS] != ["traj_id", "group_id", "source"]:
-    raise ImportError("knittrans.schema: TRAJECTORY_SCHEMA must start with traj_id, group_id and source")
 
 
 def _list_range(
@@ -673,10 +644,6 @@ def _row_values(value: Any, n: int, what: str, group_id: str, default: np.ndarra
         return default
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
         value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
-        if value.shape[0] != n:
-            raise InvalidRequest(f"group {group_id!r}: {what} has {value.shape[0]} entries for {n} responses")
-        return value.astype(np.float64)
     seq = _per_row(value, n, what, group_id)
     if default is not None and any(v is None for v in seq):
         seq = [d if v is None else v for v, d in zip(seq, default.tolist(), strict=True)]

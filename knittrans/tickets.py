@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from knittrans.errors import InvalidTicket
@@ -65,19 +65,13 @@ class UnitRead:
 
 def _check_no_row_twice(reads: tuple[UnitRead, ...]) -> None:
     """Bound what one ticket can serve: each row of a unit at most once (no repeated reads)."""
-    per_unit: dict[str, list[tuple[int, int]] | None] = {}
+    per_unit: dict[str, list[tuple[int, int]]] = {}  # a unit read whole: []
     for r in reads:
-        if r.unit_id in per_unit and (per_unit[r.unit_id] is None or not r.row_ranges):
+        seen = per_unit.get(r.unit_id)
+        if seen is not None and (not seen or not r.row_ranges):
             raise InvalidTicket(f"unit {r.unit_id!r} is read whole and again in the same ticket")
-        if not r.row_ranges:
-            per_unit[r.unit_id] = None
-        else:
-            ranges = per_unit.setdefault(r.unit_id, [])
-            assert ranges is not None
-            ranges.extend(r.row_ranges)
+        per_unit.setdefault(r.unit_id, []).extend(r.row_ranges)
     for unit_id, ranges in per_unit.items():
-        if ranges is None or len(ranges) < 2:
-            continue
         ranges.sort()
         for (_, stop), (start, _) in itertools.pairwise(ranges):
             if start < stop:
@@ -96,7 +90,7 @@ class Ticket:
     """Units and row ranges, streamed in this order (``rows``) or searched (``media``)."""
     columns: tuple[str, ...] | None = None
     """Trajectory columns to project; None means all (``rows`` only)."""
-    media_hashes: tuple[str, ...] = field(default=())
+    media_hashes: tuple[str, ...] = ()
     """Lower-case hex content hashes to serve, each once (``media`` only)."""
     grants: tuple[str, ...] = ()
     """Signed grants (:mod:`knittrans.grants`) a store with a ticket key checks the reads against."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,6 @@ __all__ = [
     "UserField",
     "build_user_column",
     "check_user_columns",
-    "format_arrow_type",
     "parse_arrow_type",
     "parse_user_fields",
     "user_column_to_torch",
@@ -64,7 +63,6 @@ _PRIMITIVES: dict[str, pa.DataType] = {
     "binary": pa.binary(),
     "large_binary": pa.large_binary(),
 }
-_NAMES = {str(t): n for n, t in _PRIMITIVES.items()} | {"halffloat": "float16", "float": "float32", "double": "float64"}
 
 
 def _split_bracket(text: str, what: str) -> tuple[str, str]:
@@ -122,30 +120,16 @@ def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
     )
 
 
-def format_arrow_type(t: pa.DataType) -> str:
-    """Inverse of :func:`parse_arrow_type` for the types it accepts."""
-    if isinstance(t, pa.FixedShapeTensorType):
-        return f"tensor<{format_arrow_type(t.value_type)}>[{','.join(str(d) for d in t.shape)}]"
-    if pa.types.is_fixed_size_list(t):
-        return f"fixed_size_list<{format_arrow_type(t.value_type)}>[{t.list_size}]"
-    if pa.types.is_large_list(t):
-        return f"large_list<{format_arrow_type(t.value_type)}>"
-    if pa.types.is_list(t):
-        return f"list<{format_arrow_type(t.value_type)}>"
-    name = _NAMES.get(str(t))
-    if name is None:
-        raise InvalidJobSpec(f"type {t} cannot be declared as a user field")
-    return name
-
-
 @dataclass(frozen=True, kw_only=True)
 class UserField:
     """One declared user column."""
 
     name: str
     """Column name; must not be a fixed trajectory column."""
-    type: pa.DataType
-    """Arrow type of the column."""
+    type_string: str = field(compare=False)
+    """The type as the job spec writes it (see the module docstring)."""
+    type: pa.DataType = field(init=False)
+    """Arrow type of the column, parsed from :attr:`type_string`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not USER_FIELD_NAME_RE.match(self.name):
@@ -158,11 +142,7 @@ class UserField:
                 f"user_fields: {self.name!r} is a fixed trajectory column; pick another name "
                 f"(fixed columns: {list(TRAJECTORY_COLUMNS)})"
             )
-
-    @property
-    def type_string(self) -> str:
-        """The type as the job spec writes it."""
-        return format_arrow_type(self.type)
+        object.__setattr__(self, "type", parse_arrow_type(self.type_string, f"user_fields.{self.name}"))
 
 
 def parse_user_fields(spec: Mapping[str, str] | None) -> tuple[UserField, ...]:
@@ -171,7 +151,7 @@ def parse_user_fields(spec: Mapping[str, str] | None) -> tuple[UserField, ...]:
         return ()
     if not isinstance(spec, Mapping):
         raise InvalidJobSpec("user_fields must be an object {name: type}, e.g. {'values': 'list<float32>'}")
-    return tuple(UserField(name=k, type=parse_arrow_type(v, f"user_fields.{k}")) for k, v in spec.items())
+    return tuple(UserField(name=k, type_string=v) for k, v in spec.items())
 
 
 def _as_numpy(value: Any) -> np.ndarray:
