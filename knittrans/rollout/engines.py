@@ -1,18 +1,9 @@
 """Rollout engines: a thin ``RolloutEngine`` protocol over transformers and vLLM (CPU or GPU).
 
-Both engines take token-id prompts (or :class:`PromptRequest` with media), sample ``n``
-responses per prompt and return :class:`GeneratedGroup` objects whose logprobs are those of
-the *sampling* distribution, ``log_softmax(logits / temperature)`` (no top-k/top-p is
-applied by either engine). At ``temperature == 0`` decoding is greedy and the logprobs are
-those of the temperature-1 distribution. ``load_weights(path)`` takes a safetensors file in
-Hugging Face checkpoint naming (``model.layers.0...``, ``lm_head.weight``), the format
-``model.state_dict()`` of the transformers model has.
-
-A model directory written by :func:`knittrans.rollout.vlm.build_tiny_vlm` is a vision-language
-policy: both engines then condition on the prompt's images (``PromptRequest.media`` of kind
-``image``, one image block per image in ``prompt_ids``, see :mod:`knittrans.rollout.vlm`) and
-never sample the image-structure tokens (masked before the softmax, so the logprobs are those of
-the renormalised distribution, which the trainer reproduces with the same mask).
+Logprobs are those of the sampling distribution, ``log_softmax(logits / temperature)`` (greedy at
+``temperature == 0``, then at temperature 1); a tiny VLM directory (:mod:`knittrans.rollout.vlm`)
+makes both engines condition on the prompt's images and never sample image-structure tokens.
+``docs/explanation/rollout.md`` says why and how each engine gets there.
 """
 
 from __future__ import annotations

@@ -15,15 +15,12 @@ API::
     writer.flush()                                       # everything written so far is registered (or raises)
     writer.close()                                       # flushes too
 
-Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
-temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
-one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
-(waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
-place, all or none; a sender thread waits on that Flight call while the caller describes the units.
-Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call
-builds its units' rows as one Arrow table cut into a slice per unit
-(:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
-unit.
+Same host (``store_dir`` given): the writer writes each unit's IPC files into a private temporary of
+the node's directory and asks the node, in one ``publish_units`` round trip for the whole call, to take
+them (all or none), while it describes the units; otherwise each unit goes over ``DoPut`` and one
+``seal_units`` publishes them (``docs/explanation/architecture.md``). One call builds its units' rows
+as one Arrow table cut into a slice per unit (:func:`knittrans.schema.build_units_tables`). Media are
+deduplicated by content hash within each unit.
 
 Versions in the descriptor, per group: ``version_start`` = min over its trajectories,
 ``version_end`` = max, ``version_weighted`` = mean of the trajectories' ``version_weighted``
