@@ -242,7 +242,7 @@ def _write(
         for k, ((writer, units, ids), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, ids, tabs))
             if staged[k].ids:
-                answers[k] = writer._send_start(staged[k])
+                answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
     except BaseException:
         read_answers()
         for (writer, _, _), st, info in zip(batches, staged, infos, strict=False):
@@ -362,10 +362,6 @@ class TrajectoryWriter:
         if staged.entries is None:
             return self.write_tables_many(pairs)
         return self._publish_temps(pairs, staged.entries)
-
-    def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]]:
-        """:meth:`_send` started now in a sender thread; the returned function waits for the node's infos."""
-        return _send_async(self._send, staged).result
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
