@@ -10,6 +10,7 @@ Idefics3: ``docs/explanation/rollout.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -73,19 +74,9 @@ class TinyVLMSpec:
     """Text ``max_position_embeddings``."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "hidden",
-            "layers",
-            "vision_hidden",
-            "vision_layers",
-            "vision_heads",
-            "image_size",
-            "patch_size",
-            "scale_factor",
-            "max_positions",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TinyVLMSpec.{name} must be positive, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # every field is a size or a std
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"TinyVLMSpec.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.hidden % 64:
             raise ValueError(f"TinyVLMSpec.hidden must be a multiple of 64 (head_dim 64), got {self.hidden}")
         if self.image_size % (self.patch_size * self.scale_factor):
@@ -95,8 +86,6 @@ class TinyVLMSpec:
             )
         if self.vision_hidden % self.vision_heads:
             raise ValueError("TinyVLMSpec.vision_hidden must be a multiple of vision_heads")
-        if self.init_std <= 0:
-            raise ValueError(f"TinyVLMSpec.init_std must be positive, got {self.init_std}")
 
     @property
     def tokens_per_image(self) -> int:
