@@ -248,9 +248,6 @@ class VLLMEngineConfig:
     """KV cache size (``kv_cache_memory_bytes``; same as ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
     max_model_len: int | None = None
     """Context length; None: the model config's ``max_position_embeddings``."""
-    pass_media: bool = False
-    """Send prompt media as ``multi_modal_data`` (needs a multimodal model); else only carry them.
-    Always on for a tiny VLM directory (:func:`~knittrans.rollout.vlm.is_vlm`)."""
     max_images_per_prompt: int = 4
     """``limit_mm_per_prompt`` of a VLM: most images one prompt may carry."""
     seed: int = 0
@@ -324,14 +321,10 @@ class VLLMEngine:
             )
             for s in seeds
         ]
-        outputs = self._llm.generate(
-            [
-                vllm_prompt(r, pass_media=self.config.pass_media or self.layout is not None, layout=self.layout)
-                for r in requests
-            ],
-            params,
-            use_tqdm=False,
-        )
+        # media go to vLLM only for the tiny VLM (other models' media are carried into the groups only): vLLM
+        # takes images only with a tokenizer, which only the VLM starts with
+        prompts_in = [vllm_prompt(r, pass_media=self.layout is not None, layout=self.layout) for r in requests]
+        outputs = self._llm.generate(prompts_in, params, use_tqdm=False)
         return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 
     def load_weights(self, path: str | Path) -> None:
