@@ -460,15 +460,9 @@ class RolloutWorker:
         self.groups_written += len(group_ids)
 
     def _store_replacing(self, groups: list[TrajectoryGroup], unit_id: str) -> UnitDescriptor:
-        """Write ``groups`` as ``unit_id``, replacing a unit of that id the node already has.
-
-        Such a unit is what a crash left, never registered (a sealed unit's descriptor is saved in the
-        state file before it is registered, and a restart registers those instead): sealed just before
-        the crash (ours or the store's), or still being published by this worker's killed predecessor,
-        whose publish may end, sealed or aborted, at any moment. So the delete may find nothing (that
-        publish was aborted meanwhile), and the write may meet the unit once more (it was sealed between
-        the delete and the write): both are retried, a few times.
-        """
+        """Write ``groups`` as ``unit_id``, replacing a unit of that id the node already has: one a crash left,
+        never registered, possibly still being published by a killed predecessor, so the delete may find
+        nothing and the write may meet the unit again (architecture.md, failure model); retried a few times."""
         for _ in range(_REPLACE_ATTEMPTS - 1):
             try:
                 return self.writer.write_groups(groups, unit_id=unit_id)
