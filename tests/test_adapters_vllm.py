@@ -179,7 +179,7 @@ def test_adapter_reads_list_and_flat_logprobs_alike() -> None:
         g = group_from_request_output(_request([1, 2], [_completion([7, EOS], lp, "stop")]), prompt)
         assert g.samples[0].response_ids.tolist() == [7, EOS]
         assert g.samples[0].response_logprobs.tolist() == [-0.5, -1.5]
-        assert g.finish_reasons == ["stop"]
+        assert [s.finish_reason for s in g.samples] == ["stop"]
 
 
 def test_adapter_rejects_unusable_outputs() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -69,28 +70,10 @@ def run(args: Any) -> int:
     and the worker is closed either way."""
     from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig, SourceProfile
 
+    given = vars(args)  # every flag but --source and --max-groups is the config field of its name
     config = RolloutWorkerConfig(
-        control_url=args.control_url,
-        job=args.job,
-        worker_id=args.worker_id,
-        node_id=args.node_id,
-        store_endpoint=args.store_endpoint,
-        store_dir=args.store_dir,
         sources=tuple(SourceProfile.parse(s) for s in args.source),
-        model_dir=args.model_dir,
-        weights_dir=args.weights_dir,
-        state_file=args.state_file,
-        engine=args.engine,
-        group_size=args.group_size,
-        groups_per_call=args.groups_per_call,
-        temperature=args.temperature,
-        chunk_tokens=args.chunk_tokens,
-        weights_wait_s=args.weights_wait_s,
-        vocab_size=args.vocab_size,
-        reward=args.reward,
-        seed=args.seed,
-        token=args.token,
-        store_token=args.store_token,
+        **{f.name: given[f.name] for f in dataclasses.fields(RolloutWorkerConfig) if f.name in given},
     )
 
     def stop(signum: int, frame: object) -> None:

@@ -1,18 +1,9 @@
 """Rollout engines: a thin ``RolloutEngine`` protocol over transformers and vLLM (CPU or GPU).
 
-Both engines take token-id prompts (or :class:`PromptRequest` with media), sample ``n``
-responses per prompt and return :class:`GeneratedGroup` objects whose logprobs are those of
-the *sampling* distribution, ``log_softmax(logits / temperature)`` (no top-k/top-p is
-applied by either engine). At ``temperature == 0`` decoding is greedy and the logprobs are
-those of the temperature-1 distribution. ``load_weights(path)`` takes a safetensors file in
-Hugging Face checkpoint naming (``model.layers.0...``, ``lm_head.weight``), the format
-``model.state_dict()`` of the transformers model has.
-
-A model directory written by :func:`knittrans.rollout.vlm.build_tiny_vlm` is a vision-language
-policy: both engines then condition on the prompt's images (``PromptRequest.media`` of kind
-``image``, one image block per image in ``prompt_ids``, see :mod:`knittrans.rollout.vlm`) and
-never sample the image-structure tokens (masked before the softmax, so the logprobs are those of
-the renormalised distribution, which the trainer reproduces with the same mask).
+Logprobs are those of the sampling distribution, ``log_softmax(logits / temperature)`` (greedy at
+``temperature == 0``, then at temperature 1); a tiny VLM directory (:mod:`knittrans.rollout.vlm`)
+makes both engines condition on the prompt's images and never sample image-structure tokens.
+``docs/explanation/rollout.md`` says why and how each engine gets there.
 """
 
 from __future__ import annotations
@@ -257,9 +248,6 @@ class VLLMEngineConfig:
     """KV cache size (``kv_cache_memory_bytes``; same as ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
     max_model_len: int | None = None
     """Context length; None: the model config's ``max_position_embeddings``."""
-    pass_media: bool = False
-    """Send prompt media as ``multi_modal_data`` (needs a multimodal model); else only carry them.
-    Always on for a tiny VLM directory (:func:`~knittrans.rollout.vlm.is_vlm`)."""
     max_images_per_prompt: int = 4
     """``limit_mm_per_prompt`` of a VLM: most images one prompt may carry."""
     seed: int = 0
@@ -333,14 +321,10 @@ class VLLMEngine:
             )
             for s in seeds
         ]
-        outputs = self._llm.generate(
-            [
-                vllm_prompt(r, pass_media=self.config.pass_media or self.layout is not None, layout=self.layout)
-                for r in requests
-            ],
-            params,
-            use_tqdm=False,
-        )
+        # media go to vLLM only for the tiny VLM (other models' media are carried into the groups only): vLLM
+        # takes images only with a tokenizer, which only the VLM starts with
+        prompts_in = [vllm_prompt(r, pass_media=self.layout is not None, layout=self.layout) for r in requests]
+        outputs = self._llm.generate(prompts_in, params, use_tqdm=False)
         return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 
     def load_weights(self, path: str | Path) -> None:

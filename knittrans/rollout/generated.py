@@ -130,8 +130,3 @@ class GeneratedGroup:
     def response_logprobs(self) -> list[np.ndarray]:
         """Logprobs of each sample."""
         return [s.response_logprobs for s in self.samples]
-
-    @property
-    def finish_reasons(self) -> list[FinishReason]:
-        """Finish reason of each sample."""
-        return [s.finish_reason for s in self.samples]

@@ -32,14 +32,13 @@ def claimable(status: Mapping[str, Any], source: str, count: int) -> list[str]:
 
 def report_started(
     control: ControlClient, job: str, source: str, group_ids: Sequence[str], regenerates: Sequence[str]
-) -> list[str]:
-    """Announce ``group_ids`` as started, claiming ``regenerates``; returns the claims that were applied."""
+) -> None:
+    """Announce ``group_ids`` as started, claiming ``regenerates`` (without them if another worker was first)."""
     if regenerates:
         try:
             control.report_supply(job, group_ids={source: list(group_ids)}, regenerates=list(regenerates))
             logger.info("job %s: new groups %s replace lost groups %s", job, list(group_ids), list(regenerates))
-            return list(regenerates)
+            return
         except InvalidRequest as exc:  # another worker claimed them first; nothing was applied
             logger.info("job %s: regeneration claim refused (%s); announcing without claims", job, exc)
     control.report_supply(job, group_ids={source: list(group_ids)})
-    return []

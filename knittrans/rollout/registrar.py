@@ -1,26 +1,12 @@
 """``Registrar``: a writer's unit registrations sent in the background, off the put's critical path.
 
-A :class:`~knittrans.rollout.writer.TrajectoryWriter` with a control-plane client hands the
-descriptors of every put to its registrar and returns; the registrar registers them with
-``ControlClient.register_units`` on a sender thread (one of the writers' shared threads: none of its
-own to start or leak). Submissions that queue while a registration is in flight are coalesced into
-one request per job, in submission order. When a coalesced request fails, each of its submissions is
-sent again on its own, so that every submission is registered whole or not at all and a failure
-belongs to the submission that caused it (a repeated registration is a no-op on the control plane:
-exactly once holds).
-
-A failed registration (e.g. ``Conflict``: a group of it is registered already, ``NotFound``: an
-unknown job, ``Unavailable`` after the client's retries) leaves its units sealed on their node but
-unregistered, as a failed synchronous registration did. It is raised, with its type, by the
-writer's next call, by :meth:`Registrar.flush` and by the writer's ``close()`` — each failure once;
-the exception's ``units`` lists the descriptors that were not registered.
-
-API::
-
-    registrar = Registrar(control.register_units, submit)   # submit: run a callable on a sender thread
-    registrar.check()                      # an earlier failure raised (the writer does so at each call)
-    registrar.submit("job", descriptors)   # returns at once
-    registrar.flush()                      # every submitted unit registered, or the failure raised
+It registers each put's descriptors on one of the writers' shared sender threads. Submissions that
+queue meanwhile go in one request per job; a refused coalesced request is sent again per submission,
+so each is registered whole or not at all (a repeat is a no-op on the control plane). A failure
+leaves its units sealed but unregistered and is raised once, with its type and the descriptors left
+unregistered (``units``), by :meth:`Registrar.check` (the writer's next call) or
+:meth:`Registrar.flush` (its ``flush()`` and ``close()``). ``docs/explanation/architecture.md``
+(failure model) says why.
 """
 
 from __future__ import annotations

@@ -12,43 +12,28 @@ import vllm at import time of :mod:`knittrans` (it is only imported by vLLM work
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-__all__ = ["WeightFileLoader", "iter_safetensors"]
+__all__ = ["WeightFileLoader"]
 
 logger = logging.getLogger(__name__)
-
-
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` of a safetensors file one tensor at a time (memory-mapped)."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-            yield name, f.get_tensor(name)
 
 
 class WeightFileLoader:
     """Mixin for the vLLM worker; ``self`` is the vLLM ``Worker`` at run time."""
 
     def knittrans_load_weights_file(self, path: str) -> int:
-        """Load every tensor of ``path`` into the worker's model in place; return how many.
+        """Load every tensor of ``path`` (memory-mapped, one at a time) into the worker's model in place; return
+        how many.
 
         Raises:
             KeyError: a tensor name the model does not have (raised by vLLM's loader).
         """
-        count = 0
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for item in iter_safetensors(path):
-                count += 1
-                yield item
+        from safetensors import safe_open
 
         worker: Any = self
-        worker.reload_weights(weights_iterator=counted())
-        logger.info("loaded %d tensors from %s", count, path)
-        return count
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            worker.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names))
+        logger.info("loaded %d tensors from %s", len(names), path)
+        return len(names)

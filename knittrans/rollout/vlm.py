@@ -1,31 +1,16 @@
 """The tiny vision-language policy: a randomly initialised Idefics3 that rollout and trainer share.
 
-Idefics3 (SigLIP-style vision tower, pixel-shuffle connector, Llama text model) is supported by
-transformers and by vLLM's CPU backend without torchvision. :func:`build_tiny_vlm` writes a
-complete local model directory (weights, config, a byte-level BPE tokenizer trained here with
-``tokenizers``, the PIL image processor's config): nothing is downloaded, at build or at run time.
-
-Token layout (ids fixed by :func:`build_tiny_vlm`): ids ``0..255`` are the 256 byte tokens, then
-``<end_of_utterance>`` (EOS and pad), ``<fake_token_around_image>``, ``<image>`` and
-``<global-img>``. Images are not split: every image, whatever its size, is resized to
-``image_size`` square and becomes ``tokens_per_image`` ``<image>`` tokens, laid out in the
-prompt as Idefics3's processor does for an unsplit image::
-
-    <fake_token_around_image> <global-img> <image> x tokens_per_image <fake_token_around_image>
-
-:func:`image_prompt_ids` prefixes one such block per image to the text ids, so the prompt ids
-written to the store are exactly the ids both engines ran and the trainer replays. The three
-image-structure tokens are never sampled (:attr:`VLMLayout.suppressed_token_ids` are masked in
-both engines and in the trainer's log-softmax), so a response never holds a stray ``<image>``.
-
-The vision tower (:class:`VisionTower`: vision transformer + connector, the modules of the
-policy itself) maps preprocessed pixels ``[n, 3, S, S]`` to ``[n, tokens_per_image, hidden]``;
-:func:`place_image_features` writes those rows where the prompt holds ``<image>`` tokens, which
-is where Idefics3's own ``inputs_merger`` puts them.
+:func:`build_tiny_vlm` writes a complete local model directory (nothing is downloaded). Token ids
+``0..255`` are bytes, then ``<end_of_utterance>`` (EOS and pad), ``<fake_token_around_image>``,
+``<image>`` and ``<global-img>``. Every image is resized to ``image_size`` square and stands in the
+prompt as one unsplit Idefics3 block (:meth:`VLMLayout.image_block`), before the text
+(:func:`image_prompt_ids`); the three image-structure tokens are never sampled. The layout, and why
+Idefics3: ``docs/explanation/rollout.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -89,19 +74,9 @@ class TinyVLMSpec:
     """Text ``max_position_embeddings``."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "hidden",
-            "layers",
-            "vision_hidden",
-            "vision_layers",
-            "vision_heads",
-            "image_size",
-            "patch_size",
-            "scale_factor",
-            "max_positions",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TinyVLMSpec.{name} must be positive, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # every field is a size or a std
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"TinyVLMSpec.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.hidden % 64:
             raise ValueError(f"TinyVLMSpec.hidden must be a multiple of 64 (head_dim 64), got {self.hidden}")
         if self.image_size % (self.patch_size * self.scale_factor):
@@ -111,8 +86,6 @@ class TinyVLMSpec:
             )
         if self.vision_hidden % self.vision_heads:
             raise ValueError("TinyVLMSpec.vision_hidden must be a multiple of vision_heads")
-        if self.init_std <= 0:
-            raise ValueError(f"TinyVLMSpec.init_std must be positive, got {self.init_std}")
 
     @property
     def tokens_per_image(self) -> int:

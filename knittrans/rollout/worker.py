@@ -1,39 +1,26 @@
 """Rollout worker loop: draw prompts per source, report supply, generate, reward, write units, register.
 
 One worker owns a set of sources and one store node. It launches groups only while the job's
-off-policy window has room (``GET /v1/jobs/{job}/headroom``, a long-poll that answers when trainer
-progress frees room; the rule is ``knittrans.sched.timing``, the same for every admission
-policy), picking the source furthest behind its quota share of launches. It tags every trajectory
-with the policy version at its start and end and the token-weighted version, and picks up new
-policy weights when the trainer publishes a version: rank 0 writes
-``<weights_dir>/policy-v<N>.safetensors`` (temp name, then rename) before it reports version ``N`` to
-the control plane; the worker asks for the version before every group (and every chunk of
-generation) and loads that file. A file that is not there yet (a filesystem that shows it late) is
-waited for, up to ``weights_wait_s``; past that the worker goes on with the weights it has, logs a
-warning and counts the version as late, and its trajectories say the version they were really
-generated with. The worker reports its weights (version, loads, late versions, seconds waited) to
-the control plane, which shows them on ``/metrics`` and in job status. With ``chunk_tokens`` set,
-generation proceeds in chunks of that many tokens and new weights are picked up between chunks
-(partial rollout across an update).
+off-policy window has room (``GET /v1/jobs/{job}/headroom``, a long-poll; the rule is
+``knittrans.sched.timing``), picking the source furthest behind its quota share of launches. It tags
+every trajectory with the policy version at its start and end and the token-weighted version. Before
+every group (and every chunk of ``chunk_tokens``, a partial rollout across an update) it asks for the
+policy version and loads ``<weights_dir>/policy-v<N>.safetensors``, which rank 0 writes before it
+reports ``N``; a file that has not appeared within ``weights_wait_s`` is counted as late and
+generation goes on with the weights it has. A tiny VLM (:func:`knittrans.rollout.vlm.is_vlm`) sees the
+images of a source that has them in every generate call.
 
-With a tiny VLM checkpoint (:func:`knittrans.rollout.vlm.is_vlm`), a source with images puts one
-image block per image in front of the prompt text (:func:`~knittrans.rollout.vlm.image_prompt_ids`)
-and every generate call, continuation chunks included, carries the images, so the engine
-conditions on them; the group's ``n`` samples share them.
-
-Restart safety: group ids are ``<worker_id>-g<seq>`` with ``seq`` from a small state file written
-before the groups are announced; the descriptor of a sealed unit is written there before it is
-registered. A restarted worker registers the sealed-but-unregistered units from their saved
-descriptors and regenerates the groups it had announced but not sealed, under the same ids (the
-control plane counts a started id once and refuses a second registration of a group, which the
-worker takes as "already registered"). A store node that cannot be reached while a unit is stored
-(restarting on its port and directory) is retried under ``store_retry`` (120 s by default); a
-unit the dying store had sealed is replaced on the retry (never registered, so never consumed).
+Restart safety: group ids are ``<worker_id>-g<seq>`` with ``seq`` from a state file written before
+the groups are announced, and a sealed unit's descriptor is saved there before it is registered; a
+restarted worker registers the saved descriptors and regenerates announced groups under the same ids.
+A store node that cannot be reached while a unit is stored is retried under ``store_retry``.
+``docs/explanation/architecture.md`` (failure model) says why each step is safe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -297,19 +284,12 @@ class RolloutWorker:
         path = Path(self.config.state_file)
         if not path.exists():
             return _State()
-        raw = json.loads(path.read_text())
-        return _State(
-            next_seq=int(raw["next_seq"]), announced=dict(raw["announced"]), sealed=dict(raw.get("sealed", {}))
-        )
+        return _State(**json.loads(path.read_text()))
 
     def _save_state(self) -> None:
         path = Path(self.config.state_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(
-            json.dumps(
-                {"next_seq": self._state.next_seq, "announced": self._state.announced, "sealed": self._state.sealed}
-            )
-        )
+        tmp.write_text(json.dumps(dataclasses.asdict(self._state)))
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ weights
@@ -419,7 +399,7 @@ class RolloutWorker:
                     group = self.engine.generate([request], n, step, self.config.temperature, seq_seed)[0]
                     samples: list[GeneratedSample | None] = list(group.samples)
                 else:
-                    version = self.maybe_update_weights()
+                    self.maybe_update_weights()
                     samples = [None] * n
                     live = [i for i in range(n) if not done[i]]
                     prompts = [
@@ -480,15 +460,9 @@ class RolloutWorker:
         self.groups_written += len(group_ids)
 
     def _store_replacing(self, groups: list[TrajectoryGroup], unit_id: str) -> UnitDescriptor:
-        """Write ``groups`` as ``unit_id``, replacing a unit of that id the node already has.
-
-        Such a unit is what a crash left, never registered (a sealed unit's descriptor is saved in the
-        state file before it is registered, and a restart registers those instead): sealed just before
-        the crash (ours or the store's), or still being published by this worker's killed predecessor,
-        whose publish may end, sealed or aborted, at any moment. So the delete may find nothing (that
-        publish was aborted meanwhile), and the write may meet the unit once more (it was sealed between
-        the delete and the write): both are retried, a few times.
-        """
+        """Write ``groups`` as ``unit_id``, replacing a unit of that id the node already has: one a crash left,
+        never registered, possibly still being published by a killed predecessor, so the delete may find
+        nothing and the write may meet the unit again (architecture.md, failure model); retried a few times."""
         for _ in range(_REPLACE_ATTEMPTS - 1):
             try:
                 return self.writer.write_groups(groups, unit_id=unit_id)

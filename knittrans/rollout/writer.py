@@ -15,15 +15,12 @@ API::
     writer.flush()                                       # everything written so far is registered (or raises)
     writer.close()                                       # flushes too
 
-Same host (``store_dir`` given): the writer writes each unit's two IPC files into a private
-temporary of the node's directory (``<store_dir>/<job>/.tmp-<unit>-w<hex>``) and asks the node, in
-one ``publish_units`` round trip for the whole call, to take them: the node charges its budget
-(waiting for room, or moving the unit to its spill dir), validates each unit and renames it into
-place, all or none; a sender thread waits on that Flight call while the caller describes the units.
-Otherwise each unit goes over ``DoPut`` (two puts) and one ``seal_units`` publishes them. One call
-builds its units' rows as one Arrow table cut into a slice per unit
-(:func:`knittrans.schema.build_units_tables`). Media are deduplicated by content hash within each
-unit.
+Same host (``store_dir`` given): the writer writes each unit's IPC files into a private temporary of
+the node's directory and asks the node, in one ``publish_units`` round trip for the whole call, to take
+them (all or none), while it describes the units; otherwise each unit goes over ``DoPut`` and one
+``seal_units`` publishes them (``docs/explanation/architecture.md``). One call builds its units' rows
+as one Arrow table cut into a slice per unit (:func:`knittrans.schema.build_units_tables`). Media are
+deduplicated by content hash within each unit.
 
 Versions in the descriptor, per group: ``version_start`` = min over its trajectories,
 ``version_end`` = max, ``version_weighted`` = mean of the trajectories' ``version_weighted``
@@ -209,15 +206,23 @@ def write_units_across(
         raise InvalidRequest(f"write_units_across: every writer must write the same job, not {sorted(jobs)}")
     if len({id(w) for w, _ in batches}) != len(batches):
         raise InvalidRequest("write_units_across: one pair per writer (give a writer all its units at once)")
-    for w, _ in batches:
+    return _write([(w, units, [None] * len(units)) for w, units in batches])
+
+
+def _write(
+    batches: Sequence[tuple[TrajectoryWriter, Sequence[Sequence[TrajectoryGroup]], Sequence[str | None]]],
+) -> list[list[UnitDescriptor]]:
+    """:func:`write_units_across` of checked ``(writer, units, unit ids)`` triples (None: a fresh id); also
+    every ``TrajectoryWriter`` write (one triple)."""
+    for w, _, _ in batches:
         w.check()
-    registrar = next((w._registrar for w, _ in batches if w._registrar is not None), None)
+    registrar = next((w._registrar for w, _, _ in batches if w._registrar is not None), None)
     built: list[Sequence[UnitTables] | None] = [None] * len(batches)
     fields = batches[0][0].user_fields
-    if all(w.user_fields == fields for w, _ in batches):  # one build for every writer's units, then cut
-        tables = build_units_tables([u for _, units in batches for u in units], user_fields=fields)
+    if all(w.user_fields == fields for w, _, _ in batches):  # one build for every writer's units, then cut
+        tables = build_units_tables([u for _, units, _ in batches for u in units], user_fields=fields)
         start = 0
-        for k, (_, units) in enumerate(batches):
+        for k, (_, units, _) in enumerate(batches):
             built[k] = tables[start : start + len(units)]
             start += len(units)
     staged: list[_Staged] = []
@@ -234,33 +239,33 @@ def write_units_across(
         answers.clear()
 
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
-        for k, ((writer, units), tabs) in enumerate(zip(batches, built, strict=True)):
-            staged.append(writer._stage(units, [None] * len(units), tabs))
+        for k, ((writer, units, ids), tabs) in enumerate(zip(batches, built, strict=True)):
+            staged.append(writer._stage(units, ids, tabs))
             if staged[k].ids:
-                answers[k] = writer._send_start(staged[k])
+                answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
     except BaseException:
         read_answers()
-        for (writer, _), st, info in zip(batches, staged, infos, strict=False):
+        for (writer, _, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
                 writer._abort(st.ids)
         raise
     drafts: list[list[UnitDescriptor]] = []
     described: BaseException | None = None
     try:  # while the nodes store the units
-        drafts = [w._describe(st) for (w, _), st in zip(batches, staged, strict=True)]
+        drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]
     except BaseException as exc:
         described = exc
     finally:
         read_answers()
     failed = described or next((e for e in errors if e is not None), None)
     if failed is not None:
-        for (writer, _), st, info in zip(batches, staged, infos, strict=True):
+        for (writer, _, _), st, info in zip(batches, staged, infos, strict=True):
             if info:
                 writer._abort(st.ids)
         raise failed
     out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
     if registrar is not None:
-        registrar.submit(next(iter(jobs)), [d for descs in out for d in descs])
+        registrar.submit(batches[0][0].job, [d for descs in out for d in descs])
     return out
 
 
@@ -306,7 +311,7 @@ class TrajectoryWriter:
     def write_groups(self, groups: Sequence[TrajectoryGroup], *, unit_id: str | None = None) -> UnitDescriptor:
         """Build, validate, store and seal ``groups`` as one unit, registered in the background when the writer
         has a ``control`` client; return its descriptor."""
-        return self._publish([groups], [unit_id])[0]
+        return _write([(self, [groups], [unit_id])])[0][0]
 
     def write_units(self, units: Sequence[Sequence[TrajectoryGroup]]) -> list[UnitDescriptor]:
         """Write each group list as its own unit, then (with ``control``) have them all registered in one
@@ -319,7 +324,7 @@ class TrajectoryWriter:
         :meth:`close`, see :mod:`knittrans.rollout.registrar`) leaves the units sealed but unregistered.
         An earlier registration failure is raised first, before anything is written.
         """
-        return self._publish(units, [None] * len(units))
+        return _write([(self, units, [None] * len(units))])[0]
 
     def check(self) -> None:
         """Raise the oldest background registration failure not raised yet (the next call does so too)."""
@@ -331,43 +336,6 @@ class TrajectoryWriter:
         failure (as :meth:`check`). ``Unavailable`` when still registering after ``timeout_s``."""
         if self._registrar is not None:
             self._registrar.flush(timeout_s)
-
-    def _publish(
-        self, units: Sequence[Sequence[TrajectoryGroup]], unit_ids: Sequence[str | None]
-    ) -> list[UnitDescriptor]:
-        self.check()
-        descs = self._store(units, unit_ids)
-        if self._registrar is not None:
-            self._registrar.submit(self.job, descs)
-        return descs
-
-    def _store(
-        self,
-        units: Sequence[Sequence[TrajectoryGroup]],
-        unit_ids: Sequence[str | None],
-        built: Sequence[UnitTables] | None = None,
-    ) -> list[UnitDescriptor]:
-        """Build (unless ``built`` gives the tables), store and seal ``units`` (all or none) and describe
-        them; no registration."""
-        if not units:
-            return []
-        staged = self._stage(units, unit_ids, built)
-        if staged.entries is None:  # over DoPut the upload is Python-heavy: nothing to gain from a thread
-            return _with_sizes(self._describe(staged), self._send(staged))
-        # same host: the files are written; the node works (its call in a sender thread) while this thread
-        # describes the units; a unit's byte count comes from the node
-        answer = self._send_start(staged)
-        try:
-            drafts = self._describe(staged)
-        except BaseException:
-            try:
-                answer()
-            except BaseException:
-                pass  # not stored: its failure handling removed what there was
-            else:
-                self._abort(staged.ids)  # stored, but describing failed: the units go too
-            raise
-        return _with_sizes(drafts, answer())
 
     def _stage(
         self,
@@ -394,10 +362,6 @@ class TrajectoryWriter:
         if staged.entries is None:
             return self.write_tables_many(pairs)
         return self._publish_temps(pairs, staged.entries)
-
-    def _send_start(self, staged: _Staged) -> Callable[[], list[dict[str, Any]]]:
-        """:meth:`_send` started now in a sender thread; the returned function waits for the node's infos."""
-        return _send_async(self._send, staged).result
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""

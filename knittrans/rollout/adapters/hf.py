@@ -1,16 +1,9 @@
 """transformers ``generate()`` output → :class:`GeneratedGroup` (EOS/pad stripping, sampled-token logprobs).
 
-``generate(..., num_return_sequences=n, return_dict_in_generate=True, output_scores=True)``
-returns ``sequences`` of shape ``(B*n, prompt_width + T)`` (prompt-major: rows
-``[i*n, (i+1)*n)`` belong to prompt ``i``; prompts left-padded to ``prompt_width``) and
-``scores``: ``T`` tensors ``(B*n, vocab)``. ``scores[t]`` are the *processed* logits the token
-of step ``t`` was sampled from (after the temperature warper and any other processors), so
-``log_softmax(scores[t])[token]`` is the logprob under the sampling policy. ``logits``
-(``output_logits=True``) are the raw ones (temperature 1).
-
-Once a row has sampled EOS, transformers keeps stepping it and writes ``pad_token_id``; the
-response is cut right after its first EOS (kept as the last token, ``finish_reason="stop"``).
-A row with no EOS in its ``T`` tokens ends with ``finish_reason="length"``.
+Rows are prompt-major (rows ``[i*n, (i+1)*n)`` belong to prompt ``i``, prompts left-padded to
+``prompt_width``). ``scores`` (``output_scores=True``) are the processed logits each token was
+sampled from; ``logits`` (``output_logits=True``) the raw ones (temperature 1). A response is cut
+right after its first EOS (kept, ``finish_reason="stop"``); one without EOS ends with ``"length"``.
 """
 
 from __future__ import annotations
@@ -54,7 +47,6 @@ def groups_from_generate_output(
     n: int,
     prompt_width: int,
     eos_token_ids: Collection[int],
-    finished_at: float | None = None,
 ) -> list[GeneratedGroup]:
     """Split a batched ``generate()`` result into one :class:`GeneratedGroup` per prompt.
 
@@ -65,7 +57,6 @@ def groups_from_generate_output(
         n: Samples per prompt (``num_return_sequences``).
         prompt_width: Padded prompt length (columns before the first generated token).
         eos_token_ids: Ids that end a response.
-        finished_at: Unix seconds stamped on the groups (default: now).
 
     Returns:
         Groups in prompt order, each with ``n`` samples in row order.
@@ -82,7 +73,7 @@ def groups_from_generate_output(
     gen = generated.cpu().numpy().astype(np.int32)
     eos = np.asarray(sorted(eos_token_ids), dtype=np.int32)
     is_eos = np.isin(gen, eos)
-    stamp = time.time() if finished_at is None else finished_at
+    stamp = time.time()
     groups: list[GeneratedGroup] = []
     for i, prompt in enumerate(prompts):
         samples: list[GeneratedSample] = []

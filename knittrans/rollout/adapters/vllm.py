@@ -1,21 +1,13 @@
 """vLLM ``RequestOutput`` → :class:`GeneratedGroup`, and prompt → vLLM ``TokensPrompt`` dict.
 
-Works on the objects structurally (no ``import vllm``), so this module loads without vLLM.
-
-Per sample (``CompletionOutput``): ``token_ids`` are the response; when the sample ended on
-EOS, vLLM keeps the EOS id as the last token (``finish_reason == "stop"``), which is what
-:class:`GeneratedSample` expects. ``logprobs`` must have been requested with
-``SamplingParams(logprobs=0)``: one entry per position holding the sampled token (vLLM adds
-the sampled token to the top-k entries, so ``logprobs=0`` gives exactly that one). Which
-distribution the value comes from is set engine-wide by ``LLM(logprobs_mode=...)``:
-``processed_logprobs`` (after temperature/top-k/top-p, the sampling policy; what
-:class:`~knittrans.rollout.engines.VLLMEngine` uses) or vLLM's default ``raw_logprobs``
-(temperature 1). Both list-of-dicts and ``FlatLogprobs`` forms are read.
+Works on the objects structurally (no ``import vllm``), so this module loads without vLLM. The
+logprobs must be requested with ``SamplingParams(logprobs=0)`` (the sampled token per position);
+``LLM(logprobs_mode=...)`` sets which distribution they come from. Both list-of-dicts and
+``FlatLogprobs`` forms are read; vLLM keeps a ``stop`` sample's EOS as its last token.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -25,19 +17,12 @@ from knittrans.errors import InvalidRequest
 from knittrans.rollout.generated import FinishReason, GeneratedGroup, GeneratedSample, PromptRequest
 from knittrans.rollout.vlm import VLMLayout, image_to_pil
 
-__all__ = ["CompletionLike", "RequestOutputLike", "group_from_request_output", "vllm_prompt"]
-
-
-class CompletionLike(Protocol):
-    """The parts of ``vllm.CompletionOutput`` the adapter reads."""
-
-    token_ids: Sequence[int]
-    logprobs: Any
-    finish_reason: str | None
+__all__ = ["RequestOutputLike", "group_from_request_output", "vllm_prompt"]
 
 
 class RequestOutputLike(Protocol):
-    """The parts of ``vllm.RequestOutput`` the adapter reads."""
+    """The parts of ``vllm.RequestOutput`` the adapter reads (per sample: ``token_ids``, ``logprobs``,
+    ``finish_reason``)."""
 
     request_id: str
     prompt_token_ids: Sequence[int] | None
@@ -97,15 +82,10 @@ def _sampled_logprobs(logprobs: Any, token_ids: np.ndarray, where: str) -> np.nd
     return out
 
 
-def group_from_request_output(
-    output: RequestOutputLike, prompt: PromptRequest, *, finished_at: float | None = None
-) -> GeneratedGroup:
-    """Convert one finished ``RequestOutput`` (``n`` samples of one prompt) into a group.
+def group_from_request_output(output: RequestOutputLike, prompt: PromptRequest) -> GeneratedGroup:
+    """Convert one finished ``RequestOutput`` (``n`` samples of one prompt) into a group stamped now.
 
-    Args:
-        output: vLLM's result for the prompt.
-        prompt: The request it answers; its token ids must match and its media are carried over.
-        finished_at: Unix seconds stamped on the group (default: now).
+    ``prompt`` is the request it answers: its token ids must match and its media are carried over.
 
     Raises:
         InvalidRequest: unfinished or aborted samples, missing logprobs, a prompt mismatch.
@@ -126,9 +106,4 @@ def group_from_request_output(
         samples.append(GeneratedSample(response_ids=ids, response_logprobs=lp, finish_reason=fr))
     if not samples:
         raise InvalidRequest(f"{where} has no samples")
-    return GeneratedGroup(
-        prompt_ids=prompt.prompt_ids,
-        samples=tuple(samples),
-        media=prompt.media,
-        finished_at=time.time() if finished_at is None else finished_at,
-    )
+    return GeneratedGroup(prompt_ids=prompt.prompt_ids, samples=tuple(samples), media=prompt.media)
