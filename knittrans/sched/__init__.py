@@ -19,7 +19,6 @@ from knittrans.sched.staleness import (
     architectural_staleness,
     staleness,
     step_report,
-    summarize,
     summarize_weighted,
     version_of,
 )
@@ -29,10 +28,7 @@ from knittrans.sched.timing import (
     admitted_ahead,
     launch_order,
     launchable,
-    may_admit,
     staleness_bound,
-    trainer_position,
-    window_room,
 )
 from knittrans.sched.types import (
     AdmissionDecision,
@@ -63,16 +59,12 @@ __all__ = [
     "launchable",
     "lpt_assign",
     "make_policy",
-    "may_admit",
     "mini_batch_sizes",
     "quota_deficit",
     "remainder_feasible",
     "staleness",
     "staleness_bound",
     "step_report",
-    "summarize",
     "summarize_weighted",
-    "trainer_position",
     "version_of",
-    "window_room",
 ]

@@ -20,7 +20,6 @@ from knittrans.sched.timing import (
     launch_lead,
     launch_order,
     launchable,
-    released_at_start,
 )
 from knittrans.sched.types import AdmissionDecision, FinishedGroup, StepState
 from knittrans.sim.model import SourceStream, VersionTimeline
@@ -115,7 +114,6 @@ class _Simulation:
         self.on_step = on_step
         self.names = [s.name for s in workload.sources]
         self.quotas = workload.quotas
-        self.quota_list = [s.quota for s in workload.sources]
         self.streams = [
             SourceStream(s, group_size=workload.group_size, seed=seed, index=i) for i, s in enumerate(workload.sources)
         ]
@@ -281,16 +279,7 @@ class _Simulation:
     def drop_expired(self) -> None:
         """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test)."""
         self.purged_at = self.n
-        probe = StepState(
-            quotas=self.quotas,
-            admitted=self.admitted,
-            finished=(),
-            pending=self.pending,
-            mini_batch_index=self.adm_k,
-            mini_batches_per_step=self.K,
-            current_version=self.n,
-            max_staleness=self.w.max_staleness,
-        )
+        probe = self.step_state()
         keep = []
         for g in self.finished:
             if expired(probe, g):
@@ -382,13 +371,11 @@ class _Simulation:
 
         ``train_batch`` starts a step only once all of it has finished, and it takes each source's
         earliest-finished groups, so the step's later groups are the ones admitted behind ``first`` plus
-        each source's earliest finished ones (:func:`~knittrans.sched.timing.released_at_start` gives the counts).
+        each source's earliest finished ones: ``q[s]`` groups of each source leave, ``first``'s included.
         A group the staleness bound dropped after ``first`` was admitted has no finished stand-in yet; its
         replacement leaves the window when its own mini-batch starts.
         """
-        release = released_at_start(first.counts, mini_batch_index=0, quotas=self.quotas, handover="step")
-        for name, x in first.counts.items():
-            release[name] -= x
+        release = {name: q - first.counts[name] for name, q in self.quotas.items()}
         later = [g for i, _d, gs in self.queue if self.trace.mini_batches[i].step == first.step for g in gs]
         for g in later + sorted(self.finished, key=lambda g: (g.finished_at, g.group_id)):
             if release[g.source] > 0 and g.group_id not in self.released:

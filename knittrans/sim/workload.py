@@ -125,7 +125,7 @@ class Workload:
     """``L``: mini-batches that may be admitted beyond the one the trainer is on (0 = when it asks for it);
     the same for every policy (``knittrans.sched.timing``)."""
     train_batch_handover: str = "step"
-    """How the ``train_batch`` baseline's groups leave the window (``knittrans.sched.timing.released_at_start``):
+    """How the ``train_batch`` baseline's groups leave the window (``knittrans.sched.timing.HANDOVERS``):
     ``step`` — a conventional trainer handed the whole train batch when it starts the step (all ``G`` groups
     leave then; rollout runs one train batch off-policy); ``mini_batch`` — the project's rule applied to the
     baseline too (each group leaves when its mini-batch starts: the "paced" baseline). Other policies always
