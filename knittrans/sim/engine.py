@@ -50,10 +50,6 @@ class MiniBatchRecord:
     admitted_at: float
     train_start: float
     train_end: float
-    tokens: int
-    """Tokens of the mini-batch (all ranks)."""
-    max_rank_tokens: int
-    """Tokens on the busiest rank, which sets the training time."""
     counts: dict[str, int]
     mean_wait_s: float
     """Mean seconds its groups waited between finishing and admission."""
@@ -84,8 +80,6 @@ class RunTrace:
     select_calls: int = 0
     peak_admitted_ahead: int = 0
     """Most mini-batches admitted beyond the trainer's position at any admission (<= the lookahead ``L``)."""
-    peak_untaken: dict[str, int] = field(default_factory=dict)
-    """Per source, most groups launched but not in a started mini-batch (their sum stays <= ``W·G``)."""
     peak_untaken_total: int = 0
     """Most groups launched but not in a started mini-batch, all sources (<= ``W·G`` off colocated)."""
     weight_loads: int = 0
@@ -202,7 +196,6 @@ class _Simulation:
             self.untaken[name] += count
             self.pending[name] += count
             self.trace.launched += count
-            self.trace.peak_untaken[name] = max(self.trace.peak_untaken.get(name, 0), self.untaken[name])
             self.trace.peak_untaken_total = max(self.trace.peak_untaken_total, sum(self.untaken.values()))
             self.pool.launch(call, self.now)
 
@@ -333,8 +326,6 @@ class _Simulation:
                 admitted_at=self.now,
                 train_start=math.nan,
                 train_end=math.nan,
-                tokens=sum(g.num_tokens for g in groups),
-                max_rank_tokens=rank_tokens,
                 counts=counts,
                 mean_wait_s=wait / len(groups),
                 mean_generation_s=gen / len(groups),
