@@ -8,16 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knittrans.sched import (
+from knittrans.sched.staleness import (
     READINGS,
     ConsumedGroup,
-    FinishedGroup,
     architectural_staleness,
     staleness,
     step_report,
     summarize_weighted,
     version_of,
 )
+from knittrans.sched.types import FinishedGroup
 
 
 def _consumed(gid: str, source: str, n: int, v_train: int, k: int, vs: int, ve: int, vw: float) -> ConsumedGroup:
