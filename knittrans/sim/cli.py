@@ -24,17 +24,17 @@ logger = logging.getLogger(__name__)
 class ProgressBar:
     """A one-line progress bar on a text stream (stderr), redrawn at most every 0.1 s."""
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(self, total: int) -> None:
         self.total = max(1, total)
         self.done = 0
-        self.stream = stream if stream is not None else sys.stderr  # looked up now, not at import
-        self.width = width
+        self.stream: TextIO = sys.stderr  # looked up now, not at import
+        self.width = 30
         self._last = 0.0
         self._start = time.monotonic()
 
-    def advance(self, label: str, n: int = 1) -> None:
-        """Count ``n`` more units of work and redraw."""
-        self.done += n
+    def advance(self, label: str) -> None:
+        """Count one more unit of work and redraw."""
+        self.done += 1
         now = time.monotonic()
         if now - self._last < 0.1 and self.done < self.total:
             return

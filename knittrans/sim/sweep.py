@@ -185,6 +185,9 @@ def run_grid(
     return results
 
 
+_TABLE_REDUCTIONS = ("start_arch_reduction", "end_arch_pos_reduction", "weighted_arch_reduction")
+
+
 def _pct(x: float) -> str:
     return "   -  " if math.isnan(x) else f"{100 * x:5.1f}%"
 
@@ -212,17 +215,8 @@ def format_table(results: Sequence[ConfigResult]) -> str:
         s = config.summary()
         for policy, row in s["policies"].items():
             arch = "/".join(f"{row[f'{r}_arch_mean']:.2f}" for r in READINGS)
-            vs_tb = " ".join(
-                _pct(row.get(key, math.nan))
-                for key in ("start_arch_reduction", "end_arch_pos_reduction", "weighted_arch_reduction")
-            )
-            vs_paced = " ".join(
-                _pct(row.get(key, math.nan))
-                for key in (
-                    "start_arch_reduction_vs_paced",
-                    "end_arch_pos_reduction_vs_paced",
-                    "weighted_arch_reduction_vs_paced",
-                )
+            vs_tb, vs_paced = (
+                " ".join(_pct(row[f"{key}{suffix}"]) for key in _TABLE_REDUCTIONS) for suffix in ("", "_vs_paced")
             )
             ratios = "/".join(
                 "-" if math.isnan(x) else f"{x:.2f}"
