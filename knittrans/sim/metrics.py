@@ -15,11 +15,7 @@ __all__ = ["READINGS", "ReadingStats", "RunMetrics", "StepMetrics", "compute_met
 
 @dataclass(frozen=True, kw_only=True)
 class ReadingStats:
-    """Staleness and architectural staleness of a set of consumed groups under one version reading.
-
-    Both come from ``knittrans.sched.staleness`` (trajectory-weighted, nearest-rank percentiles); the
-    architectural ``pos_mean`` is the mean of its positive part.
-    """
+    """Staleness and architectural staleness of consumed groups under one version reading (``step_report``)."""
 
     staleness: StalenessStats
     architectural: StalenessStats
