@@ -66,20 +66,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _lookahead_list(text: str) -> list[int | str]:
-    values: list[int | str] = []
-    for v in (v.strip() for v in text.split(",") if v.strip()):
-        if v == "K":
-            values.append("K")
-            continue
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}") from None
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
-        values.append(n)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+    error = argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+    try:
+        values: list[int | str] = [v if v == "K" else int(v) for v in (v.strip() for v in text.split(",")) if v]
+    except ValueError:
+        raise error from None
+    if not values or any(isinstance(v, int) and v < 0 for v in values):
+        raise error
     return values
 
 
