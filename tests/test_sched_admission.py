@@ -11,12 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knittrans.sched import (
+from knittrans.sched.admission import (
     POLICIES,
-    AdmissionDecision,
-    FinishedGroup,
-    SourceBounds,
-    StepState,
     VersionAwarePolicy,
     composition_plan,
     expired,
@@ -25,6 +21,7 @@ from knittrans.sched import (
     quota_deficit,
     remainder_feasible,
 )
+from knittrans.sched.types import AdmissionDecision, FinishedGroup, SourceBounds, StepState
 
 
 def _group(n: int, source: str, *, version_start: int = 0) -> FinishedGroup:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knittrans.sched import FinishedGroup, assign_mini_batch, lpt_assign
-from knittrans.sched.assign import Assignment
+from knittrans.sched.assign import Assignment, assign_mini_batch, lpt_assign
+from knittrans.sched.types import FinishedGroup
 
 Row = tuple[str, str, int, int, str]
 """``(node_id, unit_id, row, tokens, group_id)`` of one assigned trajectory."""
@@ -83,7 +83,7 @@ def test_assignment_invariants(
     plans = _check(groups, assignment, world_size)
     # the control plane's compact form is the same assignment, rank by rank, row by row
     assert assignment.layout() == [[[[gid, row] for _, _, row, _, gid in mb] for mb in p] for p in plans]
-    total = sum(g.num_tokens for g in groups)
+    total = sum(sum(g.trajectory_tokens) for g in groups)
     biggest = max((t for g in groups for t in g.trajectory_tokens), default=0)
     ideal = total / world_size
     assert assignment.rank_tokens() == [sum(t for mb in p for *_, t, _ in mb) for p in plans]

@@ -8,17 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knittrans.sched import (
+from knittrans.sched.staleness import (
     READINGS,
     ConsumedGroup,
-    FinishedGroup,
     architectural_staleness,
     staleness,
     step_report,
-    summarize,
     summarize_weighted,
     version_of,
 )
+from knittrans.sched.types import FinishedGroup
 
 
 def _consumed(gid: str, source: str, n: int, v_train: int, k: int, vs: int, ve: int, vw: float) -> ConsumedGroup:
@@ -36,7 +35,7 @@ def _consumed(gid: str, source: str, n: int, v_train: int, k: int, vs: int, ve: 
 
 
 def test_readings_of_group_and_record() -> None:
-    """version_of reads start/end/weighted from a FinishedGroup or a dict row; unknown readings are refused."""
+    """version_of reads start/end/weighted from a FinishedGroup; unknown readings are refused."""
     group = FinishedGroup(
         group_id="g",
         source="s",
@@ -47,11 +46,8 @@ def test_readings_of_group_and_record() -> None:
         version_weighted=4.25,
     )
     assert [version_of(group, r) for r in READINGS] == [3.0, 5.0, 4.25]
-    assert version_of({"version_start": 1, "version_end": 2, "version_weighted": 1.5}, "weighted") == 1.5
     with pytest.raises(ValueError, match="start, end, weighted"):
         version_of(group, "middle")
-    with pytest.raises(ValueError, match="version_end"):
-        version_of({"version_start": 1}, "end")
 
 
 def test_staleness_and_architectural() -> None:
@@ -65,7 +61,7 @@ def test_staleness_and_architectural() -> None:
 
 def test_summarize_hand_case() -> None:
     """Values -1, 0, 2, 3, 10 (nearest rank): mean 2.8, p50 2, p99 10, max 10, positive-part mean 3."""
-    stats = summarize([3, -1, 10, 0, 2])
+    stats = summarize_weighted([(3, 1), (-1, 1), (10, 1), (0, 1), (2, 1)])
     assert stats.count == 5
     assert stats.mean == pytest.approx(2.8)
     assert (stats.p50, stats.p99, stats.max) == (2, 10, 10)
@@ -74,19 +70,24 @@ def test_summarize_hand_case() -> None:
 
 def test_summarize_empty_is_nan() -> None:
     """No values: count 0 and NaN statistics; to_dict gives None for JSON."""
-    stats = summarize([])
+    stats = summarize_weighted([])
     assert stats.count == 0 and all(math.isnan(v) for v in (stats.mean, stats.p50, stats.p99, stats.max))
     assert stats.to_dict() == {"count": 0, "mean": None, "p50": None, "p99": None, "max": None, "pos_mean": None}
 
 
 @given(st.lists(st.tuples(st.integers(-5, 20), st.integers(0, 6)), max_size=30))
 def test_weighted_equals_expanded(pairs: list[tuple[int, int]]) -> None:
-    """A weighted summary equals the plain summary of the values repeated by their weights."""
-    expanded = [float(v) for v, w in pairs for _ in range(w)]
-    a, b = summarize_weighted([(float(v), w) for v, w in pairs]), summarize(expanded)
-    assert a.count == b.count == len(expanded)
+    """A weighted summary equals the nearest-rank summary of the values repeated by their weights."""
+    expanded = sorted(float(v) for v, w in pairs for _ in range(w))
+    a = summarize_weighted([(float(v), w) for v, w in pairs])
+    assert a.count == len(expanded)
     if expanded:
-        assert (a.p50, a.p99, a.max) == (b.p50, b.p99, b.max)
+        n = len(expanded)
+        assert (a.p50, a.p99, a.max) == (
+            expanded[math.ceil(0.5 * n) - 1],
+            expanded[math.ceil(0.99 * n) - 1],
+            expanded[-1],
+        )
         assert a.mean == pytest.approx(sum(expanded) / len(expanded))
         ordered = sorted(expanded)
         assert a.p50 == ordered[math.ceil(0.5 * len(ordered)) - 1]

@@ -19,28 +19,16 @@ from knittrans.sched.timing import (
     admitted_ahead,
     launch_lead,
     launch_order,
-    may_admit,
-    released_at_start,
     staleness_bound,
-    trainer_position,
-    window_room,
 )
 from knittrans.schema import SCHEMA_VERSION
-
-
-def test_trainer_position_is_the_lowest_unacked_index() -> None:
-    """Position = min over ranks of each rank's first un-acked index; no ranks or negative cursors are refused."""
-    assert trainer_position([3, 5, 4]) == 3
-    with pytest.raises(ValueError, match="at least one rank"):
-        trainer_position([])
-    with pytest.raises(ValueError, match=">= 0"):
-        trainer_position([1, -1])
 
 
 @pytest.mark.parametrize(("lookahead", "allowed"), [(0, [4]), (1, [4, 5]), (2, [4, 5, 6])])
 def test_lookahead_allows_exactly_l_beyond_the_position(lookahead: int, allowed: list[int]) -> None:
     """With the trainer on 4, mini-batches 4..4+L may be admitted and nothing further; L = 0 means on demand."""
-    assert [n for n in range(10) if n >= 4 and may_admit(n, 4, lookahead)] == allowed
+    timing = AdmissionTiming(lookahead=lookahead)
+    assert [n for n in range(10) if n >= 4 and timing.may_admit(n, 4)] == allowed
     assert admitted_ahead(4 + lookahead + 1, 4) == lookahead
     assert admitted_ahead(4, 4) == 0
 
@@ -48,9 +36,9 @@ def test_lookahead_allows_exactly_l_beyond_the_position(lookahead: int, allowed:
 def test_window_room_and_launch_order() -> None:
     """Room is W·G minus untaken groups; the source furthest behind its quota share of launches goes first."""
     quotas = {"fast": 4, "slow": 2}
-    assert window_room(quotas, 1, {"fast": 3, "slow": 2}) == 1
-    assert window_room(quotas, 2, {"fast": 3, "slow": 2}) == 7
-    assert window_room(quotas, 1, {"fast": 6, "slow": 2}) == -2
+    assert AdmissionTiming(window=1).room(quotas, {"fast": 3, "slow": 2}) == 1
+    assert AdmissionTiming(window=2).room(quotas, {"fast": 3, "slow": 2}) == 7
+    assert AdmissionTiming(window=1).room(quotas, {"fast": 6, "slow": 2}) == -2
     assert launch_order(quotas, {"fast": 4, "slow": 1}) == ["slow", "fast"]
     assert launch_order(quotas, {"fast": 2, "slow": 1}) == ["fast", "slow"]  # tie: quota order
 
@@ -246,20 +234,6 @@ def test_launch_headroom_gives_a_deficit_room_only_while_the_trainer_is_idle() -
     assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=False) == {"math": 0, "code": 0}
     assert launch_headroom(quotas, -1, ["math"], deficit={"code": 2}, trainer_idle=True) == {"math": 0, "code": 2}
     assert launch_headroom(quotas, 3, ["code"], deficit={"code": 1}, trainer_idle=True) == {"math": 0, "code": 3}
-
-
-def test_released_at_start_per_handover() -> None:
-    """ "mini_batch": a started mini-batch frees its own groups; "step": the first one frees the whole train batch,
-    the later ones nothing; anything else is refused."""
-    q = {"a": 3, "b": 1}
-    assert released_at_start({"a": 1, "b": 1}, mini_batch_index=0, quotas=q, handover="mini_batch") == {"a": 1, "b": 1}
-    assert released_at_start({"a": 2}, mini_batch_index=1, quotas=q, handover="mini_batch") == {"a": 2, "b": 0}
-    assert released_at_start({"a": 1, "b": 1}, mini_batch_index=0, quotas=q, handover="step") == q
-    assert released_at_start({"a": 2}, mini_batch_index=1, quotas=q, handover="step") == {"a": 0, "b": 0}
-    with pytest.raises(ValueError, match="handover must be one of"):
-        released_at_start({}, mini_batch_index=0, quotas=q, handover="batch")
-    with pytest.raises(ValueError, match="mini_batch_index"):
-        released_at_start({}, mini_batch_index=-1, quotas=q, handover="step")
 
 
 def test_launch_lead_shifts_launches_from_fast_to_slow_sources() -> None:

@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from knittrans.sched import FinishedGroup, SourceBounds, StepState, assign_mini_batch, make_policy
-from knittrans.sched.assign import Assignment
+from knittrans.sched.admission import make_policy
+from knittrans.sched.assign import Assignment, assign_mini_batch
+from knittrans.sched.types import FinishedGroup, SourceBounds, StepState
 from knittrans.tickets import row_runs
 
 SOURCES = {"math": (300, 1500), "code": (500, 4000), "chat": (100, 600), "mm_qa": (200, 1200)}

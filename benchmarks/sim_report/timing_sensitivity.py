@@ -116,7 +116,6 @@ def main() -> int:
         mini_batches=ks,
         windows=ws,
         lookaheads=ls,
-        paced_baseline=True,
         progress=lambda done, label: bar.advance(label),
     )
     bar.close()

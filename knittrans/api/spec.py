@@ -87,7 +87,7 @@ class JobSpec:
     window: int = 1
     """``W``: groups launched but not in a mini-batch the trainer started stay ``<= W·G``."""
     train_batch_handover: str = "mini_batch"
-    """How a started mini-batch frees the window (``knittrans.sched.timing.released_at_start``): ``mini_batch``
+    """How a started mini-batch frees the window (``knittrans.sched.timing.HANDOVERS``): ``mini_batch``
     (its own groups; every policy) or ``step`` (only with ``train_batch``: the step's first mini-batch frees the
     whole train batch, as a conventional trainer handed the whole batch would; a baseline to compare with)."""
     user_fields: Mapping[str, str] = field(default_factory=dict)

@@ -47,8 +47,6 @@ __all__ = [
     "POLICIES",
     "AdmissionPolicy",
     "ConstraintPreservingPolicy",
-    "LinearTargetPolicy",
-    "TrainBatchPolicy",
     "VersionAwarePolicy",
     "composition_plan",
     "expired",
@@ -284,37 +282,28 @@ def _plan_counts(state: StepState, name: str) -> dict[str, int]:
     return counts
 
 
-class TrainBatchPolicy:
-    """``train_batch``: wait until the whole train batch has finished, then cut the planned mini-batches."""
+class _PlannedPolicy:
+    """``train_batch`` and ``linear_target``: mini-batch ``k`` of the fixed plan (:func:`composition_plan`).
 
-    name = "train_batch"
+    ``train_batch`` waits until the whole train batch has finished (every source has ``q - a`` usable groups),
+    then cuts the planned mini-batches; ``linear_target`` admits mini-batch ``k`` once every source reaches its
+    cumulative planned target through ``k`` (the proportional ``ceil((k+1)·q[s]/K)`` reconciled so mini-batch
+    ``k`` has exactly ``b_k`` groups).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def select(self, state: StepState) -> AdmissionDecision | None:
-        """Mini-batch ``k`` of the plan once every source has ``q - a`` usable finished groups."""
+        """The planned mini-batch ``k`` once the policy's wait condition holds, else None."""
         _check_state(state)
         counts = _plan_counts(state, self.name)
         usable = _usable(state)
-        for s, q in state.quotas.items():
-            if len(usable[s]) < q - state.admitted.get(s, 0):
-                return None
-        return _decision(state, [g for s, n in counts.items() for g in usable[s][:n]])
-
-
-class LinearTargetPolicy:
-    """``linear_target``: mini-batch ``k`` once every source reaches its cumulative planned target."""
-
-    name = "linear_target"
-
-    def select(self, state: StepState) -> AdmissionDecision | None:
-        """Admit exactly the groups that bring every source to its target through mini-batch ``k``.
-
-        Targets are the cumulative counts of :func:`composition_plan`: the proportional
-        ``ceil((k+1)·q[s]/K)`` reconciled so mini-batch ``k`` has exactly ``b_k`` groups.
-        """
-        _check_state(state)
-        counts = _plan_counts(state, self.name)
-        usable = _usable(state)
-        if any(len(usable[s]) < n for s, n in counts.items()):
+        if self.name == "train_batch":
+            needed = {s: q - state.admitted.get(s, 0) for s, q in state.quotas.items()}
+        else:
+            needed = counts
+        if any(len(usable[s]) < n for s, n in needed.items()):
             return None
         return _decision(state, [g for s, n in counts.items() for g in usable[s][:n]])
 
@@ -434,24 +423,16 @@ def _newest_key(group: FinishedGroup) -> tuple[float, int, float, str]:
     return (-group.version_weighted, -group.version_end, group.finished_at, group.group_id)
 
 
-_POLICY_TYPES: dict[
-    str,
-    type[TrainBatchPolicy] | type[LinearTargetPolicy] | type[ConstraintPreservingPolicy] | type[VersionAwarePolicy],
-] = {
-    "train_batch": TrainBatchPolicy,
-    "linear_target": LinearTargetPolicy,
-    "constraint_preserving": ConstraintPreservingPolicy,
-    "version_aware": VersionAwarePolicy,
-}
-
-
 def make_policy(name: str) -> AdmissionPolicy:
     """The admission policy called ``name``.
 
     Raises:
         ValueError: unknown name; the message lists the valid ones.
     """
-    policy_type = _POLICY_TYPES.get(name)
-    if policy_type is None:
-        raise ValueError(f"unknown admission policy {name!r}; valid policies: {', '.join(POLICIES)}")
-    return policy_type()
+    if name == "constraint_preserving":
+        return ConstraintPreservingPolicy()
+    if name == "version_aware":
+        return VersionAwarePolicy()
+    if name in POLICIES:
+        return _PlannedPolicy(name)
+    raise ValueError(f"unknown admission policy {name!r}; valid policies: {', '.join(POLICIES)}")

@@ -1,14 +1,11 @@
 """Assignment of an admitted mini-batch over ``W`` data-parallel ranks and into micro-batches.
 
-Rank balance. Trajectories are balanced by tokens with greedy LPT (largest first onto the least-loaded
-rank; ties go to the rank with fewer items, then the lower rank). Whole groups stay on one rank when
-balance allows: LPT runs over groups first and that assignment is kept when its most-loaded rank is at
-most ``(1 +`` :data:`BALANCE_TOLERANCE` ``)`` times the ideal ``total / W`` and there are at least ``W`` groups.
-Otherwise LPT runs over single trajectories and the better of the two (smaller maximum) is used.
-Guarantee (tested): ``max rank tokens <= max((1 + tol)·ideal, ideal + largest trajectory)``, since a
-kept group assignment meets the first bound and LPT's last item onto the fullest rank landed on a rank
-at or below the ideal. With at least ``W`` trajectories every rank gets at least one (an empty rank
-always wins the tie-break).
+Rank balance. Trajectories are balanced by tokens with greedy LPT (:func:`lpt_assign`). Whole groups stay
+on one rank when balance allows: LPT runs over whole groups, then halves, quarters ... single trajectories
+(skipping splits into fewer than ``W`` pieces), and stops at the first split whose most-loaded rank is at most
+``(1 +`` :data:`BALANCE_TOLERANCE` ``)`` times the ideal ``total / W`` (else the best one is used).
+Guarantee (tested): ``max rank tokens <= max((1 + tol)·ideal, ideal + largest trajectory)``. With at
+least ``W`` trajectories every rank gets at least one (an empty rank always wins the tie-break).
 
 Micro-batches. A rank's trajectories are put in read order (``node_id``, ``unit_id``, row) and cut in
 that order, so each micro-batch reads few contiguous row ranges: by count (``micro_batch_size`` rows)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from knittrans.sched.types import FinishedGroup
 
 __all__ = [
     "READINGS",
@@ -27,7 +29,6 @@ __all__ = [
     "architectural_staleness",
     "staleness",
     "step_report",
-    "summarize",
     "summarize_weighted",
     "summary_of",
     "version_of",
@@ -47,25 +48,9 @@ def _field(reading: str) -> str:
     return name
 
 
-def version_of(group_or_record: Any, reading: str) -> float:
-    """The generating version of a group or record under ``reading`` (``start``, ``end``, ``weighted``).
-
-    Accepts anything with ``version_start``/``version_end``/``version_weighted`` attributes
-    (:class:`~knittrans.sched.types.FinishedGroup`, :class:`ConsumedGroup`) or a mapping with those keys
-    (a trajectory row as a dict).
-
-    Raises:
-        ValueError: unknown reading, or the object lacks the field.
-    """
-    name = _field(reading)
-    if isinstance(group_or_record, Mapping):
-        if name not in group_or_record:
-            raise ValueError(f"record has no {name!r} field for reading {reading!r}")
-        return float(group_or_record[name])
-    value = getattr(group_or_record, name, None)
-    if value is None:
-        raise ValueError(f"{type(group_or_record).__name__} has no {name!r} for reading {reading!r}")
-    return float(value)
+def version_of(group: FinishedGroup | ConsumedGroup, reading: str) -> float:
+    """The generating version of a group under ``reading`` (``start``, ``end``, ``weighted``); ValueError if unknown."""
+    return float(getattr(group, _field(reading)))
 
 
 def staleness(v_train: int, v_gen: float) -> float:
@@ -146,11 +131,6 @@ def summary_of(ordered: Sequence[tuple[float, int]], *, total: int, acc: float, 
         max=ordered[-1][0],
         pos_mean=pos / total,
     )
-
-
-def summarize(values: Sequence[float]) -> StalenessStats:
-    """Summary of plain values (each counted once); empty -> ``count == 0`` and NaN statistics."""
-    return summarize_weighted([(float(v), 1) for v in values])
 
 
 @dataclass(frozen=True, kw_only=True)

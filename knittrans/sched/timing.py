@@ -1,47 +1,14 @@
 """Admission timing: when the next mini-batch may be admitted, and how far rollout may run ahead.
 
-A policy (:mod:`knittrans.sched.admission`) says *which* groups form the next mini-batch; this
-module says *when* it may be asked, and what frees rollout's off-policy window. The control plane
-(``knittrans.api.jobstate``) and the simulator (``knittrans.sim.engine``) both call it.
-
-Definitions (global mini-batch indices ``n = step·K + k`` count from 0):
-
-* **Trainer position** ``p``: the lowest global index not yet acked by every rank
-  (:func:`trainer_position`). Ranks ack in order, so ``p`` is the minimum over ranks of each rank's
-  first un-acked index. Mini-batch ``p`` is the one the trainer is on; mini-batches below ``p`` are
-  trained.
-* **Admission lookahead** ``L``: mini-batch ``n`` may be admitted only when ``n <= p + L``
-  (:func:`may_admit`), so at most ``L`` admitted mini-batches wait beyond the one the trainer is on
-  (:func:`admitted_ahead`). ``L = 1`` (the default) is what cross-mini-batch prefetch needs: while
-  the trainer computes ``p``, ``p + 1`` is admitted and its rows can move. ``L = 0`` admits ``p``
-  only once the trainer asks for it (after acking ``p - 1``).
-* **Off-policy window** ``W``: the groups launched but not yet taken by a mini-batch the trainer
-  has started (index ``<= p``) stay ``<= W·G`` (:func:`window_room`). Those *untaken* groups are the
-  ones still generating, the finished unadmitted ones, and the ones in admitted mini-batches beyond
-  ``p``; they are counted per source. Admission does not free window; trainer progress does, so a
-  slow trainer slows rollout down instead of letting it run ahead and go stale. Which source
-  launches next is the one furthest behind its quota share of launches (:func:`launch_order`), so
-  slow sources keep proportionally more groups in flight and no rollout slot idles for a per-source cap;
-  only those sources may launch (:func:`launchable`), so no source can fill the window and starve another.
-
-* **Handover** (what "taken" means for a policy): the project's policies hand the trainer one
-  mini-batch at a time, so a group leaves the window when *its* mini-batch starts (``"mini_batch"``).
-  The ``train_batch`` baseline stands for a conventional trainer that is handed the whole train batch
-  when it starts a step: all ``G`` groups of the step leave the window when its first mini-batch
-  starts (``"step"``), and rollout refills the whole window at once — one train batch off-policy
-  (:func:`released_at_start`). Applying ``"mini_batch"`` to ``train_batch`` too (the "paced" baseline)
-  gives it the project's trainer-paced launches, which is most of the start-reading gain
-  (``benchmarks/sim_report/README.md``, "What drives each figure").
-
-Staleness bound (end reading). Policies take a source's finished groups in finish order. When a
-group ``g`` of source ``s`` finishes, the trainer is at ``p`` (step ``p // K``) and fewer than ``W·G``
-other untaken groups (of any source) finished before it; the following steps take ``q[s]`` groups of
-``s`` each in finish order, so ``g`` trains in step ``<= p // K + ceil(W·G / q[s])``, at version
-``v_train = step·K + k``. Its last token came from version ``v_end >= p - d``, where ``d`` counts
-optimizer steps whose weights had not reached rollout when ``g`` made its last token (sync lag). So
-its architectural staleness ``v_train - v_end - k <= ceil(W·G / q[s])·K + d``
-(:func:`staleness_bound`), for every policy and every ``L``. The start reading adds the optimizer
-steps trained while ``g`` generated, which only generation time bounds.
+A policy (:mod:`knittrans.sched.admission`) says *which* groups form the next mini-batch; this module
+says *when* it may be asked and what frees rollout's off-policy window. The control plane
+(``knittrans.api.jobstate``) and the simulator (``knittrans.sim.engine``) both call it. Global
+mini-batch indices ``n = step·K + k`` count from 0; the trainer position ``p`` is the lowest index not
+yet acked by every rank. Mini-batch ``n`` may be admitted when ``n <= p + L`` (lookahead ``L``); the
+groups launched but not in a mini-batch the trainer has started stay ``<= W·G`` (window ``W``); only
+the sources furthest behind their quota share of launches may launch; the ``train_batch`` baseline may
+hand the trainer the whole train batch (:data:`HANDOVERS`). Definitions, the reasons for each rule and
+the proof of :func:`staleness_bound` are in ``docs/explanation/admission.md`` ("Timing: lookahead and window").
 """
 
 from __future__ import annotations
@@ -58,11 +25,7 @@ __all__ = [
     "launch_lead",
     "launch_order",
     "launchable",
-    "may_admit",
-    "released_at_start",
     "staleness_bound",
-    "trainer_position",
-    "window_room",
 ]
 
 DEFAULT_LOOKAHEAD = 1
@@ -85,33 +48,17 @@ class AdmissionTiming:
             raise ValueError(f"window: {self.window!r} must be an integer >= 1")
 
     def may_admit(self, next_index: int, position: int) -> bool:
-        """:func:`may_admit` with this rule's ``L``."""
-        return may_admit(next_index, position, self.lookahead)
+        """Whether mini-batch ``next_index`` may be admitted with the trainer on ``position``: ``n <= p + L``."""
+        return next_index <= position + self.lookahead
 
     def room(self, quotas: Mapping[str, int], untaken: Mapping[str, int]) -> int:
-        """:func:`window_room` with this rule's ``W``."""
-        return window_room(quotas, self.window, untaken)
+        """Groups rollout may still launch: ``W·G - sum(untaken)`` with ``G = sum(q)`` (negative when over,
+        e.g. after a quota cut).
 
-
-def trainer_position(rank_cursors: Iterable[int]) -> int:
-    """The lowest global index not yet acked by every rank: the minimum of the ranks' first un-acked indices.
-
-    Raises:
-        ValueError: no ranks, or a negative cursor.
-    """
-    cursors = list(rank_cursors)
-    if not cursors:
-        raise ValueError("trainer_position needs the cursor of at least one rank")
-    if min(cursors) < 0:
-        raise ValueError(f"rank cursors must be >= 0, got {cursors}")
-    return min(cursors)
-
-
-def may_admit(next_index: int, position: int, lookahead: int) -> bool:
-    """Whether mini-batch ``next_index`` may be admitted now: ``next_index <= position + L``."""
-    if lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-    return next_index <= position + lookahead
+        ``untaken[s]``: groups of ``s`` launched and neither dropped nor taken by a mini-batch the trainer
+        has started (generating + finished unadmitted + admitted beyond the trainer's position).
+        """
+        return self.window * sum(quotas.values()) - sum(untaken.values())
 
 
 def admitted_ahead(next_index: int, position: int) -> int:
@@ -119,40 +66,8 @@ def admitted_ahead(next_index: int, position: int) -> int:
     return max(0, next_index - position - 1)
 
 
-def window_room(quotas: Mapping[str, int], window: int, untaken: Mapping[str, int]) -> int:
-    """Groups rollout may still launch: ``W·G - sum(untaken)`` with ``G = sum(q)`` (negative when over,
-    e.g. after a quota cut).
-
-    ``untaken[s]``: groups of ``s`` launched and neither dropped nor taken by a mini-batch the trainer
-    has started (generating + finished unadmitted + admitted beyond the trainer's position).
-    """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window * sum(quotas.values()) - sum(untaken.values())
-
-
 HANDOVERS: tuple[str, ...] = ("mini_batch", "step")
 """How a started mini-batch frees the window: its own groups, or (k = 0) the whole train batch."""
-
-
-def released_at_start(
-    counts: Mapping[str, int], *, mini_batch_index: int, quotas: Mapping[str, int], handover: str
-) -> dict[str, int]:
-    """Groups per source that leave the window when the trainer starts mini-batch ``k`` holding ``counts``.
-
-    ``"mini_batch"``: the mini-batch's own groups. ``"step"`` (a trainer handed the whole train batch):
-    the quotas ``q`` when ``k == 0``, nothing for the later mini-batches of the step.
-
-    Raises:
-        ValueError: unknown handover, negative index.
-    """
-    if handover not in HANDOVERS:
-        raise ValueError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
-    if mini_batch_index < 0:
-        raise ValueError(f"mini_batch_index must be >= 0, got {mini_batch_index}")
-    if handover == "mini_batch":
-        return {s: counts.get(s, 0) for s in quotas}
-    return dict(quotas) if mini_batch_index == 0 else dict.fromkeys(quotas, 0)
 
 
 def launch_headroom(
@@ -230,7 +145,7 @@ def staleness_bound(
     *, mini_batches_per_step: int, window: int, train_batch_groups: int, quota: int, sync_lag: int = 0
 ) -> int:
     """Largest end-reading architectural staleness of a group of a source with quota ``q[s]``:
-    ``ceil(W·G / q[s])·K + d`` (module docstring).
+    ``ceil(W·G / q[s])·K + d`` (proof: ``docs/explanation/admission.md``).
 
     ``d`` (``sync_lag``) is how many optimizer steps' weights may still be on their way to rollout when a
     group makes its last token. It holds for every policy and every lookahead ``L``.

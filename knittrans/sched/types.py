@@ -43,11 +43,6 @@ class FinishedGroup:
         """Rows in the group."""
         return len(self.trajectory_tokens)
 
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens of the group."""
-        return sum(self.trajectory_tokens)
-
 
 @dataclass(frozen=True, kw_only=True)
 class SourceBounds:

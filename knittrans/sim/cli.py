@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
-from knittrans.sim.sweep import LEGEND, format_table, run_grid
+from knittrans.sim.sweep import LEGEND, configurations, format_table, run_grid
 from knittrans.sim.workload import bundled_workloads, load_workload
 
 __all__ = ["ProgressBar", "add_arguments", "run"]
@@ -24,17 +24,17 @@ logger = logging.getLogger(__name__)
 class ProgressBar:
     """A one-line progress bar on a text stream (stderr), redrawn at most every 0.1 s."""
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(self, total: int) -> None:
         self.total = max(1, total)
         self.done = 0
-        self.stream = stream if stream is not None else sys.stderr  # looked up now, not at import
-        self.width = width
+        self.stream: TextIO = sys.stderr  # looked up now, not at import
+        self.width = 30
         self._last = 0.0
         self._start = time.monotonic()
 
-    def advance(self, label: str, n: int = 1) -> None:
-        """Count ``n`` more units of work and redraw."""
-        self.done += n
+    def advance(self, label: str) -> None:
+        """Count one more unit of work and redraw."""
+        self.done += 1
         now = time.monotonic()
         if now - self._last < 0.1 and self.done < self.total:
             return
@@ -66,20 +66,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _lookahead_list(text: str) -> list[int | str]:
-    values: list[int | str] = []
-    for v in (v.strip() for v in text.split(",") if v.strip()):
-        if v == "K":
-            values.append("K")
-            continue
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}") from None
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
-        values.append(n)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+    error = argparse.ArgumentTypeError(f"expected integers >= 0 or K, got {text!r}")
+    try:
+        values: list[int | str] = [v if v == "K" else int(v) for v in (v.strip() for v in text.split(",")) if v]
+    except ValueError:
+        raise error from None
+    if not values or any(isinstance(v, int) and v < 0 for v in values):
+        raise error
     return values
 
 
@@ -183,15 +176,13 @@ def run(args: argparse.Namespace) -> int:
             ("load_s", "load_s"),
             ("groups_per_call", "groups_per_call"),
             ("launch_lead", "launch_lead"),
+            ("launch_weights", "launch_weights"),
+            ("tb_handover", "train_batch_handover"),
+            ("in_flight", "in_flight_updates"),
         ):
-            if getattr(args, flag) is not None:
-                overrides[name] = getattr(args, flag)
-        if args.in_flight is not None:
-            overrides["in_flight_updates"] = args.in_flight == "on"
-        if args.tb_handover is not None:
-            overrides["train_batch_handover"] = args.tb_handover
-        if args.launch_weights is not None:
-            overrides["launch_weights"] = args.launch_weights
+            value = getattr(args, flag)
+            if value is not None:
+                overrides[name] = value == "on" if flag == "in_flight" else value
         if overrides:
             workloads = [w.with_overrides(**overrides) for w in workloads]
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
@@ -205,20 +196,12 @@ def run(args: argparse.Namespace) -> int:
         ks = args.mini_batches or [None]
         ws = args.window or [None]
         ls: list[int | str | None] = list(args.lookahead or [None])
-        for w in workloads:  # validate every combination before running anything
-            for k in ks:
-                for win in ws:
-                    for look in ls:
-                        w.with_overrides(
-                            **({} if k is None else {"mini_batches_per_step": k}),
-                            **({} if win is None else {"window": win}),
-                            **({} if look is None or look == "K" else {"lookahead": look}),
-                        )
+        configs = configurations(workloads, ks, ws, ls)  # validates every combination before running anything
     except ValueError as exc:
         print(f"knittrans sim: {exc}", file=sys.stderr)
         return 2
     modes = len(policies) + (1 if args.colocated else 0) + 1  # + the paced baseline
-    total = sum((args.steps or w.steps) for w in workloads) * len(ks) * len(ws) * len(ls) * modes * args.seeds
+    total = sum((args.steps or w.steps) for w in configs) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
         workloads,

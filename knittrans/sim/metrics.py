@@ -15,11 +15,7 @@ __all__ = ["READINGS", "ReadingStats", "RunMetrics", "StepMetrics", "compute_met
 
 @dataclass(frozen=True, kw_only=True)
 class ReadingStats:
-    """Staleness and architectural staleness of a set of consumed groups under one version reading.
-
-    Both come from ``knittrans.sched.staleness`` (trajectory-weighted, nearest-rank percentiles); the
-    architectural ``pos_mean`` is the mean of its positive part.
-    """
+    """Staleness and architectural staleness of consumed groups under one version reading (``step_report``)."""
 
     staleness: StalenessStats
     architectural: StalenessStats
@@ -102,12 +98,11 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def compute_metrics(trace: RunTrace, *, warmup_steps: int | None = None) -> RunMetrics:
-    """Metrics of a run; by default the first ``W`` steps (pipeline filling) are left out of aggregates."""
+def compute_metrics(trace: RunTrace) -> RunMetrics:
+    """Metrics of a run; the first ``W`` steps (pipeline filling) are left out of aggregates."""
     w = trace.workload
     K = w.mini_batches_per_step
-    warm = w.window if warmup_steps is None else warmup_steps
-    warm = max(0, min(warm, trace.steps - 1))
+    warm = max(0, min(w.window, trace.steps - 1))
     quotas = w.quotas
     by_step: list[list[ConsumedGroup]] = [[] for _ in range(trace.steps)]
     for c in trace.consumed:

@@ -10,12 +10,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from knittrans.sched.staleness import architectural_staleness, version_of
 from knittrans.sim.engine import RunTrace
 from knittrans.sim.metrics import READINGS, RunMetrics
 
 __all__ = ["write_plots"]
+
+
+def _save(fig: Figure, path: Path, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _staleness_per_step(metrics: Mapping[str, RunMetrics], path: Path, title: str) -> None:
@@ -29,10 +37,7 @@ def _staleness_per_step(metrics: Mapping[str, RunMetrics], path: Path, title: st
         ax.set_xlabel("train step")
     axes[0].set_ylabel("mean over the step's groups (versions)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def _by_mini_batch_index(traces: Mapping[str, RunTrace], warmup: int, path: Path, title: str) -> None:
@@ -52,10 +57,7 @@ def _by_mini_batch_index(traces: Mapping[str, RunTrace], warmup: int, path: Path
         ax.set_xlabel("mini-batch index k within the step")
     axes[0].set_ylabel("mean architectural staleness (versions)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def _cumulative_quotas(traces: Mapping[str, RunTrace], path: Path, title: str) -> None:
@@ -66,22 +68,17 @@ def _cumulative_quotas(traces: Mapping[str, RunTrace], path: Path, title: str) -
         x = np.arange(1, K + 1)
         for j, src in enumerate(w.sources):
             cum = np.zeros(K)
-            steps = 0
             for s in range(trace.steps):
                 mbs = trace.mini_batches[s * K : (s + 1) * K]
                 cum += np.cumsum([m.counts[src.name] for m in mbs])
-                steps += 1
             color = f"C{j}"
-            ax.plot(x, cum / max(steps, 1), marker="o", ms=3, color=color, label=f"{src.name} admitted")
+            ax.plot(x, cum / max(trace.steps, 1), marker="o", ms=3, color=color, label=f"{src.name} admitted")
             ax.plot(x, x * src.quota / K, ls="--", color=color, lw=0.9, label=f"{src.name} linear target")
         ax.set_title(policy)
         ax.set_xlabel("mini-batches admitted in the step")
     axes[0][0].set_ylabel("cumulative groups per source (mean over steps)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def _admission_timeline(traces: Mapping[str, RunTrace], path: Path, title: str, max_steps: int = 6) -> None:

@@ -1,17 +1,8 @@
 """Simulated rollout engines: calls of groups, blocking weight loads, and the versions every group really used.
 
-A rollout *slot* stands for one engine of ``knittrans rollout``'s worker (:mod:`knittrans.rollout.worker`). It
-takes a *call* of up to ``groups_per_call`` groups of one source, generates them one after the other and
-publishes them together as one unit when the last one ends, so a finished group is invisible (and holds the
-window) until its partners finish. Before each group the slot loads the weights it should start with
-(``launch_weights``: the newest published version, waiting for it to reach rollout, or the newest that has
-arrived); a load blocks the slot for ``load_s``. With ``in_flight_updates`` a running group switches to new
-weights when they arrive: the slot stops for ``load_s`` (the worker loads between two chunks of
-generation), then goes on with them; a version that arrives during a load is loaded right after it.
-
-A group's versions are those of the weights that produced its tokens (tokens are made at a steady rate
-while the slot generates, none while it loads): ``version_start`` (first token), ``version_end`` (last
-token; weights that arrive at the very instant the group ends produced none) and the time-weighted mean.
+A rollout *slot* stands for one engine of ``knittrans rollout``'s worker (:mod:`knittrans.rollout.worker`); the
+model (calls published as one unit, ``launch_weights``, timed loads, in-flight updates, which versions a group's
+tokens count) is described in ``docs/how-to/simulator.md`` ("Model").
 """
 
 from __future__ import annotations

@@ -12,7 +12,16 @@ from knittrans.sim.engine import RunTrace, simulate
 from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
 from knittrans.sim.workload import Workload
 
-__all__ = ["BASELINE", "COLOCATED", "LEGEND", "PACED_BASELINE", "ConfigResult", "format_table", "run_grid"]
+__all__ = [
+    "BASELINE",
+    "COLOCATED",
+    "LEGEND",
+    "PACED_BASELINE",
+    "ConfigResult",
+    "configurations",
+    "format_table",
+    "run_grid",
+]
 
 BASELINE = "train_batch"
 """The policy the other policies are compared with (with the workload's ``train_batch_handover``, default ``step``:
@@ -24,6 +33,41 @@ COLOCATED = "colocated"
 """Row label of the colocated reference mode."""
 
 
+_SETTINGS = (
+    "mini_batches_per_step",
+    "window",
+    "lookahead",
+    "publish_delay_s",
+    "sync_delay_s",
+    "load_s",
+    "groups_per_call",
+    "in_flight_updates",
+    "launch_weights",
+)
+"""Workload fields every summary repeats."""
+_STATS = ("mean", "p50", "p99", "max", "pos_mean")
+_RUN_FIGURES = (
+    "steps_per_hour",
+    "trajectories_per_hour",
+    "trainer_idle",
+    "rollout_idle",
+    "mean_wait_s",
+    "mean_generation_s",
+)
+
+
+def _figures(m: RunMetrics) -> dict[str, float]:
+    """One run's figures by summary key: ``{reading}_{stat}`` and ``{reading}_arch_{stat}``, then the run figures."""
+    out = {}
+    for r in READINGS:
+        for kind, stats in (("", m.readings[r].staleness), ("arch_", m.readings[r].architectural)):
+            for key in _STATS:
+                out[f"{r}_{kind}{key}"] = float(getattr(stats, key))
+    for key in _RUN_FIGURES:
+        out[key] = float(getattr(m, key))
+    return out
+
+
 @dataclass
 class ConfigResult:
     """All runs of one (workload, K, W) configuration: per policy, per seed; seed-0 traces kept for plots."""
@@ -32,83 +76,67 @@ class ConfigResult:
     runs: dict[str, list[RunMetrics]] = field(default_factory=dict)
     traces: dict[str, RunTrace] = field(default_factory=dict)
 
-    def mean(self, policy: str, getter: Callable[[RunMetrics], float]) -> float:
-        """Mean over seeds of one figure of one policy."""
-        return statistics.fmean(getter(m) for m in self.runs[policy])
-
-    def reduction(self, policy: str, getter: Callable[[RunMetrics], float], baseline: str = BASELINE) -> float:
-        """Relative reduction ``1 - policy / baseline`` of a seed-averaged figure (NaN without a baseline)."""
-        if baseline not in self.runs or policy not in self.runs:
-            return math.nan
-        base = self.mean(baseline, getter)
-        if base == 0:
-            return math.nan
-        return 1.0 - self.mean(policy, getter) / base
-
     def summary(self) -> dict[str, Any]:
-        """Seed-averaged figures and reductions per policy (JSON-ready)."""
-        out: dict[str, Any] = {
-            "workload": self.workload.name,
-            "mini_batches_per_step": self.workload.mini_batches_per_step,
-            "window": self.workload.window,
-            "lookahead": self.workload.lookahead,
-            "publish_delay_s": self.workload.publish_delay_s,
-            "sync_delay_s": self.workload.sync_delay_s,
-            "load_s": self.workload.load_s,
-            "groups_per_call": self.workload.groups_per_call,
-            "in_flight_updates": self.workload.in_flight_updates,
-            "launch_weights": self.workload.launch_weights,
-            "policies": {},
-        }
+        """Seed-averaged figures per policy, and reductions ``1 - policy / baseline`` of the architectural
+        staleness against both baselines (NaN without the baseline or when it is 0; JSON-ready)."""
+        figures = {policy: [_figures(m) for m in runs] for policy, runs in self.runs.items()}
+
+        def mean(policy: str, key: str) -> float:
+            return statistics.fmean(f[key] for f in figures[policy])
+
+        def reduction(policy: str, key: str, baseline: str) -> float:
+            if baseline not in figures:
+                return math.nan
+            base = mean(baseline, key)
+            return math.nan if base == 0 else 1.0 - mean(policy, key) / base
+
+        w = self.workload
+        out: dict[str, Any] = {"workload": w.name, **{key: getattr(w, key) for key in _SETTINGS}, "policies": {}}
         for policy in self.runs:
             row: dict[str, Any] = {"seeds": len(self.runs[policy])}
             for r in READINGS:
-                for kind, stat in (("", "staleness"), ("arch_", "architectural")):
-                    for key in ("mean", "p50", "p99", "max", "pos_mean"):
-                        row[f"{r}_{kind}{key}"] = self.mean(policy, _stat_getter(r, stat, key))
-                row[f"{r}_arch_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "mean"))
-                row[f"{r}_arch_pos_reduction"] = self.reduction(policy, _stat_getter(r, "architectural", "pos_mean"))
-                if PACED_BASELINE in self.runs:
-                    row[f"{r}_arch_reduction_vs_paced"] = self.reduction(
-                        policy, _stat_getter(r, "architectural", "mean"), PACED_BASELINE
-                    )
-                    row[f"{r}_arch_pos_reduction_vs_paced"] = self.reduction(
-                        policy, _stat_getter(r, "architectural", "pos_mean"), PACED_BASELINE
-                    )
-            if PACED_BASELINE in self.runs:
-                row["steps_per_hour_vs_paced"] = self.mean(policy, _run_getter("steps_per_hour")) / self.mean(
-                    PACED_BASELINE, _run_getter("steps_per_hour")
-                )
-            if BASELINE in self.runs:
-                row["steps_per_hour_vs_train_batch"] = self.mean(policy, _run_getter("steps_per_hour")) / self.mean(
-                    BASELINE, _run_getter("steps_per_hour")
-                )
-            for key in (
-                "steps_per_hour",
-                "trajectories_per_hour",
-                "trainer_idle",
-                "rollout_idle",
-                "mean_wait_s",
-                "mean_generation_s",
+                for kind in ("", "arch_"):
+                    for key in _STATS:
+                        row[f"{r}_{kind}{key}"] = mean(policy, f"{r}_{kind}{key}")
+                for baseline, suffix in ((BASELINE, ""), (PACED_BASELINE, "_vs_paced")):
+                    row[f"{r}_arch_reduction{suffix}"] = reduction(policy, f"{r}_arch_mean", baseline)
+                    row[f"{r}_arch_pos_reduction{suffix}"] = reduction(policy, f"{r}_arch_pos_mean", baseline)
+            for baseline, key in (
+                (PACED_BASELINE, "steps_per_hour_vs_paced"),
+                (BASELINE, "steps_per_hour_vs_train_batch"),
             ):
-                row[key] = self.mean(policy, _run_getter(key))
+                if baseline in figures:
+                    row[key] = mean(policy, "steps_per_hour") / mean(baseline, "steps_per_hour")
+            for key in _RUN_FIGURES:
+                row[key] = mean(policy, key)
             row["quota_violations"] = sum(m.quota_violations for m in self.runs[policy])
             out["policies"][policy] = row
         return out
 
 
-def _stat_getter(reading: str, stat: str, key: str) -> Callable[[RunMetrics], float]:
-    def get(m: RunMetrics) -> float:
-        return float(getattr(getattr(m.readings[reading], stat), key))
+def configurations(
+    workloads: Iterable[Workload],
+    mini_batches: Iterable[int | None],
+    windows: Iterable[int | None],
+    lookaheads: Iterable[int | str | None],
+) -> list[Workload]:
+    """Every workload under every ``K``, ``W`` and ``L`` (None: the workload's own; ``"K"``: ``L = K``).
 
-    return get
-
-
-def _run_getter(key: str) -> Callable[[RunMetrics], float]:
-    def get(m: RunMetrics) -> float:
-        return float(getattr(m, key))
-
-    return get
+    Raises:
+        ValueError: a combination the workload refuses.
+    """
+    out = []
+    mbs, wins, looks = list(mini_batches), list(windows), list(lookaheads)
+    for base, k, win, look in ((b, k, w, la) for b in workloads for k in mbs for w in wins for la in looks):
+        changes: dict[str, Any] = {}
+        if k is not None:
+            changes["mini_batches_per_step"] = k
+        if win is not None:
+            changes["window"] = win
+        if look is not None:
+            changes["lookahead"] = (k or base.mini_batches_per_step) if look == "K" else look
+        out.append(base.with_overrides(**changes) if changes else base)
+    return out
 
 
 def run_grid(
@@ -121,34 +149,23 @@ def run_grid(
     windows: Iterable[int | None] = (None,),
     lookaheads: Iterable[int | str | None] = (None,),
     colocated: bool = False,
-    paced_baseline: bool = True,
     progress: Callable[[int, str], None] | None = None,
 ) -> list[ConfigResult]:
     """Run every policy, the paced baseline and optionally the colocated reference for every configuration and
     seed.
 
-    ``paced_baseline`` adds ``train_batch`` with ``train_batch_handover: mini_batch`` as row
-    :data:`PACED_BASELINE`; summaries then give every policy's reductions against both ``train_batch`` baselines
-    (``*_reduction`` against the workload's handover, by default the whole step; ``*_vs_paced`` against it).
+    The paced baseline is ``train_batch`` with ``train_batch_handover: mini_batch``, row :data:`PACED_BASELINE`;
+    summaries give every policy's reductions against both ``train_batch`` baselines (``*_reduction`` against the
+    workload's handover, by default the whole step; ``*_vs_paced`` against the paced one).
 
     ``lookaheads`` may hold ``"K"``: the lookahead equal to the configuration's ``K`` (one train batch).
     ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
     """
     results: list[ConfigResult] = []
-    mbs, wins, looks = list(mini_batches), list(windows), list(lookaheads)
-    for base, k, win, look in ((b, k, w, la) for b in workloads for k in mbs for w in wins for la in looks):
-        changes: dict[str, Any] = {}
-        if k is not None:
-            changes["mini_batches_per_step"] = k
-        if win is not None:
-            changes["window"] = win
-        if look is not None:
-            changes["lookahead"] = (k or base.mini_batches_per_step) if look == "K" else look
-        workload = base.with_overrides(**changes) if changes else base
+    for workload in configurations(workloads, mini_batches, windows, lookaheads):
         config = ConfigResult(workload=workload)
         modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
-        if paced_baseline:
-            modes.append((PACED_BASELINE, False))
+        modes.append((PACED_BASELINE, False))
         for label, is_coloc in modes:
             policy = BASELINE if is_coloc or label == PACED_BASELINE else label
             run_workload = (
@@ -161,12 +178,14 @@ def run_grid(
                 )
                 cb = None if progress is None else (lambda done, tag=tag: progress(done, tag))
                 trace = simulate(run_workload, policy, seed=seed, steps=steps, colocated=is_coloc, on_step=cb)
-                metrics = compute_metrics(trace)
-                config.runs.setdefault(label, []).append(metrics)
+                config.runs.setdefault(label, []).append(compute_metrics(trace))
                 if seed == 0:
                     config.traces[label] = trace
         results.append(config)
     return results
+
+
+_TABLE_REDUCTIONS = ("start_arch_reduction", "end_arch_pos_reduction", "weighted_arch_reduction")
 
 
 def _pct(x: float) -> str:
@@ -196,17 +215,8 @@ def format_table(results: Sequence[ConfigResult]) -> str:
         s = config.summary()
         for policy, row in s["policies"].items():
             arch = "/".join(f"{row[f'{r}_arch_mean']:.2f}" for r in READINGS)
-            vs_tb = " ".join(
-                _pct(row.get(key, math.nan))
-                for key in ("start_arch_reduction", "end_arch_pos_reduction", "weighted_arch_reduction")
-            )
-            vs_paced = " ".join(
-                _pct(row.get(key, math.nan))
-                for key in (
-                    "start_arch_reduction_vs_paced",
-                    "end_arch_pos_reduction_vs_paced",
-                    "weighted_arch_reduction_vs_paced",
-                )
+            vs_tb, vs_paced = (
+                " ".join(_pct(row[f"{key}{suffix}"]) for key in _TABLE_REDUCTIONS) for suffix in ("", "_vs_paced")
             )
             ratios = "/".join(
                 "-" if math.isnan(x) else f"{x:.2f}"

@@ -83,36 +83,25 @@ class Workload:
     mini_batches_per_step: int = 8
     """``K``: mini-batches (optimizer steps) per train step; must divide ``G``."""
     window: int = 1
-    """``W``: groups launched but not in a mini-batch the trainer started stay <= ``W·G`` (the same bound
-    for every policy; training frees it, admission does not: ``knittrans.sched.timing``)."""
+    """``W``: groups launched but not in a mini-batch the trainer started stay <= ``W·G`` (every policy)."""
     rollout_slots: int = 64
     """Groups that can be generated at the same time."""
     publish_delay_s: float = 0.0
-    """Seconds the trainer takes after an optimizer step to save the new weights before it acks the
-    mini-batch (the ack carries the new version, so the window opens and the version is known at the same
-    instant); the trainer starts nothing else meanwhile."""
+    """Seconds the trainer spends saving the new weights after an optimizer step, before its ack."""
     sync_delay_s: float = 0.0
     """Seconds from the ack until the new weights reach the rollout hosts (0: a filesystem they share)."""
     load_s: float = 0.0
-    """Seconds a rollout engine is blocked loading new weights (``knittrans rollout`` loads them between two
-    groups, and between two chunks of generation with in-flight updates)."""
+    """Seconds a rollout engine is blocked loading new weights."""
     groups_per_call: int = 1
-    """Groups of one source a rollout engine generates one after the other and publishes together as one
-    unit (``knittrans rollout --groups-per-call``): a finished group stays invisible, holding the window,
-    until its partners finish."""
+    """Groups of one source a rollout engine generates one after the other and publishes as one unit."""
     in_flight_updates: bool = False
     """Partial rollout: running groups switch to new weights when they arrive (else keep start weights)."""
     launch_weights: str = "published"
-    """Which weights a newly launched group starts with (:data:`LAUNCH_WEIGHTS`): ``arrived`` — whatever has
-    reached the rollout slots (the sync runs in the background while rollout keeps launching with older
-    weights); ``published`` — the newest version the trainer has published: a launch waits for weights still
-    on their way (at most ``sync_delay_s``), as ``knittrans rollout``'s worker does (it loads the newest
-    published weights before it starts each group)."""
+    """Which weights a new group starts with (:data:`LAUNCH_WEIGHTS`): ``arrived`` (whatever has reached
+    rollout) or ``published`` (the newest published version, waiting for it, as ``knittrans rollout`` does)."""
     launch_lead: float = 0.0
-    """Duration-aware launches (a prototype; the control plane does not do it): sources run ahead of or behind
-    their quota share of launches by this fraction of ``knittrans.sched.timing.launch_lead`` (0: off, 1: the
-    whole lead), estimated from the groups finished so far (mean generation time per source, groups admitted per
-    second), so every source's groups finish about as long before they are needed."""
+    """Duration-aware launches (a prototype the control plane does not run): this fraction of
+    ``knittrans.sched.timing.launch_lead`` (0: off, 1: the whole lead), estimated from the groups finished so far."""
     trainer_overhead_s: float = 1.0
     """Fixed seconds per mini-batch (optimizer step, launch costs)."""
     trainer_s_per_token: float = 1e-5
@@ -125,11 +114,8 @@ class Workload:
     """``L``: mini-batches that may be admitted beyond the one the trainer is on (0 = when it asks for it);
     the same for every policy (``knittrans.sched.timing``)."""
     train_batch_handover: str = "step"
-    """How the ``train_batch`` baseline's groups leave the window (``knittrans.sched.timing.released_at_start``):
-    ``step`` — a conventional trainer handed the whole train batch when it starts the step (all ``G`` groups
-    leave then; rollout runs one train batch off-policy); ``mini_batch`` — the project's rule applied to the
-    baseline too (each group leaves when its mini-batch starts: the "paced" baseline). Other policies always
-    hand over mini-batch by mini-batch."""
+    """How the ``train_batch`` baseline's groups leave the window (``knittrans.sched.timing.HANDOVERS``): ``step``
+    (handed the whole train batch) or ``mini_batch`` (the paced baseline); other policies always use ``mini_batch``."""
     max_staleness: int | None = None
     """``η``: admission staleness bound passed to the policies; None for none."""
     steps: int = 50
