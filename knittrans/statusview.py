@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 __all__ = ["add_arguments", "render", "run"]
 
@@ -171,12 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval-s", type=float, default=2.0, help="seconds between redraws with --watch")
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print the overview once, or redraw it every ``--interval-s`` with ``--watch``."""
     from knittrans.controlclient import ControlClient
     from knittrans.errors import KnitTransError
 
-    out = out or sys.stdout
+    out = sys.stdout
     if args.interval_s <= 0:
         raise SystemExit("knittrans status: --interval-s must be positive")
     with ControlClient(args.control_url, token=args.token, retries=2) as control:
