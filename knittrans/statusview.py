@@ -176,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
     from knittrans.controlclient import ControlClient
     from knittrans.errors import KnitTransError
 
-    out = sys.stdout
     if args.interval_s <= 0:
         raise SystemExit("knittrans status: --interval-s must be positive")
     with ControlClient(args.control_url, token=args.token, retries=2) as control:
@@ -187,12 +186,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"knittrans status: {args.control_url}: {exc}", file=sys.stderr)
                 if not args.watch:
                     return 1
-                text = None
-            if text is not None:
-                if args.watch and out.isatty():
-                    out.write("\x1b[H\x1b[2J")  # home + clear screen
-                out.write(text)
-                out.flush()
+            else:
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")  # home + clear screen
+                sys.stdout.write(text)
+                sys.stdout.flush()
             if not args.watch:
                 return 0
             time.sleep(args.interval_s)
