@@ -16,7 +16,7 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -181,7 +181,11 @@ class ControlClient:
                     _raise_for(response)
                     return _unbound(response)
                 problem = "503 " + response.text[:200]
-            pause = self._retry_pause(pauses, attempt, f"{method} {path}", problem)
+            pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
+            if pause is None:
+                raise Unavailable(
+                    f"control plane {self.base_url}: {method} {path} failed after {attempt + 1} attempts: {problem}"
+                )
             attempt += 1
             # one warning per call once it has failed a few times (a restart in progress), debug before
             level = logging.WARNING if attempt == _WARN_AFTER_ATTEMPTS else logging.DEBUG
@@ -196,27 +200,19 @@ class ControlClient:
             )
             time.sleep(pause)
 
-    def _retry_pause(self, pauses: Iterator[float], attempt: int, what: str, problem: str) -> float:
-        """The pause before retrying ``what`` after failed attempt ``attempt`` (0-based), by the retry policy
-        and ``retries``; :class:`Unavailable` naming ``problem`` once the budget is spent."""
-        pause = next(pauses, None) if self.retries is None or attempt < self.retries else None
-        if pause is None:
-            raise Unavailable(f"control plane {self.base_url}: {what} failed after {attempt + 1} attempts: {problem}")
-        return pause
-
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+    def _obj(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """The answer's JSON object."""
+        result: dict[str, Any] = self._request(method, path, **kwargs).json()
+        return result
 
     # ------------------------------------------------------------------ health
     def health(self) -> dict[str, Any]:
         """``GET /v1/health``."""
-        result: dict[str, Any] = self._json("GET", "/v1/health")
-        return result
+        return self._obj("GET", "/v1/health")
 
     def overview(self) -> dict[str, Any]:
         """``GET /v1/overview`` (admin): jobs, store nodes and ranks, as the dashboard shows them."""
-        result: dict[str, Any] = self._json("GET", "/v1/overview")
-        return result
+        return self._obj("GET", "/v1/overview")
 
     def metrics(self) -> str:
         """``GET /metrics`` (Prometheus text)."""
@@ -225,38 +221,31 @@ class ControlClient:
     # ------------------------------------------------------------------ jobs (admin)
     def create_job(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """``POST /v1/jobs``; the identical spec again is a no-op."""
-        result: dict[str, Any] = self._json("POST", "/v1/jobs", json=dict(spec))
-        return result
+        return self._obj("POST", "/v1/jobs", json=dict(spec))
 
     def get_job(self, job: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job}``."""
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}")
-        return result
+        return self._obj("GET", f"/v1/jobs/{job}")
 
     def update_quotas(self, job: str, quotas: Mapping[str, int]) -> dict[str, Any]:
         """``PUT /v1/jobs/{job}/quotas`` (effective from the next train step)."""
-        result: dict[str, Any] = self._json("PUT", f"/v1/jobs/{job}/quotas", json={"quotas": dict(quotas)})
-        return result
+        return self._obj("PUT", f"/v1/jobs/{job}/quotas", json={"quotas": dict(quotas)})
 
     def pause(self, job: str) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/pause``."""
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/pause")
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/pause")
 
     def resume(self, job: str) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/resume``."""
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/resume")
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/resume")
 
     def drain(self, job: str) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/drain``."""
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/drain")
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/drain")
 
     def status(self, job: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job}/status``."""
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/status")
-        return result
+        return self._obj("GET", f"/v1/jobs/{job}/status")
 
     # ------------------------------------------------------------------ nodes
     def register_node(
@@ -266,18 +255,16 @@ class ControlClient:
         body: dict[str, Any] = {"node_id": node_id, "endpoint": endpoint, "host": host}
         if node_key is not None:
             body["node_key"] = node_key
-        result: dict[str, Any] = self._json("POST", "/v1/nodes", json=body)
-        return result
+        return self._obj("POST", "/v1/nodes", json=body)
 
     def remove_unit(self, job: str, unit_id: str, reason: str = "removed by an admin") -> dict[str, Any]:
         """``DELETE /v1/jobs/{job}/units/{unit}`` (admin): its unadmitted groups are regenerated."""
-        result: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{job}/units/{unit_id}", params={"reason": reason})
-        return result
+        return self._obj("DELETE", f"/v1/jobs/{job}/units/{unit_id}", params={"reason": reason})
 
     def mint_token(self, role: str, job: str | None = None, rank: int | None = None) -> str:
         """``POST /v1/tokens`` (admin): a bearer token scoped to one job's worker, one rank, or a store."""
         body = {"role": role, "job": job, "rank": rank}
-        return str(self._json("POST", "/v1/tokens", json=body)["token"])
+        return str(self._request("POST", "/v1/tokens", json=body).json()["token"])
 
     def heartbeat(self, node_id: str, usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """``POST /v1/nodes/{node}/heartbeat`` (Conflict when the node was declared lost).
@@ -285,18 +272,16 @@ class ControlClient:
         ``usage``: the store's ``stats`` (units, bytes, budget), shown by ``/metrics`` and ``/ui``.
         """
         body = dict(usage) if usage is not None else None
-        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/heartbeat", json=body)
-        return result
+        return self._obj("POST", f"/v1/nodes/{node_id}/heartbeat", json=body)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """``GET /v1/nodes``."""
-        result: list[dict[str, Any]] = self._json("GET", "/v1/nodes")
+        result: list[dict[str, Any]] = self._request("GET", "/v1/nodes").json()
         return result
 
     def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
         """``POST /v1/nodes/{node}/lost`` (admin)."""
-        result: dict[str, Any] = self._json("POST", f"/v1/nodes/{node_id}/lost", json={"reason": reason})
-        return result
+        return self._obj("POST", f"/v1/nodes/{node_id}/lost", json={"reason": reason})
 
     # ------------------------------------------------------------------ units and supply
     def register_units(
@@ -316,8 +301,7 @@ class ControlClient:
         pause = 0.05
         while True:
             try:
-                result: dict[str, Any] = self._request("POST", f"/v1/jobs/{job}/units", content=data).json()
-                return result
+                return self._obj("POST", f"/v1/jobs/{job}/units", content=data)
             except NotFound as exc:
                 missing = _UNREGISTERED_NODE.search(str(exc))
                 if missing is None:
@@ -354,8 +338,7 @@ class ControlClient:
             "regenerates": list(regenerates),
             "request_id": request_id or uuid.uuid4().hex,
         }
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/supply", json=body)
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/supply", json=body)
 
     # ------------------------------------------------------------------ mini-batches
     def manifest(
@@ -389,8 +372,7 @@ class ControlClient:
 
     def progress(self, job: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job}/minibatches``: the trainer's position and the in-flight mini-batches' progress."""
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job}/minibatches")
-        return result
+        return self._obj("GET", f"/v1/jobs/{job}/minibatches")
 
     def fetched(self, job: str, n: int, attempt: int, ranks: Sequence[int] | None = None) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/minibatches/{n}/fetched``: ``ranks`` (None: every rank) hold their whole share.
@@ -399,8 +381,7 @@ class ControlClient:
             DataLost: that attempt was withdrawn (a store node holding its rows was lost).
         """
         body = {"attempt": attempt, "ranks": list(ranks) if ranks is not None else None}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/minibatches/{n}/fetched", json=body)
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/minibatches/{n}/fetched", json=body)
 
     def ack(
         self,
@@ -425,14 +406,12 @@ class ControlClient:
         if transfer is not None:
             names = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
             body["transfer"] = {name: [figures.get(name, 0) for figures in transfer] for name in names}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/minibatches/{n}/ack", json=body)
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/minibatches/{n}/ack", json=body)
 
     def report_version(self, job: str, version: int, rank: int = 0) -> dict[str, Any]:
         """``POST /v1/jobs/{job}/versions``."""
         body = {"version": version, "rank": rank}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/versions", json=body)
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/versions", json=body)
 
     def headroom(self, job: str, *, wait_s: float = 0.0, sources: Sequence[str] | None = None) -> dict[str, Any]:
         """``GET /v1/jobs/{job}/headroom``: room under the off-policy window; long-polls up to ``wait_s`` for one
@@ -440,10 +419,7 @@ class ControlClient:
         params: dict[str, Any] = {"wait_s": wait_s}
         if sources is not None:
             params["sources"] = ",".join(sources)
-        result: dict[str, Any] = self._json(
-            "GET", f"/v1/jobs/{job}/headroom", params=params, timeout_s=wait_s + self.timeout_s
-        )
-        return result
+        return self._obj("GET", f"/v1/jobs/{job}/headroom", params=params, timeout_s=wait_s + self.timeout_s)
 
     def report_rollout_weights(
         self, job: str, worker: str, *, version: int, told: int, loads: int, late: int, wait_s: float
@@ -451,24 +427,22 @@ class ControlClient:
         """``POST /v1/jobs/{job}/rollout/{worker}/weights``: the weights a rollout worker generates with, and its
         cumulative counters (files loaded, versions whose file came late, seconds waited)."""
         body = {"version": version, "told": told, "loads": loads, "late": late, "wait_s": wait_s}
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job}/rollout/{worker}/weights", json=body)
-        return result
+        return self._obj("POST", f"/v1/jobs/{job}/rollout/{worker}/weights", json=body)
 
     def get_version(self, job: str) -> int:
         """``GET /v1/jobs/{job}/version``: the latest policy version."""
-        return int(self._json("GET", f"/v1/jobs/{job}/version")["version"])
+        return int(self._request("GET", f"/v1/jobs/{job}/version").json()["version"])
 
 
-def _unbound(response: httpx.Response, body: bytes | None = None) -> httpx.Response:
-    """``response`` (its body read, or ``body`` in its place: a stream closed unread) without httpx's stream
-    wrapper, which refers back to the response.
+def _unbound(response: httpx.Response) -> httpx.Response:
+    """``response`` (its body read) without httpx's stream wrapper, which refers back to the response.
 
     That reference made every response a reference cycle of ~50 objects (request, headers, URL, the
     connection pool's request and stream objects) that only the cyclic GC frees: three per mini-batch
     of a trainer rank, enough to trigger collections that pause its thread. The body is kept, so
     ``.content``, ``.json()`` and ``.close()`` work as before.
     """
-    response.stream = httpx.ByteStream(response.content if body is None else body)
+    response.stream = httpx.ByteStream(response.content)
     return response
 
 

@@ -6,31 +6,14 @@ and ``num_stores`` ``knittrans store`` nodes (``node-0``, ``node-1``, ..., data 
 store has registered. Each process logs to ``work_dir/logs/<name>.log``. Leaving the ``with`` block (or
 :meth:`LocalCluster.stop`) stops them all, on errors too.
 
-Example::
-
-    from knittrans.local import ClusterConfig, LocalCluster
-    from knittrans.rollout.writer import TrajectoryWriter
-    from knittrans.trainer.client import TrainerClient, TrainerConfig
-
-    with LocalCluster(ClusterConfig(work_dir=Path("run"), num_stores=1)) as cluster:
-        control = cluster.control()
-        control.create_job({"name": "my-job", ...})
-        store = cluster.stores[0]
-        with TrajectoryWriter(job="my-job", node_id=store.node_id, endpoint=store.endpoint, control=control) as writer:
-            writer.write_units([[group] for group in my_groups])
-        config = TrainerConfig(control_url=cluster.control_url, job="my-job", rank=0, world_size=1)
-        with TrainerClient(config) as trainer:
-            for mini_batch in trainer.minibatches():
-                ...
-
-``examples/byo_data.py`` is this, complete, with two trainer ranks.
+A complete program on it: docs/getting-started/first-job.md; ``examples/byo_data.py`` with two trainer ranks.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -82,7 +65,7 @@ class StoreNode:
     """Its Flight endpoint, ``grpc://127.0.0.1:<port>``."""
     store_dir: Path
     """Its data directory (a writer on this host may pass it as ``store_dir`` to write there directly)."""
-    name: str = field(default="")
+    name: str
     """Child process name in the cluster's :class:`ProcessGroup`."""
 
 
@@ -118,7 +101,6 @@ class LocalCluster:
         if port is None:
             port = int(self.control_url.rsplit(":", 1)[1]) if self.control_url else 0
         ready = self.work_dir / "control-plane.ready"
-        ready.unlink(missing_ok=True)
         argv = control_plane_args(
             self._db, port=port, host=self.config.host, ready_file=ready, node_timeout_s=self.config.node_timeout_s
         )
@@ -127,14 +109,7 @@ class LocalCluster:
             env["KNITTRANS_WORKER_TOKEN"] = self.config.worker_token
         if self.config.admin_token:
             env["KNITTRANS_ADMIN_TOKEN"] = self.config.admin_token
-        self.procs.start("control-plane", knittrans_command(*argv), env=env)
-
-        def serving() -> bool:
-            self.procs.check_alive("control-plane")
-            return ready.exists()
-
-        wait_until(serving, timeout_s=self.config.start_timeout_s, what="control plane")
-        self.control_url = json.loads(ready.read_text())["url"]
+        self.control_url = json.loads(self._start("control-plane", argv, env, ready, "control plane"))["url"]
         response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
         response.raise_for_status()
 
@@ -190,7 +165,6 @@ class LocalCluster:
         store_dir = self.work_dir / "stores" / node_id
         store_dir.mkdir(parents=True, exist_ok=True)
         ready = self.work_dir / f"{node_id}.ready"
-        ready.unlink(missing_ok=True)
         argv = [
             "store",
             "--dir",
@@ -215,14 +189,8 @@ class LocalCluster:
         if not self.config.data_lane:
             argv += ["--no-data-lane"]
         name = f"store-{index}"
-        self.procs.start(name, knittrans_command(*argv), env=env)
-
-        def listening() -> bool:
-            self.procs.check_alive(name)
-            return ready.exists()
-
-        wait_until(listening, timeout_s=self.config.start_timeout_s, what=f"store {node_id}")
-        node = StoreNode(node_id=node_id, endpoint=ready.read_text().strip(), store_dir=store_dir, name=name)
+        endpoint = self._start(name, argv, env, ready, f"store {node_id}").strip()
+        node = StoreNode(node_id=node_id, endpoint=endpoint, store_dir=store_dir, name=name)
         with self.control() as control:
             wait_until(
                 lambda: any(n["node_id"] == node_id for n in control.list_nodes()),
@@ -230,6 +198,18 @@ class LocalCluster:
                 what=f"registration of {node_id}",
             )
         return node
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str], ready: Path, what: str) -> str:
+        """Start child ``name`` (``knittrans ARGV``) and wait until it writes its ``ready`` file; the file's text."""
+        ready.unlink(missing_ok=True)
+        self.procs.start(name, knittrans_command(*argv), env=env)
+
+        def written() -> bool:
+            self.procs.check_alive(name)
+            return ready.exists()
+
+        wait_until(written, timeout_s=self.config.start_timeout_s, what=what)
+        return ready.read_text()
 
     def start(self) -> LocalCluster:
         """Start the control plane and every store node."""

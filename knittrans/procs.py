@@ -99,37 +99,28 @@ def wait_ready(
     exits first, TimeoutError after ``timeout_s``.
     """
 
-    def check() -> bool:
-        if proc.poll() is not None:
-            raise _Exited(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}")
-        return ready()
+    def exited_or_ready() -> bool:
+        return proc.poll() is not None or ready()
 
     try:
-        wait_until(check, timeout_s=timeout_s, what=what)
-    except _Exited as exc:
-        raise RuntimeError(str(exc)) from None
+        wait_until(exited_or_ready, timeout_s=timeout_s, what=what)
     except TimeoutError:
-        if proc.poll() is not None:  # it exited during the last pause
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}") from None
-        raise
+        if proc.poll() is None:
+            raise
+    if proc.returncode is not None:  # set only by a poll that found it exited
+        raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}")
 
 
-class _Exited(BaseException):
-    """Internal: ends :func:`wait_until` at once (it retries ordinary exceptions)."""
-
-
-def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 10.0, group: bool = False) -> int | None:
-    """SIGTERM ``proc`` (its whole process group with ``group``), SIGKILL after ``grace_s``, close its pipes;
-    its exit code."""
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> int | None:
+    """SIGTERM ``proc``, SIGKILL after ``grace_s``, close its pipes; its exit code."""
     if proc.poll() is None:
-        send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
         with contextlib.suppress(ProcessLookupError):
-            send(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                send(signal.SIGKILL)
+                proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
@@ -154,7 +145,6 @@ class ProcessGroup:
         argv: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
-        cwd: Path | None = None,
         prefix: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
         """Start ``prefix + argv`` as child ``name`` (``prefix`` e.g. ``ip netns exec NS``)."""
@@ -167,7 +157,6 @@ class ProcessGroup:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
-            cwd=cwd,
             start_new_session=True,
         )
         log.close()
@@ -189,12 +178,12 @@ class ProcessGroup:
             if rc is not None and rc != 0:
                 raise RuntimeError(f"{name} exited with code {rc}:\n{self.log_tail(name)}")
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to child ``name``'s whole process group and reap it."""
+    def kill(self, name: str) -> None:
+        """SIGKILL child ``name``'s whole process group and reap it."""
         proc = self.children[name]
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
     def stop_all(self, *, grace_s: float = 10.0) -> None:

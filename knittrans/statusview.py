@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 __all__ = ["add_arguments", "render", "run"]
 
@@ -171,12 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval-s", type=float, default=2.0, help="seconds between redraws with --watch")
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print the overview once, or redraw it every ``--interval-s`` with ``--watch``."""
     from knittrans.controlclient import ControlClient
     from knittrans.errors import KnitTransError
 
-    out = out or sys.stdout
     if args.interval_s <= 0:
         raise SystemExit("knittrans status: --interval-s must be positive")
     with ControlClient(args.control_url, token=args.token, retries=2) as control:
@@ -187,12 +186,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 print(f"knittrans status: {args.control_url}: {exc}", file=sys.stderr)
                 if not args.watch:
                     return 1
-                text = None
-            if text is not None:
-                if args.watch and out.isatty():
-                    out.write("\x1b[H\x1b[2J")  # home + clear screen
-                out.write(text)
-                out.flush()
+            else:
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")  # home + clear screen
+                sys.stdout.write(text)
+                sys.stdout.flush()
             if not args.watch:
                 return 0
             time.sleep(args.interval_s)

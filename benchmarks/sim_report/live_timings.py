@@ -104,7 +104,7 @@ def measure(engine_kind: str, repeats: int, groups: int) -> dict[str, Any]:
                     for chunk in CHUNKS
                 }
                 # publish: rank 0's save + version report; load: the engine reading that file
-                policy = load_policy(model, image_channels=3, seed=0)
+                policy = load_policy(model, image_channels=3)
                 publish_s, save_s, report_s, load_s = [], [], [], []
                 for version in range(1, repeats + 1):
                     t0 = time.perf_counter()

@@ -17,21 +17,19 @@ __all__ = ["TinyVisionEncoder", "packed_response_logprobs", "prefix_embeddings"]
 
 
 class TinyVisionEncoder(nn.Module):
-    """Patchify a uint8 image, embed the patches, mean-pool into ``num_tokens`` prefix vectors."""
+    """Patchify a uint8 image (16x16 patches), embed the patches, mean-pool into one prefix vector."""
 
-    def __init__(self, *, channels: int, hidden: int, patch: int = 16, num_tokens: int = 1) -> None:
+    def __init__(self, *, channels: int, hidden: int) -> None:
         super().__init__()
-        self.patch = patch
-        self.num_tokens = num_tokens
-        self.proj = nn.Conv2d(channels, hidden, kernel_size=patch, stride=patch)
-        self.out = nn.Linear(hidden, hidden * num_tokens)
+        self.proj = nn.Conv2d(channels, hidden, kernel_size=16, stride=16)
+        self.out = nn.Linear(hidden, hidden)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """``[B, C, H, W]`` uint8 or float images → ``[B, num_tokens, hidden]`` features."""
+        """``[B, C, H, W]`` uint8 or float images → ``[B, 1, hidden]`` features."""
         x = images.to(self.proj.weight.dtype) / 255.0 if not images.is_floating_point() else images
         x = self.proj(x).flatten(2).mean(dim=2)
         out: torch.Tensor = self.out(torch.tanh(x))
-        return out.view(x.shape[0], self.num_tokens, -1)
+        return out.unsqueeze(1)
 
 
 def prefix_embeddings(

@@ -14,37 +14,13 @@ Per mini-batch (one optimizer step)::
             mini_batch.ack(version=n+1)                # one request for all ranks, with the new version
     else:   zero_grad; dedup.drop(); mini_batch.abandon()   # client waits for the re-plan, retries
 
-No optimizer step ever sees a partially fetched mini-batch: a store node that dies under a plan
-makes some rank's fetch fail (Flight calls time out after ``fetch_timeout_s``), or the control
-plane withdraws the mini-batch after declaring the node lost (``report_fetched`` is then False).
-Either way the "mini-batch ok" flag is 0 on every rank, all ranks drop their partial gradients and
-ask for the manifest of that global index again, which the control plane re-issues with the next
-attempt once the node is declared lost. The ack carries the new policy version, saved before it,
-so the rollout launches that the ack's freed window allows load the new weights. A mini-batch every rank
-reported fetched survives a node loss (its rows are in the ranks' memory), so the ack after the
-step cannot be refused.
-
-Gradients are averaged with :func:`~knittrans.trainer.dedup.all_reduce_gradients` after the ok
-flag, not by a DDP wrapper: DDP reduces inside the last backward, before the ranks could agree not
-to step (and its per-forward buffer broadcasts would mismatch when one rank stops early). The
-result is DDP's: every rank divides its summed token loss by ``N / W`` and gradients are averaged
-over ``W`` ranks, so the gradient is exactly that of ``sum(token losses) / N`` over the whole
-mini-batch, whatever the split. Initial weights are broadcast from rank 0. There is no DDP wrapper
-option either: with the VLM the vision tower is part of the model, and its backward runs in
-``DedupEncoder.finish()`` after the last backbone backward, outside DDP's hooks (a rank without
-images would leave its parameters unreduced or mismatch the collectives); the manual all-reduce
-covers every parameter once, whatever media a rank had.
-
-Media: with the tiny VLM (:mod:`knittrans.rollout.vlm`, the demo's policy) the encoder is the
-policy's own vision tower (vision transformer + connector): each unique image of the mini-batch
-is preprocessed and encoded once through :class:`DedupEncoder`, and its features replace the
-``<image>`` tokens of every row that shows it. The vision tower's parameters are the backbone's,
-so they are optimised and all-reduced once. With a text-only checkpoint each row's side-encoder
-features (sum over its media) are added at the row's first positions instead
-(:func:`knittrans.demo.policy.packed_response_logprobs`). ``dedup=False`` encodes every media
-reference separately (the duplicated baseline the benchmarks compare against). Each JSON record
-carries the plan id and the trajectory ids trained (``traj_ids``), so exactly-once can be checked
-from the records.
+No optimizer step ever sees a partially fetched mini-batch, and gradients are averaged by
+:func:`~knittrans.trainer.dedup.all_reduce_gradients` after the "ok" flag, not by a DDP wrapper
+(why: docs/explanation/architecture.md, node loss, and docs/explanation/dedup.md). Media go
+through :class:`DedupEncoder` (each unique image encoded once per mini-batch): the tiny VLM's own
+vision tower, or with a text-only checkpoint a side encoder whose features are added at the row's
+first positions (:func:`knittrans.demo.policy.packed_response_logprobs`). Each JSON record carries
+the plan id and the trajectory ids trained (``traj_ids``), so exactly-once can be checked.
 """
 
 from __future__ import annotations
@@ -90,16 +66,10 @@ class RankConfig:
     """AdamW learning rate."""
     image_channels: int = 3
     """Channels of the images the vision encoder takes."""
-    clip_eps: float = 0.2
-    """PPO clip range."""
     dedup: bool = True
     """Encode each unique media once per mini-batch (False: once per reference)."""
-    seed: int = 0
-    """Seed of the vision encoder's initialisation (identical on every rank)."""
     out: Path | None = None
     """JSON-lines file, one record per mini-batch."""
-    dist_timeout_s: float = 300.0
-    """Timeout of collectives (a peer rank that died surfaces after this)."""
     min_step_s: float = 0.0
     """Pad every mini-batch to at least this many seconds before its ack (emulates a heavier model, e.g. the
     slow-trainer scenario of the admission-timing proof); 0 trains at the tiny model's own speed."""
@@ -109,21 +79,14 @@ class RankConfig:
             raise ValueError("world_size > 1 needs dist_url (tcp://HOST:PORT) for the gloo process group")
         if self.client.fetch_timeout_s is None:
             raise ValueError("a trainer rank needs a fetch_timeout_s (a dead store host must raise, not block)")
-        if self.lr <= 0 or self.image_channels < 1 or self.clip_eps <= 0:
-            raise ValueError("lr and clip_eps must be > 0 and image_channels >= 1")
+        if self.lr <= 0 or self.image_channels < 1:
+            raise ValueError("lr must be > 0 and image_channels >= 1")
         if not self.min_step_s >= 0:
             raise ValueError(f"min_step_s must be >= 0, got {self.min_step_s}")
 
-    @property
-    def rank(self) -> int:
-        """This rank."""
-        return self.client.rank
 
-    @property
-    def world_size(self) -> int:
-        """Data-parallel ranks."""
-        return self.client.world_size
-
+_DIST_TIMEOUT_S = 300.0
+"""Timeout of collectives (a peer rank that died surfaces after this)."""
 
 _ROWS = "knittrans_encoded_rows"
 _SECONDS = "knittrans_encoder_seconds"
@@ -171,13 +134,7 @@ class Policy:
 
     def parameters(self) -> list[nn.Parameter]:
         """Backbone and encoder parameters, each once (a VLM's vision tower is part of the backbone)."""
-        seen: set[int] = set()
-        out: list[nn.Parameter] = []
-        for p in [*self.backbone.parameters(), *self.encoder.parameters()]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        return list({id(p): p for p in [*self.backbone.parameters(), *self.encoder.parameters()]}.values())
 
     def encoder_inputs(self, media: dict[str, torch.Tensor], hashes: list[str]) -> dict[str, torch.Tensor]:
         """What the encoder takes per media hash: the VLM's preprocessed pixels, else the decoded tensor."""
@@ -188,7 +145,7 @@ class Policy:
         return dict(zip(unique, pixels, strict=True))
 
 
-def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Policy:
+def load_policy(model_dir: Path, *, image_channels: int, dtype: torch.dtype = torch.float32) -> Policy:
     """Load ``model_dir``: a tiny VLM with its own vision tower, or a text LM plus a seeded side encoder."""
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +165,7 @@ def load_policy(model_dir: Path, *, image_channels: int, seed: int = 0, dtype: t
     backbone.train()
     hidden = int(backbone.config.hidden_size)  # type: ignore[union-attr,arg-type]
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(0)  # the same side encoder on every rank
         encoder = TinyVisionEncoder(channels=image_channels, hidden=hidden).to(dtype)
     return Policy(backbone=backbone, encoder=encoder)
 
@@ -267,7 +224,6 @@ def micro_batch_loss(
     micro: TrainMicroBatch,
     *,
     normaliser: float,
-    clip_eps: float,
     pad_id: int,
     gaps: list[float] | None = None,
 ) -> torch.Tensor:
@@ -286,36 +242,18 @@ def micro_batch_loss(
     ids, mask = pad_sequences(packed.input_ids, packed.cu_seqlens, pad_value=pad_id)
     prompt_lens = b.prompt_cu_seqlens.long().diff()
     response_lens = b.response_cu_seqlens.long().diff()
+    media: dict[str, Any]
     if policy.layout is not None:
-        starts = b.prompt_cu_seqlens.long()
-        prompts = [ids[i, : int(starts[i + 1] - starts[i])] for i in range(b.num_rows)]
-        image_features = _image_features(policy, dedup, micro, prompts)
-        logprobs = packed_response_logprobs(
-            policy.backbone,
-            ids.long(),
-            mask.long(),
-            prompt_lens,
-            response_lens,
-            image_features=image_features,
-            layout=policy.layout,
-        )
+        prompts = [ids[i, : int(n)] for i, n in enumerate(prompt_lens)]
+        media = {"image_features": _image_features(policy, dedup, micro, prompts), "layout": policy.layout}
     else:
         features, has_media = _row_features(policy, dedup, micro)
-        logprobs = packed_response_logprobs(
-            policy.backbone,
-            ids.long(),
-            mask.long(),
-            prompt_lens,
-            response_lens,
-            features=features,
-            has_media=has_media,
-        )
+        media = {"features": features, "has_media": has_media}
+    logprobs = packed_response_logprobs(policy.backbone, ids.long(), mask.long(), prompt_lens, response_lens, **media)
     if gaps is not None and logprobs.numel():
         gaps.append(float((logprobs.detach() - b.response_logprobs.float()).abs().max()))
     advantages = b.advantages.float().repeat_interleave(response_lens)
-    return grpo_loss(
-        logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(), normaliser=normaliser, clip_eps=clip_eps
-    )
+    return grpo_loss(logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(), normaliser=normaliser)
 
 
 def _all_ok(ok: bool, world_size: int) -> bool:
@@ -334,8 +272,6 @@ def train_mini_batch(
     *,
     world_size: int,
     dedup: bool = True,
-    clip_eps: float = 0.2,
-    pad_id: int = 0,
 ) -> dict[str, Any] | None:
     """Forward/backward every micro-batch of ``mb``; if every rank holds its share, reduce and step.
 
@@ -348,6 +284,7 @@ def train_mini_batch(
     t0 = time.perf_counter()
     total = mb.mini_batch_trajectories
     normaliser = max(total, 1) / world_size
+    pad_id = int(getattr(policy.backbone.config, "pad_token_id", None) or 0)
     encoder = DedupEncoder(policy.encoder) if dedup else None
     if encoder is not None:
         encoder.begin_mini_batch()
@@ -361,9 +298,7 @@ def train_mini_batch(
     stats = None
     try:
         for micro in mb:
-            loss = micro_batch_loss(
-                policy, encoder, micro, normaliser=normaliser, clip_eps=clip_eps, pad_id=pad_id, gaps=gaps
-            )
+            loss = micro_batch_loss(policy, encoder, micro, normaliser=normaliser, pad_id=pad_id, gaps=gaps)
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
             image_rows += sum(1 for hashes in micro.batch.media_hex() if hashes)
@@ -449,9 +384,9 @@ def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
     dist.init_process_group(
         "gloo",
         init_method=cfg.dist_url,
-        rank=cfg.rank,
-        world_size=cfg.world_size,
-        timeout=timedelta(seconds=cfg.dist_timeout_s),
+        rank=cfg.client.rank,
+        world_size=cfg.client.world_size,
+        timeout=timedelta(seconds=_DIST_TIMEOUT_S),
     )
     with torch.no_grad():  # same start on every rank: rank 0's weights and buffers
         buffers = {id(b): b for b in [*policy.backbone.buffers(), *policy.encoder.buffers()]}
@@ -461,9 +396,8 @@ def _setup_dist(cfg: RankConfig, policy: Policy) -> None:
 
 def run_rank(cfg: RankConfig) -> int:
     """Train until the job is finished; returns the number of mini-batches trained."""
-    policy = load_policy(cfg.model_dir, image_channels=cfg.image_channels, seed=cfg.seed)
-    pad_id = int(getattr(policy.backbone.config, "pad_token_id", None) or 0)
-    distributed = cfg.world_size > 1
+    policy = load_policy(cfg.model_dir, image_channels=cfg.image_channels)
+    distributed = cfg.client.world_size > 1
     if distributed:
         _setup_dist(cfg, policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
@@ -472,15 +406,7 @@ def run_rank(cfg: RankConfig) -> int:
     try:
         with TrainerClient(cfg.client) as client:
             for mb in client.minibatches():
-                record = train_mini_batch(
-                    policy,
-                    optimizer,
-                    mb,
-                    world_size=cfg.world_size,
-                    dedup=cfg.dedup,
-                    clip_eps=cfg.clip_eps,
-                    pad_id=pad_id,
-                )
+                record = train_mini_batch(policy, optimizer, mb, world_size=cfg.client.world_size, dedup=cfg.dedup)
                 if record is None:  # no rank stepped: ask for this global index again (re-planned)
                     mb.abandon()
                     continue
@@ -488,17 +414,17 @@ def run_rank(cfg: RankConfig) -> int:
                     time.sleep(cfg.min_step_s - record["step_time_s"])
                     record["step_time_s"] = cfg.min_step_s
                 version = mb.policy_version + 1
-                record.update(rank=cfg.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
+                record.update(rank=cfg.client.rank, fetch_mode=cfg.client.fetch_mode, published_version=version)
                 if out is not None:  # before the ack: a rank killed between the two trains the plan again and
                     out.write(json.dumps(record) + "\n")  # writes it again (same index), never not at all
                     out.flush()
-                if cfg.rank == 0 and cfg.weights_dir is not None:
+                if cfg.client.rank == 0 and cfg.weights_dir is not None:
                     save_weights(policy.backbone, cfg.weights_dir, version)  # published before the ack frees window
                 mb.ack(version=version)  # the version in the same change as the ack: launches it allows see it
                 trained += 1
                 logger.info(
                     "rank %d: mini-batch %d done (loss %.4f, wait %.3f s, step %.3f s)",
-                    cfg.rank,
+                    cfg.client.rank,
                     mb.global_index,
                     record["loss"],
                     record["wait_s"],

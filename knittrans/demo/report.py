@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from knittrans.demo.config import DemoConfig
+from knittrans.sched.staleness import READINGS
 
 __all__ = ["BASELINES", "collect_results", "compare_runs", "format_comparison", "format_table", "plot_results"]
 
 BASELINES = ("train_batch", "train_batch_paced")
 """The two train_batch baselines ``--compare`` runs: handed whole train batches, and paced mini-batch by mini-batch."""
-READINGS = ("start", "end", "weighted")
 
 
 def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -48,9 +48,7 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
                 "step": step,
                 "mini_batches": len({r["global_index"] for r in rs}),
                 "admission_wait_s": sum(waits) / len(waits) if waits else None,
-                "arch_staleness_end": st.get("end", {}).get("architectural", {}).get("mean"),
-                "arch_staleness_start": st.get("start", {}).get("architectural", {}).get("mean"),
-                "arch_staleness_weighted": st.get("weighted", {}).get("architectural", {}).get("mean"),
+                **{f"arch_staleness_{r}": st.get(r, {}).get("architectural", {}).get("mean") for r in READINGS},
                 "exposed_transfer_s": sum(r["wait_s"] for r in rs),
                 "fetch_s": sum(r["fetch_s"] for r in rs),
                 "media_logical_bytes": int(sum(r["media_logical_bytes"] for r in rs)),
@@ -123,9 +121,7 @@ def format_table(results: dict[str, Any]) -> str:
             f" {s['step_time_s']:>7.1f}"
         )
     arch = results["staleness"]
-    summary = ", ".join(
-        f"{reading}: {_fmt(arch[reading]['architectural']['mean'], '.3f')}" for reading in ("start", "end", "weighted")
-    )
+    summary = ", ".join(f"{reading}: {_fmt(arch[reading]['architectural']['mean'], '.3f')}" for reading in READINGS)
     lines.append(f"mean architectural staleness by reading: {summary}; wall {results['wall_s']:.1f} s")
     return "\n".join(lines)
 

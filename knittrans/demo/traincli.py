@@ -6,10 +6,6 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from knittrans.demo.rank import RankConfig
 
 __all__ = ["add_arguments", "run"]
 
@@ -102,42 +98,37 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from knittrans.demo.rank import RankConfig, run_rank
+    from knittrans.trainer.client import TrainerConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        cfg = _config(args, RankConfig)
+        client = TrainerConfig(
+            control_url=args.control_url,
+            job=args.job,
+            rank=args.rank,
+            world_size=args.world_size,
+            token=args.token,
+            store_token=args.store_token,
+            fetch_mode=args.fetch_mode,
+            local_dirs=dict(args.local_dir),
+            fetch_timeout_s=args.fetch_timeout_s,
+            replan_wait_s=args.replan_wait_s,
+        )
+        cfg = RankConfig(
+            client=client,
+            dist_url=args.dist_url,
+            model_dir=args.model_dir,
+            weights_dir=args.weights_dir,
+            lr=args.lr,
+            image_channels=args.image_channels,
+            dedup=not args.no_dedup,
+            out=args.out,
+            min_step_s=args.min_step_s,
+        )
     except ValueError as exc:
         logger.error("knittrans train: %s", exc)
         return 2
     trained = run_rank(cfg)
     logger.info("rank %d: job %s finished after %d mini-batches", args.rank, args.job, trained)
     return 0
-
-
-def _config(args: argparse.Namespace, config: type[RankConfig]) -> RankConfig:
-    from knittrans.trainer.client import TrainerConfig
-
-    client = TrainerConfig(
-        control_url=args.control_url,
-        job=args.job,
-        rank=args.rank,
-        world_size=args.world_size,
-        token=args.token,
-        store_token=args.store_token,
-        fetch_mode=args.fetch_mode,
-        local_dirs=dict(args.local_dir),
-        fetch_timeout_s=args.fetch_timeout_s,
-        replan_wait_s=args.replan_wait_s,
-    )
-    return config(
-        client=client,
-        dist_url=args.dist_url,
-        model_dir=args.model_dir,
-        weights_dir=args.weights_dir,
-        lr=args.lr,
-        image_channels=args.image_channels,
-        dedup=not args.no_dedup,
-        out=args.out,
-        min_step_s=args.min_step_s,
-    )
