@@ -8,6 +8,7 @@ this host) and one ``media`` ``DoGet`` for the unique content hashes of those ro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -94,14 +95,11 @@ class TQBackendConfig:
 def _plain(conf: Any) -> dict[str, Any]:
     if conf is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf  # ships with TransferQueue, whose configuration this is
 
-        if isinstance(conf, DictConfig):
-            out = OmegaConf.to_container(conf, resolve=True)
-            return dict(out) if isinstance(out, dict) else {}
-    except ImportError:  # pragma: no cover - omegaconf ships with transferqueue
-        pass
+    if isinstance(conf, DictConfig):
+        out = OmegaConf.to_container(conf, resolve=True)
+        return dict(out) if isinstance(out, dict) else {}
     return dict(conf)
 
 
@@ -125,12 +123,6 @@ def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
         )
     node, unit, row, n, suffixes = meta
     return node, unit, row, n, suffixes
-
-
-def _columns(field_name: str, layout: str) -> list[str]:
-    from knittrans.integrations.tqcodec import layout_columns
-
-    return layout_columns(field_name, layout)
 
 
 def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -248,17 +240,10 @@ class TQStoreCore:
         self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
     ) -> dict[str, list[Any]]:
         """``{field: one value per row}`` (tensors, or what was put), in ``global_indexes`` order; no packing."""
-        from knittrans.integrations.tqrows import row_list
+        from knittrans.integrations.tqrows import scatter
 
         parts = self._read(field_names, global_indexes, backend_meta)
-        out: dict[str, list[Any]] = {}
-        for f in field_names:
-            rows: list[Any] = [None] * len(global_indexes)
-            for positions, part in parts[f]:
-                for p, v in zip(positions, row_list(part), strict=True):
-                    rows[p] = v
-            out[f] = rows
-        return out
+        return {f: scatter(parts[f], len(global_indexes)) for f in field_names}
 
     def _read(
         self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
@@ -313,7 +298,7 @@ class TQStoreCore:
         units: list[str],
         where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
     ) -> dict[str, tuple[list[int], Any]]:
-        from knittrans.integrations.tqcodec import NO_MEDIA, column_name, field_meta
+        from knittrans.integrations.tqcodec import NO_MEDIA, column_name, field_meta, layout_columns
         from knittrans.integrations.tqrows import decode_field, decode_media
 
         fields = tuple(f for f, _ in layout)
@@ -322,7 +307,7 @@ class TQStoreCore:
             rows = [r for f in fields for _, r in where[(node, unit)][f]]
             reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
         read = self._reader(node)
-        columns = tuple(c for f, suffixes in layout for c in _columns(f, suffixes))
+        columns = tuple(c for f, suffixes in layout for c in layout_columns(f, suffixes))
         try:
             table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
             hashes: set[bytes] = set()
@@ -378,9 +363,8 @@ class TQStoreCore:
         for key, cleared in rows.items():
             if len(cleared) >= sizes[key]:
                 try:
-                    self.client(key[0]).delete(self.config.job, key[1])
-                    deleted.append(key)
-                except NotFound:
+                    with contextlib.suppress(NotFound):  # already gone
+                        self.client(key[0]).delete(self.config.job, key[1])
                     deleted.append(key)
                 except KnitTransError as exc:
                     logger.warning("could not delete unit %s on %s: %s", key[1], key[0], exc)
