@@ -55,8 +55,6 @@ class KnitTransRTensorBackend:
 
     def fetch(self, shards: Sequence[Any]) -> list[Any]:
         """The tensors of ``shards`` (AReaL ``TensorShardInfo``), in order: one DoGet per node and layout."""
-        if not shards:
-            return []
         metas = [_meta(s.shard_id) for s in shards]
         return self.core.get_rows([_FIELD], list(range(len(shards))), metas)[_FIELD]
 

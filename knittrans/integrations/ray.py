@@ -43,6 +43,7 @@ class _KnitTransProcess:
     def __init__(self, argv: list[str], log_path: str, ready_file: str, env: dict[str, str] | None = None) -> None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._ready = Path(ready_file)
+        self._log = log_path
         self._ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -61,7 +62,7 @@ class _KnitTransProcess:
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
         """Block until the child wrote its ready file; return its content (a store's endpoint)."""
-        wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what="knittrans child")
+        wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what=f"knittrans child (log: {self._log})")
         return self._ready.read_text().strip()
 
     def stop(self) -> int | None:

@@ -12,14 +12,13 @@ import contextlib
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from knittrans.errors import InvalidRequest, KnitTransError, NotFound, Unavailable
 from knittrans.flight.client import StoreClient
@@ -188,12 +187,6 @@ class TQStoreCore:
         store_dir = self.config.store_dirs.get(node)
         return Path(store_dir) if store_dir and Path(store_dir).is_dir() else None
 
-    def _reader(self, node: str) -> Callable[[Ticket], pa.Table]:
-        """How to serve a ticket of ``node``: memory-map its units when its directory is on this host
-        (the same short-circuit as ``TrainerClient``'s ``mmap`` mode), else one ``DoGet``."""
-        local = self._local[node] if self._is_local(node) else None
-        return local.read if local is not None else self.client(node).get
-
     def writer(self, node: str) -> TrajectoryWriter:
         """The (cached) writer of units to ``node``: files in its directory when on this host, else DoPut."""
         if node not in self._writers:
@@ -276,7 +269,7 @@ class TQStoreCore:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
         network wait: :meth:`get` is then a short CPU-bound call)."""
         nodes = {loc[0] for meta in backend_meta for loc in meta.values() if _is_loc(loc)}
-        return all(self._is_local(str(node)) for node in nodes)
+        return all(self._local_reader(str(node)) is not None for node in nodes)
 
     def local_dirs(self, node: str) -> list[Path]:
         """The directories that may hold ``node``'s units (its store directory, then its spill directory)
@@ -285,11 +278,12 @@ class TQStoreCore:
         spill = self.config.spill_dirs.get(node)
         return [local, *([Path(spill)] if spill and Path(spill).is_dir() else [])] if local is not None else []
 
-    def _is_local(self, node: str) -> bool:
+    def _local_reader(self, node: str) -> LocalReader | None:
+        """The (cached) reader of ``node``'s memory-mapped units when its directories are on this host."""
         if node not in self._local:
             roots = self.local_dirs(node)
             self._local[node] = LocalReader([str(r) for r in roots]) if roots else None
-        return self._local[node] is not None
+        return self._local[node]
 
     def _fetch(
         self,
@@ -306,7 +300,9 @@ class TQStoreCore:
         for unit in units:
             rows = [r for f in fields for _, r in where[(node, unit)][f]]
             reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
-        read = self._reader(node)
+        # memory-mapped units when the node's directory is on this host (as TrainerClient's ``mmap`` mode), else DoGet
+        local = self._local_reader(node)
+        read = local.read if local is not None else self.client(node).get
         columns = tuple(c for f, suffixes in layout for c in layout_columns(f, suffixes))
         try:
             table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))

@@ -7,6 +7,7 @@ subclassing verl's ``ReplayBufferAsync`` (metadata sync, eviction and refill sta
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -143,6 +144,7 @@ def _admission_from_kwargs(
     )
 
 
+@functools.cache
 def make_sampler_class() -> type[Any]:
     """Subclass verl 0.9.1's ``ReplayBufferAsync`` (imported only here) with quota-preserving admission."""
     import transfer_queue as tq
@@ -231,14 +233,8 @@ def make_sampler_class() -> type[Any]:
     return KnitTransQuotaSamplerImpl
 
 
-_CLASS: type[Any] | None = None
-
-
 def __getattr__(name: str) -> Any:
     """``KnitTransQuotaSampler`` is built on first access (verl's ``load_extern_type`` does a getattr)."""
-    global _CLASS
     if name == "KnitTransQuotaSampler":
-        if _CLASS is None:
-            _CLASS = make_sampler_class()
-        return _CLASS
+        return make_sampler_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
