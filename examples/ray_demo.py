@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for rank in range(args.ranks):
             argv = [
                 "train",
-                *kt.trainer_args(),
+                "--control-url",
+                kt.control_url,
                 "--job",
                 "demo",
                 "--rank",

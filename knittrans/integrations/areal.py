@@ -1,23 +1,9 @@
 """An AReaL ``RTensorBackend`` whose shards live in KnitTrans stores (AReaL 1.0.4, ``areal.infra.rpc.rtensor``).
 
-AReaL moves trajectory tensors between its rollout and training processes as ``RTensor`` handles:
-``RTensor.remotize`` calls the process-wide backend's ``store(tensor)`` for each tensor and keeps a
-``TensorShardInfo(shard_id, node_addr)``; ``RTensor.localize`` batches the shards it misses into one
-``fetch(shards)``; ``RTensor.clear_node`` ends with ``delete(node_addr, shard_ids)``. AReaL ships an
-HTTP backend (shards in the storing process's memory) and a Ray object-store backend; this one keeps
-each shard as a one-row storage unit on this host's KnitTrans store node (tmpfs, off the process
-heap, the same codec as the TransferQueue backend: any dtype, dense or nested) and fetches a batch
-of shards with one ``DoGet`` per node (memory-mapped units when the node's directory is on the
-fetching host)::
-
-    from areal.infra.rpc import rtensor
-    from knittrans.integrations.areal import KnitTransRTensorBackend
-    rtensor.set_backend(KnitTransRTensorBackend(stores={"node-a": "grpc://10.0.0.1:8815"},
-                                                store_dirs={"node-a": "/dev/shm/knittrans"}))
-
-Set it in every AReaL process that stores or fetches shards (the storing process writes to the
-store named by ``KNITTRANS_TQ_NODE``, or the only store given). A shard id is a string
-``"<node>|<unit>|<layout>"``; ``node_addr`` (AReaL's worker address) is not used to find it.
+Each stored tensor is a one-row unit on this host's store node (``KNITTRANS_TQ_NODE``, or the only
+store given), in the TransferQueue backend's codec; a batch of shards is fetched with one ``DoGet``
+per node and layout, or memory-mapped. Usage: docs/how-to/frameworks.md, section 3. A shard id is
+``"<node>|<unit>|<layout>"``; AReaL's ``node_addr`` is not used to find it.
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from knittrans.errors import InvalidRequest
-from knittrans.integrations.tqstore import TQBackendConfig, TQStoreCore
+from knittrans.integrations.tqstore import Loc, TQBackendConfig, TQStoreCore
 
 __all__ = ["KnitTransRTensorBackend"]
 
@@ -69,14 +55,12 @@ class KnitTransRTensorBackend:
 
     def fetch(self, shards: Sequence[Any]) -> list[Any]:
         """The tensors of ``shards`` (AReaL ``TensorShardInfo``), in order: one DoGet per node and layout."""
-        if not shards:
-            return []
-        metas = [{_FIELD: (*_parse(s.shard_id)[:2], 0, 1, _parse(s.shard_id)[2])} for s in shards]
+        metas = [_meta(s.shard_id) for s in shards]
         return self.core.get_rows([_FIELD], list(range(len(shards))), metas)[_FIELD]
 
     async def delete(self, node_addr: str, shard_ids: list[Any]) -> None:
         """Delete the units of ``shard_ids`` (``node_addr`` is AReaL's worker address; the ids name the node)."""
-        metas = [{_FIELD: (*_parse(s)[:2], 0, 1, _parse(s)[2])} for s in shard_ids]
+        metas = [_meta(s) for s in shard_ids]
         await asyncio.get_running_loop().run_in_executor(
             None, self.core.clear, [_FIELD], list(range(len(metas))), metas
         )
@@ -86,8 +70,9 @@ class KnitTransRTensorBackend:
         self.core.close()
 
 
-def _parse(shard_id: Any) -> tuple[str, str, str]:
+def _meta(shard_id: Any) -> dict[str, Loc]:
+    """The backend meta of a shard: its one row's location."""
     parts = str(shard_id).split("|", 2)
     if len(parts) != 3:
         raise InvalidRequest(f"{shard_id!r} is not a KnitTrans shard id ('<node>|<unit>|<layout>')")
-    return parts[0], parts[1], parts[2]
+    return {_FIELD: (parts[0], parts[1], 0, 1, parts[2])}

@@ -1,21 +1,7 @@
-"""Run KnitTrans on a Ray cluster: one store node per Ray node, the control plane as an actor.
+"""Run KnitTrans on a Ray cluster: one store node per Ray node, the control plane as an actor (docs/how-to/deploy.md).
 
-KnitTrans brings no launcher of its own. On a Ray cluster (verl, OpenRLHF, NeMo-RL, slime all use
-one) the processes become actors::
-
-    import ray
-    from knittrans.integrations.ray import start_cluster
-
-    ray.init()
-    kt = start_cluster(work_dir="/tmp/kt", worker_token="...", store_token="...")
-    kt.control_url                      # hand to trainer ranks (TrainerClient / ``knittrans train``)
-    kt.store_for(ray_node_id)           # StoreInfo of that node: rollout actors write there
-    kt.shutdown()
-
-Each actor runs the ordinary ``knittrans`` CLI as a child process (the same code path as
-docker-compose or bare metal) and reports the endpoint it listens on. Stores are pinned with
-``NodeAffinitySchedulingStrategy(node_id, soft=False)``: a store must live on the node whose
-tmpfs holds the units. Ray is an optional extra: ``pip install 'knittrans[ray]'``.
+Each actor runs the ordinary ``knittrans`` CLI as a child process and reports the endpoint from its ready
+file; a store is pinned to the node whose tmpfs holds its units. Ray is an extra: ``pip install 'knittrans[ray]'``.
 """
 
 from __future__ import annotations
@@ -23,19 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
+from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready, wait_until
 
 __all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
 logger = logging.getLogger(__name__)
-
-INSTALL_HINT = "knittrans.integrations.ray needs Ray: pip install 'knittrans[ray]'"
 
 
 def _ray() -> Any:
@@ -43,7 +26,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
+        raise ImportError("knittrans.integrations.ray needs Ray: pip install 'knittrans[ray]'") from exc
     return ray
 
 
@@ -57,13 +40,11 @@ def node_affinity(node_id: str) -> Any:
 class _KnitTransProcess:
     """Actor body: one ``knittrans`` child process on this actor's node, stopped with the actor."""
 
-    def __init__(
-        self, argv: list[str], log_path: str, ready_file: str | None = None, env: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, argv: list[str], log_path: str, ready_file: str, env: dict[str, str] | None = None) -> None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._ready = Path(ready_file) if ready_file else None
-        if self._ready is not None:
-            self._ready.unlink(missing_ok=True)
+        self._ready = Path(ready_file)
+        self._log = log_path
+        self._ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 knittrans_command(*argv),
@@ -73,21 +54,16 @@ class _KnitTransProcess:
                 start_new_session=True,
             )
 
-    def node(self) -> dict[str, str]:
-        """Ray node id and IP address this actor runs on."""
+    def node(self) -> str:
+        """Ray node id this actor runs on."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+        return str(ray.get_runtime_context().get_node_id())
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
-        """Block until the child wrote its ready file; return its content (the endpoint)."""
-        if self._ready is None:
-            return ""
-        wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what="knittrans child")
+        """Block until the child wrote its ready file; return its content (a store's endpoint)."""
+        wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what=f"knittrans child (log: {self._log})")
         return self._ready.read_text().strip()
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
 
     def stop(self) -> int | None:
         """SIGTERM the child, SIGKILL after 10 s; its exit code."""
@@ -120,8 +96,6 @@ class KnitTransCluster:
     """Control-plane worker token."""
     store_token: str | None = None
     """Store token."""
-    admin_token: str | None = None
-    """Control-plane admin token."""
     actors: list[Any] = field(default_factory=list)
     """Ray actor handles owned by this handle."""
 
@@ -146,18 +120,9 @@ class KnitTransCluster:
             s.store_dir,
         ]
 
-    def trainer_args(self) -> list[str]:
-        """``knittrans train`` flags for a rank (tokens travel through the environment: :meth:`env`)."""
-        return ["--control-url", self.control_url]
-
     def env(self) -> dict[str, str]:
         """Token environment for ``knittrans`` processes started by actors."""
-        out = {}
-        if self.worker_token:
-            out["KNITTRANS_WORKER_TOKEN"] = self.worker_token
-        if self.store_token:
-            out["KNITTRANS_STORE_TOKEN"] = self.store_token
-        return out
+        return _token_env(self.worker_token, self.store_token)
 
     def shutdown(self) -> None:
         """Stop every store and the control plane (actors killed after their child stopped)."""
@@ -169,6 +134,11 @@ class KnitTransCluster:
                 logger.warning("stopping %s: %s", actor, exc)
             ray.kill(actor)
         self.actors.clear()
+
+
+def _token_env(worker_token: str | None, store_token: str | None) -> dict[str, str]:
+    tokens = {"KNITTRANS_WORKER_TOKEN": worker_token, "KNITTRANS_STORE_TOKEN": store_token}
+    return {k: v for k, v in tokens.items() if v}
 
 
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
@@ -183,7 +153,6 @@ def start_control_plane(
     node_timeout_s: float = 30.0,
     ray_node_id: str | None = None,
     detached: bool = False,
-    name: str = "knittrans-control-plane",
     port: int = 8700,
 ) -> tuple[str, Any]:
     """Start ``knittrans control-plane`` in an actor; returns ``(url, actor)``.
@@ -197,40 +166,30 @@ def start_control_plane(
     ray = _ray()
     node = ray_node_id or ray.get_runtime_context().get_node_id()
     ip = next(n["NodeManagerAddress"] for n in _alive_nodes(ray) if n["NodeID"] == node)
-    argv = control_plane_args(Path(work_dir) / "control.db", port=port, host=ip, node_timeout_s=node_timeout_s)
+    ready = Path(work_dir) / "control-plane.ready"
+    argv = control_plane_args(
+        Path(work_dir) / "control.db", port=port, host=ip, ready_file=ready, node_timeout_s=node_timeout_s
+    )
     if worker_token:
         argv += ["--worker-token", worker_token]
     if admin_token:
         argv += ["--admin-token", admin_token]
-    options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": node_affinity(node), "name": name}
+    options: dict[str, Any] = {
+        "num_cpus": 0,
+        "scheduling_strategy": node_affinity(node),
+        "name": "knittrans-control-plane",
+    }
     if detached:
         options["lifetime"] = "detached"
     actor = (
         ray.remote(_KnitTransProcess)
         .options(**options)
-        .remote(argv, str(Path(work_dir) / "logs" / "control-plane.log"))
+        .remote(argv, str(Path(work_dir) / "logs" / "control-plane.log"), str(ready))
     )
+    ray.get(actor.wait_ready.remote())  # the child writes its ready file once it serves
     url = f"http://{ip}:{port}"
-    _wait_http(f"{url}/v1/health", actor, ray)
     logger.info("control plane %s on Ray node %s", url, node[:8])
     return url, actor
-
-
-def _wait_http(url: str, actor: Any, ray: Any, timeout_s: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if not ray.get(actor.alive.remote()):
-            raise RuntimeError(f"control plane actor exited; see its log ({url})")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 def start_stores(
@@ -242,7 +201,6 @@ def start_stores(
     store_token: str | None = None,
     ray_node_ids: Sequence[str] | None = None,
     heartbeat_s: float = 2.0,
-    budget_bytes: int | None = None,
 ) -> tuple[list[StoreInfo], list[Any]]:
     """One ``knittrans store`` per Ray node (all alive nodes by default), pinned there; returns infos and actors.
 
@@ -257,6 +215,7 @@ def start_stores(
             raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")
         node_id = f"store-{rid[:8]}"
         store_dir = str(Path(store_root) / node_id)
+        ready = str(Path(work_dir) / f"{node_id}.ready")
         argv = [
             "store",
             "--dir",
@@ -268,23 +227,18 @@ def start_stores(
             "--node-id",
             node_id,
             "--ready-file",
-            str(Path(work_dir) / f"{node_id}.ready"),
+            ready,
             "--control-url",
             control_url,
             "--heartbeat-s",
             str(heartbeat_s),
         ]
-        if budget_bytes:
-            argv += ["--budget-bytes", str(budget_bytes)]
         if not store_token:
             argv.append("--insecure")  # the caller chose an open store on the node's address
-        env = {k: v for k, v in (("KNITTRANS_STORE_TOKEN", store_token), ("KNITTRANS_WORKER_TOKEN", worker_token)) if v}
         actor = (
             ray.remote(_KnitTransProcess)
             .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
-            .remote(
-                argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), str(Path(work_dir) / f"{node_id}.ready"), env
-            )
+            .remote(argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), ready, _token_env(worker_token, store_token))
         )
         actors.append(actor)
         pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
@@ -292,7 +246,7 @@ def start_stores(
         StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d) for rid, nid, d, ref in pending
     ]
     for info, actor in zip(infos, actors, strict=True):
-        where = ray.get(actor.node.remote())["node_id"]
+        where = ray.get(actor.node.remote())
         if where != info.ray_node_id:
             raise RuntimeError(f"store {info.node_id} landed on {where}, not {info.ray_node_id}")
     return infos, actors
@@ -324,7 +278,6 @@ def start_cluster(
         stores=[],
         worker_token=worker_token,
         store_token=store_token,
-        admin_token=admin_token,
         actors=[cp],
     )
     try:
@@ -339,13 +292,13 @@ def start_cluster(
         cluster.stores, cluster.actors = stores, [cp, *actors]
         from knittrans.controlclient import ControlClient
 
+        wanted = {s.node_id for s in stores}
         with ControlClient(url, token=worker_token) as control:
-            deadline = time.monotonic() + 60
-            wanted = {s.node_id for s in stores}
-            while not wanted <= {n["node_id"] for n in control.list_nodes()}:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"stores {sorted(wanted)} did not register with {url}")
-                time.sleep(0.1)
+            wait_until(
+                lambda: wanted <= {n["node_id"] for n in control.list_nodes()},
+                timeout_s=60,
+                what=f"stores {sorted(wanted)} registering with {url}",
+            )
     except BaseException:
         cluster.shutdown()
         raise

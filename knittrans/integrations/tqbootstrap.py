@@ -1,9 +1,7 @@
 """``tq.init``'s bootstrap for the KnitTrans backend: one store actor per Ray node, and their end at ``tq.close()``.
 
-The stores the bootstrap starts belong to the process that called ``tq.init`` with a configuration
-(TransferQueue's "initializing process"). :func:`release_owned` stops them and deletes their
-directories (tmpfs and spill); the backend's manager calls it when that process's global client is
-closed by ``tq.close()``. Stores given in ``stores`` are not ours: ``tq.close()`` deletes the job's
+The stores belong to the process that called ``tq.init`` with a configuration; :func:`release_owned`
+stops them and deletes their directories. Stores given in ``stores`` are not ours: it deletes the job's
 units on them and leaves them running.
 """
 

@@ -1,12 +1,8 @@
 """Checkpoint and restore of the KnitTrans TransferQueue backend's units (``tq.save_checkpoint`` / ``load``).
 
-Save: every unit of the job on every store node goes into ``<checkpoint>/knittrans/<node>/<unit>/``
-as its two Arrow IPC files: hard links of the node's own files when its directory (or spill
-directory) is on this host (copies across file systems), else the unit read through ``DoGet`` and
-written out. A manifest
-(``knittrans/manifest.json``) lists the units. Restore: each unit the manifest lists is written back
-to the store node of the same name under the same unit id (files when the node is on this host, else
-``DoPut``), so the locations TransferQueue's restored controller holds find their rows again.
+Save: each unit of the job into ``<checkpoint>/knittrans/<node>/<unit>/`` (hard links of the node's
+files when they are on this host, else read through ``DoGet``), listed in ``knittrans/manifest.json``.
+Restore: each listed unit back to the node of the same name under the same id (docs/how-to/frameworks.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """TransferQueue puts -> KnitTrans units: every TensorDict column SimpleStorage takes, as user columns.
 
-A TransferQueue put is a ``TensorDict`` of ``n`` rows. :func:`encode_put` turns one put into the
-two tables of a storage unit: the fixed trajectory columns (cheap placeholders: ``traj_id`` is the
-global index, token lists are empty) followed by the user columns of each field, ``tq.<field>``
-(characters outside ``[A-Za-z0-9_.-]`` escaped as ``:xx``):
-
-==============================  ================================================  =====================
-column of the put               Arrow user column(s)                              row kept as
-==============================  ================================================  =====================
-tensor, dense or nested         ``large_binary`` row bytes + ``#shape`` column    its own shape
-media field (config)            ``binary(32)`` content hash; bytes once per unit  the media row
-non-tensor, all ``str``         ``string``                                        ``str``
-anything else                   ``large_binary``: the row through TransferQueue's  what SimpleStorage
-                                own serializer (msgpack, pickle for the rest)     would hold
-==============================  ================================================  =====================
-
-Tensors of every dtype travel as their bytes, the torch dtype in the field metadata
-(``knittrans.tq``). A media field may also be a path into dict rows, ``<field>.<key>`` (verl's
-``multi_modal_inputs.pixel_values``): that key's tensor is stored once per content hash and the
-row keeps its other keys. :mod:`knittrans.integrations.tqrows` decodes and assembles rows.
+:func:`encode_put` turns one put of ``n`` rows into the two tables of a storage unit: placeholder
+trajectory columns (``traj_id`` is the global index, token lists are empty), then the user columns of
+each field, ``tq.<field>`` (characters outside ``[A-Za-z0-9_.-]`` escaped as ``:xx``), described in
+their field metadata (``knittrans.tq``). Which column types hold what: docs/how-to/frameworks.md,
+"What comes back"; :mod:`knittrans.integrations.tqrows` decodes and assembles rows.
 """
 
 from __future__ import annotations
@@ -96,10 +82,6 @@ class TensorMedia(Media):
     @cached_property
     def _raw(self) -> np.ndarray:
         return raw_bytes(self.data)
-
-    @cached_property
-    def _parts(self) -> tuple[str, tuple[int, ...], bytes]:
-        return _dtype_name(self.data), tuple(self.data.shape), self._raw.tobytes()
 
     @cached_property
     def hash(self) -> bytes:

@@ -30,6 +30,7 @@ __all__ = [
     "decode_media",
     "pack_rows",
     "row_list",
+    "scatter",
 ]
 
 MediaRows = Mapping[bytes, tuple[np.ndarray, str, tuple[int, ...]]]
@@ -157,7 +158,8 @@ def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.
             lengths = shapes[:, 0].astype(np.int64)
             return RaggedRows(_tensor(data, dtype, (int(lengths.sum()), *shapes[0, 1:].tolist())), lengths)
     rows_shapes = [tuple(dims_flat[dim_off[i] : dim_off[i + 1]].tolist()) for i in idx.tolist()]
-    sizes = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) * _itemsize(dtype) for s in rows_shapes])
+    itemsize = getattr(torch, dtype).itemsize
+    sizes = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) * itemsize for s in rows_shapes])
     return [_tensor(data[sizes[i] : sizes[i + 1]], dtype, s) for i, s in enumerate(rows_shapes)]
 
 
@@ -177,12 +179,6 @@ def decode_field(table: pa.Table, name: str, idx: np.ndarray, media: MediaRows |
     if kind == "obj":
         return _object_rows(table, name, meta, idx, media)
     raise InvalidRequest(f"column {name!r} has unknown TransferQueue kind {kind!r}")
-
-
-def _itemsize(dtype: str) -> int:
-    dt = getattr(torch, dtype)
-    assert isinstance(dt, torch.dtype)
-    return dt.itemsize
 
 
 def pack_rows(values: list[Any]) -> Any:
@@ -254,8 +250,13 @@ def assemble(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> Any:
         offs = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offs[1:])
         return _jagged(cat, torch.from_numpy(offs))
+    return pack_rows(scatter(parts, n))
+
+
+def scatter(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> list[Any]:
+    """The ``n`` rows of several DoGets (``(batch positions, rows)`` each), one value each, in batch order."""
     rows: list[Any] = [None] * n
     for positions, part in parts:
         for p, v in zip(positions, row_list(part), strict=True):
             rows[p] = v
-    return pack_rows(rows)
+    return rows

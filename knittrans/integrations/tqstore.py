@@ -8,17 +8,17 @@ this host) and one ``media`` ``DoGet`` for the unique content hashes of those ro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from knittrans.errors import InvalidRequest, KnitTransError, NotFound, Unavailable
 from knittrans.flight.client import StoreClient
@@ -94,14 +94,11 @@ class TQBackendConfig:
 def _plain(conf: Any) -> dict[str, Any]:
     if conf is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf  # ships with TransferQueue, whose configuration this is
 
-        if isinstance(conf, DictConfig):
-            out = OmegaConf.to_container(conf, resolve=True)
-            return dict(out) if isinstance(out, dict) else {}
-    except ImportError:  # pragma: no cover - omegaconf ships with transferqueue
-        pass
+    if isinstance(conf, DictConfig):
+        out = OmegaConf.to_container(conf, resolve=True)
+        return dict(out) if isinstance(out, dict) else {}
     return dict(conf)
 
 
@@ -125,12 +122,6 @@ def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
         )
     node, unit, row, n, suffixes = meta
     return node, unit, row, n, suffixes
-
-
-def _columns(field_name: str, layout: str) -> list[str]:
-    from knittrans.integrations.tqcodec import layout_columns
-
-    return layout_columns(field_name, layout)
 
 
 def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -196,12 +187,6 @@ class TQStoreCore:
         store_dir = self.config.store_dirs.get(node)
         return Path(store_dir) if store_dir and Path(store_dir).is_dir() else None
 
-    def _reader(self, node: str) -> Callable[[Ticket], pa.Table]:
-        """How to serve a ticket of ``node``: memory-map its units when its directory is on this host
-        (the same short-circuit as ``TrainerClient``'s ``mmap`` mode), else one ``DoGet``."""
-        local = self._local[node] if self._is_local(node) else None
-        return local.read if local is not None else self.client(node).get
-
     def writer(self, node: str) -> TrajectoryWriter:
         """The (cached) writer of units to ``node``: files in its directory when on this host, else DoPut."""
         if node not in self._writers:
@@ -248,17 +233,10 @@ class TQStoreCore:
         self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
     ) -> dict[str, list[Any]]:
         """``{field: one value per row}`` (tensors, or what was put), in ``global_indexes`` order; no packing."""
-        from knittrans.integrations.tqrows import row_list
+        from knittrans.integrations.tqrows import scatter
 
         parts = self._read(field_names, global_indexes, backend_meta)
-        out: dict[str, list[Any]] = {}
-        for f in field_names:
-            rows: list[Any] = [None] * len(global_indexes)
-            for positions, part in parts[f]:
-                for p, v in zip(positions, row_list(part), strict=True):
-                    rows[p] = v
-            out[f] = rows
-        return out
+        return {f: scatter(parts[f], len(global_indexes)) for f in field_names}
 
     def _read(
         self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
@@ -291,7 +269,7 @@ class TQStoreCore:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no
         network wait: :meth:`get` is then a short CPU-bound call)."""
         nodes = {loc[0] for meta in backend_meta for loc in meta.values() if _is_loc(loc)}
-        return all(self._is_local(str(node)) for node in nodes)
+        return all(self._local_reader(str(node)) is not None for node in nodes)
 
     def local_dirs(self, node: str) -> list[Path]:
         """The directories that may hold ``node``'s units (its store directory, then its spill directory)
@@ -300,11 +278,12 @@ class TQStoreCore:
         spill = self.config.spill_dirs.get(node)
         return [local, *([Path(spill)] if spill and Path(spill).is_dir() else [])] if local is not None else []
 
-    def _is_local(self, node: str) -> bool:
+    def _local_reader(self, node: str) -> LocalReader | None:
+        """The (cached) reader of ``node``'s memory-mapped units when its directories are on this host."""
         if node not in self._local:
             roots = self.local_dirs(node)
             self._local[node] = LocalReader([str(r) for r in roots]) if roots else None
-        return self._local[node] is not None
+        return self._local[node]
 
     def _fetch(
         self,
@@ -313,7 +292,7 @@ class TQStoreCore:
         units: list[str],
         where: Mapping[tuple[str, str], Mapping[str, list[tuple[int, int]]]],
     ) -> dict[str, tuple[list[int], Any]]:
-        from knittrans.integrations.tqcodec import NO_MEDIA, column_name, field_meta
+        from knittrans.integrations.tqcodec import NO_MEDIA, column_name, field_meta, layout_columns
         from knittrans.integrations.tqrows import decode_field, decode_media
 
         fields = tuple(f for f, _ in layout)
@@ -321,8 +300,10 @@ class TQStoreCore:
         for unit in units:
             rows = [r for f in fields for _, r in where[(node, unit)][f]]
             reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
-        read = self._reader(node)
-        columns = tuple(c for f, suffixes in layout for c in _columns(f, suffixes))
+        # memory-mapped units when the node's directory is on this host (as TrainerClient's ``mmap`` mode), else DoGet
+        local = self._local_reader(node)
+        read = local.read if local is not None else self.client(node).get
+        columns = tuple(c for f, suffixes in layout for c in layout_columns(f, suffixes))
         try:
             table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
             hashes: set[bytes] = set()
@@ -378,9 +359,8 @@ class TQStoreCore:
         for key, cleared in rows.items():
             if len(cleared) >= sizes[key]:
                 try:
-                    self.client(key[0]).delete(self.config.job, key[1])
-                    deleted.append(key)
-                except NotFound:
+                    with contextlib.suppress(NotFound):  # already gone
+                        self.client(key[0]).delete(self.config.job, key[1])
                     deleted.append(key)
                 except KnitTransError as exc:
                     logger.warning("could not delete unit %s on %s: %s", key[1], key[0], exc)

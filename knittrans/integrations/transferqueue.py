@@ -1,34 +1,11 @@
-"""A TransferQueue storage backend that keeps data in node-local KnitTrans stores.
+"""A TransferQueue storage backend that keeps data in node-local KnitTrans stores (docs/how-to/frameworks.md, 1).
 
-Register it in every process that creates a TransferQueue client (no import side effects: call
-:func:`register`; for Ray workers, ``runtime_env={"worker_process_setup_hook":
-"knittrans.integrations.transferqueue.register"}``), then select it in TransferQueue's configuration::
-
-    from knittrans.integrations.transferqueue import register
-    register()
-    tq.init(OmegaConf.create({"backend": {"storage_backend": "KnitTrans",
-                                          "KnitTrans": {"media_fields": ["multi_modal_inputs.pixel_values"]}}}))
-
-TransferQueue's controller, samplers, ``BatchMeta`` and client API are kept; only its storage seam
-(``StorageManager.put_data / get_data / clear_data / save_checkpoint / load_checkpoint``) is replaced:
-
-* ``put_data`` (runs in the producer): one put becomes one storage unit (Arrow IPC, see
-  :mod:`knittrans.integrations.tqcodec`) on the store *of the producer's node*; each (row, field)
-  gets its location as TransferQueue ``custom_backend_meta`` (:mod:`knittrans.integrations.tqstore`).
-* ``get_data`` (runs in the consumer): one rows ``DoGet`` per node and column layout, one ``media``
-  ``DoGet`` per node (memory-mapped units when the node's directory is on this host); the rows come
-  back in the containers SimpleStorage returns (:mod:`knittrans.integrations.tqrows`). A store that
-  cannot be reached raises :class:`StoreNodeLost` naming the node, its endpoint and the rows.
-* ``clear_data`` deletes a unit once one clear covers all its rows (``clear_partition`` always does).
-* ``save_checkpoint`` / ``load_checkpoint``: the units, linked or copied into the checkpoint with a
-  manifest, and written back under their ids (:mod:`knittrans.integrations.tqcheckpoint`).
-* ``tq.close()`` in the process that ran ``tq.init(conf)``: the stores its bootstrap started stop and
-  their directories are deleted (:mod:`knittrans.integrations.tqbootstrap`).
-
-Stores: with ``stores`` empty, ``tq.init`` (the bootstrap provider) starts one store actor per
-alive Ray node, pinned to it, serving a tmpfs directory. Or give ``stores: {node: endpoint}`` of
-stores started elsewhere (``knittrans store``). A producer's node is the entry of ``ray_nodes``
-for its Ray node id, or the ``KNITTRANS_TQ_NODE`` environment variable when set.
+Call :func:`register` in every process that creates a TransferQueue client (importing this module
+registers nothing; for Ray workers, ``runtime_env={"worker_process_setup_hook":
+"knittrans.integrations.transferqueue.register"}``), then select ``backend.storage_backend: KnitTrans``.
+Only TransferQueue's storage seam (``StorageManager.put_data / get_data / clear_data / save_checkpoint /
+load_checkpoint``) is replaced: storage logic in :mod:`~knittrans.integrations.tqstore`, codec in
+``tqcodec`` / ``tqrows``, checkpoints in ``tqcheckpoint``, store actors in ``tqbootstrap``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """A verl v1 sampler that admits GRPO groups with KnitTrans' constraint-preserving admission.
 
-verl v1 (``trainer.use_v1``) keeps trajectories in TransferQueue and asks a replay buffer for
-``train_batch_size // parameter_sync_step`` prompt groups per local update (``sample(global_steps,
-partition_id, batch_size)``). Its built-in buffer takes the oldest finished groups and knows no
-per-source mix. Plug this one in from verl's own config::
-
-    trainer.v1.sampler.custom_sampler.path=pkg://knittrans.integrations.verl   # or the file path
-    trainer.v1.sampler.custom_sampler.name=KnitTransQuotaSampler
-    +trainer.v1.sampler.sampler_kwargs.quotas={math:96,code:32}
-    +trainer.v1.sampler.sampler_kwargs.max_staleness=2
-
-Semantics (a verl train step = one train batch of ``G = sum(quotas)`` groups cut into
-``K = parameter_sync_step`` mini-batches, one ``sample`` call each):
-
-* per-source quotas are exact per train batch: every ``K`` consecutive ``sample`` calls return
-  exactly ``quotas[s]`` groups of source ``s`` (keyed on verl's ``data_source`` field, read once
-  per group from TransferQueue);
-* each mini-batch is admitted as soon as it is feasible — the earliest-finished groups whose mix
-  still lets the rest of the train batch meet every quota (:class:`ConstraintPreservingPolicy`),
-  instead of waiting for the oldest ``b`` groups regardless of source;
-* groups whose ``global_steps - version_start > max_staleness`` are never admitted (and are
-  evicted like verl's own stale groups), ``version_start`` being the smallest
-  ``min_global_steps`` tag of the group's trajectories (else the prompt's ``global_steps``).
-
-:class:`QuotaAdmission` is the framework-free core (tested without verl); the verl class is
-built on first access by subclassing verl's ``ReplayBufferAsync`` (metadata sync, eviction and
-refill stay verl's own).
+Configuration and semantics: docs/how-to/frameworks.md, section 2. :class:`QuotaAdmission` is the
+framework-free core (tested without verl); ``KnitTransQuotaSampler`` is built on first access by
+subclassing verl's ``ReplayBufferAsync`` (metadata sync, eviction and refill stay verl's own).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -92,17 +70,7 @@ class QuotaAdmission:
         return mini_batch_sizes(sum(self.quotas.values()), self.mini_batches_per_step)
 
     def _state(self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int) -> StepState:
-        groups = [
-            FinishedGroup(
-                group_id=g.uid,
-                source=g.source,
-                trajectory_tokens=(1,) * g.num_trajectories,
-                finished_at=g.finished_at,
-                version_start=g.version_start,
-            )
-            for g in finished
-            if g.source in self.quotas
-        ]
+        groups = [_finished_group(g) for g in finished if g.source in self.quotas]
         return StepState(
             quotas=self.quotas,
             admitted=self.admitted,
@@ -118,20 +86,7 @@ class QuotaAdmission:
     def stale(self, finished: Iterable[SamplerGroup], version: int) -> list[str]:
         """uids past the staleness bound at trainer version ``version``."""
         state = self._state([], {}, version)
-        return [
-            g.uid
-            for g in finished
-            if expired(
-                state,
-                FinishedGroup(
-                    group_id=g.uid,
-                    source=g.source,
-                    trajectory_tokens=(1,),
-                    finished_at=0.0,
-                    version_start=g.version_start,
-                ),
-            )
-        ]
+        return [g.uid for g in finished if expired(state, _finished_group(g))]
 
     def select(
         self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int, batch_size: int
@@ -158,6 +113,16 @@ class QuotaAdmission:
         return [g.group_id for g in decision.groups]
 
 
+def _finished_group(g: SamplerGroup) -> FinishedGroup:
+    return FinishedGroup(
+        group_id=g.uid,
+        source=g.source,
+        trajectory_tokens=(1,) * g.num_trajectories,
+        finished_at=g.finished_at,
+        version_start=g.version_start,
+    )
+
+
 def _admission_from_kwargs(
     kwargs: Mapping[str, Any], trainer_config: Any, max_off_policy_threshold: int | None
 ) -> QuotaAdmission:
@@ -179,6 +144,7 @@ def _admission_from_kwargs(
     )
 
 
+@functools.cache
 def make_sampler_class() -> type[Any]:
     """Subclass verl 0.9.1's ``ReplayBufferAsync`` (imported only here) with quota-preserving admission."""
     import transfer_queue as tq
@@ -267,14 +233,8 @@ def make_sampler_class() -> type[Any]:
     return KnitTransQuotaSamplerImpl
 
 
-_CLASS: type[Any] | None = None
-
-
 def __getattr__(name: str) -> Any:
     """``KnitTransQuotaSampler`` is built on first access (verl's ``load_extern_type`` does a getattr)."""
-    global _CLASS
     if name == "KnitTransQuotaSampler":
-        if _CLASS is None:
-            _CLASS = make_sampler_class()
-        return _CLASS
+        return make_sampler_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
