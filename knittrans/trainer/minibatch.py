@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -90,8 +90,8 @@ class RankContext:
     """This rank's shares of the mini-batches, in order (the successor's comes from here)."""
     progress: Progress
     """This rank's ``fetched`` and ``ack`` reports (collective when the ranks share the control plane)."""
-    prepare: Callable[[TrainMicroBatch], TrainMicroBatch]
-    """The client's ``transform`` applied to a loaded micro-batch (identity without one)."""
+    transform: Callable[[TrainMicroBatch], Any] | None
+    """The client's ``transform``, run on each loaded micro-batch (its result is ``prepared``)."""
     closed: threading.Event
     """Set once the client is closing: calls failing after it are expected, not bugs."""
 
@@ -111,7 +111,6 @@ class MiniBatch:
         self.attempt: int = plan.attempt
         """Re-plan attempt of this global index."""
         self.policy_version: int = plan.policy_version
-        self.num_tokens: int = plan.num_tokens
         self.num_micro_batches = len(plan.micro_batches)
         self.received_at = time.time()
         """Wall-clock time the share reached this rank."""
@@ -142,11 +141,6 @@ class MiniBatch:
         self._ack_lock = threading.Lock()
         self._successor = _Successor()
         """The next mini-batch, loading, once the prefetch thread got its share."""
-
-    @property
-    def local_trajectories(self) -> int:
-        """Trajectories of this rank's share (known from the plan, before any fetch)."""
-        return self.plan.local_trajectories
 
     @property
     def mini_batch_trajectories(self) -> int:
@@ -190,7 +184,12 @@ class MiniBatch:
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
         loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro.rows, timing=timing)
-        return self._ctx.prepare(loaded)
+        transform = self._ctx.transform
+        if transform is None:
+            return loaded
+        prepared = transform(loaded)
+        timing.transform_s = time.perf_counter() - t3
+        return replace(loaded, prepared=prepared)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
         if self.consumed:
