@@ -162,7 +162,8 @@ class ShareStreams:
         self._row_tickets = row_tickets
         self._media_tickets = media_tickets
         self._media_node = media_node
-        self._rows: dict[str, _RowTaker] | None = None
+        self._opened = False
+        self._rows: dict[str, _RowTaker] = {}
         self._media: dict[str, _MediaStream] = {}
         self._next = 0
         self.calls = 0
@@ -228,28 +229,24 @@ class ShareStreams:
         return _Opened(self._fetcher.pool.submit(self._fetcher.stream, node, endpoint, ticket))
 
     def open(self) -> None:
-        """Open every call of the share now (as soon as the plan arrives), before the first :meth:`rows`."""
-        self._open()
-
-    def _open(self) -> dict[str, _RowTaker]:
-        """Open every call of the share at once (rows first), so all of them flow from the start."""
-        if self._rows is None:
-            self._rows = {}
-            for node, (endpoint, ticket) in self._row_tickets.items():
-                what = f"the rows stream of node {node}"
-                self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
-            for node, (endpoint, ticket) in self._media_tickets.items():
-                what = f"the media stream of node {node}"
-                self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
-        return self._rows
+        """Open every call of the share now, rows first, so all of them flow from the start (else the first read)."""
+        if self._opened:
+            return
+        self._opened = True
+        for node, (endpoint, ticket) in self._row_tickets.items():
+            what = f"the rows stream of node {node}"
+            self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
+        for node, (endpoint, ticket) in self._media_tickets.items():
+            what = f"the media stream of node {node}"
+            self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
 
     def rows(self, i: int) -> pa.Table | None:
         """Rows of micro-batch ``i`` in plan order (None when it has none); ``i`` must be the next one."""
         if i != self._next:
             raise InvalidRequest(f"micro-batch {i} asked for out of order; the stream is at micro-batch {self._next}")
-        streams = self._open()
+        self.open()
         self._next += 1
-        batches = [b for node, n in self._row_counts[i] for b in streams[node].take(n)]
+        batches = [b for node, n in self._row_counts[i] for b in self._rows[node].take(n)]
         if not batches:
             return None
         try:
@@ -259,7 +256,7 @@ class ShareStreams:
 
     def media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         """Records of ``hashes`` (a :class:`~knittrans.trainer.media.MediaCache` fetch function)."""
-        self._open()
+        self.open()
         out = {}
         for h in hashes:
             node = self._media_node.get(h)
@@ -270,8 +267,8 @@ class ShareStreams:
 
     def close(self) -> None:
         """Cancel every call that was not read to its end."""
-        for rows in (self._rows or {}).values():
+        for rows in self._rows.values():
             rows.close()
         for media in self._media.values():
             media.close()
-        self._rows, self._media = {}, {}
+        self._rows, self._media, self._opened = {}, {}, True
