@@ -137,12 +137,6 @@ class MediaCacheStats:
         return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
 
 
-def _check_hashes(hashes: Sequence[str]) -> None:
-    for media_hash in hashes:
-        if not is_content_hash(media_hash):
-            raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
-
-
 class MediaCache:
     """Fetches each unique media hash once per mini-batch and decodes it once; thread-safe.
 
@@ -185,37 +179,31 @@ class MediaCache:
             NotFound: the fetch did not return a requested hash.
             SchemaMismatch: a record's payload does not match its shape/dtype.
         """
-        _check_hashes(hashes)
+        for media_hash in hashes:
+            if not is_content_hash(media_hash):
+                raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
         with self._lock:
             missing = list(dict.fromkeys(h for h in hashes if h not in self._tensors))
-            fetched_bytes = self._load(missing)
+            if missing:
+                records = self._fetch(missing)
+                absent = [h for h in missing if h not in records]
+                if absent:
+                    raise NotFound(f"media fetch did not return {len(absent)} hash(es), first {absent[0]}")
+                decoded: dict[str, torch.Tensor] = {}
+                for media_hash in missing:
+                    record = MediaRecord(*records[media_hash])
+                    decoded[media_hash] = self._decode(media_hash, record)
+                    self._sizes[media_hash] = _nbytes(record.data)
+                self._tensors.update(decoded)
             self._stats = self._stats + MediaCacheStats(
                 requests=len(hashes),
                 hits=len(hashes) - len(missing),
                 fetched=len(missing),
                 fetch_calls=1 if missing else 0,
                 logical_bytes=sum(self._sizes[h] for h in hashes),
-                unique_bytes=fetched_bytes,
+                unique_bytes=sum(self._sizes[h] for h in missing),
             )
             return {h: self._tensors[h] for h in hashes}
-
-    def _load(self, missing: list[str]) -> int:
-        """Fetch and decode ``missing`` into the cache (lock held); returns their payload bytes."""
-        if not missing:
-            return 0
-        records = self._fetch(missing)
-        absent = [h for h in missing if h not in records]
-        if absent:
-            raise NotFound(f"media fetch did not return {len(absent)} hash(es), first {absent[0]}")
-        decoded: dict[str, torch.Tensor] = {}
-        total = 0
-        for media_hash in missing:
-            record = MediaRecord(*records[media_hash])
-            decoded[media_hash] = self._decode(media_hash, record)
-            self._sizes[media_hash] = _nbytes(record.data)
-            total += self._sizes[media_hash]
-        self._tensors.update(decoded)
-        return total
 
     def clear(self) -> MediaCacheStats:
         """End the mini-batch: drop every tensor and return (and reset) this mini-batch's counters."""
