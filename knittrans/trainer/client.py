@@ -13,12 +13,9 @@
             publish_weights(mini_batch.policy_version + 1)     # where rollout loads them from
             mini_batch.ack(version=mini_batch.policy_version + 1)  # every rank acked -> consumed
 
-Every rank reads the same manifest of mini-batch ``n`` (``GET /v1/jobs/{job}/minibatches/{n}``) and
-takes its share (:meth:`knittrans.manifest.Manifest.share`). When ``torch.distributed`` is initialised
-with this rank and world size (``TrainerConfig.group="auto"``), rank 0 reads it for everyone and
-broadcasts it (each rank cuts its own share), and ``report_fetched`` / ``ack`` are gathered into one
-request each (:mod:`knittrans.trainer.feed`), so the control plane's work per mini-batch does not grow with the
-number of ranks; every rank must then build its client and make those calls.
+Every rank reads the manifest of mini-batch ``n`` and takes its share; with ``TrainerConfig.group="auto"``
+under ``torch.distributed`` rank 0 reads it for everyone and gathers ``report_fetched`` / ``ack`` into one
+request each (:mod:`knittrans.trainer.feed`), so every rank must then build its client and make those calls.
 
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to ``prefetch_depth``
 ahead) while the training thread computes ``i``, and starts on mini-batch ``n+1`` once ``n`` is loaded;
@@ -76,13 +73,15 @@ class TrainerClient:
         transform: Callable[[TrainMicroBatch], Any] | None = None,
         collectives: tuple[Collective, Collective] | None = None,
     ) -> None:
-        """Args:
-        transform: ``transform(micro) -> Any``, run right after a micro-batch is loaded (in the prefetch
-            thread in ``iter`` mode) with the result in :attr:`TrainMicroBatch.prepared`, like a
-            DataLoader's ``collate_fn``; its exceptions reach the training loop like fetch errors.
-        collectives: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
-            all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s
-            under ``torch.distributed``, else each rank for itself).
+        """Build the rank's client; it connects to the store nodes and asks for the first share in the background.
+
+        Args:
+            transform: ``transform(micro) -> Any``, run right after a micro-batch is loaded (in the prefetch
+                thread in ``iter`` mode) with the result in :attr:`TrainMicroBatch.prepared`, like a
+                DataLoader's ``collate_fn``; its exceptions reach the training loop like fetch errors.
+            collectives: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
+                all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s
+                under ``torch.distributed``, else each rank for itself).
         """
         self.config = config
         self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
@@ -96,7 +95,6 @@ class TrainerClient:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
-        self._closed = threading.Event()
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         if collectives is None and config.group == "auto":
@@ -116,11 +114,9 @@ class TrainerClient:
         self.context = RankContext(
             config=config,
             fetcher=self.fetcher,
-            control=self.control,
             feed=self.feed,
             progress=Progress(self.control, config.job, config.rank, progress_group),
             transform=transform,
-            closed=self._closed,
         )
         """What this rank's mini-batches use of it."""
         self._first: Future[MiniBatch | None] = Future()
@@ -211,7 +207,6 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching and the feed, close the fetcher and the control-plane client."""
-        self._closed.set()
         if not self._first.cancel() and self._first.done():
             with contextlib.suppress(BaseException):
                 early = self._first.result()

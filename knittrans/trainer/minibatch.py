@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.plans import MicroBatchReads, PlanRow, RankPlan
 from knittrans.trainer.config import TrainerConfig
@@ -84,16 +83,12 @@ class RankContext:
     """The rank's settings (job, rank, fetch mode, prefetch depth, media, timeouts)."""
     fetcher: Fetcher
     """Store-node reads (Flight channels or memory maps)."""
-    control: ControlClient
-    """Control-plane calls (``fetched``, ``ack``), retried under its retry policy."""
     feed: ManifestFeed
     """This rank's shares of the mini-batches, in order (the successor's comes from here)."""
     progress: Progress
     """This rank's ``fetched`` and ``ack`` reports (collective when the ranks share the control plane)."""
     transform: Callable[[TrainMicroBatch], Any] | None
     """The client's ``transform``, run on each loaded micro-batch (its result is ``prepared``)."""
-    closed: threading.Event
-    """Set once the client is closing: calls failing after it are expected, not bugs."""
 
 
 class MiniBatch:
@@ -125,8 +120,7 @@ class MiniBatch:
         self.complete = False
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
-        cfg = ctx.config
-        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=cfg.fetch_media)
+        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=ctx.config.fetch_media)
         """One DoGet per node and kind for the whole share (None: the share reads nothing)."""
         if self._streams is not None:
             self._streams.open()  # the calls connect and start flowing now, before the first ``next``
