@@ -14,10 +14,8 @@ hashes (so each read's row count is known and the result can be split back witho
 anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in ``local_dirs``
 (value: the store dir, or a tuple of store dir and spill dir) are read through
 :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the Flight path.
-By default (``data_lane=True``) remote reads go over each node's bulk data lane (one length-prefixed
-Arrow IPC stream per call, received into one reused buffer; :mod:`knittrans.flight.lane`) where the
-node has a reachable one, else through ``DoGet``; a streamed read then arrives whole before its
-first batch is handed out.
+With ``data_lane`` (the default) remote reads go over a node's data lane where it has a reachable one
+(:mod:`knittrans.flight.lane`; a streamed read then arrives whole before its first batch is handed out).
 """
 
 from __future__ import annotations

@@ -2,21 +2,17 @@
 
 ::
 
-    streams = ShareStreams.from_plan(fetcher, plan)   # None when the plan cannot be streamed
+    streams = ShareStreams.from_plan(fetcher, plan)   # None when the share reads nothing
     streams.open()                                    # optional: start every call now (else at the first read)
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
     streams.close()                                   # cancels what was not read
 
-Fetching micro-batch by micro-batch costs a Flight round trip per micro-batch and kind (call
-set-up, ticket decoding, server dispatch on both sides), which on small micro-batches outweighs
-moving the bytes. Here the rows of every micro-batch on a node are one ``rows`` ticket (the
-micro-batches' reads in order, the same projection) and the media one ``media`` ticket (hashes
-in order of first use); the calls are opened together at the first read, the data then flows
-in the background under gRPC's flow control, and micro-batch ``i`` takes exactly its rows (the
-row counts are in the tickets) as they arrive. Local nodes (``local_dirs``) are memory-mapped
-reads of the same tickets. Bytes moved and the rows each micro-batch gets are the same as with
-one call per micro-batch; what changes is the number of calls: at most two per node per share.
+Why (docs/explanation/on-demand-access.md, *One call per node*): a call per micro-batch costs a round trip
+and call set-up on both sides, more than the bytes of a small micro-batch. The calls are opened together,
+the data flows in the background under gRPC's flow control, and micro-batch ``i`` takes exactly its rows
+(the row counts are in the tickets) as they arrive. Local nodes (``local_dirs``) are memory-mapped reads
+of the same tickets.
 """
 
 from __future__ import annotations
@@ -150,14 +146,12 @@ class ShareStreams:
     def __init__(
         self,
         fetcher: Fetcher,
-        job: str,
         row_counts: list[list[tuple[str, int]]],
         row_tickets: dict[str, tuple[str, Ticket]],
         media_tickets: dict[str, tuple[str, Ticket]],
         media_node: dict[str, str],
     ) -> None:
         self._fetcher = fetcher
-        self.job = job
         self._row_counts = row_counts
         self._row_tickets = row_tickets
         self._media_tickets = media_tickets
@@ -220,7 +214,7 @@ class ShareStreams:
         }
         row_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in rows.items()}
         media_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in media_of.items()}
-        return cls(fetcher, job, counts, row_tickets, media_tickets, media_node)
+        return cls(fetcher, counts, row_tickets, media_tickets, media_node)
 
     def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:
         # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
