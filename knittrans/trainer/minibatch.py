@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +31,7 @@ from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.feed import ManifestFeed, Progress
 from knittrans.trainer.fetch import Fetcher
-from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
+from knittrans.trainer.media import MediaCache, MediaCacheStats
 from knittrans.trainer.share import ShareStreams
 
 __all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch"]
@@ -121,14 +121,13 @@ class MiniBatch:
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
         self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=ctx.config.fetch_media)
-        """One DoGet per node and kind for the whole share (None: the share reads nothing)."""
-        if self._streams is not None:
-            self._streams.open()  # the calls connect and start flowing now, before the first ``next``
+        """One DoGet per node and kind for the whole share."""
+        self._streams.open()  # the calls connect and start flowing now, before the first ``next``
         # No reference back to this object from what it owns (the cache's fetch, the prefetch thread's
         # successor): a finished mini-batch, its plan and its tensors are then freed by reference counting
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such
         # graphs paused the training thread at random mini-batches.
-        self._cache = MediaCache(self._streams.media if self._streams is not None else _no_media)
+        self._cache = MediaCache(self._streams.media)
         self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -155,10 +154,8 @@ class MiniBatch:
         micro = self.plan.micro_batches[i]
         timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro.rows))
         t0 = time.perf_counter()
-        table = None
         try:
-            if self._streams is not None:
-                table = self._streams.rows(i)
+            table = self._streams.rows(i)
         except KnitTransError as exc:
             raise self._fetch_error(i, micro, exc) from exc
         t1 = time.perf_counter()
@@ -203,10 +200,6 @@ class MiniBatch:
             self.complete = True
         finally:
             self.media_stats = self._cache.clear()
-            self._close_streams()
-
-    def _close_streams(self) -> None:
-        if self._streams is not None:
             self._streams.close()
 
     def start_prefetch(self) -> None:
@@ -276,7 +269,7 @@ class MiniBatch:
         successor = self._successor.take()
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=30)
-        self._close_streams()  # calls of a share not read to its end are cancelled
+        self._streams.close()  # calls of a share not read to its end are cancelled
         if successor is not None:
             successor.stop()
 
@@ -354,8 +347,3 @@ class _Successor:
             self._cancel.set()
             found, self._mini_batch = self._mini_batch, None
         return found
-
-
-def _no_media(hashes: Sequence[str]) -> dict[str, MediaRecord]:
-    """The media fetch of a share that reads nothing."""
-    raise InvalidRequest(f"media {list(hashes)[:4]} are not in this share's plan")

@@ -2,7 +2,7 @@
 
 ::
 
-    streams = ShareStreams.from_plan(fetcher, plan)   # None when the share reads nothing
+    streams = ShareStreams.from_plan(fetcher, plan)
     streams.open()                                    # optional: start every call now (else at the first read)
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
@@ -164,8 +164,8 @@ class ShareStreams:
         """``DoGet`` calls (or local reads) opened so far."""
 
     @classmethod
-    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams | None:
-        """Streams for ``plan``'s micro-batches; None when the share reads nothing.
+    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams:
+        """Streams for ``plan``'s micro-batches (none for a share that reads nothing).
 
         Raises:
             InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
@@ -204,8 +204,6 @@ class ShareStreams:
                 media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
-        if job is None:
-            return None
         # A node's rows and media tickets carry the same grants (one per node and plan): every
         # joined ticket gets all of them, as the rank's reads on the node are one grant's.
         grants = {
