@@ -97,35 +97,6 @@ def test_counts_and_single_fetch_per_hash(media: MediaTable) -> None:
     assert cache.stats.dedup_ratio == pytest.approx(cache.stats.logical_bytes / cache.stats.unique_bytes)
 
 
-def test_prefetch_then_get_counts_like_plain_get(media: MediaTable) -> None:
-    """prefetch() fetches ahead (one call); the gets after it report the counters a plain get would."""
-    a, b, c = media.hex
-    size = {h: arr.nbytes for h, arr in media.arrays.items()}
-    plain = MediaCache(media.fetch)
-    plain.get([a, a, b])
-    plain.get([b, c])
-    media.calls.clear()
-    cache = MediaCache(media.fetch)
-    cache.prefetch([a, b])
-    cache.prefetch([a])  # already there: no call
-    assert media.calls == [[a, b]] and a in cache and b in cache
-    cache.get([a, a, b])
-    assert media.calls == [[a, b]]  # served from what prefetch fetched
-    cache.get([b, c])
-    assert media.calls == [[a, b], [c]]
-    assert cache.stats == plain.stats
-    assert cache.stats.fetched == 3 and cache.stats.unique_bytes == size[a] + size[b] + size[c]
-    assert cache.stats.hits == 2 and cache.stats.fetch_calls == 2
-    with pytest.raises(InvalidRequest, match="64 lower-case hex"):
-        cache.prefetch(["zz"])
-    stats = cache.clear()
-    assert stats.requests == 5 and len(cache) == 0
-    cache.prefetch([c])
-    cache.clear()
-    cache.get([c])
-    assert cache.stats.fetched == 1  # a prefetch dropped by clear() is not counted twice
-
-
 def test_decode_matches_arrays_without_copy(media: MediaTable) -> None:
     """Decoded tensors equal the stored arrays and share the Arrow buffer's memory."""
     cache = MediaCache(media.fetch)

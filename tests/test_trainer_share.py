@@ -38,7 +38,6 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
     dirs = {s.node_id: str(s.store_dir) for s in cluster.stores} if local else {}
     with Fetcher(local_dirs=dirs) as fetcher, Fetcher() as reference:
         streams = ShareStreams.from_plan(fetcher, plan)
-        assert streams is not None
         nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
         assert len(nodes) == 2 and len(plan.micro_batches) == 3
         for i, micro in enumerate(plan.micro_batches):
@@ -63,7 +62,6 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
     plan = _plan(cluster, "share-order")
     with Fetcher() as fetcher:
         streams = ShareStreams.from_plan(fetcher, plan)
-        assert streams is not None
         with pytest.raises(InvalidRequest, match="out of order"):
             streams.rows(1)
         with pytest.raises(InvalidRequest, match="not in this share's plan"):

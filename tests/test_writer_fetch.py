@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pytest
 from data_support import make_groups
 
@@ -14,9 +16,15 @@ from knittrans.flight import StoreServer
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import SCHEMA_VERSION, build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
-from knittrans.trainer.fetch import Fetcher, FetchRead, _plan, fetch
+from knittrans.trainer.fetch import Fetcher, FetchRead, _plan
 
 Start = Callable[..., StoreServer]
+
+
+def fetch(reads: list[FetchRead], **kw: Any) -> pa.Table:
+    """One fetch through a fetcher of its own."""
+    with Fetcher(**kw) as fetcher:
+        return fetcher.fetch(reads)
 
 
 def _read(server: StoreServer, unit: str, rows: tuple[tuple[int, int], ...] = (), columns=None) -> FetchRead:  # type: ignore[no-untyped-def]

@@ -13,24 +13,14 @@
             publish_weights(mini_batch.policy_version + 1)     # where rollout loads them from
             mini_batch.ack(version=mini_batch.policy_version + 1)  # every rank acked -> consumed
 
-Every rank reads the same manifest of mini-batch ``n`` (``GET /v1/jobs/{job}/minibatches/{n}``) and
-takes its share (:meth:`knittrans.manifest.Manifest.share`). When ``torch.distributed`` is initialised
-with this rank and world size (``TrainerConfig.group="auto"``), rank 0 reads it for everyone and
-broadcasts it (each rank cuts its own share), and ``report_fetched`` / ``ack`` are gathered into one
-request each (:mod:`knittrans.trainer.feed`), so the control plane's work per mini-batch does not grow with the
-number of ranks; every rank must then build its client and make those calls.
+Every rank reads the manifest of mini-batch ``n`` and takes its share; with ``TrainerConfig.group="auto"``
+under ``torch.distributed`` rank 0 reads it for everyone and gathers ``report_fetched`` / ``ack`` into one
+request each (:mod:`knittrans.trainer.feed`), so every rank must then build its client and make those calls.
 
-In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to
-``prefetch_depth`` ahead) while the training thread computes ``i``; an error in that thread is
-re-raised in the training thread at the micro-batch it belongs to. Every micro-batch records
-``wait_s`` (time the training loop blocked on data: the *exposed* transfer time), ``fetch_s``,
-``convert_s`` and ``transform_s``; :attr:`TrainerClient.timings` keeps them all. An optional
-``transform`` (a collate function) runs where the micro-batch is loaded, off the training thread.
-
-Across mini-batches: a feed thread asks for mini-batch ``n+1`` as soon as ``n`` is handed out, and
-the control plane admits it up to ``L`` ahead of the trainer; once the prefetch thread has loaded
-the last micro-batch of ``n`` it starts loading ``n+1`` (its own queue) while the training loop
-finishes ``n``, steps and acks. Exactly-once is untouched: ``n`` is acked only after the step.
+In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to ``prefetch_depth``
+ahead) while the training thread computes ``i``, and starts on mini-batch ``n+1`` once ``n`` is loaded;
+an optional ``transform`` (a collate function) runs there too. :attr:`TrainerClient.timings` keeps every
+micro-batch's :class:`MicroTiming` (docs/explanation/on-demand-access.md).
 
 Failure (a store node dies under a mini-batch): a fetch error is raised in the training thread;
 the loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
@@ -53,7 +43,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -84,11 +73,17 @@ class TrainerClient:
         transform: Callable[[TrainMicroBatch], Any] | None = None,
         collectives: tuple[Collective, Collective] | None = None,
     ) -> None:
-        """``collectives``: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
-        all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s under
-        ``torch.distributed``, else each rank for itself)."""
+        """Build the rank's client; it connects to the store nodes and asks for the first share in the background.
+
+        Args:
+            transform: ``transform(micro) -> Any``, run right after a micro-batch is loaded (in the prefetch
+                thread in ``iter`` mode) with the result in :attr:`TrainMicroBatch.prepared`, like a
+                DataLoader's ``collate_fn``; its exceptions reach the training loop like fetch errors.
+            collectives: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
+                all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s
+                under ``torch.distributed``, else each rank for itself).
+        """
         self.config = config
-        self._prepare = _Prepare(transform)
         self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
         """Control-plane client; its retry policy is the rank's only one (``control_retry_s`` by default)."""
         self.fetcher = Fetcher(
@@ -100,7 +95,6 @@ class TrainerClient:
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
-        self._closed = threading.Event()
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         if collectives is None and config.group == "auto":
@@ -120,11 +114,9 @@ class TrainerClient:
         self.context = RankContext(
             config=config,
             fetcher=self.fetcher,
-            control=self.control,
             feed=self.feed,
             progress=Progress(self.control, config.job, config.rank, progress_group),
-            prepare=self._prepare,
-            closed=self._closed,
+            transform=transform,
         )
         """What this rank's mini-batches use of it."""
         self._first: Future[MiniBatch | None] = Future()
@@ -149,22 +141,6 @@ class TrainerClient:
         except BaseException as exc:  # handed to minibatches()
             first.set_exception(exc)
 
-    @property
-    def transform(self) -> Callable[[TrainMicroBatch], Any] | None:
-        """``transform(micro) -> Any``, run right after a micro-batch is loaded — in the prefetch thread
-        in ``iter`` mode — with the result in :attr:`TrainMicroBatch.prepared`: a model-specific
-        collate (padding, image stacking, pinning) then happens off the training thread, like a
-        DataLoader's ``collate_fn``. Its exceptions reach the training loop like fetch errors."""
-        return self._prepare.transform
-
-    @transform.setter
-    def transform(self, transform: Callable[[TrainMicroBatch], Any] | None) -> None:
-        self._prepare.transform = transform
-
-    def prepare(self, micro: TrainMicroBatch) -> TrainMicroBatch:
-        """``micro`` with :attr:`~TrainMicroBatch.prepared` set by :attr:`transform` (timed); as is without one."""
-        return self._prepare(micro)
-
     def minibatch(self, plan: RankPlan, etag: str = "") -> MiniBatch:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
         return MiniBatch(self.context, plan, etag)
@@ -176,8 +152,6 @@ class TrainerClient:
         """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
         after ``replan_wait_s``; None when the job has no such mini-batch any more. Collective with a group."""
         cfg, n, etag = self.config, failed.global_index, failed.etag
-        feed = self.feed
-        coll = self.collective
 
         def ask() -> tuple[Manifest, str] | None:
             deadline = time.monotonic() + cfg.replan_wait_s
@@ -190,8 +164,8 @@ class TrainerClient:
                 if got is not None:
                     return got
 
-        got = leader_call(coll, ask)  # rank 0 asks, every rank gets the manifest
-        feed.release_below(n)
+        got = leader_call(self.collective, ask)  # rank 0 asks, every rank gets the manifest
+        self.feed.release_below(n)
         return self._minibatch((got[0].share(cfg.rank), got[1]) if got is not None else None)
 
     def minibatches(self) -> Iterator[MiniBatch]:
@@ -233,7 +207,6 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching and the feed, close the fetcher and the control-plane client."""
-        self._closed.set()
         if not self._first.cancel() and self._first.done():
             with contextlib.suppress(BaseException):
                 early = self._first.result()
@@ -269,22 +242,3 @@ def _torch_collectives(config: TrainerConfig) -> tuple[Collective, Collective] |
         )
         return None
     return TorchCollective(), TorchCollective()
-
-
-class _Prepare:
-    """A rank's :attr:`TrainerClient.transform`, applied by its mini-batches (:attr:`RankContext.prepare`).
-
-    A callable of its own rather than the client's bound method: the client holds its context, so a
-    bound method there made every client a reference cycle, freed only by the cyclic GC.
-    """
-
-    def __init__(self, transform: Callable[[TrainMicroBatch], Any] | None) -> None:
-        self.transform = transform
-
-    def __call__(self, micro: TrainMicroBatch) -> TrainMicroBatch:
-        if self.transform is None:
-            return micro
-        t0 = time.perf_counter()
-        prepared = self.transform(micro)
-        micro.timing.transform_s = time.perf_counter() - t0
-        return replace(micro, prepared=prepared)

@@ -9,57 +9,14 @@ Usage (one data-parallel rank, one mini-batch of ``M`` micro-batches)::
         loss = backbone(micro, feats) / global_tokens   # same normaliser as without dedup
         loss.backward()                                 # accumulates into the feature leaf
     dedup.finish()                                      # ONE encoder backward, summed gradient
-    all_reduce_gradients(vision_encoder.parameters())   # only under data parallelism, see below
+    all_reduce_gradients(vision_encoder.parameters())   # only under data parallelism (docs)
     optimizer.step(); optimizer.zero_grad()
 
-Why the gradients are exact: with duplication every use ``u`` of media ``m`` runs the encoder on
-its own copy and contributes ``J_m^T g_u`` to the encoder parameters. Here every use reads a row
-of one detached leaf, so after all micro-batches ``leaf.grad[m] = sum_u g_u`` and one backward
-gives ``J_m^T sum_u g_u`` — the same sum, by linearity. This needs an encoder whose output for a
-media does not depend on the other media it is batched with (no BatchNorm in train mode) and, in
-``recompute`` mode, one that computes the same function twice (dropout is replayed by restoring
-the RNG state; BatchNorm running statistics would be updated twice).
-
-Leaf dtype: features are handed out from a float32 leaf (float64 when the encoder returns
-float64), so gradients of many micro-batches accumulate in at least fp32 even for a bf16 encoder;
-cast to the backbone's dtype after ``features()``. The summed gradient is cast back to the
-encoder output's dtype for the single backward.
-
-Shapes: unique media are grouped by (shape, dtype) in first-seen order and each group is encoded
-in one call (or in chunks of ``encode_batch_size``); ``features()`` stacks rows, so every media a
-micro-batch asks for must yield the same feature shape (use ``feature_list()`` otherwise).
-
-Contract: a media hash names one encoder input. The tensor handed in for a hash must be a function
-of the hash alone: per-row augmentation, or a processor that differs by source, needs a hash of its
-own (e.g. the hash of the processed tensor), because the first tensor seen for a hash is encoded
-and every later use of the hash reads its features. A hash handed in again within the mini-batch
-with a tensor of another shape or dtype raises :class:`~knittrans.errors.Conflict`; with
-``verify_content`` (on by default unless Python runs with ``-O``) a CRC-32 digest of each tensor's
-bytes is kept per hash and a tensor with other content raises ``Conflict`` as well.
-
-Grad mode: media encoded while autograd is off (``torch.no_grad()``/``inference_mode``, e.g. an
-evaluation pass) are encoded without a graph in either mode and ``finish()`` has nothing to do for
-them. A frozen encoder (no parameter requires grad) is never re-run by ``finish()`` in
-``recompute`` mode: ``finish()`` then only drops the cache.
-
-Memory of ``recompute``: ``finish()`` re-runs one chunk under grad, runs its backward (parameter
-gradients add up across chunks) and frees its graph before the next chunk, so the peak is one
-chunk's graph, not all of them. ``recompute`` re-runs the encoder on the inputs it kept; an
-encoder that changes its input in place would be re-run on changed data and give wrong gradients
-silently, so the input's version counter is checked after the first forward and again before the
-re-run and :class:`~knittrans.errors.InvalidRequest` is raised when the input was modified.
-
-Data parallelism (DDP/FSDP): the encoder backward happens in ``finish()``, after the last
-micro-batch's backbone backward, so DDP's hooks cannot reduce encoder gradients during the
-backbone's backward. Keep the encoder *outside* the DDP-wrapped backbone, run micro-batches
-``1..M-1`` under ``backbone.no_sync()`` and the last one synchronised (normal), then ``finish()``
-and :func:`all_reduce_gradients` over the encoder's parameters. Every rank calls both exactly
-once per mini-batch, whatever media it had (a rank without media contributes zeros), so the
-collectives always match. Alternatively keep encoder and backbone in one DDP module, run every
-micro-batch under ``no_sync()``, call ``finish()``, then ``all_reduce_gradients`` over the whole
-model. Do not wrap the encoder alone in DDP: ranks run different numbers of encoder forwards and
-a rank with no media never runs a backward, so DDP's reducer would hang or raise. See
-docs/explanation/dedup.md for FSDP.
+Every use of a media reads a row of one detached leaf, so after all micro-batches the leaf's gradient
+is the sum over the uses and one encoder backward in ``finish()`` gives the duplicated run's encoder
+gradient, by linearity (for an encoder whose output for a media does not depend on the rest of its
+batch). A media hash must name one encoder input (else :class:`~knittrans.errors.Conflict`). Modes,
+dtypes, that contract and data parallelism (DDP, FSDP): docs/explanation/dedup.md.
 """
 
 from __future__ import annotations

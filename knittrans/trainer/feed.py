@@ -1,16 +1,11 @@
 """Manifests to ranks: each rank's share of every mini-batch, in order, ahead of the training loop.
 
-A :class:`ManifestFeed` runs one thread per rank that asks for mini-batch ``n``, ``n+1``, ... as soon
-as they are admitted (``GET /v1/jobs/{job}/minibatches/{n}``, a long-poll) and keeps this rank's share
-(:meth:`knittrans.manifest.Manifest.share`) until the loop is past it. Two ways to reach the control
-plane, the same everywhere else:
-
-* every rank asks for itself (``collective=None``): ``W`` requests per mini-batch, for small trainers;
-* the trainer's ranks share one request (a :class:`Collective`, e.g. :class:`TorchCollective` over a
-  gloo group of the trainer's own ``torch.distributed`` job): rank 0 asks, checks the manifest and
-  broadcasts it, and each rank cuts its own share, so the control plane answers one request per
-  mini-batch however many ranks there are. Progress (``fetched``, ``ack``) is then gathered the same way
-  (:mod:`knittrans.trainer.minibatch`).
+A :class:`ManifestFeed` runs one thread per rank that long-polls mini-batch ``n``, ``n+1``, ... as soon as
+they are admitted and keeps this rank's share until the loop is past it. Either every rank asks for itself
+(``collective=None``: ``W`` requests per mini-batch), or rank 0 asks and broadcasts the manifest over a
+:class:`Collective` (e.g. :class:`TorchCollective`, a gloo group of the trainer's own) and each rank cuts
+its share; :class:`Progress` gathers ``fetched`` and ``ack`` the same way
+(docs/explanation/on-demand-access.md, *Sharing one request among ranks*).
 
 Collectives on one group must be called in the same order on every rank, so the feed's thread has a
 collective of its own (the ``feed`` one) and the training loop's progress calls another.
@@ -64,16 +59,13 @@ class TorchCollective:
     rows is a few kilobytes on the wire.
     """
 
-    def __init__(self, timeout_s: float | None = None) -> None:
-        import datetime
-
+    def __init__(self) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise KnitTransError("TorchCollective needs torch.distributed initialised (init_process_group)")
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         self._dist = dist
-        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._group = dist.new_group(backend="gloo")
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
 
@@ -204,7 +196,7 @@ class ManifestFeed:
         while True:
             try:
                 item = self._deliver(n)
-            except BaseException as exc:  # control plane unreachable past its retries, a collective broke
+            except BaseException as exc:  # the control plane unreachable past its retries, a collective broke
                 self._finish(n, exc)
                 return
             if isinstance(item, _Closed):
@@ -214,7 +206,7 @@ class ManifestFeed:
                 self._shares[n] = item
                 self.arrived[n] = time.time()
                 self._cond.notify_all()
-            if item is None or isinstance(item, BaseException):
+            if item is None:
                 self._finish(n + 1, None)
                 return
             n += 1
@@ -238,28 +230,17 @@ class ManifestFeed:
             n += 1
         return n
 
-    def _deliver(self, n: int) -> Shared | BaseException | _Closed:
+    def _deliver(self, n: int) -> Shared | _Closed:
         """This rank's share of ``n`` (None: never; :class:`_Closed`: the leader closed while waiting).
 
         With a collective rank 0 reads and checks the manifest and broadcasts it (pickled by the
         collective: cheaper than the JSON it came as); every rank cuts its own share, so rank 0's work
         does not grow with the number of ranks."""
-        coll = self.collective
-        got: Any = None
-        if coll is None or coll.rank == 0:
-            try:
-                got = self._ask(n)
-            except BaseException as exc:  # with a collective every rank gets it, and ends its feed with it
-                if coll is None:
-                    raise
-                got = exc
-        if coll is not None:
-            got = coll.broadcast(got)
+        got = leader_call(self.collective, lambda: self._ask(n))
         if isinstance(got, tuple):
             manifest, etag = got
             return manifest.share(self.rank), etag
-        mine: BaseException | _Closed | None = got
-        return mine
+        return got
 
     def _ask(self, n: int) -> tuple[Manifest, str] | _Closed | None:
         """Long-poll mini-batch ``n`` until it is admitted: ``(manifest, etag)``; None when it never will be;
@@ -289,14 +270,13 @@ class ManifestFeed:
                 self._cond.wait()
             return self._first
 
-    def share(self, n: int, *, cancel: threading.Event | None = None, timeout_s: float | None = None) -> Shared:
+    def share(self, n: int, *, cancel: threading.Event | None = None) -> Shared:
         """This rank's share of ``n`` and its ETag, waiting for it; None when the job will never have ``n``.
 
         Raises:
-            KnitTransError: the feed failed (its error), was closed, or ``cancel`` was set / ``timeout_s``
-                passed before ``n`` came (``TimeoutError``).
+            KnitTransError: the feed failed (its error), was closed, or ``cancel`` was set before ``n``
+                came (``TimeoutError``).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 found = self._shares.get(n, _MISSING)
@@ -311,13 +291,7 @@ class ManifestFeed:
                     return None
                 if cancel is not None and cancel.is_set():
                     raise TimeoutError(f"mini-batch {n}: no longer wanted")
-                wait = 0.1 if cancel is not None else None
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"mini-batch {n} did not come within {timeout_s} s")
-                    wait = left if wait is None else min(wait, left)
-                self._cond.wait(wait)
+                self._cond.wait(0.1 if cancel is not None else None)
 
     def release_below(self, n: int) -> None:
         """Forget the shares before ``n`` (the loop is past them)."""

@@ -7,7 +7,6 @@ API::
         f.warm({"node-1": "grpc://..."})           # connect ahead of the first read (optional)
         table = f.fetch(reads)                     # pa.Table, rows in the order of ``reads``
         batches = f.stream("node-0", "grpc://...", ticket)  # one DoGet, batch by batch
-    table = fetch(reads, token=..., local_dirs=...)   # one-shot
 
 Reads of the same node are merged into one ``DoGet`` when they are ``rows`` tickets of one job
 with the same columns and explicit row ranges, or ``media`` tickets of one job with distinct
@@ -15,10 +14,8 @@ hashes (so each read's row count is known and the result can be split back witho
 anything else gets a ``DoGet`` of its own on that node's worker. Nodes listed in ``local_dirs``
 (value: the store dir, or a tuple of store dir and spill dir) are read through
 :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the Flight path.
-By default (``data_lane=True``) remote reads go over each node's bulk data lane (one length-prefixed
-Arrow IPC stream per call, received into one reused buffer; :mod:`knittrans.flight.lane`) where the
-node has a reachable one, else through ``DoGet``; a streamed read then arrives whole before its
-first batch is handed out.
+With ``data_lane`` (the default) remote reads go over a node's data lane where it has a reachable one
+(:mod:`knittrans.flight.lane`; a streamed read then arrives whole before its first batch is handed out).
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from knittrans.names import check_name
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket, join_tickets
 
-__all__ = ["FetchRead", "Fetcher", "fetch", "ticket_rows"]
+__all__ = ["FetchRead", "Fetcher", "ticket_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +94,6 @@ class Fetcher:
         *,
         token: str | None = None,
         local_dirs: LocalDirs | None = None,
-        max_workers: int = 8,
         timeout_s: float | None = None,
         data_lane: bool = True,
     ) -> None:
@@ -112,12 +108,8 @@ class Fetcher:
         self._warm: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="knittrans-fetch")
-
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        """The fetcher's worker threads (nodes of one fetch run in parallel here)."""
-        return self._pool
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="knittrans-fetch")
+        """The fetcher's worker threads (nodes of one fetch, and share streams being opened, run here)."""
 
     def _client(self, endpoint: str) -> StoreClient:
         client = self._clients.get(endpoint)
@@ -147,7 +139,7 @@ class Fetcher:
             if node_id in self._local or endpoint in self._warm:
                 continue
             self._warm.add(endpoint)
-            futures.append(self._pool.submit(self._ping, endpoint))
+            futures.append(self.pool.submit(self._ping, endpoint))
         return futures
 
     def _ping(self, endpoint: str) -> None:
@@ -194,7 +186,7 @@ class Fetcher:
         if len(by_node) == 1:
             parts = [self._node(*next(iter(by_node.items())))]
         else:
-            futures = [self._pool.submit(self._node, node, rs) for node, rs in by_node.items()]
+            futures = [self.pool.submit(self._node, node, rs) for node, rs in by_node.items()]
             parts = [f.result() for f in futures]
         tables: list[pa.Table | None] = [None] * len(reads)
         for part in parts:
@@ -210,7 +202,7 @@ class Fetcher:
 
     def close(self) -> None:
         """Close clients and the worker pool."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # pool threads may still be connecting: no new client after this point
             self._closed = True
             clients = list(self._clients.values())
@@ -223,9 +215,3 @@ class Fetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def fetch(reads: Sequence[FetchRead], *, token: str | None = None, local_dirs: LocalDirs | None = None) -> pa.Table:
-    """One-shot :meth:`Fetcher.fetch` (opens and closes connections; prefer a Fetcher in loops)."""
-    with Fetcher(token=token, local_dirs=local_dirs) as fetcher:
-        return fetcher.fetch(reads)

@@ -22,7 +22,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -129,25 +129,12 @@ class MediaCacheStats:
     """Payload bytes actually fetched."""
 
     def __add__(self, other: MediaCacheStats) -> MediaCacheStats:
-        return MediaCacheStats(
-            requests=self.requests + other.requests,
-            hits=self.hits + other.hits,
-            fetched=self.fetched + other.fetched,
-            fetch_calls=self.fetch_calls + other.fetch_calls,
-            logical_bytes=self.logical_bytes + other.logical_bytes,
-            unique_bytes=self.unique_bytes + other.unique_bytes,
-        )
+        return MediaCacheStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @property
     def dedup_ratio(self) -> float:
         """``logical_bytes / unique_bytes`` (1.0 when nothing was fetched)."""
         return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
-
-
-def _check_hashes(hashes: Sequence[str]) -> None:
-    for media_hash in hashes:
-        if not is_content_hash(media_hash):
-            raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
 
 
 class MediaCache:
@@ -167,8 +154,6 @@ class MediaCache:
         self._sizes: dict[str, int] = {}
         self._stats = MediaCacheStats()
         self._lifetime = MediaCacheStats()
-        self._ahead: set[str] = set()
-        """Hashes fetched by :meth:`prefetch` and not yet asked for by :meth:`get`."""
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -194,57 +179,31 @@ class MediaCache:
             NotFound: the fetch did not return a requested hash.
             SchemaMismatch: a record's payload does not match its shape/dtype.
         """
-        _check_hashes(hashes)
-        with self._lock:
-            missing = list(dict.fromkeys(h for h in hashes if h not in self._tensors))
-            fetched_bytes = self._load(missing)
-            # A hash fetched ahead by ``prefetch`` and asked for the first time counts as fetched here.
-            ahead = list(dict.fromkeys(h for h in hashes if h in self._ahead))
-            for media_hash in ahead:
-                self._ahead.discard(media_hash)
-                fetched_bytes += self._sizes[media_hash]
-            self._stats = self._stats + MediaCacheStats(
-                requests=len(hashes),
-                hits=len(hashes) - len(missing) - len(ahead),
-                fetched=len(missing) + len(ahead),
-                fetch_calls=1 if missing else 0,
-                logical_bytes=sum(self._sizes[h] for h in hashes),
-                unique_bytes=fetched_bytes,
-            )
-            return {h: self._tensors[h] for h in hashes}
-
-    def prefetch(self, hashes: Sequence[str]) -> None:
-        """Fetch and decode the missing ``hashes`` now, without counting them as requests.
-
-        For a loader that fetches media in parallel with the rows that reference them: the next
-        :meth:`get` of a prefetched hash is served from the cache and counted as that hash's
-        fetch (so the counters equal those of a plain :meth:`get`). Errors as for :meth:`get`.
-        """
-        _check_hashes(hashes)
+        for media_hash in hashes:
+            if not is_content_hash(media_hash):
+                raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
         with self._lock:
             missing = list(dict.fromkeys(h for h in hashes if h not in self._tensors))
             if missing:
-                self._load(missing)
-                self._ahead.update(missing)
-                self._stats = self._stats + MediaCacheStats(fetch_calls=1)
-
-    def _load(self, missing: list[str]) -> int:
-        """Fetch and decode ``missing`` into the cache (lock held); returns their payload bytes."""
-        if not missing:
-            return 0
-        records = self._fetch(missing)
-        absent = [h for h in missing if h not in records]
-        if absent:
-            raise NotFound(f"media fetch did not return {len(absent)} hash(es), first {absent[0]}")
-        decoded: dict[str, torch.Tensor] = {}
-        total = 0
-        for media_hash in missing:
-            record = MediaRecord(*records[media_hash])
-            decoded[media_hash] = self._decode(media_hash, record)
-            self._sizes[media_hash] = _nbytes(record.data)
-            total += self._sizes[media_hash]
-        self._tensors.update(decoded)
-        return total
+                records = self._fetch(missing)
+                absent = [h for h in missing if h not in records]
+                if absent:
+                    raise NotFound(f"media fetch did not return {len(absent)} hash(es), first {absent[0]}")
+                decoded: dict[str, torch.Tensor] = {}
+                for media_hash in missing:
+                    record = MediaRecord(*records[media_hash])
+                    decoded[media_hash] = self._decode(media_hash, record)
+                    self._sizes[media_hash] = _nbytes(record.data)
+                self._tensors.update(decoded)
+            self._stats = self._stats + MediaCacheStats(
+                requests=len(hashes),
+                hits=len(hashes) - len(missing),
+                fetched=len(missing),
+                fetch_calls=1 if missing else 0,
+                logical_bytes=sum(self._sizes[h] for h in hashes),
+                unique_bytes=sum(self._sizes[h] for h in missing),
+            )
+            return {h: self._tensors[h] for h in hashes}
 
     def clear(self) -> MediaCacheStats:
         """End the mini-batch: drop every tensor and return (and reset) this mini-batch's counters."""
@@ -254,6 +213,5 @@ class MediaCache:
             self._stats = MediaCacheStats()
             self._tensors.clear()
             self._sizes.clear()
-            self._ahead.clear()
         logger.debug("media cache cleared: %s", stats)
         return stats

@@ -19,20 +19,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest, KnitTransError
 from knittrans.plans import MicroBatchReads, PlanRow, RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.feed import ManifestFeed, Progress
 from knittrans.trainer.fetch import Fetcher
-from knittrans.trainer.media import MediaCache, MediaCacheStats, MediaRecord
+from knittrans.trainer.media import MediaCache, MediaCacheStats
 from knittrans.trainer.share import ShareStreams
 
 __all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch"]
@@ -84,16 +83,12 @@ class RankContext:
     """The rank's settings (job, rank, fetch mode, prefetch depth, media, timeouts)."""
     fetcher: Fetcher
     """Store-node reads (Flight channels or memory maps)."""
-    control: ControlClient
-    """Control-plane calls (``fetched``, ``ack``), retried under its retry policy."""
     feed: ManifestFeed
     """This rank's shares of the mini-batches, in order (the successor's comes from here)."""
     progress: Progress
     """This rank's ``fetched`` and ``ack`` reports (collective when the ranks share the control plane)."""
-    prepare: Callable[[TrainMicroBatch], TrainMicroBatch]
-    """The client's ``transform`` applied to a loaded micro-batch (identity without one)."""
-    closed: threading.Event
-    """Set once the client is closing: calls failing after it are expected, not bugs."""
+    transform: Callable[[TrainMicroBatch], Any] | None
+    """The client's ``transform``, run on each loaded micro-batch (its result is ``prepared``)."""
 
 
 class MiniBatch:
@@ -111,7 +106,6 @@ class MiniBatch:
         self.attempt: int = plan.attempt
         """Re-plan attempt of this global index."""
         self.policy_version: int = plan.policy_version
-        self.num_tokens: int = plan.num_tokens
         self.num_micro_batches = len(plan.micro_batches)
         self.received_at = time.time()
         """Wall-clock time the share reached this rank."""
@@ -126,27 +120,20 @@ class MiniBatch:
         self.complete = False
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
-        cfg = ctx.config
-        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=cfg.fetch_media)
-        """One DoGet per node and kind for the whole share (None: the share reads nothing)."""
-        if self._streams is not None:
-            self._streams.open()  # the calls connect and start flowing now, before the first ``next``
+        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=ctx.config.fetch_media)
+        """One DoGet per node and kind for the whole share."""
+        self._streams.open()  # the calls connect and start flowing now, before the first ``next``
         # No reference back to this object from what it owns (the cache's fetch, the prefetch thread's
         # successor): a finished mini-batch, its plan and its tensors are then freed by reference counting
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such
         # graphs paused the training thread at random mini-batches.
-        self._cache = MediaCache(self._streams.media if self._streams is not None else _no_media)
+        self._cache = MediaCache(self._streams.media)
         self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
         self._successor = _Successor()
         """The next mini-batch, loading, once the prefetch thread got its share."""
-
-    @property
-    def local_trajectories(self) -> int:
-        """Trajectories of this rank's share (known from the plan, before any fetch)."""
-        return self.plan.local_trajectories
 
     @property
     def mini_batch_trajectories(self) -> int:
@@ -167,10 +154,8 @@ class MiniBatch:
         micro = self.plan.micro_batches[i]
         timing = MicroTiming(global_index=self.global_index, micro_index=i, rows=len(micro.rows))
         t0 = time.perf_counter()
-        table = None
         try:
-            if self._streams is not None:
-                table = self._streams.rows(i)
+            table = self._streams.rows(i)
         except KnitTransError as exc:
             raise self._fetch_error(i, micro, exc) from exc
         t1 = time.perf_counter()
@@ -190,7 +175,12 @@ class MiniBatch:
         timing.convert_s = t2 - t1
         timing.bytes = table.nbytes if table is not None else 0
         loaded = TrainMicroBatch(index=i, batch=batch, media=media, rows=micro.rows, timing=timing)
-        return self._ctx.prepare(loaded)
+        transform = self._ctx.transform
+        if transform is None:
+            return loaded
+        prepared = transform(loaded)
+        timing.transform_s = time.perf_counter() - t3
+        return replace(loaded, prepared=prepared)
 
     def __iter__(self) -> Iterator[TrainMicroBatch]:
         if self.consumed:
@@ -210,10 +200,6 @@ class MiniBatch:
             self.complete = True
         finally:
             self.media_stats = self._cache.clear()
-            self._close_streams()
-
-    def _close_streams(self) -> None:
-        if self._streams is not None:
             self._streams.close()
 
     def start_prefetch(self) -> None:
@@ -283,7 +269,7 @@ class MiniBatch:
         successor = self._successor.take()
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=30)
-        self._close_streams()  # calls of a share not read to its end are cancelled
+        self._streams.close()  # calls of a share not read to its end are cancelled
         if successor is not None:
             successor.stop()
 
@@ -361,8 +347,3 @@ class _Successor:
             self._cancel.set()
             found, self._mini_batch = self._mini_batch, None
         return found
-
-
-def _no_media(hashes: Sequence[str]) -> dict[str, MediaRecord]:
-    """The media fetch of a share that reads nothing."""
-    raise InvalidRequest(f"media {list(hashes)[:4]} are not in this share's plan")

@@ -2,21 +2,17 @@
 
 ::
 
-    streams = ShareStreams.from_plan(fetcher, plan)   # None when the plan cannot be streamed
+    streams = ShareStreams.from_plan(fetcher, plan)
     streams.open()                                    # optional: start every call now (else at the first read)
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
     streams.close()                                   # cancels what was not read
 
-Fetching micro-batch by micro-batch costs a Flight round trip per micro-batch and kind (call
-set-up, ticket decoding, server dispatch on both sides), which on small micro-batches outweighs
-moving the bytes. Here the rows of every micro-batch on a node are one ``rows`` ticket (the
-micro-batches' reads in order, the same projection) and the media one ``media`` ticket (hashes
-in order of first use); the calls are opened together at the first read, the data then flows
-in the background under gRPC's flow control, and micro-batch ``i`` takes exactly its rows (the
-row counts are in the tickets) as they arrive. Local nodes (``local_dirs``) are memory-mapped
-reads of the same tickets. Bytes moved and the rows each micro-batch gets are the same as with
-one call per micro-batch; what changes is the number of calls: at most two per node per share.
+Why (docs/explanation/on-demand-access.md, *One call per node*): a call per micro-batch costs a round trip
+and call set-up on both sides, more than the bytes of a small micro-batch. The calls are opened together,
+the data flows in the background under gRPC's flow control, and micro-batch ``i`` takes exactly its rows
+(the row counts are in the tickets) as they arrive. Local nodes (``local_dirs``) are memory-mapped reads
+of the same tickets.
 """
 
 from __future__ import annotations
@@ -150,27 +146,26 @@ class ShareStreams:
     def __init__(
         self,
         fetcher: Fetcher,
-        job: str,
         row_counts: list[list[tuple[str, int]]],
         row_tickets: dict[str, tuple[str, Ticket]],
         media_tickets: dict[str, tuple[str, Ticket]],
         media_node: dict[str, str],
     ) -> None:
         self._fetcher = fetcher
-        self.job = job
         self._row_counts = row_counts
         self._row_tickets = row_tickets
         self._media_tickets = media_tickets
         self._media_node = media_node
-        self._rows: dict[str, _RowTaker] | None = None
+        self._opened = False
+        self._rows: dict[str, _RowTaker] = {}
         self._media: dict[str, _MediaStream] = {}
         self._next = 0
         self.calls = 0
         """``DoGet`` calls (or local reads) opened so far."""
 
     @classmethod
-    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams | None:
-        """Streams for ``plan``'s micro-batches; None when the share reads nothing.
+    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams:
+        """Streams for ``plan``'s micro-batches (none for a share that reads nothing).
 
         Raises:
             InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
@@ -209,8 +204,6 @@ class ShareStreams:
                 media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
-        if job is None:
-            return None
         # A node's rows and media tickets carry the same grants (one per node and plan): every
         # joined ticket gets all of them, as the rank's reads on the node are one grant's.
         grants = {
@@ -219,7 +212,7 @@ class ShareStreams:
         }
         row_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in rows.items()}
         media_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in media_of.items()}
-        return cls(fetcher, job, counts, row_tickets, media_tickets, media_node)
+        return cls(fetcher, counts, row_tickets, media_tickets, media_node)
 
     def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:
         # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
@@ -228,28 +221,24 @@ class ShareStreams:
         return _Opened(self._fetcher.pool.submit(self._fetcher.stream, node, endpoint, ticket))
 
     def open(self) -> None:
-        """Open every call of the share now (as soon as the plan arrives), before the first :meth:`rows`."""
-        self._open()
-
-    def _open(self) -> dict[str, _RowTaker]:
-        """Open every call of the share at once (rows first), so all of them flow from the start."""
-        if self._rows is None:
-            self._rows = {}
-            for node, (endpoint, ticket) in self._row_tickets.items():
-                what = f"the rows stream of node {node}"
-                self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
-            for node, (endpoint, ticket) in self._media_tickets.items():
-                what = f"the media stream of node {node}"
-                self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
-        return self._rows
+        """Open every call of the share now, rows first, so all of them flow from the start (else the first read)."""
+        if self._opened:
+            return
+        self._opened = True
+        for node, (endpoint, ticket) in self._row_tickets.items():
+            what = f"the rows stream of node {node}"
+            self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
+        for node, (endpoint, ticket) in self._media_tickets.items():
+            what = f"the media stream of node {node}"
+            self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
 
     def rows(self, i: int) -> pa.Table | None:
         """Rows of micro-batch ``i`` in plan order (None when it has none); ``i`` must be the next one."""
         if i != self._next:
             raise InvalidRequest(f"micro-batch {i} asked for out of order; the stream is at micro-batch {self._next}")
-        streams = self._open()
+        self.open()
         self._next += 1
-        batches = [b for node, n in self._row_counts[i] for b in streams[node].take(n)]
+        batches = [b for node, n in self._row_counts[i] for b in self._rows[node].take(n)]
         if not batches:
             return None
         try:
@@ -259,7 +248,7 @@ class ShareStreams:
 
     def media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         """Records of ``hashes`` (a :class:`~knittrans.trainer.media.MediaCache` fetch function)."""
-        self._open()
+        self.open()
         out = {}
         for h in hashes:
             node = self._media_node.get(h)
@@ -270,8 +259,8 @@ class ShareStreams:
 
     def close(self) -> None:
         """Cancel every call that was not read to its end."""
-        for rows in (self._rows or {}).values():
+        for rows in self._rows.values():
             rows.close()
         for media in self._media.values():
             media.close()
-        self._rows, self._media = {}, {}
+        self._rows, self._media, self._opened = {}, {}, True
