@@ -291,15 +291,17 @@ class _PlannedPolicy:
     ``k`` has exactly ``b_k`` groups).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, whole_step: bool) -> None:
         self.name = name
+        self.whole_step = whole_step
+        """Wait for the whole train batch (``train_batch``), not only the planned counts through ``k``."""
 
     def select(self, state: StepState) -> AdmissionDecision | None:
         """The planned mini-batch ``k`` once the policy's wait condition holds, else None."""
         _check_state(state)
         counts = _plan_counts(state, self.name)
         usable = _usable(state)
-        if self.name == "train_batch":
+        if self.whole_step:
             needed = {s: q - state.admitted.get(s, 0) for s, q in state.quotas.items()}
         else:
             needed = counts
@@ -433,6 +435,6 @@ def make_policy(name: str) -> AdmissionPolicy:
         return ConstraintPreservingPolicy()
     if name == "version_aware":
         return VersionAwarePolicy()
-    if name in POLICIES:
-        return _PlannedPolicy(name)
+    if name in ("train_batch", "linear_target"):
+        return _PlannedPolicy(name, whole_step=name == "train_batch")
     raise ValueError(f"unknown admission policy {name!r}; valid policies: {', '.join(POLICIES)}")
