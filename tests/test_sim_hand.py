@@ -6,6 +6,7 @@ import pytest
 
 from knittrans.sched.staleness import READINGS, architectural_staleness, staleness, version_of
 from knittrans.sim.engine import RunTrace, simulate
+from knittrans.sim.metrics import staleness_split
 from knittrans.sim.workload import SourceProfile, Workload
 
 # The hand case. Sources a (every group takes 1 s) and b (3 s), quota 2 each: G = 4, K = 2, b = 2.
@@ -187,6 +188,19 @@ def test_hand_case_step_one_means() -> None:
         "train_batch": pytest.approx(1.0),
         "paced": pytest.approx(0.75),
     }
+
+
+def test_hand_case_staleness_split() -> None:
+    """CP's step 1 (the steps after warm-up), weighted reading, split at each group's finish: the trainer's
+    version then (optimizer steps ended 2, 4, 5, 7 s; one ending at the finish counts) minus v_gen, and
+    step·K minus it; b-3 finished while its step trained, so its wait is negative."""
+    trace = simulate(hand_workload(), "constraint_preserving", seed=0)
+    split = {g.group_id: (g.generation, g.wait) for g in staleness_split(trace, "weighted")}
+    # a-2 ends at 2 s (n 1, v 0); b-2 at 4 s (n 2, v 2/3); a-3 at 4 s (n 2, v 1); b-3 at 6 s (n 3, v 2); step·K = 2
+    expected = {"a-2": (1.0, 1.0), "b-2": (4 / 3, 0.0), "a-3": (1.0, 0.0), "b-3": (1.0, -1.0)}
+    assert set(split) == set(expected)
+    for gid, (generation, wait) in expected.items():
+        assert split[gid] == (pytest.approx(generation), pytest.approx(wait)), gid
 
 
 def test_hand_case_without_in_flight_updates_keeps_start_version() -> None:

@@ -85,6 +85,9 @@ class RunTrace:
     """Weight loads of the rollout slots that took time (``load_s > 0``)."""
     load_s: float = 0.0
     """Slot-seconds spent loading weights."""
+    finished_at: dict[str, float] = field(default_factory=dict)
+    """When each consumed group finished (seconds, by group id); a record only, for the staleness split
+    (:func:`knittrans.sim.metrics.staleness_split`)."""
 
 
 class _Simulation:
@@ -300,6 +303,7 @@ class _Simulation:
         for g in groups:
             counts[g.source] += 1
             wait += self.now - g.finished_at
+            self.trace.finished_at[g.group_id] = g.finished_at
             gen += g.finished_at - self.launch_time.pop(g.group_id)
             self.trace.consumed.append(
                 ConsumedGroup(

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, step_report
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, step_report, version_of
 from knittrans.sim.engine import RunTrace
 
-__all__ = ["READINGS", "ReadingStats", "RunMetrics", "StepMetrics", "compute_metrics", "reading_stats"]
+__all__ = [
+    "READINGS",
+    "ReadingStats",
+    "RunMetrics",
+    "StalenessSplit",
+    "StepMetrics",
+    "compute_metrics",
+    "reading_stats",
+    "staleness_split",
+    "warmup_steps",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,11 +109,59 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def warmup_steps(trace: RunTrace) -> int:
+    """Steps left out of a run's aggregates: the first ``W`` (pipeline filling), at least one step kept."""
+    return max(0, min(trace.workload.window, trace.steps - 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StalenessSplit:
+    """One consumed group's architectural staleness split at the moment it finished: ``generation + wait``."""
+
+    group_id: str
+    step: int
+    mini_batch_index: int
+    num_trajectories: int
+    generation: float
+    """Versions the trainer published between the group's tokens (under the reading) and its finish (>= 0)."""
+    wait: float
+    """Versions between its finish and the start of the step that trains it, ``step·K - n_finish``; negative
+    (down to ``-mini_batch_index``) when it finished while its own step was training."""
+
+
+def staleness_split(trace: RunTrace, reading: str = "weighted") -> list[StalenessSplit]:
+    """Split of every group :func:`compute_metrics` aggregates (steps after warm-up) into generation and wait.
+
+    ``n_finish`` is the trainer's version when the group finished: optimizer steps ended at or before that
+    instant (the simulator handles an optimizer step ending before a group finishing at the same instant).
+    ``generation + wait`` is the group's architectural staleness ``v_train - k - v_gen`` exactly.
+    """
+    ends = [m.train_end for m in trace.mini_batches if not math.isnan(m.train_end)]
+    K = trace.workload.mini_batches_per_step
+    warm = warmup_steps(trace)
+    out = []
+    for c in trace.consumed:
+        if c.step < warm:
+            continue
+        n_finish = bisect.bisect_right(ends, trace.finished_at[c.group_id])
+        out.append(
+            StalenessSplit(
+                group_id=c.group_id,
+                step=c.step,
+                mini_batch_index=c.mini_batch_index,
+                num_trajectories=c.num_trajectories,
+                generation=n_finish - version_of(c, reading),
+                wait=float(c.step * K - n_finish),
+            )
+        )
+    return out
+
+
 def compute_metrics(trace: RunTrace) -> RunMetrics:
     """Metrics of a run; the first ``W`` steps (pipeline filling) are left out of aggregates."""
     w = trace.workload
     K = w.mini_batches_per_step
-    warm = max(0, min(w.window, trace.steps - 1))
+    warm = warmup_steps(trace)
     quotas = w.quotas
     by_step: list[list[ConsumedGroup]] = [[] for _ in range(trace.steps)]
     for c in trace.consumed:
