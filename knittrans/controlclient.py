@@ -113,19 +113,13 @@ class ControlClient:
         ca = tls_ca if tls_ca is not None else os.environ.get("KNITTRANS_TLS_CA")
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
-        # Long-polls use a pool of their own, each poll on a new connection: a poll waiting in another
-        # thread (the early poll, the successor poll) never holds the connection ordinary requests use, and
-        # the connect happens while the poll waits anyway.
-        # ``Connection: close``: a poll's connection closes itself after its response, so a poll still
-        # connecting when ``close()`` runs does not leave a socket open after the pool closed.
+        # Long-polls use a pool of their own: a poll waiting in one thread (the feed's) never holds the
+        # connection ordinary requests use. Its connections are kept like theirs, so a rank's polls for
+        # mini-batch after mini-batch travel on one connection instead of connecting (and the server
+        # accepting) anew next to each mini-batch's first fetch. A connection that a call opened after
+        # ``close()`` is closed by that call (:meth:`_request`).
         self._closed = False
-        self._poll_http = httpx.Client(
-            base_url=self.base_url,
-            headers={**headers, "Connection": "close"},
-            timeout=timeout_s,
-            verify=verify,
-            limits=httpx.Limits(max_keepalive_connections=0),
-        )
+        self._poll_http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, verify=verify)
 
     def close(self) -> None:
         """Close the connection pools (a request still in flight in another thread closes its own connection

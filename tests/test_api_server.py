@@ -132,25 +132,27 @@ def test_manifests_end_when_the_job_completes(tmp_path: Path) -> None:
         assert client.get_job("job1")["state"] == "completed"
 
 
-@pytest.mark.timing
-def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
-    """Long-polls go out with ``Connection: close`` (each poll's connection closes itself after its answer,
-    also one still connecting when the client was closed; without it that socket stayed open until
-    garbage collection), while ordinary calls keep their connection. Seen on the wire by a recording socket."""
+def test_polls_keep_their_connection() -> None:
+    """Long-polls for one mini-batch after another travel on one kept connection (no connect per mini-batch,
+    no ``Connection: close``), apart from the connection of ordinary calls. Seen on the wire by a recording
+    socket that answers every request of a connection until the client ends it."""
     import socket
 
-    seen: list[bytes] = []
+    seen: list[list[bytes]] = []
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
-    def serve() -> None:
-        for _ in range(2):
-            conn, _addr = listener.accept()
-            with conn:
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    head += conn.recv(4096)
-                seen.append(head.lower())
+    def serve_connection(conn: socket.socket, heads: list[bytes]) -> None:
+        with conn:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                heads.append(head.lower())
                 if b"/minibatches/" in head:
                     conn.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
                 else:
@@ -158,19 +160,29 @@ def test_polls_ask_for_connection_close_and_other_calls_do_not() -> None:
                     conn.sendall(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                         + str(len(body)).encode()
-                        + b"\r\nConnection: close\r\n\r\n"
+                        + b"\r\n\r\n"
                         + body
                     )
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _addr = listener.accept()
+            heads: list[bytes] = []
+            seen.append(heads)
+            threading.Thread(target=serve_connection, args=(conn, heads), daemon=True).start()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     with listener, ControlClient(f"http://127.0.0.1:{port}", retries=0) as client:
-        assert client.manifest("job1", 0, timeout_s=1) is None
+        for n in range(3):
+            assert client.manifest("job1", n, timeout_s=1) is None
         assert client.get_version("job1") == 3
         thread.join(10)
-    poll, plain = seen
-    assert b"get /v1/jobs/job1/minibatches/0" in poll and b"connection: close" in poll
-    assert b"get /v1/jobs/job1/version" in plain and b"connection: close" not in plain
+    polls, plain = seen
+    paths = [h.split(b" ")[1].decode() for h in polls]
+    assert paths == [f"/v1/jobs/job1/minibatches/{n}?timeout_s=1" for n in range(3)]
+    assert not any(b"connection: close" in h for h in polls)
+    assert len(plain) == 1 and b"get /v1/jobs/job1/version" in plain[0]
 
 
 def test_a_call_that_connects_after_close_closes_its_own_connection() -> None:

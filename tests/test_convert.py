@@ -9,7 +9,7 @@ from data_support import make_groups
 
 from knittrans.errors import InvalidRequest
 from knittrans.schema import build_unit_tables
-from knittrans.trainer.convert import pad_sequences, to_device, to_micro_batch
+from knittrans.trainer.convert import pad_sequences, to_device, to_micro_batch, warm_up
 
 
 def _traj(n: int = 3) -> pa.Table:
@@ -105,3 +105,14 @@ def test_pack_of_a_sliced_table_matches_its_copy() -> None:
     a, b = to_micro_batch(part).pack(), to_micro_batch(fresh).pack()
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
     assert torch.equal(a.response_index, b.response_index)
+
+
+def test_warm_up_converts_a_table_of_the_current_schema() -> None:
+    """``warm_up`` (the client's start runs it before its first manifest) builds, sends through an IPC stream and
+    converts a trajectory table of today's schema without error, and changes nothing a later conversion sees."""
+    table = build_unit_tables(make_groups(2)).traj
+    before = to_micro_batch(table)
+    warm_up()
+    after = to_micro_batch(table)
+    assert torch.equal(before.response_ids, after.response_ids)
+    assert torch.equal(before.response_cu_seqlens, after.response_cu_seqlens)

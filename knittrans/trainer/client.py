@@ -52,6 +52,7 @@ from knittrans.errors import InvalidRequest
 from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
+from knittrans.trainer.convert import warm_up
 from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
@@ -125,12 +126,14 @@ class TrainerClient:
         ).start()
 
     def _start(self, first: Future[MiniBatch | None]) -> None:
-        """Background start: connect to the store nodes, then take the first share and start loading it."""
+        """Background start: warm the conversion, connect to the store nodes, then take the first share and start
+        loading it."""
         try:
+            warm_up()  # the process's first IPC read and torch conversion, before a manifest is there
             nodes = self.control.list_nodes()
             self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")})
         except Exception as exc:  # warming is an optimisation; reads report their own errors
-            logger.debug("rank %d: store nodes not warmed: %s", self.config.rank, exc)
+            logger.debug("rank %d: not warmed: %s", self.config.rank, exc)
         if not first.set_running_or_notify_cancel():
             return
         try:

@@ -34,10 +34,10 @@ import torch
 import torch.utils.dlpack
 
 from knittrans.errors import InvalidRequest
-from knittrans.schema import TRAJECTORY_COLUMNS
+from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables
 from knittrans.userfields import user_column_to_torch
 
-__all__ = ["MicroBatch", "PackedSequence", "pad_sequences", "to_device", "to_micro_batch"]
+__all__ = ["MicroBatch", "PackedSequence", "pad_sequences", "to_device", "to_micro_batch", "warm_up"]
 
 _LIST_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask")
 _SCALAR_COLUMNS = {
@@ -208,6 +208,30 @@ def to_micro_batch(table: pa.Table) -> MicroBatch:
     fixed = set(TRAJECTORY_COLUMNS)
     fields["user"] = {n: user_column_to_torch(table.column(n)) for n in table.column_names if n not in fixed}
     return MicroBatch(**fields)
+
+
+def warm_up() -> None:
+    """Receive and convert a one-row trajectory table once, as a micro-batch is (Arrow IPC stream in, then
+    :func:`to_micro_batch`).
+
+    A process's first IPC read, ``torch.from_numpy`` and DLPack import each pay a one-time set-up (lazy
+    imports and bridges) that, summed, costs several times the conversion of a whole small micro-batch.
+    :class:`~knittrans.trainer.client.TrainerClient` calls this while it waits for its first manifest, so
+    the first micro-batch of a job does not pay it.
+    """
+    group = TrajectoryGroup(
+        group_id="warm-up",
+        source="warm-up",
+        prompt_ids=np.zeros(1, np.int32),
+        response_ids=[np.zeros(1, np.int32)],
+        response_logprobs=[np.zeros(1, np.float32)],
+        rewards=np.zeros(1, np.float32),
+    )
+    table = build_unit_tables([group]).traj
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    to_micro_batch(pa.ipc.open_stream(sink.getvalue()).read_all())
 
 
 def pad_sequences(
