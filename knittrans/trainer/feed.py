@@ -1,12 +1,7 @@
 """Manifests to ranks: each rank's share of every mini-batch, in order, ahead of the training loop.
 
-A :class:`ManifestFeed` runs one thread per rank that long-polls mini-batch ``n``, ``n+1``, ... and keeps this
-rank's share until the loop is past it. It asks for ``n+1`` once the loop holds ``n``'s first micro-batch
-(:meth:`ManifestFeed.want`) or asks for ``n+1`` itself, not the moment ``n`` arrived: the next poll (a request
-on the rank, a request for the control plane to serve) then does not compete with the first fetch of ``n``
-for the rank's interpreter and the host's cores, and it still starts long before ``n+1`` is used.
-
-Either every rank asks for itself
+A :class:`ManifestFeed` runs one thread per rank that long-polls mini-batch ``n``, ``n+1``, ... as soon as
+they are admitted and keeps this rank's share until the loop is past it. Either every rank asks for itself
 (``collective=None``: ``W`` requests per mini-batch), or rank 0 asks and broadcasts the manifest over a
 :class:`Collective` (e.g. :class:`TorchCollective`, a gloo group of the trainer's own) and each rank cuts
 its share; :class:`Progress` gathers ``fetched`` and ``ack`` the same way
@@ -20,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -179,11 +175,11 @@ class ManifestFeed:
         """Index of the first mini-batch the feed will never deliver (finished, failed or closed)."""
         self._first: int | None = None
         """The first mini-batch it delivers, once known."""
-        self._wanted = 0
-        """The feed asks for mini-batches up to this one (:meth:`want`; the first one it delivers is wanted)."""
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
+        self.arrived: dict[int, float] = {}
+        """Wall-clock time each share reached this rank (kept until :meth:`release_below` passes it)."""
         self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
         self._thread.start()
 
@@ -196,12 +192,8 @@ class ManifestFeed:
             return
         with self._cond:
             self._first = n
-            self._wanted = max(self._wanted, n)
             self._cond.notify_all()
         while True:
-            with self._cond:
-                while self._wanted < n and not self._closed.is_set():
-                    self._cond.wait()
             try:
                 item = self._deliver(n)
             except BaseException as exc:  # the control plane unreachable past its retries, a collective broke
@@ -212,6 +204,7 @@ class ManifestFeed:
                 return
             with self._cond:
                 self._shares[n] = item
+                self.arrived[n] = time.time()
                 self._cond.notify_all()
             if item is None:
                 self._finish(n + 1, None)
@@ -277,22 +270,13 @@ class ManifestFeed:
                 self._cond.wait()
             return self._first
 
-    def want(self, n: int) -> None:
-        """Ask for mini-batch ``n`` now (and those before it) if the feed has not yet (:meth:`share` does too)."""
-        with self._cond:
-            if n > self._wanted:
-                self._wanted = n
-                self._cond.notify_all()
-
     def share(self, n: int, *, cancel: threading.Event | None = None) -> Shared:
-        """This rank's share of ``n`` and its ETag, waiting for it (asked for now if it was not); None when the job
-        will never have ``n``.
+        """This rank's share of ``n`` and its ETag, waiting for it; None when the job will never have ``n``.
 
         Raises:
             KnitTransError: the feed failed (its error), was closed, or ``cancel`` was set before ``n``
                 came (``TimeoutError``).
         """
-        self.want(n)
         with self._cond:
             while True:
                 found = self._shares.get(n, _MISSING)
@@ -314,6 +298,7 @@ class ManifestFeed:
         with self._cond:
             for m in [m for m in self._shares if m < n]:
                 del self._shares[m]
+                self.arrived.pop(m, None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""

@@ -187,28 +187,20 @@ class MiniBatch:
             raise InvalidRequest(f"mini-batch {self.plan_id} was already iterated")
         self.consumed = True
         try:
-            for m in self._loaded():
-                if m.index == 0:  # the loop holds the first micro-batch: the feed may ask for the next mini-batch
-                    self._ctx.feed.want(self.global_index + 1)
-                yield m
+            if self._ctx.config.fetch_mode == "eager":
+                t0 = time.perf_counter()
+                loaded = [self._load(i) for i in range(self.num_micro_batches)]
+                wait = time.perf_counter() - t0
+                for j, m in enumerate(loaded):
+                    m.timing.wait_s = wait if j == 0 else 0.0
+                    self.timings.append(m.timing)
+                    yield m
+            else:
+                yield from self._consume_prefetched()
             self.complete = True
         finally:
             self.media_stats = self._cache.clear()
             self._streams.close()
-
-    def _loaded(self) -> Iterator[TrainMicroBatch]:
-        """The micro-batches with their waits: ``eager`` loads all of them first, ``iter`` takes them from the
-        prefetch thread."""
-        if self._ctx.config.fetch_mode == "iter":
-            yield from self._consume_prefetched()
-            return
-        t0 = time.perf_counter()
-        loaded = [self._load(i) for i in range(self.num_micro_batches)]
-        wait = time.perf_counter() - t0
-        for j, m in enumerate(loaded):
-            m.timing.wait_s = wait if j == 0 else 0.0
-            self.timings.append(m.timing)
-            yield m
 
     def start_prefetch(self) -> None:
         """Start the ``iter`` prefetch thread now (iterating starts it otherwise); idempotent.
