@@ -30,7 +30,6 @@ _EXPORTS: dict[str, str] = {
     "StoreClient": "knittrans.flight.client",
     "TrajectoryWriter": "knittrans.rollout.writer",
     "Fetcher": "knittrans.trainer.fetch",
-    "FetchRead": "knittrans.trainer.fetch",
     "MicroBatch": "knittrans.trainer.convert",
     "to_micro_batch": "knittrans.trainer.convert",
     # control plane
@@ -57,7 +56,6 @@ __all__ = [
     "TRAJECTORY_SCHEMA",
     "ControlClient",
     "DedupEncoder",
-    "FetchRead",
     "Fetcher",
     "GroupRecord",
     "Media",
@@ -104,7 +102,7 @@ if TYPE_CHECKING:
     from knittrans.trainer.client import TrainerClient, TrainerConfig
     from knittrans.trainer.convert import MicroBatch, to_micro_batch
     from knittrans.trainer.dedup import DedupEncoder
-    from knittrans.trainer.fetch import Fetcher, FetchRead
+    from knittrans.trainer.fetch import Fetcher
     from knittrans.trainer.media import MediaCache
 
 

@@ -24,7 +24,7 @@ from knittrans.procs import wait_until
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
-from knittrans.trainer.fetch import Fetcher, FetchRead
+from knittrans.trainer.fetch import Fetcher
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 Start = Callable[..., StoreServer]
@@ -130,17 +130,15 @@ def test_client_with_data_lane_uses_it_and_falls_back_to_doget_without_one(start
             c.lane_get(ticket)
 
 
-def test_fetcher_with_data_lane_reads_merged_tickets_over_the_lane(start_server: Start) -> None:
-    """A Fetcher with ``data_lane`` merges a node's reads into one lane read and splits them back like DoGet."""
+def test_fetcher_with_data_lane_reads_a_joined_ticket_over_the_lane(start_server: Start) -> None:
+    """A Fetcher with ``data_lane`` reads a node's joined ticket (a share's call) in one lane read, same as DoGet."""
     server, _units = _filled(start_server)
-    reads = [
-        FetchRead(node_id="n0", endpoint=server.endpoint, ticket=_rows("job", ("u1", ((0, 4),)))),
-        FetchRead(node_id="n0", endpoint=server.endpoint, ticket=_rows("job", ("u0", ((6, 8),)))),
-    ]
+    ticket = _rows("job", ("u1", ((0, 4),)), ("u0", ((6, 8),)))
     with Fetcher(token=TOKEN, data_lane=False) as plain, Fetcher(token=TOKEN) as fast:
-        want = plain.fetch(reads)
-        assert server.lane is not None and server.lane.served == 0
-        assert fast.fetch(reads).equals(want) and server.lane.served == 1
+        want = pa.Table.from_batches(list(plain.stream("n0", server.endpoint, ticket)))
+        assert server.lane is not None and server.lane.served == 0 and want.num_rows == 6
+        got = pa.Table.from_batches(list(fast.stream("n0", server.endpoint, ticket)))
+        assert got.equals(want) and server.lane.served == 1
 
 
 def test_bad_lane_requests_get_named_errors_and_the_lane_keeps_serving(start_server: Start) -> None:

@@ -24,7 +24,7 @@ from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import build_unit_tables
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
-from knittrans.trainer.fetch import Fetcher, FetchRead
+from knittrans.trainer.fetch import Fetcher
 from tests.trainer_support import job_spec, mm_groups
 
 Start = Callable[..., StoreServer]
@@ -123,19 +123,22 @@ def test_a_full_lane_sends_reads_through_doget_and_later_ones_back_to_the_lane(s
     hogs = [_connect(server.lane.port) for _ in range(2)]
     for hog in hogs:
         lane.ping(hog, BEARER)
-    reads = [FetchRead(node_id="node-0", endpoint=server.endpoint, ticket=_whole("u0"))]
+
+    def fetched(fetcher: Fetcher) -> pa.Table:
+        return pa.Table.from_batches(list(fetcher.stream("node-0", server.endpoint, _whole("u0"))))
+
     with StoreClient(server.endpoint, token=TOKEN) as c, Fetcher(token=TOKEN) as fetcher:
         with pytest.raises(Unavailable, match="at most 2 connections"):
             c.lane_get(_whole("u0"))
         assert c.get(_whole("u0")).equals(want)
         assert pa.Table.from_batches(list(c.stream(_whole("u0")))).equals(want)
-        assert fetcher.fetch(reads).equals(want)
+        assert fetched(fetcher).equals(want)
         assert server.lane.served == 0 and c.lane_reachable()  # DoGet served them; the lane is not written off
         for hog in hogs:
             hog.close()
         wait_until(lambda: server.lane is not None and server.lane.open_connections == 0, timeout_s=30, what="hogs")
         assert c.get(_whole("u0")).equals(want) and server.lane.served == 1
-        assert fetcher.fetch(reads).equals(want) and server.lane.served == 2
+        assert fetched(fetcher).equals(want) and server.lane.served == 2
 
 
 def _raise_open_files_limit() -> None:

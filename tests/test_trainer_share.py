@@ -8,11 +8,12 @@ import pyarrow as pa
 import pytest
 
 from knittrans.errors import DataLost, InvalidRequest, NotFound
+from knittrans.flight.client import StoreClient
 from knittrans.local import LocalCluster
 from knittrans.plans import MicroBatchReads, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
-from knittrans.trainer.fetch import Fetcher, FetchRead
+from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTaker, media_records
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
@@ -26,9 +27,15 @@ def _plan(c: LocalCluster, job: str, *, groups: int = 6, unit: int = 2, micro: i
     return got[0].share(0)
 
 
-def _per_micro(fetcher: Fetcher, micro: MicroBatchReads) -> pa.Table:
-    reads = [FetchRead(node_id=f.node_id, endpoint=f.endpoint, ticket=f.ticket) for f in micro.fetches]
-    return fetcher.fetch(reads)
+def _doget(endpoint: str, ticket: Ticket) -> pa.Table:
+    """One read of ``ticket`` from the node at ``endpoint``, on a client of its own."""
+    with StoreClient(endpoint) as client:
+        return client.get(ticket)
+
+
+def _per_micro(micro: MicroBatchReads) -> pa.Table:
+    """A micro-batch's rows read with one call per ticket, in plan order."""
+    return pa.concat_tables([_doget(f.endpoint, f.ticket) for f in micro.fetches])
 
 
 @pytest.mark.parametrize("local", [False, True])
@@ -36,21 +43,16 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
     """Every micro-batch's rows and media equal the per-micro-batch DoGets', with at most 2 calls per node."""
     plan = _plan(cluster, f"share-eq-{int(local)}")
     dirs = {s.node_id: str(s.store_dir) for s in cluster.stores} if local else {}
-    with Fetcher(local_dirs=dirs) as fetcher, Fetcher() as reference:
+    with Fetcher(local_dirs=dirs) as fetcher:
         streams = ShareStreams.from_plan(fetcher, plan)
         nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
         assert len(nodes) == 2 and len(plan.micro_batches) == 3
         for i, micro in enumerate(plan.micro_batches):
             got = streams.rows(i)
-            assert got is not None and got.equals(_per_micro(reference, micro))
+            assert got is not None and got.equals(_per_micro(micro))
             hashes = [m.hash for m in micro.media]
             expected = {
-                h: bytes(r.data)
-                for h, r in media_records(
-                    reference.fetch(
-                        [FetchRead(node_id=m.node_id, endpoint=m.endpoint, ticket=m.ticket) for m in micro.media]
-                    )
-                ).items()
+                h: bytes(r.data) for m in micro.media for h, r in media_records(_doget(m.endpoint, m.ticket)).items()
             }
             assert {h: bytes(r.data) for h, r in streams.media(hashes).items()} == expected
         assert streams.calls == 2 * len(nodes)
@@ -130,7 +132,7 @@ def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
         last = stream.get(mine[-1])  # the other records arrive first and are kept
         first = stream.get(mine[0])
         one = Ticket(job=ticket.job, kind="media", reads=units, media_hashes=(mine[0], mine[-1]))
-        expected = media_records(fetcher.fetch([FetchRead(node_id=node, endpoint=media[0].endpoint, ticket=one)]))
+        expected = media_records(_doget(media[0].endpoint, one))
         assert bytes(first.data) == bytes(expected[mine[0]].data) and bytes(last.data) == bytes(expected[mine[-1]].data)
         assert len(bytes(first.data)) == 3 * 32 * 32 and first.shape == [3, 32, 32]
         with pytest.raises(NotFound, match="not in media of the test"):
@@ -168,8 +170,7 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
         assert any(g.gi_frame is not None for g in generators)  # left open mid-share
         mb.abandon()
         assert all(g.gi_frame is None for g in generators)  # closed: the unread calls were cancelled
-        with Fetcher() as fetcher:
-            assert _per_micro(fetcher, plan.micro_batches[1]).num_rows == 2
+        assert _per_micro(plan.micro_batches[1]).num_rows == 2
     for s in cluster.stores:
         with Fetcher() as fetcher:
             assert fetcher._client(s.endpoint).health()["ok"]

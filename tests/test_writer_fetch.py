@@ -1,38 +1,29 @@
-"""TrajectoryWriter (shared dir and DoPut) and the fetcher (parallel nodes, merged DoGets, local mmap)."""
+"""TrajectoryWriter: shared dir and DoPut, read back through the node."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pytest
 from data_support import make_groups
 
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, OverBudget
+from knittrans.errors import Conflict, OverBudget
 from knittrans.flight import StoreServer
+from knittrans.flight.client import StoreClient
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import SCHEMA_VERSION, build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
-from knittrans.trainer.fetch import Fetcher, FetchRead, _plan
 
 Start = Callable[..., StoreServer]
 
 
-def fetch(reads: list[FetchRead], **kw: Any) -> pa.Table:
-    """One fetch through a fetcher of its own."""
-    with Fetcher(**kw) as fetcher:
-        return fetcher.fetch(reads)
-
-
-def _read(server: StoreServer, unit: str, rows: tuple[tuple[int, int], ...] = (), columns=None) -> FetchRead:  # type: ignore[no-untyped-def]
-    return FetchRead(
-        node_id=server.config.node_id,
-        endpoint=server.endpoint,
-        ticket=Ticket(job="job", reads=(UnitRead(unit_id=unit, row_ranges=rows),), columns=columns),
-    )
+def fetch(server: StoreServer, unit: str) -> pa.Table:
+    """A whole unit of job ``job`` read back from the node (DoGet or its data lane)."""
+    with StoreClient(server.endpoint) as client:
+        return client.get(Ticket(job="job", reads=(UnitRead(unit_id=unit),)))
 
 
 def test_local_and_remote_writers_store_the_same_unit(start_server: Start, store_dir: Path) -> None:
@@ -46,7 +37,7 @@ def test_local_and_remote_writers_store_the_same_unit(start_server: Start, store
     assert isinstance(a, UnitDescriptor) and a.schema_version == SCHEMA_VERSION
     assert UnitDescriptor.from_dict(a.to_dict()) == a
     assert (store_dir / "job" / "a" / "traj.arrow").exists()
-    ta, tb = (fetch([_read(server, u)]) for u in ("a", "b"))
+    ta, tb = (fetch(server, u) for u in ("a", "b"))
     assert ta.drop_columns(["finished_at"]).equals(tb.drop_columns(["finished_at"]))
     g0 = a.groups[0]
     assert [g.group_id for g in a.groups] == ["g0", "g1", "g2"] and a.num_rows == 12
@@ -80,15 +71,15 @@ def test_a_unit_id_the_node_has_is_refused_and_the_existing_unit_kept(
     kw = {"store_dir": store_dir} if shared_dir else {}
     writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, **kw)  # type: ignore[arg-type]
     first = writer.write_groups(make_groups(2, 4, prefix="a"), unit_id="u1")
-    before = fetch([_read(server, "u1")])
+    before = fetch(server, "u1")
     with pytest.raises(Conflict, match="'u1' of job 'job' already exists"):
         writer.write_groups(make_groups(2, 4, prefix="b"), unit_id="u1")
     assert server.store.get("job", "u1").num_bytes == first.num_bytes
-    assert fetch([_read(server, "u1")]).equals(before)
+    assert fetch(server, "u1").equals(before)
     units = [(u, build_unit_tables(make_groups(1, 4, prefix=u))) for u in ("u3", "u1")]
     with pytest.raises(Conflict, match="'u1' of job 'job' already exists"):
         writer.write_tables_many(units)
-    assert fetch([_read(server, "u1")]).equals(before)
+    assert fetch(server, "u1").equals(before)
     assert sorted(u.unit_id for u in server.store.units("job")) == ["u1"]  # u3, before the refused one, is gone
     assert server.store.stats()["pending"] == 0
     if shared_dir:  # a same-host publish is refused a pending unit too (a DoPut takes over a pending upload)
@@ -107,40 +98,3 @@ def test_local_writer_waits_for_budget_then_times_out(start_server: Start, store
     writer.write_groups(make_groups(20, 4, prefix="a"))
     with pytest.raises(OverBudget, match="stayed full"):
         writer.write_groups(make_groups(20, 4, prefix="b"))
-
-
-def test_fetch_across_nodes_keeps_read_order_and_local_equals_flight(start_server: Start, tmp_path: Path) -> None:
-    """Reads interleaved over two nodes come back in read order; the mmap short-circuit gives the same table."""
-    dirs = [tmp_path / "n0", tmp_path / "n1"]
-    servers = [start_server(root=d, node_id=f"node-{i}") for i, d in enumerate(dirs)]
-    units = {}
-    for i, s in enumerate(servers):
-        with TrajectoryWriter(job="job", node_id=s.config.node_id, endpoint=s.endpoint, store_dir=dirs[i]) as w:
-            for k in range(2):
-                units[(i, k)] = w.write_groups(make_groups(2, 4, seed=10 * i + k, prefix=f"n{i}u{k}g")).unit_id
-    reads = [
-        _read(servers[1], units[(1, 0)], ((1, 3),)),
-        _read(servers[0], units[(0, 1)], ((0, 2), (6, 8))),
-        _read(servers[1], units[(1, 1)], ((4, 5),)),
-        _read(servers[0], units[(0, 0)], ((7, 8),)),
-    ]
-    with Fetcher() as f:
-        remote = f.fetch(reads)
-    singles = [fetch([r]) for r in reads]
-    assert remote.num_rows == 2 + 4 + 1 + 1
-    assert remote.column("traj_id").to_pylist() == [x for t in singles for x in t.column("traj_id").to_pylist()]
-    local = fetch(reads, local_dirs={"node-0": dirs[0], "node-1": [dirs[1]]})
-    assert local.equals(remote)
-    whole = [_read(servers[0], units[(0, 0)]), _read(servers[0], units[(0, 1)], columns=("reward",))]
-    with pytest.raises(InvalidRequest, match="different columns"):
-        fetch(whole)
-
-
-def test_fetch_one_doget_per_node(start_server: Start) -> None:
-    """Reads of one node with explicit rows are merged into a single DoGet and split back exactly."""
-    server = start_server()
-    rs = [_read(server, "u1", ((0, 2),)), _read(server, "u2", ((3, 4),)), _read(server, "u1", ((5, 9),))]
-    calls = _plan(list(enumerate(rs)))
-    assert len(calls) == 1 and [m for _, m in calls[0][1]] == [2, 1, 4]
-    unknown = [_read(server, "u1"), _read(server, "u2", ((0, 1),))]
-    assert len(_plan(list(enumerate(unknown)))) == 2

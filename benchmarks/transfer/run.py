@@ -27,11 +27,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from knittrans.flight.client import StoreClient
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import TrajectoryGroup
+from knittrans.store import LocalReader
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.convert import to_micro_batch
-from knittrans.trainer.fetch import Fetcher, FetchRead
 
 MiB = 1 << 20
 PROMPT, RESPONSE, GROUP = 256, 2048, 8
@@ -162,17 +163,15 @@ def main() -> int:
             time.sleep(0.05)
         endpoint = ready.read_text()
         writer = TrajectoryWriter(job="bench", node_id="node-0", endpoint=endpoint, store_dir=root / "store")
-        fetcher, local = Fetcher(), Fetcher(local_dirs={"node-0": root / "store"})
+        client, local = StoreClient(endpoint), LocalReader([root / "store"])
         throughput = {}
         for size in sizes:
             log(f"building and writing {size} MiB unit")
             desc = writer.write_groups(make_groups(size * MiB, seed=size), unit_id=f"u{size}")
-            read = FetchRead(
-                node_id="node-0", endpoint=endpoint, ticket=Ticket(job="bench", reads=(UnitRead(unit_id=desc.unit_id),))
-            )
-            nbytes = fetcher.fetch([read]).nbytes
+            read = Ticket(job="bench", reads=(UnitRead(unit_id=desc.unit_id),))
+            nbytes = client.get(read).nbytes
             log(f"{size} MiB: DoGet")
-            t_get = median_time(lambda r=read: fetcher.fetch([r]), runs)
+            t_get = median_time(lambda r=read: client.get(r), runs)
             log(f"{size} MiB: TCP loopback and memcpy")
             payload = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
             sink = bytearray(nbytes)
@@ -181,9 +180,9 @@ def main() -> int:
             src = np.frombuffer(payload, np.uint8)
             t_mem = median_time(lambda d=dst, s=src: np.copyto(d, s), runs)
             log(f"{size} MiB: short-circuit")
-            assert local.fetch([read]).equals(fetcher.fetch([read]))
-            t_map = median_time(lambda r=read: local.fetch([r]), runs)
-            t_map_copy = median_time(lambda r=read: touch_copy(local.fetch([r])), runs)
+            assert local.read(read).equals(client.get(read))
+            t_map = median_time(lambda r=read: local.read(r), runs)
+            t_map_copy = median_time(lambda r=read: touch_copy(local.read(r)), runs)
             times = {"doget": t_get, "tcp": t_tcp, "memcpy": t_mem, "local_view": t_map, "local_copy": t_map_copy}
             gbps = {k: nbytes / v / 1e9 for k, v in times.items()}
             throughput[f"{size}MiB"] = {
@@ -213,24 +212,12 @@ def main() -> int:
             ]
         results["throughput"] = throughput
         log("tiny DoGet latency")
-        tiny = FetchRead(
-            node_id="node-0",
-            endpoint=endpoint,
-            ticket=Ticket(job="bench", reads=(UnitRead(unit_id="u1", row_ranges=((0, 1),)),), columns=("reward",)),
-        )
-        t_tiny = median_time(lambda: fetcher.fetch([tiny]), 50 * runs, warmup=20)
+        tiny = Ticket(job="bench", reads=(UnitRead(unit_id="u1", row_ranges=((0, 1),)),), columns=("reward",))
+        t_tiny = median_time(lambda: client.get(tiny), 50 * runs, warmup=20)
         results["tiny_doget_ms"] = t_tiny * 1e3
         rows_out.append(("tiny DoGet (1 row, 1 col)", f"{t_tiny * 1e3:.3f} ms", "target <= 1 ms"))
         log("Arrow -> torch conversion")
-        big = local.fetch(
-            [
-                FetchRead(
-                    node_id="node-0",
-                    endpoint=endpoint,
-                    ticket=Ticket(job="bench", reads=(UnitRead(unit_id=f"u{sizes[-1]}"),)),
-                )
-            ]
-        )
+        big = local.read(Ticket(job="bench", reads=(UnitRead(unit_id=f"u{sizes[-1]}"),)))
         conv: dict[str, Any] = {}
         for rows in (16, 64, 256):
             mb_table = big.slice(0, rows)
@@ -251,8 +238,7 @@ def main() -> int:
                 )
             )
         results["conversion"] = conv
-        fetcher.close()
-        local.close()
+        client.close()
         writer.close()
     finally:
         proc.terminate()

@@ -26,7 +26,7 @@ import pyarrow as pa
 from knittrans.errors import DataLost, InvalidRequest, KnitTransError, NotFound
 from knittrans.plans import RankPlan
 from knittrans.tickets import Ticket, join_tickets
-from knittrans.trainer.fetch import Fetcher, ticket_rows
+from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaRecord
 
 __all__ = ["ShareStreams", "media_records"]
@@ -179,16 +179,16 @@ class ShareStreams:
             per_micro = []
             for f in micro.fetches:
                 ticket, node = f.ticket, f.node_id
-                n = ticket_rows(ticket) if ticket.kind == "rows" else None
+                sizes = [r.num_rows for r in ticket.reads]
                 mixed = node in rows and rows[node][0].columns != ticket.columns
-                if n is None or mixed or (job is not None and ticket.job != job):
+                if ticket.kind != "rows" or None in sizes or mixed or (job is not None and ticket.job != job):
                     raise InvalidRequest(
                         f"plan {plan.plan_id}: its rows tickets cannot be streamed (row ranges, columns, job)"
                     )
                 job = ticket.job
                 endpoints[node] = f.endpoint
                 rows.setdefault(node, []).append(ticket)
-                per_micro.append((node, n))
+                per_micro.append((node, sum(n or 0 for n in sizes)))
             counts.append(per_micro)
         media_of: dict[str, list[Ticket]] = {}
         media_node: dict[str, str] = {}
