@@ -42,7 +42,9 @@ def _per_micro(micro: MicroBatchReads) -> pa.Table:
 def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster, local: bool) -> None:
     """Every micro-batch's rows and media equal the per-micro-batch DoGets', with at most 2 calls per node."""
     plan = _plan(cluster, f"share-eq-{int(local)}")
-    dirs = {s.node_id: str(s.store_dir) for s in cluster.stores} if local else {}
+    # one node as a plain directory, the other as a (store dir, spill dir)-style sequence of roots
+    dirs = {s.node_id: [str(s.store_dir)] if i else str(s.store_dir) for i, s in enumerate(cluster.stores)}
+    dirs = dirs if local else {}
     with Fetcher(local_dirs=dirs) as fetcher:
         streams = ShareStreams.from_plan(fetcher, plan)
         nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
