@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import httpx
-
 from knittrans.controlclient import ControlClient
 from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_ready, wait_until
 
@@ -89,7 +87,7 @@ class LocalCluster:
         self._db = self.work_dir / "control.db"
 
     def start_control_plane(self, *, port: int | None = None) -> None:
-        """Start (or restart on the same database and port) the control plane and wait for /v1/health.
+        """Start (or restart on the same database and port) the control plane and wait until it serves.
 
         ``port``: listen there. Default: the first start binds port 0 and reads the real port from the
         ready file (no free-port race); a restart binds the same port again, so the stores' and
@@ -107,8 +105,6 @@ class LocalCluster:
         if self.config.admin_token:
             env["KNITTRANS_ADMIN_TOKEN"] = self.config.admin_token
         self.control_url = json.loads(self._start("control-plane", argv, env, ready, "control plane"))["url"]
-        response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
-        response.raise_for_status()
 
     def rollout_args(
         self,
