@@ -19,9 +19,6 @@ _EXPORTS: dict[str, str] = {
     "GroupRecord": "knittrans.descriptors",
     "TrajectoryGroup": "knittrans.schema",
     "Media": "knittrans.schema",
-    "TRAJECTORY_SCHEMA": "knittrans.schema",
-    "MEDIA_SCHEMA": "knittrans.schema",
-    "SCHEMA_VERSION": "knittrans.schema",
     # data plane
     "UnitStore": "knittrans.store",
     "StoreConfig": "knittrans.store",
@@ -45,65 +42,39 @@ _EXPORTS: dict[str, str] = {
     "MediaCache": "knittrans.trainer.media",
     "DedupEncoder": "knittrans.trainer.dedup",
     # rollout side
-    "RolloutWorker": "knittrans.rollout.worker",
     "RolloutWorkerConfig": "knittrans.rollout.worker",
     "open_engine": "knittrans.rollout.engines",
 }
 
-__all__ = [
-    "MEDIA_SCHEMA",
-    "SCHEMA_VERSION",
-    "TRAJECTORY_SCHEMA",
-    "ControlClient",
-    "DedupEncoder",
-    "Fetcher",
-    "GroupRecord",
-    "Media",
-    "MediaCache",
-    "MicroBatch",
-    "RolloutWorker",
-    "RolloutWorkerConfig",
-    "Settings",
-    "StoreClient",
-    "StoreConfig",
-    "StoreServer",
-    "StoreServerConfig",
-    "Ticket",
-    "TrainerClient",
-    "TrainerConfig",
-    "TrajectoryGroup",
-    "TrajectoryWriter",
-    "UnitDescriptor",
-    "UnitRead",
-    "UnitStore",
-    "__version__",
-    "assign_mini_batch",
-    "create_app",
-    "make_policy",
-    "open_engine",
-    "to_micro_batch",
-]
+__all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:
-    from knittrans.api.app import create_app
-    from knittrans.api.settings import Settings
-    from knittrans.controlclient import ControlClient
-    from knittrans.descriptors import GroupRecord, UnitDescriptor
-    from knittrans.flight import StoreServer, StoreServerConfig
-    from knittrans.flight.client import StoreClient
-    from knittrans.rollout.engines import open_engine
-    from knittrans.rollout.worker import RolloutWorker, RolloutWorkerConfig
-    from knittrans.rollout.writer import TrajectoryWriter
-    from knittrans.sched.admission import make_policy
-    from knittrans.sched.assign import assign_mini_batch
-    from knittrans.schema import MEDIA_SCHEMA, SCHEMA_VERSION, TRAJECTORY_SCHEMA, Media, TrajectoryGroup
-    from knittrans.store import StoreConfig, UnitStore
-    from knittrans.tickets import Ticket, UnitRead
-    from knittrans.trainer.client import TrainerClient, TrainerConfig
-    from knittrans.trainer.convert import MicroBatch, to_micro_batch
-    from knittrans.trainer.dedup import DedupEncoder
-    from knittrans.trainer.fetch import Fetcher
-    from knittrans.trainer.media import MediaCache
+if TYPE_CHECKING:  # `X as X`: explicit re-exports for type checkers
+    from knittrans.api.app import create_app as create_app
+    from knittrans.api.settings import Settings as Settings
+    from knittrans.controlclient import ControlClient as ControlClient
+    from knittrans.descriptors import GroupRecord as GroupRecord
+    from knittrans.descriptors import UnitDescriptor as UnitDescriptor
+    from knittrans.flight import StoreServer as StoreServer
+    from knittrans.flight import StoreServerConfig as StoreServerConfig
+    from knittrans.flight.client import StoreClient as StoreClient
+    from knittrans.rollout.engines import open_engine as open_engine
+    from knittrans.rollout.worker import RolloutWorkerConfig as RolloutWorkerConfig
+    from knittrans.rollout.writer import TrajectoryWriter as TrajectoryWriter
+    from knittrans.sched.admission import make_policy as make_policy
+    from knittrans.sched.assign import assign_mini_batch as assign_mini_batch
+    from knittrans.schema import Media as Media
+    from knittrans.schema import TrajectoryGroup as TrajectoryGroup
+    from knittrans.store import StoreConfig as StoreConfig
+    from knittrans.store import UnitStore as UnitStore
+    from knittrans.tickets import Ticket as Ticket
+    from knittrans.tickets import UnitRead as UnitRead
+    from knittrans.trainer.client import TrainerClient as TrainerClient
+    from knittrans.trainer.client import TrainerConfig as TrainerConfig
+    from knittrans.trainer.convert import MicroBatch as MicroBatch
+    from knittrans.trainer.convert import to_micro_batch as to_micro_batch
+    from knittrans.trainer.dedup import DedupEncoder as DedupEncoder
+    from knittrans.trainer.fetch import Fetcher as Fetcher
+    from knittrans.trainer.media import MediaCache as MediaCache
 
 
 def __getattr__(name: str) -> Any:

@@ -291,8 +291,7 @@ class ControlClient:
         if node_wait_s < 0:
             raise ValueError("node_wait_s must be >= 0")
         data = _units_json(units)
-        deadline = time.monotonic() + node_wait_s
-        pause = 0.05
+        pauses = RetryPolicy(budget_s=node_wait_s, max_backoff_s=0.5, jitter=0).pauses()
         while True:
             try:
                 return self._obj("POST", f"/v1/jobs/{job}/units", content=data)
@@ -300,16 +299,15 @@ class ControlClient:
                 missing = _UNREGISTERED_NODE.search(str(exc))
                 if missing is None:
                     raise
-                left = deadline - time.monotonic()
-                if left <= 0:
+                pause = next(pauses, None)
+                if pause is None:
                     raise NotFound(
                         f"store node {missing.group(1)!r} has not registered with the control plane "
                         f"{self.base_url} (waited {node_wait_s:g} s): start the store with --control-url "
                         f"{self.base_url} (it registers itself and heartbeats) before registering its units, "
                         f"or register it with POST /v1/nodes"
                     ) from None
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.5)
+                time.sleep(pause)
 
     def report_supply(
         self,

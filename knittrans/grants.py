@@ -83,13 +83,14 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _open(key: bytes, grant: str) -> Grant:
+def _open(key: bytes, grant: str, now: float) -> Grant:
+    """The grant, verified and unexpired at ``now``."""
     payload, _, mac = grant.partition(".")
     if not mac or not hmac.compare_digest(mac, _mac(key, payload.encode())):
         raise Unauthenticated("ticket grant signature does not verify (not issued by this job's control plane)")
     try:
         body: dict[str, Any] = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        return Grant(
+        opened = Grant(
             job=body["job"],
             expires_at=float(body["exp"]),
             reads={u: [(int(a), int(b)) for a, b in rs] for u, rs in body["reads"].items()},
@@ -98,6 +99,9 @@ def _open(key: bytes, grant: str) -> Grant:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise Unauthenticated(f"ticket grant is malformed: {exc}") from None
+    if opened.expires_at < now:
+        raise Unauthenticated(f"ticket grant of job {opened.job!r} expired {now - opened.expires_at:.0f}s ago")
+    return opened
 
 
 def _covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
@@ -110,12 +114,10 @@ def check_ticket(key: bytes, ticket: Ticket, *, now: float) -> None:
         raise Unauthenticated("this store only serves tickets signed by the control plane (no grant)")
     if len(ticket.grants) > MAX_GRANTS:
         raise Unauthenticated(f"ticket carries {len(ticket.grants)} grants, more than {MAX_GRANTS}")
-    grants = [_open(key, g) for g in dict.fromkeys(ticket.grants)]
+    grants = [_open(key, g, now) for g in dict.fromkeys(ticket.grants)]
     for g in grants:
         if g.job != ticket.job:
             raise Unauthenticated(f"ticket grant is for job {g.job!r}, not {ticket.job!r}")
-        if g.expires_at < now:
-            raise Unauthenticated(f"ticket grant of job {g.job!r} expired {now - g.expires_at:.0f}s ago")
     if ticket.kind == "media":
         for h in ticket.media_hashes:
             if not any(h in g.media for g in grants):
@@ -150,9 +152,7 @@ def check_listing(key: bytes, grant: str, *, job: str | None, now: float) -> str
         raise Unauthenticated(
             "this store lists units only with a grant of their job (criteria: <job>, a newline, <grant>)"
         )
-    opened = _open(key, grant)
-    if opened.expires_at < now:
-        raise Unauthenticated(f"listing grant of job {opened.job!r} expired {now - opened.expires_at:.0f}s ago")
+    opened = _open(key, grant, now)
     if job is not None and job != opened.job:
         raise Unauthenticated(f"the grant is for job {opened.job!r}; it cannot list job {job!r}")
     return opened.job

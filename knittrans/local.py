@@ -11,16 +11,15 @@ A complete program on it: docs/getting-started/first-job.md; ``examples/byo_data
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import httpx
-
 from knittrans.controlclient import ControlClient
-from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_until
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_ready, wait_until
 
 __all__ = ["ClusterConfig", "LocalCluster", "StoreNode"]
 
@@ -43,12 +42,8 @@ class ClusterConfig:
     """Control-plane admin token."""
     node_timeout_s: float = 30.0
     """Heartbeat timeout after which the control plane declares a store node lost."""
-    store_budget_bytes: int | None = None
-    """Byte budget of each store (None: unbounded)."""
     start_timeout_s: float = 60.0
     """How long to wait for each process to come up."""
-    data_lane: bool = True
-    """Stores open their bulk data lane (the default of ``knittrans store``); False: ``--no-data-lane``."""
 
     def __post_init__(self) -> None:
         if self.num_stores < 1:
@@ -92,7 +87,7 @@ class LocalCluster:
         self._db = self.work_dir / "control.db"
 
     def start_control_plane(self, *, port: int | None = None) -> None:
-        """Start (or restart on the same database and port) the control plane and wait for /v1/health.
+        """Start (or restart on the same database and port) the control plane and wait until it serves.
 
         ``port``: listen there. Default: the first start binds port 0 and reads the real port from the
         ready file (no free-port race); a restart binds the same port again, so the stores' and
@@ -110,8 +105,6 @@ class LocalCluster:
         if self.config.admin_token:
             env["KNITTRANS_ADMIN_TOKEN"] = self.config.admin_token
         self.control_url = json.loads(self._start("control-plane", argv, env, ready, "control plane"))["url"]
-        response = httpx.get(f"{self.control_url}/v1/health", timeout=5)
-        response.raise_for_status()
 
     def rollout_args(
         self,
@@ -184,10 +177,6 @@ class LocalCluster:
         ]
         token = self.config.worker_token
         env = {"KNITTRANS_STORE_TOKEN": token, "KNITTRANS_WORKER_TOKEN": token} if token else {}
-        if self.config.store_budget_bytes:
-            argv += ["--budget-bytes", str(self.config.store_budget_bytes)]
-        if not self.config.data_lane:
-            argv += ["--no-data-lane"]
         name = f"store-{index}"
         endpoint = self._start(name, argv, env, ready, f"store {node_id}").strip()
         node = StoreNode(node_id=node_id, endpoint=endpoint, store_dir=store_dir, name=name)
@@ -202,13 +191,9 @@ class LocalCluster:
     def _start(self, name: str, argv: list[str], env: dict[str, str], ready: Path, what: str) -> str:
         """Start child ``name`` (``knittrans ARGV``) and wait until it writes its ``ready`` file; the file's text."""
         ready.unlink(missing_ok=True)
-        self.procs.start(name, knittrans_command(*argv), env=env)
-
-        def written() -> bool:
-            self.procs.check_alive(name)
-            return ready.exists()
-
-        wait_until(written, timeout_s=self.config.start_timeout_s, what=what)
+        proc = self.procs.start(name, knittrans_command(*argv), env=env)
+        output = functools.partial(self.procs.log_tail, name)
+        wait_ready(proc, ready.exists, timeout_s=self.config.start_timeout_s, what=what, output=output)
         return ready.read_text()
 
     def start(self) -> LocalCluster:

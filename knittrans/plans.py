@@ -107,8 +107,3 @@ class RankPlan:
     def num_tokens(self) -> int:
         """Tokens of the rank's share."""
         return sum(m.num_tokens for m in self.micro_batches)
-
-    @property
-    def local_trajectories(self) -> int:
-        """Trajectories of this rank's share."""
-        return sum(len(m.rows) for m in self.micro_batches)

@@ -111,17 +111,26 @@ def wait_ready(
         raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready:\n{output()}")
 
 
-def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> int | None:
-    """SIGTERM ``proc``, SIGKILL after ``grace_s``, close its pipes; its exit code."""
-    if proc.poll() is None:
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float, send: Callable[[int, int], None]) -> None:
+    """``send(pid, SIGTERM)`` to each live one of ``procs``, wait up to ``grace_s`` in all, then
+    ``send(pid, SIGKILL)`` to the rest and reap them."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+            send(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
         try:
-            proc.wait(timeout=grace_s)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
+                send(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> int | None:
+    """SIGTERM ``proc``, SIGKILL after ``grace_s``, close its pipes; its exit code."""
+    _stop([proc], grace_s, os.kill)
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
@@ -188,18 +197,7 @@ class ProcessGroup:
 
     def stop_all(self, *, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, wait up to ``grace_s``, then SIGKILL the rest."""
-        live = [p for p in self.children.values() if p.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in live:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        _stop(list(self.children.values()), grace_s, os.killpg)
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -47,7 +47,7 @@ from knittrans.columns import (
     TRAJECTORY_SCHEMA,
 )
 from knittrans.errors import InvalidRequest, SchemaMismatch
-from knittrans.userfields import USER_FIELD_NAME_RE, UserField, build_user_column
+from knittrans.userfields import USER_FIELD_NAME_RE, UserField, as_numpy, build_user_column
 
 __all__ = [
     "EMPTY_MEDIA",
@@ -81,7 +81,7 @@ def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "tr
 
     Units and puts must carry every fixed column; a trajectory table may carry per-job user fields
     (:mod:`knittrans.userfields`) after them, which this check accepts by name only (the job spec
-    declares their types; see :func:`knittrans.userfields.check_user_columns`).
+    declares their types).
     """
     expected = _SCHEMAS[kind]
     if schema.equals(expected, check_metadata=True):  # the common case, in C++
@@ -193,11 +193,7 @@ def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media
 
 def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
     """numpy view of a list/array/tensor as a 1-D array of ``dtype`` (copies only to cast)."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
-        value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
+    arr = as_numpy(value).reshape(-1)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
@@ -222,14 +218,14 @@ def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray,
         if len(rows):  # cast as ``astype`` would; a row that is not 1-D does not fit ``values``
             np.concatenate(rows, out=values, casting="unsafe")
     except (TypeError, ValueError, RuntimeError):
-        parts = [_to_numpy(r, dtype) for r in rows]
+        parts = [_to_numpy(r, dtype) for r in rows]  # rows is not empty: the concatenate failed
         lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
-        values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        values = np.concatenate(parts)
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] >= 2**31:
         raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
-    return (values if values.dtype == dtype else values.astype(dtype)), offsets
+    return values, offsets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -441,7 +437,7 @@ def build_units_tables(
     # checked on the numpy buffers the tables are views of; only rows that may fail a check go through the
     # Arrow checks, whose errors name the column, unit and row (media tables are built one row per hash)
     if not rows.plainly_valid() or _user_column_nulls(out):
-        _check_rows(out, rows)
+        _check_rows(out)
     return out
 
 
@@ -451,26 +447,16 @@ def _user_column_nulls(units: list[UnitTables]) -> bool:
     return any(u.traj.column(c).null_count for u in units for c in u.traj.column_names[fixed:])
 
 
-def _check_rows(units: list[UnitTables], rows: _TrajectoryRows) -> None:
-    """The Arrow checks of the trajectory rows: all units' fixed columns in one pass, each unit alone only to
-    name a bad row."""
-    if len(units) == 1:
-        validate_trajectories(units[0].traj)
-        return
-    try:
-        # the fixed columns of all rows at once; user-field columns (built per unit) are checked below
-        whole = [*rows.string_arrays(0, rows.num_rows), *rows.arrays(0, rows.num_rows)]
-        validate_trajectories(pa.Table.from_arrays(whole, schema=TRAJECTORY_SCHEMA))
-        for u in units:
-            if _user_column_nulls([u]):
-                validate_trajectories(u.traj)  # raises, naming the column and row
-    except InvalidRequest:
-        # find the unit and its row; a traj_id repeated across units (not within one) is allowed
-        for k, u in enumerate(units):
-            try:
-                validate_trajectories(u.traj)
-            except InvalidRequest as exc:
-                raise InvalidRequest(f"unit {k} (of {len(units)}): {exc}") from None
+def _check_rows(units: list[UnitTables]) -> None:
+    """The Arrow checks of the trajectory rows, unit by unit (a ``traj_id`` repeated across units is allowed);
+    with several units the error names the unit as well as the column and row."""
+    for k, u in enumerate(units):
+        try:
+            validate_trajectories(u.traj)
+        except InvalidRequest as exc:
+            if len(units) == 1:
+                raise
+            raise InvalidRequest(f"unit {k} (of {len(units)}): {exc}") from None
 
 
 class _TrajectoryRows:

@@ -4,7 +4,6 @@ API summary::
 
     fields = parse_user_fields({"ref_logprobs": "list<float32>", "values": "tensor<float32>[4]"})
     arr = build_user_column(fields[0], per_row_values)     # pa.Array of the declared type
-    check_user_columns(schema, fields)                     # SchemaMismatch naming the column
     user_column_to_torch(table.column("values"))           # torch view / (values, cu_seqlens) / list
 
 A user field is one more column after the fixed trajectory columns, with any Arrow type. Types
@@ -30,13 +29,12 @@ import numpy as np
 import pyarrow as pa
 
 from knittrans.columns import TRAJECTORY_COLUMNS
-from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
+from knittrans.errors import InvalidJobSpec, InvalidRequest
 
 __all__ = [
     "USER_FIELD_NAME_RE",
     "UserField",
     "build_user_column",
-    "check_user_columns",
     "parse_arrow_type",
     "parse_user_fields",
     "user_column_to_torch",
@@ -154,7 +152,8 @@ def parse_user_fields(spec: Mapping[str, str] | None) -> tuple[UserField, ...]:
     return tuple(UserField(name=k, type_string=v) for k, v in spec.items())
 
 
-def _as_numpy(value: Any) -> np.ndarray:
+def as_numpy(value: Any) -> np.ndarray:
+    """``value`` (a list, numpy array or torch tensor) as a numpy array, without importing torch."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
         value = value.detach().cpu().numpy()
     return np.asarray(value)
@@ -170,7 +169,7 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
     try:
         if isinstance(t, pa.FixedShapeTensorType):
             dtype = _numeric_dtype(t.value_type)
-            rows = [_as_numpy(v) for v in values]
+            rows = [as_numpy(v) for v in values]
             for i, r in enumerate(rows):
                 if tuple(r.shape) != tuple(t.shape):
                     raise InvalidRequest(
@@ -180,7 +179,7 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
             return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
         if pa.types.is_fixed_size_list(t) and _is_primitive_numeric(t.value_type):
             dtype = _numeric_dtype(t.value_type)
-            rows = [_as_numpy(v).reshape(-1) for v in values]
+            rows = [as_numpy(v).reshape(-1) for v in values]
             for i, r in enumerate(rows):
                 if r.shape[0] != t.list_size:
                     raise InvalidRequest(
@@ -190,7 +189,7 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
             return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=t.value_type), t.list_size)
         if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_primitive_numeric(t.value_type):
             dtype = _numeric_dtype(t.value_type)
-            rows = [_as_numpy(v).reshape(-1) for v in values]
+            rows = [as_numpy(v).reshape(-1) for v in values]
             offsets = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum([r.shape[0] for r in rows], out=offsets[1:])
             flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
@@ -202,7 +201,7 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
             off_type = pa.int64() if cls is pa.LargeListArray else pa.int32()
             return cls.from_arrays(pa.array(offsets, type=off_type), pa.array(flat, type=t.value_type))
         if _is_primitive_numeric(t):
-            arr = np.asarray([_as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
+            arr = np.asarray([as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
             return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
         return pa.array([v.tolist() if hasattr(v, "tolist") else v for v in values], type=t)
     except (pa.ArrowException, TypeError, ValueError) as exc:
@@ -215,18 +214,6 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
 
 def _is_primitive_numeric(t: pa.DataType) -> bool:
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-
-
-def check_user_columns(schema: pa.Schema, fields: Sequence[UserField]) -> None:
-    """Raise :class:`SchemaMismatch` unless ``schema``'s extra columns are exactly ``fields`` (names, types)."""
-    extra = [f for f in schema if f.name not in TRAJECTORY_COLUMNS]
-    got = [f.name for f in extra]
-    want = [f.name for f in fields]
-    if got != want:
-        raise SchemaMismatch(f"user fields differ from the job spec: got {got}, declared {want}")
-    for have, decl in zip(extra, fields, strict=True):
-        if not have.type.equals(decl.type):
-            raise SchemaMismatch(f"user field {decl.name!r} has type {have.type}, declared {decl.type_string}")
 
 
 def _from_numpy(arr: np.ndarray) -> Any:
