@@ -68,11 +68,7 @@ def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mod
         ]
         if config.chunk_tokens:
             argv += ["--chunk-tokens", str(config.chunk_tokens)]
-        env = (
-            {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-            if config.engine == "vllm"
-            else {"OMP_NUM_THREADS": "1"}
-        )
+        env = {"OMP_NUM_THREADS": "1"} | ({"VLLM_CPU_KVCACHE_SPACE": "1"} if config.engine == "vllm" else {})
         cluster.procs.start(f"rollout-{source}", knittrans_command(*argv), env=env)
 
 
