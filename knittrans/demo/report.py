@@ -119,14 +119,14 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: dict[str, Any], path: Path, *, others: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Staleness, transfer and bytes per step in one PNG (``others``: runs drawn beside it, by label)."""
+def plot_results(runs: dict[str, dict[str, Any]], path: Path) -> Path:
+    """Staleness, transfer and bytes per step of every run (by label) in one PNG; media bytes of the last run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {**(others or {}), results["label"]: results}
+    results = list(runs.values())[-1]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for label, res in runs.items():
         steps = [s["step"] for s in res["steps"]]

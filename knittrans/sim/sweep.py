@@ -159,13 +159,11 @@ def run_grid(
     results: list[ConfigResult] = []
     for workload in configurations(workloads, mini_batches, windows, lookaheads):
         config = ConfigResult(workload=workload)
-        modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
-        modes.append((PACED_BASELINE, False))
-        for label, is_coloc in modes:
-            policy = BASELINE if is_coloc or label == PACED_BASELINE else label
-            run_workload = (
-                workload.with_overrides(train_batch_handover="mini_batch") if label == PACED_BASELINE else workload
-            )
+        modes = [(p, p, workload, False) for p in policies]  # (label, policy, workload, colocated)
+        if colocated:
+            modes.append((COLOCATED, BASELINE, workload, True))
+        modes.append((PACED_BASELINE, BASELINE, workload.with_overrides(train_batch_handover="mini_batch"), False))
+        for label, policy, run_workload, is_coloc in modes:
             for seed in range(seeds):
                 tag = (
                     f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "
