@@ -12,7 +12,6 @@ from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, s
 from knittrans.sim.engine import RunTrace
 
 __all__ = [
-    "READINGS",
     "ReadingStats",
     "RunMetrics",
     "StalenessSplit",

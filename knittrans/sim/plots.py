@@ -12,9 +12,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from knittrans.sched.staleness import architectural_staleness, version_of
+from knittrans.sched.staleness import READINGS, architectural_staleness, version_of
 from knittrans.sim.engine import RunTrace
-from knittrans.sim.metrics import READINGS, RunMetrics
+from knittrans.sim.metrics import RunMetrics
 
 __all__ = ["write_plots"]
 

@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from knittrans.sched.staleness import READINGS
 from knittrans.sim.engine import RunTrace, simulate
-from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
+from knittrans.sim.metrics import RunMetrics, compute_metrics
 from knittrans.sim.workload import Workload
 
 __all__ = [
