@@ -120,9 +120,7 @@ def run(args: Any) -> int:
         results[res["label"]] = res
         print(f"\n== {res['label']} ==")
         print(format_table(res))
-    labels = list(results)
-    main = results[labels[-1]]
-    png = plot_results(main, Path(args.out) / "demo.png", others={k: results[k] for k in labels[:-1]})
+    png = plot_results(results, Path(args.out) / "demo.png")
     summary: dict[str, Any] = {
         "runs": {label: {"staleness": r["staleness"], "wall_s": r["wall_s"]} for label, r in results.items()}
     }

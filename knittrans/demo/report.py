@@ -29,6 +29,14 @@ def _rank_records(run_dir: Path) -> list[dict[str, Any]]:
     return list(records.values())
 
 
+_COUNTS = ("media_logical_bytes", "media_unique_bytes", "row_bytes", "encoder_calls", "media_uses", "image_rows")
+"""Keys of the ranks' records summed per step."""
+
+
+def _total(records: list[dict[str, Any]], key: str) -> int:
+    return int(sum(r.get(key) or 0 for r in records))
+
+
 def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
     """Combine status and rank records into per-step rows and run totals."""
     records = _rank_records(run_dir)
@@ -43,6 +51,8 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         adm = [admissions[n] for n in sorted({int(r["global_index"]) for r in rs}) if n in admissions]
         waits = [a["wait_s"] for a in adm if a.get("wait_s") is not None]
         st = staleness_by_step.get(str(step), {})
+        encoded, uses = _total(rs, "encoded_rows"), _total(rs, "media_uses")
+        forward_s = float(sum(r.get("encoder_forward_s") or 0.0 for r in rs))
         steps.append(
             {
                 "step": step,
@@ -51,12 +61,12 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
                 **{f"arch_staleness_{r}": st.get(r, {}).get("architectural", {}).get("mean") for r in READINGS},
                 "exposed_transfer_s": sum(r["wait_s"] for r in rs),
                 "fetch_s": sum(r["fetch_s"] for r in rs),
-                "media_logical_bytes": int(sum(r["media_logical_bytes"] for r in rs)),
-                "media_unique_bytes": int(sum(r["media_unique_bytes"] for r in rs)),
-                "row_bytes": int(sum(r["row_bytes"] for r in rs)),
-                "encoder_calls": int(sum(r["encoder_calls"] for r in rs)),
-                "media_uses": int(sum(r["media_uses"] or 0 for r in rs)),
-                **_encoder_columns(rs),
+                **{key: _total(rs, key) for key in _COUNTS},
+                "images_encoded": encoded,
+                "encoder_forward_s": forward_s,
+                # forward time per encoded image times the references not encoded again (a per-row encoder would
+                # have run them); the backward saves about as much again
+                "encoder_forward_saved_s": forward_s / encoded * max(uses - encoded, 0) if encoded else 0.0,
                 "step_time_s": sum(  # each mini-batch takes as long as its slowest rank
                     max(r["step_time_s"] for r in rs if r["global_index"] == n) for n in {r["global_index"] for r in rs}
                 ),
@@ -78,23 +88,6 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         "timing": status.get("timing"),
         "counts": status["counts"],
         "rank_records": records,
-    }
-
-
-def _encoder_columns(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Images through the vision tower vs rows showing images, and the encoder time dedup saved.
-
-    Saved time is the forward time per encoded image times the image references that were not
-    encoded again (a per-row encoder would have run them); the backward saves about as much again.
-    """
-    encoded = int(sum(r.get("encoded_rows") or 0 for r in rs))
-    uses = int(sum(r.get("media_uses") or 0 for r in rs))
-    seconds = float(sum(r.get("encoder_forward_s") or 0.0 for r in rs))
-    return {
-        "image_rows": int(sum(r.get("image_rows") or 0 for r in rs)),
-        "images_encoded": encoded,
-        "encoder_forward_s": seconds,
-        "encoder_forward_saved_s": seconds / encoded * max(uses - encoded, 0) if encoded else 0.0,
     }
 
 
@@ -126,14 +119,14 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: dict[str, Any], path: Path, *, others: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Staleness, transfer and bytes per step in one PNG (``others``: runs drawn beside it, by label)."""
+def plot_results(runs: dict[str, dict[str, Any]], path: Path) -> Path:
+    """Staleness, transfer and bytes per step of every run (by label) in one PNG; media bytes of the last run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {**(others or {}), results["label"]: results}
+    results = list(runs.values())[-1]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for label, res in runs.items():
         steps = [s["step"] for s in res["steps"]]

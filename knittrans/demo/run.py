@@ -20,7 +20,6 @@ from typing import Any
 from knittrans.demo.config import DemoConfig
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import free_port, knittrans_command
-from knittrans.rollout.worker import SourceProfile
 
 __all__ = ["JOB", "run_demo"]
 
@@ -68,21 +67,12 @@ def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mod
         ]
         if config.chunk_tokens:
             argv += ["--chunk-tokens", str(config.chunk_tokens)]
-        env = (
-            {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-            if config.engine == "vllm"
-            else {"OMP_NUM_THREADS": "1"}
-        )
+        env = {"OMP_NUM_THREADS": "1"} | ({"VLLM_CPU_KVCACHE_SPACE": "1"} if config.engine == "vllm" else {})
         cluster.procs.start(f"rollout-{source}", knittrans_command(*argv), env=env)
 
 
 def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> list[str]:
     dist_url = f"tcp://127.0.0.1:{free_port()}"
-    channels = 3
-    for profile in config.sources.values():
-        image = SourceProfile.parse(profile).image_shape
-        if image is not None:
-            channels = image[0]
     names = []
     for rank in range(config.ranks):
         argv = cluster.train_args(
@@ -94,7 +84,7 @@ def _start_trainers(cluster: LocalCluster, config: DemoConfig, run_dir: Path, mo
             weights_dir=run_dir / "weights",
             dist_url=dist_url,
         )
-        argv += ["--fetch-mode", config.fetch_mode, "--lr", str(config.lr), "--image-channels", str(channels)]
+        argv += ["--fetch-mode", config.fetch_mode, "--lr", str(config.lr)]
         argv += ["--min-step-s", str(config.min_step_s)]
         for node in cluster.stores:
             argv += ["--local-dir", f"{node.node_id}={node.store_dir}"]

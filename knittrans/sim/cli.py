@@ -185,10 +185,9 @@ def run(args: argparse.Namespace) -> int:
                 overrides[name] = value == "on" if flag == "in_flight" else value
         if overrides:
             workloads = [w.with_overrides(**overrides) for w in workloads]
+        if args.policy != "all" and args.policy not in POLICIES:
+            raise InvalidRequest(f"unknown policy {args.policy!r}; valid: {', '.join(POLICIES)} or all")
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
-        for p in policies:
-            if p not in POLICIES:
-                raise InvalidRequest(f"unknown policy {p!r}; valid: {', '.join(POLICIES)} or all")
         if args.seeds < 1:
             raise InvalidRequest(f"--seeds must be >= 1, got {args.seeds}")
         if args.steps is not None and args.steps < 1:

@@ -110,9 +110,10 @@ class _Simulation:
         self.on_step = on_step
         self.names = [s.name for s in workload.sources]
         self.quotas = workload.quotas
-        self.streams = [
-            SourceStream(s, group_size=workload.group_size, seed=seed, index=i) for i, s in enumerate(workload.sources)
-        ]
+        self.streams = {
+            s.name: SourceStream(s, group_size=workload.group_size, seed=seed, index=i)
+            for i, s in enumerate(workload.sources)
+        }
         self.G = workload.train_batch_groups
         self.K = workload.mini_batches_per_step
         self.b = workload.mini_batch_groups
@@ -123,9 +124,8 @@ class _Simulation:
         self.seq = 0
         self.now = 0.0
         # rollout state
-        self.launched = [0] * len(self.names)
-        self.useful = [0] * len(self.names)  # launched minus dropped: drives the quota-proportional launch
-        self.index_of = {name: i for i, name in enumerate(self.names)}
+        self.launched = dict.fromkeys(self.names, 0)  # per source: numbers its group ids
+        self.useful = dict.fromkeys(self.names, 0)  # launched minus dropped: drives the quota-proportional launch
         self.purged_at = -1
         self.pending = dict.fromkeys(self.names, 0)
         self.untaken = dict.fromkeys(self.names, 0)  # launched, not dropped, not in a started mini-batch
@@ -167,7 +167,7 @@ class _Simulation:
         per_call = self.w.groups_per_call
         lead = self.lead() if self.w.launch_lead > 0 else None
         while self.pool.idle_slots > 0:
-            launched: dict[str, float] = dict(zip(self.names, self.useful, strict=True))
+            launched: dict[str, float] = dict(self.useful)
             if lead is not None:
                 launched = {s: n - lead[s] for s, n in launched.items()}
             order = launch_order(self.quotas, launched)
@@ -183,14 +183,12 @@ class _Simulation:
                     return
                 name = mine[0]
                 count = min(per_call, headroom[name])
-            s = self.index_of[name]
             call = []
             for _ in range(count):
-                idx = self.launched[s]
-                self.launched[s] += 1
-                self.useful[s] += 1
-                duration, tokens = self.streams[s].next_group()
-                gid = f"{name}-{idx}"
+                gid = f"{name}-{self.launched[name]}"
+                self.launched[name] += 1
+                self.useful[name] += 1
+                duration, tokens = self.streams[name].next_group()
                 call.append(
                     CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens, launched_at=self.now)
                 )
@@ -277,11 +275,8 @@ class _Simulation:
         keep = []
         for g in self.finished:
             if expired(probe, g):
-                if g.group_id in self.released:
-                    self.released.discard(g.group_id)
-                else:
-                    self.untaken[g.source] -= 1
-                self.useful[self.index_of[g.source]] -= 1
+                self.leave_window(g)
+                self.useful[g.source] -= 1
                 self.launch_time.pop(g.group_id)
                 self.trace.dropped += 1
             else:
@@ -349,15 +344,19 @@ class _Simulation:
         record.train_start = self.now
         record.train_end = self.now + duration
         for g in groups:  # training, not admission, frees the window
-            if g.group_id in self.released:
-                self.released.discard(g.group_id)
-            else:
-                self.untaken[g.source] -= 1
+            self.leave_window(g)
         if self.handover == "step" and record.k == 0:
             self.hand_over_step(record)
         self.trainer_idle = False
         self.trace.trainer_busy_s += duration
         self.push(self.now + duration, _TRAIN_DONE, None)
+
+    def leave_window(self, g: FinishedGroup) -> None:
+        """``g`` leaves the window (dropped or its mini-batch started), unless its step's handover already freed it."""
+        if g.group_id in self.released:
+            self.released.discard(g.group_id)
+        else:
+            self.untaken[g.source] -= 1
 
     def hand_over_step(self, first: MiniBatchRecord) -> None:
         """The trainer takes the whole train batch of ``first``'s step: every group of the step leaves the window.

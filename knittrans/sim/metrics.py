@@ -12,7 +12,6 @@ from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, s
 from knittrans.sim.engine import RunTrace
 
 __all__ = [
-    "READINGS",
     "ReadingStats",
     "RunMetrics",
     "StalenessSplit",
@@ -34,11 +33,10 @@ class ReadingStats:
 
 def reading_stats(consumed: Sequence[ConsumedGroup]) -> dict[str, ReadingStats]:
     """Per-reading statistics of consumed groups, computed by ``sched.staleness.step_report``."""
-    out = {}
-    for reading in READINGS:
-        report = step_report(consumed, reading)
-        out[reading] = ReadingStats(staleness=report["staleness"], architectural=report["architectural"])
-    return out
+    reports = {reading: step_report(consumed, reading) for reading in READINGS}
+    return {
+        r: ReadingStats(staleness=rep["staleness"], architectural=rep["architectural"]) for r, rep in reports.items()
+    }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,15 +12,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from knittrans.sched.staleness import architectural_staleness, version_of
+from knittrans.sched.staleness import READINGS, architectural_staleness, version_of
 from knittrans.sim.engine import RunTrace
-from knittrans.sim.metrics import READINGS, RunMetrics
+from knittrans.sim.metrics import RunMetrics
 
 __all__ = ["write_plots"]
 
 
-def _save(fig: Figure, path: Path, title: str) -> None:
-    fig.suptitle(title)
+def _save(fig: Figure, path: Path, title: str | None) -> None:
+    if title is not None:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -92,9 +93,7 @@ def _admission_timeline(traces: Mapping[str, RunTrace], path: Path, title: str, 
     ax.set_ylabel("mini-batch number n (admitted)")
     ax.set_title(f"{title}: admission time of each mini-batch (first {max_steps} steps)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, None)
 
 
 def write_plots(

@@ -162,7 +162,7 @@ class RolloutPool:
             self.loads += 1
             self.load_s_total += ran
             slot.version = slot.target
-            if slot.reload and self.w.in_flight_updates and self.timeline.version_at(now) > slot.version:
+            if slot.reload and self.timeline.version_at(now) > slot.version:  # set by on_arrive (in-flight updates)
                 slot.target = self.timeline.version_at(now)
             self._load_or_generate(slot, now)
             return None

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from knittrans.sched.staleness import READINGS
 from knittrans.sim.engine import RunTrace, simulate
-from knittrans.sim.metrics import READINGS, RunMetrics, compute_metrics
+from knittrans.sim.metrics import RunMetrics, compute_metrics
 from knittrans.sim.workload import Workload
 
 __all__ = [
@@ -80,24 +82,20 @@ class ConfigResult:
         """Seed-averaged figures per policy, and reductions ``1 - policy / baseline`` of the architectural
         staleness against both baselines (NaN without the baseline or when it is 0; JSON-ready)."""
         figures = {policy: [_figures(m) for m in runs] for policy, runs in self.runs.items()}
-
-        def mean(policy: str, key: str) -> float:
-            return statistics.fmean(f[key] for f in figures[policy])
+        means = {policy: {key: statistics.fmean(f[key] for f in fs) for key in fs[0]} for policy, fs in figures.items()}
 
         def reduction(policy: str, key: str, baseline: str) -> float:
-            if baseline not in figures:
+            if baseline not in means:
                 return math.nan
-            base = mean(baseline, key)
-            return math.nan if base == 0 else 1.0 - mean(policy, key) / base
+            base = means[baseline][key]
+            return math.nan if base == 0 else 1.0 - means[policy][key] / base
 
         w = self.workload
         out: dict[str, Any] = {"workload": w.name, **{key: getattr(w, key) for key in _SETTINGS}, "policies": {}}
-        for policy in self.runs:
+        for policy, mine in means.items():
             row: dict[str, Any] = {"seeds": len(self.runs[policy])}
             for r in READINGS:
-                for kind in ("", "arch_"):
-                    for key in _STATS:
-                        row[f"{r}_{kind}{key}"] = mean(policy, f"{r}_{kind}{key}")
+                row.update((f"{r}_{kind}{key}", mine[f"{r}_{kind}{key}"]) for kind in ("", "arch_") for key in _STATS)
                 for baseline, suffix in ((BASELINE, ""), (PACED_BASELINE, "_vs_paced")):
                     row[f"{r}_arch_reduction{suffix}"] = reduction(policy, f"{r}_arch_mean", baseline)
                     row[f"{r}_arch_pos_reduction{suffix}"] = reduction(policy, f"{r}_arch_pos_mean", baseline)
@@ -105,10 +103,9 @@ class ConfigResult:
                 (PACED_BASELINE, "steps_per_hour_vs_paced"),
                 (BASELINE, "steps_per_hour_vs_train_batch"),
             ):
-                if baseline in figures:
-                    row[key] = mean(policy, "steps_per_hour") / mean(baseline, "steps_per_hour")
-            for key in _RUN_FIGURES:
-                row[key] = mean(policy, key)
+                if baseline in means:
+                    row[key] = mine["steps_per_hour"] / means[baseline]["steps_per_hour"]
+            row.update((key, mine[key]) for key in _RUN_FIGURES)
             row["quota_violations"] = sum(m.quota_violations for m in self.runs[policy])
             out["policies"][policy] = row
         return out
@@ -126,8 +123,7 @@ def configurations(
         ValueError: a combination the workload refuses.
     """
     out = []
-    mbs, wins, looks = list(mini_batches), list(windows), list(lookaheads)
-    for base, k, win, look in ((b, k, w, la) for b in workloads for k in mbs for w in wins for la in looks):
+    for base, k, win, look in itertools.product(workloads, mini_batches, windows, lookaheads):
         changes: dict[str, Any] = {}
         if k is not None:
             changes["mini_batches_per_step"] = k
@@ -164,13 +160,11 @@ def run_grid(
     results: list[ConfigResult] = []
     for workload in configurations(workloads, mini_batches, windows, lookaheads):
         config = ConfigResult(workload=workload)
-        modes = [(p, False) for p in policies] + ([(COLOCATED, True)] if colocated else [])
-        modes.append((PACED_BASELINE, False))
-        for label, is_coloc in modes:
-            policy = BASELINE if is_coloc or label == PACED_BASELINE else label
-            run_workload = (
-                workload.with_overrides(train_batch_handover="mini_batch") if label == PACED_BASELINE else workload
-            )
+        modes = [(p, p, workload, False) for p in policies]  # (label, policy, workload, colocated)
+        if colocated:
+            modes.append((COLOCATED, BASELINE, workload, True))
+        modes.append((PACED_BASELINE, BASELINE, workload.with_overrides(train_batch_handover="mini_batch"), False))
+        for label, policy, run_workload, is_coloc in modes:
             for seed in range(seeds):
                 tag = (
                     f"{workload.name} K={workload.mini_batches_per_step} W={workload.window} "

@@ -191,14 +191,14 @@ class Workload:
 
 
 _SOURCE_FIELDS = {f.name for f in dataclasses.fields(SourceProfile)}
-_WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)} - {"sources"}
+_WORKLOAD_FIELDS = {f.name for f in dataclasses.fields(Workload)}
 
 
 def workload_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Workload:
     """Build a workload from parsed YAML; raises InvalidRequest naming the bad field."""
     if not isinstance(data, Mapping):
         raise InvalidRequest(f"{origin}: a workload must be a mapping, got {type(data).__name__}")
-    unknown = set(data) - _WORKLOAD_FIELDS - {"sources"}
+    unknown = set(data) - _WORKLOAD_FIELDS
     if unknown:
         raise InvalidRequest(f"{origin}: unknown workload fields {sorted(unknown)}")
     raw_sources = data.get("sources")
