@@ -236,26 +236,12 @@ class HFEngine:
 
 @dataclass(frozen=True, kw_only=True)
 class VLLMEngineConfig:
-    """Settings of :class:`VLLMEngine` (defaults fit a tiny model on vLLM's CPU backend)."""
+    """Settings of :class:`VLLMEngine` (float32, eager, processed logprobs: fits a tiny model on vLLM's CPU backend)."""
 
-    logprobs_mode: LogprobsMode = "processed"
-    """``processed`` → ``LLM(logprobs_mode="processed_logprobs")``; ``raw`` → ``raw_logprobs``."""
-    dtype: str = "float32"
-    """Model dtype passed to ``LLM``."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation (start-up time dominates for tiny models)."""
     kv_cache_gib: float = 1.0
     """KV cache size (``kv_cache_memory_bytes``; same as ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
-    max_model_len: int | None = None
-    """Context length; None: the model config's ``max_position_embeddings``."""
-    max_images_per_prompt: int = 4
-    """``limit_mm_per_prompt`` of a VLM: most images one prompt may carry."""
-    seed: int = 0
-    """Engine seed (per-request seeds come from ``generate(seed=...)``)."""
 
     def __post_init__(self) -> None:
-        if self.logprobs_mode not in ("processed", "raw"):
-            raise ValueError(f"VLLMEngineConfig.logprobs_mode must be processed or raw, got {self.logprobs_mode!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"VLLMEngineConfig.kv_cache_gib must be positive, got {self.kv_cache_gib}")
 
@@ -278,7 +264,7 @@ class VLLMEngine:
         self.layout = VLMLayout.from_dir(self.model_dir) if is_vlm(self.model_dir) else None
         # vLLM refuses images without a tokenizer (skip_tokenizer_init); the tiny VLM brings its own.
         multimodal: dict[str, Any] = (
-            {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": self.config.max_images_per_prompt}}
+            {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 4}}  # images per prompt, at most
             if self.layout is not None
             else {"skip_tokenizer_init": True}
         )
@@ -289,12 +275,11 @@ class VLLMEngine:
         self._llm: Any = LLM(
             model=str(self.model_dir),
             **multimodal,
-            dtype=self.config.dtype,
-            enforce_eager=self.config.enforce_eager,
+            dtype="float32",
+            enforce_eager=True,  # no CUDA graphs / compilation: start-up time dominates for tiny models
             kv_cache_memory_bytes=int(self.config.kv_cache_gib * 2**30),
-            max_model_len=self.config.max_model_len,
-            logprobs_mode=f"{self.config.logprobs_mode}_logprobs",
-            seed=self.config.seed,
+            logprobs_mode="processed_logprobs",  # after temperature: the distribution sampled from
+            seed=0,  # per-request seeds come from generate(seed=...)
             worker_extension_cls="knittrans.rollout.vllm_worker.WeightFileLoader",
         )
 
