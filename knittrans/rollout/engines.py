@@ -36,8 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LogprobsMode = Literal["processed", "raw"]
-
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -79,14 +77,12 @@ def _check_weights_file(path: str | Path) -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class HFEngineConfig:
-    """Settings of :class:`HFEngine`."""
+    """Settings of :class:`HFEngine` (the model runs in float32)."""
 
-    logprobs_mode: LogprobsMode = "processed"
+    logprobs_mode: Literal["processed", "raw"] = "processed"
     """``processed``: logprobs of the sampling distribution (after temperature); ``raw``: at T=1."""
     max_batch_rows: int = 64
     """Most rows (prompts x n) per ``generate()`` call; prompts are chunked to fit."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Model dtype."""
     device: str = "cpu"
     """torch device of the model."""
 
@@ -112,11 +108,9 @@ class HFEngine:
 
             self.layout = VLMLayout.from_dir(self.model_dir)
             self._image_processor = load_image_processor(self.model_dir)
-            model: Any = Idefics3ForConditionalGeneration.from_pretrained(
-                self.model_dir, dtype=getattr(torch, self.config.dtype)
-            )
+            model: Any = Idefics3ForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model: Any = model.to(self.config.device).eval()
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
