@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from knittrans.errors import InvalidRequest
-from knittrans.rollout.adapters import to_trajectory_group
+from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import HFEngine, HFEngineConfig, RolloutEngine
 from knittrans.rollout.generated import GeneratedGroup, PromptRequest
 from knittrans.rollout.models import build_tiny_qwen2

@@ -168,7 +168,7 @@ def test_adapter_reads_list_and_flat_logprobs_alike() -> None:
     """The sampled token's logprob is found in list-of-dict and FlatLogprobs layouts (incl. top-k extras)."""
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from knittrans.rollout.adapters import group_from_request_output
+    from knittrans.rollout.adapters.vllm import group_from_request_output
     from knittrans.rollout.generated import PromptRequest
 
     positions = [{7: Logprob(-0.5, rank=2), 3: Logprob(-0.25, rank=1)}, {EOS: Logprob(-1.5, rank=1)}]
@@ -187,7 +187,7 @@ def test_adapter_rejects_unusable_outputs() -> None:
     from vllm.logprobs import Logprob
 
     from knittrans.errors import InvalidRequest
-    from knittrans.rollout.adapters import group_from_request_output
+    from knittrans.rollout.adapters.vllm import group_from_request_output
     from knittrans.rollout.generated import PromptRequest
 
     prompt = PromptRequest(prompt_ids=np.array([1, 2]))
@@ -206,7 +206,7 @@ def test_adapter_rejects_unusable_outputs() -> None:
 
 def test_media_go_to_multi_modal_data_only_when_asked() -> None:
     """vllm_prompt keeps media out of the engine by default and maps them by kind when asked."""
-    from knittrans.rollout.adapters import vllm_prompt
+    from knittrans.rollout.adapters.vllm import vllm_prompt
     from knittrans.rollout.generated import PromptRequest
     from knittrans.schema import Media
 

@@ -36,8 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LogprobsMode = Literal["processed", "raw"]
-
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -79,14 +77,12 @@ def _check_weights_file(path: str | Path) -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class HFEngineConfig:
-    """Settings of :class:`HFEngine`."""
+    """Settings of :class:`HFEngine` (the model runs in float32)."""
 
-    logprobs_mode: LogprobsMode = "processed"
+    logprobs_mode: Literal["processed", "raw"] = "processed"
     """``processed``: logprobs of the sampling distribution (after temperature); ``raw``: at T=1."""
     max_batch_rows: int = 64
     """Most rows (prompts x n) per ``generate()`` call; prompts are chunked to fit."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Model dtype."""
     device: str = "cpu"
     """torch device of the model."""
 
@@ -112,11 +108,9 @@ class HFEngine:
 
             self.layout = VLMLayout.from_dir(self.model_dir)
             self._image_processor = load_image_processor(self.model_dir)
-            model: Any = Idefics3ForConditionalGeneration.from_pretrained(
-                self.model_dir, dtype=getattr(torch, self.config.dtype)
-            )
+            model: Any = Idefics3ForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.config.dtype))
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model: Any = model.to(self.config.device).eval()
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
@@ -236,26 +230,12 @@ class HFEngine:
 
 @dataclass(frozen=True, kw_only=True)
 class VLLMEngineConfig:
-    """Settings of :class:`VLLMEngine` (defaults fit a tiny model on vLLM's CPU backend)."""
+    """Settings of :class:`VLLMEngine` (float32, eager, processed logprobs: fits a tiny model on vLLM's CPU backend)."""
 
-    logprobs_mode: LogprobsMode = "processed"
-    """``processed`` → ``LLM(logprobs_mode="processed_logprobs")``; ``raw`` → ``raw_logprobs``."""
-    dtype: str = "float32"
-    """Model dtype passed to ``LLM``."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation (start-up time dominates for tiny models)."""
     kv_cache_gib: float = 1.0
     """KV cache size (``kv_cache_memory_bytes``; same as ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
-    max_model_len: int | None = None
-    """Context length; None: the model config's ``max_position_embeddings``."""
-    max_images_per_prompt: int = 4
-    """``limit_mm_per_prompt`` of a VLM: most images one prompt may carry."""
-    seed: int = 0
-    """Engine seed (per-request seeds come from ``generate(seed=...)``)."""
 
     def __post_init__(self) -> None:
-        if self.logprobs_mode not in ("processed", "raw"):
-            raise ValueError(f"VLLMEngineConfig.logprobs_mode must be processed or raw, got {self.logprobs_mode!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"VLLMEngineConfig.kv_cache_gib must be positive, got {self.kv_cache_gib}")
 
@@ -278,7 +258,7 @@ class VLLMEngine:
         self.layout = VLMLayout.from_dir(self.model_dir) if is_vlm(self.model_dir) else None
         # vLLM refuses images without a tokenizer (skip_tokenizer_init); the tiny VLM brings its own.
         multimodal: dict[str, Any] = (
-            {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": self.config.max_images_per_prompt}}
+            {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 4}}  # images per prompt, at most
             if self.layout is not None
             else {"skip_tokenizer_init": True}
         )
@@ -289,12 +269,11 @@ class VLLMEngine:
         self._llm: Any = LLM(
             model=str(self.model_dir),
             **multimodal,
-            dtype=self.config.dtype,
-            enforce_eager=self.config.enforce_eager,
+            dtype="float32",
+            enforce_eager=True,  # no CUDA graphs / compilation: start-up time dominates for tiny models
             kv_cache_memory_bytes=int(self.config.kv_cache_gib * 2**30),
-            max_model_len=self.config.max_model_len,
-            logprobs_mode=f"{self.config.logprobs_mode}_logprobs",
-            seed=self.config.seed,
+            logprobs_mode="processed_logprobs",  # after temperature: the distribution sampled from
+            seed=0,  # per-request seeds come from generate(seed=...)
             worker_extension_cls="knittrans.rollout.vllm_worker.WeightFileLoader",
         )
 

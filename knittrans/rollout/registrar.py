@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 Register = Callable[[str, Sequence[UnitDescriptor]], Any]
 """``ControlClient.register_units``: register units of a job (all or none; a repeat is a no-op)."""
 Submit = Callable[[Callable[[], None]], Future[Any]]
-"""Run a callable on a sender thread."""
+"""Run a callable on a sender thread (never raises: the writer's runs it in the caller's thread when it cannot)."""
 
 
 @dataclass
@@ -59,12 +59,7 @@ class Registrar:
             if self._busy:
                 return  # the running drain takes it
             self._busy = True
-        try:
-            self._submit(self._drain)
-        except BaseException:
-            with self._cond:
-                self._busy = False
-            raise
+        self._submit(self._drain)
 
     def check(self) -> None:
         """Raise the oldest background failure not raised yet (once), with its type; its ``units`` are the

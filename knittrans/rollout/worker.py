@@ -380,57 +380,49 @@ class RolloutWorker:
     def generate(self, source: str, group_ids: Sequence[str]) -> list[TrajectoryGroup]:
         """Generate, reward and version-tag one group per id (chunked when ``chunk_tokens`` is set)."""
         profile = self._sources[source]
-        n = self.config.group_size
+        n, temperature = self.config.group_size, self.config.temperature
         out: list[TrajectoryGroup] = []
         for gid in group_ids:
             request = self._prompt(gid, profile)
             budget = self._budget(gid, profile)
             chunk = self.config.chunk_tokens or budget
             seq_seed = _stable_seed(self.config.seed, gid, "sample") % 2**31
-            tokens: list[list[np.ndarray]] = [[] for _ in range(n)]
-            logps: list[list[np.ndarray]] = [[] for _ in range(n)]
-            versions: list[list[np.ndarray]] = [[] for _ in range(n)]
-            done = [False] * n
             start = self.maybe_update_weights()
-            produced = 0
-            while produced < budget and not all(done):
+            step = min(chunk, budget)
+            first = self.engine.generate([request], n, step, temperature, seq_seed)[0]
+            # per sample: its chunks, each with the policy version that generated it
+            chunks: list[list[tuple[GeneratedSample, int]]] = [[(s, start)] for s in first.samples]
+            produced = step
+            live = [i for i in range(n) if first.samples[i].finish_reason != "stop"]
+            while produced < budget and live:
                 step = min(chunk, budget - produced)
-                if produced == 0:
-                    group = self.engine.generate([request], n, step, self.config.temperature, seq_seed)[0]
-                    samples: list[GeneratedSample | None] = list(group.samples)
-                else:
-                    self.maybe_update_weights()
-                    samples = [None] * n
-                    live = [i for i in range(n) if not done[i]]
-                    prompts = [
-                        PromptRequest(prompt_ids=np.concatenate([request.prompt_ids, *tokens[i]]), media=request.media)
-                        for i in live
-                    ]
-                    groups = self.engine.generate(prompts, 1, step, self.config.temperature, seq_seed + produced)
-                    for i, g in zip(live, groups, strict=True):
-                        samples[i] = g.samples[0]
-                version = self.version
-                for i, s in enumerate(samples):
-                    if s is None:
-                        continue
-                    tokens[i].append(s.response_ids)
-                    logps[i].append(s.response_logprobs)
-                    versions[i].append(np.full(s.num_tokens, version, dtype=np.float64))
-                    done[i] = done[i] or s.finish_reason == "stop"
+                version = self.maybe_update_weights()
+                prompts = [
+                    PromptRequest(
+                        prompt_ids=np.concatenate([request.prompt_ids, *(s.response_ids for s, _ in chunks[i])]),
+                        media=request.media,
+                    )
+                    for i in live
+                ]
+                for i, g in zip(
+                    live, self.engine.generate(prompts, 1, step, temperature, seq_seed + produced), strict=True
+                ):
+                    chunks[i].append((g.samples[0], version))
                 produced += step
+                live = [i for i in live if chunks[i][-1][0].finish_reason != "stop"]
             final = GeneratedGroup(
                 prompt_ids=request.prompt_ids,
                 samples=tuple(
                     GeneratedSample(
-                        response_ids=np.concatenate(tokens[i]),
-                        response_logprobs=np.concatenate(logps[i]),
-                        finish_reason="stop" if done[i] else "length",
+                        response_ids=np.concatenate([s.response_ids for s, _ in c]),
+                        response_logprobs=np.concatenate([s.response_logprobs for s, _ in c]),
+                        finish_reason=c[-1][0].finish_reason,
                     )
-                    for i in range(n)
+                    for c in chunks
                 ),
                 media=request.media,
             )
-            per_token = [np.concatenate(versions[i]) for i in range(n)]
+            per_token = [np.concatenate([np.full(s.num_tokens, v, dtype=np.float64) for s, v in c]) for c in chunks]
             vw = [float(v.mean()) if v.size else float(start) for v in per_token]
             ve = [int(v.max()) if v.size else start for v in per_token]
             rewards = [self.reward(source, final.prompt_ids, s.response_ids) for s in final.samples]

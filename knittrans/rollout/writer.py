@@ -229,49 +229,35 @@ def _write(
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
     errors: list[BaseException | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
-
-    def read_answers() -> None:  # every started node's answer read from its sender thread
-        for k, answer in answers.items():
-            try:
-                infos[k] = answer()
-            except BaseException as exc:  # handed to the caller below
-                errors[k] = exc
-        answers.clear()
-
+    drafts: list[list[UnitDescriptor]] = []
+    failed: BaseException | None = None
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
         for k, ((writer, units, ids), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, ids, tabs))
             if staged[k].ids:
                 answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
-    except BaseException:
-        read_answers()
+        drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]  # while the nodes store
+    except BaseException as exc:
+        failed = exc
+    finally:  # every started node's answer read from its sender thread
+        for k, answer in answers.items():
+            try:
+                infos[k] = answer()
+            except BaseException as exc:  # handed to the caller below
+                errors[k] = exc
+    failed = failed or next((e for e in errors if e is not None), None)
+    if failed is not None:
         for (writer, _, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
                 writer._abort(st.ids)
-        raise
-    drafts: list[list[UnitDescriptor]] = []
-    described: BaseException | None = None
-    try:  # while the nodes store the units
-        drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]
-    except BaseException as exc:
-        described = exc
-    finally:
-        read_answers()
-    failed = described or next((e for e in errors if e is not None), None)
-    if failed is not None:
-        for (writer, _, _), st, info in zip(batches, staged, infos, strict=True):
-            if info:
-                writer._abort(st.ids)
         raise failed
-    out = [_with_sizes(d, i or []) for d, i in zip(drafts, infos, strict=True)]
+    out = [  # each unit's byte count as its node reported it
+        [dataclasses.replace(d, num_bytes=int(i["num_bytes"])) for d, i in zip(descs, info or [], strict=True)]
+        for descs, info in zip(drafts, infos, strict=True)
+    ]
     if registrar is not None:
         registrar.submit(batches[0][0].job, [d for descs in out for d in descs])
     return out
-
-
-def _with_sizes(drafts: Sequence[UnitDescriptor], infos: Sequence[Mapping[str, Any]]) -> list[UnitDescriptor]:
-    """The descriptors with each unit's byte count as its node reported it."""
-    return [dataclasses.replace(d, num_bytes=int(i["num_bytes"])) for d, i in zip(drafts, infos, strict=True)]
 
 
 class TrajectoryWriter:
@@ -299,9 +285,8 @@ class TrajectoryWriter:
         self.store_dir = Path(store_dir).resolve() if store_dir is not None else None
         self.timeout_s = timeout_s
         self.client = StoreClient(endpoint, token=token)
-        self.control = control
-        """When given, every unit written is registered with it, in the background (the caller keeps owning
-        the client; :meth:`flush` waits for the registrations)."""
+        # with ``control`` every unit written is registered in the background (the caller keeps owning the client;
+        # flush() waits for the registrations)
         self._registrar = Registrar(control.register_units, _send_async) if control is not None else None
 
     def new_unit_id(self) -> str:
