@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 
 from knittrans.api import consumed
 from knittrans.api.board import ManifestBoard
-from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger, RunningSummary
-from knittrans.sched.staleness import ConsumedGroup, summarize_weighted
+from knittrans.api.consumed import RECENT_STEPS, RESOLUTION, ConsumedLedger
+from knittrans.sched.staleness import ConsumedGroup, RunningSummary, summarize_weighted
 
 JOB = "job1"
 
@@ -133,7 +133,7 @@ def _run(c: TestClient, n: int, start: int) -> None:
 
 def _footprint(ledger: ConsumedLedger) -> int:
     """Items the ledger holds (histogram bins, recent groups, series cells): bounded, whatever the job's length."""
-    bins = sum(len(s.hist) for summaries in ledger._readings.values() for pair in summaries.values() for s in pair)
+    bins = sum(len(s.hist) for report in ledger._readings.values() for pair in report.parts.values() for s in pair)
     recent = sum(len(groups) for groups in ledger._recent.values())
     cells = sum(len(per_source) for per_step in ledger._series.values() for per_source in per_step.values())
     return bins + recent + cells
@@ -174,7 +174,7 @@ def test_running_summary_matches_the_exact_summary() -> None:
     rng = random.Random(7)
     for fractional in (False, True):
         pairs = [((rng.randint(-3, 9) + (rng.random() if fractional else 0.0)), rng.randint(0, 5)) for _ in range(500)]
-        running = RunningSummary()
+        running = RunningSummary(RESOLUTION)
         for v, w in pairs:
             running.add(float(v), w)
         got, want = running.stats(), summarize_weighted(pairs)

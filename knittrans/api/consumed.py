@@ -21,9 +21,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessStats, staleness, summary_of, version_of
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessReport, staleness, version_of
 
-__all__ = ["RECENT_STEPS", "RESOLUTION", "SERIES_STEPS", "ConsumedLedger", "RunningSummary"]
+__all__ = ["RECENT_STEPS", "RESOLUTION", "SERIES_STEPS", "ConsumedLedger"]
 
 RESOLUTION = 1.0 / 1024
 """Histogram bin of non-integer staleness values (versions); integers are kept exactly."""
@@ -33,38 +33,12 @@ SERIES_STEPS = 512
 """Consumed steps kept in the per-step series (the dashboard's staleness chart)."""
 
 
-class RunningSummary:
-    """Weighted summary that takes values one at a time in O(1) memory per distinct (binned) value."""
-
-    __slots__ = ("acc", "hist", "pos", "total")
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.acc = 0.0
-        self.pos = 0.0
-        self.hist: dict[float, int] = {}
-
-    def add(self, value: float, weight: int) -> None:
-        """Count ``value`` ``weight`` times."""
-        if weight <= 0:
-            return
-        self.total += weight
-        self.acc += value * weight
-        self.pos += max(value, 0.0) * weight
-        key = value if value.is_integer() else round(value / RESOLUTION) * RESOLUTION
-        self.hist[key] = self.hist.get(key, 0) + weight
-
-    def stats(self) -> StalenessStats:
-        """The summary, nearest-rank percentiles (like :func:`knittrans.sched.staleness.summarize_weighted`)."""
-        return summary_of(sorted(self.hist.items()), total=self.total, acc=self.acc, pos=self.pos)
-
-
 class ConsumedLedger:
     """What the control plane remembers of consumed groups (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._readings: dict[str, dict[str | None, tuple[RunningSummary, RunningSummary]]] = {r: {} for r in READINGS}
-        """Per reading, per source (None: every source): summaries of staleness and architectural staleness."""
+        self._readings = {r: StalenessReport(r, RESOLUTION) for r in READINGS}
+        """Per reading: the binned summaries of every group consumed so far, overall and per source."""
         self._recent: dict[int, list[ConsumedGroup]] = {}
         self._series: dict[int, dict[str, dict[str, list[float]]]] = {}
 
@@ -73,15 +47,10 @@ class ConsumedLedger:
         for c in records:
             self._recent.setdefault(c.step, []).append(c)
             series = self._series.setdefault(c.step, {r: {} for r in READINGS})
-            for reading, summaries in self._readings.items():
-                value = staleness(c.v_train, version_of(c, reading))
-                extra = value - c.mini_batch_index
-                for key in (None, c.source):
-                    if key not in summaries:
-                        summaries[key] = (RunningSummary(), RunningSummary())
-                    summaries[key][0].add(value, c.num_trajectories)
-                    summaries[key][1].add(extra, c.num_trajectories)
+            for reading, report in self._readings.items():
+                report.add(c)
                 if c.num_trajectories > 0:
+                    extra = staleness(c.v_train, version_of(c, reading)) - c.mini_batch_index
                     per_step = series[reading]
                     for key in ("all", c.source):
                         cell = per_step.setdefault(key, [0.0, 0.0, -math.inf])
@@ -99,15 +68,7 @@ class ConsumedLedger:
 
     def report(self, reading: str) -> dict[str, Any]:
         """Like :func:`knittrans.sched.staleness.step_report` over every group consumed so far."""
-        summaries = self._readings[reading]
-        plain, arch = summaries.get(None) or (RunningSummary(), RunningSummary())
-        by_source = sorted((s, pair) for s, pair in summaries.items() if s is not None)
-        return {
-            "reading": reading,
-            "staleness": plain.stats(),
-            "architectural": arch.stats(),
-            "by_source": {s: {"staleness": p.stats(), "architectural": a.stats()} for s, (p, a) in by_source},
-        }
+        return self._readings[reading].report()
 
     def recent_steps(self) -> dict[int, Sequence[ConsumedGroup]]:
         """The groups of the last :data:`RECENT_STEPS` consumed steps, by step."""

@@ -359,28 +359,10 @@ class ControlPlane:
         )
         return {"unit_id": unit_id, "removed_groups": removed, "admitted": admitted}
 
-    def report_supply(
-        self,
-        name: str,
-        *,
-        started: Mapping[str, int],
-        group_ids: Mapping[str, Sequence[str]],
-        dropped: Mapping[str, int],
-        request_id: str | None,
-        regenerates: Sequence[str] = (),
-    ) -> dict[str, Any]:
-        """Count groups started or dropped per source; runs admission."""
-        applied, admitted = self._apply(
-            name,
-            lambda job, txn: job.add_supply(
-                txn,
-                started=started,
-                group_ids=group_ids,
-                dropped=dropped,
-                request_id=request_id,
-                regenerates=regenerates,
-            ),
-        )
+    def report_supply(self, name: str, **report: Any) -> dict[str, Any]:
+        """Count groups started or dropped per source (``report``: the keyword arguments of
+        :meth:`~knittrans.api.supply.Supply.add_supply`); runs admission."""
+        applied, admitted = self._apply(name, lambda job, txn: job.add_supply(txn, **report))
         return {"applied": applied, "pending": self.jobs[name].pending(), "admitted": admitted}
 
     # ------------------------------------------------------------------ mini-batches

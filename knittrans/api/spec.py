@@ -118,7 +118,7 @@ class JobSpec:
                     f"({sorted(f.name for f in declared)})"
                 )
         check_quotas(self.quotas, mini_batches_per_step=self.mini_batches_per_step, bounds=self.bounds)
-        smallest = min(mini_batch_sizes(self.train_batch_size, self.mini_batches_per_step))
+        smallest = min(mini_batch_sizes(sum(self.quotas.values()), self.mini_batches_per_step))
         if smallest * self.group_size < self.world_size:
             raise InvalidJobSpec(
                 f"world_size: W={self.world_size} ranks but the smallest mini-batch has only "
@@ -130,11 +130,6 @@ class JobSpec:
     def timing(self) -> AdmissionTiming:
         """The admission timing rule (``L``, ``W``) of the job."""
         return AdmissionTiming(lookahead=self.lookahead, window=self.window)
-
-    @property
-    def train_batch_size(self) -> int:
-        """``G``: groups per train batch under the spec's own quotas."""
-        return sum(self.quotas.values())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (inverse of :meth:`from_dict`)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import sqlite3
 import threading
@@ -22,8 +21,6 @@ from knittrans.api.records import Kind
 from knittrans.errors import StateError, Unavailable
 
 __all__ = ["RecordStore", "StateError", "Txn"]
-
-logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (

@@ -37,7 +37,6 @@ mini-batch can always be formed (the dealt fill above is one).
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -56,8 +55,6 @@ __all__ = [
     "remainder_feasible",
 ]
 
-logger = logging.getLogger(__name__)
-
 POLICIES: tuple[str, ...] = ("train_batch", "linear_target", "constraint_preserving", "version_aware")
 
 _NO_BOUNDS = SourceBounds()
@@ -65,8 +62,6 @@ _NO_BOUNDS = SourceBounds()
 
 class AdmissionPolicy(Protocol):
     """One admission policy; ``select`` forms the next mini-batch of the step or returns None (wait)."""
-
-    name: str
 
     def select(self, state: StepState) -> AdmissionDecision | None:
         """Return the next mini-batch of the step, or None when it cannot be formed yet.
@@ -361,8 +356,6 @@ def _feasible_counts(state: StepState) -> tuple[dict[str, int], dict[str, list[F
 class ConstraintPreservingPolicy:
     """``constraint_preserving``: the earliest-finished groups that keep the rest of the step feasible."""
 
-    name = "constraint_preserving"
-
     def select(self, state: StepState) -> AdmissionDecision | None:
         """Greedy earliest-first fill of the feasible count box (see the module docstring)."""
         found = _feasible_counts(state)
@@ -385,8 +378,6 @@ class VersionAwarePolicy:
     never admitted past the staleness bound ``η`` (expired groups are not usable, as for every policy). Newer
     means a larger token-weighted version (then the end version, then finish order).
     """
-
-    name = "version_aware"
 
     def __init__(self, age_cap: int | None = None) -> None:
         if age_cap is not None and age_cap < 0:

@@ -14,7 +14,6 @@ An empty summary has ``count == 0`` and NaN for every statistic (no data is not 
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,16 +24,15 @@ from knittrans.sched.types import FinishedGroup
 __all__ = [
     "READINGS",
     "ConsumedGroup",
+    "RunningSummary",
+    "StalenessReport",
     "StalenessStats",
     "architectural_staleness",
     "staleness",
     "step_report",
     "summarize_weighted",
-    "summary_of",
     "version_of",
 ]
-
-logger = logging.getLogger(__name__)
 
 READINGS: tuple[str, ...] = ("start", "end", "weighted")
 
@@ -94,43 +92,67 @@ class StalenessStats:
 _EMPTY = StalenessStats(count=0, mean=math.nan, p50=math.nan, p99=math.nan, max=math.nan, pos_mean=math.nan)
 
 
-def summarize_weighted(pairs: Sequence[tuple[float, int]]) -> StalenessStats:
-    """Summary of ``(value, weight)`` pairs, each value counted ``weight`` times (weights >= 0)."""
-    total = 0
-    acc = 0.0
-    pos = 0.0
-    for value, weight in pairs:
+class RunningSummary:
+    """Weighted summary that takes values one at a time: exact running sums and a histogram of the values.
+
+    ``resolution``: non-integer values are binned to this grid in the histogram (its size is then bounded by
+    the range of values, not by how many were added; percentiles and max are within ``resolution``); None
+    keeps every value as it is.
+    """
+
+    __slots__ = ("acc", "hist", "pos", "resolution", "total")
+
+    def __init__(self, resolution: float | None = None) -> None:
+        self.resolution = resolution
+        self.total = 0
+        self.acc = 0.0
+        self.pos = 0.0
+        self.hist: dict[float, int] = {}
+
+    def add(self, value: float, weight: int) -> None:
+        """Count ``value`` ``weight`` times (weights >= 0)."""
         if weight < 0:
             raise ValueError(f"weights must be >= 0, got {weight}")
-        total += weight
-        acc += value * weight
-        pos += max(value, 0.0) * weight
-    return summary_of(sorted((v, w) for v, w in pairs if w > 0), total=total, acc=acc, pos=pos)
+        if weight == 0:
+            return
+        self.total += weight
+        self.acc += value * weight
+        self.pos += max(value, 0.0) * weight
+        if self.resolution is not None and not value.is_integer():
+            value = round(value / self.resolution) * self.resolution
+        self.hist[value] = self.hist.get(value, 0) + weight
+
+    def stats(self) -> StalenessStats:
+        """The summary; nearest-rank percentiles."""
+        if self.total == 0:
+            return _EMPTY
+        ordered = sorted(self.hist.items())
+
+        def nearest_rank(fraction: float) -> float:
+            need = max(1, math.ceil(fraction * self.total))
+            seen = 0
+            for value, weight in ordered:
+                seen += weight
+                if seen >= need:
+                    return value
+            return ordered[-1][0]
+
+        return StalenessStats(
+            count=self.total,
+            mean=self.acc / self.total,
+            p50=nearest_rank(0.50),
+            p99=nearest_rank(0.99),
+            max=ordered[-1][0],
+            pos_mean=self.pos / self.total,
+        )
 
 
-def summary_of(ordered: Sequence[tuple[float, int]], *, total: int, acc: float, pos: float) -> StalenessStats:
-    """Stats of ascending ``(value, weight)`` pairs of positive weights summing to ``total``, given the
-    weighted sum ``acc`` and the weighted sum of positive parts ``pos``; nearest-rank percentiles."""
-    if total == 0:
-        return _EMPTY
-
-    def nearest_rank(fraction: float) -> float:
-        need = max(1, math.ceil(fraction * total))
-        seen = 0
-        for value, weight in ordered:
-            seen += weight
-            if seen >= need:
-                return value
-        return ordered[-1][0]
-
-    return StalenessStats(
-        count=total,
-        mean=acc / total,
-        p50=nearest_rank(0.50),
-        p99=nearest_rank(0.99),
-        max=ordered[-1][0],
-        pos_mean=pos / total,
-    )
+def summarize_weighted(pairs: Sequence[tuple[float, int]]) -> StalenessStats:
+    """Summary of ``(value, weight)`` pairs, each value counted ``weight`` times (weights >= 0)."""
+    summary = RunningSummary()
+    for value, weight in pairs:
+        summary.add(value, weight)
+    return summary.stats()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,33 +185,44 @@ class ConsumedGroup:
             raise ValueError(f"mini_batch_index must be >= 0, got {self.mini_batch_index}")
 
 
-def step_report(consumed: Sequence[ConsumedGroup], reading: str) -> dict[str, Any]:
-    """Staleness and architectural staleness of consumed groups, overall and by source.
+class StalenessReport:
+    """Staleness and architectural staleness of consumed groups under one reading, overall and by source,
+    taken group by group (``resolution``: see :class:`RunningSummary`)."""
 
-    Returns:
-        ``{"reading": reading, "staleness": StalenessStats, "architectural": StalenessStats,
-        "by_source": {source: {"staleness": StalenessStats, "architectural": StalenessStats}}}``,
-        trajectory-weighted.
-    """
-    _field(reading)
-    plain: list[tuple[float, int]] = []
-    arch: list[tuple[float, int]] = []
-    per_source: dict[str, tuple[list[tuple[float, int]], list[tuple[float, int]]]] = {}
+    def __init__(self, reading: str, resolution: float | None = None) -> None:
+        _field(reading)
+        self.reading = reading
+        self.resolution = resolution
+        self.parts: dict[str | None, tuple[RunningSummary, RunningSummary]] = {}
+        """Per source (None: every source): the summaries of staleness and of architectural staleness."""
+
+    def add(self, group: ConsumedGroup) -> None:
+        """Count the group's trajectories."""
+        value = staleness(group.v_train, version_of(group, self.reading))
+        for key in (None, group.source):
+            pair = self.parts.get(key)
+            if pair is None:
+                pair = self.parts[key] = (RunningSummary(self.resolution), RunningSummary(self.resolution))
+            pair[0].add(value, group.num_trajectories)
+            pair[1].add(value - group.mini_batch_index, group.num_trajectories)
+
+    def report(self) -> dict[str, Any]:
+        """``{"reading", "staleness", "architectural", "by_source": {source: {"staleness", "architectural"}}}``
+        with :class:`StalenessStats` values, trajectory-weighted."""
+        plain, arch = self.parts.get(None) or (RunningSummary(), RunningSummary())
+        by_source = sorted((s, pair) for s, pair in self.parts.items() if s is not None)
+        return {
+            "reading": self.reading,
+            "staleness": plain.stats(),
+            "architectural": arch.stats(),
+            "by_source": {s: {"staleness": p.stats(), "architectural": a.stats()} for s, (p, a) in by_source},
+        }
+
+
+def step_report(consumed: Sequence[ConsumedGroup], reading: str) -> dict[str, Any]:
+    """Staleness and architectural staleness of consumed groups, overall and by source
+    (:meth:`StalenessReport.report`)."""
+    report = StalenessReport(reading)
     for group in consumed:
-        v_gen = version_of(group, reading)
-        value = staleness(group.v_train, v_gen)
-        extra = value - group.mini_batch_index
-        plain.append((value, group.num_trajectories))
-        arch.append((extra, group.num_trajectories))
-        mine = per_source.setdefault(group.source, ([], []))
-        mine[0].append((value, group.num_trajectories))
-        mine[1].append((extra, group.num_trajectories))
-    return {
-        "reading": reading,
-        "staleness": summarize_weighted(plain),
-        "architectural": summarize_weighted(arch),
-        "by_source": {
-            source: {"staleness": summarize_weighted(p), "architectural": summarize_weighted(a)}
-            for source, (p, a) in sorted(per_source.items())
-        },
-    }
+        report.add(group)
+    return report.report()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +16,6 @@ from knittrans.api.service import ControlPlane
 from knittrans.api.settings import Settings
 
 __all__ = ["Board", "Run", "Service", "SettingsDep", "StateRunner"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

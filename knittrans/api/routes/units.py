@@ -54,15 +54,7 @@ async def remove_unit(
 @router.post("/{job}/supply", response_model=SupplyOut)
 async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: WorkerAuth) -> dict[str, Any]:
     """Groups started (counts or ids) and dropped per source: the pending supply ``P[s]``."""
-    return await run(
-        svc.report_supply,
-        job,
-        started=body.started,
-        group_ids=body.group_ids,
-        dropped=body.dropped,
-        request_id=body.request_id,
-        regenerates=body.regenerates,
-    )
+    return await run(svc.report_supply, job, **body.model_dump())
 
 
 @router.post("/{job}/rollout/{worker}/weights", response_model=RolloutWeightsOut)
