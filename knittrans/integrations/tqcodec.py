@@ -216,10 +216,10 @@ def _objects(
     """Row values through TransferQueue's own serializer; tensors under media ``keys`` of dict rows apart."""
     if not keys and all(type(v) is str for v in rows):
         return [_field(name, pa.string(), {"kind": "str"})], [pa.array(rows, type=pa.string())]
-    from transfer_queue.utils.serial_utils import calc_packed_size, encode, pack_into
+    from transfer_queue.utils.serial_utils import batch_encode_into
 
     hashes: dict[str, list[bytes]] = {k: [] for k in keys}
-    encoded = []
+    values = []
     for v in rows:
         for k in keys:
             if isinstance(v, dict) and isinstance(v.get(k), torch.Tensor):
@@ -227,10 +227,8 @@ def _objects(
                 v = {**v, k: None}
             else:
                 hashes[k].append(NO_MEDIA)
-        frames = encode(v)
-        buf = bytearray(calc_packed_size(frames))
-        pack_into(buf, frames)
-        encoded.append(bytes(buf))
+        values.append(v)
+    encoded, _ = batch_encode_into(values, lambda sizes: [bytearray(size) for size in sizes])
     fields = [_field(name, pa.large_binary(), {"kind": "obj", "media_keys": list(keys)})]
     arrays: list[pa.Array] = [pa.array(encoded, type=pa.large_binary())]
     for i, k in enumerate(keys):
