@@ -25,7 +25,7 @@ from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.store.unit import LocalReader
-from knittrans.tickets import Ticket, UnitRead
+from knittrans.tickets import Ticket, UnitRead, node_reads
 
 __all__ = ["NODE_ENV", "Loc", "StoreNodeLost", "TQBackendConfig", "TQStoreCore"]
 
@@ -122,16 +122,6 @@ def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
         )
     node, unit, row, n, suffixes = meta
     return node, unit, row, n, suffixes
-
-
-def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    out: list[list[int]] = []
-    for r in sorted(set(rows)):
-        if out and out[-1][1] == r:
-            out[-1][1] = r + 1
-        else:
-            out.append([r, r + 1])
-    return tuple((a, b) for a, b in out)
 
 
 class TQStoreCore:
@@ -296,16 +286,16 @@ class TQStoreCore:
         from knittrans.integrations.tqrows import decode_field, decode_media
 
         fields = tuple(f for f, _ in layout)
-        reads = []
-        for unit in units:
-            rows = [r for f in fields for _, r in where[(node, unit)][f]]
-            reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
+        # each unit's requested rows once, in order, as merged ranges
+        reads = node_reads(
+            (node, u, r) for u in units for r in sorted({r for f in fields for _, r in where[(node, u)][f]})
+        )[node]
         # memory-mapped units when the node's directory is on this host (as TrainerClient's ``mmap`` mode), else DoGet
         local = self._local_reader(node)
         read = local.read if local is not None else self.client(node).get
         columns = tuple(c for f, suffixes in layout for c in layout_columns(f, suffixes))
         try:
-            table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
+            table = read(Ticket(job=self.config.job, reads=reads, columns=columns))
             hashes: set[bytes] = set()
             for c in columns:
                 if field_meta(table.schema.field(c))["kind"] in ("media", "media_key"):
