@@ -286,10 +286,9 @@ class TQStoreCore:
         from knittrans.integrations.tqrows import decode_field, decode_media
 
         fields = tuple(f for f, _ in layout)
-        # each unit's requested rows once, in order, as merged ranges
-        reads = node_reads(
-            (node, u, r) for u in units for r in sorted({r for f in fields for _, r in where[(node, u)][f]})
-        )[node]
+        # each unit's requested rows once, in order: the rows of the DoGet's answer, read as merged ranges
+        order = [(u, r) for u in units for r in sorted({r for f in fields for _, r in where[(node, u)][f]})]
+        reads = node_reads((node, u, r) for u, r in order)[node]
         # memory-mapped units when the node's directory is on this host (as TrainerClient's ``mmap`` mode), else DoGet
         local = self._local_reader(node)
         read = local.read if local is not None else self.client(node).get
@@ -317,13 +316,7 @@ class TQStoreCore:
                 f"{list(fields)} of {len(gidx)} requested rows (batch positions {gidx[:8]}"
                 f"{'...' if len(gidx) > 8 else ''}): {exc}"
             ) from None
-        # position in the DoGet result of every (unit, row): reads in order, ranges sorted
-        offset, index = 0, {}
-        for unit_read in reads:
-            for a, b in unit_read.row_ranges:
-                for r in range(a, b):
-                    index[(unit_read.unit_id, r)] = offset
-                    offset += 1
+        index = {row: i for i, row in enumerate(order)}  # position in the DoGet's answer of every (unit, row)
         out: dict[str, tuple[list[int], Any]] = {}
         for f in fields:
             pairs = sorted((pos, index[(u, r)]) for u in units for pos, r in where[(node, u)][f])
