@@ -264,7 +264,10 @@ def encode_put(
         fields += fs
         arrays += arrs
         columns[field] = _layout(fs)
-    hashes = [[h for h in row if h != NO_MEDIA] for row in _row_hashes(arrays, fields, n)]
+    # per row, the media hashes its columns hold (the fixed ``media`` column)
+    media_cols = [a.to_pylist() for a, f in zip(arrays, fields, strict=True) if f.type == _HASH]
+    per_row = zip(*media_cols, strict=True) if media_cols else [()] * n
+    hashes = [[h for h in row if h != NO_MEDIA] for row in per_row]
     fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
@@ -286,12 +289,6 @@ def layout_columns(field: str, layout: str) -> list[str]:
     """The columns of ``field`` stored with ``layout``."""
     name = column_name(field)
     return [name, *(name + s for s in layout.split("|")[1:])]
-
-
-def _row_hashes(arrays: Sequence[pa.Array], fields: Sequence[pa.Field], n: int) -> list[list[bytes]]:
-    """Per row, the media hashes its columns hold (the fixed ``media`` column)."""
-    cols = [a.to_pylist() for a, f in zip(arrays, fields, strict=True) if f.type == _HASH]
-    return [[c[i] for c in cols] for i in range(n)] if cols else [[] for _ in range(n)]
 
 
 def _fixed_columns(
