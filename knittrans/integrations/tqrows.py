@@ -126,7 +126,7 @@ def _object_rows(
 def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.ndarray) -> Rows:
     """Rows ``idx`` of a tensor column: one gather of their bytes, then one tensor viewed over them."""
     offsets, raw = _binary(col)
-    flat, _ = _spans(offsets, idx)
+    flat, nbytes = _spans(offsets, idx)
     data = raw[flat]  # one copy, into memory of our own
     shapes_col = table.column(name + "#shape").combine_chunks()
     dim_off = shapes_col.offsets.to_numpy()
@@ -144,8 +144,7 @@ def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.
             lengths = shapes[:, 0].astype(np.int64)
             return RaggedRows(_tensor(data, dtype, (int(lengths.sum()), *shapes[0, 1:].tolist())), lengths)
     rows_shapes = [tuple(dims_flat[dim_off[i] : dim_off[i + 1]].tolist()) for i in idx.tolist()]
-    itemsize = getattr(torch, dtype).itemsize
-    sizes = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) * itemsize for s in rows_shapes])
+    sizes = np.cumsum([0, *nbytes.tolist()])  # each row's bytes in ``data``
     return [_tensor(data[sizes[i] : sizes[i + 1]], dtype, s) for i, s in enumerate(rows_shapes)]
 
 
