@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.errors import InvalidJobSpec, InvalidRequest
-from knittrans.integrations.verl import QuotaAdmission, SamplerGroup
+from knittrans.integrations.verl import QuotaAdmission
+from knittrans.sched.types import FinishedGroup
 
 
-def _g(uid: str, source: str, t: float, v: int = 0) -> SamplerGroup:
-    return SamplerGroup(uid=uid, source=source, version_start=v, finished_at=t)
+def _g(uid: str, source: str, t: float, v: int = 0) -> FinishedGroup:
+    return FinishedGroup(group_id=uid, source=source, trajectory_tokens=(1,), version_start=v, finished_at=t)
 
 
 def test_mini_batch_is_admitted_before_the_oldest_b_groups_would_allow() -> None:
@@ -58,7 +59,7 @@ def test_every_train_batch_has_exactly_the_quotas(q: dict[str, int], k: int, ord
     stream = [(s, i) for s, n in q.items() for i in range(3 * n)]
     order.shuffle(stream)  # type: ignore[attr-defined]
     counter = itertools.count()
-    finished: list[SamplerGroup] = []
+    finished: list[FinishedGroup] = []
     per_step: dict[str, int] = {s: 0 for s in q}
     steps = 0
     for s, i in stream:
@@ -71,7 +72,7 @@ def test_every_train_batch_has_exactly_the_quotas(q: dict[str, int], k: int, ord
             assert len(uids) == size
             for uid in uids:
                 per_step[uid[0]] += 1
-            finished = [g for g in finished if g.uid not in set(uids)]
+            finished = [g for g in finished if g.group_id not in set(uids)]
             if adm.mini_batch_index == 0:
                 assert per_step == q
                 per_step = {s: 0 for s in q}

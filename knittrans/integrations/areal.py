@@ -61,9 +61,7 @@ class KnitTransRTensorBackend:
     async def delete(self, node_addr: str, shard_ids: list[Any]) -> None:
         """Delete the units of ``shard_ids`` (``node_addr`` is AReaL's worker address; the ids name the node)."""
         metas = [_meta(s) for s in shard_ids]
-        await asyncio.get_running_loop().run_in_executor(
-            None, self.core.clear, [_FIELD], list(range(len(metas))), metas
-        )
+        await asyncio.to_thread(self.core.clear, [_FIELD], list(range(len(metas))), metas)
 
     def close(self) -> None:
         """Close the store clients."""

@@ -7,14 +7,12 @@ file; a store is pinned to the node whose tmpfs holds its units. Ray is an extra
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready, wait_until
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, stop_process, wait_ready, wait_until
 
 __all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
@@ -40,19 +38,13 @@ def node_affinity(node_id: str) -> Any:
 class _KnitTransProcess:
     """Actor body: one ``knittrans`` child process on this actor's node, stopped with the actor."""
 
-    def __init__(self, argv: list[str], log_path: str, ready_file: str, env: dict[str, str] | None = None) -> None:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self, argv: list[str], log_dir: str, name: str, ready_file: str, env: dict[str, str] | None = None
+    ) -> None:
         self._ready = Path(ready_file)
-        self._log = log_path
         self._ready.unlink(missing_ok=True)
-        with open(log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                knittrans_command(*argv),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-            )
+        self._log = Path(log_dir) / f"{name}.log"  # ProcessGroup's log of child ``name``
+        self._proc = ProcessGroup(Path(log_dir)).start(name, knittrans_command(*argv), env=env)
 
     def node(self) -> str:
         """Ray node id this actor runs on."""
@@ -174,17 +166,15 @@ def start_control_plane(
         argv += ["--worker-token", worker_token]
     if admin_token:
         argv += ["--admin-token", admin_token]
-    options: dict[str, Any] = {
-        "num_cpus": 0,
-        "scheduling_strategy": node_affinity(node),
-        "name": "knittrans-control-plane",
-    }
-    if detached:
-        options["lifetime"] = "detached"
     actor = (
         ray.remote(_KnitTransProcess)
-        .options(**options)
-        .remote(argv, str(Path(work_dir) / "logs" / "control-plane.log"), str(ready))
+        .options(
+            num_cpus=0,
+            scheduling_strategy=node_affinity(node),
+            name="knittrans-control-plane",
+            lifetime="detached" if detached else None,  # None: the actor shares the driver's fate
+        )
+        .remote(argv, str(Path(work_dir) / "logs"), "control-plane", str(ready))
     )
     ray.get(actor.wait_ready.remote())  # the child writes its ready file once it serves
     url = f"http://{ip}:{port}"
@@ -238,7 +228,7 @@ def start_stores(
         actor = (
             ray.remote(_KnitTransProcess)
             .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
-            .remote(argv, str(Path(work_dir) / "logs" / f"{node_id}.log"), ready, _token_env(worker_token, store_token))
+            .remote(argv, str(Path(work_dir) / "logs"), node_id, ready, _token_env(worker_token, store_token))
         )
         actors.append(actor)
         pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
@@ -260,7 +250,6 @@ def start_cluster(
     admin_token: str | None = None,
     store_root: str | Path = "/dev/shm/knittrans",
     node_timeout_s: float = 30.0,
-    detached_control_plane: bool = False,
     control_port: int = 8700,
 ) -> KnitTransCluster:
     """Control plane on the driver's node, then one store per alive Ray node; waits until all registered."""
@@ -270,7 +259,6 @@ def start_cluster(
         worker_token=worker_token,
         admin_token=admin_token,
         node_timeout_s=node_timeout_s,
-        detached=detached_control_plane,
         port=control_port,
     )
     cluster = KnitTransCluster(

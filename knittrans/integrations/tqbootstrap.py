@@ -43,9 +43,7 @@ class KnitTransStoreActor:
         from knittrans.store.store import StoreConfig
 
         bind = host or ray.util.get_node_ip_address()
-        self.dirs = [Path(root), *([Path(spill)] if spill else [])]
-        for d in self.dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        self.dirs = [Path(root), *([Path(spill)] if spill else [])]  # the store creates them
         store = StoreConfig(root=Path(root), budget_bytes=budget, spill_dir=Path(spill) if spill else None)
         self.server = StoreServer(StoreServerConfig(store=store, host=bind, port=0, node_id=node, token=token))
 
@@ -69,7 +67,8 @@ def bootstrap(conf: Any) -> dict[str, Any]:
     client (created from the controller's stored config) sees them. Returns the actor handles.
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from knittrans.integrations.ray import node_affinity
 
     section = conf.backend.get(BACKEND_NAME)
     config = TQBackendConfig.from_conf(section)
@@ -88,7 +87,7 @@ def bootstrap(conf: Any) -> dict[str, Any]:
         spill = str(Path(config.spill_dir) / run / node) if config.spill_dir else None
         actor = actor_cls.options(  # type: ignore[attr-defined,unused-ignore]  # typed only where ray is installed
             name=f"KnitTransStore#{run}-{i}",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_info["NodeID"], soft=False),
+            scheduling_strategy=node_affinity(node_info["NodeID"]),
         ).remote(node, root, config.host, config.token, config.budget_bytes, spill)
         stores[node] = ray.get(actor.endpoint.remote())
         ray_nodes[node_info["NodeID"]] = node

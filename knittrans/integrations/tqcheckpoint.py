@@ -15,13 +15,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.ipc as ipc
-
 from knittrans.errors import InvalidRequest, NotFound
 from knittrans.integrations.tqstore import TQStoreCore
 from knittrans.schema import MEDIA_SCHEMA, UnitTables
-from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
+from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, write_table
 from knittrans.tickets import Ticket, UnitRead
 
 __all__ = ["CHECKPOINT_SUBDIR", "MANIFEST", "load_units", "save_units"]
@@ -92,10 +89,6 @@ def save_units(core: TQStoreCore, checkpoint_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_file(path: Path) -> pa.Table:
-    return ipc.open_file(pa.memory_map(str(path))).read_all()  # the table keeps the mapping alive
-
-
 def load_units(core: TQStoreCore, checkpoint_dir: str | Path) -> int:
     """Write every unit of the checkpoint's manifest back to its node; returns how many were written."""
     root = Path(checkpoint_dir) / CHECKPOINT_SUBDIR
@@ -124,9 +117,8 @@ def load_units(core: TQStoreCore, checkpoint_dir: str | Path) -> int:
         node, unit_id = unit["node"], unit["unit_id"]
         if unit_id in present[node]:
             continue
-        src = root / node / unit_id
-        media = _read_file(src / MEDIA_FILE) if MEDIA_FILE in unit["files"] else MEDIA_SCHEMA.empty_table()
-        core.writer(node).write_tables(unit_id, UnitTables(traj=_read_file(src / TRAJ_FILE), media=media))
+        saved = SealedUnit.open(core.config.job, unit_id, root / node / unit_id)  # memory-mapped, schema checked
+        core.writer(node).write_tables(unit_id, UnitTables(traj=saved.traj, media=saved.media))
         written += 1
     logger.info("restored %d KnitTrans units of job %s from %s", written, core.config.job, root)
     return written

@@ -216,10 +216,10 @@ def _objects(
     """Row values through TransferQueue's own serializer; tensors under media ``keys`` of dict rows apart."""
     if not keys and all(type(v) is str for v in rows):
         return [_field(name, pa.string(), {"kind": "str"})], [pa.array(rows, type=pa.string())]
-    from transfer_queue.utils.serial_utils import calc_packed_size, encode, pack_into
+    from transfer_queue.utils.serial_utils import batch_encode_into
 
     hashes: dict[str, list[bytes]] = {k: [] for k in keys}
-    encoded = []
+    values = []
     for v in rows:
         for k in keys:
             if isinstance(v, dict) and isinstance(v.get(k), torch.Tensor):
@@ -227,10 +227,8 @@ def _objects(
                 v = {**v, k: None}
             else:
                 hashes[k].append(NO_MEDIA)
-        frames = encode(v)
-        buf = bytearray(calc_packed_size(frames))
-        pack_into(buf, frames)
-        encoded.append(bytes(buf))
+        values.append(v)
+    encoded, _ = batch_encode_into(values, lambda sizes: [bytearray(size) for size in sizes])
     fields = [_field(name, pa.large_binary(), {"kind": "obj", "media_keys": list(keys)})]
     arrays: list[pa.Array] = [pa.array(encoded, type=pa.large_binary())]
     for i, k in enumerate(keys):
@@ -266,7 +264,10 @@ def encode_put(
         fields += fs
         arrays += arrs
         columns[field] = _layout(fs)
-    hashes = [[h for h in row if h != NO_MEDIA] for row in _row_hashes(arrays, fields, n)]
+    # per row, the media hashes its columns hold (the fixed ``media`` column)
+    media_cols = [a.to_pylist() for a, f in zip(arrays, fields, strict=True) if f.type == _HASH]
+    per_row = zip(*media_cols, strict=True) if media_cols else [()] * n
+    hashes = [[h for h in row if h != NO_MEDIA] for row in per_row]
     fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
@@ -288,12 +289,6 @@ def layout_columns(field: str, layout: str) -> list[str]:
     """The columns of ``field`` stored with ``layout``."""
     name = column_name(field)
     return [name, *(name + s for s in layout.split("|")[1:])]
-
-
-def _row_hashes(arrays: Sequence[pa.Array], fields: Sequence[pa.Field], n: int) -> list[list[bytes]]:
-    """Per row, the media hashes its columns hold (the fixed ``media`` column)."""
-    cols = [a.to_pylist() for a, f in zip(arrays, fields, strict=True) if f.type == _HASH]
-    return [[c[i] for c in cols] for i in range(n)] if cols else [[] for _ in range(n)]
 
 
 def _fixed_columns(

@@ -82,19 +82,11 @@ def _binary(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_media(table: pa.Table) -> dict[bytes, tuple[np.ndarray, str, tuple[int, ...]]]:
     """Media rows (a ``media`` DoGet's answer) per content hash, as views of the answer's buffers."""
-    out: dict[bytes, tuple[np.ndarray, str, tuple[int, ...]]] = {}
-    data = table.column("data").combine_chunks()
-    offsets, raw = _binary(data)
-    for i, (h, dtype, shape) in enumerate(
-        zip(
-            table.column("media_hash").to_pylist(),
-            table.column("dtype").to_pylist(),
-            table.column("shape").to_pylist(),
-            strict=True,
-        )
-    ):
-        out[h] = (raw[offsets[i] : offsets[i + 1]], dtype, tuple(shape))
-    return out
+    offsets, raw = _binary(table.column("data").combine_chunks())
+    rows = table.select(["media_hash", "dtype", "shape"]).to_pylist()
+    return {
+        r["media_hash"]: (raw[offsets[i] : offsets[i + 1]], r["dtype"], tuple(r["shape"])) for i, r in enumerate(rows)
+    }
 
 
 def _media_rows(hashes: list[bytes], media: MediaRows | None, field: str) -> Rows:
@@ -105,13 +97,9 @@ def _media_rows(hashes: list[bytes], media: MediaRows | None, field: str) -> Row
     except KeyError as exc:
         raise InvalidRequest(f"media field {field!r}: hash {exc.args[0].hex()} is not in the media rows") from None
     kinds = {(dtype, shape) for _, dtype, shape in found}
-    if len(kinds) == 1:  # one copy, row by row, straight into the batch's buffer
+    if len(kinds) == 1:  # one copy, straight into the batch's buffer
         dtype, shape = next(iter(kinds))
-        width = found[0][0].size if found else 0
-        out = np.empty((len(found), width), dtype=np.uint8)
-        for i, (raw, _, _) in enumerate(found):
-            out[i] = raw
-        return DenseRows(_tensor(out, dtype, (len(found), *shape)))
+        return DenseRows(_tensor(np.stack([raw for raw, _, _ in found]), dtype, (len(found), *shape)))
     return [_tensor(raw.copy(), dtype, shape) for raw, dtype, shape in found]
 
 
@@ -138,12 +126,10 @@ def _object_rows(
 def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.ndarray) -> Rows:
     """Rows ``idx`` of a tensor column: one gather of their bytes, then one tensor viewed over them."""
     offsets, raw = _binary(col)
-    flat, _ = _spans(offsets, idx)
+    flat, nbytes = _spans(offsets, idx)
     data = raw[flat]  # one copy, into memory of our own
     shapes_col = table.column(name + "#shape").combine_chunks()
-    dim_off = np.frombuffer(shapes_col.buffers()[1], dtype=np.int32)[
-        shapes_col.offset : shapes_col.offset + len(shapes_col) + 1
-    ]
+    dim_off = shapes_col.offsets.to_numpy()
     dims_flat = shapes_col.values.to_numpy(zero_copy_only=False)
     ndims = np.diff(dim_off)
     k = len(idx)
@@ -158,8 +144,7 @@ def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.
             lengths = shapes[:, 0].astype(np.int64)
             return RaggedRows(_tensor(data, dtype, (int(lengths.sum()), *shapes[0, 1:].tolist())), lengths)
     rows_shapes = [tuple(dims_flat[dim_off[i] : dim_off[i + 1]].tolist()) for i in idx.tolist()]
-    itemsize = getattr(torch, dtype).itemsize
-    sizes = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) * itemsize for s in rows_shapes])
+    sizes = np.cumsum([0, *nbytes.tolist()])  # each row's bytes in ``data``
     return [_tensor(data[sizes[i] : sizes[i + 1]], dtype, s) for i, s in enumerate(rows_shapes)]
 
 

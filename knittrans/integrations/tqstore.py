@@ -25,7 +25,7 @@ from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.store.unit import LocalReader
-from knittrans.tickets import Ticket, UnitRead
+from knittrans.tickets import Ticket, UnitRead, node_reads
 
 __all__ = ["NODE_ENV", "Loc", "StoreNodeLost", "TQBackendConfig", "TQStoreCore"]
 
@@ -122,16 +122,6 @@ def _loc(meta: Any, field_name: str, gidx: int) -> Loc:
         )
     node, unit, row, n, suffixes = meta
     return node, unit, row, n, suffixes
-
-
-def _ranges(rows: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    out: list[list[int]] = []
-    for r in sorted(set(rows)):
-        if out and out[-1][1] == r:
-            out[-1][1] = r + 1
-        else:
-            out.append([r, r + 1])
-    return tuple((a, b) for a, b in out)
 
 
 class TQStoreCore:
@@ -296,16 +286,15 @@ class TQStoreCore:
         from knittrans.integrations.tqrows import decode_field, decode_media
 
         fields = tuple(f for f, _ in layout)
-        reads = []
-        for unit in units:
-            rows = [r for f in fields for _, r in where[(node, unit)][f]]
-            reads.append(UnitRead(unit_id=unit, row_ranges=_ranges(rows)))
+        # each unit's requested rows once, in order: the rows of the DoGet's answer, read as merged ranges
+        order = [(u, r) for u in units for r in sorted({r for f in fields for _, r in where[(node, u)][f]})]
+        reads = node_reads((node, u, r) for u, r in order)[node]
         # memory-mapped units when the node's directory is on this host (as TrainerClient's ``mmap`` mode), else DoGet
         local = self._local_reader(node)
         read = local.read if local is not None else self.client(node).get
         columns = tuple(c for f, suffixes in layout for c in layout_columns(f, suffixes))
         try:
-            table = read(Ticket(job=self.config.job, reads=tuple(reads), columns=columns))
+            table = read(Ticket(job=self.config.job, reads=reads, columns=columns))
             hashes: set[bytes] = set()
             for c in columns:
                 if field_meta(table.schema.field(c))["kind"] in ("media", "media_key"):
@@ -327,13 +316,7 @@ class TQStoreCore:
                 f"{list(fields)} of {len(gidx)} requested rows (batch positions {gidx[:8]}"
                 f"{'...' if len(gidx) > 8 else ''}): {exc}"
             ) from None
-        # position in the DoGet result of every (unit, row): reads in order, ranges sorted
-        offset, index = 0, {}
-        for unit_read in reads:
-            for a, b in unit_read.row_ranges:
-                for r in range(a, b):
-                    index[(unit_read.unit_id, r)] = offset
-                    offset += 1
+        index = {row: i for i, row in enumerate(order)}  # position in the DoGet's answer of every (unit, row)
         out: dict[str, tuple[list[int], Any]] = {}
         for f in fields:
             pairs = sorted((pos, index[(u, r)]) for u in units for pos, r in where[(node, u)][f])

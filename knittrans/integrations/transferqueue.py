@@ -63,12 +63,10 @@ def _make_manager_class() -> type[Any]:
                 return
             partition = metadata.partition_ids[0]
             columns = {k: data.get(k) for k in data.keys()}  # noqa: SIM118 - iterating a TensorDict yields rows
-            loop = asyncio.get_running_loop()
-            locs = await loop.run_in_executor(None, self.core.put, columns, n, list(metadata.global_indexes), partition)
-            per_index: dict[int, dict[str, Any]] = {}
-            for pos, gidx in enumerate(metadata.global_indexes):
-                per_index[gidx] = locs[pos]
-                metadata._custom_backend_meta[pos].update(per_index[gidx])
+            locs = await asyncio.to_thread(self.core.put, columns, n, list(metadata.global_indexes), partition)
+            for pos, loc in enumerate(locs):
+                metadata._custom_backend_meta[pos].update(loc)
+            per_index = dict(zip(metadata.global_indexes, locs, strict=True))
             await self.notify_data_update(
                 partition, list(metadata.global_indexes), extract_field_schema(data), per_index
             )
@@ -76,34 +74,27 @@ def _make_manager_class() -> type[Any]:
         async def get_data(self, metadata: Any) -> TensorDict:
             if metadata.size == 0 or not metadata.field_names:
                 return TensorDict({}, batch_size=metadata.size)
-            args = (list(metadata.field_names), list(metadata.global_indexes), metadata._custom_backend_meta)
+            args = _rows(metadata)
             if self.core.all_local(args[2]):
                 # memory-mapped units of this host: a short CPU-bound read, done here as SimpleStorage
                 # packs its answer on the loop too (a hop to a thread costs more than the read)
                 fields = self.core.get(*args)
             else:  # DoGets wait on the network: keep the client's loop free meanwhile
-                fields = await asyncio.get_running_loop().run_in_executor(None, self.core.get, *args)
+                fields = await asyncio.to_thread(self.core.get, *args)
             return TensorDict(fields, batch_size=metadata.size)
 
         async def clear_data(self, metadata: Any) -> None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                None,
-                self.core.clear,
-                list(metadata.field_names),
-                list(metadata.global_indexes),
-                metadata._custom_backend_meta,
-            )
+            await asyncio.to_thread(self.core.clear, *_rows(metadata))
 
         async def save_checkpoint(self, checkpoint_dir: str) -> None:
             from knittrans.integrations.tqcheckpoint import save_units
 
-            await asyncio.get_running_loop().run_in_executor(None, save_units, self.core, checkpoint_dir)
+            await asyncio.to_thread(save_units, self.core, checkpoint_dir)
 
         async def load_checkpoint(self, checkpoint_dir: str) -> None:
             from knittrans.integrations.tqcheckpoint import load_units
 
-            await asyncio.get_running_loop().run_in_executor(None, load_units, self.core, checkpoint_dir)
+            await asyncio.to_thread(load_units, self.core, checkpoint_dir)
 
         def close(self) -> None:
             if hasattr(self, "core"):
@@ -113,6 +104,11 @@ def _make_manager_class() -> type[Any]:
             super().close()
 
     return KnitTransStorageManagerImpl
+
+
+def _rows(metadata: Any) -> tuple[list[str], list[int], Any]:
+    """Field names, global indexes and backend meta of a ``BatchMeta`` (what ``TQStoreCore`` reads and clears)."""
+    return list(metadata.field_names), list(metadata.global_indexes), metadata._custom_backend_meta
 
 
 def _closing_global_client(manager: Any) -> bool:

@@ -8,7 +8,6 @@ subclassing verl's ``ReplayBufferAsync`` (metadata sync, eviction and refill sta
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,25 +18,7 @@ from knittrans.errors import InvalidJobSpec, InvalidRequest
 from knittrans.sched.admission import ConstraintPreservingPolicy, expired, mini_batch_sizes
 from knittrans.sched.types import AdmissionDecision, FinishedGroup, SourceBounds, StepState
 
-__all__ = ["QuotaAdmission", "SamplerGroup", "make_sampler_class"]  # + KnitTransQuotaSampler (lazy)
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplerGroup:
-    """A finished group as the sampler sees it."""
-
-    uid: str
-    """verl's prompt uid (the group id)."""
-    source: str
-    """Its ``data_source``."""
-    version_start: int
-    """Smallest policy version (verl global step) at which a trajectory of the group started."""
-    finished_at: float
-    """When the sampler first saw it finished (admission takes earliest first)."""
-    num_trajectories: int = 1
-    """Trajectories in the group."""
+__all__ = ["QuotaAdmission", "make_sampler_class"]  # + KnitTransQuotaSampler (lazy)
 
 
 @dataclass(kw_only=True)
@@ -69,8 +50,8 @@ class QuotaAdmission:
         """Groups in each mini-batch of a train batch."""
         return mini_batch_sizes(sum(self.quotas.values()), self.mini_batches_per_step)
 
-    def _state(self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int) -> StepState:
-        groups = [_finished_group(g) for g in finished if g.source in self.quotas]
+    def _state(self, finished: Iterable[FinishedGroup], pending: Mapping[str, int], version: int) -> StepState:
+        groups = [g for g in finished if g.source in self.quotas]
         return StepState(
             quotas=self.quotas,
             admitted=self.admitted,
@@ -83,13 +64,13 @@ class QuotaAdmission:
             max_staleness=self.max_staleness,
         )
 
-    def stale(self, finished: Iterable[SamplerGroup], version: int) -> list[str]:
+    def stale(self, finished: Iterable[FinishedGroup], version: int) -> list[str]:
         """uids past the staleness bound at trainer version ``version``."""
         state = self._state([], {}, version)
-        return [g.uid for g in finished if expired(state, _finished_group(g))]
+        return [g.group_id for g in finished if expired(state, g)]
 
     def select(
-        self, finished: Iterable[SamplerGroup], pending: Mapping[str, int], version: int, batch_size: int
+        self, finished: Iterable[FinishedGroup], pending: Mapping[str, int], version: int, batch_size: int
     ) -> list[str] | None:
         """uids of the next mini-batch, or None to wait; commits the admission when it returns uids."""
         want = self.sizes[self.mini_batch_index]
@@ -111,16 +92,6 @@ class QuotaAdmission:
             self.admitted = {s: 0 for s in self.quotas}
             self.mini_batch_index = 0
         return [g.group_id for g in decision.groups]
-
-
-def _finished_group(g: SamplerGroup) -> FinishedGroup:
-    return FinishedGroup(
-        group_id=g.uid,
-        source=g.source,
-        trajectory_tokens=(1,) * g.num_trajectories,
-        finished_at=g.finished_at,
-        version_start=g.version_start,
-    )
 
 
 def _admission_from_kwargs(
@@ -182,7 +153,7 @@ def make_sampler_class() -> type[Any]:
             starts = [t["min_global_steps"] for t in tags if t.get("min_global_steps") is not None]
             return int(min(starts)) if starts else int(self.prompt_global_steps[partition_id].get(uid, 0))
 
-        def _finished(self, partition_id: str, uids: Iterable[str]) -> list[SamplerGroup]:
+        def _finished(self, partition_id: str, uids: Iterable[str]) -> list[FinishedGroup]:
             out = []
             for uid in uids:
                 source = self._source_of(partition_id, uid)
@@ -190,12 +161,12 @@ def make_sampler_class() -> type[Any]:
                     continue
                 seen = self._first_seen.setdefault(uid, time.monotonic())
                 out.append(
-                    SamplerGroup(
-                        uid=uid,
+                    FinishedGroup(
+                        group_id=uid,
                         source=source,
-                        version_start=self._version_start(partition_id, uid),
+                        trajectory_tokens=(1,) * len(self._group_keys(partition_id, uid)),  # one per trajectory
                         finished_at=seen,
-                        num_trajectories=len(self._group_keys(partition_id, uid)),
+                        version_start=self._version_start(partition_id, uid),
                     )
                 )
             return out
