@@ -34,7 +34,8 @@ _COUNTS = ("media_logical_bytes", "media_unique_bytes", "row_bytes", "encoder_ca
 
 
 def _total(records: list[dict[str, Any]], key: str) -> int:
-    return int(sum(r.get(key) or 0 for r in records))
+    """``key`` summed over the records (every record has it; None, e.g. no dedup stats, counts as 0)."""
+    return int(sum(r[key] or 0 for r in records))
 
 
 def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def collect_results(config: DemoConfig, run_dir: Path, status: dict[str, Any], *
         waits = [a["wait_s"] for a in adm if a.get("wait_s") is not None]
         st = staleness_by_step.get(str(step), {})
         encoded, uses = _total(rs, "encoded_rows"), _total(rs, "media_uses")
-        forward_s = float(sum(r.get("encoder_forward_s") or 0.0 for r in rs))
+        forward_s = float(sum(r["encoder_forward_s"] for r in rs))
         steps.append(
             {
                 "step": step,
