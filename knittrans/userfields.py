@@ -44,22 +44,13 @@ USER_FIELD_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:#-]{0,127}$")
 """A user column name: starts with a letter or ``_``; letters, digits, ``_ . : # -``; 1-128 chars."""
 
 _PRIMITIVES: dict[str, pa.DataType] = {
-    "bool": pa.bool_(),
-    "int8": pa.int8(),
-    "int16": pa.int16(),
-    "int32": pa.int32(),
-    "int64": pa.int64(),
-    "uint8": pa.uint8(),
-    "uint16": pa.uint16(),
-    "uint32": pa.uint32(),
-    "uint64": pa.uint64(),
-    "float16": pa.float16(),
-    "float32": pa.float32(),
-    "float64": pa.float64(),
-    "string": pa.string(),
-    "large_string": pa.large_string(),
-    "binary": pa.binary(),
-    "large_binary": pa.large_binary(),
+    name: pa.type_for_alias(name)
+    for name in (
+        "bool",
+        *(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)),
+        *(f"float{bits}" for bits in (16, 32, 64)),
+        *("string", "large_string", "binary", "large_binary"),
+    )
 }
 
 
@@ -107,7 +98,7 @@ def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
                     raise InvalidJobSpec(f"{what}: fixed_size_list takes one size, got {dims}")
                 return pa.list_(inner, dims[0])
             if prefix == "tensor":
-                if not (pa.types.is_integer(inner) or pa.types.is_floating(inner) or pa.types.is_boolean(inner)):
+                if not _is_primitive_numeric(inner):
                     raise InvalidJobSpec(f"{what}: tensor elements must be numeric or bool, not {inner}")
                 return pa.fixed_shape_tensor(inner, _dims(rest, what, s))
             raise InvalidJobSpec(f"{what}: unexpected {rest!r} after {prefix}<...> in {s!r}")
@@ -177,29 +168,28 @@ def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
                     )
             stacked = np.stack(rows).astype(dtype, copy=False) if rows else np.zeros((0, *t.shape), dtype)
             return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
-        if pa.types.is_fixed_size_list(t) and _is_primitive_numeric(t.value_type):
+        if isinstance(t, pa.ListType | pa.LargeListType | pa.FixedSizeListType) and _is_primitive_numeric(t.value_type):
             dtype = _numeric_dtype(t.value_type)
             rows = [as_numpy(v).reshape(-1) for v in values]
-            for i, r in enumerate(rows):
-                if r.shape[0] != t.list_size:
-                    raise InvalidRequest(
-                        f"user field {field.name!r} row {i}: {r.shape[0]} values != declared size {t.list_size}"
-                    )
-            flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
-            return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=t.value_type), t.list_size)
-        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_primitive_numeric(t.value_type):
-            dtype = _numeric_dtype(t.value_type)
-            rows = [as_numpy(v).reshape(-1) for v in values]
+            flat = pa.array(
+                np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype), t.value_type
+            )
+            if pa.types.is_fixed_size_list(t):
+                for i, r in enumerate(rows):
+                    if r.shape[0] != t.list_size:
+                        raise InvalidRequest(
+                            f"user field {field.name!r} row {i}: {r.shape[0]} values != declared size {t.list_size}"
+                        )
+                return pa.FixedSizeListArray.from_arrays(flat, t.list_size)
             offsets = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum([r.shape[0] for r in rows], out=offsets[1:])
-            flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
-            cls = pa.LargeListArray if pa.types.is_large_list(t) else pa.ListArray
-            if cls is pa.ListArray and offsets[-1] >= 2**31:
+            if pa.types.is_large_list(t):
+                return pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), flat)
+            if offsets[-1] >= 2**31:
                 raise InvalidRequest(
                     f"user field {field.name!r}: {offsets[-1]} values do not fit list<>; declare large_list<>"
                 )
-            off_type = pa.int64() if cls is pa.LargeListArray else pa.int32()
-            return cls.from_arrays(pa.array(offsets, type=off_type), pa.array(flat, type=t.value_type))
+            return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), flat)
         if _is_primitive_numeric(t):
             arr = np.asarray([as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
             return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
