@@ -73,7 +73,6 @@ _SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "media": MEDIA_SCHEMA}
 EMPTY_MEDIA: pa.Table = MEDIA_SCHEMA.empty_table()
 """The media table of a unit without media (Arrow tables are immutable: one shared instance)."""
 _INT32 = np.dtype(np.int32)
-_MEDIA_REFS = TRAJECTORY_SCHEMA.field("media").type
 
 
 def check_schema(schema: pa.Schema, kind: Literal["trajectories", "media"] = "trajectories") -> None:
@@ -588,15 +587,7 @@ class _TrajectoryRows:
         for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
             out.append(_list_range(values, offsets, start, stop, value_type))
         out += [pa.array(x[start:stop]) for x in self.numbers]
-        hashes, offsets = self.media_refs
-        lo, hi = int(offsets[start]), int(offsets[stop])
-        out.append(
-            pa.ListArray.from_arrays(
-                pa.array((offsets[start : stop + 1] - lo).astype(np.int32)),
-                pa.array(hashes[lo:hi], type=_HASH),
-                type=_MEDIA_REFS,
-            )
-        )
+        out.append(_list_range(*self.media_refs, start, stop, _HASH))
         out.append(pa.array(self.finished[start:stop]))
         return out
 
@@ -615,7 +606,7 @@ _LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
 
 
 def _list_range(
-    values: np.ndarray, offsets: np.ndarray, start: int, stop: int, value_type: pa.DataType
+    values: np.ndarray | list[bytes], offsets: np.ndarray, start: int, stop: int, value_type: pa.DataType
 ) -> pa.ListArray:
     """Rows ``[start, stop)`` of a list column as a ListArray of zero-based offsets over a view of ``values``."""
     lo, hi = int(offsets[start]), int(offsets[stop])
