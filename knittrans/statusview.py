@@ -81,18 +81,11 @@ def _job(job: dict[str, Any], now: float) -> list[str]:
             )
         )
     in_flight = job["in_flight_mini_batches"]
-    lines.append(
-        f" in flight: {len(in_flight)} mini-batches"
-        + (
-            ": "
-            + ", ".join(
-                f"#{m['global_index']} (fetched {m['fetched']}/{m['world_size']}, acked {m['acked']}/{m['world_size']})"
-                for m in in_flight[:8]
-            )
-            if in_flight
-            else ""
-        )
+    shown = ", ".join(
+        f"#{m['global_index']} (fetched {m['fetched']}/{m['world_size']}, acked {m['acked']}/{m['world_size']})"
+        for m in in_flight[:8]
     )
+    lines.append(f" in flight: {len(in_flight)} mini-batches" + (f": {shown}" if shown else ""))
     lines.append(f" lost groups: {job['lost_groups_total']}, waiting for regeneration: {job['to_regenerate_total']}")
     lines.append(" ranks:")
     lines += _table(
