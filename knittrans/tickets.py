@@ -144,9 +144,6 @@ class Ticket:
         unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media", "grants"}
         if unknown:
             raise InvalidTicket(f"ticket has unknown fields: {sorted(unknown)}")
-        job = body.get("job")
-        if not isinstance(job, str):
-            raise InvalidTicket("ticket field 'job' must be a string")
         reads_raw = body.get("reads", [])
         if not isinstance(reads_raw, list):
             raise InvalidTicket("ticket field 'reads' must be a list")
@@ -168,7 +165,7 @@ class Ticket:
         if not isinstance(grants, list) or not all(isinstance(g, str) for g in grants):
             raise InvalidTicket("ticket field 'grants' must be a list of strings")
         return cls(
-            job=job,
+            job=body.get("job", ""),
             kind=body.get("kind", "rows"),
             reads=tuple(reads),
             columns=tuple(columns) if columns is not None else None,
