@@ -10,7 +10,7 @@ from typing import Any
 from knittrans.errors import InvalidRequest
 from knittrans.names import check_name, is_content_hash
 
-__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor", "group_fields"]
+__all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor"]
 
 
 SCHEMA_VERSION = 1
@@ -141,7 +141,7 @@ class UnitDescriptor:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (what :func:`dataclasses.asdict` gives, without its deep copy)."""
         values = dict(zip(UNIT_FIELDS, _unit_values(self), strict=True))
-        values["groups"] = tuple(group_fields(g) for g in self.groups)
+        values["groups"] = tuple(dict(zip(GROUP_FIELDS, _group_values(g), strict=True)) for g in self.groups)
         return values
 
     @classmethod
@@ -171,12 +171,6 @@ UNIT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(UnitDescriptor))
 
 _group_values = operator.attrgetter(*GROUP_FIELDS)
 _unit_values = operator.attrgetter(*UNIT_FIELDS)
-
-
-def group_fields(group: object) -> dict[str, Any]:
-    """``{field: value}`` of :data:`GROUP_FIELDS` read from ``group`` (a :class:`GroupRecord` or anything
-    with the same attributes, e.g. the API's ``GroupIn``), without :func:`dataclasses.asdict`'s deep copy."""
-    return dict(zip(GROUP_FIELDS, _group_values(group), strict=True))
 
 
 _new = object.__new__
