@@ -222,7 +222,6 @@ class Manifest:
     def _micro_batch(self, index: int, rows: Sequence[Row]) -> MicroBatchReads:
         plan_rows = []
         used: dict[int, None] = {}
-        tokens = 0
         for g, row, num_tokens in rows:
             group = self.groups[g]
             unit_id, node = self.units[group.unit]
@@ -235,7 +234,6 @@ class Manifest:
                     num_tokens=num_tokens,
                 )
             )
-            tokens += num_tokens
             used.update(dict.fromkeys(group.media))
         try:
             per_node = node_reads((r.node_id, r.unit_id, r.row) for r in plan_rows)
@@ -263,9 +261,7 @@ class Manifest:
                 grants=_grants(holder),
             )
             media.append(MediaFetch(hash=media_hash, node_id=holder.node_id, endpoint=holder.endpoint, ticket=ticket))
-        return MicroBatchReads(
-            index=index, num_tokens=tokens, rows=tuple(plan_rows), fetches=fetches, media=tuple(media)
-        )
+        return MicroBatchReads(index=index, rows=tuple(plan_rows), fetches=fetches, media=tuple(media))
 
 
 def etag_of(raw: bytes, global_index: int, attempt: int) -> str:

@@ -63,8 +63,6 @@ class MicroBatchReads:
 
     index: int
     """Position in the rank's share (0, 1, ...)."""
-    num_tokens: int
-    """Tokens of its rows."""
     rows: tuple[PlanRow, ...]
     """Its rows, in the order the fetches return them."""
     fetches: tuple[RowFetch, ...]
@@ -102,8 +100,3 @@ class RankPlan:
     def plan_id(self) -> str:
         """``n{global_index}.a{attempt}.r{rank}``: names this share in logs and training records."""
         return f"n{self.global_index}.a{self.attempt}.r{self.rank}"
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the rank's share."""
-        return sum(m.num_tokens for m in self.micro_batches)

@@ -79,7 +79,6 @@ def test_unstreamable_plan_is_refused() -> None:
     whole = Ticket.decode(b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u1","rows":[]}]}')
     micro = MicroBatchReads(
         index=0,
-        num_tokens=0,
         rows=(),
         fetches=(RowFetch(node_id="n0", endpoint="grpc://127.0.0.1:1", ticket=whole),),
         media=(),
