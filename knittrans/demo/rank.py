@@ -7,8 +7,7 @@ Per mini-batch (one optimizer step)::
     for micro in mini_batch:                           # eager or iter (prefetch) fetch
         loss = grpo_loss(...) / (N / W); loss.backward()   # local gradients only
     dedup.finish()
-    ok = mini_batch.report_fetched(ok=every fetch succeeded)   # one request for all ranks; same answer
-    ok = all_reduce(ok, MIN)                           # every rank decides the same
+    ok = mini_batch.report_fetched(ok=every fetch succeeded)   # one request for all ranks; same answer on each
     if ok:  all_reduce_gradients(backbone + encoder); optimizer.step()
             rank 0: policy-v{n+1}.safetensors (temp name + rename)   # published before the ack
             mini_batch.ack(version=n+1)                # one request for all ranks, with the new version
@@ -77,6 +76,8 @@ class RankConfig:
     def __post_init__(self) -> None:
         if self.client.world_size > 1 and not self.dist_url:
             raise ValueError("world_size > 1 needs dist_url (tcp://HOST:PORT) for the gloo process group")
+        if self.client.world_size > 1 and self.client.group != "auto":
+            raise ValueError("world_size > 1 needs the ranks to share the control plane (group 'auto')")
         if self.client.fetch_timeout_s is None:
             raise ValueError("a trainer rank needs a fetch_timeout_s (a dead store host must raise, not block)")
         if self.lr <= 0 or self.image_channels < 1:
@@ -177,21 +178,6 @@ def _zero_loss(policy: Policy) -> torch.Tensor:
     return logits.sum() * 0.0
 
 
-def _row_features(
-    policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Per-row media features ``[rows, tokens, hidden]`` (sum over a row's media) and the has-media flags."""
-    per_row = micro.batch.media_hex()
-    flat = [h for hs in per_row for h in hs]
-    if not flat:
-        return None, None
-    feats = _media_features(policy, dedup, micro, flat)
-    index = torch.tensor([i for i, hs in enumerate(per_row) for _ in hs], dtype=torch.long)
-    rows = torch.zeros((len(per_row), *feats.shape[1:]), dtype=feats.dtype).index_add(0, index, feats)
-    has_media = torch.tensor([len(hs) > 0 for hs in per_row])
-    return rows, has_media
-
-
 def _media_features(
     policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, flat: list[str]
 ) -> torch.Tensor:
@@ -202,20 +188,6 @@ def _media_features(
     inputs = policy.encoder_inputs(micro.media, flat)  # duplicated baseline: one encoder row per reference
     out: torch.Tensor = policy.encoder(torch.stack([inputs[h] for h in flat]))
     return out
-
-
-def _image_features(
-    policy: Policy, dedup: DedupEncoder | None, micro: TrainMicroBatch, prompt_ids: list[torch.Tensor]
-) -> torch.Tensor | None:
-    """VLM: features of every image of the micro-batch, row by row (the order of the ``<image>`` blocks)."""
-    assert policy.layout is not None
-    per_row = micro.batch.media_hex()
-    for i, (hashes, ids) in enumerate(zip(per_row, prompt_ids, strict=True)):
-        blocks = policy.layout.count_images(ids.numpy())
-        if blocks != len(hashes):
-            raise InvalidRequest(f"row {i} of the micro-batch has {blocks} image blocks but {len(hashes)} images")
-    flat = [h for hs in per_row for h in hs]
-    return _media_features(policy, dedup, micro, flat) if flat else None
 
 
 def micro_batch_loss(
@@ -242,27 +214,28 @@ def micro_batch_loss(
     ids, mask = pad_sequences(packed.input_ids, packed.cu_seqlens, pad_value=pad_id)
     prompt_lens = b.prompt_cu_seqlens.long().diff()
     response_lens = b.response_cu_seqlens.long().diff()
-    media: dict[str, Any]
-    if policy.layout is not None:
-        prompts = [ids[i, : int(n)] for i, n in enumerate(prompt_lens)]
-        media = {"image_features": _image_features(policy, dedup, micro, prompts), "layout": policy.layout}
-    else:
-        features, has_media = _row_features(policy, dedup, micro)
-        media = {"features": features, "has_media": has_media}
+    per_row = b.media_hex()
+    flat = [h for hs in per_row for h in hs]
+    media: dict[str, Any] = {"features": None, "has_media": None}
+    if policy.layout is not None:  # VLM: every image of the micro-batch, row by row (the ``<image>`` blocks' order)
+        for i, hashes in enumerate(per_row):
+            blocks = policy.layout.count_images(ids[i, : int(prompt_lens[i])].numpy())
+            if blocks != len(hashes):
+                raise InvalidRequest(f"row {i} of the micro-batch has {blocks} image blocks but {len(hashes)} images")
+        media = {
+            "image_features": _media_features(policy, dedup, micro, flat) if flat else None,
+            "layout": policy.layout,
+        }
+    elif flat:  # text LM: per-row sum of the side encoder's features over the row's media, and the has-media flags
+        feats = _media_features(policy, dedup, micro, flat)
+        index = torch.tensor([i for i, hs in enumerate(per_row) for _ in hs], dtype=torch.long)
+        media["features"] = torch.zeros((len(per_row), *feats.shape[1:]), dtype=feats.dtype).index_add(0, index, feats)
+        media["has_media"] = torch.tensor([len(hs) > 0 for hs in per_row])
     logprobs = packed_response_logprobs(policy.backbone, ids.long(), mask.long(), prompt_lens, response_lens, **media)
     if gaps is not None and logprobs.numel():
         gaps.append(float((logprobs.detach() - b.response_logprobs.float()).abs().max()))
     advantages = b.advantages.float().repeat_interleave(response_lens)
     return grpo_loss(logprobs, b.response_logprobs.float(), advantages, b.loss_mask.float(), normaliser=normaliser)
-
-
-def _all_ok(ok: bool, world_size: int) -> bool:
-    """True only when ``ok`` on every rank (one all-reduce of a flag)."""
-    if world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def train_mini_batch(
@@ -279,7 +252,8 @@ def train_mini_batch(
     error, or the control plane withdrew the plan): then no rank stepped, gradients are zeroed,
     and the caller abandons ``mb`` (:meth:`MiniBatch.abandon`) to get the re-plan. Does not ack:
     the caller acks after this returns a record. Under ``world_size > 1`` every rank must call it
-    for the same global index (it runs the same collectives on every rank, failed or not).
+    for the same global index, with clients that share the control plane (``TrainerConfig.group="auto"``:
+    ``report_fetched`` is then one collective answer for all ranks), failed or not.
     """
     t0 = time.perf_counter()
     total = mb.mini_batch_trajectories
@@ -313,9 +287,8 @@ def train_mini_batch(
         if encoder is not None:
             encoder.drop()
         raise
-    # every rank reports (with the ranks sharing the control plane this is one collective request)
-    ok = _all_ok(mb.report_fetched(ok=failure is None), world_size)
-    if not ok:
+    # every rank reports; the ranks share the control plane, so this is one request and one answer for all
+    if not mb.report_fetched(ok=failure is None):
         if encoder is not None:
             encoder.drop()
         optimizer.zero_grad(set_to_none=True)

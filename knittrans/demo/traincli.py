@@ -95,13 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train until the job is finished; 0 on success."""
-    import torch
-
     from knittrans.demo.rank import RankConfig, run_rank
     from knittrans.trainer.client import TrainerConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         client = TrainerConfig(
             control_url=args.control_url,
@@ -114,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             local_dirs=dict(args.local_dir),
             fetch_timeout_s=args.fetch_timeout_s,
             replan_wait_s=args.replan_wait_s,
+            torch_threads=args.threads or None,
         )
         cfg = RankConfig(
             client=client,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from knittrans.sched.types import FinishedGroup
@@ -82,11 +82,7 @@ class StalenessStats:
 
     def to_dict(self) -> dict[str, float | int | None]:
         """Plain dict for JSON; NaN becomes None."""
-        out: dict[str, float | int | None] = {"count": self.count}
-        for name in ("mean", "p50", "p99", "max", "pos_mean"):
-            value = getattr(self, name)
-            out[name] = None if math.isnan(value) else value
-        return out
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(self).items()}
 
 
 _EMPTY = StalenessStats(count=0, mean=math.nan, p50=math.nan, p99=math.nan, max=math.nan, pos_mean=math.nan)
