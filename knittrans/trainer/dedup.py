@@ -128,11 +128,7 @@ class DedupEncoder:
         self.device = torch.device(device) if device is not None else None
         self.verify_content: bool = __debug__ if verify_content is None else verify_content
         self._active = False
-        self._chunks: list[_Chunk] = []
-        self._index: dict[str, tuple[int, int]] = {}
-        self._inputs: dict[str, _Fingerprint] = {}
-        self._uses = 0
-        self._encoder_calls = 0
+        self.drop()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -158,8 +154,6 @@ class DedupEncoder:
         if self._active:
             raise DedupStateError("begin_mini_batch() called again before finish() or drop()")
         self._active = True
-        self._uses = 0
-        self._encoder_calls = 0
         if media:
             self.add_media(media)
 
@@ -186,9 +180,9 @@ class DedupEncoder:
                 dtype=tensor.dtype,
                 digest=_content_digest(tensor) if self.verify_content else None,
             )
-            encoded = self._inputs.get(media_hash)
+            encoded = self._index.get(media_hash)
             if encoded is not None:
-                _check_same_input(media_hash, encoded, fingerprint)
+                _check_same_input(media_hash, encoded[2], fingerprint)
                 continue
             new.setdefault((fingerprint.shape, fingerprint.dtype), []).append((media_hash, tensor, fingerprint))
         for group in new.values():
@@ -299,9 +293,10 @@ class DedupEncoder:
 
     def drop(self) -> None:
         """Forget the current mini-batch without a backward (e.g. on an exception); idempotent."""
-        self._chunks = []
-        self._index = {}
-        self._inputs = {}
+        self._chunks: list[_Chunk] = []
+        self._index: dict[str, tuple[int, int, _Fingerprint]] = {}  # hash -> chunk, row, what was encoded
+        self._uses = 0
+        self._encoder_calls = 0
         self._active = False
 
     # ------------------------------------------------------------------ internals
@@ -311,7 +306,7 @@ class DedupEncoder:
 
     def _place(self, media_hash: str) -> tuple[int, int]:
         try:
-            return self._index[media_hash]
+            return self._index[media_hash][:2]
         except KeyError:
             raise NotFound(
                 f"media {media_hash!r} was not given to begin_mini_batch()/add_media() in this mini-batch"
@@ -351,8 +346,7 @@ class DedupEncoder:
             )
         )
         for row, (media_hash, _, fingerprint) in enumerate(items):
-            self._index[media_hash] = (chunk_id, row)
-            self._inputs[media_hash] = fingerprint
+            self._index[media_hash] = (chunk_id, row, fingerprint)
 
 
 def _content_digest(tensor: torch.Tensor) -> int:
