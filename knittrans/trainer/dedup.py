@@ -412,20 +412,16 @@ def all_reduce_gradients(
     if not dist.is_available() or not dist.is_initialized():
         raise DedupStateError("all_reduce_gradients() needs an initialised torch.distributed process group")
     world = dist.get_world_size(group)
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for bucket in buckets.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         if average:
             flat.div_(world)
-        offset = 0
-        for p in bucket:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+            g.copy_(reduced.view_as(g))
