@@ -316,11 +316,7 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
         pending, token = self.store.open_part(job, unit_id, part)
         ok = refused = False
         try:
-            while True:
-                try:
-                    chunk = reader.read_chunk()
-                except StopIteration:
-                    break
+            for chunk in reader:
                 batch = chunk.data
                 if batch is None:
                     continue

@@ -170,7 +170,7 @@ def _single(col: pa.ChunkedArray) -> pa.Array:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
-def _list_column(col: pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
+def _list_column(col: pa.ChunkedArray) -> tuple[pa.Array, torch.Tensor]:
     """(flat values, cu_seqlens rebased to 0) of a list column."""
     arr = _single(col)
     if arr.null_count:
@@ -180,7 +180,7 @@ def _list_column(col: pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
     end = offsets[-1].as_py() if len(offsets) else 0
     values = arr.values.slice(start, end - start)
     cu = _tensor(offsets) if start == 0 else torch.from_numpy(offsets.to_numpy() - np.int32(start))
-    return _tensor(values), cu
+    return values, cu
 
 
 def to_micro_batch(table: pa.Table) -> MicroBatch:
@@ -190,21 +190,17 @@ def to_micro_batch(table: pa.Table) -> MicroBatch:
     for name in _LIST_COLUMNS:
         if name in names:
             values, cu = _list_column(table.column(name))
-            fields[name] = values
+            fields[name] = _tensor(values)
             if name in ("prompt_ids", "response_ids"):
                 fields[name.replace("_ids", "_cu_seqlens")] = cu
     for name, attr in _SCALAR_COLUMNS.items():
         if name in names:
             fields[attr] = _tensor(_single(table.column(name)))
     if "media" in names:
-        arr = _single(table.column("media"))
-        offsets = arr.offsets.to_numpy()
-        start, end = int(offsets[0]) if len(offsets) else 0, int(offsets[-1]) if len(offsets) else 0
-        child = arr.values
-        raw = np.frombuffer(child.buffers()[1], dtype=np.uint8) if len(child) else np.zeros(0, np.uint8)
-        base = child.offset + start
-        fields["media_hashes"] = torch.from_numpy(raw[base * 32 : (base + end - start) * 32].reshape(-1, 32).copy())
-        fields["media_cu_seqlens"] = torch.from_numpy(offsets - np.int32(start))
+        hashes, fields["media_cu_seqlens"] = _list_column(table.column("media"))  # fixed_size_binary(32)
+        raw = np.frombuffer(hashes.buffers()[1], dtype=np.uint8) if len(hashes) else np.zeros(0, np.uint8)
+        start = hashes.offset * 32
+        fields["media_hashes"] = torch.from_numpy(raw[start : start + len(hashes) * 32].reshape(-1, 32).copy())
     fixed = set(TRAJECTORY_COLUMNS)
     fields["user"] = {n: user_column_to_torch(table.column(n)) for n in table.column_names if n not in fixed}
     return MicroBatch(**fields)

@@ -128,11 +128,7 @@ class DedupEncoder:
         self.device = torch.device(device) if device is not None else None
         self.verify_content: bool = __debug__ if verify_content is None else verify_content
         self._active = False
-        self._chunks: list[_Chunk] = []
-        self._index: dict[str, tuple[int, int]] = {}
-        self._inputs: dict[str, _Fingerprint] = {}
-        self._uses = 0
-        self._encoder_calls = 0
+        self.drop()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -158,8 +154,6 @@ class DedupEncoder:
         if self._active:
             raise DedupStateError("begin_mini_batch() called again before finish() or drop()")
         self._active = True
-        self._uses = 0
-        self._encoder_calls = 0
         if media:
             self.add_media(media)
 
@@ -186,9 +180,9 @@ class DedupEncoder:
                 dtype=tensor.dtype,
                 digest=_content_digest(tensor) if self.verify_content else None,
             )
-            encoded = self._inputs.get(media_hash)
+            encoded = self._index.get(media_hash)
             if encoded is not None:
-                _check_same_input(media_hash, encoded, fingerprint)
+                _check_same_input(media_hash, encoded[2], fingerprint)
                 continue
             new.setdefault((fingerprint.shape, fingerprint.dtype), []).append((media_hash, tensor, fingerprint))
         for group in new.values():
@@ -299,9 +293,10 @@ class DedupEncoder:
 
     def drop(self) -> None:
         """Forget the current mini-batch without a backward (e.g. on an exception); idempotent."""
-        self._chunks = []
-        self._index = {}
-        self._inputs = {}
+        self._chunks: list[_Chunk] = []
+        self._index: dict[str, tuple[int, int, _Fingerprint]] = {}  # hash -> chunk, row, what was encoded
+        self._uses = 0
+        self._encoder_calls = 0
         self._active = False
 
     # ------------------------------------------------------------------ internals
@@ -311,7 +306,7 @@ class DedupEncoder:
 
     def _place(self, media_hash: str) -> tuple[int, int]:
         try:
-            return self._index[media_hash]
+            return self._index[media_hash][:2]
         except KeyError:
             raise NotFound(
                 f"media {media_hash!r} was not given to begin_mini_batch()/add_media() in this mini-batch"
@@ -351,8 +346,7 @@ class DedupEncoder:
             )
         )
         for row, (media_hash, _, fingerprint) in enumerate(items):
-            self._index[media_hash] = (chunk_id, row)
-            self._inputs[media_hash] = fingerprint
+            self._index[media_hash] = (chunk_id, row, fingerprint)
 
 
 def _content_digest(tensor: torch.Tensor) -> int:
@@ -418,20 +412,16 @@ def all_reduce_gradients(
     if not dist.is_available() or not dist.is_initialized():
         raise DedupStateError("all_reduce_gradients() needs an initialised torch.distributed process group")
     world = dist.get_world_size(group)
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for bucket in buckets.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         if average:
             flat.div_(world)
-        offset = 0
-        for p in bucket:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+            g.copy_(reduced.view_as(g))

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from knittrans.controlclient import ControlClient, JobFinished
@@ -173,8 +174,8 @@ class ManifestFeed:
         self._shares: dict[int, Shared | BaseException] = {}
         self._end: int | None = None
         """Index of the first mini-batch the feed will never deliver (finished, failed or closed)."""
-        self._first: int | None = None
-        """The first mini-batch it delivers, once known."""
+        self._first: Future[int] = Future()
+        """The first mini-batch it delivers (or the error that stopped the feed before it knew)."""
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
@@ -188,11 +189,10 @@ class ManifestFeed:
         try:
             n = leader_call(self.collective, self._start_index)
         except BaseException as exc:
+            self._first.set_exception(exc)
             self._finish(0, exc)
             return
-        with self._cond:
-            self._first = n
-            self._cond.notify_all()
+        self._first.set_result(n)
         while True:
             try:
                 item = self._deliver(n)
@@ -262,13 +262,7 @@ class ManifestFeed:
     # ------------------------------------------------------------------ the loop's side
     def start(self) -> int:
         """The first mini-batch this feed delivers: the first one this rank has not acked (waits for it)."""
-        with self._cond:
-            while self._first is None:
-                if self._end is not None:
-                    failed = self._shares.get(0)
-                    raise failed if isinstance(failed, BaseException) else KnitTransError("the feed is closed")
-                self._cond.wait()
-            return self._first
+        return self._first.result()
 
     def share(self, n: int, *, cancel: threading.Event | None = None) -> Shared:
         """This rank's share of ``n`` and its ETag, waiting for it; None when the job will never have ``n``.

@@ -150,16 +150,15 @@ class MediaCache:
         self._fetch = fetch
         self._decode = decode
         self._lock = threading.Lock()
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._sizes: dict[str, int] = {}
+        self._cached: dict[str, tuple[torch.Tensor, int]] = {}  # hash -> decoded tensor, payload bytes
         self._stats = MediaCacheStats()
         self._lifetime = MediaCacheStats()
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._cached)
 
     def __contains__(self, media_hash: object) -> bool:
-        return media_hash in self._tensors
+        return media_hash in self._cached
 
     @property
     def stats(self) -> MediaCacheStats:
@@ -183,27 +182,23 @@ class MediaCache:
             if not is_content_hash(media_hash):
                 raise InvalidRequest(f"media hash must be 64 lower-case hex characters, got {media_hash!r}")
         with self._lock:
-            missing = list(dict.fromkeys(h for h in hashes if h not in self._tensors))
+            missing = list(dict.fromkeys(h for h in hashes if h not in self._cached))
             if missing:
                 records = self._fetch(missing)
                 absent = [h for h in missing if h not in records]
                 if absent:
                     raise NotFound(f"media fetch did not return {len(absent)} hash(es), first {absent[0]}")
-                decoded: dict[str, torch.Tensor] = {}
-                for media_hash in missing:
-                    record = MediaRecord(*records[media_hash])
-                    decoded[media_hash] = self._decode(media_hash, record)
-                    self._sizes[media_hash] = _nbytes(record.data)
-                self._tensors.update(decoded)
+                got = {h: MediaRecord(*records[h]) for h in missing}
+                self._cached.update({h: (self._decode(h, r), _nbytes(r.data)) for h, r in got.items()})
             self._stats = self._stats + MediaCacheStats(
                 requests=len(hashes),
                 hits=len(hashes) - len(missing),
                 fetched=len(missing),
                 fetch_calls=1 if missing else 0,
-                logical_bytes=sum(self._sizes[h] for h in hashes),
-                unique_bytes=sum(self._sizes[h] for h in missing),
+                logical_bytes=sum(self._cached[h][1] for h in hashes),
+                unique_bytes=sum(self._cached[h][1] for h in missing),
             )
-            return {h: self._tensors[h] for h in hashes}
+            return {h: self._cached[h][0] for h in hashes}
 
     def clear(self) -> MediaCacheStats:
         """End the mini-batch: drop every tensor and return (and reset) this mini-batch's counters."""
@@ -211,7 +206,6 @@ class MediaCache:
             stats = self._stats
             self._lifetime = self._lifetime + stats
             self._stats = MediaCacheStats()
-            self._tensors.clear()
-            self._sizes.clear()
+            self._cached.clear()
         logger.debug("media cache cleared: %s", stats)
         return stats
