@@ -343,10 +343,9 @@ class TrajectoryWriter:
 
     def _send(self, staged: _Staged) -> list[dict[str, Any]]:
         """The node's part of storing staged units (all or none); the node's infos, in order."""
-        pairs = list(zip(staged.ids, staged.tables, strict=True))
         if staged.entries is None:
-            return self.write_tables_many(pairs)
-        return self._publish_temps(pairs, staged.entries)
+            return self.write_tables_many(list(zip(staged.ids, staged.tables, strict=True)))
+        return self._publish_temps(staged.entries)
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
@@ -378,7 +377,7 @@ class TrajectoryWriter:
         if not units:
             return []
         if self.store_dir is not None:
-            return self._publish_temps(units, self._write_temps(units))
+            return self._publish_temps(self._write_temps(units))
         seals: list[dict[str, Any]] = []
         # the units this call holds on the node, to remove on failure: each one from its upload on, unless the
         # node refused it as a unit it already had (not this call's)
@@ -419,9 +418,7 @@ class TrajectoryWriter:
             raise
         return entries
 
-    def _publish_temps(
-        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
+    def _publish_temps(self, entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One ``publish_units`` of the temporaries written by :meth:`_write_temps` (budget, validation,
         rename; all or none). A failure removes the temporaries and the units."""
         try:
@@ -433,7 +430,7 @@ class TrajectoryWriter:
                 # Conflict: the node refused, already holding a unit of one of these ids, which is not
                 # this call's (another writer's, or one a crash left) and must not be deleted here. On any
                 # refusal the node has undone what the call did; what an error in transit left is removed.
-                self._abort([uid for uid, _ in units])
+                self._abort([e["unit"] for e in entries])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:
