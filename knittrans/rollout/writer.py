@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -137,28 +136,27 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
-_SENDERS: tuple[int, ThreadPoolExecutor] | None = None
-"""The process id that made the sender threads, and their executor (a forked child makes its own)."""
-_SENDERS_LOCK = threading.Lock()
+def _new_senders() -> None:
+    global _SENDERS
+    _SENDERS = ThreadPoolExecutor(32, thread_name_prefix="knittrans-write")  # its threads start on first use
+
+
+_SENDERS: ThreadPoolExecutor
+"""The writers' shared sender threads (a forked child gets its own: the parent's threads are not in it)."""
+_new_senders()
+os.register_at_fork(after_in_child=_new_senders)
 
 
 def _send_async(fn: Any, *args: Any) -> Future[Any]:
-    """Run ``fn(*args)`` in the writers' shared sender threads (made on first use, kept for later puts).
+    """Run ``fn(*args)`` in the writers' shared sender threads (kept for later puts).
 
     A new ``threading.Thread`` per node and put made the caller wait, in ``start()``, until the new
     thread had run, a scheduling delay on the critical path of a put on a busy host; handing work to
     a waiting thread does not wait. The tasks (a node's round trip) never wait on each other; more
     than 32 at once queue. Once the interpreter is shutting down (a put from an ``atexit`` hook), when
     executors take no more work, ``fn`` runs in the caller's thread."""
-    global _SENDERS
-    senders = _SENDERS
-    if senders is None or senders[0] != os.getpid():
-        with _SENDERS_LOCK:
-            senders = _SENDERS
-            if senders is None or senders[0] != os.getpid():  # none yet, or a fork's copy without threads
-                senders = _SENDERS = (os.getpid(), ThreadPoolExecutor(32, thread_name_prefix="knittrans-write"))
     try:
-        return senders[1].submit(fn, *args)
+        return _SENDERS.submit(fn, *args)
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         done: Future[Any] = Future()
         try:
