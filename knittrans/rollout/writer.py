@@ -225,7 +225,6 @@ def _write(
             start += len(units)
     staged: list[_Staged] = []
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
-    errors: list[BaseException | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
     drafts: list[list[UnitDescriptor]] = []
     failed: BaseException | None = None
@@ -237,13 +236,11 @@ def _write(
         drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]  # while the nodes store
     except BaseException as exc:
         failed = exc
-    finally:  # every started node's answer read from its sender thread
-        for k, answer in answers.items():
-            try:
-                infos[k] = answer()
-            except BaseException as exc:  # handed to the caller below
-                errors[k] = exc
-    failed = failed or next((e for e in errors if e is not None), None)
+    for k, answer in answers.items():  # every started node's answer read from its sender thread, in order
+        try:
+            infos[k] = answer()
+        except BaseException as exc:  # the first failure is raised below
+            failed = failed or exc
     if failed is not None:
         for (writer, _, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
