@@ -251,7 +251,7 @@ def _write(
         for descs, info in zip(drafts, infos, strict=True)
     ]
     if registrar is not None:
-        registrar.submit(batches[0][0].job, [d for descs in out for d in descs])
+        registrar.submit([d for descs in out for d in descs])
     return out
 
 
@@ -282,7 +282,7 @@ class TrajectoryWriter:
         self.client = StoreClient(endpoint, token=token)
         # with ``control`` every unit written is registered in the background (the caller keeps owning the client;
         # flush() waits for the registrations)
-        self._registrar = Registrar(control.register_units, _send_async) if control is not None else None
+        self._registrar = Registrar(self.job, control.register_units, _send_async) if control is not None else None
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
