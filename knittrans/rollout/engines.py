@@ -30,6 +30,7 @@ __all__ = [
     "RolloutEngine",
     "VLLMEngine",
     "VLLMEngineConfig",
+    "WeightFileLoader",
     "check_sampling_args",
     "open_engine",
 ]
@@ -274,7 +275,7 @@ class VLLMEngine:
             kv_cache_memory_bytes=int(self.config.kv_cache_gib * 2**30),
             logprobs_mode="processed_logprobs",  # after temperature: the distribution sampled from
             seed=0,  # per-request seeds come from generate(seed=...)
-            worker_extension_cls="knittrans.rollout.vllm_worker.WeightFileLoader",
+            worker_extension_cls="knittrans.rollout.engines.WeightFileLoader",
         )
 
     def generate(
@@ -324,6 +325,30 @@ class VLLMEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+
+
+class WeightFileLoader:
+    """vLLM worker extension behind :meth:`VLLMEngine.load_weights`: vLLM mixes it into its ``Worker`` (``self`` at
+    run time), so ``collective_rpc("knittrans_load_weights_file", args=(path,))`` runs in every worker process.
+    Only the path crosses the RPC; each worker reads the tensors itself, in checkpoint (Hugging Face) naming,
+    into the worker's own ``reload_weights`` (vLLM 0.32: ``Worker.reload_weights(weights_iterator=...)`` →
+    ``model.load_weights``)."""
+
+    def knittrans_load_weights_file(self, path: str) -> int:
+        """Load every tensor of ``path`` (memory-mapped, one at a time) into the worker's model in place; return
+        how many.
+
+        Raises:
+            KeyError: a tensor name the model does not have (raised by vLLM's loader).
+        """
+        from safetensors import safe_open
+
+        worker: Any = self
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            worker.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names))
+        logger.info("loaded %d tensors from %s", len(names), path)
+        return len(names)
 
 
 def open_engine(kind: Literal["hf", "vllm"], model_dir: str | Path) -> RolloutEngine:

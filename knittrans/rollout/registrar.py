@@ -1,7 +1,7 @@
 """``Registrar``: a writer's unit registrations sent in the background, off the put's critical path.
 
 It registers each put's descriptors on one of the writers' shared sender threads. Submissions that
-queue meanwhile go in one request per job; a refused coalesced request is sent again per submission,
+queue meanwhile go in one request; a refused coalesced request is sent again per submission,
 so each is registered whole or not at all (a repeat is a no-op on the control plane). A failure
 leaves its units sealed but unregistered and is raised once, with its type and the descriptors left
 unregistered (``units``), by :meth:`Registrar.check` (the writer's next call) or
@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from knittrans.descriptors import UnitDescriptor
@@ -33,16 +33,15 @@ Submit = Callable[[Callable[[], None]], Future[Any]]
 
 @dataclass
 class _Submission:
-    job: str
     units: list[UnitDescriptor]
-    error: BaseException | None = field(default=None)
+    error: BaseException | None = None
 
 
 class Registrar:
-    """Background registrations of one writer (module docstring); thread-safe."""
+    """Background registrations of one writer, of its job (module docstring); thread-safe."""
 
-    def __init__(self, register: Register, submit: Submit) -> None:
-        self._register, self._submit = register, submit
+    def __init__(self, job: str, register: Register, submit: Submit) -> None:
+        self.job, self._register, self._submit = job, register, submit
         self._cond = threading.Condition()
         self._queue: list[_Submission] = []
         self._busy = False  # a drain is queued or running
@@ -50,12 +49,12 @@ class Registrar:
         self.requests = 0
         """Registration requests sent (a coalesced one counts once)."""
 
-    def submit(self, job: str, units: Sequence[UnitDescriptor]) -> None:
-        """Queue ``units`` of ``job`` for registration and return."""
+    def submit(self, units: Sequence[UnitDescriptor]) -> None:
+        """Queue ``units`` for registration and return."""
         if not units:
             return
         with self._cond:
-            self._queue.append(_Submission(job, list(units)))
+            self._queue.append(_Submission(list(units)))
             if self._busy:
                 return  # the running drain takes it
             self._busy = True
@@ -68,7 +67,7 @@ class Registrar:
             if not self._failed:
                 return
             failed = self._failed.pop(0)
-        raise _reported(failed)
+        raise _reported(self.job, failed)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every unit submitted so far is registered or has failed, then raise as :meth:`check`.
@@ -82,7 +81,7 @@ class Registrar:
         self.check()
 
     def _drain(self) -> None:
-        """Register what is queued, coalesced per job, until the queue is empty (on a sender thread)."""
+        """Register what is queued, coalesced, until the queue is empty (on a sender thread)."""
         while True:
             with self._cond:
                 batch, self._queue = self._queue, []
@@ -90,39 +89,35 @@ class Registrar:
                     self._busy = False
                     self._cond.notify_all()
                     return
-            jobs: dict[str, list[_Submission]] = {}
-            for s in batch:
-                jobs.setdefault(s.job, []).append(s)
-            for job, subs in jobs.items():
-                self._send(job, subs)
+            self._send(batch)
             with self._cond:
                 self._failed += [s for s in batch if s.error is not None]
 
-    def _send(self, job: str, subs: list[_Submission]) -> None:
+    def _send(self, subs: list[_Submission]) -> None:
         """One request for ``subs``; when the control plane refuses it and it holds several, each again on
         its own (a control plane that cannot be reached after the client's retries fails them all)."""
         try:
             self.requests += 1
-            self._register(job, [u for s in subs for u in s.units])
+            self._register(self.job, [u for s in subs for u in s.units])
             return
         except Exception as exc:
             if len(subs) == 1 or isinstance(exc, Unavailable):
                 units = sum(len(s.units) for s in subs)
-                logger.warning("registering %d units of job %s failed: %s", units, job, exc)
+                logger.warning("registering %d units of job %s failed: %s", units, self.job, exc)
                 for s in subs:
                     s.error = exc
                 return
         for s in subs:
-            self._send(job, [s])
+            self._send([s])
 
 
-def _reported(failed: _Submission) -> BaseException:
+def _reported(job: str, failed: _Submission) -> BaseException:
     """The failure of ``failed`` as the caller sees it: its type and words, the units named, ``units`` set."""
     exc = failed.error
     assert exc is not None
     ids = [u.unit_id for u in failed.units]
     shown = ids if len(ids) <= 8 else [*ids[:8], f"... ({len(ids)} units)"]
-    message = f"units {shown} of job {failed.job!r} were stored but not registered: {exc}"
+    message = f"units {shown} of job {job!r} were stored but not registered: {exc}"
     try:
         error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
     except Exception:  # an exception type that takes other arguments

@@ -43,7 +43,6 @@ from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
 from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
-from knittrans.rollout.regen import claimable, report_started
 from knittrans.rollout.vlm import VLMLayout, image_prompt_ids, is_vlm
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup
@@ -340,16 +339,13 @@ class RolloutWorker:
 
     def _report_weights(self, told: int) -> None:
         """Tell the control plane which weights we generate with (best effort: a failure is only logged)."""
-        w = self.weights
         try:
             self.control.report_rollout_weights(
                 self.config.job,
                 self.config.worker_id,
                 version=self.version,
                 told=told,
-                loads=w.loads,
-                late=w.late,
-                wait_s=w.wait_s,
+                **dataclasses.asdict(self.weights),
             )
         except (Unavailable, NotFound, InvalidRequest) as exc:
             logger.warning("%s: could not report its weights: %s", self.config.worker_id, exc)
@@ -493,6 +489,29 @@ class RolloutWorker:
         del self._state.sealed[unit_id]
         self._save_state()
 
+    def _announce(self, source: str, group_ids: list[str], view: dict[str, Any]) -> None:
+        """Report ``group_ids`` as started, claiming as many lost groups of ``source`` (status ``to_regenerate``,
+        oldest first) for them to replace.
+
+        When a store node is lost, the control plane lists the unadmitted groups that were on it (and groups
+        retired past the staleness bound) in ``to_regenerate``. Any worker that generates the same source may
+        replace them: it starts fresh group ids as usual (so supply accounting stays exact) and names the lost
+        ids in the same supply report, which removes them from the list. Two workers may race for the same ids;
+        the control plane refuses the whole report then (nothing applied), and the loser reports its groups
+        again without claims.
+        """
+        job, started = self.config.job, {source: group_ids}
+        waiting = [r for r in view.get("to_regenerate", ()) if r.get("source") == source]
+        waiting.sort(key=lambda r: (r.get("at", 0.0), r["group_id"]))
+        if claims := [r["group_id"] for r in waiting[: len(group_ids)]]:
+            try:
+                self.control.report_supply(job, group_ids=started, regenerates=claims)
+                logger.info("job %s: new groups %s replace lost groups %s", job, group_ids, claims)
+                return
+            except InvalidRequest as exc:  # another worker claimed them first; nothing was applied
+                logger.info("job %s: regeneration claim refused (%s); announcing without claims", job, exc)
+        self.control.report_supply(job, group_ids=started)
+
     def run(self, *, max_groups: int | None = None) -> int:
         """Generate until the job is completed or drained (or ``max_groups`` were written); return groups written."""
         cfg = self.config
@@ -519,8 +538,7 @@ class RolloutWorker:
             self._state.next_seq += count
             self._state.announced.update({gid: source for gid in ids})
             self._save_state()
-            # new ids replace lost ones (status "to_regenerate") when there are any: see rollout/regen.py
-            report_started(self.control, cfg.job, source, ids, claimable(view, source, count))
+            self._announce(source, ids, view)
             self._produce(source, ids)
         return self.groups_written
 

@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -137,28 +136,27 @@ def _one_chunk(table: pa.Table, name: str) -> Any:
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
-_SENDERS: tuple[int, ThreadPoolExecutor] | None = None
-"""The process id that made the sender threads, and their executor (a forked child makes its own)."""
-_SENDERS_LOCK = threading.Lock()
+def _new_senders() -> None:
+    global _SENDERS
+    _SENDERS = ThreadPoolExecutor(32, thread_name_prefix="knittrans-write")  # its threads start on first use
+
+
+_SENDERS: ThreadPoolExecutor
+"""The writers' shared sender threads (a forked child gets its own: the parent's threads are not in it)."""
+_new_senders()
+os.register_at_fork(after_in_child=_new_senders)
 
 
 def _send_async(fn: Any, *args: Any) -> Future[Any]:
-    """Run ``fn(*args)`` in the writers' shared sender threads (made on first use, kept for later puts).
+    """Run ``fn(*args)`` in the writers' shared sender threads (kept for later puts).
 
     A new ``threading.Thread`` per node and put made the caller wait, in ``start()``, until the new
     thread had run, a scheduling delay on the critical path of a put on a busy host; handing work to
     a waiting thread does not wait. The tasks (a node's round trip) never wait on each other; more
     than 32 at once queue. Once the interpreter is shutting down (a put from an ``atexit`` hook), when
     executors take no more work, ``fn`` runs in the caller's thread."""
-    global _SENDERS
-    senders = _SENDERS
-    if senders is None or senders[0] != os.getpid():
-        with _SENDERS_LOCK:
-            senders = _SENDERS
-            if senders is None or senders[0] != os.getpid():  # none yet, or a fork's copy without threads
-                senders = _SENDERS = (os.getpid(), ThreadPoolExecutor(32, thread_name_prefix="knittrans-write"))
     try:
-        return senders[1].submit(fn, *args)
+        return _SENDERS.submit(fn, *args)
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         done: Future[Any] = Future()
         try:
@@ -227,7 +225,6 @@ def _write(
             start += len(units)
     staged: list[_Staged] = []
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
-    errors: list[BaseException | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
     drafts: list[list[UnitDescriptor]] = []
     failed: BaseException | None = None
@@ -239,13 +236,11 @@ def _write(
         drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]  # while the nodes store
     except BaseException as exc:
         failed = exc
-    finally:  # every started node's answer read from its sender thread
-        for k, answer in answers.items():
-            try:
-                infos[k] = answer()
-            except BaseException as exc:  # handed to the caller below
-                errors[k] = exc
-    failed = failed or next((e for e in errors if e is not None), None)
+    for k, answer in answers.items():  # every started node's answer read from its sender thread, in order
+        try:
+            infos[k] = answer()
+        except BaseException as exc:  # the first failure is raised below
+            failed = failed or exc
     if failed is not None:
         for (writer, _, _), st, info in zip(batches, staged, infos, strict=False):
             if info:
@@ -256,7 +251,7 @@ def _write(
         for descs, info in zip(drafts, infos, strict=True)
     ]
     if registrar is not None:
-        registrar.submit(batches[0][0].job, [d for descs in out for d in descs])
+        registrar.submit([d for descs in out for d in descs])
     return out
 
 
@@ -287,7 +282,7 @@ class TrajectoryWriter:
         self.client = StoreClient(endpoint, token=token)
         # with ``control`` every unit written is registered in the background (the caller keeps owning the client;
         # flush() waits for the registrations)
-        self._registrar = Registrar(control.register_units, _send_async) if control is not None else None
+        self._registrar = Registrar(self.job, control.register_units, _send_async) if control is not None else None
 
     def new_unit_id(self) -> str:
         """A fresh unit id: ``<node_id>-<16 hex>`` (node ids are at most 128 chars; trimmed to fit)."""
@@ -343,10 +338,9 @@ class TrajectoryWriter:
 
     def _send(self, staged: _Staged) -> list[dict[str, Any]]:
         """The node's part of storing staged units (all or none); the node's infos, in order."""
-        pairs = list(zip(staged.ids, staged.tables, strict=True))
         if staged.entries is None:
-            return self.write_tables_many(pairs)
-        return self._publish_temps(pairs, staged.entries)
+            return self.write_tables_many(list(zip(staged.ids, staged.tables, strict=True)))
+        return self._publish_temps(staged.entries)
 
     def _describe(self, staged: _Staged) -> list[UnitDescriptor]:
         """Descriptors of staged units (``num_bytes`` 0: the node gives it)."""
@@ -378,7 +372,7 @@ class TrajectoryWriter:
         if not units:
             return []
         if self.store_dir is not None:
-            return self._publish_temps(units, self._write_temps(units))
+            return self._publish_temps(self._write_temps(units))
         seals: list[dict[str, Any]] = []
         # the units this call holds on the node, to remove on failure: each one from its upload on, unless the
         # node refused it as a unit it already had (not this call's)
@@ -419,9 +413,7 @@ class TrajectoryWriter:
             raise
         return entries
 
-    def _publish_temps(
-        self, units: Sequence[tuple[str, UnitTables]], entries: Sequence[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
+    def _publish_temps(self, entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One ``publish_units`` of the temporaries written by :meth:`_write_temps` (budget, validation,
         rename; all or none). A failure removes the temporaries and the units."""
         try:
@@ -433,7 +425,7 @@ class TrajectoryWriter:
                 # Conflict: the node refused, already holding a unit of one of these ids, which is not
                 # this call's (another writer's, or one a crash left) and must not be deleted here. On any
                 # refusal the node has undone what the call did; what an error in transit left is removed.
-                self._abort([uid for uid, _ in units])
+                self._abort([e["unit"] for e in entries])
             raise
 
     def _abort(self, unit_ids: Sequence[str]) -> None:

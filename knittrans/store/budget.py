@@ -21,28 +21,19 @@ class ByteBudget:
     """
 
     def __init__(self, limit: int | None) -> None:
-        if limit is not None and limit <= 0:
-            raise ValueError(f"budget limit must be positive or None, not {limit}")
         self.limit = limit
-        self._used = 0
-        self._waiting = 0
-        self._cond = threading.Condition()
-
-    @property
-    def used(self) -> int:
+        """Most bytes (:class:`~knittrans.store.StoreConfig` checks it is positive); None: unlimited."""
+        self.used = 0
         """Bytes reserved or held right now."""
-        return self._used
-
-    @property
-    def waiting(self) -> int:
+        self.waiting = 0
         """Writers blocked in :meth:`reserve` right now, waiting for space."""
-        return self._waiting
+        self._cond = threading.Condition()
 
     def try_reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` if they fit now; never waits."""
         with self._cond:
-            if self.limit is None or self._used + nbytes <= self.limit:
-                self._used += nbytes
+            if self.limit is None or self.used + nbytes <= self.limit:
+                self.used += nbytes
                 return True
             return False
 
@@ -56,31 +47,31 @@ class ByteBudget:
             raise OverBudget(f"need {nbytes} bytes but the store budget is only {self.limit} bytes in total")
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._waiting += 1
+            self.waiting += 1
             try:
                 while True:
                     if abandoned is not None and abandoned():
                         raise Conflict(f"reservation of {nbytes} bytes abandoned by its caller")
-                    if self.limit is None or self._used + nbytes <= self.limit:
+                    if self.limit is None or self.used + nbytes <= self.limit:
                         break
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise OverBudget(
                             f"store budget of {self.limit} bytes stayed full for {timeout:.1f}s: "
-                            f"{self._used} bytes in use, need {nbytes} more"
+                            f"{self.used} bytes in use, need {nbytes} more"
                         )
                     self._cond.wait(min(left, _POLL_S) if abandoned is not None else left)
             finally:
-                self._waiting -= 1
-            self._used += nbytes
+                self.waiting -= 1
+            self.used += nbytes
 
     def force(self, nbytes: int) -> None:
         """Account bytes that already exist (recovered units), even above the limit."""
         with self._cond:
-            self._used += nbytes
+            self.used += nbytes
 
     def release(self, nbytes: int) -> None:
         """Give bytes back and wake waiting writers."""
         with self._cond:
-            self._used = max(0, self._used - nbytes)
+            self.used = max(0, self.used - nbytes)
             self._cond.notify_all()

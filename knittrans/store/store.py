@@ -492,15 +492,10 @@ class UnitStore:
                     shutil.move(str(tmp), str(moved))
                     tmp = moved
                 p.dir = tmp
-        except BaseException:
+            return self.seal_units(job, [spec for spec, _ in units])
+        except BaseException:  # what seal_units undid already is gone: aborting it again does nothing
             for p in begun:
                 self.abort(job, p.unit_id, only=p)
-            for tmp in dirs:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        try:
-            return self.seal_units(job, [spec for spec, _ in units])
-        except BaseException:
             for tmp in dirs:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
