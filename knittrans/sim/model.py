@@ -14,6 +14,14 @@ __all__ = ["SourceStream", "VersionTimeline"]
 _CHUNK = 1024
 
 
+def _lognormal(rng: np.random.Generator, mean: float, cv: float, size: int | tuple[int, int]) -> np.ndarray:
+    """Lognormal draws of ``mean`` and coefficient of variation ``cv`` (``mean`` itself, no draw, when ``cv`` is 0)."""
+    if not cv > 0:
+        return np.full(size, mean, dtype=np.float64)
+    sigma2 = math.log1p(cv**2)
+    return rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), size)
+
+
 class SourceStream:
     """Durations and token counts of the successive groups of one source.
 
@@ -33,23 +41,13 @@ class SourceStream:
     def _refill(self) -> None:
         p = self.profile
         rng = self._rng
-        if p.duration_cv > 0:
-            sigma2 = math.log1p(p.duration_cv**2)
-            mu = math.log(p.duration_mean_s) - sigma2 / 2
-            durations = rng.lognormal(mu, math.sqrt(sigma2), _CHUNK)
-        else:
-            durations = np.full(_CHUNK, p.duration_mean_s)
+        durations = _lognormal(rng, p.duration_mean_s, p.duration_cv, _CHUNK)
         if p.tail_prob > 0:
             stragglers = rng.random(_CHUNK) < p.tail_prob
             pareto = (1.0 - rng.random(_CHUNK)) ** (-1.0 / p.tail_alpha)
             durations = np.where(stragglers, durations * p.tail_scale * pareto, durations)
-        shape = (_CHUNK, self.group_size)
-        if p.tokens_cv > 0:
-            sigma2 = math.log1p(p.tokens_cv**2)
-            mu = math.log(p.tokens_mean) - sigma2 / 2
-            tokens = np.maximum(1, np.rint(rng.lognormal(mu, math.sqrt(sigma2), shape))).astype(np.int64)
-        else:
-            tokens = np.full(shape, max(1, round(p.tokens_mean)), dtype=np.int64)
+        draws = _lognormal(rng, p.tokens_mean, p.tokens_cv, (_CHUNK, self.group_size))
+        tokens = np.maximum(1, np.rint(draws)).astype(np.int64)
         self._durations = durations.tolist()
         self._tokens = [tuple(row) for row in tokens.tolist()]
         self._pos = 0
