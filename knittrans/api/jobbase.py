@@ -108,11 +108,7 @@ class JobBase:
 
     def quotas_for_step(self, step: int) -> dict[str, int]:
         """Quotas in force for train step ``step``."""
-        current = self.quota_changes[0][1]
-        for from_step, quotas in self.quota_changes:
-            if from_step <= step:
-                current = quotas
-        return current
+        return next(quotas for from_step, quotas in reversed(self.quota_changes) if from_step <= step)
 
     def admitted_in_step(self, step: int) -> dict[str, int]:
         """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches)."""
