@@ -359,7 +359,7 @@ class JobBase:
         total = self.spec.total_steps
         return total is None or self.next_n < total * self.K
 
-    def _settle(self, txn: Txn) -> None:
+    def _settle(self) -> None:
         """Move draining -> drained and running -> completed once nothing is left to train."""
         idle = self.position >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
         if self.next_n % self.K == 0 and idle:
