@@ -28,7 +28,7 @@ class Admission(JobBase):
         time: the control plane commits and publishes each manifest before it forms the next one.
         """
         n = self._admit_next(txn) if self.may_admit_next() else None
-        self._settle(txn)
+        self._settle()
         self._save_meta(txn)
         return [] if n is None else [n]
 

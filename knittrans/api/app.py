@@ -88,9 +88,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.registry = make_registry(service, app.state.observed)
     install_error_handlers(app)
     routers = [module.router for module in (health, jobs, nodes, units, minibatches, tokens, ui)]
-    for router in routers:
-        app.include_router(router)
-    _document_errors(app)
+    for router in routers:  # the error body every route really returns, for each error status it may answer
+        statuses = ["405", "413", "422", "503"] if router is health.router else list(_ERRORS)
+        app.include_router(router, responses={s: {"model": ErrorOut, "description": _ERRORS[s]} for s in statuses})
+    _close_maps_in_openapi(app)
     app.add_middleware(  # outermost: the token before any byte of the body, then the body's size and depth
         RequestGate,
         tokens=app.state.tokens,
@@ -113,32 +114,17 @@ _ERRORS = {
 }
 
 
-def _document_errors(app: FastAPI) -> None:
-    """State the error body every route really returns (``ErrorOut``) for each error status it may answer."""
+def _close_maps_in_openapi(app: FastAPI) -> None:
+    """Apply :func:`_close_maps` to the app's OpenAPI document when it is first built."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = build()
-            _add_errors(app.openapi_schema)
+            _close_maps(app.openapi_schema["components"]["schemas"])
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
-
-
-def _add_errors(schema: dict[str, Any]) -> None:
-    ref = {"$ref": "#/components/schemas/ErrorOut"}
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components["ErrorOut"] = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
-    for name in ("HTTPValidationError", "ValidationError"):
-        components.pop(name, None)
-    _close_maps(components)
-    for path, ops in schema.get("paths", {}).items():
-        for op in ops.values():
-            responses = op.setdefault("responses", {})
-            statuses = ["405", "413", "422", "503"] if path in ("/v1/health", "/metrics") else list(_ERRORS)
-            for status in statuses:
-                responses[status] = {"description": _ERRORS[status], "content": {"application/json": {"schema": ref}}}
 
 
 def _close_maps(node: Any) -> None:

@@ -90,29 +90,30 @@ class TokenCheck:
         self.admin = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
         """The admin token, also the key of scoped tokens (none without one)."""
 
-    @staticmethod
-    def _bearer(header: bytes | None) -> bytes | None:
-        """The token of an ``Authorization`` header value (None without one); raises on another scheme."""
+    def identify(self, header: bytes | None) -> Literal["admin", "worker"] | Scope | None:
+        """Whose token the ``Authorization`` header value ``header`` carries: the admin's or the worker's, the
+        :class:`Scope` of a scoped token this server signed, or None (no header, or a token of no one here).
+
+        Raises:
+            Unauthenticated: a header that is not ``Bearer <token>``.
+        """
         if not header:
             return None
         scheme, _, token = header.partition(b" ")
         token = token.strip()
         if scheme.lower() != b"bearer" or not token:
             raise Unauthenticated("Authorization header must be 'Bearer <token>'")
-        return token
+        # no short-circuit between the two: both compares always run
+        admin = self.admin is not None and hmac.compare_digest(token, self.admin)
+        worker = self.worker is not None and hmac.compare_digest(token, self.worker)
+        if admin or worker:
+            return "admin" if admin else "worker"
+        return None if self.admin is None else _parse(self.admin, token)
 
-    @classmethod
-    def _presented(cls, request: Request) -> bytes | None:
+    def _who(self, request: Request) -> Literal["admin", "worker"] | Scope | None:
+        """:meth:`identify` of the request's ``Authorization`` header."""
         header = request.headers.get("authorization")
-        return cls._bearer(header.encode() if header else None)
-
-    @staticmethod
-    def _matches(token: bytes | None, *expected: bytes | None) -> bool:
-        ok = False
-        for want in expected:
-            if want is not None and token is not None:
-                ok |= hmac.compare_digest(token, want)  # no short-circuit: both compares always run
-        return ok
+        return self.identify(header.encode() if header else None)
 
     def authenticates(self, header: bytes | None) -> bool:
         """Whether the ``Authorization`` header value ``header`` carries a token of this server (the worker or
@@ -122,14 +123,7 @@ class TokenCheck:
         Raises:
             Unauthenticated: a header that is not ``Bearer <token>``.
         """
-        if self.worker is None:
-            return True
-        token = self._bearer(header)
-        return self._matches(token, self.worker, self.admin) or self._scope(token) is not None
-
-    def _scope(self, token: bytes | None) -> Scope | None:
-        """The scope of a scoped token this server signed; None for any other token."""
-        return _parse(self.admin, token) if self.admin is not None and token else None
+        return self.worker is None or self.identify(header) is not None
 
     def check_worker(self, request: Request) -> None:
         """Worker endpoints: open without a worker token; else the worker or the admin token, or a
@@ -137,24 +131,23 @@ class TokenCheck:
         request.state.scope = None
         if self.worker is None:
             return
-        presented = self._presented(request)
-        if self._matches(presented, self.worker, self.admin):
-            return
-        scope = self._scope(presented)
-        if scope is None:
+        who = self._who(request)
+        if who is None:
             raise Unauthenticated("this endpoint needs the worker (or admin) bearer token")
-        if not scope.allows(request.url.path, dict(request.path_params), request.method):
+        if not isinstance(who, Scope):
+            return
+        if not who.allows(request.url.path, dict(request.path_params), request.method):
             raise Unauthenticated(
-                f"this token is scoped to {scope.role} of job {scope.job!r}"
-                f"{'' if scope.rank is None else f' rank {scope.rank}'}; "
+                f"this token is scoped to {who.role} of job {who.job!r}"
+                f"{'' if who.rank is None else f' rank {who.rank}'}; "
                 f"it does not cover {request.method} {request.url.path}"
             )
-        request.state.scope = scope
+        request.state.scope = who
 
     def is_admin(self, request: Request) -> bool:
         """Whether the request carries the admin token (always False when none is configured)."""
         try:
-            return self.admin is not None and self._matches(self._presented(request), self.admin)
+            return self._who(request) == "admin"
         except Unauthenticated:
             return False
 
@@ -162,8 +155,7 @@ class TokenCheck:
         """Admin endpoints: the admin token; without one configured, the worker rule applies."""
         if self.admin is None:
             self.check_worker(request)
-            return
-        if not self._matches(self._presented(request), self.admin):
+        elif self._who(request) != "admin":
             raise Unauthenticated("this endpoint needs the admin bearer token")
 
 

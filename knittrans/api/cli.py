@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import uvicorn
@@ -158,12 +158,10 @@ def run(args: argparse.Namespace) -> int:
     )
     scheme = "https" if args.tls_cert else "http"
     url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{port}"
-    return asyncio.run(_serve(server, sock, url, args.ready_file, args.db, app.state))
+    return asyncio.run(_serve(server, sock, url, args.ready_file, args.db))
 
 
-async def _serve(
-    server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str, state: Any
-) -> int:
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, ready_file: Path | None, db: str) -> int:
     """Serve on ``sock``; once uvicorn reports started, log the URL and write the ready file. The exit status:
     0, or 2 when start-up failed (uvicorn logged why)."""
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -108,11 +108,7 @@ class JobBase:
 
     def quotas_for_step(self, step: int) -> dict[str, int]:
         """Quotas in force for train step ``step``."""
-        current = self.quota_changes[0][1]
-        for from_step, quotas in self.quota_changes:
-            if from_step <= step:
-                current = quotas
-        return current
+        return next(quotas for from_step, quotas in reversed(self.quota_changes) if from_step <= step)
 
     def admitted_in_step(self, step: int) -> dict[str, int]:
         """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches)."""
@@ -363,7 +359,7 @@ class JobBase:
         total = self.spec.total_steps
         return total is None or self.next_n < total * self.K
 
-    def _settle(self, txn: Txn) -> None:
+    def _settle(self) -> None:
         """Move draining -> drained and running -> completed once nothing is left to train."""
         idle = self.position >= self.next_n  # mini-batches 0..next_n-1 exist: all consumed
         if self.next_n % self.K == 0 and idle:

@@ -286,7 +286,7 @@ class ControlPlane:
             logger.warning("node %s lost (%s)", node_id, reason)
         return {**node.public(time.time()), "withdrawn": withdrawn}
 
-    def sweep(self, *, paused_s: float = 0.0) -> list[str]:
+    def sweep(self, *, paused_s: float = 0.0) -> None:
         """Declare lost every node whose last heartbeat is older than ``node_timeout_s``.
 
         ``paused_s`` > 0 says the caller itself was paused that long: heartbeats may be queued
@@ -298,12 +298,10 @@ class ControlPlane:
             logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
             for n in self.nodes.values():
                 n.last_heartbeat = max(n.last_heartbeat, now)
-            return []
+            return
         timeout = self.settings.node_timeout_s
-        late = [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > timeout]
-        for node_id in late:
+        for node_id in [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > timeout]:
             self.declare_lost(node_id, f"no heartbeat for {timeout:g}s")
-        return late
 
     # ------------------------------------------------------------------ jobs
     def create_job(self, spec: JobSpec) -> tuple[dict[str, Any], bool]:

@@ -23,7 +23,7 @@ from knittrans.api.models import (
     VersionOut,
 )
 from knittrans.api.routes.deps import Run, Service
-from knittrans.errors import Conflict, NotFound, Unauthenticated
+from knittrans.errors import Conflict, Unauthenticated
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
 
@@ -91,9 +91,7 @@ async def _view(state: Any, job: str) -> Published:
         return view
 
     def compute() -> Published:
-        found: Published | None = state.service.published(job)
-        if found is None:
-            raise NotFound(f"job {job!r} does not exist; create it with POST /v1/jobs")
+        found: Published = state.service.job(job).published()  # NotFound for a job that does not exist
         state.board.store(job, found)
         return found
 
