@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import GROUP_SIZE, TOKEN_A, TOKEN_W, Server, create_job, register_nodes, unit, write_results
@@ -198,6 +199,8 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
         time.sleep(0.05)
     done0 = [t.done for t in rank_threads]
     lat0 = [len(t.latencies) for t in rank_threads]
+    # what else runs in this process and beside it (earlier runs' threads or processes would be load here)
+    others = {"threads": threading.active_count(), "processes": len(psutil.Process().children(recursive=True))}
     cpu0, wall0 = server.cpu_s(), time.monotonic()
     time.sleep(args.seconds)
     cpu1, wall1 = server.cpu_s(), time.monotonic()
@@ -237,6 +240,7 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
         "share_cut_ms": summary(cuts),
         "server_rss_mib": rss,
         "consumed_total": status["counts"]["consumed_mini_batches"],
+        "at_window_start": others,
         "errors": errors,
     }
 
