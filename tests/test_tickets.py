@@ -53,6 +53,8 @@ def test_media_ticket_round_trips() -> None:
         (b'{"v": 2, "job": "j", "reads": []}', "version 2"),
         (b'{"v": 1, "job": "j", "reads": [], "extra": 1}', "unknown fields"),
         (b'{"v": 1, "job": "../etc", "reads": [{"unit": "u"}]}', "job '../etc'"),
+        (b'{"v": 1, "reads": [{"unit": "u"}]}', "job ''"),  # missing
+        (b'{"v": 1, "job": 7, "reads": [{"unit": "u"}]}', "job 7"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "a/b"}]}', "unit_id 'a/b'"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[5, 2]]}]}', "[5, 2)"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [[0, 4], [2, 6]]}]}', "overlap"),
