@@ -16,12 +16,10 @@ __all__ = [
     "MAX_TICKET_BYTES",
     "MAX_TICKET_DEPTH",
     "TICKET_VERSION",
-    "RowRun",
     "Ticket",
     "UnitRead",
     "join_tickets",
     "node_reads",
-    "row_runs",
 ]
 
 TICKET_VERSION = 1
@@ -174,51 +172,36 @@ class Ticket:
         )
 
 
-RowRun = tuple[str, str, tuple[tuple[int, int], ...]]
-"""``(node_id, unit_id, row ranges)``: consecutive rows of one unit, as merged half-open ranges."""
+def node_reads(rows: Iterable[tuple[str, str, int]]) -> dict[str, tuple[UnitRead, ...]]:
+    """Rows ``(node_id, unit_id, row)`` in read order as the reads of each node (nodes in first-use order).
 
+    Consecutive rows of one unit make one read, a row right after the previous one extending its range
+    (any other row starts a new range); reading a node's reads in order returns its rows in order. One
+    ``DoGet`` per node returns its rows in order, so a node's rows must be contiguous in ``rows``.
 
-def row_runs(rows: Iterable[tuple[str, str, int]]) -> list[RowRun]:
-    """Rows ``(node_id, unit_id, row)`` in read order as runs of one unit each, ranges merged.
-
-    A run ends where the unit changes; inside a run a row right after the previous one extends its
-    range, any other row starts a new range. Reading the runs in order returns the rows in order.
+    Raises:
+        InvalidTicket: a node's rows are interrupted by another node's, or a range is not valid.
     """
-    out: list[RowRun] = []
-    current: tuple[str, str] | None = None
+    per_node: dict[str, list[tuple[str, list[tuple[int, int]]]]] = {}
+    last: tuple[str, str] | None = None
     ranges: list[tuple[int, int]] = []
     for node_id, unit_id, row in rows:
-        if current is not None and current[0] == node_id and current[1] == unit_id:
+        if last is not None and last[0] == node_id and last[1] == unit_id:
             start, stop = ranges[-1]
             if stop == row:
                 ranges[-1] = (start, row + 1)
             else:
                 ranges.append((row, row + 1))
             continue
-        if current is not None:
-            out.append((current[0], current[1], tuple(ranges)))
-        current, ranges = (node_id, unit_id), [(row, row + 1)]
-    if current is not None:
-        out.append((current[0], current[1], tuple(ranges)))
-    return out
-
-
-def node_reads(rows: Iterable[tuple[str, str, int]]) -> dict[str, tuple[UnitRead, ...]]:
-    """Rows ``(node_id, unit_id, row)`` in read order as the reads of each node (nodes in first-use order).
-
-    One ``DoGet`` per node returns its rows in order, so a node's rows must be contiguous in ``rows``.
-
-    Raises:
-        InvalidTicket: a node's rows are interrupted by another node's, or a range is not valid.
-    """
-    per_node: dict[str, list[UnitRead]] = {}
-    last: str | None = None
-    for node_id, unit_id, ranges in row_runs(rows):
-        if node_id != last and node_id in per_node:
+        if (last is None or node_id != last[0]) and node_id in per_node:
             raise InvalidTicket(f"rows of node {node_id!r} are not contiguous in read order")
-        per_node.setdefault(node_id, []).append(UnitRead(unit_id=unit_id, row_ranges=ranges))
-        last = node_id
-    return {node: tuple(reads) for node, reads in per_node.items()}
+        ranges = [(row, row + 1)]
+        per_node.setdefault(node_id, []).append((unit_id, ranges))
+        last = (node_id, unit_id)
+    return {
+        node: tuple(UnitRead(unit_id=unit_id, row_ranges=tuple(r)) for unit_id, r in reads)
+        for node, reads in per_node.items()
+    }
 
 
 def join_tickets(tickets: Sequence[Ticket], *, grants: Sequence[str] | None = None) -> Ticket:

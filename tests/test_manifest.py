@@ -26,7 +26,7 @@ from knittrans.errors import InvalidRequest, InvalidTicket
 from knittrans.manifest import MANIFEST_VERSION, Manifest, ManifestGroup, ManifestNode, etag_of
 from knittrans.plans import PlanRow
 from knittrans.schema import SCHEMA_VERSION
-from knittrans.tickets import Ticket, UnitRead, join_tickets, node_reads, row_runs
+from knittrans.tickets import Ticket, UnitRead, join_tickets, node_reads
 
 WIRE_KEYS = [
     "manifest",
@@ -459,14 +459,9 @@ def test_http_status_table_is_read_back_by_the_client() -> None:
     assert errors.error_of_status(418) is errors.KnitTransError
 
 
-def test_row_runs_merge_contiguous_rows_of_a_unit() -> None:
+def test_node_reads_merge_contiguous_rows_of_a_unit() -> None:
     rows = [("n0", "u0", 3), ("n0", "u0", 4), ("n0", "u0", 7), ("n0", "u1", 0), ("n1", "u2", 5), ("n1", "u2", 6)]
-    assert row_runs(rows) == [
-        ("n0", "u0", ((3, 5), (7, 8))),
-        ("n0", "u1", ((0, 1),)),
-        ("n1", "u2", ((5, 7),)),
-    ]
-    assert row_runs([]) == []
+    assert node_reads([]) == {}
     assert node_reads(rows) == {
         "n0": (UnitRead(unit_id="u0", row_ranges=((3, 5), (7, 8))), UnitRead(unit_id="u1", row_ranges=((0, 1),))),
         "n1": (UnitRead(unit_id="u2", row_ranges=((5, 7),)),),

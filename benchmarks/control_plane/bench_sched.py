@@ -16,6 +16,7 @@ Run: ``python benchmarks/control_plane/bench_sched.py [--runs 30] [--out PATH]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -28,7 +29,6 @@ from pathlib import Path
 from knittrans.sched.admission import make_policy
 from knittrans.sched.assign import Assignment, assign_mini_batch
 from knittrans.sched.types import FinishedGroup, SourceBounds, StepState
-from knittrans.tickets import row_runs
 
 SOURCES = {"math": (300, 1500), "code": (500, 4000), "chat": (100, 600), "mm_qa": (200, 1200)}
 
@@ -86,8 +86,8 @@ def ours_as_slots(a: Assignment) -> list[list[list[Slot]]]:
 
 
 def reads(micro: list[Slot]) -> int:
-    """``DoGet`` row ranges a micro-batch reads (consecutive rows of a unit merged)."""
-    return len(row_runs((node, unit, row) for node, unit, row, _ in micro))
+    """Unit reads of a micro-batch's ``DoGet`` requests: runs of consecutive slots on one node and unit."""
+    return sum(1 for _ in itertools.groupby(micro, key=lambda slot: slot[:2]))
 
 
 def naive_select(state: StepState, size: int) -> tuple[FinishedGroup, ...]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from knittrans.sched.admission import POLICIES
+__all__ = ["JOB", "DemoConfig"]
 
-__all__ = ["DemoConfig"]
+JOB = "demo"
+"""Name of the demo job."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +75,12 @@ class DemoConfig:
     """Give up (and stop every process) after this long."""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
+        from knittrans.api.models import JobCreate
+        from knittrans.api.spec import JobSpec
+
+        # the job's fields (policy, K, W, L, ranks, steps, handover) as the control plane checks them, before any
+        # process starts
+        JobSpec.from_dict(JobCreate.model_validate(self.job_spec()).model_dump())
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"engine must be hf or vllm, not {self.engine!r}")
         if set(self.quotas) != set(self.sources):
@@ -83,18 +89,28 @@ class DemoConfig:
             )
         if not self.min_step_s >= 0:
             raise ValueError(f"min_step_s must be >= 0, got {self.min_step_s}")
-        if self.window < 1 or self.lookahead < 0:
-            raise ValueError(f"window must be >= 1 and lookahead >= 0, got {self.window} and {self.lookahead}")
-        if self.steps < 1 or self.ranks < 1 or self.stores < 1:
-            raise ValueError("steps, ranks and stores must be >= 1")
+        if self.stores < 1:
+            raise ValueError("stores must be >= 1")
         if self.hidden % 64 or self.hidden < 64 or self.layers < 1:
             raise ValueError("hidden must be a positive multiple of 64 (head_dim 64) and layers >= 1")
         if self.fetch_mode not in ("iter", "eager"):
             raise ValueError("fetch_mode must be iter or eager")
-        if self.train_batch_handover not in ("mini_batch", "step"):
-            raise ValueError(f"train_batch_handover must be mini_batch or step, not {self.train_batch_handover!r}")
-        if self.train_batch_handover == "step" and self.policy != "train_batch":
-            raise ValueError("train_batch_handover 'step' is the train_batch baseline's")
+
+    def job_spec(self) -> dict[str, Any]:
+        """The job the demo creates (``POST /v1/jobs`` body)."""
+        return {
+            "name": JOB,
+            "group_size": self.group_size,
+            "quotas": dict(self.quotas),
+            "mini_batches_per_step": self.mini_batches_per_step,
+            "policy": self.policy,
+            "world_size": self.ranks,
+            "micro_batch_size": self.micro_batch_size,
+            "total_steps": self.steps,
+            "window": self.window,
+            "lookahead": self.lookahead,
+            "train_batch_handover": self.train_batch_handover,
+        }
 
     @property
     def label(self) -> str:

@@ -9,7 +9,6 @@ process is a child in its own session and is stopped on exit, on error and on Ct
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import sys
 import time
@@ -17,32 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from knittrans.demo.config import DemoConfig
+from knittrans.demo.config import JOB, DemoConfig
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import free_port, knittrans_command
 
-__all__ = ["JOB", "run_demo"]
-
-logger = logging.getLogger(__name__)
-
-JOB = "demo"
-"""Name of the demo job."""
-
-
-def _job_spec(config: DemoConfig) -> dict[str, Any]:
-    return {
-        "name": JOB,
-        "group_size": config.group_size,
-        "quotas": dict(config.quotas),
-        "mini_batches_per_step": config.mini_batches_per_step,
-        "policy": config.policy,
-        "world_size": config.ranks,
-        "micro_batch_size": config.micro_batch_size,
-        "total_steps": config.steps,
-        "window": config.window,
-        "lookahead": config.lookahead,
-        "train_batch_handover": config.train_batch_handover,
-    }
+__all__ = ["run_demo"]
 
 
 def _start_rollout(cluster: LocalCluster, config: DemoConfig, run_dir: Path, model_dir: Path) -> None:
@@ -128,7 +106,7 @@ def run_demo(config: DemoConfig, *, progress: Callable[[str], None] | None = Non
     )
     with LocalCluster(cluster_config) as cluster:
         control = cluster.control(admin=True)
-        control.create_job(_job_spec(config))
+        control.create_job(config.job_spec())
         _start_rollout(cluster, config, run_dir, model_dir)
         ranks = _start_trainers(cluster, config, run_dir, model_dir)
         last = ""
