@@ -150,8 +150,6 @@ class ControlClient:
         pauses = self.retry.pauses()
         attempt = 0
         http = self._poll_http if poll else self._http
-        if content is not None:
-            headers = {**_JSON_CONTENT, **(headers or {})}
         while True:
             try:
                 response = http.request(
@@ -294,7 +292,7 @@ class ControlClient:
         pauses = RetryPolicy(budget_s=node_wait_s, max_backoff_s=0.5, jitter=0).pauses()
         while True:
             try:
-                return self._obj("POST", f"/v1/jobs/{job}/units", content=data)
+                return self._obj("POST", f"/v1/jobs/{job}/units", content=data, headers=_JSON_CONTENT)
             except NotFound as exc:
                 missing = _UNREGISTERED_NODE.search(str(exc))
                 if missing is None:

@@ -102,13 +102,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The service's settings: the flags given, then ``KNITTRANS_<FIELD>`` variables, then the defaults."""
     from knittrans.api.settings import Settings
 
-    given = {
-        "worker_token": args.worker_token,
-        "admin_token": args.admin_token,
-        "node_timeout_s": args.node_timeout_s,
-        "db_synchronous": args.db_synchronous,
-        "db_init": args.init,
-    }
+    given = {name: getattr(args, name) for name in ("worker_token", "admin_token", "node_timeout_s", "db_synchronous")}
+    given["db_init"] = args.init
     return Settings(db_path=args.db, **{k: v for k, v in given.items() if v is not None})
 
 

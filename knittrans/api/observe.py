@@ -10,26 +10,29 @@ plane they start again from zero, which is how Prometheus counters behave.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+from knittrans.api.models import TransferIn
 
 __all__ = ["TRANSFER_FIELDS", "Observations"]
 
 
-TRANSFER_FIELDS = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
+TRANSFER_FIELDS = tuple(TransferIn.model_fields)
 """The per-rank figures an ack carries (:class:`~knittrans.api.models.TransferIn`'s columns), summed per rank."""
 
 
+@dataclass
 class Observations:
-    """Per-rank transfer counters and per-node store usage of one control-plane instance."""
+    """Per-rank transfer counters, per-node store usage and per-worker weights of one control-plane instance."""
 
-    def __init__(self) -> None:
-        self.ranks: dict[tuple[str, int], dict[str, Any]] = {}
-        """Per (job, rank): ``mini_batches`` acked with figures, the sums of :data:`TRANSFER_FIELDS` and
-        ``last_ack`` (``manifest_id``, ``global_index``, ``consumed`` and ``at`` of the last ack with figures)."""
-        self.stores: dict[str, dict[str, Any]] = {}
-        """Per node: its latest heartbeat's figures (``NodeUsageIn``'s fields) and ``at``, the unix time."""
-        self.rollout: dict[tuple[str, str], dict[str, Any]] = {}
-        """Per (job, worker): its latest weights report (``RolloutWeightsIn``'s fields) and ``at``."""
+    ranks: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    """Per (job, rank): ``mini_batches`` acked with figures, the sums of :data:`TRANSFER_FIELDS` and
+    ``last_ack`` (``manifest_id``, ``global_index``, ``consumed`` and ``at`` of the last ack with figures)."""
+    stores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per node: its latest heartbeat's figures (``NodeUsageIn``'s fields) and ``at``, the unix time."""
+    rollout: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    """Per (job, worker): its latest weights report (``RolloutWeightsIn``'s fields) and ``at``."""
 
     def record_ack(
         self,
@@ -72,11 +75,8 @@ class Observations:
 
         ``list(d.items())`` copies in one C call, so the event loop cannot add an entry halfway.
         """
-        copy = Observations()
-        copy.ranks = {key: dict(entry) for key, entry in list(self.ranks.items())}
-        copy.stores = dict(list(self.stores.items()))
-        copy.rollout = dict(list(self.rollout.items()))
-        return copy
+        ranks = {key: dict(entry) for key, entry in list(self.ranks.items())}
+        return Observations(ranks, dict(list(self.stores.items())), dict(list(self.rollout.items())))
 
     def job_ranks(self, job: str) -> dict[int, dict[str, Any]]:
         """The ranks of ``job`` seen so far, by rank."""

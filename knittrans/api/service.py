@@ -89,7 +89,6 @@ class ControlPlane:
         """
         self.store = store
         self.settings = settings
-        self.ticket_key = settings.ticket_key.get_secret_value().encode() if settings.ticket_key else None
         self.on_change = on_change
         self._state_thread = state_thread or (lambda: None)
         self.nodes: dict[str, Node] = {}
@@ -142,7 +141,7 @@ class ControlPlane:
             endpoint=lambda n: self.nodes[n].endpoint,
             node_alive=lambda n: self._node_state(n) == "alive",
             recent_admissions=self.settings.recent_admissions,
-            ticket_key=self.ticket_key,
+            ticket_key=self.settings.ticket_key.get_secret_value().encode() if self.settings.ticket_key else None,
             ticket_ttl_s=self.settings.ticket_ttl_s,
         )
 

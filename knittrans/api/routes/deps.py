@@ -1,4 +1,4 @@
-"""Dependencies shared by the routers: the service, its state thread and the manifest board of the running app."""
+"""Dependencies shared by the routers: the service and its state thread of the running app."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
-from knittrans.api.board import ManifestBoard
 from knittrans.api.service import ControlPlane
-from knittrans.api.settings import Settings
 
-__all__ = ["Board", "Run", "Service", "SettingsDep", "StateRunner"]
+__all__ = ["Run", "Service", "StateRunner"]
 
 T = TypeVar("T")
 
@@ -88,9 +86,5 @@ def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
 
 Service = Annotated[ControlPlane, Depends(_app_state("service"))]
 """The app's :class:`ControlPlane`."""
-Board = Annotated[ManifestBoard, Depends(_app_state("board"))]
-"""The app's :class:`~knittrans.api.board.ManifestBoard`."""
-SettingsDep = Annotated[Settings, Depends(_app_state("settings"))]
-"""The app's settings."""
 Run = Annotated[StateRunner, Depends(_app_state("runner"))]
 """The app's :class:`StateRunner`: ``await run(svc.method, ...)``."""

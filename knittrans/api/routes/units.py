@@ -20,7 +20,7 @@ from knittrans.api.models import (
     UnitsIn,
     UnitsOut,
 )
-from knittrans.api.routes.deps import Board, Run, Service, SettingsDep
+from knittrans.api.routes.deps import Run, Service
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import NotFound
 from knittrans.lifecycle import TERMINAL
@@ -75,8 +75,7 @@ async def headroom(
     job: str,
     svc: Service,
     run: Run,
-    board: Board,
-    settings: SettingsDep,
+    request: Request,
     _: WorkerAuth,
     wait_s: float = Query(0.0, ge=0),
     sources: str | None = Query(None, max_length=4096, description="comma-separated sources the caller generates"),
@@ -89,9 +88,9 @@ async def headroom(
     """
     wanted = None if sources is None else {s for s in sources.split(",") if s}
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(wait_s, settings.long_poll_max_s)
+    deadline = loop.time() + min(wait_s, request.app.state.settings.long_poll_max_s)
     while True:
-        event = board.event(job)  # taken before the probe: a change while it runs still wakes us
+        event = request.app.state.board.event(job)  # taken before the probe: a change while it runs still wakes us
         view = await run(svc.headroom, job)
         remaining = deadline - loop.time()
         open_now = any(n > 0 for s, n in view["headroom"].items() if wanted is None or s in wanted)
