@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
-from knittrans.descriptors import GroupRecord, UnitDescriptor, checked_group
+from knittrans.descriptors import UnitDescriptor, checked_group
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
@@ -68,14 +68,13 @@ def describe_unit(
     node_id: str,
     endpoint: str,
     num_bytes: int,
-    trusted: bool = False,
 ) -> UnitDescriptor:
     """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column:
     per-group minima, maxima and sums are segment reductions over the group's rows).
 
-    ``trusted``: the tables are what :func:`build_units_tables` made and validated from ``groups`` (the
-    writer's own put): the group records skip their per-field checks, which cannot fail for such rows;
-    the unit's checks still run, and the control plane checks everything again on registration."""
+    The tables are what :func:`build_units_tables` made and validated from ``groups``: the group records
+    skip their per-field checks, which cannot fail for such rows; the unit's checks still run, and the
+    control plane checks everything again on registration."""
     traj = tables.traj
     sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
     starts = np.zeros(len(groups), dtype=np.int64)
@@ -112,7 +111,7 @@ def describe_unit(
             "media_hashes": hashes,
         }
         # the tables passed build_units_tables' checks: every field holds (a test compares with checked records)
-        records.append(checked_group(record) if trusted else GroupRecord(**record))
+        records.append(checked_group(record))
         row += n
     return UnitDescriptor(
         unit_id=unit_id,
@@ -353,7 +352,6 @@ class TrajectoryWriter:
                 node_id=self.node_id,
                 endpoint=self.endpoint,
                 num_bytes=0,
-                trusted=True,
             )
             for uid, t, groups in zip(staged.ids, staged.tables, staged.units, strict=True)
         ]
