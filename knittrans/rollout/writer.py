@@ -52,7 +52,7 @@ from knittrans.rollout.registrar import Registrar
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
 from knittrans.store.store import writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
-from knittrans.userfields import UserField, parse_user_fields
+from knittrans.userfields import parse_user_fields
 
 __all__ = ["TrajectoryWriter", "describe_unit", "write_units_across"]
 
@@ -266,14 +266,13 @@ class TrajectoryWriter:
         store_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
         timeout_s: float = 30.0,
-        user_fields: Sequence[UserField] | Mapping[str, str] = (),
+        user_fields: Mapping[str, str] | None = None,
         control: ControlClient | None = None,
     ) -> None:
         self.job = check_name(job, "job")
-        self.user_fields: tuple[UserField, ...] = (
-            parse_user_fields(user_fields) if isinstance(user_fields, Mapping) else tuple(user_fields)
-        )
-        """The job's declared user fields (``JobSpec.user_fields``); every group must give each."""
+        self.user_fields = parse_user_fields(user_fields)
+        """The job's declared user fields, parsed from ``{name: type}`` (``JobSpec.user_fields``); every group must give
+        each."""
         self.node_id = check_name(node_id, "node_id")
         self.endpoint = endpoint
         self.store_dir = Path(store_dir).resolve() if store_dir is not None else None
