@@ -309,11 +309,11 @@ class TrajectoryWriter:
         if self._registrar is not None:
             self._registrar.check()
 
-    def flush(self, timeout_s: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait until every unit this writer had registered so far is registered; raise a registration
-        failure (as :meth:`check`). ``Unavailable`` when still registering after ``timeout_s``."""
+        failure (as :meth:`check`)."""
         if self._registrar is not None:
-            self._registrar.flush(timeout_s)
+            self._registrar.flush()
 
     def _stage(
         self,
