@@ -12,9 +12,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from knittrans.errors import InvalidRequest
-from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import HFEngine, HFEngineConfig, RolloutEngine
-from knittrans.rollout.generated import GeneratedGroup, PromptRequest
+from knittrans.rollout.generated import GeneratedGroup, PromptRequest, to_trajectory_group
 from knittrans.rollout.models import build_tiny_qwen2
 from knittrans.schema import Media, build_unit_tables
 
@@ -172,8 +171,8 @@ def test_load_weights_switches_the_policy(model_dirs: tuple[Path, Path], tmp_pat
     for s in after.samples:
         want_b = forward_logprobs(model_dirs[1], after.prompt_ids, s.response_ids, 1.0)
         np.testing.assert_allclose(s.response_logprobs, want_b, atol=ATOL, rtol=0)
-    assert before.response_ids[0].tolist() != after.response_ids[0].tolist() or not np.allclose(
-        before.response_logprobs[0], after.response_logprobs[0], atol=1e-3
+    assert before.samples[0].response_ids.tolist() != after.samples[0].response_ids.tolist() or not np.allclose(
+        before.samples[0].response_logprobs, after.samples[0].response_logprobs, atol=1e-3
     )
 
 

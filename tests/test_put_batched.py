@@ -260,13 +260,16 @@ def test_descriptor_to_dict_is_asdict() -> None:
 
 
 def test_trusted_descriptors_are_the_checked_ones() -> None:
-    """``describe_unit(trusted=True)`` (the writer's own put: records without their per-field checks) gives
+    """``describe_unit`` (records without their per-field checks: the writer's own validated tables) gives
     records equal, field for field and in their JSON, to the checked ones, media hashes included; and a
     descriptor made from them checks like any other."""
     for units in (_units(3), [make_groups(4, 5, seed=7)]):
         for groups, t in zip(units, build_units_tables(units), strict=True):
             kw: dict[str, Any] = {"unit_id": "u", "job": "j", "node_id": "n", "endpoint": "grpc://x:1", "num_bytes": 5}
-            trusted, checked = describe_unit(t, groups, trusted=True, **kw), describe_unit(t, groups, **kw)
+            trusted = describe_unit(t, groups, **kw)
+            checked = dataclasses.replace(
+                trusted, groups=tuple(GroupRecord(**dataclasses.asdict(g)) for g in trusted.groups)
+            )
             assert trusted == checked and json.dumps(trusted.to_dict()) == json.dumps(checked.to_dict())
             assert all(type(g) is GroupRecord for g in trusted.groups) and any(g.media_hashes for g in trusted.groups)
             assert UnitDescriptor.from_dict(trusted.to_dict()) == trusted

@@ -15,9 +15,8 @@ from knittrans.demo.policy import packed_response_logprobs
 from knittrans.errors import InvalidRequest
 from knittrans.local import LocalCluster
 from knittrans.procs import free_port, knittrans_command, wait_until
-from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import HFEngine
-from knittrans.rollout.generated import GeneratedGroup, PromptRequest
+from knittrans.rollout.generated import GeneratedGroup, PromptRequest, to_trajectory_group
 from knittrans.rollout.vlm import (
     TinyVLMSpec,
     VisionTower,
@@ -140,7 +139,9 @@ def test_images_change_the_samples(engine: HFEngine, vlm_dir: Path) -> None:
         engine.generate([PromptRequest(prompt_ids=ids, media=(Media(kind="image", data=im),))], 4, 8, 1.0, seed=1)[0]
         for im in (_image(rng, 112, 112), _image(rng, 112, 112))
     )
-    assert any(not np.array_equal(a, b) for a, b in zip(first.response_ids, second.response_ids, strict=True))
+    assert any(
+        not np.array_equal(a.response_ids, b.response_ids) for a, b in zip(first.samples, second.samples, strict=True)
+    )
 
 
 def test_load_weights_reloads_vision_and_language(vlm_dir: Path, tmp_path: Path) -> None:

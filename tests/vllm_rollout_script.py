@@ -32,9 +32,8 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42], [(7 * i) % 250 for i in ran
 
 def main() -> None:
     """Run both phases and dump the JSON result."""
-    from knittrans.rollout.adapters.trajectory import to_trajectory_group
     from knittrans.rollout.engines import VLLMEngine, VLLMEngineConfig
-    from knittrans.rollout.generated import PromptRequest
+    from knittrans.rollout.generated import PromptRequest, to_trajectory_group
     from knittrans.rollout.writer import TrajectoryWriter
     from knittrans.schema import Media
 

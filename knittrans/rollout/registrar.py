@@ -69,15 +69,10 @@ class Registrar:
             failed = self._failed.pop(0)
         raise _reported(self.job, failed)
 
-    def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every unit submitted so far is registered or has failed, then raise as :meth:`check`.
-
-        Raises:
-            Unavailable: still registering after ``timeout_s`` seconds.
-        """
+    def flush(self) -> None:
+        """Wait until every unit submitted so far is registered or has failed, then raise as :meth:`check`."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._busy, timeout_s):
-                raise Unavailable(f"unit registrations still in progress after {timeout_s} s")
+            self._cond.wait_for(lambda: not self._busy)
         self.check()
 
     def _drain(self) -> None:

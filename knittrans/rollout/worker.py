@@ -40,9 +40,8 @@ from knittrans.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from knittrans.lifecycle import TERMINAL
 from knittrans.names import check_name
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
-from knittrans.rollout.adapters.trajectory import to_trajectory_group
 from knittrans.rollout.engines import RolloutEngine, open_engine
-from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest
+from knittrans.rollout.generated import GeneratedGroup, GeneratedSample, PromptRequest, to_trajectory_group
 from knittrans.rollout.vlm import VLMLayout, image_prompt_ids, is_vlm
 from knittrans.rollout.writer import TrajectoryWriter
 from knittrans.schema import Media, TrajectoryGroup

@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from knittrans.controlclient import ControlClient
-from knittrans.descriptors import GroupRecord, UnitDescriptor, checked_group
+from knittrans.descriptors import UnitDescriptor, checked_group
 from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.names import check_name
@@ -52,7 +52,7 @@ from knittrans.rollout.registrar import Registrar
 from knittrans.schema import SCHEMA_VERSION, TrajectoryGroup, UnitTables, build_units_tables
 from knittrans.store.store import writer_temp_name
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, write_table
-from knittrans.userfields import UserField, parse_user_fields
+from knittrans.userfields import parse_user_fields
 
 __all__ = ["TrajectoryWriter", "describe_unit", "write_units_across"]
 
@@ -68,14 +68,13 @@ def describe_unit(
     node_id: str,
     endpoint: str,
     num_bytes: int,
-    trusted: bool = False,
 ) -> UnitDescriptor:
     """Build the control-plane descriptor of a unit from its trajectory table (vectorised per column:
     per-group minima, maxima and sums are segment reductions over the group's rows).
 
-    ``trusted``: the tables are what :func:`build_units_tables` made and validated from ``groups`` (the
-    writer's own put): the group records skip their per-field checks, which cannot fail for such rows;
-    the unit's checks still run, and the control plane checks everything again on registration."""
+    The tables are what :func:`build_units_tables` made and validated from ``groups``: the group records
+    skip their per-field checks, which cannot fail for such rows; the unit's checks still run, and the
+    control plane checks everything again on registration."""
     traj = tables.traj
     sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
     starts = np.zeros(len(groups), dtype=np.int64)
@@ -112,7 +111,7 @@ def describe_unit(
             "media_hashes": hashes,
         }
         # the tables passed build_units_tables' checks: every field holds (a test compares with checked records)
-        records.append(checked_group(record) if trusted else GroupRecord(**record))
+        records.append(checked_group(record))
         row += n
     return UnitDescriptor(
         unit_id=unit_id,
@@ -267,14 +266,13 @@ class TrajectoryWriter:
         store_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
         timeout_s: float = 30.0,
-        user_fields: Sequence[UserField] | Mapping[str, str] = (),
+        user_fields: Mapping[str, str] | None = None,
         control: ControlClient | None = None,
     ) -> None:
         self.job = check_name(job, "job")
-        self.user_fields: tuple[UserField, ...] = (
-            parse_user_fields(user_fields) if isinstance(user_fields, Mapping) else tuple(user_fields)
-        )
-        """The job's declared user fields (``JobSpec.user_fields``); every group must give each."""
+        self.user_fields = parse_user_fields(user_fields)
+        """The job's declared user fields, parsed from ``{name: type}`` (``JobSpec.user_fields``); every group must give
+        each."""
         self.node_id = check_name(node_id, "node_id")
         self.endpoint = endpoint
         self.store_dir = Path(store_dir).resolve() if store_dir is not None else None
@@ -311,11 +309,11 @@ class TrajectoryWriter:
         if self._registrar is not None:
             self._registrar.check()
 
-    def flush(self, timeout_s: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait until every unit this writer had registered so far is registered; raise a registration
-        failure (as :meth:`check`). ``Unavailable`` when still registering after ``timeout_s``."""
+        failure (as :meth:`check`)."""
         if self._registrar is not None:
-            self._registrar.flush(timeout_s)
+            self._registrar.flush()
 
     def _stage(
         self,
@@ -353,7 +351,6 @@ class TrajectoryWriter:
                 node_id=self.node_id,
                 endpoint=self.endpoint,
                 num_bytes=0,
-                trusted=True,
             )
             for uid, t, groups in zip(staged.ids, staged.tables, staged.units, strict=True)
         ]
