@@ -294,24 +294,17 @@ def layout_columns(field: str, layout: str) -> list[str]:
 def _fixed_columns(
     n: int, global_indexes: Sequence[int], partition: str, row_hashes: list[list[bytes]]
 ) -> list[pa.Array]:
-    """The fixed trajectory columns of a TransferQueue unit: ids from the global index, empty tokens."""
-    empty = pa.array(np.zeros(n + 1, np.int32))
-    zeros_f = pa.array(np.zeros(n, np.float32))
-    zeros_i = pa.array(np.zeros(n, np.int32))
+    """The fixed trajectory columns of a TransferQueue unit: ids from the global index, the partition as
+    group and source, the rows' media hashes; every other column (tokens, rewards, versions) empty or zero."""
     part = pa.array([partition] * n, type=pa.string())
+    given = {
+        "traj_id": pa.array([str(g) for g in global_indexes], type=pa.string()),
+        "group_id": part,
+        "source": part.dictionary_encode(),
+        "media": pa.array(row_hashes, type=pa.list_(_HASH)),
+        "finished_at": pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
+    }
     return [
-        pa.array([str(g) for g in global_indexes], type=pa.string()),
-        part,
-        part.dictionary_encode(),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.float32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.uint8())),
-        zeros_f,
-        zeros_f,
-        zeros_i,
-        zeros_i,
-        zeros_f,
-        pa.array(row_hashes, type=pa.list_(_HASH)),
-        pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
+        given[f.name] if f.name in given else pa.repeat(pa.scalar([] if pa.types.is_list(f.type) else 0, f.type), n)
+        for f in TRAJECTORY_SCHEMA
     ]
