@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -100,7 +100,7 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a, b))
 
 
-def media_table(items: Sequence[TensorMedia]) -> pa.Table:
+def media_table(items: Iterable[TensorMedia]) -> pa.Table:
     """The media table of ``items`` (unique hashes), one record batch per item over the tensor's own bytes:
     written to the unit file straight from the put's tensors, no copy before."""
     batches = []
@@ -116,11 +116,11 @@ def media_table(items: Sequence[TensorMedia]) -> pa.Table:
 
 
 class _MediaRows:
-    """Media of one put: a row equal to an earlier one (same tensor, or the previous row's bytes) is
-    hashed once."""
+    """Media of one put, once per content hash: a row equal to an earlier one (same tensor, or the previous
+    row's bytes) is hashed once."""
 
     def __init__(self) -> None:
-        self.items: list[TensorMedia] = []
+        self.items: dict[bytes, TensorMedia] = {}
         self._seen: dict[tuple[Any, ...], TensorMedia] = {}
         self._last: TensorMedia | None = None
 
@@ -140,7 +140,7 @@ class _MediaRows:
                 m = last
             else:
                 m = TensorMedia(kind=kind, data=t)
-                self.items.append(m)
+                m = self.items.setdefault(m.hash, m)  # equal bytes seen before, not in the previous row
             self._seen[key] = m
         self._last = m
         return m.hash
@@ -271,7 +271,7 @@ def encode_put(
     fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
-    tables = UnitTables(traj=traj, media=media_table(media.items) if media.items else MEDIA_SCHEMA.empty_table())
+    tables = UnitTables(traj=traj, media=media_table(media.items.values()))
     return tables, columns
 
 
