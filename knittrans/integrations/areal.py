@@ -56,7 +56,8 @@ class KnitTransRTensorBackend:
     def fetch(self, shards: Sequence[Any]) -> list[Any]:
         """The tensors of ``shards`` (AReaL ``TensorShardInfo``), in order: one DoGet per node and layout."""
         metas = [_meta(s.shard_id) for s in shards]
-        return self.core.get_rows([_FIELD], list(range(len(shards))), metas)[_FIELD]
+        rows: list[Any] = self.core.get([_FIELD], list(range(len(shards))), metas, packed=False)[_FIELD]
+        return rows
 
     async def delete(self, node_addr: str, shard_ids: list[Any]) -> None:
         """Delete the units of ``shard_ids`` (``node_addr`` is AReaL's worker address; the ids name the node)."""

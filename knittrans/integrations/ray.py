@@ -114,7 +114,7 @@ class KnitTransCluster:
 
     def env(self) -> dict[str, str]:
         """Token environment for ``knittrans`` processes started by actors."""
-        return _token_env(self.worker_token, self.store_token)
+        return _token_env(worker_token=self.worker_token, store_token=self.store_token)
 
     def shutdown(self) -> None:
         """Stop every store and the control plane (actors killed after their child stopped)."""
@@ -128,9 +128,10 @@ class KnitTransCluster:
         self.actors.clear()
 
 
-def _token_env(worker_token: str | None, store_token: str | None) -> dict[str, str]:
-    tokens = {"KNITTRANS_WORKER_TOKEN": worker_token, "KNITTRANS_STORE_TOKEN": store_token}
-    return {k: v for k, v in tokens.items() if v}
+def _token_env(**tokens: str | None) -> dict[str, str]:
+    """``KNITTRANS_WORKER_TOKEN`` etc. from ``worker_token=...``: a child's tokens in its environment, never on its
+    command line (readable by every user of the host)."""
+    return {f"KNITTRANS_{k.upper()}": v for k, v in tokens.items() if v}
 
 
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
@@ -162,10 +163,7 @@ def start_control_plane(
     argv = control_plane_args(
         Path(work_dir) / "control.db", port=port, host=ip, ready_file=ready, node_timeout_s=node_timeout_s
     )
-    if worker_token:
-        argv += ["--worker-token", worker_token]
-    if admin_token:
-        argv += ["--admin-token", admin_token]
+    env = _token_env(worker_token=worker_token, admin_token=admin_token)
     actor = (
         ray.remote(_KnitTransProcess)
         .options(
@@ -174,7 +172,7 @@ def start_control_plane(
             name="knittrans-control-plane",
             lifetime="detached" if detached else None,  # None: the actor shares the driver's fate
         )
-        .remote(argv, str(Path(work_dir) / "logs"), "control-plane", str(ready))
+        .remote(argv, str(Path(work_dir) / "logs"), "control-plane", str(ready), env)
     )
     ray.get(actor.wait_ready.remote())  # the child writes its ready file once it serves
     url = f"http://{ip}:{port}"
@@ -200,6 +198,7 @@ def start_stores(
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes(ray)}
     chosen = list(ray_node_ids) if ray_node_ids is not None else sorted(nodes)
     actors, pending = [], []
+    env = _token_env(worker_token=worker_token, store_token=store_token)
     for rid in chosen:
         if rid not in nodes:
             raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")
@@ -228,7 +227,7 @@ def start_stores(
         actor = (
             ray.remote(_KnitTransProcess)
             .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
-            .remote(argv, str(Path(work_dir) / "logs"), node_id, ready, _token_env(worker_token, store_token))
+            .remote(argv, str(Path(work_dir) / "logs"), node_id, ready, env)
         )
         actors.append(actor)
         pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))

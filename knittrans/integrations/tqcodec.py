@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -100,7 +100,7 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a, b))
 
 
-def media_table(items: Sequence[TensorMedia]) -> pa.Table:
+def media_table(items: Iterable[TensorMedia]) -> pa.Table:
     """The media table of ``items`` (unique hashes), one record batch per item over the tensor's own bytes:
     written to the unit file straight from the put's tensors, no copy before."""
     batches = []
@@ -116,11 +116,11 @@ def media_table(items: Sequence[TensorMedia]) -> pa.Table:
 
 
 class _MediaRows:
-    """Media of one put: a row equal to an earlier one (same tensor, or the previous row's bytes) is
-    hashed once."""
+    """Media of one put, once per content hash: a row equal to an earlier one (same tensor, or the previous
+    row's bytes) is hashed once."""
 
     def __init__(self) -> None:
-        self.items: list[TensorMedia] = []
+        self.items: dict[bytes, TensorMedia] = {}
         self._seen: dict[tuple[Any, ...], TensorMedia] = {}
         self._last: TensorMedia | None = None
 
@@ -140,7 +140,7 @@ class _MediaRows:
                 m = last
             else:
                 m = TensorMedia(kind=kind, data=t)
-                self.items.append(m)
+                m = self.items.setdefault(m.hash, m)  # equal bytes seen before, not in the previous row
             self._seen[key] = m
         self._last = m
         return m.hash
@@ -271,7 +271,7 @@ def encode_put(
     fixed = _fixed_columns(n, global_indexes, partition, hashes)
     schema = pa.schema([*TRAJECTORY_SCHEMA, *fields], metadata=TRAJECTORY_SCHEMA.metadata)
     traj = pa.Table.from_arrays([*fixed, *arrays], schema=schema)
-    tables = UnitTables(traj=traj, media=media_table(media.items) if media.items else MEDIA_SCHEMA.empty_table())
+    tables = UnitTables(traj=traj, media=media_table(media.items.values()))
     return tables, columns
 
 
@@ -294,24 +294,17 @@ def layout_columns(field: str, layout: str) -> list[str]:
 def _fixed_columns(
     n: int, global_indexes: Sequence[int], partition: str, row_hashes: list[list[bytes]]
 ) -> list[pa.Array]:
-    """The fixed trajectory columns of a TransferQueue unit: ids from the global index, empty tokens."""
-    empty = pa.array(np.zeros(n + 1, np.int32))
-    zeros_f = pa.array(np.zeros(n, np.float32))
-    zeros_i = pa.array(np.zeros(n, np.int32))
+    """The fixed trajectory columns of a TransferQueue unit: ids from the global index, the partition as
+    group and source, the rows' media hashes; every other column (tokens, rewards, versions) empty or zero."""
     part = pa.array([partition] * n, type=pa.string())
+    given = {
+        "traj_id": pa.array([str(g) for g in global_indexes], type=pa.string()),
+        "group_id": part,
+        "source": part.dictionary_encode(),
+        "media": pa.array(row_hashes, type=pa.list_(_HASH)),
+        "finished_at": pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
+    }
     return [
-        pa.array([str(g) for g in global_indexes], type=pa.string()),
-        part,
-        part.dictionary_encode(),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.int32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.float32())),
-        pa.ListArray.from_arrays(empty, pa.array([], pa.uint8())),
-        zeros_f,
-        zeros_f,
-        zeros_i,
-        zeros_i,
-        zeros_f,
-        pa.array(row_hashes, type=pa.list_(_HASH)),
-        pa.array(np.full(n, int(time.time() * 1e6)).astype("datetime64[us]")),
+        given[f.name] if f.name in given else pa.repeat(pa.scalar([] if pa.types.is_list(f.type) else 0, f.type), n)
+        for f in TRAJECTORY_SCHEMA
     ]

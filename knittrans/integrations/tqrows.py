@@ -4,7 +4,7 @@ SimpleStorage keeps one value per (row, field) and packs a get's rows with
 ``AsyncSimpleStorageManager._pack_field_values``: 0-d tensors stacked into a dense tensor; other
 tensors into a jagged nested tensor, else a strided one; anything else (or a mix) a
 ``NonTensorStack``. :func:`pack_rows` is that rule. Decoding keeps tensor rows in bulk
-(:class:`DenseRows`, :class:`RaggedRows`: one buffer per DoGet) so that :func:`assemble` builds the
+(a tensor of equal rows, or :class:`RaggedRows`: one buffer per DoGet) so that :func:`assemble` builds the
 same containers with one copy of the bytes, whatever the puts and DoGets the rows came from.
 """
 
@@ -22,7 +22,6 @@ from knittrans.errors import InvalidRequest
 from knittrans.integrations.tqcodec import NO_MEDIA, field_meta
 
 __all__ = [
-    "DenseRows",
     "MediaRows",
     "RaggedRows",
     "assemble",
@@ -38,13 +37,6 @@ MediaRows = Mapping[bytes, tuple[np.ndarray, str, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
-class DenseRows:
-    """Rows of one shape and dtype: ``values[i]`` is row ``i``."""
-
-    values: torch.Tensor
-
-
-@dataclass(frozen=True)
 class RaggedRows:
     """Rows ``values[offsets[i]:offsets[i+1]]`` of one dtype and one shape past their first dimension."""
 
@@ -52,7 +44,8 @@ class RaggedRows:
     lengths: np.ndarray
 
 
-Rows = DenseRows | RaggedRows | list[Any]
+Rows = torch.Tensor | RaggedRows | list[Any]
+"""A decoded part: rows of one shape and dtype as one tensor (``t[i]`` is row ``i``), ragged rows, or a list."""
 
 
 def _tensor(data: np.ndarray, dtype: str, shape: Sequence[int]) -> torch.Tensor:
@@ -99,7 +92,7 @@ def _media_rows(hashes: list[bytes], media: MediaRows | None, field: str) -> Row
     kinds = {(dtype, shape) for _, dtype, shape in found}
     if len(kinds) == 1:  # one copy, straight into the batch's buffer
         dtype, shape = next(iter(kinds))
-        return DenseRows(_tensor(np.stack([raw for raw, _, _ in found]), dtype, (len(found), *shape)))
+        return _tensor(np.stack([raw for raw, _, _ in found]), dtype, (len(found), *shape))
     return [_tensor(raw.copy(), dtype, shape) for raw, dtype, shape in found]
 
 
@@ -118,7 +111,7 @@ def _object_rows(
             h = hashes[k][i]
             if h != NO_MEDIA:
                 got = _media_rows([h], media, f"{name}.{key}")
-                value[key] = got.values[0] if isinstance(got, DenseRows) else row_list(got)[0]
+                value[key] = row_list(got)[0]
         rows.append(value)
     return rows
 
@@ -137,9 +130,9 @@ def _tensor_rows(table: pa.Table, name: str, col: pa.Array, dtype: str, idx: np.
         d = int(ndims[0])
         shapes = dims_flat[dim_off[0] : dim_off[-1]].reshape(len(col), d)[idx]
         if d == 0:
-            return DenseRows(_tensor(data, dtype, (k,)))
+            return _tensor(data, dtype, (k,))
         if (shapes == shapes[0]).all():
-            return DenseRows(_tensor(data, dtype, (k, *shapes[0].tolist())))
+            return _tensor(data, dtype, (k, *shapes[0].tolist()))
         if (shapes[:, 1:] == shapes[0, 1:]).all():
             lengths = shapes[:, 0].astype(np.int64)
             return RaggedRows(_tensor(data, dtype, (int(lengths.sum()), *shapes[0, 1:].tolist())), lengths)
@@ -184,16 +177,15 @@ def pack_rows(values: list[Any]) -> Any:
 def _as_ragged(rows: Rows) -> RaggedRows | None:
     if isinstance(rows, RaggedRows):
         return rows
-    if isinstance(rows, DenseRows) and rows.values.dim() >= 2:
-        v = rows.values
-        return RaggedRows(v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]), np.full(v.shape[0], v.shape[1], np.int64))
+    if isinstance(rows, torch.Tensor) and rows.dim() >= 2:
+        return RaggedRows(rows.flatten(0, 1), np.full(rows.shape[0], rows.shape[1], np.int64))
     return None
 
 
 def row_list(rows: Rows) -> list[Any]:
     """The rows of a decoded part, one value each (tensor rows as views of the part's buffer)."""
-    if isinstance(rows, DenseRows):
-        return list(rows.values.unbind(0))
+    if isinstance(rows, torch.Tensor):
+        return list(rows.unbind(0))
     if isinstance(rows, RaggedRows):
         return list(torch.split(rows.values, rows.lengths.tolist()))
     return rows
@@ -215,10 +207,10 @@ def assemble(parts: Sequence[tuple[Sequence[int], Rows]], n: int) -> Any:
     """One field's rows from several DoGets (``(batch positions, rows)`` each) as SimpleStorage returns them."""
     order = np.concatenate([np.asarray(p, dtype=np.int64) for p, _ in parts]) if parts else np.zeros(0, np.int64)
     identity = bool(np.array_equal(order, np.arange(n)))
-    dense = [r for _, r in parts if isinstance(r, DenseRows)]
-    same_kind = len(dense) == len(parts) and len({(r.values.dtype, r.values.shape[1:]) for r in dense}) == 1
-    if same_kind and dense[0].values.dim() == 1:  # 0-d rows: stacked
-        cat = dense[0].values if len(dense) == 1 else torch.cat([r.values for r in dense])
+    dense = [r for _, r in parts if isinstance(r, torch.Tensor)]
+    same_kind = len(dense) == len(parts) and len({(r.dtype, r.shape[1:]) for r in dense}) == 1
+    if same_kind and dense[0].dim() == 1:  # 0-d rows: stacked
+        cat = dense[0] if len(dense) == 1 else torch.cat(dense)
         return cat if identity else cat[torch.from_numpy(np.argsort(order, kind="stable"))]
     ragged = [_as_ragged(r) for _, r in parts]
     kinds = {(r.values.dtype, r.values.shape[1:]) for r in ragged if r is not None}

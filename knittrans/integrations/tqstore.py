@@ -211,27 +211,17 @@ class TQStoreCore:
 
     # ------------------------------------------------------------------ get
     def get(
-        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
+        self,
+        field_names: Sequence[str],
+        global_indexes: Sequence[int],
+        backend_meta: Sequence[Mapping[str, Any]],
+        *,
+        packed: bool = True,
     ) -> dict[str, Any]:
-        """``{field: rows packed as SimpleStorage packs them}`` for the rows, in ``global_indexes`` order."""
-        from knittrans.integrations.tqrows import assemble
+        """``{field: rows}`` in ``global_indexes`` order: packed as SimpleStorage packs them, or with
+        ``packed=False`` one value per row (tensors, or what was put)."""
+        from knittrans.integrations.tqrows import assemble, scatter
 
-        parts = self._read(field_names, global_indexes, backend_meta)
-        return {f: assemble(parts[f], len(global_indexes)) for f in field_names}
-
-    def get_rows(
-        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
-    ) -> dict[str, list[Any]]:
-        """``{field: one value per row}`` (tensors, or what was put), in ``global_indexes`` order; no packing."""
-        from knittrans.integrations.tqrows import scatter
-
-        parts = self._read(field_names, global_indexes, backend_meta)
-        return {f: scatter(parts[f], len(global_indexes)) for f in field_names}
-
-    def _read(
-        self, field_names: Sequence[str], global_indexes: Sequence[int], backend_meta: Sequence[Mapping[str, Any]]
-    ) -> dict[str, list[tuple[list[int], Any]]]:
-        """Per field, ``(batch positions, decoded rows)`` of each DoGet that served it."""
         # (node, unit) -> {field: [(position, row)]}
         where: dict[tuple[str, str], dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
         layout: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
@@ -249,11 +239,12 @@ class TQStoreCore:
             results = [self._fetch(*jobs[0], where)]
         else:
             results = list(self._pool.map(lambda j: self._fetch(j[0], j[1], j[2], where), jobs))
-        parts: dict[str, list[tuple[list[int], Any]]] = defaultdict(list)
+        parts: dict[str, list[tuple[list[int], Any]]] = defaultdict(list)  # per field, each DoGet's rows
         for per_field in results:
             for f, part in per_field.items():
                 parts[f].append(part)
-        return parts
+        combine = assemble if packed else scatter
+        return {f: combine(parts[f], len(global_indexes)) for f in field_names}
 
     def all_local(self, backend_meta: Sequence[Mapping[str, Any]]) -> bool:
         """Whether every row of ``backend_meta`` lives on a node whose units this host memory-maps (no

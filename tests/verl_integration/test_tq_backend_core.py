@@ -140,3 +140,16 @@ def test_same_host_batch_in_order_is_served_from_the_units_as_batched_tensors(
     assert [t.tolist() for t in back["tokens"].unbind(0)] == [list(range(6)), list(range(4))]
     assert [r.tolist() for r in back["image"].unbind()] == [got["image"][5].tolist(), got["image"][3].tolist()]
     core.close()
+
+
+def test_media_rows_equal_to_a_non_adjacent_earlier_row_are_stored_once(stores: dict[str, CountingStore]) -> None:
+    """Image rows A, B, copy of A: the unit's media table holds each content hash once (its schema's hashes are
+    unique; the copy was stored a second time before), and every row reads back its own bytes."""
+    core = _Core(TQBackendConfig(stores={"node-a": stores["node-a"].endpoint}, media_fields=("image",)))
+    a = torch.arange(64, dtype=torch.uint8).reshape(8, 8)
+    meta = core.put({"image": torch.stack([a, a + 1, a.clone()])}, 3, [0, 1, 2], "p")
+    (unit,) = stores["node-a"].store.units("transferqueue")
+    assert unit.media.num_rows == 2
+    got = core.get(["image"], [0, 1, 2], meta, packed=False)["image"]
+    assert [r.tolist() for r in got] == [a.tolist(), (a + 1).tolist(), a.tolist()]
+    core.close()
