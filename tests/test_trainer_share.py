@@ -46,7 +46,7 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
     dirs = {s.node_id: [str(s.store_dir)] if i else str(s.store_dir) for i, s in enumerate(cluster.stores)}
     dirs = dirs if local else {}
     with Fetcher(local_dirs=dirs) as fetcher:
-        streams = ShareStreams.from_plan(fetcher, plan)
+        streams = ShareStreams(fetcher, plan)
         nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
         assert len(nodes) == 2 and len(plan.micro_batches) == 3
         for i, micro in enumerate(plan.micro_batches):
@@ -65,7 +65,7 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
     """A micro-batch out of order and a hash not in the plan are refused with a clear error."""
     plan = _plan(cluster, "share-order")
     with Fetcher() as fetcher:
-        streams = ShareStreams.from_plan(fetcher, plan)
+        streams = ShareStreams(fetcher, plan)
         with pytest.raises(InvalidRequest, match="out of order"):
             streams.rows(1)
         with pytest.raises(InvalidRequest, match="not in this share's plan"):
@@ -99,7 +99,7 @@ def test_unstreamable_plan_is_refused() -> None:
         Fetcher() as fetcher,
         pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),
     ):
-        ShareStreams.from_plan(fetcher, plan)
+        ShareStreams(fetcher, plan)
 
 
 def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:

@@ -119,9 +119,8 @@ class MiniBatch:
         self.complete = False
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
-        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=ctx.config.fetch_media)
-        """One DoGet per node and kind for the whole share."""
-        self._streams.open()  # the calls connect and start flowing now, before the first ``next``
+        self._streams = ShareStreams(ctx.fetcher, plan, media=ctx.config.fetch_media)
+        """One DoGet per node and kind for the whole share (they connect and flow now, before the first ``next``)."""
         # No reference back to this object from what it owns (the cache's fetch, the prefetch thread's
         # successor): a finished mini-batch, its plan and its tensors are then freed by reference counting
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such

@@ -2,8 +2,7 @@
 
 ::
 
-    streams = ShareStreams.from_plan(fetcher, plan)
-    streams.open()                                    # optional: start every call now (else at the first read)
+    streams = ShareStreams(fetcher, plan)             # every call opened now
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
     streams.close()                                   # cancels what was not read
@@ -137,42 +136,20 @@ class _Opened:
 
 
 class ShareStreams:
-    """One rank's share of a plan read as at most one rows and one media ``DoGet`` per store node.
+    """One rank's share of a plan read as at most one rows and one media ``DoGet`` per store node, every call
+    opened by the constructor (none for a share that reads nothing), so all of them flow from the start.
 
     Not thread-safe: one loader (the prefetch thread, or the training thread in ``eager`` mode)
     calls :meth:`rows` for micro-batches ``0, 1, ...`` in order and :meth:`media` as it goes.
+
+    Raises:
+        InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
+            columns or name different jobs (a manifest's shares never do).
     """
 
-    def __init__(
-        self,
-        fetcher: Fetcher,
-        row_counts: list[list[tuple[str, int]]],
-        row_tickets: dict[str, tuple[str, Ticket]],
-        media_tickets: dict[str, tuple[str, Ticket]],
-        media_node: dict[str, str],
-    ) -> None:
-        self._fetcher = fetcher
-        self._row_counts = row_counts
-        self._row_tickets = row_tickets
-        self._media_tickets = media_tickets
-        self._media_node = media_node
-        self._opened = False
-        self._rows: dict[str, _RowTaker] = {}
-        self._media: dict[str, _MediaStream] = {}
-        self._next = 0
-        self.calls = 0
-        """``DoGet`` calls (or local reads) opened so far."""
-
-    @classmethod
-    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams:
-        """Streams for ``plan``'s micro-batches (none for a share that reads nothing).
-
-        Raises:
-            InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
-                columns or name different jobs (a manifest's shares never do).
-        """
+    def __init__(self, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> None:
         job: str | None = None
-        counts: list[list[tuple[str, int]]] = []
+        self._row_counts: list[list[tuple[str, int]]] = []
         rows: dict[str, list[Ticket]] = {}
         endpoints: dict[str, str] = {}
         for micro in plan.micro_batches:
@@ -189,19 +166,19 @@ class ShareStreams:
                 endpoints[node] = f.endpoint
                 rows.setdefault(node, []).append(ticket)
                 per_micro.append((node, sum(n or 0 for n in sizes)))
-            counts.append(per_micro)
+            self._row_counts.append(per_micro)
         media_of: dict[str, list[Ticket]] = {}
-        media_node: dict[str, str] = {}
+        self._media_node: dict[str, str] = {}
         for micro in plan.micro_batches if media else ():
             for m in micro.media:
-                if m.hash in media_node:
+                if m.hash in self._media_node:
                     continue
                 if m.ticket.kind != "media" or (job is not None and m.ticket.job != job):
                     raise InvalidRequest(
                         f"plan {plan.plan_id}: media ticket of {m.hash} is not a media ticket of its job"
                     )
                 job = m.ticket.job
-                media_node[m.hash] = m.node_id
+                self._media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
         # A node's rows and media tickets carry the same grants (one per node and plan): every
@@ -210,33 +187,23 @@ class ShareStreams:
             node: tuple(dict.fromkeys(g for t in (*rows.get(node, ()), *media_of.get(node, ())) for g in t.grants))
             for node in endpoints
         }
-        row_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in rows.items()}
-        media_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in media_of.items()}
-        return cls(fetcher, counts, row_tickets, media_tickets, media_node)
 
-    def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:
-        # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
-        # that reads this node, as with one call per micro-batch.
-        self.calls += 1
-        return _Opened(self._fetcher.pool.submit(self._fetcher.stream, node, endpoint, ticket))
+        def stream(node: str, tickets: list[Ticket]) -> _Opened:
+            # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
+            # that reads this node, as with one call per micro-batch.
+            ticket = join_tickets(tickets, grants=grants[node])
+            return _Opened(fetcher.pool.submit(fetcher.stream, node, endpoints[node], ticket))
 
-    def open(self) -> None:
-        """Open every call of the share now, rows first, so all of them flow from the start (else the first read)."""
-        if self._opened:
-            return
-        self._opened = True
-        for node, (endpoint, ticket) in self._row_tickets.items():
-            what = f"the rows stream of node {node}"
-            self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
-        for node, (endpoint, ticket) in self._media_tickets.items():
-            what = f"the media stream of node {node}"
-            self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
+        self._rows = {n: _RowTaker(stream(n, ts), f"the rows stream of node {n}") for n, ts in rows.items()}
+        self._media = {n: _MediaStream(stream(n, ts), f"the media stream of node {n}") for n, ts in media_of.items()}
+        self.calls = len(self._rows) + len(self._media)
+        """``DoGet`` calls (or local reads) opened."""
+        self._next = 0
 
     def rows(self, i: int) -> pa.Table | None:
         """Rows of micro-batch ``i`` in plan order (None when it has none); ``i`` must be the next one."""
         if i != self._next:
             raise InvalidRequest(f"micro-batch {i} asked for out of order; the stream is at micro-batch {self._next}")
-        self.open()
         self._next += 1
         batches = [b for node, n in self._row_counts[i] for b in self._rows[node].take(n)]
         if not batches:
@@ -248,7 +215,6 @@ class ShareStreams:
 
     def media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         """Records of ``hashes`` (a :class:`~knittrans.trainer.media.MediaCache` fetch function)."""
-        self.open()
         out = {}
         for h in hashes:
             node = self._media_node.get(h)
@@ -263,4 +229,4 @@ class ShareStreams:
             rows.close()
         for media in self._media.values():
             media.close()
-        self._rows, self._media, self._opened = {}, {}, True
+        self._rows, self._media = {}, {}
