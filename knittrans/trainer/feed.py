@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
@@ -179,8 +178,6 @@ class ManifestFeed:
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
-        self.arrived: dict[int, float] = {}
-        """Wall-clock time each share reached this rank (kept until :meth:`release_below` passes it)."""
         self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
         self._thread.start()
 
@@ -204,7 +201,6 @@ class ManifestFeed:
                 return
             with self._cond:
                 self._shares[n] = item
-                self.arrived[n] = time.time()
                 self._cond.notify_all()
             if item is None:
                 self._finish(n + 1, None)
@@ -292,7 +288,6 @@ class ManifestFeed:
         with self._cond:
             for m in [m for m in self._shares if m < n]:
                 del self._shares[m]
-                self.arrived.pop(m, None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""
