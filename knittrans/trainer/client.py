@@ -42,7 +42,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -56,7 +55,7 @@ from knittrans.trainer.convert import warm_up
 from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
-from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch
+from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch, Upcoming
 
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
 
@@ -120,29 +119,21 @@ class TrainerClient:
             transform=transform,
         )
         """What this rank's mini-batches use of it."""
-        self._first: Future[MiniBatch | None] = Future()
-        threading.Thread(
-            target=self._start, args=(self._first,), name=f"knittrans-start-{config.rank}", daemon=True
-        ).start()
+        self._first = Upcoming()
+        """The first mini-batch, loading as soon as its share is in (unless the loop asked for it first)."""
+        threading.Thread(target=self._start, name=f"knittrans-start-{config.rank}", daemon=True).start()
 
-    def _start(self, first: Future[MiniBatch | None]) -> None:
+    def _start(self) -> None:
         """Background start: warm the conversion, connect to the store nodes, then take the first share and start
-        loading it."""
+        loading it (no hop to the loop's thread between the share and its first fetch)."""
         try:
             warm_up()  # the process's first IPC read and torch conversion, before a manifest is there
             nodes = self.control.list_nodes()
             self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")})
         except Exception as exc:  # warming is an optimisation; reads report their own errors
             logger.debug("rank %d: not warmed: %s", self.config.rank, exc)
-        if not first.set_running_or_notify_cancel():
-            return
-        try:
-            mb = self._minibatch(self.feed.share(self.feed.start()))
-            if mb is not None and self.config.fetch_mode == "iter":
-                mb.start_prefetch()  # no hop to the loop's thread between the share and its first fetch
-            first.set_result(mb)
-        except BaseException as exc:  # handed to minibatches()
-            first.set_exception(exc)
+        with contextlib.suppress(BaseException):  # raised again where minibatches() asks for the first share
+            self._first.load(self.context, self.feed.start())
 
     def minibatch(self, plan: RankPlan, etag: str = "") -> MiniBatch:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
@@ -178,9 +169,7 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        first, self._first = self._first, Future()
-        self._first.cancel()
-        mb = first.result()
+        mb = self._first.take() or self._minibatch(self.feed.share(self.feed.start()))
         while mb is not None:
             self._current = mb
             if self.config.fetch_mode == "iter":
@@ -210,11 +199,9 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching and the feed, close the fetcher and the control-plane client."""
-        if not self._first.cancel() and self._first.done():
-            with contextlib.suppress(BaseException):
-                early = self._first.result()
-                if early is not None:
-                    early.stop()
+        early = self._first.take()
+        if early is not None:
+            early.stop()
         if self._current is not None:
             self._current.stop()
         self.feed.close()

@@ -34,7 +34,7 @@ from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCache, MediaCacheStats
 from knittrans.trainer.share import ShareStreams
 
-__all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch"]
+__all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch", "Upcoming"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class MiniBatch:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
-        self._successor = _Successor()
+        self._successor = Upcoming()
         """The next mini-batch, loading, once the prefetch thread got its share."""
 
     @property
@@ -316,8 +316,9 @@ class MiniBatch:
         }
 
 
-class _Successor:
-    """The mini-batch after one, started by that one's prefetch thread once its share is in the feed."""
+class Upcoming:
+    """A mini-batch started as soon as its share is in the feed (by the rank's start thread for the first one, by
+    the previous one's prefetch thread for the others), unless :meth:`take` came first."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -337,7 +338,8 @@ class _Successor:
             if self._cancel.is_set():
                 return
             self._mini_batch = MiniBatch(ctx, *shared)
-            self._mini_batch.start_prefetch()
+            if ctx.config.fetch_mode == "iter":
+                self._mini_batch.start_prefetch()
 
     def take(self) -> MiniBatch | None:
         """The successor if it was started (then it is the caller's), else None; either way the wait ends."""
