@@ -47,30 +47,45 @@ def media_records(data: pa.Table | pa.RecordBatch) -> dict[str, MediaRecord]:
     return out
 
 
-def _close(batches: Iterator[pa.RecordBatch], what: str) -> None:
-    """Close (cancel) a batch iterator that may not have been read to its end."""
-    close = getattr(batches, "close", None)
-    if close is not None:
-        try:
-            close()
-        except ValueError:  # still running in a thread that did not stop in time
-            logger.warning("%s: stream still in use, not cancelled", what)
+class _Call:
+    """The batches of one call, being opened in the fetcher's pool; an error opening it is raised at the first
+    read, and :meth:`close` cancels a call not read to its end."""
 
-
-class _RowTaker:
-    """Consecutive row counts out of a batch iterator; a batch is sliced where a count ends."""
-
-    def __init__(self, batches: Iterator[pa.RecordBatch], what: str) -> None:
-        self._batches = batches
-        self._rest: pa.RecordBatch | None = None
+    def __init__(self, opening: Future[Iterator[pa.RecordBatch]], what: str) -> None:
+        self._opening = opening
+        self._batches: Iterator[pa.RecordBatch] | None = None
         self._what = what
-        self.taken = 0
+
+    def _next(self) -> pa.RecordBatch | None:
+        if self._batches is None:
+            self._batches = self._opening.result()
+        return next(self._batches, None)
+
+    def close(self) -> None:
+        if self._batches is None and not self._opening.cancel():
+            try:
+                self._batches = self._opening.result()
+            except KnitTransError:
+                return
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:  # still running in a thread that did not stop in time
+                logger.warning("%s: stream still in use, not cancelled", self._what)
+
+
+class _RowTaker(_Call):
+    """Consecutive row counts out of a call's batches; a batch is sliced where a count ends."""
+
+    _rest: pa.RecordBatch | None = None
+    taken = 0
 
     def take(self, n: int) -> list[pa.RecordBatch]:
         out: list[pa.RecordBatch] = []
         have = 0
         while have < n:
-            batch = self._rest if self._rest is not None else next(self._batches, None)
+            batch = self._rest if self._rest is not None else self._next()
             self._rest = None
             if batch is None:
                 raise DataLost(f"{self._what} ended after {self.taken + have} rows; {self.taken + n} were asked for")
@@ -85,54 +100,21 @@ class _RowTaker:
         self.taken += n
         return out
 
-    def close(self) -> None:
-        _close(self._batches, self._what)
 
-
-class _MediaStream:
+class _MediaStream(_Call):
     """One node's media of the share, in first-use order; records that arrive early wait until asked for."""
 
-    def __init__(self, batches: Iterator[pa.RecordBatch], what: str) -> None:
-        self._batches = batches
-        self._what = what
+    def __init__(self, opening: Future[Iterator[pa.RecordBatch]], what: str) -> None:
+        super().__init__(opening, what)
         self._pending: dict[str, MediaRecord] = {}
 
     def get(self, media_hash: str) -> MediaRecord:
         while media_hash not in self._pending:
-            batch = next(self._batches, None)
+            batch = self._next()
             if batch is None:
                 raise NotFound(f"media {media_hash} is not in {self._what}")
             self._pending.update(media_records(batch))
         return self._pending.pop(media_hash)
-
-    def close(self) -> None:
-        _close(self._batches, self._what)
-
-
-class _Opened:
-    """The batches of a call being opened in the fetcher's pool; an error opening it is raised at the first read."""
-
-    def __init__(self, opening: Future[Iterator[pa.RecordBatch]]) -> None:
-        self._opening = opening
-        self._batches: Iterator[pa.RecordBatch] | None = None
-
-    def __iter__(self) -> _Opened:
-        return self
-
-    def __next__(self) -> pa.RecordBatch:
-        if self._batches is None:
-            self._batches = self._opening.result()
-        return next(self._batches)
-
-    def close(self) -> None:
-        if self._batches is None and not self._opening.cancel():
-            try:
-                self._batches = self._opening.result()
-            except KnitTransError:
-                return
-        close = getattr(self._batches, "close", None)
-        if close is not None:
-            close()
 
 
 class ShareStreams:
@@ -188,11 +170,11 @@ class ShareStreams:
             for node in endpoints
         }
 
-        def stream(node: str, tickets: list[Ticket]) -> _Opened:
+        def stream(node: str, tickets: list[Ticket]) -> Future[Iterator[pa.RecordBatch]]:
             # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
             # that reads this node, as with one call per micro-batch.
             ticket = join_tickets(tickets, grants=grants[node])
-            return _Opened(fetcher.pool.submit(fetcher.stream, node, endpoints[node], ticket))
+            return fetcher.pool.submit(fetcher.stream, node, endpoints[node], ticket)
 
         self._rows = {n: _RowTaker(stream(n, ts), f"the rows stream of node {n}") for n, ts in rows.items()}
         self._media = {n: _MediaStream(stream(n, ts), f"the media stream of node {n}") for n, ts in media_of.items()}
