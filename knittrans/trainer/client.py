@@ -40,15 +40,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient, JobFinished
+from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest
-from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
@@ -144,23 +142,12 @@ class TrainerClient:
 
     def replan(self, failed: MiniBatch) -> MiniBatch | None:
         """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
-        after ``replan_wait_s``; None when the job has no such mini-batch any more. Collective with a group."""
-        cfg, n, etag = self.config, failed.global_index, failed.etag
-
-        def ask() -> tuple[Manifest, str] | None:
-            deadline = time.monotonic() + cfg.replan_wait_s
-            while True:
-                late = time.monotonic() > deadline
-                try:
-                    got = self.control.manifest(cfg.job, n, cfg.poll_timeout_s, etag=None if late else etag)
-                except JobFinished:
-                    return None
-                if got is not None:
-                    return got
-
-        got = leader_call(self.collective, ask)  # rank 0 asks, every rank gets the manifest
+        after ``replan_wait_s``; None when the job has no such mini-batch any more (or the client was closed).
+        Collective with a group."""
+        n, cfg = failed.global_index, self.config
+        got = leader_call(self.collective, lambda: self.feed.ask(n, etag=failed.etag, wait_s=cfg.replan_wait_s))
         self.feed.release_below(n)
-        return self._minibatch((got[0].share(cfg.rank), got[1]) if got is not None else None)
+        return self._minibatch((got[0].share(cfg.rank), got[1]) if isinstance(got, tuple) else None)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
@@ -84,24 +85,17 @@ def leader_call(collective: Collective | None, call: Callable[[], T]) -> T:
     """``call()`` on rank 0 (every rank when ``collective`` is None), its result or exception on every rank."""
     if collective is None:
         return call()
-    outcome: Any = None
+    outcome: tuple[bool, Any] = (True, None)
     if collective.rank == 0:
         try:
-            outcome = call()
+            outcome = (True, call())
         except BaseException as exc:  # handed to every rank, raised there
-            outcome = _Raised(exc)
-    got = collective.broadcast(outcome)
-    if isinstance(got, _Raised):
-        raise got.exc
+            outcome = (False, exc)
+    ok, got = collective.broadcast(outcome)
+    if not ok:
+        raise got
     result: T = got
     return result
-
-
-class _Raised:
-    """An exception of the leader's call, on its way to every rank."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
 
 
 class Progress:
@@ -232,19 +226,22 @@ class ManifestFeed:
         With a collective rank 0 reads and checks the manifest and broadcasts it (pickled by the
         collective: cheaper than the JSON it came as); every rank cuts its own share, so rank 0's work
         does not grow with the number of ranks."""
-        got = leader_call(self.collective, lambda: self._ask(n))
+        got = leader_call(self.collective, lambda: self.ask(n))
         if isinstance(got, tuple):
             manifest, etag = got
             return manifest.share(self.rank), etag
         return got
 
-    def _ask(self, n: int) -> tuple[Manifest, str] | _Closed | None:
+    def ask(self, n: int, *, etag: str | None = None, wait_s: float = 0.0) -> tuple[Manifest, str] | _Closed | None:
         """Long-poll mini-batch ``n`` until it is admitted: ``(manifest, etag)``; None when it never will be;
-        a :class:`_Closed` once the feed is closed."""
+        a :class:`_Closed` once the feed is closed. ``etag``: a manifest of ``n`` held already, asked for again
+        (re-planned) with another ETag for up to ``wait_s``, then as it is."""
+        deadline = time.monotonic() + wait_s
         while not self._closed.is_set():
             self.requests += 1
+            late = time.monotonic() > deadline
             try:
-                got = self.control.manifest(self.job, n, self.poll_s)
+                got = self.control.manifest(self.job, n, self.poll_s, etag=None if late else etag)
             except JobFinished:
                 return None
             except RuntimeError:  # httpx, once the client was closed under the request
