@@ -342,7 +342,7 @@ class Upcoming:
                 self._mini_batch.start_prefetch()
 
     def take(self) -> MiniBatch | None:
-        """The successor if it was started (then it is the caller's), else None; either way the wait ends."""
+        """The mini-batch if it was started (then it is the caller's), else None; either way the wait ends."""
         with self._lock:
             self._cancel.set()
             found, self._mini_batch = self._mini_batch, None
