@@ -101,16 +101,15 @@ def test_client_warms_channels_and_polls_before_the_loop_starts(cluster: LocalCl
         wait_until(lambda: endpoints <= set(client.fetcher._clients), timeout_s=20, what="warm channels")
         clients = [client.fetcher._clients[e] for e in endpoints]
         wait_until(lambda: all(len(c._lane_idle) == 1 for c in clients), timeout_s=20, what="a warm lane connection")
-        assert not client._first.done()  # waiting: nothing admitted yet
+        assert client._first._mini_batch is None  # waiting: nothing admitted yet
         with TrajectoryWriter(
             job="warm", node_id=cluster.stores[0].node_id, endpoint=cluster.stores[0].endpoint, control=control
         ) as w:
             w.write_units([mm_groups("w", 1, group_size=2), mm_groups("x", 1, group_size=2, seed=3)])
-        first = client._first
-        wait_until(first.done, timeout_s=20, what="the first mini-batch")
+        wait_until(lambda: client._first._mini_batch is not None, timeout_s=20, what="the first mini-batch")
+        early = client._first._mini_batch
         mbs = client.minibatches()
         mb = next(mbs)
-        early = first.result()
         assert early is mb  # the background start's mini-batch, already loading
         assert mb._streams is not None and mb._streams.calls >= 1  # opened at manifest arrival, before the loop
         assert sum(m.batch.num_rows for m in mb) == 4

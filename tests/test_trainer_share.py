@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pyarrow as pa
 import pytest
@@ -14,7 +15,7 @@ from knittrans.plans import MicroBatchReads, RankPlan, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher
-from knittrans.trainer.share import ShareStreams, _MediaStream, _Opened, _RowTaker, media_records
+from knittrans.trainer.share import ShareStreams, _MediaStream, _RowTaker, media_records
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
 
@@ -46,7 +47,7 @@ def test_streams_return_what_per_micro_batch_calls_return(cluster: LocalCluster,
     dirs = {s.node_id: [str(s.store_dir)] if i else str(s.store_dir) for i, s in enumerate(cluster.stores)}
     dirs = dirs if local else {}
     with Fetcher(local_dirs=dirs) as fetcher:
-        streams = ShareStreams.from_plan(fetcher, plan)
+        streams = ShareStreams(fetcher, plan)
         nodes = {f.node_id for m in plan.micro_batches for f in [*m.fetches, *m.media]}
         assert len(nodes) == 2 and len(plan.micro_batches) == 3
         for i, micro in enumerate(plan.micro_batches):
@@ -65,7 +66,7 @@ def test_streams_are_read_in_order_and_only_name_planned_media(cluster: LocalClu
     """A micro-batch out of order and a hash not in the plan are refused with a clear error."""
     plan = _plan(cluster, "share-order")
     with Fetcher() as fetcher:
-        streams = ShareStreams.from_plan(fetcher, plan)
+        streams = ShareStreams(fetcher, plan)
         with pytest.raises(InvalidRequest, match="out of order"):
             streams.rows(1)
         with pytest.raises(InvalidRequest, match="not in this share's plan"):
@@ -99,7 +100,7 @@ def test_unstreamable_plan_is_refused() -> None:
         Fetcher() as fetcher,
         pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),
     ):
-        ShareStreams.from_plan(fetcher, plan)
+        ShareStreams(fetcher, plan)
 
 
 def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:
@@ -109,9 +110,16 @@ def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:
         start += n
 
 
+def _opened(batches: Iterator[pa.RecordBatch]) -> Future[Iterator[pa.RecordBatch]]:
+    """A call already opened (what the fetcher's pool hands a stream)."""
+    done: Future[Iterator[pa.RecordBatch]] = Future()
+    done.set_result(batches)
+    return done
+
+
 def test_row_taker_splits_batches_where_counts_end() -> None:
     """Counts that cut through and across batches get exactly their rows; a short stream raises DataLost."""
-    taker = _RowTaker(_batches([3, 0, 5, 2]), "test stream")
+    taker = _RowTaker(_opened(_batches([3, 0, 5, 2])), "test stream")
     got = [pa.Table.from_batches(taker.take(n)).column("x").to_pylist() for n in (2, 4, 3)]
     assert got == [[0, 1], [2, 3, 4, 5], [6, 7, 8]]
     with pytest.raises(DataLost, match="test stream ended after 10 rows; 11 were asked for"):
@@ -129,7 +137,7 @@ def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
     units = tuple(dict.fromkeys(r for t in tickets for r in t.reads))
     ticket = Ticket(job=tickets[0].job, kind="media", reads=units, media_hashes=tuple(mine))
     with Fetcher() as fetcher:
-        stream = _MediaStream(fetcher.stream(node, media[0].endpoint, ticket), "media of the test")
+        stream = _MediaStream(_opened(fetcher.stream(node, media[0].endpoint, ticket)), "media of the test")
         last = stream.get(mine[-1])  # the other records arrive first and are kept
         first = stream.get(mine[0])
         one = Ticket(job=ticket.job, kind="media", reads=units, media_hashes=(mine[0], mine[-1]))
@@ -159,14 +167,8 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
         assert first.batch.num_rows == 2
         streams = mb._streams
         assert streams is not None and streams._rows
-        calls = [
-            opened
-            for opened in [
-                *(t._batches for t in streams._rows.values()),
-                *(m._batches for m in streams._media.values()),
-            ]
-        ]
-        generators = [c._opening.result(timeout=10) for c in calls if isinstance(c, _Opened)]
+        calls = [*streams._rows.values(), *streams._media.values()]
+        generators = [c._opening.result(timeout=10) for c in calls]
         assert len(generators) == len(calls) == streams.calls == 4
         assert any(g.gi_frame is not None for g in generators)  # left open mid-share
         mb.abandon()

@@ -103,13 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-cert",
         type=Path,
-        default=_env_path("KNITTRANS_TLS_CERT"),
+        default=os.environ.get("KNITTRANS_TLS_CERT") or None,
         help="PEM certificate: serve grpc+tls (needs --tls-key; default $KNITTRANS_TLS_CERT)",
     )
     parser.add_argument(
         "--tls-key",
         type=Path,
-        default=_env_path("KNITTRANS_TLS_KEY"),
+        default=os.environ.get("KNITTRANS_TLS_KEY") or None,
         help="PEM private key of --tls-cert (default $KNITTRANS_TLS_KEY)",
     )
     parser.add_argument(
@@ -179,11 +179,6 @@ def _config(args: Any) -> StoreServerConfig:
         data_lane_port=args.data_lane_port,
         ticket_key=os.environ.get("KNITTRANS_TICKET_KEY") or None,  # never a flag: keys stay off command lines
     )
-
-
-def _env_path(name: str) -> Path | None:
-    value = os.environ.get(name)
-    return Path(value) if value else None
 
 
 def _loopback(host: str) -> bool:

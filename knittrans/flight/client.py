@@ -209,41 +209,38 @@ class StoreClient:
         through ``DoGet`` as usual) or the client does not use the lane."""
         if not self.data_lane or not self.lane_reachable():
             return False
-        port = self._lane_port
-        assert port is not None and port != _UNKNOWN
-        self._enter()
         try:
-            conn, ok = self._lane_connection(port)  # a pooled connection is warm already
-            try:
-                if not ok:
-                    lane.ping(conn, self._authorization)
-                    ok = True
-            finally:
-                self._lane_release(conn, ok)
-            return True
-        except (lane.NotALane, OSError, KnitTransError) as exc:  # no lane answer, or no connection (_LaneUnreachable)
+            self._on_lane(lambda conn: lane.ping(conn, self._authorization))
+        except KnitTransError as exc:  # no lane answer, or no connection (_LaneUnreachable)
             logger.debug("data lane of store %s not warmed: %s", self.endpoint, exc)
             return False
-        finally:
-            self._leave()
+        return True
 
     def lane_get(self, ticket: Ticket) -> pa.Table:
         """What a ``DoGet`` of ``ticket`` returns, read over the store's data lane into one buffer (zero-copy
         record batches). No fallback: raises ``Unavailable`` when the store has no lane."""
+        raw = ticket.encode()
+
+        def request(conn: socket.socket) -> pa.Table:
+            lane.send_request(conn, self._authorization, raw)
+            return lane.read_answer(conn, self._recv_pool)
+
+        return self._on_lane(request)
+
+    def _on_lane(self, call: Callable[[socket.socket], T]) -> T:
+        """``call(conn)`` on a pooled lane connection (kept again when it succeeds) or a new one."""
         port = self.lane_port()
         if port is None:
             raise Unavailable(f"store {self.endpoint} has no data lane")
-        raw = ticket.encode()
         self._enter()
         try:
             for _ in range(2):  # a pooled connection the store closed meanwhile is retried once on a fresh one
                 conn, pooled = self._lane_connection(port)
                 ok = False
                 try:
-                    lane.send_request(conn, self._authorization, raw)
-                    table = lane.read_answer(conn, self._recv_pool)
+                    result = call(conn)
                     ok = True
-                    return table
+                    return result
                 except (lane.LaneClosed, BrokenPipeError, ConnectionResetError) as exc:
                     if not pooled:
                         msg = f"data lane of store {self.endpoint} closed a new connection: {exc}"

@@ -100,14 +100,9 @@ class ReceivePool:
             self._idle_bytes += n
 
 
-_default: ReceivePool | None = None
-_default_lock = threading.Lock()
+_DEFAULT = ReceivePool()  # cheap: it maps nothing until a read needs a region
 
 
 def default_pool() -> ReceivePool:
-    """The process's shared pool (made at first use; :class:`~knittrans.flight.StoreClient`'s default)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = ReceivePool()
-        return _default
+    """The process's shared pool (:class:`~knittrans.flight.StoreClient`'s default)."""
+    return _DEFAULT

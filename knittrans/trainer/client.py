@@ -40,23 +40,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from knittrans.controlclient import ControlClient, JobFinished
+from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest
-from knittrans.manifest import Manifest
 from knittrans.plans import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
 from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCacheStats
-from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch
+from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch, Upcoming
 
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
 
@@ -120,29 +117,21 @@ class TrainerClient:
             transform=transform,
         )
         """What this rank's mini-batches use of it."""
-        self._first: Future[MiniBatch | None] = Future()
-        threading.Thread(
-            target=self._start, args=(self._first,), name=f"knittrans-start-{config.rank}", daemon=True
-        ).start()
+        self._first = Upcoming()
+        """The first mini-batch, loading as soon as its share is in (unless the loop asked for it first)."""
+        threading.Thread(target=self._start, name=f"knittrans-start-{config.rank}", daemon=True).start()
 
-    def _start(self, first: Future[MiniBatch | None]) -> None:
+    def _start(self) -> None:
         """Background start: warm the conversion, connect to the store nodes, then take the first share and start
-        loading it."""
+        loading it (no hop to the loop's thread between the share and its first fetch)."""
         try:
             warm_up()  # the process's first IPC read and torch conversion, before a manifest is there
             nodes = self.control.list_nodes()
             self.fetcher.warm({n["node_id"]: n["endpoint"] for n in nodes if not n.get("lost") and n.get("endpoint")})
         except Exception as exc:  # warming is an optimisation; reads report their own errors
             logger.debug("rank %d: not warmed: %s", self.config.rank, exc)
-        if not first.set_running_or_notify_cancel():
-            return
-        try:
-            mb = self._minibatch(self.feed.share(self.feed.start()))
-            if mb is not None and self.config.fetch_mode == "iter":
-                mb.start_prefetch()  # no hop to the loop's thread between the share and its first fetch
-            first.set_result(mb)
-        except BaseException as exc:  # handed to minibatches()
-            first.set_exception(exc)
+        with contextlib.suppress(BaseException):  # raised again where minibatches() asks for the first share
+            self._first.load(self.context, self.feed.start())
 
     def minibatch(self, plan: RankPlan, etag: str = "") -> MiniBatch:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
@@ -153,23 +142,12 @@ class TrainerClient:
 
     def replan(self, failed: MiniBatch) -> MiniBatch | None:
         """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
-        after ``replan_wait_s``; None when the job has no such mini-batch any more. Collective with a group."""
-        cfg, n, etag = self.config, failed.global_index, failed.etag
-
-        def ask() -> tuple[Manifest, str] | None:
-            deadline = time.monotonic() + cfg.replan_wait_s
-            while True:
-                late = time.monotonic() > deadline
-                try:
-                    got = self.control.manifest(cfg.job, n, cfg.poll_timeout_s, etag=None if late else etag)
-                except JobFinished:
-                    return None
-                if got is not None:
-                    return got
-
-        got = leader_call(self.collective, ask)  # rank 0 asks, every rank gets the manifest
+        after ``replan_wait_s``; None when the job has no such mini-batch any more (or the client was closed).
+        Collective with a group."""
+        n, cfg = failed.global_index, self.config
+        got = leader_call(self.collective, lambda: self.feed.ask(n, etag=failed.etag, wait_s=cfg.replan_wait_s))
         self.feed.release_below(n)
-        return self._minibatch((got[0].share(cfg.rank), got[1]) if got is not None else None)
+        return self._minibatch((got[0].share(cfg.rank), got[1]) if isinstance(got, tuple) else None)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
@@ -178,9 +156,7 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
-        first, self._first = self._first, Future()
-        self._first.cancel()
-        mb = first.result()
+        mb = self._first.take() or self._minibatch(self.feed.share(self.feed.start()))
         while mb is not None:
             self._current = mb
             if self.config.fetch_mode == "iter":
@@ -210,11 +186,9 @@ class TrainerClient:
 
     def close(self) -> None:
         """Stop prefetching and the feed, close the fetcher and the control-plane client."""
-        if not self._first.cancel() and self._first.done():
-            with contextlib.suppress(BaseException):
-                early = self._first.result()
-                if early is not None:
-                    early.stop()
+        early = self._first.take()
+        if early is not None:
+            early.stop()
         if self._current is not None:
             self._current.stop()
         self.feed.close()

@@ -85,24 +85,17 @@ def leader_call(collective: Collective | None, call: Callable[[], T]) -> T:
     """``call()`` on rank 0 (every rank when ``collective`` is None), its result or exception on every rank."""
     if collective is None:
         return call()
-    outcome: Any = None
+    outcome: tuple[bool, Any] = (True, None)
     if collective.rank == 0:
         try:
-            outcome = call()
+            outcome = (True, call())
         except BaseException as exc:  # handed to every rank, raised there
-            outcome = _Raised(exc)
-    got = collective.broadcast(outcome)
-    if isinstance(got, _Raised):
-        raise got.exc
+            outcome = (False, exc)
+    ok, got = collective.broadcast(outcome)
+    if not ok:
+        raise got
     result: T = got
     return result
-
-
-class _Raised:
-    """An exception of the leader's call, on its way to every rank."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
 
 
 class Progress:
@@ -179,8 +172,6 @@ class ManifestFeed:
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
-        self.arrived: dict[int, float] = {}
-        """Wall-clock time each share reached this rank (kept until :meth:`release_below` passes it)."""
         self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
         self._thread.start()
 
@@ -204,7 +195,6 @@ class ManifestFeed:
                 return
             with self._cond:
                 self._shares[n] = item
-                self.arrived[n] = time.time()
                 self._cond.notify_all()
             if item is None:
                 self._finish(n + 1, None)
@@ -236,19 +226,22 @@ class ManifestFeed:
         With a collective rank 0 reads and checks the manifest and broadcasts it (pickled by the
         collective: cheaper than the JSON it came as); every rank cuts its own share, so rank 0's work
         does not grow with the number of ranks."""
-        got = leader_call(self.collective, lambda: self._ask(n))
+        got = leader_call(self.collective, lambda: self.ask(n))
         if isinstance(got, tuple):
             manifest, etag = got
             return manifest.share(self.rank), etag
         return got
 
-    def _ask(self, n: int) -> tuple[Manifest, str] | _Closed | None:
+    def ask(self, n: int, *, etag: str | None = None, wait_s: float = 0.0) -> tuple[Manifest, str] | _Closed | None:
         """Long-poll mini-batch ``n`` until it is admitted: ``(manifest, etag)``; None when it never will be;
-        a :class:`_Closed` once the feed is closed."""
+        a :class:`_Closed` once the feed is closed. ``etag``: a manifest of ``n`` held already, asked for again
+        (re-planned) with another ETag for up to ``wait_s``, then as it is."""
+        deadline = time.monotonic() + wait_s
         while not self._closed.is_set():
             self.requests += 1
+            late = time.monotonic() > deadline
             try:
-                got = self.control.manifest(self.job, n, self.poll_s)
+                got = self.control.manifest(self.job, n, self.poll_s, etag=None if late else etag)
             except JobFinished:
                 return None
             except RuntimeError:  # httpx, once the client was closed under the request
@@ -292,7 +285,6 @@ class ManifestFeed:
         with self._cond:
             for m in [m for m in self._shares if m < n]:
                 del self._shares[m]
-                self.arrived.pop(m, None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""

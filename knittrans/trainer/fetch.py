@@ -97,8 +97,7 @@ class Fetcher:
         try:
             client = self._client(endpoint)
             client.health()
-            if self.data_lane:
-                client.lane_warm()  # the data_lane action and a lane connection too, out of the first read
+            client.lane_warm()  # with data_lane: the data_lane action and a lane connection, out of the first read
         except KnitTransError as exc:
             self._warm.discard(endpoint)
             logger.debug("store %s not warmed: %s", endpoint, exc)

@@ -34,7 +34,7 @@ from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaCache, MediaCacheStats
 from knittrans.trainer.share import ShareStreams
 
-__all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch"]
+__all__ = ["MicroTiming", "MiniBatch", "RankContext", "TrainMicroBatch", "Upcoming"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,8 @@ class MiniBatch:
         self.complete = False
         """Every micro-batch was handed to the training loop."""
         self.abandoned = False
-        self._streams = ShareStreams.from_plan(ctx.fetcher, plan, media=ctx.config.fetch_media)
-        """One DoGet per node and kind for the whole share."""
-        self._streams.open()  # the calls connect and start flowing now, before the first ``next``
+        self._streams = ShareStreams(ctx.fetcher, plan, media=ctx.config.fetch_media)
+        """One DoGet per node and kind for the whole share (they connect and flow now, before the first ``next``)."""
         # No reference back to this object from what it owns (the cache's fetch, the prefetch thread's
         # successor): a finished mini-batch, its plan and its tensors are then freed by reference counting
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such
@@ -131,7 +130,7 @@ class MiniBatch:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
-        self._successor = _Successor()
+        self._successor = Upcoming()
         """The next mini-batch, loading, once the prefetch thread got its share."""
 
     @property
@@ -317,8 +316,9 @@ class MiniBatch:
         }
 
 
-class _Successor:
-    """The mini-batch after one, started by that one's prefetch thread once its share is in the feed."""
+class Upcoming:
+    """A mini-batch started as soon as its share is in the feed (by the rank's start thread for the first one, by
+    the previous one's prefetch thread for the others), unless :meth:`take` came first."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -338,10 +338,11 @@ class _Successor:
             if self._cancel.is_set():
                 return
             self._mini_batch = MiniBatch(ctx, *shared)
-            self._mini_batch.start_prefetch()
+            if ctx.config.fetch_mode == "iter":
+                self._mini_batch.start_prefetch()
 
     def take(self) -> MiniBatch | None:
-        """The successor if it was started (then it is the caller's), else None; either way the wait ends."""
+        """The mini-batch if it was started (then it is the caller's), else None; either way the wait ends."""
         with self._lock:
             self._cancel.set()
             found, self._mini_batch = self._mini_batch, None

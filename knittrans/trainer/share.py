@@ -2,8 +2,7 @@
 
 ::
 
-    streams = ShareStreams.from_plan(fetcher, plan)
-    streams.open()                                    # optional: start every call now (else at the first read)
+    streams = ShareStreams(fetcher, plan)             # every call opened now
     rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
     records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
     streams.close()                                   # cancels what was not read
@@ -48,30 +47,45 @@ def media_records(data: pa.Table | pa.RecordBatch) -> dict[str, MediaRecord]:
     return out
 
 
-def _close(batches: Iterator[pa.RecordBatch], what: str) -> None:
-    """Close (cancel) a batch iterator that may not have been read to its end."""
-    close = getattr(batches, "close", None)
-    if close is not None:
-        try:
-            close()
-        except ValueError:  # still running in a thread that did not stop in time
-            logger.warning("%s: stream still in use, not cancelled", what)
+class _Call:
+    """The batches of one call, being opened in the fetcher's pool; an error opening it is raised at the first
+    read, and :meth:`close` cancels a call not read to its end."""
 
-
-class _RowTaker:
-    """Consecutive row counts out of a batch iterator; a batch is sliced where a count ends."""
-
-    def __init__(self, batches: Iterator[pa.RecordBatch], what: str) -> None:
-        self._batches = batches
-        self._rest: pa.RecordBatch | None = None
+    def __init__(self, opening: Future[Iterator[pa.RecordBatch]], what: str) -> None:
+        self._opening = opening
+        self._batches: Iterator[pa.RecordBatch] | None = None
         self._what = what
-        self.taken = 0
+
+    def _next(self) -> pa.RecordBatch | None:
+        if self._batches is None:
+            self._batches = self._opening.result()
+        return next(self._batches, None)
+
+    def close(self) -> None:
+        if self._batches is None and not self._opening.cancel():
+            try:
+                self._batches = self._opening.result()
+            except KnitTransError:
+                return
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:  # still running in a thread that did not stop in time
+                logger.warning("%s: stream still in use, not cancelled", self._what)
+
+
+class _RowTaker(_Call):
+    """Consecutive row counts out of a call's batches; a batch is sliced where a count ends."""
+
+    _rest: pa.RecordBatch | None = None
+    taken = 0
 
     def take(self, n: int) -> list[pa.RecordBatch]:
         out: list[pa.RecordBatch] = []
         have = 0
         while have < n:
-            batch = self._rest if self._rest is not None else next(self._batches, None)
+            batch = self._rest if self._rest is not None else self._next()
             self._rest = None
             if batch is None:
                 raise DataLost(f"{self._what} ended after {self.taken + have} rows; {self.taken + n} were asked for")
@@ -86,93 +100,38 @@ class _RowTaker:
         self.taken += n
         return out
 
-    def close(self) -> None:
-        _close(self._batches, self._what)
 
-
-class _MediaStream:
+class _MediaStream(_Call):
     """One node's media of the share, in first-use order; records that arrive early wait until asked for."""
 
-    def __init__(self, batches: Iterator[pa.RecordBatch], what: str) -> None:
-        self._batches = batches
-        self._what = what
+    def __init__(self, opening: Future[Iterator[pa.RecordBatch]], what: str) -> None:
+        super().__init__(opening, what)
         self._pending: dict[str, MediaRecord] = {}
 
     def get(self, media_hash: str) -> MediaRecord:
         while media_hash not in self._pending:
-            batch = next(self._batches, None)
+            batch = self._next()
             if batch is None:
                 raise NotFound(f"media {media_hash} is not in {self._what}")
             self._pending.update(media_records(batch))
         return self._pending.pop(media_hash)
 
-    def close(self) -> None:
-        _close(self._batches, self._what)
-
-
-class _Opened:
-    """The batches of a call being opened in the fetcher's pool; an error opening it is raised at the first read."""
-
-    def __init__(self, opening: Future[Iterator[pa.RecordBatch]]) -> None:
-        self._opening = opening
-        self._batches: Iterator[pa.RecordBatch] | None = None
-
-    def __iter__(self) -> _Opened:
-        return self
-
-    def __next__(self) -> pa.RecordBatch:
-        if self._batches is None:
-            self._batches = self._opening.result()
-        return next(self._batches)
-
-    def close(self) -> None:
-        if self._batches is None and not self._opening.cancel():
-            try:
-                self._batches = self._opening.result()
-            except KnitTransError:
-                return
-        close = getattr(self._batches, "close", None)
-        if close is not None:
-            close()
-
 
 class ShareStreams:
-    """One rank's share of a plan read as at most one rows and one media ``DoGet`` per store node.
+    """One rank's share of a plan read as at most one rows and one media ``DoGet`` per store node, every call
+    opened by the constructor (none for a share that reads nothing), so all of them flow from the start.
 
     Not thread-safe: one loader (the prefetch thread, or the training thread in ``eager`` mode)
     calls :meth:`rows` for micro-batches ``0, 1, ...`` in order and :meth:`media` as it goes.
+
+    Raises:
+        InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
+            columns or name different jobs (a manifest's shares never do).
     """
 
-    def __init__(
-        self,
-        fetcher: Fetcher,
-        row_counts: list[list[tuple[str, int]]],
-        row_tickets: dict[str, tuple[str, Ticket]],
-        media_tickets: dict[str, tuple[str, Ticket]],
-        media_node: dict[str, str],
-    ) -> None:
-        self._fetcher = fetcher
-        self._row_counts = row_counts
-        self._row_tickets = row_tickets
-        self._media_tickets = media_tickets
-        self._media_node = media_node
-        self._opened = False
-        self._rows: dict[str, _RowTaker] = {}
-        self._media: dict[str, _MediaStream] = {}
-        self._next = 0
-        self.calls = 0
-        """``DoGet`` calls (or local reads) opened so far."""
-
-    @classmethod
-    def from_plan(cls, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> ShareStreams:
-        """Streams for ``plan``'s micro-batches (none for a share that reads nothing).
-
-        Raises:
-            InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
-                columns or name different jobs (a manifest's shares never do).
-        """
+    def __init__(self, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> None:
         job: str | None = None
-        counts: list[list[tuple[str, int]]] = []
+        self._row_counts: list[list[tuple[str, int]]] = []
         rows: dict[str, list[Ticket]] = {}
         endpoints: dict[str, str] = {}
         for micro in plan.micro_batches:
@@ -189,19 +148,19 @@ class ShareStreams:
                 endpoints[node] = f.endpoint
                 rows.setdefault(node, []).append(ticket)
                 per_micro.append((node, sum(n or 0 for n in sizes)))
-            counts.append(per_micro)
+            self._row_counts.append(per_micro)
         media_of: dict[str, list[Ticket]] = {}
-        media_node: dict[str, str] = {}
+        self._media_node: dict[str, str] = {}
         for micro in plan.micro_batches if media else ():
             for m in micro.media:
-                if m.hash in media_node:
+                if m.hash in self._media_node:
                     continue
                 if m.ticket.kind != "media" or (job is not None and m.ticket.job != job):
                     raise InvalidRequest(
                         f"plan {plan.plan_id}: media ticket of {m.hash} is not a media ticket of its job"
                     )
                 job = m.ticket.job
-                media_node[m.hash] = m.node_id
+                self._media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
         # A node's rows and media tickets carry the same grants (one per node and plan): every
@@ -210,33 +169,23 @@ class ShareStreams:
             node: tuple(dict.fromkeys(g for t in (*rows.get(node, ()), *media_of.get(node, ())) for g in t.grants))
             for node in endpoints
         }
-        row_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in rows.items()}
-        media_tickets = {n: (endpoints[n], join_tickets(ts, grants=grants[n])) for n, ts in media_of.items()}
-        return cls(fetcher, counts, row_tickets, media_tickets, media_node)
 
-    def _stream(self, node: str, endpoint: str, ticket: Ticket) -> _Opened:
-        # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
-        # that reads this node, as with one call per micro-batch.
-        self.calls += 1
-        return _Opened(self._fetcher.pool.submit(self._fetcher.stream, node, endpoint, ticket))
+        def stream(node: str, tickets: list[Ticket]) -> Future[Iterator[pa.RecordBatch]]:
+            # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
+            # that reads this node, as with one call per micro-batch.
+            ticket = join_tickets(tickets, grants=grants[node])
+            return fetcher.pool.submit(fetcher.stream, node, endpoints[node], ticket)
 
-    def open(self) -> None:
-        """Open every call of the share now, rows first, so all of them flow from the start (else the first read)."""
-        if self._opened:
-            return
-        self._opened = True
-        for node, (endpoint, ticket) in self._row_tickets.items():
-            what = f"the rows stream of node {node}"
-            self._rows[node] = _RowTaker(self._stream(node, endpoint, ticket), what)
-        for node, (endpoint, ticket) in self._media_tickets.items():
-            what = f"the media stream of node {node}"
-            self._media[node] = _MediaStream(self._stream(node, endpoint, ticket), what)
+        self._rows = {n: _RowTaker(stream(n, ts), f"the rows stream of node {n}") for n, ts in rows.items()}
+        self._media = {n: _MediaStream(stream(n, ts), f"the media stream of node {n}") for n, ts in media_of.items()}
+        self.calls = len(self._rows) + len(self._media)
+        """``DoGet`` calls (or local reads) opened."""
+        self._next = 0
 
     def rows(self, i: int) -> pa.Table | None:
         """Rows of micro-batch ``i`` in plan order (None when it has none); ``i`` must be the next one."""
         if i != self._next:
             raise InvalidRequest(f"micro-batch {i} asked for out of order; the stream is at micro-batch {self._next}")
-        self.open()
         self._next += 1
         batches = [b for node, n in self._row_counts[i] for b in self._rows[node].take(n)]
         if not batches:
@@ -248,7 +197,6 @@ class ShareStreams:
 
     def media(self, hashes: Sequence[str]) -> dict[str, MediaRecord]:
         """Records of ``hashes`` (a :class:`~knittrans.trainer.media.MediaCache` fetch function)."""
-        self.open()
         out = {}
         for h in hashes:
             node = self._media_node.get(h)
@@ -263,4 +211,4 @@ class ShareStreams:
             rows.close()
         for media in self._media.values():
             media.close()
-        self._rows, self._media, self._opened = {}, {}, True
+        self._rows, self._media = {}, {}
