@@ -287,6 +287,18 @@ def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
 
 
+def test_a_second_loop_over_one_client_is_refused(cluster: LocalCluster) -> None:
+    """minibatches() runs once per client: a second loop would start over at the first share (already acked and
+    released), so it raises at once instead of waiting."""
+    control, job = cluster.control(), "twice"
+    control.create_job(job_spec(job, groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 2, group_size=2))
+    with _client(cluster, job, "iter") as client:
+        assert len(_train(client, 1)) == 1
+        with pytest.raises(InvalidRequest, match="runs once per client"):
+            next(iter(client.minibatches()))
+
+
 def test_store_node_killed_mid_mini_batch_names_the_node(own_cluster: LocalCluster) -> None:
     """Micro-batches on the live node arrive; the first one on the killed node raises naming node and endpoint."""
     c, job = own_cluster, "kill"

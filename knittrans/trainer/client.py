@@ -119,6 +119,7 @@ class TrainerClient:
         """What this rank's mini-batches use of it."""
         self._first = Upcoming()
         """The first mini-batch, loading as soon as its share is in (unless the loop asked for it first)."""
+        self._looped = False
         threading.Thread(target=self._start, name=f"knittrans-start-{config.rank}", daemon=True).start()
 
     def _start(self) -> None:
@@ -156,6 +157,11 @@ class TrainerClient:
         requested; an abandoned one (:meth:`MiniBatch.abandon`) is asked for again (re-planned);
         one that was neither fully iterated nor abandoned raises, since acking it would lose rows.
         """
+        if self._looped:
+            raise InvalidRequest(
+                "minibatches() runs once per client: a second loop would start over at the first share"
+            )
+        self._looped = True
         mb = self._first.take() or self._minibatch(self.feed.share(self.feed.start()))
         while mb is not None:
             self._current = mb
