@@ -34,10 +34,10 @@ from typing import Any
 
 from knittrans.errors import InvalidRequest, InvalidTicket
 from knittrans.names import check_name, is_content_hash
-from knittrans.plans import MediaFetch, MicroBatchReads, PlanRow, RankPlan, RowFetch
+from knittrans.plans import MediaFetch, MicroBatchReads, PlanRow, RowFetch
 from knittrans.tickets import Ticket, UnitRead, node_reads
 
-__all__ = ["MANIFEST_VERSION", "Manifest", "ManifestGroup", "ManifestNode", "Row", "etag_of"]
+__all__ = ["MANIFEST_VERSION", "Manifest", "ManifestGroup", "ManifestNode", "RankPlan", "Row", "etag_of"]
 
 MANIFEST_VERSION = 1
 """Version of the manifest layout; a manifest with another version is refused."""
@@ -202,18 +202,8 @@ class Manifest:
         if not 0 <= rank < self.world_size:
             raise InvalidRequest(f"rank {rank} is outside the manifest's world_size {self.world_size}")
         micro_batches = tuple(self._micro_batch(i, rows) for i, rows in enumerate(self.ranks[rank]))
-        return RankPlan(
-            job=self.job,
-            rank=rank,
-            global_index=self.global_index,
-            attempt=self.attempt,
-            step=self.step,
-            mini_batch_index=self.mini_batch_index,
-            policy_version=self.policy_version,
-            admitted_at=self.admitted_at,
-            mini_batch_trajectories=self.trajectories,
-            micro_batches=micro_batches,
-        )
+        _ = self.trajectories  # the loss normaliser: counted now (by the feed thread), not in the training loop
+        return RankPlan(manifest=self, rank=rank, micro_batches=micro_batches)
 
     @functools.cached_property
     def _nodes_by_id(self) -> dict[str, ManifestNode]:
@@ -262,6 +252,24 @@ class Manifest:
             )
             media.append(MediaFetch(hash=media_hash, node_id=holder.node_id, endpoint=holder.endpoint, ticket=ticket))
         return MicroBatchReads(index=index, rows=tuple(plan_rows), fetches=fetches, media=tuple(media))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPlan:
+    """``rank``'s share of ``manifest``: the mini-batch's facts (job, index, attempt, step, policy version,
+    admission time, trajectories) are the manifest's; the plan adds the rank's micro-batches."""
+
+    manifest: Manifest
+    """The mini-batch the share is cut from."""
+    rank: int
+    """Rank the share is for."""
+    micro_batches: tuple[MicroBatchReads, ...]
+    """The share cut into micro-batches; every rank of the mini-batch gets the same count when it can."""
+
+    @property
+    def plan_id(self) -> str:
+        """``n{global_index}.a{attempt}.r{rank}``: names this share in logs and training records."""
+        return f"{self.manifest.manifest_id}.r{self.rank}"
 
 
 def etag_of(raw: bytes, global_index: int, attempt: int) -> str:

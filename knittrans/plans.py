@@ -1,4 +1,5 @@
-"""A rank's plan: its share of one admitted mini-batch, as :meth:`knittrans.manifest.Manifest.share` derives it.
+"""The parts of a rank's plan (:class:`knittrans.manifest.RankPlan`): its share of one admitted mini-batch, as
+:meth:`knittrans.manifest.Manifest.share` derives it.
 
 The plan is not sent anywhere: every rank receives the same manifest and takes its slice locally. A
 plan holds the rank's micro-batches, each with its rows in read order, one rows ``DoGet`` per store
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from knittrans.tickets import Ticket
 
-__all__ = ["MediaFetch", "MicroBatchReads", "PlanRow", "RankPlan", "RowFetch"]
+__all__ = ["MediaFetch", "MicroBatchReads", "PlanRow", "RowFetch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,34 +70,3 @@ class MicroBatchReads:
     """One rows ``DoGet`` per store node, in row order."""
     media: tuple[MediaFetch, ...]
     """One entry per unique media hash its rows use, in first-use order."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankPlan:
-    """``rank``'s share of mini-batch ``global_index`` (attempt ``attempt``, trained at ``policy_version``)."""
-
-    job: str
-    """Job the mini-batch belongs to."""
-    rank: int
-    """Rank the share is for."""
-    global_index: int
-    """Global index ``n`` of the mini-batch."""
-    attempt: int
-    """Re-plan attempt of the mini-batch (0 first)."""
-    step: int
-    """Optimizer step the mini-batch belongs to."""
-    mini_batch_index: int
-    """Index ``k`` of the mini-batch within its step."""
-    policy_version: int
-    """Policy version the mini-batch is trained at."""
-    admitted_at: float
-    """Wall-clock admission time of the mini-batch."""
-    mini_batch_trajectories: int
-    """Trajectories of the whole mini-batch over all ranks."""
-    micro_batches: tuple[MicroBatchReads, ...]
-    """The share cut into micro-batches; every rank of the mini-batch gets the same count when it can."""
-
-    @property
-    def plan_id(self) -> str:
-        """``n{global_index}.a{attempt}.r{rank}``: names this share in logs and training records."""
-        return f"n{self.global_index}.a{self.attempt}.r{self.rank}"

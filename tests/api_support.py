@@ -16,8 +16,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
-from knittrans.manifest import Manifest
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest, RankPlan
 from knittrans.procs import control_plane_args, knittrans_command, stop_process, wait_ready
 
 ENDPOINT = "grpc://127.0.0.1:{port}"

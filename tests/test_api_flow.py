@@ -93,7 +93,8 @@ def test_full_flow_quotas_exact_and_exactly_once(tmp_path: Path, policy: str) ->
     assert len(rows) == len(set(rows)) == len(finish) * 2  # every trajectory exactly once
     assert _groups_per_step(manifests, source_of) == {s: Counter(QUOTAS) for s in range(steps)}
     for p in plans:
-        assert p.policy_version == p.global_index and p.step == p.global_index // 4
+        m = p.manifest
+        assert m.policy_version == m.global_index and m.step == m.global_index // 4
         for micro in p.micro_batches:
             fetched = [
                 (f.node_id, read.unit_id, row)

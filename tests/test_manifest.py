@@ -221,20 +221,8 @@ def test_share_builds_the_tickets_grants_and_media_the_rows_imply(wire: bytes) -
     seen: list[tuple[str, int]] = []
     for rank in range(m.world_size):
         plan = m.share(rank)
-        assert (plan.job, plan.rank, plan.global_index, plan.attempt, plan.plan_id) == (
-            "job1",
-            rank,
-            0,
-            0,
-            f"n0.a0.r{rank}",
-        )
-        assert (plan.step, plan.mini_batch_index, plan.policy_version, plan.admitted_at) == (
-            m.step,
-            m.mini_batch_index,
-            m.policy_version,
-            m.admitted_at,
-        )
-        assert plan.mini_batch_trajectories == 16 and len(plan.micro_batches) == len(m.ranks[rank])
+        assert (plan.manifest, plan.rank, plan.plan_id) == (m, rank, f"n0.a0.r{rank}")
+        assert m.trajectories == 16 and len(plan.micro_batches) == len(m.ranks[rank])
         for i, (micro, rows) in enumerate(zip(plan.micro_batches, m.ranks[rank], strict=True)):
             want = []
             for g, row, tokens in rows:

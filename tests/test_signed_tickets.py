@@ -15,8 +15,7 @@ from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
 from knittrans.grants import check_ticket, sign_grant
 from knittrans.local import ClusterConfig, LocalCluster
-from knittrans.manifest import Manifest
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest, RankPlan
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from tests.trainer_support import job_spec, mm_groups, write_and_register

@@ -15,7 +15,7 @@ import torch
 
 from knittrans.errors import InvalidRequest, Unavailable
 from knittrans.local import ClusterConfig, LocalCluster
-from knittrans.plans import RankPlan
+from knittrans.manifest import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
 from tests.gc_support import assert_no_cycles_of_ours, cyclic_gc_off

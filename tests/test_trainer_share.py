@@ -11,7 +11,8 @@ import pytest
 from knittrans.errors import DataLost, InvalidRequest, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.local import LocalCluster
-from knittrans.plans import MicroBatchReads, RankPlan, RowFetch
+from knittrans.manifest import Manifest, RankPlan
+from knittrans.plans import MicroBatchReads, RowFetch
 from knittrans.tickets import Ticket
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher
@@ -84,18 +85,22 @@ def test_unstreamable_plan_is_refused() -> None:
         fetches=(RowFetch(node_id="n0", endpoint="grpc://127.0.0.1:1", ticket=whole),),
         media=(),
     )
-    plan = RankPlan(
+    manifest = Manifest(
         job="j",
-        rank=0,
         global_index=0,
         attempt=0,
         step=0,
         mini_batch_index=0,
         policy_version=0,
         admitted_at=0.0,
-        mini_batch_trajectories=0,
-        micro_batches=(micro,),
+        columns=None,
+        nodes=(),
+        units=(),
+        groups=(),
+        media=(),
+        ranks=((),),
     )
+    plan = RankPlan(manifest=manifest, rank=0, micro_batches=(micro,))
     with (
         Fetcher() as fetcher,
         pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),

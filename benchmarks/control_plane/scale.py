@@ -105,11 +105,11 @@ class Rank(threading.Thread):
                 if shared is None:
                     return
                 plan, _ = shared
-                self.latencies.append(self.feed.arrived[n] - plan.admitted_at)
-                self.progress.fetched(n, plan.attempt)
+                self.latencies.append(self.feed.arrived[n] - plan.manifest.admitted_at)
+                self.progress.fetched(n, plan.manifest.attempt)
                 time.sleep(self.step_s)  # the training step
                 figures = {"exposed_s": 0.001, "fetch_s": 0.002, "row_bytes": 4096}
-                self.progress.ack(n, plan.attempt, version=n + 1, transfer=figures)
+                self.progress.ack(n, plan.manifest.attempt, version=n + 1, transfer=figures)
                 self.feed.release_below(n + 1)
                 self.done += 1
                 n += 1

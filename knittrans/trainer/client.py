@@ -47,7 +47,7 @@ import torch
 
 from knittrans.controlclient import ControlClient
 from knittrans.errors import InvalidRequest
-from knittrans.plans import RankPlan
+from knittrans.manifest import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
 from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call

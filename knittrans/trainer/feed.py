@@ -22,8 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from knittrans.controlclient import ControlClient, JobFinished
 from knittrans.errors import DataLost, KnitTransError
-from knittrans.manifest import Manifest
-from knittrans.plans import RankPlan
+from knittrans.manifest import Manifest, RankPlan
 
 __all__ = ["Collective", "ManifestFeed", "Shared", "TorchCollective", "leader_call"]
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from knittrans.errors import InvalidRequest, KnitTransError
-from knittrans.plans import MicroBatchReads, PlanRow, RankPlan
+from knittrans.manifest import RankPlan
+from knittrans.plans import MicroBatchReads, PlanRow
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import MicroBatch, to_micro_batch
 from knittrans.trainer.feed import ManifestFeed, Progress
@@ -98,17 +99,18 @@ class MiniBatch:
         self.plan = plan
         self.etag = etag
         """ETag of the manifest the share was taken from (a re-plan is a manifest with another one)."""
+        manifest = plan.manifest
         self.plan_id: str = plan.plan_id
-        self.step: int = plan.step
-        self.index: int = plan.mini_batch_index
-        self.global_index: int = plan.global_index
-        self.attempt: int = plan.attempt
+        self.step: int = manifest.step
+        self.index: int = manifest.mini_batch_index
+        self.global_index: int = manifest.global_index
+        self.attempt: int = manifest.attempt
         """Re-plan attempt of this global index."""
-        self.policy_version: int = plan.policy_version
+        self.policy_version: int = manifest.policy_version
         self.num_micro_batches = len(plan.micro_batches)
         self.received_at = time.time()
         """Wall-clock time the share reached this rank."""
-        self.admitted_at: float = plan.admitted_at
+        self.admitted_at: float = manifest.admitted_at
         """Wall-clock admission time of the mini-batch."""
         self.timings: list[MicroTiming] = []
         self.media_stats = MediaCacheStats()
@@ -136,7 +138,7 @@ class MiniBatch:
     @property
     def mini_batch_trajectories(self) -> int:
         """Trajectories of the whole mini-batch over all ranks (a global loss normaliser without an all-reduce)."""
-        return self.plan.mini_batch_trajectories
+        return self.plan.manifest.trajectories
 
     def _fetch_error(self, i: int, micro: MicroBatchReads, exc: KnitTransError) -> KnitTransError:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""

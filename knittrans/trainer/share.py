@@ -23,7 +23,7 @@ from concurrent.futures import Future
 import pyarrow as pa
 
 from knittrans.errors import DataLost, InvalidRequest, KnitTransError, NotFound
-from knittrans.plans import RankPlan
+from knittrans.manifest import RankPlan
 from knittrans.tickets import Ticket, join_tickets
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.media import MediaRecord
