@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from api_support import app_client, drain, job_spec, manifest, single_group_unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
-from knittrans.api.models import MAX_MINI_BATCHES_PER_STEP
+from knittrans.api.models import MAX_MINI_BATCHES_PER_STEP, JobCreate
+from knittrans.api.spec import JobSpec
 
 
 @pytest.fixture
@@ -34,6 +36,23 @@ def test_create_and_get_job(client: TestClient) -> None:
     assert body["state"] == "running"
     assert body["quotas"] == {"math": 4, "code": 2}
     assert body["spec"]["mini_batches_per_step"] == 3
+
+
+def test_job_create_and_job_spec_list_the_same_fields() -> None:
+    """JobCreate (the body: each field's range, 422) and JobSpec (the job: rules across fields, 409) are two
+    lists of one job's fields: same names in the same order, and a body giving only what JobSpec requires
+    becomes the JobSpec with the same defaults."""
+    assert list(JobCreate.model_fields) == [f.name for f in dataclasses.fields(JobSpec)]
+    required: dict[str, Any] = {
+        "name": "j",
+        "group_size": 1,
+        "quotas": {"a": 1},
+        "mini_batches_per_step": 1,
+        "policy": "train_batch",
+        "world_size": 1,
+        "micro_batch_size": 1,
+    }
+    assert JobSpec.from_dict(JobCreate(**required).model_dump()) == JobSpec(**required)
 
 
 def test_create_is_idempotent_for_the_same_spec_only(client: TestClient) -> None:
