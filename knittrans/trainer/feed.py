@@ -171,6 +171,8 @@ class ManifestFeed:
         self._closed = threading.Event()
         self.requests = 0
         """Manifest requests this rank made (0 on the ranks a leader serves)."""
+        self.arrived: dict[int, float] = {}
+        """Wall-clock time each share reached this rank (kept until :meth:`release_below` passes it)."""
         self._thread = threading.Thread(target=self._run, name=f"knittrans-feed-{rank}", daemon=True)
         self._thread.start()
 
@@ -194,6 +196,7 @@ class ManifestFeed:
                 return
             with self._cond:
                 self._shares[n] = item
+                self.arrived[n] = time.time()
                 self._cond.notify_all()
             if item is None:
                 self._finish(n + 1, None)
@@ -284,6 +287,7 @@ class ManifestFeed:
         with self._cond:
             for m in [m for m in self._shares if m < n]:
                 del self._shares[m]
+                self.arrived.pop(m, None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""
