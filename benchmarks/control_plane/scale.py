@@ -209,8 +209,9 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
     rss = server.rss_mib()
     stop.set()
     cuts: list[float] = []  # what each rank does with the broadcast manifest, on its own CPU: cut its share
-    if group is not None and isinstance(group.last, tuple):
-        manifest = group.last[0]
+    last = group.last if group is not None else None  # leader_call's (ok, value); value: (manifest, etag)
+    if last is not None and last[0] and isinstance(last[1], tuple):
+        manifest = last[1][0]
         for r in range(ranks):
             c0 = time.perf_counter()
             manifest.share(r)
