@@ -16,25 +16,38 @@ Wire format (integers big-endian; docs/reference/wire.md)::
 
 ``auth`` is the ``authorization`` value of a Flight call, checked by the store's own
 :class:`~knittrans.flight.auth.BearerTokenFactory` before the ticket is read or a buffer allocated for
-it; ``ticket`` is served by the store's own ``read_ticket``. A new connection waits in the
-:class:`~knittrans.flight.lane_gate.Gate` until its first request's token is in; at most
-``max_connections`` are then served, a thread each, one request after another (a further one is
-answered ``Unavailable``: its client reads through ``DoGet``). A request must arrive whole within
-``request_timeout_s`` of its first byte, an idle connection is closed after ``idle_timeout_s``, a
-client that takes no bytes for ``send_timeout_s`` is dropped. A malformed request (bad magic or token,
-a length over its limit, late) gets an error frame and the connection is closed; any other error (bad
-ticket, unknown unit) gets an error frame and the connection stays usable.
+it; ``ticket`` is served by the store's own ``read_ticket``.
+
+The gate (decision 0005): otherwise anyone who can connect pins the listener (idle connections filling the
+connection cap, declared bodies allocated before the token is checked). One selector thread accepts new
+connections and holds those that have not shown a token yet: per connection a socket and at most
+12 + :data:`MAX_AUTH_BYTES` bytes (header and authorization). Each must send its header and authorization
+within ``auth_timeout_s`` of being accepted, else it is closed. At most ``max_unauthenticated`` wait at
+once; a further connection closes the one that has waited longest (a client that sends its request at once,
+as every client of the lane does, gets through a flood of idle connections). A connection whose token
+checks out is admitted (the rest of its request still unread): at most ``max_connections`` are served, a
+thread each, one request after another (a further one is answered ``Unavailable``: its client reads
+through ``DoGet``). A connection pushed out of the gate by a newer one is answered ``Unavailable`` too; one
+that sent part of a request in time is answered ``InvalidRequest``; one that sent nothing is closed
+without a word.
+
+A request must arrive whole within ``request_timeout_s`` of its first byte, an idle connection is closed
+after ``idle_timeout_s``, a client that takes no bytes for ``send_timeout_s`` is dropped. A malformed
+request (bad magic or token, a length over its limit, late) gets an error frame and the connection is
+closed; any other error (bad ticket, unknown unit) gets an error frame and the connection stays usable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -47,7 +60,6 @@ from knittrans.errors import (
 )
 from knittrans.flight.auth import BearerTokenFactory
 from knittrans.flight.errors import error_message, from_error_message, known_error
-from knittrans.flight.lane_gate import Gate
 from knittrans.flight.recv_pool import ReceivePool, default_pool
 from knittrans.tickets import MAX_TICKET_BYTES
 
@@ -76,6 +88,7 @@ OK, ERROR = 0, 1
 _REQUEST = struct.Struct("!4sII")
 _ANSWER = struct.Struct("!4sBQ")
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
+_ACCEPTS_PER_ROUND = 32
 
 
 class NotALane(Exception):
@@ -145,9 +158,19 @@ def ipc_parts(table: pa.Table) -> tuple[list[Any], int]:
     return sink.parts, sink.nbytes
 
 
+@dataclass
+class _Waiting:
+    """A connection in the gate: what of its first request's header and authorization is in."""
+
+    peer: Any
+    deadline: float
+    got: bytearray = field(default_factory=bytearray)
+    need: int = _REQUEST.size  # bytes expected in all: the header's size, then header + authorization
+
+
 class LaneServer:
-    """The data lane of one store server: a listening socket, the :class:`~knittrans.flight.lane_gate.Gate` that
-    admits connections once their first request's header and token check out, and one thread per admitted
+    """The data lane of one store server: a listening socket, the gate (one selector thread that admits
+    connections once their first request's header and token check out) and one thread per admitted
     connection (module docstring).
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
@@ -168,26 +191,28 @@ class LaneServer:
         max_connections: int = 128,
         max_unauthenticated: int = 256,
     ) -> None:
+        if not auth_timeout_s > 0 or max_unauthenticated < 1:
+            raise ValueError("auth_timeout_s must be > 0 and max_unauthenticated >= 1")
         self._read, self._auth = read, auth
+        self.auth_timeout_s, self.max_unauthenticated = auth_timeout_s, max_unauthenticated
         self.request_timeout_s, self.idle_timeout_s = request_timeout_s, idle_timeout_s
         self.send_timeout_s, self.max_connections = send_timeout_s, max_connections
         self.served = 0
         """Answers with status OK begun (tests and benchmarks check that the lane, not DoGet, served)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)
+        self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self._gate = Gate(
-            self._listener,
-            header_size=_REQUEST.size,
-            parse=_auth_length,
-            admit=self._admit,
-            frame=_error_frame,
-            timeout_s=auth_timeout_s,
-            max_pending=max_unauthenticated,
-        )
+        self._waiting: dict[socket.socket, _Waiting] = {}  # the gate's; insertion order: oldest first
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._gate = threading.Thread(target=self._run_gate, name="knittrans-lane-gate", daemon=True)
+        self._gate.start()
 
     @property
     def open_connections(self) -> int:
@@ -196,13 +221,16 @@ class LaneServer:
             return len(self._conns)
 
     def close(self) -> None:
-        """Stop accepting and drop every open connection."""
+        """Stop accepting, close the connections waiting in the gate and drop every open connection."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             conns = list(self._conns)
-        self._gate.close()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._gate.join(5)
+        self._wake_w.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -210,13 +238,120 @@ class LaneServer:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
+    # --- the gate: connections that have not shown a token yet, on one selector thread --------
+    def _run_gate(self) -> None:
+        try:
+            while not self._closed:
+                oldest = next(iter(self._waiting.values()), None)
+                timeout = None if oldest is None else max(0.0, oldest.deadline - time.monotonic())
+                for key, _ in self._selector.select(timeout):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        assert isinstance(key.fileobj, socket.socket)
+                        self._read_waiting(key.fileobj)
+                self._expire()
+        except Exception:  # never expected: log it, the lane then accepts nothing more
+            logger.exception("data lane gate stopped")
+        finally:
+            for conn in list(self._waiting):
+                self._drop(conn)
+            self._selector.close()
+            self._wake_r.close()
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_ROUND):  # then the waiting connections' bytes are read, before more accepts
+            try:
+                conn, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors: free one, or let the backlog wait a moment
+                logger.warning("data lane cannot accept a connection now: %s", exc)
+                if self._waiting:
+                    self._drop(next(iter(self._waiting)))
+                else:
+                    time.sleep(0.05)
+                return
+            if len(self._waiting) >= self.max_unauthenticated:  # the one that has waited longest goes
+                msg = (
+                    f"the data lane has {self.max_unauthenticated} connections waiting for a token; use DoGet or retry"
+                )
+                self._refuse(next(iter(self._waiting)), Unavailable(msg))
+            conn.setblocking(False)
+            self._waiting[conn] = _Waiting(peer, time.monotonic() + self.auth_timeout_s)
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read_waiting(self, conn: socket.socket) -> None:
+        waiting = self._waiting.get(conn)
+        if waiting is None:
+            return
+        try:
+            data = conn.recv(waiting.need - len(waiting.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away
+            self._drop(conn)
+            return
+        waiting.got += data
+        if len(waiting.got) < waiting.need:
+            return
+        try:
+            if waiting.need == _REQUEST.size:
+                waiting.need += _auth_length(bytes(waiting.got))
+                if len(waiting.got) < waiting.need:
+                    return
+            self._release(conn)
+            conn.setblocking(True)
+            self._admit(conn, waiting.peer, bytes(waiting.got[: _REQUEST.size]), bytes(waiting.got[_REQUEST.size :]))
+        except KnitTransError as exc:
+            logger.info("data lane connection from %s refused: %s: %s", waiting.peer, type(exc).__name__, exc)
+            self._refuse(conn, exc)
+        except Exception:
+            logger.exception("data lane connection from %s dropped", waiting.peer)
+            self._drop(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._waiting:
+            conn, waiting = next(iter(self._waiting.items()))
+            if waiting.deadline > now:
+                return
+            logger.debug(
+                "data lane connection from %s closed: no credentials within %.0f s", waiting.peer, self.auth_timeout_s
+            )
+            if waiting.got:  # a request begun and not finished in time: say so
+                what = "header" if len(waiting.got) < _REQUEST.size else "authorization"
+                self._refuse(conn, InvalidRequest(f"data lane request: {what} did not arrive within the time limit"))
+            else:
+                self._drop(conn)
+
+    def _release(self, conn: socket.socket) -> None:
+        """Stop watching ``conn`` (admitted or about to be closed)."""
+        if self._waiting.pop(conn, None) is not None:
+            self._selector.unregister(conn)
+
+    def _refuse(self, conn: socket.socket, exc: KnitTransError) -> None:
+        """Answer ``exc``'s error frame (a small frame on a connection that was sent nothing: the socket's
+        buffer takes it without waiting) and close."""
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(_error_frame(exc))
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._release(conn)
+        conn.close()
+
+    # --- admitted connections ------------------------------------------------------------------
     def _check(self, authorization: bytes) -> None:
         if self._auth is not None:
             self._auth.check([authorization] if authorization else [])
 
     def _admit(self, conn: socket.socket, peer: Any, header: bytes, authorization: bytes) -> None:
-        """The gate's hand-over: the first request's header and authorization are in and well formed; check the
-        token (refused: the gate answers and closes), then serve the connection on a thread of its own."""
+        """The first request's header and authorization are in and well formed: check the token (refused: the
+        gate answers and closes), then serve the connection on a thread of its own."""
         self._check(authorization)
         with self._lock:
             if self._closed:
