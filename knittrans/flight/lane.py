@@ -466,9 +466,9 @@ def _error_frame(exc: KnitTransError) -> bytes:
 
 # ------------------------------------------------------------------------------------------------ client
 def connect(host: str, port: int, *, connect_timeout_s: float, timeout_s: float | None) -> socket.socket:
-    """A new connection to a lane (a store's, or the control plane's): blocking, Nagle off, each send and
-    receive bounded by ``timeout_s`` (the kernel's per-call timeouts; None: unbounded). Raises ``OSError``,
-    also when nothing listens on the port and the kernel joined the connection to itself."""
+    """A new connection to a store's lane: blocking, Nagle off, each send and receive bounded by ``timeout_s``
+    (the kernel's per-call timeouts; None: unbounded). Raises ``OSError``, also when nothing listens on the
+    port and the kernel joined the connection to itself."""
     conn = socket.create_connection((host, port), timeout=connect_timeout_s)
     if conn.getsockname() == conn.getpeername():
         conn.close()
