@@ -361,22 +361,24 @@ class LaneServer:
                     f"the data lane serves at most {self.max_connections} connections; use DoGet or retry"
                 )
             self._conns.add(conn)
-        _, _, ticket_len = _REQUEST.unpack(header)
         deadline = time.monotonic() + self.request_timeout_s
         threading.Thread(
-            target=self._serve, args=(conn, peer, ticket_len, deadline), name="knittrans-lane", daemon=True
+            target=self._serve, args=(conn, peer, header, deadline), name="knittrans-lane", daemon=True
         ).start()
 
-    def _serve(self, conn: socket.socket, peer: Any, ticket_len: int, deadline: float) -> None:
+    def _serve(self, conn: socket.socket, peer: Any, header: bytes, deadline: float) -> None:
+        """Answer the connection's requests one after another, from the first (its ``header`` and token taken in
+        by the gate) until the client closes the connection or stays idle too long."""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
-            while self._one(conn):
-                pass
+            _socket_timeouts(conn, self.send_timeout_s)  # bounds the blocking sends of the answers
+            while header:
+                _, _, ticket_len = _REQUEST.unpack(header)
+                self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
+                header, deadline = self._next_header(conn)
         except KnitTransError as exc:  # a request the lane cannot read further: answered, then closed
             logger.info("data lane request from %s refused, closing: %s", peer, exc)
             try:
-                _socket_timeouts(conn, self.send_timeout_s)
                 conn.settimeout(None)
                 conn.sendall(_error_frame(exc))
             except OSError:
@@ -405,27 +407,25 @@ class LaneServer:
             got += k
         return bytes(buf)
 
-    def _one(self, conn: socket.socket) -> bool:
-        """Serve one further request of an admitted connection; False when the client closed the connection (or
-        stayed idle too long). Its token is checked before its ticket is read; a refused one closes the connection."""
+    def _next_header(self, conn: socket.socket) -> tuple[bytes, float]:
+        """The header of the connection's next request, its token checked before its ticket is read (a refused
+        one closes the connection), and the deadline of the rest; ``b""`` when the client closed the connection
+        or stayed idle for ``idle_timeout_s``."""
         conn.settimeout(self.idle_timeout_s)
         try:
             first = conn.recv(1)
         except TimeoutError:
-            return False
+            first = b""
         if not first:
-            return False
+            return b"", 0.0
         deadline = time.monotonic() + self.request_timeout_s
         head = first + self._recv_exact(conn, _REQUEST.size - 1, deadline, "header")
         self._check(self._recv_exact(conn, _auth_length(head), deadline, "authorization"))
-        _, _, ticket_len = _REQUEST.unpack(head)
-        self._answer(conn, self._recv_exact(conn, ticket_len, deadline, "ticket"))
-        return True
+        return head, deadline
 
     def _answer(self, conn: socket.socket, ticket: bytes) -> None:
         """Answer one authenticated request: the read of ``ticket`` (empty: a ping), or its error."""
         conn.settimeout(None)
-        _socket_timeouts(conn, self.send_timeout_s)
         try:
             if not ticket:  # a ping: the connection is checked, nothing read
                 conn.sendall(_ANSWER.pack(MAGIC, OK, 0))
