@@ -8,6 +8,7 @@ unavailable, everything else a server error).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 
@@ -16,7 +17,9 @@ import pyarrow.flight as flight
 
 from knittrans import errors
 
-__all__ = ["error_message", "from_error_message", "from_flight_error", "known_error", "to_flight_error"]
+__all__ = ["error_message", "from_error_message", "from_flight_error", "refusal", "to_flight_error"]
+
+logger = logging.getLogger(__name__)
 
 _PREFIX = re.compile(r"^([A-Z][A-Za-z]+): (.*?)(?:\. Detail:.*)?$", re.S)
 _TYPES: dict[str, type[errors.KnitTransError]] = {
@@ -37,22 +40,27 @@ def from_error_message(text: str) -> errors.KnitTransError | None:
     return None
 
 
-def known_error(what: str, exc: Exception) -> errors.KnitTransError | None:
-    """The KnitTrans error a store call (``what``) that raised ``exc`` answers with; None: an unexpected failure.
+def refusal(what: str, exc: Exception) -> errors.KnitTransError | None:
+    """The KnitTrans error a store call (``what``) that raised ``exc`` answers with, logged (a full disk as a
+    warning); None: an unexpected failure, logged with its traceback (call this in the ``except`` block).
 
-    Shared by the Flight calls of the store server and its data lane, so both answer alike.
+    Shared by the Flight calls of the store server and its data lane, so both answer and log alike.
     """
-    if isinstance(exc, errors.KnitTransError):
-        return exc
+    known = exc if isinstance(exc, errors.KnitTransError) else None
     if isinstance(exc, pa.ArrowInvalid | pa.ArrowTypeError | pa.ArrowNotImplementedError):
         # malformed client input the IPC reader found (e.g. a dictionary changed within a DoPut)
-        return errors.InvalidRequest(f"{what}: invalid Arrow data: {exc}")
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return errors.OverBudget(
+        known = errors.InvalidRequest(f"{what}: invalid Arrow data: {exc}")
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        known = errors.OverBudget(
             f"{what}: the store directory cannot take the write ({os.strerror(exc.errno)}); "
             "retry later or on another node"
         )
-    return None
+    if known is None:
+        logger.exception("%s failed", what)
+    else:
+        log = logger.warning if isinstance(known, errors.OverBudget) and known is not exc else logger.info
+        log("%s refused: %s: %s", what, type(known).__name__, known)
+    return known
 
 
 def to_flight_error(exc: errors.KnitTransError) -> flight.FlightError:

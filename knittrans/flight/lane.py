@@ -59,7 +59,7 @@ from knittrans.errors import (
     Unavailable,
 )
 from knittrans.flight.auth import BearerTokenFactory
-from knittrans.flight.errors import error_message, from_error_message, known_error
+from knittrans.flight.errors import error_message, from_error_message, refusal
 from knittrans.flight.recv_pool import ReceivePool, default_pool
 from knittrans.tickets import MAX_TICKET_BYTES
 
@@ -432,12 +432,7 @@ class LaneServer:
                 return
             parts, nbytes = ipc_parts(self._read(ticket))
         except Exception as exc:
-            known = known_error("data lane read", exc)
-            if known is None:
-                logger.exception("data lane read failed")
-                known = KnitTransError(f"internal error in the data lane: {exc!r}")
-            else:
-                logger.info("data lane read refused: %s: %s", type(known).__name__, known)
+            known = refusal("data lane read", exc) or KnitTransError(f"internal error in the data lane: {exc!r}")
             conn.sendall(_error_frame(known))
             return
         with self._lock:

@@ -38,7 +38,7 @@ import pyarrow.flight as flight
 
 from knittrans.errors import InvalidRequest, OverBudget, PayloadTooLarge, Unauthenticated
 from knittrans.flight.auth import BearerTokenFactory
-from knittrans.flight.errors import known_error, to_flight_error
+from knittrans.flight.errors import refusal, to_flight_error
 from knittrans.flight.lane import LaneServer
 from knittrans.grants import check_listing, check_ticket
 from knittrans.jsonlimits import nesting_over
@@ -117,7 +117,7 @@ class StoreServerConfig:
 
 
 def _mapped(fn: F) -> F:
-    """Turn KnitTrans errors into typed Flight errors; log (and report) unexpected ones."""
+    """Turn KnitTrans errors into typed Flight errors (logged by :func:`refusal`); report unexpected ones."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -126,12 +126,9 @@ def _mapped(fn: F) -> F:
         except flight.FlightError:
             raise
         except Exception as exc:
-            known = known_error(fn.__name__, exc)
+            known = refusal(fn.__name__, exc)
             if known is None:
-                logger.exception("%s failed", fn.__name__)
                 raise flight.FlightInternalError(f"internal error in {fn.__name__}: {exc!r}") from None
-            log = logger.warning if isinstance(known, OverBudget) and known is not exc else logger.info
-            log("%s refused: %s: %s", fn.__name__, type(known).__name__, known)
             raise to_flight_error(known) from None
 
     return wrapper  # type: ignore[return-value]
