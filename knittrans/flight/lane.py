@@ -40,6 +40,7 @@ closed; any other error (bad ticket, unknown unit) gets an error frame and the c
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import selectors
 import socket
@@ -126,27 +127,24 @@ def _sendmsg_all(sock: socket.socket, parts: list[Any]) -> None:
                 sent = 0
 
 
-class _Collect:
+class _Collect(io.RawIOBase):
     """A write-only file for the IPC writer: keeps each buffer it is handed (body buffers arrive as
     zero-copy :class:`pa.Buffer` views of the mapped unit files), so the total length is known before
     a byte is sent."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.parts: list[Any] = []
         self.nbytes = 0
-        self.closed = False
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
         n = memoryview(data).nbytes
         self.parts.append(data)
         self.nbytes += n
         return n
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def ipc_parts(table: pa.Table) -> tuple[list[Any], int]:
