@@ -167,12 +167,11 @@ def validate_media(table: pa.Table) -> None:
         if want in seen:
             raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
         seen.add(want)
-        h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
-        h.update(memoryview(data[row].as_buffer()))
-        if h.digest() != want:
+        got = _media_hash(kind, dtype, shape, memoryview(data[row].as_buffer()))
+        if got != want:
             raise InvalidRequest(
                 f"media row {row}: media_hash {bytes(want).hex()} is not the SHA-256 of its "
-                f"kind, dtype, shape and bytes ({h.hexdigest()})"
+                f"kind, dtype, shape and bytes ({got.hex()})"
             )
 
 
@@ -227,6 +226,13 @@ def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray,
     return values, offsets
 
 
+def _media_hash(kind: str, dtype: str, shape: Sequence[int], payload: bytes | memoryview) -> bytes:
+    """SHA-256 over a header line ``kind|dtype|[shape]`` and the payload: :attr:`Media.hash`."""
+    h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
+    h.update(payload)
+    return h.digest()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Media:
     """One media item (image, audio, ...): raw bytes (e.g. encoded PNG) or a numpy/torch array."""
@@ -271,9 +277,7 @@ class Media:
     @cached_property
     def hash(self) -> bytes:
         """SHA-256 over ``kind|dtype|shape`` and the payload (32 bytes)."""
-        h = hashlib.sha256(f"{self.kind}|{self.dtype}|{list(self.shape)}\n".encode())
-        h.update(self.payload)
-        return h.digest()
+        return _media_hash(self.kind, self.dtype, self.shape, self.payload)
 
     @property
     def hex(self) -> str:
@@ -414,7 +418,7 @@ def build_units_tables(
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
     rows = _TrajectoryRows([g for groups in units for g in groups], time.time())
-    whole = rows.arrays(0, rows.num_rows)  # once, not per unit
+    whole = rows.arrays()  # once, not per unit
     out: list[UnitTables] = []
     start = 0
     for groups in units:
@@ -460,7 +464,7 @@ def _check_rows(units: list[UnitTables]) -> None:
 
 class _TrajectoryRows:
     """The fixed trajectory columns of groups as numpy buffers, gathered with one Python step per group
-    (not per row); :meth:`arrays` gives any row range as Arrow arrays that are views of them."""
+    (not per row); :meth:`arrays` gives them as Arrow arrays that are views of them."""
 
     def __init__(self, groups: Sequence[TrajectoryGroup], now: float) -> None:
         sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
@@ -580,16 +584,12 @@ class _TrajectoryRows:
             _dictionary(sources[start:stop]),
         ]
 
-    def arrays(self, start: int, stop: int) -> list[pa.Array]:
-        """Rows ``[start, stop)`` of the columns after the :meth:`string_arrays`, in :data:`TRAJECTORY_SCHEMA`
-        order (views of the buffers)."""
-        out: list[pa.Array] = []
-        for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
-            out.append(_list_range(values, offsets, start, stop, value_type))
-        out += [pa.array(x[start:stop]) for x in self.numbers]
-        out.append(_list_range(*self.media_refs, start, stop, _HASH))
-        out.append(pa.array(self.finished[start:stop]))
-        return out
+    def arrays(self) -> list[pa.Array]:
+        """All rows of the columns after the :meth:`string_arrays`, in :data:`TRAJECTORY_SCHEMA` order (views of
+        the buffers)."""
+        lists = [_list_array(*v, t) for v, t in zip(self.lists, _LIST_VALUE_TYPES, strict=True)]
+        numbers = [pa.array(x) for x in self.numbers]
+        return [*lists, *numbers, _list_array(*self.media_refs, _HASH), pa.array(self.finished)]
 
 
 def _dictionary(values: list[str]) -> pa.DictionaryArray:
@@ -605,23 +605,16 @@ _LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
 """Value types of ``prompt_ids``, ``response_ids``, ``response_logprobs`` and ``loss_mask``."""
 
 
-def _list_range(
-    values: np.ndarray | list[bytes], offsets: np.ndarray, start: int, stop: int, value_type: pa.DataType
-) -> pa.ListArray:
-    """Rows ``[start, stop)`` of a list column as a ListArray of zero-based offsets over a view of ``values``."""
-    lo, hi = int(offsets[start]), int(offsets[stop])
-    return pa.ListArray.from_arrays(
-        pa.array((offsets[start : stop + 1] - lo).astype(np.int32)), pa.array(values[lo:hi], type=value_type)
-    )
+def _list_array(values: np.ndarray | list[bytes], offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """A list column as a ListArray over a view of ``values``."""
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
 
 
 def _row_values(value: Any, n: int, what: str, group_id: str, default: np.ndarray | None = None) -> np.ndarray:
     """One float64 per row: a scalar broadcast, or a sequence of ``n`` (None, whole or per entry, takes ``default``)."""
     if value is None and default is not None:
         return default
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
-        value = value.detach().cpu().numpy()
-    seq = _per_row(value, n, what, group_id)
+    seq = _per_row(as_numpy(value) if hasattr(value, "detach") else value, n, what, group_id)
     if default is not None and any(v is None for v in seq):
         seq = [d if v is None else v for v, d in zip(seq, default.tolist(), strict=True)]
     try:
