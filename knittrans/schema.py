@@ -9,6 +9,7 @@ API summary::
     build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
     build_units_tables([groups, ...]) -> [UnitTables, ...]         # several units, one pass over their rows
     build_media_table(media) -> pa.Table                          # one row per unique hash
+    build_user_column(field, per_row_values) -> pa.Array          # a declared user field's column
     validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
     validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
     check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
@@ -47,7 +48,7 @@ from knittrans.columns import (
     TRAJECTORY_SCHEMA,
 )
 from knittrans.errors import InvalidRequest, SchemaMismatch
-from knittrans.userfields import USER_FIELD_NAME_RE, UserField, as_numpy, build_user_column
+from knittrans.userfields import USER_FIELD_NAME_RE, UserField, is_primitive_numeric
 
 __all__ = [
     "EMPTY_MEDIA",
@@ -63,6 +64,7 @@ __all__ = [
     "build_media_table",
     "build_unit_tables",
     "build_units_tables",
+    "build_user_column",
     "check_schema",
     "validate_media",
     "validate_part",
@@ -189,6 +191,13 @@ def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media
         validate_media(table)
 
 
+def as_numpy(value: Any) -> np.ndarray:
+    """``value`` (a list, numpy array or torch tensor) as a numpy array, without importing torch."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
 def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
     """numpy view of a list/array/tensor as a 1-D array of ``dtype`` (copies only to cast)."""
     arr = as_numpy(value).reshape(-1)
@@ -204,11 +213,14 @@ def _pooled(n: int, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(pa.allocate_buffer(n * dtype.itemsize), dtype=dtype)
 
 
-def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+def _list_values(
+    rows: Sequence[Any], dtype: np.dtype[Any], too_many: str | None = "write smaller units"
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-row sequences as one values array of ``dtype`` and int64 row offsets (one concatenate).
 
     Rows numpy can concatenate as they are (1-D arrays or lists: the usual case) are joined in one
     call and cast once; anything else (scalars, 2-D rows, GPU tensors) is converted row by row first.
+    ``too_many`` is the advice of the error when the values do not fit int32 offsets (None: no such limit).
     """
     try:
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
@@ -221,8 +233,8 @@ def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray,
         values = np.concatenate(parts)
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] >= 2**31:
-        raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
+    if too_many is not None and offsets[-1] >= 2**31:
+        raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; {too_many}")
     return values, offsets
 
 
@@ -666,6 +678,51 @@ def _int32_versions(values: np.ndarray, name: str, groups: Sequence[TrajectoryGr
             "is not a 32-bit integer"
         )
     return values.astype(np.int32)
+
+
+def _numeric_dtype(t: pa.DataType) -> np.dtype[Any]:
+    """numpy dtype of a numeric or boolean Arrow type."""
+    return np.dtype(np.bool_) if pa.types.is_boolean(t) else np.dtype(t.to_pandas_dtype())
+
+
+def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
+    """Arrow array of ``field.type`` from one value per row; errors name the field and row."""
+    t = field.type
+    try:
+        if isinstance(t, pa.FixedShapeTensorType):
+            dtype = _numeric_dtype(t.value_type)
+            rows = [as_numpy(v) for v in values]
+            for i, r in enumerate(rows):
+                if tuple(r.shape) != tuple(t.shape):
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: shape {tuple(r.shape)} != declared {tuple(t.shape)}"
+                    )
+            stacked = np.stack(rows).astype(dtype, copy=False) if rows else np.zeros((0, *t.shape), dtype)
+            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
+        if isinstance(t, pa.ListType | pa.LargeListType | pa.FixedSizeListType) and is_primitive_numeric(t.value_type):
+            advice = f"declare user field {field.name!r} large_list<>" if pa.types.is_list(t) else None
+            flat, offsets = _list_values(values, _numeric_dtype(t.value_type), advice)
+            if pa.types.is_fixed_size_list(t):
+                sizes = np.diff(offsets)
+                if (sizes != t.list_size).any():
+                    i = _first_bad(sizes != t.list_size)
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: {sizes[i]} values != declared size {t.list_size}"
+                    )
+                return pa.FixedSizeListArray.from_arrays(pa.array(flat, t.value_type), t.list_size)
+            if pa.types.is_large_list(t):
+                return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, t.value_type))
+            return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat, t.value_type))
+        if is_primitive_numeric(t):
+            arr = np.asarray([as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
+            return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
+        return pa.array([v.tolist() if hasattr(v, "tolist") else v for v in values], type=t)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(
+            f"user field {field.name!r} does not fit declared type {field.type_string}: {exc}"
+        ) from None
 
 
 def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserField]) -> list[pa.Array]:
