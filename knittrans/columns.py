@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from knittrans.descriptors import SCHEMA_VERSION
+
 __all__ = [
     "HASH_TYPE",
     "MEDIA_SCHEMA",
@@ -18,8 +20,6 @@ __all__ = [
     "TRAJECTORY_SCHEMA",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of both schemas; stored in the Arrow schema metadata and checked on every read/put."""
 SCHEMA_VERSION_KEY = b"knittrans.schema_version"
 """Schema metadata key holding :data:`SCHEMA_VERSION`."""
 TABLE_KIND_KEY = b"knittrans.table"

@@ -14,8 +14,8 @@ __all__ = ["GROUP_FIELDS", "UNIT_FIELDS", "GroupRecord", "UnitDescriptor"]
 
 
 SCHEMA_VERSION = 1
-"""Trajectory schema version descriptors may name; equals ``knittrans.schema.SCHEMA_VERSION`` (a test
-pins it) without importing pyarrow into the control plane."""
+"""Version of the trajectory and media Arrow schemas (:mod:`knittrans.columns` stores it in their metadata),
+checked on every read and put; the one version descriptors may name."""
 MAX_INT32 = (1 << 31) - 1
 """Largest version, row or token count a descriptor may carry (the Arrow columns are int32)."""
 MAX_COUNT = (1 << 53) - 1

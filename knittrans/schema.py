@@ -9,6 +9,7 @@ API summary::
     build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
     build_units_tables([groups, ...]) -> [UnitTables, ...]         # several units, one pass over their rows
     build_media_table(media) -> pa.Table                          # one row per unique hash
+    build_user_column(field, per_row_values) -> pa.Array          # a declared user field's column
     validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
     validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
     check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
@@ -47,7 +48,7 @@ from knittrans.columns import (
     TRAJECTORY_SCHEMA,
 )
 from knittrans.errors import InvalidRequest, SchemaMismatch
-from knittrans.userfields import USER_FIELD_NAME_RE, UserField, as_numpy, build_user_column
+from knittrans.userfields import USER_FIELD_NAME_RE, UserField, is_primitive_numeric
 
 __all__ = [
     "EMPTY_MEDIA",
@@ -63,6 +64,7 @@ __all__ = [
     "build_media_table",
     "build_unit_tables",
     "build_units_tables",
+    "build_user_column",
     "check_schema",
     "validate_media",
     "validate_part",
@@ -167,12 +169,11 @@ def validate_media(table: pa.Table) -> None:
         if want in seen:
             raise InvalidRequest(f"column 'media_hash' is duplicated at row {row}")
         seen.add(want)
-        h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
-        h.update(memoryview(data[row].as_buffer()))
-        if h.digest() != want:
+        got = _media_hash(kind, dtype, shape, memoryview(data[row].as_buffer()))
+        if got != want:
             raise InvalidRequest(
                 f"media row {row}: media_hash {bytes(want).hex()} is not the SHA-256 of its "
-                f"kind, dtype, shape and bytes ({h.hexdigest()})"
+                f"kind, dtype, shape and bytes ({got.hex()})"
             )
 
 
@@ -190,6 +191,13 @@ def validate_part(batch: pa.RecordBatch | pa.Table, part: Literal["traj", "media
         validate_media(table)
 
 
+def as_numpy(value: Any) -> np.ndarray:
+    """``value`` (a list, numpy array or torch tensor) as a numpy array, without importing torch."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
 def _to_numpy(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
     """numpy view of a list/array/tensor as a 1-D array of ``dtype`` (copies only to cast)."""
     arr = as_numpy(value).reshape(-1)
@@ -205,11 +213,14 @@ def _pooled(n: int, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(pa.allocate_buffer(n * dtype.itemsize), dtype=dtype)
 
 
-def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+def _list_values(
+    rows: Sequence[Any], dtype: np.dtype[Any], too_many: str | None = "write smaller units"
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-row sequences as one values array of ``dtype`` and int64 row offsets (one concatenate).
 
     Rows numpy can concatenate as they are (1-D arrays or lists: the usual case) are joined in one
     call and cast once; anything else (scalars, 2-D rows, GPU tensors) is converted row by row first.
+    ``too_many`` is the advice of the error when the values do not fit int32 offsets (None: no such limit).
     """
     try:
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
@@ -222,9 +233,16 @@ def _list_values(rows: Sequence[Any], dtype: np.dtype[Any]) -> tuple[np.ndarray,
         values = np.concatenate(parts)
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] >= 2**31:
-        raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; write smaller units")
+    if too_many is not None and offsets[-1] >= 2**31:
+        raise InvalidRequest(f"{offsets[-1]} list values do not fit int32 offsets; {too_many}")
     return values, offsets
+
+
+def _media_hash(kind: str, dtype: str, shape: Sequence[int], payload: bytes | memoryview) -> bytes:
+    """SHA-256 over a header line ``kind|dtype|[shape]`` and the payload: :attr:`Media.hash`."""
+    h = hashlib.sha256(f"{kind}|{dtype}|{list(shape)}\n".encode())
+    h.update(payload)
+    return h.digest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,9 +289,7 @@ class Media:
     @cached_property
     def hash(self) -> bytes:
         """SHA-256 over ``kind|dtype|shape`` and the payload (32 bytes)."""
-        h = hashlib.sha256(f"{self.kind}|{self.dtype}|{list(self.shape)}\n".encode())
-        h.update(self.payload)
-        return h.digest()
+        return _media_hash(self.kind, self.dtype, self.shape, self.payload)
 
     @property
     def hex(self) -> str:
@@ -414,7 +430,7 @@ def build_units_tables(
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
     rows = _TrajectoryRows([g for groups in units for g in groups], time.time())
-    whole = rows.arrays(0, rows.num_rows)  # once, not per unit
+    whole = rows.arrays()  # once, not per unit
     out: list[UnitTables] = []
     start = 0
     for groups in units:
@@ -460,7 +476,7 @@ def _check_rows(units: list[UnitTables]) -> None:
 
 class _TrajectoryRows:
     """The fixed trajectory columns of groups as numpy buffers, gathered with one Python step per group
-    (not per row); :meth:`arrays` gives any row range as Arrow arrays that are views of them."""
+    (not per row); :meth:`arrays` gives them as Arrow arrays that are views of them."""
 
     def __init__(self, groups: Sequence[TrajectoryGroup], now: float) -> None:
         sizes = np.fromiter((g.num_responses for g in groups), dtype=np.int64, count=len(groups))
@@ -580,16 +596,12 @@ class _TrajectoryRows:
             _dictionary(sources[start:stop]),
         ]
 
-    def arrays(self, start: int, stop: int) -> list[pa.Array]:
-        """Rows ``[start, stop)`` of the columns after the :meth:`string_arrays`, in :data:`TRAJECTORY_SCHEMA`
-        order (views of the buffers)."""
-        out: list[pa.Array] = []
-        for (values, offsets), value_type in zip(self.lists, _LIST_VALUE_TYPES, strict=True):
-            out.append(_list_range(values, offsets, start, stop, value_type))
-        out += [pa.array(x[start:stop]) for x in self.numbers]
-        out.append(_list_range(*self.media_refs, start, stop, _HASH))
-        out.append(pa.array(self.finished[start:stop]))
-        return out
+    def arrays(self) -> list[pa.Array]:
+        """All rows of the columns after the :meth:`string_arrays`, in :data:`TRAJECTORY_SCHEMA` order (views of
+        the buffers)."""
+        lists = [_list_array(*v, t) for v, t in zip(self.lists, _LIST_VALUE_TYPES, strict=True)]
+        numbers = [pa.array(x) for x in self.numbers]
+        return [*lists, *numbers, _list_array(*self.media_refs, _HASH), pa.array(self.finished)]
 
 
 def _dictionary(values: list[str]) -> pa.DictionaryArray:
@@ -605,23 +617,16 @@ _LIST_VALUE_TYPES = (pa.int32(), pa.int32(), pa.float32(), pa.uint8())
 """Value types of ``prompt_ids``, ``response_ids``, ``response_logprobs`` and ``loss_mask``."""
 
 
-def _list_range(
-    values: np.ndarray | list[bytes], offsets: np.ndarray, start: int, stop: int, value_type: pa.DataType
-) -> pa.ListArray:
-    """Rows ``[start, stop)`` of a list column as a ListArray of zero-based offsets over a view of ``values``."""
-    lo, hi = int(offsets[start]), int(offsets[stop])
-    return pa.ListArray.from_arrays(
-        pa.array((offsets[start : stop + 1] - lo).astype(np.int32)), pa.array(values[lo:hi], type=value_type)
-    )
+def _list_array(values: np.ndarray | list[bytes], offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """A list column as a ListArray over a view of ``values``."""
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
 
 
 def _row_values(value: Any, n: int, what: str, group_id: str, default: np.ndarray | None = None) -> np.ndarray:
     """One float64 per row: a scalar broadcast, or a sequence of ``n`` (None, whole or per entry, takes ``default``)."""
     if value is None and default is not None:
         return default
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
-        value = value.detach().cpu().numpy()
-    seq = _per_row(value, n, what, group_id)
+    seq = _per_row(as_numpy(value) if hasattr(value, "detach") else value, n, what, group_id)
     if default is not None and any(v is None for v in seq):
         seq = [d if v is None else v for v, d in zip(seq, default.tolist(), strict=True)]
     try:
@@ -673,6 +678,51 @@ def _int32_versions(values: np.ndarray, name: str, groups: Sequence[TrajectoryGr
             "is not a 32-bit integer"
         )
     return values.astype(np.int32)
+
+
+def _numeric_dtype(t: pa.DataType) -> np.dtype[Any]:
+    """numpy dtype of a numeric or boolean Arrow type."""
+    return np.dtype(np.bool_) if pa.types.is_boolean(t) else np.dtype(t.to_pandas_dtype())
+
+
+def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
+    """Arrow array of ``field.type`` from one value per row; errors name the field and row."""
+    t = field.type
+    try:
+        if isinstance(t, pa.FixedShapeTensorType):
+            dtype = _numeric_dtype(t.value_type)
+            rows = [as_numpy(v) for v in values]
+            for i, r in enumerate(rows):
+                if tuple(r.shape) != tuple(t.shape):
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: shape {tuple(r.shape)} != declared {tuple(t.shape)}"
+                    )
+            stacked = np.stack(rows).astype(dtype, copy=False) if rows else np.zeros((0, *t.shape), dtype)
+            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
+        if isinstance(t, pa.ListType | pa.LargeListType | pa.FixedSizeListType) and is_primitive_numeric(t.value_type):
+            advice = f"declare user field {field.name!r} large_list<>" if pa.types.is_list(t) else None
+            flat, offsets = _list_values(values, _numeric_dtype(t.value_type), advice)
+            if pa.types.is_fixed_size_list(t):
+                sizes = np.diff(offsets)
+                if (sizes != t.list_size).any():
+                    i = _first_bad(sizes != t.list_size)
+                    raise InvalidRequest(
+                        f"user field {field.name!r} row {i}: {sizes[i]} values != declared size {t.list_size}"
+                    )
+                return pa.FixedSizeListArray.from_arrays(pa.array(flat, t.value_type), t.list_size)
+            if pa.types.is_large_list(t):
+                return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, t.value_type))
+            return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat, t.value_type))
+        if is_primitive_numeric(t):
+            arr = np.asarray([as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
+            return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
+        return pa.array([v.tolist() if hasattr(v, "tolist") else v for v in values], type=t)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(
+            f"user field {field.name!r} does not fit declared type {field.type_string}: {exc}"
+        ) from None
 
 
 def _user_arrays(groups: Sequence[TrajectoryGroup], user_fields: Sequence[UserField]) -> list[pa.Array]:

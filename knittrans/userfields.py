@@ -3,7 +3,7 @@
 API summary::
 
     fields = parse_user_fields({"ref_logprobs": "list<float32>", "values": "tensor<float32>[4]"})
-    arr = build_user_column(fields[0], per_row_values)     # pa.Array of the declared type
+    knittrans.schema.build_user_column(fields[0], per_row_values)  # pa.Array of the declared type
     user_column_to_torch(table.column("values"))           # torch view / (values, cu_seqlens) / list
 
 A user field is one more column after the fixed trajectory columns, with any Arrow type. Types
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,6 @@ from knittrans.errors import InvalidJobSpec, InvalidRequest
 __all__ = [
     "USER_FIELD_NAME_RE",
     "UserField",
-    "build_user_column",
     "parse_arrow_type",
     "parse_user_fields",
     "user_column_to_torch",
@@ -98,7 +97,7 @@ def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
                     raise InvalidJobSpec(f"{what}: fixed_size_list takes one size, got {dims}")
                 return pa.list_(inner, dims[0])
             if prefix == "tensor":
-                if not _is_primitive_numeric(inner):
+                if not is_primitive_numeric(inner):
                     raise InvalidJobSpec(f"{what}: tensor elements must be numeric or bool, not {inner}")
                 return pa.fixed_shape_tensor(inner, _dims(rest, what, s))
             raise InvalidJobSpec(f"{what}: unexpected {rest!r} after {prefix}<...> in {s!r}")
@@ -143,66 +142,8 @@ def parse_user_fields(spec: Mapping[str, str] | None) -> tuple[UserField, ...]:
     return tuple(UserField(name=k, type_string=v) for k, v in spec.items())
 
 
-def as_numpy(value: Any) -> np.ndarray:
-    """``value`` (a list, numpy array or torch tensor) as a numpy array, without importing torch."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
-def _numeric_dtype(t: pa.DataType) -> np.dtype[Any]:
-    return np.dtype(np.bool_) if pa.types.is_boolean(t) else np.dtype(t.to_pandas_dtype())
-
-
-def build_user_column(field: UserField, values: Sequence[Any]) -> pa.Array:
-    """Arrow array of ``field.type`` from one value per row; errors name the field and row."""
-    t = field.type
-    try:
-        if isinstance(t, pa.FixedShapeTensorType):
-            dtype = _numeric_dtype(t.value_type)
-            rows = [as_numpy(v) for v in values]
-            for i, r in enumerate(rows):
-                if tuple(r.shape) != tuple(t.shape):
-                    raise InvalidRequest(
-                        f"user field {field.name!r} row {i}: shape {tuple(r.shape)} != declared {tuple(t.shape)}"
-                    )
-            stacked = np.stack(rows).astype(dtype, copy=False) if rows else np.zeros((0, *t.shape), dtype)
-            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(stacked))
-        if isinstance(t, pa.ListType | pa.LargeListType | pa.FixedSizeListType) and _is_primitive_numeric(t.value_type):
-            dtype = _numeric_dtype(t.value_type)
-            rows = [as_numpy(v).reshape(-1) for v in values]
-            flat = pa.array(
-                np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype), t.value_type
-            )
-            if pa.types.is_fixed_size_list(t):
-                for i, r in enumerate(rows):
-                    if r.shape[0] != t.list_size:
-                        raise InvalidRequest(
-                            f"user field {field.name!r} row {i}: {r.shape[0]} values != declared size {t.list_size}"
-                        )
-                return pa.FixedSizeListArray.from_arrays(flat, t.list_size)
-            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum([r.shape[0] for r in rows], out=offsets[1:])
-            if pa.types.is_large_list(t):
-                return pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), flat)
-            if offsets[-1] >= 2**31:
-                raise InvalidRequest(
-                    f"user field {field.name!r}: {offsets[-1]} values do not fit list<>; declare large_list<>"
-                )
-            return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), flat)
-        if _is_primitive_numeric(t):
-            arr = np.asarray([as_numpy(v).reshape(()) for v in values]) if values else np.zeros(0)
-            return pa.array(arr.astype(_numeric_dtype(t), copy=False), type=t)
-        return pa.array([v.tolist() if hasattr(v, "tolist") else v for v in values], type=t)
-    except (pa.ArrowException, TypeError, ValueError) as exc:
-        if isinstance(exc, InvalidRequest):
-            raise
-        raise InvalidRequest(
-            f"user field {field.name!r} does not fit declared type {field.type_string}: {exc}"
-        ) from None
-
-
-def _is_primitive_numeric(t: pa.DataType) -> bool:
+def is_primitive_numeric(t: pa.DataType) -> bool:
+    """Whether ``t`` is an integer, floating-point or boolean type."""
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
 
 
@@ -229,13 +170,13 @@ def user_column_to_torch(col: pa.ChunkedArray | pa.Array) -> Any:
     t = arr.type
     if isinstance(t, pa.FixedShapeTensorType):
         return _from_numpy(np.ascontiguousarray(arr.to_numpy_ndarray()))
-    if pa.types.is_fixed_size_list(t) and _is_primitive_numeric(t.value_type):
+    if pa.types.is_fixed_size_list(t) and is_primitive_numeric(t.value_type):
         flat = arr.flatten().to_numpy(zero_copy_only=False)
         return _from_numpy(np.ascontiguousarray(flat).reshape(len(arr), t.list_size))
-    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_primitive_numeric(t.value_type):
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_primitive_numeric(t.value_type):
         offsets = arr.offsets.to_numpy().astype(np.int64)
         values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_numpy(zero_copy_only=False)
         return _from_numpy(np.ascontiguousarray(values)), _from_numpy(offsets - offsets[0])
-    if _is_primitive_numeric(t):
+    if is_primitive_numeric(t):
         return _from_numpy(np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)))
     return arr.to_pylist()

@@ -29,14 +29,6 @@ class ByteBudget:
         """Writers blocked in :meth:`reserve` right now, waiting for space."""
         self._cond = threading.Condition()
 
-    def try_reserve(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` if they fit now; never waits."""
-        with self._cond:
-            if self.limit is None or self.used + nbytes <= self.limit:
-                self.used += nbytes
-                return True
-            return False
-
     def reserve(self, nbytes: int, timeout: float, *, abandoned: Callable[[], bool] | None = None) -> None:
         """Reserve ``nbytes``, waiting up to ``timeout`` seconds for space; else raise OverBudget.
 

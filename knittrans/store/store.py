@@ -18,7 +18,7 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from knittrans.errors import Conflict, InvalidRequest, NotFound, SchemaMismatch
+from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.names import check_name
 from knittrans.schema import SCHEMA_VERSION, check_schema
 from knittrans.store.budget import ByteBudget
@@ -125,7 +125,6 @@ class PendingUnit:
         self._writers: dict[str, tuple[pa.OSFile, ipc.RecordBatchFileWriter, pa.Schema]] = {}
         self._owners: dict[str, object] = {}
         self._part_reserved = {"traj": 0, "media": 0}
-        self.rows = {"traj": 0, "media": 0}
         self.received = {"traj": 0, "media": 0}
         """Payload bytes received per part (``RecordBatch.nbytes``), for the upload limit."""
         self.lock = threading.RLock()
@@ -134,9 +133,11 @@ class PendingUnit:
         """Charge the unit's first ``nbytes`` to the budget (waiting up to ``timeout``), or mark it spilled when
         the budget is full and the store has a spill dir."""
         budget, spill = self.store.budget, self.store.config.spill_dir
-        if budget.try_reserve(nbytes):
-            self.reserved += nbytes
-        elif spill is not None:
+        try:  # with a spill dir, a unit that does not fit now goes there instead of waiting
+            budget.reserve(nbytes, timeout if spill is None else 0.0, abandoned=abandoned)
+        except OverBudget:
+            if spill is None:
+                raise
             self.spilled = True
             logger.info(
                 "budget full (%s/%s bytes): unit %s/%s goes to spill dir %s",
@@ -147,7 +148,6 @@ class PendingUnit:
                 spill,
             )
         else:
-            budget.reserve(nbytes, timeout, abandoned=abandoned)
             self.reserved += nbytes
 
     def reserve(self, nbytes: int, abandoned: Abandoned | None = None) -> Path:
@@ -174,12 +174,12 @@ class PendingUnit:
                     f"part {part!r} of unit {self.unit_id!r} (job {self.job!r}) is being "
                     "written by another stream; retry when that stream has ended"
                 )
-            if self.rows[part] or part in self._writers:
+            if part in self._writers:
                 logger.warning(
-                    "unit %s/%s: a new stream replaces the %s rows of part %r an earlier stream wrote",
+                    "unit %s/%s: a new stream replaces the %s bytes of part %r an earlier stream wrote",
                     self.job,
                     self.unit_id,
-                    self.rows[part],
+                    self.received[part],
                     part,
                 )
                 self._reset(part)
@@ -195,7 +195,7 @@ class PendingUnit:
                 del self._owners[part]
                 if not ok:
                     self._reset(part)
-            return not ok and not self._owners and not any(self.rows.values()) and not self._writers
+            return not ok and not self._owners and not self._writers
 
     def _reset(self, part: str) -> None:
         entry = self._writers.pop(part, None)
@@ -211,7 +211,6 @@ class PendingUnit:
             self.store.budget.release(self._part_reserved[part])
             self.reserved -= self._part_reserved[part]
             self._part_reserved[part] = 0
-        self.rows[part] = 0
         self.received[part] = 0
 
     def write(
@@ -240,7 +239,6 @@ class PendingUnit:
                 entry = (sink, ipc.new_file(sink, batch.schema), batch.schema)
                 self._writers[part] = entry
             entry[1].write_batch(batch)
-            self.rows[part] += batch.num_rows
             self.received[part] += batch.nbytes
 
     def close_files(self) -> None:
