@@ -67,8 +67,6 @@ class JobBase:
         """Finished, unadmitted groups (live node or not)."""
         self.group_counts: dict[tuple[str, GroupStatus], int] = {}
         """Groups per ``(source, status)``, kept in step with :attr:`groups` (status and metrics in O(1))."""
-        self.lost: dict[str, GroupEntry] = {}
-        """Groups whose status is ``lost``."""
         self.retired_groups: set[str] = set()
         """Ids of consumed groups: their entries are dropped from :attr:`groups` (memory flat over a long job)."""
         self.retired_units: set[str] = set()
@@ -254,14 +252,9 @@ class JobBase:
 
     # ------------------------------------------------------------------ persistence helpers
     def count_group(self, entry: GroupEntry, delta: int) -> None:
-        """Add ``delta`` to the count of ``entry``'s (source, status) (and the lost index)."""
+        """Add ``delta`` to the count of ``entry``'s (source, status)."""
         key = (entry.record.source, entry.status)
         self.group_counts[key] = self.group_counts.get(key, 0) + delta
-        if entry.status == "lost":
-            if delta > 0:
-                self.lost[entry.record.group_id] = entry
-            else:
-                self.lost.pop(entry.record.group_id, None)
 
     def retire(self, group_ids: Sequence[str]) -> None:
         """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.
