@@ -269,17 +269,18 @@ def _transfer(width: int, row_bytes: int = 5) -> dict[str, list[float]]:
     [
         (1, [1], 2, "one entry per acked rank (1)"),
         (None, [0], 2, "one entry per acked rank (1)"),
-        (None, None, 3, "ranks [2]"),
+        (None, None, 3, "ranks [[0, 3]] but this ack reports for ranks [[0, 2]]"),
+        (None, None, 1, "ranks [[0, 1]] but this ack reports for ranks [[0, 2]]"),
     ],
-    ids=["rank-token-for-another", "figures-beyond-ranks", "figures-beyond-world"],
+    ids=["rank-token-for-another", "figures-beyond-ranks", "figures-beyond-world", "figures-short-of-world"],
 )
 def test_transfer_figures_only_for_the_ranks_the_ack_reports(
     tmp_path: Path, token_rank: int | None, ranks: list[int] | None, width: int, detail: str
 ) -> None:
-    """An ack carries transfer figures of the ranks it reports for only (one column entry per reported rank,
-    every rank when ``ranks`` is null): more entries (a rank token adding another rank's, an ack adding
-    figures beyond ``ranks`` or the world size) refuse the whole ack, naming what was wrong, and neither the
-    ack nor any figure is recorded."""
+    """An ack carries transfer figures of exactly the ranks it reports for (one column entry per reported rank,
+    every rank when ``ranks`` is null): other entries (a rank token adding another rank's, an ack adding
+    figures beyond ``ranks`` or the world size, or fewer than the world size for every rank) refuse the whole
+    ack, naming what was wrong, and neither the ack nor any figure is recorded."""
     with app_client(tmp_path / "cp.db", admin_token="adm", worker_token="wrk") as c:
         c.headers["Authorization"] = "Bearer adm"
         _setup(c, world=2, sources=["math", "code", "math", "code"])

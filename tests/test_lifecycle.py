@@ -34,7 +34,7 @@ EXPECTED: dict[tuple[JobStatus, JobAction], JobStatus | str] = {
 @pytest.mark.parametrize(("state", "action"), sorted(EXPECTED))
 def test_admin_actions_follow_the_lifecycle(state: JobStatus, action: JobAction) -> None:
     """Each admin action moves, keeps (already there: nothing written) or refuses the job as documented."""
-    job = JobState(JobSpec.from_dict(job_spec()), endpoint=lambda n: "", node_alive=lambda n: True)
+    job = JobState(JobSpec.from_dict(job_spec()), endpoint=lambda n: "", node_state=lambda n: "alive")
     job.state = state
     txn = Txn()
     expected = EXPECTED[(state, action)]

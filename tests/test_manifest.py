@@ -393,11 +393,10 @@ def test_every_row_of_a_built_manifest_goes_to_exactly_one_ranks_share(w: dict[s
     job = JobState(
         spec,
         endpoint=lambda node: f"grpc://127.0.0.1:{9000 + int(node[1:])}",
-        node_alive=lambda node: True,
+        node_state=lambda node: "alive",
         ticket_key=b"k" * 32 if w["signed"] else None,
     )
     units = _units(w)
-    job.check_units(units, lambda node: "alive")
     job.add_units(units, Txn())
     job.admit_all(Txn())
     published = job.published()

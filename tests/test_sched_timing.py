@@ -73,7 +73,9 @@ class _Driver:
         )
         self.alive: dict[str, bool] = {"n0": True, "n1": True}
         self.job = JobState(
-            self.spec, endpoint=lambda n: "grpc://127.0.0.1:1", node_alive=lambda n: self.alive.get(n, False)
+            self.spec,
+            endpoint=lambda n: "grpc://127.0.0.1:1",
+            node_state=lambda n: "alive" if self.alive.get(n, False) else "lost",
         )
         self.running: list[tuple[str, str]] = []  # (group id, source) launched, not finished
         self.seq = 0
@@ -133,7 +135,6 @@ class _Driver:
             schema_version=SCHEMA_VERSION,
             groups=(record,),
         )
-        self.job.check_units([unit], lambda n: "alive" if self.alive[n] else "lost")
         self.job.add_units([unit], Txn())
         self.job.admit_all(Txn())
         self.check()

@@ -8,14 +8,14 @@ many ranks wait.
 
 Two events per job: ``changed`` fires on every change (``/headroom`` waits on it), ``delivery`` only
 when what the manifest long-polls answer changed (a mini-batch admitted, withdrawn or consumed, the
-job finished), so hundreds of waiting ranks are not woken by every registration.
+job finished), so hundreds of waiting ranks are not woken by every registration. Views and events live on the
+event loop only (the state thread only posts to it): no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 
 from knittrans.api.delivery import Published
@@ -32,21 +32,20 @@ class ManifestBoard:
     """Per job: the last :class:`Published` view and the events its waiters wait on."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # the event loop takes events while the state thread pops them
-        self._waiters: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._compute: Compute | None = None
-        self._views: dict[str, Published] = {}  # owned by the loop: read and written only there
+        self._views: dict[str, Published] = {}
+        self._waiters: dict[tuple[str, str], asyncio.Event] = {}
 
     def bind(self, loop: asyncio.AbstractEventLoop, compute: Compute) -> None:
         """Publish to ``loop`` from now on, computing views with ``compute(job)`` on the state thread."""
-        self._views = {}
+        self._views, self._waiters = {}, {}
         self._loop, self._compute = loop, compute
 
     def unbind(self) -> None:
         """Stop publishing (the app shut down)."""
         self._loop, self._compute = None, None
-        self._views = {}
+        self._views, self._waiters = {}, {}
 
     def view(self, job: str) -> Published | None:
         """The job's view as last published (on the event loop); None before the first publication."""
@@ -59,13 +58,7 @@ class ManifestBoard:
     def event(self, job: str, kind: str = "changed") -> asyncio.Event:
         """The event the next change of ``job`` sets: ``changed`` (any change) or ``delivery`` (what the
         manifest long-polls answer changed). Called on the event loop."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            found = self._waiters.get((job, kind))
-            if found is None or found[0] is not loop:
-                found = (loop, asyncio.Event())
-                self._waiters[(job, kind)] = found
-            return found[1]
+        return self._waiters.setdefault((job, kind), asyncio.Event())
 
     def notify(self, job: str) -> None:
         """After a committed change of ``job`` (state thread): publish its view and wake its waiters."""
@@ -78,11 +71,8 @@ class ManifestBoard:
 
     def _post(self, job: str, view: Published | None, *, wake: bool) -> None:
         loop = self._loop
-        if loop is None or loop.is_closed():
-            if wake:
-                self._wake(job, delivery=True)
-            return
-        loop.call_soon_threadsafe(self._apply, job, view, wake)
+        if loop is not None and not loop.is_closed():  # unbound: nobody waits
+            loop.call_soon_threadsafe(self._apply, job, view, wake)
 
     def _apply(self, job: str, view: Published | None, wake: bool) -> None:
         """On the loop: store the view (None: forget it), then wake."""
@@ -93,18 +83,10 @@ class ManifestBoard:
             self._wake(job, delivery=view is None or old is None or _answers_differ(old, view))
 
     def _wake(self, job: str, *, delivery: bool) -> None:
-        with self._lock:
-            woken = [self._waiters.pop((job, "changed"), None)]
-            if delivery:
-                woken.append(self._waiters.pop((job, "delivery"), None))
-        for found in woken:
-            if found is None:
-                continue
-            loop, event = found
-            if _running_loop() is loop:
+        for kind in ("changed", "delivery") if delivery else ("changed",):
+            event = self._waiters.pop((job, kind), None)
+            if event is not None:
                 event.set()
-            elif not loop.is_closed():
-                loop.call_soon_threadsafe(event.set)
 
 
 def _answers_differ(old: Published, new: Published) -> bool:
@@ -114,10 +96,3 @@ def _answers_differ(old: Published, new: Published) -> bool:
     if old.manifests.keys() != new.manifests.keys():
         return True
     return any(old.manifests[n][0] != tag for n, (tag, _) in new.manifests.items())
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

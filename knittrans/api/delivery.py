@@ -220,15 +220,14 @@ class Delivery(JobBase):
         Raises:
             DataLost: that attempt was withdrawn. NotFound: never issued.
             Conflict: a rank acks ``n`` before an earlier mini-batch it has not acked.
-            InvalidRequest: figures of a rank the ack does not report for.
+            InvalidRequest: figures that are not of exactly the ranks the ack reports for.
         """
         who = self._ranks(ranks)
         answer = {"global_index": n, "attempt": attempt, "world_size": self.spec.world_size}
-        stray = sorted(set(figures) - who)
-        if stray:
+        if figures and set(figures) != who:
             raise InvalidRequest(
-                f"'transfer' has figures of ranks {stray} that this ack does not report for "
-                f"(ranks {rank_runs(who)} as [start, stop) runs); each rank reports its own"
+                f"'transfer' has figures of ranks {rank_runs(set(figures))} but this ack reports for ranks "
+                f"{rank_runs(who)} ([start, stop) runs); give each of them, and only them, one entry"
             )
         mb = self._planned(n, attempt)
         if version is not None:

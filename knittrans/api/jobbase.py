@@ -45,7 +45,7 @@ class JobBase:
         spec: JobSpec,
         *,
         endpoint: Callable[[str], str],
-        node_alive: Callable[[str], bool],
+        node_state: Callable[[str], str | None],
         recent_admissions: int = RECENT_ADMISSIONS,
         ticket_key: bytes | None = None,
         ticket_ttl_s: float = 86400.0,
@@ -67,8 +67,6 @@ class JobBase:
         """Finished, unadmitted groups (live node or not)."""
         self.group_counts: dict[tuple[str, GroupStatus], int] = {}
         """Groups per ``(source, status)``, kept in step with :attr:`groups` (status and metrics in O(1))."""
-        self.lost: dict[str, GroupEntry] = {}
-        """Groups whose status is ``lost``."""
         self.retired_groups: set[str] = set()
         """Ids of consumed groups: their entries are dropped from :attr:`groups` (memory flat over a long job)."""
         self.retired_units: set[str] = set()
@@ -93,7 +91,8 @@ class JobBase:
         self.to_regenerate: dict[str, dict[str, Any]] = {}
         self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
         self._endpoint = endpoint
-        self._node_alive = node_alive
+        self._node_state = node_state
+        """``alive`` or ``lost`` of a store node; None for one that never registered."""
         self._policy = make_policy(spec.policy)
         self._timing = spec.timing
         self.peak_admitted_ahead = 0
@@ -133,7 +132,7 @@ class JobBase:
         for g in by_finish:  # groups arrive nearly in finish order: the sort is close to linear
             ok = alive.get(g.node_id)
             if ok is None:
-                ok = alive[g.node_id] = self._node_alive(g.node_id)
+                ok = alive[g.node_id] = self._node_state(g.node_id) == "alive"
             if ok:
                 live.append(g)
         return live
@@ -191,7 +190,7 @@ class JobBase:
         """
         out = Counter(self.pending())
         for g in self.unadmitted.values():
-            if self._node_alive(g.node_id):
+            if self._node_state(g.node_id) == "alive":
                 out[g.record.source] += 1
         for n in range(self.position + 1, self.next_n):
             mb = self.minibatches.get(n)
@@ -254,14 +253,9 @@ class JobBase:
 
     # ------------------------------------------------------------------ persistence helpers
     def count_group(self, entry: GroupEntry, delta: int) -> None:
-        """Add ``delta`` to the count of ``entry``'s (source, status) (and the lost index)."""
+        """Add ``delta`` to the count of ``entry``'s (source, status)."""
         key = (entry.record.source, entry.status)
         self.group_counts[key] = self.group_counts.get(key, 0) + delta
-        if entry.status == "lost":
-            if delta > 0:
-                self.lost[entry.record.group_id] = entry
-            else:
-                self.lost.pop(entry.record.group_id, None)
 
     def retire(self, group_ids: Sequence[str]) -> None:
         """Forget consumed groups (and units all of whose groups are consumed), keeping their ids.

@@ -139,7 +139,7 @@ class ControlPlane:
         return JobState(
             spec,
             endpoint=lambda n: self.nodes[n].endpoint,
-            node_alive=lambda n: self._node_state(n) == "alive",
+            node_state=self._node_state,
             recent_admissions=self.settings.recent_admissions,
             ticket_key=self.settings.ticket_key.get_secret_value().encode() if self.settings.ticket_key else None,
             ticket_ttl_s=self.settings.ticket_ttl_s,
@@ -343,7 +343,6 @@ class ControlPlane:
     # ------------------------------------------------------------------ units, supply
     def register_units(self, name: str, units: Sequence[UnitDescriptor]) -> dict[str, Any]:
         """Register a batch of units atomically (all or none); runs admission."""
-        self.job(name).check_units(units, self._node_state)
         new, admitted = self._apply(name, lambda job, txn: job.add_units(units, txn))
         self.units_registered += new
         return {"registered": new, "duplicates": len(units) - new, "admitted": admitted}

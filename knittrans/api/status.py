@@ -16,10 +16,7 @@ if TYPE_CHECKING:
     from knittrans.api.jobstate import JobState
     from knittrans.api.observe import Observations
 
-__all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "STATUS_STEPS", "job_status", "overview"]
-
-STATUS_STEPS = 16
-"""Per-step staleness summaries in status cover this many most recent consumed steps."""
+__all__ = ["LOST_SHOWN", "POOL_SHOWN", "RANKS_SHOWN", "job_status", "overview"]
 
 POOL_SHOWN = 16
 """Status lists this many of the pool's groups, in the order admission considers them."""
@@ -46,15 +43,17 @@ def job_status(job: JobState) -> dict[str, Any]:
     for (_, status), count in job.group_counts.items():
         if count:
             by_status[status] = by_status.get(status, 0) + count
-    lost = [{"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id} for g in job.lost.values()]
+    lost = [
+        {"group_id": g.record.group_id, "source": g.record.source, "node_id": g.node_id}
+        for g in job.groups.values()
+        if g.status == "lost"
+    ]
     pool = job.pool()
     finished = Counter(g.record.source for g in pool)
     by_node = Counter(g.node_id for g in pool)
     in_flight = job.in_flight()
     open_step = not job.done() and (job.can_admit() or job.state == "paused")
     deficits = quota_deficit(job.step_state()) if open_step else {}
-    recent = job.consumed.recent_steps()
-    steps = sorted(recent)[-STATUS_STEPS:]
     return {
         "job": job.name,
         "state": job.state,
@@ -96,7 +95,10 @@ def job_status(job: JobState) -> dict[str, Any]:
         "to_regenerate": sorted(job.to_regenerate.values(), key=lambda r: (r["at"], r["group_id"])),
         "staleness": {
             "overall": {reading: _stats(job.consumed.report(reading)) for reading in READINGS},
-            "by_step": {str(s): {r: _stats(step_report(recent[s], r)) for r in READINGS} for s in steps},
+            "by_step": {
+                str(s): {r: _stats(step_report(groups, r)) for r in READINGS}
+                for s, groups in job.consumed.recent_steps().items()
+            },
         },
         "timing": {
             "position": job.position,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from knittrans.api.entries import GroupEntry
 from knittrans.api.jobbase import JobBase
@@ -19,7 +19,7 @@ class Supply(JobBase):
     """Registration of units and supply reports (the pool admission draws from)."""
 
     # ------------------------------------------------------------------ units and supply
-    def check_units(self, units: Sequence[UnitDescriptor], node_state: Callable[[str], str | None]) -> None:
+    def _check_units(self, units: Sequence[UnitDescriptor]) -> None:
         """Raise for any unit of the batch that cannot be registered; changes nothing."""
         quotas = set().union(*(q for _, q in self.quota_changes))
         seen_groups: dict[str, str] = {}
@@ -30,7 +30,7 @@ class Supply(JobBase):
             if u.unit_id in seen_units:
                 raise InvalidRequest(f"unit {u.unit_id!r} appears twice in the batch")
             seen_units.add(u.unit_id)
-            state = node_state(u.node_id)
+            state = self._node_state(u.node_id)
             if state is None:
                 raise NotFound(f"unit {u.unit_id!r}: node {u.node_id!r} is not registered; POST /v1/nodes first")
             if state == "lost":
@@ -64,7 +64,8 @@ class Supply(JobBase):
                 seen_groups[g.group_id] = u.unit_id
 
     def add_units(self, units: Sequence[UnitDescriptor], txn: Txn) -> int:
-        """Register already-checked units; returns how many were new."""
+        """Register a batch of units, all or none (identical repeats are no-ops); returns how many were new."""
+        self._check_units(units)
         fresh = [u for u in units if u.unit_id not in self.units and u.unit_id not in self.retired_units]
         groups, unadmitted, finished = self.groups, self.unadmitted, self.finished_count
         for u in fresh:

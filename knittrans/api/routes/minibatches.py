@@ -137,7 +137,7 @@ async def ack(
     in the same change, so a launch the freed window allows already sees it (save the weights first).
     ``transfer``: the ranks' transfer figures of the mini-batch, one column entry per rank the ack reports
     for (every rank when ``ranks`` is null), summed in ``/metrics`` and the dashboard (a repeated ack is not
-    counted twice); figures of ranks the ack does not report for are refused (409, nothing recorded).
+    counted twice); figures not of exactly the ranks the ack reports for are refused (409, nothing recorded).
     410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
