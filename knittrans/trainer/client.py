@@ -19,8 +19,8 @@ request each (:mod:`knittrans.trainer.feed`), so every rank must then build its 
 
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to ``prefetch_depth``
 ahead) while the training thread computes ``i``, and starts on mini-batch ``n+1`` once ``n`` is loaded;
-an optional ``transform`` (a collate function) runs there too. :attr:`TrainerClient.timings` keeps every
-micro-batch's :class:`MicroTiming` (docs/explanation/on-demand-access.md).
+an optional ``transform`` (a collate function) runs there too. :attr:`MiniBatch.timings` keeps each of its
+micro-batches' :class:`MicroTiming` (docs/explanation/on-demand-access.md).
 
 Failure (a store node dies under a mini-batch): a fetch error is raised in the training thread;
 the loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
@@ -52,7 +52,6 @@ from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
 from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
 from knittrans.trainer.fetch import Fetcher
-from knittrans.trainer.media import MediaCacheStats
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch, Upcoming
 
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
@@ -90,8 +89,6 @@ class TrainerClient:
             timeout_s=config.fetch_timeout_s,
             data_lane=config.data_lane,
         )
-        self.timings: list[MicroTiming] = []
-        self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
@@ -167,11 +164,7 @@ class TrainerClient:
             self._current = mb
             if self.config.fetch_mode == "iter":
                 mb.start_prefetch()  # now, not at the first ``next``: overlaps whatever the loop does first
-            try:
-                yield mb
-            finally:
-                self.timings.extend(mb.timings)
-                self.media_stats = self.media_stats + mb.media_stats
+            yield mb
             if mb.abandoned and not mb.acked:
                 logger.warning(
                     "rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank, mb.plan_id
