@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -13,7 +14,7 @@ from knittrans.flight.client import StoreClient
 from knittrans.local import LocalCluster
 from knittrans.manifest import Manifest, RankPlan
 from knittrans.plans import MicroBatchReads, RowFetch
-from knittrans.tickets import Ticket
+from knittrans.tickets import Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.share import ShareStreams, _MediaStream, _RowTaker, media_records
@@ -182,3 +183,24 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
     for s in cluster.stores:
         with Fetcher() as fetcher:
             assert fetcher._client(s.endpoint).health()["ok"]
+
+
+def test_local_node_reads_a_spilled_unit_through_the_node(tmp_path: Path) -> None:
+    """A unit the store spilled is not under the store directory ``local_dirs`` maps: the node serves it."""
+    from data_support import make_groups
+
+    from knittrans.flight import StoreServer, StoreServerConfig
+    from knittrans.schema import build_unit_tables
+    from knittrans.store import StoreConfig
+
+    root, spill = tmp_path / "store", tmp_path / "spill"
+    srv = StoreServer(StoreServerConfig(store=StoreConfig(root=root, budget_bytes=1, spill_dir=spill), node_id="n0"))
+    try:
+        t = build_unit_tables(make_groups(1, 2))
+        ticket = Ticket(job="job", reads=(UnitRead(unit_id="u0"),))
+        with StoreClient(srv.endpoint) as c, Fetcher(local_dirs={"n0": str(root)}) as fetcher:
+            c.put_unit("job", "u0", t.traj, t.media)
+            assert (spill / "job" / "u0").is_dir() and not (root / "job" / "u0").exists()
+            assert pa.Table.from_batches(list(fetcher.stream("n0", srv.endpoint, ticket))).equals(c.get(ticket))
+    finally:
+        srv.shutdown()

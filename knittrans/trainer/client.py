@@ -19,8 +19,8 @@ request each (:mod:`knittrans.trainer.feed`), so every rank must then build its 
 
 In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to ``prefetch_depth``
 ahead) while the training thread computes ``i``, and starts on mini-batch ``n+1`` once ``n`` is loaded;
-an optional ``transform`` (a collate function) runs there too. :attr:`TrainerClient.timings` keeps every
-micro-batch's :class:`MicroTiming` (docs/explanation/on-demand-access.md).
+an optional ``transform`` (a collate function) runs there too. :attr:`MiniBatch.timings` keeps each of its
+micro-batches' :class:`MicroTiming` (docs/explanation/on-demand-access.md).
 
 Failure (a store node dies under a mini-batch): a fetch error is raised in the training thread;
 the loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
@@ -50,9 +50,8 @@ from knittrans.errors import InvalidRequest
 from knittrans.manifest import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
-from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective, leader_call
+from knittrans.trainer.feed import Collective, ManifestFeed, Progress, TorchCollective
 from knittrans.trainer.fetch import Fetcher
-from knittrans.trainer.media import MediaCacheStats
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch, Upcoming
 
 __all__ = ["MicroTiming", "MiniBatch", "TrainMicroBatch", "TrainerClient", "TrainerConfig"]
@@ -90,8 +89,6 @@ class TrainerClient:
             timeout_s=config.fetch_timeout_s,
             data_lane=config.data_lane,
         )
-        self.timings: list[MicroTiming] = []
-        self.media_stats = MediaCacheStats()
         self._current: MiniBatch | None = None
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
@@ -138,17 +135,18 @@ class TrainerClient:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
         return MiniBatch(self.context, plan, etag)
 
-    def _minibatch(self, shared: Shared) -> MiniBatch | None:
-        return MiniBatch(self.context, *shared) if shared is not None else None
+    def _minibatch(self, shared: object) -> MiniBatch | None:
+        """A mini-batch of a share the feed delivered (None: the job has no such mini-batch, or the feed closed)."""
+        return MiniBatch(self.context, *shared) if isinstance(shared, tuple) else None
 
     def replan(self, failed: MiniBatch) -> MiniBatch | None:
         """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
         after ``replan_wait_s``; None when the job has no such mini-batch any more (or the client was closed).
         Collective with a group."""
-        n, cfg = failed.global_index, self.config
-        got = leader_call(self.collective, lambda: self.feed.ask(n, etag=failed.etag, wait_s=cfg.replan_wait_s))
+        n = failed.global_index
+        got = self.feed.deliver(n, self.collective, etag=failed.etag, wait_s=self.config.replan_wait_s)
         self.feed.release_below(n)
-        return self._minibatch((got[0].share(cfg.rank), got[1]) if isinstance(got, tuple) else None)
+        return self._minibatch(got)
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
@@ -167,11 +165,7 @@ class TrainerClient:
             self._current = mb
             if self.config.fetch_mode == "iter":
                 mb.start_prefetch()  # now, not at the first ``next``: overlaps whatever the loop does first
-            try:
-                yield mb
-            finally:
-                self.timings.extend(mb.timings)
-                self.media_stats = self.media_stats + mb.media_stats
+            yield mb
             if mb.abandoned and not mb.acked:
                 logger.warning(
                     "rank %d: mini-batch %s abandoned; waiting for its re-plan", self.config.rank, mb.plan_id

@@ -62,15 +62,6 @@ class DedupStats:
 
 
 @dataclass(frozen=True)
-class _RngState:
-    """CPU RNG state and, for an accelerator input, that device's RNG state."""
-
-    cpu: torch.Tensor
-    device: torch.device
-    device_state: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class _Fingerprint:
     """What was encoded for one hash: the input's shape and dtype, and its content digest when verifying."""
 
@@ -86,7 +77,8 @@ class _Chunk:
     inputs: torch.Tensor | None
     encoded: torch.Tensor | None
     leaf: torch.Tensor
-    rng_state: _RngState | None
+    rng_state: tuple[torch.Tensor, torch.Tensor | None] | None
+    """``recompute``: the CPU RNG state before the forward, and that of the inputs' CUDA device (None off CUDA)."""
     input_version: int = 0
 
 
@@ -258,13 +250,13 @@ class DedupEncoder:
                 if chunk.encoded is None:  # recompute mode
                     if not trainable:  # frozen encoder: nothing to propagate, do not re-run it
                         continue
-                    assert chunk.inputs is not None
+                    assert chunk.inputs is not None and chunk.rng_state is not None
                     if chunk.inputs._version != chunk.input_version:
                         raise InvalidRequest(
                             "the input of an encoded chunk was modified in place after encoding; "
                             "recompute mode would re-run the encoder on changed data"
                         )
-                    with torch.enable_grad(), _rng_restored(chunk.rng_state):
+                    with torch.enable_grad(), _rng_restored(chunk.rng_state, chunk.inputs.device):
                         encoded = self.encoder(chunk.inputs)
                     recompute_calls += 1
                     if encoded.requires_grad:  # backward now: one chunk's graph alive at a time
@@ -373,25 +365,19 @@ def _check_same_input(media_hash: str, encoded: _Fingerprint, given: _Fingerprin
         )
 
 
-def _capture_rng(device: torch.device) -> _RngState:
+def _capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RNG state before a no-grad forward, so ``finish()`` can replay the same dropout masks."""
-    device_state = None
-    if device.type == "cuda":
-        device_state = torch.cuda.get_rng_state(device)
-    return _RngState(cpu=torch.get_rng_state(), device=device, device_state=device_state)
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 @contextmanager
-def _rng_restored(state: _RngState | None) -> Iterator[None]:
-    """Replay the RNG state of the no-grad forward without disturbing the caller's RNG."""
-    if state is None:
-        yield
-        return
-    cuda_devices = [state.device] if state.device_state is not None else []
-    with torch.random.fork_rng(devices=cuda_devices):
-        torch.set_rng_state(state.cpu)
-        if state.device_state is not None:
-            torch.cuda.set_rng_state(state.device_state, state.device)
+def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> Iterator[None]:
+    """Replay the RNG state of the no-grad forward on ``device`` without disturbing the caller's RNG."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
         yield
 
 

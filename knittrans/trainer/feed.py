@@ -187,7 +187,7 @@ class ManifestFeed:
         self._first.set_result(n)
         while True:
             try:
-                item = self._deliver(n)
+                item = self.deliver(n, self.collective)
             except BaseException as exc:  # the control plane unreachable past its retries, a collective broke
                 self._finish(n, exc)
                 return
@@ -222,17 +222,17 @@ class ManifestFeed:
             n += 1
         return n
 
-    def _deliver(self, n: int) -> Shared | _Closed:
-        """This rank's share of ``n`` (None: never; :class:`_Closed`: the leader closed while waiting).
+    def deliver(
+        self, n: int, collective: Collective | None, *, etag: str | None = None, wait_s: float = 0.0
+    ) -> Shared | _Closed:
+        """This rank's share of ``n`` and its ETag (None: never; :class:`_Closed`: the leader closed while
+        waiting), :meth:`ask` ed for by rank 0 of ``collective`` (the feed's thread, or the loop's re-plan).
 
         With a collective rank 0 reads and checks the manifest and broadcasts it (pickled by the
         collective: cheaper than the JSON it came as); every rank cuts its own share, so rank 0's work
         does not grow with the number of ranks."""
-        got = leader_call(self.collective, lambda: self.ask(n))
-        if isinstance(got, tuple):
-            manifest, etag = got
-            return manifest.share(self.rank), etag
-        return got
+        got = leader_call(collective, lambda: self.ask(n, etag=etag, wait_s=wait_s))
+        return (got[0].share(self.rank), got[1]) if isinstance(got, tuple) else got
 
     def ask(self, n: int, *, etag: str | None = None, wait_s: float = 0.0) -> tuple[Manifest, str] | _Closed | None:
         """Long-poll mini-batch ``n`` until it is admitted: ``(manifest, etag)``; None when it never will be;

@@ -9,9 +9,10 @@ API::
 :class:`~knittrans.trainer.share.ShareStreams` reads a rank's share through it (one call per node and
 kind). Nodes listed in ``local_dirs`` (value: the store dir, or a tuple of store dir and spill dir) are
 read through :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the
-Flight path. With ``data_lane`` (the default) remote reads go over a node's data lane where it has a
-reachable one (:mod:`knittrans.flight.lane`; a streamed read then arrives whole before its first batch
-is handed out).
+Flight path (a ticket with a unit that is not under those directories, e.g. one the store spilled, is
+read through the node). With ``data_lane`` (the default) remote reads go over a node's data lane where it
+has a reachable one (:mod:`knittrans.flight.lane`; a streamed read then arrives whole before its first
+batch is handed out).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 
-from knittrans.errors import KnitTransError, Unavailable
+from knittrans.errors import KnitTransError, NotFound, Unavailable
 from knittrans.flight.client import StoreClient
 from knittrans.store.unit import LocalReader
 from knittrans.tickets import Ticket
@@ -103,10 +104,14 @@ class Fetcher:
             logger.debug("store %s not warmed: %s", endpoint, exc)
 
     def stream(self, node_id: str, endpoint: str, ticket: Ticket) -> Iterator[pa.RecordBatch]:
-        """What ``ticket`` names, as record batches: a streamed ``DoGet``, or the mmap read of a local node."""
+        """What ``ticket`` names, as record batches: a streamed ``DoGet``, or the mmap read of a local node
+        (through the node when a unit is not under its mapped directories)."""
         local = self._local.get(node_id)
         if local is not None:
-            return iter(local.read(ticket).to_batches())
+            try:
+                return iter(local.read(ticket).to_batches())
+            except NotFound as exc:
+                logger.debug("node %s: %s; reading through the node", node_id, exc)
         return self._client(endpoint).stream(ticket)
 
     def close(self) -> None:

@@ -152,7 +152,6 @@ class MediaCache:
         self._lock = threading.Lock()
         self._cached: dict[str, tuple[torch.Tensor, int]] = {}  # hash -> decoded tensor, payload bytes
         self._stats = MediaCacheStats()
-        self._lifetime = MediaCacheStats()
 
     def __len__(self) -> int:
         return len(self._cached)
@@ -164,11 +163,6 @@ class MediaCache:
     def stats(self) -> MediaCacheStats:
         """Counters of the current mini-batch so far."""
         return self._stats
-
-    @property
-    def lifetime_stats(self) -> MediaCacheStats:
-        """Counters summed over all mini-batches, including the current one."""
-        return self._lifetime + self._stats
 
     def get(self, hashes: Sequence[str]) -> dict[str, torch.Tensor]:
         """Decoded tensors of ``hashes`` (each once in the result), fetching only the missing ones.
@@ -204,7 +198,6 @@ class MediaCache:
         """End the mini-batch: drop every tensor and return (and reset) this mini-batch's counters."""
         with self._lock:
             stats = self._stats
-            self._lifetime = self._lifetime + stats
             self._stats = MediaCacheStats()
             self._cached.clear()
         logger.debug("media cache cleared: %s", stats)

@@ -163,17 +163,12 @@ class ShareStreams:
                 self._media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
-        # A node's rows and media tickets carry the same grants (one per node and plan): every
-        # joined ticket gets all of them, as the rank's reads on the node are one grant's.
-        grants = {
-            node: tuple(dict.fromkeys(g for t in (*rows.get(node, ()), *media_of.get(node, ())) for g in t.grants))
-            for node in endpoints
-        }
 
         def stream(node: str, tickets: list[Ticket]) -> Future[Iterator[pa.RecordBatch]]:
             # Opened in parallel (each open is a round trip); a failure is raised by the first micro-batch
-            # that reads this node, as with one call per micro-batch.
-            ticket = join_tickets(tickets, grants=grants[node])
+            # that reads this node, as with one call per micro-batch. The joined ticket carries its
+            # tickets' grants once each (the manifest gives every ticket of a node the node's one grant).
+            ticket = join_tickets(tickets)
             return fetcher.pool.submit(fetcher.stream, node, endpoints[node], ticket)
 
         self._rows = {n: _RowTaker(stream(n, ts), f"the rows stream of node {n}") for n, ts in rows.items()}
