@@ -204,14 +204,28 @@ def test_adapter_rejects_unusable_outputs() -> None:
         group_from_request_output(_request([9], [_completion([4], ok)]), prompt)
 
 
-def test_media_go_to_multi_modal_data_only_when_asked() -> None:
-    """vllm_prompt keeps media out of the engine by default and maps them by kind when asked."""
+def test_media_go_to_multi_modal_data_only_for_the_vlm() -> None:
+    """vllm_prompt keeps media out of a text-only model; the VLM gets compact ids and its images as PIL images."""
+    from PIL import Image
+
     from knittrans.rollout.adapters.vllm import vllm_prompt
     from knittrans.rollout.generated import PromptRequest
+    from knittrans.rollout.vlm import VLMLayout, image_prompt_ids
     from knittrans.schema import Media
 
-    img = np.zeros((4, 4, 3), np.uint8)
-    req = PromptRequest(prompt_ids=np.array([1, 2]), media=(Media(kind="image", data=img),))
-    assert vllm_prompt(req, pass_media=False) == {"prompt_token_ids": [1, 2]}
-    mm = vllm_prompt(req, pass_media=True)
-    assert mm["prompt_token_ids"] == [1, 2] and mm["multi_modal_data"]["image"] is img
+    img = Media(kind="image", data=np.zeros((4, 4, 3), np.uint8))
+    req = PromptRequest(prompt_ids=np.array([1, 2]), media=(img,))
+    assert vllm_prompt(req) == {"prompt_token_ids": [1, 2]}
+    layout = VLMLayout(
+        eos_token_id=256, fake_token_id=257, image_token_id=258, global_token_id=259, tokens_per_image=2, image_size=4
+    )
+    two = PromptRequest(
+        prompt_ids=image_prompt_ids(layout, [1, 2], 2), media=(img, img, Media(kind="audio", data=b"x"))
+    )
+    mm = vllm_prompt(two, layout)
+    assert mm["prompt_token_ids"] == [258, 258, 1, 2]
+    assert [im.size for im in mm["multi_modal_data"]["image"]] == [(4, 4), (4, 4)] and list(mm["multi_modal_data"]) == [
+        "image"
+    ]
+    one = vllm_prompt(PromptRequest(prompt_ids=image_prompt_ids(layout, [1], 1), media=(img,)), layout)
+    assert isinstance(one["multi_modal_data"]["image"], Image.Image)

@@ -4,6 +4,7 @@ against both train_batch baselines)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -84,30 +85,13 @@ def run(args: Any) -> int:
     from knittrans.demo.run import run_demo
 
     slow = args.scenario == "slow-trainer"
-    min_step_s = (
-        args.min_step_s if args.min_step_s is not None else (3.0 if slow else default_of(DemoConfig, "min_step_s"))
-    )
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(DemoConfig)}}
+    given.update(out_dir=args.out, mini_batches_per_step=args.mini_batches)  # the flags not named as their field
+    if args.min_step_s is None:
+        given["min_step_s"] = 3.0 if slow else default_of(DemoConfig, "min_step_s")
     # the slow trainer's time is the padding, not the model: a small policy keeps the run short
-    model_defaults = (default_of(DemoConfig, "hidden"), default_of(DemoConfig, "layers"))
-    hidden, layers = (128, 2) if slow and (args.hidden, args.layers) == model_defaults else (args.hidden, args.layers)
-
-    def config(policy: str, handover: str) -> DemoConfig:
-        return DemoConfig(
-            out_dir=args.out,
-            policy=policy,
-            engine=args.engine,
-            steps=args.steps,
-            mini_batches_per_step=args.mini_batches,
-            fetch_mode=args.fetch_mode,
-            seed=args.seed,
-            timeout_s=args.timeout_s,
-            window=args.window,
-            lookahead=args.lookahead,
-            min_step_s=min_step_s,
-            hidden=hidden,
-            layers=layers,
-            train_batch_handover=handover,
-        )
+    if slow and (args.hidden, args.layers) == (default_of(DemoConfig, "hidden"), default_of(DemoConfig, "layers")):
+        given.update(hidden=128, layers=2)
 
     runs = (
         [("train_batch", "step"), ("train_batch", "mini_batch"), ("constraint_preserving", "mini_batch")]
@@ -116,7 +100,7 @@ def run(args: Any) -> int:
     )
     results = {}
     for policy, handover in runs:
-        res = run_demo(config(policy, handover))
+        res = run_demo(DemoConfig(**given | {"policy": policy, "train_batch_handover": handover}))
         results[res["label"]] = res
         print(f"\n== {res['label']} ==")
         print(format_table(res))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -98,31 +100,16 @@ def run(args: argparse.Namespace) -> int:
     from knittrans.demo.rank import RankConfig, run_rank
     from knittrans.trainer.client import TrainerConfig
 
+    given = vars(args)  # every flag but --local-dir, --threads and --no-dedup is the config field of its name
+
+    def named(config: type) -> dict[str, Any]:
+        return {f.name: given[f.name] for f in dataclasses.fields(config) if f.name in given}
+
     try:
         client = TrainerConfig(
-            control_url=args.control_url,
-            job=args.job,
-            rank=args.rank,
-            world_size=args.world_size,
-            token=args.token,
-            store_token=args.store_token,
-            fetch_mode=args.fetch_mode,
-            local_dirs=dict(args.local_dir),
-            fetch_timeout_s=args.fetch_timeout_s,
-            replan_wait_s=args.replan_wait_s,
-            torch_threads=args.threads or None,
+            local_dirs=dict(args.local_dir), torch_threads=args.threads or None, **named(TrainerConfig)
         )
-        cfg = RankConfig(
-            client=client,
-            dist_url=args.dist_url,
-            model_dir=args.model_dir,
-            weights_dir=args.weights_dir,
-            lr=args.lr,
-            image_channels=args.image_channels,
-            dedup=not args.no_dedup,
-            out=args.out,
-            min_step_s=args.min_step_s,
-        )
+        cfg = RankConfig(client=client, dedup=not args.no_dedup, **named(RankConfig))
     except ValueError as exc:
         logger.error("knittrans train: %s", exc)
         return 2

@@ -301,9 +301,8 @@ class VLLMEngine:
             )
             for s in seeds
         ]
-        # media go to vLLM only for the tiny VLM (other models' media are carried into the groups only): vLLM
-        # takes images only with a tokenizer, which only the VLM starts with
-        prompts_in = [vllm_prompt(r, pass_media=self.layout is not None, layout=self.layout) for r in requests]
+        # media go to vLLM only for the tiny VLM (other models' media are carried into the groups only)
+        prompts_in = [vllm_prompt(r, self.layout) for r in requests]
         outputs = self._llm.generate(prompts_in, params, use_tqdm=False)
         return [group_from_request_output(o, r) for o, r in zip(outputs, requests, strict=True)]
 

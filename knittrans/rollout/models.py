@@ -42,7 +42,7 @@ def build_tiny_qwen2(
     Returns:
         The directory, holding ``config.json``, ``generation_config.json`` and ``model.safetensors``.
     """
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     for name, value in (("hidden", hidden), ("layers", layers), ("heads", heads), ("head_dim", head_dim)):
         if value <= 0:
@@ -74,15 +74,22 @@ def build_tiny_qwen2(
         pad_token_id=eos,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model: Any = Qwen2ForCausalLM(config)
-        model = model.float().eval()
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=eos
-    )
-    model.save_pretrained(out, safe_serialization=True)
+    save_random_model(Qwen2ForCausalLM, config, out, seed=seed, eos=eos)
     logger.info(
         "saved tiny Qwen2 (vocab %d, hidden %d, layers %d, seed %d) to %s", vocab_size, hidden, layers, seed, out
     )
     return out
+
+
+def save_random_model(model_class: Any, config: Any, out: Path, *, seed: int, eos: int) -> None:
+    """Save ``model_class(config)``, initialised under ``seed`` (the caller's RNG untouched), in float32 with a
+    generation config whose EOS, pad and BOS are ``eos`` (the tiny Qwen2 and the tiny VLM alike)."""
+    from transformers import GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = model_class(config).float().eval()
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        eos_token_id=eos, pad_token_id=eos, bos_token_id=eos
+    )
+    model.save_pretrained(out, safe_serialization=True)

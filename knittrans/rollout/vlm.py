@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from knittrans.errors import InvalidRequest
+from knittrans.rollout.models import save_random_model
 
 __all__ = [
     "TinyVLMSpec",
@@ -209,7 +210,7 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVLMSpec | None = None, *, se
         The directory: ``config.json``, ``model.safetensors``, tokenizer and processor files and
         ``knittrans_vlm.json`` (the :class:`VLMLayout`).
     """
-    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
     spec = spec or TinyVLMSpec()
     out = Path(directory)
@@ -248,14 +249,7 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVLMSpec | None = None, *, se
         },
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model: Any = Idefics3ForConditionalGeneration(config)
-        model = model.float().eval()
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=eos
-    )
-    model.save_pretrained(out, safe_serialization=True)
+    save_random_model(Idefics3ForConditionalGeneration, config, out, seed=seed, eos=eos)
     processor = {
         "image_processor_type": "Idefics3ImageProcessor",
         "do_convert_rgb": True,
@@ -348,17 +342,15 @@ def place_image_features(
     input_ids: torch.Tensor,
     features: torch.Tensor,
     image_token_id: int,
-    prompt_lens: torch.Tensor | None = None,
+    prompt_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """Put ``features`` (``[images, tokens, hidden]``, in prompt order row by row) at the ``<image>`` tokens.
+    """Put ``features`` (``[images, tokens, hidden]``, in prompt order row by row) at the ``<image>`` tokens of the
+    prompts (the first ``prompt_lens`` positions of each row).
 
-    Only prompt positions count when ``prompt_lens`` is given. Raises :class:`InvalidRequest`
-    when the number of ``<image>`` tokens and feature rows differ.
+    Raises :class:`InvalidRequest` when the number of ``<image>`` tokens and feature rows differ.
     """
-    mask = input_ids == image_token_id
-    if prompt_lens is not None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        mask &= positions[None, :] < prompt_lens.to(input_ids.device)[:, None]
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    mask = (input_ids == image_token_id) & (positions[None, :] < prompt_lens.to(input_ids.device)[:, None])
     flat = features.reshape(-1, features.shape[-1]).to(embeds.dtype)
     if int(mask.sum()) != flat.shape[0]:
         raise InvalidRequest(f"{int(mask.sum())} <image> tokens in the prompts but {flat.shape[0]} feature rows")

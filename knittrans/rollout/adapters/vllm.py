@@ -30,27 +30,24 @@ class RequestOutputLike(Protocol):
     finished: bool
 
 
-def vllm_prompt(prompt: PromptRequest, *, pass_media: bool, layout: VLMLayout | None = None) -> dict[str, Any]:
+def vllm_prompt(prompt: PromptRequest, layout: VLMLayout | None = None) -> dict[str, Any]:
     """The ``TokensPrompt`` dict for ``LLM.generate``.
 
-    With ``pass_media`` the prompt's media become ``multi_modal_data`` keyed by kind
-    (``{"image": [array, ...]}``), which only a multimodal model accepts (vLLM raises
-    ``ValueError: Multi-modal processor not available for text-only models`` otherwise).
-    Without it media stay out of the engine and are only carried into the group.
+    Without a VLM ``layout`` (a text-only model) media stay out of the engine and are only carried
+    into the group: vLLM raises ``ValueError: Multi-modal processor not available for text-only
+    models`` for ``multi_modal_data``, and takes images only with a tokenizer, which only the tiny
+    VLM starts with.
 
-    With a VLM ``layout`` each image block of the prompt is sent as one ``<image>`` token
-    (vLLM's Idefics3 processor expands it back to the same block, so the prompt vLLM runs, and
-    reports, is ``prompt_ids``) and images go as RGB PIL images.
+    With one, each image block of the prompt is sent as one ``<image>`` token (vLLM's Idefics3
+    processor expands it back to the same block, so the prompt vLLM runs, and reports, is
+    ``prompt_ids``) and the prompt's images go as RGB PIL images in ``multi_modal_data``; other
+    media stay out, as in :class:`~knittrans.rollout.engines.HFEngine`.
     """
-    ids = layout.compact_ids(prompt.prompt_ids) if layout is not None else prompt.prompt_ids.tolist()
-    out: dict[str, Any] = {"prompt_token_ids": ids}
-    if pass_media and prompt.media:
-        mm: dict[str, list[Any]] = {}
-        for m in prompt.media:
-            mm.setdefault(m.kind, []).append(
-                image_to_pil(m.data) if layout is not None and m.kind == "image" else m.data
-            )
-        out["multi_modal_data"] = {k: v[0] if len(v) == 1 else v for k, v in mm.items()}
+    if layout is None:
+        return {"prompt_token_ids": prompt.prompt_ids.tolist()}
+    out: dict[str, Any] = {"prompt_token_ids": layout.compact_ids(prompt.prompt_ids)}
+    if images := [image_to_pil(m.data) for m in prompt.media if m.kind == "image"]:
+        out["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
     return out
 
 
