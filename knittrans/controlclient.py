@@ -23,14 +23,7 @@ import httpx
 import pydantic_core
 
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import (
-    InvalidJobSpec,
-    InvalidRequest,
-    KnitTransError,
-    NotFound,
-    Unavailable,
-    error_of_status,
-)
+from knittrans.errors import KnitTransError, NotFound, Unavailable, error_of
 from knittrans.manifest import Manifest
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
 
@@ -58,12 +51,8 @@ def _raise_for(response: httpx.Response) -> None:
     except ValueError:
         kind, detail = "", response.text
     status = response.status_code
-    if kind == "invalid_job_spec":  # 422 (schema) or 409 (a rule across fields or against the state)
-        raise InvalidJobSpec(detail)
-    if status in (400, 422) or kind in ("invalid_request", "invalid_name"):
-        raise InvalidRequest(detail)
-    error = error_of_status(status)
-    raise error(f"{detail}" if error is not KnitTransError else f"HTTP {status}: {detail}")
+    error = error_of(kind, status)
+    raise error(detail if error is not KnitTransError else f"HTTP {status}: {detail}")
 
 
 _JSON_CONTENT = {"Content-Type": "application/json"}

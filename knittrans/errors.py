@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "HTTP_STATUS",
     "Conflict",
@@ -39,7 +41,7 @@ __all__ = [
     "StateError",
     "Unauthenticated",
     "Unavailable",
-    "error_of_status",
+    "error_of",
     "http_status",
 ]
 
@@ -129,16 +131,23 @@ def http_status(exc: KnitTransError) -> int:
     return 500
 
 
-def error_of_status(status: int) -> type[KnitTransError]:
-    """The error a client raises for an HTTP error status (:class:`KnitTransError` when none maps to it).
+_KINDS: dict[str, type[KnitTransError]] = {
+    re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower(): cls
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, KnitTransError)
+}
+"""Each error class by the ``error`` kind of the control plane's answers: its name in snake case."""
 
-    Request errors share 409 with :class:`Conflict`; a client tells them apart by the answer's error
-    kind (``invalid_request``, ``invalid_job_spec``), so they are not returned here.
-    """
-    for kind, code in HTTP_STATUS:
-        if code == status and not issubclass(kind, InvalidRequest):
-            return kind
-    return KnitTransError
+
+def error_of(kind: str, status: int) -> type[KnitTransError]:
+    """The error a client raises for an HTTP error answer: the class its ``error`` kind names
+    (``invalid_job_spec`` -> :class:`InvalidJobSpec`); for a kind no class has, the class of its status
+    (400 and 422: :class:`InvalidRequest`; :class:`KnitTransError` when none maps to it)."""
+    if kind in _KINDS:
+        return _KINDS[kind]
+    if status in (400, 422):
+        return InvalidRequest
+    return next((cls for cls, code in HTTP_STATUS if code == status and cls is not InvalidRequest), KnitTransError)
 
 
 class StateError(RuntimeError):

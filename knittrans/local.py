@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from knittrans.controlclient import ControlClient
-from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, wait_ready, wait_until
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, token_env, wait_ready, wait_until
 
 __all__ = ["ClusterConfig", "LocalCluster", "StoreNode"]
 
@@ -99,11 +99,7 @@ class LocalCluster:
         argv = control_plane_args(
             self._db, port=port, host=self.config.host, ready_file=ready, node_timeout_s=self.config.node_timeout_s
         )
-        env: dict[str, str] = {}  # tokens travel in the environment, never on a command line (/proc/<pid>/cmdline)
-        if self.config.worker_token:
-            env["KNITTRANS_WORKER_TOKEN"] = self.config.worker_token
-        if self.config.admin_token:
-            env["KNITTRANS_ADMIN_TOKEN"] = self.config.admin_token
+        env = token_env(worker_token=self.config.worker_token, admin_token=self.config.admin_token)
         self.control_url = json.loads(self._start("control-plane", argv, env, ready, "control plane"))["url"]
 
     def rollout_args(
@@ -175,8 +171,7 @@ class LocalCluster:
             "--heartbeat-s",
             str(max(0.2, min(2.0, self.config.node_timeout_s / 5))),
         ]
-        token = self.config.worker_token
-        env = {"KNITTRANS_STORE_TOKEN": token, "KNITTRANS_WORKER_TOKEN": token} if token else {}
+        env = token_env(store_token=self.config.worker_token, worker_token=self.config.worker_token)
         name = f"store-{index}"
         endpoint = self._start(name, argv, env, ready, f"store {node_id}").strip()
         node = StoreNode(node_id=node_id, endpoint=endpoint, store_dir=store_dir, name=name)

@@ -20,6 +20,7 @@ __all__ = [
     "free_port",
     "knittrans_command",
     "stop_process",
+    "token_env",
     "wait_ready",
     "wait_until",
 ]
@@ -37,6 +38,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def knittrans_command(*args: str) -> list[str]:
     """``python -m knittrans.cli ARGS`` with this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", "knittrans.cli", *args]
+
+
+def token_env(**tokens: str | None) -> dict[str, str]:
+    """``KNITTRANS_WORKER_TOKEN`` etc. from ``worker_token=...`` (None or empty: left out): a child's tokens
+    go in its environment, never on its command line (``/proc/<pid>/cmdline`` is readable by every user)."""
+    return {f"KNITTRANS_{k.upper()}": v for k, v in tokens.items() if v}
 
 
 def control_plane_args(

@@ -11,16 +11,19 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 from api_support import app_client, group, job_spec, unit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knittrans import errors
+from knittrans.api.httperrors import error_kind
 from knittrans.api.jobstate import JobState
 from knittrans.api.models import GroupIn, ManifestOut, UnitIn
 from knittrans.api.spec import JobSpec
 from knittrans.api.store import Txn
+from knittrans.controlclient import _raise_for
 from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest, InvalidTicket
 from knittrans.manifest import MANIFEST_VERSION, Manifest, ManifestGroup, ManifestNode, etag_of
@@ -436,14 +439,20 @@ def test_group_fields_are_listed_once() -> None:
     assert GroupIn(**body).model_dump() == body
 
 
-def test_http_status_table_is_read_back_by_the_client() -> None:
-    """Every mapped error comes back as itself from its status, except request errors (told apart by kind)."""
+def test_http_error_answers_are_read_back_as_their_class() -> None:
+    """The client raises the class an answer's error kind names (request errors share 409 with Conflict),
+    and falls back on the status for a kind that names none."""
     for kind, status in errors.HTTP_STATUS:
         assert errors.http_status(kind("x")) == status
-        back = errors.error_of_status(status)
-        assert back is (errors.Conflict if issubclass(kind, InvalidRequest) else kind)
     assert errors.http_status(errors.KnitTransError("x")) == 500
-    assert errors.error_of_status(418) is errors.KnitTransError
+    for cls in (errors.InvalidJobSpec, errors.InvalidName, errors.SchemaMismatch, errors.Conflict, errors.DataLost):
+        answer = httpx.Response(errors.http_status(cls("x")), json={"error": error_kind(cls("x")), "detail": "why"})
+        with pytest.raises(cls, match="why") as caught:
+            _raise_for(answer)
+        assert type(caught.value) is cls
+    assert errors.error_of("", 409) is errors.Conflict and errors.error_of("", 422) is errors.InvalidRequest
+    assert errors.error_of("not_found", 404) is errors.NotFound
+    assert errors.error_of("method_not_allowed", 405) is errors.error_of("", 418) is errors.KnitTransError
 
 
 def test_node_reads_merge_contiguous_rows_of_a_unit() -> None:

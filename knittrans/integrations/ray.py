@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, stop_process, wait_ready, wait_until
+from knittrans.procs import ProcessGroup, control_plane_args, knittrans_command, token_env, wait_ready, wait_until
 
 __all__ = ["KnitTransCluster", "StoreInfo", "node_affinity", "start_cluster", "start_control_plane", "start_stores"]
 
@@ -44,7 +44,8 @@ class _KnitTransProcess:
         self._ready = Path(ready_file)
         self._ready.unlink(missing_ok=True)
         self._log = Path(log_dir) / f"{name}.log"  # ProcessGroup's log of child ``name``
-        self._proc = ProcessGroup(Path(log_dir)).start(name, knittrans_command(*argv), env=env)
+        self._group = ProcessGroup(Path(log_dir))
+        self._proc = self._group.start(name, knittrans_command(*argv), env=env)
 
     def node(self) -> str:
         """Ray node id this actor runs on."""
@@ -57,9 +58,9 @@ class _KnitTransProcess:
         wait_ready(self._proc, self._ready.exists, timeout_s=timeout_s, what=f"knittrans child (log: {self._log})")
         return self._ready.read_text().strip()
 
-    def stop(self) -> int | None:
-        """SIGTERM the child, SIGKILL after 10 s; its exit code."""
-        return stop_process(self._proc)
+    def stop(self) -> None:
+        """SIGTERM the child's process group, SIGKILL after 10 s (as :class:`~knittrans.local.LocalCluster`)."""
+        self._group.stop_all()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,7 @@ class KnitTransCluster:
 
     def env(self) -> dict[str, str]:
         """Token environment for ``knittrans`` processes started by actors."""
-        return _token_env(worker_token=self.worker_token, store_token=self.store_token)
+        return token_env(worker_token=self.worker_token, store_token=self.store_token)
 
     def shutdown(self) -> None:
         """Stop every store and the control plane (actors killed after their child stopped)."""
@@ -126,12 +127,6 @@ class KnitTransCluster:
                 logger.warning("stopping %s: %s", actor, exc)
             ray.kill(actor)
         self.actors.clear()
-
-
-def _token_env(**tokens: str | None) -> dict[str, str]:
-    """``KNITTRANS_WORKER_TOKEN`` etc. from ``worker_token=...``: a child's tokens in its environment, never on its
-    command line (readable by every user of the host)."""
-    return {f"KNITTRANS_{k.upper()}": v for k, v in tokens.items() if v}
 
 
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
@@ -163,7 +158,7 @@ def start_control_plane(
     argv = control_plane_args(
         Path(work_dir) / "control.db", port=port, host=ip, ready_file=ready, node_timeout_s=node_timeout_s
     )
-    env = _token_env(worker_token=worker_token, admin_token=admin_token)
+    env = token_env(worker_token=worker_token, admin_token=admin_token)
     actor = (
         ray.remote(_KnitTransProcess)
         .options(
@@ -198,7 +193,7 @@ def start_stores(
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes(ray)}
     chosen = list(ray_node_ids) if ray_node_ids is not None else sorted(nodes)
     actors, pending = [], []
-    env = _token_env(worker_token=worker_token, store_token=store_token)
+    env = token_env(worker_token=worker_token, store_token=store_token)
     for rid in chosen:
         if rid not in nodes:
             raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")

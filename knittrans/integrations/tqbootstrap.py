@@ -18,7 +18,7 @@ from knittrans.errors import KnitTransError, NotFound
 from knittrans.flight.client import StoreClient
 from knittrans.integrations.tqstore import TQBackendConfig
 
-__all__ = ["BACKEND_NAME", "KnitTransStoreActor", "bootstrap", "owns_stores", "release_owned"]
+__all__ = ["BACKEND_NAME", "KnitTransStoreActor", "bootstrap", "release_owned"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +107,14 @@ def bootstrap(conf: Any) -> dict[str, Any]:
     return handles
 
 
-def owns_stores() -> bool:
-    """Whether this process's bootstrap started or checked stores (it is TransferQueue's initializing process)."""
-    return bool(_OWNED or _EXTERNAL)
-
-
 def release_owned() -> None:
     """Stop the stores this process started and delete their directories; delete the job's units on stores
-    it was given. Idempotent."""
-    import ray
-
+    it was given. Idempotent; nothing to do in a process whose bootstrap did not run."""
     handles = list(_OWNED.values())
     _OWNED.clear()
     if handles:
+        import ray
+
         try:
             ray.get([h.stop.remote() for h in handles], timeout=60)
         except Exception as exc:

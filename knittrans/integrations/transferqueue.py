@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from knittrans.integrations.tqbootstrap import BACKEND_NAME, bootstrap, owns_stores, release_owned
+from knittrans.integrations.tqbootstrap import BACKEND_NAME, bootstrap, release_owned
 from knittrans.integrations.tqstore import NODE_ENV, StoreNodeLost, TQBackendConfig, TQStoreCore
 
 # torch (and the codec, which needs it) is imported on first use, not with this module: importing
@@ -112,15 +112,11 @@ def _rows(metadata: Any) -> tuple[list[str], list[int], Any]:
 
 
 def _closing_global_client(manager: Any) -> bool:
-    """Whether ``manager`` is being closed by ``tq.close()`` in the process whose ``tq.init`` started the
-    stores: TransferQueue 0.1.11's ``close()`` drops its storage handles, then closes its global client."""
+    """Whether ``manager`` is being closed by ``tq.close()`` (then the stores this process's ``tq.init`` started
+    go with it): TransferQueue 0.1.11's ``close()`` drops its storage handles, then closes its global client."""
     interface = sys.modules.get("transfer_queue.interface")
     client = getattr(interface, "_TQ_CLIENT", None)
-    return (
-        owns_stores()
-        and getattr(interface, "_TQ_STORAGE", ()) is None
-        and getattr(client, "storage_manager", None) is manager
-    )
+    return getattr(interface, "_TQ_STORAGE", ()) is None and getattr(client, "storage_manager", None) is manager
 
 
 KnitTransStorageManager: type[Any] | None = None

@@ -33,9 +33,9 @@ class QuotaAdmission:
     """``η`` in verl global steps; None for no bound."""
     bounds: Mapping[str, SourceBounds] = field(default_factory=dict)
     """Optional per-mini-batch per-source bounds."""
-    admitted: dict[str, int] = field(default_factory=dict)
+    admitted: dict[str, int] = field(init=False)
     """Groups of each source admitted in the current train batch."""
-    mini_batch_index: int = 0
+    mini_batch_index: int = field(default=0, init=False)
     """Mini-batch being formed in the current train batch."""
 
     def __post_init__(self) -> None:
