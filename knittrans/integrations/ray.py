@@ -192,48 +192,54 @@ def start_stores(
     ray = _ray()
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes(ray)}
     chosen = list(ray_node_ids) if ray_node_ids is not None else sorted(nodes)
-    actors, pending = [], []
+    missing = [rid for rid in chosen if rid not in nodes]
+    if missing:  # checked before any store starts
+        raise KeyError(f"Ray node {', '.join(missing)} is not alive; alive: {sorted(nodes)}")
     env = token_env(worker_token=worker_token, store_token=store_token)
-    for rid in chosen:
-        if rid not in nodes:
-            raise KeyError(f"Ray node {rid} is not alive; alive: {sorted(nodes)}")
-        node_id = f"store-{rid[:8]}"
-        store_dir = str(Path(store_root) / node_id)
-        ready = str(Path(work_dir) / f"{node_id}.ready")
-        argv = [
-            "store",
-            "--dir",
-            store_dir,
-            "--host",
-            nodes[rid],
-            "--port",
-            "0",
-            "--node-id",
-            node_id,
-            "--ready-file",
-            ready,
-            "--control-url",
-            control_url,
-            "--heartbeat-s",
-            str(heartbeat_s),
+    actors: list[Any] = []
+    pending = []
+    try:
+        for rid in chosen:
+            node_id = f"store-{rid[:8]}"
+            store_dir = str(Path(store_root) / node_id)
+            ready = str(Path(work_dir) / f"{node_id}.ready")
+            argv = [
+                "store",
+                "--dir",
+                store_dir,
+                "--host",
+                nodes[rid],
+                "--port",
+                "0",
+                "--node-id",
+                node_id,
+                "--ready-file",
+                ready,
+                "--control-url",
+                control_url,
+                "--heartbeat-s",
+                str(heartbeat_s),
+            ]
+            if not store_token:
+                argv.append("--insecure")  # the caller chose an open store on the node's address
+            actor = (
+                ray.remote(_KnitTransProcess)
+                .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
+                .remote(argv, str(Path(work_dir) / "logs"), node_id, ready, env)
+            )
+            actors.append(actor)
+            pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
+        infos = [
+            StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d) for rid, nid, d, ref in pending
         ]
-        if not store_token:
-            argv.append("--insecure")  # the caller chose an open store on the node's address
-        actor = (
-            ray.remote(_KnitTransProcess)
-            .options(num_cpus=0, scheduling_strategy=node_affinity(rid))
-            .remote(argv, str(Path(work_dir) / "logs"), node_id, ready, env)
-        )
-        actors.append(actor)
-        pending.append((rid, node_id, store_dir, actor.wait_ready.remote()))
-    infos = [
-        StoreInfo(ray_node_id=rid, node_id=nid, endpoint=ray.get(ref), store_dir=d) for rid, nid, d, ref in pending
-    ]
-    for info, actor in zip(infos, actors, strict=True):
-        where = ray.get(actor.node.remote())
-        if where != info.ray_node_id:
-            raise RuntimeError(f"store {info.node_id} landed on {where}, not {info.ray_node_id}")
-    return infos, actors
+        for info, actor in zip(infos, actors, strict=True):
+            where = ray.get(actor.node.remote())
+            if where != info.ray_node_id:
+                raise RuntimeError(f"store {info.node_id} landed on {where}, not {info.ray_node_id}")
+        return infos, actors
+    except BaseException:  # stop the stores already started: a killed actor's child would outlive it
+        KnitTransCluster(control_url=control_url, stores=[], actors=actors).shutdown()
+        raise
 
 
 def start_cluster(

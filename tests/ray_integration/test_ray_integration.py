@@ -7,6 +7,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +70,21 @@ def test_missing_ray_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None
     importlib.reload(integration)
 
 
-def test_stores_refuse_unknown_node() -> None:
-    """start_stores names the Ray node that is not alive instead of scheduling a store nowhere."""
+def test_stores_refuse_unknown_node(tmp_path: Path) -> None:
+    """start_stores names the Ray node that is not alive instead of scheduling a store nowhere, and checks every
+    node before it starts any store (a store started for an earlier, alive node would outlive the failed call)."""
     import ray
 
     from knittrans.integrations.ray import start_stores
 
     ray.init(_node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
+        alive = ray.get_runtime_context().get_node_id()
         with pytest.raises(KeyError, match="ffff is not alive"):
-            start_stores("http://127.0.0.1:1", work_dir="/tmp", ray_node_ids=["ffff"])
+            start_stores("http://127.0.0.1:1", work_dir=tmp_path, ray_node_ids=[alive, "ffff"])
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:  # a started store's actor makes its log directory within moments
+            assert not (tmp_path / "logs").exists(), "a store was started for the alive node"
+            time.sleep(0.2)
     finally:
         ray.shutdown()
