@@ -41,6 +41,7 @@ __all__ = [
     "StateError",
     "Unauthenticated",
     "Unavailable",
+    "error_kind",
     "error_of",
     "http_status",
 ]
@@ -131,8 +132,14 @@ def http_status(exc: KnitTransError) -> int:
     return 500
 
 
+def error_kind(exc: BaseException | type[BaseException]) -> str:
+    """The ``error`` kind the control plane answers an error with: its class name in snake case
+    (``InvalidJobSpec`` -> ``invalid_job_spec``)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", (exc if isinstance(exc, type) else type(exc)).__name__).lower()
+
+
 _KINDS: dict[str, type[KnitTransError]] = {
-    re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower(): cls
+    error_kind(cls): cls
     for cls in list(globals().values())
     if isinstance(cls, type) and issubclass(cls, KnitTransError)
 }

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knittrans import errors
-from knittrans.api.httperrors import error_kind
 from knittrans.api.jobstate import JobState
 from knittrans.api.models import GroupIn, ManifestOut, UnitIn
 from knittrans.api.spec import JobSpec
@@ -446,7 +445,7 @@ def test_http_error_answers_are_read_back_as_their_class() -> None:
         assert errors.http_status(kind("x")) == status
     assert errors.http_status(errors.KnitTransError("x")) == 500
     for cls in (errors.InvalidJobSpec, errors.InvalidName, errors.SchemaMismatch, errors.Conflict, errors.DataLost):
-        answer = httpx.Response(errors.http_status(cls("x")), json={"error": error_kind(cls("x")), "detail": "why"})
+        answer = httpx.Response(errors.http_status(cls("x")), json={"error": errors.error_kind(cls), "detail": "why"})
         with pytest.raises(cls, match="why") as caught:
             _raise_for(answer)
         assert type(caught.value) is cls

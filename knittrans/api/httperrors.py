@@ -11,16 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from knittrans.errors import KnitTransError, http_status
+from knittrans.errors import KnitTransError, error_kind, http_status
 
-__all__ = ["error_kind", "install_error_handlers", "validation_detail"]
+__all__ = ["install_error_handlers", "validation_detail"]
 
 logger = logging.getLogger(__name__)
-
-
-def error_kind(exc: BaseException) -> str:
-    """``InvalidJobSpec`` -> ``invalid_job_spec``."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
 
 
 def _json(status: int, kind: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
