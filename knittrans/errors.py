@@ -132,10 +132,10 @@ def http_status(exc: KnitTransError) -> int:
     return 500
 
 
-def error_kind(exc: BaseException | type[BaseException]) -> str:
-    """The ``error`` kind the control plane answers an error with: its class name in snake case
+def error_kind(cls: type[BaseException]) -> str:
+    """The ``error`` kind the control plane answers an error of class ``cls`` with: its name in snake case
     (``InvalidJobSpec`` -> ``invalid_job_spec``)."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", (exc if isinstance(exc, type) else type(exc)).__name__).lower()
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
 
 
 _KINDS: dict[str, type[KnitTransError]] = {

@@ -48,7 +48,7 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, KnitTransError)
         status = http_status(exc)
         headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(status)
-        return _json(status, error_kind(exc), str(exc), headers)
+        return _json(status, error_kind(type(exc)), str(exc), headers)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

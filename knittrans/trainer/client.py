@@ -50,7 +50,7 @@ from knittrans.errors import InvalidRequest
 from knittrans.manifest import RankPlan
 from knittrans.trainer.config import TrainerConfig
 from knittrans.trainer.convert import warm_up
-from knittrans.trainer.feed import Collective, ManifestFeed, Progress, TorchCollective
+from knittrans.trainer.feed import Collective, ManifestFeed, Progress, Shared, TorchCollective
 from knittrans.trainer.fetch import Fetcher
 from knittrans.trainer.minibatch import MicroTiming, MiniBatch, RankContext, TrainMicroBatch, Upcoming
 
@@ -135,9 +135,9 @@ class TrainerClient:
         """A :class:`MiniBatch` of this rank for ``plan`` (its streams open at once), outside :meth:`minibatches`."""
         return MiniBatch(self.context, plan, etag)
 
-    def _minibatch(self, shared: object) -> MiniBatch | None:
+    def _minibatch(self, shared: Shared) -> MiniBatch | None:
         """A mini-batch of a share the feed delivered (None: the job has no such mini-batch, or the feed closed)."""
-        return MiniBatch(self.context, *shared) if isinstance(shared, tuple) else None
+        return MiniBatch(self.context, *shared) if shared is not None else None
 
     def replan(self, failed: MiniBatch) -> MiniBatch | None:
         """The share of ``failed``'s global index once its manifest changed (re-planned), or the same one again
@@ -146,7 +146,7 @@ class TrainerClient:
         n = failed.global_index
         got = self.feed.deliver(n, self.collective, etag=failed.etag, wait_s=self.config.replan_wait_s)
         self.feed.release_below(n)
-        return self._minibatch(got)
+        return self._minibatch(got if isinstance(got, tuple) else None)  # else None, or the client was closed
 
     def minibatches(self) -> Iterator[MiniBatch]:
         """Yield this rank's mini-batches until the job is finished.
