@@ -120,6 +120,18 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     assert r.status_code == 422 and "started.math" in r.json()["detail"]
 
 
+def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
+    """A report claiming groups to regenerate, sent again under its request_id (the client retries a report
+    whose answer it lost), is answered as a repeat, not refused because the claims are gone."""
+    client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+    client.post("/v1/nodes/n0/lost")
+    report = {"group_ids": {"math": ["r0"]}, "regenerates": ["g0"], "request_id": "claim-1"}
+    assert client.post("/v1/jobs/job1/supply", json=report).json()["applied"]
+    again = client.post("/v1/jobs/job1/supply", json=report)
+    assert again.status_code == 200 and not again.json()["applied"], again.text
+    assert client.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
+
+
 def test_body_too_large_is_413(client: TestClient) -> None:
     """A request body above max_body_bytes is refused with 413 and the server keeps serving."""
     units = single_group_units(["math"] * 2000)

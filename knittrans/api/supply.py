@@ -110,11 +110,11 @@ class Supply(JobBase):
             for s in per_source:
                 if s not in quotas:
                     raise InvalidRequest(f"{what}.{s}: source has no quota; known sources: {sorted(quotas)}")
+        if request_id is not None and request_id in self.request_ids:
+            return False  # a retry: its claims below were taken by the report it repeats
         unknown = [g for g in regenerates if g not in self.to_regenerate]
         if unknown:
             raise Conflict(f"regenerates: {unknown[:5]} are not groups waiting to be regenerated")
-        if request_id is not None and request_id in self.request_ids:
-            return False
         for gid in regenerates:
             del self.to_regenerate[gid]
             txn.delete(Kind.TO_REGENERATE, self.name, gid)
