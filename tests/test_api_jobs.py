@@ -159,6 +159,11 @@ def test_quota_update_is_validated(client: TestClient) -> None:
     assert r.status_code == 409 and "mini_batches_per_step" in r.json()["detail"]
     r = client.put("/v1/jobs/job1/quotas", json={"quotas": {"math": -2, "code": 9}})
     assert r.status_code == 422 and "quotas.math" in r.json()["detail"]
+    # quotas whose smallest mini-batch has fewer trajectories than the job has ranks: refused like such a spec
+    client.post("/v1/jobs", json=job_spec(name="wide", world_size=4))
+    r = client.put("/v1/jobs/wide/quotas", json={"quotas": {"math": 2, "code": 1}})
+    assert r.status_code == 409 and "world_size" in r.json()["detail"], r.text
+    assert client.get("/v1/jobs/wide").json()["quota_changes"] == [{"from_step": 0, "quotas": {"math": 4, "code": 2}}]
 
 
 @pytest.mark.timing

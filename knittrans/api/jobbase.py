@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from knittrans.api.consumed import ConsumedLedger
 from knittrans.api.entries import GroupEntry, MiniBatch
 from knittrans.api.records import META_KEY, Kind
 from knittrans.api.settings import RECENT_ADMISSIONS
-from knittrans.api.spec import JobSpec, check_quotas
+from knittrans.api.spec import JobSpec
 from knittrans.api.store import Txn
 from knittrans.descriptors import UnitDescriptor
 from knittrans.errors import Conflict
@@ -333,8 +334,8 @@ class JobBase:
         self._save_meta(txn)
 
     def update_quotas(self, quotas: Mapping[str, int]) -> int:
-        """Set quotas from the next train step on; returns that step."""
-        check_quotas(quotas, mini_batches_per_step=self.K, bounds=self.spec.bounds)
+        """Set quotas from the next train step on (checked like a spec with them); returns that step."""
+        replace(self.spec, quotas=dict(quotas))  # raises InvalidJobSpec naming the field
         if self.done():
             raise Conflict(f"job {self.name!r} is {self.state}; its quotas can no longer change")
         from_step = -(-self.next_n // self.K)
