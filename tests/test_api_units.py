@@ -132,6 +132,15 @@ def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: Te
     assert client.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
 
 
+def test_supply_report_naming_a_claim_twice_claims_it_once(client: TestClient) -> None:
+    """A group named twice in ``regenerates`` is claimed once (not a 500)."""
+    client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+    client.post("/v1/nodes/n0/lost")
+    r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0"]}, "regenerates": ["g0", "g0"]})
+    assert r.status_code == 200 and r.json()["applied"], r.text
+    assert client.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
+
+
 def test_body_too_large_is_413(client: TestClient) -> None:
     """A request body above max_body_bytes is refused with 413 and the server keeps serving."""
     units = single_group_units(["math"] * 2000)

@@ -115,7 +115,7 @@ class Supply(JobBase):
         unknown = [g for g in regenerates if g not in self.to_regenerate]
         if unknown:
             raise Conflict(f"regenerates: {unknown[:5]} are not groups waiting to be regenerated")
-        for gid in regenerates:
+        for gid in dict.fromkeys(regenerates):  # a group named twice is claimed once
             del self.to_regenerate[gid]
             txn.delete(Kind.TO_REGENERATE, self.name, gid)
         touched = set(started) | set(dropped)
