@@ -138,10 +138,9 @@ class JobBase:
                 live.append(g)
         return live
 
-    def step_state(self, n: int | None = None) -> StepState:
-        """What the policy sees when forming mini-batch ``n`` (default: the next one)."""
-        n = self.next_n if n is None else n
-        step, k = divmod(n, self.K)
+    def step_state(self) -> StepState:
+        """What the policy sees when forming the next mini-batch."""
+        step, k = divmod(self.next_n, self.K)
         quotas = self.quotas_for_step(step)
         return StepState(
             quotas=quotas,
@@ -151,7 +150,7 @@ class JobBase:
             mini_batch_index=k,
             mini_batches_per_step=self.K,
             bounds=self.spec.bounds,
-            current_version=n,
+            current_version=self.next_n,
             max_staleness=self.spec.max_staleness,
         )
 
