@@ -41,7 +41,7 @@ def test_a_consumed_mini_batchs_staleness_rows_are_what_asdict_writes(tmp_path: 
     rows = json.loads(body)
     assert len(rows) == 2 and all(json.dumps(asdict(ConsumedGroup(**row))) == json.dumps(row) for row in rows)
     with app_client(db) as c:  # and a restart reads them
-        assert c.app.state.service.jobs[JOB].consumed_mini_batches == 1  # type: ignore[attr-defined]
+        assert c.app.state.service.jobs[JOB].position == 1  # type: ignore[attr-defined]
 
 
 def test_the_consuming_ack_is_answered_after_the_admission_it_allows_is_published(tmp_path: Path) -> None:

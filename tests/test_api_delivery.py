@@ -110,7 +110,7 @@ def test_fetched_and_ack_are_idempotent_from_every_rank_or_one_request(tmp_path:
         assert progress["position"] == 1 and [f["global_index"] for f in progress["in_flight"]] == [1]
     with app_client(db) as c:
         assert c.get(f"/v1/jobs/{JOB}/minibatches").json() == progress
-        assert c.app.state.service.jobs[JOB].consumed_mini_batches == 1  # type: ignore[attr-defined]
+        assert c.app.state.service.jobs[JOB].position == 1  # type: ignore[attr-defined]
 
 
 def test_published_manifests_follow_the_state(tmp_path: Path) -> None:

@@ -272,7 +272,6 @@ class Delivery(JobBase):
                 )
             )
         self.consumed.add(records)
-        self.consumed_mini_batches += 1
         self.retire(mb.group_ids)
         mb.status, mb.layout, mb.manifest = "consumed", [], None
         mb.acks, mb.fetched = set(), set()  # a consumed mini-batch needs neither

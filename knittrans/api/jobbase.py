@@ -74,7 +74,8 @@ class JobBase:
         """Ids of units whose every group was consumed: dropped from :attr:`units`; registering one again is
         a duplicate (a no-op), like for a unit still held."""
         self.position = 0
-        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``)."""
+        """Trainer position: the lowest global index not acked by every rank (``knittrans.sched.timing``); the
+        mini-batches below it are exactly the consumed ones (a rank acks in order: :meth:`rank_cursor`)."""
         self.minibatches: dict[int, MiniBatch] = {}
         """Admitted mini-batches by global index, from :attr:`evicted_below` on (see :meth:`evict_consumed`)."""
         self.evicted_below = 0
@@ -88,7 +89,6 @@ class JobBase:
         self.request_ids: set[str] = set()
         self.consumed = ConsumedLedger()
         """Consumed groups, compacted (exact running summaries + the latest steps)."""
-        self.consumed_mini_batches = 0
         self.to_regenerate: dict[str, dict[str, Any]] = {}
         self.admissions: deque[dict[str, Any]] = deque(maxlen=recent_admissions)
         self._endpoint = endpoint

@@ -140,7 +140,7 @@ class ServiceCollector(Collector):
             f["knittrans_policy_version"].add_metric(one, job.version)
             f["knittrans_next_global_index"].add_metric(one, job.next_n)
             f["knittrans_in_flight_mini_batches"].add_metric(one, len(job.in_flight()))
-            f["knittrans_consumed_mini_batches"].add_metric(one, job.consumed_mini_batches)
+            f["knittrans_consumed_mini_batches"].add_metric(one, job.position)
             if job.admissions:
                 f["knittrans_last_admission_seconds"].add_metric(one, job.admissions[-1]["seconds"])
                 f["knittrans_last_admission_wait_seconds"].add_metric(one, job.admissions[-1].get("wait_s") or 0.0)

@@ -62,6 +62,5 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
     job.request_ids = {rid for rid, _ in records.get(Kind.REQUEST, ())}
     for _, rows in records.get(Kind.CONSUMED, ()):
         job.consumed.add(ConsumedGroup(**r) for r in rows)
-    job.consumed_mini_batches = sum(1 for mb in job.minibatches.values() if mb.status == "consumed")
     job.evict_consumed()
     job.to_regenerate = dict(records.get(Kind.TO_REGENERATE, ()))

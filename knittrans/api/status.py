@@ -74,7 +74,7 @@ def job_status(job: JobState) -> dict[str, Any]:
             "groups_by_status": by_status,
             "in_flight_mini_batches": len(in_flight),
             "in_flight_groups": sum(len(mb.group_ids) for mb in in_flight),
-            "consumed_mini_batches": job.consumed_mini_batches,
+            "consumed_mini_batches": job.position,  # consumed: exactly those below the position
             "consumed_groups": by_status.get("consumed", 0),
         },
         "deficits": deficits,
