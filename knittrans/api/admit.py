@@ -37,12 +37,10 @@ class Admission(JobBase):
         find no mini-batch to form)."""
         return self.can_admit() and self._timing.may_admit(self.next_n, self.position)
 
-    def admit_all(self, txn: Txn) -> list[int]:
+    def admit_all(self, txn: Txn) -> None:
         """Every mini-batch the policy allows now, in ``txn`` (start-up, node loss: published together)."""
-        admitted: list[int] = []
-        while more := self.admit(txn):
-            admitted += more
-        return admitted
+        while self.admit(txn):
+            pass
 
     def _admit_next(self, txn: Txn) -> int | None:
         """Form, lay out and record the next mini-batch; None when the policy cannot form one now."""
