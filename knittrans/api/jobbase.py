@@ -179,8 +179,9 @@ class JobBase:
             n += 1
 
     def in_flight(self) -> list[MiniBatch]:
-        """Admitted mini-batches not consumed yet, in order (only those beyond the trainer's position)."""
-        return [mb for n in range(self.position, self.next_n) if (mb := self.minibatches[n]).status == "planned"]
+        """Admitted mini-batches not consumed yet, in order: every one from the trainer's position on (those below it
+        are consumed, those from it to :attr:`next_n` planned; a node loss withdraws from one on and lowers it)."""
+        return [self.minibatches[n] for n in range(self.position, self.next_n)]
 
     def untaken(self) -> dict[str, int]:
         """Per source: groups launched, not dropped, and not in a mini-batch the trainer has started.
@@ -192,10 +193,8 @@ class JobBase:
         for g in self.unadmitted.values():
             if self._node_state(g.node_id) == "alive":
                 out[g.record.source] += 1
-        for n in range(self.position + 1, self.next_n):
-            mb = self.minibatches.get(n)
-            if mb is not None and mb.status == "planned":
-                out.update(mb.counts)
+        for mb in self.in_flight()[1:]:
+            out.update(mb.counts)
         if self.spec.train_batch_handover == "step":
             self._hand_over_step(out)
         return out
@@ -211,11 +210,7 @@ class JobBase:
         end = min(self.next_n, (step + 1) * self.K)
         admitted = self.admitted_in_step(step)
         for source, quota in self.quotas_for_step(step).items():
-            ahead = sum(
-                mb.counts.get(source, 0)
-                for n in range(p + 1, end)
-                if (mb := self.minibatches.get(n)) is not None and mb.status == "planned"
-            )
+            ahead = sum(self.minibatches[n].counts.get(source, 0) for n in range(p + 1, end))
             released = quota - admitted.get(source, 0) + ahead
             untaken[source] = max(0, untaken.get(source, 0) - released)
 
