@@ -111,13 +111,12 @@ class JobBase:
         return next(quotas for from_step, quotas in reversed(self.quota_changes) if from_step <= step)
 
     def admitted_in_step(self, step: int) -> dict[str, int]:
-        """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches)."""
+        """``a[s]``: groups admitted so far in ``step`` (planned or consumed mini-batches; asked of the steps of
+        the trainer's position and after, whose mini-batches are all kept: :meth:`evict_consumed`)."""
         a = dict.fromkeys(self.quotas_for_step(step), 0)
         for n in range(step * self.K, min(self.next_n, (step + 1) * self.K)):
-            mb = self.minibatches.get(n)
-            if mb is not None:
-                for s, c in mb.counts.items():
-                    a[s] = a.get(s, 0) + c
+            for s, c in self.minibatches[n].counts.items():
+                a[s] = a.get(s, 0) + c
         return a
 
     def pending(self) -> dict[str, int]:
