@@ -419,3 +419,31 @@ def test_an_admission_attempt_that_forms_nothing_writes_and_wakes_nothing(tmp_pa
     assert seen == [[0]], seen  # one notification: the registration's change
     assert commits[1:] == [0], commits  # the attempt at mini-batch 1 wrote nothing
     store.close()
+
+
+def test_an_unexpected_error_inside_a_change_reloads_the_committed_state_and_notifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error that is not a refusal, struck after a change began mutating (here: admission after a unit
+    registration; a node loss), leaves memory as committed: the state is reloaded and the jobs notified."""
+    from knittrans.api.jobstate import JobState
+
+    svc, store, seen = _watched_one_rank_job(tmp_path, k=1)
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 2)]
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(JobState, "admit", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            svc.register_units("job1", units)
+    assert svc.jobs["job1"].units == {} and seen == [[]], seen  # the registration never happened
+    assert svc.register_units("job1", units)["admitted"] == [0]
+    seen.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(JobState, "node_lost", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            svc.declare_lost("n0")
+    assert not svc.nodes["n0"].lost and seen == [[0]], seen  # reloaded: node alive, mini-batch 0 in flight
+    store.close()

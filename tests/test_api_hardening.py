@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_support import app_client, group, job_spec, server, single_group_units, unit
+from api_support import ack, app_client, group, job_spec, manifest, server, single_group_units, unit
 
 from knittrans.procs import control_plane_args, knittrans_command
 
@@ -109,6 +109,27 @@ def test_empty_or_foreign_database_is_refused_unless_init(tmp_path: Path) -> Non
     assert done.returncode != 0 and "not a KnitTrans state database" in done.stderr
     with server(empty, "--init") as srv:
         assert httpx.get(srv.url + "/v1/health", timeout=30).status_code == 200
+
+
+def test_a_damaged_job_record_or_another_state_format_stops_the_control_plane_naming_it(tmp_path: Path) -> None:
+    """State this version cannot read is refused at start-up with a message naming what is wrong."""
+    import shutil
+    from contextlib import closing
+
+    from knittrans.errors import StateError
+
+    damaged, other = tmp_path / "damaged.db", tmp_path / "other.db"
+    with app_client(damaged) as client:
+        assert client.post("/v1/jobs", json=job_spec()).status_code == 201
+    shutil.copy(damaged, other)
+    with closing(sqlite3.connect(damaged)) as conn, conn:
+        conn.execute("UPDATE records SET body='{}' WHERE kind='job'")
+    with pytest.raises(StateError, match=r"the records of job 'job1' are damaged \(KeyError.*restore a backup"):
+        app_client(damaged)
+    with closing(sqlite3.connect(other)) as conn, conn:
+        conn.execute("UPDATE meta SET value='0' WHERE name='format'")
+    with pytest.raises(StateError, match="state format '0', this version reads '1'"):
+        app_client(other)
 
 
 @pytest.mark.parametrize("pragma, cause", [("max_page_count", "full"), ("query_only", "readonly")])
@@ -245,6 +266,32 @@ def test_removing_an_admitted_unit_is_a_conflict(tmp_path: Path) -> None:
         assert r.json()["admitted"] == [0]
         r = client.delete("/v1/jobs/job1/units/u-g0")
         assert r.status_code == 409 and "mini-batch 0" in r.json()["detail"]
+
+
+def test_removing_a_unit_regenerates_its_waiting_groups_and_refuses_a_partly_consumed_one(tmp_path: Path) -> None:
+    """A unit whose groups wait in the pool is removed: they become lost and wait for regeneration (also after
+    a restart); a unit one of whose groups was consumed already is a 409 naming that group."""
+    spec = job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=1, total_steps=1)
+    pair = unit("u-pair", [group("g0", "math", finished_at=1000.0), group("g1", "math", finished_at=1002.0)])
+    (single,) = single_group_units(["math"], start=2)  # u-g2, finished between the pair's two groups
+    single["groups"][0]["finished_at"] = 1001.0
+    with app_client(tmp_path / "cp.db") as client:
+        client.post("/v1/jobs", json=spec)
+        client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        assert client.post("/v1/jobs/job1/units", json={"units": [pair, single]}).json()["admitted"] == [0]
+        first = manifest(client, "job1", 0)
+        assert first is not None and [g.group_id for g in first.groups] == ["g0"]
+        assert ack(client, "job1", first)["consumed"]
+        r = client.delete("/v1/jobs/job1/units/u-pair")
+        assert r.status_code == 409 and "'g0' was consumed" in r.json()["detail"], r.text
+        r = client.delete("/v1/jobs/job1/units/u-g2", params={"reason": "bad rewards"})
+        assert r.status_code == 200 and r.json()["removed_groups"] == ["g2"], r.text
+    with app_client(tmp_path / "cp.db") as client:
+        status = client.get("/v1/jobs/job1/status").json()
+        assert [g["group_id"] for g in status["lost_groups"]] == ["g2"]
+        assert [(g["group_id"], g["reason"]) for g in status["to_regenerate"]] == [
+            ("g2", "unit u-g2 removed by an admin: bad rewards")
+        ]
 
 
 def test_descriptor_schema_version_is_the_arrow_schema_version() -> None:
