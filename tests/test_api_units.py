@@ -84,6 +84,7 @@ def test_units_register_idempotently(client: TestClient) -> None:
         ({**unit("u1", [group("g1", "math")]), "num_rows": 7}, 409, "rows"),
         ({**unit("u1", [group("g1", "math")]), "groups": "none"}, 422, "groups"),
         (unit("u1", [group("g0", "math")]), 409, "g0"),
+        (unit("u-ok", [group("g-ok", "code")]), 409, "appears twice"),
     ],
 )
 def test_bad_units_are_refused_and_nothing_is_registered(
@@ -118,6 +119,8 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     assert client.get("/v1/jobs/job1/status").json()["counts"]["pending"]["math"] == 1
     r = client.post("/v1/jobs/job1/supply", json={"started": {"math": -1}})
     assert r.status_code == 422 and "started.math" in r.json()["detail"]
+    r = client.post("/v1/jobs/job1/supply", json={"dropped": {"poetry": 1}})
+    assert r.status_code == 409 and "dropped.poetry: source has no quota" in r.json()["detail"]
 
 
 def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
@@ -147,3 +150,44 @@ def test_body_too_large_is_413(client: TestClient) -> None:
     r = client.post("/v1/jobs/job1/units", json={"units": units})
     assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
     assert client.get("/v1/health").status_code == 200
+
+
+def test_a_lost_group_registered_again_under_its_id_replaces_the_lost_one(tmp_path: Path) -> None:
+    """A lost group's id registered again (in a new unit, without a supply claim) replaces the lost incarnation:
+    it leaves the lost groups and the groups to regenerate, and counts once as finished (also after a restart)."""
+    db = tmp_path / "cp.db"
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        c.post("/v1/jobs", json=job_spec())
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.post("/v1/nodes", json={"node_id": "n1", "endpoint": "grpc://127.0.0.1:2"})
+        assert c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])}).json()["registered"] == 1
+        c.post("/v1/nodes/n0/lost")
+        status = c.get("/v1/jobs/job1/status").json()
+        assert [g["group_id"] for g in status["to_regenerate"]] == ["g0"]
+        again = unit("u-again", [group("g0", "math", finished_at=2000.0)], node="n1")
+        assert c.post("/v1/jobs/job1/units", json={"units": [again]}).json()["registered"] == 1
+        before = c.get("/v1/jobs/job1/status").json()
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        after = c.get("/v1/jobs/job1/status").json()
+    for status in (before, after):
+        assert status["lost_groups"] == [] and status["to_regenerate"] == []
+        assert status["counts"]["groups_by_status"] == {"finished": 1}
+        assert [(g["group_id"], g["node_id"]) for g in status["pool"]["head"]] == [("g0", "n1")]
+
+
+def test_a_late_sweep_gives_every_node_a_fresh_grace_period(tmp_path: Path) -> None:
+    """A sweep that itself ran late (the control plane was paused) declares no node lost, since its heartbeats
+    may be queued behind the pause: every node gets a fresh grace period; the next timely sweep judges again."""
+    from knittrans.api.service import ControlPlane
+    from knittrans.api.store import RecordStore
+
+    store = RecordStore(str(tmp_path / "cp.db"))
+    svc = ControlPlane(store, Settings(db_path=store.path, node_timeout_s=5.0), on_change=lambda job: None)
+    svc.register_node("n0", "grpc://127.0.0.1:1", "h0")
+    svc.nodes["n0"].last_heartbeat -= 60.0  # silent for a minute, as seen after the pause
+    svc.sweep(paused_s=60.0)
+    assert not svc.nodes["n0"].lost and svc.list_nodes()[0]["seconds_since_heartbeat"] < 5.0
+    svc.nodes["n0"].last_heartbeat -= 60.0
+    svc.sweep()
+    assert svc.nodes["n0"].lost and "no heartbeat for 5s" in svc.nodes["n0"].lost_reason
+    store.close()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from api_support import ENDPOINT, USAGE, job_spec, populate, server
+from api_support import ENDPOINT, USAGE, job_spec, populate, server, single_group_units
 from fastapi.testclient import TestClient
 
 from knittrans.api.app import create_app
@@ -42,8 +42,11 @@ def test_overview_reports_jobs_nodes_ranks(tmp_path: Path, gathered: bool) -> No
     whether each rank acked with its own figures or one ack per mini-batch carried every rank's."""
     with _client(tmp_path) as c:
         populate(c, gathered=gathered)
+        units = single_group_units(["math"], start=4)  # waits in the pool: step 1's mini-batch needs two groups
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == []
         view = c.get("/v1/overview").json()
     (job,) = view["jobs"]
+    assert job["pool_by_node"] == {"n0": {"math": 1}}
     assert job["job"] == "job1" and job["state"] == "running" and job["step"] == 1
     assert job["consumed_mini_batches"] == 2 and job["consumed_groups"] == 4
     assert set(job["quota_fill"]) == {"math", "code"}
@@ -64,7 +67,14 @@ def test_metrics_carry_usage_and_transfer(tmp_path: Path, gathered: bool) -> Non
     """/metrics exports the store usage and the rank transfer counters the overview shows."""
     with _client(tmp_path) as c:
         populate(c, gathered=gathered)
+        weights = {"version": 3, "told": 4, "loads": 2, "late": 1, "wait_s": 0.5}
+        assert c.post("/v1/jobs/job1/rollout/w0/weights", json=weights).status_code == 200
         text = c.get("/metrics").text
+    worker = 'job_name="job1",worker="w0"'
+    assert f"knittrans_rollout_weights_version{{{worker}}} 3.0" in text
+    assert f"knittrans_rollout_weight_loads_total{{{worker}}} 2.0" in text
+    assert f"knittrans_rollout_weights_late_total{{{worker}}} 1.0" in text
+    assert f"knittrans_rollout_weights_wait_seconds_total{{{worker}}} 0.5" in text
     assert 'knittrans_store_budget_used_bytes{node="n0"} 5000.0' in text
     assert 'knittrans_store_budget_bytes{node="n0"} 1.048576e+06' in text
     assert 'knittrans_rank_exposed_transfer_seconds_total{job_name="job1",rank="1"} 0.5' in text
