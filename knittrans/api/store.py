@@ -15,7 +15,7 @@ import json
 import os
 import sqlite3
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from knittrans.api.records import Kind
 from knittrans.errors import StateError, Unavailable
@@ -63,14 +63,12 @@ class Txn:
 class RecordStore:
     """SQLite (WAL) record store; one connection, serialised by a lock."""
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", init: bool = False) -> None:
+    def __init__(self, path: str, *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL", init: bool = False) -> None:
         """Open the database at ``path``, creating it when the file does not exist.
 
         An existing file that is empty (0 bytes) or not a KnitTrans state database is refused with
         :class:`StateError` (a silent reset would forget every job) unless ``init`` is True.
         """
-        if synchronous not in ("NORMAL", "FULL"):
-            raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = path
         self.synchronous = synchronous
         self._closed = False
