@@ -164,6 +164,9 @@ def test_quota_update_is_validated(client: TestClient) -> None:
     r = client.put("/v1/jobs/wide/quotas", json={"quotas": {"math": 2, "code": 1}})
     assert r.status_code == 409 and "world_size" in r.json()["detail"], r.text
     assert client.get("/v1/jobs/wide").json()["quota_changes"] == [{"from_step": 0, "quotas": {"math": 4, "code": 2}}]
+    assert client.post("/v1/jobs/wide/drain").json()["state"] == "drained"  # at a step boundary, nothing in flight
+    r = client.put("/v1/jobs/wide/quotas", json={"quotas": {"math": 4, "code": 2}})
+    assert r.status_code == 409 and "drained; its quotas can no longer change" in r.json()["detail"], r.text
 
 
 @pytest.mark.timing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,6 +151,10 @@ def test_body_too_large_is_413(client: TestClient) -> None:
     r = client.post("/v1/jobs/job1/units", json={"units": units})
     assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
     assert client.get("/v1/health").status_code == 200
+    # without a declared length (chunked), counted as it arrives
+    raw = json.dumps({"units": units}).encode()
+    r = client.post("/v1/jobs/job1/units", content=iter([raw]), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "payload_too_large", r.text
 
 
 def test_a_lost_group_registered_again_under_its_id_replaces_the_lost_one(tmp_path: Path) -> None:
