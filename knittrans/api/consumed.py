@@ -49,14 +49,13 @@ class ConsumedLedger:
             series = self._series.setdefault(c.step, {r: {} for r in READINGS})
             for reading, report in self._readings.items():
                 report.add(c)
-                if c.num_trajectories > 0:
-                    extra = staleness(c.v_train, version_of(c, reading)) - c.mini_batch_index
-                    per_step = series[reading]
-                    for key in ("all", c.source):
-                        cell = per_step.setdefault(key, [0.0, 0.0, -math.inf])
-                        cell[0] += c.num_trajectories
-                        cell[1] += extra * c.num_trajectories
-                        cell[2] = max(cell[2], extra)
+                extra = staleness(c.v_train, version_of(c, reading)) - c.mini_batch_index
+                per_step = series[reading]
+                for key in ("all", c.source):
+                    cell = per_step.setdefault(key, [0.0, 0.0, -math.inf])
+                    cell[0] += c.num_trajectories  # >= 1: a unit's groups are never empty (GroupRecord checks)
+                    cell[1] += extra * c.num_trajectories
+                    cell[2] = max(cell[2], extra)
         self._trim(self._recent, RECENT_STEPS)
         self._trim(self._series, SERIES_STEPS)
 
