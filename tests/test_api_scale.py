@@ -120,6 +120,22 @@ def test_job_wide_waiters_still_see_every_change(tmp_path: Path) -> None:
         assert woken.wait(10)
 
 
+def test_long_polls_for_jobs_that_do_not_exist_keep_nothing(tmp_path: Path) -> None:
+    """Manifest and headroom polls naming a job that does not exist are 404s that leave no waiter behind (the
+    board would otherwise keep one event per name it was ever asked for)."""
+    with app_client(tmp_path / "cp.db") as c:
+        board: ManifestBoard = c.app.state.board  # type: ignore[attr-defined]
+        for i in range(20):
+            assert c.get(f"/v1/jobs/ghost{i}/minibatches/0", params={"timeout_s": 0}).status_code == 404
+            assert c.get(f"/v1/jobs/ghost{i}/headroom").status_code == 404
+            weights = c.post(f"/v1/jobs/ghost{i}/rollout/w0/weights", json={"version": 1})
+            assert weights.status_code == 404 and f"job 'ghost{i}' does not exist" in weights.json()["detail"]
+        assert board._waiters == {}
+    with app_client(tmp_path / "tokens.db", worker_token="wt") as c:  # no token: a 401, not whether the job exists
+        assert c.get("/v1/jobs/ghost/minibatches/0", params={"timeout_s": 0}).status_code == 401
+        assert c.get("/v1/jobs/ghost/headroom").status_code == 401
+
+
 def _run(c: TestClient, n: int, start: int) -> None:
     """Register, plan and ack mini-batches ``start .. n-1`` (one group each, generated at version ``n``)."""
     for i in range(start, n):

@@ -12,8 +12,9 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 
 from knittrans.api.service import ControlPlane
+from knittrans.errors import NotFound
 
-__all__ = ["Run", "Service", "StateRunner"]
+__all__ = ["KnownJob", "Run", "Service", "StateRunner"]
 
 T = TypeVar("T")
 
@@ -88,3 +89,15 @@ Service = Annotated[ControlPlane, Depends(_app_state("service"))]
 """The app's :class:`ControlPlane`."""
 Run = Annotated[StateRunner, Depends(_app_state("runner"))]
 """The app's :class:`StateRunner`: ``await run(svc.method, ...)``."""
+
+
+async def _known_job(job: str, request: Request) -> str:
+    """The path's ``job``; :class:`NotFound` unless it exists (read on the event loop: jobs are never removed)."""
+    if job not in request.app.state.service.jobs:
+        raise NotFound(f"job {job!r} does not exist; create it with POST /v1/jobs")
+    return job
+
+
+KnownJob = Annotated[str, Depends(_known_job)]
+"""The ``{job}`` of the path, checked to exist before a route keeps anything for it (a long-poll's waiter);
+declare it after the token dependency, so that a caller without a token learns nothing of which jobs exist."""

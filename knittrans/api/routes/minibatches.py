@@ -22,7 +22,7 @@ from knittrans.api.models import (
     VersionIn,
     VersionOut,
 )
-from knittrans.api.routes.deps import Run, Service
+from knittrans.api.routes.deps import KnownJob, Run, Service
 from knittrans.errors import Conflict, Unauthenticated
 
 __all__ = ["DONE_HEADER", "STATE_HEADER", "router"]
@@ -46,9 +46,9 @@ Index = Path(ge=0, le=(1 << 53) - 1, description="global index of the mini-batch
     },
 )
 async def get_manifest(
-    job: str,
     request: Request,
     _: WorkerAuth,
+    job: KnownJob,
     n: int = Index,
     timeout_s: float = Query(30.0, ge=0, le=3600),
     if_none_match: str | None = Header(None, max_length=256),

@@ -20,9 +20,8 @@ from knittrans.api.models import (
     UnitsIn,
     UnitsOut,
 )
-from knittrans.api.routes.deps import Run, Service
+from knittrans.api.routes.deps import KnownJob, Run, Service
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import NotFound
 from knittrans.lifecycle import TERMINAL
 from knittrans.names import check_name
 
@@ -59,24 +58,22 @@ async def report_supply(job: str, body: SupplyIn, svc: Service, run: Run, _: Wor
 
 @router.post("/{job}/rollout/{worker}/weights", response_model=RolloutWeightsOut)
 async def report_rollout_weights(
-    job: str, worker: str, body: RolloutWeightsIn, svc: Service, request: Request, _: WorkerAuth
+    worker: str, body: RolloutWeightsIn, request: Request, _: WorkerAuth, job: KnownJob
 ) -> dict[str, Any]:
     """A rollout worker's weights: the version it generates with, loads, and versions whose file came late.
 
     Kept in memory (``/metrics`` and job status ``rollout_weights``), like store usage."""
     check_name(worker, "worker")
-    if job not in svc.jobs:
-        raise NotFound(f"job {job!r} does not exist")
     return request.app.state.observed.record_rollout(job, worker, body.model_dump(), time.time())  # type: ignore[no-any-return]
 
 
 @router.get("/{job}/headroom", response_model=HeadroomOut)
 async def headroom(
-    job: str,
     svc: Service,
     run: Run,
     request: Request,
     _: WorkerAuth,
+    job: KnownJob,
     wait_s: float = Query(0.0, ge=0),
     sources: str | None = Query(None, max_length=4096, description="comma-separated sources the caller generates"),
 ) -> dict[str, Any]:
