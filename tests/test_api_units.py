@@ -62,6 +62,27 @@ def test_node_without_heartbeat_times_out(tmp_path: Path) -> None:
         assert node["state"] == "lost" and "heartbeat" in node["lost_reason"]
 
 
+@pytest.mark.timing
+def test_a_failed_sweep_does_not_stop_the_sweeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep that fails (say, the state database refused the write) is logged; the next sweeps still run."""
+    from knittrans.api.service import ControlPlane
+    from knittrans.errors import Unavailable
+
+    sweep, calls = ControlPlane.sweep, []
+
+    def flaky(self: ControlPlane, **kwargs: float) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Unavailable("the disk is full")
+        sweep(self, **kwargs)
+
+    monkeypatch.setattr(ControlPlane, "sweep", flaky)
+    settings = Settings(db_path=str(tmp_path / "t.db"), node_timeout_s=0.05, node_sweep_interval_s=0.02)
+    with TestClient(create_app(settings)) as c:
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        wait_until(lambda: 'knittrans_node_up{node="n0"} 0.0' in c.get("/metrics").text, timeout_s=20, what="sweeper")
+
+
 def test_units_register_idempotently(client: TestClient) -> None:
     """The same units again are no-ops; a changed descriptor under a known id is a 409."""
     units = single_group_units(["math", "code"])
