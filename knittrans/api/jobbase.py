@@ -221,7 +221,7 @@ class JobBase:
         room = self._timing.room(quotas, untaken)
         allowed = launchable(quotas, launched)
         idle = self.next_n <= self.position  # every admitted mini-batch acked: the trainer waits on rollout
-        deficit = quota_deficit(self.step_state()) if idle and not self.done() and self.can_admit() else {}
+        deficit = quota_deficit(self.step_state()) if idle and self.can_admit() else {}
         headroom = launch_headroom(quotas, room, allowed, deficit=deficit, trainer_idle=idle)
         return {
             "state": self.state,

@@ -52,7 +52,7 @@ def job_status(job: JobState) -> dict[str, Any]:
     finished = Counter(g.record.source for g in pool)
     by_node = Counter(g.node_id for g in pool)
     in_flight = job.in_flight()
-    open_step = not job.done() and (job.can_admit() or job.state == "paused")
+    open_step = job.can_admit() or job.state == "paused"  # neither holds for a finished job
     deficits = quota_deficit(job.step_state()) if open_step else {}
     return {
         "job": job.name,
