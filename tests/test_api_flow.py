@@ -447,3 +447,17 @@ def test_an_unexpected_error_inside_a_change_reloads_the_committed_state_and_not
             svc.declare_lost("n0")
     assert not svc.nodes["n0"].lost and seen == [[0]], seen  # reloaded: node alive, mini-batch 0 in flight
     store.close()
+
+
+def test_a_repeated_registration_writes_and_wakes_nothing(tmp_path: Path) -> None:
+    """Registering the same units again (a retry) changes nothing: no record is written, nobody is notified."""
+    svc, store, seen = _watched_one_rank_job(tmp_path, k=1)
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"])]
+    assert svc.register_units("job1", units)["registered"] == 1
+    seen.clear()
+    commits: list[int] = []
+    commit = store.commit
+    store.commit = lambda txn: (commits.append(len(txn)), commit(txn))[1]  # type: ignore[method-assign]
+    assert svc.register_units("job1", units)["duplicates"] == 1
+    assert commits == [0] and seen == [], (commits, seen)
+    store.close()

@@ -85,7 +85,7 @@ class Supply(JobBase):
         if fresh:
             txn.put(Kind.UNITS, self.name, index_key(self.unit_batches), [u.to_dict() for u in fresh])
             self.unit_batches += 1
-        for s in {g.source for u in units for g in u.groups}:
+        for s in {g.source for u in fresh for g in u.groups}:  # a repeated unit changes no count
             self._save_supply(txn, s)
         return len(fresh)
 
