@@ -461,3 +461,24 @@ def test_a_repeated_registration_writes_and_wakes_nothing(tmp_path: Path) -> Non
     assert svc.register_units("job1", units)["duplicates"] == 1
     assert commits == [0] and seen == [], (commits, seen)
     store.close()
+
+
+def test_a_reload_swaps_the_registries_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reloading the state (after a failed write) never shows the event loop's readers (heartbeats, the job
+    check of the long-polls, health) a half-filled registry: jobs and nodes are swapped in whole."""
+    import knittrans.api.service as service
+
+    svc, store, _ = _watched_one_rank_job(tmp_path, k=1)
+    svc.create_job(JobSpec.from_dict(job_spec(name="job2", quotas={"math": 2}, mini_batches_per_step=1, world_size=1)))
+    seen: list[tuple[list[str], list[str]]] = []
+    restore = service.restore_job
+
+    def watched(job: Any, records: Any) -> None:
+        seen.append((sorted(svc.jobs), sorted(svc.nodes)))
+        restore(job, records)
+
+    monkeypatch.setattr(service, "restore_job", watched)
+    svc._load()
+    assert seen == [(["job1", "job2"], ["n0"])] * 2, seen
+    assert sorted(svc.jobs) == ["job1", "job2"]
+    store.close()

@@ -101,11 +101,11 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ plumbing
     def _load(self) -> None:
+        """(Re)load the state; the registries are swapped in whole: the event loop reads them (heartbeats, the
+        long-polls' job check) while a reload after a failed write runs on the state thread."""
         now = time.time()
-        self.nodes = {}
-        for _, node_id, body in self.store.load(Kind.NODE):
-            # a restarted control plane gives every live node a fresh heartbeat grace period
-            self.nodes[node_id] = Node(**body, last_heartbeat=now)
+        # a restarted control plane gives every live node a fresh heartbeat grace period
+        self.nodes = {node_id: Node(**body, last_heartbeat=now) for _, node_id, body in self.store.load(Kind.NODE)}
         per_job: dict[str, dict[Kind, list[tuple[str, Any]]]] = {}
         previous_release = Txn()
         for kind in JOB_KINDS:
@@ -121,7 +121,7 @@ class ControlPlane:
                 len(previous_release),
             )
             self.store.commit(previous_release)
-        self.jobs = {}
+        jobs: dict[str, JobState] = {}
         for name, records in per_job.items():
             try:
                 spec = JobSpec.from_dict(dict(records[Kind.JOB])[META_KEY]["spec"])
@@ -132,7 +132,8 @@ class ControlPlane:
                     f"{self.store.path}: the records of job {name!r} are damaged "
                     f"({type(exc).__name__}: {exc}); restore a backup or remove the job"
                 ) from exc
-            self.jobs[name] = state
+            jobs[name] = state
+        self.jobs = jobs
         logger.info("loaded %d nodes and %d jobs from %s", len(self.nodes), len(self.jobs), self.store.path)
 
     def _new_job(self, spec: JobSpec) -> JobState:
