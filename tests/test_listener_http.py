@@ -319,3 +319,44 @@ def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Pa
                     assert r.status_code != 401, (method, path)
                 else:
                     assert r.status_code == 401 and r.headers["connection"] == "close", (method, path, r.text)
+
+
+def test_the_gate_answers_nobody_gone_mid_body_and_passes_the_disconnect_on() -> None:
+    """A client gone while sending its body gets no answer and reaches no route; after a whole body, the app's
+    next receive gets what the connection says next (the disconnect), not the body again."""
+    import asyncio
+    from typing import Any
+
+    from knittrans.api.auth import TokenCheck
+    from knittrans.api.gate import RequestGate
+
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.extend([await receive(), await receive()])
+
+    gate = RequestGate(
+        app,
+        tokens=TokenCheck(Settings(worker_token=None)),
+        open_paths=frozenset(),
+        max_body_bytes=100,
+        max_json_depth=4,
+    )
+
+    async def call(messages: list[dict[str, Any]]) -> list[Any]:
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/jobs", "headers": [(b"content-length", b"2")]}
+        await gate(scope, receive, send)
+        return sent
+
+    assert asyncio.run(call([{"type": "http.disconnect"}])) == [] and seen == []
+    body = {"type": "http.request", "body": b"{}", "more_body": False}
+    assert asyncio.run(call([body, {"type": "http.disconnect"}])) == []
+    assert seen == [body, {"type": "http.disconnect"}]
