@@ -166,3 +166,22 @@ def test_close_waits_for_calls_in_flight_and_refuses_new_ones(start_server: Star
     assert idle._closed
     with StoreClient(server.endpoint) as c:
         assert c.get(_rows("job", ("u1", ()))).equals(t.traj)
+
+
+def test_a_stream_closed_before_its_first_batch_ends_its_call(start_server: Start) -> None:
+    """A DoGet stream closed (or dropped) before any batch was read cancels its call and stops counting as a
+    call in flight, so the client's close closes the channel (a share whose node's media all came from the
+    cache closes such streams unread)."""
+    server = start_server(batch_bytes=1024)
+    t = _unit(1, n=8)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u1", t.traj, t.media)
+    client = StoreClient(server.endpoint, data_lane=False)
+    batches = client.stream(_rows("job", ("u1", ())))
+    assert client._active == 1
+    batches.close()  # type: ignore[attr-defined]
+    assert client._active == 0
+    client.stream(_rows("job", ("u1", ())))  # dropped unread: garbage collected
+    assert client._active == 0
+    client.close()
+    assert client._closed

@@ -297,11 +297,14 @@ class StoreClient:
         except BaseException:
             self._leave()
             raise
-        return self._batches(reader)
+        batches = self._batches(reader)
+        next(batches)  # started: closing it (or garbage collection) now runs its finally, even before a batch
+        return batches
 
     def _batches(self, reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
         done = False
         try:
+            yield None  # taken by stream()
             while True:
                 if self._closing:  # the open stream holds the channel; close() ends it at its next batch
                     raise Unavailable(f"store client of {self.endpoint} is closed")
