@@ -185,3 +185,15 @@ def test_a_stream_closed_before_its_first_batch_ends_its_call(start_server: Star
     assert client._active == 0
     client.close()
     assert client._closed
+
+
+def test_error_messages_name_only_knittrans_errors() -> None:
+    """A message naming a KnitTrans error class comes back as that class; one naming another class of
+    ``knittrans.errors`` (``StateError``, a RuntimeError) is no KnitTrans error: it stays a plain failure."""
+    from knittrans.errors import KnitTransError, StateError
+    from knittrans.flight.errors import from_error_message, from_flight_error
+
+    assert isinstance(from_error_message("NotFound: no unit 'u'"), NotFound)
+    assert from_error_message("StateError: the database is foreign") is None
+    got = from_flight_error(flight.FlightServerError("StateError: the database is foreign"), "grpc://h:1")
+    assert type(got) is KnitTransError and not isinstance(got, StateError)
