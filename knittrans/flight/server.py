@@ -195,9 +195,9 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     ``server.shutdown()`` to stop. ``server.endpoint`` is the ``grpc://host:port`` to dial.
     """
 
-    def __init__(self, config: StoreServerConfig, *, store: UnitStore | None = None) -> None:
+    def __init__(self, config: StoreServerConfig) -> None:
         self.config = config
-        self.store = store if store is not None else UnitStore(config.store)
+        self.store = UnitStore(config.store)
         self.auth = BearerTokenFactory(config.token) if config.token else None
         """The bearer-token check of every call (None: no token); the data lane checks with it too."""
         middleware = {"auth": self.auth} if self.auth is not None else {}
