@@ -197,3 +197,48 @@ def test_media_by_hash_each_once(store_dir: Path) -> None:
     assert got.column("media_hash").to_pylist() == [bytes.fromhex(hashes[1]), bytes.fromhex(hashes[0])]
     with pytest.raises(NotFound, match=r"media hash 0{64} is in none of the units"):
         store.read(Ticket(job="job", kind="media", media_hashes=("0" * 64,)))
+
+
+def test_store_settings_that_do_not_go_together_are_refused(store_dir: Path) -> None:
+    """A spill directory that is the store directory, a budget that is not positive, a negative wait or a
+    pending lifetime that is not positive are refused when the config is made."""
+    for kw, why in [
+        ({"spill_dir": store_dir / "." / "job" / ".."}, "spill_dir must differ from root"),
+        ({"budget_bytes": 0}, "budget_bytes must be positive or None, not 0"),
+        ({"wait_timeout_s": -1.0}, "wait_timeout_s must be >= 0 and pending_ttl_s > 0"),
+        ({"pending_ttl_s": 0.0}, "wait_timeout_s must be >= 0 and pending_ttl_s > 0"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            StoreConfig(root=store_dir, **kw)  # type: ignore[arg-type]
+
+
+def test_rescan_ignores_directories_that_are_not_jobs(store_dir: Path) -> None:
+    """A directory of the store (or spill) directory whose name is no job name (a disk's ``lost+found``) is
+    left alone, and the jobs beside it are recovered."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    store_unit(store, "job", "u0", _tables())
+    (store_dir / "lost+found" / "u9").mkdir(parents=True)
+    again = UnitStore(StoreConfig(root=store_dir))
+    assert [u.unit_id for u in again.units()] == ["u0"] and again.stats()["quarantined"] == 0
+    assert (store_dir / "lost+found" / "u9").is_dir()
+
+
+def test_local_reader_serves_a_media_ticket_naming_no_units_from_every_unit_of_its_job(
+    store_dir: Path, tmp_path: Path
+) -> None:
+    """A media ticket without units reads the media of every sealed unit of its job, in memory or spilled, as the
+    store does; temporaries and other jobs are not looked at."""
+    spill = tmp_path / "spill"
+    store = UnitStore(StoreConfig(root=store_dir))
+    a, b = _tables(seed=1), _tables(seed=2)
+    store_unit(store, "job", "a", a)
+    store_unit(UnitStore(StoreConfig(root=spill)), "job", "b", b)  # a unit of the spill directory
+    (store_dir / "job" / ".tmp-c-0000").mkdir()
+    store_unit(store, "other", "x", _tables(seed=3))
+    hashes = tuple(h.hex() for t in (b, a) for h in t.media.column("media_hash").to_pylist())
+    ticket = Ticket(job="job", kind="media", media_hashes=hashes)
+    got = LocalReader([store_dir, spill]).read(ticket)
+    assert got.column("media_hash").to_pylist() == [bytes.fromhex(h) for h in dict.fromkeys(hashes)]
+    assert len(set(hashes)) > b.media.num_rows  # units of both directories were read
+    with pytest.raises(NotFound, match="is in none of the units"):
+        LocalReader([store_dir, spill]).read(Ticket(job="other", kind="media", media_hashes=hashes[:1]))
