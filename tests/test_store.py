@@ -12,7 +12,7 @@ from data_support import make_groups, store_unit, unit_bytes
 from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.procs import wait_until
 from knittrans.schema import build_unit_tables
-from knittrans.store import LocalReader, StoreConfig, UnitStore
+from knittrans.store import LocalReader, SealSpec, StoreConfig, UnitStore
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, write_table
 from knittrans.tickets import Ticket, UnitRead
 
@@ -242,3 +242,22 @@ def test_local_reader_serves_a_media_ticket_naming_no_units_from_every_unit_of_i
     assert len(set(hashes)) > b.media.num_rows  # units of both directories were read
     with pytest.raises(NotFound, match="is in none of the units"):
         LocalReader([store_dir, spill]).read(Ticket(job="other", kind="media", media_hashes=hashes[:1]))
+
+
+def test_a_unit_is_sealed_only_whole_and_without_a_stream_writing(store_dir: Path) -> None:
+    """Sealing a unit one of whose parts a stream is still writing is refused and leaves it as it is; a unit
+    with media but no trajectory rows is refused and dropped."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    t = _tables()
+    pending, token = store.open_part("job", "u", "traj")
+    pending.write("traj", t.traj.to_batches()[0], token=token)
+    with pytest.raises(Conflict, match=r"cannot be sealed: parts \['traj'\] are still being written"):
+        store.seal_units("job", [SealSpec(unit_id="u")])
+    store.close_part(pending, "traj", token, ok=True)
+    assert store.seal_units("job", [SealSpec(unit_id="u")])[0].num_rows == t.traj.to_batches()[0].num_rows
+    media, token = store.open_part("job", "m", "media")
+    media.write("media", t.media.to_batches()[0], token=token)
+    store.close_part(media, "media", token, ok=True)
+    with pytest.raises(InvalidRequest, match="unit 'm' has no trajectory rows; nothing to seal"):
+        store.seal_units("job", [SealSpec(unit_id="m")])
+    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "u").num_bytes

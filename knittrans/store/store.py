@@ -435,7 +435,7 @@ class UnitStore:
     def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
         """Seal each unit in order (validated, then renamed into place), all or none: when one fails, the units
         this call sealed before it are deleted and those after it aborted, then the error (naming the unit) is
-        raised."""
+        raised (the failing unit itself as :meth:`_seal` says: aborted, or left as is while a stream writes it)."""
         ids = [u.unit_id for u in units]
         if len(set(ids)) != len(ids):
             raise InvalidRequest(f"unit ids repeat within one seal: {sorted({u for u in ids if ids.count(u) > 1})}")
@@ -447,7 +447,7 @@ class UnitStore:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
                     self.delete(job, unit.unit_id)
-            for u in units[len(sealed) :]:
+            for u in units[len(sealed) + 1 :]:
                 self.abort(job, u.unit_id)
             raise
         return sealed
