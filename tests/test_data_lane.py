@@ -404,3 +404,30 @@ def test_server_settings_that_do_not_go_together_are_refused_and_a_busy_lane_por
         assert server.port == port and server.lane is not None
     finally:
         server.shutdown()
+
+
+def test_broken_lane_answers_are_refused_as_such() -> None:
+    """What a client reads is checked: a ping answered with a body is no lane, an error message over the limit,
+    an answer cut short and an answer that stops arriving are Unavailable (its reads then go through DoGet)."""
+
+    def answer(data: bytes, *, ping: bool = False, close: bool = True) -> None:
+        client, peer = socket.socketpair()
+        with client, peer:
+            lane._socket_timeouts(client, 0.2)
+            peer.sendall(data)
+            if close:
+                peer.shutdown(socket.SHUT_WR)
+            if ping:
+                lane.ping(client, b"")
+            else:
+                lane.read_answer(client)
+
+    head = struct.Struct("!4sBQ")
+    with pytest.raises(lane.NotALane, match="answered the ping with a 5-byte body"):
+        answer(head.pack(lane.MAGIC, lane.OK, 5) + b"12345", ping=True)
+    with pytest.raises(Unavailable, match=f"error message of {lane.MAX_ERROR_BYTES + 1} bytes"):
+        answer(head.pack(lane.MAGIC, lane.ERROR, lane.MAX_ERROR_BYTES + 1))
+    with pytest.raises(Unavailable, match="connection closed after 3 of 10 bytes of the record batches"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc")
+    with pytest.raises(Unavailable, match="no data for the record batches within the timeout"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc", close=False)
