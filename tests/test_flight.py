@@ -197,3 +197,22 @@ def test_error_messages_name_only_knittrans_errors() -> None:
     assert from_error_message("StateError: the database is foreign") is None
     got = from_flight_error(flight.FlightServerError("StateError: the database is foreign"), "grpc://h:1")
     assert type(got) is KnitTransError and not isinstance(got, StateError)
+
+
+def test_a_store_answers_a_full_disk_as_over_budget_and_malformed_arrow_as_a_bad_request() -> None:
+    """What a store call raised becomes the error its client gets: a full or read-only store directory is
+    OverBudget (retry elsewhere), Arrow refusing the client's data InvalidRequest, a KnitTrans error itself,
+    anything else no KnitTrans error (an internal error)."""
+    import errno
+
+    from knittrans.errors import OverBudget
+    from knittrans.flight.errors import refusal
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        full = refusal("DoPut", OSError(code, "no"))
+        assert isinstance(full, OverBudget) and "cannot take the write" in str(full)
+    bad = refusal("DoPut", pa.ArrowInvalid("dictionary changed"))
+    assert isinstance(bad, InvalidRequest) and "invalid Arrow data: dictionary changed" in str(bad)
+    known = NotFound("no unit")
+    assert refusal("DoGet", known) is known
+    assert refusal("DoGet", OSError(errno.EIO, "io")) is None and refusal("DoGet", RuntimeError("bug")) is None

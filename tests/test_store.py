@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -261,3 +262,19 @@ def test_a_unit_is_sealed_only_whole_and_without_a_stream_writing(store_dir: Pat
     with pytest.raises(InvalidRequest, match="unit 'm' has no trajectory rows; nothing to seal"):
         store.seal_units("job", [SealSpec(unit_id="m")])
     assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "u").num_bytes
+
+
+def test_a_unit_left_unsealed_past_its_lifetime_is_aborted_when_the_next_begins(store_dir: Path) -> None:
+    """A pending unit older than ``pending_ttl_s`` (its writer went away) is aborted, its files and budget given
+    back, when the next unit begins; a stream still holding it is told so."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30, pending_ttl_s=0.05))
+    t = _tables()
+    old, token = store.open_part("job", "old", "traj")
+    old.write("traj", t.traj.to_batches()[0], token=token)
+    assert store.budget.used > 0 and old.dir is not None and old.dir.is_dir()
+    time.sleep(0.1)
+    store.begin("job", "new")
+    assert old.discarded and not old.dir.exists() and store.budget.used == 0
+    assert store.stats()["pending"] == 1
+    with pytest.raises(Conflict, match="was aborted while being written"):
+        old.write("traj", t.traj.to_batches()[0], token=token)
