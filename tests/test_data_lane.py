@@ -408,7 +408,8 @@ def test_server_settings_that_do_not_go_together_are_refused_and_a_busy_lane_por
 
 def test_broken_lane_answers_are_refused_as_such() -> None:
     """What a client reads is checked: a ping answered with a body is no lane, an error message over the limit,
-    an answer cut short and an answer that stops arriving are Unavailable (its reads then go through DoGet)."""
+    an answer cut short, an answer that stops arriving and a body that is no Arrow IPC stream are Unavailable
+    (its reads then go through DoGet)."""
 
     def answer(data: bytes, *, ping: bool = False, close: bool = True) -> None:
         client, peer = socket.socketpair()
@@ -431,3 +432,5 @@ def test_broken_lane_answers_are_refused_as_such() -> None:
         answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc")
     with pytest.raises(Unavailable, match="no data for the record batches within the timeout"):
         answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc", close=False)
+    with pytest.raises(Unavailable, match="data lane: the answer is no Arrow IPC stream"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"0123456789")
