@@ -30,8 +30,6 @@ def _check_int(value: object, what: str, *, limit: int = MAX_INT32) -> None:
 def _plain_counts(values: tuple[object, ...]) -> bool:
     """True when every value is a plain ``int`` in ``[0, MAX_INT32]``, checked in C loops; False also for ``int``
     subclasses, which :func:`_check_int` then takes value by value."""
-    if not values:
-        return True
     if set(map(type, values)) != {int}:
         return False
     return min(values) >= 0 and max(values) <= MAX_INT32  # type: ignore[type-var,operator]

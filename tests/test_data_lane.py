@@ -22,6 +22,7 @@ from knittrans.grants import sign_grant
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.procs import wait_until
 from knittrans.schema import UnitTables, build_unit_tables
+from knittrans.store import StoreConfig
 from knittrans.tickets import MAX_TICKET_BYTES, Ticket, UnitRead
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.fetch import Fetcher
@@ -373,3 +374,63 @@ def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cl
                 x, y = getattr(a.batch, name), getattr(b.batch, name)
                 assert (x is None and y is None) or torch.equal(x, y), (key, name)
             assert a.media.keys() == b.media.keys() and all(torch.equal(a.media[h], b.media[h]) for h in a.media)
+
+
+def test_server_settings_that_do_not_go_together_are_refused_and_a_busy_lane_port_frees_the_flight_port(
+    store_dir: Path,
+) -> None:
+    """A certificate without its key, a port out of range, a limit that is not positive or an empty token are
+    refused when the config is made; a lane port that is taken fails the server's start and gives its Flight
+    port back (a retry on that port starts)."""
+    for kw, why in [
+        ({"tls_cert": store_dir / "cert.pem"}, "tls_cert and tls_key go together"),
+        ({"port": 65536}, r"port must be in \[0, 65535\], not 65536"),
+        ({"max_put_bytes": 0}, "max_put_bytes and batch_bytes must be positive"),
+        ({"token": ""}, "token must be non-empty or None"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            StoreServerConfig(**kw)  # type: ignore[arg-type]
+    store = StoreConfig(root=store_dir)
+    with socket.socket() as taken, socket.socket() as probe:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        with pytest.raises(OSError):
+            StoreServer(StoreServerConfig(store=store, port=port, data_lane_port=taken.getsockname()[1]))
+    server = StoreServer(StoreServerConfig(store=store, port=port))
+    try:
+        assert server.port == port and server.lane is not None
+    finally:
+        server.shutdown()
+
+
+def test_broken_lane_answers_are_refused_as_such() -> None:
+    """What a client reads is checked: a ping answered with a body is no lane, an error message over the limit,
+    an answer cut short, an answer that stops arriving and a body that is no Arrow IPC stream are Unavailable
+    (its reads then go through DoGet)."""
+
+    def answer(data: bytes, *, ping: bool = False, close: bool = True) -> None:
+        client, peer = socket.socketpair()
+        with client, peer:
+            lane._socket_timeouts(client, 0.2)
+            peer.sendall(data)
+            if close:
+                peer.shutdown(socket.SHUT_WR)
+            if ping:
+                lane.ping(client, b"")
+            else:
+                lane.read_answer(client)
+
+    head = struct.Struct("!4sBQ")
+    with pytest.raises(lane.NotALane, match="answered the ping with a 5-byte body"):
+        answer(head.pack(lane.MAGIC, lane.OK, 5) + b"12345", ping=True)
+    with pytest.raises(Unavailable, match=f"error message of {lane.MAX_ERROR_BYTES + 1} bytes"):
+        answer(head.pack(lane.MAGIC, lane.ERROR, lane.MAX_ERROR_BYTES + 1))
+    with pytest.raises(Unavailable, match="connection closed after 3 of 10 bytes of the record batches"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc")
+    with pytest.raises(Unavailable, match="no data for the record batches within the timeout"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"abc", close=False)
+    with pytest.raises(Unavailable, match="data lane: the answer is no Arrow IPC stream"):
+        answer(head.pack(lane.MAGIC, lane.OK, 10) + b"0123456789")

@@ -168,6 +168,10 @@ def test_pool_sizes_bound_and_reuse() -> None:
     assert pool.idle_bytes == 24 * MiB
     small_view, small = pool.buffer(100)  # under min_bytes: Arrow's pool, not a region
     assert pool.mapped == 3 and len(small) == 100 and small_view.nbytes == 100
+    big, bigbuf = pool.buffer(48 * MiB)  # a region larger than the whole cap is never kept idle
+    big.release()
+    del big, bigbuf
+    assert pool.mapped == 4 and pool.idle_bytes == 24 * MiB
     with pytest.raises(ValueError, match="idle_bytes and min_bytes must be >= 0"):
         ReceivePool(idle_bytes=-1)
 

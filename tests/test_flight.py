@@ -166,3 +166,53 @@ def test_close_waits_for_calls_in_flight_and_refuses_new_ones(start_server: Star
     assert idle._closed
     with StoreClient(server.endpoint) as c:
         assert c.get(_rows("job", ("u1", ()))).equals(t.traj)
+
+
+def test_a_stream_closed_before_its_first_batch_ends_its_call(start_server: Start) -> None:
+    """A DoGet stream closed (or dropped) before any batch was read cancels its call and stops counting as a
+    call in flight, so the client's close closes the channel (a share whose node's media all came from the
+    cache closes such streams unread)."""
+    server = start_server(batch_bytes=1024)
+    t = _unit(1, n=8)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u1", t.traj, t.media)
+    client = StoreClient(server.endpoint, data_lane=False)
+    batches = client.stream(_rows("job", ("u1", ())))
+    assert client._active == 1
+    batches.close()  # type: ignore[attr-defined]
+    assert client._active == 0
+    client.stream(_rows("job", ("u1", ())))  # dropped unread: garbage collected
+    assert client._active == 0
+    client.close()
+    assert client._closed
+
+
+def test_error_messages_name_only_knittrans_errors() -> None:
+    """A message naming a KnitTrans error class comes back as that class; one naming another class of
+    ``knittrans.errors`` (``StateError``, a RuntimeError) is no KnitTrans error: it stays a plain failure."""
+    from knittrans.errors import KnitTransError, StateError
+    from knittrans.flight.errors import from_error_message, from_flight_error
+
+    assert isinstance(from_error_message("NotFound: no unit 'u'"), NotFound)
+    assert from_error_message("StateError: the database is foreign") is None
+    got = from_flight_error(flight.FlightServerError("StateError: the database is foreign"), "grpc://h:1")
+    assert type(got) is KnitTransError and not isinstance(got, StateError)
+
+
+def test_a_store_answers_a_full_disk_as_over_budget_and_malformed_arrow_as_a_bad_request() -> None:
+    """What a store call raised becomes the error its client gets: a full or read-only store directory is
+    OverBudget (retry elsewhere), Arrow refusing the client's data InvalidRequest, a KnitTrans error itself,
+    anything else no KnitTrans error (an internal error)."""
+    import errno
+
+    from knittrans.errors import OverBudget
+    from knittrans.flight.errors import refusal
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        full = refusal("DoPut", OSError(code, "no"))
+        assert isinstance(full, OverBudget) and "cannot take the write" in str(full)
+    bad = refusal("DoPut", pa.ArrowInvalid("dictionary changed"))
+    assert isinstance(bad, InvalidRequest) and "invalid Arrow data: dictionary changed" in str(bad)
+    known = NotFound("no unit")
+    assert refusal("DoGet", known) is known
+    assert refusal("DoGet", OSError(errno.EIO, "io")) is None and refusal("DoGet", RuntimeError("bug")) is None

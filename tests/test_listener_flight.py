@@ -2,7 +2,7 @@
 it still serves a reader (``DoGet``) and a writer (``DoPut``); a call is authenticated before its handler
 runs and a ``DoPut`` before any batch is read; tickets and action bodies are refused by size and nesting
 depth before they are parsed; a refused ``DoPut`` gives its unit's budget back at once; a descriptor path
-that is not UTF-8 is a typed error where our code can see it.
+that is not UTF-8 is refused by the client (a typed error) or by gRPC, before any code of ours runs.
 
 What gRPC does not let us enforce (``pyarrow.flight`` passes no gRPC channel arguments, and its middleware
 runs per call, after the request message): a unary request (a ``DoGet`` ticket, an action body) is received
@@ -32,7 +32,7 @@ from knittrans.flight import StoreClient, StoreServer
 from knittrans.flight.server import MAX_ACTION_DEPTH
 from knittrans.procs import knittrans_command, stop_process, wait_ready
 from knittrans.rlimits import raise_open_files_limit
-from knittrans.schema import UnitTables, build_unit_tables
+from knittrans.schema import TRAJECTORY_SCHEMA, UnitTables, build_unit_tables
 from knittrans.tickets import MAX_TICKET_DEPTH, Ticket, UnitRead
 
 Start = Callable[..., StoreServer]
@@ -148,6 +148,10 @@ def test_a_descriptor_path_that_is_not_utf8_is_a_typed_error(start_server: Start
         raw = flight.connect(server.endpoint)
         with pytest.raises(flight.FlightInternalError):
             raw.get_flight_info(flight.FlightDescriptor.for_path(b"\xff\xfe", b"u"))
+        writer, _ = raw.do_put(flight.FlightDescriptor.for_path(b"\xff\xfe", b"u", b"traj"), TRAJECTORY_SCHEMA)
+        with pytest.raises(flight.FlightServerError):  # a DoPut's path too: the server's do_put never runs
+            writer.close()
+        assert server.store.stats()["pending"] == 0
         raw.close()
         client.put_unit("job", "ok", _unit(5).traj, _unit(5).media)
         assert client.unit_info("job", "ok")["num_rows"] == _unit(5).traj.num_rows

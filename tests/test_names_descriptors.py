@@ -106,3 +106,19 @@ def test_group_token_counts_accept_int_subclasses_and_the_int32_bounds() -> None
     """0, 2**31 - 1 and an ``int`` subclass pass, as they did value by value."""
     g = GroupRecord(**{**_group("g1", 0, 3).__dict__, "trajectory_tokens": (0, 2**31 - 1, _Count(5))})
     assert sum(g.trajectory_tokens) == 2**31 + 4
+
+
+def test_group_times_media_hashes_and_the_schema_version_are_checked() -> None:
+    """A finish time that is not a finite non-negative Unix time, a media hash that is not 64 lower-case hex
+    characters and a schema version other than the store's are refused naming the group or unit."""
+    g = _group("g1", 0, 2).__dict__
+    for bad in (float("nan"), -1.0, "noon"):
+        with pytest.raises(InvalidRequest, match=r"group 'g1': finished_at .* must be a finite non-negative Unix time"):
+            GroupRecord(**{**g, "finished_at": bad})
+    with pytest.raises(InvalidRequest, match=r"group 'g1': media hash 'AB.*' is not 64 lower-case hex characters"):
+        GroupRecord(**{**g, "media_hashes": ("AB" * 32,)})
+    unit = dict(
+        unit_id="u1", job="j", node_id="n1", endpoint="e", num_rows=2, num_bytes=1, groups=(_group("g1", 0, 2),)
+    )
+    with pytest.raises(InvalidRequest, match="unit 'u1': schema_version 2 is not supported"):
+        UnitDescriptor(**unit, schema_version=2)  # type: ignore[arg-type]

@@ -223,3 +223,42 @@ def test_build_units_plainly_valid_rows_and_a_traj_id_repeated_across_units() ->
     across = [[_rows_group(0, traj_ids=["a", "b", "c", "d"])], [_rows_group(1, traj_ids=["a", "x", "y", "z"])]]
     assert not _TrajectoryRows([g for u in across for g in u], 0.0).plainly_valid()
     assert [t.traj.column("traj_id")[0].as_py() for t in build_units_tables(across)] == ["a", "a"]
+
+
+def test_group_inputs_that_do_not_fit_are_named() -> None:
+    """A group without responses, with a count that differs from its responses or values that are not one
+    number per response is refused naming the group and what; a None entry of a defaulted per-response
+    value takes that default (``version_end``: the row's ``version_start``)."""
+    kw: dict[str, Any] = dict(group_id="g", source="math", prompt_ids=[1], rewards=[1.0, 0.0], finished_at=1.0)
+    two: dict[str, Any] = dict(response_ids=[[3, 4], [5]], response_logprobs=[[0.0, 0.0], [0.0]])
+    with pytest.raises(InvalidRequest, match="group 'g' has no responses"):
+        TrajectoryGroup(**{**kw, "response_ids": [], "response_logprobs": []})
+    with pytest.raises(InvalidRequest, match="group 'g': 1 logprob lists for 2 responses"):
+        TrajectoryGroup(**{**kw, **two, "response_logprobs": [[0.0, 0.0]]})
+    with pytest.raises(InvalidRequest, match="group 'g': traj_ids has the wrong number of entries"):
+        build_unit_tables([TrajectoryGroup(**kw, **two, traj_ids=["a"])])
+    with pytest.raises(InvalidRequest, match="group 'g': rewards must be numbers, one per response"):
+        build_unit_tables([TrajectoryGroup(**{**kw, **two, "rewards": ["high", "low"]})])
+    with pytest.raises(InvalidRequest, match=r"group 'g': rewards must be one number per response, got shape \(2, 2\)"):
+        build_unit_tables([TrajectoryGroup(**{**kw, **two, "rewards": [[1.0, 0.0], [0.0, 1.0]]})])
+    traj = build_unit_tables([TrajectoryGroup(**kw, **two, version_start=[2, 1], version_end=[None, 3])]).traj
+    assert traj.column("version_end").to_pylist() == [2, 3]
+
+
+def test_a_trajectory_schema_with_a_bad_user_column_name_is_refused() -> None:
+    """Columns after the fixed ones must be valid, unique user field names."""
+    for extra in ("not a name", "reward", "x"):
+        names = [extra, extra] if extra == "x" else [extra]
+        schema = pa.schema(
+            [*TRAJECTORY_SCHEMA, *(pa.field(n, pa.int8()) for n in names)], metadata=TRAJECTORY_SCHEMA.metadata
+        )
+        with pytest.raises(SchemaMismatch, match=f"user column '{extra}' is not a valid, unique user field name"):
+            check_schema(schema)
+
+
+def test_a_torch_media_tensor_hashes_as_its_numpy_array() -> None:
+    """A torch tensor (not bfloat16) is stored as the numpy array of the same values: same dtype, shape and hash."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    m = Media(kind="image", data=torch.from_numpy(x.copy()))
+    assert (m.dtype, m.shape, m.payload) == ("float32", (2, 3), x.tobytes())
+    assert m.hash == Media(kind="image", data=x).hash

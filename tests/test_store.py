@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +13,7 @@ from data_support import make_groups, store_unit, unit_bytes
 from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.procs import wait_until
 from knittrans.schema import build_unit_tables
-from knittrans.store import LocalReader, StoreConfig, UnitStore
+from knittrans.store import LocalReader, SealSpec, StoreConfig, UnitStore
 from knittrans.store.unit import MEDIA_FILE, TRAJ_FILE, SealedUnit, write_table
 from knittrans.tickets import Ticket, UnitRead
 
@@ -197,3 +198,83 @@ def test_media_by_hash_each_once(store_dir: Path) -> None:
     assert got.column("media_hash").to_pylist() == [bytes.fromhex(hashes[1]), bytes.fromhex(hashes[0])]
     with pytest.raises(NotFound, match=r"media hash 0{64} is in none of the units"):
         store.read(Ticket(job="job", kind="media", media_hashes=("0" * 64,)))
+
+
+def test_store_settings_that_do_not_go_together_are_refused(store_dir: Path) -> None:
+    """A spill directory that is the store directory, a budget that is not positive, a negative wait or a
+    pending lifetime that is not positive are refused when the config is made."""
+    for kw, why in [
+        ({"spill_dir": store_dir / "." / "job" / ".."}, "spill_dir must differ from root"),
+        ({"budget_bytes": 0}, "budget_bytes must be positive or None, not 0"),
+        ({"wait_timeout_s": -1.0}, "wait_timeout_s must be >= 0 and pending_ttl_s > 0"),
+        ({"pending_ttl_s": 0.0}, "wait_timeout_s must be >= 0 and pending_ttl_s > 0"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            StoreConfig(root=store_dir, **kw)  # type: ignore[arg-type]
+
+
+def test_rescan_ignores_directories_that_are_not_jobs(store_dir: Path) -> None:
+    """A directory of the store (or spill) directory whose name is no job name (a disk's ``lost+found``) is
+    left alone, and the jobs beside it are recovered."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    store_unit(store, "job", "u0", _tables())
+    (store_dir / "lost+found" / "u9").mkdir(parents=True)
+    again = UnitStore(StoreConfig(root=store_dir))
+    assert [u.unit_id for u in again.units()] == ["u0"] and again.stats()["quarantined"] == 0
+    assert (store_dir / "lost+found" / "u9").is_dir()
+
+
+def test_local_reader_serves_a_media_ticket_naming_no_units_from_every_unit_of_its_job(
+    store_dir: Path, tmp_path: Path
+) -> None:
+    """A media ticket without units reads the media of every sealed unit of its job, in memory or spilled, as the
+    store does; temporaries and other jobs are not looked at."""
+    spill = tmp_path / "spill"
+    store = UnitStore(StoreConfig(root=store_dir))
+    a, b = _tables(seed=1), _tables(seed=2)
+    store_unit(store, "job", "a", a)
+    store_unit(UnitStore(StoreConfig(root=spill)), "job", "b", b)  # a unit of the spill directory
+    (store_dir / "job" / ".tmp-c-0000").mkdir()
+    store_unit(store, "other", "x", _tables(seed=3))
+    hashes = tuple(h.hex() for t in (b, a) for h in t.media.column("media_hash").to_pylist())
+    ticket = Ticket(job="job", kind="media", media_hashes=hashes)
+    got = LocalReader([store_dir, spill]).read(ticket)
+    assert got.column("media_hash").to_pylist() == [bytes.fromhex(h) for h in dict.fromkeys(hashes)]
+    assert len(set(hashes)) > b.media.num_rows  # units of both directories were read
+    with pytest.raises(NotFound, match="is in none of the units"):
+        LocalReader([store_dir, spill]).read(Ticket(job="other", kind="media", media_hashes=hashes[:1]))
+
+
+def test_a_unit_is_sealed_only_whole_and_without_a_stream_writing(store_dir: Path) -> None:
+    """Sealing a unit one of whose parts a stream is still writing is refused and leaves it as it is; a unit
+    with media but no trajectory rows is refused and dropped."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    t = _tables()
+    pending, token = store.open_part("job", "u", "traj")
+    pending.write("traj", t.traj.to_batches()[0], token=token)
+    with pytest.raises(Conflict, match=r"cannot be sealed: parts \['traj'\] are still being written"):
+        store.seal_units("job", [SealSpec(unit_id="u")])
+    store.close_part(pending, "traj", token, ok=True)
+    assert store.seal_units("job", [SealSpec(unit_id="u")])[0].num_rows == t.traj.to_batches()[0].num_rows
+    media, token = store.open_part("job", "m", "media")
+    media.write("media", t.media.to_batches()[0], token=token)
+    store.close_part(media, "media", token, ok=True)
+    with pytest.raises(InvalidRequest, match="unit 'm' has no trajectory rows; nothing to seal"):
+        store.seal_units("job", [SealSpec(unit_id="m")])
+    assert store.stats()["pending"] == 0 and store.budget.used == store.get("job", "u").num_bytes
+
+
+def test_a_unit_left_unsealed_past_its_lifetime_is_aborted_when_the_next_begins(store_dir: Path) -> None:
+    """A pending unit older than ``pending_ttl_s`` (its writer went away) is aborted, its files and budget given
+    back, when the next unit begins; a stream still holding it is told so."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=1 << 30, pending_ttl_s=0.05))
+    t = _tables()
+    old, token = store.open_part("job", "old", "traj")
+    old.write("traj", t.traj.to_batches()[0], token=token)
+    assert store.budget.used > 0 and old.dir is not None and old.dir.is_dir()
+    time.sleep(0.1)
+    store.begin("job", "new")
+    assert old.discarded and not old.dir.exists() and store.budget.used == 0
+    assert store.stats()["pending"] == 1
+    with pytest.raises(Conflict, match="was aborted while being written"):
+        old.write("traj", t.traj.to_batches()[0], token=token)

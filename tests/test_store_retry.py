@@ -19,7 +19,7 @@ import pytest
 from data_support import make_groups
 
 from knittrans.errors import Conflict, InvalidRequest, InvalidTicket
-from knittrans.flight import StoreClient, StoreServer
+from knittrans.flight import StoreClient, StoreServer, cli
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
 
@@ -225,7 +225,8 @@ def test_same_host_writer_seals_with_counts(start_server: Start, store_dir: Path
 
 
 def test_store_on_non_loopback_without_token_refuses_to_start(tmp_path: Path) -> None:
-    """``knittrans store --host 0.0.0.0`` without a token exits with a clear error unless --insecure."""
+    """``knittrans store --host 0.0.0.0`` without a token exits with a clear error unless --insecure; only
+    loopback addresses (and ``localhost``) count as loopback, a host name does not."""
     cmd = [
         sys.executable,
         "-m",
@@ -253,6 +254,10 @@ def test_store_on_non_loopback_without_token_refuses_to_start(tmp_path: Path) ->
     finally:
         proc.kill()
         proc.wait(60)
+    loopback = ["localhost", "127.0.0.1", "127.8.0.1", "::1", "[::1]"]
+    assert [cli._loopback(h) for h in [*loopback, "0.0.0.0", "::", "store.example", "10.0.0.1"]] == [True] * 5 + [
+        False
+    ] * 4
 
 
 def test_dictionary_change_within_a_doput_is_a_typed_error(start_server: Start) -> None:

@@ -13,11 +13,11 @@ from knittrans.api.spec import JobSpec
 from knittrans.errors import InvalidJobSpec, InvalidRequest, SchemaMismatch
 from knittrans.local import LocalCluster
 from knittrans.rollout.writer import TrajectoryWriter
-from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, check_schema
+from knittrans.schema import TRAJECTORY_COLUMNS, TrajectoryGroup, build_unit_tables, build_user_column, check_schema
 from knittrans.store.store import SealSpec, StoreConfig, UnitStore
 from knittrans.trainer.client import TrainerClient, TrainerConfig
 from knittrans.trainer.convert import to_micro_batch
-from knittrans.userfields import parse_arrow_type, parse_user_fields
+from knittrans.userfields import parse_arrow_type, parse_user_fields, user_column_to_torch
 from tests.trainer_support import job_spec, mm_groups
 
 USER = {
@@ -206,3 +206,41 @@ def test_plain_transfer_needs_no_versions_and_may_give_a_prompt_per_response() -
                 )
             ]
         )
+
+
+def test_type_strings_that_cannot_be_parsed_name_what_is_wrong() -> None:
+    """Each malformed type string (or a declaration that is no mapping) is an InvalidJobSpec saying why."""
+    for text, why in [
+        ("list<float32", "unbalanced '<'"),
+        ("tensor<float32>[2,0]", "non-positive dimension"),
+        ("fixed_size_list<int8>[2,3]", r"fixed_size_list takes one size, got \[2, 3\]"),
+        ("tensor<string>[2]", "tensor elements must be numeric or bool, not string"),
+        ("list<int8>[2]", r"unexpected '\[2\]' after list<...>"),
+    ]:
+        with pytest.raises(InvalidJobSpec, match=why):
+            parse_user_fields({"v": text})
+    with pytest.raises(InvalidJobSpec, match="type must be a string"):
+        parse_arrow_type(3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobSpec, match="user_fields must be an object"):
+        parse_user_fields(["v"])  # type: ignore[arg-type]
+
+
+def test_user_columns_of_every_kind_build_and_convert_to_torch() -> None:
+    """A primitive and a large_list user field build from per-row values and convert to torch; values that do not
+    fit the declared type (a fixed size, a number) are refused naming field and row; a column with nulls does not
+    convert."""
+    num, big, pair = parse_user_fields(
+        {"score": "float32", "ids": "large_list<int64>", "pair": "fixed_size_list<int8>[2]"}
+    )
+    score = build_user_column(num, [np.float64(0.5), torch.tensor(1.5), 2])
+    assert score.type == pa.float32() and torch.equal(user_column_to_torch(score), torch.tensor([0.5, 1.5, 2.0]))
+    ids = build_user_column(big, [[1, 2], [], [3]])
+    assert ids.type == pa.large_list(pa.int64())
+    values, cu = user_column_to_torch(pa.chunked_array([ids]))
+    assert values.tolist() == [1, 2, 3] and cu.tolist() == [0, 2, 2, 3]
+    with pytest.raises(InvalidRequest, match="user field 'pair' row 1: 3 values != declared size 2"):
+        build_user_column(pair, [[1, 2], [1, 2, 3]])
+    with pytest.raises(InvalidRequest, match="user field 'score' does not fit declared type float32"):
+        build_user_column(num, ["high"])
+    with pytest.raises(InvalidRequest, match="has 1 null rows; cannot convert"):
+        user_column_to_torch(pa.array([1.0, None], pa.float32()))

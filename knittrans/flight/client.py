@@ -136,9 +136,7 @@ class StoreClient:
         """``fn()`` with Flight's errors raised as the server's :mod:`knittrans.errors` types."""
         try:
             return fn()
-        except KnitTransError:
-            raise
-        except (flight.FlightError, pa.ArrowException) as exc:
+        except (flight.FlightError, pa.ArrowException) as exc:  # a KnitTransError is neither: it passes as it is
             raise from_flight_error(exc, self.endpoint) from None
 
     def get(self, ticket: Ticket) -> pa.Table:
@@ -297,11 +295,14 @@ class StoreClient:
         except BaseException:
             self._leave()
             raise
-        return self._batches(reader)
+        batches = self._batches(reader)
+        next(batches)  # started: closing it (or garbage collection) now runs its finally, even before a batch
+        return batches
 
     def _batches(self, reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
         done = False
         try:
+            yield None  # taken by stream()
             while True:
                 if self._closing:  # the open stream holds the channel; close() ends it at its next batch
                     raise Unavailable(f"store client of {self.endpoint} is closed")

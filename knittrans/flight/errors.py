@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = re.compile(r"^([A-Z][A-Za-z]+): (.*?)(?:\. Detail:.*)?$", re.S)
 _TYPES: dict[str, type[errors.KnitTransError]] = {
-    name: getattr(errors, name) for name in errors.__all__ if name != "KnitTransError"
+    cls.__name__: cls
+    for cls in map(vars(errors).get, errors.__all__)
+    if isinstance(cls, type) and issubclass(cls, errors.KnitTransError) and cls is not errors.KnitTransError
 }
 
 

@@ -534,7 +534,8 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
 
     Raises :class:`LaneClosed` when the connection closed before the answer began, :class:`NotALane` when no
     byte of it came within the socket's timeout or the peer answered something else than a lane answer, the
-    error the store named (a :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer.
+    error the store named (a :mod:`knittrans.errors` type), or ``Unavailable`` for a broken answer (one whose
+    body is no Arrow IPC stream included: the client then reads through ``DoGet``).
     """
     target, buf = (pool or default_pool()).buffer(_answer_length(sock))
     try:
@@ -542,4 +543,7 @@ def read_answer(sock: socket.socket, pool: ReceivePool | None = None) -> pa.Tabl
     finally:
         target.release()
         del target
-    return pa.ipc.open_stream(buf).read_all()
+    try:
+        return pa.ipc.open_stream(buf).read_all()
+    except pa.ArrowException as exc:
+        raise Unavailable(f"data lane: the answer is no Arrow IPC stream: {exc}") from None

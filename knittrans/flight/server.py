@@ -173,15 +173,11 @@ def _unit_specs(kind: str, body: dict[str, Any]) -> list[tuple[SealSpec, dict[st
 
 
 def _path(descriptor: flight.FlightDescriptor) -> list[str]:
-    """A descriptor's path as text; a part that is not UTF-8 is an :class:`InvalidRequest` naming it.
-
-    gRPC itself refuses a path that is not UTF-8 (a protobuf ``string`` field) before any of the server's
-    code runs: such a call ends in an untyped ``FlightInternalError`` with an empty message that no code
-    of ours sees. :class:`~knittrans.flight.client.StoreClient` checks names before it sends them."""
-    try:
-        return [p.decode() for p in (descriptor.path or [])]
-    except UnicodeDecodeError:
-        raise InvalidRequest(f"descriptor path {descriptor.path!r} is not UTF-8 text") from None
+    """A descriptor's path as text: always UTF-8, as gRPC itself refuses a path that is not (a protobuf
+    ``string`` field) before any of the server's code runs, for ``GetFlightInfo`` and ``DoPut`` alike: such a
+    call ends in an untyped Flight error that no code of ours sees.
+    :class:`~knittrans.flight.client.StoreClient` checks names before it sends them."""
+    return [p.decode() for p in (descriptor.path or [])]
 
 
 def _json(obj: object) -> list[bytes]:
@@ -195,9 +191,9 @@ class StoreServer(flight.FlightServerBase):  # type: ignore[misc]
     ``server.shutdown()`` to stop. ``server.endpoint`` is the ``grpc://host:port`` to dial.
     """
 
-    def __init__(self, config: StoreServerConfig, *, store: UnitStore | None = None) -> None:
+    def __init__(self, config: StoreServerConfig) -> None:
         self.config = config
-        self.store = store if store is not None else UnitStore(config.store)
+        self.store = UnitStore(config.store)
         self.auth = BearerTokenFactory(config.token) if config.token else None
         """The bearer-token check of every call (None: no token); the data lane checks with it too."""
         middleware = {"auth": self.auth} if self.auth is not None else {}

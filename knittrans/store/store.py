@@ -336,12 +336,15 @@ class UnitStore:
             "rescan: recovered unit %s/%s (%s rows, %s bytes)", job, unit.unit_id, unit.num_rows, unit.num_bytes
         )
 
-    def begin(self, job: str, unit_id: str) -> PendingUnit:
-        """Start a unit (its directory and budget come with its first write); Conflict when it exists."""
+    def begin(self, job: str, unit_id: str, *, reuse: bool = False) -> PendingUnit:
+        """Start a unit (its directory and budget come with its first write); Conflict when it exists (with
+        ``reuse``, a pending unit of that id is returned instead)."""
         check_name(job, "job")
         check_name(unit_id, "unit_id")
         now = time.monotonic()
         with self._lock:
+            if reuse and (job, unit_id) in self._pending:
+                return self._pending[(job, unit_id)]
             for key, old in list(self._pending.items()):
                 if now - old.created > self.config.pending_ttl_s:
                     logger.warning("aborting unit %s/%s: unsealed for %.0fs", *key, now - old.created)
@@ -352,14 +355,6 @@ class UnitStore:
             pending = PendingUnit(self, job, unit_id)
             self._pending[(job, unit_id)] = pending
         return pending
-
-    def pending(self, job: str, unit_id: str) -> PendingUnit:
-        """The unsealed unit ``job/unit_id``; NotFound otherwise."""
-        with self._lock:
-            p = self._pending.get((job, unit_id))
-        if p is None:
-            raise NotFound(f"no unit {unit_id!r} of job {job!r} is being written")
-        return p
 
     def abort(self, job: str, unit_id: str, *, only: PendingUnit | None = None) -> None:
         """Drop a pending unit and its temporary files; with ``only``, just when that is still the unit."""
@@ -373,21 +368,12 @@ class UnitStore:
     def open_part(self, job: str, unit_id: str, part: Part) -> tuple[PendingUnit, object]:
         """The pending unit (begun if needed) and a claim on ``part`` for one upload stream."""
         while True:
-            try:
-                pending = self.pending(job, unit_id)
-            except NotFound:
-                try:
-                    pending = self.begin(job, unit_id)
-                except Conflict:
-                    if (job, unit_id) in self._sealed:
-                        raise
-                    continue  # another stream began it in between
+            pending = self.begin(job, unit_id, reuse=True)  # one lookup under the store's lock: no race to begin
             try:
                 return pending, pending.claim(part)
             except Conflict:
-                if pending.discarded:
-                    continue  # aborted in between; begin afresh
-                raise
+                if not pending.discarded:  # discarded: aborted in between, so begin afresh
+                    raise
 
     def close_part(self, pending: PendingUnit, part: Part, token: object, *, ok: bool) -> None:
         """End an upload stream; a failed first upload that left nothing behind drops its pending unit."""
@@ -403,7 +389,9 @@ class UnitStore:
         refused (:class:`Conflict`) and left as is.
         """
         unit_id = spec.unit_id
-        p = self.pending(job, unit_id)
+        p = self._pending.get((job, unit_id))
+        if p is None:
+            raise NotFound(f"no unit {unit_id!r} of job {job!r} is being written")
         with p.lock:
             if p._owners:
                 raise Conflict(
@@ -435,7 +423,7 @@ class UnitStore:
     def seal_units(self, job: str, units: Sequence[SealSpec]) -> list[SealedUnit]:
         """Seal each unit in order (validated, then renamed into place), all or none: when one fails, the units
         this call sealed before it are deleted and those after it aborted, then the error (naming the unit) is
-        raised."""
+        raised (the failing unit itself as :meth:`_seal` says: aborted, or left as is while a stream writes it)."""
         ids = [u.unit_id for u in units]
         if len(set(ids)) != len(ids):
             raise InvalidRequest(f"unit ids repeat within one seal: {sorted({u for u in ids if ids.count(u) > 1})}")
@@ -447,7 +435,7 @@ class UnitStore:
             for unit in sealed:
                 with contextlib.suppress(NotFound):
                     self.delete(job, unit.unit_id)
-            for u in units[len(sealed) :]:
+            for u in units[len(sealed) + 1 :]:
                 self.abort(job, u.unit_id)
             raise
         return sealed

@@ -191,11 +191,7 @@ def _read_rows(
 def _read_media(units: Sequence[SealedUnit], hashes: Iterable[str]) -> pa.Table:
     """Rows of the media tables for ``hashes`` (each once, in first-seen order)."""
     pieces: list[pa.Table] = []
-    seen: set[str] = set()
-    for hex_hash in hashes:
-        if hex_hash in seen:
-            continue
-        seen.add(hex_hash)
+    for hex_hash in dict.fromkeys(hashes):
         key = bytes.fromhex(hex_hash)
         for unit in units:
             row = unit.media_index.get(key)
