@@ -173,6 +173,21 @@ def test_reward_loader_and_source_parsing() -> None:
         SourceProfile.parse("mm:8")
 
 
+def test_a_regeneration_claim_another_worker_won_is_announced_without_claims(tmp_path: Path, model_dir: Path) -> None:
+    """lost groups in the worker's headroom view that another worker claimed meanwhile: the control plane refuses
+    the whole report (409 Conflict, nothing applied) and the worker announces its new groups without claims."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir))
+        try:
+            stale_view = {"to_regenerate": [{"group_id": "w1-g0", "source": "a", "at": 1.0}]}
+            worker._announce("a", ["w0-g0"], stale_view)
+        finally:
+            worker.close()
+        assert control.status(JOB)["counts"]["pending"] == {"a": 1, "b": 0}
+
+
 @pytest.mark.timing
 def test_a_store_that_restarts_while_a_unit_is_stored_is_retried_not_fatal(tmp_path: Path, model_dir: Path) -> None:
     """The worker's store node is down (kill -9) when a unit is stored: the worker retries under ``store_retry``

@@ -496,8 +496,8 @@ class RolloutWorker:
         retired past the staleness bound) in ``to_regenerate``. Any worker that generates the same source may
         replace them: it starts fresh group ids as usual (so supply accounting stays exact) and names the lost
         ids in the same supply report, which removes them from the list. Two workers may race for the same ids;
-        the control plane refuses the whole report then (nothing applied), and the loser reports its groups
-        again without claims.
+        the control plane refuses the whole report then (``Conflict``, nothing applied), and the loser reports its
+        groups again without claims.
         """
         job, started = self.config.job, {source: group_ids}
         waiting = [r for r in view.get("to_regenerate", ()) if r.get("source") == source]
@@ -507,7 +507,7 @@ class RolloutWorker:
                 self.control.report_supply(job, group_ids=started, regenerates=claims)
                 logger.info("job %s: new groups %s replace lost groups %s", job, group_ids, claims)
                 return
-            except InvalidRequest as exc:  # another worker claimed them first; nothing was applied
+            except Conflict as exc:  # another worker claimed them first; nothing was applied
                 logger.info("job %s: regeneration claim refused (%s); announcing without claims", job, exc)
         self.control.report_supply(job, group_ids=started)
 
