@@ -113,10 +113,8 @@ def _reported(job: str, failed: _Submission) -> BaseException:
     ids = [u.unit_id for u in failed.units]
     shown = ids if len(ids) <= 8 else [*ids[:8], f"... ({len(ids)} units)"]
     message = f"units {shown} of job {job!r} were stored but not registered: {exc}"
-    try:
-        error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
-    except Exception:  # an exception type that takes other arguments
-        error = KnitTransError(message)
+    # register is ControlClient.register_units: its errors are knittrans.errors classes, each made from a message
+    error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
     error.units = failed.units  # type: ignore[attr-defined]
     error.__cause__ = exc
     return error
