@@ -245,6 +245,20 @@ def test_source_profile_images_per_prompt_and_size_ranges() -> None:
         SourceProfile.parse("mm:4-8:8-16:image=3x64:images=0")
 
 
+def test_images_of_every_accepted_layout_become_rgb() -> None:
+    """``image_to_pil``: ``HxW``, ``1xHxW`` (a grey image, e.g. a source's ``image=1x8x8``), ``CxHxW`` and
+    ``HxWxC`` are RGB images of the same size; other dtypes and channel counts are refused by name."""
+    from knittrans.rollout.vlm import image_to_pil
+
+    for shape in ((8, 6), (1, 8, 6), (3, 8, 6), (8, 6, 4), (8, 6, 1)):
+        im = image_to_pil(np.full(shape, 200, np.uint8))
+        assert (im.mode, im.size, im.getpixel((0, 0))) == ("RGB", (6, 8), (200, 200, 200)), shape
+    with pytest.raises(InvalidRequest, match="uint8"):
+        image_to_pil(np.zeros((8, 6), np.float32))
+    with pytest.raises(InvalidRequest, match="not HxW"):
+        image_to_pil(np.zeros((8, 6, 5), np.uint8))
+
+
 # ---------------------------------------------------------------------------------------- two ranks
 def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(
     cluster: LocalCluster, engine: HFEngine, vlm_dir: Path, tmp_path: Path
