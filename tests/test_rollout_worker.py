@@ -173,6 +173,40 @@ def test_reward_loader_and_source_parsing() -> None:
         SourceProfile.parse("mm:8")
 
 
+def test_bad_sources_rewards_engines_and_worker_settings_are_refused_by_name() -> None:
+    """what a worker refuses before it loads a model or connects anywhere."""
+    from knittrans.rollout.engines import open_engine
+
+    with pytest.raises(InvalidRequest, match="use 'parity'"):
+        load_reward("parity_reward")
+    with pytest.raises(InvalidRequest, match="unknown engine"):
+        open_engine("tgi", "m")  # type: ignore[arg-type]
+    for text, words in (("a:8-4:4-8", "prompt_len"), ("a:4-8:4-8:image=3x8-4x8", "size ranges"), ("a:4:4:x=1", "'x'")):
+        with pytest.raises(InvalidRequest, match=words):
+            SourceProfile.parse(text)
+    base: dict[str, object] = dict(
+        control_url="http://127.0.0.1:9",
+        job=JOB,
+        worker_id="w0",
+        node_id="node-0",
+        store_endpoint="grpc://127.0.0.1:9",
+        store_dir=None,
+        sources=(SourceProfile(name="a"),),
+        model_dir="m",
+        weights_dir="w",
+        state_file="s",
+    )
+    for bad, words in (
+        ({"sources": ()}, "at least one source"),
+        ({"groups_per_call": 0}, "groups_per_call"),
+        ({"wait_s": 0.0}, "wait_s must be > 0"),
+        ({"weights_wait_s": float("nan")}, "weights_wait_s"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            RolloutWorkerConfig(**(base | bad))  # type: ignore[arg-type]
+
+
 def test_a_regeneration_claim_another_worker_won_is_announced_without_claims(tmp_path: Path, model_dir: Path) -> None:
     """lost groups in the worker's headroom view that another worker claimed meanwhile: the control plane refuses
     the whole report (409 Conflict, nothing applied) and the worker announces its new groups without claims."""
