@@ -46,8 +46,6 @@ class Registrar:
         self._queue: list[_Submission] = []
         self._busy = False  # a drain is queued or running
         self._failed: list[_Submission] = []  # failures not raised yet, oldest first
-        self.requests = 0
-        """Registration requests sent (a coalesced one counts once)."""
 
     def submit(self, units: Sequence[UnitDescriptor]) -> None:
         """Queue ``units`` for registration and return."""
@@ -92,7 +90,6 @@ class Registrar:
         """One request for ``subs``; when the control plane refuses it and it holds several, each again on
         its own (a control plane that cannot be reached after the client's retries fails them all)."""
         try:
-            self.requests += 1
             self._register(self.job, [u for s in subs for u in s.units])
             return
         except Exception as exc:
