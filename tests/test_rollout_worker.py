@@ -207,6 +207,34 @@ def test_bad_sources_rewards_engines_and_worker_settings_are_refused_by_name() -
             RolloutWorkerConfig(**(base | bad))  # type: ignore[arg-type]
 
 
+def test_a_unit_refused_because_its_node_was_declared_lost_is_registered_once_the_node_is_back(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """the store node is declared lost between sealing a unit and registering it (the control plane refuses units
+    on it, Conflict): the worker retries until the node's store registers it again (its next heartbeat) instead of
+    deleting the unit, which left its groups counted as started, never finished, holding the window forever."""
+    (tmp_path / "weights").mkdir()
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control, admin = cluster.control(), cluster.control(admin=True)
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir))
+        write = worker.writer.write_groups
+
+        def write_then_lose(groups: list[object], *, unit_id: str | None = None) -> object:
+            sealed = write(groups, unit_id=unit_id)  # type: ignore[arg-type]
+            admin.declare_lost(cluster.stores[0].node_id, "partitioned from the control plane")
+            return sealed
+
+        worker.writer.write_groups = write_then_lose  # type: ignore[assignment,method-assign]
+        try:
+            assert worker.run(max_groups=1) == 1
+        finally:
+            worker.close()
+            admin.close()
+        counts = control.status(JOB)["counts"]
+        assert counts["units"] == 1 and sum(counts["pending"].values()) == 0, counts
+
+
 def test_a_regeneration_claim_another_worker_won_is_announced_without_claims(tmp_path: Path, model_dir: Path) -> None:
     """lost groups in the worker's headroom view that another worker claimed meanwhile: the control plane refuses
     the whole report (409 Conflict, nothing applied) and the worker announces its new groups without claims."""
