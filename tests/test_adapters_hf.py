@@ -239,3 +239,34 @@ def test_to_trajectory_group_checks_rewards_and_versions(engine: HFEngine) -> No
         )
     with pytest.raises(InvalidRequest, match="loss_mask"):
         build_unit_tables([to_trajectory_group(g, rewards=[0, 1], loss_masks=[np.ones(99), np.ones(99)], **kw)])  # type: ignore[arg-type]
+
+
+def test_adapter_and_result_types_refuse_what_does_not_fit() -> None:
+    """``groups_from_generate_output`` checks rows, score steps and ``n``; the result types check their fields."""
+    from knittrans.rollout.adapters.hf import groups_from_generate_output
+    from knittrans.rollout.generated import GeneratedSample
+
+    prompts = [PromptRequest(prompt_ids=np.array([1, 2], np.int32))]
+    sequences = torch.tensor([[1, 2, 7, EOS], [1, 2, 8, 9]])
+    scores = [torch.zeros(2, VOCAB), torch.zeros(2, VOCAB)]
+    kw = {"prompt_width": 2, "eos_token_ids": (EOS,)}
+    (g,) = groups_from_generate_output(prompts, sequences, scores, n=2, **kw)  # type: ignore[arg-type]
+    assert [s.finish_reason for s in g.samples] == ["stop", "length"]
+    with pytest.raises(InvalidRequest, match="n must be positive"):
+        groups_from_generate_output(prompts, sequences, scores, n=0, **kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"expected \(3, \.\.\.\)"):
+        groups_from_generate_output(prompts, sequences, scores, n=3, **kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="do not match 1 steps of scores"):
+        groups_from_generate_output(prompts, sequences, scores[:1], n=2, **kw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="1-D"):
+        PromptRequest(prompt_ids=np.ones((2, 2), np.int32))
+    with pytest.raises(InvalidRequest, match=r"outside \[0, 2\*\*31\)"):
+        PromptRequest(prompt_ids=np.array([-1]))
+    with pytest.raises(InvalidRequest, match="must be knittrans"):
+        PromptRequest(prompt_ids=np.array([1]), media=(b"png",))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="response_logprobs has shape"):
+        GeneratedSample(response_ids=np.array([1, 2]), response_logprobs=np.zeros(1), finish_reason="stop")
+    with pytest.raises(InvalidRequest, match="finish_reason"):
+        GeneratedSample(response_ids=np.array([1]), response_logprobs=np.zeros(1), finish_reason="abort")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="at least one sample"):
+        GeneratedGroup(prompt_ids=np.array([1]), samples=())

@@ -143,3 +143,70 @@ def test_compare_reports_both_train_batch_baselines() -> None:
     text = format_comparison(results)
     assert "train_batch_paced" in text and "4.0 / 9" in text  # max end 4.0 against ceil(8/4)·4 + 1
     assert "75%/50%" in text  # start: mean / positive part against the whole-step baseline
+
+
+def test_demo_cli_compare_on_the_slow_trainer_runs_three_configs_and_writes_the_reductions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`knittrans demo --compare --scenario slow-trainer` (the runs stubbed): the whole-step and the paced
+    train_batch and constraint_preserving, each padded to 3 s a mini-batch on the small policy; summary.json
+    holds every run and the reductions against both baselines."""
+    import argparse
+    import dataclasses
+
+    from knittrans.demo import cli, report, run
+
+    seen: list[DemoConfig] = []
+
+    def run_demo(config: DemoConfig) -> dict[str, object]:
+        seen.append(config)
+        reading = {"architectural": {"mean": 1.0 + len(seen), "pos_mean": 1.0, "max": 2.0}}
+        step = dict.fromkeys(
+            ("admission_wait_s", "arch_staleness_end", "arch_staleness_start", "exposed_transfer_s", "fetch_s"), 0.0
+        ) | dict.fromkeys(("media_logical_bytes", "media_unique_bytes", "images_encoded", "image_rows"), 0)
+        step |= {"step": 0, "mini_batches": 4, "encoder_forward_s": 0.0, "encoder_forward_saved_s": 0.0}
+        return {
+            "label": config.label,
+            "config": dataclasses.asdict(config),
+            "staleness": dict.fromkeys(("start", "end", "weighted"), reading),
+            "steps": [step | {"step_time_s": 1.0}],
+            "timing": {},
+            "wall_s": 60.0,
+        }
+
+    monkeypatch.setattr(run, "run_demo", run_demo)
+    monkeypatch.setattr(report, "plot_results", lambda runs, path: path)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--compare", "--scenario", "slow-trainer", "--out", str(tmp_path)])) == 0
+    assert [(c.label, c.train_batch_handover, c.min_step_s, c.hidden, c.layers) for c in seen] == [
+        ("train_batch", "step", 3.0, 128, 2),
+        ("train_batch_paced", "mini_batch", 3.0, 128, 2),
+        ("constraint_preserving", "mini_batch", 3.0, 128, 2),
+    ]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["runs"]) == ["train_batch", "train_batch_paced", "constraint_preserving"]
+    vs = summary["reductions"]["constraint_preserving"]
+    assert vs["vs_train_batch"]["start_mean"] == pytest.approx(1 - 4 / 2) and vs["vs_train_batch"]["pace_ratio"] == 1
+    assert set(vs) == {"vs_train_batch", "vs_train_batch_paced"}
+
+
+def test_train_cli_refuses_a_bad_rank_config_with_exit_2(caplog: pytest.LogCaptureFixture) -> None:
+    """`knittrans train` names the bad setting and exits 2 before it loads a model or connects anywhere."""
+    import argparse
+
+    from knittrans.demo import traincli
+
+    parser = argparse.ArgumentParser()
+    traincli.add_arguments(parser)
+    base = ["--control-url", "http://127.0.0.1:9", "--job", "j", "--rank", "0", "--model-dir", "m"]
+    for extra, words in (
+        (["--world-size", "2"], "needs dist_url"),
+        (["--world-size", "1", "--lr", "0"], "lr must be > 0"),
+        (["--world-size", "1", "--min-step-s", "-1"], "min_step_s must be >= 0"),
+    ):
+        caplog.clear()
+        assert traincli.run(parser.parse_args(base + extra)) == 2
+        assert words in caplog.text
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--world-size", "1", "--local-dir", "node-0"])  # NODE=DIR

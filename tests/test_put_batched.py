@@ -650,5 +650,9 @@ def test_across_failure_while_staging_removes_what_the_earlier_nodes_stored(
         write_units_across([(w0, _units(2)), (w1, bad)])
     assert "publish_units" in recording.actions  # w0's publish went out before w1 failed
     assert recording.store.units("job") == [] and list((store_dir / "job").iterdir()) == []
+    assert write_units_across([]) == []
+    with pytest.raises(InvalidRequest, match="one pair per writer"):  # refused before anything is written
+        write_units_across([(w0, _units(1)), (w0, _units(1, seed=5))])
+    assert recording.store.units("job") == []
     w0.close()
     w1.close()

@@ -173,6 +173,83 @@ def test_reward_loader_and_source_parsing() -> None:
         SourceProfile.parse("mm:8")
 
 
+def test_bad_sources_rewards_engines_and_worker_settings_are_refused_by_name() -> None:
+    """what a worker refuses before it loads a model or connects anywhere."""
+    from knittrans.rollout.engines import open_engine
+
+    with pytest.raises(InvalidRequest, match="use 'parity'"):
+        load_reward("parity_reward")
+    with pytest.raises(InvalidRequest, match="unknown engine"):
+        open_engine("tgi", "m")  # type: ignore[arg-type]
+    for text, words in (("a:8-4:4-8", "prompt_len"), ("a:4-8:4-8:image=3x8-4x8", "size ranges"), ("a:4:4:x=1", "'x'")):
+        with pytest.raises(InvalidRequest, match=words):
+            SourceProfile.parse(text)
+    base: dict[str, object] = dict(
+        control_url="http://127.0.0.1:9",
+        job=JOB,
+        worker_id="w0",
+        node_id="node-0",
+        store_endpoint="grpc://127.0.0.1:9",
+        store_dir=None,
+        sources=(SourceProfile(name="a"),),
+        model_dir="m",
+        weights_dir="w",
+        state_file="s",
+    )
+    for bad, words in (
+        ({"sources": ()}, "at least one source"),
+        ({"groups_per_call": 0}, "groups_per_call"),
+        ({"wait_s": 0.0}, "wait_s must be > 0"),
+        ({"weights_wait_s": float("nan")}, "weights_wait_s"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            RolloutWorkerConfig(**(base | bad))  # type: ignore[arg-type]
+
+
+def test_a_unit_refused_because_its_node_was_declared_lost_is_registered_once_the_node_is_back(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """the store node is declared lost between sealing a unit and registering it (the control plane refuses units
+    on it, Conflict): the worker retries until the node's store registers it again (its next heartbeat) instead of
+    deleting the unit, which left its groups counted as started, never finished, holding the window forever."""
+    (tmp_path / "weights").mkdir()
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control, admin = cluster.control(), cluster.control(admin=True)
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir))
+        write = worker.writer.write_groups
+
+        def write_then_lose(groups: list[object], *, unit_id: str | None = None) -> object:
+            sealed = write(groups, unit_id=unit_id)  # type: ignore[arg-type]
+            admin.declare_lost(cluster.stores[0].node_id, "partitioned from the control plane")
+            return sealed
+
+        worker.writer.write_groups = write_then_lose  # type: ignore[assignment,method-assign]
+        try:
+            assert worker.run(max_groups=1) == 1
+        finally:
+            worker.close()
+            admin.close()
+        counts = control.status(JOB)["counts"]
+        assert counts["units"] == 1 and sum(counts["pending"].values()) == 0, counts
+
+
+def test_a_regeneration_claim_another_worker_won_is_announced_without_claims(tmp_path: Path, model_dir: Path) -> None:
+    """lost groups in the worker's headroom view that another worker claimed meanwhile: the control plane refuses
+    the whole report (409 Conflict, nothing applied) and the worker announces its new groups without claims."""
+    with LocalCluster(ClusterConfig(work_dir=tmp_path / "c", num_stores=1)) as cluster:
+        control = cluster.control()
+        control.create_job(_spec({"a": 2, "b": 2}, steps=1))
+        worker = RolloutWorker(_config(cluster, tmp_path, model_dir))
+        try:
+            stale_view = {"to_regenerate": [{"group_id": "w1-g0", "source": "a", "at": 1.0}]}
+            worker._announce("a", ["w0-g0"], stale_view)
+        finally:
+            worker.close()
+        assert control.status(JOB)["counts"]["pending"] == {"a": 1, "b": 0}
+
+
 @pytest.mark.timing
 def test_a_store_that_restarts_while_a_unit_is_stored_is_retried_not_fatal(tmp_path: Path, model_dir: Path) -> None:
     """The worker's store node is down (kill -9) when a unit is stored: the worker retries under ``store_retry``

@@ -245,6 +245,43 @@ def test_source_profile_images_per_prompt_and_size_ranges() -> None:
         SourceProfile.parse("mm:4-8:8-16:image=3x64:images=0")
 
 
+def test_images_of_every_accepted_layout_become_rgb() -> None:
+    """``image_to_pil``: ``HxW``, ``1xHxW`` (a grey image, e.g. a source's ``image=1x8x8``), ``CxHxW`` and
+    ``HxWxC`` are RGB images of the same size; other dtypes and channel counts are refused by name."""
+    from knittrans.rollout.vlm import image_to_pil
+
+    for shape in ((8, 6), (1, 8, 6), (3, 8, 6), (8, 6, 4), (8, 6, 1)):
+        im = image_to_pil(np.full(shape, 200, np.uint8))
+        assert (im.mode, im.size, im.getpixel((0, 0))) == ("RGB", (6, 8), (200, 200, 200)), shape
+    with pytest.raises(InvalidRequest, match="uint8"):
+        image_to_pil(np.zeros((8, 6), np.float32))
+    with pytest.raises(InvalidRequest, match="not HxW"):
+        image_to_pil(np.zeros((8, 6, 5), np.uint8))
+
+
+def test_tiny_model_shapes_that_cannot_be_built_are_refused_by_name(tmp_path: Path) -> None:
+    """``TinyVLMSpec`` and ``build_tiny_qwen2`` name the bad size before anything is written."""
+    from knittrans.rollout.models import build_tiny_qwen2
+
+    for bad, words in (
+        ({"layers": 0}, "layers must be positive"),
+        ({"hidden": 96}, "multiple of 64"),
+        ({"image_size": 100}, "patch_size"),
+        ({"vision_heads": 3}, "vision_heads"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            TinyVLMSpec(**bad)  # type: ignore[arg-type]
+    for bad, words in (
+        ({"heads": 0}, "heads must be positive"),
+        ({"vocab_size": 1}, "at least 2"),
+        ({"hidden": 100}, "heads\\*head_dim"),
+        ({"init_std": 0.0}, "init_std"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            build_tiny_qwen2(tmp_path / "m", **bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "m").exists()
+
+
 # ---------------------------------------------------------------------------------------- two ranks
 def test_two_ranks_grpo_on_the_vlm_match_rollout_logprobs(
     cluster: LocalCluster, engine: HFEngine, vlm_dir: Path, tmp_path: Path

@@ -11,7 +11,7 @@ Per mini-batch (one optimizer step)::
     if ok:  all_reduce_gradients(backbone + encoder); optimizer.step()
             rank 0: policy-v{n+1}.safetensors (temp name + rename)   # published before the ack
             mini_batch.ack(version=n+1)                # one request for all ranks, with the new version
-    else:   zero_grad; dedup.drop(); mini_batch.abandon()   # client waits for the re-plan, retries
+    else:   zero_grad; mini_batch.abandon()   # client waits for the re-plan, retries
 
 No optimizer step ever sees a partially fetched mini-batch, and gradients are averaged by
 :func:`~knittrans.trainer.dedup.all_reduce_gradients` after the "ok" flag, not by a DDP wrapper
@@ -268,7 +268,7 @@ def train_mini_batch(
     loss_sum = 0.0
     gaps: list[float] = []
     traj_ids: list[str] = []
-    failure: KnitTransError | None = None
+    fetched = True
     stats = None
     try:
         for micro in mb:
@@ -281,16 +281,10 @@ def train_mini_batch(
                 traj_ids += [str(t) for t in table.column("traj_id").to_pylist()]
         stats = encoder.finish() if encoder is not None else None
     except KnitTransError as exc:  # a fetch failed: no step on this mini-batch, on any rank
-        failure = exc
+        fetched = False
         logger.warning("plan %s failed on this rank: %s", mb.plan_id, exc)
-    except BaseException:
-        if encoder is not None:
-            encoder.drop()
-        raise
     # every rank reports; the ranks share the control plane, so this is one request and one answer for all
-    if not mb.report_fetched(ok=failure is None):
-        if encoder is not None:
-            encoder.drop()
+    if not mb.report_fetched(ok=fetched):  # this call's DedupEncoder, unfinished, goes with its return
         optimizer.zero_grad(set_to_none=True)
         logger.warning("plan %s: some rank could not train it; gradients dropped, no step", mb.plan_id)
         return None

@@ -46,8 +46,6 @@ class Registrar:
         self._queue: list[_Submission] = []
         self._busy = False  # a drain is queued or running
         self._failed: list[_Submission] = []  # failures not raised yet, oldest first
-        self.requests = 0
-        """Registration requests sent (a coalesced one counts once)."""
 
     def submit(self, units: Sequence[UnitDescriptor]) -> None:
         """Queue ``units`` for registration and return."""
@@ -92,7 +90,6 @@ class Registrar:
         """One request for ``subs``; when the control plane refuses it and it holds several, each again on
         its own (a control plane that cannot be reached after the client's retries fails them all)."""
         try:
-            self.requests += 1
             self._register(self.job, [u for s in subs for u in s.units])
             return
         except Exception as exc:
@@ -113,10 +110,8 @@ def _reported(job: str, failed: _Submission) -> BaseException:
     ids = [u.unit_id for u in failed.units]
     shown = ids if len(ids) <= 8 else [*ids[:8], f"... ({len(ids)} units)"]
     message = f"units {shown} of job {job!r} were stored but not registered: {exc}"
-    try:
-        error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
-    except Exception:  # an exception type that takes other arguments
-        error = KnitTransError(message)
+    # register is ControlClient.register_units: its errors are knittrans.errors classes, each made from a message
+    error = type(exc)(message) if isinstance(exc, KnitTransError) else KnitTransError(message)
     error.units = failed.units  # type: ignore[attr-defined]
     error.__cause__ = exc
     return error

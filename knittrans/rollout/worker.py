@@ -477,16 +477,32 @@ class RolloutWorker:
 
     def _register(self, unit_id: str) -> None:
         descriptor = self._state.sealed[unit_id]
-        try:
-            self.control.register_units(self.config.job, [descriptor])
-        except Conflict as exc:  # a group of it is registered already: the first incarnation stands
-            logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
-            with contextlib.suppress(NotFound):  # ours is gone already: nothing to remove
-                self._on_store(lambda: self.writer.client.delete(self.config.job, unit_id))
+        pauses = self.config.store_retry.pauses()
+        while True:
+            try:
+                self.control.register_units(self.config.job, [descriptor])
+                break
+            except Conflict as exc:
+                if not self._node_lost():  # a group of it is registered already: the first incarnation stands
+                    logger.warning("%s: %s; keeping the registered copy", self.config.worker_id, exc)
+                    with contextlib.suppress(NotFound):  # ours is gone already: nothing to remove
+                        self._on_store(lambda: self.writer.client.delete(self.config.job, unit_id))
+                    break
+                # refused for its node, declared lost, whose store registers it again at its next heartbeat (past
+                # store_retry the worker ends: a restart registers the unit from the state file)
+                pause = next(pauses, None)
+                if pause is None:
+                    raise
+                logger.warning("%s: %s; retrying in %.2f s", self.config.worker_id, exc, pause)
+                time.sleep(pause)
         for g in descriptor["groups"]:
             self._state.announced.pop(g["group_id"], None)
         del self._state.sealed[unit_id]
         self._save_state()
+
+    def _node_lost(self) -> bool:
+        """Whether the control plane holds the worker's store node as lost (it refuses units on it until then)."""
+        return any(n["node_id"] == self.config.node_id and n["state"] == "lost" for n in self.control.list_nodes())
 
     def _announce(self, source: str, group_ids: list[str], view: dict[str, Any]) -> None:
         """Report ``group_ids`` as started, claiming as many lost groups of ``source`` (status ``to_regenerate``,
@@ -496,8 +512,8 @@ class RolloutWorker:
         retired past the staleness bound) in ``to_regenerate``. Any worker that generates the same source may
         replace them: it starts fresh group ids as usual (so supply accounting stays exact) and names the lost
         ids in the same supply report, which removes them from the list. Two workers may race for the same ids;
-        the control plane refuses the whole report then (nothing applied), and the loser reports its groups
-        again without claims.
+        the control plane refuses the whole report then (``Conflict``, nothing applied), and the loser reports its
+        groups again without claims.
         """
         job, started = self.config.job, {source: group_ids}
         waiting = [r for r in view.get("to_regenerate", ()) if r.get("source") == source]
@@ -507,7 +523,7 @@ class RolloutWorker:
                 self.control.report_supply(job, group_ids=started, regenerates=claims)
                 logger.info("job %s: new groups %s replace lost groups %s", job, group_ids, claims)
                 return
-            except InvalidRequest as exc:  # another worker claimed them first; nothing was applied
+            except Conflict as exc:  # another worker claimed them first; nothing was applied
                 logger.info("job %s: regeneration claim refused (%s); announcing without claims", job, exc)
         self.control.report_supply(job, group_ids=started)
 

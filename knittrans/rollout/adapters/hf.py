@@ -67,9 +67,7 @@ def groups_from_generate_output(
     if sequences.dim() != 2 or sequences.shape[0] != rows:
         raise InvalidRequest(f"sequences has shape {tuple(sequences.shape)}, expected ({rows}, ...)")
     generated = sequences[:, prompt_width:]
-    if generated.shape[1] != len(step_scores):
-        raise InvalidRequest(f"{generated.shape[1]} generated columns but {len(step_scores)} score steps")
-    logprobs = sampled_logprobs(step_scores, generated).numpy()
+    logprobs = sampled_logprobs(step_scores, generated).numpy()  # checks one score step per generated column
     gen = generated.cpu().numpy().astype(np.int32)
     eos = np.asarray(sorted(eos_token_ids), dtype=np.int32)
     is_eos = np.isin(gen, eos)
