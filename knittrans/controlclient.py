@@ -48,7 +48,7 @@ def _raise_for(response: httpx.Response) -> None:
     try:
         body = response.json()
         kind, detail = str(body.get("error", "")), str(body.get("detail", response.text))
-    except ValueError:
+    except (ValueError, AttributeError):  # not JSON (a proxy's page), or JSON but not an object
         kind, detail = "", response.text
     status = response.status_code
     error = error_of(kind, status)

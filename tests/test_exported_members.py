@@ -50,5 +50,6 @@ def test_import_is_light() -> None:
 
 
 def test_all_matches_the_lazy_table() -> None:
-    """__all__ lists exactly the lazily exported names (plus __version__)."""
+    """__all__ lists exactly the lazily exported names (plus __version__), and dir() shows them before first use."""
     assert set(knittrans.__all__) == {"__version__", *knittrans._EXPORTS}
+    assert dir(knittrans) == sorted(knittrans.__all__)

@@ -1,14 +1,19 @@
-"""``knittrans.procs.wait_ready``: a real child that gets ready, exits first, or never gets ready."""
+"""``knittrans.procs``: a real child that gets ready, exits first, or never gets ready; a ProcessGroup's checks;
+a LocalCluster that fails to start stops what it started; a server's open-files limit it cannot raise."""
 
 from __future__ import annotations
 
+import logging
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from knittrans.procs import stop_process, wait_ready
+from knittrans.local import ClusterConfig, LocalCluster
+from knittrans.procs import ProcessGroup, stop_process, wait_ready
+from knittrans.rlimits import raise_open_files_limit
 
 
 def _child(code: str) -> subprocess.Popen[bytes]:
@@ -42,3 +47,41 @@ def test_wait_ready_times_out_on_a_running_child(tmp_path: Path) -> None:
             wait_ready(proc, (tmp_path / "never").exists, timeout_s=0.3, what="child")
     finally:
         stop_process(proc)
+
+
+def test_process_group_names_a_failed_child_and_refuses_a_second_start(tmp_path: Path) -> None:
+    """check_alive raises with the exit code and log of a child that failed; a name still running cannot be
+    started again; a name never started has no log."""
+    with ProcessGroup(tmp_path / "logs") as group:
+        failed = group.start("failed", [sys.executable, "-c", "print('went wrong'); raise SystemExit(3)"])
+        failed.wait(60)
+        with pytest.raises(RuntimeError, match=r"(?s)failed exited with code 3:\nwent wrong"):
+            group.check_alive()
+        group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+        group.check_alive("sleeper")
+        with pytest.raises(RuntimeError, match="child 'sleeper' is already running"):
+            group.start("sleeper", [sys.executable, "-c", "pass"])
+        assert group.log_tail("never") == ""
+    assert group.children["sleeper"].poll() is not None, "leaving the block stops every child"
+
+
+def test_a_local_cluster_that_fails_to_start_stops_its_processes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_stores must be >= 1"):
+        ClusterConfig(work_dir=tmp_path, num_stores=0)
+    cluster = LocalCluster(ClusterConfig(work_dir=tmp_path, start_timeout_s=0.01))
+    with pytest.raises(TimeoutError, match="control plane not ready"), cluster:
+        pass
+    assert cluster.procs.children["control-plane"].poll() is not None
+
+
+def test_an_open_files_limit_that_cannot_be_raised_is_kept_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(which: int, limits: tuple[int, int]) -> None:
+        raise ValueError("not allowed here")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    with caplog.at_level(logging.WARNING, logger="knittrans.rlimits"):
+        assert raise_open_files_limit() == 1024
+    assert "cannot raise the open-files limit from 1024 to 4096: not allowed here" in caplog.text

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knittrans.errors import InvalidJobSpec, InvalidRequest
-from knittrans.integrations.verl import QuotaAdmission
+from knittrans.integrations.verl import QuotaAdmission, _admission_from_kwargs
 from knittrans.sched.types import FinishedGroup
 
 
@@ -44,6 +44,21 @@ def test_bad_configuration_is_named() -> None:
         adm.select([], {}, 0, 4)
     with pytest.raises(InvalidJobSpec, match="quotas"):
         QuotaAdmission(quotas={}, mini_batches_per_step=1)
+    with pytest.raises(InvalidJobSpec, match="max_staleness must be >= 0 or null, not -1"):
+        QuotaAdmission(quotas={"a": 1}, mini_batches_per_step=1, max_staleness=-1)
+
+
+def test_sampler_kwargs_and_verl_settings_give_the_admission() -> None:
+    """sampler_kwargs' quotas and bounds; K from verl's parameter_sync_step unless given; the staleness bound from
+    verl's max_off_policy_threshold (its span, steps - start + 1, is at most the threshold) unless given."""
+    kwargs = {"quotas": {"a": 2, "b": 2}, "bounds": {"a": {"hi": 1}}}
+    adm = _admission_from_kwargs(kwargs, {"parameter_sync_step": 2}, 3)
+    assert (adm.mini_batches_per_step, adm.max_staleness, adm.bounds["a"].hi) == (2, 2, 1)
+    adm = _admission_from_kwargs({"quotas": {"a": 2}, "mini_batches_per_step": 1, "max_staleness": 0}, None, 3)
+    assert (adm.mini_batches_per_step, adm.max_staleness) == (1, 0)
+    assert _admission_from_kwargs({"quotas": {"a": 2}}, None, None).mini_batches_per_step == 1
+    with pytest.raises(InvalidJobSpec, match=r"sampler_kwargs\.quotas"):
+        _admission_from_kwargs({}, None, None)
 
 
 @settings(max_examples=60, deadline=None)

@@ -119,14 +119,20 @@ class KnitTransCluster:
 
     def shutdown(self) -> None:
         """Stop every store and the control plane (actors killed after their child stopped)."""
-        ray = _ray()
-        for actor in reversed(self.actors):
-            try:
-                ray.get(actor.stop.remote(), timeout=30)
-            except Exception as exc:  # the actor or its node may already be gone
-                logger.warning("stopping %s: %s", actor, exc)
-            ray.kill(actor)
+        stop_actors(self.actors)
         self.actors.clear()
+
+
+def stop_actors(actors: Sequence[Any]) -> None:
+    """Stop the actors (their ``stop`` ends a child or a store; all at once), then kill each."""
+    ray = _ray()
+    stops = [(actor, actor.stop.remote()) for actor in actors]
+    for actor, stopped in stops:
+        try:
+            ray.get(stopped, timeout=30)
+        except Exception as exc:  # the actor or its node may already be gone
+            logger.warning("stopping %s: %s", actor, exc)
+        ray.kill(actor)
 
 
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
@@ -238,7 +244,7 @@ def start_stores(
                 raise RuntimeError(f"store {info.node_id} landed on {where}, not {info.ray_node_id}")
         return infos, actors
     except BaseException:  # stop the stores already started: a killed actor's child would outlive it
-        KnitTransCluster(control_url=control_url, stores=[], actors=actors).shutdown()
+        stop_actors(actors)
         raise
 
 

@@ -68,7 +68,7 @@ def bootstrap(conf: Any) -> dict[str, Any]:
     """
     import ray
 
-    from knittrans.integrations.ray import node_affinity
+    from knittrans.integrations.ray import node_affinity, stop_actors
 
     section = conf.backend.get(BACKEND_NAME)
     config = TQBackendConfig.from_conf(section)
@@ -80,21 +80,23 @@ def bootstrap(conf: Any) -> dict[str, Any]:
         return {}
     actor_cls = ray.remote(num_cpus=0)(KnitTransStoreActor)
     run = uuid.uuid4().hex[:8]
-    handles, stores, ray_nodes, dirs, spills = {}, {}, {}, {}, {}
-    for i, node_info in enumerate(n for n in ray.nodes() if n.get("Alive")):
-        node = f"tq-node-{i}"
-        root = str(Path(config.store_root) / run / node)
-        spill = str(Path(config.spill_dir) / run / node) if config.spill_dir else None
-        actor = actor_cls.options(  # type: ignore[attr-defined,unused-ignore]  # typed only where ray is installed
-            name=f"KnitTransStore#{run}-{i}",
-            scheduling_strategy=node_affinity(node_info["NodeID"]),
-        ).remote(node, root, config.host, config.token, config.budget_bytes, spill)
-        stores[node] = ray.get(actor.endpoint.remote())
-        ray_nodes[node_info["NodeID"]] = node
-        dirs[node] = root
-        if spill:
-            spills[node] = spill
-        handles[node] = actor
+    handles, ray_nodes, dirs, spills = {}, {}, {}, {}
+    try:
+        for i, node_info in enumerate(n for n in ray.nodes() if n.get("Alive")):
+            node = f"tq-node-{i}"
+            dirs[node] = str(Path(config.store_root) / run / node)
+            spill = str(Path(config.spill_dir) / run / node) if config.spill_dir else None
+            if spill:
+                spills[node] = spill
+            ray_nodes[node_info["NodeID"]] = node
+            handles[node] = actor_cls.options(  # type: ignore[attr-defined,unused-ignore]  # typed only with ray
+                name=f"KnitTransStore#{run}-{i}",
+                scheduling_strategy=node_affinity(node_info["NodeID"]),
+            ).remote(node, dirs[node], config.host, config.token, config.budget_bytes, spill)
+        stores = dict(zip(handles, ray.get([h.endpoint.remote() for h in handles.values()]), strict=True))
+    except BaseException:  # stop the stores already started (a later node's failed): nothing else would
+        stop_actors(list(handles.values()))
+        raise
     from omegaconf import OmegaConf
 
     merged = OmegaConf.merge(
@@ -113,14 +115,9 @@ def release_owned() -> None:
     handles = list(_OWNED.values())
     _OWNED.clear()
     if handles:
-        import ray
+        from knittrans.integrations.ray import stop_actors
 
-        try:
-            ray.get([h.stop.remote() for h in handles], timeout=60)
-        except Exception as exc:
-            logger.warning("KnitTrans stores did not all stop cleanly: %s", exc)
-        for h in handles:
-            ray.kill(h)
+        stop_actors(handles)
     while _EXTERNAL:
         config = _EXTERNAL.pop()
         for node, endpoint in config.stores.items():

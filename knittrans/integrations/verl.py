@@ -102,7 +102,7 @@ def _admission_from_kwargs(
         raise InvalidJobSpec("trainer.v1.sampler.sampler_kwargs.quotas: give {data_source: groups per train batch}")
     k = kwargs.get("mini_batches_per_step")
     if k is None:
-        k = (trainer_config or {}).get("parameter_sync_step", 1) if hasattr(trainer_config, "get") else 1
+        k = trainer_config.get("parameter_sync_step", 1) if hasattr(trainer_config, "get") else 1
     staleness = kwargs.get("max_staleness")
     if staleness is None and max_off_policy_threshold is not None:
         staleness = int(max_off_policy_threshold) - 1  # verl's span = steps - start + 1 <= threshold

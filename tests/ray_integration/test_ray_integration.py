@@ -88,3 +88,28 @@ def test_stores_refuse_unknown_node(tmp_path: Path) -> None:
             time.sleep(0.2)
     finally:
         ray.shutdown()
+
+
+def test_tq_bootstrap_stops_its_stores_when_a_later_one_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tq.init's bootstrap starts a store per alive Ray node; when one cannot start (here: its node is gone before
+    the store is placed), the stores it already started are stopped and their directories deleted."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from knittrans.integrations import tqbootstrap
+
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        node_id = alive[0]["NodeID"]
+        gone = {**alive[0], "NodeID": node_id[:-4] + ("0000" if node_id[-4:] != "0000" else "1111")}
+        monkeypatch.setattr(ray, "nodes", lambda: [*alive, gone])
+        conf = OmegaConf.create({"backend": {"KnitTrans": {"store_root": str(tmp_path), "host": "127.0.0.1"}}})
+        with pytest.raises(Exception, match="not schedulable"):
+            tqbootstrap.bootstrap(conf)
+        assert list(tmp_path.iterdir()) == [], "the first node's store directory is left"
+        assert not tqbootstrap._OWNED
+    finally:
+        ray.shutdown()
