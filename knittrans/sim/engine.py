@@ -189,9 +189,7 @@ class _Simulation:
                 self.launched[name] += 1
                 self.useful[name] += 1
                 duration, tokens = self.streams[name].next_group()
-                call.append(
-                    CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens, launched_at=self.now)
-                )
+                call.append(CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens))
                 self.launch_time[gid] = self.now
             self.untaken[name] += count
             self.pending[name] += count
@@ -246,7 +244,7 @@ class _Simulation:
             )
             self.pending[g.source] -= 1
             total, n = self.generation.get(g.source, (0.0, 0))
-            self.generation[g.source] = (total + self.now - g.launched_at, n + 1)
+            self.generation[g.source] = (total + self.now - self.launch_time[g.group_id], n + 1)
         self.gen_finished += len(call)
 
     def try_admit(self) -> None:
