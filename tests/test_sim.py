@@ -131,6 +131,19 @@ def test_quotas_exact_random_workloads(
     assert trace.peak_untaken_total <= window * w.train_batch_groups
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_staleness_bound_drops_expired_groups_at_once(policy: str) -> None:
+    """With ``max_staleness`` a group that finishes already past the bound is dropped at the next admission attempt
+    (as the control plane expires it), so it leaves the window: quotas stay exact and at most W·G groups are
+    launched and untaken. (Expired groups used to stay in the window until the trainer's next version, and the
+    deadlock guard launched their stand-ins past W·G.)"""
+    w = small("code_agent_skew", max_staleness=1)
+    trace = simulate(w, policy, seed=1)
+    assert trace.dropped > 0
+    assert all(counts == w.quotas for counts in trace.step_counts)
+    assert trace.peak_untaken_total <= w.window * w.train_batch_groups
+
+
 @pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
 @pytest.mark.parametrize("window", [1, 2])
 @pytest.mark.parametrize("k", [4, 16])

@@ -126,7 +126,6 @@ class _Simulation:
         # rollout state
         self.launched = dict.fromkeys(self.names, 0)  # per source: numbers its group ids
         self.useful = dict.fromkeys(self.names, 0)  # launched minus dropped: drives the quota-proportional launch
-        self.purged_at = -1
         self.pending = dict.fromkeys(self.names, 0)
         self.untaken = dict.fromkeys(self.names, 0)  # launched, not dropped, not in a started mini-batch
         self.launch_time: dict[str, float] = {}
@@ -256,7 +255,7 @@ class _Simulation:
         while self.timing.may_admit(self.adm_n, self.n) and self.adm_step < self.steps:
             if self.colocated and self.gen_finished < self.G:
                 break
-            if self.w.max_staleness is not None and self.purged_at != self.n:
+            if self.w.max_staleness is not None:
                 self.drop_expired()
             self.trace.select_calls += 1
             decision = self.policy.select(self.step_state())
@@ -267,8 +266,8 @@ class _Simulation:
             self.start_training()
 
     def drop_expired(self) -> None:
-        """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test)."""
-        self.purged_at = self.n
+        """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test), at every admission
+        attempt as the control plane does: a group can finish already past the bound."""
         probe = self.step_state()
         keep = []
         for g in self.finished:
