@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -186,6 +187,14 @@ def test_bad_arguments() -> None:
         assign_mini_batch([g], 0, micro_batch_size=1)
     with pytest.raises(ValueError, match="twice"):
         assign_mini_batch([g, g], 1, micro_batch_size=1)
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
+        assign_mini_batch([g], 1, micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        assign_mini_batch([g], 1, micro_batch_size=0)
+    with pytest.raises(ValueError, match="negative token count"):
+        assign_mini_batch([dataclasses.replace(g, trajectory_tokens=(1, -2))], 1, micro_batch_size=1)
+    with pytest.raises(ValueError, match="row_start -1 < 0"):
+        assign_mini_batch([dataclasses.replace(g, row_start=-1)], 1, micro_batch_size=1)
     h = FinishedGroup(
         group_id="h", source="s", trajectory_tokens=(1,), finished_at=0, unit_id="u", node_id="n", row_start=1
     )
