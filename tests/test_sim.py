@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -182,12 +183,41 @@ def test_metrics_shape_and_idle_fractions() -> None:
         ({"window": 0}, "window"),
         ({"mini_batches_per_step": 7}, "mini_batches_per_step"),
         ({"rollout_slots": 0}, "rollout_slots"),
+        ({"name": ""}, "workload name must not be empty"),
+        ({"sources": ()}, "at least one source"),
+        ({"load_s": -1.0}, "times must be >= 0"),
+        ({"trainer_overhead_s": 0.0, "trainer_s_per_token": 0.0}, "training must take some time"),
+        ({"lookahead": -1}, "lookahead"),
+        ({"lookahead": True}, "lookahead"),
+        ({"launch_lead": 3.0}, "launch_lead"),
+        ({"max_staleness": -1}, "max_staleness"),
     ],
 )
-def test_bad_workload_is_rejected(change: dict[str, int], field: str) -> None:
+def test_bad_workload_is_rejected(change: dict[str, object], field: str) -> None:
     """A workload that cannot run raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
         load_workload("balanced").with_overrides(**change)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"name": ""}, "source name must not be empty"),
+        ({"duration_mean_s": 0.0}, "duration_mean_s"),
+        ({"duration_cv": -1.0}, "duration_cv"),
+        ({"tail_prob": 2.0}, "tail_prob"),
+        ({"tail_scale": 0.5}, "tail_scale"),
+        ({"tail_alpha": 1.0}, "tail_alpha"),
+        ({"tokens_mean": 0.0}, "tokens_mean"),
+    ],
+)
+def test_bad_source_is_rejected(change: dict[str, object], field: str) -> None:
+    """A source profile that cannot be drawn from raises ValueError naming the field; duplicate names too."""
+    base = {"name": "a", "quota": 1, "duration_mean_s": 1.0}
+    with pytest.raises(ValueError, match=field):
+        SourceProfile(**{**base, **change})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="duplicate source names"):
+        Workload(name="w", sources=(SourceProfile(**base), SourceProfile(**base)), mini_batches_per_step=1)  # type: ignore[arg-type]
 
 
 def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
@@ -201,6 +231,19 @@ def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
         load_workload(str(bad))
     with pytest.raises(InvalidRequest, match="unknown workload"):
         load_workload("no_such_workload")
+    for text, message in (
+        ("- a\n", "a workload must be a mapping, got list"),
+        ("name: x\ncolour: red\nsources: []\n", r"unknown workload fields \['colour'\]"),
+        ("name: x\nsources: []\n", "'sources' must be a non-empty list"),
+        ("name: x\nsources: [a]\n", r"sources\[0\] must be a mapping"),
+        ("name: x\nwindow: 0\nsources:\n  - {name: a, quota: 2, duration_mean_s: 1}\n", "window must be >= 1"),
+        ("name: [x\n", "not valid YAML"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(InvalidRequest, match=message):
+            load_workload(str(bad))
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        load_workload(str(tmp_path / "missing.yaml"))
 
 
 @pytest.mark.slow  # ~25 s: the simulator CLI over every policy
@@ -251,6 +294,33 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fastest" in capsys.readouterr().err
     assert main(["sim", "--workload", "nope", "--no-progress"]) == 2
     assert "nope" in capsys.readouterr().err
+    for flag in ("--seeds", "--steps"):
+        assert main(["sim", flag, "0", "--no-progress"]) == 2
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+    for flag, value, message in (
+        ("--mini-batches", "4,x", "expected comma-separated integers"),
+        ("--window", "0", "expected positive integers"),
+        ("--lookahead", "1,-1", "expected integers >= 0 or K"),
+        ("--lookahead", "J", "expected integers >= 0 or K"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["sim", flag, value, "--no-progress"])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        simulate(small("balanced"), "train_batch", steps=0)
+
+
+def test_cli_lookahead_sweep_without_the_train_batch_policy(tmp_path: Path) -> None:
+    """`--lookahead 0,K` runs L = 0 and L = K; with one policy there is no `train_batch` row, so the reductions
+    against it are NaN while those against the paced baseline (always run) are numbers."""
+    out = tmp_path / "res.json"
+    argv = ["sim", "--workload", "skewed3", "--policy", "constraint_preserving", "--seeds", "1", "--steps", "2"]
+    assert main([*argv, "--lookahead", "0,K", "--json", str(out), "--no-progress"]) == 0
+    configs = json.loads(out.read_text())["configs"]
+    assert [c["lookahead"] for c in configs] == [0, load_workload("skewed3").mini_batches_per_step]
+    row = configs[0]["policies"]["constraint_preserving"]
+    assert math.isnan(row["start_arch_reduction"]) and not math.isnan(row["start_arch_reduction_vs_paced"])
+    assert "steps_per_hour_vs_train_batch" not in row and "steps_per_hour_vs_paced" in row
 
 
 @pytest.mark.parametrize("name", ["skewed3", "balanced", "code_agent_skew"])
