@@ -72,6 +72,7 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    eta=st.one_of(st.none(), st.integers(0, 8)),
     quotas=st.lists(st.integers(1, 6), min_size=1, max_size=4),
     k=st.sampled_from([1, 2, 4]),
     window=st.integers(1, 3),
@@ -83,6 +84,7 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     handover=st.sampled_from(["step", "mini_batch"]),
 )
 def test_quotas_exact_random_workloads(
+    eta: int | None,
     quotas: list[int],
     k: int,
     window: int,
@@ -95,7 +97,7 @@ def test_quotas_exact_random_workloads(
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
     admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken
-    (under either train_batch handover)."""
+    (under either train_batch handover, with or without a staleness bound η)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(
@@ -124,6 +126,7 @@ def test_quotas_exact_random_workloads(
         in_flight_updates=True,
         lookahead=lookahead,
         train_batch_handover=handover,
+        max_staleness=eta,
     )
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
