@@ -391,3 +391,12 @@ def test_bad_inputs_raise_clear_errors() -> None:
         policy.select(_state([], bounds={"b": SourceBounds(lo=2)}))
     with pytest.raises(ValueError, match="not formed by this policy"):
         make_policy("linear_target").select(_state([], mini_batch_index=1, admitted={"a": 3, "b": 0}))
+    for bad, message in (
+        ({"quotas": {"a": 7, "b": -1}}, "quota of source 'b' is negative"),
+        ({"quotas": {"a": 0, "b": 0}}, "at least one group"),
+        ({"admitted": {"a": 0, "b": 0, "c": 1}}, r"without a quota: \['c'\]"),
+        ({"mini_batch_index": 1, "admitted": {"a": 1, "b": 0}}, "admitted 1 groups before mini-batch 1, expected 3"),
+        ({"mini_batch_index": 1, "admitted": {"a": 0, "b": 3}}, "admitted 3 groups of source 'b', quota is 2"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            policy.select(_state([], **bad))

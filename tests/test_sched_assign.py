@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -186,9 +187,35 @@ def test_bad_arguments() -> None:
         assign_mini_batch([g], 0, micro_batch_size=1)
     with pytest.raises(ValueError, match="twice"):
         assign_mini_batch([g, g], 1, micro_batch_size=1)
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
+        assign_mini_batch([g], 1, micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        assign_mini_batch([g], 1, micro_batch_size=0)
+    with pytest.raises(ValueError, match="negative token count"):
+        assign_mini_batch([dataclasses.replace(g, trajectory_tokens=(1, -2))], 1, micro_batch_size=1)
+    with pytest.raises(ValueError, match="row_start -1 < 0"):
+        assign_mini_batch([dataclasses.replace(g, row_start=-1)], 1, micro_batch_size=1)
     h = FinishedGroup(
         group_id="h", source="s", trajectory_tokens=(1,), finished_at=0, unit_id="u", node_id="n", row_start=1
     )
     with pytest.raises(ValueError, match="overlaps"):
         assign_mini_batch([g, h], 1, micro_batch_size=1)
     assert assign_mini_batch([], 3, micro_batch_size=2).layout() == [[], [], []]
+
+
+def test_groups_without_trajectories() -> None:
+    """Groups without trajectories take no rows: alone they give every rank nothing (the balance used to split
+    by 0 rows), inside another group's rows they overlap nothing, and they do not hide a real overlap."""
+
+    def group(gid: str, tokens: tuple[int, ...], row: int) -> FinishedGroup:
+        return FinishedGroup(
+            group_id=gid, source="s", trajectory_tokens=tokens, finished_at=0, unit_id="u", node_id="n", row_start=row
+        )
+
+    empty = [group("a", (), 0), group("b", (), 0)]
+    for keep_groups in (True, False):
+        assert assign_mini_batch(empty, 2, micro_batch_size=1, keep_groups=keep_groups).layout() == [[], []]
+    inside = [group("a", (5, 5, 5), 0), group("b", (), 1)]
+    assert assign_mini_batch(inside, 1, micro_batch_size=3).layout() == [[[["a", 0], ["a", 1], ["a", 2]]]]
+    with pytest.raises(ValueError, match="overlaps"):
+        assign_mini_batch([*inside, group("c", (5,), 2)], 1, micro_batch_size=3)

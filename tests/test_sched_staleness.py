@@ -111,3 +111,13 @@ def test_step_report_weights_trajectories_and_splits_sources() -> None:
     assert step_report(consumed, "weighted")["by_source"]["math"]["staleness"].p50 == 1
     with pytest.raises(ValueError, match="reading"):
         step_report(consumed, "late")
+
+
+def test_bad_weights_and_records_are_refused() -> None:
+    """A negative weight, trajectory count or mini-batch index is a ValueError naming it."""
+    with pytest.raises(ValueError, match="weights must be >= 0, got -1"):
+        summarize_weighted([(1.0, -1)])
+    with pytest.raises(ValueError, match="num_trajectories must be >= 0, got -1"):
+        _consumed("g", "math", -1, v_train=1, k=0, vs=0, ve=0, vw=0.0)
+    with pytest.raises(ValueError, match="mini_batch_index must be >= 0, got -1"):
+        _consumed("g", "math", 1, v_train=1, k=-1, vs=0, ve=0, vw=0.0)

@@ -19,6 +19,7 @@ from knittrans.sched.timing import (
     admitted_ahead,
     launch_lead,
     launch_order,
+    launchable,
     staleness_bound,
 )
 from knittrans.schema import SCHEMA_VERSION
@@ -41,6 +42,9 @@ def test_window_room_and_launch_order() -> None:
     assert AdmissionTiming(window=1).room(quotas, {"fast": 6, "slow": 2}) == -2
     assert launch_order(quotas, {"fast": 4, "slow": 1}) == ["slow", "fast"]
     assert launch_order(quotas, {"fast": 2, "slow": 1}) == ["fast", "slow"]  # tie: quota order
+    assert launchable(quotas, {"fast": 2, "slow": 1}) == ["fast", "slow"]  # tied: both may launch
+    assert launchable(quotas, {"fast": 3, "slow": 1}) == ["slow"]
+    assert launchable({"fast": 0}, {}) == []  # no source with a quota
 
 
 def test_timing_rule_validates() -> None:
@@ -50,6 +54,10 @@ def test_timing_rule_validates() -> None:
     with pytest.raises(ValueError, match="window"):
         AdmissionTiming(window=0)
     assert staleness_bound(mini_batches_per_step=16, window=1, train_batch_groups=64, quota=13, sync_lag=1) == 81
+    with pytest.raises(ValueError, match="quota must be >= 1, got 0"):
+        staleness_bound(mini_batches_per_step=16, window=1, train_batch_groups=64, quota=0)
+    with pytest.raises(ValueError, match="sync_lag must be >= 0, got -1"):
+        staleness_bound(mini_batches_per_step=16, window=1, train_batch_groups=64, quota=13, sync_lag=-1)
 
 
 # ---------------------------------------------------------------- property test on the control plane's state

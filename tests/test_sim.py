@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,7 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    eta=st.one_of(st.none(), st.integers(0, 8)),
     quotas=st.lists(st.integers(1, 6), min_size=1, max_size=4),
     k=st.sampled_from([1, 2, 4]),
     window=st.integers(1, 3),
@@ -82,6 +84,7 @@ def test_quotas_exact_every_policy(name: str, policy: str, window: int) -> None:
     handover=st.sampled_from(["step", "mini_batch"]),
 )
 def test_quotas_exact_random_workloads(
+    eta: int | None,
     quotas: list[int],
     k: int,
     window: int,
@@ -94,7 +97,7 @@ def test_quotas_exact_random_workloads(
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
     admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken
-    (under either train_batch handover)."""
+    (under either train_batch handover, with or without a staleness bound η)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(
@@ -123,12 +126,26 @@ def test_quotas_exact_random_workloads(
         in_flight_updates=True,
         lookahead=lookahead,
         train_batch_handover=handover,
+        max_staleness=eta,
     )
     trace = simulate(w, policy, seed=seed)
     assert all(counts == w.quotas for counts in trace.step_counts)
     assert compute_metrics(trace).quota_violations == 0
     assert trace.peak_admitted_ahead <= lookahead
     assert trace.peak_untaken_total <= window * w.train_batch_groups
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_staleness_bound_drops_expired_groups_at_once(policy: str) -> None:
+    """With ``max_staleness`` a group that finishes already past the bound is dropped at the next admission attempt
+    (as the control plane expires it), so it leaves the window: quotas stay exact and at most W·G groups are
+    launched and untaken. (Expired groups used to stay in the window until the trainer's next version, and the
+    deadlock guard launched their stand-ins past W·G.)"""
+    w = small("code_agent_skew", max_staleness=1)
+    trace = simulate(w, policy, seed=1)
+    assert trace.dropped > 0
+    assert all(counts == w.quotas for counts in trace.step_counts)
+    assert trace.peak_untaken_total <= w.window * w.train_batch_groups
 
 
 @pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
@@ -169,12 +186,41 @@ def test_metrics_shape_and_idle_fractions() -> None:
         ({"window": 0}, "window"),
         ({"mini_batches_per_step": 7}, "mini_batches_per_step"),
         ({"rollout_slots": 0}, "rollout_slots"),
+        ({"name": ""}, "workload name must not be empty"),
+        ({"sources": ()}, "at least one source"),
+        ({"load_s": -1.0}, "times must be >= 0"),
+        ({"trainer_overhead_s": 0.0, "trainer_s_per_token": 0.0}, "training must take some time"),
+        ({"lookahead": -1}, "lookahead"),
+        ({"lookahead": True}, "lookahead"),
+        ({"launch_lead": 3.0}, "launch_lead"),
+        ({"max_staleness": -1}, "max_staleness"),
     ],
 )
-def test_bad_workload_is_rejected(change: dict[str, int], field: str) -> None:
+def test_bad_workload_is_rejected(change: dict[str, object], field: str) -> None:
     """A workload that cannot run raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
         load_workload("balanced").with_overrides(**change)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"name": ""}, "source name must not be empty"),
+        ({"duration_mean_s": 0.0}, "duration_mean_s"),
+        ({"duration_cv": -1.0}, "duration_cv"),
+        ({"tail_prob": 2.0}, "tail_prob"),
+        ({"tail_scale": 0.5}, "tail_scale"),
+        ({"tail_alpha": 1.0}, "tail_alpha"),
+        ({"tokens_mean": 0.0}, "tokens_mean"),
+    ],
+)
+def test_bad_source_is_rejected(change: dict[str, object], field: str) -> None:
+    """A source profile that cannot be drawn from raises ValueError naming the field; duplicate names too."""
+    base = {"name": "a", "quota": 1, "duration_mean_s": 1.0}
+    with pytest.raises(ValueError, match=field):
+        SourceProfile(**{**base, **change})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="duplicate source names"):
+        Workload(name="w", sources=(SourceProfile(**base), SourceProfile(**base)), mini_batches_per_step=1)  # type: ignore[arg-type]
 
 
 def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
@@ -188,6 +234,19 @@ def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
         load_workload(str(bad))
     with pytest.raises(InvalidRequest, match="unknown workload"):
         load_workload("no_such_workload")
+    for text, message in (
+        ("- a\n", "a workload must be a mapping, got list"),
+        ("name: x\ncolour: red\nsources: []\n", r"unknown workload fields \['colour'\]"),
+        ("name: x\nsources: []\n", "'sources' must be a non-empty list"),
+        ("name: x\nsources: [a]\n", r"sources\[0\] must be a mapping"),
+        ("name: x\nwindow: 0\nsources:\n  - {name: a, quota: 2, duration_mean_s: 1}\n", "window must be >= 1"),
+        ("name: [x\n", "not valid YAML"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(InvalidRequest, match=message):
+            load_workload(str(bad))
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        load_workload(str(tmp_path / "missing.yaml"))
 
 
 @pytest.mark.slow  # ~25 s: the simulator CLI over every policy
@@ -238,6 +297,33 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fastest" in capsys.readouterr().err
     assert main(["sim", "--workload", "nope", "--no-progress"]) == 2
     assert "nope" in capsys.readouterr().err
+    for flag in ("--seeds", "--steps"):
+        assert main(["sim", flag, "0", "--no-progress"]) == 2
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+    for flag, value, message in (
+        ("--mini-batches", "4,x", "expected comma-separated integers"),
+        ("--window", "0", "expected positive integers"),
+        ("--lookahead", "1,-1", "expected integers >= 0 or K"),
+        ("--lookahead", "J", "expected integers >= 0 or K"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["sim", flag, value, "--no-progress"])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        simulate(small("balanced"), "train_batch", steps=0)
+
+
+def test_cli_lookahead_sweep_without_the_train_batch_policy(tmp_path: Path) -> None:
+    """`--lookahead 0,K` runs L = 0 and L = K; with one policy there is no `train_batch` row, so the reductions
+    against it are NaN while those against the paced baseline (always run) are numbers."""
+    out = tmp_path / "res.json"
+    argv = ["sim", "--workload", "skewed3", "--policy", "constraint_preserving", "--seeds", "1", "--steps", "2"]
+    assert main([*argv, "--lookahead", "0,K", "--json", str(out), "--no-progress"]) == 0
+    configs = json.loads(out.read_text())["configs"]
+    assert [c["lookahead"] for c in configs] == [0, load_workload("skewed3").mini_batches_per_step]
+    row = configs[0]["policies"]["constraint_preserving"]
+    assert math.isnan(row["start_arch_reduction"]) and not math.isnan(row["start_arch_reduction_vs_paced"])
+    assert "steps_per_hour_vs_train_batch" not in row and "steps_per_hour_vs_paced" in row
 
 
 @pytest.mark.parametrize("name", ["skewed3", "balanced", "code_agent_skew"])

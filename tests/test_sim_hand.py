@@ -7,6 +7,8 @@ import pytest
 from knittrans.sched.staleness import READINGS, architectural_staleness, staleness, version_of
 from knittrans.sim.engine import RunTrace, simulate
 from knittrans.sim.metrics import staleness_split
+from knittrans.sim.model import VersionTimeline
+from knittrans.sim.rollout import CallGroup, RolloutPool
 from knittrans.sim.workload import SourceProfile, Workload
 
 # The hand case. Sources a (every group takes 1 s) and b (3 s), quota 2 each: G = 4, K = 2, b = 2.
@@ -345,3 +347,24 @@ def test_publish_delay_keeps_the_trainer_busy_and_loads_are_counted() -> None:
     assert trace.weight_loads == 0
     loaded = simulate(live_workload(load_s=0.5), "constraint_preserving", seed=0)
     assert loaded.weight_loads >= 2 and loaded.load_s == pytest.approx(0.5 * loaded.weight_loads)
+
+
+def test_a_version_arriving_during_a_load_is_loaded_right_after_it() -> None:
+    """In-flight updates, 1 s loads, one slot. A 4 s group starts on v0; v1 arrives at 1 (stop, load 1..2); v2
+    arrives at 1.5, during that load, so the slot loads v2 right after (2..3) and generates its last 3 s on it,
+    ending at 6: versions (0, 2, 1.5), two loads."""
+    timeline = VersionTimeline()
+    events: list[tuple[float, tuple[int, int]]] = []
+    pool = RolloutPool(hand_workload().with_overrides(load_s=1.0), timeline, lambda t, p: events.append((t, p)))
+    group = CallGroup(group_id="a-0", source="a", duration=4.0, tokens=(100,))
+    pool.launch([group], 0.0)
+    pool.on_arrive(timeline.publish(1.0), 1.0)
+    pool.on_arrive(timeline.publish(1.5), 1.5)
+    done = None
+    while done is None:
+        events.sort()
+        t, payload = events.pop(0)
+        done = pool.on_slot(payload, t)
+    assert (t, done) == (6.0, [group])
+    assert (group.version_start, group.version_end, group.version_weighted) == (0, 2, 1.5)
+    assert (pool.loads, pool.load_s_total) == (2, 2.0)

@@ -23,7 +23,7 @@ from typing import Any
 
 from knittrans.sched.admission import POLICIES
 from knittrans.sim.cli import ProgressBar
-from knittrans.sim.sweep import BASELINE, PACED_BASELINE, run_grid
+from knittrans.sim.sweep import BASELINE, PACED_BASELINE, configurations, run_grid
 from knittrans.sim.workload import bundled_workloads, load_workload
 
 HERE = Path(__file__).parent
@@ -109,13 +109,10 @@ def main() -> int:
     total = args.steps * len(workloads) * len(ks) * len(ws) * len(ls) * (len(POLICIES) + 1) * args.seeds
     bar = ProgressBar(total)
     results = run_grid(
-        workloads,
+        configurations(workloads, ks, ws, ls),
         list(POLICIES),
         seeds=args.seeds,
         steps=args.steps,
-        mini_batches=ks,
-        windows=ws,
-        lookaheads=ls,
         progress=lambda done, label: bar.advance(label),
     )
     bar.close()

@@ -226,7 +226,7 @@ def remainder_feasible(state: StepState, counts: Mapping[str, int]) -> bool:
     conditions are also sufficient (see the module docstring). ``O(|S|)`` plus one pass over ``finished``.
 
     Raises:
-        ValueError: ``counts`` names a source without a quota.
+        ValueError: ``counts`` or a finished group names a source without a quota.
     """
     unknown = sorted(set(counts) - set(state.quotas))
     if unknown:
@@ -234,10 +234,7 @@ def remainder_feasible(state: StepState, counts: Mapping[str, int]) -> bool:
     sizes = mini_batch_sizes(state.train_batch_size, state.mini_batches_per_step)
     later = sum(sizes[state.mini_batch_index + 1 :])
     r_after = state.mini_batches_left - 1
-    available = {s: 0 for s in state.quotas}
-    for group in state.finished:
-        if group.source in available and not expired(state, group):
-            available[group.source] += 1
+    usable = _usable(state)
     total_left = 0
     for s, q in state.quotas.items():
         x = counts.get(s, 0)
@@ -247,7 +244,7 @@ def remainder_feasible(state: StepState, counts: Mapping[str, int]) -> bool:
             return False
         if b.hi is not None and rest > r_after * b.hi:
             return False
-        if rest > available[s] - x + state.pending.get(s, 0):
+        if rest > len(usable[s]) - x + state.pending.get(s, 0):
             return False
         total_left += rest
     return total_left == later

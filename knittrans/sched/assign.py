@@ -168,6 +168,8 @@ class Assignment:
         spans: list[tuple[int, int]] = []
         last_row = -1
         for g in ordered:
+            if not g.trajectory_tokens:
+                continue  # no rows: nothing to place, nothing to overlap
             key = (g.node_id, g.unit_id)
             if not self.units or self.units[-1] != key:
                 self.units.append(key)

@@ -14,6 +14,8 @@ An empty summary has ``count == 0`` and NaN for every statistic (no data is not 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -123,15 +125,10 @@ class RunningSummary:
         if self.total == 0:
             return _EMPTY
         ordered = sorted(self.hist.items())
+        seen = list(itertools.accumulate(weight for _, weight in ordered))
 
         def nearest_rank(fraction: float) -> float:
-            need = max(1, math.ceil(fraction * self.total))
-            seen = 0
-            for value, weight in ordered:
-                seen += weight
-                if seen >= need:
-                    return value
-            return ordered[-1][0]
+            return ordered[bisect.bisect_left(seen, max(1, math.ceil(fraction * self.total)))][0]
 
         return StalenessStats(
             count=self.total,

@@ -97,11 +97,9 @@ def launchable(quotas: Mapping[str, int], launched: Mapping[str, float]) -> list
     (with one worker per source, a worker that ignored this could take the whole window and stall the step
     on another source's quota).
     """
-    order = launch_order(quotas, launched)
-    if not order:
-        return []
-    first = launched.get(order[0], 0) * 1.0 / quotas[order[0]]
-    return [s for s in order if launched.get(s, 0) / quotas[s] <= first]
+    shares = {s: launched.get(s, 0) / quotas[s] for s in launch_order(quotas, launched)}
+    least = min(shares.values(), default=0.0)
+    return [s for s, share in shares.items() if share <= least]
 
 
 def launch_order(quotas: Mapping[str, int], launched: Mapping[str, float]) -> list[str]:

@@ -203,13 +203,10 @@ def run(args: argparse.Namespace) -> int:
     total = sum((args.steps or w.steps) for w in configs) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
     results = run_grid(
-        workloads,
+        configs,
         policies,
         seeds=args.seeds,
         steps=args.steps,
-        mini_batches=ks,
-        windows=ws,
-        lookaheads=ls,
         colocated=args.colocated,
         progress=None if bar is None else (lambda done, label: bar.advance(label)),
     )

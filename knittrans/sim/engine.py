@@ -105,7 +105,7 @@ class _Simulation:
     ) -> None:
         self.w = workload
         self.policy = make_policy(policy)
-        self.steps = steps
+        self.end_n = steps * workload.mini_batches_per_step  # mini-batches the run trains
         self.colocated = colocated
         self.on_step = on_step
         self.names = [s.name for s in workload.sources]
@@ -126,7 +126,6 @@ class _Simulation:
         # rollout state
         self.launched = dict.fromkeys(self.names, 0)  # per source: numbers its group ids
         self.useful = dict.fromkeys(self.names, 0)  # launched minus dropped: drives the quota-proportional launch
-        self.purged_at = -1
         self.pending = dict.fromkeys(self.names, 0)
         self.untaken = dict.fromkeys(self.names, 0)  # launched, not dropped, not in a started mini-batch
         self.launch_time: dict[str, float] = {}
@@ -136,9 +135,7 @@ class _Simulation:
         self.gen_open = True
         self.gen_launched = 0
         self.gen_finished = 0
-        # admission side: the mini-batch being formed
-        self.adm_step = 0
-        self.adm_k = 0
+        # admission side: the mini-batch being formed, number adm_n (step and index: divmod(adm_n, K))
         self.adm_n = 0
         self.admitted = dict.fromkeys(self.names, 0)
         # admitted, not started: (record index, duration, groups)
@@ -150,7 +147,6 @@ class _Simulation:
         # trainer side
         self.trainer_idle = True
         self.n = 0  # trainer policy version = mini-batches trained
-        self.trained_steps = 0
         self.trace = RunTrace(workload=workload, policy=policy, seed=seed, steps=steps, colocated=colocated)
 
     # -- events ---------------------------------------------------------------------------------
@@ -189,9 +185,7 @@ class _Simulation:
                 self.launched[name] += 1
                 self.useful[name] += 1
                 duration, tokens = self.streams[name].next_group()
-                call.append(
-                    CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens, launched_at=self.now)
-                )
+                call.append(CallGroup(group_id=gid, source=name, duration=duration, tokens=tokens))
                 self.launch_time[gid] = self.now
             self.untaken[name] += count
             self.pending[name] += count
@@ -212,7 +206,7 @@ class _Simulation:
         which a call of several groups of one source can bring about)."""
         room = self.timing.room(self.quotas, self.untaken)
         idle = self.adm_n <= self.n
-        deficit = quota_deficit(self.step_state()) if idle and room <= 0 and self.adm_step < self.steps else {}
+        deficit = quota_deficit(self.step_state()) if idle and room <= 0 and self.adm_n < self.end_n else {}
         return launch_headroom(self.quotas, room, launchable(self.quotas, launched), deficit=deficit, trainer_idle=idle)
 
     def step_state(self) -> StepState:
@@ -222,7 +216,7 @@ class _Simulation:
             admitted=self.admitted,
             finished=self.finished,
             pending=self.pending,
-            mini_batch_index=self.adm_k,
+            mini_batch_index=self.adm_n % self.K,
             mini_batches_per_step=self.K,
             current_version=self.n,
             max_staleness=self.w.max_staleness,
@@ -246,7 +240,7 @@ class _Simulation:
             )
             self.pending[g.source] -= 1
             total, n = self.generation.get(g.source, (0.0, 0))
-            self.generation[g.source] = (total + self.now - g.launched_at, n + 1)
+            self.generation[g.source] = (total + self.now - self.launch_time[g.group_id], n + 1)
         self.gen_finished += len(call)
 
     def try_admit(self) -> None:
@@ -255,10 +249,10 @@ class _Simulation:
         The trainer's position is ``n`` (mini-batches trained); mini-batch ``adm_n`` may be admitted
         while ``adm_n <= n + L`` (:mod:`knittrans.sched.timing`).
         """
-        while self.timing.may_admit(self.adm_n, self.n) and self.adm_step < self.steps:
+        while self.timing.may_admit(self.adm_n, self.n) and self.adm_n < self.end_n:
             if self.colocated and self.gen_finished < self.G:
                 break
-            if self.w.max_staleness is not None and self.purged_at != self.n:
+            if self.w.max_staleness is not None:
                 self.drop_expired()
             self.trace.select_calls += 1
             decision = self.policy.select(self.step_state())
@@ -269,8 +263,8 @@ class _Simulation:
             self.start_training()
 
     def drop_expired(self) -> None:
-        """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test)."""
-        self.purged_at = self.n
+        """Drop finished groups the staleness bound rules out (the policy's own ``expired`` test), at every admission
+        attempt as the control plane does: a group can finish already past the bound."""
         probe = self.step_state()
         keep = []
         for g in self.finished:
@@ -286,6 +280,7 @@ class _Simulation:
     def admit(self, decision: AdmissionDecision) -> None:
         """Record an admitted mini-batch (it trains at version ``adm_n``) and queue it for the trainer."""
         groups = decision.groups
+        step, k = divmod(self.adm_n, self.K)
         assert len(groups) == self.b, f"policy admitted {len(groups)} groups, mini-batch holds {self.b}"
         taken = {g.group_id for g in groups}
         self.finished = [g for g in self.finished if g.group_id not in taken]
@@ -306,8 +301,8 @@ class _Simulation:
                     source=g.source,
                     num_trajectories=len(g.trajectory_tokens),
                     v_train=self.adm_n,
-                    mini_batch_index=self.adm_k,
-                    step=self.adm_step,
+                    mini_batch_index=k,
+                    step=step,
                     version_start=g.version_start,
                     version_end=g.version_end,
                     version_weighted=g.version_weighted,
@@ -317,8 +312,8 @@ class _Simulation:
             self.admitted[name] += x
         self.trace.mini_batches.append(
             MiniBatchRecord(
-                step=self.adm_step,
-                k=self.adm_k,
+                step=step,
+                k=k,
                 n=self.adm_n,
                 admitted_at=self.now,
                 train_start=math.nan,
@@ -331,11 +326,8 @@ class _Simulation:
         self.queue.append((len(self.trace.mini_batches) - 1, duration, groups))
         self.trace.peak_admitted_ahead = max(self.trace.peak_admitted_ahead, admitted_ahead(self.adm_n + 1, self.n))
         self.adm_n += 1
-        self.adm_k += 1
-        if self.adm_k == self.K:
+        if k == self.K - 1:
             self.trace.step_counts.append(dict(self.admitted))
-            self.adm_k = 0
-            self.adm_step += 1
             self.admitted = dict.fromkeys(self.names, 0)
 
     def start_training(self) -> None:
@@ -385,9 +377,8 @@ class _Simulation:
             else:
                 self.pool.on_arrive(version, self.now)
         if self.n % self.K == 0:
-            self.trained_steps += 1
             if self.on_step is not None:
-                self.on_step(self.trained_steps)
+                self.on_step(self.n // self.K)
             if self.colocated:
                 # the next batch is generated with the newest weights once they reach the rollout slots
                 self.gen_open = False
@@ -396,11 +387,11 @@ class _Simulation:
     def run(self) -> RunTrace:
         self.launch()
         heap = self.heap
-        while self.trained_steps < self.steps:
+        while self.n < self.end_n:
             if not heap:
                 raise SimulationStalled(
-                    f"{self.w.name}/{self.trace.policy}: stalled at t={self.now:.1f}s in step {self.adm_step}, "
-                    f"mini-batch {self.adm_k}: admitted {self.admitted}, finished {len(self.finished)}, "
+                    f"{self.w.name}/{self.trace.policy}: stalled at t={self.now:.1f}s in step {self.adm_n // self.K}, "
+                    f"mini-batch {self.adm_n % self.K}: admitted {self.admitted}, finished {len(self.finished)}, "
                     f"pending {self.pending} (the policy waits for groups that can never come)"
                 )
             t, kind, _, payload = heapq.heappop(heap)

@@ -93,10 +93,9 @@ class VersionTimeline:
         token-weighted mean version of a group that switches weights in flight.
         """
         v0 = self.version_at(start)
-        if end <= start:
-            return v0, v0, float(v0)
         # the end reading is the largest version that produced a token: one arriving exactly at ``end``
-        # produced none, so it is the version in force just before ``end`` (never below ``v0``)
+        # produced none, so it is the version in force just before ``end`` (never below ``v0``; ``v0`` when
+        # ``end <= start``, as bisect_left <= bisect_right)
         v1 = max(v0, bisect.bisect_left(self.available_at, end) - 1)
         if v1 == v0:
             return v0, v1, float(v0)

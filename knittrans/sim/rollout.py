@@ -28,7 +28,6 @@ class CallGroup:
     duration: float
     """Seconds of generation it needs (loads not included)."""
     tokens: tuple[int, ...]
-    launched_at: float
     version_start: int = 0
     version_end: int = 0
     version_weighted: float = 0.0
@@ -61,8 +60,8 @@ class RolloutPool:
     """All rollout slots of one simulated run; the engine owns the clock and the event heap.
 
     ``push(t, payload)`` schedules :meth:`on_slot` with ``payload`` at ``t``. The engine calls
-    :meth:`on_arrive` when a version reaches rollout (only needed when running groups switch weights in
-    flight and loads take time).
+    :meth:`on_arrive` when a version reaches rollout, only while :attr:`switches_in_flight` (running groups
+    switch weights in flight and loads take time).
     """
 
     def __init__(self, workload: Workload, timeline: VersionTimeline, push: Callable[[float, object], None]) -> None:
@@ -128,8 +127,6 @@ class RolloutPool:
 
     def on_arrive(self, version: int, now: float) -> None:
         """Version ``version`` reached rollout: running groups stop to load it (in-flight updates, timed loads)."""
-        if not self.switches_in_flight:
-            return
         for slot in self.slots:
             if slot.phase == _LOAD:
                 slot.reload = slot.reload or version > slot.target

@@ -136,29 +136,25 @@ def configurations(
 
 
 def run_grid(
-    workloads: Sequence[Workload],
+    configs: Sequence[Workload],
     policies: Sequence[str],
     *,
     seeds: int,
     steps: int | None,
-    mini_batches: Iterable[int | None] = (None,),
-    windows: Iterable[int | None] = (None,),
-    lookaheads: Iterable[int | str | None] = (None,),
     colocated: bool = False,
     progress: Callable[[int, str], None] | None = None,
 ) -> list[ConfigResult]:
-    """Run every policy, the paced baseline and optionally the colocated reference for every configuration and
-    seed.
+    """Run every policy, the paced baseline and optionally the colocated reference for every configuration
+    (workload, as :func:`configurations` makes them) and seed.
 
     The paced baseline is ``train_batch`` with ``train_batch_handover: mini_batch``, row :data:`PACED_BASELINE`;
     summaries give every policy's reductions against both ``train_batch`` baselines (``*_reduction`` against the
     workload's handover, by default the whole step; ``*_vs_paced`` against the paced one).
 
-    ``lookaheads`` may hold ``"K"``: the lookahead equal to the configuration's ``K`` (one train batch).
     ``progress(steps_done_in_this_run, label)`` is called after each simulated step.
     """
     results: list[ConfigResult] = []
-    for workload in configurations(workloads, mini_batches, windows, lookaheads):
+    for workload in configs:
         config = ConfigResult(workload=workload)
         modes = [(p, p, workload, False) for p in policies]  # (label, policy, workload, colocated)
         if colocated:
