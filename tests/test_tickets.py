@@ -64,6 +64,13 @@ def test_media_ticket_round_trips() -> None:
         (b'{"v": 1, "kind": "other", "job": "j", "reads": [{"unit": "u"}]}', "kind"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": []}', "columns"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": ["a", "a"]}', "duplicates"),
+        (b'{"v": 1, "kind": "media", "job": "j", "reads": [{"unit": "u"}]}', "at least one media hash"),
+        (b'{"v": 1, "job": "j", "reads": {"unit": "u"}}', "'reads' must be a list"),
+        (b'{"v": 1, "job": "j", "reads": ["u"]}', "reads[0] must be an object"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [0, 4]}]}', "reads[0].rows must be a list"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": "a"}', "'columns' must be a list"),
+        (b'{"v": 1, "kind": "media", "job": "j", "media": "' + b"ab" * 32 + b'"}', "'media' must be a list"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "grants": [7]}', "'grants' must be a list of strings"),
     ],
 )
 def test_bad_tickets_name_the_problem(raw: bytes, needle: str) -> None:
