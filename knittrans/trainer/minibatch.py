@@ -144,11 +144,8 @@ class MiniBatch:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
         nodes = {f.node_id: f.endpoint for f in micro.fetches} | {m.node_id: m.endpoint for m in micro.media}
         named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
-        message = f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}"
-        try:
-            return type(exc)(message)
-        except TypeError:  # an exception type with another constructor
-            return KnitTransError(message)
+        # every KnitTransError class takes just its message
+        return type(exc)(f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}")
 
     def _load(self, i: int) -> TrainMicroBatch:
         micro = self.plan.micro_batches[i]
