@@ -162,7 +162,7 @@ class MiniBatch:
         if self._ctx.config.fetch_media and micro.media:
             # One request per trajectory use (the rows' own references when the media column was
             # fetched), so the cache's logical bytes are what per-trajectory copies would move.
-            refs = [h for row in batch.media_hex() for h in row] if batch.media_hashes is not None else []
+            refs = [h for row in batch.media_hex() for h in row]  # none without the media column
             try:
                 media = self._cache.get(refs or [m.hash for m in micro.media])
             except KnitTransError as exc:
