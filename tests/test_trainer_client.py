@@ -231,6 +231,28 @@ def test_mini_batch_admitted_after_the_ack_is_loaded_by_the_waiting_prefetch_thr
         assert next(loop, None) is None
 
 
+def test_leaving_a_loaded_mini_batch_early_does_not_wait_for_the_next_share(cluster: LocalCluster) -> None:
+    """The loop leaving a mini-batch early (its training step raised) while the prefetch thread, done with it,
+    waits for the next mini-batch's share (not admitted yet): the loop goes on at once, not after the thread's
+    30 s join timeout, and no successor is started behind the loop's back."""
+    job = "early-exit"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=4, total_steps=2))
+    write_and_register(control, job, cluster.stores, mm_groups("early-a", 4, group_size=2))  # mini-batch 0 only
+    with _client(cluster, job, "iter", prefetch_depth=4) as client:
+        first = next(iter(client.minibatches()))
+        micro = iter(first)
+        next(micro)
+        assert first._queue is not None
+        wait_until(lambda: first._queue.qsize() == 2, timeout_s=20, what="the last micro-batch and the end queued")
+        time.sleep(0.2)  # the thread is now waiting for mini-batch 1's share
+        t0 = time.monotonic()
+        micro.close()  # what an exception in the loop's step does to the generator
+        assert time.monotonic() - t0 < 5
+        assert first.take_successor() is None and not first.complete
+        first.abandon()
+
+
 def _earlier_ranks_done() -> None:
     """Wait for earlier tests' prefetch and start threads to end (they take well under a second): each may hold
     a client of its test, which would be freed, cycles and all, during the next test's count of cycles. Only

@@ -251,10 +251,10 @@ class MiniBatch:
                 self.timings.append(item.timing)
                 yield item
         finally:
-            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch.
+            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch; a loop
+            # that left early stops it, also where it already waits for the next share (the successor's wait).
             if len(self.timings) != self.num_micro_batches:
-                self._stop.set()
-                self._worker.join(timeout=30)
+                self.stop()
 
     def take_successor(self) -> MiniBatch | None:
         """The next mini-batch if the prefetch thread already started loading it, else None (it stops waiting)."""
