@@ -137,7 +137,7 @@ class Ticket:
             raise InvalidTicket(f"ticket is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidTicket("ticket must be a JSON object")
-        if body.get("v") != TICKET_VERSION:
+        if body.get("v") != TICKET_VERSION or type(body["v"]) is not int:  # true and 1.0 equal 1 too
             raise InvalidTicket(f"ticket version {body.get('v')!r} is not supported (expected {TICKET_VERSION})")
         unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media", "grants"}
         if unknown:

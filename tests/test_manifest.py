@@ -149,6 +149,7 @@ def _same_unit_row(body: dict[str, Any]) -> None:
     ("mutate", "match"),
     [
         (_set("manifest", 2), r"manifest version 2 is not 1"),
+        (_set("manifest", True), r"field 'manifest' must be an integer >= 0, not True"),
         (_set("ranks", ...), r"lacks fields: \['ranks'\]"),
         (_set("surprise", 1), r"unknown fields: \['surprise'\]"),
         (_set("step", "3"), r"field 'step' must be an integer >= 0, not '3'"),

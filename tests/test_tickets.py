@@ -51,6 +51,8 @@ def test_media_ticket_round_trips() -> None:
         (b"\xff\xfe", "not JSON"),
         (b"[1, 2]", "JSON object"),
         (b'{"v": 2, "job": "j", "reads": []}', "version 2"),
+        (b'{"v": true, "job": "j", "reads": [{"unit": "u"}]}', "version True"),
+        (b'{"v": 1.0, "job": "j", "reads": [{"unit": "u"}]}', "version 1.0"),
         (b'{"v": 1, "job": "j", "reads": [], "extra": 1}', "unknown fields"),
         (b'{"v": 1, "job": "../etc", "reads": [{"unit": "u"}]}', "job '../etc'"),
         (b'{"v": 1, "reads": [{"unit": "u"}]}', "job ''"),  # missing
