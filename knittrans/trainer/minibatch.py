@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 class MicroTiming:
     """Where one micro-batch's time went, in seconds."""
 
-    global_index: int
     rows: int
     wait_s: float = 0.0
     """Time the training loop blocked waiting for this micro-batch (exposed transfer)."""
@@ -149,7 +148,7 @@ class MiniBatch:
 
     def _load(self, i: int) -> TrainMicroBatch:
         micro = self.plan.micro_batches[i]
-        timing = MicroTiming(global_index=self.global_index, rows=len(micro.rows))
+        timing = MicroTiming(rows=len(micro.rows))
         t0 = time.perf_counter()
         try:
             table = self._streams.rows(i)
