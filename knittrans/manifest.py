@@ -150,7 +150,7 @@ class Manifest:
     def from_json(cls, body: object) -> Manifest:
         """:meth:`decode` of an already parsed JSON value."""
         d = _object(body)
-        if d["manifest"] != MANIFEST_VERSION:
+        if _int(d["manifest"], "manifest") != MANIFEST_VERSION:
             raise InvalidRequest(f"manifest version {d['manifest']!r} is not {MANIFEST_VERSION}")
         columns = d["columns"]
         if columns is not None:

@@ -137,7 +137,7 @@ class Ticket:
             raise InvalidTicket(f"ticket is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidTicket("ticket must be a JSON object")
-        if body.get("v") != TICKET_VERSION:
+        if body.get("v") != TICKET_VERSION or type(body["v"]) is not int:  # true and 1.0 equal 1 too
             raise InvalidTicket(f"ticket version {body.get('v')!r} is not supported (expected {TICKET_VERSION})")
         unknown = set(body) - {"v", "kind", "job", "reads", "columns", "media", "grants"}
         if unknown:
@@ -204,12 +204,11 @@ def node_reads(rows: Iterable[tuple[str, str, int]]) -> dict[str, tuple[UnitRead
     }
 
 
-def join_tickets(tickets: Sequence[Ticket], *, grants: Sequence[str] | None = None) -> Ticket:
+def join_tickets(tickets: Sequence[Ticket]) -> Ticket:
     """One ticket that serves what ``tickets`` serve, in their order (one ``DoGet`` instead of several).
 
     ``rows`` tickets of one job and projection: reads concatenated. ``media`` tickets of one job:
-    units once each, hashes concatenated. Grants: ``grants`` when given, else those of ``tickets``
-    once each, in first-seen order.
+    units once each, hashes concatenated. Grants: those of ``tickets`` once each, in first-seen order.
 
     Raises:
         InvalidTicket: no tickets, or they differ in kind, job or (``rows``) columns, or the joined
@@ -218,12 +217,12 @@ def join_tickets(tickets: Sequence[Ticket], *, grants: Sequence[str] | None = No
     if not tickets:
         raise InvalidTicket("join_tickets needs at least one ticket")
     first = tickets[0]
-    joined = tuple(grants) if grants is not None else tuple(dict.fromkeys(g for t in tickets for g in t.grants))
+    if len(tickets) == 1:
+        return first
+    joined = tuple(dict.fromkeys(g for t in tickets for g in t.grants))
     for t in tickets[1:]:
         if t.kind != first.kind or t.job != first.job or (first.kind == "rows" and t.columns != first.columns):
             raise InvalidTicket("only tickets of one kind, job and projection can be joined")
-    if len(tickets) == 1 and joined == first.grants:
-        return first
     if first.kind == "rows":
         return Ticket(
             job=first.job, reads=tuple(r for t in tickets for r in t.reads), columns=first.columns, grants=joined

@@ -94,7 +94,23 @@ def test_to_device_copies_values() -> None:
 def test_projection_without_list_columns() -> None:
     """A projection of scalar columns converts; absent columns are None."""
     mb = to_micro_batch(_traj().select(["reward", "version_start"]))
-    assert mb.response_ids is None and mb.rewards is not None and mb.num_rows == 12
+    assert mb.response_ids is None and mb.rewards is not None and mb.num_rows == 12 and mb.media_hex() == []
+
+
+def test_empty_tables_convert_and_null_lists_are_refused() -> None:
+    """No rows (an empty slice, or no chunks at all) gives empty tensors with cu_seqlens [0] that pack and pad;
+    a list column with a null row cannot be a flat tensor and is refused."""
+    traj = _traj()
+    for empty in (traj.slice(4, 0), pa.Table.from_batches([], schema=traj.schema)):
+        mb = to_micro_batch(empty)
+        assert mb.num_rows == 0 and mb.media_hex() == [] and mb.rewards is not None and mb.rewards.numel() == 0
+        assert mb.response_ids is not None and mb.response_cu_seqlens is not None
+        assert mb.response_ids.numel() == 0 and mb.response_cu_seqlens.tolist() == [0]
+        assert mb.pack().input_ids.numel() == 0
+        assert pad_sequences(mb.response_ids, mb.response_cu_seqlens)[0].shape == (0, 0)
+    nulls = pa.table({"response_ids": pa.array([[1, 2], None], pa.list_(pa.int32()))})
+    with pytest.raises(InvalidRequest, match="1 null rows"):
+        to_micro_batch(nulls)
 
 
 def test_pack_of_a_sliced_table_matches_its_copy() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from knittrans.errors import Conflict, InvalidRequest, NotFound
-from knittrans.trainer.dedup import DedupEncoder, DedupStateError
+from knittrans.trainer.dedup import DedupEncoder, DedupStateError, all_reduce_gradients
 
 DIM = 8
 VOCAB = 11
@@ -463,3 +463,51 @@ def test_same_hash_with_other_shape_or_dtype_is_refused_without_content_check() 
     dedup.add_media({"A": 255 - images["A"]})  # same shape and dtype, other bytes: not digested
     assert dedup.cached_media == 1
     dedup.drop()
+
+
+class _Scale(nn.Module):
+    """Features of an input's own shape (``w * x``): media of different lengths have different feature shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * self.w
+
+
+def test_media_of_different_feature_shapes_come_as_a_list() -> None:
+    """features() of a micro-batch whose media have different feature shapes refuses, naming feature_list(), and
+    counts no use; feature_list() then gives per-hash views whose summed gradient reaches the encoder once."""
+    enc = _Scale()
+    dedup = DedupEncoder(enc, device="cpu")
+    dedup.begin_mini_batch({"a": torch.ones(2), "b": torch.ones(3)})
+    with pytest.raises(InvalidRequest, match=r"different feature shapes \[\(2,\), \(3,\)\]; use feature_list"):
+        dedup.features(["a", "b"])
+    parts = dedup.feature_list(["a", "b", "a"])
+    assert [tuple(p.shape) for p in parts] == [(2,), (3,), (2,)]
+    sum(p.sum() for p in parts).backward()  # type: ignore[union-attr]
+    stats = dedup.finish()
+    assert stats.uses == 3 and stats.unique_media == 2 and stats.encoder_calls == 2
+    assert enc.w.grad is not None and enc.w.grad.item() == 7.0  # a twice (2 + 2), b once (3)
+
+
+def test_bad_arguments_and_a_chunk_changed_after_encoding_are_refused() -> None:
+    """encode_batch_size < 1, an empty hash, all_reduce_gradients without torch.distributed, and (recompute) an
+    encoded chunk's input changed in place before finish() raise named errors instead of wrong gradients."""
+    with pytest.raises(ValueError, match="encode_batch_size must be >= 1"):
+        DedupEncoder(_Scale(), encode_batch_size=0)
+    seen: list[torch.Tensor] = []
+    enc = _Scale()
+    enc.register_forward_pre_hook(lambda m, args: seen.append(args[0]))  # an encoder keeping its input
+    dedup = DedupEncoder(enc, mode="recompute")
+    dedup.begin_mini_batch()
+    with pytest.raises(InvalidRequest, match="non-empty str"):
+        dedup.add_media({"": torch.ones(2)})
+    dedup.features(["a"], media={"a": torch.ones(2)}).sum().backward()
+    seen[0].add_(1)
+    with pytest.raises(InvalidRequest, match="modified in place after encoding"):
+        dedup.finish()
+    assert not dedup.active
+    with pytest.raises(DedupStateError, match=r"needs an initialised torch\.distributed"):
+        all_reduce_gradients(enc.parameters())

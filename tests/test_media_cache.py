@@ -159,6 +159,8 @@ def test_bad_input_raises_named_errors(media: MediaTable) -> None:
         decode_media("f" * 64, MediaRecord("image", [2, 3], "uint8", b"12345"))
     with pytest.raises(SchemaMismatch, match="unsupported dtype 'complex64'"):
         decode_media("f" * 64, MediaRecord("image", [1], "complex64", b"12345678"))
+    with pytest.raises(SchemaMismatch, match=r"negative dimension in shape \[-2, -3\]"):
+        decode_media("f" * 64, MediaRecord("image", [-2, -3], "uint8", b"123456"))  # the sizes would match
 
 
 def test_bfloat16_bytes_and_copy_decoders() -> None:

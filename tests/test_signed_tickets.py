@@ -3,7 +3,10 @@ what the grants cover."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
+import hmac
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,7 @@ import torch
 
 from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
-from knittrans.grants import check_ticket, sign_grant
+from knittrans.grants import MAX_GRANTS, check_ticket, sign_grant
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import Manifest, RankPlan
 from knittrans.tickets import Ticket, UnitRead
@@ -128,6 +131,26 @@ def test_grants_expire_and_bind_columns() -> None:
         check_ticket(key, ok, now=time.time() + 3600)
     with pytest.raises(Unauthenticated, match="signature"):
         check_ticket(b"another key", ok, now=time.time())
+
+
+def test_media_tickets_and_grant_counts_are_checked() -> None:
+    """A media ticket passes only with its hashes and searched units granted; more than MAX_GRANTS grants, or a
+    signed payload that is not a grant, is refused."""
+    key, now = KEY.encode(), time.time()
+    h1, h2 = "ab" * 32, "cd" * 32
+    grant = sign_grant(key, job="j", expires_at=now + 60, reads={}, columns=None, media={h1: "u1"})
+    ok = Ticket(job="j", kind="media", reads=(UnitRead(unit_id="u1"),), media_hashes=(h1,), grants=(grant,))
+    check_ticket(key, ok, now=now)
+    with pytest.raises(Unauthenticated, match="media hash cdcdcdcd"):
+        check_ticket(key, dataclasses.replace(ok, media_hashes=(h1, h2)), now=now)
+    with pytest.raises(Unauthenticated, match="unit 'u2' is not granted for media reads"):
+        check_ticket(key, dataclasses.replace(ok, reads=(UnitRead(unit_id="u2"),)), now=now)
+    with pytest.raises(Unauthenticated, match=f"more than {MAX_GRANTS}"):
+        check_ticket(key, dataclasses.replace(ok, grants=(grant,) * (MAX_GRANTS + 1)), now=now)
+    payload = base64.urlsafe_b64encode(b'{"job": "j"}').decode().rstrip("=")
+    signed = f"{payload}.{hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()}"
+    with pytest.raises(Unauthenticated, match="malformed"):
+        check_ticket(key, dataclasses.replace(ok, grants=(signed,)), now=now)
 
 
 def test_store_without_a_key_still_serves_unsigned_tickets(tmp_path: Path, store_dir: Path) -> None:

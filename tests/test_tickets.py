@@ -51,6 +51,8 @@ def test_media_ticket_round_trips() -> None:
         (b"\xff\xfe", "not JSON"),
         (b"[1, 2]", "JSON object"),
         (b'{"v": 2, "job": "j", "reads": []}', "version 2"),
+        (b'{"v": true, "job": "j", "reads": [{"unit": "u"}]}', "version True"),
+        (b'{"v": 1.0, "job": "j", "reads": [{"unit": "u"}]}', "version 1.0"),
         (b'{"v": 1, "job": "j", "reads": [], "extra": 1}', "unknown fields"),
         (b'{"v": 1, "job": "../etc", "reads": [{"unit": "u"}]}', "job '../etc'"),
         (b'{"v": 1, "reads": [{"unit": "u"}]}', "job ''"),  # missing
@@ -64,6 +66,13 @@ def test_media_ticket_round_trips() -> None:
         (b'{"v": 1, "kind": "other", "job": "j", "reads": [{"unit": "u"}]}', "kind"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": []}', "columns"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": ["a", "a"]}', "duplicates"),
+        (b'{"v": 1, "kind": "media", "job": "j", "reads": [{"unit": "u"}]}', "at least one media hash"),
+        (b'{"v": 1, "job": "j", "reads": {"unit": "u"}}', "'reads' must be a list"),
+        (b'{"v": 1, "job": "j", "reads": ["u"]}', "reads[0] must be an object"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u", "rows": [0, 4]}]}', "reads[0].rows must be a list"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": "a"}', "'columns' must be a list"),
+        (b'{"v": 1, "kind": "media", "job": "j", "media": "' + b"ab" * 32 + b'"}', "'media' must be a list"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "grants": [7]}', "'grants' must be a list of strings"),
     ],
 )
 def test_bad_tickets_name_the_problem(raw: bytes, needle: str) -> None:

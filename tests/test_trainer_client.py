@@ -6,18 +6,19 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from knittrans.errors import InvalidRequest, Unavailable
+from knittrans.errors import InvalidRequest, NotFound, Unavailable
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
+from knittrans.trainer.share import ShareStreams
 from tests.gc_support import assert_no_cycles_of_ours, cyclic_gc_off
 from tests.trainer_support import job_spec, mm_groups, write_and_register
 
@@ -97,6 +98,27 @@ def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
             for m in client.minibatch(plan):
                 seen.append(m.index)
         assert seen == [0]
+
+
+def test_a_failed_media_fetch_names_plan_micro_batch_and_node(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A media read that fails is raised in the loop as its own error class, naming the plan, the micro-batch and
+    the store node(s) it reads, like a failed rows read."""
+    job = "media-fail"
+    plan = _one_rank_plan(cluster, job, groups=2, micro_batch_size=4, groups_per_unit=1)
+    micro = plan.micro_batches[0]
+    assert micro.media
+
+    def lost(self: ShareStreams, hashes: Sequence[str]) -> dict[str, Any]:
+        raise NotFound(f"media {hashes[0]} is gone")
+
+    monkeypatch.setattr(ShareStreams, "media", lost)
+    with _client(cluster, job, "eager") as client, pytest.raises(NotFound) as info:
+        list(client.minibatch(plan))
+    message = str(info.value)
+    assert message.startswith(f"plan {plan.plan_id} micro-batch 0: fetch from store node ") and "is gone" in message
+    assert all(f"{f.node_id} ({f.endpoint})" in message for f in [*micro.fetches, *micro.media]), message
 
 
 def _compute(cost: int) -> None:
@@ -209,6 +231,28 @@ def test_mini_batch_admitted_after_the_ack_is_loaded_by_the_waiting_prefetch_thr
         assert next(loop, None) is None
 
 
+def test_leaving_a_loaded_mini_batch_early_does_not_wait_for_the_next_share(cluster: LocalCluster) -> None:
+    """The loop leaving a mini-batch early (its training step raised) while the prefetch thread, done with it,
+    waits for the next mini-batch's share (not admitted yet): the loop goes on at once, not after the thread's
+    30 s join timeout, and no successor is started behind the loop's back."""
+    job = "early-exit"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=4, total_steps=2))
+    write_and_register(control, job, cluster.stores, mm_groups("early-a", 4, group_size=2))  # mini-batch 0 only
+    with _client(cluster, job, "iter", prefetch_depth=4) as client:
+        first = next(iter(client.minibatches()))
+        micro = iter(first)
+        next(micro)
+        assert first._queue is not None
+        wait_until(lambda: first._queue.qsize() == 2, timeout_s=20, what="the last micro-batch and the end queued")
+        time.sleep(0.2)  # the thread is now waiting for mini-batch 1's share
+        t0 = time.monotonic()
+        micro.close()  # what an exception in the loop's step does to the generator
+        assert time.monotonic() - t0 < 5
+        assert first.take_successor() is None and not first.complete
+        first.abandon()
+
+
 def _earlier_ranks_done() -> None:
     """Wait for earlier tests' prefetch and start threads to end (they take well under a second): each may hold
     a client of its test, which would be freed, cycles and all, during the next test's count of cycles. Only
@@ -297,6 +341,44 @@ def test_a_second_loop_over_one_client_is_refused(cluster: LocalCluster) -> None
         assert len(_train(client, 1)) == 1
         with pytest.raises(InvalidRequest, match="runs once per client"):
             next(iter(client.minibatches()))
+
+
+def test_a_mini_batch_left_half_done_is_refused(cluster: LocalCluster) -> None:
+    """A mini-batch iterated once cannot be iterated again; the loop moving past one that was neither fully
+    iterated, abandoned nor acked raises (acking it would lose rows) instead of acking it."""
+    control, job = cluster.control(), "half"
+    control.create_job(job_spec(job, groups=2, group_size=2, k=2, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 2, group_size=2))
+    with _client(cluster, job, "eager") as client:
+        loop = client.minibatches()
+        mb = next(loop)
+        assert len(list(mb)) == mb.num_micro_batches
+        with pytest.raises(InvalidRequest, match="already iterated"):
+            next(iter(mb))
+        mb = next(loop)
+        with pytest.raises(InvalidRequest, match=f"{mb.plan_id} was neither fully iterated, abandoned nor acked"):
+            next(loop)
+    assert control.progress(job)["position"] == 1  # the first one acked, the second not
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ({"rank": 2}, "outside world_size 2"),
+        ({"fetch_mode": "lazy"}, "fetch_mode must be"),
+        ({"prefetch_depth": 0}, "prefetch_depth"),
+        ({"fetch_timeout_s": 0}, "fetch_timeout_s"),
+        ({"replan_wait_s": -1}, "replan_wait_s"),
+        ({"torch_threads": 0}, "torch_threads"),
+        ({"group": "all"}, "group must be"),
+        ({"poll_timeout_s": 0}, "poll_timeout_s must be > 0"),
+        ({"control_retry_s": -1}, "control_retry_s >= 0"),
+    ],
+)
+def test_trainer_config_refuses_bad_settings(bad: dict[str, Any], needle: str) -> None:
+    """Each setting out of range raises at construction, naming the setting."""
+    with pytest.raises(ValueError, match=needle):
+        TrainerConfig(control_url="http://127.0.0.1:1", job="j", **{"rank": 0, "world_size": 2, **bad})
 
 
 def test_store_node_killed_mid_mini_batch_names_the_node(own_cluster: LocalCluster) -> None:

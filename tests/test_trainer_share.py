@@ -86,7 +86,24 @@ def test_unstreamable_plan_is_refused() -> None:
         fetches=(RowFetch(node_id="n0", endpoint="grpc://127.0.0.1:1", ticket=whole),),
         media=(),
     )
-    manifest = Manifest(
+    plan = RankPlan(manifest=_bare_manifest(((),)), rank=0, micro_batches=(micro,))
+    with (
+        Fetcher() as fetcher,
+        pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),
+    ):
+        ShareStreams(fetcher, plan)
+
+
+def test_a_micro_batch_without_rows_opens_and_reads_nothing() -> None:
+    """A share whose micro-batch has no rows (the manifest format allows it) opens no call; its rows are None."""
+    with Fetcher() as fetcher:
+        streams = ShareStreams(fetcher, _bare_manifest((((),),)).share(0))
+        assert streams.calls == 0 and streams.rows(0) is None and streams.media([]) == {}
+
+
+def _bare_manifest(ranks: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]) -> Manifest:
+    """A manifest of job ``j`` that names no node, unit or group: only ``ranks``' empty layout."""
+    return Manifest(
         job="j",
         global_index=0,
         attempt=0,
@@ -99,14 +116,8 @@ def test_unstreamable_plan_is_refused() -> None:
         units=(),
         groups=(),
         media=(),
-        ranks=((),),
+        ranks=ranks,
     )
-    plan = RankPlan(manifest=manifest, rank=0, micro_batches=(micro,))
-    with (
-        Fetcher() as fetcher,
-        pytest.raises(InvalidRequest, match=r"plan n0\.a0\.r0: its rows tickets cannot be streamed"),
-    ):
-        ShareStreams(fetcher, plan)
 
 
 def _batches(sizes: list[int]) -> Iterator[pa.RecordBatch]:

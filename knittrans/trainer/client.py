@@ -62,26 +62,16 @@ logger = logging.getLogger(__name__)
 class TrainerClient:
     """One rank: reads manifests, fetches rows and media on demand, reports fetched, acks."""
 
-    def __init__(
-        self,
-        config: TrainerConfig,
-        *,
-        control: ControlClient | None = None,
-        transform: Callable[[TrainMicroBatch], Any] | None = None,
-        collectives: tuple[Collective, Collective] | None = None,
-    ) -> None:
+    def __init__(self, config: TrainerConfig, *, transform: Callable[[TrainMicroBatch], Any] | None = None) -> None:
         """Build the rank's client; it connects to the store nodes and asks for the first share in the background.
 
         Args:
             transform: ``transform(micro) -> Any``, run right after a micro-batch is loaded (in the prefetch
                 thread in ``iter`` mode) with the result in :attr:`TrainMicroBatch.prepared`, like a
                 DataLoader's ``collate_fn``; its exceptions reach the training loop like fetch errors.
-            collectives: the ranks' ``(feed, progress)`` collectives (rank 0 talks to the control plane for
-                all); None: by ``config.group`` (two :class:`~knittrans.trainer.feed.TorchCollective` s
-                under ``torch.distributed``, else each rank for itself).
         """
         self.config = config
-        self.control = control or ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
+        self.control = ControlClient(config.control_url, token=config.token, retry=config.retry_policy())
         """Control-plane client; its retry policy is the rank's only one (``control_retry_s`` by default)."""
         self.fetcher = Fetcher(
             token=config.store_token,
@@ -92,8 +82,8 @@ class TrainerClient:
         self._current: MiniBatch | None = None
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        if collectives is None and config.group == "auto":
-            collectives = _torch_collectives(config)
+        # the ranks' (feed, progress) collectives: two gloo groups under torch.distributed (config.group)
+        collectives = _torch_collectives(config) if config.group == "auto" else None
         feed_group, progress_group = collectives if collectives is not None else (None, None)
         self.collective = progress_group
         """The ranks' collective of the training loop's calls (None: each rank talks to the control plane)."""

@@ -205,18 +205,18 @@ class DedupEncoder:
             first = self._chunks[0].leaf
             return torch.empty((0, *shape), dtype=first.dtype, device=first.device)
         places = [self._place(h) for h in hashes]
-        self._uses += len(hashes)
-        chunk_ids = {c for c, _ in places}
-        if len(chunk_ids) == 1:
+        if len({c for c, _ in places}) == 1:
             leaf = self._chunks[places[0][0]].leaf
             rows = torch.tensor([r for _, r in places], dtype=torch.long, device=leaf.device)
+            self._uses += len(hashes)
             return leaf.index_select(0, rows)
         parts = [self._chunks[c].leaf[r] for c, r in places]
         shapes = {tuple(p.shape) for p in parts}
-        if len(shapes) != 1:
+        if len(shapes) != 1:  # nothing handed out: no use counted
             raise InvalidRequest(
                 f"media of one micro-batch have different feature shapes {sorted(shapes)}; use feature_list()"
             )
+        self._uses += len(hashes)
         return torch.stack(parts)
 
     def feature_list(self, hashes: Sequence[str]) -> list[torch.Tensor]:

@@ -159,7 +159,7 @@ class ManifestFeed:
                 f"the collective's rank {collective.rank} of {collective.size} is not this client's rank {rank} "
                 f"of world_size {world_size}"
             )
-        self.control, self.job, self.rank, self.world_size = control, job, rank, world_size
+        self.control, self.job, self.rank = control, job, rank
         self.collective = collective
         self.poll_s = poll_s
         self._cond = threading.Condition()
@@ -294,8 +294,7 @@ class ManifestFeed:
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        self._thread.join(timeout_s)  # never the caller's: the feed's thread runs no code of its users
 
 
 class _Closed:

@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 class MicroTiming:
     """Where one micro-batch's time went, in seconds."""
 
-    global_index: int
     rows: int
     wait_s: float = 0.0
     """Time the training loop blocked waiting for this micro-batch (exposed transfer)."""
@@ -144,15 +143,12 @@ class MiniBatch:
         """``exc`` with the plan, micro-batch and store node(s) it concerns in the message."""
         nodes = {f.node_id: f.endpoint for f in micro.fetches} | {m.node_id: m.endpoint for m in micro.media}
         named = [f"{n} ({e})" for n, e in nodes.items() if e in str(exc)] or [f"{n} ({e})" for n, e in nodes.items()]
-        message = f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}"
-        try:
-            return type(exc)(message)
-        except TypeError:  # an exception type with another constructor
-            return KnitTransError(message)
+        # every KnitTransError class takes just its message
+        return type(exc)(f"plan {self.plan_id} micro-batch {i}: fetch from store node {', '.join(named)} failed: {exc}")
 
     def _load(self, i: int) -> TrainMicroBatch:
         micro = self.plan.micro_batches[i]
-        timing = MicroTiming(global_index=self.global_index, rows=len(micro.rows))
+        timing = MicroTiming(rows=len(micro.rows))
         t0 = time.perf_counter()
         try:
             table = self._streams.rows(i)
@@ -165,7 +161,7 @@ class MiniBatch:
         if self._ctx.config.fetch_media and micro.media:
             # One request per trajectory use (the rows' own references when the media column was
             # fetched), so the cache's logical bytes are what per-trajectory copies would move.
-            refs = [h for row in batch.media_hex() for h in row] if batch.media_hashes is not None else []
+            refs = [h for row in batch.media_hex() for h in row]  # none without the media column
             try:
                 media = self._cache.get(refs or [m.hash for m in micro.media])
             except KnitTransError as exc:
@@ -254,10 +250,10 @@ class MiniBatch:
                 self.timings.append(item.timing)
                 yield item
         finally:
-            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch.
+            # Once every micro-batch was handed out the thread goes on to prefetch the next mini-batch; a loop
+            # that left early stops it, also where it already waits for the next share (the successor's wait).
             if len(self.timings) != self.num_micro_batches:
-                self._stop.set()
-                self._worker.join(timeout=30)
+                self.stop()
 
     def take_successor(self) -> MiniBatch | None:
         """The next mini-batch if the prefetch thread already started loading it, else None (it stops waiting)."""

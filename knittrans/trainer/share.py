@@ -125,12 +125,12 @@ class ShareStreams:
     calls :meth:`rows` for micro-batches ``0, 1, ...`` in order and :meth:`media` as it goes.
 
     Raises:
-        InvalidRequest: a rows ticket has no explicit row ranges, or one node's tickets project different
-            columns or name different jobs (a manifest's shares never do).
+        InvalidRequest: a rows ticket has no explicit row ranges (a manifest's shares never do); or, from
+            :func:`~knittrans.tickets.join_tickets` (:class:`~knittrans.errors.InvalidTicket`), one node's
+            tickets differ in kind, job or projection.
     """
 
     def __init__(self, fetcher: Fetcher, plan: RankPlan, *, media: bool = True) -> None:
-        job: str | None = None
         self._row_counts: list[list[tuple[str, int]]] = []
         rows: dict[str, list[Ticket]] = {}
         endpoints: dict[str, str] = {}
@@ -139,12 +139,8 @@ class ShareStreams:
             for f in micro.fetches:
                 ticket, node = f.ticket, f.node_id
                 sizes = [r.num_rows for r in ticket.reads]
-                mixed = node in rows and rows[node][0].columns != ticket.columns
-                if ticket.kind != "rows" or None in sizes or mixed or (job is not None and ticket.job != job):
-                    raise InvalidRequest(
-                        f"plan {plan.plan_id}: its rows tickets cannot be streamed (row ranges, columns, job)"
-                    )
-                job = ticket.job
+                if ticket.kind != "rows" or None in sizes:
+                    raise InvalidRequest(f"plan {plan.plan_id}: its rows tickets cannot be streamed (row ranges)")
                 endpoints[node] = f.endpoint
                 rows.setdefault(node, []).append(ticket)
                 per_micro.append((node, sum(n or 0 for n in sizes)))
@@ -155,11 +151,6 @@ class ShareStreams:
             for m in micro.media:
                 if m.hash in self._media_node:
                     continue
-                if m.ticket.kind != "media" or (job is not None and m.ticket.job != job):
-                    raise InvalidRequest(
-                        f"plan {plan.plan_id}: media ticket of {m.hash} is not a media ticket of its job"
-                    )
-                job = m.ticket.job
                 self._media_node[m.hash] = m.node_id
                 endpoints.setdefault(m.node_id, m.endpoint)
                 media_of.setdefault(m.node_id, []).append(m.ticket)
