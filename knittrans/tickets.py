@@ -99,6 +99,10 @@ class Ticket:
             raise InvalidTicket(f"ticket kind must be 'rows' or 'media', not {self.kind!r}")
         if self.kind == "rows" and not self.reads:
             raise InvalidTicket("a 'rows' ticket needs at least one read")
+        if self.kind == "rows" and self.media_hashes:
+            raise InvalidTicket("a 'rows' ticket takes no media hashes (a 'media' ticket serves those)")
+        if self.kind == "media" and (self.columns is not None or any(r.row_ranges for r in self.reads)):
+            raise InvalidTicket("a 'media' ticket takes no columns or row ranges: it names the units to search")
         _check_no_row_twice(self.reads)
         if self.kind == "media":
             if not self.media_hashes:

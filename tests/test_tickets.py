@@ -73,6 +73,17 @@ def test_media_ticket_round_trips() -> None:
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "columns": "a"}', "'columns' must be a list"),
         (b'{"v": 1, "kind": "media", "job": "j", "media": "' + b"ab" * 32 + b'"}', "'media' must be a list"),
         (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "grants": [7]}', "'grants' must be a list of strings"),
+        (b'{"v": 1, "job": "j", "reads": [{"unit": "u"}], "media": ["' + b"ab" * 32 + b'"]}', "takes no media hashes"),
+        (
+            b'{"v": 1, "kind": "media", "job": "j", "media": ["' + b"ab" * 32 + b'"], "columns": ["a"]}',
+            "takes no columns",
+        ),
+        (
+            b'{"v": 1, "kind": "media", "job": "j", "reads": [{"unit": "u", "rows": [[0, 1]]}], "media": ["'
+            + b"ab" * 32
+            + b'"]}',
+            "or row ranges",
+        ),
     ],
 )
 def test_bad_tickets_name_the_problem(raw: bytes, needle: str) -> None:
