@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,7 +36,7 @@ import numpy as np
 
 from knittrans.controlclient import ControlClient
 from knittrans.descriptors import UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from knittrans.errors import Conflict, InvalidRequest, KnitTransError, NotFound, Unavailable
 from knittrans.lifecycle import TERMINAL
 from knittrans.names import check_name
 from knittrans.retry import DEFAULT_RETRY, RetryPolicy
@@ -469,11 +469,16 @@ class RolloutWorker:
             try:
                 return call()
             except Unavailable as exc:
-                pause = next(pauses, None)
-                if pause is None:
-                    raise
-                logger.warning("%s: %s; retrying in %.2f s", self.config.worker_id, exc, pause)
-                time.sleep(pause)
+                self._pause(pauses, exc)
+
+    def _pause(self, pauses: Iterator[float], exc: KnitTransError) -> None:
+        """Sleep the next of ``pauses`` (a ``store_retry`` schedule) after ``exc``, logged; once the schedule is spent,
+        raise ``exc``: the one retry step of :meth:`_on_store` and :meth:`_register`."""
+        pause = next(pauses, None)
+        if pause is None:
+            raise exc
+        logger.warning("%s: %s; retrying in %.2f s", self.config.worker_id, exc, pause)
+        time.sleep(pause)
 
     def _register(self, unit_id: str) -> None:
         descriptor = self._state.sealed[unit_id]
@@ -490,11 +495,7 @@ class RolloutWorker:
                     break
                 # refused for its node, declared lost, whose store registers it again at its next heartbeat (past
                 # store_retry the worker ends: a restart registers the unit from the state file)
-                pause = next(pauses, None)
-                if pause is None:
-                    raise
-                logger.warning("%s: %s; retrying in %.2f s", self.config.worker_id, exc, pause)
-                time.sleep(pause)
+                self._pause(pauses, exc)
         for g in descriptor["groups"]:
             self._state.announced.pop(g["group_id"], None)
         del self._state.sealed[unit_id]
