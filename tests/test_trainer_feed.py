@@ -1,111 +1,109 @@
-"""ManifestFeed, Progress and the rank collectives without a cluster: a scripted stand-in answers for the control
-plane, so the feed's start, end and failure paths run deterministically."""
+"""ManifestFeed, Progress and the rank collectives against a real control plane (``knittrans control-plane`` in a
+subprocess, the real ControlClient): the feed's start, end and failure paths."""
 
 from __future__ import annotations
 
 import datetime
-import time
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
+from api_support import ServerProcess, job_spec, manifest, server, single_group_units
 
-from knittrans.controlclient import JobFinished
-from knittrans.errors import DataLost, KnitTransError, Unavailable
+from knittrans.controlclient import ControlClient
+from knittrans.errors import KnitTransError, Unavailable
 from knittrans.procs import free_port
+from knittrans.retry import RetryPolicy
 from knittrans.trainer.client import TrainerConfig, _torch_collectives
 from knittrans.trainer.feed import ManifestFeed, Progress, TorchCollective
 
-
-class _Control:
-    """The control-plane calls a feed and Progress make: ``progress`` answers (or raises) ``start``; ``manifest``
-    raises ``manifest_error`` or waits out its long-poll with nothing admitted; ``fetched`` raises DataLost."""
-
-    def __init__(self, start: dict[str, Any] | BaseException, manifest_error: BaseException | None = None) -> None:
-        self.start, self.manifest_error = start, manifest_error
-        self.fetched_calls = 0
-
-    def progress(self, job: str) -> dict[str, Any]:
-        if isinstance(self.start, BaseException):
-            raise self.start
-        return self.start
-
-    def manifest(self, job: str, n: int, timeout_s: float = 30.0, *, etag: str | None = None) -> None:
-        if self.manifest_error is not None:
-            raise self.manifest_error
-        time.sleep(0.02)
-
-    def fetched(self, job: str, n: int, attempt: int, ranks: Any = None) -> dict[str, Any]:
-        self.fetched_calls += 1
-        raise DataLost(f"mini-batch {n} attempt {attempt} was withdrawn")
+JOB = "job1"
 
 
-def _feed(control: _Control, rank: int = 0, world_size: int = 2) -> ManifestFeed:
-    return ManifestFeed(control, "j", rank, world_size, collective=None, poll_s=0.1)  # type: ignore[arg-type]
+@pytest.fixture
+def cp(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A control plane with job ``job1`` (two ranks, K=3) and its first step's six groups on node ``n0``: the
+    step's three mini-batches are admitted."""
+    with server(tmp_path / "cp.db") as proc, httpx.Client(base_url=proc.url) as c:
+        assert c.post("/v1/jobs", json=job_spec()).status_code == 201
+        assert c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+        units = single_group_units(["math", "math", "code", "math", "math", "code"])
+        assert c.post(f"/v1/jobs/{JOB}/units", json={"units": units}).status_code == 200
+        yield proc
 
 
-def test_a_restarted_rank_resumes_after_the_mini_batches_it_acked() -> None:
-    """The first share is the first mini-batch this rank has not acked: in-flight ones its rank acked are skipped
-    (each rank by its own acks); a mini-batch the job will never have is None."""
-    progress = {
-        "position": 2,
-        "in_flight": [{"global_index": 2, "acked_ranks": [[0, 2]]}, {"global_index": 3, "acked_ranks": [[1, 2]]}],
-    }
-    for rank, first in ((0, 3), (1, 4)):
-        feed = _feed(_Control(progress, manifest_error=JobFinished("drained")), rank)
-        try:
-            assert feed.start() == first and feed.share(first) is None
-        finally:
-            feed.close()
+def _control(url: str) -> ControlClient:
+    return ControlClient(url, retry=RetryPolicy(budget_s=0))
 
 
-def test_a_feed_that_cannot_start_or_ask_raises_in_the_loop() -> None:
-    """An unreachable control plane at start, or a failing manifest request, ends the feed: the loop's
-    ``start``/``share`` raise that error."""
-    feed = _feed(_Control(Unavailable("control plane down")))
-    with pytest.raises(Unavailable, match="control plane down"):
-        feed.start()
-    with pytest.raises(Unavailable, match="control plane down"):
-        feed.share(0)
-    feed.close()
-    feed = _feed(_Control({"position": 0, "in_flight": []}, manifest_error=RuntimeError("broken transport")))
-    with pytest.raises(RuntimeError, match="broken transport"):
-        feed.share(0)
-    feed.close()
+def _feed(control: ControlClient, rank: int = 0, world_size: int = 2) -> ManifestFeed:
+    return ManifestFeed(control, JOB, rank, world_size, collective=None, poll_s=0.1)
 
 
-def test_a_closed_feed_refuses_the_shares_it_never_got() -> None:
+def test_a_restarted_rank_resumes_after_the_mini_batches_it_acked(cp: ServerProcess) -> None:
+    """The first share is the first mini-batch this rank has not acked: each rank starts after its own acks (rank
+    0 acked mini-batches 0-1, rank 1 only 0), and its manifest, admitted already, comes at once."""
+    with httpx.Client(base_url=cp.url) as c:
+        for n, ranks in ((0, [0]), (0, [1]), (1, [0])):
+            m = manifest(c, JOB, n)
+            assert m is not None
+            body = {"attempt": m.attempt, "ranks": ranks}
+            assert c.post(f"/v1/jobs/{JOB}/minibatches/{n}/ack", json=body).status_code == 200
+    for rank, first in ((0, 2), (1, 1)):
+        with _control(cp.url) as control:
+            feed = _feed(control, rank)
+            try:
+                assert feed.start() == first
+                assert feed.share(first) is not None  # admitted: its manifest comes at once
+            finally:
+                feed.close()
+
+
+def test_a_feed_that_cannot_start_raises_in_the_loop() -> None:
+    """An unreachable control plane at start ends the feed: the loop's ``start`` and ``share`` raise its error."""
+    with _control(f"http://127.0.0.1:{free_port()}") as control:
+        feed = _feed(control)
+        with pytest.raises(Unavailable):
+            feed.start()
+        with pytest.raises(Unavailable):
+            feed.share(0)
+        feed.close()
+
+
+def test_a_closed_feed_refuses_the_shares_it_never_got(cp: ServerProcess) -> None:
     """close() while a mini-batch is not admitted yet: asking for its share raises instead of waiting."""
-    feed = _feed(_Control({"position": 5, "in_flight": []}))
-    assert feed.start() == 5
-    feed.close()
-    with pytest.raises(KnitTransError, match="client is closed"):
-        feed.share(5)
+    with _control(cp.url) as control:
+        feed = _feed(control)
+        assert feed.start() == 0
+        feed.close()
+        with pytest.raises(KnitTransError, match="client is closed"):
+            feed.share(3)  # the next step's first: not admitted
 
 
-def test_progress_reports_a_withdrawn_or_failed_fetch_as_false() -> None:
-    """fetched() is False when the control plane withdrew the mini-batch (DataLost), and without asking it when
-    this rank's own fetch failed."""
-    control = _Control({})
-    progress = Progress(control, "j", 0, None)  # type: ignore[arg-type]
-    assert progress.fetched(7, 1) is False and control.fetched_calls == 1
-    assert progress.fetched(7, 1, ok=False) is False and control.fetched_calls == 1
+def test_progress_reports_a_withdrawn_or_failed_fetch_as_false(cp: ServerProcess) -> None:
+    """fetched() is False when the control plane withdrew the mini-batch (its node was lost: DataLost), and,
+    without asking the control plane (here: one that cannot be reached), when this rank's own fetch failed."""
+    with httpx.Client(base_url=cp.url) as c:
+        m = manifest(c, JOB, 0)
+        assert m is not None
+        assert c.post("/v1/nodes/n0/lost").status_code == 200
+    with _control(cp.url) as control:
+        assert Progress(control, JOB, 0, None).fetched(0, m.attempt) is False
+    with _control(f"http://127.0.0.1:{free_port()}") as nowhere:
+        assert Progress(nowhere, JOB, 0, None).fetched(0, m.attempt, ok=False) is False
 
 
-class _Group:
-    rank, size = 1, 2
-
-
-def test_collectives_must_be_the_clients_own() -> None:
-    """A feed refuses a collective of another rank or size, and TorchCollective needs torch.distributed."""
-    with pytest.raises(KnitTransError, match="rank 1 of 2 is not this client's rank 0"):
-        ManifestFeed(_Control({}), "j", 0, 2, collective=_Group(), poll_s=0.1)  # type: ignore[arg-type]
+def test_torch_collective_needs_torch_distributed() -> None:
+    """TorchCollective outside torch.distributed is refused by name."""
     with pytest.raises(KnitTransError, match=r"needs torch\.distributed initialised"):
         TorchCollective()
 
 
 def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
     """group='auto' under a torch.distributed world that is not the job's (another size): no collectives, each
-    rank reads manifests itself; the job's own world gets its two gloo collectives."""
+    rank reads manifests itself; the job's own world gets its two gloo collectives. A feed refuses a collective
+    of another size than its job's world."""
     import torch.distributed as dist
 
     dist.init_process_group(
@@ -121,5 +119,10 @@ def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
         own = _torch_collectives(TrainerConfig(control_url="http://127.0.0.1:1", job="j", rank=0, world_size=1))
         assert own is not None and [(c.rank, c.size) for c in own] == [(0, 1), (0, 1)]
         assert own[0].broadcast("x") == "x" and own[1].gather(3) == [3]
+        with (
+            _control(f"http://127.0.0.1:{free_port()}") as control,
+            pytest.raises(KnitTransError, match="rank 0 of 1 is not this client's rank 0 of world_size 2"),
+        ):
+            ManifestFeed(control, JOB, 0, 2, collective=own[0], poll_s=0.1)
     finally:
         dist.destroy_process_group()
