@@ -263,22 +263,21 @@ def test_tiny_model_shapes_that_cannot_be_built_are_refused_by_name(tmp_path: Pa
     """``TinyVLMSpec`` and ``build_tiny_qwen2`` name the bad size before anything is written."""
     from knittrans.rollout.models import build_tiny_qwen2
 
-    for bad, words in (
-        ({"layers": 0}, "layers must be positive"),
-        ({"hidden": 96}, "multiple of 64"),
-        ({"image_size": 100}, "patch_size"),
-        ({"vision_heads": 3}, "vision_heads"),
+    def qwen2(**bad: Any) -> None:
+        build_tiny_qwen2(tmp_path / "m", **bad)
+
+    for build, bad, words in (
+        (TinyVLMSpec, {"layers": 0}, "layers must be positive"),
+        (TinyVLMSpec, {"hidden": 96}, "multiple of 64"),
+        (TinyVLMSpec, {"image_size": 100}, "patch_size"),
+        (TinyVLMSpec, {"vision_heads": 3}, "vision_heads"),
+        (qwen2, {"heads": 0}, "heads must be positive"),
+        (qwen2, {"vocab_size": 1}, "at least 2"),
+        (qwen2, {"hidden": 100}, "heads\\*head_dim"),
+        (qwen2, {"init_std": 0.0}, "init_std"),
     ):
         with pytest.raises(ValueError, match=words):
-            TinyVLMSpec(**bad)  # type: ignore[arg-type]
-    for bad, words in (
-        ({"heads": 0}, "heads must be positive"),
-        ({"vocab_size": 1}, "at least 2"),
-        ({"hidden": 100}, "heads\\*head_dim"),
-        ({"init_std": 0.0}, "init_std"),
-    ):
-        with pytest.raises(ValueError, match=words):
-            build_tiny_qwen2(tmp_path / "m", **bad)  # type: ignore[arg-type]
+            build(**bad)
     assert not (tmp_path / "m").exists()
 
 
