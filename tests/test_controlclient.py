@@ -3,9 +3,12 @@ its argument checks, and the admin calls no other test makes (each against a rea
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from api_support import ENDPOINT, job_spec, server, single_group_units
 
@@ -16,43 +19,71 @@ from knittrans.retry import RetryPolicy
 FAST = RetryPolicy(budget_s=5.0, first_backoff_s=0.001, max_backoff_s=0.01, jitter=0)
 
 
-def _answering(responses: list[httpx.Response], **kwargs: object) -> tuple[ControlClient, list[httpx.Request]]:
-    """A client whose requests get ``responses`` in turn (the last one from then on), and the requests seen."""
-    seen: list[httpx.Request] = []
+@contextlib.contextmanager
+def _answering(answers: list[tuple[int, str, str]]) -> Iterator[tuple[str, list[str]]]:
+    """A real HTTP server on 127.0.0.1 (a restarting control plane, a proxy in front of one) whose requests get
+    ``answers`` (status, content type, body) in turn, the last one from then on; yields its URL and the request
+    lines it saw."""
+    seen: list[str] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return responses.pop(0) if len(responses) > 1 else responses[0]
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(f"{self.command} {self.path}")
+            status, kind, body = answers.pop(0) if len(answers) > 1 else answers[0]
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body.encode())))
+            self.end_headers()
+            self.wfile.write(body.encode())
 
-    client = ControlClient("http://control-plane", retry=FAST, **kwargs)  # type: ignore[arg-type]
-    client._http._transport = httpx.MockTransport(handle)
-    return client, seen
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+        finally:
+            httpd.shutdown()
+            thread.join()
+
+
+TEXT, JSON = "text/plain", "application/json"
 
 
 def test_503_answers_are_retried_until_one_is_not() -> None:
     """A 503 (a control plane restarting) is retried; the next answer is the call's."""
-    busy = httpx.Response(503, text="restarting")
-    client, seen = _answering([busy, busy, httpx.Response(200, json={"status": "ok"})])
-    with client:
-        assert client.health() == {"status": "ok"}
-    assert len(seen) == 3
+    busy = (503, TEXT, "restarting")
+    with _answering([busy, busy, (200, JSON, '{"status": "ok"}')]) as (url, seen), ControlClient(url, retry=FAST) as c:
+        assert c.health() == {"status": "ok"}
+    assert seen == ["GET /v1/health"] * 3
 
 
 def test_503_answers_past_the_retries_raise_unavailable_naming_the_answer() -> None:
-    client, seen = _answering([httpx.Response(503, text="restarting")], retries=2)
-    with client, pytest.raises(Unavailable, match=r"GET /v1/health failed after 3 attempts: 503 restarting"):
-        client.health()
+    with (
+        _answering([(503, TEXT, "restarting")]) as (url, seen),
+        ControlClient(url, retry=FAST, retries=2) as c,
+        pytest.raises(Unavailable, match=r"GET /v1/health failed after 3 attempts: 503 restarting"),
+    ):
+        c.health()
     assert len(seen) == 3
 
 
 def test_error_answers_that_are_not_a_json_object_raise_by_status() -> None:
     """A proxy's HTML page, or JSON that is not an object, is still raised as the error of its status."""
-    client, _ = _answering([httpx.Response(502, text="<html>bad gateway</html>")])
-    with client, pytest.raises(KnitTransError, match=r"HTTP 502: <html>bad gateway</html>"):
-        client.health()
-    client, _ = _answering([httpx.Response(409, json=["not", "an", "object"])])
-    with client, pytest.raises(Conflict, match=r"\[\"not\""):
-        client.health()
+    with (
+        _answering([(502, "text/html", "<html>bad gateway</html>")]) as (url, _),
+        ControlClient(url, retry=FAST) as c,
+        pytest.raises(KnitTransError, match=r"HTTP 502: <html>bad gateway</html>"),
+    ):
+        c.health()
+    with (
+        _answering([(409, JSON, '["not", "an", "object"]')]) as (url, _),
+        ControlClient(url, retry=FAST) as c,
+        pytest.raises(Conflict, match=r"\[\"not\""),
+    ):
+        c.health()
 
 
 def test_bad_arguments_are_refused() -> None:
