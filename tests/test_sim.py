@@ -96,8 +96,10 @@ def test_quotas_exact_random_workloads(
     handover: str,
 ) -> None:
     """Property: on random skewed workloads every policy keeps each train batch exactly at the quotas, never
-    admits more than L mini-batches beyond the trainer, and never has more than W·G groups launched and untaken
-    (under either train_batch handover, with or without a staleness bound η)."""
+    admits more than L mini-batches beyond the trainer, never has more than W·G groups launched and untaken
+    (under either train_batch handover, with or without a staleness bound η), and never trains a group more than η
+    versions after it started: the bound is read against the version its mini-batch trains at, as the control
+    plane reads it, not the trainer's version at admission (up to L older)."""
     q = [x * k for x in quotas]  # K must divide G; scaling every quota keeps the mix random
     sources = tuple(
         SourceProfile(
@@ -133,6 +135,18 @@ def test_quotas_exact_random_workloads(
     assert compute_metrics(trace).quota_violations == 0
     assert trace.peak_admitted_ahead <= lookahead
     assert trace.peak_untaken_total <= window * w.train_batch_groups
+    if eta is not None:
+        assert all(c.v_train - c.version_start <= eta for c in trace.consumed)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_staleness_bound_is_read_at_the_training_version(policy: str, lookahead: int) -> None:
+    """A mini-batch admitted ahead of the trainer trains at its own version, so the bound η holds there; the
+    simulator used to read it against the trainer's version and trained groups up to η + L versions old."""
+    w = small("skewed3", max_staleness=1, lookahead=lookahead)
+    trace = simulate(w, policy, seed=1)
+    assert trace.consumed and max(c.v_train - c.version_start for c in trace.consumed) <= 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -34,8 +34,8 @@ rules, its own staleness arithmetic. Its model, literally from the issue:
 * **Straggler tails**: with probability ``tail_prob`` a group's duration is multiplied by
   ``tail_scale x Pareto(tail_alpha)``.
 * ``version_aware`` (issue 33): the same counts per source as ``constraint_preserving``, but within a
-  source it takes the groups whose age (trainer version minus start version) reached ``2K`` first,
-  earliest finished first, then the groups with the newest time-weighted version.
+  source it takes the groups whose age (the version their mini-batch trains at minus start version)
+  reached ``2K`` first, earliest finished first, then the groups with the newest time-weighted version.
 * **Architectural staleness** of a group in mini-batch ``k`` of a step, trained at version ``n``:
   ``n - v_gen - k``. Aggregates skip the first ``W`` steps; every group has the same number of
   trajectories, so group means are trajectory means.
@@ -379,9 +379,9 @@ class Sim:
         if self.policy == "version_aware":  # same counts; within a source: due (age >= 2K) first, then newest
             out = []
             for s in range(self.S):
-                due = [g for g in by_src[s] if self.trained - g.vs[0] >= 2 * self.c.K]  # type: ignore[index]
+                due = [g for g in by_src[s] if self.adm_n - g.vs[0] >= 2 * self.c.K]  # type: ignore[index]
                 rest = sorted(
-                    (g for g in by_src[s] if self.trained - g.vs[0] < 2 * self.c.K),  # type: ignore[index]
+                    (g for g in by_src[s] if self.adm_n - g.vs[0] < 2 * self.c.K),  # type: ignore[index]
                     key=lambda g: (-g.vs[2], -g.vs[1], g.finished_at, g.gid),  # type: ignore[index]
                 )
                 out += (due + rest)[: taken[s]]

@@ -77,7 +77,7 @@ class StepState:
     bounds: Mapping[str, SourceBounds] = field(default_factory=dict)
     """Optional per-mini-batch per-source bounds; missing sources are unbounded."""
     current_version: int = 0
-    """Trainer policy version now."""
+    """``v_train``: the version the mini-batch being formed trains at (its global index)."""
     max_staleness: int | None = None
     """``η``: groups with ``current_version - version_start > η`` are not admitted; None for no bound."""
 

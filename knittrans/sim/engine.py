@@ -206,7 +206,7 @@ class _Simulation:
         which a call of several groups of one source can bring about)."""
         room = self.timing.room(self.quotas, self.untaken)
         idle = self.adm_n <= self.n
-        deficit = quota_deficit(self.step_state()) if idle and room <= 0 and self.adm_n < self.end_n else {}
+        deficit = quota_deficit(self.step_state()) if idle and self.adm_n < self.end_n else {}
         return launch_headroom(self.quotas, room, launchable(self.quotas, launched), deficit=deficit, trainer_idle=idle)
 
     def step_state(self) -> StepState:
@@ -218,7 +218,7 @@ class _Simulation:
             pending=self.pending,
             mini_batch_index=self.adm_n % self.K,
             mini_batches_per_step=self.K,
-            current_version=self.n,
+            current_version=self.adm_n,
             max_staleness=self.w.max_staleness,
         )
 
