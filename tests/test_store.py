@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pyarrow as pa
@@ -174,18 +175,25 @@ def test_unit_files_must_be_whole_ipc_files(tmp_path: Path) -> None:
     with pa.ipc.new_stream(sink, t.traj.schema) as writer:
         writer.write_table(t.traj)
     footer_len = int.from_bytes(whole[-10:-6], "little")
-    broken = {
-        "stream format": sink.getvalue().to_pybytes(),
-        "cut footer": whole[:-3],
-        "bad footer length": whole[:-10] + (len(whole)).to_bytes(4, "little") + whole[-6:],
-        "footer dropped": whole[: -10 - footer_len] + whole[-10:],
-        "too short": whole[:12],
+    broken = {  # what: (bytes, why it is refused)
+        "stream format": (sink.getvalue().to_pybytes(), "no Arrow file magic"),
+        "cut footer": (whole[:-3], "no Arrow file magic"),
+        "bad footer length": (
+            whole[:-10] + (len(whole)).to_bytes(4, "little") + whole[-6:],
+            f"footer length {len(whole)} does not fit",
+        ),
+        "footer dropped": (whole[: -10 - footer_len] + whole[-10:], ""),
+        "too short": (whole[:12], "12 bytes is too short"),
+        "shorter than a magic": (whole[:3], "3 bytes is too short"),
     }
-    for what, data in broken.items():
+    for what, (data, why) in broken.items():
         (unit_dir / TRAJ_FILE).write_bytes(data)
-        with pytest.raises(SchemaMismatch, match=r"traj\.arrow is not a readable Arrow IPC file"):
+        with pytest.raises(SchemaMismatch, match=rf"traj\.arrow is not a readable Arrow IPC file: .*{why}"):
             SealedUnit.open("job", "u", unit_dir)
             pytest.fail(f"{what} was read")
+    write_table(unit_dir / TRAJ_FILE, t.media)  # a whole IPC file, but of media
+    with pytest.raises(SchemaMismatch, match="expected 'trajectories'"):
+        SealedUnit.open("job", "u", unit_dir)
 
 
 def test_media_by_hash_each_once(store_dir: Path) -> None:
@@ -241,6 +249,18 @@ def test_local_reader_serves_a_media_ticket_naming_no_units_from_every_unit_of_i
     got = LocalReader([store_dir, spill]).read(ticket)
     assert got.column("media_hash").to_pylist() == [bytes.fromhex(h) for h in dict.fromkeys(hashes)]
     assert len(set(hashes)) > b.media.num_rows  # units of both directories were read
+    reader = LocalReader([store_dir])
+    for job, unit_id in (("../other", "x"), ("other", "../job")):  # names are never paths out of the directories
+        with pytest.raises(InvalidName):
+            reader.unit(job, unit_id)
+    kept = reader.unit("job", "a")
+    assert reader.unit("job", "a") is kept  # opened once, then served from the cache
+    unit = weakref.ref(kept)
+    del kept
+    store.delete("job", "a")
+    with pytest.raises(NotFound, match=r"unit 'a' of job 'job' is not in \["):
+        reader.unit("job", "a")
+    assert unit() is None  # the reader let go of the deleted unit's mapped pages
     with pytest.raises(NotFound, match="is in none of the units"):
         LocalReader([store_dir, spill]).read(Ticket(job="other", kind="media", media_hashes=hashes[:1]))
 
