@@ -178,7 +178,6 @@ def _read_rows(
         table = _project(unit.traj, columns, read.unit_id)
         if not read.row_ranges:
             pieces.append(table)
-            continue
         for start, stop in read.row_ranges:
             if stop > unit.num_rows:
                 raise InvalidRequest(
