@@ -298,3 +298,18 @@ def test_a_unit_left_unsealed_past_its_lifetime_is_aborted_when_the_next_begins(
     assert store.stats()["pending"] == 1
     with pytest.raises(Conflict, match="was aborted while being written"):
         old.write("traj", t.traj.to_batches()[0], token=token)
+
+
+def test_a_pending_unit_is_charged_for_every_batch_and_refuses_a_claim_once_aborted(store_dir: Path) -> None:
+    """Each batch after a unit's first reserves its own bytes; an aborted unit takes no new stream."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
+    first, second = _tables().traj.to_batches(max_chunksize=5)[:2]
+    pending = store.begin("job", "u")
+    pending.write("traj", first)
+    used = store.budget.used
+    pending.write("traj", second)
+    assert store.budget.used == used + pa.ipc.get_record_batch_size(second)
+    store.abort("job", "u")
+    assert store.budget.used == 0
+    with pytest.raises(Conflict, match="was aborted; start it again"):
+        pending.claim("traj")
