@@ -313,3 +313,23 @@ def test_a_pending_unit_is_charged_for_every_batch_and_refuses_a_claim_once_abor
     assert store.budget.used == 0
     with pytest.raises(Conflict, match="was aborted; start it again"):
         pending.claim("traj")
+
+
+def test_a_failed_stream_gives_back_its_part_and_a_stale_token_changes_nothing(store_dir: Path) -> None:
+    """A failing stream drops its part's file, bytes and budget; ending it again after another stream took the
+    part leaves that stream its part."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
+    t = _tables()
+    pending = store.begin("job", "u")
+    media = pending.claim("media")
+    pending.write("media", t.media.to_batches()[0], token=media)
+    used = store.budget.used
+    traj = pending.claim("traj")
+    pending.write("traj", t.traj.to_batches()[0], token=traj)
+    assert pending.received["traj"] > 0 and store.budget.used > used
+    assert not pending.release("traj", traj, ok=False)  # the media stream still holds the unit
+    assert store.budget.used == used and pending.received["traj"] == 0
+    assert pending.dir is not None and not (pending.dir / TRAJ_FILE).exists()
+    again = pending.claim("traj")
+    pending.release("traj", traj, ok=False)  # the failed stream's token: it owns nothing now
+    pending.write("traj", t.traj.to_batches()[0], token=again)
