@@ -316,10 +316,11 @@ def test_a_pending_unit_is_charged_for_every_batch_and_refuses_a_claim_once_abor
 
 
 def test_a_failed_stream_gives_back_its_part_and_a_stale_token_changes_nothing(store_dir: Path) -> None:
-    """A failing stream drops its part's file, bytes and budget; ending it again after another stream took the
-    part leaves that stream its part."""
+    """A failing stream drops its part's file, bytes and budget; a stale token neither writes nor ends the part
+    another stream took; a batch of another schema is refused; an abort gives back exactly what is left."""
     store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
     t = _tables()
+    held = store_unit(store, "job", "a", t).num_bytes
     pending = store.begin("job", "u")
     media = pending.claim("media")
     pending.write("media", t.media.to_batches()[0], token=media)
@@ -331,5 +332,15 @@ def test_a_failed_stream_gives_back_its_part_and_a_stale_token_changes_nothing(s
     assert store.budget.used == used and pending.received["traj"] == 0
     assert pending.dir is not None and not (pending.dir / TRAJ_FILE).exists()
     again = pending.claim("traj")
+    with pytest.raises(Conflict, match="is now written by another stream"):
+        pending.write("traj", t.traj.to_batches()[0], token=traj)
     pending.release("traj", traj, ok=False)  # the failed stream's token: it owns nothing now
     pending.write("traj", t.traj.to_batches()[0], token=again)
+    pending.release("traj", again, ok=False)
+    assert store.budget.used == used
+    with pytest.raises(SchemaMismatch, match="expected 'trajectories'"):
+        pending.write("traj", t.media.to_batches()[0])
+    with pytest.raises(SchemaMismatch, match="batch schema changed within part 'media'"):
+        pending.write("media", t.traj.to_batches()[0])
+    store.abort("job", "u")
+    assert store.budget.used == held
