@@ -120,6 +120,7 @@ def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -
     assert stats["bytes_spilled"] == spilled.num_bytes and stats["budget_used"] <= budget
     again = UnitStore(cfg)
     assert {u.unit_id: u.spilled for u in again.units()} == {"a": False, "b": True}
+    assert again.budget.used == again.get("job", "a").num_bytes  # a spilled unit holds no budget
     assert (
         LocalReader([store_dir, tmp_path / "spill"])
         .read(Ticket(job="job", reads=(UnitRead(unit_id="b"),)))
@@ -150,14 +151,19 @@ def test_rescan_recovers_sealed_drops_temporaries_quarantines_corrupt(store_dir:
     half.write("traj", tables["u0"].traj.to_batches()[0])  # never sealed
     (store_dir / "job" / "broken").mkdir()
     (store_dir / "job" / "broken" / "traj.arrow").write_bytes(b"not arrow")
+    (store_dir / "job" / "u2").rename(store_dir / "job" / "bad name")  # whole files, but not a unit id
     again = UnitStore(StoreConfig(root=store_dir))
-    assert sorted(u.unit_id for u in again.units()) == ["u0", "u1", "u2"]
+    del tables["u2"]
+    assert sorted(u.unit_id for u in again.units()) == ["u0", "u1"]
     for uid, t in tables.items():
         assert again.read(Ticket(job="job", reads=(UnitRead(unit_id=uid),))).equals(t.traj)
     names = sorted(p.name for p in (store_dir / "job").iterdir())
     assert not any(n.startswith(".tmp-") for n in names)
     assert any(n.startswith(".corrupt-broken-") for n in names) and "broken" not in names
-    assert again.stats()["recovered"] == 3 and again.stats()["quarantined"] == 1
+    assert any(n.startswith(".corrupt-bad name-") for n in names) and "bad name" not in names
+    assert again.stats()["recovered"] == 2 and again.stats()["quarantined"] == 2
+    assert again.budget.used == sum(u.num_bytes for u in again.units())  # recovered units hold budget
+    assert UnitStore(StoreConfig(root=store_dir)).stats()["quarantined"] == 0  # quarantined stays put
 
 
 def test_unit_files_must_be_whole_ipc_files(tmp_path: Path) -> None:
