@@ -350,3 +350,21 @@ def test_a_failed_stream_gives_back_its_part_and_a_stale_token_changes_nothing(s
         pending.write("media", t.traj.to_batches()[0])
     store.abort("job", "u")
     assert store.budget.used == held
+
+
+def test_a_stream_that_ends_after_its_unit_was_aborted_gives_back_nothing_twice(store_dir: Path) -> None:
+    """The abort gave the unit's budget back: the failing stream's end releases none of it again."""
+    store = UnitStore(StoreConfig(root=store_dir, budget_bytes=10**8))
+    t = _tables()
+    held = store_unit(store, "job", "a", t).num_bytes
+    pending, token = store.open_part("job", "u", "traj")
+    pending.write("traj", t.traj.to_batches()[0], token=token)
+    store.abort("job", "u")  # e.g. the other part's stream was refused, or the unit outlived pending_ttl_s
+    with pytest.raises(Conflict, match="was aborted while being written"):
+        pending.write("traj", t.traj.to_batches()[0], token=token)
+    store.close_part(pending, "traj", token, ok=False)
+    assert store.budget.used == held
+    store.abort("job", "u")  # no such unit now: nothing to do
+    again = store.begin("job", "u")
+    store.abort("job", "u", only=pending)  # aborts only that (older) unit of this id
+    assert not again.discarded and store.stats()["pending"] == 1

@@ -258,6 +258,7 @@ class PendingUnit:
                 shutil.rmtree(self.dir, ignore_errors=True)
             self.store.budget.release(self.reserved)
             self.reserved = 0
+            self._part_reserved = {"traj": 0, "media": 0}  # given back: a stream ending later must not again
 
 
 def _file_size(path: Path) -> int:
