@@ -204,10 +204,9 @@ class PendingUnit:
         if self.dir is not None:
             with contextlib.suppress(OSError):
                 (self.dir / (TRAJ_FILE if part == "traj" else MEDIA_FILE)).unlink()
-        if self._part_reserved[part]:
-            self.store.budget.release(self._part_reserved[part])
-            self.reserved -= self._part_reserved[part]
-            self._part_reserved[part] = 0
+        self.store.budget.release(self._part_reserved[part])
+        self.reserved -= self._part_reserved[part]
+        self._part_reserved[part] = 0
         self.received[part] = 0
 
     def write(
