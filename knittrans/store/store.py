@@ -242,7 +242,6 @@ class PendingUnit:
         for sink, writer, _ in self._writers.values():
             writer.close()
             sink.close()
-        self._writers.clear()
 
     def discard(self) -> None:
         """Remove the temporary directory and give back the reservation."""
