@@ -24,6 +24,7 @@ def test_columns_become_zero_copy_tensors_with_cu_seqlens() -> None:
     assert mb.response_ids is not None and mb.response_cu_seqlens is not None
     assert mb.response_ids.data_ptr() == resp.values.buffers()[1].address
     assert mb.response_cu_seqlens.dtype == torch.int32
+    assert mb.response_cu_seqlens.data_ptr() == resp.offsets.buffers()[1].address  # the offsets themselves
     assert mb.response_cu_seqlens.tolist() == resp.offsets.to_pylist()
     rows = traj.to_pylist()
     cu = mb.response_cu_seqlens.tolist()

@@ -176,7 +176,7 @@ def test_grads_match_duplicated_baseline(mode: str) -> None:
 def test_different_shapes_are_bucketed(mode: str) -> None:
     """Media of different shapes are encoded per shape bucket; a micro-batch mixing buckets stays exact."""
     counter, stats = check_against_baseline({"A": (6, 6), "B": (8, 4), "C": (6, 6)}, SPEC, mode)
-    assert stats.encoder_calls == 2  # type: ignore[attr-defined]
+    assert stats.encoder_calls == 2 and stats.uses == 6  # type: ignore[attr-defined]
     assert counter.rows == 3 + (3 if mode == "recompute" else 0)
 
 
@@ -226,23 +226,28 @@ def test_cache_and_graph_dropped_after_finish() -> None:
     feats = dedup.features(["A", "A"])
     lm(feats.reshape(-1, DIM), torch.tensor([1, 2, 3])).backward()
     del feats
-    assert dedup.active and dedup.cached_media == 1
+    assert dedup.active and dedup.cached_media == 1 and "A" in dedup and "B" not in dedup
     dedup.finish()
     gc.collect()
-    assert not dedup.active and dedup.cached_media == 0
+    assert not dedup.active and dedup.cached_media == 0 and "A" not in dedup
     assert outputs and all(ref() is None for ref in outputs)
     with pytest.raises(DedupStateError, match="begin_mini_batch"):
         dedup.features(["A"])
 
 
 def test_usage_errors_are_clear() -> None:
-    """features() before begin, an unknown hash, a second begin and a bad encoder output raise named errors."""
+    """features()/add_media()/feature_list() before begin, an unknown hash, a second begin and a bad encoder output
+    raise named errors."""
     enc, _ = models()
     dedup = DedupEncoder(enc)
     with pytest.raises(DedupStateError, match=r"features\(\) called outside a mini-batch"):
         dedup.features(["A"])
     with pytest.raises(DedupStateError):
         dedup.finish()
+    with pytest.raises(DedupStateError, match=r"add_media\(\) called outside"):
+        dedup.add_media(make_images({"A": (6, 6)}))
+    with pytest.raises(DedupStateError, match=r"feature_list\(\) called outside"):
+        dedup.feature_list(["A"])
     dedup.begin_mini_batch(make_images({"A": (6, 6)}))
     with pytest.raises(NotFound, match="'Z'"):
         dedup.features(["A", "Z"])
@@ -490,6 +495,31 @@ def test_media_of_different_feature_shapes_come_as_a_list() -> None:
     stats = dedup.finish()
     assert stats.uses == 3 and stats.unique_media == 2 and stats.encoder_calls == 2
     assert enc.w.grad is not None and enc.w.grad.item() == 7.0  # a twice (2 + 2), b once (3)
+
+
+def test_recompute_encoder_whose_output_needs_no_gradient() -> None:
+    """recompute + an encoder whose trainable parameters are off its output's path: finish() re-runs it once and
+    runs no backward (there is nothing to propagate)."""
+    enc = _Scale()
+    enc.w.requires_grad_(False)
+    enc.spare = nn.Parameter(torch.tensor(1.0))  # trainable, unused by forward()
+    dedup = DedupEncoder(enc, mode="recompute")
+    dedup.begin_mini_batch({"a": torch.ones(2)})
+    dedup.features(["a"]).sum().backward()
+    stats = dedup.finish()
+    assert stats.recompute_calls == 1 and stats.backward_rows == 0 and enc.spare.grad is None
+
+
+def test_device_moves_the_stacked_inputs_before_the_encoder() -> None:
+    """device= moves each stacked input batch there before the encoder runs (``meta`` stands for an accelerator)."""
+    seen: list[torch.device] = []
+    enc = _Scale().to("meta")
+    enc.register_forward_pre_hook(lambda m, args: seen.append(args[0].device))
+    dedup = DedupEncoder(enc, device="meta")
+    dedup.begin_mini_batch({"a": torch.ones(2)})
+    feats = dedup.features(["a", "a"])
+    assert seen == [torch.device("meta")] and feats.device.type == "meta" and feats.shape == (2, 2)
+    dedup.drop()
 
 
 def test_bad_arguments_and_a_chunk_changed_after_encoding_are_refused() -> None:
