@@ -16,7 +16,7 @@ import torch
 
 from knittrans.errors import Unauthenticated
 from knittrans.flight import StoreClient
-from knittrans.grants import MAX_GRANTS, check_ticket, sign_grant
+from knittrans.grants import MAX_GRANTS, check_listing, check_ticket, sign_grant
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import Manifest, RankPlan
 from knittrans.tickets import Ticket, UnitRead
@@ -194,3 +194,41 @@ def test_signed_store_lists_a_jobs_units_only_to_a_grant_of_that_job(signed_clus
             c.unit_info("list-a", unit)
         with pytest.raises(Unauthenticated, match="no grant"):
             c.get(Ticket(job="list-a", reads=(UnitRead(unit_id=unit),)))
+
+
+def test_a_grant_covers_reads_across_the_rows_it_lists_and_only_for_its_job() -> None:
+    """The rows a grant lists one by one (unsorted, adjacent, overlapping) cover a read spanning them; a whole-unit
+    read, a unit it does not list, a ticket of another job or one without a grant is refused."""
+    key, now = KEY.encode(), time.time()
+    rows = [(3, 4), (0, 1), (2, 3), (1, 2), (1, 3), (6, 7)]
+    grant = sign_grant(key, job="j", expires_at=now + 60, reads={"u": rows}, columns=None, media={})
+    ok = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((0, 4), (6, 7))),), grants=(grant,))
+    check_ticket(key, ok, now=now)
+    refused = {
+        r"rows \[\(0, 5\)\] of unit 'u'": dataclasses.replace(ok, reads=(UnitRead(unit_id="u", row_ranges=((0, 5),)),)),
+        "rows all of unit 'u'": dataclasses.replace(ok, reads=(UnitRead(unit_id="u"),)),
+        "unit 'v'": dataclasses.replace(ok, reads=(UnitRead(unit_id="v", row_ranges=((0, 1),)),)),
+        "ticket grant is for job 'j', not 'k'": dataclasses.replace(ok, job="k"),
+        r"only serves tickets signed by the control plane \(no grant\)": dataclasses.replace(ok, grants=()),
+    }
+    for match, ticket in refused.items():
+        with pytest.raises(Unauthenticated, match=match):
+            check_ticket(key, ticket, now=now)
+
+
+def test_a_grant_lists_only_its_own_job() -> None:
+    """check_listing: a valid grant names its job (for any job asked, or none); an empty, forged, expired or other
+    job's grant is refused."""
+    key, now = KEY.encode(), time.time()
+    grant = sign_grant(key, job="j", expires_at=now + 60, reads={}, columns=None, media={})
+    assert check_listing(key, grant, job=None, now=now) == check_listing(key, grant, job="j", now=now) == "j"
+    for bad, job, match in [
+        ("", None, "only with a grant of their job"),
+        (grant, "k", "the grant is for job 'j'; it cannot list job 'k'"),
+        (grant + "0", "j", "signature"),
+        (grant.partition(".")[0], "j", "signature"),
+    ]:
+        with pytest.raises(Unauthenticated, match=match):
+            check_listing(key, bad, job=job, now=now)
+    with pytest.raises(Unauthenticated, match="expired"):
+        check_listing(key, grant, job="j", now=now + 3600)

@@ -119,3 +119,40 @@ def test_a_ticket_at_the_depth_limit_with_brackets_in_strings_decodes() -> None:
     """Brackets inside strings do not count: a valid ticket whose column names are brackets decodes."""
     t = Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((0, 1),)),), columns=("[[[[[[[[[", "{{{{{{{{"))
     assert Ticket.decode(t.encode()) == t
+
+
+def test_a_ticket_encodes_as_compact_json_with_only_the_fields_it_uses() -> None:
+    """The wire bytes: version, kind, job and reads always; columns, media and grants only when the ticket has
+    them (an unsigned rows ticket carries no grants key, a rows ticket no media key)."""
+    reads = (UnitRead(unit_id="u", row_ranges=((0, 2), (5, 6))), UnitRead(unit_id="w"))
+    plain = Ticket(job="j", reads=reads)
+    assert (
+        plain.encode()
+        == b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u","rows":[[0,2],[5,6]]},{"unit":"w","rows":[]}]}'
+    )
+    signed = Ticket(job="j", reads=reads[:1], columns=("reward",), grants=("g1", "g2"))
+    assert signed.encode() == (
+        b'{"v":1,"kind":"rows","job":"j","reads":[{"unit":"u","rows":[[0,2],[5,6]]}],"columns":["reward"],'
+        b'"grants":["g1","g2"]}'
+    )
+    assert Ticket.decode(signed.encode()) == signed
+    media = Ticket(job="j", kind="media", reads=(UnitRead(unit_id="w"),), media_hashes=("ab" * 32,))
+    assert (
+        media.encode()
+        == b'{"v":1,"kind":"media","job":"j","reads":[{"unit":"w","rows":[]}],"media":["' + b"ab" * 32 + b'"]}'
+    )
+
+
+def test_a_read_counts_its_rows_and_a_ticket_reads_no_row_twice() -> None:
+    """num_rows: the rows of the ranges, None for a whole unit; a ticket reading a unit whole and again (either
+    order), or one row of a unit in two reads, is refused; other units' rows do not clash."""
+    assert UnitRead(unit_id="u", row_ranges=((0, 2), (5, 8))).num_rows == 5
+    assert UnitRead(unit_id="u").num_rows is None
+    whole, part = UnitRead(unit_id="u"), UnitRead(unit_id="u", row_ranges=((3, 4),))
+    for reads in [(whole, part), (part, whole), (whole, whole)]:
+        with pytest.raises(InvalidTicket, match="unit 'u' is read whole and again in the same ticket"):
+            Ticket(job="j", reads=reads)
+    with pytest.raises(InvalidTicket, match="unit 'u': row 3 is read more than once"):
+        Ticket(job="j", reads=(UnitRead(unit_id="u", row_ranges=((1, 4),)), part))
+    other = UnitRead(unit_id="v", row_ranges=((3, 4),))
+    assert Ticket(job="j", reads=(part, other, UnitRead(unit_id="u", row_ranges=((0, 3), (4, 5))))).reads[1] == other
