@@ -346,12 +346,13 @@ def test_remainder_feasible_hand_cases() -> None:
     groups = [_group(1, "a"), _group(2, "a"), _group(3, "b")]
     state = _state(groups, pending={"a": 2, "b": 1})
     assert remainder_feasible(state, {"a": 2, "b": 1})
-    assert remainder_feasible(state, {"a": 2, "b": 1}) and not remainder_feasible(state, {"a": 5, "b": -2})
-    assert not remainder_feasible(state, {"a": 1, "b": 1})  # later sizes no longer add up
-    assert not remainder_feasible(
-        _state(groups, pending={"a": 2, "b": 1}, bounds={"b": SourceBounds(hi=0)}), {"a": 2, "b": 1}
+    assert remainder_feasible(state, {"a": 2, "b": 1}) and remainder_feasible(state, {"a": 5, "b": -2}) is False
+    assert remainder_feasible(state, {"a": 1, "b": 1}) is False  # later sizes no longer add up
+    assert (
+        remainder_feasible(_state(groups, pending={"a": 2, "b": 1}, bounds={"b": SourceBounds(hi=0)}), {"a": 2, "b": 1})
+        is False
     )
-    assert not remainder_feasible(_state(groups, pending={"a": 0, "b": 1}), {"a": 2, "b": 1})  # a short by 2
+    assert remainder_feasible(_state(groups, pending={"a": 0, "b": 1}), {"a": 2, "b": 1}) is False  # a short by 2
     with pytest.raises(ValueError, match="without a quota"):
         remainder_feasible(state, {"zzz": 1})
 
@@ -398,5 +399,34 @@ def test_bad_inputs_raise_clear_errors() -> None:
         ({"mini_batch_index": 1, "admitted": {"a": 1, "b": 0}}, "admitted 1 groups before mini-batch 1, expected 3"),
         ({"mini_batch_index": 1, "admitted": {"a": 0, "b": 3}}, "admitted 3 groups of source 'b', quota is 2"),
     ):
-        with pytest.raises(ValueError, match=message):
-            policy.select(_state([], **bad))
+        for name in POLICIES:
+            with pytest.raises(ValueError, match=message):
+                make_policy(name).select(_state([], **bad))
+
+
+def test_composition_plan_gives_the_extra_to_the_source_furthest_behind() -> None:
+    """q = (a 1, b 2), K = 3: after b's extra in mini-batch 0, a is further behind its share 2/3 than b (4/3 - 1)."""
+    assert composition_plan({"a": 1, "b": 2}, 3) == [{"a": 0, "b": 1}, {"a": 1, "b": 0}, {"a": 0, "b": 1}]
+
+
+def test_policies_take_the_earliest_finished_whatever_the_order_of_finished() -> None:
+    """``finished`` listed newest first: every policy still takes each source's earliest-finished groups."""
+    groups = [_group(n, s) for n, s in ((6, "a"), (5, "b"), (4, "a"), (3, "a"), (2, "b"), (1, "a"))]
+    state = _state(groups)
+    for name in POLICIES:
+        decision = make_policy(name).select(state)
+        assert decision is not None
+        assert [g.group_id for g in decision.groups] == ["g00001", "g00002", "g00003"], name
+
+
+def test_version_aware_takes_the_newest_and_lists_them_in_finish_order() -> None:
+    """The two newest groups are taken (g3, g2 over g1), and the decision lists them earliest finished first."""
+    groups = [
+        dataclasses.replace(_group(n, "a"), version_start=n, version_end=n, version_weighted=float(n))
+        for n in (1, 2, 3)
+    ]
+    state = StepState(
+        quotas={"a": 2}, admitted={}, finished=groups, pending={}, mini_batch_index=0, mini_batches_per_step=1
+    )
+    decision = VersionAwarePolicy(age_cap=10).select(state)
+    assert decision is not None and [g.group_id for g in decision.groups] == ["g00002", "g00003"]

@@ -61,6 +61,8 @@ def _check(groups: list[FinishedGroup], a: Assignment, world_size: int) -> list[
             assert keys == sorted(keys), "a micro-batch's rows are not in read order"
             assert all(tokens[(node, unit, row)] == t for node, unit, row, t, _ in mb)
             got.update(keys)
+        flat = [(node, unit, row) for mb in plan for node, unit, row, _, _ in mb]
+        assert flat == sorted(flat), "a rank's micro-batches are not in read order"
     assert got == expected, "every trajectory exactly once"
     if sum(expected.values()) >= world_size:
         assert all(plans), "a rank got nothing"
@@ -170,6 +172,33 @@ def test_micro_batch_counts_equalised_by_splitting() -> None:
     assert all(sum(t for *_, t, _ in mb) <= 100 for p in plans for mb in p)
 
 
+def test_equalising_splits_the_largest_micro_batch() -> None:
+    """A rank one micro-batch short splits its largest one ([50, 50]), not its first ([1, 1])."""
+    a = FinishedGroup(group_id="a", source="s", trajectory_tokens=(1, 1, 50, 50), finished_at=0, unit_id="u1")
+    b = FinishedGroup(group_id="b", source="s", trajectory_tokens=(17,) * 6, finished_at=1, unit_id="u2")
+    plans = _micro_batches(assign_mini_batch([a, b], 2, micro_batch_size=2))
+    assert sorted([[t for *_, t, _ in mb] for mb in p] for p in plans) == [
+        [[1, 1], [50], [50]],
+        [[17, 17], [17, 17], [17, 17]],
+    ]
+    # the split falls where the running tokens first reach half (40 >= 60 / 2): after the 30
+    c = FinishedGroup(group_id="c", source="s", trajectory_tokens=(10, 30, 10, 10), finished_at=0, unit_id="u1")
+    d = FinishedGroup(group_id="d", source="s", trajectory_tokens=(10,) * 6, finished_at=1, unit_id="u2")
+    plans = _micro_batches(assign_mini_batch([c, d], 2, micro_batch_size=4))
+    assert sorted([[t for *_, t, _ in mb] for mb in p] for p in plans) == [
+        [[10, 10, 10, 10], [10, 10]],
+        [[10, 30], [10, 10]],
+    ]
+
+
+def test_groups_stay_whole_when_splitting_rows_does_not_help() -> None:
+    """(7) and (6, 7) over two ranks: no split meets the tolerance and rows balance no better (13), so the
+    whole-group split, the first of the best, is used."""
+    a = FinishedGroup(group_id="a", source="s", trajectory_tokens=(7,), finished_at=0, unit_id="u")
+    b = FinishedGroup(group_id="b", source="s", trajectory_tokens=(6, 7), finished_at=1, unit_id="u", row_start=1)
+    assert assign_mini_batch([a, b], 2, micro_batch_size=9).layout() == [[[["b", 1], ["b", 2]]], [[["a", 0]]]]
+
+
 def test_lpt_hand_case() -> None:
     """LPT on (7, 5, 4, 3, 1) over two bins: 7|5, then 4 onto 5, 3 onto 7, 1 onto 9 -> loads 10 and 10."""
     owner, loads = lpt_assign([7, 5, 4, 3, 1], 2)
@@ -201,6 +230,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="overlaps"):
         assign_mini_batch([g, h], 1, micro_batch_size=1)
     assert assign_mini_batch([], 3, micro_batch_size=2).layout() == [[], [], []]
+    assert assign_mini_batch([], 2, micro_batch_tokens=10).layout() == [[], []]
 
 
 def test_groups_without_trajectories() -> None:
