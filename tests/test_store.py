@@ -225,6 +225,18 @@ def test_store_settings_that_do_not_go_together_are_refused(store_dir: Path) -> 
     ]:
         with pytest.raises(ValueError, match=why):
             StoreConfig(root=store_dir, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spill_dir must differ from root"):  # given as strings too
+        StoreConfig(root=str(store_dir), spill_dir=f"{store_dir}/.")  # type: ignore[arg-type]
+
+
+def test_store_directories_may_be_given_as_strings(store_dir: Path) -> None:
+    """``root`` and ``spill_dir`` given as strings (a script's or a config file's) are paths, and the store
+    works on them."""
+    cfg = StoreConfig(root=str(store_dir), spill_dir=str(store_dir.parent / "spill"))  # type: ignore[arg-type]
+    assert cfg.root == store_dir and cfg.spill_dir == store_dir.parent / "spill"
+    store = UnitStore(cfg)
+    store_unit(store, "job", "u", _tables())
+    assert [u.unit_id for u in store.units("job")] == ["u"]
 
 
 def test_rescan_ignores_directories_that_are_not_jobs(store_dir: Path) -> None:

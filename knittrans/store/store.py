@@ -93,8 +93,11 @@ class StoreConfig:
     """Pending (unsealed) units older than this are aborted when the next unit begins."""
 
     def __post_init__(self) -> None:
-        if self.spill_dir is not None and self.spill_dir.resolve() == self.root.resolve():
-            raise ValueError("spill_dir must differ from root")
+        object.__setattr__(self, "root", Path(self.root))
+        if self.spill_dir is not None:
+            object.__setattr__(self, "spill_dir", Path(self.spill_dir))
+            if Path(self.spill_dir).resolve() == Path(self.root).resolve():
+                raise ValueError("spill_dir must differ from root")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive or None, not {self.budget_bytes}")
         if self.wait_timeout_s < 0 or self.pending_ttl_s <= 0:

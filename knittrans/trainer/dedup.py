@@ -269,7 +269,8 @@ class DedupEncoder:
                 outputs.append(encoded)
                 grads.append(grad.to(encoded.dtype))
                 backward_rows += int(grad.shape[0])
-            torch.autograd.backward(outputs, grad_tensors=grads)
+            if outputs:
+                torch.autograd.backward(outputs, grad_tensors=grads)
             stats = DedupStats(
                 uses=self._uses,
                 unique_media=len(self._index),
@@ -305,7 +306,8 @@ class DedupEncoder:
 
     def _encode(self, items: list[tuple[str, torch.Tensor, _Fingerprint]]) -> None:
         inputs = torch.stack([t for _, t, _ in items])
-        inputs = inputs.to(self.device, non_blocking=True)
+        if self.device is not None:
+            inputs = inputs.to(self.device, non_blocking=True)
         rng_state = None
         grad_mode = torch.is_grad_enabled()  # the caller's: no graph is recorded under no_grad()
         version = inputs._version
