@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from knittrans.cli import main
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
 from knittrans.sched.staleness import READINGS, architectural_staleness, version_of
+from knittrans.sim import engine
 from knittrans.sim.engine import simulate
 from knittrans.sim.metrics import compute_metrics, staleness_split
 from knittrans.sim.workload import SourceProfile, Workload, bundled_workloads, load_workload
@@ -439,3 +441,24 @@ def test_staleness_split_adds_up_to_the_reported_metric(policy: str) -> None:
         mean = sum((g.generation + g.wait) * g.num_trajectories for g in split) / n
         assert mean == pytest.approx(m.readings[reading].architectural.mean, abs=1e-9)
     assert any(g.wait < 0 for g in split) and any(g.wait > 0 for g in split)
+
+
+def test_policies_plan_with_the_groups_still_in_flight_as_pending() -> None:
+    """The pending supply ``P[s]`` the policies plan with is the groups launched and not yet finished (a call's
+    groups leave it when they finish; checked at the end of every step); ``select_calls`` counts every policy
+    call, the ones that wait for groups included, and the metrics report it."""
+    checked: list[int] = []
+
+    def check(step: int) -> None:
+        consumed = Counter(c.source for c in sim.trace.consumed)
+        finished = Counter(g.source for g in sim.finished)
+        in_flight = {s: sim.launched[s] - consumed[s] - finished[s] for s in sim.names}
+        assert sim.pending == in_flight and sum(in_flight.values()) > 0
+        checked.append(step)
+
+    w = small("code_agent_skew", max_staleness=None)
+    sim = engine._Simulation(w, "constraint_preserving", seed=0, steps=w.steps, colocated=False, on_step=check)
+    trace = sim.run()
+    assert checked == list(range(1, w.steps + 1)) and trace.dropped == 0
+    assert trace.select_calls > len(trace.mini_batches) == w.steps * w.mini_batches_per_step
+    assert compute_metrics(trace).select_calls == trace.select_calls
