@@ -127,6 +127,20 @@ def test_hand_case_versions_and_makespan(policy: str) -> None:
     assert trace.makespan_s == pytest.approx(makespan)
 
 
+@pytest.mark.parametrize("policy", sorted(HAND))
+def test_hand_case_mean_wait_and_generation(policy: str) -> None:
+    """Per mini-batch, the mean time its groups waited between finishing and admission, and took to generate
+    (a: 1 s, b: 3 s). constraint_preserving: mb0 {a-0, a-1} and mb1 {b-0, b-1} wait 0 (1 s, 3 s), mb2 {a-2
+    (1..2), b-2 (1..4)} admitted at 4 and mb3 {a-3 (3..4), b-3 (3..6)} at 6: a waits 2 s, b none (2 s each).
+    The others pair an a with a b that finished 2 s later in every mini-batch."""
+    trace = simulate(hand_workload(), policy, seed=0)
+    got = [(m.mean_wait_s, m.mean_generation_s) for m in trace.mini_batches]
+    if policy == "constraint_preserving":
+        assert got == [(0.0, 1.0), (0.0, 3.0), (1.0, 2.0), (1.0, 2.0)]
+    else:
+        assert got == [(1.0, 2.0)] * 4
+
+
 def test_hand_case_paced_train_batch() -> None:
     """train_batch with handover "mini_batch" frees the window mini-batch by mini-batch (the paced baseline)."""
     trace = simulate(hand_workload(handover="mini_batch"), "train_batch", seed=0)
@@ -234,9 +248,11 @@ def test_end_version_ignores_weights_arriving_at_the_finish() -> None:
 @pytest.mark.parametrize("policy", sorted(HAND))
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_hand_case_timing_bounds(policy: str, lookahead: int) -> None:
-    """At most L mini-batches wait admitted beyond the trainer; at most W·G = 4 groups launched and untaken."""
+    """At most L mini-batches wait admitted beyond the trainer; at most W·G = 4 groups launched and untaken.
+    constraint_preserving admits every mini-batch as the trainer starts it; train_batch and linear_target admit
+    mb1 while mb0 trains once L >= 1 (never more: the next step's groups launch only when the step trains)."""
     trace = simulate(hand_workload(lookahead=lookahead), policy, seed=0)
-    assert trace.peak_admitted_ahead <= lookahead
+    assert trace.peak_admitted_ahead == (0 if policy == "constraint_preserving" else min(lookahead, 1))
     assert trace.peak_untaken_total == 4
     if lookahead == 0:  # every mini-batch is admitted only when the trainer is ready to start it
         assert all(m.admitted_at == m.train_start for m in trace.mini_batches)
