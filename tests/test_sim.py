@@ -462,3 +462,24 @@ def test_policies_plan_with_the_groups_still_in_flight_as_pending() -> None:
     assert checked == list(range(1, w.steps + 1)) and trace.dropped == 0
     assert trace.select_calls > len(trace.mini_batches) == w.steps * w.mini_batches_per_step
     assert compute_metrics(trace).select_calls == trace.select_calls
+
+
+@pytest.mark.parametrize("name", ["balanced", "code_agent_skew"])
+def test_a_step_handover_frees_the_steps_groups_only(name: str) -> None:
+    """``train_batch`` handed whole train batches with a window of two: when a step's first mini-batch starts,
+    ``q[s]`` groups of each source leave the window (the step's own), not the next step's finished groups; at
+    the end of every step none is left released ahead of its mini-batch, and the window counts exactly the
+    groups launched and not in a started mini-batch."""
+    checked: list[int] = []
+
+    def check(step: int) -> None:
+        started = Counter(
+            c.source for c in sim.trace.consumed if not math.isnan(sim.trace.mini_batches[c.v_train].train_start)
+        )
+        assert not sim.released
+        assert sim.untaken == {s: sim.launched[s] - started[s] for s in sim.names}
+        checked.append(step)
+
+    w = small(name, window=2, train_batch_handover="step", max_staleness=None)
+    sim = engine._Simulation(w, "train_batch", seed=0, steps=w.steps, colocated=False, on_step=check)
+    assert sim.run().dropped == 0 and checked == list(range(1, w.steps + 1))
