@@ -483,3 +483,15 @@ def test_a_step_handover_frees_the_steps_groups_only(name: str) -> None:
     w = small(name, window=2, train_batch_handover="step", max_staleness=None)
     sim = engine._Simulation(w, "train_batch", seed=0, steps=w.steps, colocated=False, on_step=check)
     assert sim.run().dropped == 0 and checked == list(range(1, w.steps + 1))
+
+
+@pytest.mark.parametrize("policy", ["constraint_preserving", "train_batch"])
+def test_no_group_makes_tokens_with_weights_before_they_reach_rollout(policy: str) -> None:
+    """With a sync delay, timed loads and in-flight updates, version ``v`` (published when mini-batch ``v - 1``
+    ends training) reaches rollout ``sync_delay_s`` later: no consumed group finished before the arrival of the
+    newest version it made tokens with."""
+    w = small("balanced", sync_delay_s=2.0, load_s=0.5, in_flight_updates=True)
+    trace = simulate(w, policy, seed=0)
+    arrival = [0.0] + [m.train_end + w.sync_delay_s for m in trace.mini_batches]
+    assert any(c.version_end > 0 for c in trace.consumed)
+    assert all(arrival[c.version_end] <= trace.finished_at[c.group_id] for c in trace.consumed)
