@@ -17,7 +17,7 @@ from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
 from knittrans.sched.staleness import READINGS, architectural_staleness, version_of
 from knittrans.sim import engine
-from knittrans.sim.engine import simulate
+from knittrans.sim.engine import SimulationStalled, simulate
 from knittrans.sim.metrics import compute_metrics, staleness_split
 from knittrans.sim.workload import SourceProfile, Workload, bundled_workloads, load_workload
 
@@ -498,3 +498,14 @@ def test_no_group_makes_tokens_with_weights_before_they_reach_rollout(policy: st
     arrival = [0.0] + [m.train_end + w.sync_delay_s for m in trace.mini_batches]
     assert any(c.version_end > 0 for c in trace.consumed)
     assert all(arrival[c.version_end] <= trace.finished_at[c.group_id] for c in trace.consumed)
+
+
+def test_a_run_that_can_never_finish_raises_simulation_stalled() -> None:
+    """Colocated, a whole batch is generated at once and nothing more until its step is trained: with a staleness
+    bound of 0 the step's groups expire after its first mini-batch and the run stalls, saying where and why."""
+    with pytest.raises(
+        SimulationStalled,
+        match=r"balanced/constraint_preserving: stalled at t=.* in step 0, "
+        r"mini-batch 1: .* finished 0, .*\(the policy waits for groups that can never come\)",
+    ):
+        simulate(small("balanced", max_staleness=0), "constraint_preserving", colocated=True)
