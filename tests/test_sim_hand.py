@@ -6,7 +6,7 @@ import pytest
 
 from knittrans.sched.staleness import READINGS, architectural_staleness, staleness, version_of
 from knittrans.sim.engine import RunTrace, simulate
-from knittrans.sim.metrics import staleness_split
+from knittrans.sim.metrics import compute_metrics, staleness_split
 from knittrans.sim.model import VersionTimeline
 from knittrans.sim.rollout import CallGroup, RolloutPool
 from knittrans.sim.workload import SourceProfile, Workload
@@ -139,6 +139,15 @@ def test_hand_case_mean_wait_and_generation(policy: str) -> None:
         assert got == [(0.0, 1.0), (0.0, 3.0), (1.0, 2.0), (1.0, 2.0)]
     else:
         assert got == [(1.0, 2.0)] * 4
+
+
+def test_hand_case_rollout_busy_time() -> None:
+    """constraint_preserving's slot-seconds of generation: the eight consumed groups (4 x 1 s + 4 x 3 s), a-4
+    (4..5) and b-4 (4..7) launched when mb2 starts, and a-5, b-5 launched at 6 when mb3 starts, counted up to
+    the end of the run at 7 (1 s each): 22 of 4 slots x 7 s."""
+    trace = simulate(hand_workload(), "constraint_preserving", seed=0)
+    assert trace.rollout_busy_s == pytest.approx(22.0)
+    assert compute_metrics(trace).rollout_idle == pytest.approx(1 - 22 / 28)
 
 
 def test_hand_case_paced_train_batch() -> None:
