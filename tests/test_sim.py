@@ -509,3 +509,10 @@ def test_a_run_that_can_never_finish_raises_simulation_stalled() -> None:
         r"mini-batch 1: .* finished 0, .*\(the policy waits for groups that can never come\)",
     ):
         simulate(small("balanced", max_staleness=0), "constraint_preserving", colocated=True)
+
+
+def test_simulate_refuses_fewer_than_one_step() -> None:
+    """``steps`` (or the workload's) below 1 is a ValueError naming it, not an empty run."""
+    for steps in (0, -1):
+        with pytest.raises(ValueError, match=f"steps must be >= 1, got {steps}"):
+            simulate(small("balanced"), "constraint_preserving", steps=steps)
