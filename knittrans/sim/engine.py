@@ -131,8 +131,7 @@ class _Simulation:
         self.launch_time: dict[str, float] = {}
         self.generation: dict[str, tuple[float, int]] = {}  # per source: seconds from launch to finish, groups
         self.finished: list[FinishedGroup] = []
-        # colocated: which batch is being generated and how much of it
-        self.gen_open = True
+        # colocated: how much of the batch being generated is launched and finished
         self.gen_launched = 0
         self.gen_finished = 0
         # admission side: the mini-batch being formed, number adm_n (step and index: divmod(adm_n, K))
@@ -168,7 +167,7 @@ class _Simulation:
                 launched = {s: n - lead[s] for s, n in launched.items()}
             order = launch_order(self.quotas, launched)
             if self.colocated:
-                if not self.gen_open or self.gen_launched >= self.G:
+                if self.gen_launched >= self.G:
                     return
                 name, count = order[0], min(per_call, self.G - self.gen_launched)
                 self.gen_launched += count
@@ -380,8 +379,7 @@ class _Simulation:
             if self.on_step is not None:
                 self.on_step(self.n // self.K)
             if self.colocated:
-                # the next batch is generated with the newest weights once they reach the rollout slots
-                self.gen_open = False
+                # this batch is all launched; the next is generated with the newest weights once they reach rollout
                 self.push(self.now + self.w.sync_delay_s, _WAKE, None)
 
     def run(self) -> RunTrace:
@@ -409,7 +407,7 @@ class _Simulation:
             elif kind == _ARRIVE:
                 self.pool.on_arrive(payload, t)  # type: ignore[arg-type]
             else:
-                self.gen_open, self.gen_launched, self.gen_finished = True, 0, 0
+                self.gen_launched, self.gen_finished = 0, 0
             self.launch()
         self.trace.makespan_s = self.now
         # loads and groups still running at the end count as busy only up to the end of the run
