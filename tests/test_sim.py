@@ -59,6 +59,18 @@ def test_colocated_has_zero_architectural_staleness(name: str) -> None:
     assert m.quota_violations == 0
 
 
+@pytest.mark.parametrize(("name", "per_call"), [("balanced", 3), ("skewed3", 2), ("multimodal", 3)])
+def test_colocated_calls_of_several_groups_launch_each_source_its_quota(name: str, per_call: int) -> None:
+    """Colocated with calls of several groups: a call takes at most what its source still lacks of the batch, so
+    every batch is generated exactly at the quotas (a call of 3 from q = 32 used to take a 33rd group of one
+    source, leave another at 31 and stall the run in step 0) and trains with zero architectural staleness."""
+    w = small(name, groups_per_call=per_call)
+    trace = simulate(w, "constraint_preserving", seed=0, colocated=True)
+    assert trace.step_counts == [w.quotas] * w.steps and trace.dropped == 0
+    for stats in compute_metrics(trace).readings.values():
+        assert stats.architectural.max == 0.0 and stats.architectural.mean == 0.0
+
+
 @pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("window", [1, 2])
