@@ -203,6 +203,8 @@ def test_metrics_shape_and_idle_fractions() -> None:
     assert len(m.per_step) == w.steps
     assert all(len(s.admitted_at) == w.mini_batches_per_step for s in m.per_step)
     assert all(s.admitted_at == sorted(s.admitted_at) for s in m.per_step)
+    per_step = w.train_batch_groups * w.group_size  # each step's readings count its own trajectories
+    assert all(s.readings[r].staleness.count == per_step for s in m.per_step for r in READINGS)
     assert 0.0 <= m.trainer_idle <= 1.0 and 0.0 <= m.rollout_idle <= 1.0
     assert m.steps_per_hour == pytest.approx(w.steps / (m.makespan_s / 3600))
     json.dumps(m.to_json())
@@ -528,3 +530,20 @@ def test_simulate_refuses_fewer_than_one_step() -> None:
     for steps in (0, -1):
         with pytest.raises(ValueError, match=f"steps must be >= 1, got {steps}"):
             simulate(small("balanced"), "constraint_preserving", steps=steps)
+
+
+def test_metrics_json_leaves_out_per_step_on_request_and_writes_nan_as_null() -> None:
+    """``RunMetrics.to_json``: the per-step detail is optional, everything else is the same, and NaN anywhere
+    (a field, a per-step entry in the list) becomes None, so the JSON is strict."""
+    w = small("balanced", steps=3)
+    m = compute_metrics(simulate(w, "constraint_preserving", seed=0))
+    full = m.to_json()
+    assert [s["step"] for s in full["per_step"]] == [0, 1, 2]
+    assert full["makespan_s"] == m.makespan_s > 0 and full["per_step"][2]["train_end"] == m.makespan_s
+    assert m.to_json(per_step=False) == {k: v for k, v in full.items() if k != "per_step"}
+    json.dumps(full, allow_nan=False)
+    step0 = dataclasses.replace(m.per_step[0], train_end=math.nan)
+    odd = dataclasses.replace(m, makespan_s=math.nan, per_step=[step0, *m.per_step[1:]]).to_json()
+    assert odd["makespan_s"] is None and odd["per_step"][0]["train_end"] is None
+    assert odd["per_step"][0]["counts"] == full["per_step"][0]["counts"] == w.quotas
+    json.dumps(odd, allow_nan=False)
