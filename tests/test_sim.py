@@ -254,11 +254,14 @@ def test_bad_source_is_rejected(change: dict[str, object], field: str) -> None:
 
 
 def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
-    """Unknown fields and bad source values in a YAML workload raise InvalidRequest with the location."""
+    """Unknown fields and bad source values in a YAML workload raise InvalidRequest with the location; a workload
+    without a name is named after its file."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nsources:\n  - {name: a, quota: 2, duration_mean_s: 1, colour: red}\n")
-    with pytest.raises(InvalidRequest, match=r"sources\[0\].*colour"):
+    with pytest.raises(InvalidRequest, match=r"bad.yaml: sources\[0\] has unknown fields \['colour'\]"):
         load_workload(str(bad))
+    bad.write_text("sources:\n  - {name: a, quota: 8, duration_mean_s: 1}\n")
+    assert load_workload(str(bad)).name == str(bad)  # no name: the file's path names it
     bad.write_text("name: x\nsources:\n  - {name: a, quota: 0, duration_mean_s: 1}\n")
     with pytest.raises(InvalidRequest, match="quota"):
         load_workload(str(bad))
