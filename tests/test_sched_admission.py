@@ -402,6 +402,10 @@ def test_bad_inputs_raise_clear_errors() -> None:
         for name in POLICIES:
             with pytest.raises(ValueError, match=message):
                 make_policy(name).select(_state([], **bad))
+    for lo, hi in ((-1, None), (-1, 2), (3, 2)):
+        with pytest.raises(ValueError, match=f"bounds need 0 <= lo <= hi, got lo={lo}, hi={hi}"):
+            SourceBounds(lo=lo, hi=hi)
+    assert SourceBounds(lo=2, hi=2).hi == 2  # lo == hi is allowed: it pins the count
 
 
 def test_composition_plan_gives_the_extra_to_the_source_furthest_behind() -> None:

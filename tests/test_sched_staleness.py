@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from knittrans.sched.staleness import (
     READINGS,
     ConsumedGroup,
+    RunningSummary,
     architectural_staleness,
     staleness,
     step_report,
@@ -111,6 +112,8 @@ def test_step_report_weights_trajectories_and_splits_sources() -> None:
     assert step_report(consumed, "weighted")["by_source"]["math"]["staleness"].p50 == 1
     with pytest.raises(ValueError, match="reading"):
         step_report(consumed, "late")
+    with pytest.raises(ValueError, match="unknown version reading 'late'"):
+        step_report([], "late")  # refused when the report is made, not at its first group
 
 
 def test_bad_weights_and_records_are_refused() -> None:
@@ -121,3 +124,20 @@ def test_bad_weights_and_records_are_refused() -> None:
         _consumed("g", "math", -1, v_train=1, k=0, vs=0, ve=0, vw=0.0)
     with pytest.raises(ValueError, match="mini_batch_index must be >= 0, got -1"):
         _consumed("g", "math", 1, v_train=1, k=-1, vs=0, ve=0, vw=0.0)
+
+
+def test_running_summary_bins_fractional_values_to_its_resolution() -> None:
+    """With a resolution, fractional values land on its grid (the histogram stays as large as the range of
+    values, however many are added); integers and a summary without resolution keep values as they are."""
+    binned, exact = RunningSummary(0.25), RunningSummary()
+    for i in range(1000):
+        for summary in (binned, exact):
+            summary.add(i / 997, 1)  # 1000 distinct values in [0, 1.003]
+    assert len(binned.hist) <= 5 and len(exact.hist) == 1000
+    assert set(binned.hist) <= {0.0, 0.25, 0.5, 0.75, 1.0}
+    assert binned.stats().count == 1000 and binned.stats().max == 1.0
+    assert binned.stats().mean == pytest.approx(exact.stats().mean)  # the sums stay exact
+    coarse = RunningSummary(0.5)
+    coarse.add(0.3, 2)
+    coarse.add(3.0, 1)
+    assert (coarse.stats().p50, coarse.stats().max) == (0.5, 3.0)

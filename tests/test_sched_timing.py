@@ -252,6 +252,9 @@ def test_launch_lead_shifts_launches_from_fast_to_slow_sources() -> None:
     lead = launch_lead(quotas, {"a": 10.0, "b": 30.0}, 0.1)
     assert lead == pytest.approx({"a": -0.5, "b": 0.5})
     assert launch_lead({"a": 2, "b": 2, "c": 4}, {"a": 10.0}, 0.1) == {"a": 0.0, "b": 0.0, "c": 0.0}
+    # no estimate yet (the first launches), or only for sources without a quota: no lead for anyone
+    assert launch_lead(quotas, {}, 0.0) == {"a": 0.0, "b": 0.0}
+    assert launch_lead({"a": 2, "b": 0}, {"b": 10.0, "x": 5.0}, 0.1) == {"a": 0.0, "b": 0.0}
     launched = {"a": 3, "b": 3}
     assert launch_order(quotas, launched) == ["a", "b"]
     assert launch_order(quotas, {s: n - lead[s] for s, n in launched.items()}) == ["b", "a"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from knittrans.cli import main
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
 from knittrans.sched.staleness import READINGS, architectural_staleness, version_of
-from knittrans.sim.engine import simulate
+from knittrans.sim import engine
+from knittrans.sim.engine import SimulationStalled, simulate
 from knittrans.sim.metrics import compute_metrics, staleness_split
 from knittrans.sim.workload import SourceProfile, Workload, bundled_workloads, load_workload
 
@@ -55,6 +57,18 @@ def test_colocated_has_zero_architectural_staleness(name: str) -> None:
         assert stats.architectural.max == 0.0 and stats.architectural.mean == 0.0
         assert stats.architectural.p50 == 0.0
     assert m.quota_violations == 0
+
+
+@pytest.mark.parametrize(("name", "per_call"), [("balanced", 3), ("skewed3", 2), ("multimodal", 3)])
+def test_colocated_calls_of_several_groups_launch_each_source_its_quota(name: str, per_call: int) -> None:
+    """Colocated with calls of several groups: a call takes at most what its source still lacks of the batch, so
+    every batch is generated exactly at the quotas (a call of 3 from q = 32 used to take a 33rd group of one
+    source, leave another at 31 and stall the run in step 0) and trains with zero architectural staleness."""
+    w = small(name, groups_per_call=per_call)
+    trace = simulate(w, "constraint_preserving", seed=0, colocated=True)
+    assert trace.step_counts == [w.quotas] * w.steps and trace.dropped == 0
+    for stats in compute_metrics(trace).readings.values():
+        assert stats.architectural.max == 0.0 and stats.architectural.mean == 0.0
 
 
 @pytest.mark.parametrize("name", ["balanced", "code_agent_skew", "multimodal"])
@@ -189,6 +203,8 @@ def test_metrics_shape_and_idle_fractions() -> None:
     assert len(m.per_step) == w.steps
     assert all(len(s.admitted_at) == w.mini_batches_per_step for s in m.per_step)
     assert all(s.admitted_at == sorted(s.admitted_at) for s in m.per_step)
+    per_step = w.train_batch_groups * w.group_size  # each step's readings count its own trajectories
+    assert all(s.readings[r].staleness.count == per_step for s in m.per_step for r in READINGS)
     assert 0.0 <= m.trainer_idle <= 1.0 and 0.0 <= m.rollout_idle <= 1.0
     assert m.steps_per_hour == pytest.approx(w.steps / (m.makespan_s / 3600))
     json.dumps(m.to_json())
@@ -238,11 +254,14 @@ def test_bad_source_is_rejected(change: dict[str, object], field: str) -> None:
 
 
 def test_bad_yaml_names_the_problem(tmp_path: Path) -> None:
-    """Unknown fields and bad source values in a YAML workload raise InvalidRequest with the location."""
+    """Unknown fields and bad source values in a YAML workload raise InvalidRequest with the location; a workload
+    without a name is named after its file."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nsources:\n  - {name: a, quota: 2, duration_mean_s: 1, colour: red}\n")
-    with pytest.raises(InvalidRequest, match=r"sources\[0\].*colour"):
+    with pytest.raises(InvalidRequest, match=r"bad.yaml: sources\[0\] has unknown fields \['colour'\]"):
         load_workload(str(bad))
+    bad.write_text("sources:\n  - {name: a, quota: 8, duration_mean_s: 1}\n")
+    assert load_workload(str(bad)).name == str(bad)  # no name: the file's path names it
     bad.write_text("name: x\nsources:\n  - {name: a, quota: 0, duration_mean_s: 1}\n")
     with pytest.raises(InvalidRequest, match="quota"):
         load_workload(str(bad))
@@ -439,3 +458,95 @@ def test_staleness_split_adds_up_to_the_reported_metric(policy: str) -> None:
         mean = sum((g.generation + g.wait) * g.num_trajectories for g in split) / n
         assert mean == pytest.approx(m.readings[reading].architectural.mean, abs=1e-9)
     assert any(g.wait < 0 for g in split) and any(g.wait > 0 for g in split)
+
+
+def test_policies_plan_with_the_groups_still_in_flight_as_pending() -> None:
+    """The pending supply ``P[s]`` the policies plan with is the groups launched and not yet finished (a call's
+    groups leave it when they finish; checked at the end of every step); ``select_calls`` counts every policy
+    call, the ones that wait for groups included, ``events`` at least a group's finish and a mini-batch's end
+    of training for each, and the metrics report both."""
+    checked: list[int] = []
+
+    def check(step: int) -> None:
+        consumed = Counter(c.source for c in sim.trace.consumed)
+        finished = Counter(g.source for g in sim.finished)
+        in_flight = {s: sim.launched[s] - consumed[s] - finished[s] for s in sim.names}
+        assert sim.pending == in_flight and sum(in_flight.values()) > 0
+        checked.append(step)
+
+    w = small("code_agent_skew", max_staleness=None)
+    sim = engine._Simulation(w, "constraint_preserving", seed=0, steps=w.steps, colocated=False, on_step=check)
+    trace = sim.run()
+    assert checked == list(range(1, w.steps + 1)) and trace.dropped == 0
+    assert trace.select_calls > len(trace.mini_batches) == w.steps * w.mini_batches_per_step
+    assert trace.events >= len(trace.consumed) + len(trace.mini_batches)
+    m = compute_metrics(trace)
+    assert (m.select_calls, m.events) == (trace.select_calls, trace.events)
+
+
+@pytest.mark.parametrize("name", ["balanced", "code_agent_skew"])
+def test_a_step_handover_frees_the_steps_groups_only(name: str) -> None:
+    """``train_batch`` handed whole train batches with a window of two: when a step's first mini-batch starts,
+    ``q[s]`` groups of each source leave the window (the step's own), not the next step's finished groups; at
+    the end of every step none is left released ahead of its mini-batch, and the window counts exactly the
+    groups launched and not in a started mini-batch."""
+    checked: list[int] = []
+
+    def check(step: int) -> None:
+        started = Counter(
+            c.source for c in sim.trace.consumed if not math.isnan(sim.trace.mini_batches[c.v_train].train_start)
+        )
+        assert not sim.released
+        assert sim.untaken == {s: sim.launched[s] - started[s] for s in sim.names}
+        checked.append(step)
+
+    w = small(name, window=2, train_batch_handover="step", max_staleness=None)
+    sim = engine._Simulation(w, "train_batch", seed=0, steps=w.steps, colocated=False, on_step=check)
+    assert sim.run().dropped == 0 and checked == list(range(1, w.steps + 1))
+
+
+@pytest.mark.parametrize("policy", ["constraint_preserving", "train_batch"])
+def test_no_group_makes_tokens_with_weights_before_they_reach_rollout(policy: str) -> None:
+    """With a sync delay, timed loads and in-flight updates, version ``v`` (published when mini-batch ``v - 1``
+    ends training) reaches rollout ``sync_delay_s`` later: no consumed group finished before the arrival of the
+    newest version it made tokens with."""
+    w = small("balanced", sync_delay_s=2.0, load_s=0.5, in_flight_updates=True)
+    trace = simulate(w, policy, seed=0)
+    arrival = [0.0] + [m.train_end + w.sync_delay_s for m in trace.mini_batches]
+    assert any(c.version_end > 0 for c in trace.consumed)
+    assert all(arrival[c.version_end] <= trace.finished_at[c.group_id] for c in trace.consumed)
+
+
+def test_a_run_that_can_never_finish_raises_simulation_stalled() -> None:
+    """Colocated, a whole batch is generated at once and nothing more until its step is trained: with a staleness
+    bound of 0 the step's groups expire after its first mini-batch and the run stalls, saying where and why."""
+    with pytest.raises(
+        SimulationStalled,
+        match=r"balanced/constraint_preserving: stalled at t=.* in step 0, "
+        r"mini-batch 1: .* finished 0, .*\(the policy waits for groups that can never come\)",
+    ):
+        simulate(small("balanced", max_staleness=0), "constraint_preserving", colocated=True)
+
+
+def test_simulate_refuses_fewer_than_one_step() -> None:
+    """``steps`` (or the workload's) below 1 is a ValueError naming it, not an empty run."""
+    for steps in (0, -1):
+        with pytest.raises(ValueError, match=f"steps must be >= 1, got {steps}"):
+            simulate(small("balanced"), "constraint_preserving", steps=steps)
+
+
+def test_metrics_json_leaves_out_per_step_on_request_and_writes_nan_as_null() -> None:
+    """``RunMetrics.to_json``: the per-step detail is optional, everything else is the same, and NaN anywhere
+    (a field, a per-step entry in the list) becomes None, so the JSON is strict."""
+    w = small("balanced", steps=3)
+    m = compute_metrics(simulate(w, "constraint_preserving", seed=0))
+    full = m.to_json()
+    assert [s["step"] for s in full["per_step"]] == [0, 1, 2]
+    assert full["makespan_s"] == m.makespan_s > 0 and full["per_step"][2]["train_end"] == m.makespan_s
+    assert m.to_json(per_step=False) == {k: v for k, v in full.items() if k != "per_step"}
+    json.dumps(full, allow_nan=False)
+    step0 = dataclasses.replace(m.per_step[0], train_end=math.nan)
+    odd = dataclasses.replace(m, makespan_s=math.nan, per_step=[step0, *m.per_step[1:]]).to_json()
+    assert odd["makespan_s"] is None and odd["per_step"][0]["train_end"] is None
+    assert odd["per_step"][0]["counts"] == full["per_step"][0]["counts"] == w.quotas
+    json.dumps(odd, allow_nan=False)

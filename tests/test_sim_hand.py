@@ -6,7 +6,7 @@ import pytest
 
 from knittrans.sched.staleness import READINGS, architectural_staleness, staleness, version_of
 from knittrans.sim.engine import RunTrace, simulate
-from knittrans.sim.metrics import staleness_split
+from knittrans.sim.metrics import compute_metrics, staleness_split
 from knittrans.sim.model import VersionTimeline
 from knittrans.sim.rollout import CallGroup, RolloutPool
 from knittrans.sim.workload import SourceProfile, Workload
@@ -127,6 +127,29 @@ def test_hand_case_versions_and_makespan(policy: str) -> None:
     assert trace.makespan_s == pytest.approx(makespan)
 
 
+@pytest.mark.parametrize("policy", sorted(HAND))
+def test_hand_case_mean_wait_and_generation(policy: str) -> None:
+    """Per mini-batch, the mean time its groups waited between finishing and admission, and took to generate
+    (a: 1 s, b: 3 s). constraint_preserving: mb0 {a-0, a-1} and mb1 {b-0, b-1} wait 0 (1 s, 3 s), mb2 {a-2
+    (1..2), b-2 (1..4)} admitted at 4 and mb3 {a-3 (3..4), b-3 (3..6)} at 6: a waits 2 s, b none (2 s each).
+    The others pair an a with a b that finished 2 s later in every mini-batch."""
+    trace = simulate(hand_workload(), policy, seed=0)
+    got = [(m.mean_wait_s, m.mean_generation_s) for m in trace.mini_batches]
+    if policy == "constraint_preserving":
+        assert got == [(0.0, 1.0), (0.0, 3.0), (1.0, 2.0), (1.0, 2.0)]
+    else:
+        assert got == [(1.0, 2.0)] * 4
+
+
+def test_hand_case_rollout_busy_time() -> None:
+    """constraint_preserving's slot-seconds of generation: the eight consumed groups (4 x 1 s + 4 x 3 s), a-4
+    (4..5) and b-4 (4..7) launched when mb2 starts, and a-5, b-5 launched at 6 when mb3 starts, counted up to
+    the end of the run at 7 (1 s each): 22 of 4 slots x 7 s."""
+    trace = simulate(hand_workload(), "constraint_preserving", seed=0)
+    assert trace.rollout_busy_s == pytest.approx(22.0)
+    assert compute_metrics(trace).rollout_idle == pytest.approx(1 - 22 / 28)
+
+
 def test_hand_case_paced_train_batch() -> None:
     """train_batch with handover "mini_batch" frees the window mini-batch by mini-batch (the paced baseline)."""
     trace = simulate(hand_workload(handover="mini_batch"), "train_batch", seed=0)
@@ -234,9 +257,11 @@ def test_end_version_ignores_weights_arriving_at_the_finish() -> None:
 @pytest.mark.parametrize("policy", sorted(HAND))
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_hand_case_timing_bounds(policy: str, lookahead: int) -> None:
-    """At most L mini-batches wait admitted beyond the trainer; at most W·G = 4 groups launched and untaken."""
+    """At most L mini-batches wait admitted beyond the trainer; at most W·G = 4 groups launched and untaken.
+    constraint_preserving admits every mini-batch as the trainer starts it; train_batch and linear_target admit
+    mb1 while mb0 trains once L >= 1 (never more: the next step's groups launch only when the step trains)."""
     trace = simulate(hand_workload(lookahead=lookahead), policy, seed=0)
-    assert trace.peak_admitted_ahead <= lookahead
+    assert trace.peak_admitted_ahead == (0 if policy == "constraint_preserving" else min(lookahead, 1))
     assert trace.peak_untaken_total == 4
     if lookahead == 0:  # every mini-batch is admitted only when the trainer is ready to start it
         assert all(m.admitted_at == m.train_start for m in trace.mini_batches)

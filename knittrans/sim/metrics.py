@@ -181,7 +181,6 @@ def compute_metrics(trace: RunTrace) -> RunMetrics:
         )
     kept = [c for c in trace.consumed if c.step >= warm]
     violations = sum(1 for counts in trace.step_counts if counts != quotas)
-    violations += sum(1 for m in trace.mini_batches if sum(m.counts.values()) != w.mini_batch_groups)
     span = trace.makespan_s
     hours = span / 3600.0
     steady = per_step[warm:]
