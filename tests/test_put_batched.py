@@ -25,11 +25,11 @@ import torch
 from data_support import make_groups, unit_bytes
 
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, InvalidRequest, NotFound, OverBudget, SchemaMismatch
+from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
 from knittrans.rollout.writer import TrajectoryWriter, describe_unit
 from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
-from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore
+from knittrans.store import MEDIA_FILE, TRAJ_FILE, SealSpec, StoreConfig, UnitStore, writer_temp_name
 from knittrans.store.unit import write_table
 from knittrans.tickets import Ticket, UnitRead
 from knittrans.userfields import parse_user_fields
@@ -506,6 +506,27 @@ def test_store_publish_refuses_what_is_not_a_writer_temporary(store_dir: Path, t
         store.publish_units("job", [(spec, str(good)), (spec, str(good))])
 
 
+def test_store_publish_refuses_a_job_or_unit_that_is_not_a_name(store_dir: Path) -> None:
+    """A job spelled as a path is refused before the store looks at a directory: the dead writer's temporary
+    beside the store's root (which a sweep of ``<root>/..`` would remove) stays, and nothing is published;
+    a unit id spelled as a path is refused as such too (not as a directory that is no writer temporary)."""
+    import os
+    import time
+
+    store = UnitStore(StoreConfig(root=store_dir / "root", pending_ttl_s=60))
+    beside = store_dir / writer_temp_name("u")
+    beside.mkdir()
+    old = time.time() - 120
+    os.utime(beside, (old, old))
+    for job in ("..", "../job"):
+        with pytest.raises(InvalidName, match="job"):
+            store.publish_units(job, [])
+    assert beside.is_dir()
+    with pytest.raises(InvalidName, match=r"^unit_id '\.\./u'"):
+        store.publish_units("job", [(SealSpec(unit_id="../u"), beside)])
+    assert beside.is_dir() and store.units() == []
+
+
 def test_store_publish_takes_its_own_temporary_however_the_path_is_spelled(store_dir: Path, tmp_path: Path) -> None:
     """A writer temporary named through a symlinked parent or a ``..`` is still this node's (the parent is
     resolved when it is not spelled as the node's resolved job directory)."""
@@ -541,17 +562,23 @@ def test_store_publish_waits_for_budget_or_spills(store_dir: Path, tmp_path: Pat
 
 @pytest.mark.timing
 def test_store_publish_sweeps_temporaries_of_dead_writers(store_dir: Path) -> None:
-    """A writer temporary never published (its writer died) goes once it is older than ``pending_ttl_s``."""
+    """A writer temporary never published (its writer died) goes once it is older than ``pending_ttl_s``; a
+    sealed unit as old stays."""
     import os
     import time
 
+    first = UnitStore(StoreConfig(root=store_dir))  # the node before a restart
+    ((spec, kept),) = _written(store_dir / "job", ["kept"])
+    rows = first.publish_units("job", [(spec, str(kept))])[0].num_rows
     store = UnitStore(StoreConfig(root=store_dir, pending_ttl_s=60))
     ((_, stale),) = _written(store_dir / "job", ["dead"])
     old = time.time() - 120
     os.utime(stale, (old, old))
+    os.utime(store_dir / "job" / "kept", (old, old))
     ((spec, fresh),) = _written(store_dir / "job", ["live"])
     store.publish_units("job", [(spec, str(fresh))])
-    assert [p.name for p in (store_dir / "job").iterdir()] == ["live"]
+    assert sorted(p.name for p in (store_dir / "job").iterdir()) == ["kept", "live"]
+    assert store.get("job", "kept").num_rows == rows
 
 
 def test_publish_action_refuses_bad_bodies(recording: RecordingServer, store_dir: Path) -> None:

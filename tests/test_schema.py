@@ -24,6 +24,7 @@ from knittrans.schema import (
     build_unit_tables,
     build_units_tables,
     check_schema,
+    validate_media,
     validate_trajectories,
 )
 
@@ -115,6 +116,20 @@ def test_schema_check_names_version_and_column() -> None:
         check_schema(TRAJECTORY_SCHEMA.remove(7))
     with pytest.raises(SchemaMismatch, match="tagged"):
         check_schema(MEDIA_SCHEMA, "trajectories")
+
+
+def test_validators_check_the_schema_first() -> None:
+    """``validate_trajectories`` / ``validate_media`` (public: a caller may not have checked the schema) refuse a
+    table that lacks a column with SchemaMismatch naming it, though no row check reads that column; a media row
+    repeated (its hash right) is refused naming the row."""
+    t = build_unit_tables(make_groups(2, 4, seed=3))
+    with pytest.raises(SchemaMismatch, match=r"trajectories columns differ: missing \['reward'\]"):
+        validate_trajectories(t.traj.drop_columns(["reward"]))
+    with pytest.raises(SchemaMismatch, match=r"media columns differ: missing \['kind'\]"):
+        validate_media(t.media.drop_columns(["kind"]))
+    twice = pa.concat_tables([t.media, t.media.slice(0, 1)])  # each row's hash is right; the last repeats row 0
+    with pytest.raises(InvalidRequest, match=f"column 'media_hash' is duplicated at row {t.media.num_rows}$"):
+        validate_media(twice)
 
 
 @settings(max_examples=40, deadline=None)

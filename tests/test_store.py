@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -62,6 +63,11 @@ def test_names_are_validated_and_duplicates_refused(store_dir: Path) -> None:
     store_unit(store, "job", "u", t)
     with pytest.raises(Conflict, match="already exists"):
         store_unit(store, "job", "u", t)
+    for job, unit_id, what in (("../job", "u", "job"), ("job", "../u", "unit_id")):  # not NotFound
+        with pytest.raises(InvalidName, match=rf"^{what} '\.\./"):
+            store.get(job, unit_id)
+        with pytest.raises(InvalidName, match=rf"^{what} '\.\./"):
+            store.delete(job, unit_id)
     assert not any(p.name.startswith(".") for p in (store_dir / "job").iterdir())
 
 
@@ -107,7 +113,8 @@ def test_full_budget_times_out_with_over_budget(store_dir: Path) -> None:
 
 @pytest.mark.timing
 def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -> None:
-    """With a spill dir a unit that does not fit goes there, is readable and survives a rescan."""
+    """With a spill dir a unit that does not fit goes there, is readable and survives a rescan; deleting it
+    gives back no budget (it held none)."""
     t = _tables(n=20)
     budget = int(unit_bytes(t) * 1.5)
     cfg = StoreConfig(root=store_dir, budget_bytes=budget, spill_dir=tmp_path / "spill", wait_timeout_s=0)
@@ -126,6 +133,8 @@ def test_full_budget_spills_to_disk_directory(store_dir: Path, tmp_path: Path) -
         .read(Ticket(job="job", reads=(UnitRead(unit_id="b"),)))
         .equals(t.traj)
     )
+    again.delete("job", "b")
+    assert again.budget.used == again.get("job", "a").num_bytes and not spilled.path.exists()
 
 
 def test_delete_removes_unit_and_frees_budget(store_dir: Path) -> None:
@@ -380,3 +389,28 @@ def test_a_stream_that_ends_after_its_unit_was_aborted_gives_back_nothing_twice(
     again = store.begin("job", "u")
     store.abort("job", "u", only=pending)  # aborts only that (older) unit of this id
     assert not again.discarded and store.stats()["pending"] == 1
+
+
+def test_a_stream_whose_unit_is_aborted_while_it_opens_begins_the_unit_afresh(store_dir: Path) -> None:
+    """A unit aborted between ``open_part`` finding it pending and claiming its part (a race with another stream's
+    failure or the unit's lifetime) is begun again for the opening stream, instead of failing it."""
+    store = UnitStore(StoreConfig(root=store_dir))
+    old = store.begin("job", "u")
+    got: list[object] = []
+    opener = threading.Thread(target=lambda: got.append(store.open_part("job", "u", "traj")))
+    with old.lock:  # the opener finds ``old`` pending, then waits for its lock in ``claim``
+        opener.start()
+        frames = sys._current_frames
+
+        def in_claim() -> bool:
+            frame = frames().get(opener.ident or 0)
+            return frame is not None and frame.f_code.co_name == "claim"
+
+        wait_until(in_claim, timeout_s=10, what="the opener to wait in claim")
+        store.abort("job", "u")
+    opener.join(10)
+    ((pending, token),) = got
+    assert pending is not old and not pending.discarded and old.discarded
+    pending.write("traj", _tables().traj.to_batches()[0], token=token)
+    store.close_part(pending, "traj", token, ok=True)
+    assert store.seal_units("job", [SealSpec(unit_id="u")])[0].num_rows == 12

@@ -20,6 +20,7 @@ from data_support import make_groups
 
 from knittrans.errors import Conflict, InvalidRequest, InvalidTicket
 from knittrans.flight import StoreClient, StoreServer, cli
+from knittrans.procs import wait_until
 from knittrans.schema import UnitTables, build_unit_tables
 from knittrans.tickets import Ticket, UnitRead
 
@@ -203,6 +204,9 @@ def test_publish_validates_timeout_and_a_put_abandoned_while_waiting_for_budget_
         with pytest.raises(Exception):  # noqa: B017 - the client's deadline: any transport error
             impatient.put_part("job", "late", "traj", t.traj)
         impatient.close()
+        # the node sees the call cancelled and stops waiting (while the budget is still full): only the hog is left
+        wait_until(lambda: server.store.budget.waiting == 0, timeout_s=20, what="the abandoned put to stop waiting")
+        assert c.stats()["pending"] == 1
         c.delete("job", "hog")  # budget frees up after the caller has left
         deadline = time.monotonic() + 60
         while c.stats()["pending"] and time.monotonic() < deadline:
