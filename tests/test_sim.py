@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -526,6 +527,19 @@ def test_a_run_that_can_never_finish_raises_simulation_stalled() -> None:
         r"mini-batch 1: .* finished 0, .*\(the policy waits for groups that can never come\)",
     ):
         simulate(small("balanced", max_staleness=0), "constraint_preserving", colocated=True)
+
+
+def test_cli_reports_a_run_that_can_never_finish(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``knittrans sim`` on a configuration that stalls (colocated, staleness bound 0) exits 1 with the stall's
+    message on stderr, not a traceback."""
+    import yaml
+
+    wl = tmp_path / "tight.yaml"
+    wl.write_text(yaml.safe_dump(dataclasses.asdict(small("balanced", max_staleness=0))))
+    argv = ["sim", "--workload", str(wl), "--policy", "constraint_preserving", "--seeds", "1", "--colocated"]
+    assert main([*argv, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"knittrans sim: balanced/\w+: stalled at t=.*groups that can never come\)\n", err), err
 
 
 def test_simulate_refuses_fewer_than_one_step() -> None:

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from knittrans.errors import InvalidRequest
 from knittrans.sched.admission import POLICIES
+from knittrans.sim.engine import SimulationStalled
 from knittrans.sim.sweep import LEGEND, configurations, format_table, run_grid
 from knittrans.sim.workload import bundled_workloads, load_workload
 
@@ -202,14 +203,20 @@ def run(args: argparse.Namespace) -> int:
     modes = len(policies) + (1 if args.colocated else 0) + 1  # + the paced baseline
     total = sum((args.steps or w.steps) for w in configs) * modes * args.seeds
     bar = None if args.no_progress else ProgressBar(total)
-    results = run_grid(
-        configs,
-        policies,
-        seeds=args.seeds,
-        steps=args.steps,
-        colocated=args.colocated,
-        progress=None if bar is None else (lambda done, label: bar.advance(label)),
-    )
+    try:
+        results = run_grid(
+            configs,
+            policies,
+            seeds=args.seeds,
+            steps=args.steps,
+            colocated=args.colocated,
+            progress=None if bar is None else (lambda done, label: bar.advance(label)),
+        )
+    except SimulationStalled as exc:  # a configuration that can never finish (e.g. colocated, tight staleness bound)
+        if bar is not None:
+            bar.close()
+        print(f"knittrans sim: {exc}", file=sys.stderr)
+        return 1
     if bar is not None:
         bar.close()
     print(format_table(results))
