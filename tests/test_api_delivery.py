@@ -146,6 +146,21 @@ def test_published_manifests_follow_the_state(tmp_path: Path) -> None:
         assert (m.global_index, m.attempt) == (0, 1)
 
 
+def test_progress_says_where_admission_ends(tmp_path: Path) -> None:
+    """``final`` in progress: total_steps * K for a job with an end, None for one without, and the next index
+    once a drained job admits nothing more (the long-poll then answers done)."""
+    with app_client(tmp_path / "cp.db") as c:
+        c.post("/v1/jobs", json=job_spec(total_steps=2))
+        c.post("/v1/jobs", json=job_spec(name="job2"))
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").json()["final"] == 2 * 3
+        assert c.get("/v1/jobs/job2/minibatches").json()["final"] is None
+        assert c.post("/v1/jobs/job2/drain").json()["state"] == "drained"  # at a step boundary, nothing in flight
+        progress = c.get("/v1/jobs/job2/minibatches").json()
+        assert (progress["final"], progress["next_global_index"]) == (0, 0)
+        r = c.get("/v1/jobs/job2/minibatches/0", params={"timeout_s": 0})
+        assert r.status_code == 204 and r.headers["x-knittrans-done"] == "1"
+
+
 def test_admission_publishes_the_manifest_before_the_registration_answers(tmp_path: Path) -> None:
     """An admission renders the manifest once and publishes it before anyone asks (the registration's answer
     comes after the board has it); every long-poll is those bytes."""
