@@ -83,6 +83,27 @@ def test_progress_errors_over_http_are_per_request(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["duplicate"] is True and r.json()["consumed"] is True
 
 
+def test_ranks_outside_the_world_and_a_lower_version_are_refused(tmp_path: Path) -> None:
+    """fetched, ack and versions for a rank >= world_size are 404 naming it, and change nothing (an
+    ack from rank 5 of 2 does not count toward consuming the mini-batch); an ack carrying a version below the
+    rank's last report is 409 and the version stays."""
+    with app_client(tmp_path / "cp.db") as c:
+        _setup(c, world=2, sources=["math", "code", "math", "code"])
+        url = f"/v1/jobs/{JOB}/minibatches/0/{{}}"
+        for r in (
+            c.post(url.format("fetched"), json={"attempt": 0, "ranks": [5]}),
+            c.post(url.format("ack"), json={"attempt": 0, "ranks": [0, 5]}),
+            c.post(f"/v1/jobs/{JOB}/versions", json={"rank": 2, "version": 1}),
+        ):
+            assert r.status_code == 404 and "outside the job's world_size 2" in r.json()["detail"], r.text
+        assert c.post(url.format("ack"), json={"attempt": 0, "ranks": [0], "version": 5}).json()["consumed"] is False
+        r = c.post(url.format("ack"), json={"attempt": 0, "ranks": [1], "version": 7})
+        assert r.json()["consumed"] is True, r.text
+        r = c.post(f"/v1/jobs/{JOB}/minibatches/1/ack", json={"attempt": 0, "ranks": [0], "version": 3})
+        assert r.status_code == 409 and "already reported version 5" in r.json()["detail"], r.text
+        assert c.get(f"/v1/jobs/{JOB}/version").json()["by_rank"] == {"0": 5, "1": 7}
+
+
 @pytest.mark.parametrize("each", [True, False], ids=["each-rank", "one-request"])
 def test_fetched_and_ack_are_idempotent_from_every_rank_or_one_request(tmp_path: Path, each: bool) -> None:
     """Every rank reporting ``ranks: [r]`` for itself, or one request for all (``ranks: null``), each repeated:
