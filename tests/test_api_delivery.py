@@ -59,6 +59,8 @@ def test_progress_errors_over_http_are_per_request(tmp_path: Path) -> None:
         r = c.post(url.format(0), json={"attempt": 1})
         assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
         assert c.post(url.format(0), json={"attempt": 0, "ranks": [0]}).json()["consumed"] is False
+        again = c.post(url.format(0), json={"attempt": 0, "ranks": [0]}).json()
+        assert (again["consumed"], again["duplicate"]) == (False, True)  # rank 0's ack repeated
         # rank 0 acked mini-batch 0, rank 1 did not: a request for both on 1 is refused whole (rank 1 owes 0)
         r = c.post(url.format(1), json={"attempt": 0})
         assert r.status_code == 409 and "rank 1 must ack mini-batch 0 before 1" in r.json()["detail"], r.text
