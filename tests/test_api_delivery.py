@@ -59,6 +59,8 @@ def test_progress_errors_over_http_are_per_request(tmp_path: Path) -> None:
         r = c.post(url.format(0), json={"attempt": 1})
         assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
         assert c.post(url.format(0), json={"attempt": 0, "ranks": [0]}).json()["consumed"] is False
+        again = c.post(url.format(0), json={"attempt": 0, "ranks": [0]}).json()
+        assert (again["consumed"], again["duplicate"]) == (False, True)  # rank 0's ack repeated
         # rank 0 acked mini-batch 0, rank 1 did not: a request for both on 1 is refused whole (rank 1 owes 0)
         r = c.post(url.format(1), json={"attempt": 0})
         assert r.status_code == 409 and "rank 1 must ack mini-batch 0 before 1" in r.json()["detail"], r.text
@@ -81,6 +83,27 @@ def test_progress_errors_over_http_are_per_request(tmp_path: Path) -> None:
         }
         r = c.post(url.format(1), json={"attempt": 1})
         assert r.status_code == 200 and r.json()["duplicate"] is True and r.json()["consumed"] is True
+
+
+def test_ranks_outside_the_world_and_a_lower_version_are_refused(tmp_path: Path) -> None:
+    """fetched, ack and versions for a rank >= world_size are 404 naming it, and change nothing (an
+    ack from rank 5 of 2 does not count toward consuming the mini-batch); an ack carrying a version below the
+    rank's last report is 409 and the version stays."""
+    with app_client(tmp_path / "cp.db") as c:
+        _setup(c, world=2, sources=["math", "code", "math", "code"])
+        url = f"/v1/jobs/{JOB}/minibatches/0/{{}}"
+        for r in (
+            c.post(url.format("fetched"), json={"attempt": 0, "ranks": [5]}),
+            c.post(url.format("ack"), json={"attempt": 0, "ranks": [0, 5]}),
+            c.post(f"/v1/jobs/{JOB}/versions", json={"rank": 2, "version": 1}),
+        ):
+            assert r.status_code == 404 and "outside the job's world_size 2" in r.json()["detail"], r.text
+        assert c.post(url.format("ack"), json={"attempt": 0, "ranks": [0], "version": 5}).json()["consumed"] is False
+        r = c.post(url.format("ack"), json={"attempt": 0, "ranks": [1], "version": 7})
+        assert r.json()["consumed"] is True, r.text
+        r = c.post(f"/v1/jobs/{JOB}/minibatches/1/ack", json={"attempt": 0, "ranks": [0], "version": 3})
+        assert r.status_code == 409 and "already reported version 5" in r.json()["detail"], r.text
+        assert c.get(f"/v1/jobs/{JOB}/version").json()["by_rank"] == {"0": 5, "1": 7}
 
 
 @pytest.mark.parametrize("each", [True, False], ids=["each-rank", "one-request"])
@@ -144,6 +167,21 @@ def test_published_manifests_follow_the_state(tmp_path: Path) -> None:
         c.post(f"/v1/jobs/{JOB}/units", json={"units": single_group_units(["math", "code"] * 2, prefix="h")})
         m = _manifest(c, 0)
         assert (m.global_index, m.attempt) == (0, 1)
+
+
+def test_progress_says_where_admission_ends(tmp_path: Path) -> None:
+    """``final`` in progress: total_steps * K for a job with an end, None for one without, and the next index
+    once a drained job admits nothing more (the long-poll then answers done)."""
+    with app_client(tmp_path / "cp.db") as c:
+        c.post("/v1/jobs", json=job_spec(total_steps=2))
+        c.post("/v1/jobs", json=job_spec(name="job2"))
+        assert c.get(f"/v1/jobs/{JOB}/minibatches").json()["final"] == 2 * 3
+        assert c.get("/v1/jobs/job2/minibatches").json()["final"] is None
+        assert c.post("/v1/jobs/job2/drain").json()["state"] == "drained"  # at a step boundary, nothing in flight
+        progress = c.get("/v1/jobs/job2/minibatches").json()
+        assert (progress["final"], progress["next_global_index"]) == (0, 0)
+        r = c.get("/v1/jobs/job2/minibatches/0", params={"timeout_s": 0})
+        assert r.status_code == 204 and r.headers["x-knittrans-done"] == "1"
 
 
 def test_admission_publishes_the_manifest_before_the_registration_answers(tmp_path: Path) -> None:

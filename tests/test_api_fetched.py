@@ -119,3 +119,29 @@ def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path)
         rest = drain(c, "job1")
     assert [p.plan_id for m in rest for p in shares(m)] == ["n1.a1.r0", "n1.a1.r1"]
     assert {g for g, _ in rows_of([p for m in rest for p in shares(m)])} == {"r2", "r3"}
+
+
+def test_groups_of_a_held_mini_batch_withdrawn_by_a_later_loss_are_lost_when_their_node_was(tmp_path: Path) -> None:
+    """Mini-batch 1 (rows on n1) is held by every rank, so n1's loss keeps it; n0's loss then withdraws 0 and 1.
+    The group of 1 on lost n1 is lost too and offered for regeneration (it was left finished: counted, never
+    regenerated, and admitted again if n1 came back empty); nothing is planned from a lost node."""
+    with app_client(tmp_path / "cp.db") as c:
+        c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
+        for n in ("n0", "n1"):
+            c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
+        c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
+        units = single_group_units(["math"], node="n0") + single_group_units(["math"], node="n1", start=1)
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
+        assert _post(c, "fetched", 1, 0).json()["held"]
+        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": []}
+        assert c.post("/v1/nodes/n0/lost").json()["withdrawn"] == {"job1": [0, 1]}
+        status = c.get("/v1/jobs/job1/status").json()
+        regenerate = {x["group_id"]: x["reason"] for x in status["to_regenerate"]}
+        assert regenerate == {"g0": "node n0 lost", "g1": "node n1 lost"}
+        assert status["counts"]["groups_by_status"] == {"lost": 2}
+        c.post("/v1/nodes", json={"node_id": "n1", "endpoint": "grpc://127.0.0.1:9101"})  # back, empty
+        c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0", "r1"]}, "regenerates": ["g0", "g1"]})
+        c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math", "math"], node="n1", prefix="r")})
+        rest = drain(c, "job1")
+    assert [m.global_index for m in rest] == [0, 1]
+    assert {g for g, _ in rows_of([p for m in rest for p in shares(m)])} == {"r0", "r1"}

@@ -54,3 +54,23 @@ def test_step_handover_is_train_batch_only(tmp_path: Path) -> None:
         r = c.post("/v1/jobs", json=job_spec(policy="train_batch", train_batch_handover="batch"))
         assert r.status_code == 422 and "train_batch_handover" in r.text
         assert c.post("/v1/jobs", json=job_spec(policy="version_aware")).status_code == 201
+
+
+def test_step_handover_frees_nothing_before_the_step_starts(tmp_path: Path) -> None:
+    """With "step", a step whose first mini-batch is not admitted (the trainer has not started it) hands over
+    nothing: all six launched groups (four generating, two finished) are untaken."""
+    spec = job_spec(
+        quotas={"math": 2, "code": 1},
+        mini_batches_per_step=3,
+        world_size=1,
+        lookahead=1,
+        policy="train_batch",
+        train_batch_handover="step",
+    )
+    with app_client(tmp_path / "cp.db") as c:
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        assert c.post("/v1/jobs/job1/supply", json={"started": {"math": 4, "code": 2}}).status_code == 200
+        units = single_group_units(["math", "code"])
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == []
+        assert c.get("/v1/jobs/job1/headroom").json()["untaken"] == {"math": 4, "code": 2}

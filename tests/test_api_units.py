@@ -145,6 +145,24 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     assert r.status_code == 409 and "dropped.poetry: source has no quota" in r.json()["detail"]
 
 
+def test_supply_counts_survive_a_restart(tmp_path: Path) -> None:
+    """Started, dropped and finished counts per source are persisted: a restarted control plane answers the
+    same pending groups, finished counts and untaken groups (what the window frees)."""
+    db = tmp_path / "cp.db"
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        c.post("/v1/jobs", json=job_spec())
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.post("/v1/jobs/job1/supply", json={"started": {"math": 3, "code": 1}, "dropped": {"math": 1}})
+        c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+        counts = c.get("/v1/jobs/job1/status").json()["counts"]
+        assert (counts["pending"], counts["finished"]) == ({"code": 1, "math": 1}, {"math": 1})
+        untaken = c.get("/v1/jobs/job1/headroom").json()["untaken"]
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        again = c.get("/v1/jobs/job1/status").json()["counts"]
+        assert (again["pending"], again["finished"]) == (counts["pending"], counts["finished"])
+        assert c.get("/v1/jobs/job1/headroom").json()["untaken"] == untaken
+
+
 def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
     """A report claiming groups to regenerate, sent again under its request_id (the client retries a report
     whose answer it lost), is answered as a repeat, not refused because the claims are gone."""

@@ -25,6 +25,7 @@ from knittrans.api.store import Txn
 from knittrans.controlclient import _raise_for
 from knittrans.descriptors import GROUP_FIELDS, UNIT_FIELDS, GroupRecord, UnitDescriptor
 from knittrans.errors import InvalidRequest, InvalidTicket
+from knittrans.grants import check_ticket
 from knittrans.manifest import MANIFEST_VERSION, Manifest, ManifestGroup, ManifestNode, etag_of
 from knittrans.plans import PlanRow
 from knittrans.schema import SCHEMA_VERSION
@@ -381,7 +382,7 @@ def _units(w: dict[str, Any]) -> list[UnitDescriptor]:
 def test_every_row_of_a_built_manifest_goes_to_exactly_one_ranks_share(w: dict[str, Any]) -> None:
     """Property: for any workload the control plane's job state admits, every manifest it publishes decodes to
     itself, and its ranks' shares hold every row of its groups exactly once (nothing else), each share
-    reading its rows with the tickets and media its groups imply."""
+    reading its rows with the tickets and media its groups imply, which the grants of a signed one allow."""
     spec = JobSpec(
         name="j",
         group_size=w["group_size"],
@@ -428,6 +429,9 @@ def test_every_row_of_a_built_manifest_goes_to_exactly_one_ranks_share(w: dict[s
                 assert reads == [(r.node_id, r.unit_id, r.row) for r in micro.rows]
                 used = dict.fromkeys(h for r in micro.rows for h in records[r.group_id].media_hashes)
                 assert [x.hash for x in micro.media] == list(used)  # each hash once, in first-use order
+                if w["signed"]:  # a store node with the key serves every read of the share
+                    for ticket in [f.ticket for f in micro.fetches] + [x.ticket for x in micro.media]:
+                        check_ticket(b"k" * 32, ticket, now=m.admitted_at)
         assert len(got) == len(set(got)) and set(got) == want
 
 

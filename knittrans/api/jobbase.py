@@ -258,11 +258,10 @@ class JobBase:
         their records. What stays in memory per consumed group is its id.
         """
         units: set[str] = set()
-        for gid in group_ids:
-            entry = self.groups.pop(gid, None)
-            if entry is not None:
-                self.retired_groups.add(gid)
-                units.add(entry.unit_id)
+        for gid in group_ids:  # each held: a consumed mini-batch's groups, each in one mini-batch record only
+            entry = self.groups.pop(gid)
+            self.retired_groups.add(gid)
+            units.add(entry.unit_id)
         for unit_id in units:
             unit = self.units.get(unit_id)
             if unit is not None and not any(

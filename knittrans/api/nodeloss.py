@@ -92,7 +92,8 @@ class NodeLoss(JobBase):
             logger.warning(
                 "job %s: node %s lost, withdrew mini-batches %s for re-planning", self.name, node_id, withdrawn
             )
-        for g in [g for g in self.unadmitted.values() if g.node_id == node_id]:
+        # the node's groups, and those of nodes lost before whose held mini-batches were just withdrawn
+        for g in [g for g in self.unadmitted.values() if g.node_id == node_id or self._node_state(g.node_id) == "lost"]:
             self._set(g, "lost", txn)
-            self._regenerate(txn, g, f"node {node_id} lost")
+            self._regenerate(txn, g, f"node {g.node_id} lost")
         return withdrawn
