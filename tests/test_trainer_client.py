@@ -335,6 +335,21 @@ def test_a_mini_batch_given_up_before_its_share_came_is_not_started(cluster: Loc
         assert waiting._mini_batch is None
 
 
+def test_an_eager_first_mini_batch_started_before_the_loop_is_read_by_the_loop_alone(cluster: LocalCluster) -> None:
+    """The client's start thread starts the first mini-batch as soon as its share is in; in ``eager`` mode it
+    gets no prefetch thread (the loop reads the whole share itself, and a share's streams have one reader)."""
+    job = "eager-first"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 2, group_size=2))
+    with _client(cluster, job, "eager") as client:
+        wait_until(lambda: client._first._mini_batch is not None, timeout_s=20, what="the first mini-batch started")
+        started = client._first._mini_batch
+        assert started is not None and started._worker is None
+        read = [(mb, [m.batch.num_rows for m in mb]) for mb in client.minibatches()]
+        assert len(read) == 1 and read[0][0] is started and read[0][1] == [2, 2]
+
+
 def _earlier_ranks_done() -> None:
     """Wait for earlier tests' prefetch and start threads to end (they take well under a second): each may hold
     a client of its test, which would be freed, cycles and all, during the next test's count of cycles. Only
