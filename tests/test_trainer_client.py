@@ -18,6 +18,7 @@ from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import RankPlan
 from knittrans.procs import knittrans_command, wait_until
 from knittrans.trainer.client import MiniBatch, TrainerClient, TrainerConfig, TrainMicroBatch
+from knittrans.trainer.minibatch import Upcoming
 from knittrans.trainer.share import ShareStreams
 from tests.gc_support import assert_no_cycles_of_ours, cyclic_gc_off
 from tests.trainer_support import job_spec, mm_groups, write_and_register
@@ -57,15 +58,32 @@ def test_eager_and_iter_give_identical_tensors(cluster: LocalCluster) -> None:
     job = "same"
     plan = _one_rank_plan(cluster, job, groups=4, micro_batch_size=3, groups_per_unit=2)
     assert len(plan.micro_batches) == 6  # 16 rows / 3, over two nodes
-    results = {}
+    results, waits = {}, {}
     for mode in ("eager", "iter"):
         with _client(cluster, job, mode) as client:
-            results[mode] = [(_tensors(m), m.rows) for m in client.minibatch(plan)]
+            mb = client.minibatch(plan)
+            results[mode] = [(_tensors(m), m.rows) for m in mb]
+            waits[mode] = [t.wait_s for t in mb.timings]
+    # the loop waited (exposed transfer): eager for the whole share at its first micro-batch, iter at each
+    assert waits["eager"][0] > 0 and waits["eager"][1:] == [0.0] * 5 and all(w > 0 for w in waits["iter"])
     assert len(results["eager"]) == len(results["iter"]) == 6
     for (te, re_), (ti, ri) in zip(results["eager"], results["iter"], strict=True):
         assert re_ == ri and te.keys() == ti.keys()
         torch.testing.assert_close(te, ti, rtol=0, atol=0)
     assert sum(int(t["rewards"].numel()) for t, _ in results["iter"]) == 16
+
+
+def test_without_fetch_media_the_rows_come_without_their_media(cluster: LocalCluster) -> None:
+    """``fetch_media=False``: the micro-batches' rows still name their media, but none is fetched or decoded."""
+    job = "no-media"
+    plan = _one_rank_plan(cluster, job, groups=2, micro_batch_size=4, groups_per_unit=1)
+    assert all(micro.media for micro in plan.micro_batches)
+    for mode in ("eager", "iter"):
+        with _client(cluster, job, mode, fetch_media=False) as client:
+            mb = client.minibatch(plan)
+            got = list(mb)
+        assert [m.batch.num_rows for m in got] == [4, 4] and all(m.batch.media_hex() for m in got)
+        assert [m.media for m in got] == [{}, {}] and mb.transfer()["media_logical_bytes"] == 0
 
 
 def test_transform_runs_off_the_training_thread(cluster: LocalCluster) -> None:
@@ -253,6 +271,85 @@ def test_leaving_a_loaded_mini_batch_early_does_not_wait_for_the_next_share(clus
         first.abandon()
 
 
+def test_leaving_a_mini_batch_ends_its_prefetch_thread_blocked_on_a_full_queue(cluster: LocalCluster) -> None:
+    """A prefetch thread waiting to hand over a micro-batch (its queue full: the loop is behind) ends when the
+    mini-batch is abandoned, or the loop over it left early, instead of blocking for ever on the queue."""
+    job = "abandon-full"
+    plan = _one_rank_plan(cluster, job, groups=4, micro_batch_size=2, groups_per_unit=2)
+    assert len(plan.micro_batches) == 8
+    with _client(cluster, job, "iter", prefetch_depth=1) as client:
+        mb = client.minibatch(plan)
+        micro = iter(mb)
+        assert next(micro).index == 0
+        wait_until(lambda: mb._queue.full(), timeout_s=20, what="the prefetch queue full")
+        mb.abandon()
+        assert mb._worker is not None and not mb._worker.is_alive()
+        # leaving the loop over a mini-batch early stops its thread too (it would hold the mini-batch for ever)
+        left = client.minibatch(plan)
+        for _ in left:
+            wait_until(lambda: left._queue.full(), timeout_s=20, what="the prefetch queue full")
+            break
+        assert left._worker is not None
+        wait_until(lambda: not left._worker.is_alive(), timeout_s=20, what="the prefetch thread ended")
+
+
+def test_abandoning_a_mini_batch_stops_the_successor_its_thread_started(cluster: LocalCluster) -> None:
+    """The prefetch thread of a read mini-batch starts loading the next one; abandoning the first stops that one
+    too (its thread ends and its calls are closed), and the loop asks for the first one again."""
+    job = "abandon-next"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=2, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 4, group_size=2))
+    with _client(cluster, job, "iter", prefetch_depth=1, replan_wait_s=0) as client:
+        loop = iter(client.minibatches())
+        first = next(loop)
+        assert len(list(first)) == 2
+        wait_until(lambda: first._successor._mini_batch is not None, timeout_s=20, what="the successor started")
+        second = first._successor._mini_batch
+        assert second is not None and second.global_index == 1
+        first.abandon()
+        assert second._worker is not None and not second._worker.is_alive() and not second._streams._rows
+        again = next(loop)  # not re-planned (no node was lost): the same plan again, at once (replan_wait_s=0)
+        assert (again.global_index, again.plan_id) == (0, first.plan_id) and len(list(again)) == 2
+
+
+def test_a_mini_batch_given_up_before_its_share_came_is_not_started(cluster: LocalCluster) -> None:
+    """``Upcoming.take`` (the loop asking itself, or leaving) ends a load waiting for its share, quietly; a share
+    already on its way is then not started behind the loop's back (a prefetch thread nobody would stop)."""
+    job = "taken-first"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2, total_steps=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 2, group_size=2))  # mini-batch 0, not 1
+    with _client(cluster, job, "iter") as client:
+        assert client.feed.share(0) is not None  # in the feed: the next load finds it at once
+        upcoming = Upcoming()
+        assert upcoming.take() is None
+        upcoming.load(client.context, 0)
+        assert upcoming._mini_batch is None
+        upcoming.load(client.context, 1)  # not admitted: gives up at once, without an error
+        waiting = Upcoming()
+        loader = threading.Thread(target=waiting.load, args=(client.context, 1))
+        loader.start()
+        assert waiting.take() is None
+        wait_until(lambda: not loader.is_alive(), timeout_s=20, what="the load to stop waiting")
+        assert waiting._mini_batch is None
+
+
+def test_an_eager_first_mini_batch_started_before_the_loop_is_read_by_the_loop_alone(cluster: LocalCluster) -> None:
+    """The client's start thread starts the first mini-batch as soon as its share is in; in ``eager`` mode it
+    gets no prefetch thread (the loop reads the whole share itself, and a share's streams have one reader)."""
+    job = "eager-first"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=2, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 2, group_size=2))
+    with _client(cluster, job, "eager") as client:
+        wait_until(lambda: client._first._mini_batch is not None, timeout_s=20, what="the first mini-batch started")
+        started = client._first._mini_batch
+        assert started is not None and started._worker is None
+        read = [(mb, [m.batch.num_rows for m in mb]) for mb in client.minibatches()]
+        assert len(read) == 1 and read[0][0] is started and read[0][1] == [2, 2]
+
+
 def _earlier_ranks_done() -> None:
     """Wait for earlier tests' prefetch and start threads to end (they take well under a second): each may hold
     a client of its test, which would be freed, cycles and all, during the next test's count of cycles. Only
@@ -434,3 +531,45 @@ def test_control_plane_restart_mid_job(own_cluster: LocalCluster) -> None:
     assert indices == [0, 1] and rows == 8
     wait_until(lambda: control.status(job)["state"] == "completed", timeout_s=20, what="job completion")
     assert control.get_version(job) == 2
+
+
+def test_a_mini_batch_carries_its_manifests_identity_and_reports_no_transfer_before_it_is_read(
+    cluster: LocalCluster,
+) -> None:
+    """Each mini-batch the loop gets names its manifest (ETag, step, index within the step, policy version,
+    admission time, trajectories over all ranks: what the demo rank's records, the re-plan wait and a global loss
+    normaliser use); before it is read its transfer
+    figures (what an ack sends) are zeros and it has no ack time; once read and acked it has both."""
+    job = "identity"
+    control = cluster.control()
+    control.create_job(job_spec(job, groups=4, group_size=2, k=2, world_size=1, micro_batch_size=2, total_steps=2))
+    write_and_register(control, job, cluster.stores, mm_groups("id-a", 4, group_size=2))
+    seen, acked = [], []
+    with _client(cluster, job, "eager") as client:
+        for mb in client.minibatches():
+            got = control.manifest(job, mb.global_index, timeout_s=5)
+            assert got is not None
+            manifest, etag = got
+            seen.append((mb.global_index, mb.step, mb.index, mb.policy_version))
+            assert (mb.etag, mb.admitted_at, mb.attempt) == (etag, manifest.admitted_at, manifest.attempt) != ("", 0, 0)
+            assert (mb.step, mb.index, mb.policy_version) == (
+                manifest.step,
+                manifest.mini_batch_index,
+                manifest.policy_version,
+            )
+            assert mb.acked_at is None and set(mb.transfer().values()) == {0}
+            assert sum(m.batch.num_rows for m in mb) == mb.mini_batch_trajectories == manifest.trajectories == 4
+            assert mb.report_fetched() is True
+            mb.ack(version=mb.policy_version + 1)
+            assert mb.acked_at is not None and len(mb.timings) == 2
+            acked.append((mb, mb.acked_at))
+            # every micro-batch's figures were measured, and the ack sent their sums
+            assert all(t.fetch_s > 0 and t.convert_s > 0 and t.bytes > 0 for t in mb.timings)
+            figures = mb.transfer()
+            assert figures["row_bytes"] == sum(t.bytes for t in mb.timings)
+            # each group's one image is used by its 2 responses, fetched once
+            assert figures["media_logical_bytes"] == 2 * figures["media_physical_bytes"] > 0
+            if mb.global_index == 1:
+                write_and_register(control, job, cluster.stores, mm_groups("id-b", 4, group_size=2))
+    assert seen == [(0, 0, 0, 0), (1, 0, 1, 1), (2, 1, 0, 2), (3, 1, 1, 3)]  # one version per mini-batch
+    assert all(mb.acked_at == at for mb, at in acked)  # the loop's own ack of an acked mini-batch sends nothing

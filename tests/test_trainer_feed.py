@@ -43,7 +43,8 @@ def _feed(control: ControlClient, rank: int = 0, world_size: int = 2) -> Manifes
 
 def test_a_restarted_rank_resumes_after_the_mini_batches_it_acked(cp: ServerProcess) -> None:
     """The first share is the first mini-batch this rank has not acked: each rank starts after its own acks (rank
-    0 acked mini-batches 0-1, rank 1 only 0), and its manifest, admitted already, comes at once."""
+    0 acked mini-batches 0-1, rank 1 only 0), and its manifest, admitted already, comes at once; once the loop
+    is past it the feed forgets it."""
     with httpx.Client(base_url=cp.url) as c:
         for n, ranks in ((0, [0]), (0, [1]), (1, [0])):
             m = manifest(c, JOB, n)
@@ -56,6 +57,9 @@ def test_a_restarted_rank_resumes_after_the_mini_batches_it_acked(cp: ServerProc
             try:
                 assert feed.start() == first
                 assert feed.share(first) is not None  # admitted: its manifest comes at once
+                assert first in feed.arrived
+                feed.release_below(first + 1)  # the loop is past it: its share and arrival time are dropped
+                assert first not in feed.arrived and min(feed._shares, default=first + 1) > first
             finally:
                 feed.close()
 

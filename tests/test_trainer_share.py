@@ -196,6 +196,30 @@ def test_abandoned_share_cancels_its_streams(cluster: LocalCluster) -> None:
             assert fetcher._client(s.endpoint).health()["ok"]
 
 
+@pytest.mark.parametrize("mode", ["eager", "iter"])
+def test_a_mini_batch_read_to_its_end_closes_its_streams(cluster: LocalCluster, mode: str) -> None:
+    """Once the loop has every micro-batch, the share's calls (not yet at their end-of-stream) are closed at
+    once, not when the mini-batch is freed."""
+    plan = _plan(cluster, f"share-done-{mode}", groups=8, micro=2)
+    with TrainerClient(
+        TrainerConfig(
+            control_url=cluster.control_url,
+            job=f"share-done-{mode}",
+            rank=0,
+            world_size=1,
+            fetch_mode=mode,  # type: ignore[arg-type]
+            data_lane=False,  # DoGet streams (a lane read arrives whole: nothing left open)
+        )
+    ) as client:
+        mb = client.minibatch(plan)
+        streams = mb._streams
+        calls = [*streams._rows.values(), *streams._media.values()]
+        generators = [c._opening.result(timeout=10) for c in calls]
+        assert len(generators) == 4 and all(g.gi_frame is not None for g in generators)
+        assert sum(m.batch.num_rows for m in mb) == 16
+        assert all(g.gi_frame is None for g in generators)
+
+
 def test_local_node_reads_a_spilled_unit_through_the_node(tmp_path: Path) -> None:
     """A unit the store spilled is not under the store directory ``local_dirs`` maps: the node serves it."""
     from data_support import make_groups

@@ -292,8 +292,6 @@ class ManifestFeed:
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop asking; waits up to ``timeout_s`` for the thread (with a collective, until the leader closed too)."""
         self._closed.set()
-        with self._cond:
-            self._cond.notify_all()
         self._thread.join(timeout_s)  # never the caller's: the feed's thread runs no code of its users
 
 

@@ -127,7 +127,6 @@ class MiniBatch:
         # the moment the loop drops it, instead of waiting for the cyclic GC, whose collections of such
         # graphs paused the training thread at random mini-batches.
         self._cache = MediaCache(self._streams.media)
-        self._queue: queue.Queue[TrainMicroBatch | BaseException | None] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._ack_lock = threading.Lock()
@@ -236,7 +235,6 @@ class MiniBatch:
 
     def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
         self.start_prefetch()
-        assert self._queue is not None and self._worker is not None
         try:
             while True:
                 t0 = time.perf_counter()
