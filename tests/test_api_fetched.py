@@ -145,3 +145,28 @@ def test_groups_of_a_held_mini_batch_withdrawn_by_a_later_loss_are_lost_when_the
         rest = drain(c, "job1")
     assert [m.global_index for m in rest] == [0, 1]
     assert {g for g, _ in rows_of([p for m in rest for p in shares(m)])} == {"r0", "r1"}
+
+
+def test_groups_of_a_held_mini_batch_stay_lost_when_their_node_registers_again_before_the_withdrawal(
+    tmp_path: Path,
+) -> None:
+    """As above, but n1 registers again (restarted, empty) before n0's loss, and the control plane restarts in
+    between: the group of held mini-batch 1 on n1 is still lost when 1 is withdrawn (n1 being alive again
+    does not bring its old rows back), and nothing is planned from it."""
+    with app_client(tmp_path / "cp.db") as c:
+        c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
+        for n in ("n0", "n1"):
+            c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
+        c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
+        units = single_group_units(["math"], node="n0") + single_group_units(["math"], node="n1", start=1)
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
+        assert _post(c, "fetched", 1, 0).json()["held"]
+        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": []}
+        c.post("/v1/nodes", json={"node_id": "n1", "endpoint": "grpc://127.0.0.1:9101"})  # back, empty
+    with app_client(tmp_path / "cp.db") as c:
+        assert c.post("/v1/nodes/n0/lost").json()["withdrawn"] == {"job1": [0, 1]}
+        status = c.get("/v1/jobs/job1/status").json()
+        regenerate = {x["group_id"]: x["reason"] for x in status["to_regenerate"]}
+        assert regenerate == {"g0": "node n0 lost", "g1": "node n1 lost"}
+        assert status["counts"]["groups_by_status"] == {"lost": 2}
+        assert c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0}).status_code == 204

@@ -40,7 +40,7 @@ class GroupEntry:
         )
 
 
-_PERSISTED = ("n", "step", "k", "attempt", "group_ids", "counts", "admitted_at", "status")
+_PERSISTED = ("n", "step", "k", "attempt", "group_ids", "counts", "admitted_at", "status", "lost_nodes")
 
 
 @dataclass
@@ -62,6 +62,9 @@ class MiniBatch:
     fetched: set[int] = field(default_factory=set)
     """Ranks that reported their share fully fetched and have not acked yet (a mini-batch every rank
     fetched or acked survives a node loss)."""
+    lost_nodes: list[str] = field(default_factory=list)
+    """Nodes declared lost while every rank held the mini-batch: if it is withdrawn later, its groups there are
+    lost, even when the node has registered again meanwhile (its rows may be gone)."""
     manifest: tuple[str, bytes] | None = None
     """``(ETag, bytes)`` of the mini-batch's manifest once built (not persisted: built identically again
     after a restart; see :mod:`knittrans.api.delivery`)."""

@@ -68,8 +68,14 @@ class NodeLoss(JobBase):
         hit = [g for g in self.groups.values() if g.node_id == node_id and g.status in ("finished", "planned")]
         touched = sorted({g.mini_batch for g in hit if g.status == "planned" and g.mini_batch is not None})
         withdrawn: list[int] = []
+        gone: set[str] = set()  # groups of withdrawn mini-batches on nodes lost while the mini-batch was held
         held = [n for n in touched if self._held(self.minibatches[n])]
         untouched = [n for n in touched if n not in held]
+        for n in held:
+            mb = self.minibatches[n]
+            if node_id not in mb.lost_nodes:
+                mb.lost_nodes.append(node_id)
+                txn.put(Kind.MINI_BATCH, self.name, index_key(n), mb.to_json())
         if held:
             logger.warning(
                 "job %s: mini-batches %s have rows on lost node %s but every rank holds its share (fetched or "
@@ -88,12 +94,12 @@ class NodeLoss(JobBase):
                 txn.delete(Kind.FETCHED, self.name, index_key(n))
                 for gid in mb.group_ids:
                     self._set(self.groups[gid], "finished", txn)
+                gone.update(gid for gid in mb.group_ids if self.groups[gid].node_id in mb.lost_nodes)
             self.next_n = first
             logger.warning(
                 "job %s: node %s lost, withdrew mini-batches %s for re-planning", self.name, node_id, withdrawn
             )
-        # the node's groups, and those of nodes lost before whose held mini-batches were just withdrawn
-        for g in [g for g in self.unadmitted.values() if g.node_id == node_id or self._node_state(g.node_id) == "lost"]:
+        for g in [g for g in self.unadmitted.values() if g.node_id == node_id or g.record.group_id in gone]:
             self._set(g, "lost", txn)
             self._regenerate(txn, g, f"node {g.node_id} lost")
         return withdrawn
