@@ -34,6 +34,10 @@ def test_scale_smoke_writes_every_figure_for_both_group_layouts(tmp_path: Path) 
         assert run["consumed_mini_batches"] > 0 and run["consumed_total"] >= run["consumed_mini_batches"], run
         assert run["groups_registered"] >= run["consumed_mini_batches"] * run["groups_per_mini_batch"], run
         assert run["server_cpu_ms_per_mini_batch"] > 0 and run["server_core_share"] > 0, run
+        background = run["background_cpu_s_per_s"]  # heartbeats and the idle server before the trainer starts
+        assert 0 <= background < 1 and run["server_cpu_ms_per_mini_batch_above_background"] is not None, run
+        if background > 0:
+            assert run["server_cpu_ms_per_mini_batch_above_background"] < run["server_cpu_ms_per_mini_batch"], run
         assert run["server_rss_mib"] > 0 and run["window_s"] > 0, run
         d = run["delivery_ms"]
         assert d["count"] > 0 and d["max"] >= d["p99"] >= d["p50"] >= 0 and d["mean"] >= 0, d

@@ -25,7 +25,9 @@ for itself.
 
 Reported per configuration (median over ``--runs``, each run also listed): the server's CPU per
 consumed mini-batch (everything it did in the timed window: manifests, acks, registrations,
-heartbeats, admission) and its share of one core; the time from admission (the manifest's
+heartbeats, admission), the background (CPU per second over ``--idle-seconds`` before the trainer
+starts, once rollout has filled the window: the nodes' heartbeats and the idle server), the CPU per
+mini-batch above that background, and the server's share of one core; the time from admission (the manifest's
 ``admitted_at``, the server's clock, same host) to the asking rank(s) holding the manifest (p50,
 mean, p99, max); the share cut (p99 over ranks); mini-batches consumed per second; the server's RSS. JSON to
 ``--out`` (default ``benchmarks/control_plane/results/scale.json``) and a Markdown table beside it.
@@ -183,6 +185,15 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
     noise_stop, registered = ctx.Event(), ctx.Value("q", 0)
     noise = ctx.Process(target=_rollout_and_nodes, args=(server.url, args.nodes, noise_stop, registered), daemon=True)
     noise.start()
+    # the background: the nodes' heartbeats and an idle server, once rollout has filled the off-policy window
+    # (what a mini-batch costs above it is what the trainer's size changes)
+    deadline, last = time.monotonic() + 60, -1
+    while registered.value != last and time.monotonic() < deadline:
+        last = registered.value
+        time.sleep(1.0)
+    idle0, idle_wall0 = server.cpu_s(), time.monotonic()
+    time.sleep(args.idle_seconds)
+    background = (server.cpu_s() - idle0) / (time.monotonic() - idle_wall0)  # CPU seconds per second
     shared = groups == "shared"
     # shared: rank 0 of the trainer runs (the others' requests are its); per-rank: every rank, its own client
     running = 1 if shared else ranks
@@ -236,6 +247,10 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
         "consumed_mini_batches": consumed,
         "server_cpu_s": cpu,
         "server_cpu_ms_per_mini_batch": cpu * 1e3 / consumed if consumed else None,
+        "background_cpu_s_per_s": background,
+        "server_cpu_ms_per_mini_batch_above_background": (
+            (cpu - background * (wall1 - wall0)) * 1e3 / consumed if consumed else None
+        ),
         "server_core_share": cpu / (wall1 - wall0),
         "delivery_ms": summary(latencies),
         "share_cut_ms": summary(cuts),
@@ -255,11 +270,14 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--idle-seconds", type=float, default=8.0, help="background CPU window before the trainer starts (default 8)"
+    )
     parser.add_argument("--smoke", action="store_true", help="one short run of 16 ranks (a check, not a figure)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     args = parser.parse_args()
     if args.smoke:
-        args.ranks, args.step_ms, args.seconds, args.runs, args.nodes = [16], [120], 3.0, 1, 4
+        args.ranks, args.step_ms, args.seconds, args.runs, args.nodes, args.idle_seconds = [16], [120], 3.0, 1, 4, 1.0
     configs = [(r, s, g) for r in args.ranks for s in args.step_ms for g in args.groups]
     runs: list[dict[str, Any]] = []
     for i in range(args.runs):  # configurations interleaved: run 1 of each, then run 2 of each, ...
@@ -270,9 +288,11 @@ def main() -> int:
             runs.append(result)
             d = result["delivery_ms"]
             cpu = result["server_cpu_ms_per_mini_batch"] or 0
+            above = result["server_cpu_ms_per_mini_batch_above_background"] or 0
             log(
                 f"  {result['consumed_mini_batches']} mini-batches, server {cpu:.1f}"
-                f" ms CPU each ({result['server_core_share']:.0%} of a core); share held p50 {d['p50'] or 0:.1f} /"
+                f" ms CPU each ({above:.1f} above the background; {result['server_core_share']:.0%} of a core);"
+                f" share held p50 {d['p50'] or 0:.1f} /"
                 f" p99 {d['p99'] or 0:.1f} ms{'; errors: ' + str(result['errors']) if result['errors'] else ''}"
             )
     table = []
@@ -290,6 +310,10 @@ def main() -> int:
                 "groups": groups,
                 "runs": len(mine),
                 "server_cpu_ms_per_mini_batch": med(lambda r: r["server_cpu_ms_per_mini_batch"]),
+                "background_cpu_ms_per_s": med(lambda r: r["background_cpu_s_per_s"] * 1e3),
+                "server_cpu_ms_per_mini_batch_above_background": med(
+                    lambda r: r["server_cpu_ms_per_mini_batch_above_background"]
+                ),
                 "server_core_share": med(lambda r: r["server_core_share"]),
                 "delivery_p50_ms": med(lambda r: r["delivery_ms"]["p50"]),
                 "delivery_mean_ms": med(lambda r: r["delivery_ms"]["mean"]),
@@ -301,14 +325,17 @@ def main() -> int:
             }
         )
     md = [
-        "| ranks | step | groups | server CPU / mini-batch | core share | manifest held by the asking rank(s): p50 / "
-        "mean / p99 / max (ms) | share cut, p99 over ranks (ms) | mini-batches/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks | step | groups | server CPU / mini-batch (above the background) | background CPU / s | core share "
+        "| manifest held by the asking rank(s): p50 / mean / p99 / max (ms) | share cut, p99 over ranks (ms) "
+        "| mini-batches/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
         md.append(
-            f"| {t['ranks']} | {t['step_ms']} ms | {t['groups']} | {t['server_cpu_ms_per_mini_batch'] or 0:.1f} ms | "
-            f"{t['server_core_share'] or 0:.0%} | {t['delivery_p50_ms'] or 0:.1f} / {t['delivery_mean_ms'] or 0:.1f} / "
+            f"| {t['ranks']} | {t['step_ms']} ms | {t['groups']} | {t['server_cpu_ms_per_mini_batch'] or 0:.1f} ms "
+            f"({t['server_cpu_ms_per_mini_batch_above_background'] or 0:.1f} ms) | "
+            f"{t['background_cpu_ms_per_s'] or 0:.1f} ms | {t['server_core_share'] or 0:.0%} | "
+            f"{t['delivery_p50_ms'] or 0:.1f} / {t['delivery_mean_ms'] or 0:.1f} / "
             f"{t['delivery_p99_ms'] or 0:.1f} / {t['delivery_max_ms'] or 0:.1f} | "
             f"{t['share_cut_p99_ms'] if t['share_cut_p99_ms'] is not None else float('nan'):.3f} | "
             f"{t['mini_batches_per_s'] or 0:.2f} |"
