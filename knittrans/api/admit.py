@@ -45,8 +45,7 @@ class Admission(JobBase):
     def _admit_next(self, txn: Txn) -> int | None:
         """Form, lay out and record the next mini-batch; None when the policy cannot form one now."""
         state = self.step_state()
-        if self._expire(state, txn):
-            state = self.step_state()
+        self._expire(state, txn)  # the policy skips expired groups itself (the same test): state stays valid
         t0 = time.perf_counter()
         decision = self._policy.select(state)
         if decision is None:
@@ -91,11 +90,10 @@ class Admission(JobBase):
         )
         return n
 
-    def _expire(self, state: StepState, txn: Txn) -> bool:
-        """Retire finished groups past the staleness bound; True when any was."""
+    def _expire(self, state: StepState, txn: Txn) -> None:
+        """Retire finished groups past the staleness bound."""
         old = [g for g in state.finished if expired(state, g)]
         for g in old:
             entry = self.groups[g.group_id]
             self._set(entry, "expired", txn)
             self._regenerate(txn, entry, "expired")
-        return bool(old)
