@@ -107,6 +107,7 @@ def test_units_register_idempotently(client: TestClient) -> None:
         ({**unit("u1", [group("g1", "math")]), "groups": "none"}, 422, "groups"),
         (unit("u1", [group("g0", "math")]), 409, "g0"),
         (unit("u-ok", [group("g-ok", "code")]), 409, "appears twice"),
+        (unit("u2", [group("g-ok", "code")]), 409, "in unit 'u-ok'"),  # a group twice in one batch
     ],
 )
 def test_bad_units_are_refused_and_nothing_is_registered(
