@@ -138,6 +138,7 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     assert r["pending"]["code"] == 2
     r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"code": ["b", "c"]}, "dropped": {"math": 1}}).json()
     assert r["pending"] == {"code": 3, "math": 2}
+    assert client.get("/v1/jobs/job1/status").json()["timing"]["peak_untaken"] == 5  # all pending, none admitted
     client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
     assert client.get("/v1/jobs/job1/status").json()["counts"]["pending"]["math"] == 1
     r = client.post("/v1/jobs/job1/supply", json={"started": {"math": -1}})
@@ -164,6 +165,23 @@ def test_supply_counts_survive_a_restart(tmp_path: Path) -> None:
         assert c.get("/v1/jobs/job1/headroom").json()["untaken"] == untaken
 
 
+def test_started_ids_and_claimed_regenerations_survive_a_restart(tmp_path: Path) -> None:
+    """Group ids reported started and claimed regenerations are persisted: after a restart the same ids count
+    no more, the pending count is the same and the claimed group is not offered for regeneration again."""
+    db = tmp_path / "cp.db"
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        c.post("/v1/jobs", json=job_spec())
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+        c.post("/v1/nodes/n0/lost")
+        report = {"group_ids": {"math": ["r0", "r1"]}, "regenerates": ["g0"]}
+        pending = c.post("/v1/jobs/job1/supply", json=report).json()["pending"]
+        assert pending["math"] == 1  # two started, one finished (g0, then lost)
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        status = c.get("/v1/jobs/job1/status").json()
+        assert status["counts"]["pending"] == pending and status["to_regenerate"] == []
+        assert c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r1"]}}).json()["pending"] == pending
+
 def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
     """A report claiming groups to regenerate, sent again under its request_id (the client retries a report
     whose answer it lost), is answered as a repeat, not refused because the claims are gone."""
@@ -183,6 +201,8 @@ def test_supply_report_naming_a_claim_twice_claims_it_once(client: TestClient) -
     r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0"]}, "regenerates": ["g0", "g0"]})
     assert r.status_code == 200 and r.json()["applied"], r.text
     assert client.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
+    r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r1"]}, "regenerates": ["g0"]})
+    assert r.status_code == 409 and "not groups waiting to be regenerated" in r.json()["detail"], r.text
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:
