@@ -11,6 +11,8 @@ from api_support import group, job_spec, single_group_units, unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.api.records import Kind
+from knittrans.api.store import RecordStore
 from knittrans.procs import wait_until
 
 
@@ -166,21 +168,24 @@ def test_supply_counts_survive_a_restart(tmp_path: Path) -> None:
 
 
 def test_started_ids_and_claimed_regenerations_survive_a_restart(tmp_path: Path) -> None:
-    """Group ids reported started and claimed regenerations are persisted: after a restart the same ids count
-    no more, the pending count is the same and the claimed group is not offered for regeneration again."""
+    """Group ids reported started, claimed regenerations and request ids are persisted: after a restart the same
+    ids count no more, the pending count is the same, the claimed group is not offered for regeneration again
+    and the report sent again is a repeat."""
     db = tmp_path / "cp.db"
     with TestClient(create_app(Settings(db_path=str(db)))) as c:
         c.post("/v1/jobs", json=job_spec())
         c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
         c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
         c.post("/v1/nodes/n0/lost")
-        report = {"group_ids": {"math": ["r0", "r1"]}, "regenerates": ["g0"]}
+        report = {"group_ids": {"math": ["r0", "r1"]}, "regenerates": ["g0"], "request_id": "rep-1"}
         pending = c.post("/v1/jobs/job1/supply", json=report).json()["pending"]
         assert pending["math"] == 1  # two started, one finished (g0, then lost)
     with TestClient(create_app(Settings(db_path=str(db)))) as c:
         status = c.get("/v1/jobs/job1/status").json()
         assert status["counts"]["pending"] == pending and status["to_regenerate"] == []
         assert c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r1"]}}).json()["pending"] == pending
+        assert not c.post("/v1/jobs/job1/supply", json=report).json()["applied"]  # its request_id is remembered
+
 
 def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
     """A report claiming groups to regenerate, sent again under its request_id (the client retries a report
@@ -238,6 +243,11 @@ def test_a_lost_group_registered_again_under_its_id_replaces_the_lost_one(tmp_pa
         assert status["lost_groups"] == [] and status["to_regenerate"] == []
         assert status["counts"]["groups_by_status"] == {"finished": 1}
         assert [(g["group_id"], g["node_id"]) for g in status["pool"]["head"]] == [("g0", "n1")]
+    store = RecordStore(str(db))
+    try:
+        assert store.load(Kind.GROUP) == []  # the lost incarnation's record left with it
+    finally:
+        store.close()
 
 
 def test_a_late_sweep_gives_every_node_a_fresh_grace_period(tmp_path: Path) -> None:
