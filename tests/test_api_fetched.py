@@ -10,6 +10,9 @@ import pytest
 from api_support import app_client, drain, job_spec, manifest, rows_of, shares, single_group_units
 from fastapi.testclient import TestClient
 
+from knittrans.api.records import Kind
+from knittrans.api.store import RecordStore
+
 
 def _setup(c: TestClient, *, sources: list[str], node: str = "n0", world: int = 2, k: int = 2) -> None:
     c.post(
@@ -72,8 +75,10 @@ def test_the_next_manifest_waits_for_admission(tmp_path: Path) -> None:
 
 def test_withdrawn_mini_batch_is_410_for_fetched_and_ack(tmp_path: Path) -> None:
     """A node loss before every rank reported its share fetched withdraws the mini-batch: fetched and ack of
-    that attempt say 410, and there is no manifest until it is planned again."""
-    with app_client(tmp_path / "cp.db") as c:
+    that attempt say 410, and there is no manifest until it is planned again (also after a restart: the
+    withdrawn mini-batches' records and fetched reports are deleted)."""
+    db = str(tmp_path / "cp.db")
+    with app_client(db) as c:
         _setup(c, sources=["math", "code", "math", "code"], node="n1")
         m0 = manifest(c, "job1", 0)
         assert m0 is not None
@@ -85,6 +90,15 @@ def test_withdrawn_mini_batch_is_410_for_fetched_and_ack(tmp_path: Path) -> None
             assert r.status_code == 410 and r.json()["error"] == "data_lost", r.text
         assert manifest(c, "job1", 0) is None  # nothing left to plan until the groups are regenerated
         assert c.get("/v1/jobs/job1/minibatches").json()["in_flight"] == []
+    with app_client(db) as c:
+        assert manifest(c, "job1", 0) is None
+        assert c.get("/v1/jobs/job1/minibatches").json()["in_flight"] == []
+        assert len(c.get("/v1/jobs/job1/status").json()["lost_groups"]) == 4  # not planned in a stale record
+    store = RecordStore(db)
+    try:
+        assert store.load(Kind.MINI_BATCH) == store.load(Kind.FETCHED) == []
+    finally:
+        store.close()
 
 
 def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path) -> None:

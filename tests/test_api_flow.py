@@ -245,6 +245,21 @@ def test_lost_node_keeps_mini_batch_already_acked(tmp_path: Path) -> None:
     assert {g.group_id for m in manifests for g in m.groups} == {"r0"}
 
 
+def test_lost_node_re_admits_every_withdrawn_mini_batch_the_survivors_fill_at_once(tmp_path: Path) -> None:
+    """A node loss withdraws mini-batches 0-3; the live node's groups fill three of them again in the same
+    change (admission runs until the policy forms nothing), before any further registration."""
+    spec = job_spec(quotas={"math": 1}, mini_batches_per_step=1, world_size=1)
+    with app_client(tmp_path / "cp.db") as c:
+        _job_on_two_nodes(c, spec)
+        units = single_group_units(["math"], node="n1") + single_group_units(["math"] * 3, node="n0", start=1)
+        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1, 2, 3]
+        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": [0, 1, 2, 3]}
+        assert c.get("/v1/jobs/job1/status").json()["next_global_index"] == 3
+        again = [manifest(c, "job1", n) for n in range(4)]
+    assert [(m.global_index, m.attempt) for m in again if m is not None] == [(0, 1), (1, 1), (2, 1)]
+    assert [g.group_id for m in again if m is not None for g in m.groups] == ["g1", "g2", "g3"]
+
+
 def test_lost_node_withdrawing_back_into_an_earlier_step_keeps_its_quota_count(tmp_path: Path) -> None:
     """The consumed mini-batches of the step a withdrawal falls back into are still counted.
 
@@ -287,6 +302,7 @@ def test_staleness_bound_expires_old_groups(tmp_path: Path) -> None:
         status = c.get("/v1/jobs/job1/status").json()
         assert status["to_regenerate"][0]["group_id"] == "late"
         assert status["to_regenerate"][0]["reason"] == "expired"
+        assert status["counts"]["groups_by_status"]["expired"] == 1 and status["pool"]["head"] == []
         fresh = unit("u-fresh", [group("fresh", "math", version=1)])
         assert c.post("/v1/jobs/job1/units", json={"units": [fresh]}).json()["admitted"] == [1]
 

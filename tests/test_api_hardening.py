@@ -268,6 +268,20 @@ def test_removing_an_admitted_unit_is_a_conflict(tmp_path: Path) -> None:
         assert r.status_code == 409 and "mini-batch 0" in r.json()["detail"]
 
 
+def test_removing_a_unit_whose_group_is_already_lost_removes_nothing(tmp_path: Path) -> None:
+    """A unit whose group was lost with its node can still be removed: no group of it waits, so none is
+    removed, and the lost group stays offered for regeneration with its own reason (not a 500)."""
+    with app_client(tmp_path / "cp.db") as client:
+        client.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=1, world_size=1))
+        client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        assert client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])}).json()["admitted"] == []
+        client.post("/v1/nodes/n0/lost")
+        r = client.delete("/v1/jobs/job1/units/u-g0")
+        assert r.status_code == 200 and r.json()["removed_groups"] == [], r.text
+        status = client.get("/v1/jobs/job1/status").json()
+        assert [(g["group_id"], g["reason"]) for g in status["to_regenerate"]] == [("g0", "node n0 lost")]
+
+
 def test_removing_a_unit_regenerates_its_waiting_groups_and_refuses_a_partly_consumed_one(tmp_path: Path) -> None:
     """A unit whose groups wait in the pool is removed: they become lost and wait for regeneration (also after
     a restart); a unit one of whose groups was consumed already is a 409 naming that group."""

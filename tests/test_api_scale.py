@@ -250,3 +250,29 @@ def test_consumed_units_are_forgotten_but_their_ids_are_not(tmp_path: Path) -> N
             status = c.get(f"/v1/jobs/{JOB}/status").json()
             assert status["counts"]["units"] == 3 and status["counts"]["consumed_groups"] == 3
             assert status["next_global_index"] == 3
+
+
+def test_ledger_series_has_each_steps_mean_max_and_count_of_architectural_staleness() -> None:
+    """The dashboard series: per step and source (and ``all``), trajectory-weighted mean, max and count of
+    staleness minus the mini-batch index."""
+
+    def consumed_group(gid: str, source: str, n: int, version_start: int) -> ConsumedGroup:
+        return ConsumedGroup(
+            group_id=gid,
+            source=source,
+            num_trajectories=n,
+            v_train=5,
+            mini_batch_index=1,
+            step=0,
+            version_start=version_start,
+            version_end=4,
+            version_weighted=4.0,
+        )
+
+    ledger = ConsumedLedger()
+    ledger.add([consumed_group("a", "math", 2, 1), consumed_group("b", "code", 1, 3)])  # 5 - 1 - 1 = 3, 5 - 3 - 1 = 1
+    start = ledger.series()["start"]
+    assert list(start) == ["all", "code", "math"]
+    assert start["all"] == [{"step": 0, "mean": 7 / 3, "max": 3.0, "count": 3}]
+    assert start["math"] == [{"step": 0, "mean": 3.0, "max": 3.0, "count": 2}]
+    assert start["code"] == [{"step": 0, "mean": 1.0, "max": 1.0, "count": 1}]

@@ -11,6 +11,8 @@ from api_support import group, job_spec, single_group_units, unit
 from fastapi.testclient import TestClient
 
 from knittrans.api import Settings, create_app
+from knittrans.api.records import Kind
+from knittrans.api.store import RecordStore
 from knittrans.procs import wait_until
 
 
@@ -107,6 +109,7 @@ def test_units_register_idempotently(client: TestClient) -> None:
         ({**unit("u1", [group("g1", "math")]), "groups": "none"}, 422, "groups"),
         (unit("u1", [group("g0", "math")]), 409, "g0"),
         (unit("u-ok", [group("g-ok", "code")]), 409, "appears twice"),
+        (unit("u2", [group("g-ok", "code")]), 409, "in unit 'u-ok'"),  # a group twice in one batch
     ],
 )
 def test_bad_units_are_refused_and_nothing_is_registered(
@@ -137,6 +140,7 @@ def test_supply_counts_once_per_request_id(client: TestClient) -> None:
     assert r["pending"]["code"] == 2
     r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"code": ["b", "c"]}, "dropped": {"math": 1}}).json()
     assert r["pending"] == {"code": 3, "math": 2}
+    assert client.get("/v1/jobs/job1/status").json()["timing"]["peak_untaken"] == 5  # all pending, none admitted
     client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
     assert client.get("/v1/jobs/job1/status").json()["counts"]["pending"]["math"] == 1
     r = client.post("/v1/jobs/job1/supply", json={"started": {"math": -1}})
@@ -163,6 +167,26 @@ def test_supply_counts_survive_a_restart(tmp_path: Path) -> None:
         assert c.get("/v1/jobs/job1/headroom").json()["untaken"] == untaken
 
 
+def test_started_ids_and_claimed_regenerations_survive_a_restart(tmp_path: Path) -> None:
+    """Group ids reported started, claimed regenerations and request ids are persisted: after a restart the same
+    ids count no more, the pending count is the same, the claimed group is not offered for regeneration again
+    and the report sent again is a repeat."""
+    db = tmp_path / "cp.db"
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        c.post("/v1/jobs", json=job_spec())
+        c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
+        c.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
+        c.post("/v1/nodes/n0/lost")
+        report = {"group_ids": {"math": ["r0", "r1"]}, "regenerates": ["g0"], "request_id": "rep-1"}
+        pending = c.post("/v1/jobs/job1/supply", json=report).json()["pending"]
+        assert pending["math"] == 1  # two started, one finished (g0, then lost)
+    with TestClient(create_app(Settings(db_path=str(db)))) as c:
+        status = c.get("/v1/jobs/job1/status").json()
+        assert status["counts"]["pending"] == pending and status["to_regenerate"] == []
+        assert c.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r1"]}}).json()["pending"] == pending
+        assert not c.post("/v1/jobs/job1/supply", json=report).json()["applied"]  # its request_id is remembered
+
+
 def test_retried_supply_report_that_claimed_regenerations_is_a_repeat(client: TestClient) -> None:
     """A report claiming groups to regenerate, sent again under its request_id (the client retries a report
     whose answer it lost), is answered as a repeat, not refused because the claims are gone."""
@@ -182,6 +206,8 @@ def test_supply_report_naming_a_claim_twice_claims_it_once(client: TestClient) -
     r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r0"]}, "regenerates": ["g0", "g0"]})
     assert r.status_code == 200 and r.json()["applied"], r.text
     assert client.get("/v1/jobs/job1/status").json()["to_regenerate"] == []
+    r = client.post("/v1/jobs/job1/supply", json={"group_ids": {"math": ["r1"]}, "regenerates": ["g0"]})
+    assert r.status_code == 409 and "not groups waiting to be regenerated" in r.json()["detail"], r.text
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:
@@ -217,6 +243,11 @@ def test_a_lost_group_registered_again_under_its_id_replaces_the_lost_one(tmp_pa
         assert status["lost_groups"] == [] and status["to_regenerate"] == []
         assert status["counts"]["groups_by_status"] == {"finished": 1}
         assert [(g["group_id"], g["node_id"]) for g in status["pool"]["head"]] == [("g0", "n1")]
+    store = RecordStore(str(db))
+    try:
+        assert store.load(Kind.GROUP) == []  # the lost incarnation's record left with it
+    finally:
+        store.close()
 
 
 def test_a_late_sweep_gives_every_node_a_fresh_grace_period(tmp_path: Path) -> None:
