@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from knittrans.errors import NotFound, Unavailable
+from knittrans.flight.client import StoreClient
 from knittrans.local import LocalCluster
 from knittrans.procs import free_port, wait_until
 from knittrans.rollout.writer import TrajectoryWriter
@@ -150,6 +151,56 @@ def test_fetcher_close_while_a_pool_thread_connects(tmp_path: Path) -> None:
         assert q.cancelled() or q.result(timeout=30) is None
     assert not f._clients
     f.close()  # closing twice is harmless
+
+
+def test_fetcher_warms_an_endpoint_once_and_one_that_failed_again(cluster: LocalCluster) -> None:
+    """A warmed endpoint is not pinged again; one that did not answer (its ``health`` failed; no data lane
+    here) is forgotten, so a later ``warm`` tries it again. ``close`` closes the channels and the pool."""
+    store, dead = cluster.stores[0], f"grpc://127.0.0.1:{free_port()}"
+    with Fetcher(timeout_s=2, data_lane=False) as f:
+        for future in f.warm({store.node_id: store.endpoint, "node-x": dead}):
+            future.result(timeout=30)
+        assert f._warm == {store.endpoint}
+        assert f.warm({store.node_id: store.endpoint}) == []
+        again = f.warm({"node-x": dead})
+        assert len(again) == 1
+        again[0].result(timeout=30)
+        channel = f._clients[store.endpoint]
+    assert channel._closing  # close closes the channels and the worker pool
+    with pytest.raises(RuntimeError):
+        f.pool.submit(f.close)
+
+
+class _Gate:
+    """A lock that says when a thread starts waiting for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting = threading.Event()
+
+    def __enter__(self) -> None:
+        self.waiting.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_fetcher_threads_asking_for_one_endpoint_at_once_share_its_channel() -> None:
+    """A thread that found no channel and then waited for the fetcher's lock uses the channel another thread
+    made meanwhile (one channel per endpoint), instead of replacing it."""
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+    with Fetcher(timeout_s=2, data_lane=False) as f:
+        gate = _Gate()
+        f._lock = gate  # type: ignore[assignment]
+        got: list[object] = []
+        with gate.lock:
+            waiter = threading.Thread(target=lambda: got.append(f._client(endpoint)))
+            waiter.start()
+            assert gate.waiting.wait(timeout=30)
+            first = f._clients[endpoint] = StoreClient(endpoint, timeout_s=2, data_lane=False)
+        waiter.join(timeout=30)
+        assert got == [first] and f._clients == {endpoint: first}
 
 
 def test_write_units_across_nodes_registers_once_and_is_all_or_none(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -440,6 +440,73 @@ def test_a_second_loop_over_one_client_is_refused(cluster: LocalCluster) -> None
             next(iter(client.minibatches()))
 
 
+def test_torch_threads_sets_the_process_torch_threads(cluster: LocalCluster) -> None:
+    """``torch_threads`` is applied with ``torch.set_num_threads`` when the client is built (None leaves it)."""
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    try:
+        with _client(cluster, "threads", "iter", torch_threads=want):
+            assert torch.get_num_threads() == want
+        with _client(cluster, "threads", "iter"):
+            assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_loop_forgets_the_shares_it_is_past(cluster: LocalCluster) -> None:
+    """Once a mini-batch is acked the feed drops its share (and the shares before it): they do not pile up."""
+    control, job = cluster.control(), "forget"
+    control.create_job(job_spec(job, groups=6, group_size=2, k=3, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 6, group_size=2))
+    seen = []
+    with _client(cluster, job, "iter") as client:
+        for mb in client.minibatches():
+            assert min(client.feed.arrived) == mb.global_index
+            seen.append(mb.global_index)
+            list(mb)
+    assert seen == [0, 1, 2]
+
+
+def test_replan_forgets_the_shares_before_the_replanned_one(cluster: LocalCluster) -> None:
+    """``replan`` (public: a loop of its own may call it) gives the share of the same global index again and drops
+    the feed's shares before it."""
+    control, job = cluster.control(), "replan-forget"
+    control.create_job(job_spec(job, groups=6, group_size=2, k=3, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 6, group_size=2))
+    with _client(cluster, job, "eager", replan_wait_s=0) as client:
+        wait_until(lambda: {0, 1} <= set(client.feed.arrived), timeout_s=20, what="two shares")
+        failed = client._minibatch(client.feed.share(1))
+        assert failed is not None
+        again = client.replan(failed)
+        assert again is not None and again.global_index == 1
+        assert min(client.feed.arrived) == 1
+        failed.stop()
+        again.stop()
+
+
+def test_close_stops_the_mini_batches_the_feed_and_the_connections(cluster: LocalCluster) -> None:
+    """``close`` stops a first mini-batch loading before the loop asked for it, or the loop's current one, the
+    feed's thread, and closes the store and control-plane connections; ``report_version`` reaches the control
+    plane."""
+    control, job = cluster.control(), "closing"
+    control.create_job(job_spec(job, groups=4, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    write_and_register(control, job, cluster.stores, mm_groups(job, 4, group_size=2))
+    client = _client(cluster, job, "iter")
+    wait_until(lambda: client._first._mini_batch is not None, timeout_s=20, what="the first mini-batch")
+    early = client._first._mini_batch
+    assert early is not None
+    client.close()
+    assert early._stop.is_set()
+    with _client(cluster, job, "iter") as client:
+        mb = next(client.minibatches())
+        client.report_version(7)
+        assert control.get_version(job) == 7
+    assert mb._stop.is_set()
+    assert client.feed._closed.is_set()
+    assert client.fetcher._closed
+    assert client.control._http.is_closed
+
+
 def test_a_mini_batch_left_half_done_is_refused(cluster: LocalCluster) -> None:
     """A mini-batch iterated once cannot be iterated again; the loop moving past one that was neither fully
     iterated, abandoned nor acked raises (acking it would lose rows) instead of acking it."""
@@ -455,6 +522,7 @@ def test_a_mini_batch_left_half_done_is_refused(cluster: LocalCluster) -> None:
         mb = next(loop)
         with pytest.raises(InvalidRequest, match=f"{mb.plan_id} was neither fully iterated, abandoned nor acked"):
             next(loop)
+        assert mb._stop.is_set()  # its prefetch stopped before the error reached the loop
     assert control.progress(job)["position"] == 1  # the first one acked, the second not
 
 

@@ -77,3 +77,23 @@ def test_ranks_share_one_request_per_mini_batch(cluster: LocalCluster, tmp_path:
     ranks = {r["rank"]: r for r in control.overview()["jobs"][0]["ranks"]}
     assert [ranks[r]["mini_batches"] for r in range(WORLD)] == [2, 2]
     assert all(ranks[r]["row_bytes"] > 0 for r in range(WORLD))
+
+
+def test_a_torch_distributed_world_other_than_the_jobs_is_not_used(tmp_path: Path) -> None:
+    """``group="auto"`` uses ``torch.distributed`` only where its rank and world size are the job's: a process
+    group of another shape (e.g. a trainer's tensor-parallel world) leaves each rank reading for itself."""
+    import torch.distributed as dist
+
+    from knittrans.trainer.client import TrainerConfig, _torch_collectives
+
+    def config(world_size: int) -> TrainerConfig:
+        return TrainerConfig(control_url="http://127.0.0.1:1", job="j", rank=0, world_size=world_size)
+
+    assert _torch_collectives(config(1)) is None  # not initialised
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert _torch_collectives(config(2)) is None
+        collectives = _torch_collectives(config(1))
+        assert collectives is not None and all(c.rank == 0 and c.size == 1 for c in collectives)
+    finally:
+        dist.destroy_process_group()

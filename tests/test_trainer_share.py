@@ -239,3 +239,25 @@ def test_local_node_reads_a_spilled_unit_through_the_node(tmp_path: Path) -> Non
             assert pa.Table.from_batches(list(fetcher.stream("n0", srv.endpoint, ticket))).equals(c.get(ticket))
     finally:
         srv.shutdown()
+
+
+def test_local_node_is_read_from_its_directory_not_through_the_node(tmp_path: Path) -> None:
+    """A node in ``local_dirs`` is read from its store directory: its units read the same with the node gone."""
+    from data_support import make_groups
+
+    from knittrans.flight import StoreServer, StoreServerConfig
+    from knittrans.schema import build_unit_tables
+    from knittrans.store import StoreConfig
+
+    root = tmp_path / "store"
+    srv = StoreServer(StoreServerConfig(store=StoreConfig(root=root), node_id="n0"))
+    ticket = Ticket(job="job", reads=(UnitRead(unit_id="u0"),))
+    try:
+        t = build_unit_tables(make_groups(1, 2))
+        with StoreClient(srv.endpoint) as c:
+            c.put_unit("job", "u0", t.traj, t.media)
+            expected = c.get(ticket)
+    finally:
+        srv.shutdown()
+    with Fetcher(local_dirs={"n0": str(root)}, timeout_s=2) as fetcher:
+        assert pa.Table.from_batches(list(fetcher.stream("n0", srv.endpoint, ticket))).equals(expected)
