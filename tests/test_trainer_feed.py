@@ -12,11 +12,11 @@ import pytest
 from api_support import ServerProcess, job_spec, manifest, server, single_group_units
 
 from knittrans.controlclient import ControlClient
-from knittrans.errors import KnitTransError, Unavailable
+from knittrans.errors import KnitTransError, NotFound, Unavailable
 from knittrans.procs import free_port
 from knittrans.retry import RetryPolicy
 from knittrans.trainer.client import TrainerConfig, _torch_collectives
-from knittrans.trainer.feed import ManifestFeed, Progress, TorchCollective
+from knittrans.trainer.feed import ManifestFeed, Progress, TorchCollective, leader_call
 
 JOB = "job1"
 
@@ -64,6 +64,23 @@ def test_a_restarted_rank_resumes_after_the_mini_batches_it_acked(cp: ServerProc
                 feed.close()
 
 
+def test_a_feed_stops_asking_once_the_job_has_no_next_mini_batch(cp: ServerProcess) -> None:
+    """A job of one step (three mini-batches): the feed delivers them, then None for the fourth, and its thread
+    ends there instead of asking for the mini-batches after it (which are None too)."""
+    with httpx.Client(base_url=cp.url) as c:
+        assert c.post("/v1/jobs", json=job_spec(name="short", total_steps=1)).status_code == 201
+        units = single_group_units(["math", "math", "code", "math", "math", "code"], job="short")
+        assert c.post("/v1/jobs/short/units", json={"units": units}).status_code == 200
+    with _control(cp.url) as control:
+        feed = ManifestFeed(control, "short", 0, 2, collective=None, poll_s=0.1)
+        try:
+            assert [feed.share(n) is not None for n in range(4)] == [True, True, True, False]
+            feed._thread.join(10)
+            assert not feed._thread.is_alive() and feed.share(4) is None
+        finally:
+            feed.close()
+
+
 def test_a_feed_that_cannot_start_raises_in_the_loop() -> None:
     """An unreachable control plane at start ends the feed: the loop's ``start`` and ``share`` raise its error."""
     with _control(f"http://127.0.0.1:{free_port()}") as control:
@@ -75,12 +92,28 @@ def test_a_feed_that_cannot_start_raises_in_the_loop() -> None:
         feed.close()
 
 
+def test_a_feed_whose_control_plane_goes_away_raises_in_the_loop(cp: ServerProcess) -> None:
+    """The control plane lost while the feed waits for a mini-batch (retries spent): the shares it got still come,
+    and the loop's ``share`` of the awaited one raises the feed's error instead of waiting for ever."""
+    with _control(cp.url) as control:
+        feed = _feed(control)
+        try:
+            assert [feed.share(n) is not None for n in range(3)] == [True, True, True]
+            cp.kill()
+            with pytest.raises(Unavailable):
+                feed.share(3)  # the next step's first: not admitted when the control plane went away
+            assert feed.share(2) is not None
+        finally:
+            feed.close()
+
+
 def test_a_closed_feed_refuses_the_shares_it_never_got(cp: ServerProcess) -> None:
     """close() while a mini-batch is not admitted yet: asking for its share raises instead of waiting."""
     with _control(cp.url) as control:
         feed = _feed(control)
         assert feed.start() == 0
         feed.close()
+        assert not feed._thread.is_alive()  # close() waited for it
         with pytest.raises(KnitTransError, match="client is closed"):
             feed.share(3)  # the next step's first: not admitted
 
@@ -128,5 +161,29 @@ def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
             pytest.raises(KnitTransError, match="rank 0 of 1 is not this client's rank 0 of world_size 2"),
         ):
             ManifestFeed(control, JOB, 0, 2, collective=own[0], poll_s=0.1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_leader_call_hands_the_leaders_result_or_error_to_every_rank() -> None:
+    """With a collective, what rank 0's call returns is every rank's result, and what it raises is raised on every
+    rank (here a one-rank gloo group: rank 0 is every rank)."""
+    import torch.distributed as dist
+
+    def missing() -> int:
+        raise NotFound("no such mini-batch")
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        collective = TorchCollective()
+        assert leader_call(collective, lambda: 7) == 7
+        with pytest.raises(NotFound, match="no such mini-batch"):
+            leader_call(collective, missing)
     finally:
         dist.destroy_process_group()

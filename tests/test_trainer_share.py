@@ -143,6 +143,14 @@ def test_row_taker_splits_batches_where_counts_end() -> None:
         taker.take(2)
 
 
+def test_closing_a_call_still_queued_cancels_it() -> None:
+    """A call the fetcher's pool has not started opening yet is cancelled by close(), which neither waits for it
+    nor raises."""
+    queued: Future[Iterator[pa.RecordBatch]] = Future()
+    _RowTaker(queued, "queued stream").close()
+    assert queued.cancelled()
+
+
 def test_media_stream_serves_hashes_in_any_order(cluster: LocalCluster) -> None:
     """Records that arrive before they are asked for are kept; a hash the stream lacks is NotFound."""
     plan = _plan(cluster, "share-media")

@@ -207,7 +207,6 @@ class ManifestFeed:
         with self._cond:
             if exc is not None:
                 self._shares[end] = exc
-                end += 1
             self._end = end
             self._cond.notify_all()
 
