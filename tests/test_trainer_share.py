@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -269,3 +270,29 @@ def test_local_node_is_read_from_its_directory_not_through_the_node(tmp_path: Pa
         srv.shutdown()
     with Fetcher(local_dirs={"n0": str(root)}, timeout_s=2) as fetcher:
         assert pa.Table.from_batches(list(fetcher.stream("n0", srv.endpoint, ticket))).equals(expected)
+
+
+def test_media_on_a_node_without_the_shares_rows_is_read_from_that_node(cluster: LocalCluster) -> None:
+    """A share whose rows are all on one node but whose images are on the other (the media index may place a
+    hash on a node holding another rank's unit): the media stream opens on the node the media names."""
+    plan = _plan(cluster, "share-media-elsewhere")
+    media_node = plan.micro_batches[0].media[0].node_id
+    only = [
+        dataclasses.replace(m, fetches=tuple(f for f in m.fetches if f.node_id != media_node))
+        for m in plan.micro_batches
+    ]
+    elsewhere = dataclasses.replace(plan, micro_batches=tuple(only))
+    assert all(f.node_id != media_node for m in elsewhere.micro_batches for f in m.fetches)
+    with Fetcher() as fetcher:
+        streams = ShareStreams(fetcher, elsewhere)
+        for i, micro in enumerate(elsewhere.micro_batches):
+            streams.rows(i)
+            hashes = [m.hash for m in micro.media if m.node_id == media_node]
+            expected = {
+                h: bytes(r.data)
+                for m in micro.media
+                if m.node_id == media_node
+                for h, r in media_records(_doget(m.endpoint, m.ticket)).items()
+            }
+            assert {h: bytes(r.data) for h, r in streams.media(hashes).items()} == expected
+        streams.close()
