@@ -246,8 +246,12 @@ def test_user_columns_of_every_kind_build_and_convert_to_torch() -> None:
     assert pairs.dtype == torch.int8 and pairs.tolist() == [[1, 2], [3, 4], [5, 6]]
     (uid,) = parse_user_fields({"uid": "string"})
     assert user_column_to_torch(build_user_column(uid, ["a", "b"])) == ["a", "b"]
-    with pytest.raises(InvalidRequest, match="user field 'pair' row 1: 3 values != declared size 2"):
+    with pytest.raises(InvalidRequest, match=r"^user field 'pair' row 1: 3 values != declared size 2$"):
         build_user_column(pair, [[1, 2], [1, 2, 3]])
+    one_each = build_user_column(num, [torch.tensor([0.5]), np.array([[1.5]])])  # one-element rows are numbers
+    assert one_each.type == pa.float32() and one_each.to_pylist() == [0.5, 1.5]
+    (ref,) = parse_user_fields({"ref": "list<float32>"})
+    assert build_user_column(ref, [np.ones(2), [0.5]]).type == pa.list_(pa.float32())  # not large_list
     with pytest.raises(InvalidRequest, match="user field 'score' does not fit declared type float32"):
         build_user_column(num, ["high"])
     with pytest.raises(InvalidRequest, match="has 1 null rows; cannot convert"):
