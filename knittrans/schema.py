@@ -535,7 +535,6 @@ class _TrajectoryRows:
             std = np.sqrt(np.add.reduceat(centred * centred, starts) / sizes)
             grpo = centred / np.repeat(std + 1e-6, sizes)
             advantage = np.where(np.repeat(~np.asarray(given_adv), sizes), grpo, advantage)
-        self.num_rows = len(traj_ids)
         self.strings = (traj_ids, group_ids, sources)
         response_ids = _list_values(responses, _INT32)
         if all(m is None for m in masks):
