@@ -424,8 +424,6 @@ def build_units_tables(
     the bytes that follow it in the shared buffer instead of zeros). The rows are validated in one
     pass; errors name the group, or the unit (its index in ``units``) and the row within it.
     """
-    if not units:
-        return []
     for groups in units:
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
