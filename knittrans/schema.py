@@ -424,8 +424,6 @@ def build_units_tables(
     the bytes that follow it in the shared buffer instead of zeros). The rows are validated in one
     pass; errors name the group, or the unit (its index in ``units``) and the row within it.
     """
-    if not units:
-        return []
     for groups in units:
         if not groups:
             raise InvalidRequest("a unit needs at least one group")
@@ -535,7 +533,6 @@ class _TrajectoryRows:
             std = np.sqrt(np.add.reduceat(centred * centred, starts) / sizes)
             grpo = centred / np.repeat(std + 1e-6, sizes)
             advantage = np.where(np.repeat(~np.asarray(given_adv), sizes), grpo, advantage)
-        self.num_rows = len(traj_ids)
         self.strings = (traj_ids, group_ids, sources)
         response_ids = _list_values(responses, _INT32)
         if all(m is None for m in masks):

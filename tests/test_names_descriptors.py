@@ -122,3 +122,50 @@ def test_group_times_media_hashes_and_the_schema_version_are_checked() -> None:
     )
     with pytest.raises(InvalidRequest, match="unit 'u1': schema_version 2 is not supported"):
         UnitDescriptor(**unit, schema_version=2)  # type: ignore[arg-type]
+
+
+def test_group_fields_are_checked_naming_the_group_and_field() -> None:
+    """Unsafe ids, a token-count list that does not match the group size, versions that are no int32 or run
+    backwards, a row start below 0 and a weighted version outside ``[version_start, version_end]`` (beyond
+    1e-3) are refused naming the group and the field."""
+    g = _group("g1", 0, 2).__dict__
+    for bad, why in [
+        ({"group_id": "a/b"}, "group_id 'a/b' is not a valid name"),
+        ({"source": ".."}, "source '..' is not a valid name"),
+        ({"num_trajectories": 0, "trajectory_tokens": ()}, "num_trajectories=0 but 0 token counts"),
+        ({"trajectory_tokens": (1, 2, 3)}, "num_trajectories=2 but 3 token counts"),
+        ({"version_start": 3, "version_end": 2, "version_weighted": 2.5}, "version_end < version_start"),
+        ({"row_start": -1}, r"row_start -1 must be an integer in \[0, 2147483647\]"),
+        ({"version_start": 1.5, "version_weighted": 1.75}, "version_start 1.5 must be an integer"),
+        ({"version_end": 2**31, "version_weighted": 2.0}, f"version_end {2**31} must be an integer"),
+        ({"version_weighted": 2.5}, r"version_weighted 2.5 must be a finite number in .* = \[1, 2\]"),
+        ({"version_weighted": float("nan")}, "version_weighted nan must be a finite number"),
+        ({"version_weighted": "1.5"}, "version_weighted '1.5' must be a finite number"),
+    ]:
+        with pytest.raises(InvalidRequest, match=why):
+            GroupRecord(**{**g, **bad})
+    assert GroupRecord(**{**g, "version_weighted": 2.0005}).version_weighted == 2.0005  # within the 1e-3 slack
+
+
+def test_unit_ids_and_byte_count_are_checked() -> None:
+    """A unit, job or node id that is no safe name and a byte count outside ``[0, 2**53 - 1]`` are refused."""
+    unit = dict(
+        unit_id="u1",
+        job="j",
+        node_id="n1",
+        endpoint="e",
+        num_rows=2,
+        num_bytes=1,
+        schema_version=1,
+        groups=(_group("g1", 0, 2),),
+    )
+    for bad, why in [
+        ({"unit_id": ".."}, "unit_id '..' is not a valid name"),
+        ({"job": "a b"}, "job 'a b' is not a valid name"),
+        ({"node_id": ""}, "node_id '' is not a valid name"),
+        ({"num_bytes": -1}, r"unit 'u1': num_bytes -1 must be an integer in \[0, 9007199254740991\]"),
+        ({"num_bytes": 2**53}, f"num_bytes {2**53} must be an integer"),
+    ]:
+        with pytest.raises(InvalidRequest, match=why):
+            UnitDescriptor(**{**unit, **bad})  # type: ignore[arg-type]
+    assert UnitDescriptor(**{**unit, "num_bytes": 2**53 - 1}).num_bytes == 2**53 - 1  # type: ignore[arg-type]

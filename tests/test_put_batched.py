@@ -128,6 +128,8 @@ def test_list_values_cast_as_astype_on_the_pooled_path() -> None:
     assert offsets.tolist() == [0, 2, 5, 6]
     flat, flat_offsets = _list_values([np.arange(3).reshape(3, 1), np.arange(2)], np.dtype(np.int32))
     assert flat.tolist() == [0, 1, 2, 0, 1] and flat_offsets.tolist() == [0, 3, 5]
+    square, square_offsets = _list_values([np.arange(4).reshape(2, 2), np.arange(1)], np.dtype(np.int32))
+    assert square.tolist() == [0, 1, 2, 3, 0] and square_offsets.tolist() == [0, 4, 5]  # a row's values, not its len
     empty, empty_offsets = _list_values([], np.dtype(np.float32))
     assert empty.dtype == np.float32 and len(empty) == 0 and empty_offsets.tolist() == [0]
 

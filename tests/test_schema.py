@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -277,3 +278,26 @@ def test_a_torch_media_tensor_hashes_as_its_numpy_array() -> None:
     m = Media(kind="image", data=torch.from_numpy(x.copy()))
     assert (m.dtype, m.shape, m.payload) == ("float32", (2, 3), x.tobytes())
     assert m.hash == Media(kind="image", data=x).hash
+
+
+def test_media_of_raw_bytes_grad_tensors_and_one_byte_tensors_store_their_values() -> None:
+    """Raw bytes are stored as they are (dtype ``bytes``, shape ``(len,)``); a tensor that requires grad and a
+    one-byte tensor of odd length are stored as the numpy arrays of their values."""
+    raw = Media(kind="raw", data=b"abc")
+    assert (raw.dtype, raw.shape, raw.payload) == ("bytes", (3,), b"abc")
+    grad = Media(kind="x", data=torch.ones(3, requires_grad=True))
+    assert (grad.dtype, grad.payload) == ("float32", np.ones(3, np.float32).tobytes())
+    odd = np.array([1, 2, 3], dtype=np.uint8)
+    assert Media(kind="x", data=torch.from_numpy(odd)).hash == Media(kind="x", data=odd).hash
+
+
+def test_group_media_without_response_media_reach_the_media_table_and_no_units_give_no_tables() -> None:
+    """A group's shared media are stored (and referenced by every row) when it has no per-response media;
+    rewards given as a tensor that requires grad build as their values; no units build no tables."""
+    (g,) = make_groups(1, 2, media=False)
+    img = Media(kind="image", data=np.zeros((2, 2), np.uint8))
+    tables = build_unit_tables([replace(g, media=[img], rewards=torch.tensor([1.0, 0.0], requires_grad=True))])
+    assert tables.media.column("media_hash").to_pylist() == [img.hash]
+    assert tables.traj.column("media").to_pylist() == [[img.hash], [img.hash]]
+    assert tables.traj.column("reward").to_pylist() == [1.0, 0.0]
+    assert build_units_tables([]) == []

@@ -219,6 +219,10 @@ def test_type_strings_that_cannot_be_parsed_name_what_is_wrong() -> None:
     ]:
         with pytest.raises(InvalidJobSpec, match=why):
             parse_user_fields({"v": text})
+    for name in ("1v", "a b", "v" * 129, 3):
+        with pytest.raises(InvalidJobSpec, match=f"name {name!r} is not valid: start with a letter"):
+            parse_user_fields({name: "int8"})  # type: ignore[dict-item]
+    assert parse_user_fields(None) == ()  # a writer or spec without user fields
     with pytest.raises(InvalidJobSpec, match="type must be a string"):
         parse_arrow_type(3)  # type: ignore[arg-type]
     with pytest.raises(InvalidJobSpec, match="user_fields must be an object"):
@@ -238,8 +242,16 @@ def test_user_columns_of_every_kind_build_and_convert_to_torch() -> None:
     assert ids.type == pa.large_list(pa.int64())
     values, cu = user_column_to_torch(pa.chunked_array([ids]))
     assert values.tolist() == [1, 2, 3] and cu.tolist() == [0, 2, 2, 3]
-    with pytest.raises(InvalidRequest, match="user field 'pair' row 1: 3 values != declared size 2"):
+    pairs = user_column_to_torch(build_user_column(pair, [[1, 2], [3, 4], [5, 6]]))
+    assert pairs.dtype == torch.int8 and pairs.tolist() == [[1, 2], [3, 4], [5, 6]]
+    (uid,) = parse_user_fields({"uid": "string"})
+    assert user_column_to_torch(build_user_column(uid, ["a", "b"])) == ["a", "b"]
+    with pytest.raises(InvalidRequest, match=r"^user field 'pair' row 1: 3 values != declared size 2$"):
         build_user_column(pair, [[1, 2], [1, 2, 3]])
+    one_each = build_user_column(num, [torch.tensor([0.5]), np.array([[1.5]])])  # one-element rows are numbers
+    assert one_each.type == pa.float32() and one_each.to_pylist() == [0.5, 1.5]
+    (ref,) = parse_user_fields({"ref": "list<float32>"})
+    assert build_user_column(ref, [np.ones(2), [0.5]]).type == pa.list_(pa.float32())  # not large_list
     with pytest.raises(InvalidRequest, match="user field 'score' does not fit declared type float32"):
         build_user_column(num, ["high"])
     with pytest.raises(InvalidRequest, match="has 1 null rows; cannot convert"):
