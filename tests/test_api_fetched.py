@@ -135,19 +135,25 @@ def test_fully_fetched_mini_batch_survives_node_loss_and_restart(tmp_path: Path)
     assert {g for g, _ in rows_of([p for m in rest for p in shares(m)])} == {"r2", "r3"}
 
 
+def _lose_n1_while_mini_batch_1_is_held(c: TestClient) -> None:
+    """Two mini-batches of one group each (0 on n0, 1 on n1), world size 1; every rank reports 1 fetched, then n1
+    is declared lost: 1 is kept (held), nothing is withdrawn."""
+    c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
+    for n in ("n0", "n1"):
+        c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
+    c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
+    units = single_group_units(["math"], node="n0") + single_group_units(["math"], node="n1", start=1)
+    assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
+    assert _post(c, "fetched", 1, 0).json()["held"]
+    assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": []}
+
+
 def test_groups_of_a_held_mini_batch_withdrawn_by_a_later_loss_are_lost_when_their_node_was(tmp_path: Path) -> None:
     """Mini-batch 1 (rows on n1) is held by every rank, so n1's loss keeps it; n0's loss then withdraws 0 and 1.
     The group of 1 on lost n1 is lost too and offered for regeneration (it was left finished: counted, never
     regenerated, and admitted again if n1 came back empty); nothing is planned from a lost node."""
     with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
-        for n in ("n0", "n1"):
-            c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
-        c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
-        units = single_group_units(["math"], node="n0") + single_group_units(["math"], node="n1", start=1)
-        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
-        assert _post(c, "fetched", 1, 0).json()["held"]
-        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": []}
+        _lose_n1_while_mini_batch_1_is_held(c)
         assert c.post("/v1/nodes/n0/lost").json()["withdrawn"] == {"job1": [0, 1]}
         status = c.get("/v1/jobs/job1/status").json()
         regenerate = {x["group_id"]: x["reason"] for x in status["to_regenerate"]}
@@ -168,14 +174,7 @@ def test_groups_of_a_held_mini_batch_stay_lost_when_their_node_registers_again_b
     between: the group of held mini-batch 1 on n1 is still lost when 1 is withdrawn (n1 being alive again
     does not bring its old rows back), and nothing is planned from it."""
     with app_client(tmp_path / "cp.db") as c:
-        c.post("/v1/jobs", json=job_spec(quotas={"math": 2}, mini_batches_per_step=2, world_size=1, total_steps=1))
-        for n in ("n0", "n1"):
-            c.post("/v1/nodes", json={"node_id": n, "endpoint": f"grpc://127.0.0.1:{9100 + int(n[1])}"})
-        c.post("/v1/jobs/job1/supply", json={"started": {"math": 2}})
-        units = single_group_units(["math"], node="n0") + single_group_units(["math"], node="n1", start=1)
-        assert c.post("/v1/jobs/job1/units", json={"units": units}).json()["admitted"] == [0, 1]
-        assert _post(c, "fetched", 1, 0).json()["held"]
-        assert c.post("/v1/nodes/n1/lost").json()["withdrawn"] == {"job1": []}
+        _lose_n1_while_mini_batch_1_is_held(c)
         c.post("/v1/nodes", json={"node_id": "n1", "endpoint": "grpc://127.0.0.1:9101"})  # back, empty
     with app_client(tmp_path / "cp.db") as c:
         assert c.post("/v1/nodes/n0/lost").json()["withdrawn"] == {"job1": [0, 1]}

@@ -137,10 +137,8 @@ def test_torch_collective_needs_torch_distributed() -> None:
         TorchCollective()
 
 
-def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
-    """group='auto' under a torch.distributed world that is not the job's (another size): no collectives, each
-    rank reads manifests itself; the job's own world gets its two gloo collectives. A feed refuses a collective
-    of another size than its job's world."""
+def _one_rank_gloo_world() -> None:
+    """Initialise a torch.distributed gloo world of one rank on a free port (the caller destroys it)."""
     import torch.distributed as dist
 
     dist.init_process_group(
@@ -150,6 +148,15 @@ def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
         world_size=1,
         timeout=datetime.timedelta(seconds=30),
     )
+
+
+def test_group_auto_is_each_rank_for_itself_outside_this_jobs_world() -> None:
+    """group='auto' under a torch.distributed world that is not the job's (another size): no collectives, each
+    rank reads manifests itself; the job's own world gets its two gloo collectives. A feed refuses a collective
+    of another size than its job's world."""
+    import torch.distributed as dist
+
+    _one_rank_gloo_world()
     try:
         config = TrainerConfig(control_url="http://127.0.0.1:1", job="j", rank=0, world_size=2)
         assert _torch_collectives(config) is None
@@ -173,13 +180,7 @@ def test_leader_call_hands_the_leaders_result_or_error_to_every_rank() -> None:
     def missing() -> int:
         raise NotFound("no such mini-batch")
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    _one_rank_gloo_world()
     try:
         collective = TorchCollective()
         assert leader_call(collective, lambda: 7) == 7
