@@ -55,6 +55,10 @@ class Admission(JobBase):
         spec = self.spec
         layout = Assignment(decision.groups, spec.world_size, spec.micro_batch_tokens, spec.micro_batch_size).layout()
         attempt = self.attempts.get(n, -1) + 1
+        seen = [(gid, row) for rank in layout for micro in rank for gid, row in micro]
+        assert len(layout) == self.spec.world_size and len(seen) == len(set(seen)) == sum(
+            g.num_trajectories for g in decision.groups
+        ), f"mini-batch {n}: assignment lost or duplicated rows"  # every trajectory to one rank, once
         mb = MiniBatch(
             n=n,
             step=step,
@@ -67,11 +71,15 @@ class Admission(JobBase):
         )
         for g in decision.groups:
             entry = self.groups[g.group_id]
+            assert entry.status == "finished", f"group {g.group_id} admitted twice"
             self._set(entry, "planned", txn, n)
         self.minibatches[n] = mb
         self.attempts[n] = attempt
         self.next_n = n + 1
         txn.put(Kind.MINI_BATCH, self.name, index_key(n), mb.to_json())
+        if (k + 1) == self.K:
+            a, q = self.admitted_in_step(step), self.quotas_for_step(step)
+            assert all(a.get(s, 0) == q[s] for s in q), f"step {step} closed with {a}, quotas {q}"
         wait = sum(mb.admitted_at - g.finished_at for g in decision.groups) / len(decision.groups)
         ahead = admitted_ahead(n + 1, self.position)
         self.peak_admitted_ahead = max(self.peak_admitted_ahead, ahead)

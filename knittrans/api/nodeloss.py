@@ -89,6 +89,7 @@ class NodeLoss(JobBase):
             withdrawn = [n for n in sorted(self.minibatches) if n >= first]
             for n in withdrawn:
                 mb = self.minibatches.pop(n)
+                assert not mb.acks, f"mini-batch {n} acked after an untouched earlier one"
                 txn.delete(Kind.MINI_BATCH, self.name, index_key(n))
                 txn.delete(Kind.FETCHED, self.name, index_key(n))
                 for gid in mb.group_ids:

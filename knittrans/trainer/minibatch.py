@@ -235,6 +235,7 @@ class MiniBatch:
 
     def _consume_prefetched(self) -> Iterator[TrainMicroBatch]:
         self.start_prefetch()
+        assert self._queue is not None and self._worker is not None
         try:
             while True:
                 t0 = time.perf_counter()
