@@ -3,6 +3,8 @@ step against node loss."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 from api_support import app_client, drain, job_spec, manifest, rows_of, shares, single_group_units
 from fastapi.testclient import TestClient
 
-from knittrans.api.records import Kind
+from knittrans.api.records import Kind, index_key
 from knittrans.api.store import RecordStore
 
 
@@ -183,3 +185,23 @@ def test_groups_of_a_held_mini_batch_stay_lost_when_their_node_registers_again_b
         assert regenerate == {"g0": "node n0 lost", "g1": "node n1 lost"}
         assert status["counts"]["groups_by_status"] == {"lost": 2}
         assert c.get("/v1/jobs/job1/minibatches/0", params={"timeout_s": 0}).status_code == 204
+
+
+def test_a_previous_release_s_held_mini_batch_record_takes_the_nodes_lost_at_restart(tmp_path: Path) -> None:
+    """A mini-batch record written before ``lost_nodes`` was persisted: at restart the held mini-batch takes the
+    nodes of its groups that are lost then, so a later withdrawal loses its group on n1 (not ``finished`` again)."""
+    db = tmp_path / "cp.db"
+    with app_client(db) as c:
+        _lose_n1_while_mini_batch_1_is_held(c)
+    conn = sqlite3.connect(db)  # the record as the previous release wrote it: no lost_nodes
+    (row,) = conn.execute("SELECT body FROM records WHERE kind='mb' AND key=?", (index_key(1),)).fetchall()
+    old = json.loads(row[0])
+    assert old.pop("lost_nodes") == ["n1"]
+    with conn:
+        conn.execute("UPDATE records SET body=? WHERE kind='mb' AND key=?", (json.dumps(old), index_key(1)))
+    conn.close()
+    with app_client(db) as c:
+        assert c.post("/v1/nodes/n0/lost").json()["withdrawn"] == {"job1": [0, 1]}
+        status = c.get("/v1/jobs/job1/status").json()
+        assert {x["group_id"] for x in status["to_regenerate"]} == {"g0", "g1"}
+        assert status["counts"]["groups_by_status"] == {"lost": 2}

@@ -42,6 +42,9 @@ def restore_job(job: JobState, records: Mapping[Kind, Iterable[tuple[str, Any]]]
         job.minibatches[mb.n] = mb
         for gid in mb.group_ids:
             job.groups[gid].status, job.groups[gid].mini_batch = mb.status, mb.n
+        if "lost_nodes" not in body and mb.status == "planned":  # a previous release's record: its nodes lost now
+            nodes = {job.groups[gid].node_id for gid in mb.group_ids}
+            mb.lost_nodes = sorted(n for n in nodes if job._node_state(n) == "lost")
     job.unadmitted = {gid: g for gid, g in job.groups.items() if g.status == "finished"}
     for entry in job.groups.values():
         job.count_group(entry, 1)
