@@ -307,7 +307,7 @@ def test_tls_store_refuses_a_data_lane(tmp_path: Path) -> None:
 
 @pytest.mark.timing
 def test_shutdown_closes_the_lane(start_server: Start) -> None:
-    """Stopping the store stops its lane: a client then gets Unavailable, not a hang."""
+    """Stopping the store stops its lane and its Flight server: a client then gets Unavailable, not a hang."""
     server, _ = _filled(start_server)
     assert server.lane is not None
     port = server.lane.port
@@ -316,6 +316,8 @@ def test_shutdown_closes_the_lane(start_server: Start) -> None:
         server.shutdown()
         with pytest.raises(Unavailable):
             c.lane_get(_rows("job", ("u0", ())))
+        with pytest.raises(Unavailable):
+            c.health()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
@@ -379,14 +381,15 @@ def test_trainer_with_data_lane_reads_a_signed_plan_from_store_processes(lane_cl
 def test_server_settings_that_do_not_go_together_are_refused_and_a_busy_lane_port_frees_the_flight_port(
     store_dir: Path,
 ) -> None:
-    """A certificate without its key, a port out of range, a limit that is not positive or an empty token are
-    refused when the config is made; a lane port that is taken fails the server's start and gives its Flight
-    port back (a retry on that port starts)."""
+    """A certificate without its key, a port out of range, a limit that is not positive, an empty token or a
+    node id that is not a name are refused when the config is made; a lane port that is taken fails the
+    server's start and gives its Flight port back (a retry on that port starts)."""
     for kw, why in [
         ({"tls_cert": store_dir / "cert.pem"}, "tls_cert and tls_key go together"),
         ({"port": 65536}, r"port must be in \[0, 65535\], not 65536"),
         ({"max_put_bytes": 0}, "max_put_bytes and batch_bytes must be positive"),
         ({"token": ""}, "token must be non-empty or None"),
+        ({"node_id": "../node"}, "node_id '../node' is not a valid name"),
     ]:
         with pytest.raises(ValueError, match=why):
             StoreServerConfig(**kw)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -112,7 +113,12 @@ def test_oversized_put_is_refused_and_leaves_nothing(start_server: Start) -> Non
 
 
 def test_bearer_token_is_required(start_server: Start) -> None:
-    """Without or with a wrong token every call is Unauthenticated; the right token works afterwards."""
+    """Without or with a wrong token every call is Unauthenticated; the right token works afterwards; an empty
+    token is no token to check against."""
+    from knittrans.flight.auth import BearerTokenFactory
+
+    with pytest.raises(ValueError, match="token must be a non-empty string"):
+        BearerTokenFactory("")
     server = start_server(token="s3cret")
     t = _unit(0)
     with StoreClient(server.endpoint) as anon, pytest.raises(Unauthenticated, match="missing bearer token"):
@@ -128,12 +134,17 @@ def test_bearer_token_is_required(start_server: Start) -> None:
 
 
 def test_delete_over_flight(start_server: Start) -> None:
-    """Deleting a unit makes later reads NotFound and frees its listing."""
+    """Deleting a unit makes later reads NotFound and frees its listing; the action answers the unit deleted."""
     server = start_server()
     t = _unit(0)
     with StoreClient(server.endpoint) as c:
         c.put_unit("job", "u", t.traj, t.media)
+        c.put_unit("job", "v", t.traj, t.media)
         c.delete("job", "u")
+        raw = flight.connect(server.endpoint)
+        answer = [r.body.to_pybytes() for r in raw.do_action(flight.Action("delete", b'{"job": "job", "unit": "v"}'))]
+        raw.close()
+        assert answer == [b'{"deleted": "v"}']
         assert c.list_units() == []
         with pytest.raises(NotFound):
             c.get(_rows("job", ("u", ())))
@@ -216,3 +227,127 @@ def test_a_store_answers_a_full_disk_as_over_budget_and_malformed_arrow_as_a_bad
     known = NotFound("no unit")
     assert refusal("DoGet", known) is known
     assert refusal("DoGet", OSError(errno.EIO, "io")) is None and refusal("DoGet", RuntimeError("bug")) is None
+
+
+def test_an_unexpected_failure_is_an_internal_error_naming_the_call(start_server: Start) -> None:
+    """A store call failing in a way no KnitTrans error names (here: the unit's directory removed behind the
+    store's back before a delete) answers FlightInternalError naming the call and the exception; the server
+    goes on serving."""
+    import shutil
+
+    server = start_server()
+    t = _unit(0)
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        shutil.rmtree(server.store.get("job", "u0").path)
+        raw = flight.connect(server.endpoint)
+        with pytest.raises(flight.FlightInternalError, match="internal error in do_action: FileNotFoundError"):
+            list(raw.do_action(flight.Action("delete", b'{"job": "job", "unit": "u0"}')))
+        raw.close()
+        assert c.health()["ok"] is True
+
+
+def test_malformed_action_bodies_are_refused_naming_what_is_wrong(start_server: Start) -> None:
+    """An action body over MAX_ACTION_BODY_BYTES is PayloadTooLarge; one that is no JSON, or JSON but no object
+    with the keys the action needs, InvalidRequest; the server goes on serving."""
+    from knittrans.flight.server import MAX_ACTION_BODY_BYTES
+
+    server = start_server()
+    raw = flight.connect(server.endpoint)
+    big = b'{"job": "job", "units": [], "pad": "' + b"x" * MAX_ACTION_BODY_BYTES + b'"}'
+    for kind, body, match in [
+        ("seal_units", big, f"PayloadTooLarge: action 'seal_units': body is {len(big)} bytes, more than the"),
+        ("delete", b"\xff{", "InvalidRequest: action 'delete': body is not JSON"),
+        ("delete", b'["job", "u"]', r"InvalidRequest: action 'delete': body must be a JSON object with keys"),
+        ("delete", b'{"job": "job"}', r"body must be a JSON object with keys \['job', 'unit'\]"),
+    ]:
+        with pytest.raises(flight.FlightServerError, match=match):
+            list(raw.do_action(flight.Action(kind, body)))
+    raw.close()
+    with StoreClient(server.endpoint) as c:
+        assert c.health()["ok"] is True
+
+
+def test_list_flights_criteria_that_is_no_job_name_is_refused(start_server: Start) -> None:
+    """ListFlights criteria of a store without a ticket key is a job name or empty: bytes that are not UTF-8,
+    a grant after the job or a job that is not a name are InvalidRequest; the listing still works after."""
+    server = start_server()
+    t = _unit(0)
+    raw = flight.connect(server.endpoint)
+    for criteria, match in [
+        (b"\xff", "ListFlights criteria must be UTF-8"),
+        (b"job\nsome.grant", "this store has no ticket key: ListFlights criteria is a job name or empty"),
+        (b"../job", "job '../job' is not a valid name"),
+    ]:
+        with pytest.raises(flight.FlightServerError, match=match):
+            list(raw.list_flights(criteria))
+    raw.close()
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("job", "u0", t.traj, t.media)
+        assert [u["unit_id"] for u in c.list_units("job")] == ["u0"] and c.list_units("other") == []
+
+
+def test_doget_streams_record_batches_of_about_batch_bytes(start_server: Start, tmp_path: Path) -> None:
+    """A read larger than ``batch_bytes`` streams as several record batches (together the rows read); a store
+    with the default 4 MiB streams the same small unit as one."""
+    small, default = start_server(batch_bytes=1024), start_server(root=tmp_path)
+    t = _unit(0, n=8)
+    for server, many in ((small, True), (default, False)):
+        with StoreClient(server.endpoint) as c:
+            c.put_unit("job", "u0", t.traj, t.media)
+        raw = flight.connect(server.endpoint)
+        batches = list(raw.do_get(flight.Ticket(_rows("job", ("u0", ())).encode())))
+        raw.close()
+        assert (len(batches) > 1) is many and t.traj.nbytes > 1024
+        assert pa.Table.from_batches([b.data for b in batches]).equals(t.traj)
+
+
+def test_doput_checks_its_path_and_schema_first_and_skips_metadata_only_messages(start_server: Start) -> None:
+    """A DoPut path whose part is neither ``traj`` nor ``media`` is InvalidRequest, a stream whose schema is not
+    the part's a SchemaMismatch before any batch (nothing left pending); a message carrying only app metadata
+    is skipped: the batches around it make the part."""
+    server = start_server()
+    t = _unit(0)
+    raw = flight.connect(server.endpoint)
+    writer, _ = raw.do_put(flight.FlightDescriptor.for_path("job", "u0", "extra"), t.traj.schema)
+    with pytest.raises(flight.FlightServerError, match=r"InvalidRequest: DoPut descriptor path must be \[job, unit"):
+        writer.close()
+    writer, _ = raw.do_put(flight.FlightDescriptor.for_path("job", "u0", "traj"), t.traj.schema.remove(0))
+    with pytest.raises(flight.FlightServerError, match="SchemaMismatch"):
+        writer.close()
+    assert server.store.stats()["pending"] == 0
+    writer, _ = raw.do_put(flight.FlightDescriptor.for_path("job", "u0", "traj"), t.traj.schema)
+    batches = t.traj.to_batches(max_chunksize=6)
+    writer.write_batch(batches[0])
+    writer.write_metadata(pa.py_buffer(b"no batch here"))
+    writer.write_batch(batches[1])
+    writer.close()
+    raw.close()
+    with StoreClient(server.endpoint) as c:
+        c.seal_units("job", [{"unit": "u0"}])
+        assert c.get(_rows("job", ("u0", ()))).equals(t.traj)
+
+
+def test_flight_errors_keep_their_kind_both_ways() -> None:
+    """Server side, Unauthenticated and Unavailable keep their gRPC status (any other KnitTrans error is a
+    server error), each message naming its class; client side, a failure whose message names no KnitTrans
+    error becomes Unauthenticated or Unavailable by its status (unreachable, timed out, Arrow I/O), else a
+    plain KnitTransError naming the store."""
+    from knittrans.errors import KnitTransError
+    from knittrans.flight.errors import from_flight_error, to_flight_error
+
+    for error, status in [
+        (Unauthenticated("no token"), flight.FlightUnauthenticatedError),
+        (Unavailable("going away"), flight.FlightUnavailableError),
+        (NotFound("no unit"), flight.FlightServerError),
+    ]:
+        mapped = to_flight_error(error)
+        assert type(mapped) is status and str(mapped).startswith(f"{type(error).__name__}: {error}")
+    where = "grpc://h:1"
+    refused = from_flight_error(flight.FlightUnauthenticatedError("denied by a proxy"), where)
+    assert type(refused) is Unauthenticated and str(refused) == "store grpc://h:1 refused the call: denied by a proxy"
+    for transport in (flight.FlightUnavailableError("down"), flight.FlightTimedOutError("late"), pa.ArrowIOError("io")):
+        gone = from_flight_error(transport, where)
+        assert type(gone) is Unavailable and str(gone).startswith("store grpc://h:1 cannot be reached: ")
+    other = from_flight_error(flight.FlightServerError("boom\nmore"), where)
+    assert type(other) is KnitTransError and str(other) == "store grpc://h:1 failed: boom"

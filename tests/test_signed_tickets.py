@@ -8,14 +8,15 @@ import dataclasses
 import hashlib
 import hmac
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow.flight as flight
 import pytest
 import torch
 
 from knittrans.errors import Unauthenticated
-from knittrans.flight import StoreClient
+from knittrans.flight import StoreClient, StoreServer
 from knittrans.grants import MAX_GRANTS, check_listing, check_ticket, sign_grant
 from knittrans.local import ClusterConfig, LocalCluster
 from knittrans.manifest import Manifest, RankPlan
@@ -194,6 +195,29 @@ def test_signed_store_lists_a_jobs_units_only_to_a_grant_of_that_job(signed_clus
             c.unit_info("list-a", unit)
         with pytest.raises(Unauthenticated, match="no grant"):
             c.get(Ticket(job="list-a", reads=(UnitRead(unit_id=unit),)))
+
+
+def test_a_bare_grant_lists_its_job_and_a_grant_describes_only_units_of_its_job(
+    start_server: Callable[..., StoreServer],
+) -> None:
+    """ListFlights criteria that is just a grant (no job and newline before it) lists that grant's job only;
+    GetFlightInfo with a grant of job ``a`` describes a unit of ``a`` and refuses one of ``b``."""
+    from data_support import make_groups
+
+    from knittrans.schema import build_unit_tables
+
+    server = start_server(ticket_key=KEY)
+    t = build_unit_tables(make_groups(1, 2))
+    with StoreClient(server.endpoint) as c:
+        c.put_unit("a", "u0", t.traj, t.media)
+        c.put_unit("b", "u1", t.traj, t.media)
+    grant = sign_grant(KEY.encode(), job="a", expires_at=time.time() + 60, reads={}, columns=None, media={})
+    raw = flight.connect(server.endpoint)
+    assert [info.descriptor.path for info in raw.list_flights(grant.encode())] == [[b"a", b"u0"]]
+    assert raw.get_flight_info(flight.FlightDescriptor.for_path("a", "u0", grant)).total_records == 2
+    with pytest.raises(flight.FlightUnauthenticatedError, match="the grant is for job 'a'; it cannot list job 'b'"):
+        raw.get_flight_info(flight.FlightDescriptor.for_path("b", "u1", grant))
+    raw.close()
 
 
 def test_a_grant_covers_reads_across_the_rows_it_lists_and_only_for_its_job() -> None:
