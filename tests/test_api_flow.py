@@ -564,3 +564,13 @@ def test_a_node_that_moves_is_named_at_its_new_endpoint_in_the_published_manifes
     svc.register_node("n0", "grpc://127.0.0.1:9001", "127.0.0.1")  # the same endpoint again: nothing to rebuild
     assert svc.jobs["job1"].published().manifests[0] == (etag, raw) and seen == [[0]], seen
     store.close()
+
+
+def test_status_first_declares_silent_nodes_lost(tmp_path: Path) -> None:
+    """A job's status sweeps first: the groups of a node silent past ``node_timeout_s`` (its last heartbeat set
+    back here) show as lost, not as waiting in the pool."""
+    svc, store, _ = _watched_one_rank_job(tmp_path, k=1)
+    svc.register_units("job1", [UnitDescriptor.from_dict(u) for u in single_group_units(["math"])])
+    svc.nodes["n0"].last_heartbeat -= 2 * svc.settings.node_timeout_s
+    assert [g["group_id"] for g in svc.status("job1")["lost_groups"]] == ["g0"]
+    store.close()
