@@ -498,3 +498,79 @@ def test_a_reload_swaps_the_registries_whole(tmp_path: Path, monkeypatch: pytest
     assert seen == [(["job1", "job2"], ["n0"])] * 2, seen
     assert sorted(svc.jobs) == ["job1", "job2"]
     store.close()
+
+
+def test_a_restart_admits_what_the_stopped_control_plane_left_unadmitted(tmp_path: Path) -> None:
+    """A control plane that stopped between the two admissions of one registration (here its second commit
+    fails, as a crash there would leave the database) admits the rest when it starts again."""
+    svc, store, _ = _watched_one_rank_job(tmp_path, k=2)
+    units = [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 4)]
+    commit, commits = store.commit, []
+
+    def second_fails(txn: Any) -> None:
+        commits.append(len(txn))
+        if len(commits) == 2:
+            raise RuntimeError("stopped")
+        commit(txn)
+
+    store.commit = second_fails  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="stopped"):
+        svc.register_units("job1", units)
+    assert sorted(svc.jobs["job1"].published().manifests) == [0]
+    store.close()
+    store = RecordStore(store.path)
+    restarted = ControlPlane(store, Settings(db_path=store.path), on_change=lambda job: None)
+    assert sorted(restarted.jobs["job1"].published().manifests) == [0, 1]
+    store.close()
+
+
+def test_a_refused_write_whose_reload_fails_too_writes_the_job_record_at_the_next_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused write whose reload fails too (the database unreadable for a moment) leaves memory ahead of the
+    database: the job record that change put was never written, so the next change of the job writes it."""
+    from knittrans.errors import Unavailable
+
+    svc, store, _ = _watched_one_rank_job(tmp_path, k=1)
+
+    def refused(*_: Any) -> None:
+        raise Unavailable("the database refused the write")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "commit", refused)
+        patch.setattr(store, "load", refused)
+        with pytest.raises(Unavailable):
+            svc.set_state("job1", "pause")
+    assert svc.jobs["job1"].state == "paused"  # memory is ahead of the database
+    svc.register_units("job1", [UnitDescriptor.from_dict(u) for u in single_group_units(["math"])])
+    store.close()
+    store = RecordStore(store.path)
+    restarted = ControlPlane(store, Settings(db_path=store.path), on_change=lambda job: None)
+    assert restarted.jobs["job1"].state == "paused"
+    store.close()
+
+
+def test_a_node_that_moves_is_named_at_its_new_endpoint_in_the_published_manifests(tmp_path: Path) -> None:
+    """Published manifests name a node's endpoint: when the node moves, they are built again naming the new one
+    (a new ETag) and the waiting ranks are woken, so no rank fetches from the old address."""
+    svc, store, seen = _watched_one_rank_job(tmp_path, k=1)
+    svc.register_units("job1", [UnitDescriptor.from_dict(u) for u in single_group_units(["math"] * 2)])
+    before = svc.jobs["job1"].published().manifests[0]
+    seen.clear()
+    svc.register_node("n0", "grpc://127.0.0.1:9001", "127.0.0.1", admin=True)
+    etag, raw = svc.jobs["job1"].published().manifests[0]
+    assert [(n.node_id, n.endpoint) for n in Manifest.decode(raw).nodes] == [("n0", "grpc://127.0.0.1:9001")]
+    assert etag != before[0] and seen == [[0]], seen
+    svc.register_node("n0", "grpc://127.0.0.1:9001", "127.0.0.1")  # the same endpoint again: nothing to rebuild
+    assert svc.jobs["job1"].published().manifests[0] == (etag, raw) and seen == [[0]], seen
+    store.close()
+
+
+def test_status_first_declares_silent_nodes_lost(tmp_path: Path) -> None:
+    """A job's status sweeps first: the groups of a node silent past ``node_timeout_s`` (its last heartbeat set
+    back here) show as lost, not as waiting in the pool."""
+    svc, store, _ = _watched_one_rank_job(tmp_path, k=1)
+    svc.register_units("job1", [UnitDescriptor.from_dict(u) for u in single_group_units(["math"])])
+    svc.nodes["n0"].last_heartbeat -= 2 * svc.settings.node_timeout_s
+    assert [g["group_id"] for g in svc.status("job1")["lost_groups"]] == ["g0"]
+    store.close()

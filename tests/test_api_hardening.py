@@ -86,6 +86,17 @@ def test_node_endpoint_moves_only_with_admin_token_or_its_own_key(tmp_path: Path
         nodes = httpx.get(srv.url + "/v1/nodes", headers={"authorization": f"Bearer {WORKER}"}).json()
         assert nodes[0]["endpoint"] == "grpc://127.0.0.1:1"
         assert _post(srv.url, "/v1/nodes", {**hijack, "node_key": key}).status_code == 200
+        # re-registrations at the same endpoint, keyless or with another key, leave the key bound: the other key
+        # cannot move the node then, the bound one can
+        moved = {**hijack, "endpoint": "grpc://127.0.0.1:7"}
+        assert _post(srv.url, "/v1/nodes", hijack).status_code == 200
+        assert _post(srv.url, "/v1/nodes", {**hijack, "node_key": "x" * 32}).status_code == 200
+        assert _post(srv.url, "/v1/nodes", {**moved, "node_key": "x" * 32}).status_code == 401
+        assert _post(srv.url, "/v1/nodes", {**moved, "node_key": key}).status_code == 200
+        # the admin may bind a new key: from then on that key moves the node
+        rekeyed = {**hijack, "endpoint": "grpc://127.0.0.1:8", "node_key": "n" * 32}
+        assert _post(srv.url, "/v1/nodes", rekeyed, ADMIN).status_code == 200
+        assert _post(srv.url, "/v1/nodes", {**rekeyed, "endpoint": "grpc://127.0.0.1:9"}).status_code == 200
         assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}, ADMIN).status_code == 200
         # re-registering at the same endpoint (a restarted store) needs no key
         assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}).status_code == 200

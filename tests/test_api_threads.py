@@ -68,7 +68,14 @@ def test_state_off_the_state_thread_is_refused(tmp_path: Path) -> None:
                 c.get(path)
         with pytest.raises(RuntimeError, match="state thread"):  # a test thread, too, while the app runs
             app.state.service.set_state("job1", "pause")
+        with pytest.raises(RuntimeError, match="state thread"):  # a change of no job (a node's) checks it too
+            app.state.service.register_node("n9", "grpc://127.0.0.1:9000", "127.0.0.1")
+        with pytest.raises(RuntimeError, match="state thread"):  # and so does a sweep that finds no node to lose
+            app.state.service.sweep()
+        with pytest.raises(RuntimeError, match="state thread"):  # and a look at what a job publishes
+            app.state.service.published("job1")
         assert c.get("/v1/jobs/job1").json()["state"] == "running"  # nothing changed
+        assert c.get("/v1/nodes").json() == []
 
 
 def test_runner_check_follows_its_thread() -> None:

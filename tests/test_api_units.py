@@ -43,6 +43,8 @@ def test_lost_node_needs_reregistration(client: TestClient) -> None:
     r = client.post("/v1/nodes/n0/lost", json={"reason": "host died"})
     assert r.json()["state"] == "lost" and r.json()["lost_reason"] == "host died"
     assert client.post("/v1/nodes/n0/heartbeat").status_code == 409
+    r = client.post("/v1/nodes/n0/lost", json={"reason": "again"})  # already lost: nothing changes
+    assert r.json()["lost_reason"] == "host died" and r.json()["withdrawn"] == {}
     r = client.post("/v1/jobs/job1/units", json={"units": single_group_units(["math"])})
     assert r.status_code == 409 and "lost" in r.json()["detail"]
     client.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"})
@@ -266,3 +268,33 @@ def test_a_late_sweep_gives_every_node_a_fresh_grace_period(tmp_path: Path) -> N
     svc.sweep()
     assert svc.nodes["n0"].lost and "no heartbeat for 5s" in svc.nodes["n0"].lost_reason
     store.close()
+
+
+def test_a_heartbeat_keeps_a_node_alive_and_a_listing_declares_the_silent_ones_lost(tmp_path: Path) -> None:
+    """A heartbeat restarts a node's timeout; listing the nodes first declares the silent ones lost (their last
+    heartbeats are set back here instead of waiting out ``node_timeout_s``); an unknown node cannot be lost."""
+    from knittrans.api.service import ControlPlane
+    from knittrans.errors import NotFound
+
+    store = RecordStore(str(tmp_path / "cp.db"))
+    svc = ControlPlane(store, Settings(db_path=store.path), on_change=lambda job: None)
+    for i, node_id in enumerate(["n0", "n1"]):
+        svc.register_node(node_id, f"grpc://127.0.0.1:{i + 1}", "h0")
+        svc.nodes[node_id].last_heartbeat -= 2 * svc.settings.node_timeout_s
+    assert svc.heartbeat("n0")["state"] == "alive"
+    assert [(n["node_id"], n["state"]) for n in svc.list_nodes()] == [("n0", "alive"), ("n1", "lost")]
+    with pytest.raises(NotFound, match="'zz' is not registered"):
+        svc.declare_lost("zz")
+    store.close()
+    store = RecordStore(store.path)
+    restarted = ControlPlane(store, Settings(db_path=store.path), on_change=lambda job: None)
+    assert {n: node.lost for n, node in restarted.nodes.items()} == {"n0": False, "n1": True}  # the loss persisted
+    store.close()
+
+
+def test_the_units_registered_metric_counts_new_units_only(client: TestClient) -> None:
+    """``knittrans_units_registered`` counts the units registered since start; a repeated registration adds none."""
+    units = single_group_units(["math", "code"])
+    for _ in range(2):
+        assert client.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
+        assert "knittrans_units_registered_total 2.0" in client.get("/metrics").text

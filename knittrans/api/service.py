@@ -91,8 +91,6 @@ class ControlPlane:
         self.settings = settings
         self.on_change = on_change
         self._state_thread = state_thread or (lambda: None)
-        self.nodes: dict[str, Node] = {}
-        self.jobs: dict[str, JobState] = {}
         self.units_registered = 0
         self._load()
         with self._change(None) as txn:
@@ -298,7 +296,6 @@ class ControlPlane:
             logger.warning("node sweep ran %.1fs late; giving every node a fresh heartbeat grace period", paused_s)
             for n in self.nodes.values():
                 n.last_heartbeat = max(n.last_heartbeat, now)
-            return
         timeout = self.settings.node_timeout_s
         for node_id in [n.node_id for n in self.nodes.values() if not n.lost and now - n.last_heartbeat > timeout]:
             self.declare_lost(node_id, f"no heartbeat for {timeout:g}s")
@@ -314,8 +311,7 @@ class ControlPlane:
         with self._change(spec.name) as txn:
             job = self._new_job(spec)
             self.jobs[spec.name] = job
-            admitted = job.admit(txn)
-        self._admit_rest(spec.name, admitted)
+            job.admit(txn)  # a job without units admits nothing: this writes its record
         return self.get_job(spec.name), True
 
     def get_job(self, name: str) -> dict[str, Any]:
