@@ -100,6 +100,11 @@ def test_node_endpoint_moves_only_with_admin_token_or_its_own_key(tmp_path: Path
         assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}, ADMIN).status_code == 200
         # re-registering at the same endpoint (a restarted store) needs no key
         assert _post(srv.url, "/v1/nodes", {**hijack, "endpoint": "grpc://127.0.0.1:7"}).status_code == 200
+        # the admin's keyless move left the key bound: a worker's own key cannot claim the node and move it
+        claim = {**hijack, "endpoint": "grpc://127.0.0.1:7", "node_key": "x" * 32}
+        assert _post(srv.url, "/v1/nodes", claim).status_code == 200
+        assert _post(srv.url, "/v1/nodes", {**claim, "endpoint": "grpc://127.0.0.1:6666"}).status_code == 401
+        assert _post(srv.url, "/v1/nodes", {**rekeyed, "endpoint": "grpc://127.0.0.1:10"}).status_code == 200
 
 
 def _start_cp(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:

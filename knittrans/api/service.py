@@ -231,8 +231,8 @@ class ControlPlane:
                     f"node {node_id!r} is registered at {old.endpoint}; moving it to {endpoint} needs the admin "
                     "token or the node's own node_key"
                 )
-            if old.key_hash and not (admin or own):
-                key_hash = old.key_hash  # the bound key stays; a keyless re-registration cannot replace it
+            if old.key_hash and not (own or (admin and presented)):
+                key_hash = old.key_hash  # the bound key stays unless an admin binds another: keyless never unbinds
         node = Node(
             node_id=node_id,
             endpoint=endpoint,
