@@ -471,3 +471,56 @@ def test_an_open_request_running_at_the_timeout_is_answered_then_its_connection_
         with contextlib.suppress(OSError):
             assert sock.recv(65536) == b""
         sock.close()
+
+
+def test_a_burst_beyond_the_cap_is_read_first_and_the_oldest_close_a_second_later() -> None:
+    """With a cap of 2, four connections opened at once are all served a request to an open path; the two oldest
+    are closed once they are a second old, the two newest stay. Once those went, a second burst is trimmed too."""
+    with _guarded(_slow_or_fast, timeout_s=120, cap=2) as port:
+        for _ in range(2):
+            burst = [_connect(port) for _ in range(4)]
+            assert [_request(sock, "/fast", token=None) for sock in burst] == [200] * 4
+            assert all(_closed_by_server(sock, 30) for sock in burst[:2])
+            assert not any(_closed_by_server(sock, 0.2) for sock in burst[2:])
+            for sock in burst:
+                sock.close()
+
+
+def test_a_connection_is_read_in_64_kib_pieces_until_it_authenticates() -> None:
+    """Before a request on it authenticates, a connection is read at most 64 KiB at a time (so at most that much
+    reaches the HTTP parser per read); after, in asyncio's own read size."""
+    from knittrans.api.connguard import CONNECTION, PREAUTH_BYTES
+
+    sizes: list[tuple[int, int]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        conn = CONNECTION.get()
+        assert conn is not None and conn.transport is not None
+        sizes.append((conn.transport.max_size, type(conn.transport).max_size))  # type: ignore[attr-defined]
+        await _slow_or_fast(scope, receive, send)
+
+    with _guarded(app, timeout_s=120) as port:
+        sock = _connect(port)
+        assert [_request(sock, "/fast", token=token) for token in (None, WORKER, None)] == [200] * 3
+        sock.close()
+    (before, default), *after = sizes
+    assert before == PREAUTH_BYTES < default and after == [(default, default)] * 2
+
+
+def test_what_arrives_past_64_kib_before_a_token_is_held_and_served_once_one_is_given() -> None:
+    """A request to an open path without a token, then one with a token and a 100 KB body sent in one piece:
+    what the connection sends past its first 64 KiB waits until that token is checked, and is then served (once)."""
+    body = b"[" + b" " * 100_000 + b"]"
+    head = f"POST /fast HTTP/1.1\r\nHost: cp\r\nAuthorization: Bearer {WORKER}\r\nContent-Length: {len(body)}\r\n\r\n"
+    with _guarded(_slow_or_fast, timeout_s=120) as port:
+        sock = _connect(port)
+        assert _request(sock, "/fast", token=None) == 200
+        sock.sendall(head.encode() + body)
+        reply = sock.makefile("rb")
+        assert reply.readline().startswith(b"HTTP/1.1 200")
+        while reply.readline() not in (b"\r\n", b""):
+            pass
+        assert reply.read(2) == b"ok"
+        reply.close()
+        assert _request(sock, "/fast") == 200  # the body was taken once: the connection goes on
+        sock.close()
