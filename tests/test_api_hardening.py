@@ -416,3 +416,26 @@ def test_token_command_mints_offline_what_the_control_plane_mints(tmp_path: Path
             assert c.fetched("job1", 0, got[0].attempt)["fetched_ranks"] == 2  # every rank, as the leader reports
     wrong = cli("--role", "worker", "--job", "job1", "--rank", "0")
     assert wrong.returncode == 2 and "--rank" in wrong.stderr
+
+
+def test_a_token_scope_that_cannot_be_is_refused_naming_why(tmp_path: Path) -> None:
+    """``POST /v1/tokens``: a worker or rank token without a job, a rank on another role or a negative rank is
+    refused (409, like other rules across fields), naming what is wrong; a store token needs neither."""
+    from knittrans.api.auth import Scope
+    from knittrans.errors import InvalidRequest
+
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with app_client(tmp_path / "cp.db", worker_token=WORKER, admin_token=ADMIN) as client:
+        refused = {
+            "a worker token needs a job": {"role": "worker"},
+            "a rank token needs a job": {"role": "rank", "rank": 0},
+            "a rank (>= 0) is given only for rank tokens": {"role": "worker", "job": "job1", "rank": 0},
+        }
+        for why, body in [*refused.items(), ("a rank (>= 0)", {"role": "store", "rank": 1})]:
+            r = client.post("/v1/tokens", json=body, headers=admin)
+            assert r.status_code == 409 and r.json()["error"] == "invalid_request", (body, r.text)
+            assert why in r.json()["detail"], (body, r.text)
+        r = client.post("/v1/tokens", json={"role": "store"}, headers=admin)
+        assert r.status_code == 200 and r.json()["job"] is None, r.text
+    with pytest.raises(InvalidRequest, match=r"a rank \(>= 0\)"):  # what `knittrans token --rank -1` gives
+        Scope(role="rank", job="job1", rank=-1)

@@ -219,6 +219,20 @@ def test_tokens_guard_worker_and_admin_endpoints(tmp_path: Path) -> None:
         assert c.post("/v1/nodes/n0/lost", headers={"Authorization": "Bearer wt"}).status_code == 401
 
 
+def test_without_an_admin_token_admin_endpoints_take_the_worker_token(tmp_path: Path) -> None:
+    """With only a worker token set, admin calls need that token (not none, not another); a bearer header is read
+    case-blind in its scheme and with blanks around the token, and one that is not ``Bearer <token>`` is a 401
+    naming the form."""
+    settings = Settings(db_path=str(tmp_path / "a.db"), worker_token="wt")
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/jobs", json=job_spec()).status_code == 401
+        assert c.post("/v1/jobs", json=job_spec(), headers={"Authorization": "Bearer at"}).status_code == 401
+        assert c.post("/v1/jobs", json=job_spec(), headers={"Authorization": "bearer  wt "}).status_code == 201
+        for header in ("Bearer   ", "Basic wt", "wt"):
+            r = c.get("/v1/jobs/job1", headers={"Authorization": header})
+            assert r.status_code == 401 and "must be 'Bearer <token>'" in r.json()["detail"], (header, r.text)
+
+
 def test_metrics_are_per_app_instance(tmp_path: Path) -> None:
     """Two apps in one process keep separate Prometheus registries."""
     with (

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -298,7 +299,7 @@ def test_json_nested_too_deep_is_refused_before_parsing_naming_the_limit(tmp_pat
 def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Path) -> None:
     """The paths served without a token are health, metrics, the dashboard page, the lookups of optional
     listeners and the OpenAPI documents; without a token, any request with a body is a 401 before its body
-    is read, and every other documented operation is a 401 too; each 401 closes its connection."""
+    is read, and every other documented operation is a 401 too; each 401 closes its connection (a 404 does not)."""
     app = create_app(Settings(db_path=str(tmp_path / "cp.db"), worker_token=WORKER, admin_token=ADMIN))
     gate = next(m for m in app.user_middleware if m.cls.__name__ == "RequestGate")
     allowed = {"/v1/health", "/metrics", "/ui", "/v1/lane", "/v1/plan-gateway"}
@@ -319,13 +320,14 @@ def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Pa
                     assert r.status_code != 401, (method, path)
                 else:
                     assert r.status_code == 401 and r.headers["connection"] == "close", (method, path, r.text)
+        r = client.get("/v1/no-such-path")  # refused, but not for its token: the connection stays
+        assert r.status_code == 404 and r.headers.get("connection") != "close", r.headers
 
 
 def test_the_gate_answers_nobody_gone_mid_body_and_passes_the_disconnect_on() -> None:
     """A client gone while sending its body gets no answer and reaches no route; after a whole body, the app's
     next receive gets what the connection says next (the disconnect), not the body again."""
     import asyncio
-    from typing import Any
 
     from knittrans.api.auth import TokenCheck
     from knittrans.api.gate import RequestGate
@@ -360,3 +362,165 @@ def test_the_gate_answers_nobody_gone_mid_body_and_passes_the_disconnect_on() ->
     body = {"type": "http.request", "body": b"{}", "more_body": False}
     assert asyncio.run(call([body, {"type": "http.disconnect"}])) == []
     assert seen == [body, {"type": "http.disconnect"}]
+
+
+def test_the_gate_refuses_a_declared_length_over_the_limit_unread_and_passes_other_scopes_through() -> None:
+    """A body declared longer than ``max_body_bytes`` is a 413 before a byte of it is received, one sent without a
+    length is a 413 once more than that arrived (the app is not reached either time); a scope that is not HTTP
+    (lifespan) goes to the app untouched."""
+    import asyncio
+
+    from knittrans.api.auth import TokenCheck
+    from knittrans.api.gate import RequestGate
+
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    gate = RequestGate(
+        app,
+        tokens=TokenCheck(Settings(worker_token=None)),
+        open_paths=frozenset(),
+        max_body_bytes=100,
+        max_json_depth=4,
+    )
+    received: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        received.append("receive")
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/jobs", "headers": [(b"content-length", b"101")]}
+    asyncio.run(gate(scope, receive, send))
+    assert sent[0]["status"] == 413 and received == [] and seen == []
+    assert json.loads(sent[1]["body"])["error"] == "payload_too_large"
+    chunked = {"type": "http", "path": "/v1/jobs", "headers": [(b"transfer-encoding", b"chunked")]}
+    parts = [{"type": "http.request", "body": b" " * 60, "more_body": True}] * 2
+
+    async def receive_parts() -> dict[str, Any]:
+        return parts.pop(0)
+
+    asyncio.run(gate(chunked, receive_parts, send))  # undeclared: refused once 101 bytes were received
+    assert sent[2]["status"] == 413 and parts == [] and seen == []
+    asyncio.run(gate({"type": "lifespan"}, receive, send))
+    assert seen == ["lifespan"] and len(sent) == 4
+
+
+@contextlib.contextmanager
+def _guarded(app: Any, *, timeout_s: float, cap: int = 100) -> Iterator[int]:
+    """A real uvicorn server (h11) in a thread serving ``app`` under the gate (worker token ``WORKER``; ``/slow``
+    and ``/fast`` open) and a :class:`ConnectionGuard`; its port."""
+    import threading
+
+    import uvicorn
+
+    from knittrans.api.auth import TokenCheck
+    from knittrans.api.connguard import ConnectionGuard
+    from knittrans.api.gate import RequestGate
+
+    gate = RequestGate(
+        app,
+        tokens=TokenCheck(Settings(worker_token=WORKER)),
+        open_paths=frozenset({"/slow", "/fast"}),
+        max_body_bytes=1 << 20,
+        max_json_depth=8,
+    )
+    guard = ConnectionGuard(timeout_s=timeout_s, max_unauthenticated=cap)
+    config = uvicorn.Config(gate, log_level="warning", access_log=False, lifespan="off", http=guard.protocol("h11"))
+    srv = uvicorn.Server(config)
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):
+            if srv.started:
+                break
+            time.sleep(0.01)
+        yield int(sock.getsockname()[1])
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+async def _slow_or_fast(scope: Any, receive: Any, send: Any) -> None:
+    """``/slow`` answers after 3 s, everything else at once."""
+    import asyncio
+
+    if scope["path"] == "/slow":
+        await asyncio.sleep(3)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_an_open_request_running_at_the_timeout_is_answered_then_its_connection_closes() -> None:
+    """With a 2 s timeout, an unauthenticated request to an open path that takes 3 s is answered (it gets one
+    more period), and its connection is closed as the answer leaves: a next request on it is not served."""
+    with _guarded(_slow_or_fast, timeout_s=2) as port:
+        sock = _connect(port)
+        assert _request(sock, "/slow", token=None) == 200
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /fast HTTP/1.1\r\nHost: cp\r\n\r\n")
+        sock.settimeout(30)
+        with contextlib.suppress(OSError):
+            assert sock.recv(65536) == b""
+        sock.close()
+
+
+def test_a_burst_beyond_the_cap_is_read_first_and_the_oldest_close_a_second_later() -> None:
+    """With a cap of 2, four connections opened at once are all served a request to an open path; the two oldest
+    are closed once they are a second old, the two newest stay. Once those went, a second burst is trimmed too."""
+    with _guarded(_slow_or_fast, timeout_s=120, cap=2) as port:
+        for _ in range(2):
+            burst = [_connect(port) for _ in range(4)]
+            assert [_request(sock, "/fast", token=None) for sock in burst] == [200] * 4
+            assert all(_closed_by_server(sock, 30) for sock in burst[:2])
+            assert not any(_closed_by_server(sock, 0.2) for sock in burst[2:])
+            for sock in burst:
+                sock.close()
+
+
+def test_a_connection_is_read_in_64_kib_pieces_until_it_authenticates() -> None:
+    """Before a request on it authenticates, a connection is read at most 64 KiB at a time (so at most that much
+    reaches the HTTP parser per read); after, in asyncio's own read size."""
+    from knittrans.api.connguard import CONNECTION, PREAUTH_BYTES
+
+    sizes: list[tuple[int, int]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        conn = CONNECTION.get()
+        assert conn is not None and conn.transport is not None
+        sizes.append((conn.transport.max_size, type(conn.transport).max_size))  # type: ignore[attr-defined]
+        await _slow_or_fast(scope, receive, send)
+
+    with _guarded(app, timeout_s=120) as port:
+        sock = _connect(port)
+        assert [_request(sock, "/fast", token=token) for token in (None, WORKER, None)] == [200] * 3
+        sock.close()
+    (before, default), *after = sizes
+    assert before == PREAUTH_BYTES < default and after == [(default, default)] * 2
+
+
+def test_what_arrives_past_64_kib_before_a_token_is_held_and_served_once_one_is_given() -> None:
+    """A request to an open path without a token, then one with a token and a 100 KB body sent in one piece:
+    what the connection sends past its first 64 KiB waits until that token is checked, and is then served (once)."""
+    body = b"[" + b" " * 100_000 + b"]"
+    head = f"POST /fast HTTP/1.1\r\nHost: cp\r\nAuthorization: Bearer {WORKER}\r\nContent-Length: {len(body)}\r\n\r\n"
+    with _guarded(_slow_or_fast, timeout_s=120) as port:
+        sock = _connect(port)
+        assert _request(sock, "/fast", token=None) == 200
+        sock.sendall(head.encode() + body)
+        reply = sock.makefile("rb")
+        assert reply.readline().startswith(b"HTTP/1.1 200")
+        while reply.readline() not in (b"\r\n", b""):
+            pass
+        assert reply.read(2) == b"ok"
+        reply.close()
+        assert _request(sock, "/fast") == 200  # the body was taken once: the connection goes on
+        sock.close()
