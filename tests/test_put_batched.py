@@ -718,6 +718,22 @@ def test_across_writers_of_other_user_fields_build_each_its_own_units(
     plain_writer.close()
 
 
+def test_across_writers_each_store_their_own_units(recording: RecordingServer, store_dir: Path) -> None:
+    """``write_units_across`` builds the units of all its writers as one table, then stores each writer's own."""
+    from knittrans.rollout.writer import write_units_across
+
+    local = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    remote = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint)
+    units = [_units(2), _units(2, seed=7)]
+    stored = write_units_across([(local, units[0]), (remote, units[1])])
+    for descs, groups_of in zip(stored, units, strict=True):
+        for d, groups in zip(descs, groups_of, strict=True):
+            traj = recording.store.get("job", d.unit_id).traj.drop_columns(["finished_at"])
+            assert traj.equals(build_unit_tables(groups).traj.drop_columns(["finished_at"]))
+    local.close()
+    remote.close()
+
+
 def test_write_tables_publishes_prepared_tables_through_the_shared_dir(
     recording: RecordingServer, store_dir: Path
 ) -> None:
