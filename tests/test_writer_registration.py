@@ -128,6 +128,7 @@ def test_an_earlier_failure_is_raised_by_the_next_write_before_it_writes(cluster
     with pytest.raises(Conflict, match="already registered") as raised:
         writer.write_groups(mm_groups("m", 1, group_size=2, seed=2))
     assert [u.unit_id for u in raised.value.units] == [clash.unit_id]  # type: ignore[attr-defined]
+    assert isinstance(raised.value.__cause__, Conflict)  # the control plane's own refusal, chained
     assert _stored(cluster, "next") == before  # the refused write stored nothing
     writer.write_groups(mm_groups("m", 1, group_size=2, seed=2))
     writer.close()
