@@ -25,7 +25,7 @@ import torch
 from data_support import make_groups, unit_bytes
 
 from knittrans.descriptors import GroupRecord, UnitDescriptor
-from knittrans.errors import Conflict, InvalidName, InvalidRequest, NotFound, OverBudget, SchemaMismatch
+from knittrans.errors import Conflict, InvalidName, InvalidRequest, KnitTransError, NotFound, OverBudget, SchemaMismatch
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
 from knittrans.rollout.writer import TrajectoryWriter, describe_unit
 from knittrans.schema import TrajectoryGroup, build_unit_tables, build_units_tables
@@ -685,3 +685,117 @@ def test_across_failure_while_staging_removes_what_the_earlier_nodes_stored(
     assert recording.store.units("job") == []
     w0.close()
     w1.close()
+
+
+def test_a_bad_source_is_refused_before_anything_reaches_the_node(recording: RecordingServer, store_dir: Path) -> None:
+    """A group whose source is not a name is refused while staging: no round trip, nothing stored."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    groups = make_groups(2)
+    groups[1] = _replace(groups[1], source="no spaces allowed")
+    with pytest.raises(InvalidRequest, match="source"):
+        writer.write_groups(groups)
+    assert recording.actions == [] and recording.store.units("job") == []
+    writer.close()
+
+
+def test_across_writers_of_other_user_fields_build_each_its_own_units(
+    recording: RecordingServer, store_dir: Path
+) -> None:
+    """``write_units_across`` builds the units of writers that declare other user fields with each writer's own."""
+    from knittrans.rollout.writer import write_units_across
+
+    kw: dict[str, Any] = {"job": "job", "node_id": "node-0", "endpoint": recording.endpoint, "store_dir": store_dir}
+    tagged_writer = TrajectoryWriter(**kw, user_fields={"uid": "string"})
+    plain_writer = TrajectoryWriter(**kw)
+    tagged = [
+        _replace(g, user_fields={"uid": g.group_id}, shared_user_fields=frozenset({"uid"})) for g in make_groups(2)
+    ]
+    [a], [b] = write_units_across([(tagged_writer, [tagged]), (plain_writer, [make_groups(2, seed=1)])])
+    uids = recording.store.get("job", a.unit_id).traj.column("uid").to_pylist()
+    assert uids == [g.group_id for g in tagged for _ in range(g.num_responses)]
+    assert "uid" not in recording.store.get("job", b.unit_id).traj.column_names
+    tagged_writer.close()
+    plain_writer.close()
+
+
+def test_across_writers_each_store_their_own_units(recording: RecordingServer, store_dir: Path) -> None:
+    """``write_units_across`` builds the units of all its writers as one table, then stores each writer's own."""
+    from knittrans.rollout.writer import write_units_across
+
+    local = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    remote = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint)
+    units = [_units(2), _units(2, seed=7)]
+    stored = write_units_across([(local, units[0]), (remote, units[1])])
+    for descs, groups_of in zip(stored, units, strict=True):
+        for d, groups in zip(descs, groups_of, strict=True):
+            traj = recording.store.get("job", d.unit_id).traj.drop_columns(["finished_at"])
+            assert traj.equals(build_unit_tables(groups).traj.drop_columns(["finished_at"]))
+    local.close()
+    remote.close()
+
+
+def test_write_tables_publishes_prepared_tables_through_the_shared_dir(
+    recording: RecordingServer, store_dir: Path
+) -> None:
+    """A same-host writer stores prepared tables (``write_tables``, as the TransferQueue backend does) with one
+    ``publish_units`` and returns the node's info; no units: no round trip."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    info = writer.write_tables("u1", build_unit_tables(make_groups(2, 4)))
+    assert recording.actions == ["publish_units"]
+    unit = recording.store.get("job", "u1")
+    assert info["num_bytes"] == unit.num_bytes and unit.num_rows == 8
+    assert writer.write_tables_many([]) == [] and recording.actions == ["publish_units"]
+    writer.close()
+
+
+def test_a_temporary_changed_before_its_publish_is_refused(recording: RecordingServer, store_dir: Path) -> None:
+    """The writer tells the node what each temporary holds: one that holds something else by the time it is
+    published is refused and removed."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=recording.endpoint, store_dir=store_dir)
+    tables = build_unit_tables(make_groups(2, 4))
+    [entry] = writer._write_temps([("u1", tables)])
+    write_table(Path(entry["dir"]) / TRAJ_FILE, tables.traj.slice(0, 4))
+    with pytest.raises(Conflict, match=r"does not hold what its writer sent: rows 4 \(expected 8\)"):
+        writer._publish_temps([entry])
+    assert recording.store.units("job") == [] and list((store_dir / "job").iterdir()) == []
+    writer.close()
+
+
+def test_a_failure_while_writing_temporaries_removes_those_written(store_dir: Path) -> None:
+    """``_write_temps`` removes the temporaries it wrote when a later unit of the call fails."""
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint="grpc://127.0.0.1:1", store_dir=store_dir)
+    good = build_unit_tables(make_groups(1, 4))
+    with pytest.raises(AttributeError):
+        writer._write_temps([("u1", good), ("u2", None)])  # type: ignore[list-item]
+    assert list((store_dir / "job").iterdir()) == []
+    writer.close()
+
+
+class _LosingServer(StoreServer):
+    """A store whose ``publish_units`` fails in transit: its request lost (``before`` the node acts) or its reply
+    (after the node published)."""
+
+    def __init__(self, config: StoreServerConfig, lose: str) -> None:
+        super().__init__(config)
+        self.lose = lose
+
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        if action.type == "publish_units" and self.lose == "before":
+            raise flight.FlightServerError("request lost")
+        out = super().do_action(context, action)
+        if action.type == "publish_units":
+            raise flight.FlightServerError("reply lost")
+        return out  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("lose", ["before", "after"])
+def test_a_publish_lost_in_transit_leaves_no_temporary_and_no_unit(store_dir: Path, lose: str) -> None:
+    """A ``publish_units`` that fails other than by the node's refusal: the writer removes its temporaries (the
+    node never saw them) and the units the node may have published."""
+    server = _LosingServer(StoreServerConfig(store=StoreConfig(root=store_dir), node_id="node-0"), lose)
+    writer = TrajectoryWriter(job="job", node_id="node-0", endpoint=server.endpoint, store_dir=store_dir)
+    with pytest.raises(KnitTransError, match=f"{'request' if lose == 'before' else 'reply'} lost"):
+        writer.write_units(_units(2))
+    assert server.store.units("job") == [] and list((store_dir / "job").iterdir()) == []
+    writer.close()
+    server.shutdown()

@@ -98,6 +98,19 @@ def test_a_refused_registration_is_raised_once_with_its_units_and_the_rest_of_it
     control.close()
 
 
+def test_a_put_of_no_units_sends_no_registration(cluster: LocalCluster) -> None:
+    """``write_units([])`` stores nothing and asks the control plane nothing."""
+    control = cluster.control()
+    control.create_job(trainer_job_spec("none", groups=8, group_size=2, k=1, world_size=1, micro_batch_size=2))
+    gate = _Gate(control)
+    gate.open.set()
+    with _writer(cluster, "none", control) as writer:
+        assert writer.write_units([]) == []
+        writer.flush()
+    assert gate.calls == []
+    control.close()
+
+
 @pytest.mark.timing
 def test_an_earlier_failure_is_raised_by_the_next_write_before_it_writes(cluster: LocalCluster) -> None:
     """A background failure is raised by the writer's next write, which then stores nothing; the one after works.
@@ -115,6 +128,7 @@ def test_an_earlier_failure_is_raised_by_the_next_write_before_it_writes(cluster
     with pytest.raises(Conflict, match="already registered") as raised:
         writer.write_groups(mm_groups("m", 1, group_size=2, seed=2))
     assert [u.unit_id for u in raised.value.units] == [clash.unit_id]  # type: ignore[attr-defined]
+    assert isinstance(raised.value.__cause__, Conflict)  # the control plane's own refusal, chained
     assert _stored(cluster, "next") == before  # the refused write stored nothing
     writer.write_groups(mm_groups("m", 1, group_size=2, seed=2))
     writer.close()

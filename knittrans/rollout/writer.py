@@ -225,13 +225,11 @@ def _write(
     staged: list[_Staged] = []
     infos: list[list[dict[str, Any]] | None] = [None] * len(batches)
     answers: dict[int, Callable[[], list[dict[str, Any]]]] = {}
-    drafts: list[list[UnitDescriptor]] = []
     failed: BaseException | None = None
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
         for k, ((writer, units, ids), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, ids, tabs))
-            if staged[k].ids:
-                answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
+            answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
         drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]  # while the nodes store
     except BaseException as exc:
         failed = exc
