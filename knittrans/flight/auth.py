@@ -22,6 +22,7 @@ class BearerTokenFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
     """Refuse every call whose ``authorization`` header is not ``Bearer <token>``."""
 
     def __init__(self, token: str) -> None:
+        super().__init__()
         if not token:
             raise ValueError("token must be a non-empty string")
         self._expected = b"Bearer " + token.encode()
