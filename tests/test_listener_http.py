@@ -324,26 +324,31 @@ def test_every_path_but_the_open_ones_needs_a_token_before_its_body(tmp_path: Pa
         assert r.status_code == 404 and r.headers.get("connection") != "close", r.headers
 
 
-def test_the_gate_answers_nobody_gone_mid_body_and_passes_the_disconnect_on() -> None:
-    """A client gone while sending its body gets no answer and reaches no route; after a whole body, the app's
-    next receive gets what the connection says next (the disconnect), not the body again."""
-    import asyncio
-
+def _bare_gate(app: Any) -> Any:
+    """The request gate alone around ``app``: no token, bodies up to 100 bytes, JSON 4 levels deep."""
     from knittrans.api.auth import TokenCheck
     from knittrans.api.gate import RequestGate
 
-    seen: list[Any] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.extend([await receive(), await receive()])
-
-    gate = RequestGate(
+    return RequestGate(
         app,
         tokens=TokenCheck(Settings(worker_token=None)),
         open_paths=frozenset(),
         max_body_bytes=100,
         max_json_depth=4,
     )
+
+
+def test_the_gate_answers_nobody_gone_mid_body_and_passes_the_disconnect_on() -> None:
+    """A client gone while sending its body gets no answer and reaches no route; after a whole body, the app's
+    next receive gets what the connection says next (the disconnect), not the body again."""
+    import asyncio
+
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.extend([await receive(), await receive()])
+
+    gate = _bare_gate(app)
 
     async def call(messages: list[dict[str, Any]]) -> list[Any]:
         sent: list[Any] = []
@@ -370,21 +375,12 @@ def test_the_gate_refuses_a_declared_length_over_the_limit_unread_and_passes_oth
     (lifespan) goes to the app untouched."""
     import asyncio
 
-    from knittrans.api.auth import TokenCheck
-    from knittrans.api.gate import RequestGate
-
     seen: list[Any] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         seen.append(scope["type"])
 
-    gate = RequestGate(
-        app,
-        tokens=TokenCheck(Settings(worker_token=None)),
-        open_paths=frozenset(),
-        max_body_bytes=100,
-        max_json_depth=4,
-    )
+    gate = _bare_gate(app)
     received: list[Any] = []
 
     async def receive() -> dict[str, Any]:
