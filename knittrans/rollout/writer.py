@@ -229,7 +229,8 @@ def _write(
     try:  # each node's round trip starts as soon as its files are written (the next node's overlap it)
         for k, ((writer, units, ids), tabs) in enumerate(zip(batches, built, strict=True)):
             staged.append(writer._stage(units, ids, tabs))
-            answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
+            if staged[k].ids:  # a writer without units this time has no round trip to start
+                answers[k] = _send_async(writer._send, staged[k]).result  # waits for the node's infos
         drafts = [w._describe(st) for (w, _, _), st in zip(batches, staged, strict=True)]  # while the nodes store
     except BaseException as exc:
         failed = exc
