@@ -1,10 +1,4 @@
-"""An AReaL ``RTensorBackend`` whose shards live in KnitTrans stores (AReaL 1.0.4, ``areal.infra.rpc.rtensor``).
-
-Each stored tensor is a one-row unit on this host's store node (``KNITTRANS_TQ_NODE``, or the only
-store given), in the TransferQueue backend's codec; a batch of shards is fetched with one ``DoGet``
-per node and layout, or memory-mapped. Usage: docs/how-to/frameworks.md, section 3. A shard id is
-``"<node>|<unit>|<layout>"``; AReaL's ``node_addr`` is not used to find it.
-"""
+"""An AReaL ``RTensorBackend`` whose shards live in KnitTrans stores (docs/how-to/frameworks.md, section 3)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Run KnitTrans on a Ray cluster: one store node per Ray node, the control plane as an actor (docs/how-to/deploy.md).
-
-Each actor runs the ordinary ``knittrans`` CLI as a child process and reports the endpoint from its ready
-file; a store is pinned to the node whose tmpfs holds its units. Ray is an extra: ``pip install 'knittrans[ray]'``.
-"""
+"""Run KnitTrans on Ray: one store node per Ray node, the control plane as an actor (docs/how-to/deploy.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``tq.init``'s bootstrap for the KnitTrans backend: one store actor per Ray node, and their end at ``tq.close()``.
-
-The stores belong to the process that called ``tq.init`` with a configuration; :func:`release_owned`
-stops them and deletes their directories. Stores given in ``stores`` are not ours: it deletes the job's
-units on them and leaves them running.
-"""
+"""``tq.init``'s bootstrap for the KnitTrans backend: one store actor per Ray node, and their end at ``tq.close()``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Checkpoint and restore of the KnitTrans TransferQueue backend's units (``tq.save_checkpoint`` / ``load``).
-
-Save: each unit of the job into ``<checkpoint>/knittrans/<node>/<unit>/`` (hard links of the node's
-files when they are on this host, else read through ``DoGet``), listed in ``knittrans/manifest.json``.
-Restore: each listed unit back to the node of the same name under the same id (docs/how-to/frameworks.md).
-"""
+"""Checkpoint and restore of the KnitTrans TransferQueue backend's units (``tq.save_checkpoint`` / ``load``)."""
 
 from __future__ import annotations
 

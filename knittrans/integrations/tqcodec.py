@@ -1,11 +1,4 @@
-"""TransferQueue puts -> KnitTrans units: every TensorDict column SimpleStorage takes, as user columns.
-
-:func:`encode_put` turns one put of ``n`` rows into the two tables of a storage unit: placeholder
-trajectory columns (``traj_id`` is the global index, token lists are empty), then the user columns of
-each field, ``tq.<field>`` (characters outside ``[A-Za-z0-9_.-]`` escaped as ``:xx``), described in
-their field metadata (``knittrans.tq``). Which column types hold what: docs/how-to/frameworks.md,
-"What comes back"; :mod:`knittrans.integrations.tqrows` decodes and assembles rows.
-"""
+"""TransferQueue puts -> KnitTrans units: every TensorDict column SimpleStorage takes, as user columns."""
 
 from __future__ import annotations
 

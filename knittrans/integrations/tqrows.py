@@ -1,12 +1,4 @@
-"""KnitTrans unit columns -> the rows of a TransferQueue field, packed the way SimpleStorage packs them.
-
-SimpleStorage keeps one value per (row, field) and packs a get's rows with
-``AsyncSimpleStorageManager._pack_field_values``: 0-d tensors stacked into a dense tensor; other
-tensors into a jagged nested tensor, else a strided one; anything else (or a mix) a
-``NonTensorStack``. :func:`pack_rows` is that rule. Decoding keeps tensor rows in bulk
-(a tensor of equal rows, or :class:`RaggedRows`: one buffer per DoGet) so that :func:`assemble` builds the
-same containers with one copy of the bytes, whatever the puts and DoGets the rows came from.
-"""
+"""KnitTrans unit columns -> the rows of a TransferQueue field, packed the way SimpleStorage packs them."""
 
 from __future__ import annotations
 

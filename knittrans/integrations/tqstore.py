@@ -1,10 +1,4 @@
-"""The KnitTrans TransferQueue backend's storage logic, without TransferQueue's classes (usable and tested alone).
-
-One put is one storage unit on the producer's node; each (row, field) gets a :data:`Loc` that
-TransferQueue's controller keeps as ``custom_backend_meta``. A get groups the requested rows by node
-and column layout: one rows ``DoGet`` per group (a memory-mapped read when the node's directory is on
-this host) and one ``media`` ``DoGet`` for the unique content hashes of those rows.
-"""
+"""The KnitTrans TransferQueue backend's storage logic, without TransferQueue's classes (usable and tested alone)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""A TransferQueue storage backend that keeps data in node-local KnitTrans stores (docs/how-to/frameworks.md, 1).
-
-Call :func:`register` in every process that creates a TransferQueue client (importing this module
-registers nothing; for Ray workers, ``runtime_env={"worker_process_setup_hook":
-"knittrans.integrations.transferqueue.register"}``), then select ``backend.storage_backend: KnitTrans``.
-Only TransferQueue's storage seam (``StorageManager.put_data / get_data / clear_data / save_checkpoint /
-load_checkpoint``) is replaced: storage logic in :mod:`~knittrans.integrations.tqstore`, codec in
-``tqcodec`` / ``tqrows``, checkpoints in ``tqcheckpoint``, store actors in ``tqbootstrap``.
-"""
+"""A TransferQueue storage backend that keeps data in node-local KnitTrans stores (docs/how-to/frameworks.md, 1)."""
 
 from __future__ import annotations
 
@@ -45,7 +37,7 @@ def _make_manager_class() -> type[Any]:
     from transfer_queue.storage.managers.base import StorageManager
 
     class KnitTransStorageManagerImpl(StorageManager):  # type: ignore[misc]
-        """TransferQueue ``StorageManager`` over node-local KnitTrans stores (see the module docstring)."""
+        """TransferQueue ``StorageManager`` over node-local KnitTrans stores (docs/how-to/frameworks.md)."""
 
         def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None) -> None:
             self.core = TQStoreCore(TQBackendConfig.from_conf(config))

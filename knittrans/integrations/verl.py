@@ -1,9 +1,4 @@
-"""A verl v1 sampler that admits GRPO groups with KnitTrans' constraint-preserving admission.
-
-Configuration and semantics: docs/how-to/frameworks.md, section 2. :class:`QuotaAdmission` is the
-framework-free core (tested without verl); ``KnitTransQuotaSampler`` is built on first access by
-subclassing verl's ``ReplayBufferAsync`` (metadata sync, eviction and refill stay verl's own).
-"""
+"""A verl v1 sampler admitting GRPO groups by constraint-preserving admission (docs/how-to/frameworks.md, section 2)."""
 
 from __future__ import annotations
 

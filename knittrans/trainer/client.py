@@ -1,39 +1,4 @@
-"""``TrainerClient``: one data-parallel rank's view of a job — manifests in, torch micro-batches out.
-
-::
-
-    with TrainerClient(TrainerConfig(control_url=url, job="grpo", rank=r, world_size=w)) as client:
-        for mini_batch in client.minibatches():          # this rank's share of each mini-batch, in order
-            for micro in mini_batch:                      # fetched on demand (``iter``: one ahead)
-                loss = step(micro.batch, micro.media)     # MicroBatch + {hash: decoded tensor}
-                loss.backward()
-            if not mini_batch.report_fetched():           # withdrawn (a store node was lost): skip it
-                mini_batch.abandon(); continue
-            optimizer.step()
-            publish_weights(mini_batch.policy_version + 1)     # where rollout loads them from
-            mini_batch.ack(version=mini_batch.policy_version + 1)  # every rank acked -> consumed
-
-Every rank reads the manifest of mini-batch ``n`` and takes its share; with ``TrainerConfig.group="auto"``
-under ``torch.distributed`` rank 0 reads it for everyone and gathers ``report_fetched`` / ``ack`` into one
-request each (:mod:`knittrans.trainer.feed`), so every rank must then build its client and make those calls.
-
-In ``iter`` mode a background thread fetches and converts micro-batch ``i+1`` (up to ``prefetch_depth``
-ahead) while the training thread computes ``i``, and starts on mini-batch ``n+1`` once ``n`` is loaded;
-an optional ``transform`` (a collate function) runs there too. :attr:`MiniBatch.timings` keeps each of its
-micro-batches' :class:`MicroTiming` (docs/explanation/on-demand-access.md).
-
-Failure (a store node dies under a mini-batch): a fetch error is raised in the training thread;
-the loop must not step on that mini-batch. :meth:`MiniBatch.report_fetched` (before the optimizer
-step) tells the control plane the ranks hold their shares: False when the mini-batch was withdrawn.
-A loop that gives a mini-batch up calls :meth:`MiniBatch.abandon`; :meth:`TrainerClient.minibatches`
-then waits (up to ``replan_wait_s``) for the manifest of that global index to change — the control
-plane re-plans it with the next attempt once the node is declared lost — and yields the new share.
-:mod:`knittrans.demo.rank` runs this protocol across ranks.
-
-Errors: a failed fetch is re-raised in the training thread with the plan, micro-batch and the
-store node(s) (id and endpoint) it involved; control-plane calls are retried with backoff for
-``control_retry_s`` while the control plane is unreachable.
-"""
+"""``TrainerClient``: one data-parallel rank's view of a job (docs/explanation/on-demand-access.md)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,4 @@
-"""Arrow trajectory rows -> torch tensors: zero-copy on CPU, packed and padded layouts, device copy.
-
-API::
-
-    mb = to_micro_batch(table)             # MicroBatch of flat tensors + cu_seqlens (int32)
-    packed = mb.pack()                     # PackedSequence(input_ids, cu_seqlens, response_index)
-    ids, mask = pad_sequences(mb.response_ids, mb.response_cu_seqlens, pad_value=0)
-    mb_gpu = to_device(mb, "cuda", non_blocking=True)    # pinned staging; CPU: returned as is
-
-Layout choice. DESIGN stores ``prompt_ids`` and ``response_ids`` as separate list columns, and
-we keep it: per-column views stay zero-copy (each column's list offsets *are* its cu_seqlens, and
-the values buffer *is* the flat tensor, exported through DLPack; a sliced array's offsets are
-rebased to 0 with one O(rows) subtraction), GRPO prompts are shared by a group and stored per
-row anyway, and losses need response tokens only. A model that wants one packed sequence per row
-gets it from :meth:`MicroBatch.pack`: two vectorised scatters into one output tensor (positions
-from a step scatter + cumsum, no per-token Python), which also return where every response token
-lands (``response_index``) for gathering logits. A single interleaved column would make the
-packed view free but every response-only consumer (logprobs, masks, rewards) would need a gather
-instead, and the prompt could no longer be fetched/projected away.
-
-When the table has several chunks (several units or received batches), each list column is
-concatenated once (one copy of that column); a single-chunk table is converted without copying.
-"""
+"""Arrow trajectory rows -> torch tensors: zero-copy on CPU, packed and padded layouts, device copy."""
 
 from __future__ import annotations
 

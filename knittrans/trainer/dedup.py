@@ -1,23 +1,4 @@
-"""Gradient-preserving multimodal encoding dedup: encode each unique media once per mini-batch.
-
-Usage (one data-parallel rank, one mini-batch of ``M`` micro-batches)::
-
-    dedup = DedupEncoder(vision_encoder, mode="keep_graph")
-    dedup.begin_mini_batch(cache.get(all_hashes))        # or lazily, see add_media
-    for i, micro in enumerate(micro_batches):
-        feats = dedup.features(micro.media_hashes)      # [n, *feature_shape]
-        loss = backbone(micro, feats) / global_tokens   # same normaliser as without dedup
-        loss.backward()                                 # accumulates into the feature leaf
-    dedup.finish()                                      # ONE encoder backward, summed gradient
-    all_reduce_gradients(vision_encoder.parameters())   # only under data parallelism (docs)
-    optimizer.step(); optimizer.zero_grad()
-
-Every use of a media reads a row of one detached leaf, so after all micro-batches the leaf's gradient
-is the sum over the uses and one encoder backward in ``finish()`` gives the duplicated run's encoder
-gradient, by linearity (for an encoder whose output for a media does not depend on the rest of its
-batch). A media hash must name one encoder input (else :class:`~knittrans.errors.Conflict`). Modes,
-dtypes, that contract and data parallelism (DDP, FSDP): docs/explanation/dedup.md.
-"""
+"""Gradient-preserving encoding dedup: encode each unique media once per mini-batch (docs/explanation/dedup.md)."""
 
 from __future__ import annotations
 

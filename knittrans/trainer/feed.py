@@ -1,15 +1,4 @@
-"""Manifests to ranks: each rank's share of every mini-batch, in order, ahead of the training loop.
-
-A :class:`ManifestFeed` runs one thread per rank that long-polls mini-batch ``n``, ``n+1``, ... as soon as
-they are admitted and keeps this rank's share until the loop is past it. Either every rank asks for itself
-(``collective=None``: ``W`` requests per mini-batch), or rank 0 asks and broadcasts the manifest over a
-:class:`Collective` (e.g. :class:`TorchCollective`, a gloo group of the trainer's own) and each rank cuts
-its share; :class:`Progress` gathers ``fetched`` and ``ack`` the same way
-(docs/explanation/on-demand-access.md, *Sharing one request among ranks*).
-
-Collectives on one group must be called in the same order on every rank, so the feed's thread has a
-collective of its own (the ``feed`` one) and the training loop's progress calls another.
-"""
+"""Manifests to ranks: each rank's share of every mini-batch, in order, ahead of the training loop."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Store-node reads of a trainer rank: one Flight client per endpoint (or an mmap reader per local node).
-
-API::
-
-    with Fetcher(token=None, local_dirs={"node-0": "/dev/shm/knittrans"}) as f:
-        f.warm({"node-1": "grpc://..."})           # connect ahead of the first read (optional)
-        batches = f.stream("node-0", "grpc://...", ticket)  # one DoGet, batch by batch
-
-:class:`~knittrans.trainer.share.ShareStreams` reads a rank's share through it (one call per node and
-kind). Nodes listed in ``local_dirs`` (value: the store dir, or a tuple of store dir and spill dir) are
-read through :class:`~knittrans.store.LocalReader` instead: memory-mapped, no copy, same result as the
-Flight path (a ticket with a unit that is not under those directories, e.g. one the store spilled, is
-read through the node). With ``data_lane`` (the default) remote reads go over a node's data lane where it
-has a reachable one (:mod:`knittrans.flight.lane`; a streamed read then arrives whole before its first
-batch is handed out).
-"""
+"""Store-node reads of a trainer rank: one Flight client per endpoint (or an mmap reader per local node)."""
 
 from __future__ import annotations
 

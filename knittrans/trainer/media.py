@@ -1,20 +1,4 @@
-"""Per-rank, per-mini-batch media cache: fetch each unique media hash once, decode it once.
-
-::
-
-    cache = MediaCache(fetch=data_plane_fetch)           # fetch(hashes) -> {hex hash: MediaRecord}
-    for micro in mini_batch:
-        tensors = cache.get(micro.media_hashes)         # only the missing hashes are fetched
-        ...
-    stats = cache.clear()                               # end of mini-batch: frees the tensors
-
-A raw media record is one row of the media Arrow table: ``(kind, shape, dtype, data)``, the key
-being the lower-case hex of ``media_hash``. The default decoder views ``data`` as a numpy array
-of ``dtype`` and ``shape`` and wraps it as a tensor without copying. Buffers from Arrow (memory
-maps, Flight) are read-only: the tensor shares their memory, so do not modify it in place
-(``x.float()``, ``x / 255`` and ``torch.stack`` all copy); pass ``decode=decode_media_copy`` to
-get writable copies.
-"""
+"""Per-rank, per-mini-batch media cache: fetch each unique media hash once, decode it once."""
 
 from __future__ import annotations
 

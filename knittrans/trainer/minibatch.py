@@ -1,17 +1,4 @@
-"""One rank's share of an admitted mini-batch: its micro-batches, loaded on demand or prefetched.
-
-:class:`MiniBatch` is what :meth:`knittrans.trainer.client.TrainerClient.minibatches` yields:
-iterate it once for :class:`TrainMicroBatch` es (``eager``: the whole share first; ``iter``: a
-background thread loads micro-batch ``i+1``.. while ``i`` trains, then the next mini-batch's first
-ones as soon as its manifest is there), then ``report_fetched``, step, ``ack`` — or ``abandon`` it
-when a fetch failed. The share is read through one ``DoGet`` per store node and kind
-(:class:`~knittrans.trainer.share.ShareStreams`); the media go through the mini-batch's
-:class:`~knittrans.trainer.media.MediaCache`.
-
-With a :class:`~knittrans.trainer.feed.Collective` (the trainer's ranks sharing the control plane),
-``report_fetched`` and ``ack`` are collective: every rank calls them, rank 0 sends one request for
-all and every rank gets the same answer.
-"""
+"""One rank's share of an admitted mini-batch: its micro-batches, loaded on demand or prefetched."""
 
 from __future__ import annotations
 

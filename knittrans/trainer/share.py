@@ -1,18 +1,4 @@
-"""Read a rank's whole share through one ``DoGet`` per store node and kind, micro-batch by micro-batch.
-
-::
-
-    streams = ShareStreams(fetcher, plan)             # every call opened now
-    rows = streams.rows(i)                            # pa.Table of micro-batch i (plan row order)
-    records = streams.media(["<hex>", ...])           # {hash: MediaRecord}, the MediaCache's fetch
-    streams.close()                                   # cancels what was not read
-
-Why (docs/explanation/on-demand-access.md, *One call per node*): a call per micro-batch costs a round trip
-and call set-up on both sides, more than the bytes of a small micro-batch. The calls are opened together,
-the data flows in the background under gRPC's flow control, and micro-batch ``i`` takes exactly its rows
-(the row counts are in the tickets) as they arrive. Local nodes (``local_dirs``) are memory-mapped reads
-of the same tickets.
-"""
+"""Read a rank's whole share through one ``DoGet`` per store node and kind, micro-batch by micro-batch."""
 
 from __future__ import annotations
 
