@@ -1,11 +1,4 @@
-"""Optional bearer-token auth: a worker token (writers, ranks, stores), an admin token, and scoped tokens.
-
-Scoped tokens narrow what one credential may do: ``kts.<payload>.<mac>`` where the payload names a
-role (``worker``: one job's units, supply, status and version; ``rank``: the trainer of one job —
-its manifests, progress, fetched reports, acks and version reports; with a rank number, reports for
-that rank only; ``store``: node registration and heartbeats) and the MAC is HMAC-SHA256 under the
-control plane's token secret (the admin token). Admins mint them with ``POST /v1/tokens``.
-"""
+"""Optional bearer-token auth: worker and admin tokens, and scoped tokens (docs/reference/rest.md#auth)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""The manifest board: what each job serves at ``GET .../minibatches/{n}``, held on the event loop.
-
-After every committed change of a job the state thread computes the job's :class:`Published` view
-(its manifests, built once each, and where the trainer is) and posts it to the event loop, which
-stores it and wakes the requests waiting on the job. A manifest long-poll is then answered on the
-event loop from the board, with no state-thread hop; the work per change does not depend on how
-many ranks wait.
-
-Two events per job: ``changed`` fires on every change (``/headroom`` waits on it), ``delivery`` only
-when what the manifest long-polls answer changed (a mini-batch admitted, withdrawn or consumed, the
-job finished), so hundreds of waiting ranks are not woken by every registration. Views and events live on the
-event loop only (the state thread only posts to it): no lock.
-"""
+"""The manifest board: each job's published manifests and their waiters, held on the event loop."""
 
 from __future__ import annotations
 

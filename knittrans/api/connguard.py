@@ -1,25 +1,4 @@
-"""The HTTP listener's connection guard: a connection that has not authenticated is bounded in time, bytes and number.
-
-uvicorn keeps a connection that never sends a request (or sends its headers a byte at a time) open for ever
-and buffers whatever headers it is sent. :class:`ConnectionGuard` wraps each connection's uvicorn protocol
-(:func:`ConnectionGuard.protocol`, passed as ``uvicorn.Config(http=...)``) and, until one request on the
-connection has presented a valid token (:class:`~knittrans.api.gate.RequestGate` calls
-:meth:`GuardedConnection.authenticate`):
-
-* hands uvicorn at most :data:`PREAUTH_BYTES` of it and reads it in pieces of that size (asyncio's socket
-  transport); what arrives beyond is held, reading pauses until a request authenticates, and a connection
-  that still sends more than twice that is closed;
-* closes it ``timeout_s`` after it opened (a request to an open path still running then gets one more
-  ``timeout_s`` to finish);
-* counts it among at most ``max_unauthenticated`` such connections: beyond that the oldest unauthenticated
-  ones are closed, never an authenticated one (those open for less than a second a moment later: a burst of
-  new clients is read before any of them is closed).
-
-With TLS the guard starts once asyncio finished the handshake (asyncio bounds handshakes to 60 s itself).
-The request a connection serves learns its connection from :data:`CONNECTION` (a context variable set while
-uvicorn parses the connection's bytes, so the request's task inherits it; uvicorn's opt-in
-``reset_contextvars`` would hide it, and every connection would then close at its deadline).
-"""
+"""The HTTP listener's connection guard: unauthenticated connections bounded in time, bytes and number."""
 
 from __future__ import annotations
 
@@ -36,7 +15,11 @@ logger = logging.getLogger(__name__)
 CONNECTION: contextvars.ContextVar[GuardedConnection | None] = contextvars.ContextVar(
     "knittrans_connection", default=None
 )
-"""The guarded connection whose request the current task serves (None outside a guarded server)."""
+"""The guarded connection whose request the current task serves (None outside a guarded server).
+
+Set while uvicorn parses the connection's bytes, so the request's task inherits it; uvicorn's opt-in
+``reset_contextvars`` would hide it, and every connection would then close at its deadline.
+"""
 
 _EVICT_AFTER_S = 1.0
 """Youngest unauthenticated connection the cap closes (seconds open)."""

@@ -1,19 +1,4 @@
-"""Consumed groups of a job, compacted: exact running staleness summaries plus a bounded recent window.
-
-A long job consumes millions of groups; so that ``/status``, ``/metrics``, ``/v1/overview`` and the
-control plane's memory do not grow with the job's length, :class:`ConsumedLedger` keeps:
-
-* per reading, overall and per source, a weighted histogram of staleness and of architectural
-  staleness plus exact running sums: count, mean and ``pos_mean`` are exact; ``p50``/``p99``/``max``
-  are exact for integer staleness (the ``start`` and ``end`` readings) and within
-  :data:`RESOLUTION` versions for the token-weighted reading (its values are binned to that grid,
-  which bounds the histogram by the staleness range, not by the job's length);
-* the groups of the last :data:`RECENT_STEPS` consumed steps as they are (``/status`` by-step);
-* a per-step ``(count, sum, max)`` series of architectural staleness for the last
-  :data:`SERIES_STEPS` steps (the dashboard chart).
-
-A restart replays the SQLite records through :meth:`ConsumedLedger.add`.
-"""
+"""Consumed groups of a job, compacted: running staleness summaries plus a bounded recent window."""
 
 from __future__ import annotations
 
@@ -34,7 +19,7 @@ SERIES_STEPS = 512
 
 
 class ConsumedLedger:
-    """What the control plane remembers of consumed groups (see the module docstring)."""
+    """What the control plane remembers of consumed groups (docs/reference/rest.md, Status)."""
 
     def __init__(self) -> None:
         self._readings = {r: StalenessReport(r, RESOLUTION) for r in READINGS}

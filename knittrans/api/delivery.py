@@ -1,10 +1,4 @@
-"""Mini-batch delivery: manifests (built once per admitted mini-batch), fetched and ack per mini-batch, versions.
-
-Every rank of the trainer reads the same manifest of mini-batch ``n``; progress is per mini-batch:
-``fetched`` and ``ack`` name the ranks they report for (all of them when one rank reports for the
-trainer after gathering from the others, or just the caller's own rank), so the server's work per
-mini-batch does not grow with the number of ranks when the trainer reports once.
-"""
+"""Mini-batch delivery: manifests (built once per admitted mini-batch), fetched and ack reports, versions."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""``RequestGate``: the control plane's outermost ASGI layer: the token first, then the body's size and JSON depth.
-
-Before a byte of the body is received, the ``Authorization`` header is checked: a request with a body but
-without a token of this server (:meth:`~knittrans.api.auth.TokenCheck.authenticates`) is answered 401 and
-its connection closed, its body unread (the open paths take no body); one without a body to a path that
-needs a token is refused by its route (which names the token it needs), and its connection closed too.
-A request with a token of this server marks its connection authenticated (:mod:`knittrans.api.connguard`).
-The routes still check what the token may do (admin, scopes).
-
-Then the body: more than ``max_body_bytes`` (declared or received) is a 413; a JSON body is received whole
-and refused with 422 when it nests deeper than ``max_json_depth`` (:func:`knittrans.jsonlimits.nesting_over`),
-before anything parses it, then handed on unchanged.
-"""
+"""``RequestGate``: the control plane's outermost ASGI layer: token first, then body size and JSON depth."""
 
 from __future__ import annotations
 
@@ -47,7 +35,7 @@ class _TooLarge(Exception):
 
 
 class RequestGate:
-    """Pure ASGI middleware: see the module docstring."""
+    """Pure ASGI middleware (docs/explanation/architecture.md, The control plane)."""
 
     def __init__(
         self, app: ASGIApp, *, tokens: TokenCheck, open_paths: frozenset[str], max_body_bytes: int, max_json_depth: int

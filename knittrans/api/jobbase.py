@@ -1,8 +1,4 @@
-"""The state of one job, the views every part reads and the record writes every part shares.
-
-The parts that change it build on :class:`JobBase` (see :mod:`knittrans.api.jobstate`); the lifecycle moves
-follow the table in :mod:`knittrans.lifecycle`.
-"""
+"""The state of one job, the views every part reads and the record writes every part shares."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Prometheus metrics of one control-plane instance: a registry per app, read from the service on scrape.
-
-Names follow the Prometheus conventions: ``knittrans_`` prefix, base units in the name (``_seconds``,
-``_bytes``, ``_ratio``, ``_versions``), ``_total`` on counters (added by the exposition), and labels
-whose values can be summed or averaged meaningfully. The RL job is the label ``job_name``: ``job``
-and ``instance`` belong to the scraper (Prometheus would rename a scraped ``job`` to ``exported_job``).
-:data:`METRICS` lists every family exported; ``deploy/grafana/knittrans.json`` only uses these
-(checked by ``tests/test_grafana.py``).
-"""
+"""Prometheus metrics of one control-plane instance: a registry per app, read from the service on scrape."""
 
 from __future__ import annotations
 

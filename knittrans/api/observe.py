@@ -1,11 +1,4 @@
-"""What the control plane observes but does not persist: store usage from heartbeats, ranks' transfer counters,
-rollout workers' weight loads.
-
-All are reported by the processes themselves (a store's heartbeat carries its ``stats``; a rank's
-ack carries the transfer figures of the mini-batch it trained; a rollout worker reports the weights it
-loaded and the versions whose file came late) and kept in memory only: after a restart of the control
-plane they start again from zero, which is how Prometheus counters behave.
-"""
+"""What the control plane observes but keeps in memory only: store usage, rank transfers, rollout weights."""
 
 from __future__ import annotations
 

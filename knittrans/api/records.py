@@ -1,28 +1,4 @@
-"""The persistence schema of the control plane: record kinds and the keys of their records, in one place.
-
-Every record is addressed by ``(kind, job, key)`` (:mod:`knittrans.api.store`). What the values are:
-
-==================  ============================  ====================================================
-kind                key                           value
-==================  ============================  ====================================================
-``node``            node id (job ``""``)          the node's registration (:class:`~knittrans.api.service.Node`)
-``job``             ``meta``                      spec, lifecycle state, next index, attempts, quotas
-``units``           :func:`index_key`             the units registered in one request
-``group``           group id                      ``{unit_id, status}`` of a lost or expired group
-``mb``              :func:`index_key`             one admitted mini-batch
-``ack``             :func:`index_key`             ``{attempt, ranks}``: the ranks (``[start, stop)`` runs)
-                                                  that acked the mini-batch
-``fetched``         :func:`index_key`             ``{attempt, ranks}``: the ranks that hold their share
-``version``         :func:`version_key`           a rank's policy version
-``supply``          source                        groups started, dropped and finished
-``started``         group id                      the source of a group reported started
-``request``         request id                    ``1``: a supply report already applied
-``consumed``        :func:`index_key`             staleness rows of a consumed mini-batch
-``lost``            group id                      a group to regenerate (see :attr:`Kind.TO_REGENERATE`)
-==================  ============================  ====================================================
-
-The strings are on disk: changing one needs a new ``STORE_FORMAT`` or a reader for the old spelling.
-"""
+"""The control plane's persistence schema: record kinds and their keys (docs/reference/rest.md#persistence)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The control-plane service: node registry and jobs over one record store; what the routes call.
-
-Every public method is one state change (or a read): it validates, mutates the in-memory state,
-runs admission where state changed, and commits the writes to the store before returning. If an
-unexpected error strikes after mutation began, the in-memory state is reloaded from the store, so
-memory never runs ahead of what was committed. No locks: see :class:`~knittrans.api.routes.deps.StateRunner`.
-"""
+"""The control-plane service: node registry and jobs over one record store; what the routes call."""
 
 from __future__ import annotations
 

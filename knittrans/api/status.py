@@ -1,6 +1,4 @@
-"""Views of a job's state: its status (quota fill, group counts, deficits, groups to regenerate, staleness,
-admission times) and the admin overview built from it (every job, node and rank, for ``/ui`` and
-``knittrans status``)."""
+"""Views of a job's state: its status and the admin overview built from it (``/ui``, ``knittrans status``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Persistence of control-plane state: a narrow record store over SQLite in WAL mode.
-
-Everything the service knows is a JSON record addressed by ``(kind, job, key)`` (the kinds and keys
-are named in :mod:`knittrans.api.records`). A state change is
-buffered in a :class:`Txn` and written in one SQLite transaction before the HTTP response goes
-out, so a restarted process on the same file sees exactly what clients were told. The interface
-(:class:`Txn` ``put``/``delete``, :meth:`RecordStore.commit`, ``load``) is small enough to put
-PostgreSQL behind it later.
-"""
+"""Persistence of control-plane state: a narrow store of JSON records over SQLite in WAL mode."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""``knittrans token``: mint a scoped bearer token offline, with the admin token as the key.
-
-The same token ``POST /v1/tokens`` returns (HMAC-SHA256 under the admin token, see
-:mod:`knittrans.api.auth`), for launchers that start workers before the control plane answers
-(``scripts/compose_up.sh`` gives each rollout worker, rank and store its own). The admin token is
-read from ``$KNITTRANS_ADMIN_TOKEN`` only: secrets stay off command lines.
-"""
+"""``knittrans token``: mint a scoped bearer token offline, with the admin token as the key."""
 
 from __future__ import annotations
 

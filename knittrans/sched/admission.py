@@ -1,38 +1,4 @@
-"""Admission policies: when finished groups may form the next PPO mini-batch of a train step.
-
-Four policies share one interface (:class:`AdmissionPolicy`): ``select(state)`` returns the next
-mini-batch as an :class:`~knittrans.sched.types.AdmissionDecision`, or ``None`` to wait for more
-finished groups. Every policy is group-atomic, takes earliest-finished groups first (``finished_at``,
-then ``group_id``; ``version_aware`` only for the counts), skips groups past the staleness bound, and
-never breaks ``a[s] + x[s] <= q[s]``, so every train batch has exactly the per-source composition ``q``.
-
-Mini-batch ``k`` holds ``b_k`` groups (:func:`mini_batch_sizes`: sizes differ by at most one, larger
-first). ``train_batch`` and ``linear_target`` follow a fixed per-mini-batch composition plan
-(:func:`composition_plan`); ``constraint_preserving`` chooses the mix freely inside the feasibility
-conditions of DESIGN.md (:func:`remainder_feasible`); ``version_aware`` takes ``constraint_preserving``'s counts
-and, within each source, prefers the groups generated with newer weights (:class:`VersionAwarePolicy`).
-
-Why the ``O(|S|)`` remainder check is exact with uniform bounds (the same ``lo[s]``/``hi[s]`` in every
-mini-batch). Let ``r[s] = q[s] - a[s] - x[s]`` be what is left for the ``R' = R - 1`` later
-mini-batches, whose sizes ``b_{k+1..K-1}`` differ by at most one, larger first, and sum to ``sum(r)``.
-If ``R'·lo[s] <= r[s] <= R'·hi[s]`` for every source, a fill exists: give every later mini-batch
-``lo[s]`` of each source, write the ``r[s] - R'·lo[s]`` leftover slots source after source in one
-sequence and deal that sequence round-robin over the ``R'`` mini-batches. Dealing produces exactly the
-sizes ``b_j - sum(lo)`` (larger first, differing by at most one) and gives a mini-batch at most
-``ceil((r[s] - R'·lo[s]) / R') <= hi[s] - lo[s]`` extra groups of ``s``. The supply condition
-``r[s] <= F'[s] + P[s]`` with ``F'[s] = F[s] - x[s]`` reduces to ``q[s] - a[s] <= F[s] + P[s]``: it does
-not depend on ``x`` and is a quota deficit (:func:`quota_deficit`), on which ``constraint_preserving``
-waits instead of changing the mix.
-
-So, for the mini-batch being formed, the feasible counts are a box ``L[s] <= x[s] <= U[s]`` with
-``sum(x) = b_k`` (``L = max(lo, r0 - R'·hi)``, ``U = min(hi, r0 - R'·lo, available)``,
-``r0 = q - a``). Such count vectors are the bases of a generalized partition matroid, so the greedy
-pass in finish order that takes a group whenever the box can still be completed returns the
-earliest-finished feasible mini-batch (Gale-optimal: its i-th group finishes no later than the i-th
-group of any other feasible choice). Because every admitted mini-batch keeps ``R·lo <= r <= R·hi``,
-the greedy never paints itself into a corner: once the remaining supply has finished, the next
-mini-batch can always be formed (the dealt fill above is one).
-"""
+"""Admission policies: which finished groups form the next mini-batch (docs/explanation/admission.md)."""
 
 from __future__ import annotations
 
@@ -221,7 +187,7 @@ def remainder_feasible(state: StepState, counts: Mapping[str, int]) -> bool:
     ``r >= 0``, the bounds of the later mini-batches ``R'·lo <= r <= R'·hi``, the supply
     ``r <= F'[s] + P[s]`` (``F'`` = non-expired finished groups not taken now), and that the later
     mini-batch sizes are exactly what is left (``sum(r) == sum(b_{k+1..})``). With uniform bounds these
-    conditions are also sufficient (see the module docstring). ``O(|S|)`` plus one pass over ``finished``.
+    conditions are also sufficient (docs/explanation/admission.md). ``O(|S|)`` plus one pass over ``finished``.
 
     Raises:
         ValueError: ``counts`` or a finished group names a source without a quota.
@@ -303,8 +269,9 @@ class _PlannedPolicy:
 def _feasible_counts(state: StepState) -> tuple[dict[str, int], dict[str, list[FinishedGroup]]] | None:
     """``constraint_preserving``'s counts ``x[s]`` for the next mini-batch, and the usable groups per source.
 
-    The greedy earliest-first fill of the feasible count box (module docstring): it takes a finish-order prefix
-    of each source, and its counts are those of the earliest-finished feasible mini-batch. None: wait.
+    The greedy earliest-first fill of the feasible count box (docs/explanation/admission.md): it takes a
+    finish-order prefix of each source, and its counts are those of the earliest-finished feasible mini-batch.
+    None: wait.
     """
     sizes = _check_state(state)
     size = sizes[state.mini_batch_index]
@@ -351,7 +318,7 @@ class ConstraintPreservingPolicy:
     """``constraint_preserving``: the earliest-finished groups that keep the rest of the step feasible."""
 
     def select(self, state: StepState) -> AdmissionDecision | None:
-        """Greedy earliest-first fill of the feasible count box (see the module docstring)."""
+        """Greedy earliest-first fill of the feasible count box (docs/explanation/admission.md)."""
         found = _feasible_counts(state)
         if found is None:
             return None

@@ -1,24 +1,4 @@
-"""Assignment of an admitted mini-batch over ``W`` data-parallel ranks and into micro-batches.
-
-Rank balance. Trajectories are balanced by tokens with greedy LPT (:func:`lpt_assign`). Whole groups stay
-on one rank when balance allows: LPT runs over whole groups, then halves, quarters ... single trajectories
-(skipping splits into fewer than ``W`` pieces), and stops at the first split whose most-loaded rank is at most
-``(1 +`` :data:`BALANCE_TOLERANCE` ``)`` times the ideal ``total / W`` (else the best one is used).
-Guarantee (tested): ``max rank tokens <= max((1 + tol)·ideal, ideal + largest trajectory)``. With at
-least ``W`` trajectories every rank gets at least one (an empty rank always wins the tie-break).
-
-Micro-batches. A rank's trajectories are put in read order (``node_id``, ``unit_id``, row) and cut in
-that order, so each micro-batch reads few contiguous row ranges: by count (``micro_batch_size`` rows)
-or by token budget (next-fit: a micro-batch closes before the trajectory that would exceed
-``micro_batch_tokens``; a single trajectory above the budget forms its own micro-batch).
-
-Equal micro-batch counts. DDP ranks under ``no_sync`` must run the same number of backward passes, so
-every rank is brought to the largest micro-batch count ``M`` of the mini-batch by splitting its
-largest multi-trajectory micro-batch (at the token midpoint, keeping read order) until it has ``M``.
-Splitting never breaks a budget. A rank with fewer than ``M`` trajectories cannot reach ``M`` and keeps
-one micro-batch per trajectory; the trainer must then run empty (zero-loss) micro-batches to stay in
-step. Cost: ``O(n log n)`` for ``n`` trajectories, no quadratic step.
-"""
+"""Assignment of an admitted mini-batch over ``W`` data-parallel ranks and into micro-batches."""
 
 from __future__ import annotations
 
@@ -142,7 +122,7 @@ class Assignment:
         micro_batch_tokens: token budget per micro-batch (dynamic batch size); exclusive with
             ``micro_batch_size``.
         micro_batch_size: trajectories per micro-batch.
-        keep_groups: try to keep every group on one rank (see the module docstring).
+        keep_groups: try to keep every group on one rank (docs/explanation/on-demand-access.md).
 
     Raises:
         ValueError: bad ``world_size``/budgets, duplicate group ids, negative tokens, overlapping rows.

@@ -1,16 +1,4 @@
-"""Staleness accounting: per-trajectory staleness and architectural staleness, per-step summaries.
-
-``staleness = v_train - v_gen`` for a trajectory consumed at trainer version ``v_train``.
-``architectural staleness`` subtracts what colocated execution would give the same slot: mini-batch
-``k`` of a step trains at ``v0 + k`` on data generated at ``v0``, so its colocated staleness is ``k``.
-With partial rollout ``v_gen`` has three readings (:data:`READINGS`): the version at the start, at the
-end, and the token-weighted mean; every figure says which one it uses.
-
-Summaries count every trajectory once (a group of ``n`` trajectories weighs ``n``). Percentiles are
-nearest-rank: ``pXX`` is the smallest value with at least ``ceil(XX/100 · count)`` values at or below it.
-An empty summary has ``count == 0`` and NaN for every statistic (no data is not zero staleness);
-:meth:`StalenessStats.to_dict` turns NaN into None for JSON.
-"""
+"""Staleness accounting: per-trajectory staleness and architectural staleness, per-step summaries."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Admission timing: when the next mini-batch may be admitted, and how far rollout may run ahead.
-
-A policy (:mod:`knittrans.sched.admission`) says *which* groups form the next mini-batch; this module
-says *when* it may be asked and what frees rollout's off-policy window. The control plane
-(``knittrans.api.jobstate``) and the simulator (``knittrans.sim.engine``) both call it. Global
-mini-batch indices ``n = step·K + k`` count from 0; the trainer position ``p`` is the lowest index not
-yet acked by every rank. Mini-batch ``n`` may be admitted when ``n <= p + L`` (lookahead ``L``); the
-groups launched but not in a mini-batch the trainer has started stay ``<= W·G`` (window ``W``); only
-the sources furthest behind their quota share of launches may launch; the ``train_batch`` baseline may
-hand the trainer the whole train batch (:data:`HANDOVERS`). Definitions, the reasons for each rule and
-the proof of :func:`staleness_bound` are in ``docs/explanation/admission.md`` ("Timing: lookahead and window").
-"""
+"""Admission timing: lookahead and rollout's window (docs/explanation/admission.md#timing-lookahead-and-window)."""
 
 from __future__ import annotations
 
