@@ -1,27 +1,4 @@
-"""The mini-batch manifest: one immutable description of an admitted mini-batch, the same bytes for every rank.
-
-At admission the control plane builds one :class:`Manifest` for mini-batch ``n`` (attempt ``a``) and
-serves it, unchanged, at ``GET /v1/jobs/{job}/minibatches/{n}``: the layout the assignment made
-(rank → micro-batches → rows), the units and store nodes that hold the rows, one signed grant per
-node, the media the rows use and the policy version. Each rank takes its own slice with
-:meth:`Manifest.share` (its rows, one rows ticket per node and micro-batch, one media ticket per
-unique hash), so what the server does per mini-batch does not grow with the number of ranks.
-
-Wire layout (JSON, keys in this order)::
-
-    {"manifest": 1, "job": "grpo", "global_index": 7, "attempt": 0, "step": 3,
-     "mini_batch_index": 1, "policy_version": 7, "admitted_at": 1767225600.0, "world_size": 2,
-     "columns": null,
-     "nodes":  [["node-a", "grpc://10.0.0.5:8815", "<grant>"], ...],   # id, Flight location, grant or null
-     "units":  [["unit-1", 0], ...],                                    # id, index into nodes
-     "groups": [["g-17", 0, [0]], ...],                                 # id, index into units, media used
-     "media":  [["<64 hex>", 0], ...],                                  # content hash, unit that serves it
-     "ranks":  [[[[0, 3, 153], ...], ...], ...]}                        # rank -> micro-batch -> rows
-                                                                        #   [group index, row in unit, tokens]
-
-:meth:`Manifest.decode` refuses anything but a well-formed manifest and names the field that is
-wrong (e.g. ``manifest field ranks[1][0][3]: group index 9 is outside groups (0..4)``).
-"""
+"""The mini-batch manifest: one immutable description of an admitted mini-batch (docs/reference/wire.md)."""
 
 from __future__ import annotations
 
@@ -70,7 +47,7 @@ class ManifestGroup:
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """Mini-batch ``global_index`` (re-plan ``attempt``), trained at ``policy_version``; see the module docstring."""
+    """Mini-batch ``global_index`` (re-plan ``attempt``), trained at ``policy_version``; see docs/reference/wire.md."""
 
     job: str
     global_index: int
@@ -109,7 +86,7 @@ class Manifest:
 
     # ------------------------------------------------------------------ wire
     def to_json(self) -> dict[str, Any]:
-        """The manifest as a JSON value (tuples stand for arrays; see the module docstring for the layout)."""
+        """The manifest as a JSON value (tuples stand for arrays; docs/reference/wire.md gives the layout)."""
         return {
             "manifest": MANIFEST_VERSION,
             "job": self.job,

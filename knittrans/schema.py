@@ -1,27 +1,4 @@
-"""Arrow schemas of trajectories and media, a vectorised builder, and a validator naming column and row.
-
-API summary::
-
-    SCHEMA_VERSION, TRAJECTORY_SCHEMA, MEDIA_SCHEMA, TRAJECTORY_COLUMNS
-    Media(kind=..., data=bytes | np.ndarray | torch.Tensor)      # .hash (32 bytes), .hex
-    TrajectoryGroup(group_id=, source=, prompt_ids=, response_ids=[...], response_logprobs=[...],
-                    rewards=[...], version_start=, version_end=, ...)
-    build_unit_tables(groups) -> UnitTables(traj: pa.Table, media: pa.Table)
-    build_units_tables([groups, ...]) -> [UnitTables, ...]         # several units, one pass over their rows
-    build_media_table(media) -> pa.Table                          # one row per unique hash
-    build_user_column(field, per_row_values) -> pa.Array          # a declared user field's column
-    validate_trajectories(table) / validate_media(table)          # raise SchemaMismatch / InvalidRequest
-    validate_part(batch, "traj" | "media")                        # what a store's DoPut accepts
-    check_schema(schema, kind="trajectories" | "media")          # SchemaMismatch naming the column
-
-List columns are built from one ``np.concatenate`` of the per-row values plus an offsets array
-(a loop over groups, never over tokens; rows given as numpy arrays are not converted one by one).
-``loss_mask`` has one byte per *response* token; a group without masks gets all ones.
-``version_weighted`` (an addition to DESIGN's table) is the token-weighted policy version of each
-trajectory's response; it defaults to the mean of ``version_start`` and ``version_end``. Media
-content hashes are SHA-256 over a small header (kind, dtype, shape) followed by the raw bytes, so
-equal bytes of a different shape differ.
-"""
+"""Arrow schemas of trajectories and media, a vectorised builder, and a validator naming column and row."""
 
 from __future__ import annotations
 

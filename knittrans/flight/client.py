@@ -1,19 +1,4 @@
-"""``StoreClient``: a small typed client of one store node (used by the writer and the fetcher).
-
-Reads (:meth:`~StoreClient.get`, :meth:`~StoreClient.stream`) go over the store's bulk data lane
-(:mod:`knittrans.flight.lane`; its port asked once with the ``data_lane`` action) when the client has
-``data_lane`` and the store a lane, else through ``DoGet``, with the same result. A lane that cannot be
-reached (refused, no connection within ``LANE_CONNECT_TIMEOUT_S``, or no lane answer on a new connection:
-a firewall, a container with only its Flight port published) is logged once and skipped for
-``LANE_RETRY_S`` (doubled after each further failure in a row, up to ``LANE_RETRY_MAX_S``), once the store
-was asked for its lane's port again (a restarted store opens its lane on a new one, used at once). A read
-the lane cannot serve (full, a broken answer) goes through ``DoGet`` and the next read tries the lane
-again: a lane never fails a read ``DoGet`` could serve (errors about the read itself, e.g. an unknown unit
-or a wrong token, are raised as they are).
-
-Every failure is re-raised as the :mod:`knittrans.errors` type the server raised (or ``Unavailable``
-when the node cannot be reached).
-"""
+"""``StoreClient``: a typed client of one store node; reads over its data lane or ``DoGet`` (docs/reference/wire.md)."""
 
 from __future__ import annotations
 
@@ -83,7 +68,7 @@ class StoreClient:
         ``tls_ca``: PEM file of the CA that signed the node's certificate (default
         ``$KNITTRANS_TLS_CA``; without either, the system roots verify a ``grpc+tls`` node).
         ``data_lane``: read :meth:`get` and :meth:`stream` over the store's data lane when it has one
-        and it can be reached (module docstring; never for ``grpc+tls``: a TLS store opens no lane);
+        and it can be reached (docs/reference/wire.md; never for ``grpc+tls``: a TLS store opens no lane);
         ``timeout_s`` then bounds each wait for data. False: always ``DoGet``.
         ``recv_pool``: where lane answers are received (default: the process's shared
         :func:`~knittrans.flight.recv_pool.default_pool`).

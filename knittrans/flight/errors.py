@@ -1,9 +1,4 @@
-"""Map KnitTrans errors to typed Flight errors (server side) and back (client side).
-
-The Flight message always starts with ``<ErrorClass>: <message>`` so a client can rebuild the
-same :mod:`knittrans.errors` type; the gRPC status follows the error kind (unauthenticated,
-unavailable, everything else a server error).
-"""
+"""Map KnitTrans errors to typed Flight errors (server side) and back (client side)."""
 
 from __future__ import annotations
 

@@ -1,41 +1,4 @@
-"""The store's bulk data lane: ``DoGet``'s answer as one length-prefixed Arrow IPC stream over plain TCP.
-
-Why (decision 0003): a Flight ``DoGet`` client copies every byte twice (kernel -> gRPC read slices, then
-one fresh ``malloc`` block per message). The lane frames the same record batches so that the client
-receives them with ``recv_into`` into one reused buffer (:mod:`knittrans.flight.recv_pool`) and opens it
-zero-copy; the store sends them with ``sendmsg`` from the memory-mapped unit files. Flight stays the
-control path: the lane is found with the ``data_lane`` action and serves reads only; TLS stores open none.
-
-Wire format (integers big-endian; docs/reference/wire.md)::
-
-    request:  b"KTL1" | u32 auth_len | u32 ticket_len | auth | ticket
-    answer:   b"KTL1" | u8 status | u64 length | body
-              status 0: body = Arrow IPC stream of the record batches DoGet would stream
-                        (a ping, ticket_len 0: length 0, no body)
-              status 1: body = UTF-8 "<ErrorClass>: <message>" (knittrans.errors, as over Flight)
-
-``auth`` is the ``authorization`` value of a Flight call, checked by the store's own
-:class:`~knittrans.flight.auth.BearerTokenFactory` before the ticket is read or a buffer allocated for
-it; ``ticket`` is served by the store's own ``read_ticket``.
-
-The gate (decision 0005): otherwise anyone who can connect pins the listener (idle connections filling the
-connection cap, declared bodies allocated before the token is checked). One selector thread accepts new
-connections and holds those that have not shown a token yet: per connection a socket and at most
-12 + :data:`MAX_AUTH_BYTES` bytes (header and authorization). Each must send its header and authorization
-within ``auth_timeout_s`` of being accepted, else it is closed. At most ``max_unauthenticated`` wait at
-once; a further connection closes the one that has waited longest (a client that sends its request at once,
-as every client of the lane does, gets through a flood of idle connections). A connection whose token
-checks out is admitted (the rest of its request still unread): at most ``max_connections`` are served, a
-thread each, one request after another (a further one is answered ``Unavailable``: its client reads
-through ``DoGet``). A connection pushed out of the gate by a newer one is answered ``Unavailable`` too; one
-that sent part of a request in time is answered ``InvalidRequest``; one that sent nothing is closed
-without a word.
-
-A request must arrive whole within ``request_timeout_s`` of its first byte, an idle connection is closed
-after ``idle_timeout_s``, a client that takes no bytes for ``send_timeout_s`` is dropped. A malformed
-request (bad magic or token, a length over its limit, late) gets an error frame and the connection is
-closed; any other error (bad ticket, unknown unit) gets an error frame and the connection stays usable.
-"""
+"""The store's bulk data lane: ``DoGet``'s answer as one length-prefixed Arrow IPC stream (docs/reference/wire.md)."""
 
 from __future__ import annotations
 
@@ -169,7 +132,7 @@ class _Waiting:
 class LaneServer:
     """The data lane of one store server: a listening socket, the gate (one selector thread that admits
     connections once their first request's header and token check out) and one thread per admitted
-    connection (module docstring).
+    connection (docs/reference/wire.md).
 
     ``read(ticket_bytes) -> pa.Table`` answers a request (the store server's ``read_ticket``); ``auth``
     (its bearer-token check, or None for a store without a token) checks each request's ``authorization``.

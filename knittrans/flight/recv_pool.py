@@ -1,23 +1,4 @@
-"""Receive buffers of the data lane's client, reused from read to read once nothing references them.
-
-Why: a lane read receives a whole answer (megabytes to gigabytes) into one buffer. A fresh buffer
-from Arrow's pool (mimalloc) comes back to the process as new pages when a freed big block was
-handed back to the kernel meanwhile, so every read would pay a page fault and a page zeroing per
-4 KiB; raw TCP into a reused buffer pays neither. A :class:`ReceivePool`
-keeps the anonymous mappings of earlier reads and hands one out again, already faulted in.
-
-Safety: a region goes back to the pool only when nothing can see its bytes any more. Each lease is a
-fresh numpy view of the region; Arrow gets it as ``pa.py_buffer(view)``, which holds a reference
-to the view for as long as any Arrow buffer, array, table (or a numpy array, torch tensor or DLPack
-capsule made from them) still points into it. A ``weakref.finalize`` on the view puts the region
-back when the view itself is freed, i.e. after the last such reference went.
-
-Bounds: reads smaller than ``min_bytes`` use Arrow's pool as before. Regions come in size classes
-(sixteen per power of two, so a region is less than 1/8 larger than the read that made it, and a
-16 MiB read never takes a 256 MiB region); a read takes an idle region of its own class or maps a
-new one. At most ``idle_bytes`` of idle regions are kept (least recently returned dropped first);
-regions in use are not counted (they are the caller's data). Thread-safe.
-"""
+"""Receive buffers of the data lane's client, reused from read to read once nothing references them."""
 
 from __future__ import annotations
 
@@ -45,7 +26,7 @@ def size_class(nbytes: int) -> int:
 
 
 class ReceivePool:
-    """Reusable anonymous-memory regions for lane answers (module docstring)."""
+    """Reusable anonymous-memory regions for lane answers, at most ``idle_bytes`` of idle ones kept; thread-safe."""
 
     def __init__(self, *, idle_bytes: int = DEFAULT_IDLE_BYTES, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         if idle_bytes < 0 or min_bytes < 0:

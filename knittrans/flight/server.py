@@ -1,26 +1,4 @@
-"""``StoreServer``: the Arrow Flight shell over a node's :class:`~knittrans.store.UnitStore`.
-
-Protocol (all payloads JSON unless noted):
-
-* ``DoGet(Ticket)``: a :class:`knittrans.tickets.Ticket`, decoded strictly (signed mode: its grants
-  checked). ``rows`` tickets stream rows × columns of one or many units of this node, in read order, as
-  record batches sliced zero-copy from the memory-mapped files; ``media`` tickets stream media rows by hash.
-* ``DoPut``: descriptor path ``[job, unit, part]`` with ``part`` ``traj`` or ``media`` (media may be
-  omitted); the stream's schema must be ours, every batch's content is validated and acknowledged with
-  ``{"rows": n, "bytes": b}``, the unit's total bytes are limited (``PayloadTooLarge``). The unit stays
-  invisible until ``seal_units`` names it. Retries and races: :class:`~knittrans.store.PendingUnit`.
-* Data lane (on unless TLS or ``data_lane=False``): the ``data_lane`` action answers ``{"port": N}`` (or
-  ``null``); that TCP port serves the same reads (:mod:`knittrans.flight.lane`).
-* ``ListFlights`` (criteria: job name or empty) / ``GetFlightInfo`` (path ``[job, unit]``).
-* Actions (:meth:`StoreServer.list_actions`): ``seal_units`` ``{"job", "units": [{"unit", "rows"?,
-  "media_rows"?, "num_bytes"?}, ...]}`` -> ``{"units": [info, ...]}`` publishes units written with
-  ``DoPut``, all or none (:meth:`UnitStore.seal_units`); ``publish_units`` (the same plus ``"dir"`` per
-  unit and ``"timeout_s"``): a same-host writer's units written into its own temporaries, all or none
-  (:meth:`UnitStore.publish_units`); ``delete`` ``{"job", "unit"}``; ``stats``; ``health``; ``data_lane``.
-
-Errors are :mod:`knittrans.errors` mapped by :mod:`knittrans.flight.errors`; a failing call never
-stops the server.
-"""
+"""``StoreServer``: Arrow Flight shell over a node's :class:`~knittrans.store.UnitStore` (docs/reference/wire.md)."""
 
 from __future__ import annotations
 

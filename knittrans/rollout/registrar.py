@@ -1,13 +1,4 @@
-"""``Registrar``: a writer's unit registrations sent in the background, off the put's critical path.
-
-It registers each put's descriptors on one of the writers' shared sender threads. Submissions that
-queue meanwhile go in one request; a refused coalesced request is sent again per submission,
-so each is registered whole or not at all (a repeat is a no-op on the control plane). A failure
-leaves its units sealed but unregistered and is raised once, with its type and the descriptors left
-unregistered (``units``), by :meth:`Registrar.check` (the writer's next call) or
-:meth:`Registrar.flush` (its ``flush()`` and ``close()``). ``docs/explanation/architecture.md``
-(failure model) says why.
-"""
+"""``Registrar``: a writer's unit registrations sent in the background, off the put's critical path."""
 
 from __future__ import annotations
 
@@ -38,7 +29,7 @@ class _Submission:
 
 
 class Registrar:
-    """Background registrations of one writer, of its job (module docstring); thread-safe."""
+    """Background registrations of one writer, of its job (docs/explanation/rollout.md); thread-safe."""
 
     def __init__(self, job: str, register: Register, submit: Submit) -> None:
         self.job, self._register, self._submit = job, register, submit

@@ -1,21 +1,4 @@
-"""Rollout worker loop: draw prompts per source, report supply, generate, reward, write units, register.
-
-One worker owns a set of sources and one store node. It launches groups only while the job's
-off-policy window has room (``GET /v1/jobs/{job}/headroom``, a long-poll; the rule is
-``knittrans.sched.timing``), picking the source furthest behind its quota share of launches. It tags
-every trajectory with the policy version at its start and end and the token-weighted version. Before
-every group (and every chunk of ``chunk_tokens``, a partial rollout across an update) it asks for the
-policy version and loads ``<weights_dir>/policy-v<N>.safetensors``, which rank 0 writes before it
-reports ``N``; a file that has not appeared within ``weights_wait_s`` is counted as late and
-generation goes on with the weights it has. A tiny VLM (:func:`knittrans.rollout.vlm.is_vlm`) sees the
-images of a source that has them in every generate call.
-
-Restart safety: group ids are ``<worker_id>-g<seq>`` with ``seq`` from a state file written before
-the groups are announced, and a sealed unit's descriptor is saved there before it is registered; a
-restarted worker registers the saved descriptors and regenerates announced groups under the same ids.
-A store node that cannot be reached while a unit is stored is retried under ``store_retry``.
-``docs/explanation/architecture.md`` (failure model) says why each step is safe.
-"""
+"""Rollout worker loop: draw prompts per source, report supply, generate, reward, write units, register."""
 
 from __future__ import annotations
 

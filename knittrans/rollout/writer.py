@@ -1,32 +1,4 @@
-"""``TrajectoryWriter``: write whole GRPO groups as one sealed storage unit and describe it.
-
-API::
-
-    writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://127.0.0.1:8815",
-                              store_dir="/dev/shm/knittrans")     # None -> always DoPut
-    desc: UnitDescriptor = writer.write_groups([TrajectoryGroup(...), ...])
-
-    # with a control-plane client the writer registers what it writes (write -> seal -> register), the
-    # registration in the background (knittrans.rollout.registrar): a put returns once its units are sealed
-    writer = TrajectoryWriter(job="j", node_id="node-0", endpoint="grpc://...", control=ControlClient(url))
-    writer.write_groups(groups)                          # one unit, sealed; registered soon after
-    writer.write_units([groups_a, groups_b, ...])        # one unit each, one registration request for all
-    write_units_across([(writer_a, units_a), (writer_b, units_b)])  # several nodes at once, one registration
-    writer.flush()                                       # everything written so far is registered (or raises)
-    writer.close()                                       # flushes too
-
-Same host (``store_dir`` given): the writer writes each unit's IPC files into a private temporary of
-the node's directory and asks the node, in one ``publish_units`` round trip for the whole call, to take
-them (all or none), while it describes the units; otherwise each unit goes over ``DoPut`` and one
-``seal_units`` publishes them (``docs/explanation/architecture.md``). One call builds its units' rows
-as one Arrow table cut into a slice per unit (:func:`knittrans.schema.build_units_tables`). Media are
-deduplicated by content hash within each unit.
-
-Versions in the descriptor, per group: ``version_start`` = min over its trajectories,
-``version_end`` = max, ``version_weighted`` = mean of the trajectories' ``version_weighted``
-weighted by response tokens (each trajectory's own value defaults to the mean of its start and
-end; pass ``TrajectoryGroup.version_weighted`` for the exact token-weighted value).
-"""
+"""``TrajectoryWriter``: write whole GRPO groups as sealed units and describe them (docs/explanation/rollout.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""A sealed storage unit on disk: memory-mapped tables, row/column selection, media lookup.
-
-Layout of one unit (a directory, sealed by an atomic rename of ``.tmp-<unit>-<hex>/``)::
-
-    <root>/<job>/<unit>/traj.arrow     Arrow IPC file, TRAJECTORY_SCHEMA
-    <root>/<job>/<unit>/media.arrow    Arrow IPC file, MEDIA_SCHEMA (possibly zero rows; absent: no media)
-
-Reads never copy: tables come from ``pa.memory_map`` + the file's IPC stream, row ranges are
-``Table.slice`` views and column projections ``Table.select`` views of the same pages.
-"""
+"""A sealed storage unit on disk: memory-mapped tables, row/column selection, media lookup."""
 
 from __future__ import annotations
 
