@@ -1,8 +1,4 @@
-"""KnitTrans: trajectory transfer layer for disaggregated LLM reinforcement learning.
-
-The public API is re-exported here and imported lazily on first use, so ``import knittrans``
-(and the ``knittrans`` command) does not pay for torch or pyarrow until a name needs them.
-"""
+"""KnitTrans: trajectory transfer layer for disaggregated LLM reinforcement learning (public API, imported lazily)."""
 
 from __future__ import annotations
 
@@ -77,6 +73,7 @@ if TYPE_CHECKING:  # `X as X`: explicit re-exports for type checkers
     from knittrans.trainer.media import MediaCache as MediaCache
 
 
+# Lazy: ``import knittrans`` (and the ``knittrans`` command) pays for torch or pyarrow only when a name needs them.
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -1,9 +1,4 @@
-"""Command-line flags take their defaults from the config they fill (one place for each default).
-
-``default_of(RankConfig, "lr")`` reads the default of a frozen dataclass field, or of a pydantic
-model field (the control plane's :class:`~knittrans.api.settings.Settings`), so a CLI flag never
-repeats it. ``tests/test_cli_flags.py`` freezes every command's resulting flags and defaults.
-"""
+"""CLI flags take their defaults from the config they fill (one place each; tests/test_cli_flags.py freezes them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The fixed Arrow schemas of a stored unit: trajectory rows and unique media (schema version 1).
-
-Only pyarrow here, so every module can name the fixed columns without importing the table builders of
-:mod:`knittrans.schema` (which re-exports all of this).
-"""
+"""The fixed Arrow schemas of a stored unit (schema v1); only pyarrow, so any module may name the fixed columns."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""``ControlClient``: a small synchronous client of the control-plane REST API, with retries.
-
-Used by rollout writers (units, supply, version), store nodes (register, heartbeat), trainer ranks
-(manifests, fetched, ack, version) and the demo. Every call is safe to retry (the server makes repeats no-ops),
-so connection errors and 503 answers are retried with exponential backoff before :class:`Unavailable`
-is raised. Error answers are raised as the matching :mod:`knittrans.errors` exception.
-"""
+"""``ControlClient``: a synchronous client of the control-plane REST API, with retries (docs/reference/rest.md)."""
 
 from __future__ import annotations
 

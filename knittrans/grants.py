@@ -1,21 +1,4 @@
-"""Signed ticket grants: what the control plane allows the trainer to read from one store node.
-
-The control plane signs, per mini-batch manifest and node, a *grant*: HMAC-SHA256 (key shared with
-the stores) over job, expiry, the node's units with the row ranges the mini-batch reads, the
-projected columns and the media hashes it needs. The manifest carries one grant per node and every
-ticket a rank derives for that node carries it (:attr:`knittrans.tickets.Ticket.grants`); ranks
-may regroup their tickets (several micro-batches in one ``DoGet``, media deduplicated away) because
-a store checks *coverage*: each read must lie inside the rows and columns of one valid grant, each
-media hash inside one, and nothing expired or of another job passes. A store configured with the
-key refuses unsigned tickets.
-
-API::
-
-    grant = sign_grant(key, job=, expires_at=, reads={unit: [(start, stop), ...]},
-                       columns=None | [...], media={hash: unit})
-    check_ticket(key, ticket, now=time.time())     # raises Unauthenticated naming what is not covered
-    check_listing(key, grant, job=, now=)          # a job's credential to list its own units
-"""
+"""Signed ticket grants: what the control plane lets the trainer read from one store node (docs/reference/wire.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""JSON refused by nesting depth before it is parsed (HTTP bodies, Flight tickets and action bodies).
-
-``json.loads`` recurses once per nesting level, so every listener checks what it is sent against a byte
-limit and a depth limit first. :func:`nesting_over` answers the depth question without building any
-value: one C pass keeps only the quotes and brackets, then vectorised passes (numpy) count the levels.
-"""
+"""JSON refused by nesting depth before it is parsed (HTTP bodies, Flight tickets and action bodies)."""
 
 from __future__ import annotations
 
@@ -23,7 +18,9 @@ def nesting_over(raw: bytes, limit: int) -> bool:
     """Whether the JSON text ``raw`` nests arrays and objects more than ``limit`` levels deep.
 
     Brackets inside strings do not count. Text that is not JSON (unbalanced brackets, an unterminated
-    string) may answer either way: the parser that runs after this check refuses it.
+    string) may answer either way: the parser that runs after this check refuses it. Listeners ask it
+    before ``json.loads``, which recurses once per level; it builds no value: one C pass
+    (``bytes.translate``) keeps only the quotes and brackets, then vectorised numpy passes count the levels.
     """
     if raw.count(b"[") + raw.count(b"{") <= limit:  # cannot nest deeper than it has openings
         return False

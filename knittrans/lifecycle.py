@@ -1,8 +1,4 @@
-"""Lifecycles of a job, its groups and its mini-batches: the states and the one table of their moves.
-
-The control plane (:mod:`knittrans.api`) applies these tables; the rollout worker reads the job
-states off the wire (``/headroom``). Standard library only, so any role may import it.
-"""
+"""Lifecycles of a job, its groups and mini-batches: the states and the one table of their moves (stdlib only)."""
 
 from __future__ import annotations
 

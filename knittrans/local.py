@@ -1,13 +1,4 @@
-"""A whole KnitTrans stack on this machine: a control plane and store nodes as real processes on loopback.
-
-:class:`LocalCluster` starts ``knittrans control-plane`` (its SQLite database is ``work_dir/control.db``)
-and ``num_stores`` ``knittrans store`` nodes (``node-0``, ``node-1``, ..., data under
-``work_dir/stores/``), each a real subprocess bound to 127.0.0.1 on a free port, and waits until every
-store has registered. Each process logs to ``work_dir/logs/<name>.log``. Leaving the ``with`` block (or
-:meth:`LocalCluster.stop`) stops them all, on errors too.
-
-A complete program on it: docs/getting-started/first-job.md; ``examples/byo_data.py`` with two trainer ranks.
-"""
+"""A whole KnitTrans stack on this machine: a control plane and store nodes as real processes on loopback."""
 
 from __future__ import annotations
 
@@ -146,7 +137,7 @@ class LocalCluster:
         return args
 
     def start_store(self, index: int, *, port: int = 0) -> StoreNode:
-        """Start store node ``index`` (``node-<index>``); it registers itself with the control plane.
+        """Start store node ``index`` (``node-<index>``) and wait until it has registered with the control plane.
 
         ``port``: listen there (a restart at the same endpoint); default a free port.
         """

@@ -1,11 +1,4 @@
-"""The parts of a rank's plan (:class:`knittrans.manifest.RankPlan`): its share of one admitted mini-batch, as
-:meth:`knittrans.manifest.Manifest.share` derives it.
-
-The plan is not sent anywhere: every rank receives the same manifest and takes its slice locally. A
-plan holds the rank's micro-batches, each with its rows in read order, one rows ``DoGet`` per store
-node and one media ``DoGet`` per unique hash (tickets as :class:`~knittrans.tickets.Ticket` objects,
-each carrying its node's grant).
-"""
+"""The parts of a rank's plan (:class:`knittrans.manifest.RankPlan`): its share of one admitted mini-batch."""
 
 from __future__ import annotations
 

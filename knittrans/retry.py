@@ -1,10 +1,4 @@
-"""``RetryPolicy``: the one retry rule (time budget, exponential backoff, jitter) every client shares.
-
-Rollout workers, trainer ranks and store nodes talk to the control plane through
-:class:`~knittrans.controlclient.ControlClient`, which retries connection errors and 503 answers
-under this policy; the trainer's outer loop and the store's announcer use the same object. The
-default budget (120 s) outlasts a control-plane restart, so a slow restart never ends supply.
-"""
+"""``RetryPolicy``: the one retry rule (time budget, exponential backoff, jitter) every client shares."""
 
 from __future__ import annotations
 

@@ -1,21 +1,4 @@
-"""Per-job user fields: extra trajectory columns beyond the fixed schema, declared in the job spec.
-
-API summary::
-
-    fields = parse_user_fields({"ref_logprobs": "list<float32>", "values": "tensor<float32>[4]"})
-    knittrans.schema.build_user_column(fields[0], per_row_values)  # pa.Array of the declared type
-    user_column_to_torch(table.column("values"))           # torch view / (values, cu_seqlens) / list
-
-A user field is one more column after the fixed trajectory columns, with any Arrow type. Types
-are written as strings so a job spec stays JSON: primitives (``bool``, ``int8`` .. ``uint64``,
-``float16`` .. ``float64``, ``string``, ``binary``, ``large_string``, ``large_binary``),
-``list<T>`` / ``large_list<T>`` (variable length per row; converts to flat values plus
-``cu_seqlens``), ``fixed_size_list<T>[n]`` (converts to ``[rows, n]``) and ``tensor<T>[d0,d1,..]``,
-Arrow's canonical ``fixed_shape_tensor`` extension type (converts to ``[rows, d0, d1, ..]``).
-Nested types recurse (``list<list<int32>>``); those convert to Python lists. A user field may not
-reuse a fixed column name, and stores accept extra columns only *after* the fixed ones, so every
-unit written without user fields is exactly a schema-v1 unit.
-"""
+"""Per-job user fields: extra trajectory columns beyond the fixed schema (docs/getting-started/your-own-data.md)."""
 
 from __future__ import annotations
 
@@ -77,7 +60,7 @@ def _dims(rest: str, what: str, full: str) -> list[int]:
 
 
 def parse_arrow_type(text: str, what: str = "type") -> pa.DataType:
-    """Parse a type string (see the module docstring); :class:`InvalidJobSpec` names what is wrong."""
+    """Parse a type string (docs/getting-started/your-own-data.md); :class:`InvalidJobSpec` names what is wrong."""
     if not isinstance(text, str):
         raise InvalidJobSpec(f"{what}: type must be a string such as 'list<float32>', not {text!r}")
     s = text.strip()
@@ -115,7 +98,7 @@ class UserField:
     name: str
     """Column name; must not be a fixed trajectory column."""
     type_string: str = field(compare=False)
-    """The type as the job spec writes it (see the module docstring)."""
+    """The type as the job spec writes it (docs/getting-started/your-own-data.md, "Field types and rules")."""
     type: pa.DataType = field(init=False)
     """Arrow type of the column, parsed from :attr:`type_string`."""
 

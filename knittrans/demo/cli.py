@@ -1,5 +1,4 @@
-"""``knittrans demo``: the whole pipeline on this machine on embedded defaults (``--compare``: constraint_preserving
-against both train_batch baselines)."""
+"""``knittrans demo``: the whole pipeline on this machine on embedded defaults (``--compare``: against baselines)."""
 
 from __future__ import annotations
 

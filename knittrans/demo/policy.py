@@ -1,10 +1,4 @@
-"""Response logprobs of the trainer's policy: the tiny VLM (images at their ``<image>`` tokens) or a text LM.
-
-The demo's policy is the tiny Idefics3 of :mod:`knittrans.rollout.vlm`: the rollout engines
-condition on the same images, so image rows are on-policy. ``TinyVisionEncoder`` and
-``prefix_embeddings`` remain only for text-only checkpoints (the transfer benchmarks' Qwen2),
-where a side encoder's features are added to the first prompt positions.
-"""
+"""Response logprobs of the trainer's policy: the tiny VLM (images at their ``<image>`` tokens) or a text LM."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ __all__ = ["TinyVisionEncoder", "packed_response_logprobs", "prefix_embeddings"]
 
 
 class TinyVisionEncoder(nn.Module):
-    """Patchify a uint8 image (16x16 patches), embed the patches, mean-pool into one prefix vector."""
+    """Side encoder of text-only checkpoints (benchmarks' Qwen2): 16x16 patches embedded, mean-pooled to one vector."""
 
     def __init__(self, *, channels: int, hidden: int) -> None:
         super().__init__()

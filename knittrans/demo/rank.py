@@ -1,26 +1,4 @@
-"""One data-parallel trainer rank: GRPO on a tiny multimodal policy, fed by :class:`TrainerClient`.
-
-Per mini-batch (one optimizer step)::
-
-    N = trajectories of the mini-batch over all ranks  # from the manifest
-    dedup.begin_mini_batch()
-    for micro in mini_batch:                           # eager or iter (prefetch) fetch
-        loss = grpo_loss(...) / (N / W); loss.backward()   # local gradients only
-    dedup.finish()
-    ok = mini_batch.report_fetched(ok=every fetch succeeded)   # one request for all ranks; same answer on each
-    if ok:  all_reduce_gradients(backbone + encoder); optimizer.step()
-            rank 0: policy-v{n+1}.safetensors (temp name + rename)   # published before the ack
-            mini_batch.ack(version=n+1)                # one request for all ranks, with the new version
-    else:   zero_grad; mini_batch.abandon()   # client waits for the re-plan, retries
-
-No optimizer step ever sees a partially fetched mini-batch, and gradients are averaged by
-:func:`~knittrans.trainer.dedup.all_reduce_gradients` after the "ok" flag, not by a DDP wrapper
-(why: docs/explanation/architecture.md, node loss, and docs/explanation/dedup.md). Media go
-through :class:`DedupEncoder` (each unique image encoded once per mini-batch): the tiny VLM's own
-vision tower, or with a text-only checkpoint a side encoder whose features are added at the row's
-first positions (:func:`knittrans.demo.policy.packed_response_logprobs`). Each JSON record carries
-the plan id and the trajectory ids trained (``traj_ids``), so exactly-once can be checked.
-"""
+"""One data-parallel trainer rank: GRPO on a tiny multimodal policy, fed by :class:`TrainerClient`."""
 
 from __future__ import annotations
 

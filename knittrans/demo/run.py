@@ -1,10 +1,4 @@
-"""``run_demo``: the whole pipeline as real processes on this machine, then a per-step report.
-
-Processes: the control plane (SQLite in the run directory), ``stores`` store nodes, one rollout
-worker per source (transformers or vLLM engine, writing to the node ``i % stores``), and
-``ranks`` trainer ranks (one gloo process group) that fetch their rows on demand and take GRPO steps. Every
-process is a child in its own session and is stopped on exit, on error and on Ctrl-C.
-"""
+"""``run_demo``: the whole pipeline as real processes on this machine, then a per-step report."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Rollout engines: a thin ``RolloutEngine`` protocol over transformers and vLLM (CPU or GPU).
-
-Logprobs are those of the sampling distribution, ``log_softmax(logits / temperature)`` (greedy at
-``temperature == 0``, then at temperature 1); a tiny VLM directory (:mod:`knittrans.rollout.vlm`)
-makes both engines condition on the prompt's images and never sample image-structure tokens.
-``docs/explanation/rollout.md`` says why and how each engine gets there.
-"""
+"""Rollout engines: ``RolloutEngine`` over transformers and vLLM, on CPU or GPU (docs/explanation/rollout.md)."""
 
 from __future__ import annotations
 
@@ -129,7 +123,7 @@ class HFEngine:
     def generate(
         self, prompts: Sequence[Prompt], n: int, max_new_tokens: int, temperature: float, seed: int
     ) -> list[GeneratedGroup]:
-        """Sample ``n`` responses per prompt (see module docstring for the logprob semantics)."""
+        """Sample ``n`` responses per prompt (logprob semantics: docs/explanation/rollout.md)."""
         check_sampling_args(n, max_new_tokens, temperature)
         requests = [as_prompt_request(p) for p in prompts]
         per_call = max(1, self.config.max_batch_rows // n)

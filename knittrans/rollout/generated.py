@@ -1,5 +1,4 @@
-"""Engine-neutral generation results: prompts in, ``GeneratedGroup`` (n sampled responses) out, and
-:func:`to_trajectory_group` (+ rewards and policy versions) → the writer's :class:`TrajectoryGroup`."""
+"""Engine-neutral generation results (``GeneratedGroup``: n responses to one prompt) and :func:`to_trajectory_group`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""The tiny vision-language policy: a randomly initialised Idefics3 that rollout and trainer share.
-
-:func:`build_tiny_vlm` writes a complete local model directory (nothing is downloaded). Token ids
-``0..255`` are bytes, then ``<end_of_utterance>`` (EOS and pad), ``<fake_token_around_image>``,
-``<image>`` and ``<global-img>``. Every image is resized to ``image_size`` square and stands in the
-prompt as one unsplit Idefics3 block (:meth:`VLMLayout.image_block`), before the text
-(:func:`image_prompt_ids`); the three image-structure tokens are never sampled. The layout, and why
-Idefics3: ``docs/explanation/rollout.md``.
-"""
+"""The tiny vision-language policy: a randomly initialised Idefics3 that rollout and trainer share."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Simulated rollout engines: calls of groups, blocking weight loads, and the versions every group really used.
-
-A rollout *slot* stands for one engine of ``knittrans rollout``'s worker (:mod:`knittrans.rollout.worker`); the
-model (calls published as one unit, ``launch_weights``, timed loads, in-flight updates, which versions a group's
-tokens count) is described in ``docs/how-to/simulator.md`` ("Model").
-"""
+"""Simulated rollout engines: calls of groups, weight loads, the versions groups used (docs/how-to/simulator.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""transformers ``generate()`` output → :class:`GeneratedGroup` (EOS/pad stripping, sampled-token logprobs).
-
-Rows are prompt-major (rows ``[i*n, (i+1)*n)`` belong to prompt ``i``, prompts left-padded to
-``prompt_width``). ``scores`` (``output_scores=True``) are the processed logits each token was
-sampled from; ``logits`` (``output_logits=True``) the raw ones (temperature 1). A response is cut
-right after its first EOS (kept, ``finish_reason="stop"``); one without EOS ends with ``"length"``.
-"""
+"""transformers ``generate()`` output → :class:`GeneratedGroup` (EOS/pad stripping, sampled-token logprobs)."""
 
 from __future__ import annotations
 
@@ -52,8 +46,10 @@ def groups_from_generate_output(
 
     Args:
         prompts: The prompts, in the order they were batched (media are carried over).
-        sequences: ``(len(prompts)*n, prompt_width + T)`` output ids.
-        step_scores: ``T`` score tensors the logprobs are taken from (see module docstring).
+        sequences: ``(len(prompts)*n, prompt_width + T)`` output ids, prompt-major (rows ``[i*n, (i+1)*n)``
+            are prompt ``i``'s, left-padded to ``prompt_width``).
+        step_scores: ``T`` score tensors the logprobs are taken from: ``scores`` (``output_scores=True``,
+            processed logits) or ``logits`` (``output_logits=True``, raw: temperature 1).
         n: Samples per prompt (``num_return_sequences``).
         prompt_width: Padded prompt length (columns before the first generated token).
         eos_token_ids: Ids that end a response.

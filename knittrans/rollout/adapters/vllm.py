@@ -1,10 +1,4 @@
-"""vLLM ``RequestOutput`` → :class:`GeneratedGroup`, and prompt → vLLM ``TokensPrompt`` dict.
-
-Works on the objects structurally (no ``import vllm``), so this module loads without vLLM. The
-logprobs must be requested with ``SamplingParams(logprobs=0)`` (the sampled token per position);
-``LLM(logprobs_mode=...)`` sets which distribution they come from. Both list-of-dicts and
-``FlatLogprobs`` forms are read; vLLM keeps a ``stop`` sample's EOS as its last token.
-"""
+"""vLLM ``RequestOutput`` → :class:`GeneratedGroup`, and prompt → vLLM ``TokensPrompt`` dict (no ``import vllm``)."""
 
 from __future__ import annotations
 
@@ -52,7 +46,7 @@ def vllm_prompt(prompt: PromptRequest, layout: VLMLayout | None = None) -> dict[
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: np.ndarray, where: str) -> np.ndarray:
-    """The sampled token's logprob at every position, from either vLLM logprobs layout."""
+    """The sampled token's logprob at every position, from either vLLM layout (list of dicts, ``FlatLogprobs``)."""
     if logprobs is None:
         raise InvalidRequest(f"{where}: no logprobs; request them with SamplingParams(logprobs=0)")
     if len(logprobs) != token_ids.shape[0]:
