@@ -1,21 +1,21 @@
-"""Exception tree for KnitTrans; protocol shells map it to Flight and HTTP errors.
+"""The KnitTrans exception tree and each error's HTTP status (over Flight: a FlightServerError naming the class).
 
 ::
 
     KnitTransError
-    ├── InvalidRequest (ValueError)      bad input from a client; 400 / FlightServerError(invalid argument)
+    ├── InvalidRequest (ValueError)      bad input from a client; 409
     │   ├── InvalidName                  unit id, job or node name that is not a safe identifier
     │   ├── InvalidTicket                a Flight ticket that does not decode strictly
     │   ├── SchemaMismatch               a batch or unit whose schema is not ours / wrong version
     │   └── InvalidJobSpec               a job spec that cannot be run
-    ├── NotFound (LookupError)           unknown unit, job, node, media hash; 404 / FlightServerError(not found)
+    ├── NotFound (LookupError)           unknown unit, job, node, media hash; 404
     ├── Conflict                         a state change that contradicts the current state; 409
     │   └── DedupStateError (RuntimeError)  a DedupEncoder method called out of order
     ├── PayloadTooLarge                  an upload above the configured limit; 413
     ├── OverBudget                       the store's byte budget stayed full past the writer's timeout; 507
     ├── Unauthenticated                  missing or wrong bearer token; 401 / FlightUnauthenticatedError
     ├── DataLost                         rows that were planned live on a node declared lost; 410
-    └── Unavailable                      a peer (store node, control plane) cannot be reached; 503
+    └── Unavailable                      store node or control plane unreachable; 503 / FlightUnavailableError
 
     StateError (RuntimeError)            the control plane's state database cannot be used as it is (at start)
 """

@@ -48,7 +48,7 @@ WIRE_KEYS = [
     "media",
     "ranks",
 ]
-"""The manifest's fields, in the order the module docstring gives them."""
+"""The manifest's fields, in the order docs/reference/wire.md gives them."""
 
 
 def _hash(i: int) -> str:
