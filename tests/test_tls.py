@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +98,17 @@ def test_store_serves_grpc_tls_to_clients_that_verify_the_ca(tmp_path: Path, sto
         srv.shutdown()
 
 
-def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path) -> None:
-    """``knittrans control-plane --tls-cert/--tls-key`` answers HTTPS; the client verifies the CA."""
+@contextlib.contextmanager
+def _https_control_plane(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, Path, int]]:
+    """``knittrans control-plane --tls-cert/--tls-key`` started and answering: its URL, the CA to verify it, its pid."""
     ca, cert, key = _make_pki(tmp_path)
     port = free_port()
     url = f"https://127.0.0.1:{port}"
-    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), *extra]
     cmd = knittrans_command(*control_plane_args(tmp_path / "cp.db", port=port, log_level="WARNING", extra=tls))
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         with ControlClient(url, tls_ca=ca, retries=0) as client:
             deadline = time.monotonic() + 120
@@ -115,11 +119,20 @@ def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path
                 except Unavailable:
                     assert proc.poll() is None and time.monotonic() < deadline
                     time.sleep(0.1)
-        with ControlClient(url, retries=0) as untrusting, pytest.raises(Unavailable, match="CERTIFICATE"):
-            untrusting.health()
+        yield url, ca, proc.pid
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_control_plane_serves_https_to_clients_that_verify_the_ca(tmp_path: Path) -> None:
+    """``knittrans control-plane --tls-cert/--tls-key`` answers HTTPS; the client verifies the CA."""
+    with (
+        _https_control_plane(tmp_path) as (url, _, _),
+        ControlClient(url, retries=0) as untrusting,
+        pytest.raises(Unavailable, match="CERTIFICATE"),
+    ):
+        untrusting.health()
 
 
 def _answer(reply: Any) -> int:
@@ -138,23 +151,11 @@ def test_an_unauthenticated_https_connection_is_held_at_64_kib_though_tls_reads_
     """Over TLS, asyncio hands the protocol whatever it decrypted (more than 64 KiB at a time), so the connection
     guard cuts each read itself: 40 HTTPS connections each sending 4 MiB of one header line (httptools, no header
     limit of its own) leave the server far less than the 160 MiB they sent, and a client with a token is served."""
-    ca, cert, key = _make_pki(tmp_path)
-    port = free_port()
-    url = f"https://127.0.0.1:{port}"
-    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--http", "httptools", "--worker-token", "w" * 24]
-    cmd = knittrans_command(*control_plane_args(tmp_path / "cp.db", port=port, log_level="WARNING", extra=tls))
-    env = {**os.environ, "KNITTRANS_UNAUTHENTICATED_TIMEOUT_S": "120"}  # what bounds them here is not the timeout
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    context = ssl.create_default_context(cafile=str(ca))
-
-    def rss_mib() -> float:
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
-
     auth = "Authorization: Bearer " + "w" * 24
     sent: list[int] = []
+    done = threading.Event()
 
-    def flood() -> None:
+    def flood(port: int, context: ssl.SSLContext) -> None:
         with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as sock:
             sock.settimeout(5)  # a send the server does not read times out
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: cp\r\nX-Flood: ")
@@ -166,41 +167,42 @@ def test_an_unauthenticated_https_connection_is_held_at_64_kib_though_tls_reads_
             sent.append(total)
             done.wait(120)
 
-    done = threading.Event()
-    try:
-        with ControlClient(url, tls_ca=ca, retries=0) as client:
+    env = {**os.environ, "KNITTRANS_UNAUTHENTICATED_TIMEOUT_S": "120"}  # what bounds them here is not the timeout
+    with _https_control_plane(tmp_path, "--http", "httptools", "--worker-token", "w" * 24, env=env) as (url, ca, pid):
+        port = int(url.rsplit(":", 1)[1])
+        context = ssl.create_default_context(cafile=str(ca))
+
+        def rss_mib() -> float:
+            status = Path(f"/proc/{pid}/status").read_text()
+            return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+        try:
+            before = rss_mib()
+            floods = [threading.Thread(target=flood, args=(port, context)) for _ in range(40)]
+            for thread in floods:
+                thread.start()
             deadline = time.monotonic() + 120
-            while True:
-                try:
-                    assert client.health()["status"] == "ok"
-                    break
-                except Unavailable:
-                    assert proc.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.1)
-        before = rss_mib()
-        floods = [threading.Thread(target=flood) for _ in range(40)]
-        for thread in floods:
-            thread.start()
-        deadline = time.monotonic() + 120
-        while len(sent) < len(floods) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        grown = rss_mib() - before
-        assert len(sent) == len(floods), "a flooding connection neither finished nor stalled in 120 s"
-        assert grown < 48, f"the server grew by {grown:.0f} MiB while {sum(sent) >> 20} MiB of headers were sent"
-        with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as sock:
-            sock.settimeout(30)
-            reply = sock.makefile("rb")
-            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: cp\r\n\r\n")  # open: no token yet
-            assert _answer(reply) == 200
-            body = b"[" + b" " * 300_000 + b"]"  # past 64 KiB: held until the token is checked, then read once
-            head = f"POST /v1/jobs/absent/units HTTP/1.1\r\nHost: cp\r\n{auth}\r\nContent-Length: {len(body)}\r\n\r\n"
-            sock.sendall(head.encode() + body)
-            assert _answer(reply) == 422  # not a list of units: the whole body was read, then answered
-            sock.sendall(f"GET /v1/nodes HTTP/1.1\r\nHost: cp\r\n{auth}\r\n\r\n".encode())
-            assert _answer(reply) == 200
-            reply.close()
-    finally:
-        done.set()
-        proc.kill()
-        proc.wait()
+            while len(sent) < len(floods) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            grown = rss_mib() - before
+            assert len(sent) == len(floods), "a flooding connection neither finished nor stalled in 120 s"
+            assert grown < 48, f"the server grew by {grown:.0f} MiB while {sum(sent) >> 20} MiB of headers were sent"
+            with context.wrap_socket(
+                socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1"
+            ) as sock:
+                sock.settimeout(30)
+                reply = sock.makefile("rb")
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: cp\r\n\r\n")  # open: no token yet
+                assert _answer(reply) == 200
+                body = b"[" + b" " * 300_000 + b"]"  # past 64 KiB: held until the token is checked, then read once
+                head = (
+                    f"POST /v1/jobs/absent/units HTTP/1.1\r\nHost: cp\r\n{auth}\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                sock.sendall(head.encode() + body)
+                assert _answer(reply) == 422  # not a list of units: the whole body was read, then answered
+                sock.sendall(f"GET /v1/nodes HTTP/1.1\r\nHost: cp\r\n{auth}\r\n\r\n".encode())
+                assert _answer(reply) == 200
+                reply.close()
+        finally:
+            done.set()
