@@ -82,19 +82,48 @@ def _markdown_files() -> list[Path]:
     return [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*/README.md"))]
 
 
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)  # a ``#`` line in a code block is no heading
+    return {
+        "#" + re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in text.splitlines()
+        if line.startswith("#")
+    }
+
+
+def _missing(target: Path, anchor: str) -> bool:
+    """Whether ``target`` (and, in a Markdown file, the heading ``anchor``, when not empty) is not there."""
+    if not target.exists():
+        return True
+    return bool(anchor) and target.suffix == ".md" and f"#{anchor}" not in _anchors(target)
+
+
 def test_every_relative_link_resolves() -> None:
-    """Each relative link in README.md, docs/**/*.md and the benchmark READMEs points at an existing path."""
+    """Each relative link in README.md, docs/**/*.md and the benchmark READMEs points at an existing path, and
+    a ``#heading`` in it at a heading of that file."""
     broken = []
     for md in _markdown_files():
         text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)  # links inside code are code
         text = re.sub(r"`[^`\n]*`", "", text)
         for target in LINK.findall(text):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = target.split("#", 1)[0]
-            if not (md.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            if _missing(md.parent / path if path else md, anchor):
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_docs_path_the_package_names_exists() -> None:
+    """The docstrings and comments that send a reader to ``docs/…md`` (or ``docs/…md#heading``) name a file and
+    heading that are there."""
+    broken = []
+    for path in sorted((ROOT / "knittrans").rglob("*.py")):
+        for match in re.finditer(r"\b(docs/[\w./-]+\.md)(?:#([\w-]+))?", path.read_text()):
+            if _missing(ROOT / match[1], match[2] or ""):
+                broken.append(f"{path.relative_to(ROOT)}: {match[0]}")
+    assert not broken, "paths into docs/ that are not there:\n" + "\n".join(broken)
 
 
 def test_generated_reference_pages_are_up_to_date(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,26 +25,3 @@ def test_every_module_docstring_is_one_line() -> None:
             long.append(f"{name} ({lines} lines)")
     assert missing == [], f"modules without a docstring: {missing}"
     assert long == [], f"module docstrings over one line: {long}"
-
-
-DOC_PATH = re.compile(r"\b(docs/[\w./-]+\.md)(#[\w-]+)?")
-
-
-def _anchors(markdown: str) -> set[str]:
-    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
-    return {
-        "#" + re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-        for line in markdown.splitlines()
-        if line.startswith("#")
-    }
-
-
-def test_every_docs_path_the_package_names_exists() -> None:
-    """The docstrings and comments that send a reader to docs/ name a file (and heading) that is there."""
-    missing = []
-    for path in sorted((ROOT / "knittrans").rglob("*.py")):
-        for match in DOC_PATH.finditer(path.read_text()):
-            doc, anchor = ROOT / match[1], match[2]
-            if not doc.is_file() or (anchor and anchor not in _anchors(doc.read_text())):
-                missing.append(f"{path.relative_to(ROOT)}: {match[0]}")
-    assert missing == [], f"paths into docs/ that do not exist: {missing}"
