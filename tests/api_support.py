@@ -244,6 +244,14 @@ class ServerProcess:
             stop_process(self.proc)
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` (MiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 @contextlib.contextmanager
 def server(db: Path, *extra: str) -> Iterator[ServerProcess]:
     """A started :class:`ServerProcess`, stopped afterwards."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import app_client, job_spec, server, single_group_units
+from api_support import app_client, job_spec, rss_mib, server, single_group_units
 
 from knittrans.api import Settings, create_app
 from knittrans.procs import control_plane_args, free_port, knittrans_command, stop_process, wait_ready, wait_until
@@ -199,13 +199,6 @@ def test_unauthenticated_connections_beyond_the_cap_close_the_oldest_never_an_au
         authed.close()
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_body_is_read_only_after_its_token_is_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, http: str
@@ -247,7 +240,7 @@ def test_headers_without_end_are_not_buffered_past_64_kib(tmp_path: Path, monkey
     monkeypatch.setenv("KNITTRANS_UNAUTHENTICATED_TIMEOUT_S", "120")  # what bounds them here is not the timeout
     with server(tmp_path / "cp.db", *TOKENS, "--http", "httptools") as srv:
         assert srv.proc is not None
-        before = _rss_mib(srv.proc.pid)
+        before = rss_mib(srv.proc.pid)
         chunk = b"a" * (256 << 10)
         floods = []
         for _ in range(40):
@@ -267,7 +260,7 @@ def test_headers_without_end_are_not_buffered_past_64_kib(tmp_path: Path, monkey
                 break
             time.sleep(0.02)
         time.sleep(0.5)
-        grown = _rss_mib(srv.proc.pid) - before
+        grown = rss_mib(srv.proc.pid) - before
         sent_mib = sum((4 << 20) - left for _, left in floods) / (1 << 20)
         assert grown < 48, f"the server grew by {grown:.0f} MiB while {sent_mib:.0f} MiB of headers were sent"
         for sock, _ in floods:

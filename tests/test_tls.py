@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_support import free_port
+from api_support import free_port, rss_mib
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -26,7 +26,7 @@ from data_support import make_groups
 from knittrans.controlclient import ControlClient
 from knittrans.errors import KnitTransError, Unavailable
 from knittrans.flight import StoreClient, StoreServer, StoreServerConfig
-from knittrans.procs import control_plane_args, knittrans_command
+from knittrans.procs import control_plane_args, knittrans_command, wait_ready, wait_until
 from knittrans.schema import build_unit_tables
 from knittrans.store import StoreConfig
 from knittrans.tickets import Ticket, UnitRead
@@ -111,14 +111,7 @@ def _https_control_plane(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         with ControlClient(url, tls_ca=ca, retries=0) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    assert client.health()["status"] == "ok"
-                    break
-                except Unavailable:
-                    assert proc.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.1)
+            wait_ready(proc, lambda: client.health()["status"] == "ok", timeout_s=120, what="HTTPS control plane")
         yield url, ca, proc.pid
     finally:
         proc.kill()
@@ -171,21 +164,14 @@ def test_an_unauthenticated_https_connection_is_held_at_64_kib_though_tls_reads_
     with _https_control_plane(tmp_path, "--http", "httptools", "--worker-token", "w" * 24, env=env) as (url, ca, pid):
         port = int(url.rsplit(":", 1)[1])
         context = ssl.create_default_context(cafile=str(ca))
-
-        def rss_mib() -> float:
-            status = Path(f"/proc/{pid}/status").read_text()
-            return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
-
         try:
-            before = rss_mib()
+            before = rss_mib(pid)
             floods = [threading.Thread(target=flood, args=(port, context)) for _ in range(40)]
             for thread in floods:
                 thread.start()
-            deadline = time.monotonic() + 120
-            while len(sent) < len(floods) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            time.sleep(0.5)
-            grown = rss_mib() - before
+            wait_until(lambda: len(sent) == len(floods), timeout_s=120, what="every flood finished or stalled")
+            time.sleep(0.5)  # the server takes in what the last sends left in its socket buffers
+            grown = rss_mib(pid) - before
             assert len(sent) == len(floods), "a flooding connection neither finished nor stalled in 120 s"
             assert grown < 48, f"the server grew by {grown:.0f} MiB while {sum(sent) >> 20} MiB of headers were sent"
             with context.wrap_socket(
