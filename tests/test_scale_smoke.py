@@ -17,15 +17,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_scale_smoke_writes_every_figure_for_both_group_layouts(tmp_path: Path) -> None:
-    """--smoke --groups shared per-rank: one run per layout, every rank error-free, each figure present and sane."""
+    """--smoke --groups shared per-rank: one run per layout, every rank error-free, each figure present and sane.
+
+    Run from a directory holding a ``knittrans`` package that cannot be imported: the server is a ``python -m``
+    child, which puts its working directory first on ``sys.path``, and must still run the client's package (a
+    paired run puts the baseline tree on ``PYTHONPATH`` from a checkout of the other)."""
     out = tmp_path / "scale.json"
+    (tmp_path / "knittrans").mkdir()
+    (tmp_path / "knittrans" / "__init__.py").write_text("raise ImportError('the working directory package ran')\n")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "control_plane" / "scale.py"), "--smoke"]
     cmd += ["--groups", "shared", "per-rank", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    for key in ("commit", "machine", "load_at_start", "date", "args", "table", "runs"):
+    for key in ("commit", "package", "machine", "load_at_start", "date", "args", "table", "runs"):
         assert key in result, key
+    assert Path(result["package"]) == ROOT / "knittrans", result["package"]
     assert result["machine"]["cpus"] >= 1 and len(result["load_at_start"]) == 3
     assert result["args"]["smoke"] and result["args"]["ranks"] == [16]
     assert [(r["groups"], r["ranks"]) for r in result["runs"]] == [("shared", 16), ("per-rank", 16)]

@@ -13,11 +13,21 @@ from typing import Any
 import httpx
 import psutil
 
+import knittrans
 from knittrans.procs import control_plane_args, knittrans_command
 
 SOURCES = ("math", "code", "chat", "mm_qa")
 GROUP_SIZE = 8
 TOKEN_W, TOKEN_A = "bench-worker", "bench-admin"
+
+
+def child_env(tree: str | Path | None = None) -> dict[str, str]:
+    """This process's environment with ``tree`` (default: the directory this process imported ``knittrans``
+    from) first on ``PYTHONPATH``. ``python -m`` puts its working directory before ``PYTHONPATH``, so a server
+    started from a checkout would run that checkout's package whatever ``PYTHONPATH`` says: the callers also
+    start it in a directory of its own."""
+    root = str(Path(tree) if tree is not None else Path(knittrans.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
 class Server:
@@ -26,11 +36,12 @@ class Server:
     def __init__(self, work: Path, *, node_timeout_s: float = 86400, tokens: bool = True) -> None:
         ready = work / "cp.ready"
         args = control_plane_args(work / "cp.db", ready_file=ready, node_timeout_s=node_timeout_s, log_level="WARNING")
-        env = dict(os.environ)
+        env = child_env()  # the package this process runs, not one in the caller's working directory
         if tokens:
             env.update(KNITTRANS_WORKER_TOKEN=TOKEN_W, KNITTRANS_ADMIN_TOKEN=TOKEN_A)
         self.log = open(work / "cp.log", "wb")  # noqa: SIM115  # kept open for the server's lifetime
-        self.proc = subprocess.Popen(knittrans_command(*args), env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        cmd = knittrans_command(*args)
+        self.proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -119,6 +130,7 @@ def write_results(out: Path, fields: dict[str, Any], table_lines: list[str]) -> 
     )
     doc = {
         "commit": commit.stdout.strip(),
+        "package": str(Path(knittrans.__file__).resolve().parent),  # what the client and the server ran
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "load_at_start": os.getloadavg(),

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import psutil
+from common import child_env  # this directory is sys.path[0]
 
 from knittrans.procs import control_plane_args, free_port, knittrans_command
 
@@ -45,10 +46,8 @@ def _serve(db: Path, pythonpath: str | None) -> tuple[subprocess.Popen[bytes], s
     port = free_port()
     cmd = knittrans_command(*control_plane_args(db, port=port, log_level="WARNING"))
     cmd += ["--worker-token", WORKER, "--admin-token", ADMIN]
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    env = child_env(pythonpath)  # with cwd: the tree asked for, not the package of the caller's directory
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=db.parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
