@@ -12,6 +12,7 @@ from api_support import ENDPOINT, USAGE, job_spec, populate, server, single_grou
 from fastapi.testclient import TestClient
 
 from knittrans.api.app import create_app
+from knittrans.api.observe import Observations
 from knittrans.api.settings import Settings
 from knittrans.controlclient import ControlClient
 from knittrans.statusview import render
@@ -82,6 +83,27 @@ def test_metrics_carry_usage_and_transfer(tmp_path: Path, gathered: bool) -> Non
     assert 'knittrans_rank_physical_bytes_total{job_name="job1",rank="0"} 2400.0' in text
     assert 'knittrans_job_state{job_name="job1",state="running"} 1.0' in text
     assert 'knittrans_node_up{node="n1"} 1.0' in text
+
+
+def test_rank_transfer_sums_columns_by_rank_and_counts_a_repeat_once() -> None:
+    """Columns add into the ranks they name (any subset, any order, ranks beyond those seen so far); a repeated
+    ack moves each rank's last ack but adds nothing; a snapshot keeps its figures while the live table moves."""
+    observed = Observations()
+    cols = {"exposed_s": [0.5, 0.25], "fetch_s": [1.0, 2.0], "row_bytes": [10, 20]}
+    cols |= {"media_logical_bytes": [3, 4], "media_physical_bytes": [1, 2]}
+    ack = {"global_index": 0, "attempt": 0, "consumed": False, "duplicate": False}
+    observed.record_ack("j", ack, [3, 1], cols, 100.0)
+    frozen = observed.snapshot()
+    observed.record_ack("j", ack | {"duplicate": True}, [3, 1], cols, 101.0)
+    observed.record_ack("j", ack | {"global_index": 1, "attempt": 2, "consumed": True}, [1, 3], cols, 102.0)
+    ranks = observed.job_ranks("j")
+    assert sorted(ranks) == [1, 3] and observed.job_ranks("other") == {}
+    assert ranks[3]["mini_batches"] == 2 and ranks[3]["exposed_s"] == 0.75 and ranks[3]["row_bytes"] == 30
+    assert ranks[1]["fetch_s"] == 3.0 and ranks[1]["media_physical_bytes"] == 3 and type(ranks[1]["row_bytes"]) is int
+    last = {"manifest_id": "n1.a2", "global_index": 1, "consumed": True, "at": 102.0}
+    assert ranks[1]["last_ack"] == ranks[3]["last_ack"] == last
+    before = frozen.job_ranks("j")
+    assert before[3]["mini_batches"] == 1 and before[3]["row_bytes"] == 10 and before[3]["last_ack"]["at"] == 100.0
 
 
 def test_heartbeat_usage_is_validated(tmp_path: Path) -> None:

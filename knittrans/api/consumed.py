@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessReport, staleness, version_of
+from knittrans.sched.staleness import READINGS, ConsumedGroup, StalenessReport
 
 __all__ = ["RECENT_STEPS", "RESOLUTION", "SERIES_STEPS", "ConsumedLedger"]
 
@@ -31,16 +31,21 @@ class ConsumedLedger:
         """Account for newly consumed groups (one mini-batch's, or a restart's replay)."""
         for c in records:
             self._recent.setdefault(c.step, []).append(c)
-            series = self._series.setdefault(c.step, {r: {} for r in READINGS})
+            series = self._series.get(c.step)
+            if series is None:
+                series = self._series[c.step] = {r: {} for r in READINGS}
+            n = c.num_trajectories  # >= 1: a unit's groups are never empty (GroupRecord checks)
             for reading, report in self._readings.items():
-                report.add(c)
-                extra = staleness(c.v_train, version_of(c, reading)) - c.mini_batch_index
+                extra = report.add(c) - c.mini_batch_index
                 per_step = series[reading]
                 for key in ("all", c.source):
-                    cell = per_step.setdefault(key, [0.0, 0.0, -math.inf])
-                    cell[0] += c.num_trajectories  # >= 1: a unit's groups are never empty (GroupRecord checks)
-                    cell[1] += extra * c.num_trajectories
-                    cell[2] = max(cell[2], extra)
+                    cell = per_step.get(key)
+                    if cell is None:
+                        cell = per_step[key] = [0.0, 0.0, -math.inf]
+                    cell[0] += n
+                    cell[1] += extra * n
+                    if extra > cell[2]:
+                        cell[2] = extra
         self._trim(self._recent, RECENT_STEPS)
         self._trim(self._series, SERIES_STEPS)
 

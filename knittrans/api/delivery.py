@@ -81,14 +81,17 @@ class Delivery(JobBase):
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
         media_at: dict[str, dict[str, str]] = {}
         ranks: list[tuple[tuple[Row, ...], ...]] = []
+        # per group, once: its index, tokens, first row and the list its node's grant collects its rows in
+        seen: dict[str, tuple[int, tuple[int, ...], int, list[tuple[int, int]]]] = {}
         for share in mb.layout:
             micro_batches = []
             for micro in share:
                 rows = []
                 for group_id, row in micro:
-                    entry = self.groups[group_id]
-                    record = entry.record
-                    if group_id not in groups:
+                    known = seen.get(group_id)
+                    if known is None:
+                        entry = self.groups[group_id]
+                        record = entry.record
                         if entry.unit_id not in units:
                             units[entry.unit_id] = (len(units), nodes.setdefault(entry.node_id, len(nodes)))
                         u = units[entry.unit_id][0]
@@ -97,8 +100,11 @@ class Delivery(JobBase):
                                 media[h] = (len(media), u)
                                 media_at.setdefault(entry.node_id, {})[h] = entry.unit_id
                         groups[group_id] = (len(groups), u, tuple(media[h][0] for h in record.media_hashes))
-                    rows.append((groups[group_id][0], row, record.trajectory_tokens[row - record.row_start]))
-                    reads.setdefault(entry.node_id, {}).setdefault(entry.unit_id, []).append((row, row + 1))
+                        ranges = reads.setdefault(entry.node_id, {}).setdefault(entry.unit_id, [])
+                        known = seen[group_id] = (len(groups) - 1, record.trajectory_tokens, record.row_start, ranges)
+                    index, tokens, start, ranges = known
+                    rows.append((index, row, tokens[row - start]))
+                    ranges.append((row, row + 1))
                 micro_batches.append(tuple(rows))
             ranks.append(tuple(micro_batches))
         key, expires, columns = self.ticket_key, mb.admitted_at + self.ticket_ttl_s, self.spec.columns

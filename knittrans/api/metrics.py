@@ -144,13 +144,14 @@ class ServiceCollector(Collector):
                         for stat in ("mean", "p50", "p99", "max", "pos_mean") if stats["count"] else ():
                             key = [job.name, source, reading, kind, stat]
                             f["knittrans_staleness_versions"].add_metric(key, float(stats[stat]))
-        for (job_name, rank), t in sorted(observed.ranks.items()):
-            key = [job_name, str(rank)]
-            f["knittrans_rank_mini_batches"].add_metric(key, t["mini_batches"])
-            f["knittrans_rank_exposed_transfer_seconds"].add_metric(key, t["exposed_s"])
-            f["knittrans_rank_fetch_seconds"].add_metric(key, t["fetch_s"])
-            f["knittrans_rank_logical_bytes"].add_metric(key, t["row_bytes"] + t["media_logical_bytes"])
-            f["knittrans_rank_physical_bytes"].add_metric(key, t["row_bytes"] + t["media_physical_bytes"])
+        for job_name, table in sorted(list(observed.transfers.items())):
+            for rank, t in table.entries().items():
+                key = [job_name, str(rank)]
+                f["knittrans_rank_mini_batches"].add_metric(key, t["mini_batches"])
+                f["knittrans_rank_exposed_transfer_seconds"].add_metric(key, t["exposed_s"])
+                f["knittrans_rank_fetch_seconds"].add_metric(key, t["fetch_s"])
+                f["knittrans_rank_logical_bytes"].add_metric(key, t["row_bytes"] + t["media_logical_bytes"])
+                f["knittrans_rank_physical_bytes"].add_metric(key, t["row_bytes"] + t["media_physical_bytes"])
         for (job_name, worker), r in sorted(list(observed.rollout.items())):
             key = [job_name, worker]
             f["knittrans_rollout_weights_version"].add_metric(key, r["version"])

@@ -345,17 +345,17 @@ class TransferIn(_In):
     media_logical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes the rows reference")
     media_physical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes actually fetched")
 
-    def by_rank(self, ranks: list[int]) -> dict[int, dict[str, float]]:
-        """``{rank: {figure: value}}`` for ``ranks``.
+    def columns(self, ranks: int) -> dict[str, list[Any]]:
+        """``{figure: values}``, each with one entry per reported rank (``ranks`` of them).
 
         Raises:
             InvalidRequest: a column does not have one entry per rank.
         """
-        columns = self.model_dump()
-        bad = [name for name, values in columns.items() if len(values) != len(ranks)]
+        columns = {name: getattr(self, name) for name in type(self).model_fields}
+        bad = [name for name, values in columns.items() if len(values) != ranks]
         if bad:
-            raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({len(ranks)})")
-        return {rank: {name: values[i] for name, values in columns.items()} for i, rank in enumerate(ranks)}
+            raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({ranks})")
+        return columns
 
 
 RankList = Annotated[list[Int32], Field(min_length=1, max_length=MAX_WORLD_SIZE)]

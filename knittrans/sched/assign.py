@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -24,13 +25,20 @@ def lpt_assign(weights: Sequence[int], bins: int) -> tuple[list[int], list[int]]
     """
     owner = [0] * len(weights)
     loads = [0] * bins
-    heap = [(0, 0, b) for b in range(bins)]
-    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+    order = sorted(range(len(weights)), key=weights.__getitem__, reverse=True)  # stable: ties by index
+    # while empty bins remain, the least-loaded bin is the next empty one: item j of the order goes to bin j
+    first = min(len(order), bins)
+    for b, i in enumerate(order[:first]):
+        owner[i], loads[b] = b, weights[i]
+    heap = [(loads[b], 1 if b < first else 0, b) for b in range(bins)]
+    heapq.heapify(heap)
+    replace = heapq.heapreplace
+    for i in order[first:]:
         load, count, b = heap[0]
         owner[i] = b
         load += weights[i]
         loads[b] = load
-        heapq.heapreplace(heap, (load, count + 1, b))
+        replace(heap, (load, count + 1, b))
     return owner, loads
 
 
@@ -53,7 +61,7 @@ def _check(
         if group.group_id in seen:
             raise ValueError(f"group {group.group_id!r} appears twice in the mini-batch")
         seen.add(group.group_id)
-        if any(t < 0 for t in group.trajectory_tokens):
+        if group.trajectory_tokens and min(group.trajectory_tokens) < 0:
             raise ValueError(f"group {group.group_id!r} has a negative token count")
         if group.row_start < 0:
             raise ValueError(f"group {group.group_id!r} has row_start {group.row_start} < 0")
@@ -64,6 +72,8 @@ def _cut(
 ) -> list[list[int]]:
     """Cut a rank's read-ordered trajectory positions into micro-batches."""
     if budget_rows is not None:
+        if len(positions) <= budget_rows:
+            return [positions] if positions else []
         return [positions[i : i + budget_rows] for i in range(0, len(positions), budget_rows)]
     assert budget_tokens is not None
     out: list[list[int]] = []
@@ -187,16 +197,15 @@ def _balance(
     spans: list[tuple[int, int]], tokens: list[int], world_size: int, keep_groups: bool, tolerance: float
 ) -> list[list[int]]:
     """Read-ordered trajectory positions of every rank: LPT over whole groups, then halves, ..., rows."""
-    prefix = [0]
-    for t in tokens:
-        prefix.append(prefix[-1] + t)
+    prefix = [0, *itertools.accumulate(tokens)]
     ideal = prefix[-1] / world_size
     longest = max((b - a for a, b in spans), default=1)
     chunk = longest if keep_groups else 1
     best: tuple[int, list[tuple[int, int]], list[int]] | None = None
     while True:
-        items = [(s, min(s + chunk, b)) for a, b in spans for s in range(a, b, chunk)]
-        if len(items) >= world_size or chunk == 1:
+        # items are only listed for the chunk sizes LPT runs on (at least one item per rank, or single rows)
+        if chunk == 1 or sum((b - a + chunk - 1) // chunk for a, b in spans) >= world_size:
+            items = [(s, min(s + chunk, b)) for a, b in spans for s in range(a, b, chunk)]
             owner, loads = lpt_assign([prefix[b] - prefix[a] for a, b in items], world_size)
             peak = max(loads)
             if best is None or peak < best[0]:
@@ -209,14 +218,11 @@ def _balance(
         chunk = (chunk + 1) // 2
     assert best is not None
     _, items, owner = best
-    per_rank_items: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
-    for item, rank in zip(items, owner, strict=True):
-        per_rank_items[rank].append(item)
-    per_rank: list[list[int]] = []
-    for mine in per_rank_items:
-        mine.sort()
-        positions: list[int] = []
-        for a, b in mine:
-            positions.extend(range(a, b))
-        per_rank.append(positions)
+    # items are in read order, so each rank's positions come out in read order too
+    per_rank: list[list[int]] = [[] for _ in range(world_size)]
+    for (a, b), rank in zip(items, owner, strict=True):
+        if b == a + 1:
+            per_rank[rank].append(a)
+        else:
+            per_rank[rank].extend(range(a, b))
     return per_rank

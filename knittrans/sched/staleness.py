@@ -177,15 +177,17 @@ class StalenessReport:
         self.parts: dict[str | None, tuple[RunningSummary, RunningSummary]] = {}
         """Per source (None: every source): the summaries of staleness and of architectural staleness."""
 
-    def add(self, group: ConsumedGroup) -> None:
-        """Count the group's trajectories."""
+    def add(self, group: ConsumedGroup) -> float:
+        """Count the group's trajectories; returns the group's staleness under this reading."""
         value = staleness(group.v_train, version_of(group, self.reading))
+        arch, weight = value - group.mini_batch_index, group.num_trajectories
         for key in (None, group.source):
             pair = self.parts.get(key)
             if pair is None:
                 pair = self.parts[key] = (RunningSummary(self.resolution), RunningSummary(self.resolution))
-            pair[0].add(value, group.num_trajectories)
-            pair[1].add(value - group.mini_batch_index, group.num_trajectories)
+            pair[0].add(value, weight)
+            pair[1].add(arch, weight)
+        return value
 
     def report(self) -> dict[str, Any]:
         """``{"reading", "staleness", "architectural", "by_source": {source: {"staleness", "architectural"}}}``

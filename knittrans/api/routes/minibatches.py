@@ -141,12 +141,14 @@ async def ack(
     410 when that attempt was withdrawn.
     """
     _check_ranks(request, body.ranks)
-    figures: dict[int, dict[str, float]] = {}
+    ranks: list[int] = []
+    columns: dict[str, list[Any]] = {}
     if (transfer := body.transfer) is not None:  # checked before the ack: a refused body changes nothing
-        figures = transfer.by_rank(body.ranks if body.ranks is not None else list(range(len(transfer.exposed_s))))
-    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version, figures=tuple(figures))
-    if figures:
-        request.app.state.observed.record_ack(job, n, body.attempt, result, figures, time.time())
+        ranks = body.ranks if body.ranks is not None else list(range(len(transfer.exposed_s)))
+        columns = transfer.columns(len(ranks))
+    result: dict[str, Any] = await run(svc.ack, job, n, body.attempt, body.ranks, body.version, figures=ranks)
+    if ranks:
+        request.app.state.observed.record_ack(job, result, ranks, columns, time.time())
     return result
 
 
