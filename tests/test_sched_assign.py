@@ -205,6 +205,19 @@ def test_lpt_hand_case() -> None:
     assert owner == [0, 1, 1, 0, 1] and loads == [10, 10]
 
 
+@given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 30))
+@settings(max_examples=300, deadline=None)
+def test_lpt_places_each_item_as_the_rule_says(weights: list[int], bins: int) -> None:
+    """Largest first (ties: lower index), each onto the least-loaded bin (ties: fewer items, then lower index),
+    checked against that rule written out item by item: the heap, and the empty bins filled before it, agree."""
+    owner, loads = lpt_assign(weights, bins)
+    load, count, expected = [0] * bins, [0] * bins, [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        b = min(range(bins), key=lambda b: (load[b], count[b], b))
+        expected[i], load[b], count[b] = b, load[b] + weights[i], count[b] + 1
+    assert owner == expected and loads == load
+
+
 def test_bad_arguments() -> None:
     """Both or neither budget, zero ranks, duplicate groups and overlapping rows are refused by name."""
     g = FinishedGroup(group_id="g", source="s", trajectory_tokens=(1, 2), finished_at=0, unit_id="u", node_id="n")
