@@ -9,9 +9,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from api_support import ack, app_client, manifest
+from api_support import ack, app_client, job_spec, manifest, single_group_units
 
+import knittrans.api.store as store_module
 from knittrans.api.records import JOB_KINDS, Kind, index_key, version_key
+from knittrans.api.store import CHECKPOINT_BYTES, RecordStore, Txn
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_KINDS = {
@@ -94,3 +96,48 @@ def test_database_written_by_the_old_code_restores(tmp_path: Path) -> None:
     assert kinds <= OLD_KINDS and not acks  # consumed: its acks are gone
     with app_client(db) as c:  # what today's code wrote reads back too
         assert _persisted(c.get("/v1/jobs/job1/status").json()) == _persisted(status)
+
+
+def test_commits_leave_the_wal_copy_to_the_checkpoint_after_publishing(tmp_path: Path) -> None:
+    """A commit never copies the WAL into the database (SQLite's automatic checkpoint would, at about 4 MiB, inside
+    the commit of an admission a rank waits for); ``checkpoint_if_due`` does, once CHECKPOINT_BYTES were committed,
+    and the WAL is written from its start again afterwards. Every record survives a reopen."""
+    db = tmp_path / "cp.db"
+    wal = Path(str(db) + "-wal")
+    store = RecordStore(str(db))
+    body = "x" * (100 << 10)
+
+    def write(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            txn = Txn()
+            txn.put(Kind.UNITS, "job1", index_key(i), body)
+            store.commit(txn)
+
+    assert not store.checkpoint_if_due()
+    write(0, 60)  # 6 MiB: past SQLite's automatic checkpoint, which would keep the WAL near 4 MiB
+    assert wal.stat().st_size > 6 << 20 and CHECKPOINT_BYTES < 6 << 20
+    assert store.checkpoint_if_due() and not store.checkpoint_if_due()
+    size = wal.stat().st_size
+    write(60, 30)  # after the copy the WAL is reused from its start: it does not grow
+    assert wal.stat().st_size == size
+    store.close()
+    reopened = RecordStore(str(db))
+    assert len(reopened.load(Kind.UNITS)) == 90
+    reopened.close()
+
+
+def test_the_service_checkpoints_after_its_changes(tmp_path: Path, monkeypatch: Any) -> None:
+    """Through the app: with a 64 KiB checkpoint size, registering over 1 MiB of units keeps the WAL at a fraction
+    of what was written (without the service's checkpoint it holds all of it)."""
+    monkeypatch.setattr(store_module, "CHECKPOINT_BYTES", 64 << 10)
+    db = tmp_path / "cp.db"
+    with app_client(db) as c:
+        assert c.post("/v1/jobs", json=job_spec(quotas={"math": 100000, "code": 2})).status_code == 201
+        assert c.post("/v1/nodes", json={"node_id": "n0", "endpoint": "grpc://127.0.0.1:1"}).status_code == 200
+        for k in range(12):
+            units = single_group_units(["math"] * 500, prefix=f"b{k}x")
+            assert c.post("/v1/jobs/job1/units", json={"units": units}).status_code == 200
+        size = Path(str(db) + "-wal").stat().st_size
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        written = conn.execute("SELECT SUM(LENGTH(body)) FROM records WHERE kind = 'units'").fetchone()[0]
+    assert written > 1 << 20 and size < written / 4, (size, written)

@@ -173,6 +173,8 @@ class ControlPlane:
             elif not committed:  # a failed node-level change may have reloaded every job
                 for name in list(self.jobs):
                     self.on_change(name)
+            if committed:  # after publishing: the WAL copy waits behind no manifest
+                self.store.checkpoint_if_due()
 
     def _apply(self, name: str, change: Callable[[JobState, Txn], T]) -> tuple[T, list[int]]:
         """``change(job, txn)`` and the admission it allows in one change, then what the job admits after it
