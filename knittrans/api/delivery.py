@@ -76,12 +76,12 @@ class Delivery(JobBase):
         # ids -> indices in order of first appearance (a dict's order is its list's)
         nodes: dict[str, int] = {}
         units: dict[str, tuple[int, int]] = {}  # unit id -> (index, node index)
-        groups: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # group id -> (index, unit index, media indices)
+        groups: list[ManifestGroup] = []
         media: dict[str, tuple[int, int]] = {}  # content hash -> (index, unit index)
         reads: dict[str, dict[str, list[tuple[int, int]]]] = {}
         media_at: dict[str, dict[str, str]] = {}
         ranks: list[tuple[tuple[Row, ...], ...]] = []
-        # per group, once: its index, tokens, first row and the list its node's grant collects its rows in
+        # group id -> its index in ``groups``, tokens, first row and the list its node's grant collects its rows in
         seen: dict[str, tuple[int, tuple[int, ...], int, list[tuple[int, int]]]] = {}
         for share in mb.layout:
             micro_batches = []
@@ -99,9 +99,9 @@ class Delivery(JobBase):
                             if h not in media:
                                 media[h] = (len(media), u)
                                 media_at.setdefault(entry.node_id, {})[h] = entry.unit_id
-                        groups[group_id] = (len(groups), u, tuple(media[h][0] for h in record.media_hashes))
                         ranges = reads.setdefault(entry.node_id, {}).setdefault(entry.unit_id, [])
-                        known = seen[group_id] = (len(groups) - 1, record.trajectory_tokens, record.row_start, ranges)
+                        known = seen[group_id] = (len(groups), record.trajectory_tokens, record.row_start, ranges)
+                        groups.append(ManifestGroup(group_id, u, tuple(media[h][0] for h in record.media_hashes)))
                     index, tokens, start, ranges = known
                     rows.append((index, row, tokens[row - start]))
                     ranges.append((row, row + 1))
@@ -132,7 +132,7 @@ class Delivery(JobBase):
             columns=tuple(columns) if columns else None,
             nodes=tuple(manifest_nodes),
             units=tuple((unit_id, node) for unit_id, (_, node) in units.items()),
-            groups=tuple(ManifestGroup(group_id, u, used) for group_id, (_, u, used) in groups.items()),
+            groups=tuple(groups),
             media=tuple((h, u) for h, (_, u) in media.items()),
             ranks=tuple(ranks),
         )

@@ -345,16 +345,16 @@ class TransferIn(_In):
     media_logical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes the rows reference")
     media_physical_bytes: list[Count] = Field(max_length=MAX_WORLD_SIZE, description="media bytes actually fetched")
 
-    def columns(self, ranks: int) -> dict[str, list[Any]]:
-        """``{figure: values}``, each with one entry per reported rank (``ranks`` of them).
+    def columns(self, count: int) -> dict[str, list[Any]]:
+        """``{figure: values}``, each with one entry per reported rank (``count`` of them).
 
         Raises:
             InvalidRequest: a column does not have one entry per rank.
         """
         columns = {name: getattr(self, name) for name in type(self).model_fields}
-        bad = [name for name, values in columns.items() if len(values) != ranks]
+        bad = [name for name, values in columns.items() if len(values) != count]
         if bad:
-            raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({ranks})")
+            raise InvalidRequest(f"transfer figures {bad} must have one entry per acked rank ({count})")
         return columns
 
 
