@@ -159,8 +159,6 @@ class LocalCluster:
             str(ready),
             "--control-url",
             self.control_url,
-            "--heartbeat-s",
-            str(max(0.2, min(2.0, self.config.node_timeout_s / 5))),
         ]
         env = token_env(store_token=self.config.worker_token, worker_token=self.config.worker_token)
         name = f"store-{index}"

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from api_support import free_port
 
+from knittrans.api.service import HEARTBEATS_PER_TIMEOUT
 from knittrans.sched.timing import staleness_bound
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(2700)]  # image builds take minutes on a busy machine
@@ -358,7 +359,7 @@ def test_compose_stack_runs_job_and_survives_store_loss(stack: Stack, tmp_path: 
         "lost_reason": lost_reason,
         "withdrawn_mini_batches": sorted(int(x) for found in withdrew for x in found.split(",")),
         "node_timeout_s": float(stack.env["KNITTRANS_NODE_TIMEOUT_S"]),
-        "heartbeat_s": 2.0,
+        "heartbeat_s": float(stack.env["KNITTRANS_NODE_TIMEOUT_S"]) / HEARTBEATS_PER_TIMEOUT,
         "refused_answers": stack.refused,
     }
     (_artifacts() / "compose_run.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """``knittrans.procs``: a real child that gets ready, exits first, or never gets ready; a ProcessGroup's checks;
-a LocalCluster that fails to start stops what it started; a server's open-files limit it cannot raise."""
+a LocalCluster that fails to start stops what it started, and its store heartbeats as often as the control
+plane asks; a server's open-files limit it cannot raise."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,24 @@ def test_a_local_cluster_that_fails_to_start_stops_its_processes(tmp_path: Path)
     with pytest.raises(TimeoutError, match="control plane not ready"), cluster:
         pass
     assert cluster.procs.children["control-plane"].poll() is not None
+
+
+def test_a_store_heartbeats_as_often_as_its_control_plane_asks(tmp_path: Path) -> None:
+    """A store started without ``--heartbeat-s`` follows the ``heartbeat_s`` its control plane answers with
+    (a sixth of the node timeout): with a 1.8 s timeout it stays alive through several timeouts, where its
+    old fixed 2 s interval got it declared lost."""
+    config = ClusterConfig(work_dir=tmp_path, num_stores=1, node_timeout_s=1.8)
+    with LocalCluster(config) as cluster, cluster.control() as control:
+        (node,) = control.list_nodes()
+        assert node["heartbeat_s"] == pytest.approx(0.3)
+        ages = []
+        deadline = time.monotonic() + 3 * 1.8
+        while time.monotonic() < deadline:
+            (node,) = control.list_nodes()
+            assert node["state"] == "alive", node
+            ages.append(node["seconds_since_heartbeat"])
+            time.sleep(0.1)
+    assert min(ages) < 0.3 and sorted(ages)[len(ages) // 2] < 1.0, ages
 
 
 def test_an_open_files_limit_that_cannot_be_raised_is_kept_with_a_warning(

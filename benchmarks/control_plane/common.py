@@ -116,10 +116,16 @@ def create_job(c: httpx.Client, name: str, *, quotas: dict[str, int], k: int, w:
     c.post("/v1/jobs", json=spec).raise_for_status()
 
 
-def register_nodes(c: httpx.Client, nodes: int) -> None:
+def register_nodes(c: httpx.Client, nodes: int) -> float:
+    """Register nodes ``n0``..; returns the heartbeat interval the server asks of them (2 s, the store's
+    old fixed default, from a server that does not say)."""
+    interval = 2.0
     for i in range(nodes):
         body = {"node_id": f"n{i}", "endpoint": f"grpc://127.0.0.1:{9000 + i}", "host": f"h{i}"}
-        c.post("/v1/nodes", json=body).raise_for_status()
+        answer = c.post("/v1/nodes", json=body)
+        answer.raise_for_status()
+        interval = float(answer.json().get("heartbeat_s", interval))
+    return interval
 
 
 def write_results(out: Path, fields: dict[str, Any], table_lines: list[str]) -> dict[str, Any]:

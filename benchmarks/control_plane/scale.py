@@ -4,7 +4,8 @@ Run: ``python benchmarks/control_plane/scale.py [--smoke] [--ranks 256 1024] [--
 [--groups per-rank|shared] [--rows-per-rank 1] [--seconds 30] [--runs 3] [--out PATH]``.
 
 One real ``knittrans control-plane`` process (SQLite WAL in a temp dir) per run. Around it, in this
-process: ``--nodes`` store nodes heartbeating every 2 s, a rollout writer registering one-group units
+process: ``--nodes`` store nodes heartbeating as often as the server asks (``heartbeat_s`` of its node
+answers, as ``knittrans store`` does; ``--heartbeat-s`` overrides), a rollout writer registering one-group units
 as fast as the off-policy window lets it (long-polling ``GET /headroom``), and the trainer's ranks,
 each running what :class:`~knittrans.trainer.client.TrainerClient` runs between the manifest and the
 optimizer step: a :class:`~knittrans.trainer.feed.ManifestFeed` (long-polls ``GET
@@ -120,10 +121,10 @@ class Rank(threading.Thread):
                 self.error = f"{type(exc).__name__}: {exc}"
 
 
-def _rollout_and_nodes(url: str, nodes: int, stop: Any, registered: Any) -> None:
+def _rollout_and_nodes(url: str, nodes: int, heartbeat_s: float, stop: Any, registered: Any) -> None:
     """Rollout as ``knittrans rollout`` paces it (long-poll ``GET /headroom`` until the off-policy window has
     room, then register that many finished groups, by source, in one request: generation takes no time, so
-    rollout is never what the trainer waits for) and ``nodes`` store nodes heartbeating every 2 s."""
+    rollout is never what the trainer waits for) and ``nodes`` store nodes heartbeating every ``heartbeat_s``."""
     done = threading.Event()
 
     def heartbeats() -> None:
@@ -131,10 +132,10 @@ def _rollout_and_nodes(url: str, nodes: int, stop: Any, registered: Any) -> None
         i = 0
         while not done.is_set():
             t0 = time.monotonic()
-            for n in range(i % 4, nodes, 4):  # a quarter of the nodes every 0.5 s
+            for n in range(i % 4, nodes, 4):  # a quarter of the nodes every quarter interval
                 control._request("POST", f"/v1/nodes/n{n}/heartbeat")
             i += 1
-            time.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))
+            time.sleep(max(0.0, heartbeat_s / 4 - (time.monotonic() - t0)))
         control.close()
 
     beats = threading.Thread(target=heartbeats, daemon=True)
@@ -177,13 +178,16 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
     quotas["math"] += per_mb * k - sum(quotas.values())
     admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN_A}"}, timeout=60)
     create_job(admin, JOB, quotas=quotas, k=k, w=ranks, micro_batch_size=args.rows_per_rank, lookahead=1)
-    register_nodes(admin, args.nodes)
+    asked = register_nodes(admin, args.nodes)
+    heartbeat_s = args.heartbeat_s or asked
     stop = threading.Event()
     # rollout and the store nodes in a process of their own: their requests are the server's load, their
     # Python is not the ranks' (one GIL would put the heartbeats' work inside the measured delivery)
     ctx = multiprocessing.get_context("spawn")
     noise_stop, registered = ctx.Event(), ctx.Value("q", 0)
-    noise = ctx.Process(target=_rollout_and_nodes, args=(server.url, args.nodes, noise_stop, registered), daemon=True)
+    noise = ctx.Process(
+        target=_rollout_and_nodes, args=(server.url, args.nodes, heartbeat_s, noise_stop, registered), daemon=True
+    )
     noise.start()
     # the background: the nodes' heartbeats and an idle server, once rollout has filled the off-policy window
     # (what a mini-batch costs above it is what the trainer's size changes)
@@ -245,6 +249,7 @@ def _drive(server: Server, args: Any, ranks: int, step_ms: int, groups: str) -> 
         "groups_registered": registered.value,
         "window_s": wall1 - wall0,
         "consumed_mini_batches": consumed,
+        "heartbeat_s": heartbeat_s,
         "server_cpu_s": cpu,
         "server_cpu_ms_per_mini_batch": cpu * 1e3 / consumed if consumed else None,
         "background_cpu_s_per_s": background,
@@ -268,6 +273,9 @@ def main() -> int:
     parser.add_argument("--groups", nargs="+", choices=("shared", "per-rank"), default=["shared"])
     parser.add_argument("--rows-per-rank", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument(
+        "--heartbeat-s", type=float, default=None, help="node heartbeat interval (default: what the server asks)"
+    )
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(

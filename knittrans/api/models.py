@@ -222,6 +222,9 @@ class NodePublic(BaseModel):
     lost_reason: str
     registered_at: float
     seconds_since_heartbeat: float
+    heartbeat_s: float = Field(
+        description="seconds between heartbeats the control plane asks of the node: a sixth of its node timeout"
+    )
     withdrawn: dict[str, list[int]] | None = None
 
 

@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEARTBEATS_PER_TIMEOUT = 6
+"""A node is asked to heartbeat every ``node_timeout_s / 6`` (5 s at the default 30 s): about five in a row may
+be missed before it is declared lost. Heartbeats are most of the requests a control plane serves (128 nodes at 2 s
+were 64 a second, more than a 1,024-rank trainer's own requests), so their rate follows the timeout."""
+
 
 @dataclass
 class Node:
@@ -51,12 +56,18 @@ class Node:
         del body["last_heartbeat"]
         return body
 
-    def public(self, now: float) -> dict[str, Any]:
-        body = {k: v for k, v in self.to_json().items() if k != "key_hash"}
+    def public(self, now: float, heartbeat_s: float) -> dict[str, Any]:
+        """What ``NodePublic`` shows; ``heartbeat_s``: the interval the control plane asks of the node."""
         return {
-            **body,
+            "node_id": self.node_id,
+            "endpoint": self.endpoint,
+            "host": self.host,
+            "registered_at": self.registered_at,
+            "lost": self.lost,
+            "lost_reason": self.lost_reason,
             "state": "lost" if self.lost else "alive",
             "seconds_since_heartbeat": max(0.0, now - self.last_heartbeat),
+            "heartbeat_s": heartbeat_s,
         }
 
 
@@ -206,6 +217,12 @@ class ControlPlane:
         return found
 
     # ------------------------------------------------------------------ nodes
+    @property
+    def heartbeat_s(self) -> float:
+        """Seconds between a node's heartbeats that this control plane asks for (each node answer carries it):
+        :data:`HEARTBEATS_PER_TIMEOUT` of them fit in ``node_timeout_s``."""
+        return self.settings.node_timeout_s / HEARTBEATS_PER_TIMEOUT
+
     def register_node(
         self, node_id: str, endpoint: str, host: str, *, node_key: str | None = None, admin: bool = False
     ) -> dict[str, Any]:
@@ -244,7 +261,7 @@ class ControlPlane:
             for job in self.jobs.values():
                 job.forget_rendered()
                 self.on_change(job.name)  # its manifests name the old endpoint
-        return node.public(now)
+        return node.public(now, self.heartbeat_s)
 
     def heartbeat(self, node_id: str) -> dict[str, Any]:
         """Record a heartbeat of ``node_id``; a lost node must register again."""
@@ -254,13 +271,13 @@ class ControlPlane:
         if node.lost:
             raise Conflict(f"node {node_id!r} was declared lost ({node.lost_reason}); register it again")
         node.last_heartbeat = time.time()
-        return node.public(node.last_heartbeat)
+        return node.public(node.last_heartbeat, self.heartbeat_s)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """Every node, after declaring timed-out ones lost."""
         self.sweep()
         now = time.time()
-        return [n.public(now) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
+        return [n.public(now, self.heartbeat_s) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
 
     def declare_lost(self, node_id: str, reason: str = "declared lost by an admin") -> dict[str, Any]:
         """Mark ``node_id`` lost: drop its unadmitted groups, re-plan untouched mini-batches with its rows."""
@@ -278,7 +295,7 @@ class ControlPlane:
             for name in self.jobs:
                 self.on_change(name)
             logger.warning("node %s lost (%s)", node_id, reason)
-        return {**node.public(time.time()), "withdrawn": withdrawn}
+        return {**node.public(time.time(), self.heartbeat_s), "withdrawn": withdrawn}
 
     def sweep(self, *, paused_s: float = 0.0) -> None:
         """Declare lost every node whose last heartbeat is older than ``node_timeout_s``.

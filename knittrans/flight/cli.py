@@ -99,7 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KNITTRANS_WORKER_TOKEN"),
         help="worker token of the control plane (default $KNITTRANS_WORKER_TOKEN)",
     )
-    parser.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=None,
+        help="seconds between heartbeats (default: what the control plane asks, a sixth of its node timeout)",
+    )
     parser.add_argument(
         "--tls-cert",
         type=Path,
@@ -211,19 +216,22 @@ def _announce(args: Any, endpoint: str, stopped: threading.Event, usage: Callabl
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
     node_key = _node_key(Path(args.dir), args.node_id)
     registered = False
+    interval = args.heartbeat_s or 2.0  # until the control plane says (it answers with its heartbeat_s)
     with ControlClient(args.control_url, token=args.control_token) as control:
         while not stopped.is_set():
             try:
                 if not registered:
-                    control.register_node(args.node_id, endpoint, host, node_key=node_key)
+                    answer = control.register_node(args.node_id, endpoint, host, node_key=node_key)
                     registered = True
                     logger.info("registered node %s (%s) with %s", args.node_id, endpoint, args.control_url)
                 else:
-                    control.heartbeat(args.node_id, usage())
+                    answer = control.heartbeat(args.node_id, usage())
+                if args.heartbeat_s is None:
+                    interval = float(answer.get("heartbeat_s", interval))
             except KnitTransError as exc:  # away, restarting, or it declared this node lost: register again
                 logger.warning("control plane %s: %s", args.control_url, exc)
                 registered = False
             except Exception:  # a bug here must not stop the heartbeats (the node would be declared lost)
                 logger.exception("heartbeat to %s failed unexpectedly", args.control_url)
                 registered = False
-            stopped.wait(args.heartbeat_s)
+            stopped.wait(interval)

@@ -185,11 +185,12 @@ def start_stores(
     worker_token: str | None = None,
     store_token: str | None = None,
     ray_node_ids: Sequence[str] | None = None,
-    heartbeat_s: float = 2.0,
+    heartbeat_s: float | None = None,
 ) -> tuple[list[StoreInfo], list[Any]]:
     """One ``knittrans store`` per Ray node (all alive nodes by default), pinned there; returns infos and actors.
 
-    Each store binds its node's IP on a free port, registers with the control plane and heartbeats.
+    Each store binds its node's IP on a free port, registers with the control plane and heartbeats
+    (every ``heartbeat_s``; None: as often as the control plane asks).
     """
     ray = _ray()
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes(ray)}
@@ -219,8 +220,7 @@ def start_stores(
                 ready,
                 "--control-url",
                 control_url,
-                "--heartbeat-s",
-                str(heartbeat_s),
+                *(["--heartbeat-s", str(heartbeat_s)] if heartbeat_s is not None else []),
             ]
             if not store_token:
                 argv.append("--insecure")  # the caller chose an open store on the node's address
@@ -277,7 +277,6 @@ def start_cluster(
             work_dir=work_dir,
             worker_token=worker_token,
             store_token=store_token,
-            heartbeat_s=min(2.0, node_timeout_s / 5),
         )
         cluster.stores, cluster.actors = stores, [cp, *actors]
         from knittrans.controlclient import ControlClient
