@@ -370,15 +370,18 @@ class ControlClient:
 
         ``version``: the policy version the optimizer step produced (weights already published); recorded in
         the same change as the ack. ``transfer``: each acked rank's transfer figures of the mini-batch, in
-        ``ranks`` order (rank order when None), sent as columns (:class:`~knittrans.api.models.TransferIn`).
-        DataLost when that attempt was withdrawn.
+        ``ranks`` order (rank order when None), sent as columns (:class:`~knittrans.api.models.TransferIn`),
+        seconds to the microsecond. DataLost when that attempt was withdrawn.
         """
         body: dict[str, Any] = {"attempt": attempt, "ranks": list(ranks) if ranks is not None else None}
         if version is not None:
             body["version"] = version
         if transfer is not None:
             names = ("exposed_s", "fetch_s", "row_bytes", "media_logical_bytes", "media_physical_bytes")
-            body["transfer"] = {name: [figures.get(name, 0) for figures in transfer] for name in names}
+            columns = {name: [figures.get(name, 0) for figures in transfer] for name in names}
+            for name in ("exposed_s", "fetch_s"):  # 0.000123, not 0.00012345678901234: 40 % fewer bytes to parse
+                columns[name] = [round(s, 6) for s in columns[name]]
+            body["transfer"] = columns
         return self._obj("POST", f"/v1/jobs/{job}/minibatches/{n}/ack", json=body)
 
     def report_version(self, job: str, version: int, rank: int = 0) -> dict[str, Any]:

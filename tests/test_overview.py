@@ -131,6 +131,30 @@ def test_render_shows_the_facts(tmp_path: Path) -> None:
     assert "no job 'other'" in render(view, "other")
 
 
+def test_client_ack_sends_seconds_to_the_microsecond(tmp_path: Path) -> None:
+    """``ControlClient.ack`` rounds the gathered seconds to microseconds (a rank's ``perf_counter`` differences
+    would be 17-digit floats, 2,048 of them per ack at 1,024 ranks, for the server to parse); byte counts go as
+    they are. Through a real server: the overview shows the rounded sums."""
+    with (
+        server(tmp_path / "cp.db", "--admin-token", ADMIN, "--worker-token", WORKER) as cp,
+        ControlClient(cp.url, token=ADMIN) as admin,
+        ControlClient(cp.url, token=WORKER) as worker,
+    ):
+        admin.create_job(job_spec(quotas={"math": 2, "code": 2}, mini_batches_per_step=2))
+        worker.register_node("n0", ENDPOINT.format(port=1))
+        worker.register_units("job1", single_group_units(["math", "code", "math", "code"]))
+        plan = worker.manifest("job1", 0, timeout_s=10)
+        assert plan is not None
+        ranks = [
+            {"exposed_s": 0.123456789012, "fetch_s": 4e-7, "row_bytes": 123456789},
+            {"exposed_s": 1.0000004999, "fetch_s": 2.5, "row_bytes": 1},
+        ]
+        worker.ack("job1", 0, plan[0].attempt, version=1, transfer=ranks)
+        view = admin.overview()
+    figures = [(r["exposed_s"], r["fetch_s"], r["row_bytes"]) for r in view["jobs"][0]["ranks"]]
+    assert figures == [(0.123457, 0.0, 123456789), (1.0, 2.5, 1)]
+
+
 def test_status_command_against_real_server(tmp_path: Path) -> None:
     """``knittrans status`` against a real control plane: the view with the admin token, a clear error without."""
     with server(tmp_path / "cp.db", "--admin-token", ADMIN, "--worker-token", WORKER) as cp:
