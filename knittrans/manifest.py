@@ -130,7 +130,9 @@ class Manifest:
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickled (the ranks' broadcast) as one bytes object, unpickled with the collector paused (as
         :meth:`decode`)."""
-        return _unpickle, (pickle.dumps(tuple(getattr(self, f.name) for f in fields(self)), pickle.HIGHEST_PROTOCOL),)
+        return _unpickle, (
+            pickle.dumps({f.name: getattr(self, f.name) for f in fields(self)}, pickle.HIGHEST_PROTOCOL),
+        )
 
     @classmethod
     def from_json(cls, body: object) -> Manifest:
@@ -282,7 +284,7 @@ def _collector_paused() -> Iterator[None]:
 
 def _unpickle(state: bytes) -> Manifest:
     with _collector_paused():
-        return Manifest(**dict(zip((f.name for f in fields(Manifest)), pickle.loads(state), strict=True)))
+        return Manifest(**pickle.loads(state))
 
 
 def _grants(node: ManifestNode) -> tuple[str, ...]:

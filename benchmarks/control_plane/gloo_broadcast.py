@@ -70,10 +70,10 @@ def _rank(rank: int, world: int, port: int, ranks: int, rows: int, repeats: int,
     )
     coll = TorchCollective()
     manifest = manifest_for(ranks, rows) if rank == 0 else None
-    raw = manifest.encode() if manifest is not None else b""
+    raw = manifest_for(ranks, rows).encode()
     stamps, decodes = [], []
     for _ in range(repeats + 3):
-        if manifest is not None:
+        if rank == 0:
             t = time.perf_counter()
             manifest = Manifest.decode(raw)
             decodes.append(time.perf_counter() - t)
